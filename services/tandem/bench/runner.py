@@ -1,0 +1,148 @@
+"""Benchmark: plain target decoding, Hugging Face assisted generation and tandem, same models, same run.
+
+Methods are interleaved prompt by prompt so slow drift of the machine hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tandem.core.config import EngineConfig, SamplingParams
+from tandem.core.costs import CostModel
+from tandem.errors import InvalidArgument
+from tandem.local_engine import build_engine, encode_prompt
+
+METHODS = ("plain", "hf_assisted", "tandem")
+
+
+def load_prompts(path: Path | None) -> list[str]:
+    text = Path(path).read_text() if path else resources.files("tandem.bench").joinpath("prompts.jsonl").read_text()
+    prompts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(str(json.loads(line)["prompt"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise InvalidArgument(f"prompts: line {number} is not a JSON object with a 'prompt' field") from exc
+    if not prompts:
+        raise InvalidArgument("prompts: the file holds no prompts")
+    return prompts
+
+
+@dataclass(slots=True)
+class MethodTotals:
+    tokens: int = 0
+    seconds: float = 0.0
+    outputs: list[list[int]] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "seconds": round(self.seconds, 3),
+                "tok_s": round(self.tokens / self.seconds, 3) if self.seconds else 0.0}
+
+
+def _hf_assisted(target, draft, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt_ids], device=target.model.device)
+    out = target.model.generate(
+        ids, attention_mask=torch.ones_like(ids), assistant_model=draft.model, max_new_tokens=max_tokens,
+        do_sample=False, temperature=None, top_p=None, top_k=None, repetition_penalty=None,
+        pad_token_id=target.tokenizer.pad_token_id or target.tokenizer.eos_token_id,
+    )
+    tokens = out[0, len(prompt_ids) :].tolist()
+    eos = set(engine_eos(target))
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[:i]
+    return tokens
+
+
+def engine_eos(loaded) -> frozenset[int]:
+    from tandem.local_engine import eos_token_ids
+
+    return eos_token_ids(loaded.model, loaded.tokenizer)
+
+
+def analytic_bound(stats: dict, costs: CostModel) -> float:
+    """S* = tokens per round * T_target / (k * T_draft + T_verify(k)), summed over the rounds actually run."""
+    t_target = costs.verify_time(0)
+    rounds_by_k = {int(k): n for k, n in stats["rounds_by_k"].items()}
+    emitted = stats["accepted"] + sum(rounds_by_k.values())
+    cost = sum(n * (k * costs.draft_step + costs.verify_time(k)) for k, n in rounds_by_k.items())
+    return emitted * t_target / cost if cost else 0.0
+
+
+def _merge_stats(all_stats: list[dict]) -> dict:
+    merged: dict = {"rounds_by_k": {}, "accepted": 0, "drafted": 0, "spec_rounds": 0, "fallback_rounds": 0,
+                    "rounds": 0, "accepted_at": [], "drafted_at": []}
+    for stats in all_stats:
+        for key in ("accepted", "drafted", "spec_rounds", "fallback_rounds", "rounds"):
+            merged[key] += stats[key]
+        for k, n in stats["rounds_by_k"].items():
+            merged["rounds_by_k"][k] = merged["rounds_by_k"].get(k, 0) + n
+    return merged
+
+
+def run_bench(target, draft, prompts: list[str], max_tokens: int, methods: tuple[str, ...] = METHODS,
+              config: EngineConfig | None = None, progress: bool = True) -> dict:
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    plain_engine = build_engine(target, None, EngineConfig(calibrate=False))
+    tandem_engine = build_engine(target, draft, config or EngineConfig())
+    encoded = [encode_prompt(target.tokenizer, p, chat=True) for p in prompts]
+    runners = {
+        "plain": lambda ids: plain_engine.generate([ids], greedy)[0].token_ids,
+        "hf_assisted": lambda ids: _hf_assisted(target, draft, ids, max_tokens),
+        "tandem": lambda ids: tandem_engine.generate([ids], greedy)[0],
+    }
+    for method in methods:  # warm-up, untimed
+        runners[method](encoded[0][:8])
+    totals = {m: MethodTotals() for m in methods}
+    tandem_stats: list[dict] = []
+    for ids in tqdm(encoded, desc="bench", unit="prompt", disable=not progress):
+        for method in methods:
+            started = time.perf_counter()
+            out = runners[method](ids)
+            totals[method].seconds += time.perf_counter() - started
+            if method == "tandem":
+                tandem_stats.append(out.stats)
+                out = out.token_ids
+            totals[method].tokens += len(out)
+            totals[method].outputs.append(out)
+    return _report(totals, tandem_stats, tandem_engine.costs, prompts, max_tokens)
+
+
+def _report(totals: dict[str, MethodTotals], tandem_stats: list[dict], costs: CostModel, prompts: list[str],
+            max_tokens: int) -> dict:
+    report: dict = {name: t.to_dict() for name, t in totals.items()}
+    report["config"] = {"prompts": len(prompts), "max_tokens": max_tokens, "torch_threads": torch.get_num_threads(),
+                        "machine": platform.processor() or platform.machine(), "python": platform.python_version(),
+                        "torch": torch.__version__}
+    if "tandem" in totals:
+        merged = _merge_stats(tandem_stats)
+        spec_rounds = merged["spec_rounds"]
+        report["tandem"] |= {
+            "alpha": round(merged["accepted"] / merged["drafted"], 4) if merged["drafted"] else 0.0,
+            "tau": round((merged["accepted"] + spec_rounds) / spec_rounds, 4) if spec_rounds else 0.0,
+            "mean_k": round(merged["drafted"] / spec_rounds, 3) if spec_rounds else 0.0,
+            "fallback_round_share": round(merged["fallback_rounds"] / merged["rounds"], 4) if merged["rounds"] else 0.0,
+            "rounds_by_k": merged["rounds_by_k"],
+            "t_draft": round(costs.draft_step, 5),
+            "t_verify": {k: round(costs.verify_time(int(k)), 5) for k in ["0", *merged["rounds_by_k"]]},
+        }
+        report["costs"] = costs.to_dict()
+        report["bound"] = round(analytic_bound(merged, costs), 4)
+    for other in ("plain", "hf_assisted"):
+        if other in totals and "tandem" in totals and totals[other].tokens:
+            report[f"tandem_vs_{other}"] = round(report["tandem"]["tok_s"] / report[other]["tok_s"], 4)
+            same = sum(a == b for a, b in zip(totals["tandem"].outputs, totals[other].outputs, strict=True))
+            report[f"greedy_identical_to_{other}"] = f"{same}/{len(prompts)}"
+    if "tandem_vs_plain" in report and report.get("bound"):
+        report["ratio_to_bound"] = round(report["tandem_vs_plain"] / report["bound"], 4)
+    return report

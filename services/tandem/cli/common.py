@@ -1,0 +1,70 @@
+"""Options shared by the commands that load models and sample."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.core.device import select_device, select_dtype
+from tandem.errors import InvalidArgument
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help="registry name, HF directory, GGUF file or hub id (default: %(default)s)")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, same forms (default: %(default)s)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32 (default: auto)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    parser.add_argument("--k-max", type=int, default=SpecConfig().k_max, help="most draft tokens per round")
+    parser.add_argument("--fixed-k", type=int, default=None, help="draft exactly this many tokens (no adaptation)")
+
+
+def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                          max_tokens=args.max_tokens, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id),
+                          ignore_eos=args.ignore_eos)
+
+
+def engine_config(args: argparse.Namespace, speculate: bool = True) -> EngineConfig:
+    if args.fixed_k is not None:
+        spec = SpecConfig(enabled=speculate, k_max=args.fixed_k, k_init=args.fixed_k, adaptive=False)
+    else:
+        spec = SpecConfig(enabled=speculate, k_max=args.k_max, k_init=min(SpecConfig().k_init, args.k_max))
+    return EngineConfig(spec=spec)
+
+
+def setup_torch(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidArgument(f"threads: must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    device = select_device(args.device)
+    return device, select_dtype(args.dtype, device)
+
+
+def load_models(args: argparse.Namespace, speculate: bool):
+    """(target, draft or None), loaded and checked for a shared tokenizer."""
+    from tandem.models.loader import load_model, load_pair
+
+    device, dtype = setup_torch(args)
+    if not speculate:
+        return load_model(args.target, device=device, dtype=dtype), None
+    draft, target = load_pair(args.draft, args.target, device=device, dtype=dtype)
+    return target, draft

@@ -1,0 +1,70 @@
+"""`tandem generate`: one prompt through the in-process engine, streamed or as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from tandem.cli.common import (
+    add_model_options,
+    add_sampling_options,
+    engine_config,
+    load_models,
+    sampling_params,
+)
+from tandem.core.detok import IncrementalDetokenizer
+from tandem.local_engine import build_engine, encode_prompt
+
+
+def add_generate_parser(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="generate text for one prompt")
+    parser.add_argument("prompt", help="prompt text")
+    add_model_options(parser)
+    add_sampling_options(parser)
+    parser.add_argument("--no-spec", action="store_true", help="plain target decoding through the same engine")
+    parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    parser.set_defaults(handler=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    speculate = not args.no_spec
+    config = engine_config(args, speculate)
+    target, draft = load_models(args, speculate)
+    engine = build_engine(target, draft, config)
+    prompt_ids = encode_prompt(target.tokenizer, args.prompt, args.chat)
+    started = time.perf_counter()
+    first_token_at = None
+    request_id = engine.add_request(prompt_ids, params)
+    seq = engine.sequences[request_id]
+    detok = IncrementalDetokenizer(engine.decode, params.stop)
+    while engine.has_unfinished():
+        for out in engine.step():
+            first_token_at = first_token_at or time.perf_counter()
+            delta = detok.push(out.new_token_ids, final=out.finish_reason is not None, cut=seq.text_cut)
+            if not args.json and delta:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+    elapsed = time.perf_counter() - started
+    result = engine.result(seq)
+    if args.json:
+        print(json.dumps({
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "finish_reason": result.finish_reason,
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(result.token_ids),
+            "seconds": round(elapsed, 4),
+            "time_to_first_token": round((first_token_at or time.perf_counter()) - started, 4),
+            "tokens_per_second": round(len(result.token_ids) / elapsed, 3) if elapsed > 0 else None,
+            "speculative": speculate,
+            "stats": result.stats,
+        }))
+    else:
+        sys.stdout.write("\n")
+        print(f"[{len(result.token_ids)} tokens, {elapsed:.2f}s, finish: {result.finish_reason}, "
+              f"acceptance {result.stats['acceptance_rate']:.2f}]", file=sys.stderr)
+    return 0

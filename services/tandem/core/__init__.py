@@ -1,0 +1,1 @@
+"""The shared speculative core: sampling, acceptance, adaptive policy, model runners and the round loop."""

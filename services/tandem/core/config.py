@@ -1,0 +1,93 @@
+"""Request and engine configuration: slotted dataclasses validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.errors import InvalidArgument
+
+
+def _require(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise InvalidArgument(f"{field_name}: {message}")
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """How tokens are chosen; applied identically to draft and target so verification stays lossless.
+
+    temperature 0 means greedy. top_k 0 and top_p 1 disable those filters.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.temperature, int | float) and 0.0 <= self.temperature <= 100.0,
+                 "temperature", f"must be between 0 and 100, got {self.temperature!r}")
+        _require(isinstance(self.top_p, int | float) and 0.0 < self.top_p <= 1.0,
+                 "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _require(isinstance(self.top_k, int) and self.top_k >= 0,
+                 "top_k", f"must be a non-negative integer (0 disables), got {self.top_k!r}")
+        _require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+                 "seed", f"must be a non-negative integer below 2**63, got {self.seed!r}")
+        _require(isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= 1_000_000,
+                 "max_tokens", f"must be between 1 and 1000000, got {self.max_tokens!r}")
+        _require(all(isinstance(s, str) and s for s in self.stop),
+                 "stop", "stop strings must be non-empty strings")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                 "stop_token_ids", "stop token ids must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class SpecConfig:
+    """Speculation knobs. The adaptive policy picks k in [0, k_max] each round; k_max 0 disables drafting."""
+
+    enabled: bool = True
+    k_max: int = 8
+    k_init: int = 4
+    adaptive: bool = True
+    draft_top_m: int = 64
+    acceptance_prior: float = 0.6
+    prior_weight: float = 1.0
+    ema_decay: float = 0.95
+    enter_fallback_margin: float = 0.02
+    exit_fallback_margin: float = 0.05
+    probe_interval: int = 16
+    probe_interval_max: int = 128
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.k_max <= 32, "k_max", f"must be between 0 and 32, got {self.k_max}")
+        _require(0 <= self.k_init <= self.k_max or self.k_max == 0, "k_init", "must be between 0 and k_max")
+        _require(1 <= self.draft_top_m <= 4096, "draft_top_m", "must be between 1 and 4096")
+        _require(0.0 < self.acceptance_prior < 1.0, "acceptance_prior", "must be in (0, 1)")
+        _require(self.prior_weight > 0, "prior_weight", "must be positive")
+        _require(0.0 < self.ema_decay <= 1.0, "ema_decay", "must be in (0, 1]")
+        _require(0.0 <= self.enter_fallback_margin < 1.0, "enter_fallback_margin", "must be in [0, 1)")
+        _require(self.exit_fallback_margin >= 0.0, "exit_fallback_margin", "must be non-negative")
+        _require(1 <= self.probe_interval <= self.probe_interval_max, "probe_interval",
+                 "must be between 1 and probe_interval_max")
+
+    @property
+    def speculating(self) -> bool:
+        return self.enabled and self.k_max > 0
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    max_batch: int = 16
+    calibrate: bool = True
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.max_batch <= 1024, "max_batch", "must be between 1 and 1024")

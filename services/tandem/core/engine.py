@@ -1,0 +1,249 @@
+"""The speculative engine: requests in, one round per step, tokens out.
+
+A round: the policy picks k per sequence, the drafter proposes, the verifier scores all k + 1 positions in one
+forward and accepts a prefix, and stops cut the block. The drafter and verifier are protocols, so the same loop
+drives in-process models and remote workers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from tandem.core import policy
+from tandem.core.config import EngineConfig, SamplingParams
+from tandem.core.costs import CostModel
+from tandem.core.protocol import (
+    Drafter,
+    DrafterUnavailable,
+    DraftProposal,
+    DraftRequest,
+    StateLost,
+    Verifier,
+    VerifyRequest,
+)
+from tandem.core.stats import RequestStats
+from tandem.core.stops import FINISH_ABORT, StopChecker
+from tandem.errors import InvalidArgument
+
+CALIBRATION_ID = "__tandem_calibration__"
+
+
+@dataclass(slots=True)
+class Sequence:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    stop: StopChecker
+    policy: policy.PolicyState
+    output: list[int] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    draft_synced: int = 0
+    verify_synced: int = 0
+    finish_reason: str | None = None
+    text_cut: int | None = None
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass(slots=True)
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    stats: dict
+
+
+class SpeculativeEngine:
+    def __init__(
+        self,
+        verifier: Verifier,
+        drafter: Drafter | None = None,
+        config: EngineConfig | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+        decode: Callable[[list[int]], str] | None = None,
+        costs: CostModel | None = None,
+    ) -> None:
+        self.verifier, self.drafter = verifier, drafter
+        self.config = config or EngineConfig()
+        self.eos_token_ids, self.decode = eos_token_ids, decode
+        self.costs = costs or CostModel()
+        self.sequences: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        if self.drafter is not None and self.config.spec.speculating and self.config.calibrate:
+            self.calibrate()
+
+    @property
+    def speculating(self) -> bool:
+        return self.drafter is not None and self.config.spec.speculating
+
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                    policy_state: policy.PolicyState | None = None) -> str:
+        if not prompt:
+            raise InvalidArgument("prompt: must contain at least one token")
+        vocab = self.verifier.vocab_size
+        if bad := [t for t in prompt if not 0 <= t < vocab]:
+            raise InvalidArgument(f"prompt: token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.sequences:
+            raise InvalidArgument(f"request_id: {request_id!r} is already running")
+        state = policy_state or policy.PolicyState(k=self.config.spec.k_init)
+        stop = StopChecker(params, self.eos_token_ids, self.decode)
+        self.sequences[request_id] = Sequence(request_id, list(prompt), params, stop, state)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        seq = self.sequences.get(request_id)
+        if seq is not None:
+            seq.finish_reason = FINISH_ABORT
+            self._release(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.sequences)
+
+    def step(self) -> list[StepOutput]:
+        batch = list(self.sequences.values())[: self.config.max_batch]
+        ks = [self._choose_k(seq) for seq in batch]
+        proposals = self._draft(batch, ks)
+        ks = [len(p.tokens) if p else 0 for p in proposals]
+        started = time.perf_counter()
+        def verify() -> list:
+            return self.verifier.verify([
+                VerifyRequest(seq.request_id, seq.verify_synced, seq.context[seq.verify_synced :], proposal, seq.params)
+                for seq, proposal in zip(batch, proposals, strict=True)
+            ])
+
+        def forget(lost: list[str]) -> None:
+            for seq in batch:
+                if seq.request_id in lost:
+                    seq.verify_synced = 0
+
+        results = _retry_lost(verify, forget)
+        seconds = time.perf_counter() - started
+        if all(seq.verify_synced == len(seq.context) for seq in batch):
+            self.costs.observe_verify(max(ks) + 1, seconds)
+        outputs = []
+        for seq, k, proposal, result in zip(batch, ks, proposals, results, strict=True):
+            seq.stats.verify_seconds += seconds
+            outputs.append(self._commit(seq, k, proposal, result.accepted, result.next_token))
+        return outputs
+
+    def _choose_k(self, seq: Sequence) -> int:
+        if not self.speculating:
+            return 0
+        remaining = seq.params.max_tokens - len(seq.output)
+        return min(policy.choose_k(seq.policy, self.costs, self.config.spec), remaining - 1)
+
+    def _draft(self, batch: list[Sequence], ks: list[int]) -> list[DraftProposal | None]:
+        rows = [i for i, k in enumerate(ks) if k > 0]
+        proposals: list[DraftProposal | None] = [None] * len(batch)
+        if not rows:
+            return proposals
+
+        def requests() -> list[DraftRequest]:
+            return [DraftRequest(batch[i].request_id, batch[i].draft_synced,
+                                 batch[i].context[batch[i].draft_synced :], ks[i], batch[i].params) for i in rows]
+
+        def forget(lost: list[str]) -> None:
+            for i in rows:
+                if batch[i].request_id in lost:
+                    batch[i].draft_synced = 0
+
+        started = time.perf_counter()
+        try:
+            sent, drafted = _retry_lost(lambda: ((r := requests()), self.drafter.propose(r)), forget)
+        except DrafterUnavailable:
+            for i in rows:
+                batch[i].stats.draft_failures += 1
+            forget([batch[i].request_id for i in rows])
+            return proposals
+        seconds = time.perf_counter() - started
+        if all(len(r.append) <= 1 for r in sent):
+            self.costs.observe_draft_step(seconds / max(ks))
+        for i, proposal in zip(rows, drafted, strict=True):
+            proposals[i] = proposal
+            batch[i].stats.draft_seconds += seconds
+        return proposals
+
+    def _commit(self, seq: Sequence, k: int, proposal: DraftProposal | None, accepted: int,
+                next_token: int) -> StepOutput:
+        committed = len(seq.context)
+        new_tokens = (proposal.tokens[:accepted] if proposal else []) + [next_token]
+        if k > 0:
+            seq.draft_synced = committed + accepted
+        seq.verify_synced = committed + accepted + 1
+        seq.stats.record_round(k, accepted, seq.policy.fallback)
+        policy.update(seq.policy, k, accepted, self.costs, self.config.spec)
+        before = len(seq.output)
+        seq.finish_reason, seq.text_cut = seq.stop.extend(seq.output, new_tokens)
+        if seq.finish_reason is not None:
+            self._release(seq)
+        return StepOutput(seq.request_id, seq.output[before:], seq.finish_reason)
+
+    def _release(self, seq: Sequence) -> None:
+        self.sequences.pop(seq.request_id, None)
+        self.verifier.release(seq.request_id)
+        if self.drafter is not None:
+            self.drafter.release(seq.request_id)
+
+    def result(self, seq: Sequence) -> GenerationResult:
+        text = None
+        if self.decode is not None:
+            text = self.decode(seq.output)
+            if seq.text_cut is not None:
+                text = text[: seq.text_cut]
+        stats = seq.stats.to_dict() | {"fallback": seq.policy.fallback, "final_k": seq.policy.k}
+        return GenerationResult(seq.request_id, list(seq.output), text, seq.finish_reason or FINISH_ABORT, stats)
+
+    def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[StepOutput]:
+        request_id = self.add_request(prompt, params)
+        while request_id in self.sequences:
+            yield from (out for out in self.step() if out.request_id == request_id)
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
+        all_params = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.sequences[self.add_request(p, sp)] for p, sp in zip(prompts, all_params, strict=True)]
+        while self.sequences:
+            self.step()
+        return [self.result(seq) for seq in seqs]
+
+    def calibrate(self, context: int = 16) -> CostModel:
+        """Time the verifier at every k + 1 and the drafter's step on a dummy sequence; seeds the cost model."""
+        greedy = SamplingParams(temperature=0.0, max_tokens=1)
+        prompt = [i % self.verifier.vocab_size for i in range(1, context + 1)]
+        self.verifier.verify([VerifyRequest(CALIBRATION_ID, 0, prompt, None, greedy)])
+        for n in range(1, self.config.spec.k_max + 2):
+            draft = DraftProposal(tokens=[prompt[0]] * (n - 1))
+            started = time.perf_counter()
+            self.verifier.verify([VerifyRequest(CALIBRATION_ID, context - 1, [prompt[-1]], draft, greedy)])
+            self.costs.observe_verify(n, time.perf_counter() - started)
+        self.verifier.release(CALIBRATION_ID)
+        steps = max(self.config.spec.k_init, 2)
+        self.drafter.propose([DraftRequest(CALIBRATION_ID, 0, prompt, steps, greedy)])
+        started = time.perf_counter()
+        self.drafter.propose([DraftRequest(CALIBRATION_ID, context - 1, [prompt[-1]], steps, greedy)])
+        self.costs.observe_draft_step((time.perf_counter() - started) / steps)
+        self.drafter.release(CALIBRATION_ID)
+        return self.costs
+
+
+def _retry_lost(call, forget):
+    """Run `call`; if a worker lost some sequences, mark them for a full resend and run it once more."""
+    try:
+        return call()
+    except StateLost as lost:
+        forget(lost.seq_ids)
+        return call()

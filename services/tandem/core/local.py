@@ -1,0 +1,121 @@
+"""In-process drafter and verifier over ModelRunners: the same roles the distributed workers play."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.core.protocol import DraftProposal, DraftRequest, StateLost, VerifyRequest, VerifyResult
+from tandem.core.rejection import accept_greedy, accept_sampled
+from tandem.core.runner import ModelRunner, SequenceState
+from tandem.core.sampling import (
+    SparseDist,
+    make_generator,
+    processed_probs,
+    sample_index,
+    truncate_top_m,
+    uniforms,
+)
+
+VERIFIER_SEED_OFFSET = 0x5EED
+
+
+def _sync_all(runner: ModelRunner, requests: list, seed_offset: int) -> list[SequenceState]:
+    known = {r.seq_id: len(runner.states[r.seq_id].tokens) if r.seq_id in runner.states else 0 for r in requests}
+    lost = [r.seq_id for r in requests if r.keep > known[r.seq_id]]
+    if lost:
+        raise StateLost(lost)
+    states = []
+    for request in requests:
+        state = runner.state(request.seq_id)
+        if state.generator is None:
+            seed = request.params.seed
+            state.generator = make_generator(None if seed is None else seed + seed_offset)
+        state.sync(request.keep, request.append)
+        states.append(state)
+    if len(states) > 1:
+        # Long catch-ups (prompts, tokens decoded while not drafting) run alone so batched rows stay short.
+        for state in states:
+            if len(state.pending) > 2:
+                runner.prefill(state, len(state.tokens) - 1)
+    return states
+
+
+class LocalDrafter:
+    def __init__(self, runner: ModelRunner, top_m: int = 64, vocab_limit: int | None = None) -> None:
+        self.runner = runner
+        self.top_m = top_m
+        self.vocab_limit = vocab_limit
+
+    def release(self, seq_id: str) -> None:
+        self.runner.release(seq_id)
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        states = _sync_all(self.runner, requests, 0)
+        proposals = [DraftProposal(tokens=[]) for _ in requests]
+        dists: list[list[SparseDist]] = [[] for _ in requests]
+        for step in range(max((r.k for r in requests), default=0)):
+            rows = [i for i, r in enumerate(requests) if r.k > step]
+            logits = self.runner.forward([states[i] for i in rows], [1] * len(rows))
+            for i, row_logits in zip(rows, logits, strict=True):
+                token, dist = self._sample(row_logits, requests[i], states[i].generator)
+                states[i].tokens.append(token)
+                proposals[i].tokens.append(token)
+                if dist is not None:
+                    dists[i].append(dist)
+        for proposal, row_dists in zip(proposals, dists, strict=True):
+            if row_dists:
+                proposal.dist = SparseDist(torch.cat([d.ids for d in row_dists]),
+                                           torch.cat([d.probs for d in row_dists]))
+        return proposals
+
+    def _sample(self, logits: torch.Tensor, request: DraftRequest, generator) -> tuple[int, SparseDist | None]:
+        if self.vocab_limit is not None and logits.shape[-1] > self.vocab_limit:
+            logits = logits[:, : self.vocab_limit]
+        if request.params.greedy:
+            return int(logits[-1].argmax()), None
+        dist = truncate_top_m(processed_probs(logits[-1:], request.params), self.top_m)
+        pick = sample_index(dist.probs, uniforms(generator, 1))
+        return int(dist.ids[0, pick[0]]), dist
+
+
+class LocalVerifier:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+
+    def release(self, seq_id: str) -> None:
+        self.runner.release(seq_id)
+
+    def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
+        states = _sync_all(self.runner, requests, VERIFIER_SEED_OFFSET)
+        for state in states:
+            if len(state.pending) > 1:
+                self.runner.prefill(state, len(state.tokens) - 1)
+        drafts = [r.draft.tokens if r.draft else [] for r in requests]
+        committed = [len(state.tokens) for state in states]
+        for state, tokens in zip(states, drafts, strict=True):
+            state.tokens.extend(tokens)
+        logits = self.runner.forward(states, [len(tokens) + 1 for tokens in drafts])
+        results = []
+        for request, state, row_logits, tokens, length in zip(requests, states, logits, drafts, committed, strict=True):
+            accepted, next_token = self._accept(request, row_logits, tokens, state.generator)
+            state.sync(length + accepted, [next_token])
+            results.append(VerifyResult(accepted=accepted, next_token=next_token))
+        return results
+
+    @staticmethod
+    def _accept(request: VerifyRequest, logits: torch.Tensor, tokens: list[int], generator) -> tuple[int, int]:
+        if request.params.greedy:
+            return accept_greedy(torch.tensor(tokens, dtype=torch.long), logits.argmax(dim=-1))
+        probs = processed_probs(logits, request.params)
+        if not tokens:
+            return 0, int(sample_index(probs, uniforms(generator, 1))[0])
+        dist = request.draft.dist
+        accepted, next_token = accept_sampled(
+            torch.tensor([tokens], dtype=torch.long),
+            SparseDist(dist.ids.unsqueeze(0), dist.probs.unsqueeze(0)),
+            probs.unsqueeze(0),
+            uniforms(generator, len(tokens)).unsqueeze(0),
+            uniforms(generator, 1),
+        )
+        return int(accepted[0]), int(next_token[0])

@@ -1,0 +1,100 @@
+"""Per-session adaptive speculation: pick k to maximise expected tokens per second, fall back when it won't pay.
+
+With per-token acceptance a, a round that drafts k tokens yields E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs
+k * T_draft + T_verify(k); plain decoding yields one token per T_verify(0). The session drops to plain decoding
+when the best k is predicted slower than plain, probes now and then (backing off exponentially) to notice when
+the draft starts agreeing again, and leaves fallback only past a higher bar (hysteresis).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from tandem.core.config import SpecConfig
+from tandem.core.costs import CostModel
+
+
+@dataclass(slots=True)
+class PolicyState:
+    """Everything the policy remembers about one session; small and JSON-serialisable."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+    k: int = 0
+    fallback: bool = False
+    rounds_since_probe: int = 0
+    probe_interval: int = 0
+    probing: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PolicyState:
+        return cls(**{name: data[name] for name in cls.__slots__ if name in data})
+
+
+def acceptance(state: PolicyState, config: SpecConfig) -> float:
+    prior_accepted = config.acceptance_prior * config.prior_weight
+    return (state.accepted + prior_accepted) / (state.accepted + state.rejected + config.prior_weight)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def tokens_per_second(alpha: float, k: int, costs: CostModel) -> float:
+    return expected_tokens(alpha, k) / (k * costs.draft_step + costs.verify_time(k))
+
+
+def best_k(alpha: float, costs: CostModel, k_max: int) -> tuple[int, float]:
+    rates = [(tokens_per_second(alpha, k, costs), k) for k in range(1, k_max + 1)]
+    rate, k = max(rates)
+    return k, rate
+
+
+def choose_k(state: PolicyState, costs: CostModel, config: SpecConfig) -> int:
+    """The number of tokens to draft this round (0: plain decoding)."""
+    if not config.speculating:
+        return 0
+    if not config.adaptive or not costs.calibrated:
+        state.k = config.k_init
+        return state.k
+    k, rate = best_k(acceptance(state, config), costs, config.k_max)
+    plain_rate = 1.0 / costs.verify_time(0)
+    state.probing = False
+    if not state.fallback and rate < plain_rate * (1.0 - config.enter_fallback_margin):
+        state.fallback = True
+        state.rounds_since_probe = 0
+        state.probe_interval = state.probe_interval or config.probe_interval
+    if state.fallback:
+        state.rounds_since_probe += 1
+        if state.rounds_since_probe < state.probe_interval:
+            state.k = 0
+            return 0
+        state.probing = True
+        state.rounds_since_probe = 0
+        k = max(k, config.k_init)
+    state.k = k
+    return k
+
+
+def update(state: PolicyState, k: int, accepted: int, costs: CostModel, config: SpecConfig) -> None:
+    """Fold one round's outcome into the acceptance estimate; decide on leaving fallback after a probe."""
+    if k == 0:
+        return
+    state.accepted = config.ema_decay * state.accepted + accepted
+    state.rejected = config.ema_decay * state.rejected + (1 if accepted < k else 0)
+    if not (state.fallback and state.probing) or not costs.calibrated:
+        return
+    # Judge a probe on its own evidence (the long-run estimate still remembers the bad stretch):
+    # `accepted` successes followed by one failure or the end of the block.
+    _, rate = best_k(accepted / (accepted + 1), costs, config.k_max)
+    if rate > (1.0 + config.exit_fallback_margin) / costs.verify_time(0):
+        state.fallback = False
+        state.accepted, state.rejected = float(accepted), float(accepted < k)
+        state.probe_interval = config.probe_interval
+    else:
+        state.probe_interval = min(2 * state.probe_interval, config.probe_interval_max)

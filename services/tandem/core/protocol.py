@@ -1,0 +1,70 @@
+"""The two roles of a speculative round, as messages and protocols.
+
+The engine tells each side how many tokens of its copy of a sequence are still valid (`keep`) and which committed
+tokens follow (`append`); workers never need the whole history again unless they lost it. Greedy proposals
+carry no distribution; sampled ones carry the exact truncated distribution each token was drawn from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from tandem.core.config import SamplingParams
+from tandem.core.sampling import SparseDist
+
+
+class StateLost(RuntimeError):
+    """A worker no longer holds (enough of) these sequences; the engine resends their whole history."""
+
+    def __init__(self, seq_ids: list[str]) -> None:
+        super().__init__(f"state lost for {len(seq_ids)} sequence(s)")
+        self.seq_ids = seq_ids
+
+
+class DrafterUnavailable(RuntimeError):
+    """The drafter failed or timed out; the engine continues these sequences with plain decoding."""
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    seq_id: str
+    keep: int
+    append: list[int]
+    k: int
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class DraftProposal:
+    tokens: list[int]
+    dist: SparseDist | None = None
+
+
+@dataclass(slots=True)
+class VerifyRequest:
+    seq_id: str
+    keep: int
+    append: list[int]
+    draft: DraftProposal | None
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class VerifyResult:
+    accepted: int
+    next_token: int
+
+
+class Drafter(Protocol):
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]: ...
+
+    def release(self, seq_id: str) -> None: ...
+
+
+class Verifier(Protocol):
+    vocab_size: int
+
+    def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]: ...
+
+    def release(self, seq_id: str) -> None: ...

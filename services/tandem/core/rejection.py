@@ -1,0 +1,55 @@
+"""The speculative acceptance step: pure functions over draft proposals and target distributions.
+
+Rule (Leviathan et al. 2023; Chen et al. 2023): draft token d_i, drawn from q_i, is accepted with probability
+min(1, p_i(d_i) / q_i(d_i)). At the first rejection the next token is drawn from norm(max(0, p_i - q_i)); when all
+k are accepted a bonus token is drawn from p_{k+1}. The output then follows p exactly, for ANY q, so q may be the
+truncated top-m distribution the draft really sampled from. Greedy (one-hot p and q) reduces to: accept while
+d_i == argmax p_i, then emit argmax p at the first mismatch (or the bonus position).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.core.sampling import SparseDist, sample_index
+
+
+def accept_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> tuple[int, int]:
+    """draft_tokens [k], target_argmax [k+1] -> (number accepted, next token)."""
+    k = draft_tokens.shape[0]
+    mismatch = (draft_tokens != target_argmax[:k]).nonzero()
+    accepted = int(mismatch[0, 0]) if mismatch.numel() else k
+    return accepted, int(target_argmax[accepted])
+
+
+def accept_sampled(
+    draft_tokens: torch.Tensor,
+    draft_dist: SparseDist,
+    target_probs: torch.Tensor,
+    accept_uniforms: torch.Tensor,
+    resample_uniform: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched over independent trials.
+
+    draft_tokens [B, k]; draft_dist ids/probs [B, k, m]; target_probs [B, k+1, V] float64;
+    accept_uniforms [B, k]; resample_uniform [B]. Returns (accepted [B], next_token [B]).
+    """
+    batch, k = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    p_of_draft = target_probs[:, :k].gather(2, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    q_of_draft = ((draft_dist.ids == draft_tokens.unsqueeze(-1)) * draft_dist.probs).sum(-1)
+    accept = accept_uniforms * q_of_draft < p_of_draft
+    accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+    rows = torch.arange(batch)
+    at = accepted.clamp(max=k - 1)
+    q_dense = torch.zeros(batch, vocab, dtype=torch.float64).scatter_add_(
+        1, draft_dist.ids[rows, at], draft_dist.probs[rows, at]
+    )
+    residual = (target_probs[rows, at] - q_dense).clamp_(min=0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    # A zero residual only arises from rounding when p == q; p itself is then the right distribution.
+    residual = torch.where(mass > 0, residual, target_probs[rows, at])
+    bonus = target_probs[:, k]
+    final = torch.where((accepted == k).unsqueeze(-1), bonus, residual)
+    return accepted, sample_index(final, resample_uniform)

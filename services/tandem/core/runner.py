@@ -1,0 +1,132 @@
+"""Runs a Hugging Face causal LM over many sequences, each with its own KV cache that can be rolled back.
+
+Each sequence owns a DynamicCache. A batch of sequences with different cached lengths and different numbers of
+new tokens runs as one forward: caches are left-padded into a batch cache, new tokens right-padded, positions
+given explicitly, and each row's slice is cut back out afterwards. A batch of one uses its cache in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """Tokens a runner knows for one sequence; the first `cached` of them have keys and values in `cache`."""
+
+    tokens: list[int] = field(default_factory=list)
+    cache: DynamicCache = field(default_factory=DynamicCache)
+    cached: int = 0
+    generator: torch.Generator | None = None
+
+    def sync(self, keep: int, append: list[int]) -> None:
+        """Truncate to the first `keep` tokens (rolling the cache back if needed), then append new ones."""
+        if keep > len(self.tokens):
+            raise ValueError(f"cannot keep {keep} tokens of a sequence that has {len(self.tokens)}")
+        del self.tokens[keep:]
+        self.tokens.extend(append)
+        if self.cached > keep:
+            self.truncate_cache(keep)
+
+    def truncate_cache(self, length: int) -> None:
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.keys = layer.keys[..., :length, :]
+                layer.values = layer.values[..., :length, :]
+        self.cached = length
+
+    @property
+    def pending(self) -> list[int]:
+        return self.tokens[self.cached :]
+
+
+class ModelRunner:
+    """Owns one model and the per-sequence states that run on it."""
+
+    def __init__(self, model: PreTrainedModel, pad_token_id: int = 0) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(model.config.vocab_size)
+        self.pad_token_id = pad_token_id
+        self.states: dict[str, SequenceState] = {}
+
+    def state(self, seq_id: str) -> SequenceState:
+        if seq_id not in self.states:
+            self.states[seq_id] = SequenceState()
+        return self.states[seq_id]
+
+    def release(self, seq_id: str) -> None:
+        self.states.pop(seq_id, None)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(state.cached for state in self.states.values())
+
+    @torch.inference_mode()
+    def prefill(self, state: SequenceState, upto: int) -> None:
+        """Cache the first `upto` tokens without keeping logits (prompt processing)."""
+        if upto > state.cached:
+            self._forward_one(state, state.tokens[state.cached : upto], want=1)
+
+    @torch.inference_mode()
+    def forward(self, states: list[SequenceState], wants: list[int]) -> list[torch.Tensor]:
+        """Feed every state's pending tokens; return the logits [want_i, V] of each row's last want_i tokens."""
+        if len(states) == 1:
+            return [self._forward_one(states[0], states[0].pending, wants[0])]
+        return self._forward_batch(states, wants)
+
+    def _forward_one(self, state: SequenceState, new: list[int], want: int) -> torch.Tensor:
+        start = state.cached
+        ids = torch.tensor([new], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(new), device=self.device).unsqueeze(0)
+        out = self.model(input_ids=ids, position_ids=positions, past_key_values=state.cache, use_cache=True,
+                         logits_to_keep=want)
+        state.cache = out.past_key_values
+        state.cached = start + len(new)
+        return out.logits[0, -want:].float().cpu()
+
+    def _forward_batch(self, states: list[SequenceState], wants: list[int]) -> list[torch.Tensor]:
+        news = [state.pending for state in states]
+        past = [state.cached for state in states]
+        past_max, new_max = max(past), max(len(n) for n in news)
+        batch = len(states)
+        ids = torch.full((batch, new_max), self.pad_token_id, dtype=torch.long)
+        mask = torch.ones(batch, past_max + new_max, dtype=torch.long)
+        positions = torch.zeros(batch, new_max, dtype=torch.long)
+        for row, (new, cached) in enumerate(zip(news, past, strict=True)):
+            ids[row, : len(new)] = torch.tensor(new, dtype=torch.long)
+            mask[row, : past_max - cached] = 0
+            positions[row] = torch.arange(cached, cached + new_max)
+        cache = self._stack_caches(states, past_max) if past_max else DynamicCache()
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
+        results = []
+        for row, (state, new, cached, want) in enumerate(zip(states, news, past, wants, strict=True)):
+            lo, hi = past_max - cached, past_max + len(new)
+            state.cache = DynamicCache(ddp_cache_data=[
+                (layer.keys[row : row + 1, :, lo:hi], layer.values[row : row + 1, :, lo:hi])
+                for layer in out.past_key_values.layers
+            ])
+            state.cached = cached + len(new)
+            results.append(out.logits[row, len(new) - want : len(new)].float().cpu())
+        return results
+
+    @staticmethod
+    def _stack_caches(states: list[SequenceState], length: int) -> DynamicCache:
+        reference = next(state.cache for state in states if state.cached)
+        layers = []
+        for index, ref_layer in enumerate(reference.layers):
+            keys, values = [], []
+            for state in states:
+                if state.cached:
+                    key, value = state.cache.layers[index].keys, state.cache.layers[index].values
+                else:
+                    key = value = ref_layer.keys.new_zeros((1, *ref_layer.keys.shape[1:2], 0, ref_layer.keys.shape[-1]))
+                pad = length - state.cached
+                keys.append(torch.nn.functional.pad(key, (0, 0, pad, 0)))
+                values.append(torch.nn.functional.pad(value, (0, 0, pad, 0)))
+            layers.append((torch.cat(keys), torch.cat(values)))
+        return DynamicCache(ddp_cache_data=layers)

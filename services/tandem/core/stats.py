@@ -1,0 +1,65 @@
+"""Per-request speculation statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestStats:
+    rounds: int = 0
+    spec_rounds: int = 0
+    fallback_rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted_in_spec_rounds: int = 0
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    draft_failures: int = 0
+    rounds_by_k: dict[int, int] = field(default_factory=dict)
+
+    def record_round(self, k: int, accepted: int, fallback: bool) -> None:
+        self.rounds += 1
+        self.rounds_by_k[k] = self.rounds_by_k.get(k, 0) + 1
+        if k == 0:
+            self.fallback_rounds += int(fallback)
+            return
+        self.spec_rounds += 1
+        self.drafted += k
+        self.accepted += accepted
+        self.emitted_in_spec_rounds += accepted + 1
+        while len(self.drafted_at) < k:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for position in range(k):
+            self.drafted_at[position] += 1
+            self.accepted_at[position] += int(position < accepted)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau: tokens emitted per speculative round (accepted drafts plus the target's own token)."""
+        return self.emitted_in_spec_rounds / self.spec_rounds if self.spec_rounds else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "spec_rounds": self.spec_rounds,
+            "fallback_rounds": self.fallback_rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "acceptance_per_position": [
+                round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)
+            ],
+            "draft_seconds": round(self.draft_seconds, 6),
+            "verify_seconds": round(self.verify_seconds, 6),
+            "draft_failures": self.draft_failures,
+            "rounds_by_k": {str(k): n for k, n in sorted(self.rounds_by_k.items())},
+        }

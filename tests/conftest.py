@@ -1,0 +1,32 @@
+"""Shared fixtures: one tiny random-weight model family, built once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tiny models gain nothing from intra-op threads, and two threads on two busy cores thrash.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    from tandem.models.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_dirs):
+    """(target, draft, draft_random) as LoadedModel, float32 on CPU."""
+    from tandem.models.loader import load_model
+
+    def load(path: Path):
+        return load_model(str(path), device=torch.device("cpu"), dtype=torch.float32, progress=False)
+
+    return load(tiny_dirs.target), load(tiny_dirs.draft), load(tiny_dirs.draft_random)

@@ -1,0 +1,188 @@
+"""Stops, cache rollback, per-session fallback and sampled losslessness through the whole engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.core.costs import CostModel
+from tandem.core.runner import ModelRunner
+from tandem.errors import InvalidArgument
+from tandem.local_engine import build_engine
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
+FIXED_K = EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False)
+
+
+def _greedy(max_tokens: int = 48, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain_output(tiny_models) -> list[int]:
+    return build_engine(tiny_models[0], None).generate([PROMPT], _greedy())[0].token_ids
+
+
+def test_stop_token_inside_an_accepted_block_ends_output_there(tiny_models, plain_output) -> None:
+    target, draft, _ = tiny_models
+    stop_at = next(i for i in range(12, 40) if plain_output[i] not in plain_output[:i])
+    result = build_engine(target, draft, FIXED_K).generate(
+        [PROMPT], _greedy(stop_token_ids=(plain_output[stop_at],)))[0]
+    assert result.token_ids == plain_output[:stop_at]
+    assert result.finish_reason == "stop"
+
+
+def test_eos_stops_unless_ignored(tiny_models, plain_output) -> None:
+    target, draft, _ = tiny_models
+    engine = build_engine(target, draft, FIXED_K)
+    stop_at = next(i for i in range(5, 40) if plain_output[i] not in plain_output[:i])
+    engine.eos_token_ids = frozenset({plain_output[stop_at]})
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    assert engine.generate([PROMPT], params)[0].token_ids == plain_output[:stop_at]
+    assert engine.generate([PROMPT], _greedy())[0].token_ids == plain_output
+
+
+def test_stop_string_cuts_text_exactly(tiny_models, plain_output) -> None:
+    target, draft, _ = tiny_models
+    engine = build_engine(target, draft, FIXED_K)
+    full_text = engine.decode(plain_output)
+    stop = full_text[20:23]
+    cut = full_text.find(stop)
+    result = engine.generate([PROMPT], _greedy(stop=(stop,)))[0]
+    assert result.text == full_text[:cut] and result.finish_reason == "stop"
+    assert result.token_ids == plain_output[: len(result.token_ids)]
+    assert stop in engine.decode(result.token_ids)
+    assert stop not in engine.decode(result.token_ids[:-1])
+
+
+def test_max_tokens_is_exact(tiny_models, plain_output) -> None:
+    target, draft, _ = tiny_models
+    for n in (1, 2, 5, 17):
+        result = build_engine(target, draft, FIXED_K).generate([PROMPT], _greedy(max_tokens=n))[0]
+        assert result.token_ids == plain_output[:n] and result.finish_reason == "length"
+
+
+def test_rollback_then_new_tokens_gives_fresh_logits(tiny_models) -> None:
+    runner = ModelRunner(tiny_models[0].model)
+    state = runner.state("a")
+    state.sync(0, PROMPT + [1, 2, 3])
+    runner.forward([state], [1])
+    state.sync(len(PROMPT), [9, 8])
+    assert state.cached == len(PROMPT)
+    rolled = runner.forward([state], [2])[0]
+    fresh_state = runner.state("b")
+    fresh_state.sync(0, PROMPT + [9, 8])
+    fresh = runner.forward([fresh_state], [2])[0]
+    torch.testing.assert_close(rolled, fresh, rtol=1e-4, atol=1e-4)
+
+
+def test_batched_forward_matches_single_rows(tiny_models) -> None:
+    runner = ModelRunner(tiny_models[0].model)
+    rows = [PROMPT[:3], PROMPT, PROMPT[:1] + [5, 6, 7, 8, 9, 10, 11, 12, 13]]
+    states = []
+    for i, tokens in enumerate(rows):
+        state = runner.state(f"b{i}")
+        state.sync(0, tokens)
+        runner.prefill(state, len(tokens) - 2)
+        state.sync(len(tokens), [i + 3, 4])
+        states.append(state)
+    wants = [1, 3, 2]
+    batched = runner.forward(states, wants)
+    for i, (tokens, want) in enumerate(zip(rows, wants, strict=True)):
+        alone = runner.state(f"s{i}")
+        alone.sync(0, tokens + [i + 3, 4])
+        torch.testing.assert_close(batched[i], runner.forward([alone], [want])[0], rtol=1e-4, atol=1e-4)
+
+
+def _static_costs() -> CostModel:
+    # Draft step at a third of a target step, verification growing 5% per extra token: like the real pair here.
+    return CostModel(draft_step=0.3, verify={n: 1.0 + 0.05 * (n - 1) for n in range(1, 12)}, frozen=True)
+
+
+def test_fallback_engages_with_unrelated_draft_and_disengages_with_aligned(tiny_models) -> None:
+    target, draft, draft_random = tiny_models
+    config = EngineConfig(spec=SpecConfig(probe_interval=4, probe_interval_max=16), calibrate=False)
+    engine = build_engine(target, draft_random, config)
+    engine.costs = _static_costs()
+    request_id = engine.add_request(PROMPT, _greedy(max_tokens=400))
+    seq = engine.sequences[request_id]
+    for _ in range(40):
+        engine.step()
+    assert seq.policy.fallback and seq.stats.fallback_rounds > 25
+    engine.drafter = build_engine(target, draft, config).drafter  # the draft starts agreeing
+    rounds_before = seq.stats.rounds
+    for _ in range(60):
+        engine.step()
+    assert not seq.policy.fallback
+    assert seq.stats.rounds - rounds_before - (seq.stats.fallback_rounds - 25) > 0
+    assert seq.stats.accepted_at[0] > 10
+
+
+def test_measured_costs_put_random_draft_into_fallback(tiny_models) -> None:
+    target, _, draft_random = tiny_models
+    engine = build_engine(target, draft_random)
+    assert engine.costs.calibrated
+    result = engine.generate([PROMPT], _greedy(max_tokens=200))[0]
+    assert result.stats["fallback"] and result.stats["fallback_rounds"] > result.stats["rounds"] // 2
+
+
+def test_sampled_output_follows_target_distribution(tiny_models) -> None:
+    """Second-token marginal over 3000 seeded runs equals sum_t p(t) p(. | t) computed from the target."""
+    target, draft, _ = tiny_models
+    params = [SamplingParams(temperature=0.9, top_k=12, top_p=0.95, seed=s, max_tokens=2, ignore_eos=True)
+              for s in range(3000)]
+    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(adaptive=False, k_init=2), max_batch=500,
+                                                      calibrate=False))
+    results = engine.generate([PROMPT] * len(params), params)
+    assert sum(r.stats["accepted"] for r in results) > 1000
+    from tandem.core.sampling import processed_probs
+
+    with torch.inference_mode():
+        p_first = processed_probs(target.model(torch.tensor([PROMPT])).logits[0, -1:], params[0])[0]
+        support = p_first.nonzero().flatten()
+        batch = torch.tensor([PROMPT + [int(t)] for t in support])
+        p_second = processed_probs(target.model(batch).logits[:, -1], params[0])
+    expected = (p_first[support].unsqueeze(-1) * p_second).sum(0)
+    counts = torch.bincount(torch.tensor([r.token_ids[1] for r in results]), minlength=expected.shape[0]).double()
+    assert counts[expected == 0].sum() == 0
+    keep = expected * len(results) >= 5
+    observed = torch.cat([counts[keep], counts[~keep].sum().reshape(1)])
+    wanted = torch.cat([expected[keep], expected[~keep].sum().reshape(1)]) * len(results)
+    _, p_value = chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item())
+    assert p_value > 1e-4
+    tv = 0.5 * (counts / counts.sum() - expected).abs().sum()
+    assert tv < 0.06
+
+
+def test_seeded_sampling_is_reproducible(tiny_models) -> None:
+    target, draft, _ = tiny_models
+    params = SamplingParams(temperature=1.0, seed=42, max_tokens=30, ignore_eos=True)
+    first = build_engine(target, draft, FIXED_K).generate([PROMPT], params)[0].token_ids
+    assert build_engine(target, draft, FIXED_K).generate([PROMPT], params)[0].token_ids == first
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"), ({"seed": -5}, "seed"),
+    ({"stop": ("",)}, "stop"), ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+])
+def test_bad_sampling_parameters_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(InvalidArgument, match=f"^{field}:"):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_are_rejected_with_clear_errors(tiny_models) -> None:
+    engine = build_engine(tiny_models[0], tiny_models[1], FIXED_K)
+    with pytest.raises(InvalidArgument, match=r"^prompt:"):
+        engine.add_request([], _greedy())
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        engine.add_request([1, 10**6], _greedy())
+    engine.add_request(PROMPT, _greedy(), request_id="x")
+    with pytest.raises(InvalidArgument, match="already running"):
+        engine.add_request(PROMPT, _greedy(), request_id="x")
+    engine.abort("x")
+    assert not engine.has_unfinished() and not engine.verifier.runner.states
+    with pytest.raises(InvalidArgument, match=r"^k_max:"):
+        SpecConfig(k_max=-1)

@@ -1,0 +1,84 @@
+"""Greedy speculative output is byte-identical to plain target decoding, alone and batched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.local_engine import build_engine
+
+NEW_TOKENS = 64
+
+
+def _prompts(vocab: int, count: int = 100) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1234)
+    lengths = torch.randint(1, 40, (count,), generator=generator)
+    return [torch.randint(0, vocab, (int(n),), generator=generator).tolist() for n in lengths]
+
+
+def _reference(target, prompt: list[int]) -> list[int]:
+    """Hugging Face's own greedy generate: an implementation that shares no code with ours."""
+    ids = torch.tensor([prompt])
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                min_new_tokens=NEW_TOKENS, pad_token_id=0, temperature=None, top_p=None, top_k=None)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    target = tiny_models[0]
+    prompts = _prompts(len(target.tokenizer))
+    return prompts, [_reference(target, p) for p in prompts]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_speculative_greedy_matches_plain_decoding(tiny_models, references, batch: int) -> None:
+    target, draft, _ = tiny_models
+    prompts, expected = references
+    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False))
+    outputs = []
+    for start in range(0, len(prompts), batch):
+        outputs += [r.token_ids for r in engine.generate(prompts[start : start + batch], GREEDY)]
+    mismatched = [i for i, (a, b) in enumerate(zip(outputs, expected, strict=True)) if a != b]
+    assert not mismatched, f"{len(mismatched)} of {len(prompts)} prompts differ, first {mismatched[:5]}"
+    assert not engine.verifier.runner.states and not engine.drafter.runner.states, "caches not released"
+
+
+def test_plain_path_and_adaptive_path_match_reference(tiny_models, references) -> None:
+    target, draft, _ = tiny_models
+    prompts, expected = references
+    plain = build_engine(target, None)
+    adaptive = build_engine(target, draft)
+    some = slice(0, 20)
+    assert [r.token_ids for r in plain.generate(prompts[some], GREEDY)] == expected[some]
+    results = adaptive.generate(prompts[some], GREEDY)
+    assert [r.token_ids for r in results] == expected[some]
+    assert sum(r.stats["accepted"] for r in results) > 0
+
+
+def test_unrelated_draft_is_still_exact(tiny_models, references) -> None:
+    target, _, draft_random = tiny_models
+    prompts, expected = references
+    config = EngineConfig(spec=SpecConfig(adaptive=False, k_init=3), calibrate=False)
+    engine = build_engine(target, draft_random, config)
+    assert [r.token_ids for r in engine.generate(prompts[:12], GREEDY)] == expected[:12]
+
+
+def test_stats_describe_the_rounds(tiny_models, references) -> None:
+    target, draft, _ = tiny_models
+    prompts, _ = references
+    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False))
+    stats = engine.generate([prompts[0]], GREEDY)[0].stats
+    final_plain_rounds = stats["rounds_by_k"].get("0", 0)  # k is clamped to the tokens still allowed
+    assert final_plain_rounds <= 1 and stats["rounds"] == stats["spec_rounds"] + final_plain_rounds
+    assert stats["drafted"] == sum(int(k) * n for k, n in stats["rounds_by_k"].items())
+    assert 0 < stats["accepted"] <= stats["drafted"]
+    per_position = stats["acceptance_per_position"]
+    assert len(per_position) == 4 and per_position == sorted(per_position, reverse=True)
+    emitted = stats["accepted"] + stats["spec_rounds"]
+    assert emitted + final_plain_rounds >= NEW_TOKENS
+    assert abs(stats["mean_accepted_length"] - emitted / stats["spec_rounds"]) < 1e-3
