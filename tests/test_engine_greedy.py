@@ -60,6 +60,22 @@ def test_plain_path_and_adaptive_path_match_reference(tiny_models, references) -
     assert sum(r.stats["accepted"] for r in results) > 0
 
 
+@pytest.mark.parametrize("options", [{"draft_vocab": 200}, {"draft_confidence": 0.5}])
+def test_draft_side_shortcuts_stay_exact(tiny_models, references, options: dict) -> None:
+    target, draft, _ = tiny_models
+    prompts, expected = references
+    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(adaptive=False, k_init=4, **options),
+                                                      calibrate=False))
+    results = engine.generate(prompts[:20], GREEDY)
+    assert [r.token_ids for r in results] == expected[:20]
+    drafted = [t for r in results for t in r.token_ids]
+    assert drafted and sum(r.stats["accepted"] for r in results) > 0
+    if "draft_vocab" in options:
+        assert engine.drafter.runner.vocab_size == 200
+    else:
+        assert sum(r.stats["drafted"] for r in results) < 4 * sum(r.stats["spec_rounds"] for r in results)
+
+
 def test_unrelated_draft_is_still_exact(tiny_models, references) -> None:
     target, _, draft_random = tiny_models
     prompts, expected = references

@@ -76,3 +76,5 @@ def test_cost_model_interpolates_and_extrapolates() -> None:
     assert abs(costs.verify_time(4) - 1.8) < 1e-12
     costs.observe_verify(3, 2.4)
     assert abs(costs.verify[3] - (0.8 * 1.4 + 0.2 * 2.4)) < 1e-12
+    costs.observe_verify(1, 100.0)  # a stall moves the estimate by at most smoothing x its size
+    assert abs(costs.verify[1] - 1.2) < 1e-12

@@ -33,8 +33,9 @@ def build_engine(target, draft=None, config: EngineConfig | None = None) -> Spec
     verifier = LocalVerifier(ModelRunner(target.model, pad_token_id=pad))
     drafter = None
     if draft is not None and config.spec.speculating:
-        drafter = LocalDrafter(ModelRunner(draft.model, pad_token_id=pad), top_m=config.spec.draft_top_m,
-                               vocab_limit=verifier.vocab_size)
+        runner = ModelRunner(draft.model, pad_token_id=pad, vocab_limit=config.spec.draft_vocab)
+        drafter = LocalDrafter(runner, top_m=config.spec.draft_top_m, vocab_limit=verifier.vocab_size,
+                               confidence=config.spec.draft_confidence)
     return SpeculativeEngine(verifier, drafter, config, eos_token_ids(target.model, target.tokenizer),
                              decoder(target.tokenizer))
 

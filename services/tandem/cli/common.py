@@ -23,6 +23,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     parser.add_argument("--k-max", type=int, default=SpecConfig().k_max, help="most draft tokens per round")
     parser.add_argument("--fixed-k", type=int, default=None, help="draft exactly this many tokens (no adaptation)")
+    parser.add_argument("--draft-confidence", type=float, default=SpecConfig().draft_confidence,
+                        help="stop drafting once the draft's top probability falls below this (0: never)")
+    parser.add_argument("--draft-vocab", type=int, default=SpecConfig().draft_vocab,
+                        help="draft scores only the first N token ids (0: all); output stays exact")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -43,10 +47,11 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def engine_config(args: argparse.Namespace, speculate: bool = True) -> EngineConfig:
+    draft = {"draft_confidence": args.draft_confidence, "draft_vocab": args.draft_vocab}
     if args.fixed_k is not None:
-        spec = SpecConfig(enabled=speculate, k_max=args.fixed_k, k_init=args.fixed_k, adaptive=False)
+        spec = SpecConfig(enabled=speculate, k_max=args.fixed_k, k_init=args.fixed_k, adaptive=False, **draft)
     else:
-        spec = SpecConfig(enabled=speculate, k_max=args.k_max, k_init=min(SpecConfig().k_init, args.k_max))
+        spec = SpecConfig(enabled=speculate, k_max=args.k_max, k_init=min(SpecConfig().k_init, args.k_max), **draft)
     return EngineConfig(spec=spec)
 
 

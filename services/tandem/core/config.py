@@ -51,13 +51,20 @@ class SamplingParams:
 
 @dataclass(slots=True, frozen=True)
 class SpecConfig:
-    """Speculation knobs. The adaptive policy picks k in [0, k_max] each round; k_max 0 disables drafting."""
+    """Speculation knobs. The adaptive policy picks k in [0, k_max] each round; k_max 0 disables drafting.
+
+    draft_confidence: the drafter stops early once its top probability falls below this (0 never stops early).
+    draft_vocab: the drafter scores only the first N token ids (BPE ids run roughly by frequency); verification
+    still uses the target's full vocabulary, so output stays exact. 0 scores the whole vocabulary.
+    """
 
     enabled: bool = True
     k_max: int = 8
     k_init: int = 4
     adaptive: bool = True
     draft_top_m: int = 64
+    draft_confidence: float = 0.0
+    draft_vocab: int = 0
     acceptance_prior: float = 0.6
     prior_weight: float = 1.0
     ema_decay: float = 0.95
@@ -70,6 +77,8 @@ class SpecConfig:
         _require(0 <= self.k_max <= 32, "k_max", f"must be between 0 and 32, got {self.k_max}")
         _require(0 <= self.k_init <= self.k_max or self.k_max == 0, "k_init", "must be between 0 and k_max")
         _require(1 <= self.draft_top_m <= 4096, "draft_top_m", "must be between 1 and 4096")
+        _require(0.0 <= self.draft_confidence < 1.0, "draft_confidence", "must be in [0, 1)")
+        _require(self.draft_vocab >= 0, "draft_vocab", "must be non-negative (0 keeps the full vocabulary)")
         _require(0.0 < self.acceptance_prior < 1.0, "acceptance_prior", "must be in (0, 1)")
         _require(self.prior_weight > 0, "prior_weight", "must be positive")
         _require(0.0 < self.ema_decay <= 1.0, "ema_decay", "must be in (0, 1]")

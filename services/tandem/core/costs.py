@@ -53,7 +53,8 @@ class CostModel:
         return self.draft_step > 0.0 and 1 in self.verify
 
     def _blend(self, old: float, new: float) -> float:
-        return (1.0 - self.smoothing) * old + self.smoothing * new
+        # A stall (another process, a first call of a new shape) may double the estimate at most.
+        return old + self.smoothing * max(-0.5 * old, min(new - old, old))
 
     def to_dict(self) -> dict:
         return {"draft_step": self.draft_step, "verify": {str(n): t for n, t in sorted(self.verify.items())}}

@@ -41,10 +41,12 @@ def _sync_all(runner: ModelRunner, requests: list, seed_offset: int) -> list[Seq
 
 
 class LocalDrafter:
-    def __init__(self, runner: ModelRunner, top_m: int = 64, vocab_limit: int | None = None) -> None:
+    def __init__(self, runner: ModelRunner, top_m: int = 64, vocab_limit: int | None = None,
+                 confidence: float = 0.0) -> None:
         self.runner = runner
         self.top_m = top_m
         self.vocab_limit = vocab_limit
+        self.confidence = confidence
 
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
@@ -53,29 +55,37 @@ class LocalDrafter:
         states = _sync_all(self.runner, requests, 0)
         proposals = [DraftProposal(tokens=[]) for _ in requests]
         dists: list[list[SparseDist]] = [[] for _ in requests]
-        for step in range(max((r.k for r in requests), default=0)):
-            rows = [i for i, r in enumerate(requests) if r.k > step]
+        budget = [r.k for r in requests]
+        for step in range(max(budget, default=0)):
+            rows = [i for i, k in enumerate(budget) if k > step]
+            if not rows:
+                break
             logits = self.runner.forward([states[i] for i in rows], [1] * len(rows))
             for i, row_logits in zip(rows, logits, strict=True):
-                token, dist = self._sample(row_logits, requests[i], states[i].generator)
+                token, dist, confidence = self._sample(row_logits, requests[i], states[i].generator)
                 states[i].tokens.append(token)
                 proposals[i].tokens.append(token)
                 if dist is not None:
                     dists[i].append(dist)
+                if confidence < self.confidence:
+                    budget[i] = step + 1
         for proposal, row_dists in zip(proposals, dists, strict=True):
             if row_dists:
                 proposal.dist = SparseDist(torch.cat([d.ids for d in row_dists]),
                                            torch.cat([d.probs for d in row_dists]))
         return proposals
 
-    def _sample(self, logits: torch.Tensor, request: DraftRequest, generator) -> tuple[int, SparseDist | None]:
+    def _sample(self, logits: torch.Tensor, request: DraftRequest,
+                generator) -> tuple[int, SparseDist | None, float]:
+        """(token, the distribution it was drawn from or None if greedy, the draft's top probability)."""
         if self.vocab_limit is not None and logits.shape[-1] > self.vocab_limit:
             logits = logits[:, : self.vocab_limit]
         if request.params.greedy:
-            return int(logits[-1].argmax()), None
+            top = logits[-1].softmax(-1).max() if self.confidence else torch.tensor(1.0)
+            return int(logits[-1].argmax()), None, float(top)
         dist = truncate_top_m(processed_probs(logits[-1:], request.params), self.top_m)
         pick = sample_index(dist.probs, uniforms(generator, 1))
-        return int(dist.ids[0, pick[0]]), dist
+        return int(dist.ids[0, pick[0]]), dist, float(dist.probs[0, 0])
 
 
 class LocalVerifier:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+SHORT_FORWARD = 16
+
 
 @dataclass(slots=True)
 class SequenceState:
@@ -46,10 +48,19 @@ class SequenceState:
 class ModelRunner:
     """Owns one model and the per-sequence states that run on it."""
 
-    def __init__(self, model: PreTrainedModel, pad_token_id: int = 0) -> None:
+    def __init__(self, model: PreTrainedModel, pad_token_id: int = 0, vocab_limit: int = 0) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.vocab_size = int(model.config.vocab_size)
+        # Logits are computed here rather than by the model, optionally for only the first `vocab_limit` ids,
+        # without touching the shared model.
+        self.head = model.get_output_embeddings().weight
+        if 0 < vocab_limit < self.vocab_size:
+            self.head = self.head[:vocab_limit]
+            self.vocab_size = vocab_limit
+        self.head_bias = getattr(model.get_output_embeddings(), "bias", None)
+        if self.head_bias is not None:
+            self.head_bias = self.head_bias[: self.vocab_size]
         self.pad_token_id = pad_token_id
         self.states: dict[str, SequenceState] = {}
 
@@ -82,11 +93,10 @@ class ModelRunner:
         start = state.cached
         ids = torch.tensor([new], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(new), device=self.device).unsqueeze(0)
-        out = self.model(input_ids=ids, position_ids=positions, past_key_values=state.cache, use_cache=True,
-                         logits_to_keep=want)
-        state.cache = out.past_key_values
+        logits, cache = self._run(input_ids=ids, position_ids=positions, past_key_values=state.cache, want=want)
+        state.cache = cache
         state.cached = start + len(new)
-        return out.logits[0, -want:].float().cpu()
+        return logits[0, -want:].float().cpu()
 
     def _forward_batch(self, states: list[SequenceState], wants: list[int]) -> list[torch.Tensor]:
         news = [state.pending for state in states]
@@ -101,18 +111,27 @@ class ModelRunner:
             mask[row, : past_max - cached] = 0
             positions[row] = torch.arange(cached, cached + new_max)
         cache = self._stack_caches(states, past_max) if past_max else DynamicCache()
-        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
+        logits, cache = self._run(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                  position_ids=positions.to(self.device), past_key_values=cache, want=0)
         results = []
         for row, (state, new, cached, want) in enumerate(zip(states, news, past, wants, strict=True)):
             lo, hi = past_max - cached, past_max + len(new)
             state.cache = DynamicCache(ddp_cache_data=[
                 (layer.keys[row : row + 1, :, lo:hi], layer.values[row : row + 1, :, lo:hi])
-                for layer in out.past_key_values.layers
+                for layer in cache.layers
             ])
             state.cached = cached + len(new)
-            results.append(out.logits[row, len(new) - want : len(new)].float().cpu())
+            results.append(logits[row, len(new) - want : len(new)].float().cpu())
         return results
+
+    def _run(self, want: int, **inputs) -> tuple[torch.Tensor, DynamicCache]:
+        out = self.model.base_model(**inputs, use_cache=True)
+        hidden = out.last_hidden_state
+        # Short forwards score every position: on CPU bf16, a 1-row output projection after a 2-token forward
+        # measured 0.47 s against 0.06 s for both rows (Qwen2.5-0.5B, torch 2.13); long prefills keep `want`.
+        if want > 0 and hidden.shape[1] > SHORT_FORWARD:
+            hidden = hidden[:, -want:]
+        return torch.nn.functional.linear(hidden, self.head, self.head_bias), out.past_key_values
 
     @staticmethod
     def _stack_caches(states: list[SequenceState], length: int) -> DynamicCache:

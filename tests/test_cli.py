@@ -1,0 +1,85 @@
+"""The command line, driven as a user would: make tiny models, generate, bench, and get clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tandem.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def cli_models(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli-tiny")
+    assert main(["models", "make-tiny", str(out), "--seed", "3"]) == 0
+    return out
+
+
+def _generate(capsys, models, *extra: str) -> dict:
+    code = main(["generate", "def add(a, b):", "--target", str(models / "target"), "--draft", str(models / "draft"),
+                 "--temperature", "0", "--max-tokens", "24", "--ignore-eos", "--dtype", "float32", "--json", *extra])
+    assert code == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_json_and_no_spec_agree(capsys, cli_models) -> None:
+    spec = _generate(capsys, cli_models)
+    plain = _generate(capsys, cli_models, "--no-spec")
+    assert {"text", "token_ids", "finish_reason", "stats"} <= spec.keys()
+    assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) == 24
+    assert spec["finish_reason"] == "length" and spec["stats"]["drafted"] > 0
+    assert plain["stats"]["drafted"] == 0 and not plain["speculative"]
+
+
+def test_generate_streams_text(capsys, cli_models) -> None:
+    code = main(["generate", "hi", "--target", str(cli_models / "target"), "--draft", str(cli_models / "draft"),
+                 "--chat", "--temperature", "0.7", "--seed", "1", "--max-tokens", "10", "--dtype", "float32"])
+    captured = capsys.readouterr()
+    assert code == 0 and "tokens" in captured.err and captured.out.strip()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--temperature", "-1"], "error: temperature:"),
+    (["--top-p", "0"], "error: top_p:"),
+    (["--max-tokens", "0"], "error: max_tokens:"),
+    (["--k-max", "99"], "error: k_max:"),
+    (["--device", "quantum"], "error: device:"),
+])
+def test_bad_arguments_give_clear_errors(capsys, cli_models, args: list[str], message: str) -> None:
+    code = main(["generate", "x", "--target", str(cli_models / "target"), "--draft", str(cli_models / "draft"), *args])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_model_fails_without_traceback(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "tandem", "generate", "x", "--target", str(tmp_path / "nope"),
+                           "--no-spec"], capture_output=True, text=True, timeout=120,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "TANDEM_HOME": str(tmp_path),
+                               **{k: v for k, v in __import__("os").environ.items() if k == "PYTHONPATH"}})
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
+
+
+def test_bench_reports_all_methods(capsys, cli_models, tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--target", str(cli_models / "target"), "--draft", str(cli_models / "draft"),
+                 "--dtype", "float32", "--max-tokens", "12", "--limit", "2", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    for key in ("plain", "hf_assisted", "tandem"):
+        assert report[key]["tok_s"] > 0 and report[key]["tokens"] > 0
+    assert 0.0 <= report["tandem"]["alpha"] <= 1.0 and report["tandem"]["tau"] >= 1.0
+    assert report["bound"] > 0 and report["ratio_to_bound"] > 0
+    assert report["greedy_identical_to_plain"] == "2/2"
+    capsys.readouterr()
+
+
+def test_bench_rejects_bad_prompt_file(capsys, cli_models, tmp_path) -> None:
+    bad = tmp_path / "p.jsonl"
+    bad.write_text("not json\n")
+    code = main(["bench", "--target", str(cli_models / "target"), "--draft", str(cli_models / "draft"),
+                 "--prompts", str(bad)])
+    assert code == 2 and "line 1" in capsys.readouterr().err
