@@ -70,20 +70,30 @@ def engine_eos(loaded) -> frozenset[int]:
     return eos_token_ids(loaded.model, loaded.tokenizer)
 
 
-def analytic_bound(stats: dict, costs: CostModel) -> float:
-    """S* = tokens per round * T_target / (k * T_draft + T_verify(k)), summed over the rounds actually run."""
-    t_target = costs.verify_time(0)
-    rounds_by_k = {int(k): n for k, n in stats["rounds_by_k"].items()}
-    emitted = stats["accepted"] + sum(rounds_by_k.values())
-    cost = sum(n * (k * costs.draft_step + costs.verify_time(k)) for k, n in rounds_by_k.items())
-    return emitted * t_target / cost if cost else 0.0
+def analytic_bound(stats: dict, plain_seconds_per_token: float) -> dict:
+    """S* = tau * T_t / (k * T_d + T_v(k)), every term measured in this run.
+
+    T_t: plain decoding's seconds per token; T_d: the tandem run's draft seconds per drafted token; T_v: its verify
+    seconds per round; tau and k: tokens and drafts per round, fallback rounds included. The measured speedup
+    divided by S* is then the share of tandem's time spent inside the two models' forwards.
+    """
+    rounds = stats["rounds"]
+    tau = (stats["accepted"] + rounds) / rounds
+    k = stats["drafted"] / rounds
+    t_draft = stats["draft_seconds"] / stats["drafted"] if stats["drafted"] else 0.0
+    t_verify = stats["verify_seconds"] / rounds
+    bound = tau * plain_seconds_per_token / (k * t_draft + t_verify)
+    return {"bound": round(bound, 4), "tau_all_rounds": round(tau, 4), "k_all_rounds": round(k, 4),
+            "t_target": round(plain_seconds_per_token, 5), "t_draft_measured": round(t_draft, 5),
+            "t_verify_measured": round(t_verify, 5)}
 
 
 def _merge_stats(all_stats: list[dict]) -> dict:
     merged: dict = {"rounds_by_k": {}, "accepted": 0, "drafted": 0, "spec_rounds": 0, "fallback_rounds": 0,
-                    "rounds": 0, "accepted_at": [], "drafted_at": []}
+                    "rounds": 0, "draft_seconds": 0.0, "verify_seconds": 0.0}
     for stats in all_stats:
-        for key in ("accepted", "drafted", "spec_rounds", "fallback_rounds", "rounds"):
+        for key in ("accepted", "drafted", "spec_rounds", "fallback_rounds", "rounds", "draft_seconds",
+                    "verify_seconds"):
             merged[key] += stats[key]
         for k, n in stats["rounds_by_k"].items():
             merged["rounds_by_k"][k] = merged["rounds_by_k"].get(k, 0) + n
@@ -137,7 +147,8 @@ def _report(totals: dict[str, MethodTotals], tandem_stats: list[dict], costs: Co
             "t_verify": {k: round(costs.verify_time(int(k)), 5) for k in ["0", *merged["rounds_by_k"]]},
         }
         report["costs"] = costs.to_dict()
-        report["bound"] = round(analytic_bound(merged, costs), 4)
+        if "plain" in totals and totals["plain"].tokens and merged["rounds"]:
+            report |= analytic_bound(merged, totals["plain"].seconds / totals["plain"].tokens)
     for other in ("plain", "hf_assisted"):
         if other in totals and "tandem" in totals and totals[other].tokens:
             report[f"tandem_vs_{other}"] = round(report["tandem"]["tok_s"] / report[other]["tok_s"], 4)
