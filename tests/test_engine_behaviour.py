@@ -186,3 +186,21 @@ def test_bad_requests_are_rejected_with_clear_errors(tiny_models) -> None:
     assert not engine.has_unfinished() and not engine.verifier.runner.states
     with pytest.raises(InvalidArgument, match=r"^k_max:"):
         SpecConfig(k_max=-1)
+
+
+def test_a_retried_call_after_partial_success_stays_exact(tiny_models, plain_output) -> None:
+    """A worker that already applied a round and is sent it again rolls back and recomputes the same result."""
+    target, draft, _ = tiny_models
+    engine = build_engine(target, draft, FIXED_K)
+    request_id = engine.add_request(PROMPT, _greedy())
+    seq = engine.sequences[request_id]
+    verify = engine.verifier.verify
+
+    def verify_twice(requests):
+        verify([type(r)(r.seq_id, r.keep, list(r.append), r.draft, r.params) for r in requests])
+        return verify(requests)
+
+    engine.verifier.verify = verify_twice
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.output == plain_output

@@ -31,6 +31,9 @@ def _sync_all(runner: ModelRunner, requests: list, seed_offset: int) -> list[Seq
             seed = request.params.seed
             state.generator = make_generator(None if seed is None else seed + seed_offset)
         state.sync(request.keep, request.append)
+        if state.cached >= len(state.tokens):
+            # Scores come from feeding the last known token, so it must not be cached (happens on a retried call).
+            state.truncate_cache(len(state.tokens) - 1)
         states.append(state)
     if len(states) > 1:
         # Long catch-ups (prompts, tokens decoded while not drafting) run alone so batched rows stay short.

@@ -1,0 +1,300 @@
+"""Per-session state stores: in memory, or in Redis with an in-memory fallback that keeps serving through outages.
+
+A session's state is a small JSON-able dict (the policy's `PolicyState.to_dict()` plus worker affinity). Redis makes
+it survive a gateway restart and lets gateway replicas share it. When Redis is unreachable, `RedisSessionStore`
+logs once per outage, counts, serves from memory (a write-through copy of recently used sessions plus everything
+written during the outage), and probes Redis again with exponential backoff, so a dead Redis costs one short socket
+timeout per probe, never one per call. On recovery it writes the sessions changed during the outage back to Redis
+(last writer wins against other replicas).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Protocol, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TTL_S = 3600.0
+KEY_PREFIX = "tandem:session:"
+# Sessions kept in the in-memory copy; the oldest-used go first (Redis still has them when it is up).
+DEFAULT_MAX_SESSIONS = 100_000
+_FLUSH_BATCH = 500
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    redis_errors: int = 0  # Redis calls that failed
+    fallbacks: int = 0  # operations served from memory because Redis was down
+    recoveries: int = 0  # outages that ended (Redis answered again)
+    outages: int = 0  # outages that began
+    written_back: int = 0  # sessions changed during an outage and written to Redis on recovery
+
+
+class SessionStore(Protocol):
+    def get(self, session_id: str) -> dict | None: ...
+    def put(self, session_id: str, state: dict) -> None: ...
+    def delete(self, session_id: str) -> None: ...
+    def stats(self) -> dict: ...
+    def close(self) -> None: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+
+class MemorySessionStore:
+    """Process-local sessions with a TTL (refreshed on put) and an LRU bound; thread-safe."""
+
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
+        self.ttl_s = float(ttl_s)
+        self.max_sessions = max_sessions
+        self.counters = StoreCounters()
+        self._items: OrderedDict[str, tuple[float, str]] = OrderedDict()  # id -> (expiry, JSON)
+        self._lock = threading.Lock()
+
+    @property
+    def healthy(self) -> bool:
+        return True
+
+    def get(self, session_id: str) -> dict | None:
+        with self._lock:
+            item = self._items.get(session_id)
+            if item is None:
+                return None
+            if item[0] <= time.monotonic():
+                del self._items[session_id]
+                return None
+            self._items.move_to_end(session_id)
+            return json.loads(item[1])
+
+    def put(self, session_id: str, state: dict) -> None:
+        self.put_raw(session_id, json.dumps(state, separators=(",", ":")))
+
+    def put_raw(self, session_id: str, value: str, ttl_s: float | None = None) -> None:
+        expiry = time.monotonic() + (self.ttl_s if ttl_s is None else ttl_s)
+        with self._lock:
+            self._items[session_id] = (expiry, value)
+            self._items.move_to_end(session_id)
+            while len(self._items) > self.max_sessions:
+                self._items.popitem(last=False)
+
+    def get_raw(self, session_id: str) -> tuple[str, float] | None:
+        """(JSON, seconds left to live) or None."""
+        with self._lock:
+            item = self._items.get(session_id)
+        if item is None or (left := item[0] - time.monotonic()) <= 0:
+            return None
+        return item[1], left
+
+    def delete(self, session_id: str) -> None:
+        with self._lock:
+            self._items.pop(session_id, None)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def stats(self) -> dict:
+        return {"backend": "memory", "healthy": True, "sessions": len(self), **asdict(self.counters)}
+
+    def close(self) -> None:
+        pass
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class RedisSessionStore:
+    """Sessions in Redis under `tandem:session:<id>` as JSON with a TTL; serves from memory while Redis is down."""
+
+    def __init__(
+        self,
+        url: str,
+        ttl_s: float = DEFAULT_TTL_S,
+        *,
+        prefix: str = KEY_PREFIX,
+        socket_timeout_s: float = 0.3,
+        retry_initial_s: float = 0.5,
+        retry_max_s: float = 15.0,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+    ) -> None:
+        self.url = url
+        self.ttl_s = float(ttl_s)
+        self.prefix = prefix
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self.counters = StoreCounters()
+        self._memory = MemorySessionStore(ttl_s, max_sessions)
+        self._client = redis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),  # the default retries 10 times, stalling callers while Redis is down
+            retry_on_timeout=False,
+            decode_responses=True,
+        )
+        self._lock = threading.Lock()
+        self._healthy = True
+        self._backoff_s = retry_initial_s
+        self._next_try = 0.0
+        self._dirty: set[str] = set()  # sessions put or deleted during an outage, to write back on recovery
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    def _key(self, session_id: str) -> str:
+        return self.prefix + session_id
+
+    def _mode(self) -> str | None:
+        """'up'; 'probe' when Redis is down and due for a retry (claimed by this caller alone); None: use memory."""
+        with self._lock:
+            if self._healthy:
+                return "up"
+            now = time.monotonic()
+            if now < self._next_try:
+                return None
+            self._next_try = now + self._backoff_s  # other callers keep using memory while this one probes
+            return "probe"
+
+    def _redis(self, op: Callable[[redis.Redis], T]) -> tuple[bool, T | None]:
+        """(True, op's result), or (False, None) when Redis is down or failed (counted and logged)."""
+        mode = self._mode()
+        if mode is None:
+            return False, None
+        try:
+            if mode == "probe":
+                self._recover()
+            return True, op(self._client)
+        except redis.RedisError as error:
+            self._failed(error, probe=mode == "probe")
+            return False, None
+
+    def _failed(self, error: Exception, probe: bool) -> None:
+        with self._lock:
+            self.counters.redis_errors += 1
+            if self._healthy:
+                self._healthy = False
+                self.counters.outages += 1
+                self._backoff_s = self.retry_initial_s
+                self._next_try = time.monotonic() + self._backoff_s
+                log.warning(
+                    "Redis at %s unreachable (%s); serving session state from memory, retrying with backoff",
+                    redact_url(self.url),
+                    error,
+                )
+            elif probe:
+                self._backoff_s = min(2.0 * self._backoff_s, self.retry_max_s)
+                self._next_try = time.monotonic() + self._backoff_s
+                log.debug("Redis still unreachable (%s); next try in %.1f s", error, self._backoff_s)
+            # else: another call of the same outage failed concurrently; counted only
+
+    def _recover(self) -> None:
+        """A probe: check Redis, write back what changed during the outage, and mark Redis healthy."""
+        self._client.ping()
+        written = 0
+        while True:
+            with self._lock:
+                dirty, self._dirty = self._dirty, set()
+                if not dirty:
+                    self._healthy = True
+                    self._backoff_s = self.retry_initial_s
+                    self.counters.recoveries += 1
+                    self.counters.written_back += written
+                    break
+            try:
+                self._write_back(dirty)
+            except redis.RedisError:
+                with self._lock:
+                    self._dirty |= dirty
+                raise
+            written += len(dirty)
+        log.warning("Redis at %s reachable again; %d session(s) written back", redact_url(self.url), written)
+
+    def _write_back(self, session_ids: set[str]) -> None:
+        ids = sorted(session_ids)
+        for start in range(0, len(ids), _FLUSH_BATCH):
+            pipe = self._client.pipeline(transaction=False)
+            for session_id in ids[start : start + _FLUSH_BATCH]:
+                item = self._memory.get_raw(session_id)
+                if item is None:
+                    pipe.delete(self._key(session_id))
+                else:
+                    pipe.set(self._key(session_id), item[0], px=max(1, int(item[1] * 1000)))
+            pipe.execute()
+
+    def _fallback(self, session_id: str | None = None) -> None:
+        """Count an operation served from memory; a write (`session_id`) is remembered for write-back."""
+        with self._lock:
+            self.counters.fallbacks += 1
+            # (if Redis came back meanwhile, a later write-back of this older state must not overwrite newer state)
+            if session_id is not None and not self._healthy:
+                self._dirty.add(session_id)
+
+    def get(self, session_id: str) -> dict | None:
+        ok, value = self._redis(lambda client: client.get(self._key(session_id)))
+        if not ok:
+            self._fallback()
+            return self._memory.get(session_id)
+        if value is None:
+            self._memory.delete(session_id)
+            return None
+        try:
+            state = json.loads(value)
+        except ValueError:
+            log.warning("session %s: stored state is not JSON; ignoring it", session_id)
+            return None
+        self._memory.put_raw(session_id, value)
+        return state
+
+    def put(self, session_id: str, state: dict) -> None:
+        value = json.dumps(state, separators=(",", ":"))
+        self._memory.put_raw(session_id, value)
+        ok, _ = self._redis(lambda client: client.set(self._key(session_id), value, px=max(1, int(self.ttl_s * 1000))))
+        if not ok:
+            self._fallback(session_id)
+
+    def delete(self, session_id: str) -> None:
+        self._memory.delete(session_id)
+        ok, _ = self._redis(lambda client: client.delete(self._key(session_id)))
+        if not ok:
+            self._fallback(session_id)
+
+    def stats(self) -> dict:
+        return {
+            "backend": "redis",
+            "url": redact_url(self.url),
+            "healthy": self._healthy,
+            "sessions_in_memory": len(self._memory),
+            "pending_write_back": len(self._dirty),
+            **asdict(self.counters),
+        }
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def open_session_store(url: str | None, ttl_s: float = DEFAULT_TTL_S, **options) -> SessionStore:
+    """A store for `url`: None, "" or "memory" -> in memory; a redis:// / rediss:// / unix:// URL -> Redis."""
+    if not url or url == "memory":
+        return MemorySessionStore(ttl_s, **{k: v for k, v in options.items() if k == "max_sessions"})
+    if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"unsupported session store URL {url!r}: expected redis://host:port/db or 'memory'")
+    return RedisSessionStore(url, ttl_s, **options)

@@ -1,0 +1,57 @@
+"""The draft-worker pool as a Drafter: sessions routed to Ray actors, failures isolated.
+
+A draft worker that dies, errors or misses the deadline is benched; its sessions get empty proposals this round (a
+plain-decoding round, invisible to clients) and move to another worker, which is sent their history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+
+from tandem.core.protocol import DraftProposal, DraftRequest, StateLost
+from tandem.workers.fanout import fan_out, release
+from tandem.workers.routing import AffinityRouter
+
+
+@dataclass(slots=True)
+class PoolStats:
+    calls: int = 0
+    failures: int = 0
+    timeouts: int = 0
+
+
+class RayDrafter:
+    def __init__(self, workers: list, timeout_s: float = 5.0, cooldown_s: float = 10.0) -> None:
+        self.workers = workers
+        self.router = AffinityRouter(len(workers), cooldown_s, "draft")
+        self.timeout_s = timeout_s
+        self.stats = PoolStats()
+
+    @property
+    def affinity(self) -> dict[str, int]:
+        return self.router.affinity
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        out = fan_out(self.workers, self.router, "propose", requests, self.timeout_s)
+        self.stats.calls += 1
+        self.stats.failures += out.failed
+        self.stats.timeouts += out.timed_out
+        if out.lost:
+            raise StateLost(out.lost)
+        return [result or DraftProposal(tokens=[]) for result in out.results]
+
+    def release(self, seq_id: str) -> None:
+        release(self.workers, self.router, seq_id)
+
+
+def start_draft_workers(config, count: int, num_gpus: float = 0.0, num_cpus: float = 1.0) -> list:
+    """Start `count` draft-worker actors; Ray restarts any that die (their sessions are rebuilt from history)."""
+    from tandem.workers.draft_worker import DraftWorker
+
+    actor = ray.remote(DraftWorker).options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=-1,
+                                             max_task_retries=0)
+    workers = [actor.remote(config, name=f"draft-{i}") for i in range(count)]
+    ray.get([w.info.remote() for w in workers])
+    return workers

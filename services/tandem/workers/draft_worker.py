@@ -1,0 +1,24 @@
+"""A draft worker: one draft model and the draft caches of the sessions routed to it.
+
+Plain Python so it can be tested in-process; `ray.remote(DraftWorker)` turns it into an actor.
+"""
+
+from __future__ import annotations
+
+from tandem.core.local import LocalDrafter
+from tandem.core.protocol import DraftRequest, StateLost
+from tandem.workers.worker_base import WorkerBase, WorkerConfig, WorkerReply, load_runner
+
+
+class DraftWorker(WorkerBase):
+    def __init__(self, config: WorkerConfig, name: str = "draft") -> None:
+        super().__init__(name)
+        self.runner = load_runner(config, vocab_limit=config.draft_vocab)
+        self.drafter = LocalDrafter(self.runner, top_m=config.top_m, vocab_limit=config.vocab_limit,
+                                    confidence=config.confidence)
+
+    def propose(self, requests: list[DraftRequest]) -> WorkerReply:
+        try:
+            return WorkerReply(results=self.drafter.propose(requests))
+        except StateLost as lost:
+            return WorkerReply(lost=lost.seq_ids)

@@ -1,0 +1,20 @@
+"""A target worker: the target model, verifying the draft blocks of every session routed to it in one forward."""
+
+from __future__ import annotations
+
+from tandem.core.local import LocalVerifier
+from tandem.core.protocol import StateLost, VerifyRequest
+from tandem.workers.worker_base import WorkerBase, WorkerConfig, WorkerReply, load_runner
+
+
+class TargetWorker(WorkerBase):
+    def __init__(self, config: WorkerConfig, name: str = "target") -> None:
+        super().__init__(name)
+        self.runner = load_runner(config)
+        self.verifier = LocalVerifier(self.runner)
+
+    def verify(self, requests: list[VerifyRequest]) -> WorkerReply:
+        try:
+            return WorkerReply(results=self.verifier.verify(requests))
+        except StateLost as lost:
+            return WorkerReply(lost=lost.seq_ids)

@@ -1,0 +1,65 @@
+"""What draft and target workers share: loading a model into a runner, and telling lost sequences apart."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core.runner import ModelRunner
+
+
+def ray_failures() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean a worker died, is restarting, or raised: its calls' results are lost."""
+    import ray
+
+    return (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.ActorUnavailableError)
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerConfig:
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None
+    top_m: int = 64
+    vocab_limit: int | None = None
+    confidence: float = 0.0
+    draft_vocab: int = 0
+
+
+@dataclass(slots=True)
+class WorkerReply:
+    """Either results, or the ids this worker no longer holds (it restarted, or never saw them)."""
+
+    results: list | None = None
+    lost: list[str] | None = None
+
+
+def load_runner(config: WorkerConfig, vocab_limit: int = 0) -> ModelRunner:
+    from tandem.core.device import select_device, select_dtype
+    from tandem.models.loader import load_model
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = select_device(config.device)
+    loaded = load_model(config.model, device=device, dtype=select_dtype(config.dtype, device), progress=False)
+    return ModelRunner(loaded.model, pad_token_id=loaded.tokenizer.pad_token_id or 0, vocab_limit=vocab_limit)
+
+
+class WorkerBase:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.runner: ModelRunner
+
+    def release(self, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
+            self.runner.release(seq_id)
+
+    def cached_sequences(self) -> int:
+        return len(self.runner.states)
+
+    def info(self) -> dict:
+        return {"name": self.name, "pid": os.getpid(), "sequences": self.cached_sequences(),
+                "vocab_size": self.runner.vocab_size}

