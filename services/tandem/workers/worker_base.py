@@ -37,14 +37,15 @@ class WorkerReply:
     lost: list[str] | None = None
 
 
-def load_runner(config: WorkerConfig, vocab_limit: int = 0) -> ModelRunner:
+def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None = None) -> ModelRunner:
     from tandem.core.device import select_device, select_dtype
     from tandem.models.loader import load_model
 
     if config.threads:
         torch.set_num_threads(config.threads)
     device = select_device(config.device)
-    loaded = load_model(config.model, device=device, dtype=select_dtype(config.dtype, device), progress=False)
+    loaded = load_model(config.model, device=device, dtype=select_dtype(config.dtype, device), progress=False,
+                        extra=extra)
     return ModelRunner(loaded.model, pad_token_id=loaded.tokenizer.pad_token_id or 0, vocab_limit=vocab_limit)
 
 
