@@ -71,7 +71,7 @@ def test_killed_worker_mid_stream_keeps_output_identical(tiny_models, pool, expe
     while engine.has_unfinished():
         engine.step()
     assert seq.output == expected[0]
-    assert engine.drafter.stats.failures >= 1
+    assert engine.drafter.stats.failures >= 1 and seq.stats.draft_failures >= 1
     # Ray restarts the actor; after the cool-down it drafts again, from the history the engine resends.
     time.sleep(0.6)
     deadline = time.monotonic() + 60

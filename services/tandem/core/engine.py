@@ -44,6 +44,7 @@ class Sequence:
     verify_synced: int = 0
     finish_reason: str | None = None
     text_cut: int | None = None
+    max_k: int | None = None  # per-request cap on drafted tokens per round; 0 is plain decoding
 
     @property
     def context(self) -> list[int]:
@@ -90,7 +91,7 @@ class SpeculativeEngine:
         return self.drafter is not None and self.config.spec.speculating
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-                    policy_state: policy.PolicyState | None = None) -> str:
+                    policy_state: policy.PolicyState | None = None, max_k: int | None = None) -> str:
         if not prompt:
             raise InvalidArgument("prompt: must contain at least one token")
         vocab = self.verifier.vocab_size
@@ -99,9 +100,11 @@ class SpeculativeEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.sequences:
             raise InvalidArgument(f"request_id: {request_id!r} is already running")
+        if max_k is not None and max_k < 0:
+            raise InvalidArgument(f"max_k: must be non-negative, got {max_k}")
         state = policy_state or policy.PolicyState(k=self.config.spec.k_init)
         stop = StopChecker(params, self.eos_token_ids, self.decode)
-        self.sequences[request_id] = Sequence(request_id, list(prompt), params, stop, state)
+        self.sequences[request_id] = Sequence(request_id, list(prompt), params, stop, state, max_k=max_k)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -141,10 +144,13 @@ class SpeculativeEngine:
         return outputs
 
     def _choose_k(self, seq: Sequence) -> int:
-        if not self.speculating:
+        if not self.speculating or seq.max_k == 0:
             return 0
         remaining = seq.params.max_tokens - len(seq.output)
-        return min(policy.choose_k(seq.policy, self.costs, self.config.spec), remaining - 1)
+        k = policy.choose_k(seq.policy, self.costs, self.config.spec)
+        if seq.max_k is not None:
+            k = min(k, seq.max_k)
+        return min(k, remaining - 1)
 
     def _draft(self, batch: list[Sequence], ks: list[int]) -> list[DraftProposal | None]:
         rows = [i for i, k in enumerate(ks) if k > 0]
@@ -176,6 +182,7 @@ class SpeculativeEngine:
         for i, proposal in zip(rows, drafted, strict=True):
             proposals[i] = proposal
             batch[i].stats.draft_seconds += seconds
+            batch[i].stats.draft_failures += proposal.failed
         return proposals
 
     def _commit(self, seq: Sequence, k: int, proposal: DraftProposal | None, accepted: int,

@@ -39,6 +39,7 @@ class DraftRequest:
 class DraftProposal:
     tokens: list[int]
     dist: SparseDist | None = None
+    failed: bool = False  # the worker for this sequence failed: an empty proposal, decoded plainly this round
 
 
 @dataclass(slots=True)

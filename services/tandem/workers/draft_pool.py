@@ -40,7 +40,7 @@ class RayDrafter:
         self.stats.timeouts += out.timed_out
         if out.lost:
             raise StateLost(out.lost)
-        return [result or DraftProposal(tokens=[]) for result in out.results]
+        return [result or DraftProposal(tokens=[], failed=True) for result in out.results]
 
     def release(self, seq_id: str) -> None:
         release(self.workers, self.router, seq_id)

@@ -1,0 +1,105 @@
+"""The whole distributed stack: gRPC gateway, Ray draft workers and target replicas, sessions in a real Redis."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from gateway_harness import ServerThread  # noqa: E402
+from tandem.client import TandemClient  # noqa: E402
+from tandem.cluster import ClusterOptions, start_backend  # noqa: E402
+from tandem.core.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
+from tandem.local_engine import build_engine  # noqa: E402
+from tandem.sessions import EmbeddedRedis, RedisSessionStore  # noqa: E402
+
+PROMPTS = [[72, 101, 108, 108, 111, 32, 119], [40, 50, 60], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200, 17], [99] * 12,
+           [33, 34, 35, 36], [120, 121], [5, 250, 8, 80, 13]]
+TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dirs):
+    redis = EmbeddedRedis()
+    redis.start()
+    store = RedisSessionStore(redis.url, retry_initial_s=0.1)
+    config = EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False)
+    options = ClusterOptions(draft_workers=2, target_replicas=1, threads=1, dtype="float32")
+    backend = start_backend(str(tiny_dirs.target), str(tiny_dirs.draft), config, options)
+    server = ServerThread(lambda: backend, sessions=store)
+    yield server, backend, redis, store
+    server.stop()
+    ray.shutdown()
+    redis.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models):
+    greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    return [r.token_ids for r in build_engine(tiny_models[0], None).generate(PROMPTS, greedy)]
+
+
+def _generate(address: str, prompt: list[int], **options) -> list[int]:
+    with TandemClient(address, timeout=120) as client:
+        ids = []
+        for item in client.generate(token_ids=prompt, temperature=0.0, max_tokens=TOKENS, ignore_eos=True,
+                                    **options):
+            ids += list(getattr(item, "token_ids", []))
+    return ids
+
+
+def _worker_caches(backend) -> list[int]:
+    workers = backend.engine.drafter.workers + backend.engine.verifier.workers
+    return ray.get([w.cached_sequences.remote() for w in workers], timeout=30)
+
+
+def test_served_greedy_equals_in_process_plain_decoding(stack, expected) -> None:
+    server, backend, _, store = stack
+    outputs = [_generate(server.address, p, session_id=f"s{i}") for i, p in enumerate(PROMPTS)]
+    assert outputs == expected
+    assert store.get("s0") is not None, "the session's policy state should be in Redis"
+    assert server.wait_for(lambda: _worker_caches(backend) == [0, 0, 0])
+
+
+def test_draft_workers_killed_mid_stream_leave_output_identical(stack, expected) -> None:
+    server, backend, _, _ = stack
+    pids = ray.get([w.info.remote() for w in backend.engine.drafter.workers])
+    with TandemClient(server.address, timeout=120) as client:
+        stream = client.generate(token_ids=PROMPTS[0], temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+        ids = list(next(stream).token_ids)
+        for info in pids:
+            os.kill(info["pid"], signal.SIGKILL)
+        for item in stream:
+            ids += list(getattr(item, "token_ids", []))
+            final = item
+    assert ids == expected[0]
+    assert final.speculation.draft_failures >= 1
+    assert final.finish_reason == 2  # LENGTH: no client-visible error
+
+
+def test_redis_stopped_mid_run_keeps_serving(stack, expected) -> None:
+    server, _, redis, store = stack
+    redis.stop()
+    try:
+        assert _generate(server.address, PROMPTS[1], session_id="during-outage") == expected[1]
+        assert store.counters.redis_errors >= 1
+    finally:
+        redis.start()
+    time.sleep(0.3)
+    assert _generate(server.address, PROMPTS[2], session_id="after-outage") == expected[2]
+    assert server.wait_for(lambda: store.get("after-outage") is not None and store.healthy, timeout=10)
+
+
+def test_cancellation_frees_worker_caches(stack) -> None:
+    server, backend, _, _ = stack
+    with TandemClient(server.address, timeout=120) as client:
+        stream = client.generate(token_ids=PROMPTS[3], temperature=0.0, max_tokens=400, ignore_eos=True)
+        next(stream)
+        next(stream)
+        stream.close()  # cancels the call
+    assert server.wait_for(lambda: not backend.engine.sequences and _worker_caches(backend) == [0, 0, 0],
+                           timeout=30)
