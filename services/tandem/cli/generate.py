@@ -14,6 +14,7 @@ from tandem.cli.common import (
     load_models,
     sampling_params,
 )
+from tandem.cli.remote import add_address_option, run_remote_generate
 from tandem.core.detok import IncrementalDetokenizer
 from tandem.local_engine import build_engine, encode_prompt
 
@@ -26,10 +27,13 @@ def add_generate_parser(subparsers) -> None:
     parser.add_argument("--no-spec", action="store_true", help="plain target decoding through the same engine")
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_address_option(parser)
     parser.set_defaults(handler=run_generate)
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    if args.address:
+        return run_remote_generate(args)
     params = sampling_params(args)
     speculate = not args.no_spec
     config = engine_config(args, speculate)

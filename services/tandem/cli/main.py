@@ -18,10 +18,12 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.cli.bench import add_bench_parser
     from tandem.cli.generate import add_generate_parser
     from tandem.cli.models import add_models_parser
+    from tandem.cli.serve import add_serve_parser
 
     add_models_parser(subparsers)
     add_generate_parser(subparsers)
     add_bench_parser(subparsers)
+    add_serve_parser(subparsers)
     return parser
 
 

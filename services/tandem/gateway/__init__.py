@@ -1,0 +1,1 @@
+"""The gateway: a gRPC front end (tandem.v1.Generation) driving a speculative engine."""

@@ -1,0 +1,284 @@
+"""EngineLoop: drives a (not thread-safe) SpeculativeEngine from one background thread for an asyncio server.
+
+Adds and aborts go through a command queue drained between steps; each step's outputs return to the event loop
+in one call_soon_threadsafe and fan out to per-request asyncio queues. A step that raises or stalls fails the
+affected requests instead of leaving their streams hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tandem.core.config import SamplingParams
+from tandem.core.engine import Sequence, SpeculativeEngine, StepOutput
+from tandem.core.policy import PolicyState
+from tandem.core.stops import FINISH_ABORT
+from tandem.errors import InvalidArgument, TandemError
+from tandem.sessions import MemorySessionStore
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_SECONDS = 0.25
+
+
+class SessionStore(Protocol):
+    """Where PolicyState.to_dict() lives between a session's requests (tandem.sessions: memory or Redis)."""
+
+    def get(self, session_id: str) -> dict | None: ...
+
+    def put(self, session_id: str, state: dict) -> None: ...
+
+
+class QueueFull(TandemError):
+    """Too many requests queued or running; retry later."""
+
+
+class EngineUnavailable(TandemError):
+    """The loop is not running, is draining, or its engine is stalled."""
+
+
+class EngineFailed(TandemError):
+    """The engine raised or stalled while this request was in flight."""
+
+
+@dataclass(slots=True, frozen=True)
+class Finished:
+    finish_reason: str
+    text_cut: int | None
+    completion_tokens: int
+    stats: dict
+
+
+@dataclass(slots=True, frozen=True)
+class Update:
+    """New tokens for one request; `finished` is set on its last update."""
+
+    token_ids: list[int]
+    finished: Finished | None = None
+
+
+@dataclass(slots=True)
+class RequestHandle:
+    request_id: str
+    prompt_tokens: int
+    session_id: str = ""
+    abort_requested: bool = False
+    updates: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    async def __aiter__(self) -> AsyncIterator[Update]:
+        while True:
+            item = await self.updates.get()
+            if isinstance(item, Exception):
+                raise item
+            yield item
+            if item.finished is not None:
+                return
+
+
+Delivery = tuple[RequestHandle, Update | Exception]
+
+
+@dataclass(slots=True, frozen=True)
+class _Add:
+    handle: RequestHandle
+    prompt: list[int]
+    params: SamplingParams
+    policy: PolicyState | None
+    max_k: int | None
+
+
+class EngineLoop:
+    def __init__(self, engine: SpeculativeEngine, max_requests: int = 256, stall_timeout: float = 60.0,
+                 sessions: SessionStore | None = None) -> None:
+        if max_requests < 1:
+            raise InvalidArgument(f"max_requests: must be at least 1, got {max_requests}")
+        self.engine = engine
+        self.max_requests = max_requests
+        self.stall_timeout = stall_timeout
+        self.sessions: SessionStore = sessions if sessions is not None else MemorySessionStore()
+        self.draining = False
+        self._active: dict[str, RequestHandle] = {}  # touched only on the event loop
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._running: dict[str, tuple[Sequence, RequestHandle]] = {}  # touched only on the engine thread
+        self._step_started: float | None = None
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._watchdog: asyncio.Task | None = None
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-sessions")
+
+    async def start(self) -> None:
+        self._event_loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+        self._watchdog = asyncio.create_task(self._watch_stalls())
+
+    async def close(self) -> None:
+        self._closed.set()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        for request_id in list(self._active):
+            self._fail(request_id, EngineUnavailable("server shutting down"))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, self.stall_timeout)
+        self._saver.shutdown(wait=True)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    @property
+    def stalled(self) -> bool:
+        return (started := self._step_started) is not None and time.monotonic() - started > self.stall_timeout
+
+    async def submit(self, prompt: list[int], params: SamplingParams, request_id: str, session_id: str = "",
+                     max_k: int | None = None) -> RequestHandle:
+        if self._thread is None or self._closed.is_set() or self.draining:
+            raise EngineUnavailable("not accepting requests: the server is draining or stopped")
+        if self.stalled:
+            raise EngineUnavailable("not accepting requests: the engine is stalled")
+        if request_id in self._active:
+            raise InvalidArgument(f"request_id: {request_id!r} is already running")
+        if len(self._active) >= self.max_requests:
+            raise QueueFull(f"queue full: {len(self._active)} requests queued or running (limit {self.max_requests})")
+        handle = RequestHandle(request_id, len(prompt), session_id)
+        self._active[request_id] = handle
+        state = None
+        if session_id:
+            try:
+                state = await self._load_policy(session_id)
+            except asyncio.CancelledError:
+                self._active.pop(request_id, None)
+                raise
+            if self._active.get(request_id) is not handle:
+                return handle  # detached while the session state loaded
+        self._commands.put(_Add(handle, list(prompt), params, state, max_k))
+        return handle
+
+    def cancel(self, request_id: str, detach: bool = False) -> bool:
+        """Abort a queued or running request, freeing its caches (False if not active); detach: deliver no more."""
+        handle = self._active.pop(request_id, None) if detach else self._active.get(request_id)
+        if handle is None:
+            return False
+        handle.abort_requested = True
+        self._commands.put(handle)
+        return True
+
+    async def _load_policy(self, session_id: str) -> PolicyState | None:
+        try:
+            data = await asyncio.to_thread(self.sessions.get, session_id)
+            return PolicyState.from_dict(data) if data else None
+        except Exception:
+            log.warning("could not load policy state for session %r; starting fresh", session_id, exc_info=True)
+            return None
+
+    def _deliver(self, updates: list[Delivery]) -> None:
+        for handle, update in updates:
+            # Identity, not id: a detached request's id may already belong to a new request.
+            if self._active.get(handle.request_id) is not handle:
+                continue
+            handle.updates.put_nowait(update)
+            if isinstance(update, Exception) or update.finished is not None:
+                del self._active[handle.request_id]
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        if (handle := self._active.pop(request_id, None)) is not None:
+            handle.updates.put_nowait(error)
+            self._commands.put(handle)
+
+    async def _watch_stalls(self) -> None:
+        interval = max(0.05, min(1.0, self.stall_timeout / 4))
+        while not self._closed.is_set():
+            await asyncio.sleep(interval)
+            if self.stalled and self._active:
+                message = f"engine stalled: a step ran over {self.stall_timeout}s"
+                log.error("%s; failing %d requests", message, len(self._active))
+                for request_id in list(self._active):
+                    self._fail(request_id, EngineUnavailable(message))
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            if not self._drain_commands(block=not self.engine.has_unfinished()):
+                continue
+            self._step_started = time.monotonic()
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                log.exception("engine step failed")
+                self._fail_running(exc)
+                continue
+            finally:
+                self._step_started = None
+            self._publish([self._update_for(out) for out in outputs])
+        self._fail_running(EngineUnavailable("server shutting down"))
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued adds and cancels; True when the engine has work to step."""
+        updates: list[Delivery] = []
+        try:
+            command = self._commands.get(timeout=IDLE_POLL_SECONDS) if block else self._commands.get_nowait()
+            while True:
+                updates.extend(self._apply(command))
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+        self._publish(updates)
+        return self.engine.has_unfinished()
+
+    def _apply(self, command: _Add | RequestHandle) -> list[Delivery]:
+        """Add a request, or abort one (a command that is just its handle)."""
+        if isinstance(command, RequestHandle):
+            if self._running.get(command.request_id, (None, None))[1] is not command:
+                return []
+            self.engine.abort(command.request_id)
+            return [self._update_for(StepOutput(command.request_id, [], FINISH_ABORT))]
+        handle = command.handle
+        try:
+            self.engine.add_request(command.prompt, command.params, handle.request_id, command.policy, command.max_k)
+        except Exception as exc:
+            return [(handle, exc if isinstance(exc, TandemError) else EngineFailed(f"add failed: {exc}"))]
+        self._running[handle.request_id] = (self.engine.sequences[handle.request_id], handle)
+        # An abort that arrived while the session state loaded was queued before this add.
+        return self._apply(handle) if handle.abort_requested else []
+
+    def _update_for(self, out: StepOutput) -> Delivery:
+        seq, handle = self._running[out.request_id]
+        if out.finish_reason is None:
+            return handle, Update(out.new_token_ids)
+        del self._running[out.request_id]
+        result = self.engine.result(seq)
+        if handle.session_id:
+            with contextlib.suppress(RuntimeError):  # the saver is already shut down: the loop is closing
+                self._saver.submit(self._save_policy, handle.session_id, seq.policy.to_dict())
+        finished = Finished(result.finish_reason, seq.text_cut, len(result.token_ids), result.stats)
+        return handle, Update(out.new_token_ids, finished)
+
+    def _save_policy(self, session_id: str, state: dict) -> None:
+        try:
+            self.sessions.put(session_id, state)
+        except Exception:
+            log.warning("could not save policy state for session %r", session_id, exc_info=True)
+
+    def _fail_running(self, error: Exception) -> None:
+        reason = error if isinstance(error, TandemError) else EngineFailed(f"engine step failed: {error}")
+        failed, self._running = [handle for _, handle in self._running.values()], {}
+        for handle in failed:
+            try:
+                self.engine.abort(handle.request_id)
+            except Exception:
+                log.exception("could not release %s after a failure", handle.request_id)
+        self._publish([(handle, reason) for handle in failed])
+
+    def _publish(self, updates: list[Delivery]) -> None:
+        if updates and self._event_loop is not None:
+            with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
+                self._event_loop.call_soon_threadsafe(self._deliver, updates)

@@ -1,0 +1,144 @@
+"""The tandem.v1.Generation servicer: validates, submits to the EngineLoop, streams detokenized chunks."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from tandem.core.detok import IncrementalDetokenizer
+from tandem.core.engine import SpeculativeEngine
+from tandem.core.stops import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+from tandem.errors import InvalidArgument
+from tandem.gateway.loop import EngineFailed, EngineLoop, EngineUnavailable, Finished, QueueFull
+from tandem.gateway.validate import GatewayLimits, ModelLimits, prepare
+from tandem.v1 import generation_pb2 as pb
+from tandem.v1 import generation_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {FINISH_STOP: pb.STOP, FINISH_LENGTH: pb.LENGTH, FINISH_ABORT: pb.ABORT}
+
+
+@dataclass(slots=True)
+class Backend:
+    """A loaded engine and what the gateway needs to describe and feed it."""
+
+    engine: SpeculativeEngine
+    tokenizer: object
+    target_name: str
+    draft_name: str = ""
+
+    @property
+    def model_limits(self) -> ModelLimits:
+        spec = self.engine.config.spec
+        model_config = getattr(getattr(self.engine.verifier, "runner", None), "model", None)
+        window = getattr(getattr(model_config, "config", None), "max_position_embeddings", None)
+        return ModelLimits(vocab_size=self.engine.verifier.vocab_size,
+                           max_k=spec.k_max if self.engine.speculating else 0,
+                           context_window=window if isinstance(window, int) and window > 0 else None)
+
+
+def speculation_stats(stats: dict) -> pb.SpeculationStats:
+    return pb.SpeculationStats(
+        rounds=stats.get("rounds", 0),
+        drafted_tokens=stats.get("drafted", 0),
+        accepted_tokens=stats.get("accepted", 0),
+        acceptance_rate=stats.get("acceptance_rate", 0.0),
+        mean_accepted_length=stats.get("mean_accepted_length", 0.0),
+        fallback_rounds=stats.get("fallback_rounds", 0),
+        acceptance_per_position=stats.get("acceptance_per_position", []),
+        draft_failures=stats.get("draft_failures", 0),
+    )
+
+
+def complete_message(request_id: str, prompt_tokens: int, finished: Finished) -> pb.GenerateResponse:
+    return pb.GenerateResponse(complete=pb.Complete(
+        finish_reason=FINISH_REASONS.get(finished.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+        usage=pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=finished.completion_tokens),
+        speculation=speculation_stats(finished.stats),
+        request_id=request_id,
+    ))
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, limits: GatewayLimits | None = None) -> None:
+        self.limits = limits or GatewayLimits()
+        self.backend: Backend | None = None
+        self.loop: EngineLoop | None = None
+        self._model_limits: ModelLimits | None = None
+
+    def attach(self, backend: Backend, loop: EngineLoop) -> None:
+        """Start serving requests: before this every RPC answers UNAVAILABLE."""
+        self._model_limits = backend.model_limits
+        self.backend, self.loop = backend, loop
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> tuple[Backend, EngineLoop]:
+        if self.backend is None or self.loop is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "not ready: the engine is still loading")
+        if self.loop.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this server is shutting down")
+        return self.backend, self.loop
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        backend, loop = await self._ready(context)
+        status: tuple[grpc.StatusCode, str] | None = None
+        try:
+            prepared = prepare(request, backend.tokenizer, self.limits, self._model_limits)
+            handle = await loop.submit(prepared.prompt_ids, prepared.params, prepared.request_id,
+                                       prepared.session_id, prepared.max_k)
+        except InvalidArgument as exc:
+            status = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            status = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except EngineUnavailable as exc:
+            status = (grpc.StatusCode.UNAVAILABLE, str(exc))
+        if status is not None:
+            await context.abort(*status)
+        detok = IncrementalDetokenizer(backend.engine.decode, prepared.params.stop)
+        finished: Finished | None = None
+        try:
+            async for update in handle:
+                finished = update.finished
+                text = detok.push(update.token_ids, final=finished is not None,
+                                  cut=finished.text_cut if finished else None)
+                if text or update.token_ids:
+                    yield pb.GenerateResponse(chunk=pb.Chunk(text=text, token_ids=update.token_ids))
+        except InvalidArgument as exc:
+            status = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineUnavailable as exc:
+            status = (grpc.StatusCode.UNAVAILABLE, str(exc))
+        except EngineFailed as exc:
+            status = (grpc.StatusCode.INTERNAL, str(exc))
+        finally:
+            if finished is None:
+                # The client went away (cancelled, deadline) or the engine failed: free the request's caches.
+                loop.cancel(handle.request_id, detach=True)
+        if status is not None:
+            await context.abort(*status)
+        yield complete_message(handle.request_id, handle.prompt_tokens, finished)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
+        if self.loop is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "not ready: the engine is still loading")
+        return pb.AbortResponse(found=self.loop.cancel(request.request_id))
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        if self.backend is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "not ready: the engine is still loading")
+        engine = self.backend.engine
+        return pb.ModelInfo(
+            target_model=self.backend.target_name,
+            draft_model=self.backend.draft_name if engine.speculating else "",
+            vocab_size=self._model_limits.vocab_size,
+            max_k=self._model_limits.max_k,
+            draft_workers=1 if engine.speculating else 0,
+            target_replicas=1,
+            tensor_parallel_size=1,
+        )

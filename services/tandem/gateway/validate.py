@@ -1,0 +1,146 @@
+"""GenerateRequest -> a validated, tokenized request; every rejection names the offending field first."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from tandem.core.config import SamplingParams
+from tandem.errors import InvalidArgument
+from tandem.v1 import generation_pb2 as pb
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+DEFAULT_MAX_TOKENS = 128
+
+
+@dataclass(slots=True, frozen=True)
+class GatewayLimits:
+    """Per-request bounds the gateway enforces before anything reaches the engine."""
+
+    max_tokens: int = 4096
+    max_prompt_tokens: int = 8192
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_chat_messages: int = 1024
+    max_id_chars: int = 128
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"{name}: must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(slots=True, frozen=True)
+class ModelLimits:
+    """What the loaded models accept: token ids below vocab_size, drafting up to max_k, context_window in all."""
+
+    vocab_size: int
+    max_k: int
+    context_window: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class PreparedRequest:
+    request_id: str
+    session_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_k: int | None  # None: the policy decides up to the server's k_max; 0: plain decoding
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidArgument(message)
+
+
+def _check_id(name: str, value: str, limits: GatewayLimits) -> None:
+    _require(len(value) <= limits.max_id_chars, f"{name}: at most {limits.max_id_chars} characters, got {len(value)}")
+    _require(value.isprintable(), f"{name}: must not contain control characters")
+
+
+def sampling_params(request: pb.GenerateRequest, limits: GatewayLimits, model: ModelLimits) -> SamplingParams:
+    sampling = request.sampling
+
+    def value(name: str, default):
+        return getattr(sampling, name) if sampling.HasField(name) else default
+
+    max_tokens = value("max_tokens", DEFAULT_MAX_TOKENS)
+    _require(1 <= max_tokens <= limits.max_tokens, f"max_tokens: must be between 1 and {limits.max_tokens}, "
+             f"got {max_tokens}")
+    _require(len(request.stop) <= limits.max_stop_strings,
+             f"stop: at most {limits.max_stop_strings} stop strings, got {len(request.stop)}")
+    for index, stop in enumerate(request.stop):
+        _require(0 < len(stop) <= limits.max_stop_string_chars,
+                 f"stop[{index}]: must be 1 to {limits.max_stop_string_chars} characters, got {len(stop)}")
+    _require(len(request.stop_token_ids) <= limits.max_stop_token_ids,
+             f"stop_token_ids: at most {limits.max_stop_token_ids} ids, got {len(request.stop_token_ids)}")
+    bad_stops = [t for t in request.stop_token_ids if not 0 <= t < model.vocab_size]
+    _require(not bad_stops, f"stop_token_ids: {bad_stops[:5]} are outside the vocabulary (0..{model.vocab_size - 1})")
+    # SamplingParams checks the remaining ranges (temperature, top_p, top_k, seed) with field-named messages.
+    return SamplingParams(temperature=value("temperature", 1.0), top_p=value("top_p", 1.0), top_k=value("top_k", 0),
+                          seed=value("seed", None), max_tokens=max_tokens, stop=tuple(request.stop),
+                          stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos)
+
+
+def speculation_max_k(options: pb.SpeculationOptions, model: ModelLimits) -> int | None:
+    modes = pb.SpeculationOptions.Mode
+    _require(options.mode in modes.values(), f"speculation.mode: unknown value {options.mode}")
+    if options.HasField("max_k"):
+        _require(0 <= options.max_k <= model.max_k,
+                 f"speculation.max_k: must be between 0 and {model.max_k}, got {options.max_k}")
+    if options.mode == modes.Value("OFF"):
+        return 0
+    return options.max_k if options.HasField("max_k") else None
+
+
+def prompt_ids(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model: ModelLimits) -> list[int]:
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise InvalidArgument("input: set one of prompt, token_ids or chat")
+    if kind == "prompt":
+        _require(bool(request.prompt), "prompt: must not be empty")
+        ids = tokenizer.encode(request.prompt)
+    elif kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        _require(bool(ids), "token_ids: must contain at least one id")
+        bad = [t for t in ids if not 0 <= t < model.vocab_size]
+        _require(not bad, f"token_ids: {bad[:5]} are outside the vocabulary (0..{model.vocab_size - 1})")
+    else:
+        ids = chat_ids(request.chat, tokenizer, limits)
+    _require(bool(ids), f"{kind}: encodes to no tokens")
+    _require(len(ids) <= limits.max_prompt_tokens,
+             f"{kind}: {len(ids)} tokens is more than the limit of {limits.max_prompt_tokens}")
+    return ids
+
+
+def chat_ids(chat: pb.Chat, tokenizer, limits: GatewayLimits) -> list[int]:
+    messages = chat.messages
+    _require(len(messages) > 0, "chat: needs at least one message")
+    _require(len(messages) <= limits.max_chat_messages,
+             f"chat: at most {limits.max_chat_messages} messages, got {len(messages)}")
+    for index, message in enumerate(messages):
+        _require(message.role in CHAT_ROLES,
+                 f"chat.messages[{index}].role: must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}")
+    _require(bool(getattr(tokenizer, "chat_template", None)), "chat: this model's tokenizer has no chat template")
+    try:
+        text = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                             tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # the template itself rejects the conversation (e.g. roles must alternate)
+        raise InvalidArgument(f"chat: the chat template rejected these messages: {exc}") from exc
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model: ModelLimits) -> PreparedRequest:
+    """Validate and tokenize; raises InvalidArgument whose message starts with the bad field's name."""
+    _check_id("request_id", request.request_id, limits)
+    _check_id("session_id", request.session_id, limits)
+    params = sampling_params(request, limits, model)
+    max_k = speculation_max_k(request.speculation, model)
+    ids = prompt_ids(request, tokenizer, limits, model)
+    if model.context_window is not None:
+        _require(len(ids) + params.max_tokens <= model.context_window,
+                 f"max_tokens: the prompt's {len(ids)} tokens plus max_tokens {params.max_tokens} exceed the "
+                 f"model's context window of {model.context_window}")
+    request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+    return PreparedRequest(request_id, request.session_id, ids, params, max_k)

@@ -1,0 +1,76 @@
+"""Runs a real gateway on 127.0.0.1 (a free port) in a background event loop, for blocking tests to call."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Coroutine
+
+from tandem.core.config import EngineConfig, SpecConfig
+from tandem.gateway.loop import SessionStore
+from tandem.gateway.server import Gateway, GatewayOptions, start_gateway
+from tandem.gateway.servicer import Backend
+from tandem.local_engine import build_engine
+
+CALL_TIMEOUT = 60.0
+
+
+def tiny_backend(target, draft=None, **spec) -> Callable[[], Backend]:
+    """A loader for build_engine on the tiny models (fixed k, no calibration, so runs are repeatable)."""
+    config = EngineConfig(spec=SpecConfig(**({"adaptive": False, "k_init": 4} | spec)), calibrate=False)
+
+    def load() -> Backend:
+        return Backend(build_engine(target, draft, config), target.tokenizer, "tiny-target",
+                       "tiny-draft" if draft is not None else "")
+
+    return load
+
+
+class ServerThread:
+    def __init__(self, load: Callable[[], Backend], wait_ready: bool = True, sessions: SessionStore | None = None,
+                 **options) -> None:
+        self.event_loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.event_loop.run_forever, name="gateway-test", daemon=True)
+        self.thread.start()
+        self.gateway: Gateway = self.call(start_gateway(load, GatewayOptions(host="127.0.0.1", port=0, **options),
+                                                        sessions))
+        if wait_ready:
+            self.call(self.gateway.ready())
+
+    @property
+    def address(self) -> str:
+        return self.gateway.address
+
+    @property
+    def engine(self):
+        return self.gateway.loop.engine
+
+    def call(self, coroutine: Coroutine, timeout: float = CALL_TIMEOUT):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.event_loop).result(timeout)
+
+    def start_drain(self, grace: float) -> None:
+        self.event_loop.call_soon_threadsafe(self.gateway.drain, grace)
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return True
+            time.sleep(0.02)
+        return condition()
+
+    def caches_empty(self) -> bool:
+        engine = self.engine
+        drafter_states = engine.drafter.runner.states if engine.drafter is not None else {}
+        return not engine.sequences and not engine.verifier.runner.states and not drafter_states
+
+    def stop(self) -> None:
+        async def shutdown() -> None:
+            await self.gateway.drain(0)
+
+        try:
+            self.call(shutdown())
+        finally:
+            self.event_loop.call_soon_threadsafe(self.event_loop.stop)
+            self.thread.join(10)

@@ -1,0 +1,108 @@
+"""`tandem serve` as a real process, and remote `tandem generate --address` against it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tandem.cli.generate import add_generate_parser
+from tandem.cli.main import main
+from tandem.cli.remote import run_remote_generate
+from tandem.client import TandemClient
+from tandem.gateway.server import READINESS_SERVICE, SERVING, GatewayOptions, start_gateway
+
+SERVICES = Path(__file__).resolve().parent.parent / "services"
+STARTUP_SECONDS = 120
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dirs):
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(SERVICES), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem", "serve", "--target", str(tiny_dirs.target), "--draft", str(tiny_dirs.draft),
+         "--port", "0", "--dtype", "float32", "--threads", "1", "--grace", "5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+
+    def read_until_serving() -> None:
+        while (line := proc.stdout.readline()) and len(lines) < 20:
+            lines.append(line)
+            if "serving" in line:
+                return
+
+    reader = threading.Thread(target=read_until_serving, daemon=True)
+    reader.start()
+    reader.join(STARTUP_SECONDS)
+    if not lines or "serving" not in lines[-1]:
+        proc.kill()
+        pytest.fail(f"serve did not start: {lines} {proc.stderr.read()}")
+    assert any("embedded Redis" in line for line in lines), "serve should start its own Redis without REDIS_URL"
+    address = lines[-1].split(" on ")[1].split()[0]
+    with TandemClient(address, timeout=5) as client:
+        for _ in range(STARTUP_SECONDS * 4):
+            try:
+                if client.health_status(READINESS_SERVICE) == SERVING:
+                    break
+            except grpc.RpcError:
+                pass
+            threading.Event().wait(0.25)
+    yield proc, address
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
+def _remote_args(address: str, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    subparsers = parser.add_subparsers()
+    add_generate_parser(subparsers)
+    return parser.parse_args(["generate", "def add(a, b):", "--address", address, "--temperature", "0",
+                              "--max-tokens", "24", "--ignore-eos", *extra])
+
+
+def test_remote_generate_matches_local_generate(served, tiny_dirs, capsys) -> None:
+    _, address = served
+    assert run_remote_generate(_remote_args(address, "--json")) == 0
+    remote = json.loads(capsys.readouterr().out)
+    assert run_remote_generate(_remote_args(address, "--json", "--no-spec")) == 0
+    remote_plain = json.loads(capsys.readouterr().out)
+    assert main(["generate", "def add(a, b):", "--target", str(tiny_dirs.target), "--draft", str(tiny_dirs.draft),
+                 "--temperature", "0", "--max-tokens", "24", "--ignore-eos", "--dtype", "float32", "--json"]) == 0
+    local = json.loads(capsys.readouterr().out)
+    assert remote["token_ids"] == local["token_ids"] == remote_plain["token_ids"]
+    assert remote["text"] == local["text"] and remote["finish_reason"] == "length"
+    assert remote["stats"]["drafted"] > 0 and remote_plain["stats"]["drafted"] == 0
+    assert remote["prompt_tokens"] == local["prompt_tokens"]
+    assert run_remote_generate(_remote_args(address)) == 0
+    streamed = capsys.readouterr()
+    assert streamed.out.rstrip("\n") == local["text"] and "finish: length" in streamed.err
+
+
+def test_remote_errors_and_busy_port(served) -> None:
+    _, address = served
+    with pytest.raises(Exception, match="INVALID_ARGUMENT: top_p"):
+        run_remote_generate(_remote_args(address, "--top-p", "0"))
+    host, port = address.rsplit(":", 1)
+    with pytest.raises(OSError, match="cannot listen"):
+        asyncio.run(start_gateway(lambda: None, GatewayOptions(host=host, port=int(port))))
+
+
+def test_sigterm_drains_and_exits_cleanly(served) -> None:
+    proc, address = served
+    with TandemClient(address, timeout=30) as client:
+        stream = client.generate(prompt="hello", temperature=0.0, max_tokens=200, ignore_eos=True)
+        next(stream)
+        proc.send_signal(signal.SIGTERM)
+        complete = list(stream)[-1]
+    assert complete.usage.completion_tokens == 200
+    assert proc.wait(30) == 0
