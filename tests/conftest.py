@@ -15,6 +15,18 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray on loopback for the whole run: starting Ray twice in a process is slow and flaky."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             configure_logging=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                                       "TOKENIZERS_PARALLELISM": "false"}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     from tandem.models.tiny import make_tiny
 

@@ -22,16 +22,16 @@ PROMPTS = [[72, 101, 108, 108, 111], [40, 50, 60], [1, 2, 3, 4, 5, 6, 7, 8, 9], 
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             configure_logging=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}})
-    yield
-    ray.shutdown()
+def ray_cluster(ray_session):
+    return ray_session
 
 
 @pytest.fixture(scope="module")
 def pool(ray_cluster, tiny_dirs):
-    return start_draft_workers(WorkerConfig(model=str(tiny_dirs.draft), dtype="float32", threads=1), count=2)
+    workers = start_draft_workers(WorkerConfig(model=str(tiny_dirs.draft), dtype="float32", threads=1), count=2)
+    yield workers
+    for worker in workers:
+        ray.kill(worker)
 
 
 def _engine(tiny_models, workers, **pool_options) -> SpeculativeEngine:
@@ -106,7 +106,10 @@ def test_stalled_worker_misses_deadline_and_stream_goes_on(tiny_models, pool, ex
 
 @pytest.fixture(scope="module")
 def replicas(ray_cluster, tiny_dirs):
-    return start_target_replicas(WorkerConfig(model=str(tiny_dirs.target), dtype="float32", threads=1), count=2)
+    workers = start_target_replicas(WorkerConfig(model=str(tiny_dirs.target), dtype="float32", threads=1), count=2)
+    yield workers
+    for worker in workers:
+        ray.kill(worker)
 
 
 def test_target_replicas_batch_and_survive_a_killed_replica(tiny_models, pool, replicas, expected) -> None:
@@ -143,3 +146,6 @@ def test_tensor_parallel_two_ranks_equals_single_rank(tiny_models, tiny_dirs, ra
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == expected
     shards = ray.get([rank.info.remote() for rank in replica.ranks])
     assert [s["sequences"] for s in shards] == [0, 0]
+    for rank in replica.ranks:
+        ray.kill(rank)
+    ray.util.remove_placement_group(replica.group)

@@ -2,7 +2,8 @@
 
     python -m tandem.bench.serving --address 127.0.0.1:50051 --concurrency 1 8 --max-tokens 64 --json out.json
 
-Each level runs once with speculation AUTO and once OFF (plain decoding through the same server), so the JSON holds
+Each level runs the prompt set (at least `concurrency` requests) with at most `concurrency` in flight, once with
+speculation AUTO and once OFF (plain decoding through the same server), so the JSON holds
 aggregate tok/s per level and mode, and the ratios the targets are stated in.
 """
 
@@ -33,10 +34,15 @@ async def run_level(address: str, prompts: list[str], concurrency: int, max_toke
     client = AsyncTandemClient(address, timeout=1800)
     try:
         await _one(client, prompts[0], 4, speculation, "warmup")
-        jobs = [prompts[i % len(prompts)] for i in range(concurrency)]
+        jobs = [prompts[i % len(prompts)] for i in range(max(concurrency, len(prompts)))]
+        slots = asyncio.Semaphore(concurrency)
+
+        async def job(i: int, prompt: str) -> dict:
+            async with slots:
+                return await _one(client, prompt, max_tokens, speculation, f"{speculation}-{concurrency}-{i}")
+
         started = time.perf_counter()
-        results = await asyncio.gather(*[_one(client, p, max_tokens, speculation, f"{speculation}-{concurrency}-{i}")
-                                         for i, p in enumerate(jobs)])
+        results = await asyncio.gather(*[job(i, p) for i, p in enumerate(jobs)])
         seconds = time.perf_counter() - started
     finally:
         await client.close()
