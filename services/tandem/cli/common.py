@@ -73,3 +73,29 @@ def load_models(args: argparse.Namespace, speculate: bool):
         return load_model(args.target, device=device, dtype=dtype), None
     draft, target = load_pair(args.draft, args.target, device=device, dtype=dtype)
     return target, draft
+
+
+def print_outcome(as_json: bool, text: str | None, token_ids: list[int], finish_reason: str, prompt_tokens: int,
+                  elapsed: float, first_token_at: float | None, speculative: bool, stats: dict, **extra) -> None:
+    """The end of `tandem generate`, local or remote: one JSON object, or a summary line after streamed text."""
+    import json
+    import sys
+
+    if not as_json:
+        sys.stdout.write("\n")
+        print(f"[{len(token_ids)} tokens, {elapsed:.2f}s, finish: {finish_reason}, "
+              f"acceptance {stats['acceptance_rate']:.2f}]", file=sys.stderr)
+        return
+    print(json.dumps({
+        "text": text,
+        "token_ids": token_ids,
+        "finish_reason": finish_reason,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(token_ids),
+        "seconds": round(elapsed, 4),
+        "time_to_first_token": round(first_token_at if first_token_at is not None else elapsed, 4),
+        "tokens_per_second": round(len(token_ids) / elapsed, 3) if elapsed > 0 else None,
+        "speculative": speculative,
+        "stats": stats,
+        **extra,
+    }))

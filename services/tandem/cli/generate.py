@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -12,6 +11,7 @@ from tandem.cli.common import (
     add_sampling_options,
     engine_config,
     load_models,
+    print_outcome,
     sampling_params,
 )
 from tandem.cli.remote import add_address_option, run_remote_generate
@@ -54,21 +54,6 @@ def run_generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
     elapsed = time.perf_counter() - started
     result = engine.result(seq)
-    if args.json:
-        print(json.dumps({
-            "text": result.text,
-            "token_ids": result.token_ids,
-            "finish_reason": result.finish_reason,
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": len(result.token_ids),
-            "seconds": round(elapsed, 4),
-            "time_to_first_token": round((first_token_at or time.perf_counter()) - started, 4),
-            "tokens_per_second": round(len(result.token_ids) / elapsed, 3) if elapsed > 0 else None,
-            "speculative": speculate,
-            "stats": result.stats,
-        }))
-    else:
-        sys.stdout.write("\n")
-        print(f"[{len(result.token_ids)} tokens, {elapsed:.2f}s, finish: {result.finish_reason}, "
-              f"acceptance {result.stats['acceptance_rate']:.2f}]", file=sys.stderr)
+    print_outcome(args.json, result.text, result.token_ids, result.finish_reason, len(prompt_ids), elapsed,
+                  first_token_at and first_token_at - started, speculate, result.stats)
     return 0

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import grpc
 
+from tandem.cli.common import print_outcome
 from tandem.client import TandemClient
 from tandem.errors import TandemError
 from tandem.v1 import generation_pb2 as pb
@@ -66,24 +66,7 @@ def run_remote_generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     if complete is None:
         raise TandemError(f"{args.address}: the stream ended without a result")
-    finish_reason = pb.FinishReason.Name(complete.finish_reason).lower()
-    stats = stats_dict(complete.speculation)
-    if args.json:
-        print(json.dumps({
-            "text": "".join(parts),
-            "token_ids": token_ids,
-            "finish_reason": finish_reason,
-            "prompt_tokens": complete.usage.prompt_tokens,
-            "completion_tokens": complete.usage.completion_tokens,
-            "seconds": round(elapsed, 4),
-            "time_to_first_token": round((first_token_at or time.perf_counter()) - started, 4),
-            "tokens_per_second": round(len(token_ids) / elapsed, 3) if elapsed > 0 else None,
-            "speculative": not args.no_spec,
-            "stats": stats,
-            "request_id": complete.request_id,
-        }))
-    else:
-        sys.stdout.write("\n")
-        print(f"[{len(token_ids)} tokens, {elapsed:.2f}s, finish: {finish_reason}, "
-              f"acceptance {stats['acceptance_rate']:.2f}]", file=sys.stderr)
+    print_outcome(args.json, "".join(parts), token_ids, pb.FinishReason.Name(complete.finish_reason).lower(),
+                  complete.usage.prompt_tokens, elapsed, first_token_at and first_token_at - started,
+                  not args.no_spec, stats_dict(complete.speculation), request_id=complete.request_id)
     return 0

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ray
-
 from tandem.core.protocol import DraftProposal, DraftRequest, StateLost
 from tandem.workers.fanout import fan_out, release
 from tandem.workers.routing import AffinityRouter
+from tandem.workers.worker_base import start_workers
 
 
 @dataclass(slots=True)
@@ -47,11 +46,6 @@ class RayDrafter:
 
 
 def start_draft_workers(config, count: int, num_gpus: float = 0.0, num_cpus: float = 1.0) -> list:
-    """Start `count` draft-worker actors; Ray restarts any that die (their sessions are rebuilt from history)."""
     from tandem.workers.draft_worker import DraftWorker
 
-    actor = ray.remote(DraftWorker).options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=-1,
-                                             max_task_retries=0)
-    workers = [actor.remote(config, name=f"draft-{i}") for i in range(count)]
-    ray.get([w.info.remote() for w in workers])
-    return workers
+    return start_workers(DraftWorker, config, count, "draft", num_gpus, num_cpus)

@@ -11,6 +11,7 @@ import ray
 from tandem.core.protocol import StateLost, VerifyRequest, VerifyResult
 from tandem.workers.fanout import fan_out, release
 from tandem.workers.routing import AffinityRouter
+from tandem.workers.worker_base import start_workers
 
 
 class TargetUnavailable(RuntimeError):
@@ -40,8 +41,4 @@ class RayVerifier:
 def start_target_replicas(config, count: int, num_gpus: float = 0.0, num_cpus: float = 1.0) -> list:
     from tandem.workers.target_worker import TargetWorker
 
-    actor = ray.remote(TargetWorker).options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=-1,
-                                              max_task_retries=0)
-    replicas = [actor.remote(config, name=f"target-{i}") for i in range(count)]
-    ray.get([r.info.remote() for r in replicas])
-    return replicas
+    return start_workers(TargetWorker, config, count, "target", num_gpus, num_cpus)

@@ -16,13 +16,15 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.core.local import LocalVerifier
-from tandem.core.protocol import StateLost, VerifyRequest
-from tandem.workers.worker_base import WorkerBase, WorkerConfig, WorkerReply, load_runner
+from tandem.workers.target_worker import TargetWorker
+from tandem.workers.worker_base import WorkerBase, WorkerConfig, load_runner
 
 
-class TensorParallelRank(WorkerBase):
+class TensorParallelRank(TargetWorker):
+    """A target worker whose model is loaded only once its process group is up (in `setup`)."""
+
     def __init__(self, config: WorkerConfig, rank: int, world: int, name: str = "target") -> None:
-        super().__init__(f"{name}-rank{rank}")
+        WorkerBase.__init__(self, f"{name}-rank{rank}")
         self.config, self.rank, self.world = config, rank, world
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -41,12 +43,6 @@ class TensorParallelRank(WorkerBase):
         dist.init_process_group(backend, rank=self.rank, world_size=self.world, timeout=timedelta(seconds=timeout_s))
         self.runner = load_runner(self.config, extra={"tp_plan": "auto"} if self.world > 1 else None)
         self.verifier = LocalVerifier(self.runner)
-
-    def verify(self, requests: list[VerifyRequest]) -> WorkerReply:
-        try:
-            return WorkerReply(results=self.verifier.verify(requests))
-        except StateLost as lost:
-            return WorkerReply(lost=lost.seq_ids)
 
 
 class _AllRanks:

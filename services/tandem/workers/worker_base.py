@@ -64,3 +64,15 @@ class WorkerBase:
     def info(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "sequences": self.cached_sequences(),
                 "vocab_size": self.runner.vocab_size}
+
+
+def start_workers(worker_class: type, config: WorkerConfig, count: int, name: str, num_gpus: float = 0.0,
+                  num_cpus: float = 1.0) -> list:
+    """Start `count` actors of `worker_class`; Ray restarts any that die (their sessions are rebuilt from history)."""
+    import ray
+
+    actor = ray.remote(worker_class).options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=-1,
+                                             max_task_retries=0)
+    workers = [actor.remote(config, name=f"{name}-{i}") for i in range(count)]
+    ray.get([w.info.remote() for w in workers])
+    return workers
