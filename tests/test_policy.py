@@ -78,3 +78,21 @@ def test_cost_model_interpolates_and_extrapolates() -> None:
     assert abs(costs.verify[3] - (0.8 * 1.4 + 0.2 * 2.4)) < 1e-12
     costs.observe_verify(1, 100.0)  # a stall moves the estimate by at most smoothing x its size
     assert abs(costs.verify[1] - 1.2) < 1e-12
+
+
+def test_batch_arms_follow_measured_goodput_and_keep_exploring() -> None:
+    from tandem.core.batch_arms import PLAIN, SPECULATE, BatchArms
+
+    arms = BatchArms(explore_every=8)
+    assert arms.choose(1) == SPECULATE  # a single sequence is left to its own policy
+    chosen = []
+    for _ in range(64):
+        arm = arms.choose(8)
+        chosen.append(arm)
+        arms.observe(8, arm, tokens=8 if arm == PLAIN else 12, seconds=0.3 if arm == PLAIN else 1.2)
+    assert chosen[:2] == [SPECULATE, PLAIN]  # each measured once first
+    later = chosen[16:]
+    assert later.count(PLAIN) > 0.8 * len(later) and SPECULATE in later  # plain wins here, speculation re-tested
+    arms.observe(4, SPECULATE, tokens=20, seconds=0.5)
+    arms.observe(4, PLAIN, tokens=4, seconds=0.4)
+    assert arms.choose(4) == SPECULATE  # each batch size has its own measurements

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tandem.core import policy
+from tandem.core.batch_arms import PLAIN, SPECULATE, BatchArms
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.costs import CostModel
 from tandem.core.protocol import (
@@ -81,6 +82,7 @@ class SpeculativeEngine:
         self.config = config or EngineConfig()
         self.eos_token_ids, self.decode = eos_token_ids, decode
         self.costs = costs or CostModel()
+        self.batch_arms = BatchArms()
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         if self.drafter is not None and self.config.spec.speculating and self.config.calibrate:
@@ -117,8 +119,12 @@ class SpeculativeEngine:
         return bool(self.sequences)
 
     def step(self) -> list[StepOutput]:
+        step_started = time.perf_counter()
         batch = list(self.sequences.values())[: self.config.max_batch]
         ks = [self._choose_k(seq) for seq in batch]
+        arm = self.batch_arms.choose(len(batch)) if any(ks) else PLAIN
+        if arm == PLAIN:
+            ks = [0] * len(batch)
         proposals = self._draft(batch, ks)
         ks = [len(p.tokens) if p else 0 for p in proposals]
         started = time.perf_counter()
@@ -141,6 +147,9 @@ class SpeculativeEngine:
         for seq, k, proposal, result in zip(batch, ks, proposals, results, strict=True):
             seq.stats.verify_seconds += seconds
             outputs.append(self._commit(seq, k, proposal, result.accepted, result.next_token))
+        emitted = sum(result.accepted + 1 for result in results)
+        self.batch_arms.observe(len(batch), SPECULATE if any(ks) else PLAIN, emitted,
+                                time.perf_counter() - step_started)
         return outputs
 
     def _choose_k(self, seq: Sequence) -> int:
