@@ -95,5 +95,4 @@ def test_batch_arms_follow_measured_goodput_and_keep_exploring() -> None:
     assert later.count(PLAIN) > 0.8 * len(later) and SPECULATE in later  # plain wins here, speculation re-tested
     arms.observe(4, SPECULATE, tokens=20, seconds=0.5)
     arms.observe(4, PLAIN, tokens=4, seconds=0.4)
-    assert arms.choose(4) == SPECULATE  # each power-of-two bucket of batch sizes has its own measurements
-    assert arms.choose(7) == SPECULATE and arms.choose(9) == PLAIN
+    assert arms.choose(4) == SPECULATE  # each batch size has its own measurements

@@ -4,8 +4,7 @@ Per-session policies price k with single-sequence costs. With several sequences 
 little more than one sequence's (memory-bound weights are read once), while drafting and verifying k + 1 tokens per
 row grows with the batch; speculation can then lose to plain decoding. So for every batch size the engine keeps the
 measured goodput (tokens emitted per second of step) of both kinds of round, runs the better one, and re-measures the
-other every `explore_every` rounds. Batch sizes share measurements in power-of-two buckets (2-3, 4-7, 8-15, ...),
-since requests finishing one by one walk the batch size down and each probe of the losing arm costs real time.
+other every `explore_every` rounds.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ class ArmStats:
 
 @dataclass(slots=True)
 class BatchArms:
-    explore_every: int = 32
+    explore_every: int = 16
     smoothing: float = 0.3
     arms: dict[tuple[int, str], ArmStats] = field(default_factory=dict)
     rounds: dict[int, int] = field(default_factory=dict)
@@ -31,7 +30,6 @@ class BatchArms:
     def choose(self, batch_size: int) -> str:
         if batch_size <= 1:
             return SPECULATE
-        batch_size = batch_size.bit_length()
         spec, plain = self._arm(batch_size, SPECULATE), self._arm(batch_size, PLAIN)
         for arm, stats in ((SPECULATE, spec), (PLAIN, plain)):
             if stats.rounds == 0:
@@ -43,7 +41,6 @@ class BatchArms:
     def observe(self, batch_size: int, arm: str, tokens: int, seconds: float) -> None:
         if batch_size <= 1 or seconds <= 0:
             return
-        batch_size = batch_size.bit_length()
         self.rounds[batch_size] = self.rounds.get(batch_size, 0) + 1
         stats = self._arm(batch_size, arm)
         goodput = tokens / seconds
@@ -54,4 +51,4 @@ class BatchArms:
         return self.arms.setdefault((batch_size, arm), ArmStats())
 
     def to_dict(self) -> dict:
-        return {f"{2 ** (b - 1)}+:{arm}": round(s.goodput, 3) for (b, arm), s in sorted(self.arms.items())}
+        return {f"{b}:{arm}": round(s.goodput, 3) for (b, arm), s in sorted(self.arms.items())}
