@@ -26,12 +26,17 @@ def ray_cluster(ray_session):
     return ray_session
 
 
-@pytest.fixture(scope="module")
-def pool(ray_cluster, tiny_dirs):
-    workers = start_draft_workers(WorkerConfig(model=str(tiny_dirs.draft), dtype="float32", threads=1), count=2)
+def _actors(start, model_dir):
+    """Two actors on a tiny model for the module, killed afterwards so later modules have the CPUs."""
+    workers = start(WorkerConfig(model=str(model_dir), dtype="float32", threads=1), count=2)
     yield workers
     for worker in workers:
         ray.kill(worker)
+
+
+@pytest.fixture(scope="module")
+def pool(ray_cluster, tiny_dirs):
+    yield from _actors(start_draft_workers, tiny_dirs.draft)
 
 
 def _engine(tiny_models, workers, **pool_options) -> SpeculativeEngine:
@@ -106,10 +111,7 @@ def test_stalled_worker_misses_deadline_and_stream_goes_on(tiny_models, pool, ex
 
 @pytest.fixture(scope="module")
 def replicas(ray_cluster, tiny_dirs):
-    workers = start_target_replicas(WorkerConfig(model=str(tiny_dirs.target), dtype="float32", threads=1), count=2)
-    yield workers
-    for worker in workers:
-        ray.kill(worker)
+    yield from _actors(start_target_replicas, tiny_dirs.target)
 
 
 def test_target_replicas_batch_and_survive_a_killed_replica(tiny_models, pool, replicas, expected) -> None:

@@ -16,7 +16,7 @@ from tandem.core.config import EngineConfig
 from tandem.core.engine import SpeculativeEngine
 from tandem.errors import InvalidArgument
 from tandem.gateway.servicer import Backend
-from tandem.local_engine import decoder
+from tandem.local_engine import decoder, draft_vocab_limit
 from tandem.workers.draft_pool import RayDrafter, start_draft_workers
 from tandem.workers.target_pool import RayVerifier, start_target_replicas
 from tandem.workers.tp_replica import start_tp_replica
@@ -107,8 +107,8 @@ def start_backend(target: str, draft: str | None, config: EngineConfig, options:
     verifier = RayVerifier(replicas)
     drafter = None
     if draft and spec.speculating and options.draft_workers:
-        draft_config = WorkerConfig(model=draft, top_m=spec.draft_top_m, vocab_limit=verifier.vocab_size,
-                                    confidence=spec.draft_confidence, draft_vocab=spec.draft_vocab, **common)
+        draft_config = WorkerConfig(model=draft, top_m=spec.draft_top_m, confidence=spec.draft_confidence,
+                                    draft_vocab=draft_vocab_limit(spec.draft_vocab, verifier.vocab_size), **common)
         workers = start_draft_workers(draft_config, options.draft_workers, num_gpus=options.draft_gpus,
                                       num_cpus=options.cpus_per_worker)
         drafter = RayDrafter(workers, timeout_s=options.draft_timeout_s)

@@ -26,6 +26,11 @@ def decoder(tokenizer):
     return decode
 
 
+def draft_vocab_limit(draft_vocab: int, target_vocab: int) -> int:
+    """The ids the drafter scores: never beyond the target's vocabulary, fewer if `draft_vocab` asks."""
+    return min(draft_vocab, target_vocab) if draft_vocab else target_vocab
+
+
 def build_engine(target, draft=None, config: EngineConfig | None = None) -> SpeculativeEngine:
     """target and draft are LoadedModel-like objects with .model and .tokenizer; draft None means plain decoding."""
     config = config or EngineConfig()
@@ -33,9 +38,9 @@ def build_engine(target, draft=None, config: EngineConfig | None = None) -> Spec
     verifier = LocalVerifier(ModelRunner(target.model, pad_token_id=pad))
     drafter = None
     if draft is not None and config.spec.speculating:
-        runner = ModelRunner(draft.model, pad_token_id=pad, vocab_limit=config.spec.draft_vocab)
-        drafter = LocalDrafter(runner, top_m=config.spec.draft_top_m, vocab_limit=verifier.vocab_size,
-                               confidence=config.spec.draft_confidence)
+        runner = ModelRunner(draft.model, pad_token_id=pad,
+                             vocab_limit=draft_vocab_limit(config.spec.draft_vocab, verifier.vocab_size))
+        drafter = LocalDrafter(runner, top_m=config.spec.draft_top_m, confidence=config.spec.draft_confidence)
     return SpeculativeEngine(verifier, drafter, config, eos_token_ids(target.model, target.tokenizer),
                              decoder(target.tokenizer))
 

@@ -44,11 +44,9 @@ def _sync_all(runner: ModelRunner, requests: list, seed_offset: int) -> list[Seq
 
 
 class LocalDrafter:
-    def __init__(self, runner: ModelRunner, top_m: int = 64, vocab_limit: int | None = None,
-                 confidence: float = 0.0) -> None:
+    def __init__(self, runner: ModelRunner, top_m: int = 64, confidence: float = 0.0) -> None:
         self.runner = runner
         self.top_m = top_m
-        self.vocab_limit = vocab_limit
         self.confidence = confidence
 
     def release(self, seq_id: str) -> None:
@@ -81,8 +79,6 @@ class LocalDrafter:
     def _sample(self, logits: torch.Tensor, request: DraftRequest,
                 generator) -> tuple[int, SparseDist | None, float]:
         """(token, the distribution it was drawn from or None if greedy, the draft's top probability)."""
-        if self.vocab_limit is not None and logits.shape[-1] > self.vocab_limit:
-            logits = logits[:, : self.vocab_limit]
         if request.params.greedy:
             top = logits[-1].softmax(-1).max() if self.confidence else torch.tensor(1.0)
             return int(logits[-1].argmax()), None, float(top)

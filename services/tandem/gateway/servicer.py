@@ -41,6 +41,18 @@ class Backend:
                            context_window=window if isinstance(window, int) and window > 0 else None)
 
 
+STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
+    EngineFailed: grpc.StatusCode.INTERNAL,
+}
+
+
+def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    return next(code for kind, code in STATUS_CODES.items() if isinstance(exc, kind)), str(exc)
+
+
 def speculation_stats(stats: dict) -> pb.SpeculationStats:
     return pb.SpeculationStats(
         rounds=stats.get("rounds", 0),
@@ -90,12 +102,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             prepared = prepare(request, backend.tokenizer, self.limits, self._model_limits)
             handle = await loop.submit(prepared.prompt_ids, prepared.params, prepared.request_id,
                                        prepared.session_id, prepared.max_k)
-        except InvalidArgument as exc:
-            status = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFull as exc:
-            status = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except EngineUnavailable as exc:
-            status = (grpc.StatusCode.UNAVAILABLE, str(exc))
+        except (InvalidArgument, QueueFull, EngineUnavailable) as exc:
+            status = _status_of(exc)
         if status is not None:
             await context.abort(*status)
         detok = IncrementalDetokenizer(backend.engine.decode, prepared.params.stop)
@@ -107,12 +115,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                   cut=finished.text_cut if finished else None)
                 if text or update.token_ids:
                     yield pb.GenerateResponse(chunk=pb.Chunk(text=text, token_ids=update.token_ids))
-        except InvalidArgument as exc:
-            status = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except EngineUnavailable as exc:
-            status = (grpc.StatusCode.UNAVAILABLE, str(exc))
-        except EngineFailed as exc:
-            status = (grpc.StatusCode.INTERNAL, str(exc))
+        except (InvalidArgument, EngineUnavailable, EngineFailed) as exc:
+            status = _status_of(exc)
         finally:
             if finished is None:
                 # The client went away (cancelled, deadline) or the engine failed: free the request's caches.

@@ -14,8 +14,7 @@ class DraftWorker(WorkerBase):
     def __init__(self, config: WorkerConfig, name: str = "draft") -> None:
         super().__init__(name)
         self.runner = load_runner(config, vocab_limit=config.draft_vocab)
-        self.drafter = LocalDrafter(self.runner, top_m=config.top_m, vocab_limit=config.vocab_limit,
-                                    confidence=config.confidence)
+        self.drafter = LocalDrafter(self.runner, top_m=config.top_m, confidence=config.confidence)
 
     def propose(self, requests: list[DraftRequest]) -> WorkerReply:
         try:

@@ -24,9 +24,8 @@ class WorkerConfig:
     dtype: str = "auto"
     threads: int | None = None
     top_m: int = 64
-    vocab_limit: int | None = None
     confidence: float = 0.0
-    draft_vocab: int = 0
+    draft_vocab: int = 0  # ids the drafter scores (0: all); the backend caps it at the target's vocabulary
 
 
 @dataclass(slots=True)
