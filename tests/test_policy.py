@@ -80,19 +80,24 @@ def test_cost_model_interpolates_and_extrapolates() -> None:
     assert abs(costs.verify[1] - 1.2) < 1e-12
 
 
-def test_batch_arms_follow_measured_goodput_and_keep_exploring() -> None:
-    from tandem.core.batch_arms import PLAIN, SPECULATE, BatchArms
+def test_batch_plan_prices_the_padded_batched_round() -> None:
+    from tandem.core.batch_plan import plan_batch, predicted_rate
 
-    arms = BatchArms(explore_every=8)
-    assert arms.choose(1) == SPECULATE  # a single sequence is left to its own policy
-    chosen = []
-    for _ in range(64):
-        arm = arms.choose(8)
-        chosen.append(arm)
-        arms.observe(8, arm, tokens=8 if arm == PLAIN else 12, seconds=0.3 if arm == PLAIN else 1.2)
-    assert chosen[:2] == [SPECULATE, PLAIN]  # each measured once first
-    later = chosen[16:]
-    assert later.count(PLAIN) > 0.8 * len(later) and SPECULATE in later  # plain wins here, speculation re-tested
-    arms.observe(4, SPECULATE, tokens=20, seconds=0.5)
-    arms.observe(4, PLAIN, tokens=4, seconds=0.4)
-    assert arms.choose(4) == SPECULATE  # each batch size has its own measurements
+    # A forward costs 0.1 s + 0.02 s per token fed; a draft step 0.02 s + 0.01 s per row.
+    costs = CostModel(draft_step=0.03, verify={n: 0.1 + 0.02 * n for n in (1, 2, 64)},
+                      draft_rows={8: 0.1}, frozen=True)
+    assert abs(costs.forward_time(40) - 0.9) < 1e-9 and abs(costs.draft_time(4) - 0.06) < 1e-9
+    alphas = [0.8] * 8
+    rate = predicted_rate([2, 1, 0, 0, 0, 0, 0, 0], alphas, costs)
+    # Every row is padded to 3 tokens (24 fed), two draft steps over 2 rows then 1 row.
+    expected = (policy.expected_tokens(0.8, 2) + policy.expected_tokens(0.8, 1) + 6) / (0.58 + 0.04 + 0.03)
+    assert abs(rate - expected) < 1e-9
+    assert plan_batch([4] * 8, alphas, costs) == [0] * 8  # 8 rows: drafting costs more than it gains
+    assert plan_batch([4], [0.8], costs) == [4]  # one row is the session's own choice
+    cheap = CostModel(draft_step=0.001, verify={1: 0.1, 64: 0.1001}, draft_rows={8: 0.001}, frozen=True)
+    assert plan_batch([4, 3, 0, 2], [0.8] * 4, cheap) == [4, 3, 0, 2]  # memory-bound: every k pays
+    middle = CostModel(draft_step=0.01, verify={n: 0.1 + 0.004 * n for n in (1, 64)}, draft_rows={8: 0.012},
+                       frozen=True)
+    capped = plan_batch([6] * 8, alphas, middle)
+    assert 0 < max(capped) < 6 and len(set(capped)) == 1
+    assert predicted_rate(capped, alphas, middle) >= max(predicted_rate([c] * 8, alphas, middle) for c in range(7))

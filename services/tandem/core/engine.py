@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tandem.core import policy
-from tandem.core.batch_arms import PLAIN, SPECULATE, BatchArms
+from tandem.core.batch_plan import plan_batch
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.costs import CostModel
 from tandem.core.protocol import (
@@ -82,7 +83,7 @@ class SpeculativeEngine:
         self.config = config or EngineConfig()
         self.eos_token_ids, self.decode = eos_token_ids, decode
         self.costs = costs or CostModel()
-        self.batch_arms = BatchArms()
+        self.batch_caps: Counter[tuple[int, int]] = Counter()  # (batch size, widest k) -> rounds
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         if self.drafter is not None and self.config.spec.speculating and self.config.calibrate:
@@ -119,12 +120,11 @@ class SpeculativeEngine:
         return bool(self.sequences)
 
     def step(self) -> list[StepOutput]:
-        step_started = time.perf_counter()
         batch = list(self.sequences.values())[: self.config.max_batch]
         ks = [self._choose_k(seq) for seq in batch]
-        arm = self.batch_arms.choose(len(batch)) if any(ks) else PLAIN
-        if arm == PLAIN:
-            ks = [0] * len(batch)
+        if len(batch) > 1:
+            alphas = [policy.acceptance(seq.policy, self.config.spec) for seq in batch]
+            ks = plan_batch(ks, alphas, self.costs)
         proposals = self._draft(batch, ks)
         ks = [len(p.tokens) if p else 0 for p in proposals]
         started = time.perf_counter()
@@ -142,14 +142,12 @@ class SpeculativeEngine:
         results = _retry_lost(verify, forget)
         seconds = time.perf_counter() - started
         if all(seq.verify_synced == len(seq.context) for seq in batch):
-            self.costs.observe_verify(max(ks) + 1, seconds)
+            self.costs.observe_verify(len(batch) * (max(ks) + 1), seconds)
+        self.batch_caps[len(batch), max(ks)] += 1
         outputs = []
         for seq, k, proposal, result in zip(batch, ks, proposals, results, strict=True):
             seq.stats.verify_seconds += seconds
             outputs.append(self._commit(seq, k, proposal, result.accepted, result.next_token))
-        emitted = sum(result.accepted + 1 for result in results)
-        self.batch_arms.observe(len(batch), SPECULATE if any(ks) else PLAIN, emitted,
-                                time.perf_counter() - step_started)
         return outputs
 
     def _choose_k(self, seq: Sequence) -> int:
@@ -187,7 +185,7 @@ class SpeculativeEngine:
         seconds = time.perf_counter() - started
         steps = max(len(p.tokens) for p in drafted)
         if steps and all(len(r.append) <= 1 for r in sent):
-            self.costs.observe_draft_step(seconds / steps)
+            self.costs.observe_draft_step(seconds / steps, rows=round(sum(len(p.tokens) for p in drafted) / steps))
         for i, proposal in zip(rows, drafted, strict=True):
             proposals[i] = proposal
             batch[i].stats.draft_seconds += seconds
@@ -238,31 +236,42 @@ class SpeculativeEngine:
         return [self.result(seq) for seq in seqs]
 
     def calibrate(self, context: int = 32, passes: int = 3) -> CostModel:
-        """Time the verifier at every k + 1 and the drafter's step on a dummy sequence; seeds the cost model.
+        """Time the target forward over every k + 1 tokens (and the wider forwards of batched rounds) and the
+        draft step (over one row and, as forwards of n tokens, over n rows); seeds the cost model.
 
         Each shape runs several times and the fastest counts: first calls of a shape pay one-off kernel setup.
         """
         greedy = SamplingParams(temperature=0.0, max_tokens=1)
+        spec, batch = self.config.spec, self.config.max_batch
         prompt = [i % self.verifier.vocab_size for i in range(1, context + 1)]
         self.verifier.verify([VerifyRequest(CALIBRATION_ID, 0, prompt, None, greedy)])
         verify: dict[int, float] = {}
-        for _ in range(passes):
-            for n in range(1, self.config.spec.k_max + 2):
-                draft = DraftProposal(tokens=[prompt[0]] * (n - 1))
-                seconds = _timed(lambda d=draft: self.verifier.verify(
-                    [VerifyRequest(CALIBRATION_ID, context - 1, [prompt[-1]], d, greedy)]))
-                verify[n] = min(verify.get(n, seconds), seconds)
+        widest = batch * (spec.k_max + 1)
+        wide = sorted({n for n in (12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if spec.k_max + 1 < n < widest}
+                      | ({min(widest, 256)} if batch > 1 else set()))
+        for n in [n for _ in range(passes) for n in range(1, spec.k_max + 2)] + wide + wide:
+            draft = DraftProposal(tokens=[prompt[0]] * (n - 1))
+            seconds = _timed(lambda d=draft: self.verifier.verify(
+                [VerifyRequest(CALIBRATION_ID, context - 1, [prompt[-1]], d, greedy)]))
+            verify[n] = min(verify.get(n, seconds), seconds)
         self.verifier.release(CALIBRATION_ID)
-        steps = max(self.config.spec.k_init, 2)
+        steps = max(spec.k_init, 2)
         self.drafter.propose([DraftRequest(CALIBRATION_ID, 0, prompt, steps, greedy)])
         draft_step = min(_timed(lambda: self.drafter.propose(
             [DraftRequest(CALIBRATION_ID, context - 1, [prompt[-1]], steps, greedy)])) for _ in range(passes)) / steps
+        draft_rows: dict[int, float] = {}
+        rows = sorted({n for n in (2, 4, 8, 16) if n < batch} | ({batch} if batch > 1 else set()))
+        for n in [n for n in rows if n < context] * 2:
+            seconds = _timed(lambda n=n: self.drafter.propose(
+                [DraftRequest(CALIBRATION_ID, context - n, prompt[context - n :], 1, greedy)]))
+            draft_rows[n] = min(draft_rows.get(n, seconds), seconds)
         self.drafter.release(CALIBRATION_ID)
+        self.costs.verify, self.costs.draft_rows, self.costs.draft_step = {}, {}, 0.0
         for n, seconds in verify.items():
-            self.costs.verify.pop(n, None)
             self.costs.observe_verify(n, seconds)
-        self.costs.draft_step = 0.0
         self.costs.observe_draft_step(draft_step)
+        for n, seconds in draft_rows.items():
+            self.costs.observe_draft_step(seconds, rows=n)
         return self.costs
 
 
