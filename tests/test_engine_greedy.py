@@ -98,3 +98,45 @@ def test_stats_describe_the_rounds(tiny_models, references) -> None:
     emitted = stats["accepted"] + stats["spec_rounds"]
     assert emitted + final_plain_rounds >= NEW_TOKENS
     assert abs(stats["mean_accepted_length"] - emitted / stats["spec_rounds"]) < 1e-3
+
+
+def _run_session(engine, prompt: list[int], session: str) -> list[int]:
+    engine.add_request(prompt, GREEDY, session_id=session)
+    request_id = next(iter(engine.sequences))
+    seq = engine.sequences[request_id]
+    while engine.has_unfinished():
+        engine.step()
+    return seq.output
+
+
+def test_a_sessions_next_turn_reuses_the_cached_prefix(tiny_models, references) -> None:
+    target, draft, _ = tiny_models
+    prompts, expected = references
+    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False))
+    fresh = build_engine(target, None, EngineConfig(calibrate=False))
+    first = _run_session(engine, prompts[0], "chat-1")
+    assert first == expected[0]
+    assert set(engine.verifier.runner.retained) == {"chat-1"} and not engine.verifier.runner.states
+    second_prompt = prompts[0] + first + prompts[1][:5]
+    second = _run_session(engine, second_prompt, "chat-1")
+    assert second == fresh.generate([second_prompt], GREEDY)[0].token_ids
+    # The target had the first turn's prompt and output cached; the draft at least the prompt.
+    assert engine.verifier.runner.reused_tokens >= len(prompts[0]) + len(first) - 1
+    assert engine.drafter.runner.reused_tokens >= len(prompts[0])
+    _run_session(engine, prompts[2], "")  # no session: nothing retained, nothing reused
+    assert set(engine.verifier.runner.retained) == {"chat-1"}
+
+
+def test_retained_sessions_are_bounded_and_aborts_are_not_retained(tiny_models, references) -> None:
+    target, _, _ = tiny_models
+    prompts, _ = references
+    engine = build_engine(target, None, EngineConfig(calibrate=False))
+    engine.verifier.runner.retain_tokens = 3 * NEW_TOKENS
+    for i in range(6):
+        _run_session(engine, prompts[i], f"s{i}")
+    retained = engine.verifier.runner.retained
+    assert sum(s.cached for s in retained.values()) <= 3 * NEW_TOKENS and "s5" in retained and "s0" not in retained
+    request_id = engine.add_request(prompts[7], GREEDY, session_id="aborted")
+    engine.step()
+    engine.abort(request_id)
+    assert "aborted" not in retained and not engine.verifier.runner.states

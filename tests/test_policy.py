@@ -101,3 +101,16 @@ def test_batch_plan_prices_the_padded_batched_round() -> None:
     capped = plan_batch([6] * 8, alphas, middle)
     assert 0 < max(capped) < 6 and len(set(capped)) == 1
     assert predicted_rate(capped, alphas, middle) >= max(predicted_rate([c] * 8, alphas, middle) for c in range(7))
+
+
+def test_sync_keeps_the_cached_tokens_that_the_new_tokens_repeat() -> None:
+    from tandem.core.runner import SequenceState
+
+    state = SequenceState(tokens=[1, 2, 3, 4, 5, 6], cached=6)  # an empty cache: only the bookkeeping counts
+    state.sync(0, [1, 2, 3, 9])
+    assert state.tokens == [1, 2, 3, 9] and state.cached == 3
+    state.sync(4, [7])
+    assert state.tokens == [1, 2, 3, 9, 7] and state.cached == 3
+    state.cached = 5
+    state.sync(2, [3, 9, 7, 8])
+    assert state.tokens == [1, 2, 3, 9, 7, 8] and state.cached == 5

@@ -134,7 +134,8 @@ def test_target_replicas_batch_and_survive_a_killed_replica(tiny_models, pool, r
     assert ray.get([r.cached_sequences.remote() for r in replicas if r is not victim]) == [0]
 
 
-def test_tensor_parallel_two_ranks_equals_single_rank(tiny_models, tiny_dirs, ray_cluster, expected) -> None:
+def test_tensor_parallel_two_ranks_equal_one_and_a_dead_rank_rebuilds_the_group(tiny_models, tiny_dirs, ray_cluster,
+                                                                               expected) -> None:
     from tandem.core.local import LocalDrafter
     from tandem.core.runner import ModelRunner
     from tandem.workers.tp_replica import start_tp_replica
@@ -142,12 +143,24 @@ def test_tensor_parallel_two_ranks_equals_single_rank(tiny_models, tiny_dirs, ra
     replica = start_tp_replica(WorkerConfig(model=str(tiny_dirs.target), dtype="float32", threads=1), size=2)
     local = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
     drafter = LocalDrafter(ModelRunner(tiny_models[1].model))
-    engine = SpeculativeEngine(RayVerifier([replica]), drafter,
-                               EngineConfig(spec=SpecConfig(adaptive=False, k_init=3), calibrate=False),
+    verifier = RayVerifier([replica], timeout_s=60)
+    engine = SpeculativeEngine(verifier, drafter, EngineConfig(spec=SpecConfig(adaptive=False, k_init=3),
+                                                               calibrate=False),
                                local.eos_token_ids, local.decode)
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == expected
     shards = ray.get([rank.info.remote() for rank in replica.ranks])
     assert [s["sequences"] for s in shards] == [0, 0]
+    # One rank dies mid-generation: the group is rebuilt and the sequences resume from their histories.
+    seqs = [engine.sequences[engine.add_request(p, GREEDY)] for p in PROMPTS]
+    engine.step()
+    old_pids = [ray.get(rank.info.remote())["pid"] for rank in replica.ranks]
+    os.kill(old_pids[1], signal.SIGKILL)
+    started = time.monotonic()
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.output for s in seqs] == expected
+    assert verifier.rebuilt == 1 and time.monotonic() - started < 60
+    assert not set(old_pids) & {ray.get(rank.info.remote())["pid"] for rank in replica.ranks}
     for rank in replica.ranks:
         ray.kill(rank)
     ray.util.remove_placement_group(replica.group)

@@ -108,3 +108,30 @@ def test_cancellation_frees_worker_caches(stack) -> None:
         stream.close()  # cancels the call
     assert server.wait_for(lambda: not backend.engine.sequences and _worker_caches(backend) == [0, 0, 0],
                            timeout=60)
+
+
+def test_a_sessions_turns_reuse_the_workers_cache_and_affinity_is_stored(stack, tiny_models) -> None:
+    server, backend, _, store = stack
+    engine = backend.engine
+    router = engine.drafter.router
+    # Earlier tests killed draft workers: wait until they are back in service.
+    assert server.wait_for(lambda: all(router.healthy(i) for i in range(router.size))
+                           and _worker_caches(backend) is not None, timeout=60)
+    first = _generate(server.address, PROMPTS[5], session_id="chat")
+    assert server.wait_for(lambda: (store.get("chat") or {}).keys() >= {"draft_worker", "target_replica"})
+    saved = store.get("chat")
+    draft_worker = engine.drafter.router.sessions["chat"]
+    assert saved["draft_worker"] == draft_worker and saved["target_replica"] == 0
+    before = ray.get([w.info.remote() for w in engine.drafter.workers + engine.verifier.workers])
+    second_prompt = PROMPTS[5] + first + [7, 8, 9]
+    plain = build_engine(tiny_models[0], None)
+    want = plain.generate([second_prompt], SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True))
+    assert _generate(server.address, second_prompt, session_id="chat") == want[0].token_ids
+    after = ray.get([w.info.remote() for w in engine.drafter.workers + engine.verifier.workers])
+    reused = [a["reused_tokens"] - b["reused_tokens"] for a, b in zip(after, before, strict=True)]
+    assert reused[draft_worker] >= len(PROMPTS[5]), reused
+    assert reused[-1] >= len(PROMPTS[5]) + TOKENS - 1, reused  # the target had both prompt and answer cached
+    # A gateway that has never seen the session (a restart, another replica) routes it from the stored affinity.
+    engine.drafter.router.sessions.clear()
+    engine.pin_session("chat", store.get("chat"))
+    assert engine.drafter.router.sessions["chat"] == draft_worker

@@ -4,7 +4,9 @@
 
 Each level runs the prompt set (at least `concurrency` requests) with at most `concurrency` in flight, once with
 speculation AUTO and once OFF (plain decoding through the same server), so the JSON holds
-aggregate tok/s per level and mode, and the ratios the targets are stated in.
+aggregate tok/s per level and mode, and the ratios the targets are stated in. With `--in-process TARGET DRAFT`, the
+same prompts then run one at a time through an engine in this process (while the server idles), for the served /
+in-process ratio of one run.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ async def _one(client: AsyncTandemClient, prompt: str, max_tokens: int, speculat
         tokens += len(getattr(item, "token_ids", []))
         final = item
     stats = final.speculation
-    return {"tokens": tokens, "accepted": stats.accepted_tokens, "drafted": stats.drafted_tokens}
+    return {"tokens": tokens, "accepted": stats.accepted_tokens, "drafted": stats.drafted_tokens,
+            "rounds": stats.rounds, "fallback_rounds": stats.fallback_rounds, "draft_failures": stats.draft_failures}
 
 
-async def run_level(address: str, prompts: list[str], concurrency: int, max_tokens: int, speculation: str) -> dict:
+async def run_level(address: str, prompts: list[str], concurrency: int, max_tokens: int, speculation: str,
+                    repetition: int = 0) -> dict:
+    """One level and mode; every request is a new session (no cache from an earlier run to reuse)."""
     client = AsyncTandemClient(address, timeout=1800)
     try:
         await _one(client, prompts[0], 4, speculation, "warmup")
@@ -39,7 +44,8 @@ async def run_level(address: str, prompts: list[str], concurrency: int, max_toke
 
         async def job(i: int, prompt: str) -> dict:
             async with slots:
-                return await _one(client, prompt, max_tokens, speculation, f"{speculation}-{concurrency}-{i}")
+                session = f"{speculation}-{concurrency}-{repetition}-{i}"
+                return await _one(client, prompt, max_tokens, speculation, session)
 
         started = time.perf_counter()
         results = await asyncio.gather(*[job(i, p) for i, p in enumerate(jobs)])
@@ -50,14 +56,20 @@ async def run_level(address: str, prompts: list[str], concurrency: int, max_toke
     drafted = sum(r["drafted"] for r in results)
     return {"concurrency": concurrency, "speculation": speculation, "tokens": tokens, "seconds": round(seconds, 3),
             "tok_s": round(tokens / seconds, 3),
-            "alpha": round(sum(r["accepted"] for r in results) / drafted, 4) if drafted else 0.0}
+            "alpha": round(sum(r["accepted"] for r in results) / drafted, 4) if drafted else 0.0,
+            "rounds": sum(r["rounds"] for r in results), "fallback_rounds": sum(r["fallback_rounds"] for r in results),
+            "draft_failures": sum(r["draft_failures"] for r in results)}
 
 
-async def run(address: str, prompts: list[str], levels: list[int], max_tokens: int) -> dict:
-    report: dict = {"address": address, "max_tokens": max_tokens, "levels": []}
+async def run(address: str, prompts: list[str], levels: list[int], max_tokens: int, repeat: int = 1) -> dict:
+    """Each level runs AUTO then OFF, `repeat` times interleaved; a mode's tok/s is its tokens over its seconds."""
+    report: dict = {"address": address, "max_tokens": max_tokens, "repeat": repeat, "levels": []}
     for concurrency in levels:
-        for mode in ("auto", "off"):
-            report["levels"].append(await run_level(address, prompts, concurrency, max_tokens, mode))
+        runs: dict[str, list[dict]] = {"auto": [], "off": []}
+        for _ in range(repeat):
+            for mode in runs:
+                runs[mode].append(await run_level(address, prompts, concurrency, max_tokens, mode, len(runs[mode])))
+        report["levels"] += [_combine(results) for results in runs.values()]
     by = {(r["concurrency"], r["speculation"]): r["tok_s"] for r in report["levels"]}
     single = by.get((levels[0], "auto"))
     for concurrency in levels[1:]:
@@ -67,6 +79,37 @@ async def run(address: str, prompts: list[str], levels: list[int], max_tokens: i
     return report
 
 
+def _combine(results: list[dict]) -> dict:
+    first, total = results[0], {}
+    for key in ("tokens", "seconds", "rounds", "fallback_rounds", "draft_failures"):
+        total[key] = round(sum(r[key] for r in results), 3)
+    alphas = [r["alpha"] for r in results]
+    return {"concurrency": first["concurrency"], "speculation": first["speculation"], **total,
+            "tok_s": round(total["tokens"] / total["seconds"], 3), "alpha": round(sum(alphas) / len(alphas), 4),
+            "tok_s_each": [r["tok_s"] for r in results]}
+
+
+def run_in_process(target: str, draft: str, prompts: list[str], max_tokens: int, threads: int) -> dict:
+    import torch
+
+    from tandem.core.config import EngineConfig, SamplingParams
+    from tandem.local_engine import build_engine, encode_prompt
+    from tandem.models.loader import load_model
+
+    torch.set_num_threads(threads)
+    dtype = torch.bfloat16
+    loaded = [load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False) for name in (target, draft)]
+    engine = build_engine(*loaded, EngineConfig())
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    encoded = [encode_prompt(loaded[0].tokenizer, prompt, chat=True) for prompt in prompts]
+    engine.generate([encoded[0]], SamplingParams(temperature=0.0, max_tokens=4))
+    started = time.perf_counter()
+    tokens = sum(len(engine.generate([ids], params)[0].token_ids) for ids in encoded)
+    seconds = time.perf_counter() - started
+    return {"concurrency": 1, "speculation": "in-process", "tokens": tokens, "seconds": round(seconds, 3),
+            "tok_s": round(tokens / seconds, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", default="127.0.0.1:50051")
@@ -74,8 +117,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--in-process", nargs=2, metavar=("TARGET", "DRAFT"), default=None,
+                        help="also run the prompts through an in-process engine on these models (bf16, CPU)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for --in-process")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each level and mode, interleaved")
     args = parser.parse_args()
-    report = asyncio.run(run(args.address, load_prompts(args.prompts), args.concurrency, args.max_tokens))
+    prompts = load_prompts(args.prompts)
+    report = asyncio.run(run(args.address, prompts, args.concurrency, args.max_tokens, args.repeat))
+    if args.in_process:
+        baseline = run_in_process(*args.in_process, prompts, args.max_tokens, args.threads)
+        report["levels"].append(baseline)
+        served = [r["tok_s"] for r in report["levels"] if r["concurrency"] == 1 and r["speculation"] == "auto"]
+        if served:
+            report["served_vs_in_process_at_1"] = round(served[0] / baseline["tok_s"], 3)
     text = json.dumps(report, indent=2)
     if args.json:
         args.json.write_text(text + "\n")

@@ -47,6 +47,7 @@ class Sequence:
     finish_reason: str | None = None
     text_cut: int | None = None
     max_k: int | None = None  # per-request cap on drafted tokens per round; 0 is plain decoding
+    session_id: str = ""  # workers keep a finished sequence's cache for the session's next request
 
     @property
     def context(self) -> list[int]:
@@ -94,7 +95,8 @@ class SpeculativeEngine:
         return self.drafter is not None and self.config.spec.speculating
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-                    policy_state: policy.PolicyState | None = None, max_k: int | None = None) -> str:
+                    policy_state: policy.PolicyState | None = None, max_k: int | None = None,
+                    session_id: str = "") -> str:
         if not prompt:
             raise InvalidArgument("prompt: must contain at least one token")
         vocab = self.verifier.vocab_size
@@ -107,7 +109,8 @@ class SpeculativeEngine:
             raise InvalidArgument(f"max_k: must be non-negative, got {max_k}")
         state = policy_state or policy.PolicyState(k=self.config.spec.k_init)
         stop = StopChecker(params, self.eos_token_ids, self.decode)
-        self.sequences[request_id] = Sequence(request_id, list(prompt), params, stop, state, max_k=max_k)
+        self.sequences[request_id] = Sequence(request_id, list(prompt), params, stop, state, max_k=max_k,
+                                              session_id=session_id)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -130,7 +133,8 @@ class SpeculativeEngine:
         started = time.perf_counter()
         def verify() -> list:
             return self.verifier.verify([
-                VerifyRequest(seq.request_id, seq.verify_synced, seq.context[seq.verify_synced :], proposal, seq.params)
+                VerifyRequest(seq.request_id, seq.verify_synced, seq.context[seq.verify_synced :], proposal, seq.params,
+                              seq.session_id)
                 for seq, proposal in zip(batch, proposals, strict=True)
             ])
 
@@ -166,8 +170,8 @@ class SpeculativeEngine:
             return proposals
 
         def requests() -> list[DraftRequest]:
-            return [DraftRequest(batch[i].request_id, batch[i].draft_synced,
-                                 batch[i].context[batch[i].draft_synced :], ks[i], batch[i].params) for i in rows]
+            return [DraftRequest(batch[i].request_id, batch[i].draft_synced, batch[i].context[batch[i].draft_synced :],
+                                 ks[i], batch[i].params, batch[i].session_id) for i in rows]
 
         def forget(lost: list[str]) -> None:
             for i in rows:
@@ -209,9 +213,26 @@ class SpeculativeEngine:
 
     def _release(self, seq: Sequence) -> None:
         self.sequences.pop(seq.request_id, None)
-        self.verifier.release(seq.request_id)
+        retain = bool(seq.session_id) and seq.finish_reason != FINISH_ABORT
+        self.verifier.release(seq.request_id, retain)
         if self.drafter is not None:
-            self.drafter.release(seq.request_id)
+            self.drafter.release(seq.request_id, retain)
+
+    def session_affinity(self, session_id: str) -> dict[str, int]:
+        """Which draft worker and target replica retained the session's cache (pools with routers only)."""
+        found = {}
+        for key, pool in (("draft_worker", self.drafter), ("target_replica", self.verifier)):
+            router = getattr(pool, "router", None)
+            if router is not None and session_id in router.sessions:
+                found[key] = router.sessions[session_id]
+        return found
+
+    def pin_session(self, session_id: str, affinity: dict) -> None:
+        """Route the session's next sequence as `affinity` (from session_affinity, e.g. via a session store) says."""
+        for key, pool in (("draft_worker", self.drafter), ("target_replica", self.verifier)):
+            router = getattr(pool, "router", None)
+            if router is not None and isinstance(affinity.get(key), int) and session_id not in router.sessions:
+                router.pin(session_id, affinity[key])
 
     def result(self, seq: Sequence) -> GenerationResult:
         text = None

@@ -20,17 +20,19 @@ VERIFIER_SEED_OFFSET = 0x5EED
 
 
 def _sync_all(runner: ModelRunner, requests: list, seed_offset: int) -> list[SequenceState]:
-    known = {r.seq_id: len(runner.states[r.seq_id].tokens) if r.seq_id in runner.states else 0 for r in requests}
-    lost = [r.seq_id for r in requests if r.keep > known[r.seq_id]]
+    known = {r.seq_id: len(runner.states[r.seq_id].tokens) for r in requests if r.seq_id in runner.states}
+    lost = [r.seq_id for r in requests if r.keep > known.get(r.seq_id, 0)]
     if lost:
         raise StateLost(lost)
     states = []
     for request in requests:
-        state = runner.state(request.seq_id)
+        state = runner.state(request.seq_id, request.session)
         if state.generator is None:
             seed = request.params.seed
             state.generator = make_generator(None if seed is None else seed + seed_offset)
         state.sync(request.keep, request.append)
+        if request.seq_id not in known:
+            runner.reused_tokens += min(state.cached, len(state.tokens) - 1)
         if state.cached >= len(state.tokens):
             # Scores come from feeding the last known token, so it must not be cached (happens on a retried call).
             state.truncate_cache(len(state.tokens) - 1)
@@ -49,8 +51,8 @@ class LocalDrafter:
         self.top_m = top_m
         self.confidence = confidence
 
-    def release(self, seq_id: str) -> None:
-        self.runner.release(seq_id)
+    def release(self, seq_id: str, retain: bool = False) -> None:
+        self.runner.release(seq_id, retain)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         states = _sync_all(self.runner, requests, 0)
@@ -92,8 +94,8 @@ class LocalVerifier:
         self.runner = runner
         self.vocab_size = runner.vocab_size
 
-    def release(self, seq_id: str) -> None:
-        self.runner.release(seq_id)
+    def release(self, seq_id: str, retain: bool = False) -> None:
+        self.runner.release(seq_id, retain)
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         states = _sync_all(self.runner, requests, VERIFIER_SEED_OFFSET)

@@ -1,7 +1,8 @@
 """The two roles of a speculative round, as messages and protocols.
 
 The engine tells each side how many tokens of its copy of a sequence are still valid (`keep`) and which committed
-tokens follow (`append`); workers never need the whole history again unless they lost it. Greedy proposals
+tokens follow (`append`); workers never need the whole history again unless they lost it. A sequence released with
+`retain` keeps its cache for the next request of its session, which may share a prefix with it. Greedy proposals
 carry no distribution; sampled ones carry the exact truncated distribution each token was drawn from.
 """
 
@@ -33,6 +34,7 @@ class DraftRequest:
     append: list[int]
     k: int
     params: SamplingParams
+    session: str = ""  # a new sequence may start from this session's retained cache
 
 
 @dataclass(slots=True)
@@ -49,6 +51,7 @@ class VerifyRequest:
     append: list[int]
     draft: DraftProposal | None
     params: SamplingParams
+    session: str = ""
 
 
 @dataclass(slots=True)
@@ -60,7 +63,7 @@ class VerifyResult:
 class Drafter(Protocol):
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]: ...
 
-    def release(self, seq_id: str) -> None: ...
+    def release(self, seq_id: str, retain: bool = False) -> None: ...
 
 
 class Verifier(Protocol):
@@ -68,4 +71,4 @@ class Verifier(Protocol):
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]: ...
 
-    def release(self, seq_id: str) -> None: ...
+    def release(self, seq_id: str, retain: bool = False) -> None: ...

@@ -1,18 +1,22 @@
 """Runs a Hugging Face causal LM over many sequences, each with its own KV cache that can be rolled back.
 
-Each sequence owns a DynamicCache. A batch of sequences with different cached lengths and different numbers of
+Each sequence owns a DynamicCache. A finished sequence of a session may be retained (bounded, least recently used
+first out) so the session's next request reuses the cache of their common prefix: a chat's next turn starts with
+the whole previous conversation. A batch of sequences with different cached lengths and different numbers of
 new tokens runs as one forward: caches are left-padded into a batch cache, new tokens right-padded, positions
 given explicitly, and each row's slice is cut back out afterwards. A batch of one uses its cache in place.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 SHORT_FORWARD = 16
+DEFAULT_RETAIN_TOKENS = 32768
 
 
 @dataclass(slots=True)
@@ -23,15 +27,21 @@ class SequenceState:
     cache: DynamicCache = field(default_factory=DynamicCache)
     cached: int = 0
     generator: torch.Generator | None = None
+    session: str = ""
 
     def sync(self, keep: int, append: list[int]) -> None:
-        """Truncate to the first `keep` tokens (rolling the cache back if needed), then append new ones."""
+        """Truncate to the first `keep` tokens, then append new ones; cached tokens past `keep` that `append`
+        repeats stay cached, the rest are rolled back."""
         if keep > len(self.tokens):
             raise ValueError(f"cannot keep {keep} tokens of a sequence that has {len(self.tokens)}")
+        stale = self.tokens[keep : self.cached]
         del self.tokens[keep:]
         self.tokens.extend(append)
         if self.cached > keep:
-            self.truncate_cache(keep)
+            same = next((i for i, (a, b) in enumerate(zip(stale, append, strict=False)) if a != b),
+                        min(len(stale), len(append)))
+            if keep + same < self.cached:
+                self.truncate_cache(keep + same)
 
     def truncate_cache(self, length: int) -> None:
         for layer in self.cache.layers:
@@ -48,7 +58,8 @@ class SequenceState:
 class ModelRunner:
     """Owns one model and the per-sequence states that run on it."""
 
-    def __init__(self, model: PreTrainedModel, pad_token_id: int = 0, vocab_limit: int = 0) -> None:
+    def __init__(self, model: PreTrainedModel, pad_token_id: int = 0, vocab_limit: int = 0,
+                 retain_tokens: int = DEFAULT_RETAIN_TOKENS) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.vocab_size = int(model.config.vocab_size)
@@ -61,14 +72,29 @@ class ModelRunner:
             self.vocab_size = vocab_limit
         self.pad_token_id = pad_token_id
         self.states: dict[str, SequenceState] = {}
+        self.retain_tokens = retain_tokens
+        self.retained: OrderedDict[str, SequenceState] = OrderedDict()  # session -> its last finished sequence
+        self.reused_tokens = 0
 
-    def state(self, seq_id: str) -> SequenceState:
+    def state(self, seq_id: str, session: str = "") -> SequenceState:
+        """The state of `seq_id`; a new one starts from its session's retained cache when there is one."""
         if seq_id not in self.states:
-            self.states[seq_id] = SequenceState()
+            state = self.retained.pop(session, None) if session else None
+            if state is None:
+                state = SequenceState(session=session)
+            state.generator = None
+            self.states[seq_id] = state
         return self.states[seq_id]
 
-    def release(self, seq_id: str) -> None:
-        self.states.pop(seq_id, None)
+    def release(self, seq_id: str, retain: bool = False) -> None:
+        """Drop a sequence; with `retain`, keep its cache for its session's next request."""
+        state = self.states.pop(seq_id, None)
+        if state is None or not (retain and state.session and state.cached):
+            return
+        self.retained.pop(state.session, None)
+        self.retained[state.session] = state
+        while sum(s.cached for s in self.retained.values()) > self.retain_tokens:
+            self.retained.popitem(last=False)
 
     @property
     def cached_tokens(self) -> int:

@@ -31,7 +31,8 @@ IDLE_POLL_SECONDS = 0.25
 
 
 class SessionStore(Protocol):
-    """Where PolicyState.to_dict() lives between a session's requests (tandem.sessions: memory or Redis)."""
+    """Where a session's state lives between its requests (tandem.sessions: memory or Redis): PolicyState.to_dict()
+    plus the worker affinity (`draft_worker`, `target_replica`) from SpeculativeEngine.session_affinity."""
 
     def get(self, session_id: str) -> dict | None: ...
 
@@ -94,6 +95,7 @@ class _Add:
     params: SamplingParams
     policy: PolicyState | None
     max_k: int | None
+    affinity: dict
 
 
 class EngineLoop:
@@ -152,16 +154,16 @@ class EngineLoop:
             raise QueueFull(f"queue full: {len(self._active)} requests queued or running (limit {self.max_requests})")
         handle = RequestHandle(request_id, len(prompt), session_id)
         self._active[request_id] = handle
-        state = None
+        state, affinity = None, {}
         if session_id:
             try:
-                state = await self._load_policy(session_id)
+                state, affinity = await self._load_session(session_id)
             except asyncio.CancelledError:
                 self._active.pop(request_id, None)
                 raise
             if self._active.get(request_id) is not handle:
                 return handle  # detached while the session state loaded
-        self._commands.put(_Add(handle, list(prompt), params, state, max_k))
+        self._commands.put(_Add(handle, list(prompt), params, state, max_k, affinity))
         return handle
 
     def cancel(self, request_id: str, detach: bool = False) -> bool:
@@ -173,13 +175,13 @@ class EngineLoop:
         self._commands.put(handle)
         return True
 
-    async def _load_policy(self, session_id: str) -> PolicyState | None:
+    async def _load_session(self, session_id: str) -> tuple[PolicyState | None, dict]:
         try:
             data = await asyncio.to_thread(self.sessions.get, session_id)
-            return PolicyState.from_dict(data) if data else None
+            return (PolicyState.from_dict(data), data) if data else (None, {})
         except Exception:
-            log.warning("could not load policy state for session %r; starting fresh", session_id, exc_info=True)
-            return None
+            log.warning("could not load state for session %r; starting fresh", session_id, exc_info=True)
+            return None, {}
 
     def _deliver(self, updates: list[Delivery]) -> None:
         for handle, update in updates:
@@ -243,7 +245,10 @@ class EngineLoop:
             return [self._update_for(StepOutput(command.request_id, [], FINISH_ABORT))]
         handle = command.handle
         try:
-            self.engine.add_request(command.prompt, command.params, handle.request_id, command.policy, command.max_k)
+            if handle.session_id:
+                self.engine.pin_session(handle.session_id, command.affinity)
+            self.engine.add_request(command.prompt, command.params, handle.request_id, command.policy, command.max_k,
+                                    session_id=handle.session_id)
         except Exception as exc:
             return [(handle, exc if isinstance(exc, TandemError) else EngineFailed(f"add failed: {exc}"))]
         self._running[handle.request_id] = (self.engine.sequences[handle.request_id], handle)
@@ -258,15 +263,16 @@ class EngineLoop:
         result = self.engine.result(seq)
         if handle.session_id:
             with contextlib.suppress(RuntimeError):  # the saver is already shut down: the loop is closing
-                self._saver.submit(self._save_policy, handle.session_id, seq.policy.to_dict())
+                state = seq.policy.to_dict() | self.engine.session_affinity(handle.session_id)
+                self._saver.submit(self._save_session, handle.session_id, state)
         finished = Finished(result.finish_reason, seq.text_cut, len(result.token_ids), result.stats)
         return handle, Update(out.new_token_ids, finished)
 
-    def _save_policy(self, session_id: str, state: dict) -> None:
+    def _save_session(self, session_id: str, state: dict) -> None:
         try:
             self.sessions.put(session_id, state)
         except Exception:
-            log.warning("could not save policy state for session %r", session_id, exc_info=True)
+            log.warning("could not save state for session %r", session_id, exc_info=True)
 
     def _fail_running(self, error: Exception) -> None:
         reason = error if isinstance(error, TandemError) else EngineFailed(f"engine step failed: {error}")

@@ -1,7 +1,8 @@
 """The draft-worker pool as a Drafter: sessions routed to Ray actors, failures isolated.
 
 A draft worker that dies, errors or misses the deadline is benched; its sessions get empty proposals this round (a
-plain-decoding round, invisible to clients) and move to another worker, which is sent their history.
+plain-decoding round, invisible to clients) and move to another worker, which is sent their history. The deadline
+grows with the tokens a call must first catch up on (prompts, tokens decoded while not drafting).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ class PoolStats:
 
 
 class RayDrafter:
-    def __init__(self, workers: list, timeout_s: float = 5.0, cooldown_s: float = 10.0) -> None:
+    def __init__(self, workers: list, timeout_s: float = 5.0, cooldown_s: float = 10.0,
+                 per_token_s: float = 0.025) -> None:
         self.workers = workers
         self.router = AffinityRouter(len(workers), cooldown_s, "draft")
-        self.timeout_s = timeout_s
+        self.timeout_s, self.per_token_s = timeout_s, per_token_s
         self.stats = PoolStats()
 
     @property
@@ -33,7 +35,8 @@ class RayDrafter:
         return self.router.affinity
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
-        out = fan_out(self.workers, self.router, "propose", requests, self.timeout_s)
+        catch_up = sum(len(r.append) for r in requests)
+        out = fan_out(self.workers, self.router, "propose", requests, self.timeout_s + self.per_token_s * catch_up)
         self.stats.calls += 1
         self.stats.failures += out.failed
         self.stats.timeouts += out.timed_out
@@ -41,8 +44,8 @@ class RayDrafter:
             raise StateLost(out.lost)
         return [result or DraftProposal(tokens=[], failed=True) for result in out.results]
 
-    def release(self, seq_id: str) -> None:
-        release(self.workers, self.router, seq_id)
+    def release(self, seq_id: str, retain: bool = False) -> None:
+        release(self.workers, self.router, seq_id, retain)
 
 
 def start_draft_workers(config, count: int, num_gpus: float = 0.0, num_cpus: float = 1.0) -> list:

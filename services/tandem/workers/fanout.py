@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import ray
 
 from tandem.workers.routing import AffinityRouter
+from tandem.workers.tp_replica import TensorParallelReplica
 from tandem.workers.worker_base import ray_failures
 
 
@@ -17,23 +18,26 @@ class FanoutResult:
     lost: list[str] = field(default_factory=list)  # sessions a worker no longer holds
     failed: int = 0
     timed_out: int = 0
+    benched: list[int] = field(default_factory=list)  # workers that failed or missed the deadline this round
 
 
 def fan_out(workers: list, router: AffinityRouter, method: str, requests: list, timeout_s: float) -> FanoutResult:
     out = FanoutResult(results=[None] * len(requests))
-    groups = router.group([r.seq_id for r in requests])
-    futures = {index: getattr(workers[index], method).remote([requests[row] for row in rows])
+    groups = router.group([(r.seq_id, r.session) for r in requests])
+    futures = {index: _submit(workers[index], method, [requests[row] for row in rows])
                for index, rows in groups.items() if index is not None}
     deadline = time.monotonic() + timeout_s
-    for index, future in futures.items():
+    for index, refs in futures.items():
         try:
-            reply = ray.get(future, timeout=max(0.0, deadline - time.monotonic()))
+            reply = _first_reply(refs, deadline)
         except ray.exceptions.GetTimeoutError:
             out.timed_out += 1
+            out.benched.append(index)
             router.bench(index, "missed its deadline")
             continue
         except ray_failures() as exc:
             out.failed += 1
+            out.benched.append(index)
             router.bench(index, f"failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]})")
             continue
         if reply.lost:
@@ -44,7 +48,25 @@ def fan_out(workers: list, router: AffinityRouter, method: str, requests: list, 
     return out
 
 
-def release(workers: list, router: AffinityRouter, seq_id: str) -> None:
-    index = router.forget(seq_id)
+def _submit(worker, method: str, batch: list) -> list:
+    if isinstance(worker, TensorParallelReplica):
+        return worker.call(method, batch)
+    return [getattr(worker, method).remote(batch)]
+
+
+def _first_reply(refs: list, deadline: float):
+    """The first reference's value; raises as soon as any of them fails (a dead rank of a tensor-parallel group
+    leaves its peers waiting in a collective, so waiting for rank 0 alone would hang until the deadline)."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise ray.exceptions.GetTimeoutError("deadline passed")
+        ray.get(ready)  # raises the failure of a rank
+    return ray.get(refs[0])
+
+
+def release(workers: list, router: AffinityRouter, seq_id: str, retain: bool = False) -> None:
+    index = router.forget(seq_id, retain)
     if index is not None:
-        workers[index].release.remote([seq_id])
+        workers[index].release.remote([seq_id], retain)

@@ -1,17 +1,25 @@
 """Target replicas as a Verifier: each session verified on the replica holding its cache, replicas batching.
 
 A replica that fails is benched and its sessions move to another replica, which is sent their history (the engine
-resends it on StateLost); with no healthy replica the round fails with TargetUnavailable.
+resends it on StateLost). A tensor-parallel replica that fails (one dead rank breaks the whole group) is rebuilt in
+the background and returns to service when its model is loaded. With no healthy replica, the round waits for a
+rebuild in progress (up to `rebuild_timeout_s`), else fails with TargetUnavailable.
 """
 
 from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import ray
 
 from tandem.core.protocol import StateLost, VerifyRequest, VerifyResult
 from tandem.workers.fanout import fan_out, release
 from tandem.workers.routing import AffinityRouter
+from tandem.workers.tp_replica import TensorParallelReplica
 from tandem.workers.worker_base import start_workers
+
+log = logging.getLogger(__name__)
 
 
 class TargetUnavailable(RuntimeError):
@@ -19,23 +27,58 @@ class TargetUnavailable(RuntimeError):
 
 
 class RayVerifier:
-    def __init__(self, replicas: list, timeout_s: float = 120.0, cooldown_s: float = 10.0) -> None:
+    def __init__(self, replicas: list, timeout_s: float = 120.0, cooldown_s: float = 10.0,
+                 rebuild_timeout_s: float = 600.0) -> None:
         self.workers = replicas
         self.router = AffinityRouter(len(replicas), cooldown_s, "target")
-        self.timeout_s = timeout_s
+        self.timeout_s, self.rebuild_timeout_s = timeout_s, rebuild_timeout_s
         self.vocab_size = ray.get(replicas[0].info.remote())["vocab_size"]
+        self.rebuilds: dict[int, Future] = {}
+        self.rebuilt = 0
+        self._executor = ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="tandem-rebuild")
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         out = fan_out(self.workers, self.router, "verify", requests, self.timeout_s)
+        for index in out.benched:
+            self._rebuild(index)
         unresolved = [r.seq_id for r, result in zip(requests, out.results, strict=True) if result is None]
-        if unresolved and not any(self.router.healthy(i) for i in range(self.router.size)):
+        if unresolved and not self._any_healthy():
             raise TargetUnavailable(f"no healthy target replica for {len(unresolved)} sequence(s)")
         if unresolved or out.lost:
             raise StateLost(sorted(set(out.lost) | set(unresolved)))
         return out.results
 
-    def release(self, seq_id: str) -> None:
-        release(self.workers, self.router, seq_id)
+    def release(self, seq_id: str, retain: bool = False) -> None:
+        release(self.workers, self.router, seq_id, retain)
+
+    def _any_healthy(self) -> bool:
+        if any(self.router.healthy(i) for i in range(self.router.size)):
+            return True
+        pending = [f for f in self.rebuilds.values() if not f.done()]
+        if pending:
+            log.warning("no healthy target replica: waiting for %d rebuild(s)", len(pending))
+            wait(pending, timeout=self.rebuild_timeout_s)
+        return any(self.router.healthy(i) for i in range(self.router.size))
+
+    def _rebuild(self, index: int) -> None:
+        replica, running = self.workers[index], self.rebuilds.get(index)
+        if not isinstance(replica, TensorParallelReplica) or (running is not None and not running.done()):
+            return
+        self.router.benched_until[index] = float("inf")  # out of service until the rebuild finishes
+
+        def rebuild() -> None:
+            log.warning("target replica %d: rebuilding its tensor-parallel group", index)
+            try:
+                replica.rebuild()
+            except Exception:
+                log.exception("target replica %d: rebuild failed; retrying after the cool-down", index)
+                self.router.bench(index, "could not be rebuilt")
+                return
+            self.rebuilt += 1
+            self.router.benched_until[index] = 0.0
+            log.warning("target replica %d: rebuilt", index)
+
+        self.rebuilds[index] = self._executor.submit(rebuild)
 
 
 def start_target_replicas(config, count: int, num_gpus: float = 0.0, num_cpus: float = 1.0) -> list:

@@ -3,6 +3,8 @@
 Every rank holds a shard of the target (transformers' tp_plan="auto": column/row-parallel linears, gloo on CPU,
 NCCL on GPU) and its shard of each sequence's KV cache. The replica sends each call to all ranks in the same order;
 the ranks run identical verification logic with identically seeded generators, and rank 0's reply is the answer.
+A rank that dies takes the group with it (its peers would wait in collectives): `rebuild` replaces every rank and
+the placement group, and the engine resends the sessions' histories.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import socket
 from datetime import timedelta
 
 import ray
-from ray.util.placement_group import placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.core.local import LocalVerifier
@@ -57,11 +59,23 @@ class _AllRanks:
 class TensorParallelReplica:
     """Looks like one target worker to the pool: `replica.verify.remote(...)` runs on every rank."""
 
-    def __init__(self, ranks: list, group) -> None:
-        self.ranks, self.group = ranks, group
+    def __init__(self, ranks: list, group, start: dict) -> None:
+        self.ranks, self.group, self.start = ranks, group, start
 
     def __getattr__(self, method: str) -> _AllRanks:
         return _AllRanks(self.ranks, method)
+
+    def call(self, method: str, *args) -> list:
+        """Every rank's reference for one call (rank 0's first), so a caller can notice a dead rank at once."""
+        return [getattr(rank, method).remote(*args) for rank in self.ranks]
+
+    def rebuild(self) -> None:
+        """Replace every rank (a fresh process group and placement group); blocks while the model loads."""
+        for rank in self.ranks:
+            ray.kill(rank, no_restart=True)
+        remove_placement_group(self.group)
+        fresh = start_tp_replica(**self.start)
+        self.ranks, self.group = fresh.ranks, fresh.group
 
 
 def start_tp_replica(config: WorkerConfig, size: int, name: str = "target", gpus_per_rank: float = 0.0,
@@ -75,4 +89,6 @@ def start_tp_replica(config: WorkerConfig, size: int, name: str = "target", gpus
              .remote(config, rank=i, world=size, name=name) for i in range(size)]
     address, port = ray.get(ranks[0].rendezvous_address.remote())
     ray.get([rank.setup.remote(address, port) for rank in ranks])
-    return TensorParallelReplica(ranks, group)
+    start = {"config": config, "size": size, "name": name, "gpus_per_rank": gpus_per_rank,
+             "cpus_per_rank": cpus_per_rank}
+    return TensorParallelReplica(ranks, group, start)

@@ -53,16 +53,17 @@ class WorkerBase:
         self.name = name
         self.runner: ModelRunner
 
-    def release(self, seq_ids: list[str]) -> None:
+    def release(self, seq_ids: list[str], retain: bool = False) -> None:
         for seq_id in seq_ids:
-            self.runner.release(seq_id)
+            self.runner.release(seq_id, retain)
 
     def cached_sequences(self) -> int:
         return len(self.runner.states)
 
     def info(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "sequences": self.cached_sequences(),
-                "vocab_size": self.runner.vocab_size}
+                "vocab_size": self.runner.vocab_size, "retained_sessions": len(self.runner.retained),
+                "reused_tokens": self.runner.reused_tokens}
 
 
 def start_workers(worker_class: type, config: WorkerConfig, count: int, name: str, num_gpus: float = 0.0,

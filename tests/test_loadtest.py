@@ -1,0 +1,290 @@
+"""loadtest/: arrival statistics, metrics on a recorded trace with known answers, and runs against a real tiny-model
+gateway on loopback (bounds on count and time, the CLI's results.json, a sweep with plots, the loopback-only rule)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from loadtest.__main__ import main
+from loadtest.arrivals import ArrivalProcess, parse_rate
+from loadtest.client_run import Driver
+from loadtest.config import RunConfig
+from loadtest.metrics import compute, parse_slos
+from loadtest.prompts import load_set, schedule
+from loadtest.target import check_address
+from loadtest.trace import CANCELLED, ERROR, NOT_SENT, OK, RequestTrace, RunTrace, load, save
+from scipy import stats
+
+from gateway_harness import ServerThread, tiny_backend
+from tandem.sessions import MemorySessionStore
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULT_KEYS = ("ttft", "tpot", "itl", "e2el", "request_throughput", "output_throughput", "goodput", "completed",
+               "failed")
+SUMMARY_KEYS = ("mean", "p50", "p90", "p99")
+MAX_TOKENS = 8
+
+
+# --- arrivals ---------------------------------------------------------------------------------------------------
+
+
+def test_poisson_gaps_follow_the_rate() -> None:
+    rate, n = 4.0, 20_000
+    gaps = ArrivalProcess(rate, seed=7).gaps(n)
+    assert abs(gaps.mean() - 1 / rate) < 4 * (1 / rate) / math.sqrt(n)  # 4 standard errors
+    assert stats.kstest(gaps, "expon", args=(0, 1 / rate)).pvalue > 0.01
+    # Counts per one-second window of a Poisson process at rate 4 are Poisson(4): chi-square over counts 0..9, 10+.
+    times = np.cumsum(gaps)
+    counts = np.bincount(times[times < int(times[-1])].astype(int))
+    observed = np.bincount(np.minimum(counts, 10), minlength=11)
+    expected = np.append(stats.poisson.pmf(np.arange(10), rate), stats.poisson.sf(9, rate)) * counts.size
+    assert stats.chisquare(observed, expected).pvalue > 0.01
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_gamma_burstiness_keeps_the_mean_and_sets_the_variance(burstiness: float) -> None:
+    rate, n = 2.0, 20_000
+    gaps = ArrivalProcess(rate, burstiness, seed=3).gaps(n)
+    mean, variance = 1 / rate, 1 / (rate**2 * burstiness)  # gamma(shape=b, scale=1/(rate*b))
+    assert abs(gaps.mean() - mean) < 4 * math.sqrt(variance / n)
+    assert gaps.var() == pytest.approx(variance, rel=0.1)
+    assert stats.kstest(gaps, "gamma", args=(burstiness, 0, 1 / (rate * burstiness))).pvalue > 0.01
+
+
+def test_arrivals_are_seeded_and_infinite_rate_sends_at_once() -> None:
+    a, b, c = (ArrivalProcess(3.0, seed=s).offsets(50) for s in (1, 1, 2))
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    assert a[0] == 0.0 and np.all(np.diff(a) > 0)
+    assert np.array_equal(ArrivalProcess(math.inf).offsets(5), np.zeros(5))
+    assert parse_rate("inf") == math.inf and parse_rate("0.5") == 0.5
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(ValueError):
+            parse_rate(bad)
+
+
+def test_prompt_sets_ship_code_and_chat_in_three_lengths() -> None:
+    prompts = load_set("mixed")
+    assert {(p.kind, p.length) for p in prompts} == {(k, n) for k in ("code", "chat")
+                                                     for n in ("short", "medium", "long")}
+    assert len({p.id for p in prompts}) == len(prompts) >= 24
+    assert all("prompt" in p.request_input() for p in load_set("code"))
+    assert all(p.request_input()["chat"][-1][0] == "user" for p in load_set("chat"))
+    order = schedule(prompts, 2 * len(prompts), seed=5)
+    assert sorted(p.id for p in order[:len(prompts)]) == sorted(p.id for p in prompts)  # each used once per pass
+    assert order == schedule(prompts, 2 * len(prompts), seed=5)
+
+
+# --- metrics on a recorded trace --------------------------------------------------------------------------------
+
+
+def _trace() -> RunTrace:
+    requests = [
+        RequestTrace(0, status=OK, send=0.0, end=1.5, chunk_times=[0.5, 0.75, 1.0, 1.5], chunk_tokens=[1, 2, 1, 4],
+                     prompt_tokens=10, completion_tokens=8, rounds=4, drafted=6, accepted=4, fallback_rounds=1),
+        RequestTrace(1, status=OK, send=1.0, end=3.0, chunk_times=[3.0], chunk_tokens=[1], prompt_tokens=20,
+                     completion_tokens=1, rounds=1, fallback_rounds=1),
+        RequestTrace(2, status=OK, send=2.0, end=2.75, chunk_times=[2.25, 2.5], chunk_tokens=[2, 3], prompt_tokens=30,
+                     completion_tokens=5, rounds=2, drafted=4, accepted=3),
+        RequestTrace(3, status=ERROR, send=3.0, end=3.5, error="UNAVAILABLE: draining"),
+        RequestTrace(4, status=CANCELLED, send=4.0, end=9.0, chunk_times=[5.0], chunk_tokens=[1]),
+        RequestTrace(5, status=NOT_SENT),
+    ]
+    return RunTrace(requests=requests, duration=10.0)
+
+
+def test_metrics_on_a_recorded_trace_have_the_known_answers(tmp_path) -> None:
+    trace = _trace()
+    save(trace, tmp_path / "trace.jsonl")
+    results = compute(load(tmp_path / "trace.jsonl"))
+    approx = pytest.approx
+    assert (results["completed"], results["failed"], results["errors"], results["cancelled"],
+            results["not_sent"], results["requests"]) == (3, 2, 1, 1, 1, 6)
+    assert results["error_kinds"] == {"UNAVAILABLE": 1}
+    assert results["total_output_tokens"] == 14 and results["total_input_tokens"] == 60
+    assert results["request_throughput"] == approx(0.3) and results["output_throughput"] == approx(1.4)
+    assert results["total_token_throughput"] == approx(7.4)
+    assert results["goodput"] == approx(0.3) and results["goodput_slos"] == {}  # no SLO: every completed one
+    # TTFT 0.5, 2.0, 0.25; E2E 1.5, 2.0, 0.75 (numpy linear percentiles over the sorted values)
+    assert results["ttft"] == approx({"mean": 2.75 / 3, "std": np.std([0.5, 2.0, 0.25]), "p50": 0.5, "p90": 1.7,
+                                      "p99": 1.97, "max": 2.0, "count": 3})
+    assert results["e2el"] == approx({"mean": 4.25 / 3, "std": np.std([1.5, 2.0, 0.75]), "p50": 1.5, "p90": 1.9,
+                                      "p99": 1.99, "max": 2.0, "count": 3})
+    # TPOT (e2el - ttft) / (tokens - 1): 1/7 and 0.5/4; the one-token request has none
+    assert results["tpot"]["count"] == 2
+    assert results["tpot"]["mean"] == approx((1 / 7 + 0.125) / 2) and results["tpot"]["p50"] == approx(15 / 112)
+    # ITL: one per chunk after the first: 0.25, 0.25, 0.5 and 0.25
+    assert results["itl"] == approx({"mean": 0.3125, "std": np.std([0.25, 0.25, 0.5, 0.25]), "p50": 0.25,
+                                     "p90": 0.425, "p99": 0.4925, "max": 0.5, "count": 4})
+    # per token: each gap split over its chunk's tokens: 0.125 x2, 0.25, 0.125 x4, 1/12 x3
+    assert results["itl_per_token"]["count"] == 10 and results["itl_per_token"]["mean"] == approx(0.125)
+    assert results["tokens_per_chunk"] == approx(2.0)
+    assert results["acceptance_rate"] == approx(0.7) and results["fallback_share"] == approx(2 / 7)
+    assert results["speculation"]["rounds"] == 7 and results["speculation"]["tokens_per_round"] == approx(2.0)
+
+
+@pytest.mark.parametrize(("slos", "good"), [
+    (["ttft:1000", "tpot:140"], 1),  # request 0's TPOT 142.9 ms misses, request 1's TTFT 2 s misses
+    (["ttft:600", "e2el:1600"], 2),
+    (["tpot:140"], 2),  # a one-token request has no TPOT and counts as 0 (as vLLM)
+    (["e2el:100"], 0),
+])
+def test_goodput_counts_requests_meeting_every_slo(slos: list[str], good: int) -> None:
+    results = compute(_trace(), parse_slos(slos))
+    assert results["good_requests"] == good and results["goodput"] == pytest.approx(good / 10.0)
+
+
+def test_empty_metrics_are_null_and_slo_flags_are_checked() -> None:
+    results = compute(RunTrace(requests=[RequestTrace(0, status=ERROR, send=0.0, end=1.0, error="INTERNAL: x")],
+                               duration=1.0))
+    assert results["completed"] == 0 and results["failed"] == 1
+    assert results["ttft"]["mean"] is None and results["ttft"]["count"] == 0
+    assert results["acceptance_rate"] is None and results["fallback_share"] is None
+    unsent = compute(replace(_trace(), planned=9))  # three more planned than recorded: never sent
+    assert (unsent["requests"], unsent["not_sent"], unsent["completed"]) == (9, 4, 3)
+    assert parse_slos(["ttft:500", "tpot:100", "e2el:2000"]) == {"ttft": 0.5, "tpot": 0.1, "e2el": 2.0}
+    for bad in ("ttft", "itl:5", "ttft:-1", "ttft:x"):
+        with pytest.raises(ValueError):
+            parse_slos([bad])
+
+
+# --- against a real gateway on loopback -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    target, draft, _ = tiny_models
+    running = ServerThread(tiny_backend(target, draft), sessions=MemorySessionStore())
+    yield running
+    running.stop()
+
+
+def _config(server, **options) -> RunConfig:
+    return RunConfig(address=server.address, **({"requests": 4, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                                                 "lengths": ("short",), "seed": 1} | options))
+
+
+def _run(config: RunConfig) -> tuple[RunTrace, float]:
+    started = time.monotonic()
+    trace = asyncio.run(Driver(config).run())
+    return trace, time.monotonic() - started
+
+
+def test_cli_writes_results_json(server, tmp_path) -> None:
+    out = tmp_path / "run"
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "loadtest", "--address", server.address, "--rate", "40",
+                           "--requests", "10", "--speculation", "auto", "--max-tokens", str(MAX_TOKENS),
+                           "--ignore-eos", "--goodput", "ttft:30000", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    for key in RESULT_KEYS:
+        assert key in results
+    for key in ("ttft", "tpot", "itl", "e2el"):
+        assert all(isinstance(results[key][stat], float) for stat in SUMMARY_KEYS)
+        assert 0 < results[key]["p50"] <= results[key]["p90"] <= results[key]["p99"]
+    assert results["completed"] == 10 and results["failed"] == 0 and results["not_sent"] == 0
+    assert results["total_output_tokens"] == 10 * MAX_TOKENS
+    assert results["output_throughput"] == pytest.approx(results["request_throughput"] * MAX_TOKENS)
+    assert results["goodput"] == pytest.approx(results["request_throughput"])  # a 30 s TTFT SLO: all good
+    assert 0 < results["acceptance_rate"] <= 1 and 0 <= results["fallback_share"] <= 1
+    assert results["server"]["target_model"] == "tiny-target"
+    assert results["config"]["speculation"] == "auto" and results["config"]["rate"] == 40
+    assert len((out / "trace.jsonl").read_text().splitlines()) == 1 + 10  # warm-up not recorded
+    assert server.wait_for(server.caches_empty)
+
+
+def test_sends_follow_the_arrival_schedule(server) -> None:
+    rate, count = 25.0, 50
+    trace, _ = _run(_config(server, rate=rate, requests=count, max_tokens=2, warmup=0, seed=11))
+    assert [r.status for r in trace.requests] == [OK] * count
+    sends = np.array([r.send for r in trace.requests])
+    scheduled = ArrivalProcess(rate, seed=11).offsets(count)
+    lateness = sends - scheduled
+    assert lateness.min() >= 0 and np.median(lateness) < 0.02 and lateness.max() < 0.25
+    gaps = np.diff(sends)
+    assert stats.kstest(gaps, "expon", args=(0, 1 / rate)).pvalue > 0.001
+    assert (count - 1) / sends[-1] == pytest.approx(rate, rel=0.5)  # 50 Poisson arrivals: a loose bound
+
+
+def test_request_count_bound_and_speculation_off(server) -> None:
+    trace, _ = _run(_config(server, concurrency=3, requests=7, speculation="off", warmup=2))
+    results = compute(trace)
+    assert results["requests"] == 7 and results["completed"] == 7 and results["failed"] == 0
+    assert results["speculation"]["drafted"] == 0 and results["acceptance_rate"] is None
+    assert results["total_output_tokens"] == 7 * MAX_TOKENS
+
+
+def test_duration_bound_stops_issuing_on_time(server) -> None:
+    config = _config(server, concurrency=2, requests=100_000, duration=1.0, grace=0.5, warmup=0)
+    trace, elapsed = _run(config)
+    results = compute(trace)
+    assert elapsed < 1.0 + 0.5 + 1.0
+    assert results["completed"] > 0 and results["not_sent"] > 0
+    assert results["completed"] + results["failed"] + results["not_sent"] == 100_000
+    assert max(r.send for r in trace.requests if r.send is not None) < 1.0
+
+
+def test_duration_cancels_requests_still_in_flight(server) -> None:
+    config = _config(server, rate=math.inf, requests=3, max_tokens=3000, duration=0.3, grace=0.3, warmup=0)
+    trace, elapsed = _run(config)
+    results = compute(trace)
+    assert results["cancelled"] == 3 and results["failed"] == 3 and results["completed"] == 0
+    assert elapsed < 0.6 + 1.0 and trace.duration == pytest.approx(0.6, abs=0.2)
+    assert server.wait_for(server.caches_empty)  # the cancel reached the server, which freed the caches
+
+
+def test_sweep_writes_json_ratios_and_plots(server, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--address", server.address, "--rates", "20", "inf", "--requests", "3", "--max-tokens",
+                 str(MAX_TOKENS), "--ignore-eos", "--lengths", "short", "--warmup", "0", "--out", str(out)])
+    assert code == 0
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert [(r["level"], r["speculation"]) for r in sweep["runs"]] == [(20, "auto"), (20, "off"), ("inf", "auto"),
+                                                                       ("inf", "off")]
+    assert all(r["results"]["completed"] == 3 for r in sweep["runs"])
+    assert [r["load"] for r in sweep["ratios"]] == ["rate=20", "rate=inf"]
+    for ratio in sweep["ratios"]:
+        assert ratio["auto_vs_off"]["output_throughput"] > 0
+    for name in ("latency.png", "throughput.png", "speculation.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "rate20-off" / "results.json").exists()
+
+
+# --- targets ----------------------------------------------------------------------------------------------------
+
+
+def test_refuses_non_loopback_addresses(tmp_path, capsys) -> None:
+    for address in ("127.0.0.1:50051", "127.8.9.10:1", "[::1]:50051", "localhost:50051"):
+        assert check_address(address) == address
+    for address in ("10.1.2.3:50051", "8.8.8.8:53", "[2001:db8::1]:443"):
+        with pytest.raises(ValueError, match="not a loopback address"):
+            check_address(address)
+        assert check_address(address, allow_remote=True) == address
+    with pytest.raises(ValueError, match=r"address: 10\.1\.2\.3 is not a loopback address"):
+        RunConfig(address="10.1.2.3:50051", requests=1)  # the library refuses too, not only the CLI
+    assert RunConfig(address="10.1.2.3:50051", requests=1, allow_remote=True).load == "rate=inf"
+    code = main(["--address", "192.0.2.1:50051", "--requests", "1", "--out", str(tmp_path / "x")])
+    assert code == 2 and "error: address:" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    assert main(["--address", "127.0.0.1", "--requests", "1", "--out", str(tmp_path)]) == 2
+
+
+def test_unreachable_server_and_bad_arguments_fail_cleanly(tmp_path, capsys) -> None:
+    code = main(["--address", "127.0.0.1:9", "--requests", "1", "--connect-timeout", "0.5", "--out", str(tmp_path)])
+    assert code == 1 and "error: address: no server answered" in capsys.readouterr().err
+    assert main(["--address", "127.0.0.1:9", "--requests", "0", "--out", str(tmp_path)]) == 2
+    assert "error: requests:" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="either a rate or a concurrency"):
+        replace(RunConfig(address="127.0.0.1:1", requests=1), concurrency=2)
