@@ -1,0 +1,297 @@
+{{/* Names. Kubernetes names are at most 63 characters; fullname leaves room for the suffixes below. */}}
+{{- define "tandem.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "tandem.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* KubeRay names the head Service <RayCluster>-head-svc and shortens names over 50 characters: stay below. */}}
+{{- define "tandem.rayClusterName" -}}
+{{- printf "%s-ray" (include "tandem.fullname" . | trunc 37 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "tandem.redisName" -}}
+{{- printf "%s-redis" (include "tandem.fullname" .) }}
+{{- end }}
+
+{{/* Labels: call with (dict "ctx" $ "component" "gateway"). */}}
+{{- define "tandem.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tandem.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+{{- with .component }}
+app.kubernetes.io/component: {{ . }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.labels" -}}
+helm.sh/chart: {{ include "tandem.chart" .ctx }}
+{{ include "tandem.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: tandem
+{{- end }}
+
+{{/* The one image of every pod: (dict "ctx" $). Gateways and Ray workers must run the same tandem and Ray. */}}
+{{- define "tandem.image" -}}
+{{- printf "%s:%s" .ctx.Values.image.repository (.ctx.Values.image.tag | default .ctx.Chart.AppVersion) }}
+{{- end }}
+
+{{/* Ray GCS address the gateway attaches to. */}}
+{{- define "tandem.rayAddress" -}}
+{{- .Values.ray.address | default (printf "%s-head-svc:6379" (include "tandem.rayClusterName" .)) }}
+{{- end }}
+
+{{/* REDIS_URL for the gateway: the bundled StatefulSet's headless Service, or the external URL. */}}
+{{- define "tandem.redisEnv" -}}
+- name: REDIS_URL
+{{- if .Values.redis.bundled.enabled }}
+  value: {{ printf "redis://%s:6379/0" (include "tandem.redisName" .) | quote }}
+{{- else if .Values.redis.existingSecret.name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.existingSecret.name }}
+      key: {{ .Values.redis.existingSecret.key }}
+{{- else }}
+  value: {{ .Values.redis.url | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+Gateway arms as a YAML list: gatewayArms with defaults filled in, or one unnamed arm for a single gateway.
+Each: name, suffix ("" or "-<name>"), weight, draftModel, replicas, minReplicas, maxReplicas, extraArgs.
+*/}}
+{{- define "tandem.gatewayArms" -}}
+{{- $g := .Values.gateway }}
+{{- $arms := list }}
+{{- range $item := .Values.gatewayArms }}
+{{- $arm := dict "name" .name "suffix" (printf "-%s" .name) "weight" .weight
+    "draftModel" (.draftModel | default $.Values.models.draft) "extraArgs" (.extraArgs | default list) }}
+{{- range $key := list "replicas" "minReplicas" "maxReplicas" }}
+{{- $default := ternary $g.replicas (get $g.autoscaling $key) (eq $key "replicas") }}
+{{- $set := and (hasKey $item $key) (not (kindIs "invalid" (index $item $key))) }}
+{{- $_ := set $arm $key (ternary (index $item $key | default 0) $default $set) }}
+{{- end }}
+{{- $arms = append $arms $arm }}
+{{- else }}
+{{- $arms = append $arms (dict "name" "" "suffix" "" "weight" 100 "draftModel" .Values.models.draft "extraArgs" list
+    "replicas" $g.replicas "minReplicas" $g.autoscaling.minReplicas "maxReplicas" $g.autoscaling.maxReplicas) }}
+{{- end }}
+{{- toYaml $arms }}
+{{- end }}
+
+{{/*
+Gateway replicas over all arms: {static, min, max}. With the HPA on, static (the size of pools that do not
+autoscale) is the most the HPAs can reach, so every gateway they add finds its workers.
+*/}}
+{{- define "tandem.gatewayCounts" -}}
+{{- $static := 0 }}{{ $min := 0 }}{{ $max := 0 }}
+{{- range include "tandem.gatewayArms" . | fromYamlArray }}
+{{- $static = add $static .replicas }}{{ $min = add $min .minReplicas }}{{ $max = add $max .maxReplicas }}
+{{- end }}
+{{- if .Values.gateway.autoscaling.enabled }}
+{{- dict "static" $max "min" $min "max" $max | toYaml }}
+{{- else }}
+{{- dict "static" $static "min" $static "max" $static | toYaml }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.rayAutoscaling" -}}
+{{- if kindIs "invalid" .Values.ray.autoscaling.enabled }}
+{{- ternary "true" "" (.Values.gateway.autoscaling.enabled | default false) }}
+{{- else }}
+{{- ternary "true" "" .Values.ray.autoscaling.enabled }}
+{{- end }}
+{{- end }}
+
+{{/*
+Worker-group sizes {replicas, min, max} for (dict "ctx" $ "pool" "draft"|"target"): gateways x actors each needs,
+packed workersPerPod draft workers or one target replica per pod. An explicit pool.replicas pins all three.
+*/}}
+{{- define "tandem.poolSize" -}}
+{{- $v := .ctx.Values }}
+{{- $counts := include "tandem.gatewayCounts" .ctx | fromYaml }}
+{{- $pool := ternary $v.ray.draftPool $v.ray.targetPool (eq .pool "draft") }}
+{{- $perGateway := ternary $v.serving.draftWorkers $v.serving.targetReplicas (eq .pool "draft") }}
+{{- $perPod := ternary $v.ray.draftPool.workersPerPod 1 (eq .pool "draft") }}
+{{- if not (kindIs "invalid" $pool.replicas) }}
+{{- dict "replicas" $pool.replicas "min" $pool.replicas "max" $pool.replicas | toYaml }}
+{{- else }}
+{{- $sizes := dict }}
+{{- range $key := list "static" "min" "max" }}
+{{- $actors := mul (get $counts $key) $perGateway }}
+{{- $_ := set $sizes $key (div (add $actors (sub $perPod 1)) $perPod) }}
+{{- end }}
+{{- if include "tandem.rayAutoscaling" .ctx }}
+{{- dict "replicas" $sizes.min "min" $sizes.min "max" $sizes.max | toYaml }}
+{{- else }}
+{{- dict "replicas" $sizes.static "min" $sizes.static "max" $sizes.static | toYaml }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* GPUs per draft worker: gpusPerPod / workersPerPod, as `--draft-gpus` takes it. */}}
+{{- define "tandem.draftGpusPerWorker" -}}
+{{- $p := .Values.ray.draftPool }}
+{{- if $p.gpusPerPod }}{{ divf $p.gpusPerPod $p.workersPerPod }}{{ else }}0{{ end }}
+{{- end }}
+
+{{/* Checks the JSON schema cannot express. Rendered (empty) by the gateway Deployment. */}}
+{{- define "tandem.validate" -}}
+{{- $v := .Values }}
+{{- if and $v.redis.bundled.enabled (or $v.redis.url $v.redis.existingSecret.name) }}
+{{- fail "redis: set either redis.url / redis.existingSecret.name (external) or redis.bundled.enabled, not both" }}
+{{- end }}
+{{- if not (or $v.redis.bundled.enabled $v.redis.url $v.redis.existingSecret.name) }}
+{{- fail "redis: set redis.url, redis.existingSecret.name or redis.bundled.enabled=true (gateway replicas share session state)" }}
+{{- end }}
+{{- if $v.canary.enabled }}
+{{- if not $v.canary.arms }}{{ fail "canary.arms: list at least one arm when canary.enabled" }}{{ end }}
+{{- $sum := 0 }}{{ $names := dict }}
+{{- range $v.canary.arms }}{{ $sum = add $sum .weight }}{{ $_ := set $names .name true }}{{ end }}
+{{- if ne (int $sum) 100 }}{{ fail (printf "canary.arms: weights must sum to 100, got %d" (int $sum)) }}{{ end }}
+{{- if ne (len $names) (len $v.canary.arms) }}{{ fail "canary.arms: arm names must be unique" }}{{ end }}
+{{- end }}
+{{- if $v.gatewayArms }}
+{{- $sum := 0 }}{{ $names := dict }}
+{{- range $v.gatewayArms }}{{ $sum = add $sum .weight }}{{ $_ := set $names .name true }}{{ end }}
+{{- if ne (int $sum) 100 }}{{ fail (printf "gatewayArms: weights must sum to 100, got %d" (int $sum)) }}{{ end }}
+{{- if ne (len $names) (len $v.gatewayArms) }}{{ fail "gatewayArms: arm names must be unique" }}{{ end }}
+{{- end }}
+{{- if $v.gateway.autoscaling.enabled }}
+{{- range include "tandem.gatewayArms" . | fromYamlArray }}
+{{- if gt (int .minReplicas) (int .maxReplicas) }}
+{{- fail (printf "gateway%s autoscaling: minReplicas %d exceeds maxReplicas %d" .suffix (int .minReplicas) (int .maxReplicas)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and $v.gatewayApi.grpcRoute.enabled (not $v.gatewayApi.grpcRoute.parentRefs) }}
+{{- fail "gatewayApi.grpcRoute.parentRefs: name the Gateway the GRPCRoute attaches to" }}
+{{- end }}
+{{- end }}
+
+{{/* `tandem serve` arguments for one gateway arm: (dict "ctx" $ "arm" $arm). */}}
+{{- define "tandem.serveArgs" -}}
+{{- $v := .ctx.Values }}
+{{- $s := $v.serving }}
+{{- $args := list "serve" "--host=0.0.0.0"
+    (printf "--port=%v" $v.gateway.grpcPort)
+    (printf "--metrics-port=%v" $v.gateway.metricsPort)
+    (printf "--ray-address=%s" (include "tandem.rayAddress" .ctx))
+    (printf "--target=%s" $v.models.target)
+    (printf "--draft=%s" .arm.draftModel)
+    (printf "--draft-workers=%v" $s.draftWorkers)
+    (printf "--target-replicas=%v" $s.targetReplicas)
+    (printf "--tp=%v" $s.tp)
+    (printf "--draft-gpus=%s" (include "tandem.draftGpusPerWorker" .ctx))
+    (printf "--target-gpus=%v" $v.ray.targetPool.gpusPerRank)
+    (printf "--draft-resources=%s" (dict $v.ray.draftPool.customResource 1 | toJson))
+    (printf "--target-resources=%s" (dict $v.ray.targetPool.customResource 1 | toJson))
+    (printf "--grace=%v" $v.gateway.grace) }}
+{{- toYaml (concat $args $s.extraArgs .arm.extraArgs) }}
+{{- end }}
+
+{{/* The model cache (TANDEM_HOME) volume, named model-cache. */}}
+{{- define "tandem.modelCacheVolume" -}}
+- name: model-cache
+{{- if .Values.models.cache.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.models.cache.existingClaim }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.models.cache.sizeLimit }}
+{{- end }}
+{{- end }}
+
+{{/* rayStartParams: KubeRay wants every value as a string (single-quoted, as in KubeRay's examples). */}}
+{{- define "tandem.rayStartParams" -}}
+{{- range $key, $value := . }}
+{{- $s := toString $value }}
+{{ $key }}: {{ ternary (toJson $s) (squote $s) (contains "'" $s) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Pod template of a Ray node: (dict "ctx" $ "group" "head"|groupName "container" name "spec" poolValues "gpus" N).
+KubeRay fills in the container's command (ray start) and its own probes.
+*/}}
+{{- define "tandem.rayPodTemplate" -}}
+{{- $v := .ctx.Values }}
+{{- $resources := deepCopy (.spec.resources | default dict) }}
+{{- if gt (int .gpus) 0 }}
+{{- $_ := set $resources "limits" (merge (dict $v.gpu.resourceName (int .gpus)) ($resources.limits | default dict)) }}
+{{- end }}
+metadata:
+  labels:
+    {{- include "tandem.selectorLabels" (dict "ctx" .ctx "component" "ray") | nindent 4 }}
+    tandem.io/ray-group: {{ .group }}
+    tandem.io/metrics: "true"
+spec:
+  {{- with $v.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    fsGroup: 1000
+  containers:
+    - name: {{ .container }}
+      image: {{ include "tandem.image" (dict "ctx" .ctx) }}
+      imagePullPolicy: {{ $v.image.pullPolicy }}
+      env:
+        - name: TANDEM_HOME
+          value: {{ $v.models.cache.mountPath | quote }}
+        - name: TOKENIZERS_PARALLELISM
+          value: "false"
+        - name: RAY_USAGE_STATS_ENABLED
+          value: "0"
+      ports:
+        {{- if eq .group "head" }}
+        - {name: gcs-server, containerPort: 6379}
+        - {name: dashboard, containerPort: 8265}
+        - {name: client, containerPort: 10001}
+        {{- end }}
+        - {name: metrics, containerPort: {{ $v.ray.metricsPort }}}
+      lifecycle:
+        preStop:
+          exec:
+            command: ["/bin/sh", "-c", "ray stop"]
+      resources:
+        {{- toYaml $resources | nindent 8 }}
+      volumeMounts:
+        - name: model-cache
+          mountPath: {{ $v.models.cache.mountPath }}
+        - name: dshm
+          mountPath: /dev/shm
+  volumes:
+    {{- include "tandem.modelCacheVolume" .ctx | nindent 4 }}
+    - name: dshm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ .spec.shmSizeLimit | default "1Gi" }}
+  {{- with .spec.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .spec.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .spec.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}

@@ -1,0 +1,147 @@
+"""python -m loadtest: one load level, a sweep, or plots of a finished sweep.
+
+    python -m loadtest --address 127.0.0.1:50051 --rate 2 --requests 100 --speculation auto --out DIR
+    python -m loadtest sweep --address 127.0.0.1:50051 --rates 0.5 1 2 --requests 50 --out DIR
+    python -m loadtest plot DIR/sweep.json
+
+Exit status: 0 done, 1 the server could not be reached or the warm-up failed, 2 bad arguments (`error: <field>: ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from loadtest.arrivals import parse_rate
+from loadtest.client_run import ServerUnreachable, WarmupFailed
+from loadtest.config import MODES, RunConfig
+from loadtest.metrics import parse_slos
+from loadtest.prompts import LENGTHS, SETS
+
+# Options copied as they are from the command line into RunConfig (the rest are converted).
+CONFIG_ARGS = ("address", "allow_remote", "requests", "burstiness", "max_concurrency", "seed", "duration", "grace",
+               "timeout", "warmup", "max_k", "prompts", "max_tokens", "temperature", "ignore_eos", "sessions",
+               "connect_timeout")
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _positive_rate(text: str) -> float:
+    try:
+        return parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", required=True, help="HOST:PORT of a tandem gateway (loopback only)")
+    parser.add_argument("--allow-remote", action="store_true", help="allow a non-loopback address")
+    parser.add_argument("--requests", type=int, required=True, help="measured requests per run")
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1.0: Poisson)")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="rate mode: cap on requests in flight")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--duration", type=float, default=None, help="stop issuing requests after S seconds")
+    parser.add_argument("--grace", type=float, default=10.0, help="cancel what is in flight at duration + grace")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per-request deadline in seconds")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up requests, excluded from the metrics")
+    parser.add_argument("--max-k", type=int, default=None, help="cap on draft tokens per round")
+    parser.add_argument("--prompts", choices=SETS, default="mixed")
+    parser.add_argument("--lengths", nargs="+", choices=LENGTHS, default=list(LENGTHS))
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens tokens")
+    parser.add_argument("--sessions", type=int, default=0, help="distinct session ids (0: one per request)")
+    parser.add_argument("--connect-timeout", type=float, default=10.0)
+    parser.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
+                        help="SLOs in milliseconds, e.g. ttft:500 tpot:100 e2el:5000")
+
+
+def run_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m loadtest", description="Run one load level against tandem.")
+    add_common(parser)
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=_positive_rate, default=None, help="requests per second, or inf (default)")
+    load.add_argument("--concurrency", type=int, default=None, help="fixed number of requests in flight")
+    parser.add_argument("--speculation", choices=MODES, default="auto")
+    return parser
+
+
+def sweep_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m loadtest sweep",
+                                     description="Run several load levels, each with speculation AUTO and OFF.")
+    add_common(parser)
+    load = parser.add_mutually_exclusive_group(required=True)
+    load.add_argument("--rates", type=_positive_rate, nargs="+", help="request rates (req/s; inf allowed)")
+    load.add_argument("--concurrencies", type=int, nargs="+", help="fixed concurrencies")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--no-plots", action="store_true")
+    return parser
+
+
+def plot_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m loadtest plot", description="Plot a finished sweep.")
+    parser.add_argument("sweep", type=Path, help="a sweep.json")
+    parser.add_argument("--out", type=Path, default=None, help="where the PNGs go (default: next to sweep.json)")
+    return parser
+
+
+def config_from(args: argparse.Namespace, **load) -> RunConfig:
+    try:
+        slos = parse_slos(args.goodput)
+    except ValueError as exc:
+        raise UsageError(f"goodput: {exc}") from None
+    try:
+        return RunConfig(**{name: getattr(args, name) for name in CONFIG_ARGS}, lengths=tuple(args.lengths),
+                         goodput=slos, **load)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv and argv[0] in ("sweep", "plot") else "run"
+    try:
+        if command == "plot":
+            return _plot(plot_parser().parse_args(argv))
+        if command == "sweep":
+            args = sweep_parser().parse_args(argv)
+            base = config_from(args)
+            from loadtest.sweep import run_sweep
+
+            body = run_sweep(base, args.out, rates=args.rates, concurrencies=args.concurrencies,
+                             modes=tuple(dict.fromkeys(args.modes)), plots=not args.no_plots)
+            print(f"wrote {args.out / 'sweep.json'}" + (f" and {', '.join(body['plots'])}" if "plots" in body else ""))
+            return 0
+        args = run_parser().parse_args(argv)
+        config = config_from(args, rate=args.rate, concurrency=args.concurrency, speculation=args.speculation)
+        from loadtest.run import run_to_dir, summary
+
+        results = run_to_dir(config, args.out)
+        print(summary(results))
+        print(f"wrote {args.out / 'results.json'}")
+        return 0
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (ServerUnreachable, WarmupFailed) as exc:
+        print(f"error: {'warmup' if isinstance(exc, WarmupFailed) else 'address'}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _plot(args: argparse.Namespace) -> int:
+    import json
+
+    from loadtest.report.plots import plot_sweep
+
+    out = args.out or args.sweep.parent
+    paths = plot_sweep(json.loads(args.sweep.read_text()), out)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Reports over sweep results: PNG plots (plots.py)."""

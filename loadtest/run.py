@@ -1,0 +1,59 @@
+"""One load level end to end: drive it, compute the metrics, write DIR/results.json and DIR/trace.jsonl."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from loadtest import metrics, trace
+from loadtest.client_run import Driver
+from loadtest.config import RunConfig
+from loadtest.prompts import Prompt
+
+
+def results_of(run: trace.RunTrace, slos: dict[str, float]) -> dict:
+    """results.json: the metrics, then the run's config and what the server said about itself."""
+    config = dict(run.config)
+    server = config.pop("server", {})
+    return metrics.compute(run, slos) | {"config": config, "server": server}
+
+
+def write_json(path: Path, body: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(body, indent=2, allow_nan=False) + "\n")
+
+
+def run_to_dir(config: RunConfig, out: Path, prompts: list[Prompt] | None = None) -> dict:
+    run = asyncio.run(Driver(config, prompts).run())
+    out.mkdir(parents=True, exist_ok=True)
+    trace.save(run, out / "trace.jsonl")
+    results = results_of(run, config.goodput)
+    write_json(out / "results.json", results)
+    return results
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.2f}"
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def summary(results: dict) -> str:
+    """A short text report in the shape of vLLM's 'Serving Benchmark Result'."""
+    config = results["config"]
+    lines = [f"load {config.get('load', '')} speculation {config.get('speculation', '')}: "
+             f"{results['completed']} completed, {results['failed']} failed "
+             f"({results['cancelled']} cancelled), {results['not_sent']} not sent in {results['duration']:.2f} s",
+             f"request throughput {_num(results['request_throughput'])} req/s, "
+             f"output throughput {_num(results['output_throughput'])} tok/s, "
+             f"goodput {_num(results['goodput'])} req/s"]
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        s = results[name]
+        lines.append(f"{name:>5} ms: mean {_ms(s['mean'])}  p50 {_ms(s['p50'])}  p90 {_ms(s['p90'])}  "
+                     f"p99 {_ms(s['p99'])}")
+    lines.append(f"acceptance {_num(results['acceptance_rate'], 3)}, fallback share "
+                 f"{_num(results['fallback_share'], 3)}")
+    return "\n".join(lines)
