@@ -120,6 +120,22 @@ def test_fallback_engages_with_unrelated_draft_and_disengages_with_aligned(tiny_
     assert seq.stats.accepted_at[0] > 10
 
 
+def test_new_sessions_start_from_the_deployments_recent_acceptance(tiny_models) -> None:
+    target, draft, draft_random = tiny_models
+    config = EngineConfig(spec=SpecConfig(probe_interval=4, probe_interval_max=16), calibrate=False)
+    for drafter, starts_speculating in ((draft_random, False), (draft, True)):
+        engine = build_engine(target, drafter, config)
+        engine.costs = _static_costs()
+        for prompt in (PROMPT, PROMPT[:3], PROMPT[1:]):
+            engine.generate([prompt], _greedy(max_tokens=60))
+        request_id = engine.add_request(PROMPT[2:], _greedy(max_tokens=20))
+        first = engine.sequences[request_id]
+        engine.step()
+        # The shared prior has learned what this draft does: no evidence-free first rounds against it.
+        assert (first.stats.spec_rounds == 1) == starts_speculating, engine.prior.value
+    assert engine.prior.value > 0.6
+
+
 def test_measured_costs_put_random_draft_into_fallback(tiny_models) -> None:
     target, _, draft_random = tiny_models
     engine = build_engine(target, draft_random)

@@ -114,3 +114,13 @@ def test_sync_keeps_the_cached_tokens_that_the_new_tokens_repeat() -> None:
     state.cached = 5
     state.sync(2, [3, 9, 7, 8])
     assert state.tokens == [1, 2, 3, 9, 7, 8] and state.cached == 5
+
+
+def test_batched_costs_are_kept_apart_from_single_sequence_costs() -> None:
+    costs = CostModel(draft_step=0.05, verify={1: 0.1, 8: 0.15, 16: 0.2, 32: 0.3})
+    costs.observe_verify(1, 0.3, rows=8)  # a plain round of 8 rows: slower than one 8-token sequence
+    assert costs.verify[8] == 0.15 and costs.batched == {(8, 1): 0.3}
+    assert costs.batch_forward_time(8, 1) == 0.3
+    # An unmeasured width for 8 rows follows the single-sequence curve, scaled to the measured 8-row point.
+    assert abs(costs.batch_forward_time(8, 2) - 0.3 * 0.2 / 0.15) < 1e-12
+    assert costs.batch_forward_time(4, 2) == 0.15  # no 4-row measurement: the 8-token single-sequence cost

@@ -21,7 +21,7 @@ from tandem.core.policy import expected_tokens
 def predicted_rate(ks: list[int], alphas: list[float], costs: CostModel) -> float:
     """Expected tokens per second of one round in which row i drafts ks[i] tokens."""
     widest = max(ks, default=0)
-    seconds = costs.forward_time(len(ks) * (widest + 1))
+    seconds = costs.batch_forward_time(len(ks), widest + 1)
     seconds += sum(costs.draft_time(sum(k >= step for k in ks)) for step in range(1, widest + 1))
     return sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)) / seconds
 

@@ -27,14 +27,18 @@ def _interpolate(points: dict[int, float], n: int) -> float:
 @dataclass(slots=True)
 class CostModel:
     """Seconds per draft step (one row, and `draft_rows` for steps over several rows at once), and seconds per
-    target forward keyed by the tokens it feeds (k drafts + 1 for one sequence; rows x padded width for a batch).
+    target forward: `verify` for one sequence keyed by the tokens it feeds (k drafts + 1), `batched` for several
+    rows keyed by (rows, padded width). The per-session policy reads only the single-sequence costs.
 
-    Unmeasured sizes are interpolated. Observations are blended in with an exponential moving average.
+    Unmeasured sizes are interpolated; an unmeasured batched shape follows the single-sequence curve at the same
+    number of tokens, scaled to the nearest measured width with that many rows (batching has its own overheads).
+    Observations are blended in with an exponential moving average.
     """
 
     draft_step: float = 0.0
     verify: dict[int, float] = field(default_factory=dict)
     draft_rows: dict[int, float] = field(default_factory=dict)
+    batched: dict[tuple[int, int], float] = field(default_factory=dict)
     smoothing: float = 0.2
     frozen: bool = False
 
@@ -47,19 +51,33 @@ class CostModel:
         old = self.draft_rows.get(rows)
         self.draft_rows[rows] = seconds if old is None else self._blend(old, seconds)
 
-    def observe_verify(self, tokens: int, seconds: float) -> None:
+    def observe_verify(self, tokens: int, seconds: float, rows: int = 1) -> None:
+        """A target forward over `rows` rows of `tokens` tokens each (padded width)."""
         if self.frozen:
             return
-        old = self.verify.get(tokens)
-        self.verify[tokens] = seconds if old is None else self._blend(old, seconds)
+        table, key = (self.verify, tokens) if rows <= 1 else (self.batched, (rows, tokens))
+        old = table.get(key)
+        table[key] = seconds if old is None else self._blend(old, seconds)
 
     def verify_time(self, k: int) -> float:
         """Seconds to verify k draft tokens of one sequence (a forward over k + 1 tokens)."""
         return self.forward_time(k + 1)
 
     def forward_time(self, tokens: int) -> float:
-        """Seconds for one target forward feeding `tokens` tokens in all."""
+        """Seconds for one single-sequence target forward feeding `tokens` tokens."""
         return _interpolate(self.verify, tokens)
+
+    def batch_forward_time(self, rows: int, width: int) -> float:
+        """Seconds for a target forward over `rows` rows padded to `width` tokens each."""
+        if rows <= 1:
+            return self.forward_time(width)
+        if (rows, width) in self.batched:
+            return self.batched[rows, width]
+        measured = [w for r, w in self.batched if r == rows]
+        if not measured:
+            return self.forward_time(rows * width)
+        nearest = min(measured, key=lambda w: (abs(w - width), w))
+        return self.batched[rows, nearest] * self.forward_time(rows * width) / self.forward_time(rows * nearest)
 
     def draft_time(self, rows: int) -> float:
         """Seconds for one draft step over `rows` sequences."""
@@ -77,4 +95,5 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return {"draft_step": self.draft_step, "verify": {str(n): t for n, t in sorted(self.verify.items())},
-                "draft_rows": {str(n): t for n, t in sorted(self.draft_rows.items())}}
+                "draft_rows": {str(n): t for n, t in sorted(self.draft_rows.items())},
+                "batched": {f"{r}x{w}": t for (r, w), t in sorted(self.batched.items())}}

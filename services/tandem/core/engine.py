@@ -85,6 +85,7 @@ class SpeculativeEngine:
         self.eos_token_ids, self.decode = eos_token_ids, decode
         self.costs = costs or CostModel()
         self.batch_caps: Counter[tuple[int, int]] = Counter()  # (batch size, widest k) -> rounds
+        self.prior = policy.SharedPrior(self.config.spec.acceptance_prior)
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         if self.drafter is not None and self.config.spec.speculating and self.config.calibrate:
@@ -126,7 +127,7 @@ class SpeculativeEngine:
         batch = list(self.sequences.values())[: self.config.max_batch]
         ks = [self._choose_k(seq) for seq in batch]
         if len(batch) > 1:
-            alphas = [policy.acceptance(seq.policy, self.config.spec) for seq in batch]
+            alphas = [policy.acceptance(seq.policy, self.config.spec, self.prior.value) for seq in batch]
             ks = plan_batch(ks, alphas, self.costs)
         proposals = self._draft(batch, ks)
         ks = [len(p.tokens) if p else 0 for p in proposals]
@@ -146,7 +147,7 @@ class SpeculativeEngine:
         results = _retry_lost(verify, forget)
         seconds = time.perf_counter() - started
         if all(seq.verify_synced == len(seq.context) for seq in batch):
-            self.costs.observe_verify(len(batch) * (max(ks) + 1), seconds)
+            self.costs.observe_verify(max(ks) + 1, seconds, rows=len(batch))
         self.batch_caps[len(batch), max(ks)] += 1
         outputs = []
         for seq, k, proposal, result in zip(batch, ks, proposals, results, strict=True):
@@ -158,7 +159,7 @@ class SpeculativeEngine:
         if not self.speculating or seq.max_k == 0:
             return 0
         remaining = seq.params.max_tokens - len(seq.output)
-        k = policy.choose_k(seq.policy, self.costs, self.config.spec)
+        k = policy.choose_k(seq.policy, self.costs, self.config.spec, self.prior.value)
         if seq.max_k is not None:
             k = min(k, seq.max_k)
         return min(k, remaining - 1)
@@ -205,6 +206,8 @@ class SpeculativeEngine:
         seq.verify_synced = committed + accepted + 1
         seq.stats.record_round(k, accepted, seq.policy.fallback)
         policy.update(seq.policy, k, accepted, self.costs, self.config.spec)
+        if k > 0 and not (proposal and proposal.failed):
+            self.prior.observe(k, accepted)
         before = len(seq.output)
         seq.finish_reason, seq.text_cut = seq.stop.extend(seq.output, new_tokens)
         if seq.finish_reason is not None:

@@ -34,8 +34,33 @@ class PolicyState:
         return cls(**{name: data[name] for name in cls.__slots__ if name in data})
 
 
-def acceptance(state: PolicyState, config: SpecConfig) -> float:
-    prior_accepted = config.acceptance_prior * config.prior_weight
+@dataclass(slots=True)
+class SharedPrior:
+    """Per-token acceptance across all recent sessions: where a new session's estimate starts.
+
+    A round that accepts a of k drafts is a successes then one failure (or none if a == k). Evidence decays so the
+    prior follows a change of traffic or draft model.
+    """
+
+    initial: float
+    weight: float = 4.0
+    decay: float = 0.99
+    accepted: float = 0.0
+    trials: float = 0.0
+
+    def observe(self, k: int, accepted: int) -> None:
+        self.accepted = self.decay * self.accepted + accepted
+        self.trials = self.decay * self.trials + accepted + (1 if accepted < k else 0)
+
+    @property
+    def value(self) -> float:
+        return min(max((self.accepted + self.initial * self.weight) / (self.trials + self.weight), 0.01), 0.99)
+
+
+def acceptance(state: PolicyState, config: SpecConfig, prior: float | None = None) -> float:
+    """The session's acceptance estimate: its own decayed evidence plus `prior_weight` pseudo-trials at the prior
+    (the deployment's recent acceptance when given, else `acceptance_prior`)."""
+    prior_accepted = (config.acceptance_prior if prior is None else prior) * config.prior_weight
     return (state.accepted + prior_accepted) / (state.accepted + state.rejected + config.prior_weight)
 
 
@@ -55,14 +80,14 @@ def best_k(alpha: float, costs: CostModel, k_max: int) -> tuple[int, float]:
     return k, rate
 
 
-def choose_k(state: PolicyState, costs: CostModel, config: SpecConfig) -> int:
+def choose_k(state: PolicyState, costs: CostModel, config: SpecConfig, prior: float | None = None) -> int:
     """The number of tokens to draft this round (0: plain decoding)."""
     if not config.speculating:
         return 0
     if not config.adaptive or not costs.calibrated:
         state.k = config.k_init
         return state.k
-    k, rate = best_k(acceptance(state, config), costs, config.k_max)
+    k, rate = best_k(acceptance(state, config, prior), costs, config.k_max)
     plain_rate = 1.0 / costs.verify_time(0)
     state.probing = False
     if not state.fallback and rate < plain_rate * (1.0 - config.enter_fallback_margin):
