@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from tandem.cli.bench import add_bench_parser
+    from tandem.cli.canary import add_canary_parser
     from tandem.cli.generate import add_generate_parser
     from tandem.cli.models import add_models_parser
     from tandem.cli.serve import add_serve_parser
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(subparsers)
     add_bench_parser(subparsers)
     add_serve_parser(subparsers)
+    add_canary_parser(subparsers)
     return parser
 
 

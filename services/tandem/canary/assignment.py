@@ -1,0 +1,56 @@
+"""Sticky arm choice: a session's point in [0, 1) (a hash of its id) against the arms' cumulative weights.
+
+The baseline arm comes first, so while a candidate ramps up (5% -> 25% -> ...) sessions only ever move from the
+baseline to the candidate, never back; a rollback moves the candidate's sessions to the baseline. Every gateway
+replica computes the same point for a session, so the session keeps its arm whichever replica serves it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Sequence
+
+from tandem.canary.arms import ArmSpec
+
+_SCALE = float(1 << 64)
+
+
+def session_point(key: str, salt: str = "") -> float:
+    """A stable, uniformly spread point in [0, 1) for `key` (sha256, so every process and replica agrees)."""
+    digest = hashlib.sha256(f"{salt}\x00{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / _SCALE
+
+
+def session_key(session_id: str, request_id: str = "") -> str:
+    """What a request is bucketed by: its session, else its request id, else a random key (no stickiness)."""
+    if session_id:
+        return "s:" + session_id
+    if request_id:
+        return "r:" + request_id
+    return "x:" + secrets.token_hex(8)
+
+
+def ordered(arms: Sequence[ArmSpec], baseline: str) -> list[ArmSpec]:
+    """The baseline first, then the others in their stored order."""
+    return [arm for arm in arms if arm.name == baseline] + [arm for arm in arms if arm.name != baseline]
+
+
+def choose_arm(arms: Sequence[ArmSpec], point: float) -> ArmSpec:
+    """The arm whose cumulative-weight interval holds `point`; arms at weight 0 are never chosen."""
+    if not arms:
+        raise ValueError("no arms to choose from")
+    total = sum(arm.weight for arm in arms)
+    if total <= 0:
+        return arms[0]
+    edge = 0.0
+    for arm in arms:
+        edge += arm.weight / total
+        if arm.weight > 0 and point < edge:
+            return arm
+    return next(arm for arm in reversed(arms) if arm.weight > 0)  # float rounding at the top edge
+
+
+def short_hash(key: str) -> str:
+    """A short, non-reversible id for a session in stored observations."""
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
