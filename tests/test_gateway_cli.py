@@ -106,3 +106,14 @@ def test_sigterm_drains_and_exits_cleanly(served) -> None:
         complete = list(stream)[-1]
     assert complete.usage.completion_tokens == 200
     assert proc.wait(30) == 0
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--draft-resources", "{draft_pool: 1}", "draft_resources: not valid JSON"),
+    ("--target-resources", '{"target_pool": -1}', "target_resources: must map resource names to positive amounts"),
+    ("--target-resources", '["target_pool"]', "target_resources: must map"),
+])
+def test_serve_rejects_bad_worker_resources_before_starting_anything(tiny_dirs, flag, value, message) -> None:
+    proc = subprocess.run([sys.executable, "-m", "tandem", "serve", "--target", str(tiny_dirs.target), flag, value],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from scipy import stats
+
+from gateway_harness import ServerThread, tiny_backend
 from loadtest.__main__ import main
 from loadtest.arrivals import ArrivalProcess, parse_rate
 from loadtest.client_run import Driver
@@ -23,9 +26,6 @@ from loadtest.metrics import compute, parse_slos
 from loadtest.prompts import load_set, schedule
 from loadtest.target import check_address
 from loadtest.trace import CANCELLED, ERROR, NOT_SENT, OK, RequestTrace, RunTrace, load, save
-from scipy import stats
-
-from gateway_harness import ServerThread, tiny_backend
 from tandem.sessions import MemorySessionStore
 
 ROOT = Path(__file__).resolve().parent.parent

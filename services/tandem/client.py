@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.errors import InvalidArgument
+from tandem.telemetry.propagation import outgoing_metadata
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc
 
@@ -80,8 +81,11 @@ class TandemClient:
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                  **options) -> Iterator[pb.Chunk | pb.Complete]:
-        """Stream Chunk messages, then a Complete. Closing the iterator early cancels the request."""
-        call = self.stub.Generate(build_request(prompt, **options), timeout=timeout or self.timeout)
+        """Stream Chunk messages, then a Complete. Closing the iterator early cancels the request.
+
+        The current OpenTelemetry span, if any, travels as W3C trace context in the call's metadata."""
+        call = self.stub.Generate(build_request(prompt, **options), timeout=timeout or self.timeout,
+                                  metadata=outgoing_metadata())
         try:
             for response in call:
                 yield _unwrap(response)
@@ -121,7 +125,8 @@ class AsyncTandemClient:
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                        **options) -> AsyncIterator[pb.Chunk | pb.Complete]:
-        call = self.stub.Generate(build_request(prompt, **options), timeout=timeout or self.timeout)
+        call = self.stub.Generate(build_request(prompt, **options), timeout=timeout or self.timeout,
+                                  metadata=outgoing_metadata())
         try:
             async for response in call:
                 yield _unwrap(response)

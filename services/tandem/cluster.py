@@ -32,6 +32,8 @@ class ClusterOptions:
     tensor_parallel: int = 1
     draft_gpus: float = 0.0
     target_gpus_per_rank: float = 0.0
+    draft_resources: dict[str, float] | None = None  # custom Ray resources per draft worker (a worker group's)
+    target_resources: dict[str, float] | None = None  # ... and per target rank
     cpus_per_worker: float = 1.0
     ray_address: str | None = None
     draft_timeout_s: float = 5.0
@@ -46,6 +48,11 @@ class ClusterOptions:
             raise InvalidArgument(f"target_replicas: must be at least 1, got {self.target_replicas}")
         if self.tensor_parallel < 1:
             raise InvalidArgument(f"tp: must be at least 1, got {self.tensor_parallel}")
+        for name in ("draft_resources", "target_resources"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, dict) and all(
+                    isinstance(k, str) and isinstance(v, int | float) and v > 0 for k, v in value.items())):
+                raise InvalidArgument(f"{name}: must map resource names to positive amounts, got {value!r}")
 
     @property
     def actors(self) -> int:
@@ -99,18 +106,19 @@ def start_backend(target: str, draft: str | None, config: EngineConfig, options:
     if options.tensor_parallel > 1:
         replicas = [start_tp_replica(target_config, options.tensor_parallel, name=f"target-{i}",
                                      gpus_per_rank=options.target_gpus_per_rank,
-                                     cpus_per_rank=options.cpus_per_worker)
+                                     cpus_per_rank=options.cpus_per_worker, resources=options.target_resources)
                     for i in range(options.target_replicas)]
     else:
         replicas = start_target_replicas(target_config, options.target_replicas,
-                                         num_gpus=options.target_gpus_per_rank, num_cpus=options.cpus_per_worker)
+                                         num_gpus=options.target_gpus_per_rank, num_cpus=options.cpus_per_worker,
+                                         resources=options.target_resources)
     verifier = RayVerifier(replicas)
     drafter = None
     if draft and spec.speculating and options.draft_workers:
         draft_config = WorkerConfig(model=draft, top_m=spec.draft_top_m, confidence=spec.draft_confidence,
                                     draft_vocab=draft_vocab_limit(spec.draft_vocab, verifier.vocab_size), **common)
         workers = start_draft_workers(draft_config, options.draft_workers, num_gpus=options.draft_gpus,
-                                      num_cpus=options.cpus_per_worker)
+                                      num_cpus=options.cpus_per_worker, resources=options.draft_resources)
         drafter = RayDrafter(workers, timeout_s=options.draft_timeout_s)
     engine = SpeculativeEngine(verifier, drafter, config, eos, decoder(tokenizer))
     log.info("cluster ready: %d draft worker(s), %d target replica(s) x TP %d", options.draft_workers,

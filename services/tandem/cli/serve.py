@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 
@@ -15,6 +16,9 @@ from tandem.gateway.server import GatewayOptions, serve
 from tandem.gateway.servicer import Backend
 from tandem.gateway.validate import GatewayLimits
 from tandem.local_engine import build_engine
+from tandem.telemetry import tracing
+from tandem.telemetry.metrics import DEFAULT_PORT as DEFAULT_METRICS_PORT
+from tandem.telemetry.worker import DEFAULT_WORKER_METRICS_PORT, METRICS_PORT_ENV
 
 
 def add_serve_parser(subparsers) -> None:
@@ -25,6 +29,10 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per target replica")
     parser.add_argument("--draft-gpus", type=float, default=0.0, help="GPUs per draft worker (default: 0)")
     parser.add_argument("--target-gpus", type=float, default=0.0, help="GPUs per target rank (default: 0)")
+    parser.add_argument("--draft-resources", default=None, metavar="JSON",
+                        help='custom Ray resources per draft worker, e.g. \'{"draft_pool": 1}\' (a worker group\'s)')
+    parser.add_argument("--target-resources", default=None, metavar="JSON",
+                        help='custom Ray resources per target rank, e.g. \'{"target_pool": 1}\'')
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                         help="session state store (default: $REDIS_URL, else an embedded redis-server)")
     parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: $RAY_ADDRESS or local)")
@@ -43,6 +51,13 @@ def add_serve_parser(subparsers) -> None:
                         help="seconds in-flight requests may run on after SIGTERM (default: %(default)s)")
     parser.add_argument("--stall-timeout", type=float, default=60.0,
                         help="fail in-flight requests when one engine step runs longer (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help=f"Prometheus /metrics port on --host (default: {DEFAULT_METRICS_PORT}, or a free port "
+                        "when taken; 0: a free port; -1: off)")
+    parser.add_argument("--no-metrics", action="store_true", help="serve no Prometheus metrics (gateway and workers)")
+    parser.add_argument("--worker-metrics-port", type=int, default=None,
+                        help=f"first /metrics port of each Ray worker (default: ${METRICS_PORT_ENV} or "
+                        f"{DEFAULT_WORKER_METRICS_PORT}; taken: the next free one; 0: a free port; -1: off)")
     parser.set_defaults(handler=run_serve)
 
 
@@ -54,8 +69,34 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
     if args.grace < 0 or args.stall_timeout <= 0:
         raise InvalidArgument("grace: must be non-negative; stall_timeout: must be positive")
     limits = GatewayLimits(max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens)
+    metrics_port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
+    if not -1 <= metrics_port <= 65535:
+        raise InvalidArgument(f"metrics_port: must be between -1 (off) and 65535, got {metrics_port}")
+    off = args.no_metrics or metrics_port == -1
     return GatewayOptions(host=args.host, port=args.port, limits=limits, max_requests=args.max_queue,
-                          stall_timeout=args.stall_timeout, grace=args.grace)
+                          stall_timeout=args.stall_timeout, grace=args.grace,
+                          metrics_port=None if off else metrics_port, metrics_port_fallback=args.metrics_port is None)
+
+
+def worker_metrics_port(args: argparse.Namespace) -> int:
+    """The port Ray workers serve /metrics on (-1: off), handed to them as $TANDEM_WORKER_METRICS_PORT."""
+    if args.no_metrics:
+        return -1
+    port = args.worker_metrics_port
+    if port is None:
+        port = int(os.environ.get(METRICS_PORT_ENV) or DEFAULT_WORKER_METRICS_PORT)
+    if not -1 <= port <= 65535:
+        raise InvalidArgument(f"worker_metrics_port: must be between -1 (off) and 65535, got {port}")
+    return port
+
+
+def _json_flag(name: str, text: str | None):
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{name}: not valid JSON ({exc.msg})") from exc
 
 
 def _cluster_loader(args: argparse.Namespace, config):
@@ -63,16 +104,40 @@ def _cluster_loader(args: argparse.Namespace, config):
 
     options = ClusterOptions(draft_workers=args.draft_workers, target_replicas=args.target_replicas,
                              tensor_parallel=args.tp, draft_gpus=args.draft_gpus, target_gpus_per_rank=args.target_gpus,
+                             draft_resources=_json_flag("draft_resources", args.draft_resources),
+                             target_resources=_json_flag("target_resources", args.target_resources),
                              ray_address=args.ray_address, threads=args.threads, device=args.device, dtype=args.dtype)
 
+    # A local Ray's workers inherit this environment: the metrics port, and OTEL_* for their own span export.
+    os.environ[METRICS_PORT_ENV] = str(worker_metrics_port(args))
     # Ray starts here, on the main thread and before the gateway sets its SIGTERM handler: started later from the
     # loading thread, Ray's own handler would take SIGTERM over and abort instead of draining.
     start_ray(options)
 
     def load() -> Backend:
-        return start_backend(args.target, args.draft if config.spec.speculating else None, config, options)
+        backend = start_backend(args.target, args.draft if config.spec.speculating else None, config, options)
+        _announce_worker_metrics(backend)
+        return backend
 
     return load
+
+
+def _announce_worker_metrics(backend: Backend) -> None:
+    import ray
+
+    from tandem.workers.tp_replica import TensorParallelReplica
+
+    engine = backend.engine
+    workers = [*getattr(engine.drafter, "workers", []), *getattr(engine.verifier, "workers", [])]
+    actors = [rank for w in workers for rank in (w.ranks if isinstance(w, TensorParallelReplica) else [w])]
+    try:
+        infos = ray.get([actor.info.remote() for actor in actors], timeout=30)
+    except Exception as exc:  # only an announcement: serving goes on
+        logging.getLogger(__name__).warning("could not list the workers' metrics endpoints: %s", exc)
+        return
+    urls = [f"{info['name']} {info['metrics']}" for info in infos if info.get("metrics")]
+    if urls:
+        print(f"tandem: worker metrics at {', '.join(urls)}", flush=True)
 
 
 def _session_store(url: str | None, stack: contextlib.ExitStack):
@@ -93,6 +158,7 @@ def run_serve(args: argparse.Namespace) -> int:
     speculate = not args.no_spec
     config = dataclasses.replace(engine_config(args, speculate), max_batch=args.max_batch)
     options = gateway_options(args)
+    exporters = tracing.setup_from_env("tandem-gateway")  # before Ray starts: a bad OTEL_* setting fails first
 
     def load_in_process() -> Backend:
         target, draft = load_models(args, speculate)
@@ -105,10 +171,16 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"tandem: serving tandem.v1.Generation on {address} (readiness turns SERVING once "
               f"{args.target} is loaded)", flush=True)
 
+    def announce_metrics(url: str) -> None:
+        print(f"tandem: Prometheus metrics at {url}", flush=True)
+
     with contextlib.ExitStack() as stack:
         sessions = _session_store(args.redis_url, stack)
+        stack.callback(tracing.shutdown)  # flushes the last spans
+        if exporters:
+            print(f"tandem: tracing on, exporting to {', '.join(exporters)} (OTEL_* variables)", flush=True)
         try:
-            asyncio.run(serve(load, options, sessions=sessions, on_listening=announce))
+            asyncio.run(serve(load, options, sessions=sessions, on_listening=announce, on_metrics=announce_metrics))
         except OSError as exc:
             raise TandemError(str(exc)) from exc
         finally:

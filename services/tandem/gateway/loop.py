@@ -24,6 +24,7 @@ from tandem.core.policy import PolicyState
 from tandem.core.stops import FINISH_ABORT
 from tandem.errors import InvalidArgument, TandemError
 from tandem.sessions import MemorySessionStore
+from tandem.telemetry.rounds import RoundTracer
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class RequestHandle:
     session_id: str = ""
     abort_requested: bool = False
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
+    trace: object | None = None  # the request's recording span (tracing on): the engine thread adds round spans
 
     async def __aiter__(self) -> AsyncIterator[Update]:
         while True:
@@ -117,6 +119,11 @@ class EngineLoop:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._watchdog: asyncio.Task | None = None
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-sessions")
+        self.metrics = None  # telemetry.metrics.GatewayMetrics: counts each finished request's rounds
+        self._rounds = RoundTracer()  # touched only on the engine thread
+        for pool in (engine.drafter, engine.verifier):
+            if hasattr(pool, "trace_carriers"):  # Ray pools: pass each traced row's context to its worker
+                pool.trace_carriers = self._rounds.carriers
 
     async def start(self) -> None:
         self._event_loop = asyncio.get_running_loop()
@@ -138,12 +145,16 @@ class EngineLoop:
     def active(self) -> int:
         return len(self._active)
 
+    def sessions_in_fallback(self) -> int:
+        """Running requests whose policy is in plain-decoding fallback (read by the metrics scrape thread)."""
+        return sum(seq.policy.fallback for seq, _ in list(self._running.values()))
+
     @property
     def stalled(self) -> bool:
         return (started := self._step_started) is not None and time.monotonic() - started > self.stall_timeout
 
     async def submit(self, prompt: list[int], params: SamplingParams, request_id: str, session_id: str = "",
-                     max_k: int | None = None) -> RequestHandle:
+                     max_k: int | None = None, trace: object | None = None) -> RequestHandle:
         if self._thread is None or self._closed.is_set() or self.draining:
             raise EngineUnavailable("not accepting requests: the server is draining or stopped")
         if self.stalled:
@@ -152,7 +163,7 @@ class EngineLoop:
             raise InvalidArgument(f"request_id: {request_id!r} is already running")
         if len(self._active) >= self.max_requests:
             raise QueueFull(f"queue full: {len(self._active)} requests queued or running (limit {self.max_requests})")
-        handle = RequestHandle(request_id, len(prompt), session_id)
+        handle = RequestHandle(request_id, len(prompt), session_id, trace=trace)
         self._active[request_id] = handle
         state, affinity = None, {}
         if session_id:
@@ -212,6 +223,8 @@ class EngineLoop:
             if not self._drain_commands(block=not self.engine.has_unfinished()):
                 continue
             self._step_started = time.monotonic()
+            if self._rounds.active:
+                self._rounds.before_step()
             try:
                 outputs = self.engine.step()
             except Exception as exc:
@@ -252,14 +265,20 @@ class EngineLoop:
         except Exception as exc:
             return [(handle, exc if isinstance(exc, TandemError) else EngineFailed(f"add failed: {exc}"))]
         self._running[handle.request_id] = (self.engine.sequences[handle.request_id], handle)
+        if handle.trace is not None:
+            self._rounds.add(handle.request_id, handle.trace, self.engine.sequences[handle.request_id])
         # An abort that arrived while the session state loaded was queued before this add.
         return self._apply(handle) if handle.abort_requested else []
 
     def _update_for(self, out: StepOutput) -> Delivery:
         seq, handle = self._running[out.request_id]
+        if handle.trace is not None:
+            self._rounds.on_output(out.request_id, len(out.new_token_ids), out.finish_reason)
         if out.finish_reason is None:
             return handle, Update(out.new_token_ids)
         del self._running[out.request_id]
+        if self.metrics is not None:
+            self.metrics.record_request(seq)
         result = self.engine.result(seq)
         if handle.session_id:
             with contextlib.suppress(RuntimeError):  # the saver is already shut down: the loop is closing
@@ -277,6 +296,7 @@ class EngineLoop:
     def _fail_running(self, error: Exception) -> None:
         reason = error if isinstance(error, TandemError) else EngineFailed(f"engine step failed: {error}")
         failed, self._running = [handle for _, handle in self._running.values()], {}
+        self._rounds.fail_all(reason)
         for handle in failed:
             try:
                 self.engine.abort(handle.request_id)

@@ -21,6 +21,7 @@ from tandem.errors import TandemError
 from tandem.gateway.loop import EngineLoop, SessionStore
 from tandem.gateway.servicer import Backend, GenerationServicer
 from tandem.gateway.validate import GatewayLimits
+from tandem.telemetry.metrics import GatewayMetrics
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class GatewayOptions:
     max_requests: int = 256
     stall_timeout: float = 60.0
     grace: float = 30.0
+    metrics_port: int | None = None  # Prometheus /metrics on the gateway's host: None = off, 0 = any free port
+    metrics_port_fallback: bool = False  # when metrics_port is taken, use any free port instead of failing
 
 
 def format_address(host: str, port: int) -> str:
@@ -52,6 +55,7 @@ class Gateway:
     def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
                  servicer: GenerationServicer, options: GatewayOptions, port: int) -> None:
         self.server, self.health, self.servicer = server, health_servicer, servicer
+        self.metrics: GatewayMetrics | None = servicer.metrics
         self.options = options
         self.port = port
         self.loop: EngineLoop | None = None
@@ -61,6 +65,11 @@ class Gateway:
     @property
     def address(self) -> str:
         return format_address(self.options.host, self.port)
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where Prometheus scrapes this gateway (None: metrics off)."""
+        return self.metrics.url if self.metrics is not None else None
 
     @property
     def draining(self) -> bool:
@@ -80,6 +89,9 @@ class Gateway:
         try:
             backend = await asyncio.to_thread(load)
             loop = EngineLoop(backend.engine, self.options.max_requests, self.options.stall_timeout, sessions)
+            if self.metrics is not None:
+                loop.metrics = self.metrics
+                self.metrics.attach(loop, backend.target_name, backend.draft_name)
             await loop.start()
         except Exception as exc:
             if isinstance(exc, TandemError):  # a user-facing message; whoever awaits ready() reports it
@@ -114,6 +126,8 @@ class Gateway:
             self.loading.cancel()
         if self.loop is not None:
             await self.loop.close()
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.close)
         log.info("stopped %s", self.address)
 
     async def wait_closed(self) -> None:
@@ -128,7 +142,11 @@ async def start_gateway(load: Callable[[], Backend], options: GatewayOptions | N
     options = options or GatewayOptions()
     # SO_REUSEPORT off: a second server on a busy port must fail rather than silently share it.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    servicer = GenerationServicer(options.limits)
+    metrics = None
+    if options.metrics_port is not None:
+        ports = [options.metrics_port, 0] if options.metrics_port_fallback else [options.metrics_port]
+        metrics = GatewayMetrics(options.host, ports)
+    servicer = GenerationServicer(options.limits, metrics)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -137,6 +155,8 @@ async def start_gateway(load: Callable[[], Backend], options: GatewayOptions | N
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as exc:
+        if metrics is not None:
+            metrics.close()
         raise OSError(f"cannot listen on {address}: {exc}") from exc
     await health_servicer.set(LIVENESS_SERVICE, SERVING)
     await health_servicer.set(READINESS_SERVICE, NOT_SERVING)
@@ -147,9 +167,12 @@ async def start_gateway(load: Callable[[], Backend], options: GatewayOptions | N
 
 
 async def serve(load: Callable[[], Backend], options: GatewayOptions, sessions: SessionStore | None = None,
-                on_listening: Callable[[str], None] | None = None) -> None:
+                on_listening: Callable[[str], None] | None = None,
+                on_metrics: Callable[[str], None] | None = None) -> None:
     """Run until SIGTERM or SIGINT, then drain gracefully."""
     gateway = await start_gateway(load, options, sessions)
+    if on_metrics is not None and gateway.metrics_url is not None:
+        on_metrics(gateway.metrics_url)
     if on_listening is not None:
         on_listening(gateway.address)
     stopping: list[asyncio.Task] = []

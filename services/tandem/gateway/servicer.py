@@ -14,6 +14,8 @@ from tandem.core.stops import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from tandem.errors import InvalidArgument
 from tandem.gateway.loop import EngineFailed, EngineLoop, EngineUnavailable, Finished, QueueFull
 from tandem.gateway.validate import GatewayLimits, ModelLimits, prepare
+from tandem.telemetry.gateway import RequestObserver
+from tandem.telemetry.metrics import GatewayMetrics
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc
 
@@ -76,8 +78,9 @@ def complete_message(request_id: str, prompt_tokens: int, finished: Finished) ->
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, limits: GatewayLimits | None = None) -> None:
+    def __init__(self, limits: GatewayLimits | None = None, metrics: GatewayMetrics | None = None) -> None:
         self.limits = limits or GatewayLimits()
+        self.metrics = metrics
         self.backend: Backend | None = None
         self.loop: EngineLoop | None = None
         self._model_limits: ModelLimits | None = None
@@ -97,33 +100,43 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         backend, loop = await self._ready(context)
+        observed = RequestObserver(self.metrics, request, context.invocation_metadata(), backend.target_name)
         status: tuple[grpc.StatusCode, str] | None = None
         try:
-            prepared = prepare(request, backend.tokenizer, self.limits, self._model_limits)
-            handle = await loop.submit(prepared.prompt_ids, prepared.params, prepared.request_id,
-                                       prepared.session_id, prepared.max_k)
-        except (InvalidArgument, QueueFull, EngineUnavailable) as exc:
-            status = _status_of(exc)
-        if status is not None:
-            await context.abort(*status)
-        detok = IncrementalDetokenizer(backend.engine.decode, prepared.params.stop)
-        finished: Finished | None = None
-        try:
-            async for update in handle:
-                finished = update.finished
-                text = detok.push(update.token_ids, final=finished is not None,
-                                  cut=finished.text_cut if finished else None)
-                if text or update.token_ids:
-                    yield pb.GenerateResponse(chunk=pb.Chunk(text=text, token_ids=update.token_ids))
-        except (InvalidArgument, EngineUnavailable, EngineFailed) as exc:
-            status = _status_of(exc)
+            try:
+                prepared = prepare(request, backend.tokenizer, self.limits, self._model_limits)
+                observed.prepared(prepared)
+                handle = await loop.submit(prepared.prompt_ids, prepared.params, prepared.request_id,
+                                           prepared.session_id, prepared.max_k, trace=observed.span)
+            except (InvalidArgument, QueueFull, EngineUnavailable) as exc:
+                status = _status_of(exc)
+            if status is not None:
+                observed.failed(status[0].name, status[1])
+                await context.abort(*status)
+            detok = IncrementalDetokenizer(backend.engine.decode, prepared.params.stop)
+            finished: Finished | None = None
+            try:
+                async for update in handle:
+                    finished = update.finished
+                    observed.tokens(len(update.token_ids))
+                    text = detok.push(update.token_ids, final=finished is not None,
+                                      cut=finished.text_cut if finished else None)
+                    if text or update.token_ids:
+                        yield pb.GenerateResponse(chunk=pb.Chunk(text=text, token_ids=update.token_ids))
+            except (InvalidArgument, EngineUnavailable, EngineFailed) as exc:
+                status = _status_of(exc)
+            finally:
+                if finished is None:
+                    # The client went away (cancelled, deadline) or the engine failed: free the request's caches.
+                    loop.cancel(handle.request_id, detach=True)
+            if status is not None:
+                observed.failed(status[0].name, status[1])
+                await context.abort(*status)
+            observed.completed(handle.prompt_tokens, finished.completion_tokens, finished.finish_reason,
+                               finished.stats)
+            yield complete_message(handle.request_id, handle.prompt_tokens, finished)
         finally:
-            if finished is None:
-                # The client went away (cancelled, deadline) or the engine failed: free the request's caches.
-                loop.cancel(handle.request_id, detach=True)
-        if status is not None:
-            await context.abort(*status)
-        yield complete_message(handle.request_id, handle.prompt_tokens, finished)
+            observed.end()  # a no-op unless the client went away (cancelled, deadline) mid-stream
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if not request.request_id:

@@ -29,6 +29,7 @@ class RayDrafter:
         self.router = AffinityRouter(len(workers), cooldown_s, "draft")
         self.timeout_s, self.per_token_s = timeout_s, per_token_s
         self.stats = PoolStats()
+        self.trace_carriers: dict[str, dict[str, str]] | None = None  # set by the gateway's engine loop
 
     @property
     def affinity(self) -> dict[str, int]:
@@ -36,7 +37,8 @@ class RayDrafter:
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         catch_up = sum(len(r.append) for r in requests)
-        out = fan_out(self.workers, self.router, "propose", requests, self.timeout_s + self.per_token_s * catch_up)
+        out = fan_out(self.workers, self.router, "propose", requests, self.timeout_s + self.per_token_s * catch_up,
+                      self.trace_carriers)
         self.stats.calls += 1
         self.stats.failures += out.failed
         self.stats.timeouts += out.timed_out
@@ -48,7 +50,8 @@ class RayDrafter:
         release(self.workers, self.router, seq_id, retain)
 
 
-def start_draft_workers(config, count: int, num_gpus: float = 0.0, num_cpus: float = 1.0) -> list:
+def start_draft_workers(config, count: int, num_gpus: float = 0.0, num_cpus: float = 1.0,
+                        resources: dict[str, float] | None = None) -> list:
     from tandem.workers.draft_worker import DraftWorker
 
-    return start_workers(DraftWorker, config, count, "draft", num_gpus, num_cpus)
+    return start_workers(DraftWorker, config, count, "draft", num_gpus, num_cpus, resources)

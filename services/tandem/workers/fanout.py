@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from tandem.telemetry import tracing
 from tandem.workers.routing import AffinityRouter
 from tandem.workers.tp_replica import TensorParallelReplica
 from tandem.workers.worker_base import ray_failures
@@ -21,10 +22,13 @@ class FanoutResult:
     benched: list[int] = field(default_factory=list)  # workers that failed or missed the deadline this round
 
 
-def fan_out(workers: list, router: AffinityRouter, method: str, requests: list, timeout_s: float) -> FanoutResult:
+def fan_out(workers: list, router: AffinityRouter, method: str, requests: list, timeout_s: float,
+            carriers: dict[str, dict[str, str]] | None = None) -> FanoutResult:
+    """`carriers`: W3C trace context per sequence id for the traced ones (tandem.telemetry.rounds); each worker gets
+    those of its rows, and the spans it returns are exported here."""
     out = FanoutResult(results=[None] * len(requests))
     groups = router.group([(r.seq_id, r.session) for r in requests])
-    futures = {index: _submit(workers[index], method, [requests[row] for row in rows])
+    futures = {index: _submit(workers[index], method, [requests[row] for row in rows], carriers)
                for index, rows in groups.items() if index is not None}
     deadline = time.monotonic() + timeout_s
     for index, refs in futures.items():
@@ -40,6 +44,8 @@ def fan_out(workers: list, router: AffinityRouter, method: str, requests: list, 
             out.benched.append(index)
             router.bench(index, f"failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]})")
             continue
+        if reply.spans:
+            tracing.relay(reply.spans)
         if reply.lost:
             out.lost += reply.lost
             continue
@@ -48,15 +54,19 @@ def fan_out(workers: list, router: AffinityRouter, method: str, requests: list, 
     return out
 
 
-def _submit(worker, method: str, batch: list) -> list:
+def _submit(worker, method: str, batch: list, carriers: dict[str, dict[str, str]] | None) -> list:
+    trace = {r.seq_id: carriers[r.seq_id] for r in batch if r.seq_id in carriers} if carriers else None
+    args = (batch, trace) if trace else (batch,)
     if isinstance(worker, TensorParallelReplica):
-        return worker.call(method, batch)
-    return [getattr(worker, method).remote(batch)]
+        return worker.call(method, *args)
+    return [getattr(worker, method).remote(*args)]
 
 
 def _first_reply(refs: list, deadline: float):
     """The first reference's value; raises as soon as any of them fails (a dead rank of a tensor-parallel group
     leaves its peers waiting in a collective, so waiting for rank 0 alone would hang until the deadline)."""
+    if len(refs) == 1:
+        return ray.get(refs[0], timeout=max(0.0, deadline - time.monotonic()))
     pending = list(refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))

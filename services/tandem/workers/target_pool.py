@@ -35,10 +35,11 @@ class RayVerifier:
         self.vocab_size = ray.get(replicas[0].info.remote())["vocab_size"]
         self.rebuilds: dict[int, Future] = {}
         self.rebuilt = 0
+        self.trace_carriers: dict[str, dict[str, str]] | None = None  # set by the gateway's engine loop
         self._executor = ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="tandem-rebuild")
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
-        out = fan_out(self.workers, self.router, "verify", requests, self.timeout_s)
+        out = fan_out(self.workers, self.router, "verify", requests, self.timeout_s, self.trace_carriers)
         for index in out.benched:
             self._rebuild(index)
         unresolved = [r.seq_id for r, result in zip(requests, out.results, strict=True) if result is None]
@@ -81,7 +82,8 @@ class RayVerifier:
         self.rebuilds[index] = self._executor.submit(rebuild)
 
 
-def start_target_replicas(config, count: int, num_gpus: float = 0.0, num_cpus: float = 1.0) -> list:
+def start_target_replicas(config, count: int, num_gpus: float = 0.0, num_cpus: float = 1.0,
+                        resources: dict[str, float] | None = None) -> list:
     from tandem.workers.target_worker import TargetWorker
 
-    return start_workers(TargetWorker, config, count, "target", num_gpus, num_cpus)
+    return start_workers(TargetWorker, config, count, "target", num_gpus, num_cpus, resources)

@@ -8,12 +8,18 @@ from tandem.workers.worker_base import WorkerBase, WorkerConfig, WorkerReply, lo
 
 
 class TargetWorker(WorkerBase):
+    role = "target"
+
     def __init__(self, config: WorkerConfig, name: str = "target") -> None:
         super().__init__(name)
         self.runner = load_runner(config)
         self.verifier = LocalVerifier(self.runner)
 
-    def verify(self, requests: list[VerifyRequest]) -> WorkerReply:
+    def verify(self, requests: list[VerifyRequest], trace: dict | None = None) -> WorkerReply:
+        """`trace`: {sequence id: W3C carrier} for traced rows (see tandem.telemetry.worker)."""
+        return self.telemetry.call("verify", requests, trace, lambda: self._verify(requests))
+
+    def _verify(self, requests: list[VerifyRequest]) -> WorkerReply:
         try:
             return WorkerReply(results=self.verifier.verify(requests))
         except StateLost as lost:

@@ -79,16 +79,18 @@ class TensorParallelReplica:
 
 
 def start_tp_replica(config: WorkerConfig, size: int, name: str = "target", gpus_per_rank: float = 0.0,
-                     cpus_per_rank: float = 1.0) -> TensorParallelReplica:
-    bundle = {"CPU": cpus_per_rank} | ({"GPU": gpus_per_rank} if gpus_per_rank else {})
+                     cpus_per_rank: float = 1.0, resources: dict[str, float] | None = None) -> TensorParallelReplica:
+    """`resources`: custom Ray resources each rank needs (e.g. {"target_pool": 1} to land on that worker group)."""
+    bundle = {"CPU": cpus_per_rank} | ({"GPU": gpus_per_rank} if gpus_per_rank else {}) | (resources or {})
     group = placement_group([bundle] * size, strategy="STRICT_PACK")
     ray.get(group.ready())
     actor = ray.remote(TensorParallelRank)
-    ranks = [actor.options(num_cpus=cpus_per_rank, num_gpus=gpus_per_rank, scheduling_strategy=
+    ranks = [actor.options(num_cpus=cpus_per_rank, num_gpus=gpus_per_rank, resources=resources or {},
+                           scheduling_strategy=
                            PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i))
              .remote(config, rank=i, world=size, name=name) for i in range(size)]
     address, port = ray.get(ranks[0].rendezvous_address.remote())
     ray.get([rank.setup.remote(address, port) for rank in ranks])
     start = {"config": config, "size": size, "name": name, "gpus_per_rank": gpus_per_rank,
-             "cpus_per_rank": cpus_per_rank}
+             "cpus_per_rank": cpus_per_rank, "resources": resources}
     return TensorParallelReplica(ranks, group, start)

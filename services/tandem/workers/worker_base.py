@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.core.runner import ModelRunner
+from tandem.telemetry.worker import WorkerTelemetry
 
 
 def ray_failures() -> tuple[type[BaseException], ...]:
@@ -34,6 +35,7 @@ class WorkerReply:
 
     results: list | None = None
     lost: list[str] | None = None
+    spans: list[dict] | None = None  # finished spans of traced rows, for the gateway to export (telemetry.worker)
 
 
 def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None = None) -> ModelRunner:
@@ -49,9 +51,17 @@ def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None =
 
 
 class WorkerBase:
+    role = "worker"
+
     def __init__(self, name: str) -> None:
         self.name = name
         self.runner: ModelRunner
+        self.telemetry = WorkerTelemetry(name, self.role)
+        self.telemetry.serve_metrics_from_env()
+
+    def serve_metrics(self, port: int = 0, host: str | None = None) -> str:
+        """Serve this worker's Prometheus /metrics (also started at construction by TANDEM_WORKER_METRICS_PORT)."""
+        return self.telemetry.serve_metrics(port, host)
 
     def release(self, seq_ids: list[str], retain: bool = False) -> None:
         for seq_id in seq_ids:
@@ -63,15 +73,16 @@ class WorkerBase:
     def info(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "sequences": self.cached_sequences(),
                 "vocab_size": self.runner.vocab_size, "retained_sessions": len(self.runner.retained),
-                "reused_tokens": self.runner.reused_tokens}
+                "reused_tokens": self.runner.reused_tokens, "metrics": self.telemetry.metrics_url}
 
 
 def start_workers(worker_class: type, config: WorkerConfig, count: int, name: str, num_gpus: float = 0.0,
-                  num_cpus: float = 1.0) -> list:
+                  num_cpus: float = 1.0, resources: dict[str, float] | None = None) -> list:
     """Start `count` actors of `worker_class`; Ray restarts any that die (their sessions are rebuilt from history)."""
     import ray
 
-    actor = ray.remote(worker_class).options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=-1,
+    actor = ray.remote(worker_class).options(num_gpus=num_gpus, num_cpus=num_cpus, resources=resources or {},
+                                             max_restarts=-1,
                                              max_task_retries=0)
     workers = [actor.remote(config, name=f"{name}-{i}") for i in range(count)]
     ray.get([w.info.remote() for w in workers])

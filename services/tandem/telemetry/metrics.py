@@ -1,0 +1,189 @@
+"""The gateway's metrics (OpenTelemetry instruments, GenAI server conventions) and its Prometheus endpoint.
+
+Histograms use the conventions' bucket boundaries. Spec counters are added once per finished request, from its
+RequestStats (per draft position); gauges are read at scrape time. Each instance owns its MeterProvider and
+Prometheus registry, so several gateways (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIServer
+
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from prometheus_client import CollectorRegistry, start_http_server
+
+from tandem.telemetry.tracing import resource_for
+
+if TYPE_CHECKING:
+    from tandem.core.engine import Sequence
+
+log = logging.getLogger(__name__)
+
+PROVIDER = "tandem"
+DEFAULT_PORT = 9464
+# https://opentelemetry.io/docs/specs/semconv/gen-ai/gen-ai-metrics/ (model server metrics)
+REQUEST_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+TIME_PER_OUTPUT_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                               10.0)
+
+
+def serve_registry(registry: CollectorRegistry, host: str, ports: Iterable[int]) -> tuple[WSGIServer, int]:
+    """Serve /metrics on the first of `ports` that binds (0: any free port); raises the last OSError."""
+    error: OSError | None = None
+    for port in ports:
+        try:
+            server, _ = start_http_server(port, addr=host, registry=registry)
+            return server, server.server_port
+        except OSError as exc:
+            error = exc
+    raise error or OSError("no port to listen on")
+
+
+def metrics_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
+
+
+class Endpoint:
+    """A MeterProvider whose instruments a Prometheus endpoint serves."""
+
+    def __init__(self, service_name: str, host: str, ports: Iterable[int]) -> None:
+        self.registry = CollectorRegistry()
+        reader = PrometheusMetricReader(scope_info_enabled=False, registry=self.registry)
+        self.provider = MeterProvider(metric_readers=[reader], resource=resource_for(service_name))
+        self.meter = self.provider.get_meter("tandem")
+        self.host = host
+        self.server, self.port = serve_registry(self.registry, host, ports)
+
+    @property
+    def url(self) -> str:
+        return metrics_url(self.host, self.port)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.provider.shutdown()
+
+
+def _gauge(callback: Callable[[], Iterator[tuple[float, dict]]]):
+    def observe(options: CallbackOptions) -> Iterator[Observation]:
+        try:
+            for value, attributes in callback():
+                yield Observation(value, attributes)
+        except Exception:  # a scrape racing a shutdown; the next scrape sees settled state
+            log.debug("gauge callback failed", exc_info=True)
+
+    return [observe]
+
+
+class GatewayMetrics:
+    """Instruments for one gateway; `attach` gives the gauges a loaded engine to read."""
+
+    def __init__(self, host: str = "127.0.0.1", ports: Iterable[int] = (DEFAULT_PORT,)) -> None:
+        """Serve on the first of `ports` that binds (0: any free port)."""
+        self.endpoint = Endpoint("tandem-gateway", host, ports)
+        meter = self.endpoint.meter
+        self.ttft = meter.create_histogram(
+            "gen_ai.server.time_to_first_token", unit="s", description="Time to generate first token for successful "
+            "responses.", explicit_bucket_boundaries_advisory=TIME_TO_FIRST_TOKEN_BUCKETS)
+        self.tpot = meter.create_histogram(
+            "gen_ai.server.time_per_output_token", unit="s", description="Time per output token generated after the "
+            "first token for successful responses.", explicit_bucket_boundaries_advisory=TIME_PER_OUTPUT_TOKEN_BUCKETS)
+        self.duration = meter.create_histogram(
+            "gen_ai.server.request.duration", unit="s", description="Generative AI server request duration such as "
+            "time-to-last byte or last output token.", explicit_bucket_boundaries_advisory=REQUEST_DURATION_BUCKETS)
+        self.drafted = meter.create_counter("tandem.spec.drafted_tokens", unit="{token}",
+                                            description="Draft tokens proposed, by draft position.")
+        self.accepted = meter.create_counter("tandem.spec.accepted_tokens", unit="{token}",
+                                             description="Draft tokens the target accepted, by draft position.")
+        self.rounds = meter.create_counter("tandem.spec.rounds", unit="{round}",
+                                           description="Rounds run, by kind (speculative, plain, fallback).")
+        meter.create_observable_gauge("tandem.spec.acceptance", _gauge(self._acceptance), unit="1",
+                                      description="Accepted / drafted tokens since start, by draft model and position.")
+        meter.create_observable_gauge("tandem.spec.sessions_in_fallback", _gauge(self._fallback), unit="{session}",
+                                      description="Running requests whose session is in plain-decoding fallback.")
+        meter.create_observable_gauge("tandem.gateway.queue_depth", _gauge(self._queued), unit="{request}",
+                                      description="Requests admitted but waiting for a batch slot.")
+        meter.create_observable_gauge("tandem.gateway.active_requests", _gauge(self._active), unit="{request}",
+                                      description="Requests queued or running.")
+        meter.create_observable_gauge("tandem.worker.healthy", _gauge(self._healthy), unit="1",
+                                      description="1 while a draft worker / target replica is in service, else 0.")
+        self.base: dict[str, str] = {"gen_ai.provider.name": PROVIDER}
+        self._spec_base: dict[str, str] = {}
+        self._positions: dict[int, list[int]] = {}  # draft position -> [drafted, accepted]
+        self._lock = threading.Lock()
+        self._loop = None
+        self._engine = None
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    def attach(self, loop, target_model: str, draft_model: str) -> None:
+        self._loop, self._engine = loop, loop.engine
+        self.base = {"gen_ai.provider.name": PROVIDER, "gen_ai.request.model": target_model}
+        self._spec_base = {"gen_ai.request.model": target_model, "tandem.draft.model": draft_model}
+
+    def record_request(self, seq: Sequence) -> None:
+        """A request finished (engine thread): add its rounds and per-position draft counts."""
+        stats = seq.stats
+        if stats.rounds:
+            plain = stats.rounds - stats.spec_rounds
+            for kind, count in (("speculative", stats.spec_rounds), ("plain", plain - stats.fallback_rounds),
+                                ("fallback", stats.fallback_rounds)):
+                if count:
+                    self.rounds.add(count, self._spec_base | {"tandem.spec.round_kind": kind})
+        if not stats.drafted:
+            return
+        with self._lock:
+            for position, (drafted, accepted) in enumerate(zip(stats.drafted_at, stats.accepted_at, strict=True)):
+                attributes = self._spec_base | {"tandem.spec.position": position}
+                self.drafted.add(drafted, attributes)
+                self.accepted.add(accepted, attributes)
+                totals = self._positions.setdefault(position, [0, 0])
+                totals[0] += drafted
+                totals[1] += accepted
+
+    def _acceptance(self) -> Iterator[tuple[float, dict]]:
+        with self._lock:
+            positions = {p: tuple(v) for p, v in self._positions.items()}
+        drafted = sum(d for d, _ in positions.values())
+        if drafted:
+            yield sum(a for _, a in positions.values()) / drafted, self._spec_base | {"tandem.spec.position": "all"}
+        for position, (d, a) in sorted(positions.items()):
+            yield a / d, self._spec_base | {"tandem.spec.position": position}
+
+    def _fallback(self) -> Iterator[tuple[float, dict]]:
+        if self._loop is not None:
+            yield self._loop.sessions_in_fallback(), self._spec_base
+
+    def _queued(self) -> Iterator[tuple[float, dict]]:
+        if self._loop is not None:
+            yield max(0, self._loop.active - self._engine.config.max_batch), {}
+
+    def _active(self) -> Iterator[tuple[float, dict]]:
+        if self._loop is not None:
+            yield self._loop.active, {}
+
+    def _healthy(self) -> Iterator[tuple[float, dict]]:
+        engine = self._engine
+        if engine is None:
+            return
+        for role, pool in (("draft", engine.drafter), ("target", engine.verifier)):
+            if pool is None:
+                continue
+            router = getattr(pool, "router", None)
+            states = [router.healthy(i) for i in range(router.size)] if router is not None else [True]
+            for index, healthy in enumerate(states):
+                yield int(healthy), {"tandem.worker.role": role, "tandem.worker.index": index}
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.endpoint.close()
