@@ -29,12 +29,13 @@ def tiny_backend(target, draft=None, **spec) -> Callable[[], Backend]:
 
 class ServerThread:
     def __init__(self, load: Callable[[], Backend], wait_ready: bool = True, sessions: SessionStore | None = None,
-                 **options) -> None:
+                 canary=None, **options) -> None:
+        """canary: CanaryOptions; `load` then returns {arm name: Backend}."""
         self.event_loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.event_loop.run_forever, name="gateway-test", daemon=True)
         self.thread.start()
         self.gateway: Gateway = self.call(start_gateway(load, GatewayOptions(host="127.0.0.1", port=0, **options),
-                                                        sessions))
+                                                        sessions, canary))
         if wait_ready:
             self.call(self.gateway.ready())
 

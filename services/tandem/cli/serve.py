@@ -10,7 +10,8 @@ import json
 import logging
 import os
 
-from tandem.cli.common import add_model_options, engine_config, load_models
+from tandem.cli.canary import add_serve_canary_options, serve_canary_options
+from tandem.cli.common import add_model_options, engine_config, load_models, setup_torch
 from tandem.errors import InvalidArgument, TandemError
 from tandem.gateway.server import GatewayOptions, serve
 from tandem.gateway.servicer import Backend
@@ -58,6 +59,7 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--worker-metrics-port", type=int, default=None,
                         help=f"first /metrics port of each Ray worker (default: ${METRICS_PORT_ENV} or "
                         f"{DEFAULT_WORKER_METRICS_PORT}; taken: the next free one; 0: a free port; -1: off)")
+    add_serve_canary_options(parser)
     parser.set_defaults(handler=run_serve)
 
 
@@ -99,7 +101,48 @@ def _json_flag(name: str, text: str | None):
         raise InvalidArgument(f"{name}: not valid JSON ({exc.msg})") from exc
 
 
-def _cluster_loader(args: argparse.Namespace, config):
+def _check_arms(args: argparse.Namespace, canary) -> None:
+    """Arms share the gateway's target (one tokenizer, one plain reference): another target is refused."""
+    if canary is None:
+        return
+    if others := [arm.name for arm in canary.arms if arm.target and arm.target != args.target]:
+        raise InvalidArgument(f"arms: {', '.join(others)}: a target other than --target {args.target!r} is not "
+                              "supported; serve it from another deployment")
+
+
+def _arm_config(config, arm):
+    return dataclasses.replace(config, spec=arm.spec_config(config.spec))
+
+
+def _arm_draft(args: argparse.Namespace, arm, arm_config) -> str:
+    """The arm's draft model name, "" when it decodes plainly."""
+    return (arm.draft or args.draft or "") if arm_config.spec.speculating else ""
+
+
+def _in_process_arms_loader(args: argparse.Namespace, config, canary):
+    """{arm: Backend}: the target loaded once, each distinct draft once, one engine per arm."""
+
+    def load() -> dict[str, Backend]:
+        from tandem.models.loader import check_compatible, load_model
+
+        device, dtype = setup_torch(args)
+        target = load_model(args.target, device=device, dtype=dtype)
+        drafts: dict[str, object] = {}
+        backends = {}
+        for arm in canary.arms:
+            arm_config = _arm_config(config, arm)
+            name = _arm_draft(args, arm, arm_config)
+            if name and name not in drafts:
+                drafts[name] = load_model(name, device=device, dtype=dtype)
+                check_compatible(drafts[name], target)
+            backends[arm.name] = Backend(build_engine(target, drafts[name] if name else None, arm_config),
+                                         target.tokenizer, args.target, name)
+        return backends
+
+    return load
+
+
+def _cluster_loader(args: argparse.Namespace, config, canary=None):
     from tandem.cluster import ClusterOptions, start_backend, start_ray
 
     options = ClusterOptions(draft_workers=args.draft_workers, target_replicas=args.target_replicas,
@@ -119,7 +162,18 @@ def _cluster_loader(args: argparse.Namespace, config):
         _announce_worker_metrics(backend)
         return backend
 
-    return load
+    def load_arms() -> dict[str, Backend]:
+        # One backend per arm: each arm starts its own target replicas (not shared between arms yet).
+        backends = {}
+        for arm in canary.arms:
+            arm_config = _arm_config(config, arm)
+            draft = _arm_draft(args, arm, arm_config)
+            backend = start_backend(args.target, draft or None, arm_config, options)
+            _announce_worker_metrics(backend)
+            backends[arm.name] = backend
+        return backends
+
+    return load if canary is None else load_arms
 
 
 def _announce_worker_metrics(backend: Backend) -> None:
@@ -158,6 +212,8 @@ def run_serve(args: argparse.Namespace) -> int:
     speculate = not args.no_spec
     config = dataclasses.replace(engine_config(args, speculate), max_batch=args.max_batch)
     options = gateway_options(args)
+    canary = serve_canary_options(args)  # None: no canary arms, one backend
+    _check_arms(args, canary)
     exporters = tracing.setup_from_env("tandem-gateway")  # before Ray starts: a bad OTEL_* setting fails first
 
     def load_in_process() -> Backend:
@@ -165,7 +221,10 @@ def run_serve(args: argparse.Namespace) -> int:
         return Backend(build_engine(target, draft, config), target.tokenizer, args.target,
                        args.draft if speculate else "")
 
-    load = load_in_process if args.in_process else _cluster_loader(args, config)
+    if args.in_process:
+        load = load_in_process if canary is None else _in_process_arms_loader(args, config, canary)
+    else:
+        load = _cluster_loader(args, config, canary)
 
     def announce(address: str) -> None:
         print(f"tandem: serving tandem.v1.Generation on {address} (readiness turns SERVING once "
@@ -180,7 +239,11 @@ def run_serve(args: argparse.Namespace) -> int:
         if exporters:
             print(f"tandem: tracing on, exporting to {', '.join(exporters)} (OTEL_* variables)", flush=True)
         try:
-            asyncio.run(serve(load, options, sessions=sessions, on_listening=announce, on_metrics=announce_metrics))
+            if canary is not None:
+                print(f"tandem: canary arms {', '.join(f'{arm.name}={arm.weight:g}' for arm in canary.arms)} "
+                      f"(deployment {canary.deployment}; `tandem canary status`)", flush=True)
+            asyncio.run(serve(load, options, sessions=sessions, on_listening=announce, on_metrics=announce_metrics,
+                              canary=canary))
         except OSError as exc:
             raise TandemError(str(exc)) from exc
         finally:

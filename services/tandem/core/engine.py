@@ -126,7 +126,7 @@ class SpeculativeEngine:
     def step(self) -> list[StepOutput]:
         batch = list(self.sequences.values())[: self.config.max_batch]
         ks = [self._choose_k(seq) for seq in batch]
-        if len(batch) > 1:
+        if len(batch) > 1 and self.config.spec.adaptive:  # a fixed k (adaptive off) is used as given
             alphas = [policy.acceptance(seq.policy, self.config.spec, self.prior.value) for seq in batch]
             ks = plan_batch(ks, alphas, self.costs)
         proposals = self._draft(batch, ks)

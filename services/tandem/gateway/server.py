@@ -2,6 +2,9 @@
 
 Liveness ("" in grpc.health.v1) is SERVING as soon as the port is bound. Readiness ("tandem.v1.Generation") is
 NOT_SERVING while the engine loads, SERVING once it can take requests, and NOT_SERVING again while draining.
+
+With canary options (tandem.canary), the loader returns {arm name: Backend}: one EngineLoop per arm, readiness once
+every arm has loaded, and a CanaryController that routes each session to an arm.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -58,7 +61,10 @@ class Gateway:
         self.metrics: GatewayMetrics | None = servicer.metrics
         self.options = options
         self.port = port
-        self.loop: EngineLoop | None = None
+        self.loop: EngineLoop | None = None  # the baseline arm's loop with canary arms
+        self.loops: dict[str, EngineLoop] = {}  # canary arms: every arm's loop (empty without a canary)
+        self.canary = None  # tandem.canary.CanaryController while serving canary arms
+        self.canary_options = None  # tandem.canary.config.CanaryOptions: serve arms
         self.loading: asyncio.Task | None = None
         self._drain: asyncio.Task | None = None
 
@@ -85,26 +91,71 @@ class Gateway:
         self.loading.result()
         return True
 
-    async def _load(self, load: Callable[[], Backend], sessions: SessionStore | None) -> None:
+    async def _load(self, load: Callable[[], Backend | Mapping[str, Backend]],
+                    sessions: SessionStore | None) -> None:
+        loops: dict[str, EngineLoop] = {}
         try:
-            backend = await asyncio.to_thread(load)
-            loop = EngineLoop(backend.engine, self.options.max_requests, self.options.stall_timeout, sessions)
-            if self.metrics is not None:
-                loop.metrics = self.metrics
-                self.metrics.attach(loop, backend.target_name, backend.draft_name)
-            await loop.start()
+            loaded = await asyncio.to_thread(load)
+            backends = self._arm_backends(loaded)
+            baseline = next(iter(backends))
+            for name, backend in backends.items():
+                loop = EngineLoop(backend.engine, self.options.max_requests, self.options.stall_timeout, sessions)
+                if self.metrics is not None:
+                    loop.metrics = self.metrics
+                    if name == baseline:
+                        self.metrics.attach(loop, backend.target_name, backend.draft_name)
+                await loop.start()
+                loops[name] = loop
+            canary = None
+            if self.canary_options is not None:
+                canary = await asyncio.to_thread(self._start_canary, sessions, set(backends))
+                from tandem.canary.greedy_check import GreedyChecker, loop_reference
+
+                opts = self.canary_options
+                if opts.greedy_check_rate > 0:
+                    canary.greedy = GreedyChecker(loop_reference(loops[baseline], asyncio.get_running_loop()),
+                                                  rate=opts.greedy_check_rate, max_tokens=opts.greedy_check_tokens)
         except Exception as exc:
+            for started in loops.values():
+                await started.close()
             if isinstance(exc, TandemError):  # a user-facing message; whoever awaits ready() reports it
                 log.info("loading the engine failed: %s", exc)
             else:
                 log.exception("loading the engine failed")
             await self.health.set(LIVENESS_SERVICE, NOT_SERVING)
             raise
-        self.loop = loop
-        self.servicer.attach(backend, loop)
+        backend, loop = backends[baseline], loops[baseline]
+        self.loop, self.canary = loop, canary
+        if self.canary_options is not None:
+            self.loops = loops
+        self.servicer.attach(backend, loop, self.loops, canary)
         if self._drain is None:
             await self.health.set(READINESS_SERVICE, SERVING)
-            log.info("ready: %s on %s", backend.target_name, self.address)
+            arms = f" (canary arms {', '.join(loops)})" if self.canary_options is not None else ""
+            log.info("ready: %s on %s%s", backend.target_name, self.address, arms)
+
+    def _arm_backends(self, loaded: Backend | Mapping[str, Backend]) -> dict[str, Backend]:
+        """{arm: Backend}, the baseline first; a plain Backend without a canary ("" names it)."""
+        if self.canary_options is None:
+            if not isinstance(loaded, Backend):
+                raise TandemError("the loader returned canary arms, but the gateway has no canary options")
+            return {"": loaded}
+        if not isinstance(loaded, Mapping) or not loaded:
+            raise TandemError("canary: the loader must return {arm name: Backend}")
+        names = [arm.name for arm in self.canary_options.arms]
+        if missing := [name for name in names if name not in loaded]:
+            raise TandemError(f"canary: no backend for arms {missing}")
+        return {name: loaded[name] for name in names}  # configured order: the first arm is the baseline
+
+    def _start_canary(self, sessions: SessionStore | None, served: set[str]):
+        from tandem.canary.config import start_controller
+
+        meter = self.metrics.endpoint.provider.get_meter("tandem.canary") if self.metrics is not None else None
+        return start_controller(self.canary_options, getattr(sessions, "url", None), served=served, meter=meter)
+
+    @property
+    def all_loops(self) -> list[EngineLoop]:
+        return list(self.loops.values()) if self.loops else ([self.loop] if self.loop is not None else [])
 
     def drain(self, grace: float | None = None) -> asyncio.Task:
         """Stop taking requests, let in-flight ones finish for up to `grace` seconds, then stop (idempotent)."""
@@ -115,17 +166,21 @@ class Gateway:
     async def _drain_and_stop(self, grace: float) -> None:
         deadline = time.monotonic() + grace
         await self.health.set(READINESS_SERVICE, NOT_SERVING)
-        if self.loop is not None:
-            self.loop.draining = True
-            log.info("draining %d requests (grace %.1fs)", self.loop.active, grace)
-            while self.loop.active and time.monotonic() < deadline:
+        loops = self.all_loops
+        if loops:
+            for loop in loops:
+                loop.draining = True
+            log.info("draining %d requests (grace %.1fs)", sum(loop.active for loop in loops), grace)
+            while any(loop.active for loop in loops) and time.monotonic() < deadline:
                 await asyncio.sleep(DRAIN_POLL_SECONDS)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(max(0.0, deadline - time.monotonic()))
         if self.loading is not None and not self.loading.done():
             self.loading.cancel()
-        if self.loop is not None:
-            await self.loop.close()
+        if self.canary is not None:  # flushes the last observations; pending greedy checks end with the loops
+            await asyncio.to_thread(self.canary.close)
+        for loop in self.all_loops:
+            await loop.close()
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.close)
         log.info("stopped %s", self.address)
@@ -136,9 +191,10 @@ class Gateway:
             await self._drain
 
 
-async def start_gateway(load: Callable[[], Backend], options: GatewayOptions | None = None,
-                        sessions: SessionStore | None = None) -> Gateway:
-    """Bind and start the server now; `load` (run in a thread) builds the engine while health reports loading."""
+async def start_gateway(load: Callable[[], Backend | Mapping[str, Backend]], options: GatewayOptions | None = None,
+                        sessions: SessionStore | None = None, canary=None) -> Gateway:
+    """Bind and start the server now; `load` (run in a thread) builds the engine while health reports loading.
+    canary: tandem.canary.config.CanaryOptions; `load` then returns {arm name: Backend} (the first arm the baseline)."""
     options = options or GatewayOptions()
     # SO_REUSEPORT off: a second server on a busy port must fail rather than silently share it.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -162,15 +218,16 @@ async def start_gateway(load: Callable[[], Backend], options: GatewayOptions | N
     await health_servicer.set(READINESS_SERVICE, NOT_SERVING)
     await server.start()
     gateway = Gateway(server, health_servicer, servicer, options, port)
+    gateway.canary_options = canary
     gateway.loading = asyncio.create_task(gateway._load(load, sessions))
     return gateway
 
 
-async def serve(load: Callable[[], Backend], options: GatewayOptions, sessions: SessionStore | None = None,
-                on_listening: Callable[[str], None] | None = None,
-                on_metrics: Callable[[str], None] | None = None) -> None:
+async def serve(load: Callable[[], Backend | Mapping[str, Backend]], options: GatewayOptions,
+                sessions: SessionStore | None = None, on_listening: Callable[[str], None] | None = None,
+                on_metrics: Callable[[str], None] | None = None, canary=None) -> None:
     """Run until SIGTERM or SIGINT, then drain gracefully."""
-    gateway = await start_gateway(load, options, sessions)
+    gateway = await start_gateway(load, options, sessions, canary)
     if on_metrics is not None and gateway.metrics_url is not None:
         on_metrics(gateway.metrics_url)
     if on_listening is not None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -84,11 +85,32 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.backend: Backend | None = None
         self.loop: EngineLoop | None = None
         self._model_limits: ModelLimits | None = None
+        # Canary arms (see tandem.canary): arm name -> loop; backend/loop above are the baseline arm's.
+        self.loops: dict[str, EngineLoop] = {}
+        self.canary = None  # tandem.canary.CanaryController, or None: every request on `loop`
 
-    def attach(self, backend: Backend, loop: EngineLoop) -> None:
-        """Start serving requests: before this every RPC answers UNAVAILABLE."""
+    def attach(self, backend: Backend, loop: EngineLoop, loops: Mapping[str, EngineLoop] | None = None,
+               canary=None) -> None:
+        """Start serving requests: before this every RPC answers UNAVAILABLE. With canary arms, `backend` and `loop`
+        are the baseline arm's (unknown arms fall back to it; GetModelInfo describes it), `loops` every arm's."""
         self._model_limits = backend.model_limits
+        self.loops = dict(loops) if loops else {}
+        self.canary = canary
         self.backend, self.loop = backend, loop
+
+    def _route(self, prepared, loop: EngineLoop, observed: RequestObserver):
+        """The canary assignment (None without a canary) and the loop that serves the request."""
+        if self.canary is None:
+            return None, loop
+        assignment = self.canary.arm_for(prepared.session_id, prepared.request_id)
+        if assignment is None:
+            return None, loop
+        arm_loop = self.loops.get(assignment.arm.name)
+        if arm_loop is None:  # not served here: the baseline, unrecorded
+            return None, loop
+        if observed.span is not None:
+            observed.span.set_attribute("tandem.canary.arm", assignment.arm.name)
+        return assignment, arm_loop
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> tuple[Backend, EngineLoop]:
         if self.backend is None or self.loop is None:
@@ -106,6 +128,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             try:
                 prepared = prepare(request, backend.tokenizer, self.limits, self._model_limits)
                 observed.prepared(prepared)
+                assignment, loop = self._route(prepared, loop, observed)
                 handle = await loop.submit(prepared.prompt_ids, prepared.params, prepared.request_id,
                                            prepared.session_id, prepared.max_k, trace=observed.span)
             except (InvalidArgument, QueueFull, EngineUnavailable) as exc:
@@ -115,9 +138,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 await context.abort(*status)
             detok = IncrementalDetokenizer(backend.engine.decode, prepared.params.stop)
             finished: Finished | None = None
+            token_ids: list[int] = []
+            first_token_at: float | None = None
             try:
                 async for update in handle:
                     finished = update.finished
+                    if assignment is not None and update.token_ids:
+                        token_ids.extend(update.token_ids)
+                        if first_token_at is None:
+                            first_token_at = time.monotonic()
                     observed.tokens(len(update.token_ids))
                     text = detok.push(update.token_ids, final=finished is not None,
                                       cut=finished.text_cut if finished else None)
@@ -125,6 +154,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         yield pb.GenerateResponse(chunk=pb.Chunk(text=text, token_ids=update.token_ids))
             except (InvalidArgument, EngineUnavailable, EngineFailed) as exc:
                 status = _status_of(exc)
+                # An engine failure or stall counts against the arm; a shutdown (draining) does not.
+                if assignment is not None and not isinstance(exc, InvalidArgument) \
+                        and (isinstance(exc, EngineFailed) or not loop.draining):
+                    self._record_error(assignment)
             finally:
                 if finished is None:
                     # The client went away (cancelled, deadline) or the engine failed: free the request's caches.
@@ -134,16 +167,38 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 await context.abort(*status)
             observed.completed(handle.prompt_tokens, finished.completion_tokens, finished.finish_reason,
                                finished.stats)
+            if assignment is not None:
+                self._record(assignment, prepared, finished, first_token_at, token_ids)
             yield complete_message(handle.request_id, handle.prompt_tokens, finished)
         finally:
             observed.end()  # a no-op unless the client went away (cancelled, deadline) mid-stream
+
+    def _record(self, assignment, prepared, finished: Finished, first_token_at: float | None,
+                token_ids: list[int]) -> None:
+        from tandem.canary.observations import Outcome
+
+        try:
+            self.canary.record(assignment, Outcome.from_request(assignment.session, finished.stats, first_token_at,
+                                                                time.monotonic(), finished.completion_tokens))
+            self.canary.check_greedy(assignment, prepared.params.greedy, prepared.prompt_ids, token_ids)
+        except Exception:  # the canary never fails a request
+            log.exception("canary: recording a request failed")
+
+    def _record_error(self, assignment) -> None:
+        from tandem.canary.observations import Outcome
+
+        try:
+            self.canary.record(assignment, Outcome(assignment.session, error=True))
+        except Exception:
+            log.exception("canary: recording a request failed")
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
         if self.loop is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "not ready: the engine is still loading")
-        return pb.AbortResponse(found=self.loop.cancel(request.request_id))
+        loops = [self.loop, *(loop for loop in self.loops.values() if loop is not self.loop)]
+        return pb.AbortResponse(found=any(loop.cancel(request.request_id) for loop in loops))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> pb.ModelInfo:
