@@ -67,6 +67,9 @@ def test_served_greedy_equals_in_process_plain_decoding(stack, expected) -> None
     outputs = [_generate(server.address, p, session_id=f"s{i}") for i, p in enumerate(PROMPTS)]
     assert outputs == expected
     assert store.get("s0") is not None, "the session's policy state should be in Redis"
+    with TandemClient(server.address, timeout=30) as client:
+        info = client.model_info()
+    assert (info.draft_workers, info.target_replicas, info.tensor_parallel_size) == (2, 1, 1)
     assert server.wait_for(lambda: _worker_caches(backend) == [0, 0, 0])
 
 

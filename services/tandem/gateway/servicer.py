@@ -210,7 +210,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             draft_model=self.backend.draft_name if engine.speculating else "",
             vocab_size=self._model_limits.vocab_size,
             max_k=self._model_limits.max_k,
-            draft_workers=1 if engine.speculating else 0,
-            target_replicas=1,
-            tensor_parallel_size=1,
+            **_pool_sizes(engine),
         )
+
+
+def _pool_sizes(engine) -> dict[str, int]:
+    """Worker counts: the Ray pools' sizes, or one in-process model each."""
+    replicas = getattr(engine.verifier, "workers", [None])
+    return {"draft_workers": len(getattr(engine.drafter, "workers", [None])) if engine.speculating else 0,
+            "target_replicas": len(replicas), "tensor_parallel_size": len(getattr(replicas[0], "ranks", [None]))}
