@@ -61,7 +61,12 @@ def plot_latency(sweep: dict, path: Path) -> Path:
         ax.set_title(title)
         _axes_setup(ax, sweep, "ms")
         ax.legend(fontsize=8)
-    fig.suptitle("latency against load, speculation AUTO vs OFF")
+    return _save(plt, fig, path, "latency against load, speculation AUTO vs OFF")
+
+
+def _save(plt, fig, path: Path, title: str | None = None) -> Path:
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -78,11 +83,7 @@ def plot_throughput(sweep: dict, path: Path) -> Path:
         ax.set_title(title)
         _axes_setup(ax, sweep, title.split(" (")[-1].rstrip(")"))
         ax.legend(fontsize=8)
-    fig.suptitle("throughput against load, speculation AUTO vs OFF")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, "throughput against load, speculation AUTO vs OFF")
 
 
 def plot_speculation(sweep: dict, path: Path) -> Path:
@@ -103,10 +104,7 @@ def plot_speculation(sweep: dict, path: Path) -> Path:
     right.axhline(1.0, color="grey", linewidth=1)
     right.set_title("output throughput AUTO / OFF")
     _axes_setup(right, sweep, "ratio")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_sweep(sweep: dict, out: Path) -> list[Path]:

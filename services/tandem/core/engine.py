@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -84,7 +83,6 @@ class SpeculativeEngine:
         self.config = config or EngineConfig()
         self.eos_token_ids, self.decode = eos_token_ids, decode
         self.costs = costs or CostModel()
-        self.batch_caps: Counter[tuple[int, int]] = Counter()  # (batch size, widest k) -> rounds
         self.prior = policy.SharedPrior(self.config.spec.acceptance_prior)
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -148,7 +146,6 @@ class SpeculativeEngine:
         seconds = time.perf_counter() - started
         if all(seq.verify_synced == len(seq.context) for seq in batch):
             self.costs.observe_verify(max(ks) + 1, seconds, rows=len(batch))
-        self.batch_caps[len(batch), max(ks)] += 1
         outputs = []
         for seq, k, proposal, result in zip(batch, ks, proposals, results, strict=True):
             seq.stats.verify_seconds += seconds
@@ -206,7 +203,7 @@ class SpeculativeEngine:
         seq.verify_synced = committed + accepted + 1
         seq.stats.record_round(k, accepted, seq.policy.fallback)
         policy.update(seq.policy, k, accepted, self.costs, self.config.spec)
-        if k > 0 and not (proposal and proposal.failed):
+        if k > 0:  # a failed proposal is empty: k 0
             self.prior.observe(k, accepted)
         before = len(seq.output)
         seq.finish_reason, seq.text_cut = seq.stop.extend(seq.output, new_tokens)
