@@ -4,10 +4,11 @@ Per completed request (status ok), with send = when the request was issued:
 - TTFT: arrival of the first chunk carrying token ids − send.
 - E2E latency (e2el): arrival of the last message on the stream (the Complete) − send.
 - TPOT: (e2el − TTFT) / (output_tokens − 1), only for requests with more than one output token.
-- ITL: the gaps between successive token-carrying chunks, one value per chunk after the first, as vLLM records one
-  ITL per streamed chunk. The gateway sends one chunk per engine round, so a speculative round that commits several
-  tokens gives one (longer) ITL; `itl_per_token` also reports each gap divided by the chunk's token count, once
-  per token, for comparing speculation AUTO with OFF per token.
+- ITL: the latency between successive output tokens. vLLM takes the gap between successive streamed chunks and
+  assumes one token per chunk; tandem's gateway sends one chunk per engine round, and a speculative round commits
+  several tokens at once, so each gap is divided by the tokens of the chunk that ends it and counted once per token
+  (what SGLang's bench_serving does under speculative decoding). With one token per chunk this is vLLM's ITL.
+  `itl_chunk` keeps the raw per-chunk gaps (vLLM's computation applied as is).
 Summaries: mean, std, p50, p90, p99 (numpy's default linear interpolation), max and count; null when empty.
 Throughput: request_throughput = completed / duration, output_throughput = output tokens of completed requests /
 duration, where duration runs from the benchmark's start to the end of its last request. goodput = completed
@@ -57,12 +58,12 @@ def summarize(values: Sequence[float]) -> dict:
             "max": float(array.max()), "count": int(array.size)}
 
 
-def itls(request: RequestTrace) -> list[float]:
+def chunk_gaps(request: RequestTrace) -> list[float]:
     return [later - earlier for earlier, later in pairwise(request.chunk_times)]
 
 
-def itls_per_token(request: RequestTrace) -> list[float]:
-    gaps = itls(request)
+def itls(request: RequestTrace) -> list[float]:
+    gaps = chunk_gaps(request)
     return [gap / n for gap, n in zip(gaps, request.chunk_tokens[1:], strict=True) for _ in range(n)]
 
 
@@ -124,7 +125,7 @@ def compute(trace: RunTrace, slos: dict[str, float] | None = None) -> dict:
         "ttft": summarize([r.ttft for r in completed if r.ttft is not None]),
         "tpot": summarize([t for r in completed if (t := tpot(r)) is not None]),
         "itl": summarize([gap for r in completed for gap in itls(r)]),
-        "itl_per_token": summarize([gap for r in completed for gap in itls_per_token(r)]),
+        "itl_chunk": summarize([gap for r in completed for gap in chunk_gaps(r)]),
         "e2el": summarize([r.latency for r in completed if r.latency is not None]),
         "tokens_per_chunk": _ratio(output_tokens, sum(len(r.chunk_times) for r in completed)),
         **speculation(completed),

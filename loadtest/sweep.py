@@ -24,8 +24,10 @@ RATIO_FIELDS = (
     ("ttft_p99", "ttft", "p99"),
     ("itl_p50", "itl", "p50"),
     ("itl_p99", "itl", "p99"),
-    ("itl_per_token_p50", "itl_per_token", "p50"),
+    ("itl_chunk_p50", "itl_chunk", "p50"),
+    ("itl_chunk_p99", "itl_chunk", "p99"),
     ("tpot_p50", "tpot", "p50"),
+    ("tpot_p99", "tpot", "p99"),
     ("e2el_p50", "e2el", "p50"),
 )
 

@@ -131,9 +131,29 @@ def test_new_sessions_start_from_the_deployments_recent_acceptance(tiny_models) 
         request_id = engine.add_request(PROMPT[2:], _greedy(max_tokens=20))
         first = engine.sequences[request_id]
         engine.step()
+        assert first.stats.spec_rounds == 0 and len(first.output) == 1  # the first round only prefills the target
+        engine.step()
         # The shared prior has learned what this draft does: no evidence-free first rounds against it.
         assert (first.stats.spec_rounds == 1) == starts_speculating, engine.prior.value
     assert engine.prior.value > 0.6
+
+
+def test_first_round_only_prefills_the_target(tiny_models, plain_output) -> None:
+    target, draft, _ = tiny_models
+    for plain_first, first_round_drafts in ((True, False), (False, True)):
+        engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(plain_first_round=plain_first),
+                                                          calibrate=False))
+        engine.costs = _static_costs()
+        seq = engine.sequences[engine.add_request(PROMPT, _greedy(max_tokens=30))]
+        engine.step()
+        assert (seq.stats.spec_rounds == 1) == first_round_drafts and (seq.draft_synced > 0) == first_round_drafts
+        if not first_round_drafts:
+            assert seq.output == plain_output[:1]
+            engine.step()  # the drafter catches up on the whole prompt and speculates
+            assert seq.stats.spec_rounds == 1 and seq.draft_synced >= len(PROMPT)
+        while engine.has_unfinished():
+            engine.step()
+        assert seq.output == plain_output[:30]
 
 
 def test_measured_costs_put_random_draft_into_fallback(tiny_models) -> None:

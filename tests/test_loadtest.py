@@ -122,11 +122,13 @@ def test_metrics_on_a_recorded_trace_have_the_known_answers(tmp_path) -> None:
     # TPOT (e2el - ttft) / (tokens - 1): 1/7 and 0.5/4; the one-token request has none
     assert results["tpot"]["count"] == 2
     assert results["tpot"]["mean"] == approx((1 / 7 + 0.125) / 2) and results["tpot"]["p50"] == approx(15 / 112)
-    # ITL: one per chunk after the first: 0.25, 0.25, 0.5 and 0.25
-    assert results["itl"] == approx({"mean": 0.3125, "std": np.std([0.25, 0.25, 0.5, 0.25]), "p50": 0.25,
-                                     "p90": 0.425, "p99": 0.4925, "max": 0.5, "count": 4})
-    # per token: each gap split over its chunk's tokens: 0.125 x2, 0.25, 0.125 x4, 1/12 x3
-    assert results["itl_per_token"]["count"] == 10 and results["itl_per_token"]["mean"] == approx(0.125)
+    # chunk gaps, one per chunk after the first: 0.25, 0.25, 0.5 and 0.25
+    assert results["itl_chunk"] == approx({"mean": 0.3125, "std": np.std([0.25, 0.25, 0.5, 0.25]), "p50": 0.25,
+                                           "p90": 0.425, "p99": 0.4925, "max": 0.5, "count": 4})
+    # ITL per token: each gap split over its chunk's tokens: 0.125 x2, 0.25, 0.125 x4, 1/12 x3
+    per_token = [0.125] * 6 + [0.25] + [1 / 12] * 3
+    assert results["itl"] == approx({"mean": 0.125, "std": np.std(per_token), "p50": 0.125, "p90": 0.1375,
+                                     "p99": 0.23875, "max": 0.25, "count": 10})
     assert results["tokens_per_chunk"] == approx(2.0)
     assert results["acceptance_rate"] == approx(0.7) and results["fallback_share"] == approx(2 / 7)
     assert results["speculation"]["rounds"] == 7 and results["speculation"]["tokens_per_round"] == approx(2.0)

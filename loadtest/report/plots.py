@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 COLORS = {"auto": "tab:blue", "off": "tab:orange"}
-LATENCIES = (("ttft", "TTFT"), ("itl", "ITL (per chunk)"), ("tpot", "TPOT"), ("e2el", "E2E latency"))
+LATENCIES = (("ttft", "TTFT"), ("itl", "ITL (per token)"), ("tpot", "TPOT"), ("e2el", "E2E latency"))
 THROUGHPUTS = (("output_throughput", "output throughput (tok/s)"),
                ("request_throughput", "request throughput (req/s)"), ("goodput", "goodput (req/s)"))
 

@@ -56,6 +56,8 @@ class SpecConfig:
     draft_confidence: the drafter stops early once its top probability falls below this (0 never stops early).
     draft_vocab: the drafter scores only the first N token ids (BPE ids run roughly by frequency); verification
     still uses the target's full vocabulary, so output stays exact. 0 scores the whole vocabulary.
+    plain_first_round: with the adaptive policy, a sequence's first round only prefills the target, so the first
+    token comes as soon as in plain decoding; the drafter catches up on the prompt in the second round.
     """
 
     enabled: bool = True
@@ -72,6 +74,7 @@ class SpecConfig:
     exit_fallback_margin: float = 0.05
     probe_interval: int = 16
     probe_interval_max: int = 128
+    plain_first_round: bool = True
 
     def __post_init__(self) -> None:
         _require(0 <= self.k_max <= 32, "k_max", f"must be between 0 and 32, got {self.k_max}")

@@ -153,7 +153,8 @@ class SpeculativeEngine:
         return outputs
 
     def _choose_k(self, seq: Sequence) -> int:
-        if not self.speculating or seq.max_k == 0:
+        spec = self.config.spec
+        if not self.speculating or seq.max_k == 0 or (spec.adaptive and spec.plain_first_round and not seq.output):
             return 0
         remaining = seq.params.max_tokens - len(seq.output)
         k = policy.choose_k(seq.policy, self.costs, self.config.spec, self.prior.value)
