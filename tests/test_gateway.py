@@ -195,11 +195,14 @@ def test_abort_rpc_ends_the_stream_with_abort(server, references) -> None:
     assert server.wait_for(server.caches_empty)
 
 
-def test_model_info(server) -> None:
+def test_model_info(server, references) -> None:
     with TandemClient(server.address, timeout=10) as client:
+        client.generate_text(token_ids=references[0][0], temperature=0.0, max_tokens=12)  # rounds feed the costs
         info = client.model_info()
     assert (info.target_model, info.draft_model, info.vocab_size) == ("tiny-target", "tiny-draft", 320)
     assert info.max_k == 8 and info.draft_workers == 1 and info.target_replicas == 1
+    costs = info.costs  # measured on served rounds: k = 4 drafts, verified over 5 tokens
+    assert costs.draft_step_seconds > 0 and costs.forward_seconds[5] > 0 and 0 < costs.acceptance_prior < 1
 
 
 def test_request_id_is_reusable_after_cancel(server, references) -> None:

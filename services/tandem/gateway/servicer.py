@@ -211,7 +211,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             vocab_size=self._model_limits.vocab_size,
             max_k=self._model_limits.max_k,
             **_pool_sizes(engine),
+            costs=_cost_model(engine),
         )
+
+
+def _cost_model(engine) -> pb.CostModel:
+    costs = engine.costs
+    return pb.CostModel(
+        draft_step_seconds=costs.draft_step, draft_rows_seconds=dict(costs.draft_rows),
+        forward_seconds=dict(costs.verify), acceptance_prior=engine.prior.value,
+        batched=[pb.BatchedForward(rows=rows, width=width, seconds=seconds)
+                 for (rows, width), seconds in sorted(costs.batched.items())])
 
 
 def _pool_sizes(engine) -> dict[str, int]:

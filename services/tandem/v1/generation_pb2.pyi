@@ -166,7 +166,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("target_model", "draft_model", "vocab_size", "max_k", "draft_workers", "target_replicas", "tensor_parallel_size")
+    __slots__ = ("target_model", "draft_model", "vocab_size", "max_k", "draft_workers", "target_replicas", "tensor_parallel_size", "costs")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class ModelInfo(_message.Message):
     DRAFT_WORKERS_FIELD_NUMBER: _ClassVar[int]
     TARGET_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COSTS_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     vocab_size: int
@@ -181,4 +182,43 @@ class ModelInfo(_message.Message):
     draft_workers: int
     target_replicas: int
     tensor_parallel_size: int
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_k: _Optional[int] = ..., draft_workers: _Optional[int] = ..., target_replicas: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    costs: CostModel
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_k: _Optional[int] = ..., draft_workers: _Optional[int] = ..., target_replicas: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., costs: _Optional[_Union[CostModel, _Mapping]] = ...) -> None: ...
+
+class CostModel(_message.Message):
+    __slots__ = ("draft_step_seconds", "draft_rows_seconds", "forward_seconds", "batched", "acceptance_prior")
+    class DraftRowsSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    class ForwardSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    DRAFT_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ROWS_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_PRIOR_FIELD_NUMBER: _ClassVar[int]
+    draft_step_seconds: float
+    draft_rows_seconds: _containers.ScalarMap[int, float]
+    forward_seconds: _containers.ScalarMap[int, float]
+    batched: _containers.RepeatedCompositeFieldContainer[BatchedForward]
+    acceptance_prior: float
+    def __init__(self, draft_step_seconds: _Optional[float] = ..., draft_rows_seconds: _Optional[_Mapping[int, float]] = ..., forward_seconds: _Optional[_Mapping[int, float]] = ..., batched: _Optional[_Iterable[_Union[BatchedForward, _Mapping]]] = ..., acceptance_prior: _Optional[float] = ...) -> None: ...
+
+class BatchedForward(_message.Message):
+    __slots__ = ("rows", "width", "seconds")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    width: int
+    seconds: float
+    def __init__(self, rows: _Optional[int] = ..., width: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
