@@ -3,6 +3,8 @@
     python -m loadtest --address 127.0.0.1:50051 --rate 2 --requests 100 --speculation auto --out DIR
     python -m loadtest sweep --address 127.0.0.1:50051 --rates 0.5 1 2 --requests 50 --out DIR
     python -m loadtest plot DIR/sweep.json
+    python -m loadtest bound DIR/sweep.json   # the analytic bound per level, from the server's measured costs
+    python -m loadtest report DIR/sweep.json  # markdown tables: runs, AUTO/OFF with the targets, the bound
 
 Exit status: 0 done, 1 the server could not be reached or the warm-up failed, 2 bad arguments (`error: <field>: ...`).
 """
@@ -103,10 +105,11 @@ def config_from(args: argparse.Namespace, **load) -> RunConfig:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv.pop(0) if argv and argv[0] in ("sweep", "plot") else "run"
+    command = argv.pop(0) if argv and argv[0] in ("sweep", "plot", "bound", "report") else "run"
     try:
-        if command == "plot":
-            return _plot(plot_parser().parse_args(argv))
+        if command in ("plot", "bound", "report"):
+            args = plot_parser().parse_args(argv)
+            return {"plot": _plot, "bound": _bound, "report": _report}[command](args)
         if command == "sweep":
             args = sweep_parser().parse_args(argv)
             base = config_from(args)
@@ -140,6 +143,24 @@ def _plot(args: argparse.Namespace) -> int:
     out = args.out or args.sweep.parent
     paths = plot_sweep(json.loads(args.sweep.read_text()), out)
     print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    import json
+
+    from loadtest.report.tables import markdown
+
+    print(markdown(json.loads(args.sweep.read_text())))
+    return 0
+
+
+def _bound(args: argparse.Namespace) -> int:
+    import json
+
+    from loadtest.report.bound import sweep_bound
+
+    print(json.dumps(sweep_bound(json.loads(args.sweep.read_text())), indent=2))
     return 0
 
 

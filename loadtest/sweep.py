@@ -1,8 +1,8 @@
 """A sweep: several load levels × speculation AUTO and OFF against one server, in one command.
 
-Writes DIR/<level>-<mode>/{results.json,trace.jsonl} per run, DIR/sweep.json with every run's results and the AUTO/OFF
-ratios per level, and the PNG plots of loadtest.report.plots. Both modes of a level use the same seed, so they send
-the same prompts at the same arrival times.
+Writes DIR/<level>-<mode>/{results.json,trace.jsonl} per run, DIR/sweep.json with every run's results, the AUTO/OFF
+ratios and the analytic bound (loadtest.report.bound) per level, and the PNG plots of loadtest.report.plots. Both
+modes of a level use the same seed, so they send the same prompts at the same arrival times.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from loadtest.config import RunConfig
 from loadtest.prompts import Prompt
+from loadtest.report.bound import sweep_bound
 from loadtest.run import run_to_dir, summary, write_json
 
 # (name in sweep.json, results key, statistic): the quantities compared between AUTO and OFF per level.
@@ -81,6 +82,7 @@ def run_sweep(base: RunConfig, out: Path, rates: list[float] | None = None, conc
                                 "auto_vs_off": ratios(auto["results"], off["results"])})
     body = {"address": base.address, "load_kind": "concurrency" if concurrencies else "rate",
             "modes": list(modes), "runs": runs, "ratios": comparisons}
+    body["bound"] = sweep_bound(body)
     write_json(out / "sweep.json", body)
     if plots:
         from loadtest.report.plots import plot_sweep

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from google.protobuf.json_format import MessageToDict
 from scipy import stats
 
 from gateway_harness import ServerThread, tiny_backend
@@ -24,9 +25,19 @@ from loadtest.client_run import Driver
 from loadtest.config import RunConfig
 from loadtest.metrics import compute, parse_slos
 from loadtest.prompts import load_set, schedule
+from loadtest.report.bound import (
+    acceptance_needed_for_itl,
+    cost_model,
+    full_batch,
+    itl_distribution,
+    single_stream,
+    weighted_percentile,
+)
+from loadtest.report.tables import markdown, target_checks
 from loadtest.target import check_address
 from loadtest.trace import CANCELLED, ERROR, NOT_SENT, OK, RequestTrace, RunTrace, load, save
 from tandem.sessions import MemorySessionStore
+from tandem.v1 import generation_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT_KEYS = ("ttft", "tpot", "itl", "e2el", "request_throughput", "output_throughput", "goodput", "completed",
@@ -159,6 +170,46 @@ def test_empty_metrics_are_null_and_slo_flags_are_checked() -> None:
             parse_slos([bad])
 
 
+def test_analytic_bound_has_the_known_answers() -> None:
+    info = pb.ModelInfo(costs=pb.CostModel(draft_step_seconds=0.1, forward_seconds={n: 1.0 for n in range(1, 10)},
+                                           draft_rows_seconds={8: 0.4},
+                                           batched=[pb.BatchedForward(rows=8, width=w, seconds=2.0 + w)
+                                                    for w in (1, 2, 3)]))
+    costs = cost_model(MessageToDict(info, preserving_proto_field_name=True))
+    assert costs.draft_step == 0.1 and costs.draft_time(8) == 0.4 and costs.batch_forward_time(8, 2) == 4.0
+    # alpha 0.5: k 1 gives 1.5 tokens / 1.1 s, k 2 gives 1.75 / 1.2 s (best), k 3 gives 1.875 / 1.3 s
+    single = single_stream(0.5, costs)
+    assert single["k"] == 2 and single["speedup"] == pytest.approx(1.75 / 1.2)
+    # k 2, round 1.2 s: a = 0 (p .5) one token at 1.2; a = 1 (p .25) two at 0.6; a = 2 (p .25) three at 0.4;
+    # token shares 2/7, 2/7, 3/7
+    flat = [x for pair in itl_distribution(0.5, 2, costs) for x in pair]
+    assert flat == pytest.approx([1.2, 2 / 7, 0.6, 2 / 7, 0.4, 3 / 7])
+    assert (single["itl_p50"], single["itl_p99"], single["off_itl"]) == pytest.approx((0.6, 1.2, 1.0))
+    assert single["unaccepted_token_share"] == pytest.approx(0.5 / 1.75)
+    # a full batch of 8: plain 8 tokens / 3 s; k 1: 8 x 1.5 / (0.4 + 4) s; k 2: 8 x 1.75 / (0.8 + 5) s
+    batch = full_batch(0.5, 8, costs, k_max=2)
+    assert batch["k"] == 1 and batch["speedup"] == pytest.approx((12 / 4.4) / (8 / 3))
+    assert weighted_percentile([(3.0, 0.5), (1.0, 0.5)], 50) == 1.0
+    # p99 within 1.02x: the rounds accepting nothing (ITL 1 + 0.1 k > 1.02) must carry at most 1% of tokens,
+    # (1 - a) / E(a, k) <= 0.01, first reached at k = 8 (the longest blocks): a = 0.932 (0.931 gives 1.004%)
+    assert acceptance_needed_for_itl(costs) == pytest.approx(0.932)
+
+
+def test_report_checks_the_targets_per_level() -> None:
+    sweep = {"runs": [], "ratios": [
+        {"level": 0.05, "auto_vs_off": {"itl_p50": 0.7, "itl_p99": 1.5, "output_throughput": 1.2}},
+        {"level": 0.3, "auto_vs_off": {"itl_p50": 1.01, "itl_p99": 1.0, "output_throughput": 1.0}},
+        {"level": "inf", "auto_vs_off": {"itl_p50": 1.1, "itl_p99": None, "output_throughput": 0.99}}]}
+    checks = target_checks(sweep)
+    # lowest load: p50 must be 1.3x better; the highest: throughput at least OFF's
+    assert [(c["itl_p50_met"], c["itl_p99_met"], c["saturation_throughput_met"]) for c in checks] == [
+        (True, False, None), (True, True, None), (False, None, False)]
+    assert checks[0]["itl_p50_limit"] == pytest.approx(1 / 1.3)
+    text = markdown(sweep)
+    assert "| 0.05 | 1.20 | - | 0.70 ok (<= 0.77) | 1.50 MISSED (<= 1.02) |" in text
+    assert "| inf | 0.99 MISSED |" in text
+
+
 # --- against a real gateway on loopback -------------------------------------------------------------------------
 
 
@@ -262,6 +313,9 @@ def test_sweep_writes_json_ratios_and_plots(server, tmp_path) -> None:
     for name in ("latency.png", "throughput.png", "speculation.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "rate20-off" / "results.json").exists()
+    bound = {b["level"]: b for b in sweep["bound"]}  # the server's costs exist once it has served rounds
+    assert "inf" in bound and bound["inf"]["single_stream"]["off_itl"] > 0
+    assert bound["inf"]["acceptance"] == sweep["runs"][2]["results"]["acceptance_rate"]
 
 
 # --- targets ----------------------------------------------------------------------------------------------------
