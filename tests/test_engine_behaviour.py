@@ -156,6 +156,16 @@ def test_first_round_only_prefills_the_target(tiny_models, plain_output) -> None
         assert seq.output == plain_output[:30]
 
 
+def test_calibration_times_real_batches_and_leaves_no_state(tiny_models) -> None:
+    target, draft, _ = tiny_models
+    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(k_max=3, k_init=2), max_batch=4))
+    costs = engine.costs
+    assert set(costs.verify) >= {1, 2, 3, 4} and costs.draft_step > 0
+    assert set(costs.batched) == {(rows, width) for rows in (2, 4) for width in (1, 2, 3)}
+    assert set(costs.draft_rows) == {2, 4} and all(seconds > 0 for seconds in costs.batched.values())
+    assert not engine.verifier.runner.states and not engine.drafter.runner.states
+
+
 def test_measured_costs_put_random_draft_into_fallback(tiny_models) -> None:
     target, _, draft_random = tiny_models
     engine = build_engine(target, draft_random)

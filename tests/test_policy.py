@@ -116,6 +116,16 @@ def test_sync_keeps_the_cached_tokens_that_the_new_tokens_repeat() -> None:
     assert state.tokens == [1, 2, 3, 9, 7, 8] and state.cached == 5
 
 
+def test_calibrated_costs_never_price_a_forward_above_a_wider_one() -> None:
+    from tandem.core.calibration import _cap_by_larger
+
+    costs = CostModel(draft_step=0.08, verify={1: 0.2, 2: 0.13, 3: 0.15}, draft_rows={2: 0.06, 4: 0.07},
+                      batched={(8, 1): 0.27, (8, 2): 0.21, (8, 3): 0.22, (2, 1): 0.2})
+    _cap_by_larger(costs)  # timings only ever come out too slow: the wider shape's lower time is the better one
+    assert costs.verify == {1: 0.13, 2: 0.13, 3: 0.15} and costs.draft_step == 0.06
+    assert costs.batched == {(8, 1): 0.21, (8, 2): 0.21, (8, 3): 0.22, (2, 1): 0.2}
+
+
 def test_batched_costs_are_kept_apart_from_single_sequence_costs() -> None:
     costs = CostModel(draft_step=0.05, verify={1: 0.1, 8: 0.15, 16: 0.2, 32: 0.3})
     costs.observe_verify(1, 0.3, rows=8)  # a plain round of 8 rows: slower than one 8-token sequence
@@ -123,4 +133,7 @@ def test_batched_costs_are_kept_apart_from_single_sequence_costs() -> None:
     assert costs.batch_forward_time(8, 1) == 0.3
     # An unmeasured width for 8 rows follows the single-sequence curve, scaled to the measured 8-row point.
     assert abs(costs.batch_forward_time(8, 2) - 0.3 * 0.2 / 0.15) < 1e-12
-    assert costs.batch_forward_time(4, 2) == 0.15  # no 4-row measurement: the 8-token single-sequence cost
+    # No 4-row measurement: the 8-row cost at that width, scaled along the single-sequence curve (8 vs 16 tokens).
+    assert abs(costs.batch_forward_time(4, 2) - 0.3 * 0.2 / 0.15 * 0.15 / 0.2) < 1e-12
+    costs.observe_verify(1, 0.12, rows=2)
+    assert abs(costs.batch_forward_time(4, 1) - (0.12 + (0.3 - 0.12) * 2 / 6)) < 1e-12  # between 2 and 8 rows

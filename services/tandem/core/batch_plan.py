@@ -26,7 +26,7 @@ def predicted_rate(ks: list[int], alphas: list[float], costs: CostModel) -> floa
     return sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)) / seconds
 
 
-def plan_batch(ks: list[int], alphas: list[float], costs: CostModel, margin: float = 0.02) -> list[int]:
+def plan_batch(ks: list[int], alphas: list[float], costs: CostModel, margin: float = 0.05) -> list[int]:
     """Each row's k capped at the best common cap; plain (all 0) unless speculating wins by `margin`."""
     if len(ks) <= 1 or not any(ks) or not costs.calibrated:
         return ks

@@ -30,8 +30,10 @@ class CostModel:
     target forward: `verify` for one sequence keyed by the tokens it feeds (k drafts + 1), `batched` for several
     rows keyed by (rows, padded width). The per-session policy reads only the single-sequence costs.
 
-    Unmeasured sizes are interpolated; an unmeasured batched shape follows the single-sequence curve at the same
-    number of tokens, scaled to the nearest measured width with that many rows (batching has its own overheads).
+    Unmeasured sizes are interpolated. An unmeasured width of a measured row count follows the single-sequence
+    curve at the same number of tokens, scaled to the nearest measured width with that many rows (batching has its
+    own overheads); an unmeasured row count is interpolated between the measured row counts around it, or scaled
+    from the nearest one along the single-sequence curve.
     Observations are blended in with an exponential moving average.
     """
 
@@ -73,10 +75,23 @@ class CostModel:
             return self.forward_time(width)
         if (rows, width) in self.batched:
             return self.batched[rows, width]
-        measured = [w for r, w in self.batched if r == rows]
-        if not measured:
+        measured_rows = sorted({r for r, _ in self.batched})
+        if rows in measured_rows:
+            return self._at_measured_rows(rows, width)
+        below, above = [r for r in measured_rows if r < rows], [r for r in measured_rows if r > rows]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            low, high = self._at_measured_rows(lo, width), self._at_measured_rows(hi, width)
+            return low + (high - low) * (rows - lo) / (hi - lo)
+        if not measured_rows:
             return self.forward_time(rows * width)
-        nearest = min(measured, key=lambda w: (abs(w - width), w))
+        nearest = below[-1] if below else above[0]
+        return (self._at_measured_rows(nearest, width) * self.forward_time(rows * width)
+                / self.forward_time(nearest * width))
+
+    def _at_measured_rows(self, rows: int, width: int) -> float:
+        widths = [w for r, w in self.batched if r == rows]
+        nearest = min(widths, key=lambda w: (abs(w - width), w))
         return self.batched[rows, nearest] * self.forward_time(rows * width) / self.forward_time(rows * nearest)
 
     def draft_time(self, rows: int) -> float:

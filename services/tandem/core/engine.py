@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from tandem.core import policy
 from tandem.core.batch_plan import plan_batch
+from tandem.core.calibration import calibrate
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.costs import CostModel
 from tandem.core.protocol import (
@@ -28,8 +29,6 @@ from tandem.core.protocol import (
 from tandem.core.stats import RequestStats
 from tandem.core.stops import FINISH_ABORT, StopChecker
 from tandem.errors import InvalidArgument
-
-CALIBRATION_ID = "__tandem_calibration__"
 
 
 @dataclass(slots=True)
@@ -257,50 +256,13 @@ class SpeculativeEngine:
             self.step()
         return [self.result(seq) for seq in seqs]
 
-    def calibrate(self, context: int = 32, passes: int = 3) -> CostModel:
-        """Time the target forward over every k + 1 tokens (and the wider forwards of batched rounds) and the
-        draft step (over one row and, as forwards of n tokens, over n rows); seeds the cost model.
-
-        Each shape runs several times and the fastest counts: first calls of a shape pay one-off kernel setup.
-        """
-        greedy = SamplingParams(temperature=0.0, max_tokens=1)
-        spec, batch = self.config.spec, self.config.max_batch
-        prompt = [i % self.verifier.vocab_size for i in range(1, context + 1)]
-        self.verifier.verify([VerifyRequest(CALIBRATION_ID, 0, prompt, None, greedy)])
-        verify: dict[int, float] = {}
-        widest = batch * (spec.k_max + 1)
-        wide = sorted({n for n in (12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if spec.k_max + 1 < n < widest}
-                      | ({min(widest, 256)} if batch > 1 else set()))
-        for n in [n for _ in range(passes) for n in range(1, spec.k_max + 2)] + wide + wide:
-            draft = DraftProposal(tokens=[prompt[0]] * (n - 1))
-            seconds = _timed(lambda d=draft: self.verifier.verify(
-                [VerifyRequest(CALIBRATION_ID, context - 1, [prompt[-1]], d, greedy)]))
-            verify[n] = min(verify.get(n, seconds), seconds)
-        self.verifier.release(CALIBRATION_ID)
-        steps = max(spec.k_init, 2)
-        self.drafter.propose([DraftRequest(CALIBRATION_ID, 0, prompt, steps, greedy)])
-        draft_step = min(_timed(lambda: self.drafter.propose(
-            [DraftRequest(CALIBRATION_ID, context - 1, [prompt[-1]], steps, greedy)])) for _ in range(passes)) / steps
-        draft_rows: dict[int, float] = {}
-        rows = sorted({n for n in (2, 4, 8, 16) if n < batch} | ({batch} if batch > 1 else set()))
-        for n in [n for n in rows if n < context] * 2:
-            seconds = _timed(lambda n=n: self.drafter.propose(
-                [DraftRequest(CALIBRATION_ID, context - n, prompt[context - n :], 1, greedy)]))
-            draft_rows[n] = min(draft_rows.get(n, seconds), seconds)
-        self.drafter.release(CALIBRATION_ID)
-        self.costs.verify, self.costs.draft_rows, self.costs.draft_step = {}, {}, 0.0
-        for n, seconds in verify.items():
-            self.costs.observe_verify(n, seconds)
-        self.costs.observe_draft_step(draft_step)
-        for n, seconds in draft_rows.items():
-            self.costs.observe_draft_step(seconds, rows=n)
+    def calibrate(self) -> CostModel:
+        """Time the forwards rounds are made of (core.calibration) and seed the cost model with them."""
+        spec = self.config.spec
+        measured = calibrate(self.verifier, self.drafter, spec.k_max, spec.k_init, self.config.max_batch)
+        self.costs.draft_step, self.costs.verify = measured.draft_step, measured.verify
+        self.costs.draft_rows, self.costs.batched = measured.draft_rows, measured.batched
         return self.costs
-
-
-def _timed(call) -> float:
-    started = time.perf_counter()
-    call()
-    return time.perf_counter() - started
 
 
 def _retry_lost(call, forget):

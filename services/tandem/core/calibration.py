@@ -1,0 +1,98 @@
+"""Seed an engine's cost model by timing the forwards its rounds are made of, before serving.
+
+Single sequence: target forwards over every k + 1 tokens (k = 0..k_max) plus wider ones (prompt-sized), and the
+draft step. Batches: target forwards over n rows of w tokens each and draft steps over n rows, with n real
+sequences, as batched rounds run them (caches stacked and padded per forward), for the batch plan.
+
+Each shape runs several times and the fastest counts: first calls of a shape pay one-off kernel setup, and other
+processes on the machine only ever make a call slower. For the same reason a forward is never priced above a wider
+one with as many rows (nor a draft step above one over more rows): the lower timing is the less disturbed one.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tandem.core.config import SamplingParams
+from tandem.core.costs import CostModel
+from tandem.core.protocol import Drafter, DraftProposal, DraftRequest, Verifier, VerifyRequest
+
+CALIBRATION_ID = "__tandem_calibration__"
+WIDE_SIZES = (12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+BATCH_ROWS = (2, 4, 8, 16)
+BATCH_WIDTHS = (1, 2, 3, 5)
+
+
+def _timed(call) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+def _fastest(call, passes: int) -> float:
+    return min(_timed(call) for _ in range(passes))
+
+
+def _fastest_each(calls: dict, passes: int) -> dict:
+    """The fastest of `passes` timings per call, the passes interleaved so a slow spell does not hit one shape."""
+    best: dict = {}
+    for _ in range(passes):
+        for key, call in calls.items():
+            seconds = _timed(call)
+            best[key] = min(best.get(key, seconds), seconds)
+    return best
+
+
+def calibrate(verifier: Verifier, drafter: Drafter, k_max: int, k_init: int, max_batch: int,
+              context: int = 32, passes: int = 3) -> CostModel:
+    """A fresh CostModel measured on `verifier` and `drafter`, for rounds of up to k_max drafts and max_batch rows."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    prompt = [i % verifier.vocab_size for i in range(1, context + 1)]
+    rows = sorted({n for n in BATCH_ROWS if n < max_batch} | ({max_batch} if max_batch > 1 else set()))
+    ids = [f"{CALIBRATION_ID}-{i}" for i in range(max(rows, default=1))]
+
+    def verify(n: int, width: int) -> None:
+        draft = DraftProposal(tokens=[prompt[0]] * (width - 1))
+        verifier.verify([VerifyRequest(seq_id, context - 1, [prompt[-1]], draft, greedy) for seq_id in ids[:n]])
+
+    def draft(n: int, steps: int) -> None:
+        drafter.propose([DraftRequest(seq_id, context - 1, [prompt[-1]], steps, greedy) for seq_id in ids[:n]])
+
+    costs = CostModel()
+    verifier.verify([VerifyRequest(seq_id, 0, prompt, None, greedy) for seq_id in ids])
+    widest = max_batch * (k_max + 1)
+    wide = sorted({n for n in WIDE_SIZES if k_max + 1 < n < widest} | ({min(widest, 256)} if max_batch > 1 else set()))
+    single = _fastest_each({w: lambda w=w: verify(1, w) for w in range(1, k_max + 2)}, passes)
+    single |= _fastest_each({w: lambda w=w: verify(1, w) for w in wide}, 2)
+    for width, seconds in single.items():
+        costs.observe_verify(width, seconds)
+    shapes = [(n, w) for n in rows for w in BATCH_WIDTHS if w <= k_max + 1]
+    for (n, width), seconds in _fastest_each({s: lambda s=s: verify(*s) for s in shapes}, 2).items():
+        costs.observe_verify(width, seconds, rows=n)
+    for seq_id in ids:
+        verifier.release(seq_id)
+
+    drafter.propose([DraftRequest(seq_id, 0, prompt, 1, greedy) for seq_id in ids])
+    steps = max(k_init, 2)
+    costs.observe_draft_step(_fastest(lambda: draft(1, steps), passes) / steps)
+    for n, seconds in _fastest_each({n: lambda n=n: draft(n, 1) for n in rows}, 2).items():
+        costs.observe_draft_step(seconds, rows=n)
+    for seq_id in ids:
+        drafter.release(seq_id)
+    _cap_by_larger(costs)
+    return costs
+
+
+def _cap_by_larger(costs: CostModel) -> None:
+    def capped(times: dict) -> dict:
+        out, cheapest = {}, float("inf")
+        for size in sorted(times, reverse=True):
+            cheapest = out[size] = min(cheapest, times[size])
+        return out
+
+    costs.verify = capped(costs.verify)
+    for n in {rows for rows, _ in costs.batched}:
+        widths = capped({w: s for (r, w), s in costs.batched.items() if r == n})
+        costs.batched.update({(n, w): s for w, s in widths.items()})
+    costs.draft_rows = capped(costs.draft_rows)
+    costs.draft_step = min([costs.draft_step, *costs.draft_rows.values()])
