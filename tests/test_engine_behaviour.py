@@ -156,6 +156,21 @@ def test_first_round_only_prefills_the_target(tiny_models, plain_output) -> None
         assert seq.output == plain_output[:30]
 
 
+def test_batched_rows_far_behind_in_the_drafter_decode_plainly(tiny_models) -> None:
+    target, draft, _ = tiny_models
+    cheap = CostModel(draft_step=0.01, verify={n: 1.0 for n in range(1, 12)}, draft_rows={2: 0.01},
+                      batched={(2, w): 1.0 for w in range(1, 12)}, frozen=True)  # drafting always pays
+    long_prompt, short_prompt = list(range(40, 80)), PROMPT
+    for prompts, drafts in (([long_prompt, long_prompt[1:]], False), ([short_prompt, short_prompt[1:]], True),
+                            ([long_prompt], True)):
+        engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(), calibrate=False))
+        engine.costs = cheap
+        seqs = [engine.sequences[engine.add_request(p, _greedy(max_tokens=20))] for p in prompts]
+        engine.step()
+        engine.step()  # the first round was plain; now each drafter is a whole prompt behind
+        assert all((seq.stats.spec_rounds == 1) == drafts for seq in seqs), (len(prompts[0]), len(prompts))
+
+
 def test_calibration_times_real_batches_and_leaves_no_state(tiny_models) -> None:
     target, draft, _ = tiny_models
     engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(k_max=3, k_init=2), max_batch=4))

@@ -58,6 +58,9 @@ class SpecConfig:
     still uses the target's full vocabulary, so output stays exact. 0 scores the whole vocabulary.
     plain_first_round: with the adaptive policy, a sequence's first round only prefills the target, so the first
     token comes as soon as in plain decoding; the drafter catches up on the prompt in the second round.
+    batch_catch_up_limit: with the adaptive policy, in a round of several sequences a sequence whose drafter is more
+    than this many tokens behind (its prompt, tokens decoded plainly) does not draft: the drafter's catch-up would
+    run before the batch's drafting and stall every row. It catches up when it runs alone.
     """
 
     enabled: bool = True
@@ -75,10 +78,12 @@ class SpecConfig:
     probe_interval: int = 16
     probe_interval_max: int = 128
     plain_first_round: bool = True
+    batch_catch_up_limit: int = 32
 
     def __post_init__(self) -> None:
         _require(0 <= self.k_max <= 32, "k_max", f"must be between 0 and 32, got {self.k_max}")
         _require(0 <= self.k_init <= self.k_max or self.k_max == 0, "k_init", "must be between 0 and k_max")
+        _require(self.batch_catch_up_limit >= 0, "batch_catch_up_limit", "must be non-negative")
         _require(1 <= self.draft_top_m <= 4096, "draft_top_m", "must be between 1 and 4096")
         _require(0.0 <= self.draft_confidence < 1.0, "draft_confidence", "must be in [0, 1)")
         _require(self.draft_vocab >= 0, "draft_vocab", "must be non-negative (0 keeps the full vocabulary)")

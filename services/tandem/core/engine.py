@@ -124,6 +124,8 @@ class SpeculativeEngine:
         batch = list(self.sequences.values())[: self.config.max_batch]
         ks = [self._choose_k(seq) for seq in batch]
         if len(batch) > 1 and self.config.spec.adaptive:  # a fixed k (adaptive off) is used as given
+            limit = self.config.spec.batch_catch_up_limit
+            ks = [0 if len(seq.context) - seq.draft_synced > limit else k for seq, k in zip(batch, ks, strict=True)]
             alphas = [policy.acceptance(seq.policy, self.config.spec, self.prior.value) for seq in batch]
             ks = plan_batch(ks, alphas, self.costs)
         proposals = self._draft(batch, ks)
