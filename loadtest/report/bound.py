@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from tandem.core.batch_plan import predicted_rate
 from tandem.core.costs import CostModel
-from tandem.core.policy import expected_tokens
+from tandem.core.policy import best_k, expected_tokens, tokens_per_second
 
 K_MAX = 8
 
@@ -65,7 +65,7 @@ def weighted_percentile(distribution: list[tuple[float, float]], percent: float)
 
 def single_stream(alpha: float, costs: CostModel, k_max: int = K_MAX) -> dict:
     plain = 1.0 / costs.verify_time(0)
-    rate, k = max((expected_tokens(alpha, k) / round_seconds(k, costs), k) for k in range(1, k_max + 1))
+    k, rate = best_k(alpha, costs, k_max)
     if rate <= plain:
         rate, k = plain, 0
     itl = itl_distribution(alpha, k, costs)
@@ -85,7 +85,7 @@ def acceptance_needed_for_itl(costs: CostModel, percent: float = 99, limit: floa
     for step in range(1, 1000):
         alpha = step / 1000
         for k in range(1, k_max + 1):
-            faster = expected_tokens(alpha, k) / round_seconds(k, costs) > 1.0 / off
+            faster = tokens_per_second(alpha, k, costs) > 1.0 / off
             if faster and weighted_percentile(itl_distribution(alpha, k, costs), percent) <= limit * off:
                 return alpha
     return None

@@ -158,7 +158,7 @@ class SpeculativeEngine:
         if not self.speculating or seq.max_k == 0 or (spec.adaptive and spec.plain_first_round and not seq.output):
             return 0
         remaining = seq.params.max_tokens - len(seq.output)
-        k = policy.choose_k(seq.policy, self.costs, self.config.spec, self.prior.value)
+        k = policy.choose_k(seq.policy, self.costs, spec, self.prior.value)
         if seq.max_k is not None:
             k = min(k, seq.max_k)
         return min(k, remaining - 1)
