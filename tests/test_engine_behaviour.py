@@ -178,6 +178,7 @@ def test_calibration_times_real_batches_and_leaves_no_state(tiny_models) -> None
     assert set(costs.verify) >= {1, 2, 3, 4} and costs.draft_step > 0
     assert set(costs.batched) == {(rows, width) for rows in (2, 4) for width in (1, 2, 3)}
     assert set(costs.draft_rows) == {2, 4} and all(seconds > 0 for seconds in costs.batched.values())
+    assert set(costs.draft_forward) == {4, 8, 16, 32} and costs.draft_forward[4] <= costs.draft_forward[32]
     assert not engine.verifier.runner.states and not engine.drafter.runner.states
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.core.costs import CostModel
 from tandem.local_engine import build_engine
 
 NEW_TOKENS = 64
@@ -52,7 +53,10 @@ def test_plain_path_and_adaptive_path_match_reference(tiny_models, references) -
     target, draft, _ = tiny_models
     prompts, expected = references
     plain = build_engine(target, None)
-    adaptive = build_engine(target, draft)
+    adaptive = build_engine(target, draft, EngineConfig(calibrate=False))
+    # Priced so that drafting pays: whether it does with timed costs depends on the machine's speed.
+    adaptive.costs = CostModel(draft_step=0.001, verify={n: 0.1 for n in range(1, 10)}, draft_rows={16: 0.002},
+                               batched={(16, w): 0.2 for w in range(1, 10)}, draft_forward={32: 0.002}, frozen=True)
     some = slice(0, 20)
     assert [r.token_ids for r in plain.generate(prompts[some], GREEDY)] == expected[some]
     results = adaptive.generate(prompts[some], GREEDY)

@@ -103,6 +103,30 @@ def test_batch_plan_prices_the_padded_batched_round() -> None:
     assert predicted_rate(capped, alphas, middle) >= max(predicted_rate([c] * 8, alphas, middle) for c in range(7))
 
 
+def test_batch_plan_prices_the_drafter_catch_up() -> None:
+    from tandem.core.batch_plan import CATCH_UP_HORIZON, catch_up_share, plan_batch, predicted_rate
+
+    # Drafting pays in a batch of 4 (0.1 s forwards whatever the width, 0.01 s draft steps); a catch-up over
+    # n tokens costs 0.01 s per token.
+    costs = CostModel(draft_step=0.01, verify={1: 0.1, 2: 0.1}, draft_rows={4: 0.01}, batched={(4, 1): 0.1},
+                      draft_forward={8: 0.08, 32: 0.32}, frozen=True)
+    assert costs.catch_up_time(2) == 0.0  # two behind: both go with the first batched draft step
+    assert abs(costs.catch_up_time(17) - 0.16) < 1e-12  # 16 tokens alone, the last with the batch
+    e = policy.expected_tokens(0.8, 2)
+    assert abs(catch_up_share(costs, 17, 0.8, 2, remaining=20) - 0.16 / (20 / e)) < 1e-12
+    assert abs(catch_up_share(costs, 17, 0.8, 2, remaining=1000) - 0.16 / CATCH_UP_HORIZON) < 1e-12
+    alphas = [0.8] * 4
+    assert plan_batch([2] * 4, alphas, costs) == [2] * 4
+    rate = predicted_rate([2] * 4, alphas, costs, [0.0, 0.0, 0.0, 0.05])
+    assert abs(rate - 4 * e / (0.1 + 0.02 + 0.05)) < 1e-9
+    # One row far behind with little left to decode: the others draft, it stays plain this round.
+    assert plan_batch([2] * 4, alphas, costs, [0.0, 0.0, 0.0, 0.3]) == [2, 2, 2, 0]
+    # Every row behind by as much: catching up costs more than drafting gains, the batch decodes plainly.
+    assert plan_batch([2] * 4, alphas, costs, [0.3] * 4) == [0] * 4
+    # A cheap catch-up is worth it.
+    assert plan_batch([2] * 4, alphas, costs, [0.005] * 4) == [2] * 4
+
+
 def test_sync_keeps_the_cached_tokens_that_the_new_tokens_repeat() -> None:
     from tandem.core.runner import SequenceState
 

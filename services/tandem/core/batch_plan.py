@@ -6,10 +6,15 @@ steps. On hardware where a forward's cost grows with the tokens it feeds (a CPU,
 round drafts less than the sessions would alone, or nothing: plain decoding of the whole batch. The plan caps
 every row's k at the cap c in 0..max k that maximises expected tokens per second,
 
-    sum_i E(alpha_i, k_i') / (sum_{s=1..c} T_draft(rows with k_i' >= s) + T_target(rows x (max_i k_i' + 1))),
+    sum_i E(alpha_i, k_i') / (sum_{s=1..c} T_draft(rows with k_i' >= s) + T_target(rows x (max_i k_i' + 1))
+                              + sum_{i: k_i' > 0} C_i),
     k_i' = min(k_i, c),
 
 with E(a, k) = (1 - a^(k+1)) / (1 - a) as in the per-session policy. c = 0 gives rows / T_target(rows).
+C_i is row i's drafter catch-up: a row whose drafter is behind (its prompt, tokens decoded plainly) first runs a
+draft forward over those tokens, which stalls the whole batch. It is paid once and lets the row draft from then on,
+so it is spread over the rounds the row has left (at most `CATCH_UP_HORIZON`). Each cap is also priced with the
+rows that are behind left plain.
 """
 
 from __future__ import annotations
@@ -17,23 +22,43 @@ from __future__ import annotations
 from tandem.core.costs import CostModel
 from tandem.core.policy import expected_tokens
 
+CATCH_UP_HORIZON = 16
 
-def predicted_rate(ks: list[int], alphas: list[float], costs: CostModel) -> float:
-    """Expected tokens per second of one round in which row i drafts ks[i] tokens."""
+
+def catch_up_share(costs: CostModel, behind: int, alpha: float, k: int, remaining: int) -> float:
+    """Seconds of a row's drafter catch-up charged to one round: the catch-up over the rounds the row has left."""
+    seconds = costs.catch_up_time(behind)
+    if not seconds or k <= 0:
+        return seconds
+    rounds_left = min(max(remaining / expected_tokens(alpha, k), 1.0), CATCH_UP_HORIZON)
+    return seconds / rounds_left
+
+
+def predicted_rate(ks: list[int], alphas: list[float], costs: CostModel, catch_up: list[float] | None = None) -> float:
+    """Expected tokens per second of one round in which row i drafts ks[i] tokens (catch_up: seconds per row)."""
     widest = max(ks, default=0)
     seconds = costs.batch_forward_time(len(ks), widest + 1)
     seconds += sum(costs.draft_time(sum(k >= step for k in ks)) for step in range(1, widest + 1))
+    seconds += sum(c for c, k in zip(catch_up or [0.0] * len(ks), ks, strict=True) if k > 0)
     return sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)) / seconds
 
 
-def plan_batch(ks: list[int], alphas: list[float], costs: CostModel, margin: float = 0.05) -> list[int]:
-    """Each row's k capped at the best common cap; plain (all 0) unless speculating wins by `margin`."""
+def plan_batch(ks: list[int], alphas: list[float], costs: CostModel, catch_up: list[float] | None = None,
+               margin: float = 0.05) -> list[int]:
+    """Each row's k capped at the best common cap, rows behind kept plain if that is better; plain (all 0) unless
+    speculating wins by `margin`."""
     if len(ks) <= 1 or not any(ks) or not costs.calibrated:
         return ks
+    catch_up = catch_up or [0.0] * len(ks)
     plain = predicted_rate([0] * len(ks), alphas, costs)
-    best_cap, best_rate = 0, plain * (1.0 + margin)
+    best, best_rate = [0] * len(ks), plain * (1.0 + margin)
     for cap in range(1, max(ks) + 1):
-        rate = predicted_rate([min(k, cap) for k in ks], alphas, costs)
-        if rate > best_rate:
-            best_cap, best_rate = cap, rate
-    return [min(k, best_cap) for k in ks]
+        capped = [min(k, cap) for k in ks]
+        candidates = [capped, [0 if c else k for k, c in zip(capped, catch_up, strict=True)]]
+        for candidate in candidates[: 1 + any(catch_up)]:
+            if not any(candidate):
+                continue
+            rate = predicted_rate(candidate, alphas, costs, catch_up)
+            if rate > best_rate:
+                best, best_rate = candidate, rate
+    return best

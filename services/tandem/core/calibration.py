@@ -1,8 +1,9 @@
 """Seed an engine's cost model by timing the forwards its rounds are made of, before serving.
 
-Single sequence: target forwards over every k + 1 tokens (k = 0..k_max) plus wider ones (prompt-sized), and the
-draft step. Batches: target forwards over n rows of w tokens each and draft steps over n rows, with n real
-sequences, as batched rounds run them (caches stacked and padded per forward), for the batch plan.
+Single sequence: target forwards over every k + 1 tokens (k = 0..k_max) plus wider ones (prompt-sized), the draft
+step, and draft forwards over several tokens (a drafter catching up). Batches: target forwards over n rows of w
+tokens each and draft steps over n rows, with n real sequences, as batched rounds run them (caches stacked and
+padded per forward), for the batch plan.
 
 Each shape runs several times and the fastest counts: first calls of a shape pay one-off kernel setup, and other
 processes on the machine only ever make a call slower. For the same reason a forward is never priced above a wider
@@ -21,6 +22,7 @@ CALIBRATION_ID = "__tandem_calibration__"
 WIDE_SIZES = (12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 BATCH_ROWS = (2, 4, 8, 16)
 BATCH_WIDTHS = (1, 2, 3, 5)
+CATCH_UP_WIDTHS = (4, 8, 16, 32)
 
 
 def _timed(call) -> float:
@@ -55,8 +57,9 @@ def calibrate(verifier: Verifier, drafter: Drafter, k_max: int, k_init: int, max
         draft = DraftProposal(tokens=[prompt[0]] * (width - 1))
         verifier.verify([VerifyRequest(seq_id, context - 1, [prompt[-1]], draft, greedy) for seq_id in ids[:n]])
 
-    def draft(n: int, steps: int) -> None:
-        drafter.propose([DraftRequest(seq_id, context - 1, [prompt[-1]], steps, greedy) for seq_id in ids[:n]])
+    def draft(n: int, steps: int, width: int = 1) -> None:
+        drafter.propose([DraftRequest(seq_id, context - width, prompt[-width:], steps, greedy)
+                         for seq_id in ids[:n]])
 
     costs = CostModel()
     verifier.verify([VerifyRequest(seq_id, 0, prompt, None, greedy) for seq_id in ids])
@@ -77,6 +80,9 @@ def calibrate(verifier: Verifier, drafter: Drafter, k_max: int, k_init: int, max
     costs.observe_draft_step(_fastest(lambda: draft(1, steps), passes) / steps)
     for n, seconds in _fastest_each({n: lambda n=n: draft(n, 1) for n in rows}, 2).items():
         costs.observe_draft_step(seconds, rows=n)
+    if max_batch > 1:
+        widths = [w for w in CATCH_UP_WIDTHS if w <= context]
+        costs.draft_forward = _fastest_each({w: lambda w=w: draft(1, 1, w) for w in widths}, 2)
     for seq_id in ids:
         drafter.release(seq_id)
     _cap_by_larger(costs)
@@ -95,4 +101,5 @@ def _cap_by_larger(costs: CostModel) -> None:
         widths = capped({w: s for (r, w), s in costs.batched.items() if r == n})
         costs.batched.update({(n, w): s for w, s in widths.items()})
     costs.draft_rows = capped(costs.draft_rows)
+    costs.draft_forward = capped(costs.draft_forward)
     costs.draft_step = min([costs.draft_step, *costs.draft_rows.values()])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+CATCH_UP_ALONE_ABOVE = 2  # a batched drafter row further behind than this catches up in a forward of its own
+
 
 def _interpolate(points: dict[int, float], n: int) -> float:
     """Linear between measured sizes, extrapolated from the nearest two at the ends."""
@@ -28,7 +30,8 @@ def _interpolate(points: dict[int, float], n: int) -> float:
 class CostModel:
     """Seconds per draft step (one row, and `draft_rows` for steps over several rows at once), and seconds per
     target forward: `verify` for one sequence keyed by the tokens it feeds (k drafts + 1), `batched` for several
-    rows keyed by (rows, padded width). The per-session policy reads only the single-sequence costs.
+    rows keyed by (rows, padded width); `draft_forward` for one sequence's draft forward over n tokens (a drafter
+    catching up on tokens decoded without it). The per-session policy reads only the single-sequence costs.
 
     Unmeasured sizes are interpolated. An unmeasured width of a measured row count follows the single-sequence
     curve at the same number of tokens, scaled to the nearest measured width with that many rows (batching has its
@@ -41,6 +44,7 @@ class CostModel:
     verify: dict[int, float] = field(default_factory=dict)
     draft_rows: dict[int, float] = field(default_factory=dict)
     batched: dict[tuple[int, int], float] = field(default_factory=dict)
+    draft_forward: dict[int, float] = field(default_factory=dict)
     smoothing: float = 0.2
     frozen: bool = False
 
@@ -100,6 +104,13 @@ class CostModel:
             return self.draft_step
         return _interpolate(self.draft_rows | ({1: self.draft_step} if self.draft_step else {}), rows)
 
+    def catch_up_time(self, behind: int) -> float:
+        """Seconds a batched round spends bringing one drafter row that is `behind` tokens behind up to date: all
+        but the last token run alone first (the last goes with the batch's first draft step)."""
+        if behind <= CATCH_UP_ALONE_ABOVE:
+            return 0.0
+        return _interpolate(self.draft_forward | ({1: self.draft_step} if self.draft_step else {}), behind - 1)
+
     @property
     def calibrated(self) -> bool:
         return self.draft_step > 0.0 and 1 in self.verify
@@ -111,4 +122,5 @@ class CostModel:
     def to_dict(self) -> dict:
         return {"draft_step": self.draft_step, "verify": {str(n): t for n, t in sorted(self.verify.items())},
                 "draft_rows": {str(n): t for n, t in sorted(self.draft_rows.items())},
-                "batched": {f"{r}x{w}": t for (r, w), t in sorted(self.batched.items())}}
+                "batched": {f"{r}x{w}": t for (r, w), t in sorted(self.batched.items())},
+                "draft_forward": {str(n): t for n, t in sorted(self.draft_forward.items())}}

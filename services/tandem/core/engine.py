@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tandem.core import policy
-from tandem.core.batch_plan import plan_batch
+from tandem.core.batch_plan import catch_up_share, plan_batch
 from tandem.core.calibration import calibrate
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.costs import CostModel
@@ -125,9 +125,12 @@ class SpeculativeEngine:
         ks = [self._choose_k(seq) for seq in batch]
         if len(batch) > 1 and self.config.spec.adaptive:  # a fixed k (adaptive off) is used as given
             limit = self.config.spec.batch_catch_up_limit
-            ks = [0 if len(seq.context) - seq.draft_synced > limit else k for seq, k in zip(batch, ks, strict=True)]
+            behind = [len(seq.context) - seq.draft_synced for seq in batch]
+            ks = [0 if lag > limit else k for lag, k in zip(behind, ks, strict=True)]
             alphas = [policy.acceptance(seq.policy, self.config.spec, self.prior.value) for seq in batch]
-            ks = plan_batch(ks, alphas, self.costs)
+            catch_up = [catch_up_share(self.costs, lag, alpha, k, seq.params.max_tokens - len(seq.output))
+                        for seq, lag, alpha, k in zip(batch, behind, alphas, ks, strict=True)]
+            ks = plan_batch(ks, alphas, self.costs, catch_up)
         proposals = self._draft(batch, ks)
         ks = [len(p.tokens) if p else 0 for p in proposals]
         started = time.perf_counter()
@@ -264,6 +267,7 @@ class SpeculativeEngine:
         measured = calibrate(self.verifier, self.drafter, spec.k_max, spec.k_init, self.config.max_batch)
         self.costs.draft_step, self.costs.verify = measured.draft_step, measured.verify
         self.costs.draft_rows, self.costs.batched = measured.draft_rows, measured.batched
+        self.costs.draft_forward = measured.draft_forward
         return self.costs
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem.core.costs import CATCH_UP_ALONE_ABOVE
 from tandem.core.protocol import DraftProposal, DraftRequest, StateLost, VerifyRequest, VerifyResult
 from tandem.core.rejection import accept_greedy, accept_sampled
 from tandem.core.runner import ModelRunner, SequenceState
@@ -40,7 +41,7 @@ def _sync_all(runner: ModelRunner, requests: list, seed_offset: int) -> list[Seq
     if len(states) > 1:
         # Long catch-ups (prompts, tokens decoded while not drafting) run alone so batched rows stay short.
         for state in states:
-            if len(state.pending) > 2:
+            if len(state.pending) > CATCH_UP_ALONE_ABOVE:
                 runner.prefill(state, len(state.tokens) - 1)
     return states
 

@@ -220,6 +220,7 @@ def _cost_model(engine) -> pb.CostModel:
     return pb.CostModel(
         draft_step_seconds=costs.draft_step, draft_rows_seconds=dict(costs.draft_rows),
         forward_seconds=dict(costs.verify), acceptance_prior=engine.prior.value,
+        draft_forward_seconds=dict(costs.draft_forward),
         batched=[pb.BatchedForward(rows=rows, width=width, seconds=seconds)
                  for (rows, width), seconds in sorted(costs.batched.items())])
 

@@ -186,7 +186,7 @@ class ModelInfo(_message.Message):
     def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_k: _Optional[int] = ..., draft_workers: _Optional[int] = ..., target_replicas: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., costs: _Optional[_Union[CostModel, _Mapping]] = ...) -> None: ...
 
 class CostModel(_message.Message):
-    __slots__ = ("draft_step_seconds", "draft_rows_seconds", "forward_seconds", "batched", "acceptance_prior")
+    __slots__ = ("draft_step_seconds", "draft_rows_seconds", "forward_seconds", "batched", "acceptance_prior", "draft_forward_seconds")
     class DraftRowsSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -201,17 +201,26 @@ class CostModel(_message.Message):
         key: int
         value: float
         def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    class DraftForwardSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     DRAFT_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ROWS_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCHED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_PRIOR_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     draft_step_seconds: float
     draft_rows_seconds: _containers.ScalarMap[int, float]
     forward_seconds: _containers.ScalarMap[int, float]
     batched: _containers.RepeatedCompositeFieldContainer[BatchedForward]
     acceptance_prior: float
-    def __init__(self, draft_step_seconds: _Optional[float] = ..., draft_rows_seconds: _Optional[_Mapping[int, float]] = ..., forward_seconds: _Optional[_Mapping[int, float]] = ..., batched: _Optional[_Iterable[_Union[BatchedForward, _Mapping]]] = ..., acceptance_prior: _Optional[float] = ...) -> None: ...
+    draft_forward_seconds: _containers.ScalarMap[int, float]
+    def __init__(self, draft_step_seconds: _Optional[float] = ..., draft_rows_seconds: _Optional[_Mapping[int, float]] = ..., forward_seconds: _Optional[_Mapping[int, float]] = ..., batched: _Optional[_Iterable[_Union[BatchedForward, _Mapping]]] = ..., acceptance_prior: _Optional[float] = ..., draft_forward_seconds: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class BatchedForward(_message.Message):
     __slots__ = ("rows", "width", "seconds")
