@@ -53,7 +53,8 @@ def test_plain_path_and_adaptive_path_match_reference(tiny_models, references) -
     target, draft, _ = tiny_models
     prompts, expected = references
     plain = build_engine(target, None)
-    adaptive = build_engine(target, draft, EngineConfig(calibrate=False))
+    # Prompts of up to 40 tokens: every row's drafter may catch up in a batch.
+    adaptive = build_engine(target, draft, EngineConfig(spec=SpecConfig(batch_catch_up_limit=64), calibrate=False))
     # Priced so that drafting pays: whether it does with timed costs depends on the machine's speed.
     adaptive.costs = CostModel(draft_step=0.001, verify={n: 0.1 for n in range(1, 10)}, draft_rows={16: 0.002},
                                batched={(16, w): 0.2 for w in range(1, 10)}, draft_forward={32: 0.002}, frozen=True)

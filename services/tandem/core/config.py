@@ -60,7 +60,8 @@ class SpecConfig:
     token comes as soon as in plain decoding; the drafter catches up on the prompt in the second round.
     batch_catch_up_limit: with the adaptive policy, in a round of several sequences a sequence whose drafter is more
     than this many tokens behind (its prompt, tokens decoded plainly) does not draft: the drafter's catch-up would
-    run before the batch's drafting and stall every row. It catches up when it runs alone.
+    run before the batch's drafting and stall every row. It catches up when it runs alone; until then the batch
+    decodes plainly (core.batch_plan: no row waits for drafts it gains nothing from). Shorter catch-ups are priced.
     """
 
     enabled: bool = True
