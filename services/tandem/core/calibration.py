@@ -22,7 +22,7 @@ CALIBRATION_ID = "__tandem_calibration__"
 WIDE_SIZES = (12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 BATCH_ROWS = (2, 4, 8, 16)
 BATCH_WIDTHS = (1, 2, 3, 5)
-CATCH_UP_WIDTHS = (4, 16, 64, 256)
+CATCH_UP_WIDTHS = (4, 8, 16, 32)
 
 
 def _timed(call) -> float:
@@ -57,8 +57,9 @@ def calibrate(verifier: Verifier, drafter: Drafter, k_max: int, k_init: int, max
         draft = DraftProposal(tokens=[prompt[0]] * (width - 1))
         verifier.verify([VerifyRequest(seq_id, context - 1, [prompt[-1]], draft, greedy) for seq_id in ids[:n]])
 
-    def draft(n: int, steps: int) -> None:
-        drafter.propose([DraftRequest(seq_id, context - 1, [prompt[-1]], steps, greedy) for seq_id in ids[:n]])
+    def draft(n: int, steps: int, width: int = 1) -> None:
+        drafter.propose([DraftRequest(seq_id, context - width, prompt[-width:], steps, greedy)
+                         for seq_id in ids[:n]])
 
     costs = CostModel()
     verifier.verify([VerifyRequest(seq_id, 0, prompt, None, greedy) for seq_id in ids])
@@ -80,12 +81,8 @@ def calibrate(verifier: Verifier, drafter: Drafter, k_max: int, k_init: int, max
     for n, seconds in _fastest_each({n: lambda n=n: draft(n, 1) for n in rows}, 2).items():
         costs.observe_draft_step(seconds, rows=n)
     if max_batch > 1:
-        long_prompt = [i % verifier.vocab_size for i in range(1, max(CATCH_UP_WIDTHS) + 1)]
-
-        def catch_up(width: int) -> None:
-            drafter.propose([DraftRequest(ids[0], 0, long_prompt[:width], 1, greedy)])
-
-        costs.draft_forward = _fastest_each({w: lambda w=w: catch_up(w) for w in CATCH_UP_WIDTHS}, 2)
+        widths = [w for w in CATCH_UP_WIDTHS if w <= context]
+        costs.draft_forward = _fastest_each({w: lambda w=w: draft(1, 1, w) for w in widths}, 2)
     for seq_id in ids:
         drafter.release(seq_id)
     _cap_by_larger(costs)

@@ -79,7 +79,7 @@ class SpecConfig:
     probe_interval: int = 16
     probe_interval_max: int = 128
     plain_first_round: bool = True
-    batch_catch_up_limit: int = 512
+    batch_catch_up_limit: int = 32
 
     def __post_init__(self) -> None:
         _require(0 <= self.k_max <= 32, "k_max", f"must be between 0 and 32, got {self.k_max}")
