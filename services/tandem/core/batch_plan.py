@@ -60,9 +60,9 @@ def plan_batch(ks: list[int], alphas: list[float], costs: CostModel, catch_up: l
     best, best_rate = [0] * len(ks), len(ks) / plain_seconds * (1.0 + margin)
     for cap in range(1, max(ks) + 1):
         capped = [min(k, cap) for k in ks]
+        tokens = [expected_tokens(a, k) for a, k in zip(alphas, capped, strict=True)]
         seconds = round_seconds(capped, costs, catch_up)
-        gains = [expected_tokens(a, k) * plain_seconds / seconds for a, k in zip(alphas, capped, strict=True)]
-        rate = sum(expected_tokens(a, k) for a, k in zip(alphas, capped, strict=True)) / seconds
-        if min(gains) >= 1.0 and rate > best_rate:
+        rate = sum(tokens) / seconds
+        if min(tokens) / seconds >= 1.0 / plain_seconds and rate > best_rate:
             best, best_rate = capped, rate
     return best
