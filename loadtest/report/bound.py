@@ -33,19 +33,16 @@ def cost_model(server: dict) -> CostModel | None:
                       draft_rows={int(n): float(s) for n, s in (costs.get("draft_rows_seconds") or {}).items()},
                       batched={(int(b["rows"]), int(b["width"])): float(b["seconds"])
                                for b in costs.get("batched") or []},
+                      draft_forward={int(n): float(s) for n, s in (costs.get("draft_forward_seconds") or {}).items()},
                       frozen=True)
     return model if model.calibrated else None
-
-
-def round_seconds(k: int, costs: CostModel) -> float:
-    return k * costs.draft_step + costs.verify_time(k)
 
 
 def itl_distribution(alpha: float, k: int, costs: CostModel) -> list[tuple[float, float]]:
     """(per-token ITL, share of tokens) for one sequence drafting k tokens every round."""
     if k == 0:
         return [(costs.verify_time(0), 1.0)]
-    seconds = round_seconds(k, costs)
+    seconds = costs.round_time(k)
     chances = [alpha**a * (1.0 - alpha) for a in range(k)] + [alpha**k]
     weights = [(a + 1) * p for a, p in enumerate(chances)]
     total = sum(weights)

@@ -69,6 +69,10 @@ class CostModel:
         """Seconds to verify k draft tokens of one sequence (a forward over k + 1 tokens)."""
         return self.forward_time(k + 1)
 
+    def round_time(self, k: int) -> float:
+        """Seconds of one sequence's round: k draft steps, then the verification of the k drafts."""
+        return k * self.draft_step + self.verify_time(k)
+
     def forward_time(self, tokens: int) -> float:
         """Seconds for one single-sequence target forward feeding `tokens` tokens."""
         return _interpolate(self.verify, tokens)

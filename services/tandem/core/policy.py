@@ -71,7 +71,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def tokens_per_second(alpha: float, k: int, costs: CostModel) -> float:
-    return expected_tokens(alpha, k) / (k * costs.draft_step + costs.verify_time(k))
+    return expected_tokens(alpha, k) / costs.round_time(k)
 
 
 def best_k(alpha: float, costs: CostModel, k_max: int) -> tuple[int, float]:
