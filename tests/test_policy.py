@@ -177,3 +177,20 @@ def test_batched_costs_are_kept_apart_from_single_sequence_costs() -> None:
     assert abs(costs.batch_forward_time(4, 2) - 0.3 * 0.2 / 0.15 * 0.15 / 0.2) < 1e-12
     costs.observe_verify(1, 0.12, rows=2)
     assert abs(costs.batch_forward_time(4, 1) - (0.12 + (0.3 - 0.12) * 2 / 6)) < 1e-12  # between 2 and 8 rows
+
+
+def test_a_slower_narrow_forward_raises_the_price_of_wider_ones() -> None:
+    # Calibrated at a short context; plain rounds then re-measure only the one-token forward as the context grows.
+    costs = CostModel(draft_step=0.01, verify={1: 0.10, 2: 0.11, 3: 0.12}, batched={(4, 1): 0.2, (4, 2): 0.21})
+    for _ in range(20):
+        costs.observe_verify(1, 0.2)
+        costs.observe_verify(1, 0.4, rows=4)
+    assert costs.verify[1] > costs.verify[3]
+    assert costs.verify_time(2) == costs.verify_time(1) == costs.verify_time(0)
+    assert costs.batch_forward_time(4, 2) == costs.batch_forward_time(4, 3) == costs.batched[4, 1]
+    # So a probe that drafted and accepted nothing can never look faster than plain decoding.
+    config = SpecConfig(probe_interval=2)
+    state = policy.PolicyState(fallback=True, probe_interval=2)
+    for _ in range(20):
+        policy.update(state, k := policy.choose_k(state, costs, config), 0, costs, config)
+        assert state.fallback, k

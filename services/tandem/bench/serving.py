@@ -5,8 +5,8 @@
 Each level runs the prompt set (at least `concurrency` requests) with at most `concurrency` in flight, once with
 speculation AUTO and once OFF (plain decoding through the same server), so the JSON holds
 aggregate tok/s per level and mode, and the ratios the targets are stated in. With `--in-process TARGET DRAFT`, the
-same prompts then run one at a time through an engine in this process (while the server idles), for the served /
-in-process ratio of one run.
+same prompts also run one at a time through an engine in this process (while the server idles), interleaved with
+the served runs at concurrency 1, for the served / in-process ratio.
 """
 
 from __future__ import annotations
@@ -16,9 +16,13 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tandem.bench.runner import load_prompts
 from tandem.client import AsyncTandemClient
+
+if TYPE_CHECKING:
+    from tandem.models.loader import LoadedModel
 
 
 async def _one(client: AsyncTandemClient, prompt: str, max_tokens: int, speculation: str, session: str) -> dict:
@@ -61,15 +65,26 @@ async def run_level(address: str, prompts: list[str], concurrency: int, max_toke
             "draft_failures": sum(r["draft_failures"] for r in results)}
 
 
-async def run(address: str, prompts: list[str], levels: list[int], max_tokens: int, repeat: int = 1) -> dict:
-    """Each level runs AUTO then OFF, `repeat` times interleaved; a mode's tok/s is its tokens over its seconds."""
+async def run(address: str, prompts: list[str], levels: list[int], max_tokens: int, repeat: int = 1,
+              in_process: InProcess | None = None) -> dict:
+    """Each level runs AUTO and OFF (and at concurrency 1 the in-process engine, when given) `repeat` times, the
+    order reversed on every other repetition so a slow spell of the machine does not favour one mode; a mode's tok/s
+    is its tokens over its seconds."""
     report: dict = {"address": address, "max_tokens": max_tokens, "repeat": repeat, "levels": []}
     for concurrency in levels:
-        runs: dict[str, list[dict]] = {"auto": [], "off": []}
-        for _ in range(repeat):
-            for mode in runs:
-                runs[mode].append(await run_level(address, prompts, concurrency, max_tokens, mode, len(runs[mode])))
+        modes = ["auto", "off"] + (["in-process"] if in_process and concurrency == 1 else [])
+        runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for repetition in range(repeat):
+            for mode in modes if repetition % 2 == 0 else modes[::-1]:
+                if mode == "in-process":
+                    runs[mode].append(in_process.run(prompts, max_tokens))
+                else:
+                    runs[mode].append(await run_level(address, prompts, concurrency, max_tokens, mode, repetition))
         report["levels"] += [_combine(results) for results in runs.values()]
+        if "in-process" in runs:
+            report["served_vs_in_process_at_1"] = round(_rate(runs["auto"]) / _rate(runs["in-process"]), 3)
+            report["served_vs_in_process_each"] = [round(a["tok_s"] / b["tok_s"], 3)
+                                                   for a, b in zip(runs["auto"], runs["in-process"], strict=True)]
     by = {(r["concurrency"], r["speculation"]): r["tok_s"] for r in report["levels"]}
     single = by.get((levels[0], "auto"))
     for concurrency in levels[1:]:
@@ -77,6 +92,10 @@ async def run(address: str, prompts: list[str], levels: list[int], max_tokens: i
     for concurrency in levels:
         report[f"auto_vs_off_at_{concurrency}"] = round(by[(concurrency, "auto")] / by[(concurrency, "off")], 3)
     return report
+
+
+def _rate(results: list[dict]) -> float:
+    return sum(r["tokens"] for r in results) / sum(r["seconds"] for r in results)
 
 
 def _combine(results: list[dict]) -> dict:
@@ -89,25 +108,43 @@ def _combine(results: list[dict]) -> dict:
             "tok_s_each": [r["tok_s"] for r in results]}
 
 
-def run_in_process(target: str, draft: str, prompts: list[str], max_tokens: int, threads: int) -> dict:
-    import torch
+class InProcess:
+    """The same prompts, one at a time, through an engine in this process (bf16, CPU) while the server idles."""
 
-    from tandem.core.config import EngineConfig, SamplingParams
-    from tandem.local_engine import build_engine, encode_prompt
-    from tandem.models.loader import load_model
+    def __init__(self, target: LoadedModel, draft: LoadedModel) -> None:
+        from tandem.core.config import EngineConfig
+        from tandem.local_engine import build_engine
 
-    torch.set_num_threads(threads)
-    dtype = torch.bfloat16
-    loaded = [load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False) for name in (target, draft)]
-    engine = build_engine(*loaded, EngineConfig())
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    encoded = [encode_prompt(loaded[0].tokenizer, prompt, chat=True) for prompt in prompts]
-    engine.generate([encoded[0]], SamplingParams(temperature=0.0, max_tokens=4))
-    started = time.perf_counter()
-    tokens = sum(len(engine.generate([ids], params)[0].token_ids) for ids in encoded)
-    seconds = time.perf_counter() - started
-    return {"concurrency": 1, "speculation": "in-process", "tokens": tokens, "seconds": round(seconds, 3),
-            "tok_s": round(tokens / seconds, 3)}
+        self.tokenizer = target.tokenizer
+        self.engine = build_engine(target, draft, EngineConfig())
+
+    @classmethod
+    def load(cls, target: str, draft: str, threads: int) -> InProcess:
+        import torch
+
+        from tandem.models.loader import load_model
+
+        torch.set_num_threads(threads)
+        return cls(*(load_model(name, device=torch.device("cpu"), dtype=torch.bfloat16, progress=False)
+                     for name in (target, draft)))
+
+    def run(self, prompts: list[str], max_tokens: int) -> dict:
+        from tandem.core.config import SamplingParams
+        from tandem.local_engine import encode_prompt
+
+        encoded = [encode_prompt(self.tokenizer, prompt, chat=True) for prompt in prompts]
+        self.engine.generate([encoded[0]], SamplingParams(temperature=0.0, max_tokens=4))
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        started = time.perf_counter()
+        results = [self.engine.generate([ids], params)[0] for ids in encoded]
+        seconds = time.perf_counter() - started
+        tokens = sum(len(r.token_ids) for r in results)
+        drafted = sum(r.stats["drafted"] for r in results)
+        return {"concurrency": 1, "speculation": "in-process", "tokens": tokens, "seconds": round(seconds, 3),
+                "tok_s": round(tokens / seconds, 3),
+                "alpha": round(sum(r.stats["accepted"] for r in results) / drafted, 4) if drafted else 0.0,
+                "rounds": sum(r.stats["rounds"] for r in results),
+                "fallback_rounds": sum(r.stats["fallback_rounds"] for r in results), "draft_failures": 0}
 
 
 def main() -> None:
@@ -123,13 +160,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs of each level and mode, interleaved")
     args = parser.parse_args()
     prompts = load_prompts(args.prompts)
-    report = asyncio.run(run(args.address, prompts, args.concurrency, args.max_tokens, args.repeat))
-    if args.in_process:
-        baseline = run_in_process(*args.in_process, prompts, args.max_tokens, args.threads)
-        report["levels"].append(baseline)
-        served = [r["tok_s"] for r in report["levels"] if r["concurrency"] == 1 and r["speculation"] == "auto"]
-        if served:
-            report["served_vs_in_process_at_1"] = round(served[0] / baseline["tok_s"], 3)
+    in_process = InProcess.load(*args.in_process, args.threads) if args.in_process else None
+    report = asyncio.run(run(args.address, prompts, args.concurrency, args.max_tokens, args.repeat, in_process))
     text = json.dumps(report, indent=2)
     if args.json:
         args.json.write_text(text + "\n")

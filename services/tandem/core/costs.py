@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 CATCH_UP_ALONE_ABOVE = 2  # a batched drafter row further behind than this catches up in a forward of its own
 
 
+def _at_least_narrower(points: dict, n: int, seconds: float) -> float:
+    """A forward over more tokens is never priced below a measured narrower one: plain rounds keep re-measuring
+    the narrowest forward as contexts grow, while wider ones may not have been timed since calibration."""
+    return max([seconds, *(s for size, s in points.items() if size < n)])
+
+
 def _interpolate(points: dict[int, float], n: int) -> float:
     """Linear between measured sizes, extrapolated from the nearest two at the ends."""
     if n in points:
@@ -75,14 +81,14 @@ class CostModel:
 
     def forward_time(self, tokens: int) -> float:
         """Seconds for one single-sequence target forward feeding `tokens` tokens."""
-        return _interpolate(self.verify, tokens)
+        return _at_least_narrower(self.verify, tokens, _interpolate(self.verify, tokens))
 
     def batch_forward_time(self, rows: int, width: int) -> float:
         """Seconds for a target forward over `rows` rows padded to `width` tokens each."""
         if rows <= 1:
             return self.forward_time(width)
         if (rows, width) in self.batched:
-            return self.batched[rows, width]
+            return _at_least_narrower(self._widths(rows), width, self.batched[rows, width])
         measured_rows = sorted({r for r, _ in self.batched})
         if rows in measured_rows:
             return self._at_measured_rows(rows, width)
@@ -97,10 +103,14 @@ class CostModel:
         return (self._at_measured_rows(nearest, width) * self.forward_time(rows * width)
                 / self.forward_time(nearest * width))
 
+    def _widths(self, rows: int) -> dict[int, float]:
+        return {w: seconds for (r, w), seconds in self.batched.items() if r == rows}
+
     def _at_measured_rows(self, rows: int, width: int) -> float:
-        widths = [w for r, w in self.batched if r == rows]
+        widths = self._widths(rows)
         nearest = min(widths, key=lambda w: (abs(w - width), w))
-        return self.batched[rows, nearest] * self.forward_time(rows * width) / self.forward_time(rows * nearest)
+        scaled = widths[nearest] * self.forward_time(rows * width) / self.forward_time(rows * nearest)
+        return _at_least_narrower(widths, width, scaled)
 
     def draft_time(self, rows: int) -> float:
         """Seconds for one draft step over `rows` sequences."""
