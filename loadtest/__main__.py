@@ -80,6 +80,8 @@ def sweep_parser() -> argparse.ArgumentParser:
     load.add_argument("--rates", type=_positive_rate, nargs="+", help="request rates (req/s; inf allowed)")
     load.add_argument("--concurrencies", type=int, nargs="+", help="fixed concurrencies")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each level and mode, the order reversed every other time; results pooled")
     parser.add_argument("--no-plots", action="store_true")
     return parser
 
@@ -116,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             from loadtest.sweep import run_sweep
 
             body = run_sweep(base, args.out, rates=args.rates, concurrencies=args.concurrencies,
-                             modes=tuple(dict.fromkeys(args.modes)), plots=not args.no_plots)
+                             modes=tuple(dict.fromkeys(args.modes)), plots=not args.no_plots,
+                             repeats=args.repeats)
             print(f"wrote {args.out / 'sweep.json'}" + (f" and {', '.join(body['plots'])}" if "plots" in body else ""))
             return 0
         args = run_parser().parse_args(argv)

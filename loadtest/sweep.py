@@ -11,10 +11,11 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+from loadtest import trace
 from loadtest.config import RunConfig
 from loadtest.prompts import Prompt
 from loadtest.report.bound import sweep_bound
-from loadtest.run import run_to_dir, summary, write_json
+from loadtest.run import results_of, run_to_dir, summary, write_json
 
 # (name in sweep.json, results key, statistic): the quantities compared between AUTO and OFF per level.
 RATIO_FIELDS = (
@@ -61,27 +62,65 @@ def level_configs(base: RunConfig, rates: list[float] | None, concurrencies: lis
     return [replace(base, rate=None, concurrency=c) for c in concurrencies]
 
 
+def _entry(config: RunConfig, mode: str, directory: str, results: dict) -> dict:
+    return {"load": config.load, "level": config.concurrency if config.concurrency is not None
+            else ("inf" if math.isinf(config.rate) else config.rate),
+            "speculation": mode, "dir": directory, "results": results}
+
+
+def pooled(directories: list[Path], slos: dict[str, float]) -> dict:
+    """One results body over the requests of several repetitions (latency percentiles over all their samples,
+    throughput over their summed durations); the server's own figures from the last repetition."""
+    runs = [trace.load(directory / "trace.jsonl") for directory in directories]
+    merged = trace.RunTrace(requests=[r for run in runs for r in run.requests],
+                            duration=sum(run.duration for run in runs), config=runs[-1].config,
+                            planned=sum(run.planned for run in runs))
+    return results_of(merged, slos) | {"repetitions": len(runs)}
+
+
 def run_sweep(base: RunConfig, out: Path, rates: list[float] | None = None, concurrencies: list[int] | None = None,
               modes: tuple[str, ...] = ("auto", "off"), prompts: list[Prompt] | None = None, plots: bool = True,
-              echo=print) -> dict:
-    runs = []
+              echo=print, repeats: int = 1) -> dict:
+    """With `repeats` > 1 each level runs its modes that many times, the order reversed every other time (AUTO OFF
+    OFF AUTO ...) so a slow spell of the machine does not land on one mode; `runs` then pools each mode's
+    repetitions, `repetitions` holds them one by one, and each level's ratios come with every repetition's own."""
+    if repeats < 1:
+        raise ValueError(f"repeats: must be at least 1, got {repeats}")
+    runs, repetitions = [], []
     for level in level_configs(base, rates, concurrencies):
+        directories: dict[str, list[str]] = {mode: [] for mode in modes}
+        for repetition in range(repeats):
+            for mode in modes if repetition % 2 == 0 else modes[::-1]:
+                config = replace(level, speculation=mode)
+                directory = f"{level_name(config)}-{mode}" + (f"-{repetition + 1}" if repeats > 1 else "")
+                results = run_to_dir(config, out / directory, prompts)
+                echo(summary(results))
+                repetitions.append(_entry(config, mode, directory, results) | {"repetition": repetition + 1})
+                directories[mode].append(directory)
         for mode in modes:
             config = replace(level, speculation=mode)
-            directory = f"{level_name(config)}-{mode}"
-            results = run_to_dir(config, out / directory, prompts)
-            echo(summary(results))
-            runs.append({"load": config.load, "level": config.concurrency if config.concurrency is not None
-                         else ("inf" if math.isinf(config.rate) else config.rate),
-                         "speculation": mode, "dir": directory, "results": results})
+            if repeats == 1:
+                results = next(r["results"] for r in reversed(repetitions) if r["dir"] == directories[mode][0])
+                runs.append(_entry(config, mode, directories[mode][0], results))
+            else:
+                runs.append(_entry(config, mode, "", pooled([out / d for d in directories[mode]], level.goodput)))
     comparisons = []
     for auto in (r for r in runs if r["speculation"] == "auto"):
         off = next((r for r in runs if r["speculation"] == "off" and r["load"] == auto["load"]), None)
         if off is not None:
-            comparisons.append({"load": auto["load"], "level": auto["level"],
-                                "auto_vs_off": ratios(auto["results"], off["results"])})
+            comparison = {"load": auto["load"], "level": auto["level"],
+                          "auto_vs_off": ratios(auto["results"], off["results"])}
+            if repeats > 1:
+                mine = [r for r in repetitions if r["load"] == auto["load"]]
+                comparison["auto_vs_off_each"] = [
+                    ratios(*(next(r["results"] for r in mine if r["repetition"] == n and r["speculation"] == mode)
+                             for mode in ("auto", "off")))
+                    for n in range(1, repeats + 1)]
+            comparisons.append(comparison)
     body = {"address": base.address, "load_kind": "concurrency" if concurrencies else "rate",
-            "modes": list(modes), "runs": runs, "ratios": comparisons}
+            "modes": list(modes), "repeats": repeats, "runs": runs, "ratios": comparisons}
+    if repeats > 1:
+        body["repetitions"] = repetitions
     body["bound"] = sweep_bound(body)
     write_json(out / "sweep.json", body)
     if plots:

@@ -319,6 +319,26 @@ def test_sweep_writes_json_ratios_and_plots(server, tmp_path) -> None:
     assert bound["inf"]["acceptance"] == sweep["runs"][2]["results"]["acceptance_rate"]
 
 
+
+def test_sweep_repeats_alternate_the_order_and_pool_the_repetitions(server, tmp_path) -> None:
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--address", server.address, "--rates", "inf", "--requests", "2", "--max-tokens",
+                 str(MAX_TOKENS), "--ignore-eos", "--lengths", "short", "--warmup", "0", "--repeats", "2",
+                 "--no-plots", "--out", str(out)])
+    assert code == 0
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert [(r["speculation"], r["repetition"]) for r in sweep["repetitions"]] == [
+        ("auto", 1), ("off", 1), ("off", 2), ("auto", 2)]
+    for run in sweep["runs"]:  # one pooled entry per mode: both repetitions' requests and durations
+        mine = [r["results"] for r in sweep["repetitions"] if r["speculation"] == run["speculation"]]
+        assert run["results"]["completed"] == 4 and run["results"]["repetitions"] == 2
+        assert run["results"]["duration"] == pytest.approx(sum(r["duration"] for r in mine))
+        assert run["results"]["itl"]["count"] == sum(r["itl"]["count"] for r in mine)
+        assert run["results"]["itl"]["max"] == max(r["itl"]["max"] for r in mine)
+    (ratio,) = sweep["ratios"]
+    assert len(ratio["auto_vs_off_each"]) == 2 and ratio["auto_vs_off"]["output_throughput"] > 0
+    assert "each repetition" in markdown(sweep)
+
 # --- targets ----------------------------------------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ RUN_COLUMNS = (
     ("fallback rounds", "fallback_share", None, 1.0, "{:.2f}"),
 )
 RATIO_COLUMNS = ("output_throughput", "ttft_p50", "itl_p50", "itl_p99", "itl_chunk_p50", "tpot_p50", "e2el_p50")
+SPREAD_COLUMNS = ("output_throughput", "itl_p50", "itl_p99")
 
 
 def _fmt(value: float | None, pattern: str = "{:.2f}", scale: float = 1.0) -> str:
@@ -57,6 +58,7 @@ def target_checks(sweep: dict) -> list[dict]:
         checks.append({
             "level": level["level"],
             "ratios": ratio,
+            "each": level.get("auto_vs_off_each", []),
             "itl_p50_limit": p50_limit,
             "itl_p50_met": None if p50 is None else p50 <= p50_limit,
             "itl_p99_met": None if p99 is None else p99 <= ITL_LIMIT,
@@ -72,14 +74,18 @@ def _mark(ok: bool | None) -> str:
 
 def ratios_table(sweep: dict) -> str:
     rows = []
+    any_repeated = any(level.get("auto_vs_off_each") for level in sweep["ratios"])
     for check in target_checks(sweep):
         ratio = check["ratios"]
         cells = [_fmt(ratio.get(name)) for name in RATIO_COLUMNS]
         cells[0] += _mark(check["saturation_throughput_met"])
         cells[2] += _mark(check["itl_p50_met"]) + f" (<= {check['itl_p50_limit']:.2f})"
         cells[3] += _mark(check["itl_p99_met"]) + f" (<= {ITL_LIMIT:.2f})"
-        rows.append([str(check["level"]), *cells])
+        spread = " / ".join(",".join(_fmt(each.get(name)) for each in check["each"]) for name in SPREAD_COLUMNS)
+        rows.append([str(check["level"]), *cells, *([spread] if any_repeated else [])])
     header = ["load", "output tok/s", "TTFT p50", "ITL p50", "ITL p99", "chunk ITL p50", "TPOT p50", "E2E p50"]
+    if any_repeated:
+        header.append("each repetition: tok/s / ITL p50 / ITL p99")
     return _table(header, rows)
 
 
