@@ -194,3 +194,16 @@ def test_a_slower_narrow_forward_raises_the_price_of_wider_ones() -> None:
     for _ in range(20):
         policy.update(state, k := policy.choose_k(state, costs, config), 0, costs, config)
         assert state.fallback, k
+
+
+def test_adopting_measured_costs_takes_every_measured_field() -> None:
+    from dataclasses import fields
+
+    from tandem.core.costs import MEASURED_FIELDS
+
+    assert set(MEASURED_FIELDS) == {f.name for f in fields(CostModel)} - {"smoothing", "frozen"}
+    measured = CostModel(draft_step=0.1, verify={1: 0.2}, draft_rows={2: 0.15}, batched={(2, 1): 0.3},
+                         draft_forward={4: 0.2})
+    costs = CostModel(smoothing=0.5, frozen=True)
+    costs.adopt(measured)
+    assert costs.to_dict() == measured.to_dict() and costs.smoothing == 0.5 and costs.frozen

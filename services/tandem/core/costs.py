@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MEASURED_FIELDS = ("draft_step", "verify", "draft_rows", "batched", "draft_forward")
 CATCH_UP_ALONE_ABOVE = 2  # a batched drafter row further behind than this catches up in a forward of its own
 
 
@@ -124,6 +125,11 @@ class CostModel:
         if behind <= CATCH_UP_ALONE_ABOVE:
             return 0.0
         return _interpolate(self.draft_forward | ({1: self.draft_step} if self.draft_step else {}), behind - 1)
+
+    def adopt(self, measured: CostModel) -> None:
+        """Take every measured cost from `measured`, keeping this model's smoothing and frozen flag."""
+        for name in MEASURED_FIELDS:
+            setattr(self, name, getattr(measured, name))
 
     @property
     def calibrated(self) -> bool:

@@ -265,9 +265,7 @@ class SpeculativeEngine:
         """Time the forwards rounds are made of (core.calibration) and seed the cost model with them."""
         spec = self.config.spec
         measured = calibrate(self.verifier, self.drafter, spec.k_max, spec.k_init, self.config.max_batch)
-        self.costs.draft_step, self.costs.verify = measured.draft_step, measured.verify
-        self.costs.draft_rows, self.costs.batched = measured.draft_rows, measured.batched
-        self.costs.draft_forward = measured.draft_forward
+        self.costs.adopt(measured)
         return self.costs
 
 
