@@ -5,6 +5,7 @@
     python -m loadtest plot DIR/sweep.json
     python -m loadtest bound DIR/sweep.json   # the analytic bound per level, from the server's measured costs
     python -m loadtest report DIR/sweep.json  # markdown tables: runs, AUTO/OFF with the targets, the bound
+    python -m loadtest rebuild DIR/sweep.json # recompute every results.json and sweep.json from the traces
 
 Exit status: 0 done, 1 the server could not be reached or the warm-up failed, 2 bad arguments (`error: <field>: ...`).
 """
@@ -107,11 +108,11 @@ def config_from(args: argparse.Namespace, **load) -> RunConfig:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv.pop(0) if argv and argv[0] in ("sweep", "plot", "bound", "report") else "run"
+    command = argv.pop(0) if argv and argv[0] in ("sweep", "plot", "bound", "report", "rebuild") else "run"
     try:
-        if command in ("plot", "bound", "report"):
+        if command in ("plot", "bound", "report", "rebuild"):
             args = plot_parser().parse_args(argv)
-            return {"plot": _plot, "bound": _bound, "report": _report}[command](args)
+            return {"plot": _plot, "bound": _bound, "report": _report, "rebuild": _rebuild}[command](args)
         if command == "sweep":
             args = sweep_parser().parse_args(argv)
             base = config_from(args)
@@ -146,6 +147,14 @@ def _plot(args: argparse.Namespace) -> int:
     out = args.out or args.sweep.parent
     paths = plot_sweep(json.loads(args.sweep.read_text()), out)
     print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _rebuild(args: argparse.Namespace) -> int:
+    from loadtest.sweep import rebuild
+
+    body = rebuild(args.sweep.parent)
+    print(f"wrote {args.sweep}" + (f" and {', '.join(body['plots'])}" if "plots" in body else ""))
     return 0
 
 

@@ -9,6 +9,10 @@ Per completed request (status ok), with send = when the request was issued:
   several tokens at once, so each gap is divided by the tokens of the chunk that ends it and counted once per token
   (what SGLang's bench_serving does under speculative decoding). With one token per chunk this is vLLM's ITL.
   `itl_chunk` keeps the raw per-chunk gaps (vLLM's computation applied as is).
+  `itl_alone` and `itl_shared` split the per-token ITL by the company its chunk arrived in: no other request in
+  flight (issued and not yet ended, whatever its outcome) or at least one; `alone_token_share` is the first's share.
+  Speculation's gain lives in the tokens a session decodes alone, so this split says how much of it a load level
+  leaves room for.
 Summaries: mean, std, p50, p90, p99 (numpy's default linear interpolation), max and count; null when empty.
 Throughput: request_throughput = completed / duration, output_throughput = output tokens of completed requests /
 duration, where duration runs from the benchmark's start to the end of its last request. goodput = completed
@@ -20,6 +24,8 @@ fallback_share = fallback_rounds / rounds, both summed over completed requests.
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left, bisect_right
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from itertools import pairwise
@@ -67,6 +73,21 @@ def itls(request: RequestTrace) -> list[float]:
     return [gap / n for gap, n in zip(gaps, request.chunk_tokens[1:], strict=True) for _ in range(n)]
 
 
+def itls_by_company(completed: list[RequestTrace], issued: list[RequestTrace]) -> tuple[list[float], list[float]]:
+    """Per-token ITLs of the completed requests, split into (alone, shared) by whether any other issued request was
+    in flight when the chunk arrived."""
+    sends = sorted(r.send for r in issued if r.send is not None)
+    ends = sorted(math.inf if r.end is None else r.end for r in issued if r.send is not None)
+    alone: list[float] = []
+    shared: list[float] = []
+    for request in completed:
+        for arrival, gap, n in zip(request.chunk_times[1:], chunk_gaps(request), request.chunk_tokens[1:],
+                                   strict=True):
+            in_flight = bisect_right(sends, arrival) - bisect_left(ends, arrival)  # this request included
+            (alone if in_flight <= 1 else shared).extend([gap / n] * n)
+    return alone, shared
+
+
 def tpot(request: RequestTrace) -> float | None:
     if request.output_tokens <= 1 or request.ttft is None:
         return None
@@ -101,6 +122,7 @@ def compute(trace: RunTrace, slos: dict[str, float] | None = None) -> dict:
     output_tokens = sum(r.output_tokens for r in completed)
     input_tokens = sum(r.prompt_tokens for r in completed)
     good = sum(meets(r, slos) for r in completed)
+    alone, shared = itls_by_company(completed, trace.requests)
 
     def per_second(amount: float) -> float | None:
         return amount / duration if duration > 0 else None
@@ -126,6 +148,9 @@ def compute(trace: RunTrace, slos: dict[str, float] | None = None) -> dict:
         "tpot": summarize([t for r in completed if (t := tpot(r)) is not None]),
         "itl": summarize([gap for r in completed for gap in itls(r)]),
         "itl_chunk": summarize([gap for r in completed for gap in chunk_gaps(r)]),
+        "itl_alone": summarize(alone),
+        "itl_shared": summarize(shared),
+        "alone_token_share": _ratio(len(alone), len(alone) + len(shared)),
         "e2el": summarize([r.latency for r in completed if r.latency is not None]),
         "tokens_per_chunk": _ratio(output_tokens, sum(len(r.chunk_times) for r in completed)),
         **speculation(completed),

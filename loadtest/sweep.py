@@ -7,6 +7,7 @@ modes of a level use the same seed, so they send the same prompts at the same ar
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +28,8 @@ RATIO_FIELDS = (
     ("itl_p50", "itl", "p50"),
     ("itl_p99", "itl", "p99"),
     ("itl_chunk_p50", "itl_chunk", "p50"),
+    ("itl_alone_p50", "itl_alone", "p50"),
+    ("itl_shared_p50", "itl_shared", "p50"),
     ("itl_chunk_p99", "itl_chunk", "p99"),
     ("tpot_p50", "tpot", "p50"),
     ("tpot_p99", "tpot", "p99"),
@@ -69,13 +72,10 @@ def _entry(config: RunConfig, mode: str, directory: str, results: dict) -> dict:
 
 
 def pooled(directories: list[Path], slos: dict[str, float]) -> dict:
-    """One results body over the requests of several repetitions (latency percentiles over all their samples,
-    throughput over their summed durations); the server's own figures from the last repetition."""
-    runs = [trace.load(directory / "trace.jsonl") for directory in directories]
-    merged = trace.RunTrace(requests=[r for run in runs for r in run.requests],
-                            duration=sum(run.duration for run in runs), config=runs[-1].config,
-                            planned=sum(run.planned for run in runs))
-    return results_of(merged, slos) | {"repetitions": len(runs)}
+    """One results body over the requests of several repetitions laid end to end (latency percentiles over all
+    their samples, throughput over their summed durations); the server's own figures from the last repetition."""
+    merged = trace.concatenate([trace.load(directory / "trace.jsonl") for directory in directories])
+    return results_of(merged, slos) | {"repetitions": len(directories)}
 
 
 def run_sweep(base: RunConfig, out: Path, rates: list[float] | None = None, concurrencies: list[int] | None = None,
@@ -86,9 +86,8 @@ def run_sweep(base: RunConfig, out: Path, rates: list[float] | None = None, conc
     repetitions, `repetitions` holds them one by one, and each level's ratios come with every repetition's own."""
     if repeats < 1:
         raise ValueError(f"repeats: must be at least 1, got {repeats}")
-    runs, repetitions = [], []
+    repetitions = []
     for level in level_configs(base, rates, concurrencies):
-        directories: dict[str, list[str]] = {mode: [] for mode in modes}
         for repetition in range(repeats):
             for mode in modes if repetition % 2 == 0 else modes[::-1]:
                 config = replace(level, speculation=mode)
@@ -96,14 +95,37 @@ def run_sweep(base: RunConfig, out: Path, rates: list[float] | None = None, conc
                 results = run_to_dir(config, out / directory, prompts)
                 echo(summary(results))
                 repetitions.append(_entry(config, mode, directory, results) | {"repetition": repetition + 1})
-                directories[mode].append(directory)
-        for mode in modes:
-            config = replace(level, speculation=mode)
-            if repeats == 1:
-                results = next(r["results"] for r in reversed(repetitions) if r["dir"] == directories[mode][0])
-                runs.append(_entry(config, mode, directories[mode][0], results))
-            else:
-                runs.append(_entry(config, mode, "", pooled([out / d for d in directories[mode]], level.goodput)))
+    header = {"address": base.address, "load_kind": "concurrency" if concurrencies else "rate", "modes": list(modes),
+              "repeats": repeats}
+    return assemble(out, header, repetitions, plots)
+
+
+def rebuild(out: Path, plots: bool = True) -> dict:
+    """Recompute every run's results.json and the sweep's sweep.json from the recorded traces (after a change to
+    the metrics, or to look at an old sweep with today's definitions)."""
+    sweep = json.loads((out / "sweep.json").read_text())
+    repetitions = sweep.get("repetitions") or [run | {"repetition": 1} for run in sweep["runs"]]
+    for entry in repetitions:
+        run = trace.load(out / entry["dir"] / "trace.jsonl")
+        entry["results"] = results_of(run, entry["results"].get("goodput_slos") or {})
+        write_json(out / entry["dir"] / "results.json", entry["results"])
+    header = {key: sweep[key] for key in ("address", "load_kind", "modes")} | {"repeats": sweep.get("repeats", 1)}
+    return assemble(out, header, repetitions, plots)
+
+
+def assemble(out: Path, header: dict, repetitions: list[dict], plots: bool) -> dict:
+    """sweep.json from the runs one by one: one entry per level and mode (the repetitions pooled), the AUTO/OFF
+    ratios per level (and per repetition), the analytic bound, the plots."""
+    repeats, runs = header["repeats"], []
+    for entry in repetitions:
+        if any(r["load"] == entry["load"] and r["speculation"] == entry["speculation"] for r in runs):
+            continue
+        mine = [r for r in repetitions if r["load"] == entry["load"] and r["speculation"] == entry["speculation"]]
+        run = {key: value for key, value in entry.items() if key != "repetition"}
+        if repeats > 1:
+            run |= {"dir": "", "results": pooled([out / r["dir"] for r in mine],
+                                                 entry["results"].get("goodput_slos") or {})}
+        runs.append(run)
     comparisons = []
     for auto in (r for r in runs if r["speculation"] == "auto"):
         off = next((r for r in runs if r["speculation"] == "off" and r["load"] == auto["load"]), None)
@@ -117,8 +139,7 @@ def run_sweep(base: RunConfig, out: Path, rates: list[float] | None = None, conc
                              for mode in ("auto", "off")))
                     for n in range(1, repeats + 1)]
             comparisons.append(comparison)
-    body = {"address": base.address, "load_kind": "concurrency" if concurrencies else "rate",
-            "modes": list(modes), "repeats": repeats, "runs": runs, "ratios": comparisons}
+    body = header | {"runs": runs, "ratios": comparisons}
     if repeats > 1:
         body["repetitions"] = repetitions
     body["bound"] = sweep_bound(body)

@@ -8,7 +8,7 @@ sent (its duration ran out first) have no record; RunTrace.planned says how many
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 OK = "ok"  # the stream ended with a Complete message
@@ -70,6 +70,21 @@ class RunTrace:
     @property
     def not_sent(self) -> int:
         return self.planned - len(self.requests) + len(self.by_status(NOT_SENT))
+
+
+def concatenate(runs: list[RunTrace]) -> RunTrace:
+    """Several runs laid end to end on one clock (each shifted by the durations before it), as one run; the config
+    is the last run's."""
+    requests, offset = [], 0.0
+    for run in runs:
+        for request in run.requests:
+            shifted = replace(request, chunk_times=[t + offset for t in request.chunk_times])
+            shifted.send = None if request.send is None else request.send + offset
+            shifted.end = None if request.end is None else request.end + offset
+            requests.append(shifted)
+        offset += run.duration
+    return RunTrace(requests=requests, duration=offset, config=runs[-1].config,
+                    planned=sum(run.planned for run in runs))
 
 
 def save(trace: RunTrace, path: Path) -> None:

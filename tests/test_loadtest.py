@@ -35,7 +35,7 @@ from loadtest.report.bound import (
 )
 from loadtest.report.tables import markdown, target_checks
 from loadtest.target import check_address
-from loadtest.trace import CANCELLED, ERROR, NOT_SENT, OK, RequestTrace, RunTrace, load, save
+from loadtest.trace import CANCELLED, ERROR, NOT_SENT, OK, RequestTrace, RunTrace, concatenate, load, save
 from tandem.sessions import MemorySessionStore
 from tandem.v1 import generation_pb2 as pb
 
@@ -141,8 +141,25 @@ def test_metrics_on_a_recorded_trace_have_the_known_answers(tmp_path) -> None:
     assert results["itl"] == approx({"mean": 0.125, "std": np.std(per_token), "p50": 0.125, "p90": 0.1375,
                                      "p99": 0.23875, "max": 0.25, "count": 10})
     assert results["tokens_per_chunk"] == approx(2.0)
+    # Only request 0's first gap ends while nothing else is in flight (request 1 is sent at 1.0, request 2's chunk
+    # at 2.5 arrives while request 1 runs).
+    assert results["itl_alone"]["count"] == 2 and results["itl_alone"]["p50"] == approx(0.125)
+    assert results["itl_shared"]["count"] == 8 and results["itl_shared"]["max"] == approx(0.25)
+    assert results["itl_shared"]["mean"] == approx((0.25 + 4 * 0.125 + 3 / 12) / 8)
+    assert results["alone_token_share"] == approx(0.2)
     assert results["acceptance_rate"] == approx(0.7) and results["fallback_share"] == approx(2 / 7)
     assert results["speculation"]["rounds"] == 7 and results["speculation"]["tokens_per_round"] == approx(2.0)
+
+
+def test_runs_laid_end_to_end_pool_their_samples_without_false_company() -> None:
+    single = compute(_trace())
+    pooled = compute(concatenate([_trace(), _trace()]))
+    assert pooled["duration"] == 20.0 and pooled["requests"] == 12 and pooled["completed"] == 6
+    assert pooled["output_throughput"] == pytest.approx(single["output_throughput"])
+    for key in ("itl", "itl_alone", "itl_shared", "ttft"):
+        assert pooled[key]["count"] == 2 * single[key]["count"]
+        assert pooled[key]["p50"] == pytest.approx(single[key]["p50"])
+    assert pooled["alone_token_share"] == pytest.approx(single["alone_token_share"])
 
 
 @pytest.mark.parametrize(("slos", "good"), [
@@ -338,6 +355,12 @@ def test_sweep_repeats_alternate_the_order_and_pool_the_repetitions(server, tmp_
     (ratio,) = sweep["ratios"]
     assert len(ratio["auto_vs_off_each"]) == 2 and ratio["auto_vs_off"]["output_throughput"] > 0
     assert "each repetition" in markdown(sweep)
+    # Rebuilt from the traces, the sweep reads the same; the per-run results.json files are rewritten too.
+    (out / "rateinf-auto-1" / "results.json").unlink()
+    assert main(["rebuild", str(out / "sweep.json")]) == 0
+    rebuilt = json.loads((out / "sweep.json").read_text())
+    assert rebuilt["ratios"] == sweep["ratios"] and rebuilt["runs"] == sweep["runs"]
+    assert (out / "rateinf-auto-1" / "results.json").exists()
 
 # --- targets ----------------------------------------------------------------------------------------------------
 

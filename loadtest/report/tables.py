@@ -19,12 +19,16 @@ RUN_COLUMNS = (
     ("ITL p50 ms", "itl", "p50", 1000.0, "{:.0f}"),
     ("ITL p99 ms", "itl", "p99", 1000.0, "{:.0f}"),
     ("chunk ITL p50 ms", "itl_chunk", "p50", 1000.0, "{:.0f}"),
+    ("tokens alone", "alone_token_share", None, 1.0, "{:.2f}"),
+    ("ITL p50 alone ms", "itl_alone", "p50", 1000.0, "{:.0f}"),
+    ("ITL p50 shared ms", "itl_shared", "p50", 1000.0, "{:.0f}"),
     ("TPOT p50 ms", "tpot", "p50", 1000.0, "{:.0f}"),
     ("E2E p50 s", "e2el", "p50", 1.0, "{:.1f}"),
     ("acceptance", "acceptance_rate", None, 1.0, "{:.2f}"),
     ("fallback rounds", "fallback_share", None, 1.0, "{:.2f}"),
 )
-RATIO_COLUMNS = ("output_throughput", "ttft_p50", "itl_p50", "itl_p99", "itl_chunk_p50", "tpot_p50", "e2el_p50")
+RATIO_COLUMNS = ("output_throughput", "ttft_p50", "itl_p50", "itl_p99", "itl_chunk_p50", "itl_alone_p50",
+                 "itl_shared_p50", "tpot_p50", "e2el_p50")
 SPREAD_COLUMNS = ("output_throughput", "itl_p50", "itl_p99")
 
 
@@ -83,7 +87,8 @@ def ratios_table(sweep: dict) -> str:
         cells[3] += _mark(check["itl_p99_met"]) + f" (<= {ITL_LIMIT:.2f})"
         spread = " / ".join(",".join(_fmt(each.get(name)) for each in check["each"]) for name in SPREAD_COLUMNS)
         rows.append([str(check["level"]), *cells, *([spread] if any_repeated else [])])
-    header = ["load", "output tok/s", "TTFT p50", "ITL p50", "ITL p99", "chunk ITL p50", "TPOT p50", "E2E p50"]
+    header = ["load", "output tok/s", "TTFT p50", "ITL p50", "ITL p99", "chunk ITL p50", "ITL p50 alone",
+              "ITL p50 shared", "TPOT p50", "E2E p50"]
     if any_repeated:
         header.append("each repetition: tok/s / ITL p50 / ITL p99")
     return _table(header, rows)
