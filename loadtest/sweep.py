@@ -1,8 +1,9 @@
 """A sweep: several load levels × speculation AUTO and OFF against one server, in one command.
 
-Writes DIR/<level>-<mode>/{results.json,trace.jsonl} per run, DIR/sweep.json with every run's results, the AUTO/OFF
-ratios and the analytic bound (loadtest.report.bound) per level, and the PNG plots of loadtest.report.plots. Both
-modes of a level use the same seed, so they send the same prompts at the same arrival times.
+Writes DIR/<level>-<mode>[-<repetition>]/{results.json,trace.jsonl} per run, DIR/sweep.json with every run's
+results, the AUTO/OFF ratios and the analytic bound (loadtest.report.bound) per level, and the PNG plots of
+loadtest.report.plots. Both modes of a level use the same seed, so they send the same prompts at the same arrival
+times.
 """
 
 from __future__ import annotations
@@ -133,9 +134,9 @@ def assemble(out: Path, header: dict, repetitions: list[dict], plots: bool) -> d
             comparison = {"load": auto["load"], "level": auto["level"],
                           "auto_vs_off": ratios(auto["results"], off["results"])}
             if repeats > 1:
-                mine = [r for r in repetitions if r["load"] == auto["load"]]
+                level_runs = [r for r in repetitions if r["load"] == auto["load"]]
                 comparison["auto_vs_off_each"] = [
-                    ratios(*(next(r["results"] for r in mine if r["repetition"] == n and r["speculation"] == mode)
+                    ratios(*(next(r["results"] for r in level_runs if r["repetition"] == n and r["speculation"] == mode)
                              for mode in ("auto", "off")))
                     for n in range(1, repeats + 1)]
             comparisons.append(comparison)
