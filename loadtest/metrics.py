@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import pairwise
 
 import numpy as np
@@ -68,9 +68,15 @@ def chunk_gaps(request: RequestTrace) -> list[float]:
     return [later - earlier for earlier, later in pairwise(request.chunk_times)]
 
 
+def _token_itls(request: RequestTrace) -> Iterator[tuple[float, float]]:
+    """(arrival of the chunk, per-token ITL), once per token of every chunk after the first."""
+    for arrival, gap, n in zip(request.chunk_times[1:], chunk_gaps(request), request.chunk_tokens[1:], strict=True):
+        for _ in range(n):
+            yield arrival, gap / n
+
+
 def itls(request: RequestTrace) -> list[float]:
-    gaps = chunk_gaps(request)
-    return [gap / n for gap, n in zip(gaps, request.chunk_tokens[1:], strict=True) for _ in range(n)]
+    return [itl for _, itl in _token_itls(request)]
 
 
 def itls_by_company(completed: list[RequestTrace], issued: list[RequestTrace]) -> tuple[list[float], list[float]]:
@@ -81,10 +87,9 @@ def itls_by_company(completed: list[RequestTrace], issued: list[RequestTrace]) -
     alone: list[float] = []
     shared: list[float] = []
     for request in completed:
-        for arrival, gap, n in zip(request.chunk_times[1:], chunk_gaps(request), request.chunk_tokens[1:],
-                                   strict=True):
+        for arrival, itl in _token_itls(request):
             in_flight = bisect_right(sends, arrival) - bisect_left(ends, arrival)  # this request included
-            (alone if in_flight <= 1 else shared).extend([gap / n] * n)
+            (alone if in_flight <= 1 else shared).append(itl)
     return alone, shared
 
 

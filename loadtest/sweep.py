@@ -117,15 +117,15 @@ def rebuild(out: Path, plots: bool = True) -> dict:
 def assemble(out: Path, header: dict, repetitions: list[dict], plots: bool) -> dict:
     """sweep.json from the runs one by one: one entry per level and mode (the repetitions pooled), the AUTO/OFF
     ratios per level (and per repetition), the analytic bound, the plots."""
-    repeats, runs = header["repeats"], []
-    for entry in repetitions:
-        if any(r["load"] == entry["load"] and r["speculation"] == entry["speculation"] for r in runs):
-            continue
-        mine = [r for r in repetitions if r["load"] == entry["load"] and r["speculation"] == entry["speculation"]]
-        run = {key: value for key, value in entry.items() if key != "repetition"}
+    repeats, groups = header["repeats"], {}
+    for entry in repetitions:  # in repetition order within each level and mode
+        groups.setdefault((entry["load"], entry["speculation"]), []).append(entry)
+    runs = []
+    for mine in groups.values():
+        run = {key: value for key, value in mine[0].items() if key != "repetition"}
         if repeats > 1:
             run |= {"dir": "", "results": pooled([out / r["dir"] for r in mine],
-                                                 entry["results"].get("goodput_slos") or {})}
+                                                 mine[0]["results"].get("goodput_slos") or {})}
         runs.append(run)
     comparisons = []
     for auto in (r for r in runs if r["speculation"] == "auto"):
@@ -134,11 +134,9 @@ def assemble(out: Path, header: dict, repetitions: list[dict], plots: bool) -> d
             comparison = {"load": auto["load"], "level": auto["level"],
                           "auto_vs_off": ratios(auto["results"], off["results"])}
             if repeats > 1:
-                level_runs = [r for r in repetitions if r["load"] == auto["load"]]
                 comparison["auto_vs_off_each"] = [
-                    ratios(*(next(r["results"] for r in level_runs if r["repetition"] == n and r["speculation"] == mode)
-                             for mode in ("auto", "off")))
-                    for n in range(1, repeats + 1)]
+                    ratios(a["results"], o["results"])
+                    for a, o in zip(groups[auto["load"], "auto"], groups[auto["load"], "off"], strict=True)]
             comparisons.append(comparison)
     body = header | {"runs": runs, "ratios": comparisons}
     if repeats > 1:

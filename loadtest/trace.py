@@ -77,11 +77,10 @@ def concatenate(runs: list[RunTrace]) -> RunTrace:
     is the last run's."""
     requests, offset = [], 0.0
     for run in runs:
-        for request in run.requests:
-            shifted = replace(request, chunk_times=[t + offset for t in request.chunk_times])
-            shifted.send = None if request.send is None else request.send + offset
-            shifted.end = None if request.end is None else request.end + offset
-            requests.append(shifted)
+        requests += [replace(request, chunk_times=[t + offset for t in request.chunk_times],
+                             send=None if request.send is None else request.send + offset,
+                             end=None if request.end is None else request.end + offset)
+                     for request in run.requests]
         offset += run.duration
     return RunTrace(requests=requests, duration=offset, config=runs[-1].config,
                     planned=sum(run.planned for run in runs))

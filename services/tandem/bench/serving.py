@@ -80,9 +80,10 @@ async def run(address: str, prompts: list[str], levels: list[int], max_tokens: i
                     runs[mode].append(in_process.run(prompts, max_tokens))
                 else:
                     runs[mode].append(await run_level(address, prompts, concurrency, max_tokens, mode, repetition))
-        report["levels"] += [_combine(results) for results in runs.values()]
+        combined = {mode: _combine(results) for mode, results in runs.items()}
+        report["levels"] += combined.values()
         if "in-process" in runs:
-            report["served_vs_in_process_at_1"] = round(_rate(runs["auto"]) / _rate(runs["in-process"]), 3)
+            report["served_vs_in_process_at_1"] = round(combined["auto"]["tok_s"] / combined["in-process"]["tok_s"], 3)
             report["served_vs_in_process_each"] = [round(a["tok_s"] / b["tok_s"], 3)
                                                    for a, b in zip(runs["auto"], runs["in-process"], strict=True)]
     by = {(r["concurrency"], r["speculation"]): r["tok_s"] for r in report["levels"]}
@@ -92,10 +93,6 @@ async def run(address: str, prompts: list[str], levels: list[int], max_tokens: i
     for concurrency in levels:
         report[f"auto_vs_off_at_{concurrency}"] = round(by[(concurrency, "auto")] / by[(concurrency, "off")], 3)
     return report
-
-
-def _rate(results: list[dict]) -> float:
-    return sum(r["tokens"] for r in results) / sum(r["seconds"] for r in results)
 
 
 def _combine(results: list[dict]) -> dict:
