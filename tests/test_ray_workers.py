@@ -114,6 +114,24 @@ def replicas(ray_cluster, tiny_dirs):
     yield from _actors(start_target_replicas, tiny_dirs.target)
 
 
+def test_target_replicas_prefill_a_newcomer_in_chunks_while_another_decodes(tiny_models, pool, replicas,
+                                                                          expected) -> None:
+    local = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
+    config = EngineConfig(spec=SpecConfig(adaptive=False, k_init=3), calibrate=False, prefill_chunk=2)
+    engine = SpeculativeEngine(RayVerifier(replicas), RayDrafter(pool), config, local.eos_token_ids, local.decode)
+    decoding = engine.sequences[engine.add_request(PROMPTS[0], GREEDY)]
+    engine.step()
+    newcomer = engine.sequences[engine.add_request(PROMPTS[2], GREEDY)]
+    for _ in range(3):  # 8 tokens to cache before its first round: 2 per step while the other decodes
+        engine.step()
+        assert not newcomer.output
+    engine.step()
+    assert newcomer.output
+    while engine.has_unfinished():
+        engine.step()
+    assert [decoding.output, newcomer.output] == [expected[0], expected[2]]
+
+
 def test_target_replicas_batch_and_survive_a_killed_replica(tiny_models, pool, replicas, expected) -> None:
     local = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
     verifier = RayVerifier(replicas, cooldown_s=0.5)

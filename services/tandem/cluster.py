@@ -115,7 +115,7 @@ def start_backend(target: str, draft: str | None, config: EngineConfig, options:
     verifier = RayVerifier(replicas)
     drafter = None
     if draft and spec.speculating and options.draft_workers:
-        draft_config = WorkerConfig(model=draft, top_m=spec.draft_top_m, confidence=spec.draft_confidence,
+        draft_config = WorkerConfig(model=draft, top_m=spec.draft_top_m, confidence=spec.stop_confidence,
                                     draft_vocab=draft_vocab_limit(spec.draft_vocab, verifier.vocab_size), **common)
         workers = start_draft_workers(draft_config, options.draft_workers, num_gpus=options.draft_gpus,
                                       num_cpus=options.cpus_per_worker, resources=options.draft_resources)

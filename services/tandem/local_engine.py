@@ -40,7 +40,7 @@ def build_engine(target, draft=None, config: EngineConfig | None = None) -> Spec
     if draft is not None and config.spec.speculating:
         runner = ModelRunner(draft.model, pad_token_id=pad,
                              vocab_limit=draft_vocab_limit(config.spec.draft_vocab, verifier.vocab_size))
-        drafter = LocalDrafter(runner, top_m=config.spec.draft_top_m, confidence=config.spec.draft_confidence)
+        drafter = LocalDrafter(runner, top_m=config.spec.draft_top_m, confidence=config.spec.stop_confidence)
     return SpeculativeEngine(verifier, drafter, config, eos_token_ids(target.model, target.tokenizer),
                              decoder(target.tokenizer))
 

@@ -12,6 +12,7 @@ import os
 
 from tandem.cli.canary import add_serve_canary_options, serve_canary_options
 from tandem.cli.common import add_model_options, engine_config, load_models, setup_torch
+from tandem.core.config import EngineConfig
 from tandem.errors import InvalidArgument, TandemError
 from tandem.gateway.server import GatewayOptions, serve
 from tandem.gateway.servicer import Backend
@@ -44,6 +45,9 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests queued or running before RESOURCE_EXHAUSTED (default: %(default)s)")
     parser.add_argument("--max-batch", type=int, default=16, help="sequences per engine step (default: %(default)s)")
+    parser.add_argument("--prefill-chunk", type=int, default=EngineConfig().prefill_chunk,
+                        help="while others decode, prefill a new prompt at most this many tokens per step "
+                             "(0: a prompt at once; default: %(default)s)")
     parser.add_argument("--max-tokens-limit", type=int, default=GatewayLimits().max_tokens,
                         help="largest max_tokens a request may ask for (default: %(default)s)")
     parser.add_argument("--max-prompt-tokens", type=int, default=GatewayLimits().max_prompt_tokens,
@@ -210,7 +214,8 @@ def _session_store(url: str | None, stack: contextlib.ExitStack):
 
 def run_serve(args: argparse.Namespace) -> int:
     speculate = not args.no_spec
-    config = dataclasses.replace(engine_config(args, speculate), max_batch=args.max_batch)
+    config = dataclasses.replace(engine_config(args, speculate), max_batch=args.max_batch,
+                                 prefill_chunk=args.prefill_chunk)
     options = gateway_options(args)
     canary = serve_canary_options(args)  # None: no canary arms, one backend
     _check_arms(args, canary)

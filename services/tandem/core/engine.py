@@ -47,9 +47,16 @@ class Sequence:
     max_k: int | None = None  # per-request cap on drafted tokens per round; 0 is plain decoding
     session_id: str = ""  # workers keep a finished sequence's cache for the session's next request
 
+    prefill_started: bool = False  # the verifier holds part of the prompt uncached (a chunked prefill goes on)
+
     @property
     def context(self) -> list[int]:
         return self.prompt + self.output
+
+    def prefilling(self, chunk: int) -> bool:
+        """Whether the prompt may still need more than `chunk` tokens cached before its first round (the verifier
+        may hold a session's prefix already: it prefills only what it lacks)."""
+        return not self.output and (self.prefill_started or len(self.prompt) - self.verify_synced - 1 > chunk)
 
 
 @dataclass(slots=True)
@@ -122,7 +129,20 @@ class SpeculativeEngine:
 
     def step(self) -> list[StepOutput]:
         batch = list(self.sequences.values())[: self.config.max_batch]
-        ks = [self._choose_k(seq) for seq in batch]
+        limits = self._prefill_limits(batch)
+        ks = [0 if limits[seq.request_id] else self._choose_k(seq) for seq in batch]
+        outputs = self._round(batch, ks, limits)
+        # A sequence whose prefill is still going on was only prefilling a chunk: it has nothing to report yet.
+        return [out for out in outputs if out is not None]
+
+    def _prefill_limits(self, batch: list[Sequence]) -> dict[str, int]:
+        """Per sequence, the most uncached tokens its verifier may prefill this step (0: all). Only while another
+        sequence is decoding (its next token waits for this step) is a new prompt cut into chunks."""
+        chunk = self.config.prefill_chunk
+        decoding = chunk > 0 and any(seq.output for seq in batch)
+        return {seq.request_id: chunk if decoding and seq.prefilling(chunk) else 0 for seq in batch}
+
+    def _round(self, batch: list[Sequence], ks: list[int], limits: dict[str, int]) -> list[StepOutput | None]:
         if len(batch) > 1 and self.config.spec.adaptive:  # a fixed k (adaptive off) is used as given
             limit = self.config.spec.batch_catch_up_limit
             behind = [len(seq.context) - seq.draft_synced for seq in batch]
@@ -137,7 +157,7 @@ class SpeculativeEngine:
         def verify() -> list:
             return self.verifier.verify([
                 VerifyRequest(seq.request_id, seq.verify_synced, seq.context[seq.verify_synced :], proposal, seq.params,
-                              seq.session_id)
+                              seq.session_id, limits[seq.request_id])
                 for seq, proposal in zip(batch, proposals, strict=True)
             ])
 
@@ -148,12 +168,17 @@ class SpeculativeEngine:
 
         results = _retry_lost(verify, forget)
         seconds = time.perf_counter() - started
-        if all(seq.verify_synced == len(seq.context) for seq in batch):
+        if all(seq.verify_synced == len(seq.context) for seq in batch) and not any(r.prefilling for r in results):
             self.costs.observe_verify(max(ks) + 1, seconds, rows=len(batch))
-        outputs = []
+        outputs: list[StepOutput | None] = []
         for seq, k, proposal, result in zip(batch, ks, proposals, results, strict=True):
             seq.stats.verify_seconds += seconds
-            outputs.append(self._commit(seq, k, proposal, result.accepted, result.next_token))
+            if result.prefilling:
+                seq.verify_synced = len(seq.context)  # the verifier holds the whole prompt, part of it cached
+                seq.prefill_started = True
+                outputs.append(None)
+            else:
+                outputs.append(self._commit(seq, k, proposal, result.accepted, result.next_token))
         return outputs
 
     def _choose_k(self, seq: Sequence) -> int:

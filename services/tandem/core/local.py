@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 
 from tandem.core.costs import CATCH_UP_ALONE_ABOVE
-from tandem.core.protocol import DraftProposal, DraftRequest, StateLost, VerifyRequest, VerifyResult
+from tandem.core.protocol import (
+    PREFILLING,
+    DraftProposal,
+    DraftRequest,
+    StateLost,
+    VerifyRequest,
+    VerifyResult,
+)
 from tandem.core.rejection import accept_greedy, accept_sampled
 from tandem.core.runner import ModelRunner, SequenceState
 from tandem.core.sampling import (
@@ -38,11 +45,6 @@ def _sync_all(runner: ModelRunner, requests: list, seed_offset: int) -> list[Seq
             # Scores come from feeding the last known token, so it must not be cached (happens on a retried call).
             state.truncate_cache(len(state.tokens) - 1)
         states.append(state)
-    if len(states) > 1:
-        # Long catch-ups (prompts, tokens decoded while not drafting) run alone so batched rows stay short.
-        for state in states:
-            if len(state.pending) > CATCH_UP_ALONE_ABOVE:
-                runner.prefill(state, len(state.tokens) - 1)
     return states
 
 
@@ -57,6 +59,11 @@ class LocalDrafter:
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         states = _sync_all(self.runner, requests, 0)
+        if len(states) > 1:
+            # Long catch-ups (prompts, tokens decoded while not drafting) run alone so batched rows stay short.
+            for state in states:
+                if len(state.pending) > CATCH_UP_ALONE_ABOVE:
+                    self.runner.prefill(state, len(state.tokens) - 1)
         proposals = [DraftProposal(tokens=[]) for _ in requests]
         dists: list[list[SparseDist]] = [[] for _ in requests]
         budget = [r.k for r in requests]
@@ -100,9 +107,23 @@ class LocalVerifier:
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         states = _sync_all(self.runner, requests, VERIFIER_SEED_OFFSET)
-        for state in states:
-            if len(state.pending) > 1:
+        results: list[VerifyResult] = [VerifyResult(0, PREFILLING)] * len(requests)
+        scoring = []
+        for index, (request, state) in enumerate(zip(requests, states, strict=True)):
+            uncached = len(state.pending) - 1  # everything but the last token is cached before scoring
+            if 0 < request.prefill_limit < uncached:
+                self.runner.prefill(state, state.cached + request.prefill_limit)
+                continue
+            if uncached > 0:
                 self.runner.prefill(state, len(state.tokens) - 1)
+            scoring.append(index)
+        if scoring:
+            for index, result in zip(scoring, self._score([requests[i] for i in scoring], [states[i] for i in scoring]),
+                                     strict=True):
+                results[index] = result
+        return results
+
+    def _score(self, requests: list[VerifyRequest], states: list[SequenceState]) -> list[VerifyResult]:
         drafts = [r.draft.tokens if r.draft else [] for r in requests]
         committed = [len(state.tokens) for state in states]
         for state, tokens in zip(states, drafts, strict=True):

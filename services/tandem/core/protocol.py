@@ -52,12 +52,20 @@ class VerifyRequest:
     draft: DraftProposal | None
     params: SamplingParams
     session: str = ""
+    prefill_limit: int = 0  # cache at most this many uncached tokens this call; score only if none are left (0: no cap)
 
 
 @dataclass(slots=True)
 class VerifyResult:
     accepted: int
-    next_token: int
+    next_token: int  # PREFILLING: the sequence's prefill was capped by prefill_limit and goes on next call
+
+    @property
+    def prefilling(self) -> bool:
+        return self.next_token == PREFILLING
+
+
+PREFILLING = -1
 
 
 class Drafter(Protocol):

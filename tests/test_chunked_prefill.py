@@ -1,0 +1,112 @@
+"""Chunked prefill: while others decode, a new prompt is cached a chunk per step, and output stays exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.core.local import LocalVerifier
+from tandem.core.protocol import PREFILLING, VerifyRequest
+from tandem.core.runner import ModelRunner
+from tandem.errors import InvalidArgument
+from tandem.local_engine import build_engine
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+LONGER = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)  # still decoding after LONG's prefill
+SHORT = [72, 101, 108, 108, 111]
+LONG = [(7 * i + 3) % 300 for i in range(150)]
+FIXED_K = SpecConfig(adaptive=False, k_init=3)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models) -> dict[str, list[int]]:
+    plain = build_engine(tiny_models[0], None, EngineConfig(calibrate=False, prefill_chunk=0))
+    return {"short": plain.generate([SHORT], LONGER)[0].token_ids, "long": plain.generate([LONG], GREEDY)[0].token_ids}
+
+
+def _newcomer_while_decoding(engine, chunk_steps: list[int]) -> tuple[list[int], list[int], int]:
+    """SHORT starts decoding; then LONG arrives. Returns both outputs and the step at which LONG's first token came
+    (1 = the step after its arrival). `chunk_steps` collects the target's cached length of LONG after each step."""
+    short = engine.sequences[engine.add_request(SHORT, LONGER)]
+    engine.step()
+    long = engine.sequences[engine.add_request(LONG, GREEDY)]
+    first_token_step, steps = 0, 0
+    while engine.has_unfinished():
+        before = len(short.output)
+        engine.step()
+        steps += 1
+        if not short.finish_reason:
+            assert len(short.output) > before, "the decoding sequence must get tokens every step"
+        if long.output and not first_token_step:
+            first_token_step = steps
+        if not long.output:
+            chunk_steps.append(engine.verifier.runner.states[long.request_id].cached)
+    return short.output, long.output, first_token_step
+
+
+@pytest.mark.parametrize("spec", [FIXED_K, SpecConfig()], ids=["fixed-k", "adaptive"])
+def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_another_decodes(tiny_models, expected, spec) -> None:
+    target, draft, _ = tiny_models
+    engine = build_engine(target, draft, EngineConfig(spec=spec, calibrate=False, prefill_chunk=16))
+    cached: list[int] = []
+    short, long, first = _newcomer_while_decoding(engine, cached)
+    assert short == expected["short"] and long == expected["long"]
+    # 149 tokens are cached before LONG is first scored: 9 chunks of 16, then the last 5 with its first round.
+    assert cached == [16 * i for i in range(1, 10)]
+    assert first == 10
+
+
+def test_without_chunks_the_whole_prompt_is_prefilled_in_one_step(tiny_models, expected) -> None:
+    target, draft, _ = tiny_models
+    engine = build_engine(target, draft, EngineConfig(spec=FIXED_K, calibrate=False, prefill_chunk=0))
+    short, long, first = _newcomer_while_decoding(engine, [])
+    assert (short, long, first) == (expected["short"], expected["long"], 1)
+
+
+def test_prompts_arriving_together_are_not_chunked(tiny_models, expected) -> None:
+    """Nobody is decoding yet, so nothing waits for their prefill: the first tokens come as soon as possible."""
+    target, draft, _ = tiny_models
+    engine = build_engine(target, draft, EngineConfig(spec=FIXED_K, calibrate=False, prefill_chunk=16))
+    seqs = [engine.sequences[engine.add_request(p, params)] for p, params in ((SHORT, LONGER), (LONG, GREEDY))]
+    engine.step()
+    assert all(len(seq.output) >= 1 for seq in seqs)
+    while engine.has_unfinished():
+        engine.step()
+    assert [seq.output for seq in seqs] == [expected["short"], expected["long"]]
+
+
+def test_a_retained_prefix_is_not_prefilled_again(tiny_models, expected) -> None:
+    """A session's next turn has most of its prompt cached: only the uncached part counts against the chunk."""
+    target, draft, _ = tiny_models
+    engine = build_engine(target, draft, EngineConfig(spec=FIXED_K, calibrate=False, prefill_chunk=16))
+    first_turn = engine.sequences[engine.add_request(LONG, GREEDY, session_id="chat")]
+    while engine.has_unfinished():
+        engine.step()
+    next_turn = LONG + first_turn.output + [11, 12, 13]
+    short = engine.sequences[engine.add_request(SHORT, LONGER)]
+    engine.step()
+    second = engine.sequences[engine.add_request(next_turn, GREEDY, session_id="chat")]
+    engine.step()
+    assert second.output, "only 4 uncached tokens: the first token comes in the first step"
+    while engine.has_unfinished():
+        engine.step()
+    assert short.output == expected["short"]
+    plain = build_engine(target, None, EngineConfig(calibrate=False))
+    assert second.output == plain.generate([next_turn], GREEDY)[0].token_ids
+
+
+def test_the_verifier_caches_at_most_the_limit_and_scores_once_all_is_cached(tiny_models) -> None:
+    verifier = LocalVerifier(ModelRunner(tiny_models[0].model))
+    request = VerifyRequest("s", 0, LONG[:40], None, GREEDY, prefill_limit=16)
+    assert verifier.verify([request])[0].next_token == PREFILLING
+    assert verifier.runner.states["s"].cached == 16
+    again = VerifyRequest("s", 40, [], None, GREEDY, prefill_limit=16)
+    assert verifier.verify([again])[0].prefilling and verifier.runner.states["s"].cached == 32
+    result = verifier.verify([again])[0]  # 7 uncached tokens left: cached, then scored
+    assert not result.prefilling and result.next_token >= 0
+    assert verifier.runner.states["s"].cached == 40 and len(verifier.runner.states["s"].tokens) == 41
+
+
+def test_a_negative_chunk_is_rejected() -> None:
+    with pytest.raises(InvalidArgument, match="prefill_chunk"):
+        EngineConfig(prefill_chunk=-1)
