@@ -65,20 +65,29 @@ def test_plain_path_and_adaptive_path_match_reference(tiny_models, references) -
     assert sum(r.stats["accepted"] for r in results) > 0
 
 
-@pytest.mark.parametrize("options", [{"draft_vocab": 200}, {"draft_confidence": 0.5}])
+@pytest.mark.parametrize("options", [{"draft_vocab": 200, "adaptive": False}, {"draft_confidence": 0.5}])
 def test_draft_side_shortcuts_stay_exact(tiny_models, references, options: dict) -> None:
     target, draft, _ = tiny_models
     prompts, expected = references
-    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(adaptive=False, k_init=4, **options),
-                                                      calibrate=False))
+    # Uncalibrated, the adaptive policy drafts k_init tokens a round: the confidence stop is what shortens rounds.
+    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(k_init=4, **options), calibrate=False))
     results = engine.generate(prompts[:20], GREEDY)
     assert [r.token_ids for r in results] == expected[:20]
-    drafted = [t for r in results for t in r.token_ids]
-    assert drafted and sum(r.stats["accepted"] for r in results) > 0
+    assert sum(r.stats["accepted"] for r in results) > 0
     if "draft_vocab" in options:
         assert engine.drafter.runner.vocab_size == 200
     else:
-        assert sum(r.stats["drafted"] for r in results) < 4 * sum(r.stats["spec_rounds"] for r in results)
+        cut_short = sum(n for r in results for k, n in r.stats["rounds_by_k"].items() if 0 < int(k) < 4)
+        assert cut_short > len(results), "more rounds stopped early than the one final round k is clamped in"
+
+
+def test_a_fixed_k_drafts_every_token_whatever_the_confidence(tiny_models) -> None:
+    target, draft, _ = tiny_models
+    assert SpecConfig(adaptive=False, k_init=4, draft_confidence=0.8).stop_confidence == 0.0
+    assert build_engine(target, draft, EngineConfig(spec=SpecConfig(adaptive=False, k_init=4),
+                                                    calibrate=False)).drafter.confidence == 0.0
+    adaptive = build_engine(target, draft, EngineConfig(calibrate=False))
+    assert adaptive.drafter.confidence == SpecConfig().draft_confidence > 0
 
 
 def test_unrelated_draft_is_still_exact(tiny_models, references) -> None:
