@@ -2,7 +2,8 @@
 
 A round: the policy picks k per sequence, the drafter proposes, the verifier scores all k + 1 positions in one
 forward and accepts a prefix, and stops cut the block. The drafter and verifier are protocols, so the same loop
-drives in-process models and remote workers.
+drives in-process models and remote workers. A prompt that arrives while others decode is prefilled in chunks, one
+per step, and joins the rounds once the rest of it fits in one (EngineConfig.prefill_chunk).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ class Sequence:
     text_cut: int | None = None
     max_k: int | None = None  # per-request cap on drafted tokens per round; 0 is plain decoding
     session_id: str = ""  # workers keep a finished sequence's cache for the session's next request
-
     prefill_started: bool = False  # the verifier holds part of the prompt uncached (a chunked prefill goes on)
 
     @property
