@@ -190,13 +190,17 @@ def test_measured_costs_put_random_draft_into_fallback(tiny_models) -> None:
     assert result.stats["fallback"] and result.stats["fallback_rounds"] > result.stats["rounds"] // 2
 
 
-def test_sampled_output_follows_target_distribution(tiny_models) -> None:
-    """Second-token marginal over 3000 seeded runs equals sum_t p(t) p(. | t) computed from the target."""
+@pytest.mark.parametrize(("seeded", "top_m"), [(True, 64), (False, 64), (False, 2)],
+                         ids=["client-seeded-gumbel", "engine-seeded-min-p-over-q", "draft-truncated-to-top-2"])
+def test_sampled_output_follows_target_distribution(tiny_models, seeded: bool, top_m: int) -> None:
+    """Second-token marginal over 3000 runs equals sum_t p(t) p(. | t) computed from the target, under both rules:
+    clients' seeds (drafter-invariant Gumbel-max) and seeds the engine picks (min(1, p/q) acceptance), also with
+    drafts truncated to their top 2 tokens (the drafter must report the truncated q it sampled from)."""
     target, draft, _ = tiny_models
-    params = [SamplingParams(temperature=0.9, top_k=12, top_p=0.95, seed=s, max_tokens=2, ignore_eos=True)
-              for s in range(3000)]
-    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(adaptive=False, k_init=2), max_batch=500,
-                                                      calibrate=False))
+    params = [SamplingParams(temperature=0.9, top_k=12, top_p=0.95, seed=s if seeded else None, max_tokens=2,
+                             ignore_eos=True) for s in range(3000)]
+    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(adaptive=False, k_init=2, draft_top_m=top_m),
+                                                      max_batch=500, calibrate=False))
     results = engine.generate([PROMPT] * len(params), params)
     assert sum(r.stats["accepted"] for r in results) > 1000
     from tandem.core.sampling import processed_probs

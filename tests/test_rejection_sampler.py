@@ -29,7 +29,7 @@ def _run_block(p: torch.Tensor, q: torch.Tensor, top_m: int,
     accepted, next_token = accept_sampled(
         draft_tokens, dist, p.expand(TRIALS, -1, -1),
         torch.rand(TRIALS, k, generator=generator, dtype=torch.float64),
-        torch.rand(TRIALS, generator=generator, dtype=torch.float64),
+        torch.rand(TRIALS, k + 1, generator=generator, dtype=torch.float64),
     )
     first = torch.where(accepted > 0, draft_tokens[:, 0], next_token)
     second = torch.where(accepted > 1, draft_tokens[:, 1], next_token)
@@ -110,3 +110,21 @@ def test_greedy_accepts_matching_prefix_then_corrects() -> None:
     assert accept_greedy(torch.tensor([4, 5, 6]), torch.tensor([4, 5, 9, 1])) == (2, 9)
     assert accept_greedy(torch.tensor([4, 5, 6]), torch.tensor([4, 5, 6, 1])) == (3, 1)
     assert accept_greedy(torch.tensor([], dtype=torch.long), torch.tensor([7])) == (0, 7)
+
+
+def test_bonus_token_follows_the_distribution_after_the_block() -> None:
+    """q equal to p accepts every draft, so the emitted token is always the bonus: it must follow p_{k+1}."""
+    generator = torch.Generator().manual_seed(5)
+    p = torch.stack([_dist([1.0, 0.5, 0.2, 0.0, -0.3, -1, 0.8, 0.1]), _dist([0.2, 1.1, 0.0, 0.4, 0.3, -2, 0, 0.5]),
+                     _dist([-1.0, 0.0, 2.0, 0.3, 0.3, 1.0, -2, 0.0])])
+    k = 2
+    draft_tokens = torch.stack([torch.multinomial(p[i], TRIALS, replacement=True, generator=generator)
+                                for i in range(k)], dim=1)
+    full = SparseDist(ids=torch.arange(VOCAB).expand(TRIALS, k, -1), probs=p[:k].expand(TRIALS, -1, -1))
+    accepted, next_token = accept_sampled(
+        draft_tokens, full, p.expand(TRIALS, -1, -1),
+        torch.rand(TRIALS, k, generator=generator, dtype=torch.float64),
+        torch.rand(TRIALS, k + 1, generator=generator, dtype=torch.float64),
+    )
+    assert (accepted == k).all()
+    _assert_matches(next_token, p[k])

@@ -17,6 +17,10 @@ class SamplingParams:
     """How tokens are chosen; applied identically to draft and target so verification stays lossless.
 
     temperature 0 means greedy. top_k 0 and top_p 1 disable those filters.
+    seed: the client's. A seeded request is reproducible: drafter-invariant sampling (Gumbel-max, core.sampling)
+    gives exactly the tokens plain decoding gives with that seed, whether speculation is on or off, whatever k.
+    engine_seed: chosen by the engine for a sampled request without a seed and sent to every worker and rank, so
+    they all draw the same random numbers (keyed by position); such a request keeps the min(1, p/q) acceptance rule.
     """
 
     temperature: float = 1.0
@@ -27,6 +31,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    engine_seed: int | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.temperature, int | float) and 0.0 <= self.temperature <= 100.0,
@@ -37,6 +42,8 @@ class SamplingParams:
                  "top_k", f"must be a non-negative integer (0 disables), got {self.top_k!r}")
         _require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
                  "seed", f"must be a non-negative integer below 2**63, got {self.seed!r}")
+        _require(self.engine_seed is None or (isinstance(self.engine_seed, int) and 0 <= self.engine_seed < 2**63),
+                 "engine_seed", f"must be a non-negative integer below 2**63, got {self.engine_seed!r}")
         _require(isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= 1_000_000,
                  "max_tokens", f"must be between 1 and 1000000, got {self.max_tokens!r}")
         _require(all(isinstance(s, str) and s for s in self.stop),
@@ -47,6 +54,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def reproducible(self) -> bool:
+        """Sampled with a client's seed: drafter-invariant sampling applies."""
+        return self.seed is not None and not self.greedy
+
+    @property
+    def key_seed(self) -> int | None:
+        """The seed random numbers are keyed by: the client's, else the one the engine chose."""
+        return self.seed if self.seed is not None else self.engine_seed
 
 
 @dataclass(slots=True, frozen=True)

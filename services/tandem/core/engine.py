@@ -8,7 +8,9 @@ per step, and joins the rounds once the rest of it fits in one (EngineConfig.pre
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -112,6 +114,10 @@ class SpeculativeEngine:
             raise InvalidArgument(f"request_id: {request_id!r} is already running")
         if max_k is not None and max_k < 0:
             raise InvalidArgument(f"max_k: must be non-negative, got {max_k}")
+        if not params.greedy and params.key_seed is None:
+            # One seed for every worker and tensor-parallel rank: their random numbers agree, and a worker that
+            # lost its state redraws the same numbers for the same positions rather than reusing earlier ones.
+            params = dataclasses.replace(params, engine_seed=secrets.randbits(63))
         state = policy_state or policy.PolicyState(k=self.config.spec.k_init)
         stop = StopChecker(params, self.eos_token_ids, self.decode)
         self.sequences[request_id] = Sequence(request_id, list(prompt), params, stop, state, max_k=max_k,

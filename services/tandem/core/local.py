@@ -16,18 +16,26 @@ from tandem.core.protocol import (
 from tandem.core.rejection import accept_greedy, accept_sampled
 from tandem.core.runner import ModelRunner, SequenceState
 from tandem.core.sampling import (
+    ACCEPT_STREAM,
+    DRAFT_STREAM,
+    SAMPLE_STREAM,
     SparseDist,
-    make_generator,
+    gumbel_choice,
+    keyed_uniforms,
     processed_probs,
     sample_index,
     truncate_top_m,
-    uniforms,
 )
 
-VERIFIER_SEED_OFFSET = 0x5EED
+
+def _key_seed(params) -> int:
+    seed = params.key_seed
+    if seed is None:
+        raise ValueError("a sampled request needs a seed or an engine_seed (SpeculativeEngine.add_request sets one)")
+    return seed
 
 
-def _sync_all(runner: ModelRunner, requests: list, seed_offset: int) -> list[SequenceState]:
+def _sync_all(runner: ModelRunner, requests: list) -> list[SequenceState]:
     known = {r.seq_id: len(runner.states[r.seq_id].tokens) for r in requests if r.seq_id in runner.states}
     lost = [r.seq_id for r in requests if r.keep > known.get(r.seq_id, 0)]
     if lost:
@@ -35,9 +43,6 @@ def _sync_all(runner: ModelRunner, requests: list, seed_offset: int) -> list[Seq
     states = []
     for request in requests:
         state = runner.state(request.seq_id, request.session)
-        if state.generator is None:
-            seed = request.params.seed
-            state.generator = make_generator(None if seed is None else seed + seed_offset)
         state.sync(request.keep, request.append)
         if request.seq_id not in known:
             runner.reused_tokens += min(state.cached, len(state.tokens) - 1)
@@ -58,7 +63,7 @@ class LocalDrafter:
         self.runner.release(seq_id, retain)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
-        states = _sync_all(self.runner, requests, 0)
+        states = _sync_all(self.runner, requests)
         if len(states) > 1:
             # Long catch-ups (prompts, tokens decoded while not drafting) run alone so batched rows stay short.
             for state in states:
@@ -73,7 +78,7 @@ class LocalDrafter:
                 break
             logits = self.runner.forward([states[i] for i in rows], [1] * len(rows))
             for i, row_logits in zip(rows, logits, strict=True):
-                token, dist, confidence = self._sample(row_logits, requests[i], states[i].generator)
+                token, dist, confidence = self._sample(row_logits, requests[i], len(states[i].tokens))
                 states[i].tokens.append(token)
                 proposals[i].tokens.append(token)
                 if dist is not None:
@@ -87,13 +92,18 @@ class LocalDrafter:
         return proposals
 
     def _sample(self, logits: torch.Tensor, request: DraftRequest,
-                generator) -> tuple[int, SparseDist | None, float]:
-        """(token, the distribution it was drawn from or None if greedy, the draft's top probability)."""
-        if request.params.greedy:
+                position: int) -> tuple[int, SparseDist | None, float]:
+        """(token for sequence position `position`, the distribution it was drawn from or None where verification
+        compares choices (greedy, seeded), the draft's top probability)."""
+        params = request.params
+        if params.greedy:
             top = logits[-1].softmax(-1).max() if self.confidence else torch.tensor(1.0)
             return int(logits[-1].argmax()), None, float(top)
-        dist = truncate_top_m(processed_probs(logits[-1:], request.params), self.top_m)
-        pick = sample_index(dist.probs, uniforms(generator, 1))
+        if params.reproducible:
+            top = processed_probs(logits[-1:], params).max() if self.confidence else torch.tensor(1.0)
+            return int(gumbel_choice(logits[-1:], params, position)[0]), None, float(top)
+        dist = truncate_top_m(processed_probs(logits[-1:], params), self.top_m)
+        pick = sample_index(dist.probs, keyed_uniforms(_key_seed(params), [position], DRAFT_STREAM))
         return int(dist.ids[0, pick[0]]), dist, float(dist.probs[0, 0])
 
 
@@ -106,7 +116,7 @@ class LocalVerifier:
         self.runner.release(seq_id, retain)
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
-        states = _sync_all(self.runner, requests, VERIFIER_SEED_OFFSET)
+        states = _sync_all(self.runner, requests)
         results: list[VerifyResult] = [VerifyResult(0, PREFILLING)] * len(requests)
         scoring = []
         for index, (request, state) in enumerate(zip(requests, states, strict=True)):
@@ -131,24 +141,33 @@ class LocalVerifier:
         logits = self.runner.forward(states, [len(tokens) + 1 for tokens in drafts])
         results = []
         for request, state, row_logits, tokens, length in zip(requests, states, logits, drafts, committed, strict=True):
-            accepted, next_token = self._accept(request, row_logits, tokens, state.generator)
+            accepted, next_token = self._accept(request, row_logits, tokens, length)
             state.sync(length + accepted, [next_token])
             results.append(VerifyResult(accepted=accepted, next_token=next_token))
         return results
 
     @staticmethod
-    def _accept(request: VerifyRequest, logits: torch.Tensor, tokens: list[int], generator) -> tuple[int, int]:
-        if request.params.greedy:
-            return accept_greedy(torch.tensor(tokens, dtype=torch.long), logits.argmax(dim=-1))
-        probs = processed_probs(logits, request.params)
+    def _accept(request: VerifyRequest, logits: torch.Tensor, tokens: list[int], position: int) -> tuple[int, int]:
+        """Accept a prefix of the drafted `tokens` (the first lands at sequence position `position`) and choose the
+        next token. Random numbers are keyed by each token's position (core.sampling)."""
+        params = request.params
+        drafted = torch.tensor(tokens, dtype=torch.long)
+        if params.greedy:
+            return accept_greedy(drafted, logits.argmax(dim=-1))
+        if params.reproducible:  # a drafted token stays iff the target's seeded choice is the same token
+            return accept_greedy(drafted, gumbel_choice(logits, params, position))
+        seed = _key_seed(params)
+        probs = processed_probs(logits, params)
+        k = len(tokens)
+        resample = keyed_uniforms(seed, range(position, position + k + 1), SAMPLE_STREAM)
         if not tokens:
-            return 0, int(sample_index(probs, uniforms(generator, 1))[0])
+            return 0, int(sample_index(probs, resample)[0])
         dist = request.draft.dist
         accepted, next_token = accept_sampled(
-            torch.tensor([tokens], dtype=torch.long),
+            drafted.unsqueeze(0),
             SparseDist(dist.ids.unsqueeze(0), dist.probs.unsqueeze(0)),
             probs.unsqueeze(0),
-            uniforms(generator, len(tokens)).unsqueeze(0),
-            uniforms(generator, 1),
+            keyed_uniforms(seed, range(position, position + k), ACCEPT_STREAM).unsqueeze(0),
+            resample.unsqueeze(0),
         )
         return int(accepted[0]), int(next_token[0])

@@ -5,6 +5,8 @@ min(1, p_i(d_i) / q_i(d_i)). At the first rejection the next token is drawn from
 k are accepted a bonus token is drawn from p_{k+1}. The output then follows p exactly, for ANY q, so q may be the
 truncated top-m distribution the draft really sampled from. Greedy (one-hot p and q) reduces to: accept while
 d_i == argmax p_i, then emit argmax p at the first mismatch (or the bonus position).
+A request with a client's seed uses the greedy rule too, on choices both sides make with the same Gumbel noise keyed
+by token position (core.sampling.gumbel_choice): the output is then the very tokens plain decoding gives that seed.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ def accept_sampled(
     draft_dist: SparseDist,
     target_probs: torch.Tensor,
     accept_uniforms: torch.Tensor,
-    resample_uniform: torch.Tensor,
+    resample_uniforms: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched over independent trials.
 
     draft_tokens [B, k]; draft_dist ids/probs [B, k, m]; target_probs [B, k+1, V] float64;
-    accept_uniforms [B, k]; resample_uniform [B]. Returns (accepted [B], next_token [B]).
+    accept_uniforms [B, k]; resample_uniforms [B, k+1], one per position the emitted token may land on (the
+    numbers are keyed by position, so each is used for at most one emitted token). Returns (accepted [B],
+    next_token [B]).
     """
     batch, k = draft_tokens.shape
     vocab = target_probs.shape[-1]
@@ -52,4 +56,4 @@ def accept_sampled(
     residual = torch.where(mass > 0, residual, target_probs[rows, at])
     bonus = target_probs[:, k]
     final = torch.where((accepted == k).unsqueeze(-1), bonus, residual)
-    return accepted, sample_index(final, resample_uniform)
+    return accepted, sample_index(final, resample_uniforms[rows, accepted])

@@ -63,11 +63,45 @@ def sample_index(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return index.clamp_(max=probs.shape[-1] - 1)
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    generator = torch.Generator()
-    generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
-    return generator
+# Random numbers are keyed by (seed, position, stream) rather than drawn from a per-sequence generator, so they do
+# not depend on how many a round consumed (k), on which worker or tensor-parallel rank draws them, or on whether a
+# worker rebuilt its state: every party that knows the seed draws the same numbers for the same token position, and
+# no position's numbers are ever used for another position.
+DRAFT_STREAM, ACCEPT_STREAM, SAMPLE_STREAM, GUMBEL_STREAM = 1, 2, 3, 4
+_MASK64 = (1 << 64) - 1
 
 
-def uniforms(generator: torch.Generator, n: int) -> torch.Tensor:
-    return torch.rand(n, generator=generator, dtype=torch.float64)
+def _splitmix64(value: int) -> int:
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def random_key(seed: int, position: int, stream: int) -> int:
+    """A 64-bit key, well mixed, unique to (seed, position, stream)."""
+    return _splitmix64(_splitmix64(_splitmix64(seed) ^ position) ^ stream)
+
+
+def keyed_uniforms(seed: int, positions: range | list[int], stream: int) -> torch.Tensor:
+    """One uniform in [0, 1) per position, float64 (53 random bits each)."""
+    return torch.tensor([(random_key(seed, p, stream) >> 11) * 2.0**-53 for p in positions], dtype=torch.float64)
+
+
+def gumbel_noise(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[vocab] float32 standard Gumbel noise for one token position, drawn on the CPU so every device agrees."""
+    generator = torch.Generator().manual_seed(random_key(seed, position, GUMBEL_STREAM))
+    uniform = torch.rand(vocab, generator=generator, dtype=torch.float32).clamp_(min=1e-20)
+    return (-torch.log(-torch.log(uniform))).to(device)
+
+
+def gumbel_choice(logits: torch.Tensor, params: SamplingParams, first_position: int) -> torch.Tensor:
+    """Drafter-invariant sampling (Gumbel-max): row i of [n, V] logits picks argmax(log p_i + g_i), with g_i the
+    noise keyed by (seed, first_position + i). That is an exact sample from p_i (temperature, top-k, top-p applied),
+    and any model scoring the same position with the same noise picks the same token wherever its distribution
+    agrees enough: a draft proposes with the noise, the target keeps a drafted token iff it picks it too, so a seeded
+    request gives the tokens plain decoding gives with that seed whatever the draft, k or batch."""
+    log_probs = processed_probs(logits, params).log()
+    vocab = log_probs.shape[-1]
+    noise = torch.stack([gumbel_noise(params.seed, first_position + i, vocab) for i in range(log_probs.shape[0])])
+    return (log_probs + noise.to(log_probs.dtype)).argmax(dim=-1)

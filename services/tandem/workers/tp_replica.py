@@ -2,7 +2,8 @@
 
 Every rank holds a shard of the target (transformers' tp_plan="auto": column/row-parallel linears, gloo on CPU,
 NCCL on GPU) and its shard of each sequence's KV cache. The replica sends each call to all ranks in the same order;
-the ranks run identical verification logic with identically seeded generators, and rank 0's reply is the answer.
+the ranks run identical verification logic with random numbers keyed by the request's seed (the engine picks one
+for unseeded requests) and token position, so they sample alike, and rank 0's reply is the answer.
 A rank that dies takes the group with it (its peers would wait in collectives): `rebuild` replaces every rank and
 the placement group, and the engine resends the sessions' histories.
 """

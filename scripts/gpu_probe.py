@@ -1,0 +1,254 @@
+"""GPU probe: tandem's runner on a GPU next to Hugging Face generate on the same weights; one JSON out.
+
+Needs only torch and transformers (and this checkout's services/ on the path): the real pair's configs
+(Qwen2.5-Coder-1.5B-Instruct target, -0.5B draft) with random weights, random prompt ids, greedy, EOS ignored.
+Random weights mean the draft agrees with the target about as often as chance, so the speculative runs show what
+rounds cost, not what they gain; the gain at the real pair's acceptance is projected from measured forward costs
+(tokens per round (1 - a^(k+1)) / (1 - a) over k draft steps plus one (k+1)-token verify) and labelled so.
+
+Measures: plain and speculative tok/s at batch 1 and 8 (tandem), HF generate plain (eager and, unless
+--no-compile, static cache + torch.compile) and assisted at batch 1, the share of wall time spent in GPU kernels,
+bytes allocated per decode step against the live KV cache (a cache copied every step allocates its whole size
+again), and the plain batch-1 decode against the weight-bandwidth limit.
+
+    python scripts/gpu_probe.py --out probe.json            # under 10 minutes on one H100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services"))
+
+from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.core.engine import SpeculativeEngine
+from tandem.core.local import LocalDrafter, LocalVerifier
+from tandem.core.runner import ModelRunner
+
+COMMON = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+              tie_word_embeddings=True, hidden_act="silu", eos_token_id=None, pad_token_id=0)
+CONFIGS = {  # the published Qwen2.5-Coder-*-Instruct config.json shapes
+    "target": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                   num_key_value_heads=2),
+    "draft": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2),
+}
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # datasheet peaks (SXM)
+
+
+def build(role: str, device: torch.device, dtype: torch.dtype) -> Qwen2ForCausalLM:
+    config = Qwen2Config(**COMMON, **CONFIGS[role])
+    torch.manual_seed({"target": 1, "draft": 2}[role])
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(64, 257, (count,), generator=generator)
+    return [torch.randint(10, 150000, (int(n),), generator=generator).tolist() for n in lengths]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(call) -> float:
+    sync()
+    started = time.perf_counter()
+    call()
+    sync()
+    return time.perf_counter() - started
+
+
+def engine(target, draft, k: int | None, batch: int) -> SpeculativeEngine:
+    """k None: plain; k 0: adaptive (AUTO, calibrated); k > 0: fixed k."""
+    verifier = LocalVerifier(ModelRunner(target))
+    if k is None:
+        return SpeculativeEngine(verifier, None, EngineConfig(max_batch=batch, calibrate=False))
+    spec = SpecConfig(k_max=8 if k == 0 else k, k_init=4 if k == 0 else k, adaptive=k == 0)
+    drafter = LocalDrafter(ModelRunner(draft), top_m=spec.draft_top_m, confidence=spec.stop_confidence)
+    return SpeculativeEngine(verifier, drafter, EngineConfig(spec=spec, max_batch=batch, calibrate=k == 0))
+
+
+def run_tandem(target, draft, k, batch: int, work: list[list[int]], tokens: int) -> dict:
+    eng = engine(target, draft, k, batch)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    eng.generate([work[0][:32]], params)  # warm-up
+    results = []
+    seconds = 0.0
+    for start in range(0, len(work), batch):
+        group = work[start : start + batch]
+        seconds += timed(lambda group=group: results.extend(eng.generate(group, params)))
+    drafted = sum(r.stats.get("drafted", 0) for r in results)
+    accepted = sum(r.stats.get("accepted", 0) for r in results)
+    out = sum(len(r.token_ids) for r in results)
+    return {"tok_s": out / seconds, "tokens": out, "seconds": seconds, "drafted": drafted, "accepted": accepted}
+
+
+def hf_generate(model, work: list[list[int]], batch: int, tokens: int, assistant=None, **kwargs) -> dict:
+    device = next(model.parameters()).device
+    out = 0
+    seconds = 0.0
+    for start in range(0, len(work), batch):
+        group = work[start : start + batch]
+        width = max(map(len, group))
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(group):  # left padding, as generate expects for decoder-only models
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+
+        def call(ids=ids, mask=mask):
+            return model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                                  do_sample=False, assistant_model=assistant, **kwargs)
+
+        seconds += timed(call)
+        out += len(group) * tokens
+    return {"tok_s": out / seconds, "tokens": out, "seconds": seconds}
+
+
+def forward_costs(runner: ModelRunner, widths: list[int], context: int, reps: int = 20) -> dict[int, float]:
+    """Median seconds of one forward over `width` new tokens on a `context`-token cache, batch 1."""
+    ids = prompts(1, seed=7)[0] * 8
+    state = runner.state("probe")
+    state.sync(0, ids[:context])
+    runner.prefill(state, context)
+    costs = {}
+    for width in widths:
+        samples = []
+        for _ in range(reps):
+            state.truncate_cache(context)
+            state.sync(context, ids[context : context + width])
+            samples.append(timed(lambda width=width: runner.forward([state], [width])))
+        costs[width] = sorted(samples)[len(samples) // 2]
+    runner.release("probe")
+    return costs
+
+
+def kernel_share(call) -> dict:
+    """GPU kernel time over wall time for `call` (kernel time from the profiler, wall time from an unprofiled run)."""
+    wall = timed(call)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        sync()
+    device_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return {"wall_s": wall, "kernel_s": device_us / 1e6, "share": device_us / 1e6 / wall}
+
+
+def allocated_per_step(eng_factory, work: list[list[int]], contexts: tuple[int, int], steps: int = 8) -> dict:
+    """Bytes the allocator hands out per decode step at two context lengths, and the live KV bytes at each.
+    The growth with context, over the growth of the live KV, is how many copies of the KV cache a step makes."""
+    out = {}
+    for context in contexts:
+        eng = eng_factory()
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+        ids = [(p * 32)[:context] for p in work]
+        for prompt in ids:
+            eng.add_request(prompt, params)
+        eng.step()  # prefill and first token
+        sync()
+        before = torch.cuda.memory_stats()["allocated_bytes.all.allocated"]
+        for _ in range(steps):
+            eng.step()
+        sync()
+        allocated = torch.cuda.memory_stats()["allocated_bytes.all.allocated"] - before
+        runner = eng.verifier.runner
+        live = sum(layer.keys.numel() * layer.keys.element_size() * 2
+                   for state in runner.states.values() for layer in state.cache.layers
+                   if getattr(layer, "is_initialized", False))
+        while eng.has_unfinished():
+            eng.step()
+        out[context] = {"allocated_per_step": allocated / steps, "live_kv_bytes": live}
+    lo, hi = contexts
+    growth = out[hi]["allocated_per_step"] - out[lo]["allocated_per_step"]
+    kv_growth = out[hi]["live_kv_bytes"] - out[lo]["live_kv_bytes"]
+    return {"by_context": out, "kv_copies_per_step": growth / kv_growth if kv_growth else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu-probe.json"))
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--no-compile", action="store_true", help="skip HF generate with static cache + compile")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"gpu_probe: CUDA is not available (torch {torch.__version__})")
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    started = time.perf_counter()
+    target, draft = build("target", device, dtype), build("draft", device, dtype)
+    name = torch.cuda.get_device_name()
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    work = prompts(args.prompts)
+    batch1 = work[:4]
+    report: dict = {"device": name, "torch": torch.__version__, "dtype": "bfloat16", "tokens": args.tokens,
+                    "prompt_lengths": list(map(len, work)), "target_weight_bytes": weight_bytes, "results": {}}
+    res = report["results"]
+
+    def log(key, value):
+        res[key] = value
+        print(f"[{time.perf_counter() - started:6.1f}s] {key}: {json.dumps(value)}", flush=True)
+
+    for key, k, batch, items in (("tandem_plain_b1", None, 1, batch1), ("tandem_spec_k4_b1", 4, 1, batch1),
+                                 ("tandem_auto_b1", 0, 1, batch1), ("tandem_plain_b8", None, 8, work),
+                                 ("tandem_spec_k4_b8", 4, 8, work)):
+        log(key, run_tandem(target, draft, k, batch, items, args.tokens))
+    hf_generate(target, [work[0][:32]], 1, 8)  # warm-up
+    log("hf_plain_b1", hf_generate(target, batch1, 1, args.tokens))
+    log("hf_plain_b8", hf_generate(target, work, 8, args.tokens))
+    log("hf_assisted_b1", hf_generate(target, batch1, 1, args.tokens, assistant=draft))
+
+    verify = forward_costs(ModelRunner(target), [1, 2, 3, 5, 9], context=256)
+    draft_step = forward_costs(ModelRunner(draft), [1], context=256)[1]
+    log("forward_seconds", {"target": verify, "draft_step": draft_step})
+    projected = {}
+    for alpha in (0.6, 0.7, 0.8, 0.9):
+        best = max(range(1, 9), key=lambda k: (1 - alpha ** (k + 1)) / (1 - alpha) / (k * draft_step + verify[min(
+            (w for w in verify if w >= k + 1), default=9)]))
+        round_s = best * draft_step + verify[min((w for w in verify if w >= best + 1), default=9)]
+        projected[str(alpha)] = {"k": best, "speedup_vs_plain": (1 - alpha ** (best + 1)) / (1 - alpha)
+                                 / round_s * verify[1]}
+    log("projected_spec_b1_from_forward_costs", projected)
+
+    plain_b1 = engine(target, None, None, 1)
+    params32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    log("kernel_share_tandem_plain_b1", kernel_share(lambda: plain_b1.generate([work[1]], params32)))
+    log("kernel_share_hf_plain_b1", kernel_share(lambda: hf_generate(target, [work[1]], 1, 32)))
+    log("alloc_tandem_plain_b1", allocated_per_step(lambda: engine(target, None, None, 1), work[:1], (256, 1024)))
+    log("alloc_tandem_plain_b8", allocated_per_step(lambda: engine(target, None, None, 8), work, (256, 1024)))
+
+    hbm = next((v for key, v in HBM_BYTES_PER_S.items() if key in name), None)
+    per_token = 1 / res["tandem_plain_b1"]["tok_s"]
+    report["bandwidth"] = {"hbm_peak_bytes_s": hbm, "tandem_plain_b1_weight_bytes_s": weight_bytes / per_token,
+                           "limit_tok_s": hbm / weight_bytes if hbm else None,
+                           "share_of_limit": weight_bytes / per_token / hbm if hbm else None}
+    print("bandwidth:", json.dumps(report["bandwidth"]), flush=True)
+    if not args.no_compile:
+        try:
+            kwargs = dict(cache_implementation="static")
+            hf_generate(target, [work[0][:32]], 1, 16, **kwargs)  # compiles
+            log("hf_static_compiled_b1", hf_generate(target, batch1, 1, args.tokens, **kwargs))
+        except Exception as exc:  # report, do not lose the rest of the probe
+            log("hf_static_compiled_b1", {"error": f"{type(exc).__name__}: {exc}"[:500]})
+    report["wall_seconds"] = time.perf_counter() - started
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out} in {report['wall_seconds']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
