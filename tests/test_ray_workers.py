@@ -18,6 +18,7 @@ from tandem.workers.target_pool import RayVerifier, start_target_replicas  # noq
 from tandem.workers.worker_base import WorkerConfig  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=24, ignore_eos=True) for s in range(4)]
 PROMPTS = [[72, 101, 108, 108, 111], [40, 50, 60], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200, 17]]
 
 
@@ -59,6 +60,24 @@ def test_pooled_drafting_is_exact_and_spreads_sessions(tiny_models, pool, expect
     assert sum(r.stats["accepted"] for r in results) > 0
     assert not engine.drafter.affinity
     assert ray.get([w.cached_sequences.remote() for w in pool]) == [0, 0]
+
+
+def _plain(tiny_models, params: list[SamplingParams]) -> list[list[int]]:
+    return [r.token_ids for r in build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
+            .generate(PROMPTS, params)]
+
+
+def test_pooled_sampled_drafting_matches_in_process(tiny_models, pool) -> None:
+    """Seeded: the tokens plain decoding gives. Unseeded: the engine's seed keys the numbers, so the same engine_seed
+    gives the in-process engine's tokens."""
+    assert [r.token_ids for r in _engine(tiny_models, pool).generate(PROMPTS, SEEDED)] == _plain(tiny_models, SEEDED)
+    unseeded = [SamplingParams(temperature=0.8, engine_seed=100 + i, max_tokens=24, ignore_eos=True)
+                for i in range(len(PROMPTS))]
+    in_process = build_engine(tiny_models[0], tiny_models[1],
+                              EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False))
+    results = _engine(tiny_models, pool).generate(PROMPTS, unseeded)
+    assert [r.token_ids for r in results] == [r.token_ids for r in in_process.generate(PROMPTS, unseeded)]
+    assert sum(r.stats["accepted"] for r in results) > 0
 
 
 def _worker_of(engine: SpeculativeEngine, request_id: str):
@@ -166,6 +185,16 @@ def test_tensor_parallel_two_ranks_equal_one_and_a_dead_rank_rebuilds_the_group(
                                                                calibrate=False),
                                local.eos_token_ids, local.decode)
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == expected
+    # Sampled through both ranks: a client's seed gives plain decoding's tokens; without one, the engine's seed
+    # reaches both ranks, so rank 1 keeps the tokens rank 0 chose and the output is the in-process engine's.
+    assert [r.token_ids for r in engine.generate(PROMPTS, SEEDED)] == _plain(tiny_models, SEEDED)
+    unseeded = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, ignore_eos=True)
+    seqs = [engine.sequences[engine.add_request(p, unseeded)] for p in PROMPTS]
+    while engine.has_unfinished():
+        engine.step()
+    in_process = build_engine(tiny_models[0], tiny_models[1],
+                              EngineConfig(spec=SpecConfig(adaptive=False, k_init=3), calibrate=False))
+    assert [s.output for s in seqs] == [r.token_ids for r in in_process.generate(PROMPTS, [s.params for s in seqs])]
     shards = ray.get([rank.info.remote() for rank in replica.ranks])
     assert [s["sequences"] for s in shards] == [0, 0]
     # One rank dies mid-generation: the group is rebuilt and the sequences resume from their histories.

@@ -1,0 +1,92 @@
+"""Seeds on the real pair: identical token ids with speculation on and off, and what each acceptance rule accepts.
+
+For every dtype asked for: N seeded sampled requests (the shipped chat prompts, seeds 0..N-1) decoded plainly, then
+with a fixed k of 2 and 6; counts the requests whose token ids equal plain decoding's. Then the acceptance rate of
+drafted tokens (k fixed at 4) under the two rules on the same prompts: clients' seeds (drafter-invariant Gumbel-max:
+a draft is kept when it equals the target's seeded choice) and engine seeds (min(1, p/q)). One JSON out.
+
+    python scripts/seed_check.py --requests 100 --tokens 64 --dtypes float32 bfloat16 --out seeds.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.bench.runner import load_prompts
+from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.local_engine import build_engine, encode_prompt
+from tandem.models.loader import load_model
+
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+
+
+def _params(seed: int | None, tokens: int, engine_seed: int | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_p=0.95, seed=seed, engine_seed=engine_seed, max_tokens=tokens,
+                          ignore_eos=True)
+
+
+def _config(k: int | None, batch: int) -> EngineConfig:
+    if k is None:
+        return EngineConfig(max_batch=batch, calibrate=False)
+    return EngineConfig(spec=SpecConfig(adaptive=False, k_max=k, k_init=k), max_batch=batch, calibrate=False)
+
+
+def check(dtype: torch.dtype, requests: int, tokens: int, batch: int, log) -> dict:
+    target = load_model(TARGET, device=torch.device("cpu"), dtype=dtype, progress=False)
+    draft = load_model(DRAFT, device=torch.device("cpu"), dtype=dtype, progress=False)
+    texts = load_prompts(None)
+    prompts = [encode_prompt(target.tokenizer, texts[i % len(texts)], chat=True) for i in range(requests)]
+    seeded = [_params(seed, tokens) for seed in range(requests)]
+    out: dict = {}
+    plain = [r.token_ids for r in build_engine(target, None, _config(None, batch)).generate(prompts, seeded)]
+    log("plain done")
+    for k in (2, 6):
+        results = build_engine(target, draft, _config(k, batch)).generate(prompts, seeded)
+        same = sum(r.token_ids == p for r, p in zip(results, plain, strict=True))
+        first_diff = [next((i for i, (a, b) in enumerate(zip(r.token_ids, p, strict=False)) if a != b), None)
+                      for r, p in zip(results, plain, strict=True)]
+        out[f"k{k}"] = {"identical": same, "requests": requests,
+                        "acceptance": sum(r.stats["accepted"] for r in results)
+                        / max(1, sum(r.stats["drafted"] for r in results)),
+                        "first_differing_token": [d for d in first_diff if d is not None]}
+        log(f"k{k}: {same}/{requests} identical")
+    rates = {}
+    for rule, params in (("seeded_gumbel", seeded),
+                         ("unseeded_min_p_over_q", [_params(None, tokens, engine_seed=s) for s in range(requests)])):
+        results = build_engine(target, draft, _config(4, batch)).generate(prompts, params)
+        rates[rule] = sum(r.stats["accepted"] for r in results) / max(1, sum(r.stats["drafted"] for r in results))
+        log(f"acceptance {rule}: {rates[rule]:.3f}")
+    out["acceptance_k4"] = rates
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=100)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--out", type=Path, default=Path("seed-check.json"))
+    args = parser.parse_args()
+    started = time.perf_counter()
+
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f}s] {message}", flush=True)
+
+    report = {"target": TARGET, "draft": DRAFT, "requests": args.requests, "tokens": args.tokens,
+              "sampling": {"temperature": 0.8, "top_p": 0.95}, "torch_threads": torch.get_num_threads()}
+    for name in args.dtypes:
+        report[name] = check(getattr(torch, name), args.requests, args.tokens, args.batch, log)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    report["wall_seconds"] = time.perf_counter() - started
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
