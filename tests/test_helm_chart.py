@@ -199,6 +199,45 @@ def test_worker_groups_carry_the_gateways_actors(values, draft_pods, target_pods
     assert one(objs, "RayCluster")["spec"].get("enableInTreeAutoscaling", False) == autoscaled
 
 
+def pod_gpus(group: dict) -> int:
+    """GPUs a Ray group's pods request, under any device plugin's resource name."""
+    limits = group["template"]["spec"]["containers"][0]["resources"].get("limits", {})
+    return sum(int(count) for name, count in limits.items() if name.endswith("/gpu"))
+
+
+@pytest.mark.parametrize("values, sets, device", [
+    (None, (), "cuda"),                                         # both pools: one nvidia.com/gpu per pod
+    ("tp4-multi-replica-values.yaml", (), "cuda"),
+    ("external-redis-servicemonitor-values.yaml", (), "cuda"),  # amd.com/gpu: ROCm torch calls its GPUs cuda too
+    ("cpu-only-values.yaml", (), "cpu"),
+    (None, ("ray.targetPool.gpusPerRank=0", "ray.draftPool.gpusPerPod=0"), "cpu"),
+    (None, ("ray.draftPool.gpusPerPod=0",), "auto"),            # CPU drafts beside GPU targets: one flag for both
+    (None, ("ray.targetPool.gpusPerRank=0",), "auto"),
+    (None, ("ray.draftPool.gpusPerPod=0", "serving.draftWorkers=0"), "cuda"),  # no draft workers: targets alone
+])
+def test_workers_load_on_cuda_exactly_when_their_pods_request_gpus(values, sets, device):
+    objs = render(values, *sets)
+    groups = ray_groups(objs)
+    gateways = [d for d in find(objs, "Deployment") if d["metadata"]["labels"]["app.kubernetes.io/component"]
+                == "gateway"]
+    assert gateways
+    for gateway in gateways:
+        args = container(gateway["spec"]["template"]["spec"], "gateway")["args"]
+        assert [a for a in args if a.startswith("--device")] == [f"--device={device}"]
+        # The gateway's --device reaches every actor it starts: the pools that get actors decide it.
+        used = [groups["target-pool"]] + ([groups["draft-pool"]] if int(flags(args)["draft-workers"]) else [])
+        with_gpus = [pod_gpus(group) > 0 for group in used]
+        assert (device == "cuda") == all(with_gpus) and (device == "cpu") == (not any(with_gpus))
+    assert pod_gpus(groups["head"]) == 0
+
+
+def test_extra_args_can_override_the_device():
+    args = container(one(render(None, "serving.extraArgs={--device=auto}"), "Deployment")["spec"]["template"]["spec"],
+                     "gateway")["args"]
+    assert args.index("--device=cuda") < args.index("--device=auto")  # argparse keeps the last
+    assert flags(args)["device"] == "auto"
+
+
 def test_worker_pools_are_placed_by_their_own_node_rules():
     groups = ray_groups(render("tp4-multi-replica-values.yaml"))
     target, draft = groups["target-pool"]["template"]["spec"], groups["draft-pool"]["template"]["spec"]
@@ -392,3 +431,20 @@ def test_image_build_follows_the_readme_install():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert (chart["apiVersion"], chart["name"]) == ("v2", "tandem")
     assert chart["appVersion"] == project["version"], "the chart's default image tag is the package version"
+
+
+def test_image_pins_a_cuda_build_and_names_the_driver_it_needs():
+    from tandem.core.device import MIN_DRIVER
+
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    docs = (ROOT / "deploy" / "README.md").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(.*)$", dockerfile, re.M))
+    assert args["TORCH_VARIANT"] == "cu130"
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/${TORCH_VARIANT}"
+    assert 'pip install --no-cache-dir "torch==${TORCH_VERSION}+${TORCH_VARIANT}" --index-url "${TORCH_INDEX_URL}"' \
+        in dockerfile
+    assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in dockerfile
+    # The driver minimums the docs state are the ones a failing --device cuda reports (core/device.py).
+    for text in (dockerfile, docs):
+        assert f"CUDA 13.0, NVIDIA driver >= {MIN_DRIVER['13']}" in text or f"| 13.0 | >= {MIN_DRIVER['13']}" in text
+        assert f">= {MIN_DRIVER['12']}" in text

@@ -184,6 +184,24 @@ packed workersPerPod draft workers or one target replica per pod. An explicit po
 {{- end }}
 {{- end }}
 
+{{/*
+`tandem serve --device` for the Ray workers that gateway starts (the gateway itself loads no model; the flag reaches
+every draft worker and target rank). cuda when every pool that gets actors requests GPUs: a GPU pod whose CUDA does
+not work then fails with the reason instead of decoding on its CPU. cpu when none does. auto when only one of two
+does (one flag serves both pools): each worker takes what Ray gives it, its GPU or CUDA_VISIBLE_DEVICES="" (quietly
+cpu), and warns when its GPU is unusable.
+*/}}
+{{- define "tandem.workerDevice" -}}
+{{- $v := .Values }}
+{{- $targetGpus := gt (int (mul $v.serving.tp $v.ray.targetPool.gpusPerRank)) 0 }}
+{{- $draftGpus := gt (int $v.ray.draftPool.gpusPerPod) 0 }}
+{{- $drafting := gt (int $v.serving.draftWorkers) 0 }}
+{{- if and $targetGpus (or $draftGpus (not $drafting)) }}cuda
+{{- else if not (or $targetGpus (and $drafting $draftGpus)) }}cpu
+{{- else }}auto
+{{- end }}
+{{- end }}
+
 {{/* `tandem serve` arguments for one gateway arm: (dict "ctx" $ "arm" $arm). */}}
 {{- define "tandem.serveArgs" -}}
 {{- $v := .ctx.Values }}
@@ -201,7 +219,8 @@ packed workersPerPod draft workers or one target replica per pod. An explicit po
     (printf "--target-gpus=%v" $v.ray.targetPool.gpusPerRank)
     (printf "--draft-resources=%s" (dict $v.ray.draftPool.customResource 1 | toJson))
     (printf "--target-resources=%s" (dict $v.ray.targetPool.customResource 1 | toJson))
-    (printf "--grace=%v" $v.gateway.grace) }}
+    (printf "--grace=%v" $v.gateway.grace)
+    (printf "--device=%s" (include "tandem.workerDevice" .ctx)) }}
 {{- toYaml (concat $args $s.extraArgs .arm.extraArgs) }}
 {{- end }}
 
