@@ -3,7 +3,10 @@
 A round: the policy picks k per sequence, the drafter proposes, the verifier scores all k + 1 positions in one
 forward and accepts a prefix, and stops cut the block. The drafter and verifier are protocols, so the same loop
 drives in-process models and remote workers. A prompt that arrives while others decode is prefilled in chunks, one
-per step, and joins the rounds once the rest of it fits in one (EngineConfig.prefill_chunk).
+per step, and joins the rounds once the rest of it fits in one (EngineConfig.prefill_chunk). When the verifier's KV
+cache cannot hold the step's sequences (KVCacheFull), the newest of them waits in the queue until one finishes: its
+workers drop its caches, and it is sent its whole history again when it resumes (same tokens: greedy choices and
+seeded random numbers depend only on the context).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from tandem.core.protocol import (
     DrafterUnavailable,
     DraftProposal,
     DraftRequest,
+    KVCacheFull,
     StateLost,
     Verifier,
     VerifyRequest,
@@ -94,6 +98,7 @@ class SpeculativeEngine:
         self.prior = policy.SharedPrior(self.config.spec.acceptance_prior)
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self._kv_full = False  # the verifier was full: sequences it does not hold wait until one finishes
         if self.drafter is not None and self.config.spec.speculating and self.config.calibrate:
             self.calibrate()
 
@@ -134,12 +139,36 @@ class SpeculativeEngine:
         return bool(self.sequences)
 
     def step(self) -> list[StepOutput]:
-        batch = list(self.sequences.values())[: self.config.max_batch]
-        limits = self._prefill_limits(batch)
-        ks = [0 if limits[seq.request_id] else self._choose_k(seq) for seq in batch]
-        outputs = self._round(batch, ks, limits)
+        waiting = list(self.sequences.values())
+        if self._kv_full:
+            waiting = [seq for seq in waiting if _admitted(seq)] or waiting[:1]
+        batch = waiting[: self.config.max_batch]
+        while True:
+            limits = self._prefill_limits(batch)
+            ks = [0 if limits[seq.request_id] else self._choose_k(seq) for seq in batch]
+            try:
+                outputs = self._round(batch, ks, limits)
+                break
+            except KVCacheFull as full:
+                batch = self._defer_newest(batch, full)
         # A sequence whose prefill is still going on was only prefilling a chunk: it has nothing to report yet.
         return [out for out in outputs if out is not None]
+
+    def _defer_newest(self, batch: list[Sequence], full: KVCacheFull) -> list[Sequence]:
+        """Take the newest sequence out of this step and back to waiting: its workers drop its caches (a session's
+        stay retained, so resuming may reuse them) and it is resent from scratch. Raises `full` for a sequence that
+        is alone (it will never fit)."""
+        if len(batch) == 1:
+            raise full
+        newest = batch[-1]
+        self._kv_full = True
+        retain = bool(newest.session_id)
+        self.verifier.release(newest.request_id, retain)
+        if self.drafter is not None:
+            self.drafter.release(newest.request_id, retain)
+        newest.verify_synced = newest.draft_synced = 0
+        newest.prefill_started = False
+        return batch[:-1]
 
     def _prefill_limits(self, batch: list[Sequence]) -> dict[str, int]:
         """Per sequence, the most uncached tokens its verifier may prefill this step (0: all). Only while another
@@ -215,7 +244,7 @@ class SpeculativeEngine:
         started = time.perf_counter()
         try:
             sent, drafted = _retry_lost(lambda: ((r := requests()), self.drafter.propose(r)), forget)
-        except DrafterUnavailable:
+        except (DrafterUnavailable, KVCacheFull):  # a full draft cache: plain decoding this round
             for i in rows:
                 batch[i].stats.draft_failures += 1
             forget([batch[i].request_id for i in rows])
@@ -249,6 +278,7 @@ class SpeculativeEngine:
 
     def _release(self, seq: Sequence) -> None:
         self.sequences.pop(seq.request_id, None)
+        self._kv_full = False
         retain = bool(seq.session_id) and seq.finish_reason != FINISH_ABORT
         self.verifier.release(seq.request_id, retain)
         if self.drafter is not None:
@@ -298,6 +328,11 @@ class SpeculativeEngine:
         measured = calibrate(self.verifier, self.drafter, spec.k_max, spec.k_init, self.config.max_batch)
         self.costs.adopt(measured)
         return self.costs
+
+
+def _admitted(seq: Sequence) -> bool:
+    """Whether the verifier holds (part of) this sequence's cache."""
+    return bool(seq.verify_synced or seq.prefill_started)
 
 
 def _retry_lost(call, forget):

@@ -23,6 +23,18 @@ class StateLost(RuntimeError):
         self.seq_ids = seq_ids
 
 
+class KVCacheFull(RuntimeError):
+    """A worker's KV token budget cannot hold these sequences, even after dropping every retained session. Raised
+    before the forward that would not fit writes anything: the call can be repeated once others have finished."""
+
+    def __init__(self, needed: int, capacity: int) -> None:
+        super().__init__(f"KV cache full: needs {needed} tokens of a budget of {capacity}")
+        self.needed, self.capacity = needed, capacity
+
+    def __reduce__(self):  # Ray and multiprocessing pickle it back with both fields
+        return type(self), (self.needed, self.capacity)
+
+
 class DrafterUnavailable(RuntimeError):
     """The drafter failed or timed out; the engine continues these sequences with plain decoding."""
 

@@ -1,10 +1,18 @@
-"""Runs a Hugging Face causal LM over many sequences, each with its own KV cache that can be rolled back.
+"""Runs a Hugging Face causal LM over many sequences whose keys and values live in one preallocated cache.
 
-Each sequence owns a DynamicCache. A finished sequence of a session may be retained (bounded, least recently used
-first out) so the session's next request reuses the cache of their common prefix: a chat's next turn starts with
-the whole previous conversation. A batch of sequences with different cached lengths and different numbers of
-new tokens runs as one forward: caches are left-padded into a batch cache, new tokens right-padded, positions
-given explicitly, and each row's slice is cut back out afterwards. A batch of one uses its cache in place.
+Every sequence holds a slot of the runner's SlotCache (core.kv_cache). The sequences being run (`states`) hold the
+slots [0, active), so a forward over all of them reads one view of the cache. A forward over some of them reads the
+range from the lowest to the highest of their slots; the others in between run as padding rows that write nothing
+(a drafter's rows that stop drafting early, a verifier's rows still prefilling). Releasing a sequence moves the
+highest active one into its slot: one copy of that sequence's keys and values, once, never per step.
+
+A finished sequence of a session may be retained (bounded by tokens, least recently used first out) so the session's
+next request reuses the cache of their common prefix: a chat's next turn starts with the whole previous conversation.
+It keeps its keys and values in a slot at or above `active`, and is moved back below when its session returns.
+
+Memory is bounded by a KV token budget counted as slots x capacity (each slot reserves the longest sequence's
+length). A sequence or a forward that would not fit evicts retained sessions, least recently used first, and then
+raises KVCacheFull before anything of that call is written.
 """
 
 from __future__ import annotations
@@ -13,21 +21,27 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-SHORT_FORWARD = 16
+from tandem.core.attention import packed
+from tandem.core.kv_cache import SlotCache, Step, default_kv_tokens
+from tandem.core.protocol import KVCacheFull
+
 DEFAULT_RETAIN_TOKENS = 32768
+MIN_SLOTS = 1
+MIN_CAPACITY = 256
+CAPACITY_ALIGN = 64
+ATTENTION = {"sdpa": True, "eager": False}  # implementations whose masks we build -> whether is_causal is honoured
 
 
 @dataclass(slots=True)
 class SequenceState:
-    """Tokens a runner knows for one sequence; the first `cached` of them have keys and values in `cache`."""
+    """Tokens a runner knows for one sequence; the first `cached` of them have keys and values in slot `slot`."""
 
     tokens: list[int] = field(default_factory=list)
-    cache: DynamicCache = field(default_factory=DynamicCache)
     cached: int = 0
-    generator: torch.Generator | None = None
     session: str = ""
+    slot: int = -1
 
     def sync(self, keep: int, append: list[int]) -> None:
         """Truncate to the first `keep` tokens, then append new ones; cached tokens past `keep` that `append`
@@ -44,11 +58,8 @@ class SequenceState:
                 self.truncate_cache(keep + same)
 
     def truncate_cache(self, length: int) -> None:
-        for layer in self.cache.layers:
-            if getattr(layer, "is_initialized", False):
-                layer.keys = layer.keys[..., :length, :]
-                layer.values = layer.values[..., :length, :]
-        self.cached = length
+        """Forget cached keys and values past `length`: the next forward overwrites them in place."""
+        self.cached = min(self.cached, length)
 
     @property
     def pending(self) -> list[int]:
@@ -56,12 +67,23 @@ class SequenceState:
 
 
 class ModelRunner:
-    """Owns one model and the per-sequence states that run on it."""
+    """Owns one model, the cache of its sequences, and which sequence holds which slot."""
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int = 0, vocab_limit: int = 0,
-                 retain_tokens: int = DEFAULT_RETAIN_TOKENS) -> None:
+                 retain_tokens: int = DEFAULT_RETAIN_TOKENS, kv_tokens: int = 0) -> None:
+        """`kv_tokens`: the KV token budget (slots x capacity); 0 takes a share of the memory free now."""
         self.model = model
         self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        implementation = model.config._attn_implementation or "sdpa"
+        if implementation not in ATTENTION:
+            raise ValueError(f"attention {implementation!r} is not supported: load the model with sdpa or eager")
+        text_config = model.config.get_text_config()
+        if "sliding_attention" in (getattr(text_config, "layer_types", None) or ()):
+            # Our 4D masks replace the sliding-window masks transformers would build: such layers would see too much.
+            raise ValueError("sliding-window attention layers are not supported by the slot KV cache")
+        self.causal_kernel = ATTENTION[implementation]
+        self.mask_dtype = torch.bool if self.causal_kernel else self.dtype
         self.vocab_size = int(model.config.vocab_size)
         # Logits are computed here rather than by the model, optionally for only the first `vocab_limit` ids,
         # without touching the shared model.
@@ -71,7 +93,10 @@ class ModelRunner:
             self.head = self.head_module.weight[:vocab_limit]
             self.vocab_size = vocab_limit
         self.pad_token_id = pad_token_id
-        self.states: dict[str, SequenceState] = {}
+        self.cache = SlotCache(text_config.num_hidden_layers)
+        self.kv_tokens_capacity = kv_tokens or default_kv_tokens(model)
+        self.occupants: list[SequenceState | None] = []  # by slot
+        self.states: dict[str, SequenceState] = {}  # the active sequences, in slots [0, len(states))
         self.retain_tokens = retain_tokens
         self.retained: OrderedDict[str, SequenceState] = OrderedDict()  # session -> its last finished sequence
         self.reused_tokens = 0
@@ -81,100 +106,124 @@ class ModelRunner:
         if seq_id not in self.states:
             state = self.retained.pop(session, None) if session else None
             if state is None:
-                state = SequenceState(session=session)
-            state.generator = None
+                self._fit(extra_slots=1, length=0)
+                state = SequenceState(session=session, slot=self.occupants.index(None))
+                self.occupants[state.slot] = state
+            self._exchange(state.slot, len(self.states))  # the next active slot
             self.states[seq_id] = state
         return self.states[seq_id]
 
     def release(self, seq_id: str, retain: bool = False) -> None:
         """Drop a sequence; with `retain`, keep its cache for its session's next request."""
         state = self.states.pop(seq_id, None)
-        if state is None or not (retain and state.session and state.cached):
+        if state is None:
             return
-        self.retained.pop(state.session, None)
+        keep = retain and state.session and state.cached
+        self._exchange(state.slot, len(self.states), keep_a=bool(keep))  # the highest active fills the hole
+        if not keep:
+            self._free(state)
+            return
+        if (replaced := self.retained.pop(state.session, None)) is not None:
+            self._free(replaced)
         self.retained[state.session] = state
         while sum(s.cached for s in self.retained.values()) > self.retain_tokens:
-            self.retained.popitem(last=False)
+            self._free(self.retained.popitem(last=False)[1])
 
     @property
     def cached_tokens(self) -> int:
         return sum(state.cached for state in self.states.values())
 
+    @property
+    def kv_tokens_used(self) -> int:
+        """Tokens whose keys and values are held: the active sequences' and the retained sessions'."""
+        return self.cached_tokens + sum(state.cached for state in self.retained.values())
+
+    @property
+    def kv_tokens_reserved(self) -> int:
+        """Tokens the cache has room for (slots x capacity), allocated or about to be; within kv_tokens_capacity."""
+        return self.cache.slots * self.cache.capacity
+
     @torch.inference_mode()
     def prefill(self, state: SequenceState, upto: int) -> None:
         """Cache the first `upto` tokens without keeping logits (prompt processing)."""
         if upto > state.cached:
-            self._forward_one(state, state.tokens[state.cached : upto], want=0)
+            self._forward([state], [state.tokens[state.cached : upto]], [0])
 
     @torch.inference_mode()
     def forward(self, states: list[SequenceState], wants: list[int]) -> list[torch.Tensor]:
         """Feed every state's pending tokens; return the logits [want_i, V] of each row's last want_i tokens."""
-        if len(states) == 1:
-            return [self._forward_one(states[0], states[0].pending, wants[0])]
-        return self._forward_batch(states, wants)
+        return self._forward(states, [state.pending for state in states], wants)
 
-    def _forward_one(self, state: SequenceState, new: list[int], want: int) -> torch.Tensor:
-        start = state.cached
-        ids = torch.tensor([new], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + len(new), device=self.device).unsqueeze(0)
-        logits, cache = self._run(input_ids=ids, position_ids=positions, past_key_values=state.cache, want=want)
-        state.cache = cache
-        state.cached = start + len(new)
-        return logits[0, -want:].float().cpu() if want else logits
-
-    def _forward_batch(self, states: list[SequenceState], wants: list[int]) -> list[torch.Tensor]:
-        news = [state.pending for state in states]
-        past = [state.cached for state in states]
-        past_max, new_max = max(past), max(len(n) for n in news)
-        batch = len(states)
-        ids = torch.full((batch, new_max), self.pad_token_id, dtype=torch.long)
-        mask = torch.ones(batch, past_max + new_max, dtype=torch.long)
-        positions = torch.zeros(batch, new_max, dtype=torch.long)
-        for row, (new, cached) in enumerate(zip(news, past, strict=True)):
-            ids[row, : len(new)] = torch.tensor(new, dtype=torch.long)
-            mask[row, : past_max - cached] = 0
-            positions[row] = torch.arange(cached, cached + new_max)
-        cache = self._stack_caches(states, past_max) if past_max else DynamicCache()
-        logits, cache = self._run(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                  position_ids=positions.to(self.device), past_key_values=cache, want=None)
-        results = []
-        for row, (state, new, cached, want) in enumerate(zip(states, news, past, wants, strict=True)):
-            lo, hi = past_max - cached, past_max + len(new)
-            state.cache = DynamicCache(ddp_cache_data=[
-                (layer.keys[row : row + 1, :, lo:hi], layer.values[row : row + 1, :, lo:hi])
-                for layer in cache.layers
-            ])
-            state.cached = cached + len(new)
-            results.append(logits[row, len(new) - want : len(new)].float().cpu())
-        return results
-
-    def _run(self, want: int | None, **inputs) -> tuple[torch.Tensor, DynamicCache]:
-        """The model's forward, then logits for every position (want None) or the last `want` (0: no logits)."""
-        out = self.model.base_model(**inputs, use_cache=True)
-        if want == 0:
-            return torch.empty(0), out.past_key_values
-        hidden = out.last_hidden_state
-        # Short forwards score every position: that is cheap, and keeps logits for all draft positions.
-        if want is not None and hidden.shape[1] > SHORT_FORWARD:
-            # A fresh, densely strided copy: on CPU bf16 (torch 2.13), the output projection of a slice with the
-            # parent's strides took 0.7 s against 0.01 s for a copy (Qwen2.5-0.5B head, one row).
-            hidden = hidden[:, -want:].clone(memory_format=torch.contiguous_format)
+    def _forward(self, states: list[SequenceState], news: list[list[int]], wants: list[int]) -> list[torch.Tensor]:
+        self._fit(0, max(state.cached + len(new) for state, new in zip(states, news, strict=True)))
+        fed = {state.slot: new for state, new in zip(states, news, strict=True)}
+        lo, hi = min(fed), max(fed) + 1
+        width = max(len(new) for new in news)
+        starts = [self.occupants[slot].cached for slot in range(lo, hi)]
+        counts = [len(fed.get(slot, ())) for slot in range(lo, hi)]
+        ids = torch.full((hi - lo, width), self.pad_token_id, dtype=torch.long)
+        for slot, new in fed.items():
+            ids[slot - lo, : len(new)] = torch.tensor(new, dtype=torch.long)
+        positions = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(width)
+        step = Step.build(lo, starts, counts, self.device)
+        mask = step.mask(width, self.mask_dtype, self.device, self.causal_kernel)
+        self.cache.step = step
+        try:
+            with packed(self.model.config):
+                out = self.model.base_model(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
+                                            attention_mask=mask, past_key_values=self.cache, use_cache=True)
+        finally:
+            self.cache.step = None
+        for state, new in zip(states, news, strict=True):
+            state.cached += len(new)
+        if not any(wants):
+            return [torch.empty(0) for _ in states]
+        # Logits only where asked: each row's last `want` real tokens, gathered into one dense batch.
+        picks = [(state.slot - lo) * width + col for state, new, want in zip(states, news, wants, strict=True)
+                 for col in range(len(new) - want, len(new))]
+        hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
+        hidden = hidden.index_select(0, torch.tensor(picks, device=self.device)).unsqueeze(0)
         logits = self.head_module(hidden) if self.head is None else torch.nn.functional.linear(hidden, self.head)
-        return logits, out.past_key_values
+        return list(logits[0].float().cpu().split(wants))
 
-    @staticmethod
-    def _stack_caches(states: list[SequenceState], length: int) -> DynamicCache:
-        reference = next(state.cache for state in states if state.cached)
-        layers = []
-        for index, ref_layer in enumerate(reference.layers):
-            keys, values = [], []
-            for state in states:
-                if state.cached:
-                    key, value = state.cache.layers[index].keys, state.cache.layers[index].values
-                else:
-                    key = value = ref_layer.keys.new_zeros((1, *ref_layer.keys.shape[1:2], 0, ref_layer.keys.shape[-1]))
-                pad = length - state.cached
-                keys.append(torch.nn.functional.pad(key, (0, 0, pad, 0)))
-                values.append(torch.nn.functional.pad(value, (0, 0, pad, 0)))
-            layers.append((torch.cat(keys), torch.cat(values)))
-        return DynamicCache(ddp_cache_data=layers)
+    def _fit(self, extra_slots: int, length: int) -> None:
+        """Make the cache hold `extra_slots` more sequences and one of `length` tokens, evicting retained sessions
+        if the budget asks; KVCacheFull if even that is not enough."""
+        budget = self.kv_tokens_capacity
+        while True:
+            slots = len(self.states) + len(self.retained) + extra_slots
+            longest = max([length, 1] + [s.cached for s in self.occupants if s is not None])
+            if slots * longest <= budget:
+                break
+            if not self.retained:
+                raise KVCacheFull(slots * longest, budget)
+            self._free(self.retained.popitem(last=False)[1])
+        held, capacity = self.cache.slots, self.cache.capacity
+        if slots <= held and longest <= capacity:
+            return
+        # Grow geometrically (few reallocations), but never past the budget.
+        new_capacity = capacity if longest <= capacity else -(-max(longest, 2 * capacity, MIN_CAPACITY)
+                                                               // CAPACITY_ALIGN) * CAPACITY_ALIGN
+        new_capacity = max(longest, min(new_capacity, budget // slots))
+        new_slots = held if slots <= held else max(slots, 2 * held, MIN_SLOTS)
+        new_slots = max(slots, min(new_slots, budget // new_capacity))
+        for slot in range(new_slots, held):  # fewer, longer slots: bring every sequence below the new count
+            if self.occupants[slot] is not None:
+                self._exchange(slot, self.occupants.index(None))
+        self.cache.reshape(new_slots, new_capacity)
+        self.occupants = self.occupants[:new_slots] + [None] * (new_slots - len(self.occupants))
+
+    def _exchange(self, a: int, b: int, keep_a: bool = True) -> None:
+        """Swap the sequences (or emptiness) of two slots, copying what each holds; `keep_a` False drops a's."""
+        if a == b:
+            return
+        first, second = self.occupants[a], self.occupants[b]
+        self.cache.swap(a, b, first.cached if first and keep_a else 0, second.cached if second else 0)
+        self.occupants[a], self.occupants[b] = second, first
+        for state, slot in ((first, b), (second, a)):
+            if state is not None:
+                state.slot = slot
+
+    def _free(self, state: SequenceState) -> None:
+        self.occupants[state.slot] = None
+        state.slot = -1

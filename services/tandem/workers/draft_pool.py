@@ -2,7 +2,8 @@
 
 A draft worker that dies, errors or misses the deadline is benched; its sessions get empty proposals this round (a
 plain-decoding round, invisible to clients) and move to another worker, which is sent their history. The deadline
-grows with the tokens a call must first catch up on (prompts, tokens decoded while not drafting).
+grows with the tokens a call must first catch up on (prompts, tokens decoded while not drafting). A worker whose KV
+cache is full gives its rows empty proposals too, but stays in service.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Plain Python so it can be tested in-process; `ray.remote(DraftWorker)` turns it 
 from __future__ import annotations
 
 from tandem.core.local import LocalDrafter
-from tandem.core.protocol import DraftRequest, StateLost
+from tandem.core.protocol import DraftRequest, KVCacheFull, StateLost
 from tandem.workers.worker_base import WorkerBase, WorkerConfig, WorkerReply, load_runner
 
 
@@ -27,3 +27,5 @@ class DraftWorker(WorkerBase):
             return WorkerReply(results=self.drafter.propose(requests))
         except StateLost as lost:
             return WorkerReply(lost=lost.seq_ids)
+        except KVCacheFull as full:
+            return WorkerReply(full=(full.needed, full.capacity))

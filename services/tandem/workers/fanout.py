@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from tandem.core.protocol import KVCacheFull
 from tandem.telemetry import tracing
 from tandem.workers.routing import AffinityRouter
 from tandem.workers.tp_replica import TensorParallelReplica
@@ -20,6 +21,7 @@ class FanoutResult:
     failed: int = 0
     timed_out: int = 0
     benched: list[int] = field(default_factory=list)  # workers that failed or missed the deadline this round
+    full: KVCacheFull | None = None  # a worker's KV cache could not hold its rows (their results stay None)
 
 
 def fan_out(workers: list, router: AffinityRouter, method: str, requests: list, timeout_s: float,
@@ -48,6 +50,9 @@ def fan_out(workers: list, router: AffinityRouter, method: str, requests: list, 
             tracing.relay(reply.spans)
         if reply.lost:
             out.lost += reply.lost
+            continue
+        if reply.full:
+            out.full = KVCacheFull(*reply.full)
             continue
         for row, result in zip(groups[index], reply.results, strict=True):
             out.results[row] = result

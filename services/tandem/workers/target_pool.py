@@ -42,6 +42,8 @@ class RayVerifier:
         out = fan_out(self.workers, self.router, "verify", requests, self.timeout_s, self.trace_carriers)
         for index in out.benched:
             self._rebuild(index)
+        if out.full is not None:
+            raise out.full
         unresolved = [r.seq_id for r, result in zip(requests, out.results, strict=True) if result is None]
         if unresolved and not self._any_healthy():
             raise TargetUnavailable(f"no healthy target replica for {len(unresolved)} sequence(s)")

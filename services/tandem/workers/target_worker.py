@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tandem.core.local import LocalVerifier
-from tandem.core.protocol import StateLost, VerifyRequest
+from tandem.core.protocol import KVCacheFull, StateLost, VerifyRequest
 from tandem.workers.worker_base import WorkerBase, WorkerConfig, WorkerReply, load_runner
 
 
@@ -24,3 +24,5 @@ class TargetWorker(WorkerBase):
             return WorkerReply(results=self.verifier.verify(requests))
         except StateLost as lost:
             return WorkerReply(lost=lost.seq_ids)
+        except KVCacheFull as full:
+            return WorkerReply(full=(full.needed, full.capacity))

@@ -27,14 +27,17 @@ class WorkerConfig:
     top_m: int = 64
     confidence: float = 0.0
     draft_vocab: int = 0  # ids the drafter scores (0: all); the backend caps it at the target's vocabulary
+    kv_tokens: int = 0  # the runner's KV token budget (0: a share of the memory free at start)
 
 
 @dataclass(slots=True)
 class WorkerReply:
-    """Either results, or the ids this worker no longer holds (it restarted, or never saw them)."""
+    """Either results, or the ids this worker no longer holds (it restarted, or never saw them), or that its KV
+    cache is full (KVCacheFull's needed and capacity tokens)."""
 
     results: list | None = None
     lost: list[str] | None = None
+    full: tuple[int, int] | None = None
     spans: list[dict] | None = None  # finished spans of traced rows, for the gateway to export (telemetry.worker)
 
 
@@ -47,7 +50,8 @@ def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None =
     device = select_device(config.device)
     loaded = load_model(config.model, device=device, dtype=select_dtype(config.dtype, device), progress=False,
                         extra=extra)
-    return ModelRunner(loaded.model, pad_token_id=loaded.tokenizer.pad_token_id or 0, vocab_limit=vocab_limit)
+    return ModelRunner(loaded.model, pad_token_id=loaded.tokenizer.pad_token_id or 0, vocab_limit=vocab_limit,
+                       kv_tokens=config.kv_tokens)
 
 
 class WorkerBase:
@@ -73,7 +77,9 @@ class WorkerBase:
     def info(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "sequences": self.cached_sequences(),
                 "vocab_size": self.runner.vocab_size, "retained_sessions": len(self.runner.retained),
-                "reused_tokens": self.runner.reused_tokens, "metrics": self.telemetry.metrics_url}
+                "reused_tokens": self.runner.reused_tokens, "metrics": self.telemetry.metrics_url,
+                "kv_tokens_used": self.runner.kv_tokens_used, "kv_tokens_reserved": self.runner.kv_tokens_reserved,
+                "kv_tokens_capacity": self.runner.kv_tokens_capacity}
 
 
 def start_workers(worker_class: type, config: WorkerConfig, count: int, name: str, num_gpus: float = 0.0,

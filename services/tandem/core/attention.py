@@ -1,0 +1,61 @@
+"""sdpa attention that reads grouped-query keys and values as they lie in the cache, mask or no mask.
+
+Hugging Face's sdpa path repeats every key/value head for its query heads (repeat_kv: a copy of the keys and values
+read, n_rep times over) whenever a mask is given, except, from transformers 5.23, for one query token. The runner's
+batched forwards always carry a mask, and verification feeds several tokens per row, so that copy would come back
+every step. Here the query heads that share a key/value head are stacked along the query axis instead:
+[batch, kv_heads * n_rep, width, dim] -> [batch, kv_heads, n_rep * width, dim], with the mask repeated to match
+(n_rep rows of booleans, not keys). Each query row still attends over the same keys with the same weights.
+
+The runner switches a model to this implementation only for the duration of its own forwards (`packed`), so the
+model object stays plain sdpa for anything else that calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "tandem_packed_sdpa"
+
+
+def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                        **kwargs) -> tuple[torch.Tensor, None]:
+    groups = getattr(module, "num_key_value_groups", 1)
+    plain = (groups == 1 or attention_mask is None or attention_mask.dtype != torch.bool
+             or attention_mask.shape[1] != 1 or kwargs.get("position_bias") is not None
+             or kwargs.get("softcap") is not None or (module.training and dropout))
+    if plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    batch, heads, width, dim = query.shape
+    # Query head kv * groups + r becomes row r * width + j of key/value head kv.
+    stacked = query.reshape(batch, heads // groups, groups * width, dim)
+    mask = attention_mask
+    if width > 1:
+        mask = mask.unsqueeze(2).expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * width, mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, width, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, packed_sdpa_forward)
+AttentionMaskInterface.register(NAME, sdpa_mask)  # masks transformers builds itself stay sdpa's
+
+
+@contextmanager
+def packed(config) -> Iterator[None]:
+    """Run sdpa models through packed_sdpa_forward inside the block; other implementations are left alone."""
+    if config._attn_implementation != "sdpa":
+        yield
+        return
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"

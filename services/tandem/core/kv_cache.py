@@ -1,0 +1,187 @@
+"""A preallocated KV cache for many sequences: one slot per sequence, written in place, read as a view.
+
+Why slots rather than paged blocks: Hugging Face attention (sdpa, eager) takes each layer's keys and values as one
+dense [batch, heads, length, head_dim] tensor. With equal-capacity slots in one buffer per layer, the rows of a
+forward that sit in neighbouring slots are a view of that buffer, so attention reads the cache where it lies. Paged
+blocks would need a paged attention kernel, or a gather of every row's keys and values each step (the copy this
+cache exists to remove). What slots cost is memory: every slot reserves the capacity of the longest sequence held,
+and capacity grows geometrically (one copy of the cache per growth); the runner's token budget counts slots x
+capacity, and core.runner arranges which sequence holds which slot.
+
+A forward runs under a Step: the slots [lo, lo + rows) it reads, each row's cached length (`starts`) and number of
+new tokens (`counts`, 0 for a row in that range that is not part of the forward), and the view's length. Only the
+new tokens are written; a row's padding within the step and the rows not in the forward are computed but write
+nothing, and the mask hides every key past a row's own length.
+
+Buffers are allocated at the first update of each layer from the key and value states it sees (heads, head_dim,
+dtype, device), so a tensor-parallel rank allocates its own shard of the heads. They start zeroed: masked keys get
+zero attention weight, and zero times a non-finite leftover would still poison a row.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+@dataclass(slots=True)
+class Step:
+    lo: int
+    starts: list[int]
+    counts: list[int]
+    length: int  # keys in the view: the furthest position any row of the forward reaches
+    index: tuple[torch.Tensor, ...] | None = None  # (slots, positions, rows, columns) of the new tokens
+
+    @classmethod
+    def build(cls, lo: int, starts: list[int], counts: list[int], device: torch.device) -> Step:
+        length = max(start + count for start, count in zip(starts, counts, strict=True) if count)
+        step = cls(lo, starts, counts, length)
+        if len(starts) > 1:
+            counts_ = torch.tensor(counts)
+            rows = torch.repeat_interleave(torch.arange(len(counts)), counts_)
+            columns = torch.arange(len(rows)) - torch.repeat_interleave(counts_.cumsum(0) - counts_, counts_)
+            index = torch.stack([rows + lo, torch.tensor(starts)[rows] + columns, rows, columns])
+            step.index = tuple(index.to(device))
+        return step
+
+    @property
+    def rows(self) -> int:
+        return len(self.starts)
+
+    def write(self, buffer: torch.Tensor, states: torch.Tensor) -> None:
+        """Put the new tokens' states [rows, heads, width, dim] at their rows' own positions."""
+        if self.index is None:
+            start, count = self.starts[0], self.counts[0]
+            buffer[self.lo, :, start : start + count].copy_(states[0, :, :count])
+        else:
+            slots, positions, rows, columns = self.index
+            buffer[slots, :, positions] = states[rows, :, columns]
+
+    def mask(self, width: int, dtype: torch.dtype, device: torch.device, causal_kernel: bool) -> torch.Tensor | None:
+        """[rows, 1, width, length]: query j of row r sees keys up to starts[r] + j (its own new tokens included);
+        its padding sees what its last token sees. None when the attention needs no mask: one new token per row, each
+        seeing the whole view; or, with `causal_kernel` (sdpa's is_causal), uncached rows of one length."""
+        full = all(count == width and start + count == self.length
+                   for start, count in zip(self.starts, self.counts, strict=True))
+        if full and (width == 1 or (causal_kernel and self.length == width)):
+            return None
+        # A row that is only padding (count 0) sees its cached keys, or key 0 if it has none: never an empty row.
+        last = torch.tensor(self.counts)[:, None] - 1
+        limits = (torch.tensor(self.starts)[:, None] + torch.minimum(torch.arange(width)[None], last)).clamp_(min=0)
+        allowed = torch.arange(self.length, device=device) <= limits.to(device)[:, None, :, None]
+        if dtype == torch.bool:
+            return allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's keys and values, [slots, heads, capacity, head_dim] each."""
+
+    is_sliding = False
+
+    def __init__(self, cache: SlotCache) -> None:
+        super().__init__()
+        self.cache = cache
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        slots, capacity = self.cache.slots, self.cache.capacity
+        self.keys = key_states.new_zeros((slots, key_states.shape[1], capacity, key_states.shape[-1]))
+        self.values = value_states.new_zeros((slots, value_states.shape[1], capacity, value_states.shape[-1]))
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        step = self.cache.step
+        step.write(self.keys, key_states)
+        step.write(self.values, value_states)
+        rows = slice(step.lo, step.lo + step.rows)
+        return self.keys[rows, :, : step.length], self.values[rows, :, : step.length]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        step = self.cache.step
+        return (step.length if step else query_length), 0
+
+    def get_seq_length(self) -> int:
+        step = self.cache.step
+        return min(step.starts) if step else 0
+
+    def get_max_length(self) -> int:
+        return self.cache.capacity
+
+
+class SlotCache(Cache):
+    """The buffers of every layer and the Step the current forward runs under; `past_key_values` for the model."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.slots, self.capacity = 0, 0  # the shape buffers have, or will have when first allocated
+        self.step: Step | None = None
+        super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
+
+    def _allocated(self) -> list[SlotLayer]:
+        return [layer for layer in self.layers if layer.is_initialized]
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self._allocated() for t in (layer.keys, layer.values))
+
+    @torch.inference_mode()
+    def reshape(self, slots: int, capacity: int) -> None:
+        """Reallocate to [slots, capacity], keeping what lies in both shapes; the caller has moved every sequence
+        below `slots` and made `capacity` hold each of them. One layer at a time: the peak is one layer over."""
+        keep_slots, keep_len = min(slots, self.slots), min(capacity, self.capacity)
+        for layer in self._allocated():
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                new = old.new_zeros((slots, old.shape[1], capacity, old.shape[-1]))
+                new[:keep_slots, :, :keep_len].copy_(old[:keep_slots, :, :keep_len])
+                setattr(layer, name, new)
+                del old
+        self.slots, self.capacity = slots, capacity
+
+    @torch.inference_mode()
+    def swap(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        """Exchange the first `length_a` tokens of slot a with the first `length_b` of slot b (0: not kept)."""
+        for layer in self._allocated():
+            for buffer in (layer.keys, layer.values):
+                saved = buffer[a, :, :length_a].clone() if length_a else None
+                if length_b:
+                    buffer[a, :, :length_b].copy_(buffer[b, :, :length_b])
+                if saved is not None:
+                    buffer[b, :, :length_a].copy_(saved)
+
+
+CUDA_SHARE = 0.4  # of the device memory free when a runner starts: a drafter may share the GPU, activations need room
+CPU_SHARE = 0.25  # of the host memory available
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """Keys and values of one token over every layer, for this process's share of the heads."""
+    config = model.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    itemsize = next(model.parameters()).dtype.itemsize
+    return 2 * config.num_hidden_layers * max(heads // world, 1) * head_dim * itemsize
+
+
+def default_kv_tokens(model: torch.nn.Module) -> int:
+    """A token budget from the memory free now; the ranks of a tensor-parallel group agree on the smallest, so
+    they admit and refuse the same sequences."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        spare = torch.cuda.mem_get_info(device)[0] * CUDA_SHARE
+    else:
+        spare = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") * CPU_SHARE
+    tokens = int(spare // kv_bytes_per_token(model))
+    if torch.distributed.is_initialized():
+        on = device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+        agreed = torch.tensor([tokens], dtype=torch.long, device=on)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        tokens = int(agreed.item())
+    return tokens

@@ -1,0 +1,245 @@
+"""The runner's preallocated KV cache: in-place writes give the logits a full recomputation gives, rollback is a
+length, steady decoding never moves or copies the cache, and a token budget admits, evicts and refuses."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from tandem.bench.allocations import AllocationMeter
+from tandem.core.protocol import KVCacheFull
+from tandem.core.runner import ModelRunner
+
+TIGHT = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _tokens(seed: int, count: int) -> list[int]:
+    return torch.randint(3, 300, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _recomputed(model, tokens: list[int], want: int) -> torch.Tensor:
+    """The model over the whole sequence with no cache at all."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens])).logits[0, len(tokens) - want :].float()
+
+
+def _alone(model, tokens: list[int], cached: int, want: int) -> torch.Tensor:
+    runner = ModelRunner(model, kv_tokens=4096)
+    state = runner.state("alone")
+    state.sync(0, tokens)
+    runner.prefill(state, cached)
+    return runner.forward([state], [want])[0]
+
+
+def test_rows_of_different_lengths_and_widths_match_each_row_alone_and_a_full_recomputation(tiny_models) -> None:
+    model = tiny_models[0].model
+    runner = ModelRunner(model, kv_tokens=4096)
+    # (cached, new) per row; row 2 starts uncached, row 3 is between the others but sits this forward out.
+    shapes = [(3, 1), (17, 4), (0, 6), (11, 2), (9, 3)]
+    sequences = [_tokens(i, cached + new) for i, (cached, new) in enumerate(shapes)]
+    states = []
+    for i, ((cached, _), tokens) in enumerate(zip(shapes, sequences, strict=True)):
+        state = runner.state(f"s{i}")
+        state.sync(0, tokens)
+        runner.prefill(state, cached)
+        states.append(state)
+    taking_part = [0, 4, 2, 1]  # not in slot order
+    wants = [1, 3, 6, 2]
+    batched = runner.forward([states[i] for i in taking_part], wants)
+    for i, want, logits in zip(taking_part, wants, batched, strict=True):
+        cached, new = shapes[i]
+        assert logits.shape == (want, runner.vocab_size) and states[i].cached == cached + new
+        torch.testing.assert_close(logits, _alone(model, sequences[i], cached, want), **TIGHT)
+        torch.testing.assert_close(logits, _recomputed(model, sequences[i], want), **TIGHT)
+    assert states[3].cached == shapes[3][0]  # the row that sat out wrote nothing
+    torch.testing.assert_close(runner.forward([states[3]], [2])[0], _recomputed(model, sequences[3], 2), **TIGHT)
+
+
+def test_rollback_then_reextend_equals_a_fresh_run(tiny_models) -> None:
+    model = tiny_models[0].model
+    runner = ModelRunner(model, kv_tokens=4096)
+    prompt, rejected, accepted = _tokens(1, 20), _tokens(2, 5), _tokens(3, 3)
+    other = runner.state("other")
+    other.sync(0, _tokens(4, 30))
+    state = runner.state("a")
+    state.sync(0, prompt + rejected)
+    runner.forward([other, state], [1, 5])
+    state.sync(len(prompt) + 1, accepted)  # keeps the first drafted token, rolls back four
+    assert state.cached == len(prompt) + 1
+    other.tokens.append(7)
+    rolled = runner.forward([state, other], [3, 1])
+    expected = prompt + rejected[:1] + accepted
+    torch.testing.assert_close(rolled[0], _recomputed(model, expected, 3), **TIGHT)
+    torch.testing.assert_close(rolled[1], _recomputed(model, other.tokens, 1), **TIGHT)
+
+
+def test_released_and_retained_sequences_keep_their_keys_when_slots_move(tiny_models) -> None:
+    model = tiny_models[0].model
+    runner = ModelRunner(model, kv_tokens=4096)
+    sequences = {name: _tokens(i, 12 + i) for i, name in enumerate("abcd")}
+    for name, tokens in sequences.items():
+        state = runner.state(name, session=f"chat-{name}")
+        state.sync(0, tokens)
+        runner.prefill(state, len(tokens) - 1)
+    runner.release("a", retain=True)  # d moves into a's slot, a is kept above the active ones
+    runner.release("b")
+    assert sorted(s.slot for s in runner.states.values()) == [0, 1]
+    resumed = runner.state("a2", session="chat-a")
+    assert resumed.cached == len(sequences["a"]) - 1 and resumed.slot == 2
+    states = [runner.states[name] for name in ("c", "d", "a2")]
+    logits = runner.forward(states, [1, 1, 1])
+    for name, row in zip("cda", logits, strict=True):
+        torch.testing.assert_close(row, _recomputed(model, sequences[name], 1), **TIGHT)
+
+
+def _decode(runner: ModelRunner, states, steps: int) -> list[int]:
+    pointers = []
+    for _ in range(steps):
+        logits = runner.forward(states, [1] * len(states))
+        for state, row in zip(states, logits, strict=True):
+            state.tokens.append(int(row[-1].argmax()))
+        pointers.append([t.data_ptr() for layer in runner.cache.layers for t in (layer.keys, layer.values)])
+    return pointers
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_steady_decoding_writes_in_place_and_allocates_nothing_that_grows_with_context(tiny_models,
+                                                                                       batch: int) -> None:
+    model = tiny_models[0].model
+    per_step, live = {}, {}
+    for context in (40, 400):
+        runner = ModelRunner(model, kv_tokens=8192)
+        states = []
+        for i in range(batch):
+            state = runner.state(f"s{i}")
+            state.sync(0, _tokens(i, context + 3 * i))  # rows of different lengths
+            states.append(state)
+        _decode(runner, states, 2)  # prefill, and the capacity the decode needs
+        shape = (runner.cache.slots, runner.cache.capacity)
+        pointers = _decode(runner, states, 4)
+        assert all(p == pointers[0] for p in pointers) and (runner.cache.slots, runner.cache.capacity) == shape
+        meter = AllocationMeter()
+        with meter:
+            _decode(runner, states, 4)
+        # Attention's own workspace (scores over the context) is not a copy of the cache.
+        per_step[context] = (meter.allocated - meter.by_op["aten::scaled_dot_product_attention"]) / 4
+        live[context] = runner.cached_tokens * runner.cache.reserved_bytes / runner.kv_tokens_reserved
+    copies = (per_step[400] - per_step[40]) / (live[400] - live[40])
+    assert copies < 0.02, f"{copies:.3f} copies of the KV cache per step"
+
+
+def test_a_small_budget_evicts_retained_sessions_then_refuses(tiny_models) -> None:
+    model = tiny_models[0].model
+    runner = ModelRunner(model, kv_tokens=100)
+    first = runner.state("a", session="chat")
+    first.sync(0, _tokens(0, 45))
+    runner.prefill(first, 44)
+    runner.release("a", retain=True)
+    assert runner.kv_tokens_used == 44 and runner.kv_tokens_capacity == 100
+    second = runner.state("b")
+    second.sync(0, _tokens(1, 60))
+    runner.prefill(second, 59)  # two slots of 59 do not fit in 100: the retained session goes
+    assert not runner.retained and runner.kv_tokens_used == 59
+    assert runner.kv_tokens_reserved <= 100
+    with pytest.raises(KVCacheFull) as full:
+        runner.state("c")  # a second slot as long as b's cannot fit, and nothing is left to evict
+    assert full.value.capacity == 100 and "c" not in runner.states
+    with pytest.raises(KVCacheFull):
+        second.tokens.extend(_tokens(2, 50))
+        runner.forward([second], [1])
+    assert second.cached == 59  # the refused forward wrote nothing
+    del second.tokens[60:]
+    torch.testing.assert_close(runner.forward([second], [1])[0], _recomputed(model, second.tokens, 1), **TIGHT)
+    restored = pickle.loads(pickle.dumps(full.value))
+    assert isinstance(restored, KVCacheFull) and (restored.needed, restored.capacity) == (118, 100)
+
+
+def test_worker_info_reports_kv_tokens(tiny_dirs) -> None:
+    from tandem.workers.draft_worker import DraftWorker
+    from tandem.workers.worker_base import WorkerConfig
+
+    info = DraftWorker(WorkerConfig(model=str(tiny_dirs.draft), device="cpu", dtype="float32")).info()
+    assert info["kv_tokens_used"] == 0 and info["kv_tokens_capacity"] > 0 and "kv_tokens_reserved" in info
+
+
+def test_verifying_several_tokens_per_row_does_not_repeat_the_key_value_heads(tiny_models) -> None:
+    model = tiny_models[0].model
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped-query attention
+    per_step, live = {}, {}
+    for context in (40, 400):
+        runner = ModelRunner(model, kv_tokens=8192)
+        states = []
+        for i in range(3):
+            state = runner.state(f"s{i}")
+            state.sync(0, _tokens(i, context + 5 * i))
+            runner.prefill(state, len(state.tokens) - 1)
+            state.tokens.extend([5, 6, 7, 8])
+            states.append(state)
+        meter = AllocationMeter()
+        with meter:
+            logits = runner.forward(states, [5, 5, 5])
+        for state, row in zip(states, logits, strict=True):
+            torch.testing.assert_close(row, _recomputed(model, state.tokens, 5), **TIGHT)
+        per_step[context] = meter.allocated - meter.by_op["aten::scaled_dot_product_attention"]
+        live[context] = runner.cached_tokens
+    kv_token_bytes = runner.cache.reserved_bytes / runner.kv_tokens_reserved
+    copies = (per_step[400] - per_step[40]) / ((live[400] - live[40]) * kv_token_bytes)
+    assert copies < 0.05, f"{copies:.3f} copies of the KV cache per step"
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_packed_attention_equals_repeated_key_value_heads(width: int) -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from tandem.core.attention import packed_sdpa_forward
+
+    class Attention(torch.nn.Module):
+        num_key_value_groups = 3
+        is_causal = True
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 6, width, 8, generator=generator)
+    key, value = (torch.randn(2, 2, 11, 8, generator=generator) for _ in range(2))
+    mask = torch.rand(2, 1, width, 11, generator=generator) < 0.7
+    mask[..., 0] = True
+    expected, _ = sdpa_attention_forward(Attention(), query, key, value, mask, scaling=0.3)
+    packed, _ = packed_sdpa_forward(Attention().eval(), query, key, value, mask, scaling=0.3)
+    torch.testing.assert_close(packed, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_the_engine_queues_what_the_verifier_cannot_hold_and_runs_it_once_room_is_made(tiny_models) -> None:
+    from tandem.core.config import EngineConfig, SamplingParams
+    from tandem.core.engine import SpeculativeEngine
+    from tandem.core.local import LocalVerifier
+
+    model = tiny_models[0].model
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [_tokens(10 + i, 30) for i in range(3)]
+    roomy = SpeculativeEngine(LocalVerifier(ModelRunner(model, kv_tokens=4096)), None, EngineConfig(calibrate=False))
+    expected = [r.token_ids for r in roomy.generate(prompts, params)]
+    # Three 30-token prompts fit in 100 tokens, but not once they have grown past 33 tokens: the newest is
+    # preempted, waits, and is recomputed from its history when the others finish.
+    runner = ModelRunner(model, kv_tokens=100)
+    engine = SpeculativeEngine(LocalVerifier(runner), None, EngineConfig(calibrate=False))
+    sequences = [engine.sequences[engine.add_request(p, params)] for p in prompts]
+    waited = False
+    while engine.has_unfinished():
+        engine.step()
+        waited |= len(runner.states) == 2 and len(sequences[2].output) < len(sequences[0].output)
+        assert runner.kv_tokens_reserved <= 100
+    assert waited
+    assert [engine.result(seq).token_ids for seq in sequences] == expected
+
+
+def test_a_request_that_can_never_fit_raises(tiny_models) -> None:
+    from tandem.core.config import EngineConfig, SamplingParams
+    from tandem.core.engine import SpeculativeEngine
+    from tandem.core.local import LocalVerifier
+
+    engine = SpeculativeEngine(LocalVerifier(ModelRunner(tiny_models[0].model, kv_tokens=20)), None,
+                               EngineConfig(calibrate=False))
+    engine.add_request(_tokens(0, 30), SamplingParams(temperature=0.0, max_tokens=4))
+    with pytest.raises(KVCacheFull):
+        engine.step()
