@@ -206,6 +206,7 @@ def main() -> None:
 
     def log(key, value):
         res[key] = value
+        args.out.write_text(json.dumps(report, indent=2) + "\n")  # a run cut short still leaves its figures
         print(f"[{time.perf_counter() - started:6.1f}s] {key}: {json.dumps(value)}", flush=True)
 
     # First calls of each new shape pay one-off kernel selection: warm every prompt's prefill in both stacks.
