@@ -43,8 +43,9 @@ CONFIGS = {  # the published Qwen2.5-Coder-*-Instruct config.json shapes
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # datasheet peaks (SXM)
 
 
-def build(role: str, device: torch.device, dtype: torch.dtype) -> Qwen2ForCausalLM:
-    config = Qwen2Config(**COMMON, **CONFIGS[role])
+def build(role: str, device: torch.device, dtype: torch.dtype, **shape) -> Qwen2ForCausalLM:
+    """The real pair's shapes with random weights; `shape` overrides fields (tests shrink the model)."""
+    config = Qwen2Config(**(COMMON | CONFIGS[role] | shape))
     torch.manual_seed({"target": 1, "draft": 2}[role])
     with torch.device(device):
         model = Qwen2ForCausalLM(config).to(dtype).eval()
@@ -53,10 +54,10 @@ def build(role: str, device: torch.device, dtype: torch.dtype) -> Qwen2ForCausal
     return model
 
 
-def prompts(count: int, seed: int = 0) -> list[list[int]]:
+def prompts(count: int, seed: int = 0, vocab: int = 150000) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(64, 257, (count,), generator=generator)
-    return [torch.randint(10, 150000, (int(n),), generator=generator).tolist() for n in lengths]
+    return [torch.randint(10, vocab, (int(n),), generator=generator).tolist() for n in lengths]
 
 
 def sync() -> None:
@@ -122,7 +123,7 @@ def hf_generate(model, work: list[list[int]], batch: int, tokens: int, assistant
 
 def forward_costs(runner: ModelRunner, widths: list[int], context: int, reps: int = 20) -> dict[int, float]:
     """Median seconds of one forward over `width` new tokens on a `context`-token cache, batch 1."""
-    ids = prompts(1, seed=7)[0] * 8
+    ids = prompts(1, seed=7, vocab=min(150000, runner.vocab_size))[0] * 8
     state = runner.state("probe")
     state.sync(0, ids[:context])
     runner.prefill(state, context)
@@ -163,7 +164,7 @@ def allocated_per_step(eng_factory, work: list[list[int]], contexts: tuple[int, 
     out = {}
     for context in contexts:
         eng = eng_factory()
-        params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)  # still live when read
         ids = [(p * 32)[:context] for p in work]
         for prompt in ids:
             eng.add_request(prompt, params)
@@ -189,6 +190,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("gpu-probe.json"))
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--warm-seconds", type=float, default=45.0, help="decode this long before measuring")
     parser.add_argument("--no-compile", action="store_true", help="skip HF generate with static cache + compile")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -209,16 +211,28 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")  # a run cut short still leaves its figures
         print(f"[{time.perf_counter() - started:6.1f}s] {key}: {json.dumps(value)}", flush=True)
 
-    # First calls of each new shape pay one-off kernel selection: warm every prompt's prefill in both stacks.
+    # First calls of each new shape pay one-off kernel selection: warm every prompt's prefill in both stacks. Then
+    # keep decoding for a while: on the lent H100 the same run doubled its tok/s over its first minute (clocks
+    # ramping; docs/bench/gpu-order-check-v1.json), so figures taken cold are not comparable with later ones.
     run_tandem(target, draft, None, 1, work, 2)
     run_tandem(target, draft, None, 8, work, 2)
     hf_generate(target, work, 1, 2)
-    for key, k, batch, items in (("tandem_plain_b1", None, 1, batch1), ("tandem_spec_k4_b1", 4, 1, batch1[:2]),
-                                 ("tandem_auto_b1", 0, 1, batch1), ("tandem_plain_b8", None, 8, work),
-                                 ("tandem_spec_k4_b8", 4, 8, work)):
+    warm_until = time.perf_counter() + args.warm_seconds
+    while time.perf_counter() < warm_until:
+        run_tandem(target, draft, None, 8, work, 32)
+    # Plain decoding of both stacks at batch 1 in the order A B B A, each pair pooled.
+    pairs = {"tandem_plain_b1": [], "hf_plain_b1": []}
+    for key in ("tandem_plain_b1", "hf_plain_b1", "hf_plain_b1", "tandem_plain_b1"):
+        half = batch1[:2] if len(pairs[key]) == 0 else batch1[2:]
+        pairs[key].append(run_tandem(target, draft, None, 1, half, args.tokens) if key.startswith("tandem")
+                          else hf_generate(target, half, 1, args.tokens))
+    for key, runs in pairs.items():
+        tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
+        log(key, {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
+                  "each_tok_s": [r["tok_s"] for r in runs]})
+    for key, k, batch, items in (("tandem_spec_k4_b1", 4, 1, batch1[:2]), ("tandem_auto_b1", 0, 1, batch1),
+                                 ("tandem_plain_b8", None, 8, work), ("tandem_spec_k4_b8", 4, 8, work)):
         log(key, run_tandem(target, draft, k, batch, items, args.tokens))
-    hf_generate(target, [work[0][:32]], 1, 8)  # warm-up
-    log("hf_plain_b1", hf_generate(target, batch1, 1, args.tokens))
     log("hf_plain_b8", hf_generate(target, work, 8, args.tokens))
     log("hf_assisted_b1", hf_generate(target, batch1[:2], 1, args.tokens, assistant=draft))
 
