@@ -110,3 +110,24 @@ def test_the_verifier_caches_at_most_the_limit_and_scores_once_all_is_cached(tin
 def test_a_negative_chunk_is_rejected() -> None:
     with pytest.raises(InvalidArgument, match="prefill_chunk"):
         EngineConfig(prefill_chunk=-1)
+
+
+def test_sampled_newcomer_prefilled_in_chunks_keeps_its_seeded_tokens(tiny_models) -> None:
+    """Sampled, not only greedy: a client-seeded prompt cached a chunk per step while another sequence decodes gives
+    the tokens plain decoding gives that seed in one prefill, with speculation on."""
+    seeded_long = SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=24, ignore_eos=True)
+    seeded_short = SamplingParams(temperature=0.9, top_p=0.95, seed=4, max_tokens=80, ignore_eos=True)
+    plain = build_engine(tiny_models[0], None, EngineConfig(calibrate=False, prefill_chunk=0))
+    want_short = plain.generate([SHORT], seeded_short)[0].token_ids
+    want_long = plain.generate([LONG], seeded_long)[0].token_ids
+    engine = build_engine(tiny_models[0], tiny_models[1], EngineConfig(spec=FIXED_K, calibrate=False,
+                                                                       prefill_chunk=16))
+    short = engine.sequences[engine.add_request(SHORT, seeded_short)]
+    engine.step()
+    long = engine.sequences[engine.add_request(LONG, seeded_long)]
+    engine.step()
+    assert long.prefill_started and not long.output  # the newcomer is being prefilled in chunks
+    while engine.has_unfinished():
+        engine.step()
+    assert (short.output, long.output) == (want_short, want_long)
+    assert short.stats.accepted > 0
