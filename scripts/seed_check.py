@@ -36,13 +36,23 @@ def _config(k: int | None, batch: int) -> EngineConfig:
     return EngineConfig(spec=SpecConfig(adaptive=False, k_max=k, k_init=k), max_batch=batch, calibrate=False)
 
 
-def check(dtype: torch.dtype, requests: int, tokens: int, batch: int, log) -> dict:
+def check(dtype: torch.dtype, requests: int, tokens: int, batch: int, parts: list[str], log) -> dict:
     target = load_model(TARGET, device=torch.device("cpu"), dtype=dtype, progress=False)
     draft = load_model(DRAFT, device=torch.device("cpu"), dtype=dtype, progress=False)
     texts = load_prompts(None)
     prompts = [encode_prompt(target.tokenizer, texts[i % len(texts)], chat=True) for i in range(requests)]
     seeded = [_params(seed, tokens) for seed in range(requests)]
     out: dict = {}
+    if "identity" in parts:
+        out |= _identity(target, draft, prompts, seeded, batch, log)
+    if "acceptance" in parts:
+        out["acceptance_k4"] = _acceptance(target, draft, prompts, seeded, tokens, batch, log)
+    return out
+
+
+def _identity(target, draft, prompts, seeded, batch: int, log) -> dict:
+    """Per k, how many seeded requests give exactly plain decoding's token ids."""
+    requests, out = len(prompts), {}
     plain = [r.token_ids for r in build_engine(target, None, _config(None, batch)).generate(prompts, seeded)]
     log("plain done")
     for k in (2, 6):
@@ -55,14 +65,18 @@ def check(dtype: torch.dtype, requests: int, tokens: int, batch: int, log) -> di
                         / max(1, sum(r.stats["drafted"] for r in results)),
                         "first_differing_token": [d for d in first_diff if d is not None]}
         log(f"k{k}: {same}/{requests} identical")
-    rates = {}
+    return out
+
+
+def _acceptance(target, draft, prompts, seeded, tokens: int, batch: int, log) -> dict:
+    """Share of drafted tokens accepted (k fixed at 4) under each rule, same prompts."""
+    requests, rates = len(prompts), {}
     for rule, params in (("seeded_gumbel", seeded),
                          ("unseeded_min_p_over_q", [_params(None, tokens, engine_seed=s) for s in range(requests)])):
         results = build_engine(target, draft, _config(4, batch)).generate(prompts, params)
         rates[rule] = sum(r.stats["accepted"] for r in results) / max(1, sum(r.stats["drafted"] for r in results))
         log(f"acceptance {rule}: {rates[rule]:.3f}")
-    out["acceptance_k4"] = rates
-    return out
+    return rates
 
 
 def main() -> None:
@@ -71,6 +85,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--parts", nargs="+", default=["identity", "acceptance"], choices=["identity", "acceptance"])
     parser.add_argument("--out", type=Path, default=Path("seed-check.json"))
     args = parser.parse_args()
     started = time.perf_counter()
@@ -81,7 +96,7 @@ def main() -> None:
     report = {"target": TARGET, "draft": DRAFT, "requests": args.requests, "tokens": args.tokens,
               "sampling": {"temperature": 0.8, "top_p": 0.95}, "torch_threads": torch.get_num_threads()}
     for name in args.dtypes:
-        report[name] = check(getattr(torch, name), args.requests, args.tokens, args.batch, log)
+        report[name] = check(getattr(torch, name), args.requests, args.tokens, args.batch, args.parts, log)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
     report["wall_seconds"] = time.perf_counter() - started
     args.out.write_text(json.dumps(report, indent=2) + "\n")
