@@ -1,4 +1,4 @@
-"""Benchmark: plain target decoding, Hugging Face assisted generation and tandem, same models, same run.
+"""Benchmark: plain target decoding, Hugging Face's own generate (plain and assisted) and tandem, same models, same run.
 
 Methods are interleaved prompt by prompt so slow drift of the machine hits all of them alike.
 """
@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import torch
+import transformers
 from tqdm import tqdm
 
 from tandem.core.config import EngineConfig, SamplingParams
@@ -20,7 +23,13 @@ from tandem.core.costs import CostModel
 from tandem.errors import InvalidArgument
 from tandem.local_engine import build_engine, encode_prompt
 
-METHODS = ("plain", "hf_assisted", "tandem")
+METHODS = ("plain", "hf_plain", "hf_assisted", "tandem")
+HF_METHODS = ("hf_plain", "hf_assisted")
+# Hugging Face's own adaptive draft length (+2 after a fully accepted round, -1 otherwise), restarting at 5 on each
+# call. Assisted generation reads it from the assistant's generation_config. transformers 5.23's default, 20 drafts
+# a round cut where the assistant's confidence falls under 0.4 (fitted to past rounds only with scikit-learn
+# installed), ran at 0.77x of this on the 6 code prompts (bf16, 64 tokens, one CPU thread), and a constant 5 at 1.03x.
+HF_ASSISTANT = {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic_transient"}
 
 
 def load_prompts(path: Path | None) -> list[str]:
@@ -49,19 +58,66 @@ class MethodTotals:
                 "tok_s": round(self.tokens / self.seconds, 3) if self.seconds else 0.0}
 
 
-def _hf_assisted(target, draft, prompt_ids: list[int], max_tokens: int) -> list[int]:
+@contextmanager
+def assistant_settings(model, settings: dict) -> Iterator[None]:
+    """Set generation_config attributes of an assistant for the block, then put the old values back."""
+    config = model.generation_config
+    saved = {key: getattr(config, key, None) for key in settings}
+    for key, value in settings.items():
+        setattr(config, key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(config, key, value)
+
+
+def hf_generate(target, draft, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Hugging Face's own greedy generate, assisted by `draft` (with HF_ASSISTANT) unless it is None; the tokens up
+    to the first EOS."""
     ids = torch.tensor([prompt_ids], device=target.model.device)
-    out = target.model.generate(
-        ids, attention_mask=torch.ones_like(ids), assistant_model=draft.model, max_new_tokens=max_tokens,
-        do_sample=False, temperature=None, top_p=None, top_k=None, repetition_penalty=None,
-        pad_token_id=target.tokenizer.pad_token_id or target.tokenizer.eos_token_id,
-    )
+    # temperature/top_p/top_k/repetition_penalty=None drop whatever a generation_config.json sets for sampling,
+    # so the call is plain greedy like the other methods (with do_sample=False none of the warpers would run, but
+    # a repetition penalty would); HF stops at the generation config's EOS by itself.
+    kwargs = {"assistant_model": draft.model} if draft is not None else {}
+    with ExitStack() as stack:
+        if draft is not None:
+            stack.enter_context(assistant_settings(draft.model, HF_ASSISTANT))
+        out = target.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, temperature=None,
+            top_p=None, top_k=None, repetition_penalty=None,
+            pad_token_id=target.tokenizer.pad_token_id or target.tokenizer.eos_token_id, **kwargs,
+        )
     tokens = out[0, len(prompt_ids) :].tolist()
     eos = set(engine_eos(target))
     for i, token in enumerate(tokens):
         if token in eos:
             return tokens[:i]
     return tokens
+
+
+def hf_description(target, draft) -> dict:
+    """How the hf_* methods loaded and called Hugging Face's models, for the report."""
+    model = target.model
+    report = {
+        "load": (f"tandem's loader: AutoModelForCausalLM.from_pretrained(dir, dtype={str(model.dtype)[6:]}, "
+                 f"attn_implementation={model.config._attn_implementation!r}), eval, the same weights tandem runs"),
+        "call": ("model.generate(ids, attention_mask=ones, max_new_tokens=max_tokens, do_sample=False, "
+                 "temperature=None, top_p=None, top_k=None, repetition_penalty=None, pad_token_id=pad"
+                 "[, assistant_model=draft]), otherwise defaults; the assistant's generation_config set as in "
+                 "'assistant'; output cut at the first EOS"),
+        "transformers": transformers.__version__,
+    }
+    if draft is not None:
+        with assistant_settings(draft.model, HF_ASSISTANT):
+            config = draft.model.generation_config
+            defaults = config._get_default_generation_params()
+            report["assistant"] = {key: defaults[key] if getattr(config, key, None) is None else getattr(config, key)
+                                   for key in ("num_assistant_tokens", "num_assistant_tokens_schedule",
+                                               "assistant_confidence_threshold")}
+        # Without scikit-learn, assisted generation keeps the confidence threshold fixed instead of fitting it.
+        report["assistant"]["threshold_adapts"] = transformers.utils.is_sklearn_available()
+    return report
 
 
 def engine_eos(loaded) -> frozenset[int]:
@@ -108,7 +164,8 @@ def run_bench(target, draft, prompts: list[str], max_tokens: int, methods: tuple
     encoded = [encode_prompt(target.tokenizer, p, chat=True) for p in prompts]
     runners = {
         "plain": lambda ids: plain_engine.generate([ids], greedy)[0].token_ids,
-        "hf_assisted": lambda ids: _hf_assisted(target, draft, ids, max_tokens),
+        "hf_plain": lambda ids: hf_generate(target, None, ids, max_tokens),
+        "hf_assisted": lambda ids: hf_generate(target, draft, ids, max_tokens),
         "tandem": lambda ids: tandem_engine.generate([ids], greedy)[0],
     }
     for method in methods:  # warm-up, untimed
@@ -125,7 +182,10 @@ def run_bench(target, draft, prompts: list[str], max_tokens: int, methods: tuple
                 out = out.token_ids
             totals[method].tokens += len(out)
             totals[method].outputs.append(out)
-    return _report(totals, tandem_stats, tandem_engine.costs, prompts, max_tokens)
+    report = _report(totals, tandem_stats, tandem_engine.costs, prompts, max_tokens)
+    if any(m in HF_METHODS for m in methods):
+        report["config"]["hf"] = hf_description(target, draft if "hf_assisted" in methods else None)
+    return report
 
 
 def _report(totals: dict[str, MethodTotals], tandem_stats: list[dict], costs: CostModel, prompts: list[str],
@@ -149,11 +209,15 @@ def _report(totals: dict[str, MethodTotals], tandem_stats: list[dict], costs: Co
         report["costs"] = costs.to_dict()
         if "plain" in totals and totals["plain"].tokens and merged["rounds"]:
             report |= analytic_bound(merged, totals["plain"].seconds / totals["plain"].tokens)
-    for other in ("plain", "hf_assisted"):
+    for other in ("plain", "hf_plain", "hf_assisted"):
         if other in totals and "tandem" in totals and totals[other].tokens:
             report[f"tandem_vs_{other}"] = round(report["tandem"]["tok_s"] / report[other]["tok_s"], 4)
             same = sum(a == b for a, b in zip(totals["tandem"].outputs, totals[other].outputs, strict=True))
             report[f"greedy_identical_to_{other}"] = f"{same}/{len(prompts)}"
+    # HF's own speedup, and HF's plain generate against tandem's plain runner.
+    for method, base in (("hf_assisted", "hf_plain"), ("hf_plain", "plain")):
+        if method in totals and base in totals and totals[method].tokens and totals[base].tokens:
+            report[f"{method}_vs_{base}"] = round(report[method]["tok_s"] / report[base]["tok_s"], 4)
     if "tandem_vs_plain" in report and report.get("bound"):
         report["ratio_to_bound"] = round(report["tandem_vs_plain"] / report["bound"], 4)
     return report

@@ -1,0 +1,64 @@
+"""The bench's Hugging Face methods: plain greedy like tandem's runners, on models as from_pretrained leaves them
+(parameters requiring grad: turning that off sent HF's sliced LM-head matmul to a bmm that copies the head weight)."""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tandem.bench.runner import HF_ASSISTANT, hf_generate, run_bench
+from tandem.core.config import EngineConfig, SamplingParams
+from tandem.local_engine import build_engine, encode_prompt
+
+
+def _requires_grad(model) -> set[bool]:
+    return {p.requires_grad for p in model.parameters()}
+
+
+def test_hf_assisted_uses_the_assistant_settings_and_restores_them(tiny_models) -> None:
+    target, draft, _ = tiny_models
+    assert _requires_grad(target.model) == _requires_grad(draft.model) == {True}  # as from_pretrained leaves them
+    before = {key: getattr(draft.model.generation_config, key, None) for key in HF_ASSISTANT}
+    schedules: list[str] = []
+    hook = draft.model.register_forward_pre_hook(
+        lambda module, args: schedules.append(module.generation_config.num_assistant_tokens_schedule))
+    try:
+        hf_generate(target, draft, encode_prompt(target.tokenizer, "def add(a, b):", chat=False), 6)
+    finally:
+        hook.remove()
+    assert schedules and set(schedules) == {HF_ASSISTANT["num_assistant_tokens_schedule"]}
+    assert {key: getattr(draft.model.generation_config, key, None) for key in HF_ASSISTANT} == before
+
+
+def test_sliced_head_matmul_folds_into_mm(tiny_models) -> None:
+    """A loaded model's 2-token forward that keeps 1 logit (every assistant round's first forward) runs its head as
+    one mm, not a bmm that copies the head weight."""
+    target, _, _ = tiny_models
+    ids = torch.tensor([encode_prompt(target.tokenizer, "def add(a, b):", chat=False)[:2]])
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        target.model(input_ids=ids, logits_to_keep=1)
+    assert not [e for e in prof.events() if e.name == "aten::bmm"]
+
+
+def test_hf_methods_match_tandem_plain_greedy(tiny_models) -> None:
+    target, draft, _ = tiny_models
+    engine = build_engine(target, None, EngineConfig(calibrate=False))
+    for prompt in ("def add(a, b):", "Write a loop"):
+        ids = encode_prompt(target.tokenizer, prompt, chat=False)
+        plain = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=12))[0].token_ids
+        assert hf_generate(target, None, ids, 12) == plain
+        assert hf_generate(target, draft, ids, 12) == plain
+
+
+def test_report_says_how_hf_was_loaded_and_called(tiny_models) -> None:
+    target, draft, _ = tiny_models
+    report = run_bench(target, draft, ["def add(a, b):"], 6, progress=False)
+    for key in ("plain", "hf_plain", "hf_assisted", "tandem"):
+        assert report[key]["tokens"] > 0
+    hf = report["config"]["hf"]
+    assert "from_pretrained" in hf["load"] and "float32" in hf["load"] and "assistant_model" in hf["call"]
+    assert set(hf["assistant"]) == {"num_assistant_tokens", "num_assistant_tokens_schedule",
+                                    "assistant_confidence_threshold", "threshold_adapts"}
+    assert hf["assistant"]["num_assistant_tokens_schedule"] == HF_ASSISTANT["num_assistant_tokens_schedule"]
+    assert report["hf_assisted_vs_hf_plain"] > 0 and report["hf_plain_vs_plain"] > 0
+    assert report["greedy_identical_to_hf_plain"] == "1/1"
