@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services"))
 
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.engine import SpeculativeEngine
+from tandem.core.kv_cache import kv_bytes_per_token
 from tandem.core.local import LocalDrafter, LocalVerifier
 from tandem.core.runner import ModelRunner
 
@@ -149,13 +150,6 @@ def kernel_share(call) -> dict:
         sync()
     device_us = sum(e.self_device_time_total for e in prof.key_averages())
     return {"wall_s": wall, "kernel_s": device_us / 1e6, "share": device_us / 1e6 / wall}
-
-
-def kv_bytes_per_token(model) -> int:
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    element = next(model.parameters()).element_size()
-    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element
 
 
 def allocated_per_step(eng_factory, work: list[list[int]], contexts: tuple[int, int], steps: int = 8) -> dict:

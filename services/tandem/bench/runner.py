@@ -9,7 +9,7 @@ import json
 import platform
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -80,9 +80,7 @@ def hf_generate(target, draft, prompt_ids: list[int], max_tokens: int) -> list[i
     # so the call is plain greedy like the other methods (with do_sample=False none of the warpers would run, but
     # a repetition penalty would); HF stops at the generation config's EOS by itself.
     kwargs = {"assistant_model": draft.model} if draft is not None else {}
-    with ExitStack() as stack:
-        if draft is not None:
-            stack.enter_context(assistant_settings(draft.model, HF_ASSISTANT))
+    with assistant_settings(draft.model, HF_ASSISTANT) if draft is not None else nullcontext():
         out = target.model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, temperature=None,
             top_p=None, top_k=None, repetition_penalty=None,

@@ -100,8 +100,8 @@ class LocalDrafter:
             top = logits[-1].softmax(-1).max() if self.confidence else torch.tensor(1.0)
             return int(logits[-1].argmax()), None, float(top)
         if params.reproducible:
-            top = processed_probs(logits[-1:], params).max() if self.confidence else torch.tensor(1.0)
-            return int(gumbel_choice(logits[-1:], params, position)[0]), None, float(top)
+            probs = processed_probs(logits[-1:], params)
+            return int(gumbel_choice(probs, params.seed, position)[0]), None, float(probs.max())
         dist = truncate_top_m(processed_probs(logits[-1:], params), self.top_m)
         pick = sample_index(dist.probs, keyed_uniforms(_key_seed(params), [position], DRAFT_STREAM))
         return int(dist.ids[0, pick[0]]), dist, float(dist.probs[0, 0])
@@ -155,7 +155,7 @@ class LocalVerifier:
         if params.greedy:
             return accept_greedy(drafted, logits.argmax(dim=-1))
         if params.reproducible:  # a drafted token stays iff the target's seeded choice is the same token
-            return accept_greedy(drafted, gumbel_choice(logits, params, position))
+            return accept_greedy(drafted, gumbel_choice(processed_probs(logits, params), params.seed, position))
         seed = _key_seed(params)
         probs = processed_probs(logits, params)
         k = len(tokens)

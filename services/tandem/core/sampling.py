@@ -95,13 +95,13 @@ def gumbel_noise(seed: int, position: int, vocab: int, device: torch.device | st
     return (-torch.log(-torch.log(uniform))).to(device)
 
 
-def gumbel_choice(logits: torch.Tensor, params: SamplingParams, first_position: int) -> torch.Tensor:
-    """Drafter-invariant sampling (Gumbel-max): row i of [n, V] logits picks argmax(log p_i + g_i), with g_i the
-    noise keyed by (seed, first_position + i). That is an exact sample from p_i (temperature, top-k, top-p applied),
+def gumbel_choice(probs: torch.Tensor, seed: int, first_position: int) -> torch.Tensor:
+    """Drafter-invariant sampling (Gumbel-max): row i of [n, V] processed probabilities (processed_probs) picks
+    argmax(log p_i + g_i), with g_i the noise keyed by (seed, first_position + i). That is an exact sample from p_i,
     and any model scoring the same position with the same noise picks the same token wherever its distribution
     agrees enough: a draft proposes with the noise, the target keeps a drafted token iff it picks it too, so a seeded
     request gives the tokens plain decoding gives with that seed whatever the draft, k or batch."""
-    log_probs = processed_probs(logits, params).log()
+    log_probs = probs.log()
     vocab = log_probs.shape[-1]
-    noise = torch.stack([gumbel_noise(params.seed, first_position + i, vocab) for i in range(log_probs.shape[0])])
+    noise = torch.stack([gumbel_noise(seed, first_position + i, vocab) for i in range(log_probs.shape[0])])
     return (log_probs + noise.to(log_probs.dtype)).argmax(dim=-1)
