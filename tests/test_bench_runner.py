@@ -62,3 +62,30 @@ def test_report_says_how_hf_was_loaded_and_called(tiny_models) -> None:
     assert hf["assistant"]["num_assistant_tokens_schedule"] == HF_ASSISTANT["num_assistant_tokens_schedule"]
     assert report["hf_assisted_vs_hf_plain"] > 0 and report["hf_plain_vs_plain"] > 0
     assert report["greedy_identical_to_hf_plain"] == "1/1"
+
+
+def test_bench_reports_weight_bandwidth_and_runs_hf_on_standard_models(tiny_dirs) -> None:
+    """bf16 on CPU: tandem's models are prepacked, Hugging Face's methods run on a standard copy, and every method
+    reports the bytes of weights it read per second."""
+    from tandem.core.packed_linear import PackedLinear, weight_bytes
+    from tandem.models.loader import load_model
+
+    def load(path, eager: bool):
+        return load_model(str(path), device=torch.device("cpu"), dtype=torch.bfloat16, progress=False, eager=eager)
+
+    target, draft = load(tiny_dirs.target, False), load(tiny_dirs.draft, False)
+    standard = load(tiny_dirs.target, True), load(tiny_dirs.draft, True)
+    assert not any(isinstance(m, PackedLinear) for loaded in standard for m in loaded.model.modules())
+    calls = []
+    hook = standard[0].model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        report = run_bench(target, draft, ["def add(a, b):"], 6, progress=False, hf_models=standard)
+    finally:
+        hook.remove()
+    assert calls  # the hf methods ran on the standard target
+    assert report["config"]["hf"]["own_models"] is True
+    assert report["config"]["target_weight_bytes"] == weight_bytes(target.model) > 0
+    for method in ("plain", "hf_plain"):
+        expected = report[method]["tokens"] * weight_bytes(target.model) / report[method]["seconds"] / 1e9
+        assert abs(report[method]["weight_gb_s"] - expected) <= 0.01 + 1e-3 * expected
+    assert report["tandem"]["weight_gb_s"] > 0

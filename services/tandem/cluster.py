@@ -40,6 +40,7 @@ class ClusterOptions:
     threads: int | None = None
     device: str = "auto"
     dtype: str = "auto"
+    eager: bool = False  # models as Hugging Face builds them (no prepacked linears)
 
     def __post_init__(self) -> None:
         if self.draft_workers < 0:
@@ -101,7 +102,7 @@ def start_backend(target: str, draft: str | None, config: EngineConfig, options:
         load_tokenizer(draft)  # pulls a registry draft once, before several workers would race for it
     start_ray(options)
     spec = config.spec
-    common = {"device": options.device, "dtype": options.dtype, "threads": options.threads}
+    common = {"device": options.device, "dtype": options.dtype, "threads": options.threads, "eager": options.eager}
     target_config = WorkerConfig(model=target, **common)
     if options.tensor_parallel > 1:
         replicas = [start_tp_replica(target_config, options.tensor_parallel, name=f"target-{i}",

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.costs import CostModel
+from tandem.core.packed_linear import weight_bytes
 from tandem.errors import InvalidArgument
 from tandem.local_engine import build_engine, encode_prompt
 
@@ -98,8 +99,9 @@ def hf_description(target, draft) -> dict:
     """How the hf_* methods loaded and called Hugging Face's models, for the report."""
     model = target.model
     report = {
-        "load": (f"tandem's loader: AutoModelForCausalLM.from_pretrained(dir, dtype={str(model.dtype)[6:]}, "
-                 f"attn_implementation={model.config._attn_implementation!r}), eval, the same weights tandem runs"),
+        "load": (f"tandem's loader with eager=True: AutoModelForCausalLM.from_pretrained(dir, "
+                 f"dtype={str(model.dtype)[6:]}, attn_implementation={model.config._attn_implementation!r}), eval: "
+                 f"the model as Hugging Face builds it, the same weights tandem runs"),
         "call": ("model.generate(ids, attention_mask=ones, max_new_tokens=max_tokens, do_sample=False, "
                  "temperature=None, top_p=None, top_k=None, repetition_penalty=None, pad_token_id=pad"
                  "[, assistant_model=draft]), otherwise defaults; the assistant's generation_config set as in "
@@ -155,15 +157,18 @@ def _merge_stats(all_stats: list[dict]) -> dict:
 
 
 def run_bench(target, draft, prompts: list[str], max_tokens: int, methods: tuple[str, ...] = METHODS,
-              config: EngineConfig | None = None, progress: bool = True) -> dict:
+              config: EngineConfig | None = None, progress: bool = True, hf_models: tuple | None = None) -> dict:
+    """`hf_models`: (target, draft) loaded the standard way for the hf_* methods, when tandem's own are prepared
+    for its fast path (core.packed_linear); None runs Hugging Face on tandem's models."""
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    hf_target, hf_draft = hf_models or (target, draft)
     plain_engine = build_engine(target, None, EngineConfig(calibrate=False))
     tandem_engine = build_engine(target, draft, config or EngineConfig())
     encoded = [encode_prompt(target.tokenizer, p, chat=True) for p in prompts]
     runners = {
         "plain": lambda ids: plain_engine.generate([ids], greedy)[0].token_ids,
-        "hf_plain": lambda ids: hf_generate(target, None, ids, max_tokens),
-        "hf_assisted": lambda ids: hf_generate(target, draft, ids, max_tokens),
+        "hf_plain": lambda ids: hf_generate(hf_target, None, ids, max_tokens),
+        "hf_assisted": lambda ids: hf_generate(hf_target, hf_draft, ids, max_tokens),
         "tandem": lambda ids: tandem_engine.generate([ids], greedy)[0],
     }
     for method in methods:  # warm-up, untimed
@@ -180,20 +185,36 @@ def run_bench(target, draft, prompts: list[str], max_tokens: int, methods: tuple
                 out = out.token_ids
             totals[method].tokens += len(out)
             totals[method].outputs.append(out)
-    report = _report(totals, tandem_stats, tandem_engine.costs, prompts, max_tokens)
+    weights = (weight_bytes(target.model), weight_bytes(draft.model) if draft is not None else 0)
+    report = _report(totals, tandem_stats, tandem_engine.costs, prompts, max_tokens, weights)
     if any(m in HF_METHODS for m in methods):
-        report["config"]["hf"] = hf_description(target, draft if "hf_assisted" in methods else None)
+        report["config"]["hf"] = hf_description(hf_target, hf_draft if "hf_assisted" in methods else None)
+        report["config"]["hf"]["own_models"] = hf_models is not None
     return report
 
 
+def weight_gb_s(weights: tuple[int, int], seconds: float, target_forwards: int, draft_forwards: int = 0) -> float:
+    """Bytes of weights read per second (GB/s). A decode forward streams every weight once, so this against the
+    machine's memory bandwidth says how close a method's forwards run to the limit: plain methods do one target
+    forward per token; tandem one per round plus one draft forward per drafted token."""
+    return round((target_forwards * weights[0] + draft_forwards * weights[1]) / seconds / 1e9, 2)
+
+
 def _report(totals: dict[str, MethodTotals], tandem_stats: list[dict], costs: CostModel, prompts: list[str],
-            max_tokens: int) -> dict:
+            max_tokens: int, weights: tuple[int, int] = (0, 0)) -> dict:
+    """`weights`: bytes of the target's and the draft's linear weights (core.packed_linear.weight_bytes)."""
     report: dict = {name: t.to_dict() for name, t in totals.items()}
     report["config"] = {"prompts": len(prompts), "max_tokens": max_tokens, "torch_threads": torch.get_num_threads(),
                         "machine": platform.processor() or platform.machine(), "python": platform.python_version(),
-                        "torch": torch.__version__}
+                        "torch": torch.__version__, "target_weight_bytes": weights[0], "draft_weight_bytes": weights[1]}
+    for method in ("plain", "hf_plain"):
+        if method in totals and totals[method].seconds:
+            report[method]["weight_gb_s"] = weight_gb_s(weights, totals[method].seconds, totals[method].tokens)
     if "tandem" in totals:
         merged = _merge_stats(tandem_stats)
+        if totals["tandem"].seconds:
+            report["tandem"]["weight_gb_s"] = weight_gb_s(weights, totals["tandem"].seconds, merged["rounds"],
+                                                          merged["drafted"])
         spec_rounds = merged["spec_rounds"]
         report["tandem"] |= {
             "alpha": round(merged["accepted"] / merged["drafted"], 4) if merged["drafted"] else 0.0,

@@ -6,8 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from tandem.bench.runner import METHODS, load_prompts, run_bench
+from tandem.bench.runner import HF_METHODS, METHODS, load_prompts, run_bench
 from tandem.cli.common import add_model_options, engine_config, load_models
+from tandem.core.packed_linear import PackedLinear
 from tandem.errors import InvalidArgument
 
 
@@ -22,6 +23,19 @@ def add_bench_parser(subparsers) -> None:
     parser.set_defaults(handler=run)
 
 
+def _standard_models(args: argparse.Namespace, target, draft, methods: tuple[str, ...]):
+    """Hugging Face's methods measured the standard way: when tandem's models were prepared for its fast path
+    (prepacked linears), load a second, untouched copy for them; None when tandem's are already standard."""
+    if not any(m in HF_METHODS for m in methods) or not any(
+            isinstance(m, PackedLinear) for loaded in (target, draft) for m in loaded.model.modules()):
+        return None
+    from tandem.models.loader import load_model
+
+    device, dtype = target.model.device, target.model.dtype
+    return (load_model(args.target, device=device, dtype=dtype, eager=True),
+            load_model(args.draft, device=device, dtype=dtype, eager=True))
+
+
 def run(args: argparse.Namespace) -> int:
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     if unknown := [m for m in methods if m not in METHODS]:
@@ -30,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"max_tokens: must be at least 1, got {args.max_tokens}")
     prompts = load_prompts(args.prompts)[: args.limit]
     target, draft = load_models(args, speculate=True)
-    report = run_bench(target, draft, prompts, args.max_tokens, methods, engine_config(args))
+    report = run_bench(target, draft, prompts, args.max_tokens, methods, engine_config(args),
+                       hf_models=_standard_models(args, target, draft, methods))
     report["config"] |= {"target": args.target, "draft": args.draft}
     text = json.dumps(report, indent=2)
     if args.json_out:

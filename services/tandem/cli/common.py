@@ -21,6 +21,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32 (default: auto)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    parser.add_argument("--eager", action="store_true",
+                        help="run the models as Hugging Face builds them, without the device's fast path "
+                             "(on CPU in bfloat16: oneDNN linears with prepacked weights)")
     parser.add_argument("--k-max", type=int, default=SpecConfig().k_max, help="most draft tokens per round")
     parser.add_argument("--fixed-k", type=int, default=None, help="draft exactly this many tokens (no adaptation)")
     parser.add_argument("--draft-confidence", type=float, default=SpecConfig().draft_confidence,
@@ -70,8 +73,8 @@ def load_models(args: argparse.Namespace, speculate: bool):
 
     device, dtype = setup_torch(args)
     if not speculate:
-        return load_model(args.target, device=device, dtype=dtype), None
-    draft, target = load_pair(args.draft, args.target, device=device, dtype=dtype)
+        return load_model(args.target, device=device, dtype=dtype, eager=args.eager), None
+    draft, target = load_pair(args.draft, args.target, device=device, dtype=dtype, eager=args.eager)
     return target, draft
 
 

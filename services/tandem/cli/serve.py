@@ -130,14 +130,14 @@ def _in_process_arms_loader(args: argparse.Namespace, config, canary):
         from tandem.models.loader import check_compatible, load_model
 
         device, dtype = setup_torch(args)
-        target = load_model(args.target, device=device, dtype=dtype)
+        target = load_model(args.target, device=device, dtype=dtype, eager=args.eager)
         drafts: dict[str, object] = {}
         backends = {}
         for arm in canary.arms:
             arm_config = _arm_config(config, arm)
             name = _arm_draft(args, arm, arm_config)
             if name and name not in drafts:
-                drafts[name] = load_model(name, device=device, dtype=dtype)
+                drafts[name] = load_model(name, device=device, dtype=dtype, eager=args.eager)
                 check_compatible(drafts[name], target)
             backends[arm.name] = Backend(build_engine(target, drafts[name] if name else None, arm_config),
                                          target.tokenizer, args.target, name)
@@ -153,7 +153,8 @@ def _cluster_loader(args: argparse.Namespace, config, canary=None):
                              tensor_parallel=args.tp, draft_gpus=args.draft_gpus, target_gpus_per_rank=args.target_gpus,
                              draft_resources=_json_flag("draft_resources", args.draft_resources),
                              target_resources=_json_flag("target_resources", args.target_resources),
-                             ray_address=args.ray_address, threads=args.threads, device=args.device, dtype=args.dtype)
+                             ray_address=args.ray_address, threads=args.threads, device=args.device, dtype=args.dtype,
+                             eager=args.eager)
 
     # A local Ray's workers inherit this environment: the metrics port, and OTEL_* for their own span export.
     os.environ[METRICS_PORT_ENV] = str(worker_metrics_port(args))

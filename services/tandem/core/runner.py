@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from transformers import PreTrainedModel
 
 from tandem.core.attention import packed
 from tandem.core.kv_cache import SlotCache, Step, default_kv_tokens
+from tandem.core.packed_linear import PackedLinear
 from tandem.core.protocol import KVCacheFull
 
 DEFAULT_RETAIN_TOKENS = 32768
@@ -87,10 +89,11 @@ class ModelRunner:
         self.vocab_size = int(model.config.vocab_size)
         # Logits are computed here rather than by the model, optionally for only the first `vocab_limit` ids,
         # without touching the shared model.
-        self.head_module = model.get_output_embeddings()
-        self.head = None  # a sliced projection; None calls the model's own head (which may be tensor-parallel)
+        # The model's own head may be tensor-parallel or prepacked (core.packed_linear).
+        self.head = model.get_output_embeddings()
         if 0 < vocab_limit < self.vocab_size:
-            self.head = self.head_module.weight[:vocab_limit]
+            self.head = (self.head.first_rows(vocab_limit) if isinstance(self.head, PackedLinear)
+                         else partial(torch.nn.functional.linear, weight=self.head.weight[:vocab_limit]))
             self.vocab_size = vocab_limit
         self.pad_token_id = pad_token_id
         self.cache = SlotCache(text_config.num_hidden_layers)
@@ -183,7 +186,7 @@ class ModelRunner:
                  for col in range(len(new) - want, len(new))]
         hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
         hidden = hidden.index_select(0, torch.tensor(picks, device=self.device)).unsqueeze(0)
-        logits = self.head_module(hidden) if self.head is None else torch.nn.functional.linear(hidden, self.head)
+        logits = self.head(hidden)
         return list(logits[0].float().cpu().split(wants))
 
     def _fit(self, extra_slots: int, length: int) -> None:

@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from tandem.core.packed_linear import prepack
 from tandem.errors import IncompatibleModels, ModelNotFound
 from tandem.models.registry import PAIRS, REGISTRY, known_names
 
@@ -98,10 +99,13 @@ def load_model(
     progress: bool = True,
     pip_args: list[str] | None = None,
     extra: dict[str, Any] | None = None,
+    eager: bool = False,
 ) -> LoadedModel:
     """Resolve spec (pulling a registry model on first use) and load it for inference on device in dtype.
 
-    `extra` goes to from_pretrained as is (for example tp_plan="auto" inside a torch.distributed group).
+    `extra` goes to from_pretrained as is (for example tp_plan="auto" inside a torch.distributed group). Unless
+    `eager`, the model is prepared for this device's fast path (core.packed_linear: oneDNN prepacked linears for bf16
+    on CPU); `eager` leaves it as from_pretrained built it.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -119,6 +123,8 @@ def load_model(
         quantizer.remove_quantization_config(model)
     model.to(device)
     model.eval()
+    if not eager:
+        prepack(model)
     # Parameters keep requires_grad as from_pretrained leaves them (inference runs under inference_mode or no_grad, so
     # no graph is built). Turning it off changes torch's CPU matmul for a strided [1, n, H] input (a slice of hidden
     # states, as generate's logits_to_keep feeds the LM head): it no longer folds into one mm but runs a bf16 bmm
@@ -160,9 +166,10 @@ def load_pair(
     dtype: torch.dtype,
     progress: bool = True,
     pip_args: list[str] | None = None,
+    eager: bool = False,
 ) -> tuple[LoadedModel, LoadedModel]:
     """Load a draft and a target and check that they can be paired; returns (draft, target)."""
-    draft = load_model(draft_spec, device=device, dtype=dtype, progress=progress, pip_args=pip_args)
-    target = load_model(target_spec, device=device, dtype=dtype, progress=progress, pip_args=pip_args)
+    draft = load_model(draft_spec, device=device, dtype=dtype, progress=progress, pip_args=pip_args, eager=eager)
+    target = load_model(target_spec, device=device, dtype=dtype, progress=progress, pip_args=pip_args, eager=eager)
     check_compatible(draft, target)
     return draft, target

@@ -28,6 +28,7 @@ class WorkerConfig:
     confidence: float = 0.0
     draft_vocab: int = 0  # ids the drafter scores (0: all); the backend caps it at the target's vocabulary
     kv_tokens: int = 0  # the runner's KV token budget (0: a share of the memory free at start)
+    eager: bool = False  # the model as Hugging Face builds it (no prepacked linears)
 
 
 @dataclass(slots=True)
@@ -49,7 +50,7 @@ def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None =
         torch.set_num_threads(config.threads)
     device = select_device(config.device)
     loaded = load_model(config.model, device=device, dtype=select_dtype(config.dtype, device), progress=False,
-                        extra=extra)
+                        extra=extra, eager=config.eager)
     return ModelRunner(loaded.model, pad_token_id=loaded.tokenizer.pad_token_id or 0, vocab_limit=vocab_limit,
                        kv_tokens=config.kv_tokens)
 
