@@ -270,3 +270,28 @@ def test_a_retried_call_after_partial_success_stays_exact(tiny_models, plain_out
     while engine.has_unfinished():
         engine.step()
     assert seq.output == plain_output
+
+
+def test_rows_that_gain_draft_while_a_batch_mate_decodes_plainly(tiny_models) -> None:
+    """A session that may not draft (max_k 0, as for one in fallback) shares each round's forward with mates that
+    draft: the round is mixed, not plain for all, and every row's output is still plain greedy decoding's."""
+    target, draft, _ = tiny_models
+    cheap = CostModel(draft_step=0.01, verify={n: 1.0 for n in range(1, 12)}, draft_rows={3: 0.01, 2: 0.01},
+                      batched={(3, w): 1.0 for w in range(1, 12)}, frozen=True)  # drafting pays for the rows it has
+    prompts = [PROMPT, PROMPT[1:], PROMPT[2:]]
+    plain = [r.token_ids for r in build_engine(target, None).generate(prompts, _greedy(max_tokens=24))]
+    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(), calibrate=False))
+    engine.costs = cheap
+    seqs = [engine.sequences[engine.add_request(p, _greedy(max_tokens=24), max_k=0 if i == 0 else None)]
+            for i, p in enumerate(prompts)]
+    mixed_rounds = 0
+    while engine.sequences:
+        before = [seq.stats.spec_rounds for seq in seqs]
+        rounds = [seq.stats.rounds for seq in seqs]
+        engine.step()
+        stepped = [seq.stats.rounds > r for seq, r in zip(seqs, rounds, strict=True)]
+        drafted = [seq.stats.spec_rounds > b for seq, b in zip(seqs, before, strict=True)]
+        mixed_rounds += all(stepped) and not drafted[0] and any(drafted[1:])
+    assert seqs[0].stats.drafted == 0 and all(seq.stats.drafted > 0 for seq in seqs[1:])
+    assert mixed_rounds > 0
+    assert [seq.output for seq in seqs] == plain

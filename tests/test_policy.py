@@ -119,28 +119,31 @@ def test_batch_plan_prices_the_drafter_catch_up() -> None:
     assert plan_batch([2] * 4, alphas, costs) == [2] * 4
     rate = predicted_rate([2] * 4, alphas, costs, [0.0, 0.0, 0.0, 0.05])
     assert abs(rate - 4 * e / (0.1 + 0.02 + 0.05)) < 1e-9
-    # One row far behind with little left to decode: it would not gain, so no row drafts.
-    assert plan_batch([2] * 4, alphas, costs, [0.0, 0.0, 0.0, 0.3]) == [0] * 4
+    # One row far behind with little left to decode: it would not gain, so it decodes plainly beside the others.
+    assert plan_batch([2] * 4, alphas, costs, [0.0, 0.0, 0.0, 0.3]) == [2, 2, 2, 0]
     # Every row behind by as much: catching up costs more than drafting gains, the batch decodes plainly.
     assert plan_batch([2] * 4, alphas, costs, [0.3] * 4) == [0] * 4
     # A cheap catch-up is worth it.
     assert plan_batch([2] * 4, alphas, costs, [0.005] * 4) == [2] * 4
 
 
-def test_batch_plan_never_slows_a_row_below_plain_decoding() -> None:
+def test_batch_plan_drafts_the_rows_that_gain_beside_rows_that_decode_plainly() -> None:
     from tandem.core.batch_plan import plan_batch, predicted_rate, round_seconds
 
     costs = CostModel(draft_step=0.01, verify={1: 0.1, 2: 0.1}, draft_rows={4: 0.01}, batched={(4, 1): 0.1},
                       frozen=True)
-    # A session in fallback (k 0) would wait for the others' drafts and gain nothing: the batch stays plain,
-    # although drafting the other three would raise the batch's tokens per second.
+    # A session in fallback (k 0) decodes plainly in the same forward while the other three draft: the batch's
+    # tokens per second is higher than with the whole batch plain.
     assert predicted_rate([2, 2, 2, 0], [0.8] * 4, costs) > predicted_rate([0] * 4, [0.8] * 4, costs)
-    assert plan_batch([2, 2, 2, 0], [0.8] * 4, costs) == [0] * 4
+    assert plan_batch([2, 2, 2, 0], [0.8] * 4, costs) == [2, 2, 2, 0]
     # A row that rarely agrees with the drafter: at cap 2 it expects 1.1725 tokens in a round 1.2x as long as a
-    # plain one; at cap 1 it expects 1.15 tokens in a round 1.1x as long, so the batch drafts one token.
+    # plain one, so it does not gain and drafts nothing; the others draft 2 (a better rate than all at cap 1).
     alphas = [0.9, 0.9, 0.9, 0.15]
     assert abs(round_seconds([2] * 4, costs) / round_seconds([0] * 4, costs) - 1.2) < 1e-12
-    assert plan_batch([2] * 4, alphas, costs) == [1] * 4
+    assert plan_batch([2] * 4, alphas, costs) == [2, 2, 2, 0]
+    assert predicted_rate([2, 2, 2, 0], alphas, costs) > predicted_rate([1] * 4, alphas, costs)
+    # No row gains: the batch decodes plainly.
+    assert plan_batch([2] * 4, [0.05] * 4, costs) == [0] * 4
 
 
 def test_sync_keeps_the_cached_tokens_that_the_new_tokens_repeat() -> None:
