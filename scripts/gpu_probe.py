@@ -74,18 +74,19 @@ def timed(call) -> float:
     return time.perf_counter() - started
 
 
-def engine(target, draft, k: int | None, batch: int) -> SpeculativeEngine:
-    """k None: plain; k 0: adaptive (AUTO, calibrated); k > 0: fixed k."""
-    verifier = LocalVerifier(ModelRunner(target))
+def engine(target, draft, k: int | None, batch: int, graphs: bool = True) -> SpeculativeEngine:
+    """k None: plain; k 0: adaptive (AUTO, calibrated); k > 0: fixed k. `graphs` False: eager forwards."""
+    verifier = LocalVerifier(ModelRunner(target, cuda_graphs=graphs))
     if k is None:
         return SpeculativeEngine(verifier, None, EngineConfig(max_batch=batch, calibrate=False))
     spec = SpecConfig(k_max=8 if k == 0 else k, k_init=4 if k == 0 else k, adaptive=k == 0)
-    drafter = LocalDrafter(ModelRunner(draft), top_m=spec.draft_top_m, confidence=spec.stop_confidence)
+    drafter = LocalDrafter(ModelRunner(draft, cuda_graphs=graphs), top_m=spec.draft_top_m,
+                           confidence=spec.stop_confidence)
     return SpeculativeEngine(verifier, drafter, EngineConfig(spec=spec, max_batch=batch, calibrate=k == 0))
 
 
-def run_tandem(target, draft, k, batch: int, work: list[list[int]], tokens: int) -> dict:
-    eng = engine(target, draft, k, batch)
+def run_tandem(target, draft, k, batch: int, work: list[list[int]], tokens: int, graphs: bool = True) -> dict:
+    eng = engine(target, draft, k, batch, graphs)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     eng.generate([work[0][:32]], params)  # warm-up
     results = []
@@ -96,7 +97,9 @@ def run_tandem(target, draft, k, batch: int, work: list[list[int]], tokens: int)
     drafted = sum(r.stats.get("drafted", 0) for r in results)
     accepted = sum(r.stats.get("accepted", 0) for r in results)
     out = sum(len(r.token_ids) for r in results)
-    return {"tok_s": out / seconds, "tokens": out, "seconds": seconds, "drafted": drafted, "accepted": accepted}
+    graphs = [g for g in (eng.verifier.runner.graphs, eng.drafter and eng.drafter.runner.graphs) if g]
+    return {"tok_s": out / seconds, "tokens": out, "seconds": seconds, "drafted": drafted, "accepted": accepted,
+            "graph_captures": sum(g.captures for g in graphs), "graph_failures": sum(len(g.failed) for g in graphs)}
 
 
 def hf_generate(model, work: list[list[int]], batch: int, tokens: int, assistant=None, **kwargs) -> dict:
@@ -179,6 +182,20 @@ def allocated_per_step(eng_factory, work: list[list[int]], contexts: tuple[int, 
     return {"by_context": out, "kv_copies_per_step": growth / kv_growth if kv_growth else None}
 
 
+def graphs_vs_eager(target, draft, work: list[list[int]], tokens: int, log) -> None:
+    """tandem with CUDA graphs (the default) against eager forwards: plain and k 4 at batch 1, plain at batch 8;
+    A B B A per case, each pair pooled, and whether the greedy tokens were the same."""
+    for case, k, batch, items in (("plain_b1", None, 1, work[:4]), ("spec_k4_b1", 4, 1, work[:2]),
+                                  ("plain_b8", None, 8, work)):
+        runs: dict[str, list[dict]] = {"graphs": [], "eager": []}
+        for mode in ("graphs", "eager", "eager", "graphs"):
+            half = items if batch > 1 else (items[: len(items) // 2] if not runs[mode] else items[len(items) // 2:])
+            runs[mode].append(run_tandem(target, draft, k, batch, half, tokens, graphs=mode == "graphs"))
+        pooled = {mode: sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs) for mode, rs in runs.items()}
+        log(f"graphs_vs_eager_{case}", {"graphs_tok_s": pooled["graphs"], "eager_tok_s": pooled["eager"],
+                                        "speedup": pooled["graphs"] / pooled["eager"]})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu-probe.json"))
@@ -186,6 +203,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--warm-seconds", type=float, default=45.0, help="decode this long before measuring")
     parser.add_argument("--no-compile", action="store_true", help="skip HF generate with static cache + compile")
+    parser.add_argument("--only-graphs", action="store_true", help="only CUDA graphs against eager forwards")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit(f"gpu_probe: CUDA is not available (torch {torch.__version__})")
@@ -214,6 +232,10 @@ def main() -> None:
     warm_until = time.perf_counter() + args.warm_seconds
     while time.perf_counter() < warm_until:
         run_tandem(target, draft, None, 8, work, 32)
+    graphs_vs_eager(target, draft, work, args.tokens, log)
+    if args.only_graphs:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        return
     # Plain decoding of both stacks at batch 1 in the order A B B A, each pair pooled.
     pairs = {"tandem_plain_b1": [], "hf_plain_b1": []}
     for key in ("tandem_plain_b1", "hf_plain_b1", "hf_plain_b1", "tandem_plain_b1"):

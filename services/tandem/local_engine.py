@@ -35,11 +35,13 @@ def build_engine(target, draft=None, config: EngineConfig | None = None) -> Spec
     """target and draft are LoadedModel-like objects with .model and .tokenizer; draft None means plain decoding."""
     config = config or EngineConfig()
     pad = target.tokenizer.pad_token_id or 0
-    verifier = LocalVerifier(ModelRunner(target.model, pad_token_id=pad))
+    verifier = LocalVerifier(ModelRunner(target.model, pad_token_id=pad,
+                                         cuda_graphs=not getattr(target, "eager", False)))
     drafter = None
     if draft is not None and config.spec.speculating:
         runner = ModelRunner(draft.model, pad_token_id=pad,
-                             vocab_limit=draft_vocab_limit(config.spec.draft_vocab, verifier.vocab_size))
+                             vocab_limit=draft_vocab_limit(config.spec.draft_vocab, verifier.vocab_size),
+                             cuda_graphs=not getattr(draft, "eager", False))
         drafter = LocalDrafter(runner, top_m=config.spec.draft_top_m, confidence=config.spec.stop_confidence)
     return SpeculativeEngine(verifier, drafter, config, eos_token_ids(target.model, target.tokenizer),
                              decoder(target.tokenizer))

@@ -87,7 +87,7 @@ class SlotLayer(CacheLayerMixin):
         self.cache = cache
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        slots, capacity = self.cache.slots, self.cache.capacity
+        slots, capacity = self.cache.slots, self.cache.capacity + self.cache.margin
         self.keys = key_states.new_zeros((slots, key_states.shape[1], capacity, key_states.shape[-1]))
         self.values = value_states.new_zeros((slots, value_states.shape[1], capacity, value_states.shape[-1]))
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -120,6 +120,7 @@ class SlotCache(Cache):
 
     def __init__(self, num_layers: int) -> None:
         self.slots, self.capacity = 0, 0  # the shape buffers have, or will have when first allocated
+        self.margin = 0  # positions allocated past the capacity, for writes that are never read (core.cuda_graphs)
         self.step: Step | None = None
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
 
@@ -138,7 +139,7 @@ class SlotCache(Cache):
         for layer in self._allocated():
             for name in ("keys", "values"):
                 old = getattr(layer, name)
-                new = old.new_zeros((slots, old.shape[1], capacity, old.shape[-1]))
+                new = old.new_zeros((slots, old.shape[1], capacity + self.margin, old.shape[-1]))
                 new[:keep_slots, :, :keep_len].copy_(old[:keep_slots, :, :keep_len])
                 setattr(layer, name, new)
                 del old

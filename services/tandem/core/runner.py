@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tandem.core.attention import packed
+from tandem.core.cuda_graphs import MAX_WIDTH, GraphedForward
 from tandem.core.kv_cache import SlotCache, Step, default_kv_tokens
 from tandem.core.packed_linear import PackedLinear
 from tandem.core.protocol import KVCacheFull
@@ -72,8 +73,9 @@ class ModelRunner:
     """Owns one model, the cache of its sequences, and which sequence holds which slot."""
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int = 0, vocab_limit: int = 0,
-                 retain_tokens: int = DEFAULT_RETAIN_TOKENS, kv_tokens: int = 0) -> None:
-        """`kv_tokens`: the KV token budget (slots x capacity); 0 takes a share of the memory free now."""
+                 retain_tokens: int = DEFAULT_RETAIN_TOKENS, kv_tokens: int = 0, cuda_graphs: bool = True) -> None:
+        """`kv_tokens`: the KV token budget (slots x capacity); 0 takes a share of the memory free now.
+        `cuda_graphs`: replay decode forwards as CUDA graphs (core.cuda_graphs) on a GPU, outside tensor parallel."""
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -103,6 +105,11 @@ class ModelRunner:
         self.retain_tokens = retain_tokens
         self.retained: OrderedDict[str, SequenceState] = OrderedDict()  # session -> its last finished sequence
         self.reused_tokens = 0
+        self.graphs: GraphedForward | None = None
+        sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if cuda_graphs and self.device.type == "cuda" and not sharded:
+            self.graphs = GraphedForward(model, self.cache, self._hidden)
+            self.cache.margin = MAX_WIDTH
 
     def state(self, seq_id: str, session: str = "") -> SequenceState:
         """The state of `seq_id`; a new one starts from its session's retained cache when there is one."""
@@ -164,19 +171,24 @@ class ModelRunner:
         width = max(len(new) for new in news)
         starts = [self.occupants[slot].cached for slot in range(lo, hi)]
         counts = [len(fed.get(slot, ())) for slot in range(lo, hi)]
-        ids = torch.full((hi - lo, width), self.pad_token_id, dtype=torch.long)
-        for slot, new in fed.items():
-            ids[slot - lo, : len(new)] = torch.tensor(new, dtype=torch.long)
-        positions = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(width)
-        step = Step.build(lo, starts, counts, self.device)
-        mask = step.mask(width, self.mask_dtype, self.device, self.causal_kernel)
-        self.cache.step = step
-        try:
-            with packed(self.model.config):
-                out = self.model.base_model(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
-                                            attention_mask=mask, past_key_values=self.cache, use_cache=True)
-        finally:
-            self.cache.step = None
+        hidden = None
+        if self.graphs is not None and self.mask_dtype == torch.bool:
+            every_start = [s.cached if s is not None else 0 for s in self.occupants]
+            hidden = self.graphs.run(hi, every_start, fed, width, self.pad_token_id)
+        if hidden is not None:
+            lo = 0  # the graph's rows are slots [0, rows)
+        else:
+            ids = torch.full((hi - lo, width), self.pad_token_id, dtype=torch.long)
+            for slot, new in fed.items():
+                ids[slot - lo, : len(new)] = torch.tensor(new, dtype=torch.long)
+            positions = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(width)
+            step = Step.build(lo, starts, counts, self.device)
+            mask = step.mask(width, self.mask_dtype, self.device, self.causal_kernel)
+            self.cache.step = step
+            try:
+                hidden = self._hidden(ids.to(self.device), positions.to(self.device), mask)
+            finally:
+                self.cache.step = None
         for state, new in zip(states, news, strict=True):
             state.cached += len(new)
         if not any(wants):
@@ -184,10 +196,16 @@ class ModelRunner:
         # Logits only where asked: each row's last `want` real tokens, gathered into one dense batch.
         picks = [(state.slot - lo) * width + col for state, new, want in zip(states, news, wants, strict=True)
                  for col in range(len(new) - want, len(new))]
-        hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
+        hidden = hidden.reshape(-1, hidden.shape[-1])
         hidden = hidden.index_select(0, torch.tensor(picks, device=self.device)).unsqueeze(0)
         logits = self.head(hidden)
         return list(logits[0].float().cpu().split(wants))
+
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The model's last hidden state for a forward under the cache's current step."""
+        with packed(self.model.config):
+            return self.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                                         past_key_values=self.cache, use_cache=True).last_hidden_state
 
     def _fit(self, extra_slots: int, length: int) -> None:
         """Make the cache hold `extra_slots` more sequences and one of `length` tokens, evicting retained sessions

@@ -31,6 +31,7 @@ class LoadedModel:
     path: str
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
+    eager: bool = False  # loaded without the device's fast path; runners then skip CUDA graphs too
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +106,8 @@ def load_model(
 
     `extra` goes to from_pretrained as is (for example tp_plan="auto" inside a torch.distributed group). Unless
     `eager`, the model is prepared for this device's fast path (core.packed_linear: oneDNN prepacked linears for bf16
-    on CPU); `eager` leaves it as from_pretrained built it.
+    on CPU; on a GPU the runner replays CUDA graphs, core.cuda_graphs); `eager` leaves it as from_pretrained built it
+    and says so to the runners.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -131,7 +133,7 @@ def load_model(
     # that copies the whole transposed head weight, 1.3-2.7 s against 25-40 ms for the real pair's heads.
     tokenizer = AutoTokenizer.from_pretrained(source.path, **common)
     path = str(Path(source.path) / source.gguf_file) if source.gguf_file else source.path
-    return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer)
+    return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer, eager=eager)
 
 
 def _config_vocab_size(loaded: LoadedModel) -> int:

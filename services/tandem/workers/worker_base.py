@@ -52,7 +52,7 @@ def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None =
     loaded = load_model(config.model, device=device, dtype=select_dtype(config.dtype, device), progress=False,
                         extra=extra, eager=config.eager)
     return ModelRunner(loaded.model, pad_token_id=loaded.tokenizer.pad_token_id or 0, vocab_limit=vocab_limit,
-                       kv_tokens=config.kv_tokens)
+                       kv_tokens=config.kv_tokens, cuda_graphs=not config.eager)
 
 
 class WorkerBase:

@@ -1,0 +1,150 @@
+"""CUDA graphs of the runner's decode forwards: one kernel launch per step instead of hundreds.
+
+A decode step of a 1.5B model launches ~400 small kernels; on a GPU their launch overhead, not the GPU, sets the
+pace (measured on an H100: 35% of a batch-1 step's wall time inside kernels). A CUDA graph records the kernels of
+one forward once and replays them with a single launch. Replays are only valid for the same shapes and the same
+memory, so a graph is captured per bucket (rows, width) and reads fixed tensors:
+
+- the rows are the cache's slots [0, rows), rows rounded up to a bucket; slots of sequences not in the forward, and
+  empty slots, run as padding rows;
+- every row is `width` tokens; each token's keys and values are written at its row's own position (cached length +
+  column), padding included: past a row's length, so masked now and overwritten before they are ever read. The
+  cache keeps `MAX_WIDTH` spare positions past its capacity (SlotCache.margin) so these writes stay in bounds;
+- attention reads every position of the buffers under a mask built inside the graph from each row's cached length
+  and count of new tokens, the same mask the eager path builds.
+
+Only ids, cached lengths and counts are copied in before a replay; the graph's output is the last hidden state, from
+which the runner computes the logits it needs. Graphs are captured on a bucket's first use and dropped when the cache
+reallocates its buffers. Prefill (wide forwards) and tensor-parallel ranks run eagerly.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+
+import torch
+
+from tandem.core.kv_cache import SlotCache, Step
+
+log = logging.getLogger(__name__)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MAX_WIDTH = 16
+WARMUP_RUNS = 2
+
+
+class _Graph:
+    """One captured forward over `rows` x `width` and the fixed tensors it reads and writes."""
+
+    def __init__(self, rows: int, width: int, length: int, device: torch.device) -> None:
+        self.rows, self.width, self.length = rows, width, length
+        self.ids = torch.zeros((rows, width), dtype=torch.long, device=device)
+        self.starts = torch.zeros(rows, dtype=torch.long, device=device)
+        self.counts = torch.zeros(rows, dtype=torch.long, device=device)
+        self.graph = torch.cuda.CUDAGraph()
+        self.hidden: torch.Tensor | None = None
+
+    def step_and_inputs(self) -> tuple[Step, torch.Tensor, torch.Tensor]:
+        """Device-side positions, KV write index and mask for the fixed inputs (recorded into the graph)."""
+        device = self.ids.device
+        columns = torch.arange(self.width, device=device)
+        positions = self.starts[:, None] + columns
+        rows = torch.arange(self.rows, device=device).repeat_interleave(self.width)
+        index = (rows, positions.reshape(-1), rows, columns.repeat(self.rows))
+        last = (self.counts - 1)[:, None]
+        limits = (self.starts[:, None] + torch.minimum(columns[None], last)).clamp(min=0)
+        mask = torch.arange(self.length, device=device) <= limits[:, None, :, None]
+        step = Step(0, [0] * self.rows, [self.width] * self.rows, self.length, index)
+        return step, positions, mask
+
+
+class GraphedForward:
+    """Replays captured decode forwards for a runner's model and cache; `run` returns None where it does not apply
+    (too wide, too many rows, cache not allocated yet), and the runner runs that forward eagerly."""
+
+    def __init__(self, model: torch.nn.Module, cache: SlotCache, forward: Callable[..., torch.Tensor]) -> None:
+        """`forward(ids, positions, mask)` runs the model under the cache's current step and returns the last
+        hidden state; the runner supplies it so that attention and cache handling are its own."""
+        self.model, self.cache, self.forward = model, cache, forward
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.buffers_seen: tuple | None = None
+        self.pool = torch.cuda.graph_pool_handle()
+        self.failed: set[tuple[int, int]] = set()
+        self.captures = 0
+        self.replays = 0
+
+    def bucket(self, hi: int, width: int) -> int | None:
+        """The rows of the graph that covers slots [0, hi) at this width, or None to run eagerly."""
+        if width > MAX_WIDTH or not self.cache.layers[0].is_initialized:
+            return None
+        rows = next((r for r in ROW_BUCKETS if r >= hi), None)
+        if rows is None:
+            return None
+        return min(rows, self.cache.slots) if hi <= self.cache.slots else None
+
+    def run(self, hi: int, starts: list[int], fed: dict[int, list[int]], width: int,
+            pad_token_id: int) -> torch.Tensor | None:
+        """Hidden states [rows, width, hidden] of slots [0, rows) with `fed` tokens (by slot) written after each
+        slot's `starts` (cached length; 0 for empty slots); None to run eagerly."""
+        rows = self.bucket(hi, width)
+        if rows is None:
+            return None
+        buffers = tuple(t.data_ptr() for t in (self.cache.layers[0].keys, self.cache.layers[0].values))
+        if buffers != self.buffers_seen:  # reallocated: every graph reads the old buffers
+            self.graphs.clear()
+            self.buffers_seen = buffers
+        if (rows, width) in self.failed:
+            return None
+        graph = self.graphs.get((rows, width))
+        fresh = graph is None
+        if fresh:
+            graph = _Graph(rows, width, self.cache.capacity + self.cache.margin, self.cache.layers[0].keys.device)
+        ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
+        counts = torch.zeros(rows, dtype=torch.long)
+        for slot, new in fed.items():
+            ids[slot, : len(new)] = torch.tensor(new, dtype=torch.long)
+            counts[slot] = len(new)
+        graph.ids.copy_(ids, non_blocking=True)
+        graph.starts.copy_(torch.tensor((starts + [0] * rows)[:rows], dtype=torch.long), non_blocking=True)
+        graph.counts.copy_(counts, non_blocking=True)
+        if fresh:
+            try:
+                self._capture(graph)
+            except Exception as exc:  # CUDA errors come in several types; this bucket runs eagerly from now on
+                log.warning("CUDA graph capture of %d rows x %d failed, running it eagerly: %s", rows, width, exc)
+                self.failed.add((rows, width))
+                self.cache.step = None
+                return None
+            self.graphs[rows, width] = graph
+        graph.graph.replay()
+        self.replays += 1
+        return graph.hidden
+
+    def _capture(self, graph: _Graph) -> None:
+        """Warm up on a side stream (the writes are this step's own, so repeating them is harmless), then record."""
+        def body() -> torch.Tensor:
+            step, positions, mask = graph.step_and_inputs()
+            self.cache.step = step
+            try:
+                return self.forward(graph.ids, positions, mask)
+            finally:
+                self.cache.step = None
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_RUNS):
+                body()
+        torch.cuda.current_stream().wait_stream(stream)
+        # No garbage collection while recording: a collection could free another pool's CUDA tensors mid-capture,
+        # and the allocator's event queries on such frees are illegal in a capturing stream.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph.graph, pool=self.pool, capture_error_mode="thread_local"):
+                graph.hidden = body()
+        finally:
+            if collecting:
+                gc.enable()
+        self.captures += 1
