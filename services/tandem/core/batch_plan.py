@@ -12,8 +12,9 @@ cap c in 1..max k the plan takes k_i' = min(k_i, c) for the rows that gain from 
 with E(a, k) = (1 - a^(k+1)) / (1 - a) as in the per-session policy, and keeps the cap with the best rate if it
 beats plain decoding of the whole batch (rows / T(0)) by a margin. A row gains when E(alpha_i, k_i') / T(c) >=
 1 / T(0); while some row does not (a low acceptance, a costly catch-up), the costliest such row is set to 0 and
-T(c) priced again, until every drafting row gains. Rows at 0 (these, and sessions in fallback) decode plainly in the same forward as their
-drafting mates: the batch's tokens per second is what is maximised, so such a row may wait for its mates' drafts.
+T(c) priced again, until every drafting row gains. Rows at 0 (these, and sessions in fallback) decode plainly in
+the same forward as their drafting mates: the batch's tokens per second is what is maximised, so such a row may
+wait for its mates' drafts.
 
 C_i is row i's drafter catch-up: a row whose drafter is behind (its prompt, tokens decoded plainly) first runs a
 draft forward over those tokens, which stalls the whole batch. It is paid once and lets the row draft from then on,
