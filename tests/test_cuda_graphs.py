@@ -78,3 +78,23 @@ def test_bf16_graphs_agree_with_eager(cuda_models) -> None:
     eager, _ = run(target, draft, False, PROMPTS, None)
     same = sum(a == b for g, e in zip(graphed, eager, strict=True) for a, b in zip(g, e, strict=True))
     assert same >= 0.9 * sum(map(len, eager)), (graphed, eager)
+
+
+def test_sampling_on_the_gpu_keeps_seeded_tokens_whatever_k(cuda_models) -> None:
+    """Sampling and acceptance run on the GPU (one transfer per step): a client's seed gives the same tokens with
+    speculation off and at k 1 and 4; unseeded sampled requests (min(1, p/q) on the device) complete."""
+    target, draft = cuda_models[torch.float32]
+    seeded = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=24, ignore_eos=True) for s in range(4)]
+    outputs = []
+    for k in (None, 1, 4):
+        spec = SpecConfig(enabled=False) if k is None else SpecConfig(k_max=k, k_init=k, adaptive=False)
+        engine = SpeculativeEngine(LocalVerifier(ModelRunner(target.model)),
+                                   None if k is None else LocalDrafter(ModelRunner(draft.model)),
+                                   EngineConfig(spec=spec, calibrate=False, max_batch=4))
+        outputs.append([r.token_ids for r in engine.generate(PROMPTS, seeded)])
+    assert outputs[0] == outputs[1] == outputs[2]
+    unseeded = [SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True) for _ in PROMPTS]
+    engine = SpeculativeEngine(LocalVerifier(ModelRunner(target.model)), LocalDrafter(ModelRunner(draft.model)),
+                               EngineConfig(spec=SpecConfig(k_max=4, k_init=4, adaptive=False), calibrate=False))
+    results = engine.generate(PROMPTS, unseeded)
+    assert all(len(r.token_ids) == 24 for r in results) and sum(r.stats["drafted"] for r in results) > 0

@@ -76,35 +76,38 @@ class LocalDrafter:
             rows = [i for i, k in enumerate(budget) if k > step]
             if not rows:
                 break
-            logits = self.runner.forward([states[i] for i in rows], [1] * len(rows))
-            for i, row_logits in zip(rows, logits, strict=True):
-                token, dist, confidence = self._sample(row_logits, requests[i], len(states[i].tokens))
-                states[i].tokens.append(token)
-                proposals[i].tokens.append(token)
+            logits = self.runner.forward_on_device([states[i] for i in rows], [1] * len(rows))
+            choices = [self._sample(logits[n : n + 1], requests[i], len(states[i].tokens))
+                       for n, i in enumerate(rows)]
+            # One transfer for the step: every row's token and the draft's top probability.
+            picked = torch.stack([torch.stack([token.double(), top.double()]) for token, top, _ in choices]).tolist()
+            for i, (token, top), (_, _, dist) in zip(rows, picked, choices, strict=True):
+                states[i].tokens.append(int(token))
+                proposals[i].tokens.append(int(token))
                 if dist is not None:
                     dists[i].append(dist)
-                if confidence < self.confidence:
+                if top < self.confidence:
                     budget[i] = step + 1
         for proposal, row_dists in zip(proposals, dists, strict=True):
-            if row_dists:
+            if row_dists:  # to the host once per proposal: it may travel to a verifier elsewhere
                 proposal.dist = SparseDist(torch.cat([d.ids for d in row_dists]),
-                                           torch.cat([d.probs for d in row_dists]))
+                                           torch.cat([d.probs for d in row_dists])).to("cpu")
         return proposals
 
     def _sample(self, logits: torch.Tensor, request: DraftRequest,
-                position: int) -> tuple[int, SparseDist | None, float]:
-        """(token for sequence position `position`, the distribution it was drawn from or None where verification
-        compares choices (greedy, seeded), the draft's top probability)."""
+                position: int) -> tuple[torch.Tensor, torch.Tensor, SparseDist | None]:
+        """On the device: (token for sequence position `position`, the draft's top probability, the distribution
+        it was drawn from or None where verification compares choices (greedy, seeded))."""
         params = request.params
         if params.greedy:
-            top = logits[-1].softmax(-1).max() if self.confidence else torch.tensor(1.0)
-            return int(logits[-1].argmax()), None, float(top)
+            top = logits[0].float().softmax(-1).max() if self.confidence else logits.new_ones(())
+            return logits[0].argmax(), top, None
         if params.reproducible:
-            probs = processed_probs(logits[-1:], params)
-            return int(gumbel_choice(probs, params.seed, position)[0]), None, float(probs.max())
-        dist = truncate_top_m(processed_probs(logits[-1:], params), self.top_m)
+            probs = processed_probs(logits, params)
+            return gumbel_choice(probs, params.seed, position)[0], probs.max(), None
+        dist = truncate_top_m(processed_probs(logits, params), self.top_m)
         pick = sample_index(dist.probs, keyed_uniforms(_key_seed(params), [position], DRAFT_STREAM))
-        return int(dist.ids[0, pick[0]]), dist, float(dist.probs[0, 0])
+        return dist.ids[0, pick[0]], dist.probs[0, 0], dist
 
 
 class LocalVerifier:
@@ -138,36 +141,47 @@ class LocalVerifier:
         committed = [len(state.tokens) for state in states]
         for state, tokens in zip(states, drafts, strict=True):
             state.tokens.extend(tokens)
-        logits = self.runner.forward(states, [len(tokens) + 1 for tokens in drafts])
-        results = []
-        for request, state, row_logits, tokens, length in zip(requests, states, logits, drafts, committed, strict=True):
-            accepted, next_token = self._accept(request, row_logits, tokens, length)
+        wants = [len(tokens) + 1 for tokens in drafts]
+        logits = self.runner.forward_on_device(states, wants)
+        # Every row's outcome is computed on the device; the host receives them in one transfer.
+        outcomes = [self._accept(request, row_logits, tokens, length) for request, row_logits, tokens, length
+                    in zip(requests, logits.split(wants), drafts, committed, strict=True)]
+        host = torch.cat(outcomes).tolist() if outcomes else []
+        results, at = [], 0
+        for request, state, tokens, length, outcome in zip(requests, states, drafts, committed, outcomes, strict=True):
+            row = host[at : at + len(outcome)]
+            at += len(outcome)
+            # Choices (greedy, seeded): accept while the draft matches them; sampled: (accepted, next token).
+            compares = request.params.greedy or request.params.reproducible
+            accepted, next_token = accept_greedy(tokens, row) if compares else (int(row[0]), int(row[1]))
             state.sync(length + accepted, [next_token])
             results.append(VerifyResult(accepted=accepted, next_token=next_token))
         return results
 
     @staticmethod
-    def _accept(request: VerifyRequest, logits: torch.Tensor, tokens: list[int], position: int) -> tuple[int, int]:
-        """Accept a prefix of the drafted `tokens` (the first lands at sequence position `position`) and choose the
-        next token. Random numbers are keyed by each token's position (core.sampling)."""
+    def _accept(request: VerifyRequest, logits: torch.Tensor, tokens: list[int], position: int) -> torch.Tensor:
+        """On the device: the target's choice at each of the k + 1 positions where verification compares choices
+        (greedy; seeded, where a drafted token stays iff the target's seeded choice is the same token), or else
+        [accepted, next token] by the min(1, p/q) rule. The first drafted token lands at sequence position
+        `position`; random numbers are keyed by each token's position (core.sampling)."""
         params = request.params
-        drafted = torch.tensor(tokens, dtype=torch.long)
         if params.greedy:
-            return accept_greedy(drafted, logits.argmax(dim=-1))
-        if params.reproducible:  # a drafted token stays iff the target's seeded choice is the same token
-            return accept_greedy(drafted, gumbel_choice(processed_probs(logits, params), params.seed, position))
+            return logits.argmax(dim=-1)
+        if params.reproducible:
+            return gumbel_choice(processed_probs(logits, params), params.seed, position)
         seed = _key_seed(params)
         probs = processed_probs(logits, params)
         k = len(tokens)
         resample = keyed_uniforms(seed, range(position, position + k + 1), SAMPLE_STREAM)
         if not tokens:
-            return 0, int(sample_index(probs, resample)[0])
-        dist = request.draft.dist
+            pick = sample_index(probs, resample)
+            return torch.cat([pick.new_zeros(1), pick])
+        device, dist = probs.device, request.draft.dist
         accepted, next_token = accept_sampled(
-            drafted.unsqueeze(0),
-            SparseDist(dist.ids.unsqueeze(0), dist.probs.unsqueeze(0)),
+            torch.tensor([tokens], dtype=torch.long, device=device),
+            SparseDist(dist.ids.unsqueeze(0), dist.probs.unsqueeze(0)).to(device),
             probs.unsqueeze(0),
-            keyed_uniforms(seed, range(position, position + k), ACCEPT_STREAM).unsqueeze(0),
-            resample.unsqueeze(0),
+            keyed_uniforms(seed, range(position, position + k), ACCEPT_STREAM).unsqueeze(0).to(device),
+            resample.unsqueeze(0).to(device),
         )
-        return int(accepted[0]), int(next_token[0])
+        return torch.cat([accepted, next_token])

@@ -11,17 +11,20 @@ by token position (core.sampling.gumbel_choice): the output is then the very tok
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from tandem.core.sampling import SparseDist, sample_index
 
 
-def accept_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> tuple[int, int]:
-    """draft_tokens [k], target_argmax [k+1] -> (number accepted, next token)."""
-    k = draft_tokens.shape[0]
-    mismatch = (draft_tokens != target_argmax[:k]).nonzero()
-    accepted = int(mismatch[0, 0]) if mismatch.numel() else k
-    return accepted, int(target_argmax[accepted])
+def accept_greedy(draft_tokens: Sequence[int] | torch.Tensor,
+                  target_choices: Sequence[int] | torch.Tensor) -> tuple[int, int]:
+    """draft_tokens [k], the target's choices [k+1] (argmax, or seeded Gumbel-max) -> (number accepted, next
+    token). On the host: the choices arrive there in one transfer per step."""
+    drafts, choices = [int(t) for t in draft_tokens], [int(t) for t in target_choices]
+    accepted = next((i for i, (d, c) in enumerate(zip(drafts, choices, strict=False)) if d != c), len(drafts))
+    return accepted, choices[accepted]
 
 
 def accept_sampled(
@@ -33,22 +36,23 @@ def accept_sampled(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched over independent trials.
 
-    draft_tokens [B, k]; draft_dist ids/probs [B, k, m]; target_probs [B, k+1, V] float64;
-    accept_uniforms [B, k]; resample_uniforms [B, k+1], one per position the emitted token may land on (the
-    numbers are keyed by position, so each is used for at most one emitted token). Returns (accepted [B],
-    next_token [B]).
+    draft_tokens [B, k]; draft_dist ids/probs [B, k, m]; target_probs [B, k+1, V] (float32 or float64, on any
+    device: the work follows it); accept_uniforms [B, k]; resample_uniforms [B, k+1], one per position the emitted
+    token may land on (the numbers are keyed by position, so each is used for at most one emitted token). Returns
+    (accepted [B], next_token [B]) on target_probs' device.
     """
     batch, k = draft_tokens.shape
     vocab = target_probs.shape[-1]
+    dtype, device = target_probs.dtype, target_probs.device
     p_of_draft = target_probs[:, :k].gather(2, draft_tokens.unsqueeze(-1)).squeeze(-1)
-    q_of_draft = ((draft_dist.ids == draft_tokens.unsqueeze(-1)) * draft_dist.probs).sum(-1)
-    accept = accept_uniforms * q_of_draft < p_of_draft
+    q_of_draft = ((draft_dist.ids == draft_tokens.unsqueeze(-1)) * draft_dist.probs.to(dtype)).sum(-1)
+    accept = accept_uniforms.to(dtype) * q_of_draft < p_of_draft
     accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
-    rows = torch.arange(batch)
+    rows = torch.arange(batch, device=device)
     at = accepted.clamp(max=k - 1)
-    q_dense = torch.zeros(batch, vocab, dtype=torch.float64).scatter_add_(
-        1, draft_dist.ids[rows, at], draft_dist.probs[rows, at]
+    q_dense = torch.zeros(batch, vocab, dtype=dtype, device=device).scatter_add_(
+        1, draft_dist.ids[rows, at], draft_dist.probs[rows, at].to(dtype)
     )
     residual = (target_probs[rows, at] - q_dense).clamp_(min=0.0)
     mass = residual.sum(dim=-1, keepdim=True)

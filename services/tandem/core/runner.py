@@ -161,10 +161,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, states: list[SequenceState], wants: list[int]) -> list[torch.Tensor]:
-        """Feed every state's pending tokens; return the logits [want_i, V] of each row's last want_i tokens."""
+        """Feed every state's pending tokens; the logits [want_i, V] of each row's last want_i tokens, on the host in
+        float32 (tests and calibration; the drafter and verifier keep them on the device, `forward_on_device`)."""
+        logits = self.forward_on_device(states, wants)
+        return list(logits.float().cpu().split(wants))
+
+    @torch.inference_mode()
+    def forward_on_device(self, states: list[SequenceState], wants: list[int]) -> torch.Tensor:
+        """Feed every state's pending tokens; the logits [sum(wants), V] of each row's last want_i tokens, rows in
+        order, on the model's device in its dtype."""
         return self._forward(states, [state.pending for state in states], wants)
 
-    def _forward(self, states: list[SequenceState], news: list[list[int]], wants: list[int]) -> list[torch.Tensor]:
+    def _forward(self, states: list[SequenceState], news: list[list[int]], wants: list[int]) -> torch.Tensor:
         self._fit(0, max(state.cached + len(new) for state, new in zip(states, news, strict=True)))
         fed = {state.slot: new for state, new in zip(states, news, strict=True)}
         lo, hi = min(fed), max(fed) + 1
@@ -192,14 +200,13 @@ class ModelRunner:
         for state, new in zip(states, news, strict=True):
             state.cached += len(new)
         if not any(wants):
-            return [torch.empty(0) for _ in states]
+            return torch.empty(0, self.vocab_size, device=self.device)
         # Logits only where asked: each row's last `want` real tokens, gathered into one dense batch.
         picks = [(state.slot - lo) * width + col for state, new, want in zip(states, news, wants, strict=True)
                  for col in range(len(new) - want, len(new))]
         hidden = hidden.reshape(-1, hidden.shape[-1])
         hidden = hidden.index_select(0, torch.tensor(picks, device=self.device)).unsqueeze(0)
-        logits = self.head(hidden)
-        return list(logits[0].float().cpu().split(wants))
+        return self.head(hidden)[0]
 
     def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """The model's last hidden state for a forward under the cache's current step."""

@@ -18,16 +18,20 @@ class SparseDist:
     """A distribution over a few token ids: the exact truncated draft distribution a token was drawn from."""
 
     ids: torch.Tensor  # [n, m] int64
-    probs: torch.Tensor  # [n, m] float64, rows sum to 1
+    probs: torch.Tensor  # [n, m] float32, rows sum to 1
 
     def to_dense(self, vocab_size: int) -> torch.Tensor:
-        dense = torch.zeros(self.ids.shape[0], vocab_size, dtype=torch.float64)
+        dense = torch.zeros(self.ids.shape[0], vocab_size, dtype=self.probs.dtype, device=self.probs.device)
         return dense.scatter_add_(1, self.ids, self.probs)
+
+    def to(self, device: torch.device | str) -> SparseDist:
+        return SparseDist(self.ids.to(device), self.probs.to(device))
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[n, V] logits -> [n, V] float64 probabilities after temperature, top-k and top-p (one-hot if greedy)."""
-    logits = logits.to(torch.float64)
+    """[n, V] logits -> [n, V] float32 probabilities after temperature, top-k and top-p (one-hot if greedy), on the
+    logits' device."""
+    logits = logits.to(torch.float32)
     if params.greedy:
         probs = torch.zeros_like(logits)
         return probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
@@ -56,9 +60,11 @@ def truncate_top_m(probs: torch.Tensor, m: int) -> SparseDist:
 
 
 def sample_index(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: row i of [n, V] probs with its own uniform in [0, 1)."""
-    cdf = probs.cumsum(dim=-1)
-    target = uniform.to(cdf.dtype).unsqueeze(-1) * cdf[:, -1:]
+    """Inverse-CDF sampling: row i of [n, V] probs with its own uniform in [0, 1). The CDF is summed in float64 so a
+    53-bit uniform keeps its resolution (a float32 one just under 1 would round to 1 and pick past the last
+    token with mass)."""
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    target = uniform.to(cdf.device, cdf.dtype).unsqueeze(-1) * cdf[:, -1:]
     index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     return index.clamp_(max=probs.shape[-1] - 1)
 
@@ -104,4 +110,4 @@ def gumbel_choice(probs: torch.Tensor, seed: int, first_position: int) -> torch.
     log_probs = probs.log()
     vocab = log_probs.shape[-1]
     noise = torch.stack([gumbel_noise(seed, first_position + i, vocab) for i in range(log_probs.shape[0])])
-    return (log_probs + noise.to(log_probs.dtype)).argmax(dim=-1)
+    return (log_probs + noise.to(log_probs.device, log_probs.dtype)).argmax(dim=-1)
