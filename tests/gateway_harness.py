@@ -16,12 +16,13 @@ from tandem.local_engine import build_engine
 CALL_TIMEOUT = 60.0
 
 
-def tiny_backend(target, draft=None, **spec) -> Callable[[], Backend]:
-    """A loader for build_engine on the tiny models (fixed k, no calibration, so runs are repeatable)."""
+def tiny_backend(target, draft=None, kv_tokens: int = 0, **spec) -> Callable[[], Backend]:
+    """A loader for build_engine on the tiny models (fixed k, no calibration, so runs are repeatable); `kv_tokens`:
+    each runner's KV token budget (0: a share of free memory)."""
     config = EngineConfig(spec=SpecConfig(**({"adaptive": False, "k_init": 4} | spec)), calibrate=False)
 
     def load() -> Backend:
-        return Backend(build_engine(target, draft, config), target.tokenizer, "tiny-target",
+        return Backend(build_engine(target, draft, config, kv_tokens=kv_tokens), target.tokenizer, "tiny-target",
                        "tiny-draft" if draft is not None else "")
 
     return load

@@ -47,11 +47,21 @@ def test_generate_streams_text(capsys, cli_models) -> None:
     (["--max-tokens", "0"], "error: max_tokens:"),
     (["--k-max", "99"], "error: k_max:"),
     (["--device", "quantum"], "error: device:"),
+    (["--kv-tokens", "-5"], "error: kv_tokens: must be non-negative"),
 ])
 def test_bad_arguments_give_clear_errors(capsys, cli_models, args: list[str], message: str) -> None:
     code = main(["generate", "x", "--target", str(cli_models / "target"), "--draft", str(cli_models / "draft"), *args])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_kv_tokens_sets_the_runners_budget(capsys, cli_models) -> None:
+    budgeted = _generate(capsys, cli_models, "--kv-tokens", "8192")
+    assert budgeted["token_ids"] == _generate(capsys, cli_models)["token_ids"]
+    code = main(["generate", "x", "--target", str(cli_models / "target"), "--draft", str(cli_models / "draft"),
+                 "--kv-tokens", "8"])
+    assert code == 2  # not even calibration fits: a clear error, not a traceback
+    assert "kv_tokens: a KV budget of 8 tokens cannot hold" in capsys.readouterr().err
 
 
 def test_unknown_model_fails_without_traceback(tmp_path) -> None:

@@ -205,6 +205,58 @@ def test_model_info(server, references) -> None:
     assert costs.draft_step_seconds > 0 and costs.forward_seconds[5] > 0 and 0 < costs.acceptance_prior < 1
 
 
+def test_model_info_reports_kv_usage(tiny_models, references) -> None:
+    """Each model's KV tokens under the budget build_engine was given: used by the session retained after a request,
+    reserved by the slots allocated for it; no draft figures when not speculating."""
+    target, draft, _ = tiny_models
+    running = ServerThread(tiny_backend(target, draft, kv_tokens=2048), sessions=MemorySessionStore())
+    plain = ServerThread(tiny_backend(target, None, kv_tokens=1024))
+    try:
+        with TandemClient(running.address, timeout=60) as client:
+            before = client.model_info()
+            client.generate_text(token_ids=references[0][0], session_id="kv", temperature=0.0, max_tokens=12)
+            after = client.model_info()
+        engine = running.engine
+        held = (engine.verifier.runner.kv_tokens_used, engine.drafter.runner.kv_tokens_used)
+        with TandemClient(plain.address, timeout=60) as client:
+            plain_info = client.model_info()
+    finally:
+        running.stop()
+        plain.stop()
+    for kv in (before.target_kv, before.draft_kv):
+        assert (kv.used_tokens, kv.reserved_tokens, kv.capacity_tokens) == (0, 0, 2048)
+    for kv, used in zip((after.target_kv, after.draft_kv), held, strict=True):
+        assert kv.capacity_tokens == 2048 and 0 < kv.used_tokens <= kv.reserved_tokens <= 2048
+        assert kv.used_tokens == used >= len(references[0][0])  # the retained session: its prompt and more
+    assert plain_info.target_kv.capacity_tokens == 1024 and not plain_info.HasField("draft_kv")
+
+
+def test_a_request_past_the_kv_budget_fails_alone_with_invalid_argument(tiny_models, references) -> None:
+    """A sequence longer than a worker's whole KV budget can never run: its request gets INVALID_ARGUMENT naming the
+    budget, and a request beside it that fits completes."""
+    target, _, _ = tiny_models
+    running = ServerThread(tiny_backend(target, None, kv_tokens=96))
+    prompts, expected = references
+
+    async def tokens(client: AsyncTandemClient, **options) -> list[int]:
+        return [t for item in [i async for i in client.generate(**options)] if isinstance(item, pb.Chunk)
+                for t in item.token_ids]
+
+    async def both() -> list:
+        async with AsyncTandemClient(running.address, timeout=60) as client:
+            long = tokens(client, token_ids=list(range(3, 63)), temperature=0.0, max_tokens=80, ignore_eos=True)
+            short = tokens(client, token_ids=prompts[0], temperature=0.0, max_tokens=8, ignore_eos=True)
+            return await asyncio.gather(long, short, return_exceptions=True)
+
+    try:
+        failure, short = asyncio.run(both())
+    finally:
+        running.stop()
+    assert isinstance(failure, grpc.aio.AioRpcError) and failure.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "budget of 96" in failure.details() and "--kv-tokens" in failure.details()
+    assert short == expected[0][:8]
+
+
 def test_request_id_is_reusable_after_cancel(server, references) -> None:
     prompts, expected = references
     with TandemClient(server.address, timeout=60) as client:

@@ -23,6 +23,7 @@ from tandem.gateway.server import READINESS_SERVICE, SERVING, GatewayOptions, st
 
 SERVICES = Path(__file__).resolve().parent.parent / "services"
 STARTUP_SECONDS = 120
+KV_TOKENS = 4096
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def served(tiny_dirs):
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(SERVICES), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem", "serve", "--target", str(tiny_dirs.target), "--draft", str(tiny_dirs.draft),
-         "--port", "0", "--dtype", "float32", "--threads", "1", "--grace", "5"],
+         "--port", "0", "--dtype", "float32", "--threads", "1", "--grace", "5", "--kv-tokens", str(KV_TOKENS)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []
 
@@ -88,6 +89,20 @@ def test_remote_generate_matches_local_generate(served, tiny_dirs, capsys) -> No
     assert streamed.out.rstrip("\n") == local["text"] and "finish: length" in streamed.err
 
 
+def test_kv_tokens_reaches_the_ray_workers_and_model_info_reports_their_usage(served) -> None:
+    _, address = served
+    with TandemClient(address, timeout=60) as client:
+        _, complete = client.generate_text(prompt="hello", session_id="kv-cli", temperature=0.0, max_tokens=8)
+        info = client.model_info()
+    assert (info.draft_workers, info.target_replicas) == (1, 1)
+    for kv in (info.target_kv, info.draft_kv):
+        assert kv.capacity_tokens == KV_TOKENS and 0 <= kv.used_tokens <= kv.reserved_tokens <= KV_TOKENS, info
+    # The session's caches stay on its workers: the target's always, the draft's if the policy drafted (after the
+    # earlier tests' requests the acceptance prior may have it decode plainly).
+    assert info.target_kv.used_tokens > 0
+    assert (info.draft_kv.used_tokens > 0) == (complete.speculation.drafted_tokens > 0), (info, complete)
+
+
 def test_remote_errors_and_busy_port(served) -> None:
     _, address = served
     with pytest.raises(Exception, match="INVALID_ARGUMENT: top_p"):
@@ -112,6 +127,7 @@ def test_sigterm_drains_and_exits_cleanly(served) -> None:
     ("--draft-resources", "{draft_pool: 1}", "draft_resources: not valid JSON"),
     ("--target-resources", '{"target_pool": -1}', "target_resources: must map resource names to positive amounts"),
     ("--target-resources", '["target_pool"]', "target_resources: must map"),
+    ("--kv-tokens", "-1", "kv_tokens: must be non-negative"),
 ])
 def test_serve_rejects_bad_worker_resources_before_starting_anything(tiny_dirs, flag, value, message) -> None:
     proc = subprocess.run([sys.executable, "-m", "tandem", "serve", "--target", str(tiny_dirs.target), flag, value],

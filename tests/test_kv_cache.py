@@ -11,6 +11,7 @@ import torch
 from tandem.bench.allocations import AllocationMeter
 from tandem.core.protocol import KVCacheFull
 from tandem.core.runner import ModelRunner
+from tandem.errors import KVBudgetExceeded
 
 TIGHT = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -233,13 +234,13 @@ def test_the_engine_queues_what_the_verifier_cannot_hold_and_runs_it_once_room_i
     assert [engine.result(seq).token_ids for seq in sequences] == expected
 
 
-def test_a_request_that_can_never_fit_raises(tiny_models) -> None:
+def test_a_request_that_can_never_fit_raises_a_clear_error_naming_it(tiny_models) -> None:
     from tandem.core.config import EngineConfig, SamplingParams
     from tandem.core.engine import SpeculativeEngine
     from tandem.core.local import LocalVerifier
 
     engine = SpeculativeEngine(LocalVerifier(ModelRunner(tiny_models[0].model, kv_tokens=20)), None,
                                EngineConfig(calibrate=False))
-    engine.add_request(_tokens(0, 30), SamplingParams(temperature=0.0, max_tokens=4))
-    with pytest.raises(KVCacheFull):
+    request_id = engine.add_request(_tokens(0, 30), SamplingParams(temperature=0.0, max_tokens=4))
+    with pytest.raises(KVBudgetExceeded, match=rf"request {request_id}: .* needs \d+ KV cache tokens, .* 20 "):
         engine.step()

@@ -12,6 +12,7 @@ ray = pytest.importorskip("ray")
 
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from tandem.core.engine import SpeculativeEngine  # noqa: E402
+from tandem.core.protocol import KVUsage  # noqa: E402
 from tandem.local_engine import build_engine  # noqa: E402
 from tandem.workers.draft_pool import RayDrafter, start_draft_workers  # noqa: E402
 from tandem.workers.target_pool import RayVerifier, start_target_replicas  # noqa: E402
@@ -151,6 +152,32 @@ def test_target_replicas_prefill_a_newcomer_in_chunks_while_another_decodes(tiny
     assert [decoding.output, newcomer.output] == [expected[0], expected[2]]
 
 
+def test_pools_report_kv_usage_summed_over_their_workers_leaving_out_a_stalled_one(tiny_models, pool,
+                                                                                 replicas) -> None:
+    local = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
+    verifier, drafter = RayVerifier(replicas), RayDrafter(pool)
+    engine = SpeculativeEngine(verifier, drafter, EngineConfig(spec=SpecConfig(adaptive=False, k_init=3),
+                                                               calibrate=False), local.eos_token_ids, local.decode)
+    for i, prompt in enumerate(PROMPTS):  # sessions: their caches stay on the workers after the requests
+        engine.add_request(prompt, GREEDY, session_id=f"kv-usage-{i}")
+    while engine.has_unfinished():
+        engine.step()
+    for ray_pool, workers in ((verifier, replicas), (drafter, pool)):
+        infos = ray.get([w.info.remote() for w in workers])
+        usage = ray_pool.kv_usage()
+        assert usage == sum((KVUsage.from_info(info) for info in infos), KVUsage())
+        assert 0 < usage.used <= usage.reserved <= usage.capacity
+        assert usage.capacity == sum(info["kv_tokens_capacity"] for info in infos) > infos[0]["kv_tokens_capacity"]
+    # A worker that does not answer in time (stopped here; dead or busy alike) is left out.
+    os.kill(infos[0]["pid"], signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert drafter.kv_usage(timeout_s=0.5) == KVUsage.from_info(infos[1])
+        assert time.monotonic() - started < 5
+    finally:
+        os.kill(infos[0]["pid"], signal.SIGCONT)
+
+
 def test_target_replicas_batch_and_survive_a_killed_replica(tiny_models, pool, replicas, expected) -> None:
     local = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
     verifier = RayVerifier(replicas, cooldown_s=0.5)
@@ -197,6 +224,7 @@ def test_tensor_parallel_two_ranks_equal_one_and_a_dead_rank_rebuilds_the_group(
     assert [s.output for s in seqs] == [r.token_ids for r in in_process.generate(PROMPTS, [s.params for s in seqs])]
     shards = ray.get([rank.info.remote() for rank in replica.ranks])
     assert [s["sequences"] for s in shards] == [0, 0]
+    assert verifier.kv_usage() == KVUsage.from_info(shards[0])  # the replica counts once, by rank 0
     # One rank dies mid-generation: the group is rebuilt and the sequences resume from their histories.
     seqs = [engine.sequences[engine.add_request(p, GREEDY)] for p in PROMPTS]
     engine.step()

@@ -88,6 +88,23 @@ def test_metrics_endpoint_carries_genai_and_spec_metrics(server) -> None:
     assert value(families, "tandem_worker_healthy", tandem_worker_role="target", tandem_worker_index=0) == 1
 
 
+def test_metrics_carry_the_in_process_models_kv_tokens(server) -> None:
+    with TandemClient(server.address, timeout=60) as client:
+        _complete(client, token_ids=PROMPTS[1], session_id="kv-metrics", **GREEDY)  # a session keeps its cache
+    assert server.wait_for(lambda: server.gateway.loop.active == 0)
+    families = scrape(server.gateway.metrics_url)
+    engine = server.engine
+    for role, pool in (("target", engine.verifier), ("draft", engine.drafter)):
+        usage = pool.kv_usage()
+        assert 0 < usage.used <= usage.reserved <= usage.capacity == pool.runner.kv_tokens_capacity
+        for state in ("used", "reserved", "capacity"):
+            assert value(families, "tandem_kv_tokens", tandem_worker_role=role,
+                         tandem_kv_state=state) == getattr(usage, state), (role, state)
+    series = {(labels["tandem_worker_role"], labels["tandem_kv_state"])
+              for _, labels, _ in families["tandem_kv_tokens"]}
+    assert series == {(role, state) for role in ("draft", "target") for state in ("used", "reserved", "capacity")}
+
+
 def test_trace_context_from_client_metadata_parents_the_genai_server_span(server) -> None:
     with in_memory_tracing() as (exporter, tests_tracer), TandemClient(server.address, timeout=60) as client:
         with tests_tracer.start_as_current_span("client") as client_span:

@@ -18,12 +18,13 @@ from telemetry_helpers import by_trace, in_memory_tracing, scrape, value  # noqa
 
 PROMPT = [72, 101, 108, 108, 111, 32, 119]
 TOKENS = 16
+KV_TOKENS = 4096
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_dirs, ray_session):
     config = EngineConfig(spec=SpecConfig(adaptive=False, k_init=3), calibrate=False)
-    options = ClusterOptions(draft_workers=1, target_replicas=1, threads=1, dtype="float32")
+    options = ClusterOptions(draft_workers=1, target_replicas=1, threads=1, dtype="float32", kv_tokens=KV_TOKENS)
     backend = start_backend(str(tiny_dirs.target), str(tiny_dirs.draft), config, options)
     server = ServerThread(lambda: backend, metrics_port=0)
     yield server, backend
@@ -70,13 +71,22 @@ def test_gateway_and_worker_metrics_endpoints(cluster) -> None:
     urls = ray.get([w.serve_metrics.remote(0, "127.0.0.1") for w in workers])
     assert ray.get([w.info.remote() for w in workers])[0]["metrics"] == urls[0]
     with TandemClient(server.address, timeout=120) as client:
-        _, complete = client.generate_text(token_ids=PROMPT, temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+        _, complete = client.generate_text(token_ids=PROMPT, temperature=0.0, max_tokens=TOKENS, ignore_eos=True,
+                                           session_id="kept")  # a session's caches stay on its workers
     draft, target = (scrape(url) for url in urls)
     assert value(draft, "tandem_worker_calls_total", tandem_worker_role="draft", tandem_worker_method="propose") >= 1
     assert value(target, "tandem_worker_calls_total", tandem_worker_method="verify") == complete.speculation.rounds
     assert value(target, "tandem_worker_appended_tokens_total") >= len(PROMPT)
     assert value(target, "tandem_worker_call_duration_seconds_count") == complete.speculation.rounds
+    infos = ray.get([w.info.remote() for w in workers])
+    for families, role, info in zip((draft, target), ("draft", "target"), infos, strict=True):
+        kv = {state: value(families, "tandem_worker_kv_tokens", tandem_worker_role=role, tandem_kv_state=state,
+                           tandem_worker_name=info["name"]) for state in ("used", "reserved", "capacity")}
+        assert kv == {"used": info["kv_tokens_used"], "reserved": info["kv_tokens_reserved"],
+                      "capacity": KV_TOKENS}, role
+        assert 0 < kv["used"] <= kv["reserved"] <= KV_TOKENS
     gateway = scrape(server.gateway.metrics_url)
     assert value(gateway, "tandem_worker_healthy", tandem_worker_role="draft", tandem_worker_index=0) == 1
     assert value(gateway, "tandem_worker_healthy", tandem_worker_role="target", tandem_worker_index=0) == 1
     assert value(gateway, "gen_ai_server_request_duration_seconds_count") >= 1
+    assert "tandem_kv_tokens" not in gateway  # Ray pools' KV tokens are on their workers' endpoints only

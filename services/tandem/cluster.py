@@ -41,6 +41,7 @@ class ClusterOptions:
     device: str = "auto"
     dtype: str = "auto"
     eager: bool = False  # models as Hugging Face builds them (no prepacked linears)
+    kv_tokens: int = 0  # every worker's KV token budget (0: a share of the memory free when it starts)
 
     def __post_init__(self) -> None:
         if self.draft_workers < 0:
@@ -49,6 +50,8 @@ class ClusterOptions:
             raise InvalidArgument(f"target_replicas: must be at least 1, got {self.target_replicas}")
         if self.tensor_parallel < 1:
             raise InvalidArgument(f"tp: must be at least 1, got {self.tensor_parallel}")
+        if self.kv_tokens < 0:
+            raise InvalidArgument(f"kv_tokens: must be non-negative (0: a share of free memory), got {self.kv_tokens}")
         for name in ("draft_resources", "target_resources"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, dict) and all(
@@ -102,7 +105,8 @@ def start_backend(target: str, draft: str | None, config: EngineConfig, options:
         load_tokenizer(draft)  # pulls a registry draft once, before several workers would race for it
     start_ray(options)
     spec = config.spec
-    common = {"device": options.device, "dtype": options.dtype, "threads": options.threads, "eager": options.eager}
+    common = {"device": options.device, "dtype": options.dtype, "threads": options.threads, "eager": options.eager,
+              "kv_tokens": options.kv_tokens}
     target_config = WorkerConfig(model=target, **common)
     if options.tensor_parallel > 1:
         replicas = [start_tp_replica(target_config, options.tensor_parallel, name=f"target-{i}",

@@ -23,3 +23,12 @@ class DownloadError(TandemError):
 
 class IntegrityError(TandemError):
     """An assembled file does not match its pinned checksum."""
+
+
+class KVBudgetExceeded(InvalidArgument):
+    """One request's sequence needs more KV cache than a worker's whole budget: it can never run, alone or not."""
+
+    def __init__(self, request_id: str, needed: int, capacity: int) -> None:
+        super().__init__(f"request {request_id}: its sequence needs {needed} KV cache tokens, more than this "
+                         f"server's budget of {capacity} (--kv-tokens); shorten the prompt or max_tokens")
+        self.request_id = request_id

@@ -31,17 +31,18 @@ def draft_vocab_limit(draft_vocab: int, target_vocab: int) -> int:
     return min(draft_vocab, target_vocab) if draft_vocab else target_vocab
 
 
-def build_engine(target, draft=None, config: EngineConfig | None = None) -> SpeculativeEngine:
-    """target and draft are LoadedModel-like objects with .model and .tokenizer; draft None means plain decoding."""
+def build_engine(target, draft=None, config: EngineConfig | None = None, kv_tokens: int = 0) -> SpeculativeEngine:
+    """target and draft are LoadedModel-like objects with .model and .tokenizer; draft None means plain decoding.
+    `kv_tokens`: each model's KV token budget (0: a share of the memory free when its runner starts)."""
     config = config or EngineConfig()
     pad = target.tokenizer.pad_token_id or 0
-    verifier = LocalVerifier(ModelRunner(target.model, pad_token_id=pad,
+    verifier = LocalVerifier(ModelRunner(target.model, pad_token_id=pad, kv_tokens=kv_tokens,
                                          cuda_graphs=not getattr(target, "eager", False)))
     drafter = None
     if draft is not None and config.spec.speculating:
         runner = ModelRunner(draft.model, pad_token_id=pad,
                              vocab_limit=draft_vocab_limit(config.spec.draft_vocab, verifier.vocab_size),
-                             cuda_graphs=not getattr(draft, "eager", False))
+                             kv_tokens=kv_tokens, cuda_graphs=not getattr(draft, "eager", False))
         drafter = LocalDrafter(runner, top_m=config.spec.draft_top_m, confidence=config.spec.stop_confidence)
     return SpeculativeEngine(verifier, drafter, config, eos_token_ids(target.model, target.tokenizer),
                              decoder(target.tokenizer))

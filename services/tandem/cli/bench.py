@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from tandem.bench.runner import HF_METHODS, METHODS, load_prompts, run_bench
-from tandem.cli.common import add_model_options, engine_config, load_models
+from tandem.cli.common import add_model_options, engine_config, kv_tokens, load_models
 from tandem.core.packed_linear import PackedLinear
 from tandem.errors import InvalidArgument
 
@@ -42,10 +42,11 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"methods: unknown {unknown}; choose from {', '.join(METHODS)}")
     if args.max_tokens < 1:
         raise InvalidArgument(f"max_tokens: must be at least 1, got {args.max_tokens}")
+    budget = kv_tokens(args)
     prompts = load_prompts(args.prompts)[: args.limit]
     target, draft = load_models(args, speculate=True)
     report = run_bench(target, draft, prompts, args.max_tokens, methods, engine_config(args),
-                       hf_models=_standard_models(args, target, draft, methods))
+                       hf_models=_standard_models(args, target, draft, methods), kv_tokens=budget)
     report["config"] |= {"target": args.target, "draft": args.draft}
     text = json.dumps(report, indent=2)
     if args.json_out:

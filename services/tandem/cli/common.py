@@ -30,6 +30,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="stop drafting once the draft's top probability falls below this (0: never)")
     parser.add_argument("--draft-vocab", type=int, default=SpecConfig().draft_vocab,
                         help="draft scores only the first N token ids (0: all); output stays exact")
+    parser.add_argument("--kv-tokens", type=int, default=0, metavar="N",
+                        help="KV cache budget of each model (the target's and the draft's, in every worker), in "
+                             "tokens counted as sequences x the longest one's length (default 0: a share of the "
+                             "memory free at start)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -56,6 +60,13 @@ def engine_config(args: argparse.Namespace, speculate: bool = True) -> EngineCon
     else:
         spec = SpecConfig(enabled=speculate, k_max=args.k_max, k_init=min(SpecConfig().k_init, args.k_max), **draft)
     return EngineConfig(spec=spec)
+
+
+def kv_tokens(args: argparse.Namespace) -> int:
+    """--kv-tokens, checked: each runner's KV token budget (0: a share of the memory free at start)."""
+    if args.kv_tokens < 0:
+        raise InvalidArgument(f"kv_tokens: must be non-negative (0: a share of free memory), got {args.kv_tokens}")
+    return args.kv_tokens
 
 
 def setup_torch(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:

@@ -10,6 +10,7 @@ from tandem.cli.common import (
     add_model_options,
     add_sampling_options,
     engine_config,
+    kv_tokens,
     load_models,
     print_outcome,
     sampling_params,
@@ -37,8 +38,9 @@ def run_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     speculate = not args.no_spec
     config = engine_config(args, speculate)
+    budget = kv_tokens(args)
     target, draft = load_models(args, speculate)
-    engine = build_engine(target, draft, config)
+    engine = build_engine(target, draft, config, kv_tokens=budget)
     prompt_ids = encode_prompt(target.tokenizer, args.prompt, args.chat)
     started = time.perf_counter()
     first_token_at = None

@@ -11,7 +11,7 @@ import logging
 import os
 
 from tandem.cli.canary import add_serve_canary_options, serve_canary_options
-from tandem.cli.common import add_model_options, engine_config, load_models, setup_torch
+from tandem.cli.common import add_model_options, engine_config, kv_tokens, load_models, setup_torch
 from tandem.core.config import EngineConfig
 from tandem.errors import InvalidArgument, TandemError
 from tandem.gateway.server import GatewayOptions, serve
@@ -139,7 +139,8 @@ def _in_process_arms_loader(args: argparse.Namespace, config, canary):
             if name and name not in drafts:
                 drafts[name] = load_model(name, device=device, dtype=dtype, eager=args.eager)
                 check_compatible(drafts[name], target)
-            backends[arm.name] = Backend(build_engine(target, drafts[name] if name else None, arm_config),
+            backends[arm.name] = Backend(build_engine(target, drafts[name] if name else None, arm_config,
+                                                      kv_tokens=args.kv_tokens),
                                          target.tokenizer, args.target, name)
         return backends
 
@@ -154,7 +155,7 @@ def _cluster_loader(args: argparse.Namespace, config, canary=None):
                              draft_resources=_json_flag("draft_resources", args.draft_resources),
                              target_resources=_json_flag("target_resources", args.target_resources),
                              ray_address=args.ray_address, threads=args.threads, device=args.device, dtype=args.dtype,
-                             eager=args.eager)
+                             eager=args.eager, kv_tokens=args.kv_tokens)
 
     # A local Ray's workers inherit this environment: the metrics port, and OTEL_* for their own span export.
     os.environ[METRICS_PORT_ENV] = str(worker_metrics_port(args))
@@ -218,13 +219,14 @@ def run_serve(args: argparse.Namespace) -> int:
     config = dataclasses.replace(engine_config(args, speculate), max_batch=args.max_batch,
                                  prefill_chunk=args.prefill_chunk)
     options = gateway_options(args)
+    kv_tokens(args)  # checked before anything starts
     canary = serve_canary_options(args)  # None: no canary arms, one backend
     _check_arms(args, canary)
     exporters = tracing.setup_from_env("tandem-gateway")  # before Ray starts: a bad OTEL_* setting fails first
 
     def load_in_process() -> Backend:
         target, draft = load_models(args, speculate)
-        return Backend(build_engine(target, draft, config), target.tokenizer, args.target,
+        return Backend(build_engine(target, draft, config, kv_tokens=args.kv_tokens), target.tokenizer, args.target,
                        args.draft if speculate else "")
 
     if args.in_process:

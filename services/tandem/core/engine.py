@@ -35,7 +35,7 @@ from tandem.core.protocol import (
 )
 from tandem.core.stats import RequestStats
 from tandem.core.stops import FINISH_ABORT, StopChecker
-from tandem.errors import InvalidArgument
+from tandem.errors import InvalidArgument, KVBudgetExceeded
 
 
 @dataclass(slots=True)
@@ -156,10 +156,10 @@ class SpeculativeEngine:
 
     def _defer_newest(self, batch: list[Sequence], full: KVCacheFull) -> list[Sequence]:
         """Take the newest sequence out of this step and back to waiting: its workers drop its caches (a session's
-        stay retained, so resuming may reuse them) and it is resent from scratch. Raises `full` for a sequence that
-        is alone (it will never fit)."""
+        stay retained, so resuming may reuse them) and it is resent from scratch. A sequence alone that does not fit
+        never will: KVBudgetExceeded names it (the caller fails that request, not the others)."""
         if len(batch) == 1:
-            raise full
+            raise KVBudgetExceeded(batch[0].request_id, full.needed, full.capacity) from full
         newest = batch[-1]
         self._kv_full = True
         retain = bool(newest.session_id)
@@ -325,7 +325,12 @@ class SpeculativeEngine:
     def calibrate(self) -> CostModel:
         """Time the forwards rounds are made of (core.calibration) and seed the cost model with them."""
         spec = self.config.spec
-        measured = calibrate(self.verifier, self.drafter, spec.k_max, spec.k_init, self.config.max_batch)
+        try:
+            measured = calibrate(self.verifier, self.drafter, spec.k_max, spec.k_init, self.config.max_batch)
+        except KVCacheFull as full:
+            raise InvalidArgument(
+                f"kv_tokens: a KV budget of {full.capacity} tokens cannot hold the {self.config.max_batch} sequences "
+                f"calibration times (needs {full.needed}); raise --kv-tokens or lower --max-batch") from full
         self.costs.adopt(measured)
         return self.costs
 

@@ -9,6 +9,7 @@ from tandem.core.protocol import (
     PREFILLING,
     DraftProposal,
     DraftRequest,
+    KVUsage,
     StateLost,
     VerifyRequest,
     VerifyResult,
@@ -61,6 +62,9 @@ class LocalDrafter:
 
     def release(self, seq_id: str, retain: bool = False) -> None:
         self.runner.release(seq_id, retain)
+
+    def kv_usage(self) -> KVUsage:
+        return KVUsage.of(self.runner)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         states = _sync_all(self.runner, requests)
@@ -117,6 +121,9 @@ class LocalVerifier:
 
     def release(self, seq_id: str, retain: bool = False) -> None:
         self.runner.release(seq_id, retain)
+
+    def kv_usage(self) -> KVUsage:
+        return KVUsage.of(self.runner)
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         states = _sync_all(self.runner, requests)

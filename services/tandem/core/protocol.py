@@ -35,6 +35,30 @@ class KVCacheFull(RuntimeError):
         return type(self), (self.needed, self.capacity)
 
 
+@dataclass(slots=True, frozen=True)
+class KVUsage:
+    """KV cache tokens of a runner, or summed over a pool's workers: `used` hold keys and values (running sequences
+    and retained sessions), `reserved` is what the caches have room for (slots x capacity, allocated or about to
+    be), `capacity` the budget."""
+
+    used: int = 0
+    reserved: int = 0
+    capacity: int = 0
+
+    def __add__(self, other: KVUsage) -> KVUsage:
+        return KVUsage(self.used + other.used, self.reserved + other.reserved, self.capacity + other.capacity)
+
+    @classmethod
+    def of(cls, runner) -> KVUsage:
+        """A ModelRunner's figures (core.runner)."""
+        return cls(runner.kv_tokens_used, runner.kv_tokens_reserved, runner.kv_tokens_capacity)
+
+    @classmethod
+    def from_info(cls, info: dict) -> KVUsage:
+        """From a worker's info() (workers.worker_base)."""
+        return cls(info["kv_tokens_used"], info["kv_tokens_reserved"], info["kv_tokens_capacity"])
+
+
 class DrafterUnavailable(RuntimeError):
     """The drafter failed or timed out; the engine continues these sequences with plain decoding."""
 
@@ -85,6 +109,8 @@ class Drafter(Protocol):
 
     def release(self, seq_id: str, retain: bool = False) -> None: ...
 
+    def kv_usage(self) -> KVUsage: ...
+
 
 class Verifier(Protocol):
     vocab_size: int
@@ -92,3 +118,5 @@ class Verifier(Protocol):
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]: ...
 
     def release(self, seq_id: str, retain: bool = False) -> None: ...
+
+    def kv_usage(self) -> KVUsage: ...

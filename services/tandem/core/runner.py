@@ -141,12 +141,13 @@ class ModelRunner:
 
     @property
     def cached_tokens(self) -> int:
-        return sum(state.cached for state in self.states.values())
+        return sum(state.cached for state in list(self.states.values()))
 
     @property
     def kv_tokens_used(self) -> int:
-        """Tokens whose keys and values are held: the active sequences' and the retained sessions'."""
-        return self.cached_tokens + sum(state.cached for state in self.retained.values())
+        """Tokens whose keys and values are held: the active sequences' and the retained sessions'. Safe to read
+        from another thread (metrics) while the runner works: the dicts are copied at once, not iterated."""
+        return self.cached_tokens + sum(state.cached for state in list(self.retained.values()))
 
     @property
     def kv_tokens_reserved(self) -> int:

@@ -22,7 +22,7 @@ from tandem.core.config import SamplingParams
 from tandem.core.engine import Sequence, SpeculativeEngine, StepOutput
 from tandem.core.policy import PolicyState
 from tandem.core.stops import FINISH_ABORT
-from tandem.errors import InvalidArgument, TandemError
+from tandem.errors import InvalidArgument, KVBudgetExceeded, TandemError
 from tandem.sessions import MemorySessionStore
 from tandem.telemetry.rounds import RoundTracer
 
@@ -227,6 +227,9 @@ class EngineLoop:
                 self._rounds.before_step()
             try:
                 outputs = self.engine.step()
+            except KVBudgetExceeded as exc:  # that request alone can never run; the others go on
+                self._fail_one(exc.request_id, exc)
+                continue
             except Exception as exc:
                 log.exception("engine step failed")
                 self._fail_running(exc)
@@ -292,6 +295,13 @@ class EngineLoop:
             self.sessions.put(session_id, state)
         except Exception:
             log.warning("could not save state for session %r", session_id, exc_info=True)
+
+    def _fail_one(self, request_id: str, error: TandemError) -> None:
+        self.engine.abort(request_id)
+        self._rounds.forget(request_id, error)
+        entry = self._running.pop(request_id, None)
+        if entry is not None:
+            self._publish([(entry[1], error)])
 
     def _fail_running(self, error: Exception) -> None:
         reason = error if isinstance(error, TandemError) else EngineFailed(f"engine step failed: {error}")

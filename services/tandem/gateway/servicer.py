@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -205,6 +206,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if self.backend is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "not ready: the engine is still loading")
         engine = self.backend.engine
+        # Off the event loop: a Ray pool asks its workers (each answer bounded by a short timeout).
+        target_kv, draft_kv = await asyncio.to_thread(_kv_usages, engine)
         return pb.ModelInfo(
             target_model=self.backend.target_name,
             draft_model=self.backend.draft_name if engine.speculating else "",
@@ -212,6 +215,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_k=self._model_limits.max_k,
             **_pool_sizes(engine),
             costs=_cost_model(engine),
+            target_kv=target_kv,
+            draft_kv=draft_kv,
         )
 
 
@@ -223,6 +228,23 @@ def _cost_model(engine) -> pb.CostModel:
         draft_forward_seconds=dict(costs.draft_forward),
         batched=[pb.BatchedForward(rows=rows, width=width, seconds=seconds)
                  for (rows, width), seconds in sorted(costs.batched.items())])
+
+
+def _kv_usages(engine) -> tuple[pb.KVUsage | None, pb.KVUsage | None]:
+    """(target, draft) KV usage; the draft's is None when not speculating, either is None if it cannot be read."""
+    return _kv_usage(engine.verifier), _kv_usage(engine.drafter) if engine.speculating else None
+
+
+def _kv_usage(pool) -> pb.KVUsage | None:
+    read = getattr(pool, "kv_usage", None)
+    if read is None:
+        return None
+    try:
+        usage = read()
+    except Exception:  # only a report: the rest of the model info still answers
+        log.warning("reading the KV usage of %s failed", type(pool).__name__, exc_info=True)
+        return None
+    return pb.KVUsage(used_tokens=usage.used, reserved_tokens=usage.reserved, capacity_tokens=usage.capacity)
 
 
 def _pool_sizes(engine) -> dict[str, int]:

@@ -3,6 +3,10 @@
 Histograms use the conventions' bucket boundaries. Spec counters are added once per finished request, from its
 RequestStats (per draft position); gauges are read at scrape time. Each instance owns its MeterProvider and
 Prometheus registry, so several gateways (tests) can live in one process.
+
+KV cache tokens (tandem.kv_tokens, by tandem.worker.role and tandem.kv.state: used, reserved, capacity) are read here
+only for models in the gateway's process; Ray workers serve theirs on their own endpoints (tandem.worker.kv_tokens,
+telemetry.worker), so a scrape never waits on a remote call.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from tandem.telemetry.tracing import resource_for
 
 if TYPE_CHECKING:
     from tandem.core.engine import Sequence
+    from tandem.core.protocol import KVUsage
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +38,7 @@ REQUEST_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56
 TIME_PER_OUTPUT_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                                10.0)
+KV_STATES = ("used", "reserved", "capacity")  # tandem.kv.state: the fields of core.protocol.KVUsage
 
 
 def serve_registry(registry: CollectorRegistry, host: str, ports: Iterable[int]) -> tuple[WSGIServer, int]:
@@ -83,6 +89,12 @@ def _gauge(callback: Callable[[], Iterator[tuple[float, dict]]]):
     return [observe]
 
 
+def kv_observations(usage: KVUsage, attributes: dict) -> Iterator[tuple[float, dict]]:
+    """One observation per tandem.kv.state."""
+    for state in KV_STATES:
+        yield getattr(usage, state), attributes | {"tandem.kv.state": state}
+
+
 class GatewayMetrics:
     """Instruments for one gateway; `attach` gives the gauges a loaded engine to read."""
 
@@ -115,6 +127,10 @@ class GatewayMetrics:
                                       description="Requests queued or running.")
         meter.create_observable_gauge("tandem.worker.healthy", _gauge(self._healthy), unit="1",
                                       description="1 while a draft worker / target replica is in service, else 0.")
+        meter.create_observable_gauge("tandem.kv_tokens", _gauge(self._kv_tokens), unit="{token}",
+                                      description="KV cache tokens of the models in this process, by role and state: "
+                                      "used (held by running sequences and retained sessions), reserved (slots x "
+                                      "capacity), capacity (the budget). Ray workers report on their own endpoints.")
         self.base: dict[str, str] = {"gen_ai.provider.name": PROVIDER}
         self._spec_base: dict[str, str] = {}
         self._positions: dict[int, list[int]] = {}  # draft position -> [drafted, accepted]
@@ -183,6 +199,16 @@ class GatewayMetrics:
             states = [router.healthy(i) for i in range(router.size)] if router is not None else [True]
             for index, healthy in enumerate(states):
                 yield int(healthy), {"tandem.worker.role": role, "tandem.worker.index": index}
+
+    def _kv_tokens(self) -> Iterator[tuple[float, dict]]:
+        from tandem.core.local import LocalDrafter, LocalVerifier
+
+        engine = self._engine
+        if engine is None:
+            return
+        for role, pool in (("draft", engine.drafter), ("target", engine.verifier)):
+            if isinstance(pool, LocalDrafter | LocalVerifier):  # a cheap local read; never a remote call
+                yield from kv_observations(pool.kv_usage(), {"tandem.worker.role": role})
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

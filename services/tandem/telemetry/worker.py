@@ -11,7 +11,9 @@ resource (service.name tandem-draft-worker / tandem-target-worker). OTEL_SDK_DIS
 
 Metrics: with TANDEM_WORKER_METRICS_PORT set in the worker's environment (`tandem serve --worker-metrics-port`
 sets it for a local Ray cluster), the worker serves /metrics on that port or, when taken (several workers on one
-node), on one of the next 31 ports or any free one; `info()["metrics"]` says where.
+node), on one of the next 31 ports or any free one; `info()["metrics"]` says where. Besides the call counters it
+carries the gauge tandem.worker.kv_tokens, read at scrape time from the worker's model runner, by tandem.kv.state:
+used (tokens held by running sequences and retained sessions), reserved (slots x capacity), capacity (the budget).
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+from tandem.core.protocol import KVUsage
 from tandem.telemetry import tracing
-from tandem.telemetry.metrics import TIME_TO_FIRST_TOKEN_BUCKETS, Endpoint
+from tandem.telemetry.metrics import TIME_TO_FIRST_TOKEN_BUCKETS, Endpoint, _gauge, kv_observations
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +71,9 @@ def _row_attributes(method: str, requests: Sequence, results: Sequence | None) -
 
 
 class WorkerMetrics:
-    def __init__(self, role: str, name: str, host: str, port: int) -> None:
+    def __init__(self, role: str, name: str, host: str, port: int,
+                 kv_usage: Callable[[], KVUsage | None] | None = None) -> None:
+        """`kv_usage`: the worker's KV usage, None while its model is loading (read at scrape time)."""
         ports = [port] if port == 0 else [*range(port, port + PORT_TRIES), 0]
         self.endpoint = Endpoint(f"tandem-{role}-worker", host, ports)
         meter = self.endpoint.meter
@@ -82,6 +87,16 @@ class WorkerMetrics:
         self.duration = meter.create_histogram("tandem.worker.call.duration", unit="s",
                                                description="Time to serve one batched call.",
                                                explicit_bucket_boundaries_advisory=TIME_TO_FIRST_TOKEN_BUCKETS)
+        self._kv_usage = kv_usage
+        meter.create_observable_gauge("tandem.worker.kv_tokens", _gauge(self._kv_tokens), unit="{token}",
+                                      description="KV cache tokens of this worker's model, by state: used (held by "
+                                      "running sequences and retained sessions), reserved (slots x capacity), "
+                                      "capacity (the budget).")
+
+    def _kv_tokens(self) -> Iterator[tuple[float, dict]]:
+        usage = self._kv_usage() if self._kv_usage is not None else None
+        if usage is not None:
+            yield from kv_observations(usage, self.base)
 
     def record(self, method: str, requests: Sequence, seconds: float, lost: bool) -> None:
         attributes = self.base | {"tandem.worker.method": method}
@@ -94,8 +109,10 @@ class WorkerMetrics:
 
 
 class WorkerTelemetry:
-    def __init__(self, name: str, role: str) -> None:
+    def __init__(self, name: str, role: str, kv_usage: Callable[[], KVUsage | None] | None = None) -> None:
+        """`kv_usage`: read by the metrics endpoint's KV gauge (None while the worker's model is loading)."""
         self.name, self.role = name, role
+        self.kv_usage = kv_usage
         self.metrics: WorkerMetrics | None = None
         self._tracer: trace.Tracer | None = None
         self._provider: TracerProvider | None = None
@@ -104,7 +121,7 @@ class WorkerTelemetry:
     def serve_metrics(self, port: int, host: str | None = None) -> str:
         """Start the /metrics endpoint (idempotent); returns its URL."""
         if self.metrics is None:
-            self.metrics = WorkerMetrics(self.role, self.name, host or _node_address(), port)
+            self.metrics = WorkerMetrics(self.role, self.name, host or _node_address(), port, self.kv_usage)
         return self.metrics.endpoint.url
 
     def serve_metrics_from_env(self) -> None:

@@ -166,7 +166,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("target_model", "draft_model", "vocab_size", "max_k", "draft_workers", "target_replicas", "tensor_parallel_size", "costs")
+    __slots__ = ("target_model", "draft_model", "vocab_size", "max_k", "draft_workers", "target_replicas", "tensor_parallel_size", "costs", "target_kv", "draft_kv")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,8 @@ class ModelInfo(_message.Message):
     TARGET_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     COSTS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_KV_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KV_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     vocab_size: int
@@ -183,7 +185,19 @@ class ModelInfo(_message.Message):
     target_replicas: int
     tensor_parallel_size: int
     costs: CostModel
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_k: _Optional[int] = ..., draft_workers: _Optional[int] = ..., target_replicas: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., costs: _Optional[_Union[CostModel, _Mapping]] = ...) -> None: ...
+    target_kv: KVUsage
+    draft_kv: KVUsage
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_k: _Optional[int] = ..., draft_workers: _Optional[int] = ..., target_replicas: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., costs: _Optional[_Union[CostModel, _Mapping]] = ..., target_kv: _Optional[_Union[KVUsage, _Mapping]] = ..., draft_kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
+
+class KVUsage(_message.Message):
+    __slots__ = ("used_tokens", "reserved_tokens", "capacity_tokens")
+    USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    used_tokens: int
+    reserved_tokens: int
+    capacity_tokens: int
+    def __init__(self, used_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ...) -> None: ...
 
 class CostModel(_message.Message):
     __slots__ = ("draft_step_seconds", "draft_rows_seconds", "forward_seconds", "batched", "acceptance_prior", "draft_forward_seconds")

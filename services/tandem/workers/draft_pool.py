@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.core.protocol import DraftProposal, DraftRequest, StateLost
-from tandem.workers.fanout import fan_out, release
+from tandem.core.protocol import DraftProposal, DraftRequest, KVUsage, StateLost
+from tandem.workers.fanout import KV_USAGE_TIMEOUT_S, fan_out, kv_usage, release
 from tandem.workers.routing import AffinityRouter
 from tandem.workers.worker_base import start_workers
 
@@ -49,6 +49,10 @@ class RayDrafter:
 
     def release(self, seq_id: str, retain: bool = False) -> None:
         release(self.workers, self.router, seq_id, retain)
+
+    def kv_usage(self, timeout_s: float = KV_USAGE_TIMEOUT_S) -> KVUsage:
+        """Summed over the workers that answer within `timeout_s` (remote calls: keep it off an event loop)."""
+        return kv_usage(self.workers, timeout_s)
 
 
 def start_draft_workers(config, count: int, num_gpus: float = 0.0, num_cpus: float = 1.0,

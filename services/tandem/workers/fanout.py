@@ -1,4 +1,5 @@
-"""One round's calls to a pool of Ray workers: group rows by worker, call in parallel, collect by a deadline."""
+"""One round's calls to a pool of Ray workers: group rows by worker, call in parallel, collect by a deadline; and
+the pool's KV usage, summed over its workers."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ from dataclasses import dataclass, field
 
 import ray
 
-from tandem.core.protocol import KVCacheFull
+from tandem.core.protocol import KVCacheFull, KVUsage
 from tandem.telemetry import tracing
 from tandem.workers.routing import AffinityRouter
 from tandem.workers.tp_replica import TensorParallelReplica
 from tandem.workers.worker_base import ray_failures
+
+KV_USAGE_TIMEOUT_S = 2.0
 
 
 @dataclass(slots=True)
@@ -85,3 +88,19 @@ def release(workers: list, router: AffinityRouter, seq_id: str, retain: bool = F
     index = router.forget(seq_id, retain)
     if index is not None:
         workers[index].release.remote([seq_id], retain)
+
+
+def kv_usage(workers: list, timeout_s: float = KV_USAGE_TIMEOUT_S) -> KVUsage:
+    """The pool's KV tokens: every worker's info() figures summed. A tensor-parallel replica counts once, by rank 0
+    (every rank holds its shard of the same sequences under the same budget). A worker that fails, or does not
+    answer within `timeout_s` (dead, restarting, or busy with a long call: an actor serves one call at a time), is
+    left out."""
+    refs = [(w.ranks[0] if isinstance(w, TensorParallelReplica) else w).info.remote() for w in workers]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    total = KVUsage()
+    for ref in ready:
+        try:
+            total += KVUsage.from_info(ray.get(ref))
+        except ray_failures():
+            continue
+    return total

@@ -13,8 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import ray
 
-from tandem.core.protocol import StateLost, VerifyRequest, VerifyResult
-from tandem.workers.fanout import fan_out, release
+from tandem.core.protocol import KVUsage, StateLost, VerifyRequest, VerifyResult
+from tandem.workers.fanout import KV_USAGE_TIMEOUT_S, fan_out, kv_usage, release
 from tandem.workers.routing import AffinityRouter
 from tandem.workers.tp_replica import TensorParallelReplica
 from tandem.workers.worker_base import start_workers
@@ -53,6 +53,10 @@ class RayVerifier:
 
     def release(self, seq_id: str, retain: bool = False) -> None:
         release(self.workers, self.router, seq_id, retain)
+
+    def kv_usage(self, timeout_s: float = KV_USAGE_TIMEOUT_S) -> KVUsage:
+        """Summed over the workers that answer within `timeout_s` (remote calls: keep it off an event loop)."""
+        return kv_usage(self.workers, timeout_s)
 
     def _any_healthy(self) -> bool:
         if any(self.router.healthy(i) for i in range(self.router.size)):

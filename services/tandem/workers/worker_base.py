@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.core.protocol import KVUsage
 from tandem.core.runner import ModelRunner
 from tandem.telemetry.worker import WorkerTelemetry
 
@@ -61,7 +62,7 @@ class WorkerBase:
     def __init__(self, name: str) -> None:
         self.name = name
         self.runner: ModelRunner
-        self.telemetry = WorkerTelemetry(name, self.role)
+        self.telemetry = WorkerTelemetry(name, self.role, kv_usage=self.kv_usage)
         self.telemetry.serve_metrics_from_env()
 
     def serve_metrics(self, port: int = 0, host: str | None = None) -> str:
@@ -74,6 +75,11 @@ class WorkerBase:
 
     def cached_sequences(self) -> int:
         return len(self.runner.states)
+
+    def kv_usage(self) -> KVUsage | None:
+        """This worker's KV tokens; None while its model is loading (a tensor-parallel rank before `setup`)."""
+        runner = getattr(self, "runner", None)
+        return KVUsage.of(runner) if runner is not None else None
 
     def info(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "sequences": self.cached_sequences(),
