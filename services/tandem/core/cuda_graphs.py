@@ -63,10 +63,10 @@ class GraphedForward:
     """Replays captured decode forwards for a runner's model and cache; `run` returns None where it does not apply
     (too wide, too many rows, cache not allocated yet), and the runner runs that forward eagerly."""
 
-    def __init__(self, model: torch.nn.Module, cache: SlotCache, forward: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, cache: SlotCache, forward: Callable[..., torch.Tensor]) -> None:
         """`forward(ids, positions, mask)` runs the model under the cache's current step and returns the last
         hidden state; the runner supplies it so that attention and cache handling are its own."""
-        self.model, self.cache, self.forward = model, cache, forward
+        self.cache, self.forward = cache, forward
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.buffers_seen: tuple | None = None
         self.pool = torch.cuda.graph_pool_handle()
@@ -114,7 +114,6 @@ class GraphedForward:
             except Exception as exc:  # CUDA errors come in several types; this bucket runs eagerly from now on
                 log.warning("CUDA graph capture of %d rows x %d failed, running it eagerly: %s", rows, width, exc)
                 self.failed.add((rows, width))
-                self.cache.step = None
                 return None
             self.graphs[rows, width] = graph
         graph.graph.replay()

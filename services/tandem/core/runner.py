@@ -108,7 +108,7 @@ class ModelRunner:
         self.graphs: GraphedForward | None = None
         sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
         if cuda_graphs and self.device.type == "cuda" and not sharded:
-            self.graphs = GraphedForward(model, self.cache, self._hidden)
+            self.graphs = GraphedForward(self.cache, self._hidden)
             self.cache.margin = MAX_WIDTH
 
     def state(self, seq_id: str, session: str = "") -> SequenceState:
@@ -178,8 +178,6 @@ class ModelRunner:
         fed = {state.slot: new for state, new in zip(states, news, strict=True)}
         lo, hi = min(fed), max(fed) + 1
         width = max(len(new) for new in news)
-        starts = [self.occupants[slot].cached for slot in range(lo, hi)]
-        counts = [len(fed.get(slot, ())) for slot in range(lo, hi)]
         hidden = None
         if self.graphs is not None and self.mask_dtype == torch.bool:
             every_start = [s.cached if s is not None else 0 for s in self.occupants]
@@ -187,6 +185,8 @@ class ModelRunner:
         if hidden is not None:
             lo = 0  # the graph's rows are slots [0, rows)
         else:
+            starts = [self.occupants[slot].cached for slot in range(lo, hi)]
+            counts = [len(fed.get(slot, ())) for slot in range(lo, hi)]
             ids = torch.full((hi - lo, width), self.pad_token_id, dtype=torch.long)
             for slot, new in fed.items():
                 ids[slot - lo, : len(new)] = torch.tensor(new, dtype=torch.long)
