@@ -25,6 +25,10 @@ class IntegrityError(TandemError):
     """An assembled file does not match its pinned checksum."""
 
 
+class BackendUnavailable(TandemError):
+    """No worker of a pool can serve now (all failed, restarting or stopped): retry later."""
+
+
 class KVBudgetExceeded(InvalidArgument):
     """One request's sequence needs more KV cache than a worker's whole budget: it can never run, alone or not."""
 

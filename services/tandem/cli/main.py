@@ -17,14 +17,18 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from tandem.cli.bench import add_bench_parser
     from tandem.cli.canary import add_canary_parser
+    from tandem.cli.gateway import add_gateway_parser
     from tandem.cli.generate import add_generate_parser
     from tandem.cli.models import add_models_parser
+    from tandem.cli.pools import add_pools_parser
     from tandem.cli.serve import add_serve_parser
 
     add_models_parser(subparsers)
     add_generate_parser(subparsers)
     add_bench_parser(subparsers)
     add_serve_parser(subparsers)
+    add_pools_parser(subparsers)
+    add_gateway_parser(subparsers)
     add_canary_parser(subparsers)
     return parser
 

@@ -35,13 +35,23 @@ def add_serve_parser(subparsers) -> None:
                         help='custom Ray resources per draft worker, e.g. \'{"draft_pool": 1}\' (a worker group\'s)')
     parser.add_argument("--target-resources", default=None, metavar="JSON",
                         help='custom Ray resources per target rank, e.g. \'{"target_pool": 1}\'')
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                        help="session state store (default: $REDIS_URL, else an embedded redis-server)")
     parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: $RAY_ADDRESS or local)")
     parser.add_argument("--in-process", action="store_true", help="load both models in the gateway, no Ray")
+    parser.add_argument("--no-spec", action="store_true", help="serve plain target decoding (no draft model)")
+    add_gateway_options(parser)
+    parser.add_argument("--worker-metrics-port", type=int, default=None,
+                        help=f"first /metrics port of each Ray worker (default: ${METRICS_PORT_ENV} or "
+                        f"{DEFAULT_WORKER_METRICS_PORT}; taken: the next free one; 0: a free port; -1: off)")
+    add_serve_canary_options(parser)
+    parser.set_defaults(handler=run_serve)
+
+
+def add_gateway_options(parser: argparse.ArgumentParser) -> None:
+    """The flags of the gRPC gateway itself, shared by `tandem serve` and `tandem gateway`."""
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                        help="session state store (default: $REDIS_URL, else an embedded redis-server)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port (default: %(default)s)")
-    parser.add_argument("--no-spec", action="store_true", help="serve plain target decoding (no draft model)")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests queued or running before RESOURCE_EXHAUSTED (default: %(default)s)")
     parser.add_argument("--max-batch", type=int, default=16, help="sequences per engine step (default: %(default)s)")
@@ -60,11 +70,6 @@ def add_serve_parser(subparsers) -> None:
                         help=f"Prometheus /metrics port on --host (default: {DEFAULT_METRICS_PORT}, or a free port "
                         "when taken; 0: a free port; -1: off)")
     parser.add_argument("--no-metrics", action="store_true", help="serve no Prometheus metrics (gateway and workers)")
-    parser.add_argument("--worker-metrics-port", type=int, default=None,
-                        help=f"first /metrics port of each Ray worker (default: ${METRICS_PORT_ENV} or "
-                        f"{DEFAULT_WORKER_METRICS_PORT}; taken: the next free one; 0: a free port; -1: off)")
-    add_serve_canary_options(parser)
-    parser.set_defaults(handler=run_serve)
 
 
 def gateway_options(args: argparse.Namespace) -> GatewayOptions:
@@ -234,9 +239,22 @@ def run_serve(args: argparse.Namespace) -> int:
     else:
         load = _cluster_loader(args, config, canary)
 
+    try:
+        return serve_gateway(args, load, options, canary, exporters, model=args.target)
+    finally:
+        if not args.in_process:
+            with contextlib.suppress(ImportError):
+                import ray
+
+                ray.shutdown()
+
+
+def serve_gateway(args: argparse.Namespace, load, options: GatewayOptions, canary, exporters, model: str) -> int:
+    """Run the gRPC gateway over the backend `load()` returns until SIGTERM/SIGINT (with the session store)."""
+
     def announce(address: str) -> None:
         print(f"tandem: serving tandem.v1.Generation on {address} (readiness turns SERVING once "
-              f"{args.target} is loaded)", flush=True)
+              f"{model} is loaded)", flush=True)
 
     def announce_metrics(url: str) -> None:
         print(f"tandem: Prometheus metrics at {url}", flush=True)
@@ -254,10 +272,4 @@ def run_serve(args: argparse.Namespace) -> int:
                               canary=canary))
         except OSError as exc:
             raise TandemError(str(exc)) from exc
-        finally:
-            if not args.in_process:
-                with contextlib.suppress(ImportError):
-                    import ray
-
-                    ray.shutdown()
     return 0

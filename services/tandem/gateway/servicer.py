@@ -13,7 +13,7 @@ import grpc
 from tandem.core.detok import IncrementalDetokenizer
 from tandem.core.engine import SpeculativeEngine
 from tandem.core.stops import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
-from tandem.errors import InvalidArgument
+from tandem.errors import BackendUnavailable, InvalidArgument
 from tandem.gateway.loop import EngineFailed, EngineLoop, EngineUnavailable, Finished, QueueFull
 from tandem.gateway.validate import GatewayLimits, ModelLimits, prepare
 from tandem.telemetry.gateway import RequestObserver
@@ -49,6 +49,7 @@ STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
+    BackendUnavailable: grpc.StatusCode.UNAVAILABLE,
     EngineFailed: grpc.StatusCode.INTERNAL,
 }
 
@@ -153,7 +154,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                       cut=finished.text_cut if finished else None)
                     if text or update.token_ids:
                         yield pb.GenerateResponse(chunk=pb.Chunk(text=text, token_ids=update.token_ids))
-            except (InvalidArgument, EngineUnavailable, EngineFailed) as exc:
+            except (InvalidArgument, EngineUnavailable, EngineFailed, BackendUnavailable) as exc:
                 status = _status_of(exc)
                 # An engine failure or stall counts against the arm; a shutdown (draining) does not.
                 if assignment is not None and not isinstance(exc, InvalidArgument) \

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.core.protocol import DraftProposal, DraftRequest, KVUsage, StateLost
-from tandem.workers.fanout import KV_USAGE_TIMEOUT_S, fan_out, kv_usage, release
+from tandem.core.protocol import DraftProposal, DraftRequest, StateLost
+from tandem.workers.fanout import RayPoolClient, fan_out
 from tandem.workers.routing import AffinityRouter
 from tandem.workers.worker_base import start_workers
 
@@ -23,23 +23,22 @@ class PoolStats:
     timeouts: int = 0
 
 
-class RayDrafter:
+class RayDrafter(RayPoolClient):
     def __init__(self, workers: list, timeout_s: float = 5.0, cooldown_s: float = 10.0,
-                 per_token_s: float = 0.025) -> None:
-        self.workers = workers
-        self.router = AffinityRouter(len(workers), cooldown_s, "draft")
+                 per_token_s: float = 0.025, names: list[str] | None = None, prefix: str = "") -> None:
+        super().__init__(workers, AffinityRouter(len(workers), cooldown_s, "draft", names=names), prefix)
         self.timeout_s, self.per_token_s = timeout_s, per_token_s
         self.stats = PoolStats()
-        self.trace_carriers: dict[str, dict[str, str]] | None = None  # set by the gateway's engine loop
 
     @property
     def affinity(self) -> dict[str, int]:
         return self.router.affinity
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        self._take_offer()
         catch_up = sum(len(r.append) for r in requests)
         out = fan_out(self.workers, self.router, "propose", requests, self.timeout_s + self.per_token_s * catch_up,
-                      self.trace_carriers)
+                      self.trace_carriers, self.prefix)
         self.stats.calls += 1
         self.stats.failures += out.failed
         self.stats.timeouts += out.timed_out
@@ -47,16 +46,10 @@ class RayDrafter:
             raise StateLost(out.lost)
         return [result or DraftProposal(tokens=[], failed=True) for result in out.results]
 
-    def release(self, seq_id: str, retain: bool = False) -> None:
-        release(self.workers, self.router, seq_id, retain)
-
-    def kv_usage(self, timeout_s: float = KV_USAGE_TIMEOUT_S) -> KVUsage:
-        """Summed over the workers that answer within `timeout_s` (remote calls: keep it off an event loop)."""
-        return kv_usage(self.workers, timeout_s)
-
 
 def start_draft_workers(config, count: int, num_gpus: float = 0.0, num_cpus: float = 1.0,
-                        resources: dict[str, float] | None = None) -> list:
+                        resources: dict[str, float] | None = None, **naming) -> list:
+    """`naming`: start_workers' `first` and `detached_prefix` (shared pools)."""
     from tandem.workers.draft_worker import DraftWorker
 
-    return start_workers(DraftWorker, config, count, "draft", num_gpus, num_cpus, resources)
+    return start_workers(DraftWorker, config, count, "draft", num_gpus, num_cpus, resources, **naming)

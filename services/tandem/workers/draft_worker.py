@@ -14,15 +14,15 @@ class DraftWorker(WorkerBase):
     role = "draft"
 
     def __init__(self, config: WorkerConfig, name: str = "draft") -> None:
-        super().__init__(name)
+        super().__init__(name, config.batch_window_s)
         self.runner = load_runner(config, vocab_limit=config.draft_vocab)
         self.drafter = LocalDrafter(self.runner, top_m=config.top_m, confidence=config.confidence)
 
     def propose(self, requests: list[DraftRequest], trace: dict | None = None) -> WorkerReply:
         """`trace`: {sequence id: W3C carrier} for traced rows (see tandem.telemetry.worker)."""
-        return self.telemetry.call("propose", requests, trace, lambda: self._propose(requests))
+        return self.telemetry.call("propose", requests, trace, lambda: self.batcher.submit(requests))
 
-    def _propose(self, requests: list[DraftRequest]) -> WorkerReply:
+    def _run(self, requests: list[DraftRequest]) -> WorkerReply:
         try:
             return WorkerReply(results=self.drafter.propose(requests))
         except StateLost as lost:

@@ -1,8 +1,9 @@
-"""One round's calls to a pool of Ray workers: group rows by worker, call in parallel, collect by a deadline; and
-the pool's KV usage, summed over its workers."""
+"""One round's calls to a pool of Ray workers: group rows by worker, call in parallel, collect by a deadline; the
+pool's KV usage, summed over its workers; and what both pool clients (draft pool, target replicas) share."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -28,11 +29,15 @@ class FanoutResult:
 
 
 def fan_out(workers: list, router: AffinityRouter, method: str, requests: list, timeout_s: float,
-            carriers: dict[str, dict[str, str]] | None = None) -> FanoutResult:
+            carriers: dict[str, dict[str, str]] | None = None, prefix: str = "") -> FanoutResult:
     """`carriers`: W3C trace context per sequence id for the traced ones (tandem.telemetry.rounds); each worker gets
-    those of its rows, and the spans it returns are exported here."""
+    those of its rows, and the spans it returns are exported here. `prefix` goes before every sequence id the
+    workers see: gateways sharing a pool each use their own, so their request ids never collide."""
     out = FanoutResult(results=[None] * len(requests))
     groups = router.group([(r.seq_id, r.session) for r in requests])
+    if prefix:
+        carriers = {prefix + seq_id: carrier for seq_id, carrier in carriers.items()} if carriers else carriers
+        requests = [dataclasses.replace(r, seq_id=prefix + r.seq_id) for r in requests]
     futures = {index: _submit(workers[index], method, [requests[row] for row in rows], carriers)
                for index, rows in groups.items() if index is not None}
     deadline = time.monotonic() + timeout_s
@@ -52,7 +57,7 @@ def fan_out(workers: list, router: AffinityRouter, method: str, requests: list, 
         if reply.spans:
             tracing.relay(reply.spans)
         if reply.lost:
-            out.lost += reply.lost
+            out.lost += [seq_id.removeprefix(prefix) for seq_id in reply.lost]
             continue
         if reply.full:
             out.full = KVCacheFull(*reply.full)
@@ -84,10 +89,10 @@ def _first_reply(refs: list, deadline: float):
     return ray.get(refs[0])
 
 
-def release(workers: list, router: AffinityRouter, seq_id: str, retain: bool = False) -> None:
+def release(workers: list, router: AffinityRouter, seq_id: str, retain: bool = False, prefix: str = "") -> None:
     index = router.forget(seq_id, retain)
     if index is not None:
-        workers[index].release.remote([seq_id], retain)
+        workers[index].release.remote([prefix + seq_id], retain)
 
 
 def kv_usage(workers: list, timeout_s: float = KV_USAGE_TIMEOUT_S) -> KVUsage:
@@ -104,3 +109,30 @@ def kv_usage(workers: list, timeout_s: float = KV_USAGE_TIMEOUT_S) -> KVUsage:
         except ray_failures():
             continue
     return total
+
+
+class RayPoolClient:
+    """A gateway's view of a pool: its workers (in the order every gateway sees them), the router, and the prefix
+    that keeps this gateway's sequence ids apart from other gateways' on shared workers."""
+
+    def __init__(self, workers: list, router: AffinityRouter, prefix: str = "") -> None:
+        self.workers, self.router, self.prefix = workers, router, prefix
+        self.trace_carriers: dict[str, dict[str, str]] | None = None  # set by the gateway's engine loop
+        self._offered: tuple[list, list[str]] | None = None
+
+    def offer_workers(self, workers: list, names: list[str]) -> None:
+        """The pool now has these workers (scaled): taken up at the next call, on the engine's thread."""
+        self._offered = (list(workers), list(names))
+
+    def _take_offer(self) -> None:
+        offered, self._offered = self._offered, None
+        if offered is not None and offered[1]:
+            self.workers = offered[0]
+            self.router.resize(offered[1])
+
+    def release(self, seq_id: str, retain: bool = False) -> None:
+        release(self.workers, self.router, seq_id, retain, self.prefix)
+
+    def kv_usage(self, timeout_s: float = KV_USAGE_TIMEOUT_S) -> KVUsage:
+        """Summed over the workers that answer within `timeout_s` (remote calls: keep it off an event loop)."""
+        return kv_usage(self.workers, timeout_s)

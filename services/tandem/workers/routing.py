@@ -2,12 +2,17 @@
 
 A running sequence sticks to the worker that holds its KV cache. A new sequence of a known session goes back to the
 worker that retained the session's cache (its previous turn), unless that worker is busier than the least loaded
-one by more than `max_imbalance` sequences; other new sequences go to the least loaded healthy worker. A worker
-that fails is benched for a cool-down and its sequences and sessions are routed afresh.
+one by more than `max_imbalance` sequences. Other new sequences go to the healthy worker ranked first for their
+session (or sequence) by rendezvous hashing over the workers' names, so every gateway sharing a pool sends a
+session to the same worker without talking to the others, and a change in the set of workers moves only the
+sessions of the workers that came or went; a worker more than `max_imbalance` busier than the least loaded one
+spills the sequence to the next in rank. A worker that fails is benched for a cool-down and its sequences and
+sessions are routed afresh.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -18,10 +23,12 @@ MAX_SESSIONS = 100_000
 
 
 class AffinityRouter:
-    def __init__(self, size: int, cooldown_s: float, role: str, max_imbalance: int = 2) -> None:
+    def __init__(self, size: int, cooldown_s: float, role: str, max_imbalance: int = 2,
+                 names: list[str] | None = None) -> None:
         if size < 1:
             raise ValueError(f"a {role} pool needs at least one worker")
         self.size, self.cooldown_s, self.role = size, cooldown_s, role
+        self.names = list(names) if names else [f"{role}-{i}" for i in range(size)]
         self.max_imbalance = max_imbalance
         self.affinity: dict[str, int] = {}  # running sequence -> worker
         self.session_of: dict[str, str] = {}  # running sequence -> its session
@@ -41,7 +48,9 @@ class AffinityRouter:
         if not candidates:
             return None
         load = Counter(self.affinity.values())
-        choice = min(candidates, key=lambda i: (load[i], i))
+        least = min(load[i] for i in candidates)
+        ranked = sorted(candidates, key=lambda i: rendezvous_score(session or seq_id, self.names[i]), reverse=True)
+        choice = next(i for i in ranked if load[i] <= least + self.max_imbalance)
         preferred = self.sessions.get(session) if session and index is None else None
         if preferred is not None and self.healthy(preferred) and load[preferred] <= load[choice] + self.max_imbalance:
             choice = preferred
@@ -78,6 +87,18 @@ class AffinityRouter:
             self.pin(session, index)
         return index
 
+    def resize(self, names: list[str]) -> None:
+        """The pool's workers are now `names`: sequences and sessions keep their worker where it stayed (at its new
+        index); those of workers that left are routed afresh (the new worker reports them lost: history resent)."""
+        where = {name: i for i, name in enumerate(names)}
+        moved = {old: where.get(name) for old, name in enumerate(self.names)}
+        self.affinity = {s: moved[i] for s, i in self.affinity.items() if moved.get(i) is not None}
+        self.session_of = {s: v for s, v in self.session_of.items() if s in self.affinity}
+        self.sessions = OrderedDict((s, moved[i]) for s, i in self.sessions.items() if moved.get(i) is not None)
+        benched = dict(zip(self.names, self.benched_until, strict=True))
+        self.names, self.size = list(names), len(names)
+        self.benched_until = [benched.get(name, 0.0) for name in names]
+
     def pin(self, session: str, index: int) -> None:
         """Route the session's next sequence to `index` (its cache, or state loaded from the session store)."""
         if not 0 <= index < self.size:
@@ -86,3 +107,8 @@ class AffinityRouter:
         self.sessions[session] = index
         while len(self.sessions) > MAX_SESSIONS:
             self.sessions.popitem(last=False)
+
+
+def rendezvous_score(key: str, worker: str) -> int:
+    """Highest-random-weight hashing: every gateway ranks workers for a key alike, with no shared state."""
+    return int.from_bytes(hashlib.blake2b(f"{key}\0{worker}".encode(), digest_size=8).digest(), "big")

@@ -13,8 +13,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import ray
 
-from tandem.core.protocol import KVUsage, StateLost, VerifyRequest, VerifyResult
-from tandem.workers.fanout import KV_USAGE_TIMEOUT_S, fan_out, kv_usage, release
+from tandem.core.protocol import StateLost, VerifyRequest, VerifyResult
+from tandem.errors import BackendUnavailable
+from tandem.workers.fanout import RayPoolClient, fan_out
 from tandem.workers.routing import AffinityRouter
 from tandem.workers.tp_replica import TensorParallelReplica
 from tandem.workers.worker_base import start_workers
@@ -22,24 +23,24 @@ from tandem.workers.worker_base import start_workers
 log = logging.getLogger(__name__)
 
 
-class TargetUnavailable(RuntimeError):
+class TargetUnavailable(BackendUnavailable):
     """No target replica could verify these sequences."""
 
 
-class RayVerifier:
+class RayVerifier(RayPoolClient):
     def __init__(self, replicas: list, timeout_s: float = 120.0, cooldown_s: float = 10.0,
-                 rebuild_timeout_s: float = 600.0) -> None:
-        self.workers = replicas
-        self.router = AffinityRouter(len(replicas), cooldown_s, "target")
+                 rebuild_timeout_s: float = 600.0, names: list[str] | None = None, prefix: str = "") -> None:
+        super().__init__(replicas, AffinityRouter(len(replicas), cooldown_s, "target", names=names), prefix)
         self.timeout_s, self.rebuild_timeout_s = timeout_s, rebuild_timeout_s
         self.vocab_size = ray.get(replicas[0].info.remote())["vocab_size"]
         self.rebuilds: dict[int, Future] = {}
         self.rebuilt = 0
-        self.trace_carriers: dict[str, dict[str, str]] | None = None  # set by the gateway's engine loop
         self._executor = ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="tandem-rebuild")
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
-        out = fan_out(self.workers, self.router, "verify", requests, self.timeout_s, self.trace_carriers)
+        self._take_offer()
+        out = fan_out(self.workers, self.router, "verify", requests, self.timeout_s, self.trace_carriers,
+                      self.prefix)
         for index in out.benched:
             self._rebuild(index)
         if out.full is not None:
@@ -50,13 +51,6 @@ class RayVerifier:
         if unresolved or out.lost:
             raise StateLost(sorted(set(out.lost) | set(unresolved)))
         return out.results
-
-    def release(self, seq_id: str, retain: bool = False) -> None:
-        release(self.workers, self.router, seq_id, retain)
-
-    def kv_usage(self, timeout_s: float = KV_USAGE_TIMEOUT_S) -> KVUsage:
-        """Summed over the workers that answer within `timeout_s` (remote calls: keep it off an event loop)."""
-        return kv_usage(self.workers, timeout_s)
 
     def _any_healthy(self) -> bool:
         if any(self.router.healthy(i) for i in range(self.router.size)):
@@ -89,7 +83,8 @@ class RayVerifier:
 
 
 def start_target_replicas(config, count: int, num_gpus: float = 0.0, num_cpus: float = 1.0,
-                        resources: dict[str, float] | None = None) -> list:
+                          resources: dict[str, float] | None = None, **naming) -> list:
+    """`naming`: start_workers' `first` and `detached_prefix` (shared pools)."""
     from tandem.workers.target_worker import TargetWorker
 
-    return start_workers(TargetWorker, config, count, "target", num_gpus, num_cpus, resources)
+    return start_workers(TargetWorker, config, count, "target", num_gpus, num_cpus, resources, **naming)

@@ -11,15 +11,15 @@ class TargetWorker(WorkerBase):
     role = "target"
 
     def __init__(self, config: WorkerConfig, name: str = "target") -> None:
-        super().__init__(name)
+        super().__init__(name, config.batch_window_s)
         self.runner = load_runner(config)
         self.verifier = LocalVerifier(self.runner)
 
     def verify(self, requests: list[VerifyRequest], trace: dict | None = None) -> WorkerReply:
         """`trace`: {sequence id: W3C carrier} for traced rows (see tandem.telemetry.worker)."""
-        return self.telemetry.call("verify", requests, trace, lambda: self._verify(requests))
+        return self.telemetry.call("verify", requests, trace, lambda: self.batcher.submit(requests))
 
-    def _verify(self, requests: list[VerifyRequest]) -> WorkerReply:
+    def _run(self, requests: list[VerifyRequest]) -> WorkerReply:
         try:
             return WorkerReply(results=self.verifier.verify(requests))
         except StateLost as lost:

@@ -30,6 +30,7 @@ class WorkerConfig:
     draft_vocab: int = 0  # ids the drafter scores (0: all); the backend caps it at the target's vocabulary
     kv_tokens: int = 0  # the runner's KV token budget (0: a share of the memory free at start)
     eager: bool = False  # the model as Hugging Face builds it (no prepacked linears)
+    batch_window_s: float = 0.002  # how long a call waits for other gateways' calls to join its forward
 
 
 @dataclass(slots=True)
@@ -59,9 +60,12 @@ def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None =
 class WorkerBase:
     role = "worker"
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, batch_window_s: float = 0.0) -> None:
+        from tandem.workers.batcher import CallBatcher
+
         self.name = name
         self.runner: ModelRunner
+        self.batcher = CallBatcher(self._run, batch_window_s)
         self.telemetry = WorkerTelemetry(name, self.role, kv_usage=self.kv_usage)
         self.telemetry.serve_metrics_from_env()
 
@@ -69,9 +73,14 @@ class WorkerBase:
         """Serve this worker's Prometheus /metrics (also started at construction by TANDEM_WORKER_METRICS_PORT)."""
         return self.telemetry.serve_metrics(port, host)
 
+    def _run(self, requests: list) -> WorkerReply:
+        """One forward over `requests` (the calls the batcher merged)."""
+        raise NotImplementedError
+
     def release(self, seq_ids: list[str], retain: bool = False) -> None:
-        for seq_id in seq_ids:
-            self.runner.release(seq_id, retain)
+        with self.batcher.exclusive():
+            for seq_id in seq_ids:
+                self.runner.release(seq_id, retain)
 
     def cached_sequences(self) -> int:
         return len(self.runner.states)
@@ -86,17 +95,31 @@ class WorkerBase:
                 "vocab_size": self.runner.vocab_size, "retained_sessions": len(self.runner.retained),
                 "reused_tokens": self.runner.reused_tokens, "metrics": self.telemetry.metrics_url,
                 "kv_tokens_used": self.runner.kv_tokens_used, "kv_tokens_reserved": self.runner.kv_tokens_reserved,
-                "kv_tokens_capacity": self.runner.kv_tokens_capacity}
+                "kv_tokens_capacity": self.runner.kv_tokens_capacity, "forwards": self.batcher.stats.forwards,
+                "merged_forwards": self.batcher.stats.merged,
+                "rows_per_forward": self.batcher.stats.rows_per_forward(),
+                "calls_per_forward": self.batcher.stats.calls_per_forward()}
+
+
+NAMESPACE = "tandem"  # the Ray namespace of shared pools' named actors
+MAX_CONCURRENT_CALLS = 64  # calls a worker holds at once (from every gateway and lane); they merge into forwards
 
 
 def start_workers(worker_class: type, config: WorkerConfig, count: int, name: str, num_gpus: float = 0.0,
-                  num_cpus: float = 1.0, resources: dict[str, float] | None = None) -> list:
-    """Start `count` actors of `worker_class`; Ray restarts any that die (their sessions are rebuilt from history)."""
+                  num_cpus: float = 1.0, resources: dict[str, float] | None = None, first: int = 0,
+                  detached_prefix: str | None = None) -> list:
+    """Start `count` actors of `worker_class` named `{name}-{first}`...; Ray restarts any that die (their sessions
+    are rebuilt from history). With `detached_prefix` they are detached actors named `{prefix}{name}-{i}` in the
+    tandem namespace: they outlive the process that started them (shared pools, tandem.pools)."""
     import ray
 
-    actor = ray.remote(worker_class).options(num_gpus=num_gpus, num_cpus=num_cpus, resources=resources or {},
-                                             max_restarts=-1,
-                                             max_task_retries=0)
-    workers = [actor.remote(config, name=f"{name}-{i}") for i in range(count)]
+    options = {"num_gpus": num_gpus, "num_cpus": num_cpus, "resources": resources or {}, "max_restarts": -1,
+               "max_task_retries": 0, "max_concurrency": MAX_CONCURRENT_CALLS}
+    actor = ray.remote(worker_class)
+    workers = []
+    for i in range(first, first + count):
+        extra = ({"name": f"{detached_prefix}{name}-{i}", "lifetime": "detached", "namespace": NAMESPACE}
+                 if detached_prefix else {})
+        workers.append(actor.options(**options, **extra).remote(config, name=f"{name}-{i}"))
     ray.get([w.info.remote() for w in workers])
     return workers

@@ -1,0 +1,43 @@
+"""`tandem gateway --pools NAME`: a stateless gRPC gateway over running shared pools (any number of them)."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+
+from tandem.cli.pools import add_ray_address, connect
+from tandem.cli.serve import add_gateway_options, gateway_options, serve_gateway
+from tandem.telemetry import tracing
+
+
+def add_gateway_parser(subparsers) -> None:
+    parser = subparsers.add_parser("gateway", help="serve the gRPC API over shared pools (`tandem pools start`)")
+    parser.add_argument("--pools", required=True, metavar="NAME", help="the pools to attach to")
+    add_ray_address(parser)
+    add_gateway_options(parser)
+    parser.add_argument("--draft-timeout", type=float, default=5.0,
+                        help="seconds a draft call may take before its rows decode plainly (default: %(default)s)")
+    parser.set_defaults(handler=run_gateway)
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    from tandem.pools import attach_backend, find_manager
+
+    options = gateway_options(args)
+    exporters = tracing.setup_from_env("tandem-gateway")
+    # Ray is joined on the main thread, before the gateway's SIGTERM handler (see `tandem serve`).
+    connect(args)
+    find_manager(args.pools)  # a clear error now rather than a gateway that never turns ready
+    stop = threading.Event()
+
+    def load():
+        return attach_backend(args.pools, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
+                              draft_timeout_s=args.draft_timeout, stop=stop)
+
+    try:
+        return serve_gateway(args, load, options, None, exporters, model=f"pools {args.pools}")
+    finally:
+        stop.set()
+        import ray
+
+        ray.shutdown()  # a gateway's exit leaves the pools' workers running: they are detached actors

@@ -1,0 +1,159 @@
+"""`tandem pools start|status|scale|stop`: shared draft and target pools on a Ray cluster (tandem.pools)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from tandem.cli.common import add_model_options, engine_config, kv_tokens
+from tandem.errors import InvalidArgument, TandemError
+
+
+def add_ray_address(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS"),
+                        help="the Ray cluster the pools live on (default: $RAY_ADDRESS)")
+
+
+def connect(args: argparse.Namespace) -> None:
+    """Join the Ray cluster: pools outlive this command, so a local throwaway cluster will not do."""
+    import ray
+
+    from tandem.workers.worker_base import NAMESPACE
+
+    if not args.ray_address:
+        raise InvalidArgument("ray_address: shared pools live on a running Ray cluster: pass --ray-address or set "
+                              "RAY_ADDRESS (e.g. after `ray start --head`)")
+    try:
+        ray.init(address=args.ray_address, namespace=NAMESPACE, log_to_driver=False,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    except (ConnectionError, RuntimeError) as exc:
+        raise TandemError(f"could not join the Ray cluster at {args.ray_address}: {exc}") from exc
+
+
+def add_pools_parser(subparsers) -> None:
+    parser = subparsers.add_parser("pools", help="shared draft and target worker pools on a Ray cluster")
+    commands = parser.add_subparsers(dest="pools_command", required=True, metavar="COMMAND")
+
+    start = commands.add_parser("start", help="start named pools as detached Ray actors; returns once ready")
+    start.add_argument("--name", required=True, help="the pools' name, for gateways' --pools")
+    add_model_options(start)
+    start.add_argument("--draft-workers", type=int, default=1, help="draft-worker actors (default: %(default)s)")
+    start.add_argument("--target-replicas", type=int, default=1, help="target replicas (default: %(default)s)")
+    start.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per target replica")
+    start.add_argument("--draft-gpus", type=float, default=0.0, help="GPUs per draft worker (default: 0)")
+    start.add_argument("--target-gpus", type=float, default=0.0, help="GPUs per target rank (default: 0)")
+    start.add_argument("--draft-resources", default=None, metavar="JSON", help="custom Ray resources per draft worker")
+    start.add_argument("--target-resources", default=None, metavar="JSON", help="custom Ray resources per target rank")
+    start.add_argument("--no-spec", action="store_true", help="a target pool only (plain decoding)")
+    start.add_argument("--batch-window-ms", type=float, default=2.0,
+                       help="how long a worker waits for other gateways' calls to join a forward (default: 2)")
+    add_ray_address(start)
+    start.set_defaults(handler=run_start)
+
+    status = commands.add_parser("status", help="every worker's health, load, sessions, KV tokens, rows per call")
+    status.add_argument("--name", default=None, help="one pool (default: every pool on the cluster)")
+    status.add_argument("--json", action="store_true", help="one JSON object")
+    add_ray_address(status)
+    status.set_defaults(handler=run_status)
+
+    scale = commands.add_parser("scale", help="set the number of draft workers or target replicas")
+    scale.add_argument("--name", required=True)
+    scale.add_argument("role", choices=["draft", "target"])
+    scale.add_argument("count", type=int)
+    add_ray_address(scale)
+    scale.set_defaults(handler=run_scale)
+
+    stop = commands.add_parser("stop", help="stop the pools' workers and manager")
+    stop.add_argument("--name", required=True)
+    add_ray_address(stop)
+    stop.set_defaults(handler=run_stop)
+
+
+def run_start(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from tandem.cli.serve import _json_flag
+    from tandem.cluster import ClusterOptions, load_tokenizer
+    from tandem.pools.manager import PoolSpec, start_pools
+    from tandem.workers.worker_base import WorkerConfig
+
+    speculate = not args.no_spec
+    config = engine_config(args, speculate)
+    load_tokenizer(args.target)
+    if args.batch_window_ms < 0:
+        raise InvalidArgument(f"batch_window_ms: must be non-negative, got {args.batch_window_ms}")
+    options = ClusterOptions(draft_workers=args.draft_workers, target_replicas=args.target_replicas,
+                             tensor_parallel=args.tp, draft_gpus=args.draft_gpus, target_gpus_per_rank=args.target_gpus,
+                             draft_resources=_json_flag("draft_resources", args.draft_resources),
+                             target_resources=_json_flag("target_resources", args.target_resources),
+                             threads=args.threads, device=args.device, dtype=args.dtype, eager=args.eager,
+                             kv_tokens=kv_tokens(args))
+    common = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "eager": args.eager,
+              "kv_tokens": args.kv_tokens, "batch_window_s": args.batch_window_ms / 1000}
+    target = WorkerConfig(model=args.target, **common)
+    draft = None
+    if speculate and args.draft_workers:
+        load_tokenizer(args.draft)  # pulls a registry model once, before several workers would race for it
+        draft = WorkerConfig(model=args.draft, top_m=config.spec.draft_top_m, confidence=config.spec.stop_confidence,
+                             draft_vocab=config.spec.draft_vocab, **common)
+    engine = dataclasses.replace(config, spec=dataclasses.replace(config.spec, enabled=draft is not None))
+    spec = PoolSpec(name=args.name, target=target, draft=draft, options=options, engine=engine)
+    connect(args)
+    described = start_pools(spec)
+    print(json.dumps({"started": described["name"], "target": described["target"], "draft": described["draft"],
+                      "workers": described["workers"]}))
+    return 0
+
+
+def _managers(args: argparse.Namespace) -> list:
+    import ray
+
+    from tandem.pools.manager import find_manager
+    from tandem.workers.worker_base import NAMESPACE
+
+    if args.name:
+        return [find_manager(args.name)]
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == NAMESPACE and a["name"].startswith("tandem-pools-")]
+    managers = [n for n in names if not any(n.startswith(m + "-") for m in names if m != n)]
+    return [ray.get_actor(n, namespace=NAMESPACE) for n in managers]
+
+
+def run_status(args: argparse.Namespace) -> int:
+    import ray
+
+    connect(args)
+    pools = ray.get([manager.status.remote() for manager in _managers(args)])
+    if args.json:
+        print(json.dumps(pools[0] if args.name else {"pools": pools}))
+        return 0
+    for pool in pools:
+        print(f"pools {pool['name']}: target {pool['target']}, draft {pool['draft'] or '-'}, "
+              f"rows per verify call {pool['rows_per_verify_call']}")
+        for w in pool["workers"]:
+            if not w["healthy"]:
+                print(f"  {w['role']:6} {w['name']:10} UNHEALTHY")
+                continue
+            print(f"  {w['role']:6} {w['name']:10} healthy  sequences {w['sequences']:3}  sessions "
+                  f"{w['retained_sessions']:3}  kv {w['kv_tokens_used']}/{w['kv_tokens_capacity']}  rows/forward "
+                  f"{w['rows_per_forward']:.2f}  calls/forward {w['calls_per_forward']:.2f}")
+    return 0
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    import ray
+
+    connect(args)
+    described = ray.get(_managers(args)[0].scale.remote(args.role, args.count))
+    print(json.dumps({"scaled": described["name"], "workers": described["workers"]}))
+    return 0
+
+
+def run_stop(args: argparse.Namespace) -> int:
+    from tandem.pools.manager import stop_pools
+
+    connect(args)
+    stop_pools(_managers(args)[0])
+    print(json.dumps({"stopped": args.name}))
+    return 0

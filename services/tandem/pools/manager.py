@@ -1,0 +1,174 @@
+"""The pool manager: one named detached actor per pool that starts, scales, describes and stops its workers.
+
+Why named detached actors and not Ray Serve deployments: a speculative round is two short calls (draft, verify) per
+step, and a gateway must reach the exact replica that holds a session's KV cache. Actor calls go straight to the
+worker; a Serve handle adds its router and a proxy hop per call and routes by its own policy (custom routers can pin
+sessions, but every call still passes the router). The per-call overhead of both, measured here:
+loadtest/pool_overhead.py (figures in docs/performance.md). Scaling, health and restarts are the manager's and Ray's
+(max_restarts) job; the Ray autoscaler grows nodes from the workers' resource requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import ray
+
+from tandem.cluster import ClusterOptions
+from tandem.core.config import EngineConfig
+from tandem.errors import InvalidArgument, TandemError
+from tandem.local_engine import draft_vocab_limit
+from tandem.workers.draft_pool import start_draft_workers
+from tandem.workers.target_pool import start_target_replicas
+from tandem.workers.worker_base import NAMESPACE, WorkerConfig, ray_failures
+
+ROLES = ("draft", "target")
+STATUS_TIMEOUT_S = 2.0
+
+
+@dataclass(slots=True, frozen=True)
+class PoolSpec:
+    name: str
+    target: WorkerConfig
+    draft: WorkerConfig | None  # None: the pool decodes plainly
+    options: ClusterOptions
+    engine: EngineConfig  # what gateways attached to this pool run (they may change batching only)
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "").isalnum():
+            raise InvalidArgument(f"name: letters, digits and dashes only, got {self.name!r}")
+        if self.options.tensor_parallel > 1:
+            raise InvalidArgument("tp: shared pools of tensor-parallel replicas are not built yet (their ranks must "
+                                  "see every gateway's calls in one order); use `tandem serve --tp`")
+
+    @property
+    def actor_prefix(self) -> str:
+        return f"tandem-pools-{self.name}-"
+
+
+def manager_name(pool: str) -> str:
+    return f"tandem-pools-{pool}"
+
+
+class PoolManager:
+    def __init__(self, spec: PoolSpec) -> None:
+        self.spec = spec
+        self.workers: dict[str, dict[str, object]] = {role: {} for role in ROLES}  # role -> {name: handle}
+        self.next_index = dict.fromkeys(ROLES, 0)
+        self.generation = 0
+        self.draft_config = spec.draft
+
+    def start(self) -> dict:
+        options = self.spec.options
+        self._add("target", options.target_replicas)
+        if self.spec.draft is not None:
+            first = next(iter(self.workers["target"].values()))
+            vocab = ray.get(first.info.remote())["vocab_size"]  # the drafter never scores ids the target lacks
+            self.draft_config = dataclasses.replace(self.spec.draft,
+                                                    draft_vocab=draft_vocab_limit(self.spec.draft.draft_vocab, vocab))
+            self._add("draft", options.draft_workers)
+        return self.describe()
+
+    def describe(self) -> dict:
+        """What a gateway needs to attach: models, engine config, and the workers' actor names in order."""
+        return {"name": self.spec.name, "target": self.spec.target.model,
+                "draft": self.spec.draft.model if self.spec.draft else "", "engine": self.spec.engine,
+                "generation": self.generation, "actor_prefix": self.spec.actor_prefix,
+                "workers": {role: list(self.workers[role].copy()) for role in ROLES}}
+
+    def scale(self, role: str, count: int) -> dict:
+        if role not in ROLES:
+            raise InvalidArgument(f"role: draft or target, got {role!r}")
+        if count < 1:
+            raise InvalidArgument(f"count: a pool keeps at least one {role} worker, got {count}")
+        if role == "draft" and self.spec.draft is None:
+            raise InvalidArgument("draft: this pool has no draft model")
+        current = self.workers[role]
+        if count > len(current):
+            self._add(role, count - len(current))
+        while len(current) > count:  # the newest go first: the oldest hold the longest-lived sessions
+            _, handle = current.popitem()
+            ray.kill(handle, no_restart=True)
+        self.generation += 1
+        return self.describe()
+
+    def status(self) -> dict:
+        workers, refs = [], []
+        for role in ROLES:
+            for name, handle in self.workers[role].copy().items():
+                workers.append({"role": role, "name": name, "healthy": False})
+                refs.append(handle.info.remote())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=STATUS_TIMEOUT_S) if refs else ([], [])
+        for worker, ref in zip(workers, refs, strict=True):
+            if ref not in ready:
+                continue
+            try:
+                info = ray.get(ref)
+            except ray_failures():
+                continue
+            worker.update(healthy=True, sequences=info["sequences"], retained_sessions=info["retained_sessions"],
+                          kv_tokens_used=info["kv_tokens_used"], kv_tokens_capacity=info["kv_tokens_capacity"],
+                          forwards=info["forwards"], merged_forwards=info["merged_forwards"],
+                          rows_per_forward=round(info["rows_per_forward"], 3),
+                          calls_per_forward=round(info["calls_per_forward"], 3), pid=info["pid"],
+                          metrics=info["metrics"])
+        targets = [w for w in workers if w["role"] == "target" and w["healthy"] and w["forwards"]]
+        rows = sum(w["rows_per_forward"] for w in targets) / len(targets) if targets else 0.0
+        return {"name": self.spec.name, "target": self.spec.target.model,
+                "draft": self.spec.draft.model if self.spec.draft else "", "generation": self.generation,
+                "workers": workers, "rows_per_verify_call": round(rows, 3)}
+
+    def stop(self) -> None:
+        for role in ROLES:
+            for handle in self.workers[role].values():
+                ray.kill(handle, no_restart=True)
+            self.workers[role].clear()
+
+    def _add(self, role: str, count: int) -> None:
+        options, first = self.spec.options, self.next_index[role]
+        naming = {"first": first, "detached_prefix": self.spec.actor_prefix}
+        if role == "target":
+            handles = start_target_replicas(self.spec.target, count, num_gpus=options.target_gpus_per_rank,
+                                            num_cpus=options.cpus_per_worker, resources=options.target_resources,
+                                            **naming)
+        else:
+            handles = start_draft_workers(self.draft_config, count, num_gpus=options.draft_gpus,
+                                          num_cpus=options.cpus_per_worker, resources=options.draft_resources,
+                                          **naming)
+        for offset, handle in enumerate(handles):
+            self.workers[role][f"{role}-{first + offset}"] = handle
+        self.next_index[role] = first + count
+
+
+def find_manager(pool: str):
+    """The running pool's manager actor; a clear error when there is none."""
+    try:
+        return ray.get_actor(manager_name(pool), namespace=NAMESPACE)
+    except ValueError as exc:
+        raise TandemError(f"no pools named {pool!r} on this Ray cluster (`tandem pools start --name {pool}`)") from exc
+
+
+def start_pools(spec: PoolSpec) -> dict:
+    """Start the pool's manager and its workers as detached actors; returns its description once they are ready."""
+    try:
+        ray.get_actor(manager_name(spec.name), namespace=NAMESPACE)
+    except ValueError:
+        pass
+    else:
+        raise InvalidArgument(f"name: pools named {spec.name!r} are already running (`tandem pools status`)")
+    manager = ray.remote(PoolManager).options(name=manager_name(spec.name), namespace=NAMESPACE, lifetime="detached",
+                                              num_cpus=0, max_restarts=0, max_concurrency=8).remote(spec)
+    try:
+        return ray.get(manager.start.remote())
+    except Exception:
+        stop_pools(manager)
+        raise
+
+
+def stop_pools(manager) -> None:
+    try:
+        ray.get(manager.stop.remote(), timeout=60)
+    finally:
+        ray.kill(manager, no_restart=True)
+

@@ -1,0 +1,111 @@
+"""One forward for the calls of every gateway: a worker merges the calls that arrive while it is busy.
+
+A shared pool's worker serves many gateways (and several engine lanes in each). Calls run concurrently on the actor's
+threads; the first caller to find the worker idle becomes the leader: it waits the admission window for others to
+join, takes every call queued by then, runs them as one batch and hands each caller its own rows. Calls that arrive
+during that forward queue for the next one, so rows join and leave per step and the window bounds the wait. A merged
+call that reports lost sequences or a full cache is rerun call by call, so each caller gets the answer to its own
+rows (both are raised before the forward writes anything, so the rerun is safe).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from tandem.workers.worker_base import WorkerReply
+
+RECENT_CALLS = 100  # forwards the rows-per-call mean is taken over
+
+
+@dataclass(slots=True)
+class _Call:
+    requests: list
+    reply: WorkerReply | None = None
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class BatchStats:
+    forwards: int = 0
+    calls: int = 0
+    merged: int = 0  # forwards that served more than one call (several gateways or lanes)
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_CALLS))  # (rows, calls) per forward
+
+    def rows_per_forward(self) -> float:
+        return sum(r for r, _ in self.recent) / len(self.recent) if self.recent else 0.0
+
+    def calls_per_forward(self) -> float:
+        return sum(c for _, c in self.recent) / len(self.recent) if self.recent else 0.0
+
+
+class CallBatcher:
+    def __init__(self, run: Callable[[list], WorkerReply], window_s: float = 0.002) -> None:
+        self.run, self.window_s = run, window_s
+        self.stats = BatchStats()
+        self._cond = threading.Condition()
+        self._queue: list[_Call] = []
+        self._busy = False
+        self._model = threading.Lock()  # held while the model or its caches change (forwards, releases)
+
+    @contextmanager
+    def exclusive(self):
+        """Hold the model for something other than a forward (releasing caches)."""
+        with self._model:
+            yield
+
+    def submit(self, requests: list) -> WorkerReply:
+        call = _Call(requests)
+        with self._cond:
+            self._queue.append(call)
+            while self._busy and call.reply is None and call.error is None:
+                self._cond.wait()
+            if call.reply is not None or call.error is not None:
+                return self._answer(call)
+            self._busy = True
+        try:
+            if self.window_s > 0:
+                time.sleep(self.window_s)
+            with self._cond:
+                calls, self._queue = self._queue, []
+            self._run(calls)
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+        return self._answer(call)
+
+    @staticmethod
+    def _answer(call: _Call) -> WorkerReply:
+        if call.error is not None:
+            raise call.error
+        return call.reply
+
+    def _run(self, calls: list[_Call]) -> None:
+        merged = [r for call in calls for r in call.requests]
+        self.stats.forwards += 1
+        self.stats.calls += len(calls)
+        self.stats.merged += len(calls) > 1
+        self.stats.recent.append((len(merged), len(calls)))
+        try:
+            with self._model:
+                reply = self.run(merged)
+                if len(calls) > 1 and reply.results is None:
+                    for call in calls:
+                        call.reply = self.run(call.requests)
+                    return
+        except BaseException as exc:  # every caller of the failed forward sees the failure
+            for call in calls:
+                if call.reply is None:
+                    call.error = exc
+            return
+        start = 0
+        for call in calls:
+            end = start + len(call.requests)
+            call.reply = WorkerReply(results=reply.results[start:end] if reply.results is not None else None,
+                                     lost=reply.lost, full=reply.full)
+            start = end

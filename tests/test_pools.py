@@ -1,0 +1,211 @@
+"""Shared pools: `tandem pools` on a real Ray cluster (`ray start --head`), separate `tandem gateway` processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+from tandem.client import TandemClient
+from tandem.core.config import SamplingParams
+from tandem.local_engine import build_engine
+
+TOKENS = 40
+PROMPTS = [[5, 6, 7, 8], [40, 50, 60], [1, 2, 3, 4, 5, 6, 7], [200, 17, 33]]
+BIN = Path(sys.executable).parent
+SERVING = 1  # grpc.health.v1
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env(address: str) -> dict:
+    return os.environ | {"RAY_ADDRESS": address, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                         "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _tandem(address: str, *args: str, timeout: float = 180) -> str:
+    done = subprocess.run([str(BIN / "tandem"), *args], env=_env(address), capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A Ray head on loopback, apart from the test process's own Ray; the pools `t` on it (tiny models)."""
+    if shutil.which("ray", path=str(BIN)) is None:
+        pytest.skip("no ray command")
+    port, temp = _free_port(), tmp_path_factory.mktemp("ray")
+    address = f"127.0.0.1:{port}"
+    subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+                    "--num-cpus=8", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
+                   env=_env(address), check=True, capture_output=True, timeout=120)
+    yield address
+    subprocess.run([str(BIN / "ray"), "stop", "--force"], env=_env(address), capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def pools(cluster, tiny_dirs):
+    _tandem(cluster, "pools", "start", "--name", "t", "--target", str(tiny_dirs.target), "--draft",
+            str(tiny_dirs.draft), "--threads", "1", "--dtype", "float32", "--fixed-k", "4",
+            "--batch-window-ms", "50")  # tiny forwards take well under a millisecond: a window calls surely share
+    yield cluster
+    _tandem(cluster, "pools", "stop", "--name", "t")
+
+
+class Gateway:
+    def __init__(self, address: str) -> None:
+        self.process = subprocess.Popen([str(BIN / "tandem"), "gateway", "--pools", "t", "--port", "0",
+                                         "--metrics-port", "-1"],
+                                        env=_env(address), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        for line in self.process.stdout:
+            if "serving tandem.v1.Generation on" in line:
+                self.address = line.split(" on ")[1].split()[0]
+                break
+        else:
+            raise AssertionError("the gateway exited before listening")
+        threading.Thread(target=self.process.stdout.read, daemon=True).start()
+        deadline = time.monotonic() + 120
+        with TandemClient(self.address, timeout=10) as client:
+            while client.health_status("tandem.v1.Generation") != SERVING:
+                assert time.monotonic() < deadline, "the gateway never turned ready"
+                time.sleep(0.2)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.process.send_signal(sig)
+        self.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def gateways(pools):
+    started = [Gateway(pools), Gateway(pools)]
+    yield started
+    for gateway in started:
+        if gateway.process.poll() is None:
+            gateway.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models):
+    greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    return [r.token_ids for r in build_engine(tiny_models[0], None).generate(PROMPTS, greedy)]
+
+
+def _generate(address: str, prompt: list[int], out: dict, key, request_id: str) -> None:
+    with TandemClient(address, timeout=120) as client:
+        ids = []
+        for item in client.generate(token_ids=prompt, temperature=0.0, max_tokens=TOKENS, ignore_eos=True,
+                                    request_id=request_id):
+            ids += list(getattr(item, "token_ids", []))
+        out[key] = ids
+
+
+def _at_once(jobs: list[tuple[str, int]], pair_ids: bool = True) -> dict:
+    """With `pair_ids`, job n runs as request id `r{n // 2}`: jobs alternating between two gateways give each gateway
+    the same ids."""
+    out: dict = {}
+    threads = [threading.Thread(target=_generate, args=(address, PROMPTS[i], out, (n, i),
+                                                        f"r{n // 2 if pair_ids else n}"))
+               for n, (address, i) in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    return out
+
+
+def _status(address: str) -> dict:
+    return json.loads(_tandem(address, "pools", "status", "--name", "t", "--json"))
+
+
+def test_two_gateways_share_one_pool_and_batch_across_gateways(pools, gateways, expected) -> None:
+    before = {w["name"]: w["merged_forwards"] for w in _status(pools)["workers"]}
+    # The same request id on both gateways at once: each gateway's ids are kept apart on the shared workers.
+    out = _at_once([(gateways[0].address, 0), (gateways[1].address, 1)] * 2)
+    assert {key: ids for key, ids in out.items()} == {(n, i): expected[i] for n, i in [(0, 0), (1, 1), (2, 0),
+                                                                                        (3, 1)]}
+    status = _status(pools)
+    assert sorted(w["role"] for w in status["workers"]) == ["draft", "target"]
+    assert all(w["healthy"] for w in status["workers"])
+    target = next(w for w in status["workers"] if w["role"] == "target")
+    assert target["merged_forwards"] > before["target-0"], "no verify forward served both gateways"
+    assert status["rows_per_verify_call"] > 1
+
+
+def test_worker_actors_are_the_pools_alone(pools, gateways) -> None:
+    """Two gateways attached, yet the cluster holds one draft worker and one target replica: the named workers, and
+    the CPUs in use (each worker asks for one; the manager and the gateways' drivers for none)."""
+    script = ("import ray, json; ray.init(log_to_driver=False, namespace='tandem'); "
+              "names = sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)); "
+              "used = ray.cluster_resources()['CPU'] - ray.available_resources().get('CPU', 0); "
+              "print(json.dumps([names, used]))")
+    done = subprocess.run([sys.executable, "-c", script], env=_env(pools), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    names, cpus_used = json.loads(done.stdout.strip().splitlines()[-1])
+    assert names == ["tandem-pools-t", "tandem-pools-t-draft-0", "tandem-pools-t-target-0"]
+    assert cpus_used == 2
+
+
+def test_scaling_under_load_fails_nothing(pools, gateways, expected) -> None:
+    rounds: list[dict] = []
+    scaled = threading.Event()
+    jobs = [(gateways[n % 2].address, n % len(PROMPTS)) for n in range(8)]
+
+    def load() -> None:
+        while not scaled.is_set() or not rounds:
+            rounds.append(_at_once(jobs))
+
+    runner = threading.Thread(target=load)
+    runner.start()
+    for role, count in (("draft", "2"), ("target", "2"), ("target", "1"), ("draft", "1")):
+        _tandem(pools, "pools", "scale", "--name", "t", role, count)
+    time.sleep(3)  # gateways follow the membership every 2 s
+    scaled.set()
+    runner.join(timeout=300)
+    assert all(len(out) == 8 for out in rounds), [len(out) for out in rounds]
+    assert all(ids == expected[i] for out in rounds for (_, i), ids in out.items())
+    names = sorted(w["name"] for w in _status(pools)["workers"])
+    assert names == ["draft-0", "target-0"]
+
+
+def test_a_gateway_killed_leaves_the_workers_and_the_other_gateway_serving(pools, gateways, expected) -> None:
+    pids = {w["name"]: w["pid"] for w in _status(pools)["workers"]}
+    out: dict = {}
+    jobs = [(gateways[1].address, i) for i in range(4)]
+    runner = threading.Thread(target=lambda: out.update(_at_once(jobs, pair_ids=False)))
+    runner.start()
+    time.sleep(0.5)
+    gateways[0].stop(signal.SIGKILL)
+    runner.join(timeout=300)
+    assert [out[(i, i)] for i in range(4)] == expected
+    status = _status(pools)
+    assert all(w["healthy"] for w in status["workers"])
+    assert {w["name"]: w["pid"] for w in status["workers"]} == pids, "a gateway's exit must not restart workers"
+
+
+def test_pool_commands_need_a_cluster_and_refuse_duplicates(pools, tiny_dirs) -> None:
+    done = subprocess.run([str(BIN / "tandem"), "pools", "status"], capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in _env(pools).items() if k != "RAY_ADDRESS"})
+    assert done.returncode == 2 and "--ray-address" in done.stderr
+    done = subprocess.run([str(BIN / "tandem"), "pools", "start", "--name", "t", "--target", str(tiny_dirs.target),
+                           "--no-spec"], env=_env(pools), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "already running" in done.stderr
+    done = subprocess.run([str(BIN / "tandem"), "gateway", "--pools", "nope", "--port", "0"], env=_env(pools),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "no pools named 'nope'" in done.stderr + done.stdout
