@@ -20,6 +20,7 @@ pytest.importorskip("ray")
 from tandem.client import TandemClient
 from tandem.core.config import SamplingParams
 from tandem.local_engine import build_engine
+from tandem.sessions import EmbeddedRedis
 
 TOKENS = 40
 PROMPTS = [[5, 6, 7, 8], [40, 50, 60], [1, 2, 3, 4, 5, 6, 7], [200, 17, 33]]
@@ -34,7 +35,10 @@ def _free_port() -> int:
 
 
 def _env(address: str) -> dict:
-    return os.environ | {"RAY_ADDRESS": address, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+    # Not this process's own Ray settings (a local Ray started here turns token auth on): the loopback head has none.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    return inherited | {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled",
+                        "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                          "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
@@ -69,9 +73,9 @@ def pools(cluster, tiny_dirs):
 
 
 class Gateway:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, redis_url: str) -> None:
         self.process = subprocess.Popen([str(BIN / "tandem"), "gateway", "--pools", "t", "--port", "0",
-                                         "--metrics-port", "-1"],
+                                         "--metrics-port", "-1", "--redis-url", redis_url],
                                         env=_env(address), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         for line in self.process.stdout:
             if "serving tandem.v1.Generation on" in line:
@@ -93,11 +97,13 @@ class Gateway:
 
 @pytest.fixture(scope="module")
 def gateways(pools):
-    started = [Gateway(pools), Gateway(pools)]
-    yield started
-    for gateway in started:
-        if gateway.process.poll() is None:
-            gateway.stop()
+    """Two gateway processes sharing the pools and one Redis (the session store every gateway of a deployment uses)."""
+    with EmbeddedRedis() as redis:
+        started = [Gateway(pools, redis.url), Gateway(pools, redis.url)]
+        yield started
+        for gateway in started:
+            if gateway.process.poll() is None:
+                gateway.stop()
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +188,22 @@ def test_scaling_under_load_fails_nothing(pools, gateways, expected) -> None:
     assert all(ids == expected[i] for out in rounds for (_, i), ids in out.items())
     names = sorted(w["name"] for w in _status(pools)["workers"])
     assert names == ["draft-0", "target-0"]
+
+
+def test_a_sessions_next_turn_through_another_gateway_reuses_the_pools_cache(pools, gateways) -> None:
+    def turn(gateway: Gateway, prompt: list[int]) -> list[int]:
+        with TandemClient(gateway.address, timeout=120) as client:
+            return [t for item in client.generate(token_ids=prompt, temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                  session_id="chat-1") for t in getattr(item, "token_ids", [])]
+
+    def reused() -> int:
+        return sum(w["reused_tokens"] for w in _status(pools)["workers"] if w["role"] == "target")
+
+    first = PROMPTS[2] * 4
+    answer = turn(gateways[0], first)
+    before = reused()
+    turn(gateways[1], first + answer + [9, 10, 11])
+    assert reused() - before >= len(first), "the second turn should start from the first turn's cached tokens"
 
 
 def test_a_gateway_killed_leaves_the_workers_and_the_other_gateway_serving(pools, gateways, expected) -> None:

@@ -15,26 +15,64 @@ def test_new_sequences_go_to_the_least_loaded_worker_and_stick() -> None:
 
 def test_a_sessions_next_sequence_returns_to_its_worker_within_the_imbalance() -> None:
     router = AffinityRouter(2, cooldown_s=60, role="draft", max_imbalance=2)
-    assert router.route("turn-1", "chat") == 0
+    home = router.route("turn-1", "chat")
     router.forget("turn-1", retained=True)
-    assert router.sessions["chat"] == 0
-    for i in range(2):
-        router.route(f"busy-{i}", "")  # worker 0 then 1
-    router.route("busy-2", "")  # worker 0 again: 2 running there, 1 on worker 1
-    assert router.route("turn-2", "chat") == 0 and router.session_hits == 1
+    assert router.sessions["chat"] == home
+    for i in range(3):
+        router.affinity[f"busy-{i}"] = home if i < 2 else 1 - home  # 2 running on home, 1 on the other
+    assert router.route("turn-2", "chat") == home and router.session_hits == 1
     router.forget("turn-2", retained=False)  # an aborted turn: no cache retained, but the old pin stays
     for i in range(3, 6):
-        router.affinity[f"busy-{i}"] = 0  # worker 0 far busier than worker 1
-    assert router.route("turn-3", "chat") == 1
+        router.affinity[f"busy-{i}"] = home  # home far busier than the other worker
+    assert router.route("turn-3", "chat") == 1 - home
 
 
 def test_benching_a_worker_forgets_its_sequences_and_sessions() -> None:
     router = AffinityRouter(2, cooldown_s=60, role="target")
-    router.route("a", "s-a")
+    home = router.route("a", "s-a")
     router.forget("a", retained=True)
     router.route("b")
-    assert router.bench(0, "failed") == ["b"]
+    router.affinity["b"] = home
+    assert router.bench(home, "failed") == ["b"]
     assert "s-a" not in router.sessions
-    assert router.route("c", "s-a") == 1 and router.route("b") == 1
+    assert router.route("c", "s-a") == 1 - home and router.route("b") == 1 - home
     router.pin("s-x", 7)  # an index this pool does not have (a store written by a larger deployment)
     assert "s-x" not in router.sessions
+
+
+def test_rendezvous_placement_is_the_same_in_every_router_and_moves_only_the_removed_workers_sessions() -> None:
+    from tandem.workers.routing import AffinityRouter
+
+    names = ["target-0", "target-1", "target-2"]
+    first, second = (AffinityRouter(3, 10.0, "target", max_imbalance=10**6, names=names) for _ in range(2))
+    sessions = [f"session-{i}" for i in range(60)]
+    placed = {s: first.route(f"a/{s}", s) for s in sessions}
+    assert placed == {s: second.route(f"b/{s}", s) for s in sessions}, "gateways must agree without talking"
+    assert len(set(placed.values())) == 3
+    smaller = AffinityRouter(2, 10.0, "target", max_imbalance=10**6, names=["target-0", "target-2"])
+    moved = {s: smaller.route(f"c/{s}", s) for s in sessions}
+    for session, index in placed.items():
+        if names[index] != "target-1":
+            assert smaller.names[moved[session]] == names[index], "a session of a remaining worker moved"
+
+
+def test_resize_keeps_running_sequences_on_their_worker_and_drops_those_of_a_removed_one() -> None:
+    from tandem.workers.routing import AffinityRouter
+
+    router = AffinityRouter(2, 10.0, "draft")
+    where = {seq: router.route(seq) for seq in ("x", "y", "z", "w")}
+    router.resize(["draft-1", "draft-2"])
+    for seq, index in where.items():
+        if index == 1:
+            assert router.affinity[seq] == 0  # draft-1 now at index 0
+        else:
+            assert seq not in router.affinity
+    assert router.size == 2 and router.names == ["draft-1", "draft-2"]
+
+
+def test_an_overloaded_worker_spills_new_sequences_to_the_next_in_rank() -> None:
+    from tandem.workers.routing import AffinityRouter
+
+    router = AffinityRouter(2, 10.0, "target", max_imbalance=1)
+    picks = [router.route(f"seq-{i}", "one-busy-session") for i in range(10)]
+    assert min(picks.count(0), picks.count(1)) >= 4, picks

@@ -7,6 +7,7 @@ import json
 import os
 
 from tandem.cli.common import add_model_options, engine_config, kv_tokens
+from tandem.cli.serve import add_pool_options
 from tandem.errors import InvalidArgument, TandemError
 
 
@@ -38,13 +39,7 @@ def add_pools_parser(subparsers) -> None:
     start = commands.add_parser("start", help="start named pools as detached Ray actors; returns once ready")
     start.add_argument("--name", required=True, help="the pools' name, for gateways' --pools")
     add_model_options(start)
-    start.add_argument("--draft-workers", type=int, default=1, help="draft-worker actors (default: %(default)s)")
-    start.add_argument("--target-replicas", type=int, default=1, help="target replicas (default: %(default)s)")
-    start.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per target replica")
-    start.add_argument("--draft-gpus", type=float, default=0.0, help="GPUs per draft worker (default: 0)")
-    start.add_argument("--target-gpus", type=float, default=0.0, help="GPUs per target rank (default: 0)")
-    start.add_argument("--draft-resources", default=None, metavar="JSON", help="custom Ray resources per draft worker")
-    start.add_argument("--target-resources", default=None, metavar="JSON", help="custom Ray resources per target rank")
+    add_pool_options(start)
     start.add_argument("--no-spec", action="store_true", help="a target pool only (plain decoding)")
     start.add_argument("--batch-window-ms", type=float, default=2.0,
                        help="how long a worker waits for other gateways' calls to join a forward (default: 2)")
@@ -73,8 +68,8 @@ def add_pools_parser(subparsers) -> None:
 def run_start(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from tandem.cli.serve import _json_flag
-    from tandem.cluster import ClusterOptions, load_tokenizer
+    from tandem.cli.serve import cluster_options
+    from tandem.cluster import load_tokenizer
     from tandem.pools.manager import PoolSpec, start_pools
     from tandem.workers.worker_base import WorkerConfig
 
@@ -83,12 +78,8 @@ def run_start(args: argparse.Namespace) -> int:
     load_tokenizer(args.target)
     if args.batch_window_ms < 0:
         raise InvalidArgument(f"batch_window_ms: must be non-negative, got {args.batch_window_ms}")
-    options = ClusterOptions(draft_workers=args.draft_workers, target_replicas=args.target_replicas,
-                             tensor_parallel=args.tp, draft_gpus=args.draft_gpus, target_gpus_per_rank=args.target_gpus,
-                             draft_resources=_json_flag("draft_resources", args.draft_resources),
-                             target_resources=_json_flag("target_resources", args.target_resources),
-                             threads=args.threads, device=args.device, dtype=args.dtype, eager=args.eager,
-                             kv_tokens=kv_tokens(args))
+    kv_tokens(args)
+    options = cluster_options(args)
     common = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "eager": args.eager,
               "kv_tokens": args.kv_tokens, "batch_window_s": args.batch_window_ms / 1000}
     target = WorkerConfig(model=args.target, **common)

@@ -9,6 +9,10 @@ import dataclasses
 import json
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem.cluster import ClusterOptions
 
 from tandem.cli.canary import add_serve_canary_options, serve_canary_options
 from tandem.cli.common import add_model_options, engine_config, kv_tokens, load_models, setup_torch
@@ -26,15 +30,7 @@ from tandem.telemetry.worker import DEFAULT_WORKER_METRICS_PORT, METRICS_PORT_EN
 def add_serve_parser(subparsers) -> None:
     parser = subparsers.add_parser("serve", help="serve the gRPC API: gateway, Ray draft and target workers, Redis")
     add_model_options(parser)
-    parser.add_argument("--draft-workers", type=int, default=1, help="draft-worker actors (default: %(default)s)")
-    parser.add_argument("--target-replicas", type=int, default=1, help="target replicas (default: %(default)s)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per target replica")
-    parser.add_argument("--draft-gpus", type=float, default=0.0, help="GPUs per draft worker (default: 0)")
-    parser.add_argument("--target-gpus", type=float, default=0.0, help="GPUs per target rank (default: 0)")
-    parser.add_argument("--draft-resources", default=None, metavar="JSON",
-                        help='custom Ray resources per draft worker, e.g. \'{"draft_pool": 1}\' (a worker group\'s)')
-    parser.add_argument("--target-resources", default=None, metavar="JSON",
-                        help='custom Ray resources per target rank, e.g. \'{"target_pool": 1}\'')
+    add_pool_options(parser)
     parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: $RAY_ADDRESS or local)")
     parser.add_argument("--in-process", action="store_true", help="load both models in the gateway, no Ray")
     parser.add_argument("--no-spec", action="store_true", help="serve plain target decoding (no draft model)")
@@ -44,6 +40,30 @@ def add_serve_parser(subparsers) -> None:
                         f"{DEFAULT_WORKER_METRICS_PORT}; taken: the next free one; 0: a free port; -1: off)")
     add_serve_canary_options(parser)
     parser.set_defaults(handler=run_serve)
+
+
+def add_pool_options(parser: argparse.ArgumentParser) -> None:
+    """How many workers of each pool, and where they land: `tandem serve` and `tandem pools start`."""
+    parser.add_argument("--draft-workers", type=int, default=1, help="draft-worker actors (default: %(default)s)")
+    parser.add_argument("--target-replicas", type=int, default=1, help="target replicas (default: %(default)s)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per target replica")
+    parser.add_argument("--draft-gpus", type=float, default=0.0, help="GPUs per draft worker (default: 0)")
+    parser.add_argument("--target-gpus", type=float, default=0.0, help="GPUs per target rank (default: 0)")
+    parser.add_argument("--draft-resources", default=None, metavar="JSON",
+                        help='custom Ray resources per draft worker, e.g. \'{"draft_pool": 1}\' (a worker group\'s)')
+    parser.add_argument("--target-resources", default=None, metavar="JSON",
+                        help='custom Ray resources per target rank, e.g. \'{"target_pool": 1}\'')
+
+
+def cluster_options(args: argparse.Namespace) -> ClusterOptions:
+    from tandem.cluster import ClusterOptions
+
+    return ClusterOptions(draft_workers=args.draft_workers, target_replicas=args.target_replicas,
+                          tensor_parallel=args.tp, draft_gpus=args.draft_gpus, target_gpus_per_rank=args.target_gpus,
+                          draft_resources=_json_flag("draft_resources", args.draft_resources),
+                          target_resources=_json_flag("target_resources", args.target_resources),
+                          ray_address=args.ray_address, threads=args.threads, device=args.device, dtype=args.dtype,
+                          eager=args.eager, kv_tokens=args.kv_tokens)
 
 
 def add_gateway_options(parser: argparse.ArgumentParser) -> None:
@@ -153,14 +173,9 @@ def _in_process_arms_loader(args: argparse.Namespace, config, canary):
 
 
 def _cluster_loader(args: argparse.Namespace, config, canary=None):
-    from tandem.cluster import ClusterOptions, start_backend, start_ray
+    from tandem.cluster import start_backend, start_ray
 
-    options = ClusterOptions(draft_workers=args.draft_workers, target_replicas=args.target_replicas,
-                             tensor_parallel=args.tp, draft_gpus=args.draft_gpus, target_gpus_per_rank=args.target_gpus,
-                             draft_resources=_json_flag("draft_resources", args.draft_resources),
-                             target_resources=_json_flag("target_resources", args.target_resources),
-                             ray_address=args.ray_address, threads=args.threads, device=args.device, dtype=args.dtype,
-                             eager=args.eager, kv_tokens=args.kv_tokens)
+    options = cluster_options(args)
 
     # A local Ray's workers inherit this environment: the metrics port, and OTEL_* for their own span export.
     os.environ[METRICS_PORT_ENV] = str(worker_metrics_port(args))

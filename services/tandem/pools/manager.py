@@ -25,6 +25,8 @@ from tandem.workers.worker_base import NAMESPACE, WorkerConfig, ray_failures
 
 ROLES = ("draft", "target")
 STATUS_TIMEOUT_S = 2.0
+STATUS_FIELDS = ("sequences", "retained_sessions", "kv_tokens_used", "kv_tokens_capacity", "reused_tokens", "forwards",
+                 "rows", "merged_forwards", "pid", "metrics")  # copied from each worker's info()
 
 
 @dataclass(slots=True, frozen=True)
@@ -107,12 +109,9 @@ class PoolManager:
                 info = ray.get(ref)
             except ray_failures():
                 continue
-            worker.update(healthy=True, sequences=info["sequences"], retained_sessions=info["retained_sessions"],
-                          kv_tokens_used=info["kv_tokens_used"], kv_tokens_capacity=info["kv_tokens_capacity"],
-                          forwards=info["forwards"], merged_forwards=info["merged_forwards"],
+            worker.update({key: info[key] for key in STATUS_FIELDS}, healthy=True,
                           rows_per_forward=round(info["rows_per_forward"], 3),
-                          calls_per_forward=round(info["calls_per_forward"], 3), pid=info["pid"],
-                          metrics=info["metrics"])
+                          calls_per_forward=round(info["calls_per_forward"], 3))
         targets = [w for w in workers if w["role"] == "target" and w["healthy"] and w["forwards"]]
         rows = sum(w["rows_per_forward"] for w in targets) / len(targets) if targets else 0.0
         return {"name": self.spec.name, "target": self.spec.target.model,

@@ -33,6 +33,7 @@ class _Call:
 class BatchStats:
     forwards: int = 0
     calls: int = 0
+    rows: int = 0
     merged: int = 0  # forwards that served more than one call (several gateways or lanes)
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_CALLS))  # (rows, calls) per forward
 
@@ -89,6 +90,7 @@ class CallBatcher:
         merged = [r for call in calls for r in call.requests]
         self.stats.forwards += 1
         self.stats.calls += len(calls)
+        self.stats.rows += len(merged)
         self.stats.merged += len(calls) > 1
         self.stats.recent.append((len(merged), len(calls)))
         try:

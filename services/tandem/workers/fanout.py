@@ -4,6 +4,7 @@ pool's KV usage, summed over its workers; and what both pool clients (draft pool
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -28,16 +29,43 @@ class FanoutResult:
     full: KVCacheFull | None = None  # a worker's KV cache could not hold its rows (their results stay None)
 
 
+class WireIds:
+    """Sequence ids as workers see them: a gateway's own prefix (gateways sharing a pool may run equal request ids)
+    and a count per use of an id. A worker runs calls on several threads, so a release may still be pending when a
+    later request reuses the id; with its own wire id the late release cannot drop the new request's cache."""
+
+    def __init__(self, prefix: str = "") -> None:
+        self.prefix = prefix
+        self._wire: dict[str, str] = {}
+        self._seq: dict[str, str] = {}
+        self._uses = itertools.count()
+
+    def to_wire(self, seq_id: str) -> str:
+        wire = self._wire.get(seq_id)
+        if wire is None:
+            wire = self._wire[seq_id] = f"{self.prefix}{next(self._uses)}:{seq_id}"
+            self._seq[wire] = seq_id
+        return wire
+
+    def from_wire(self, wire: str) -> str:
+        return self._seq.get(wire, wire)
+
+    def drop(self, seq_id: str) -> str | None:
+        """The sequence ended: its wire id (None if no worker ever saw it), never used again."""
+        wire = self._wire.pop(seq_id, None)
+        self._seq.pop(wire, None)
+        return wire
+
+
 def fan_out(workers: list, router: AffinityRouter, method: str, requests: list, timeout_s: float,
-            carriers: dict[str, dict[str, str]] | None = None, prefix: str = "") -> FanoutResult:
+            carriers: dict[str, dict[str, str]] | None = None, ids: WireIds | None = None) -> FanoutResult:
     """`carriers`: W3C trace context per sequence id for the traced ones (tandem.telemetry.rounds); each worker gets
-    those of its rows, and the spans it returns are exported here. `prefix` goes before every sequence id the
-    workers see: gateways sharing a pool each use their own, so their request ids never collide."""
+    those of its rows, and the spans it returns are exported here. `ids`: the sequence ids workers see."""
     out = FanoutResult(results=[None] * len(requests))
     groups = router.group([(r.seq_id, r.session) for r in requests])
-    if prefix:
-        carriers = {prefix + seq_id: carrier for seq_id, carrier in carriers.items()} if carriers else carriers
-        requests = [dataclasses.replace(r, seq_id=prefix + r.seq_id) for r in requests]
+    ids = ids or WireIds()
+    carriers = {ids.to_wire(seq_id): carrier for seq_id, carrier in carriers.items()} if carriers else carriers
+    requests = [dataclasses.replace(r, seq_id=ids.to_wire(r.seq_id)) for r in requests]
     futures = {index: _submit(workers[index], method, [requests[row] for row in rows], carriers)
                for index, rows in groups.items() if index is not None}
     deadline = time.monotonic() + timeout_s
@@ -57,7 +85,7 @@ def fan_out(workers: list, router: AffinityRouter, method: str, requests: list, 
         if reply.spans:
             tracing.relay(reply.spans)
         if reply.lost:
-            out.lost += [seq_id.removeprefix(prefix) for seq_id in reply.lost]
+            out.lost += [ids.from_wire(wire) for wire in reply.lost]
             continue
         if reply.full:
             out.full = KVCacheFull(*reply.full)
@@ -89,10 +117,12 @@ def _first_reply(refs: list, deadline: float):
     return ray.get(refs[0])
 
 
-def release(workers: list, router: AffinityRouter, seq_id: str, retain: bool = False, prefix: str = "") -> None:
+def release(workers: list, router: AffinityRouter, seq_id: str, retain: bool = False,
+            ids: WireIds | None = None) -> None:
     index = router.forget(seq_id, retain)
-    if index is not None:
-        workers[index].release.remote([prefix + seq_id], retain)
+    wire = (ids or WireIds()).drop(seq_id)
+    if index is not None and wire is not None:
+        workers[index].release.remote([wire], retain)
 
 
 def kv_usage(workers: list, timeout_s: float = KV_USAGE_TIMEOUT_S) -> KVUsage:
@@ -116,7 +146,7 @@ class RayPoolClient:
     that keeps this gateway's sequence ids apart from other gateways' on shared workers."""
 
     def __init__(self, workers: list, router: AffinityRouter, prefix: str = "") -> None:
-        self.workers, self.router, self.prefix = workers, router, prefix
+        self.workers, self.router, self.ids = workers, router, WireIds(prefix)
         self.trace_carriers: dict[str, dict[str, str]] | None = None  # set by the gateway's engine loop
         self._offered: tuple[list, list[str]] | None = None
 
@@ -131,7 +161,7 @@ class RayPoolClient:
             self.router.resize(offered[1])
 
     def release(self, seq_id: str, retain: bool = False) -> None:
-        release(self.workers, self.router, seq_id, retain, self.prefix)
+        release(self.workers, self.router, seq_id, retain, self.ids)
 
     def kv_usage(self, timeout_s: float = KV_USAGE_TIMEOUT_S) -> KVUsage:
         """Summed over the workers that answer within `timeout_s` (remote calls: keep it off an event loop)."""

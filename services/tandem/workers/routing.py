@@ -2,12 +2,12 @@
 
 A running sequence sticks to the worker that holds its KV cache. A new sequence of a known session goes back to the
 worker that retained the session's cache (its previous turn), unless that worker is busier than the least loaded
-one by more than `max_imbalance` sequences. Other new sequences go to the healthy worker ranked first for their
-session (or sequence) by rendezvous hashing over the workers' names, so every gateway sharing a pool sends a
-session to the same worker without talking to the others, and a change in the set of workers moves only the
-sessions of the workers that came or went; a worker more than `max_imbalance` busier than the least loaded one
-spills the sequence to the next in rank. A worker that fails is benched for a cool-down and its sequences and
-sessions are routed afresh.
+one by more than `max_imbalance` sequences. A session's other new sequences go to the healthy worker ranked first
+for the session by rendezvous hashing over the workers' names, so every gateway sharing a pool sends a session to
+the same worker without talking to the others, and a change in the set of workers moves only the sessions of the
+workers that came or went; a worker more than `max_imbalance` busier than the least loaded one spills the session
+to the next in rank. Sequences without a session go to the least loaded healthy worker. A worker that fails is
+benched for a cool-down and its sequences and sessions are routed afresh.
 """
 
 from __future__ import annotations
@@ -48,9 +48,12 @@ class AffinityRouter:
         if not candidates:
             return None
         load = Counter(self.affinity.values())
-        least = min(load[i] for i in candidates)
-        ranked = sorted(candidates, key=lambda i: rendezvous_score(session or seq_id, self.names[i]), reverse=True)
-        choice = next(i for i in ranked if load[i] <= least + self.max_imbalance)
+        if session:
+            least = min(load[i] for i in candidates)
+            ranked = sorted(candidates, key=lambda i: rendezvous_score(session, self.names[i]), reverse=True)
+            choice = next(i for i in ranked if load[i] <= least + self.max_imbalance)
+        else:
+            choice = min(candidates, key=lambda i: (load[i], i))
         preferred = self.sessions.get(session) if session and index is None else None
         if preferred is not None and self.healthy(preferred) and load[preferred] <= load[choice] + self.max_imbalance:
             choice = preferred

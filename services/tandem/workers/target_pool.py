@@ -40,7 +40,7 @@ class RayVerifier(RayPoolClient):
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         self._take_offer()
         out = fan_out(self.workers, self.router, "verify", requests, self.timeout_s, self.trace_carriers,
-                      self.prefix)
+                      self.ids)
         for index in out.benched:
             self._rebuild(index)
         if out.full is not None:

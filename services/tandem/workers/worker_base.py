@@ -96,7 +96,7 @@ class WorkerBase:
                 "reused_tokens": self.runner.reused_tokens, "metrics": self.telemetry.metrics_url,
                 "kv_tokens_used": self.runner.kv_tokens_used, "kv_tokens_reserved": self.runner.kv_tokens_reserved,
                 "kv_tokens_capacity": self.runner.kv_tokens_capacity, "forwards": self.batcher.stats.forwards,
-                "merged_forwards": self.batcher.stats.merged,
+                "rows": self.batcher.stats.rows, "merged_forwards": self.batcher.stats.merged,
                 "rows_per_forward": self.batcher.stats.rows_per_forward(),
                 "calls_per_forward": self.batcher.stats.calls_per_forward()}
 

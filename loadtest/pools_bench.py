@@ -1,0 +1,167 @@
+"""Shared pools measured: one gateway with N sessions against two gateways with N/2 each, on the same pools.
+
+Starts a Ray head on loopback (or joins --ray-address), `tandem pools start` with one draft worker and one target
+replica, and the gateways as separate `tandem gateway` processes; runs the configurations alternately, --repeats
+times, each as N concurrent greedy streams of --max-tokens (chat prompts); reads rows per verify forward from the
+target worker's counters. JSON on stdout (and --out):
+
+    python -m loadtest.pools_bench --sessions 8 --max-tokens 128 --repeats 2 --out docs/bench/pools-v1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from loadtest.prompts import load_set
+from tandem.client import TandemClient
+
+BIN = Path(sys.executable).parent
+SERVING = 1
+
+
+def _env(address: str) -> dict:
+    # Not this process's own Ray settings (a local Ray started here turns token auth on): the loopback head has none.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    return inherited | {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled",
+                        "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _tandem(address: str, *args: str) -> str:
+    done = subprocess.run([str(BIN / "tandem"), *args], env=_env(address), capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-2000:])
+    return done.stdout
+
+
+def _gateway(address: str, pools: str) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([str(BIN / "tandem"), "gateway", "--pools", pools, "--port", "0", "--metrics-port",
+                                "-1"], env=_env(address), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in process.stdout:
+        if "serving tandem.v1.Generation on" in line:
+            target = line.split(" on ")[1].split()[0]
+            break
+    else:
+        raise RuntimeError("gateway exited")
+    threading.Thread(target=process.stdout.read, daemon=True).start()
+    with TandemClient(target, timeout=10) as client:
+        while client.health_status("tandem.v1.Generation") != SERVING:
+            time.sleep(0.5)
+    return process, target
+
+
+def _target_counters(address: str, pools: str) -> tuple[int, int]:
+    status = json.loads(_tandem(address, "pools", "status", "--name", pools, "--json"))
+    # rows and forwards are cumulative on the worker; status reports recent means, so read them from info here.
+    target = next(w for w in status["workers"] if w["role"] == "target")
+    return target["rows"], target["forwards"]
+
+
+def _run(addresses: list[str], prompts: list, max_tokens: int) -> dict:
+    outputs: dict[int, list[int]] = {}
+
+    def one(index: int) -> None:
+        with TandemClient(addresses[index % len(addresses)], timeout=900) as client:
+            ids = []
+            for item in client.generate(**prompts[index].request_input(), temperature=0.0, max_tokens=max_tokens,
+                                        ignore_eos=True):
+                ids += list(getattr(item, "token_ids", []))
+            outputs[index] = ids
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    tokens = sum(len(ids) for ids in outputs.values())
+    return {"seconds": round(seconds, 3), "tokens": tokens, "tok_s": round(tokens / seconds, 3),
+            "outputs": [outputs.get(i, []) for i in range(len(prompts))]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ray-address", default=None, help="join this cluster (default: start a head here)")
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--pool-args", default="", help="more `tandem pools start` flags, one string")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    address, head = args.ray_address, None
+    if address is None:
+        head = tempfile.mkdtemp(prefix="tandem-ray-")
+        address = "127.0.0.1:6399"
+        subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", "--port=6399",
+                        "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={head}"],
+                       env=_env(address), check=True, capture_output=True)
+    gateways: list[subprocess.Popen] = []
+    try:
+        _tandem(address, "pools", "start", "--name", "bench", "--threads", str(args.threads), "--draft-workers", "1",
+                "--target-replicas", "1", *args.pool_args.split())
+        one, two_a, two_b = (_gateway(address, "bench") for _ in range(3))
+        gateways += [one[0], two_a[0], two_b[0]]
+        prompts = (load_set("chat") * args.sessions)[: args.sessions]
+        configs = {"one_gateway": [one[1]], "two_gateways": [two_a[1], two_b[1]]}
+        _run([one[1], two_a[1]], prompts[:2], 16)  # warm-up: every gateway's first round on the pools
+        runs: list[dict] = []
+        for repeat in range(args.repeats):
+            order = list(configs) if repeat % 2 == 0 else list(reversed(configs))
+            for name in order:
+                rows0, forwards0 = _target_counters(address, "bench")
+                result = _run(configs[name], prompts, args.max_tokens)
+                rows1, forwards1 = _target_counters(address, "bench")
+                result |= {"config": name, "repeat": repeat,
+                           "rows_per_verify_forward": round((rows1 - rows0) / max(1, forwards1 - forwards0), 3)}
+                print(json.dumps({k: v for k, v in result.items() if k != "outputs"}), file=sys.stderr, flush=True)
+                runs.append(result)
+        status = json.loads(_tandem(address, "pools", "status", "--name", "bench", "--json"))
+        report = _summarise(runs, args, status)
+    finally:
+        for process in gateways:
+            process.terminate()
+        if head is not None:
+            subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True)
+        else:
+            subprocess.run([str(BIN / "tandem"), "pools", "stop", "--name", "bench"], env=_env(address),
+                           capture_output=True)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def _summarise(runs: list[dict], args: argparse.Namespace, status: dict) -> dict:
+    def mean(config: str, key: str) -> float:
+        values = [r[key] for r in runs if r["config"] == config]
+        return sum(values) / len(values)
+
+    reference = next(r["outputs"] for r in runs if r["config"] == "one_gateway")
+    return {
+        "command": "python -m loadtest.pools_bench " + " ".join(sys.argv[1:]),
+        "sessions": args.sessions, "max_tokens": args.max_tokens, "threads_per_worker": args.threads,
+        "worker_actors": len(status["workers"]),
+        "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
+        "tok_s": {c: round(mean(c, "tok_s"), 3) for c in ("one_gateway", "two_gateways")},
+        "rows_per_verify_forward": {c: round(mean(c, "rows_per_verify_forward"), 3)
+                                    for c in ("one_gateway", "two_gateways")},
+        "two_over_one_tok_s": round(mean("two_gateways", "tok_s") / mean("one_gateway", "tok_s"), 3),
+        "two_over_one_rows": round(mean("two_gateways", "rows_per_verify_forward")
+                                   / mean("one_gateway", "rows_per_verify_forward"), 3),
+        "greedy_outputs_equal_across_runs": all(r["outputs"] == reference for r in runs),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""CallBatcher: concurrent calls merged into one run, each caller answered with its own rows."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tandem.workers.batcher import CallBatcher
+from tandem.workers.worker_base import WorkerReply
+
+
+def test_concurrent_calls_share_forwards_and_get_their_own_rows() -> None:
+    runs: list[list[int]] = []
+
+    def run(requests: list[int]) -> WorkerReply:
+        runs.append(list(requests))
+        time.sleep(0.05)  # a forward long enough for the other callers to queue behind it
+        return WorkerReply(results=[r * 10 for r in requests])
+
+    batcher = CallBatcher(run, window_s=0.01)
+    replies: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda i=i: replies.__setitem__(i, batcher.submit([i, i + 100]).results))
+               for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert replies == {i: [i * 10, (i + 100) * 10] for i in range(6)}
+    assert len(runs) < 6 and batcher.stats.merged >= 1
+    assert batcher.stats.rows == 12 and batcher.stats.calls == 6
+
+
+def test_a_merged_call_with_lost_rows_is_rerun_call_by_call() -> None:
+    def run(requests: list[str]) -> WorkerReply:
+        lost = [r for r in requests if r.startswith("lost")]
+        time.sleep(0.02)
+        return WorkerReply(lost=lost) if lost else WorkerReply(results=[r.upper() for r in requests])
+
+    batcher = CallBatcher(run, window_s=0.05)
+    replies: dict[str, WorkerReply] = {}
+    threads = [threading.Thread(target=lambda r=r: replies.__setitem__(r, batcher.submit([r])))
+               for r in ("ok", "lost-1")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert replies["ok"].results == ["OK"] and replies["ok"].lost is None
+    assert replies["lost-1"].lost == ["lost-1"] and replies["lost-1"].results is None
+
+
+def test_a_failing_forward_raises_in_every_caller_it_served() -> None:
+    def run(requests: list[int]) -> WorkerReply:
+        time.sleep(0.02)
+        raise RuntimeError("device lost")
+
+    batcher = CallBatcher(run, window_s=0.05)
+    errors: list[str] = []
+
+    def call() -> None:
+        try:
+            batcher.submit([1])
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == ["device lost"] * 3
