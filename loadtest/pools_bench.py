@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,18 @@ def _tandem(address: str, *args: str) -> str:
     if done.returncode:
         raise RuntimeError(done.stderr[-2000:])
     return done.stdout
+
+
+def _wait_for_port(port: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens on port {port}") from None
+            time.sleep(0.2)
 
 
 def _gateway(address: str, pools: str) -> tuple[subprocess.Popen, str]:
@@ -99,12 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     address, head = args.ray_address, None
-    if address is None:
-        head = tempfile.mkdtemp(prefix="tandem-ray-")
+    if address is None:  # a head of our own; --block: terminating it stops this head alone
         address = "127.0.0.1:6399"
-        subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", "--port=6399",
-                        "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={head}"],
-                       env=_env(address), check=True, capture_output=True)
+        head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                                 "--port=6399", "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats",
+                                 f"--temp-dir={tempfile.mkdtemp(prefix='tandem-ray-')}"], env=_env(address),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_for_port(6399)
     gateways: list[subprocess.Popen] = []
     try:
         _tandem(address, "pools", "start", "--name", "bench", "--threads", str(args.threads), "--draft-workers", "1",
@@ -131,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         for process in gateways:
             process.terminate()
         if head is not None:
-            subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True)
+            head.terminate()
+            head.wait(timeout=120)
         else:
             subprocess.run([str(BIN / "tandem"), "pools", "stop", "--name", "bench"], env=_env(address),
                            capture_output=True)

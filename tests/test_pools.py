@@ -51,16 +51,27 @@ def _tandem(address: str, *args: str, timeout: float = 180) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A Ray head on loopback, apart from the test process's own Ray; the pools `t` on it (tiny models)."""
+    """A Ray head on loopback, apart from the test process's own Ray; the pools `t` on it (tiny models). Started with
+    --block so that stopping it stops this head alone (`ray stop` would stop every Ray on the machine)."""
     if shutil.which("ray", path=str(BIN)) is None:
         pytest.skip("no ray command")
     port, temp = _free_port(), tmp_path_factory.mktemp("ray")
     address = f"127.0.0.1:{port}"
-    subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
-                    "--num-cpus=8", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
-                   env=_env(address), check=True, capture_output=True, timeout=120)
+    head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                             f"--port={port}", "--num-cpus=8", "--include-dashboard=false", "--disable-usage-stats",
+                             f"--temp-dir={temp}"], env=_env(address), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert head.poll() is None and time.monotonic() < deadline, "the Ray head did not start"
+            time.sleep(0.2)
     yield address
-    subprocess.run([str(BIN / "ray"), "stop", "--force"], env=_env(address), capture_output=True, timeout=120)
+    head.terminate()
+    head.wait(timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -73,13 +73,13 @@ def run_start(args: argparse.Namespace) -> int:
     from tandem.pools.manager import PoolSpec, start_pools
     from tandem.workers.worker_base import WorkerConfig
 
-    speculate = not args.no_spec
-    config = engine_config(args, speculate)
-    load_tokenizer(args.target)
     if args.batch_window_ms < 0:
         raise InvalidArgument(f"batch_window_ms: must be non-negative, got {args.batch_window_ms}")
     kv_tokens(args)
+    speculate = not args.no_spec
+    config = engine_config(args, speculate)
     options = cluster_options(args)
+    load_tokenizer(args.target)  # pulls a registry model once, before the workers would race for it
     common = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "eager": args.eager,
               "kv_tokens": args.kv_tokens, "batch_window_s": args.batch_window_ms / 1000}
     target = WorkerConfig(model=args.target, **common)

@@ -57,13 +57,12 @@ class WireIds:
         return wire
 
 
-def fan_out(workers: list, router: AffinityRouter, method: str, requests: list, timeout_s: float,
-            carriers: dict[str, dict[str, str]] | None = None, ids: WireIds | None = None) -> FanoutResult:
+def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, requests: list, timeout_s: float,
+            carriers: dict[str, dict[str, str]] | None = None) -> FanoutResult:
     """`carriers`: W3C trace context per sequence id for the traced ones (tandem.telemetry.rounds); each worker gets
     those of its rows, and the spans it returns are exported here. `ids`: the sequence ids workers see."""
     out = FanoutResult(results=[None] * len(requests))
     groups = router.group([(r.seq_id, r.session) for r in requests])
-    ids = ids or WireIds()
     carriers = {ids.to_wire(seq_id): carrier for seq_id, carrier in carriers.items()} if carriers else carriers
     requests = [dataclasses.replace(r, seq_id=ids.to_wire(r.seq_id)) for r in requests]
     futures = {index: _submit(workers[index], method, [requests[row] for row in rows], carriers)
@@ -117,10 +116,9 @@ def _first_reply(refs: list, deadline: float):
     return ray.get(refs[0])
 
 
-def release(workers: list, router: AffinityRouter, seq_id: str, retain: bool = False,
-            ids: WireIds | None = None) -> None:
+def release(workers: list, router: AffinityRouter, ids: WireIds, seq_id: str, retain: bool = False) -> None:
     index = router.forget(seq_id, retain)
-    wire = (ids or WireIds()).drop(seq_id)
+    wire = ids.drop(seq_id)
     if index is not None and wire is not None:
         workers[index].release.remote([wire], retain)
 
@@ -161,7 +159,7 @@ class RayPoolClient:
             self.router.resize(offered[1])
 
     def release(self, seq_id: str, retain: bool = False) -> None:
-        release(self.workers, self.router, seq_id, retain, self.ids)
+        release(self.workers, self.router, self.ids, seq_id, retain)
 
     def kv_usage(self, timeout_s: float = KV_USAGE_TIMEOUT_S) -> KVUsage:
         """Summed over the workers that answer within `timeout_s` (remote calls: keep it off an event loop)."""

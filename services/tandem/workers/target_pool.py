@@ -39,8 +39,7 @@ class RayVerifier(RayPoolClient):
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         self._take_offer()
-        out = fan_out(self.workers, self.router, "verify", requests, self.timeout_s, self.trace_carriers,
-                      self.ids)
+        out = fan_out(self.workers, self.router, self.ids, "verify", requests, self.timeout_s, self.trace_carriers)
         for index in out.benched:
             self._rebuild(index)
         if out.full is not None:

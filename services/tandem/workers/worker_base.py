@@ -30,7 +30,7 @@ class WorkerConfig:
     draft_vocab: int = 0  # ids the drafter scores (0: all); the backend caps it at the target's vocabulary
     kv_tokens: int = 0  # the runner's KV token budget (0: a share of the memory free at start)
     eager: bool = False  # the model as Hugging Face builds it (no prepacked linears)
-    batch_window_s: float = 0.002  # how long a call waits for other gateways' calls to join its forward
+    batch_window_s: float = 0.0  # how long a call waits for other gateways' calls to join its forward (shared pools)
 
 
 @dataclass(slots=True)
