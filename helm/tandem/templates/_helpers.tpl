@@ -51,6 +51,31 @@ app.kubernetes.io/part-of: tandem
 {{- printf "%s:%s" .ctx.Values.image.repository (.ctx.Values.image.tag | default .ctx.Chart.AppVersion) }}
 {{- end }}
 
+{{/*
+The Ray resource that pins pool workers to this image: every Ray worker pod advertises it (1000 units) and every
+draft worker and target rank asks for one, so a worker never starts on a pod of another image (an older pod the
+cluster has not replaced yet): it waits for a pod of its own image instead.
+*/}}
+{{- define "tandem.imageResource" -}}
+{{- printf "tandem_image_%s" (include "tandem.image" (dict "ctx" .) | sha256sum | trunc 12) }}
+{{- end }}
+
+{{/* The release's shared pools' name (`tandem pools start --name`, `tandem gateway --pools`): [A-Za-z0-9-]. */}}
+{{- define "tandem.poolsName" -}}
+{{- include "tandem.fullname" . | replace "." "-" }}
+{{- end }}
+
+{{/* Tensor-parallel ranks per target replica: shared pools run tp 1. */}}
+{{- define "tandem.tp" -}}
+{{- ternary 1 .Values.serving.tp (eq .Values.topology "pools") }}
+{{- end }}
+
+{{/* Ray resources each actor of a pool asks for: (dict "ctx" $ "pool" "draft"|"target"), as JSON. */}}
+{{- define "tandem.actorResources" -}}
+{{- $pool := ternary .ctx.Values.ray.draftPool .ctx.Values.ray.targetPool (eq .pool "draft") }}
+{{- dict $pool.customResource 1 (include "tandem.imageResource" .ctx) 1 | toJson }}
+{{- end }}
+
 {{/* Ray GCS address the gateway attaches to. */}}
 {{- define "tandem.rayAddress" -}}
 {{- .Values.ray.address | default (printf "%s-head-svc:6379" (include "tandem.rayClusterName" .)) }}
@@ -112,29 +137,40 @@ autoscale) is the most the HPAs can reach, so every gateway they add finds its w
 
 {{- define "tandem.rayAutoscaling" -}}
 {{- if kindIs "invalid" .Values.ray.autoscaling.enabled }}
-{{- ternary "true" "" (.Values.gateway.autoscaling.enabled | default false) }}
+{{- ternary "true" "" (or (eq .Values.topology "pools") (.Values.gateway.autoscaling.enabled | default false)) }}
 {{- else }}
 {{- ternary "true" "" .Values.ray.autoscaling.enabled }}
 {{- end }}
 {{- end }}
 
 {{/*
-Worker-group sizes {replicas, min, max} for (dict "ctx" $ "pool" "draft"|"target"): gateways x actors each needs,
-packed workersPerPod draft workers or one target replica per pod. An explicit pool.replicas pins all three.
+Worker-group sizes {replicas, min, max} for (dict "ctx" $ "pool" "draft"|"target"), packed workersPerPod draft
+workers or one target replica per pod. topology=pools: the pools' declared size (static, min) and the most
+`tandem pools scale` may reach (max). embedded: gateways x actors each needs. An explicit pool.replicas pins all three.
 */}}
 {{- define "tandem.poolSize" -}}
 {{- $v := .ctx.Values }}
-{{- $counts := include "tandem.gatewayCounts" .ctx | fromYaml }}
-{{- $pool := ternary $v.ray.draftPool $v.ray.targetPool (eq .pool "draft") }}
-{{- $perGateway := ternary $v.serving.draftWorkers $v.serving.targetReplicas (eq .pool "draft") }}
-{{- $perPod := ternary $v.ray.draftPool.workersPerPod 1 (eq .pool "draft") }}
+{{- $isDraft := eq .pool "draft" }}
+{{- $pool := ternary $v.ray.draftPool $v.ray.targetPool $isDraft }}
+{{- $perPod := ternary $v.ray.draftPool.workersPerPod 1 $isDraft }}
 {{- if not (kindIs "invalid" $pool.replicas) }}
 {{- dict "replicas" $pool.replicas "min" $pool.replicas "max" $pool.replicas | toYaml }}
 {{- else }}
+{{- $actors := dict }}
+{{- if eq $v.topology "pools" }}
+{{- $declared := ternary $v.pools.draftWorkers $v.pools.targetReplicas $isDraft }}
+{{- $most := ternary $v.pools.maxDraftWorkers $v.pools.maxTargetReplicas $isDraft }}
+{{- $actors = dict "static" $declared "min" $declared "max" (ternary $most 0 (gt (int $declared) 0)) }}
+{{- else }}
+{{- $counts := include "tandem.gatewayCounts" .ctx | fromYaml }}
+{{- $perGateway := ternary $v.serving.draftWorkers $v.serving.targetReplicas $isDraft }}
+{{- range $key := list "static" "min" "max" }}
+{{- $_ := set $actors $key (mul (get $counts $key) $perGateway) }}
+{{- end }}
+{{- end }}
 {{- $sizes := dict }}
 {{- range $key := list "static" "min" "max" }}
-{{- $actors := mul (get $counts $key) $perGateway }}
-{{- $_ := set $sizes $key (div (add $actors (sub $perPod 1)) $perPod) }}
+{{- $_ := set $sizes $key (div (add (get $actors $key) (sub $perPod 1)) $perPod) }}
 {{- end }}
 {{- if include "tandem.rayAutoscaling" .ctx }}
 {{- dict "replicas" $sizes.min "min" $sizes.min "max" $sizes.max | toYaml }}
@@ -182,20 +218,85 @@ packed workersPerPod draft workers or one target replica per pod. An explicit po
 {{- if and $v.gatewayApi.grpcRoute.enabled (not $v.gatewayApi.grpcRoute.parentRefs) }}
 {{- fail "gatewayApi.grpcRoute.parentRefs: name the Gateway the GRPCRoute attaches to" }}
 {{- end }}
+{{- if eq $v.topology "pools" }}
+{{- if gt (int $v.serving.tp) 1 }}
+{{- fail (printf "serving.tp=%d: topology=pools runs shared pools, which refuse --tp > 1 (tensor-parallel shared pools are not built yet); set topology=embedded for tensor-parallel targets" (int $v.serving.tp)) }}
+{{- end }}
+{{- if $v.canary.enabled }}
+{{- fail "canary.enabled: the in-gateway canary switches draft models per session, and shared pools serve one draft model; set topology=embedded, or use gatewayArms for gateway-flag canaries" }}
+{{- end }}
+{{- range $v.gatewayArms }}
+{{- if and .draftModel (ne .draftModel $v.models.draft) }}
+{{- fail (printf "gatewayArms[%s].draftModel: with topology=pools every arm attaches to the same pools (draft %s); set topology=embedded for per-arm draft models" .name $v.models.draft) }}
+{{- end }}
+{{- end }}
+{{- if $v.serving.extraArgs }}
+{{- fail "serving.extraArgs: `tandem serve` flags apply to topology=embedded; with topology=pools use pools.extraArgs (tandem pools start) and gateway.extraArgs (tandem gateway)" }}
+{{- end }}
+{{- if lt (int $v.pools.maxDraftWorkers) (int $v.pools.draftWorkers) }}
+{{- fail (printf "pools.maxDraftWorkers %d is below pools.draftWorkers %d" (int $v.pools.maxDraftWorkers) (int $v.pools.draftWorkers)) }}
+{{- end }}
+{{- if lt (int $v.pools.maxTargetReplicas) (int $v.pools.targetReplicas) }}
+{{- fail (printf "pools.maxTargetReplicas %d is below pools.targetReplicas %d" (int $v.pools.maxTargetReplicas) (int $v.pools.targetReplicas)) }}
+{{- end }}
+{{- end }}
+{{- $ft := include "tandem.gcsFaultTolerance" . | fromYaml }}
+{{- if and $ft.enabled (not $ft.address) }}
+{{- fail "ray.gcsFaultTolerance: set ray.gcsFaultTolerance.redisAddress (host:port of the Redis that keeps the GCS tables); it cannot be read from redis.existingSecret or a URL with a password" }}
+{{- end }}
+{{- $first := int $v.ray.workerMetricsPort }}
+{{- $last := int (sub (add $first (int (include "tandem.workersPerPod" (dict "ctx" . "pool" "max")))) 1) }}
+{{- $exporter := int $v.ray.metricsPort }}
+{{- if and (ge $exporter $first) (le $exporter $last) }}
+{{- fail (printf "ray.workerMetricsPort: the workers of a pod serve /metrics on ports %d-%d, which takes ray.metricsPort %d (Ray's own exporter on the same pod); pick another" $first $last $exporter) }}
+{{- end }}
 {{- end }}
 
 {{/*
-`tandem serve --device` for the Ray workers that gateway starts (the gateway itself loads no model; the flag reaches
-every draft worker and target rank). cuda when every pool that gets actors requests GPUs: a GPU pod whose CUDA does
-not work then fails with the reason instead of decoding on its CPU. cpu when none does. auto when only one of two
-does (one flag serves both pools): each worker takes what Ray gives it, its GPU or CUDA_VISIBLE_DEVICES="" (quietly
-cpu), and warns when its GPU is unusable.
+GCS fault tolerance as {enabled, address}: on by default with the bundled Redis; the address is redisAddress, else
+the bundled Redis, else the host of a password-less redis:// redis.url.
+*/}}
+{{- define "tandem.gcsFaultTolerance" -}}
+{{- $v := .Values }}
+{{- $ft := $v.ray.gcsFaultTolerance }}
+{{- $address := $ft.redisAddress }}
+{{- if not $address }}
+{{- if $v.redis.bundled.enabled }}
+{{- $address = printf "%s:6379" (include "tandem.redisName" .) }}
+{{- else if hasPrefix "redis://" $v.redis.url }}
+{{- $url := urlParse $v.redis.url }}
+{{- if not $url.userinfo }}
+{{- $address = ternary $url.host (printf "%s:6379" $url.host) (contains ":" $url.host) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $enabled := ternary $v.redis.bundled.enabled $ft.enabled (kindIs "invalid" $ft.enabled) }}
+{{- dict "enabled" $enabled "address" $address | toYaml }}
+{{- end }}
+
+{{/*
+Worker actors per pod of a group: (dict "ctx" $ "pool" "draft"|"target"|"max"): the draft pool's workersPerPod, the
+target pool's tp ranks, or the larger. Each serves /metrics on its own port from ray.workerMetricsPort.
+*/}}
+{{- define "tandem.workersPerPod" -}}
+{{- $draft := int .ctx.Values.ray.draftPool.workersPerPod }}
+{{- $target := int (include "tandem.tp" .ctx) }}
+{{- if eq .pool "draft" }}{{ $draft }}{{ else if eq .pool "target" }}{{ $target }}{{ else }}{{ max $draft $target }}{{ end }}
+{{- end }}
+
+{{/*
+--device for the Ray workers (on `tandem pools start`, or on `tandem serve` with topology=embedded; the gateway
+itself loads no model; the flag reaches every draft worker and target rank). cuda when every pool that gets actors
+requests GPUs: a GPU pod whose CUDA does not work then fails with the reason instead of decoding on its CPU. cpu when
+none does. auto when only one of two does (one flag serves both pools): each worker takes what Ray gives it, its GPU
+or CUDA_VISIBLE_DEVICES="" (quietly cpu), and warns when its GPU is unusable.
 */}}
 {{- define "tandem.workerDevice" -}}
 {{- $v := .Values }}
-{{- $targetGpus := gt (int (mul $v.serving.tp $v.ray.targetPool.gpusPerRank)) 0 }}
+{{- $targetGpus := gt (int (mul (include "tandem.tp" .) $v.ray.targetPool.gpusPerRank)) 0 }}
 {{- $draftGpus := gt (int $v.ray.draftPool.gpusPerPod) 0 }}
-{{- $drafting := gt (int $v.serving.draftWorkers) 0 }}
+{{- $draftWorkers := ternary $v.pools.draftWorkers $v.serving.draftWorkers (eq $v.topology "pools") }}
+{{- $drafting := gt (int $draftWorkers) 0 }}
 {{- if and $targetGpus (or $draftGpus (not $drafting)) }}cuda
 {{- else if not (or $targetGpus (and $drafting $draftGpus)) }}cpu
 {{- else }}auto
@@ -217,11 +318,43 @@ cpu), and warns when its GPU is unusable.
     (printf "--tp=%v" $s.tp)
     (printf "--draft-gpus=%s" (include "tandem.draftGpusPerWorker" .ctx))
     (printf "--target-gpus=%v" $v.ray.targetPool.gpusPerRank)
-    (printf "--draft-resources=%s" (dict $v.ray.draftPool.customResource 1 | toJson))
-    (printf "--target-resources=%s" (dict $v.ray.targetPool.customResource 1 | toJson))
+    (printf "--draft-resources=%s" (include "tandem.actorResources" (dict "ctx" .ctx "pool" "draft")))
+    (printf "--target-resources=%s" (include "tandem.actorResources" (dict "ctx" .ctx "pool" "target")))
     (printf "--grace=%v" $v.gateway.grace)
     (printf "--device=%s" (include "tandem.workerDevice" .ctx)) }}
-{{- toYaml (concat $args $s.extraArgs .arm.extraArgs) }}
+{{- toYaml (concat $args $s.extraArgs $v.gateway.extraArgs .arm.extraArgs) }}
+{{- end }}
+
+{{/* `tandem gateway` arguments for one gateway arm over the release's pools: (dict "ctx" $ "arm" $arm). */}}
+{{- define "tandem.gatewayArgs" -}}
+{{- $v := .ctx.Values }}
+{{- $args := list "gateway"
+    (printf "--pools=%s" (include "tandem.poolsName" .ctx))
+    "--host=0.0.0.0"
+    (printf "--port=%v" $v.gateway.grpcPort)
+    (printf "--metrics-port=%v" $v.gateway.metricsPort)
+    (printf "--ray-address=%s" (include "tandem.rayAddress" .ctx))
+    (printf "--grace=%v" $v.gateway.grace) }}
+{{- toYaml (concat $args $v.gateway.extraArgs .arm.extraArgs) }}
+{{- end }}
+
+{{/*
+`tandem pools start` flags (--name comes from the Job's TANDEM_POOLS; --ray-address from the Ray job's RAY_ADDRESS).
+Each draft worker and target rank asks for its pool's resource and the image's (tandem.imageResource).
+*/}}
+{{- define "tandem.poolsStartArgs" -}}
+{{- $v := .Values }}
+{{- $args := list
+    (printf "--target=%s" $v.models.target)
+    (printf "--draft=%s" $v.models.draft)
+    (printf "--draft-workers=%v" $v.pools.draftWorkers)
+    (printf "--target-replicas=%v" $v.pools.targetReplicas)
+    (printf "--draft-gpus=%s" (include "tandem.draftGpusPerWorker" .))
+    (printf "--target-gpus=%v" $v.ray.targetPool.gpusPerRank)
+    (printf "--draft-resources=%s" (include "tandem.actorResources" (dict "ctx" . "pool" "draft")))
+    (printf "--target-resources=%s" (include "tandem.actorResources" (dict "ctx" . "pool" "target")))
+    (printf "--device=%s" (include "tandem.workerDevice" .)) }}
+{{- toYaml (concat $args $v.pools.extraArgs) }}
 {{- end }}
 
 {{/* The model cache (TANDEM_HOME) volume, named model-cache. */}}
@@ -245,8 +378,11 @@ cpu), and warns when its GPU is unusable.
 {{- end }}
 
 {{/*
-Pod template of a Ray node: (dict "ctx" $ "group" "head"|groupName "container" name "spec" poolValues "gpus" N).
-KubeRay fills in the container's command (ray start) and its own probes.
+Pod template of a Ray node: (dict "ctx" $ "group" "head"|groupName "container" name "spec" poolValues "gpus" N
+"workers" N "fingerprint" F). KubeRay fills in the container's command (ray start) and its own probes. A worker
+group's pods host `workers` actors, each serving /metrics on its own port from ray.workerMetricsPort (named
+wrk-metrics-<i>, which the PodMonitor scrapes). The head carries the RayCluster's fingerprint (tandem.rayFingerprint)
+for the pools Job to check that it talks to a head of the current spec.
 */}}
 {{- define "tandem.rayPodTemplate" -}}
 {{- $v := .ctx.Values }}
@@ -277,6 +413,16 @@ spec:
           value: "false"
         - name: RAY_USAGE_STATS_ENABLED
           value: "0"
+        - name: TANDEM_IMAGE
+          value: {{ include "tandem.image" (dict "ctx" .ctx) | quote }}
+        {{- if .workers }}
+        - name: TANDEM_WORKER_METRICS_PORT
+          value: {{ $v.ray.workerMetricsPort | quote }}
+        {{- end }}
+        {{- with .fingerprint }}
+        - name: TANDEM_RAY_SPEC
+          value: {{ . | quote }}
+        {{- end }}
       ports:
         {{- if eq .group "head" }}
         - {name: gcs-server, containerPort: 6379}
@@ -284,6 +430,9 @@ spec:
         - {name: client, containerPort: 10001}
         {{- end }}
         - {name: metrics, containerPort: {{ $v.ray.metricsPort }}}
+        {{- range $i := until (int (.workers | default 0)) }}
+        - {name: wrk-metrics-{{ $i }}, containerPort: {{ add $v.ray.workerMetricsPort $i }}}
+        {{- end }}
       lifecycle:
         preStop:
           exec:
