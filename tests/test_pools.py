@@ -17,6 +17,8 @@ import pytest
 
 pytest.importorskip("ray")
 
+import grpc
+
 from tandem.client import TandemClient
 from tandem.core.config import SamplingParams
 from tandem.local_engine import build_engine
@@ -25,7 +27,8 @@ from tandem.sessions import EmbeddedRedis
 TOKENS = 40
 PROMPTS = [[5, 6, 7, 8], [40, 50, 60], [1, 2, 3, 4, 5, 6, 7], [200, 17, 33]]
 BIN = Path(sys.executable).parent
-SERVING = 1  # grpc.health.v1
+SERVING, NOT_SERVING = 1, 2  # grpc.health.v1
+READINESS = "tandem.v1.Generation"
 
 
 def _free_port() -> int:
@@ -84,9 +87,9 @@ def pools(cluster, tiny_dirs):
 
 
 class Gateway:
-    def __init__(self, address: str, redis_url: str) -> None:
+    def __init__(self, address: str, redis_url: str, *flags: str) -> None:
         self.process = subprocess.Popen([str(BIN / "tandem"), "gateway", "--pools", "t", "--port", "0",
-                                         "--metrics-port", "-1", "--redis-url", redis_url],
+                                         "--metrics-port", "-1", "--redis-url", redis_url, *flags],
                                         env=_env(address), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         for line in self.process.stdout:
             if "serving tandem.v1.Generation on" in line:
@@ -232,6 +235,43 @@ def test_a_gateway_killed_leaves_the_workers_and_the_other_gateway_serving(pools
     assert {w["name"]: w["pid"] for w in status["workers"]} == pids, "a gateway's exit must not restart workers"
 
 
+def test_a_gateway_with_two_engine_lanes_stays_exact_on_the_shared_pools(pools, expected) -> None:
+    with EmbeddedRedis() as redis:
+        gateway = Gateway(pools, redis.url, "--lanes", "2")
+        try:
+            out = _at_once([(gateway.address, i) for i in range(len(PROMPTS))] * 2, pair_ids=False)
+        finally:
+            gateway.stop()
+    assert len(out) == 2 * len(PROMPTS)
+    assert all(ids == expected[i] for (_, i), ids in out.items())
+
+
+def test_a_gateway_refuses_pools_of_another_image() -> None:
+    from tandem.errors import TandemError
+    from tandem.pools.attach import check_image
+
+    check_image("t", "", "repo/tandem:2")  # pools started without an image: nothing to compare
+    check_image("t", "repo/tandem:2", "repo/tandem:2")
+    with pytest.raises(TandemError, match=r"repo/tandem:2 but pools 't' run repo/tandem:1"):
+        check_image("t", "repo/tandem:1", "repo/tandem:2")
+
+
+def _kill_for_good(address: str, actor: str) -> None:
+    script = (f"import ray; ray.init(log_to_driver=False); "
+              f"ray.kill(ray.get_actor({actor!r}, namespace='tandem'), no_restart=True)")
+    done = subprocess.run([sys.executable, "-c", script], env=_env(address), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _wait_health(address: str, want: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with TandemClient(address, timeout=10) as client:
+        while client.health_status(READINESS) != want:
+            assert time.monotonic() < deadline, f"readiness never turned {want}"
+            time.sleep(0.2)
+
+
 def test_pool_commands_need_a_cluster_and_refuse_duplicates(pools, tiny_dirs) -> None:
     done = subprocess.run([str(BIN / "tandem"), "pools", "status"], capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in _env(pools).items() if k != "RAY_ADDRESS"})
@@ -242,3 +282,35 @@ def test_pool_commands_need_a_cluster_and_refuse_duplicates(pools, tiny_dirs) ->
     done = subprocess.run([str(BIN / "tandem"), "gateway", "--pools", "nope", "--port", "0"], env=_env(pools),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "no pools named 'nope'" in done.stderr + done.stdout
+
+
+def test_a_dead_target_replica_moves_its_sessions_and_none_left_is_unavailable_until_one_is_back(pools, gateways,
+                                                                                                  expected) -> None:
+    """Last in this module: it kills the pools' target replicas for good."""
+    gateway = next(g for g in gateways if g.process.poll() is None)
+    _tandem(pools, "pools", "scale", "--name", "t", "target", "2")
+    time.sleep(3)  # gateways follow the membership every 2 s
+    first, second = (w["name"] for w in _status(pools)["workers"] if w["role"] == "target")
+    out: dict = {}
+    jobs = [(gateway.address, i) for i in range(len(PROMPTS))] * 2
+    runner = threading.Thread(target=lambda: out.update(_at_once(jobs, pair_ids=False)))
+    runner.start()
+    time.sleep(0.3)
+    _kill_for_good(pools, f"tandem-pools-t-{first}")
+    runner.join(timeout=300)
+    assert len(out) == len(jobs), "a replica's death must not fail its sessions while another replica is left"
+    assert all(ids == expected[i] for (_, i), ids in out.items())
+    deadline = time.monotonic() + 30  # the manager drops a worker that died for good within seconds
+    while [w["name"] for w in _status(pools)["workers"] if w["role"] == "target"] != [second]:
+        assert time.monotonic() < deadline, _status(pools)
+        time.sleep(0.5)
+
+    _kill_for_good(pools, f"tandem-pools-t-{second}")
+    with TandemClient(gateway.address, timeout=60) as client, pytest.raises(grpc.RpcError) as failed:
+        list(client.generate(token_ids=PROMPTS[0], temperature=0.0, max_tokens=TOKENS, ignore_eos=True))
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+    _wait_health(gateway.address, NOT_SERVING, 30)
+    _tandem(pools, "pools", "scale", "--name", "t", "target", "1")  # a new replica: target-2
+    _wait_health(gateway.address, SERVING, 120)
+    out = _at_once([(gateway.address, 0)])
+    assert out[(0, 0)] == expected[0]

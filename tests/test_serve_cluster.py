@@ -124,7 +124,8 @@ def test_a_sessions_turns_reuse_the_workers_cache_and_affinity_is_stored(stack, 
     assert server.wait_for(lambda: (store.get("chat") or {}).keys() >= {"draft_worker", "target_replica"})
     saved = store.get("chat")
     draft_worker = engine.drafter.router.sessions["chat"]
-    assert saved["draft_worker"] == draft_worker and saved["target_replica"] == 0
+    # Stored by name: an index would point elsewhere once the pool's set of workers changes.
+    assert saved["draft_worker"] == f"draft-{draft_worker}" and saved["target_replica"] == "target-0"
     before = ray.get([w.info.remote() for w in engine.drafter.workers + engine.verifier.workers])
     second_prompt = PROMPTS[5] + first + [7, 8, 9]
     plain = build_engine(tiny_models[0], None)
@@ -138,3 +139,28 @@ def test_a_sessions_turns_reuse_the_workers_cache_and_affinity_is_stored(stack, 
     engine.drafter.router.sessions.clear()
     engine.pin_session("chat", store.get("chat"))
     assert engine.drafter.router.sessions["chat"] == draft_worker
+
+
+def test_canary_arms_share_the_target_pool_and_each_draft_model_gets_its_own(tiny_dirs, ray_session,
+                                                                              expected) -> None:
+    from tandem.cluster import start_arm_backends
+
+    config = EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False)
+    options = ClusterOptions(draft_workers=1, target_replicas=1, threads=1, dtype="float32")
+    arms = {"stable": (str(tiny_dirs.draft), config), "canary": (str(tiny_dirs.draft_random), config),
+            "again": (str(tiny_dirs.draft), config), "plain": (None, config)}
+    backends = start_arm_backends(str(tiny_dirs.target), arms, options)
+    try:
+        targets = {b.engine.verifier.workers[0]._actor_id for b in backends.values()}
+        assert len(targets) == 1, "every arm verifies on the one target pool"
+        drafts = {name: b.engine.drafter.workers[0]._actor_id for name, b in backends.items() if b.engine.drafter}
+        assert drafts.keys() == {"stable", "canary", "again"}
+        assert drafts["stable"] == drafts["again"] != drafts["canary"], "one draft pool per draft model"
+        greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+        for backend in backends.values():
+            assert [r.token_ids for r in backend.engine.generate(PROMPTS[:3], greedy)] == expected[:3]
+    finally:
+        actors = {a._actor_id: a for b in backends.values() for side in (b.engine.drafter, b.engine.verifier)
+                  if side is not None for a in side.actors()}
+        for actor in actors.values():
+            ray.kill(actor)

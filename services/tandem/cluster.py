@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 
 from tandem.core.config import EngineConfig
-from tandem.core.engine import SpeculativeEngine
 from tandem.errors import InvalidArgument
+from tandem.gateway.lanes import engine_lanes
 from tandem.gateway.servicer import Backend
 from tandem.local_engine import decoder, draft_vocab_limit
 from tandem.workers.draft_pool import RayDrafter, start_draft_workers
@@ -98,34 +98,68 @@ def load_tokenizer(spec: str):
     return tokenizer, frozenset(eos)
 
 
-def start_backend(target: str, draft: str | None, config: EngineConfig, options: ClusterOptions) -> Backend:
-    """Pull models once here, start Ray and the workers, and return an engine driving them."""
+def start_backend(target: str, draft: str | None, config: EngineConfig, options: ClusterOptions,
+                  lanes: int = 1) -> Backend:
+    """Pull models once here, start Ray and the workers, and return an engine driving them (`lanes` engines over
+    the same workers: gateway.lanes)."""
+    return start_arm_backends(target, {"": (draft, config)}, options, lanes)[""]
+
+
+def start_arm_backends(target: str, arms: dict[str, tuple[str | None, EngineConfig]], options: ClusterOptions,
+                       lanes: int = 1) -> dict[str, Backend]:
+    """One backend per arm ({name: (draft or None, engine config)}) over one shared target pool; arms with the
+    same draft model share its draft pool. With tensor-parallel replicas each arm gets replicas of its own: a failed
+    replica is rebuilt by the one pool client that holds it."""
+    if lanes > 1 and options.tensor_parallel > 1:
+        raise InvalidArgument("lanes: engine lanes over tensor-parallel replicas are not supported (each lane would "
+                              "rebuild a failed replica on its own); use --lanes 1 with --tp")
     tokenizer, eos = load_tokenizer(target)
-    if draft:
+    drafts = {draft for draft, config in arms.values() if draft and config.spec.speculating}
+    for draft in sorted(drafts):
         load_tokenizer(draft)  # pulls a registry draft once, before several workers would race for it
     start_ray(options)
-    spec = config.spec
-    common = {"device": options.device, "dtype": options.dtype, "threads": options.threads, "eager": options.eager,
-              "kv_tokens": options.kv_tokens}
-    target_config = WorkerConfig(model=target, **common)
+    shared = _start_target_pool(target, options) if options.tensor_parallel == 1 else None
+    draft_pools: dict[str, list] = {}
+    backends = {}
+    for name, (draft, config) in arms.items():
+        replicas = shared if shared is not None else _start_target_pool(target, options)
+        speculating = bool(draft) and config.spec.speculating and options.draft_workers > 0
+        if speculating and draft not in draft_pools:
+            draft_pools[draft] = _start_draft_pool(draft, config, options, RayVerifier(replicas).vocab_size)
+        workers = draft_pools[draft] if speculating else []
+
+        def sides(lane: int, replicas=replicas, workers=workers, name=name) -> tuple[RayVerifier, RayDrafter | None]:
+            # To the workers, each lane and each arm is a gateway of its own (its own sequence-id prefix).
+            prefix = f"{name}/{lane}/" if name or lanes > 1 else ""
+            drafter = RayDrafter(workers, timeout_s=options.draft_timeout_s, prefix=prefix) if workers else None
+            return RayVerifier(replicas, prefix=prefix), drafter
+
+        engines = engine_lanes(sides, lanes, config, eos, decoder(tokenizer))
+        backends[name] = Backend(engines[0], tokenizer, target, draft or "", lanes=tuple(engines[1:]))
+        log.info("%sready: %d draft worker(s), %d target replica(s) x TP %d, %d lane(s)",
+                 f"arm {name}: " if name else "cluster ", len(workers), len(replicas), options.tensor_parallel, lanes)
+    return backends
+
+
+def _start_target_pool(target: str, options: ClusterOptions) -> list:
+    config = WorkerConfig(model=target, **_worker_common(options))
     if options.tensor_parallel > 1:
-        replicas = [start_tp_replica(target_config, options.tensor_parallel, name=f"target-{i}",
-                                     gpus_per_rank=options.target_gpus_per_rank,
-                                     cpus_per_rank=options.cpus_per_worker, resources=options.target_resources)
-                    for i in range(options.target_replicas)]
-    else:
-        replicas = start_target_replicas(target_config, options.target_replicas,
-                                         num_gpus=options.target_gpus_per_rank, num_cpus=options.cpus_per_worker,
-                                         resources=options.target_resources)
-    verifier = RayVerifier(replicas)
-    drafter = None
-    if draft and spec.speculating and options.draft_workers:
-        draft_config = WorkerConfig(model=draft, top_m=spec.draft_top_m, confidence=spec.stop_confidence,
-                                    draft_vocab=draft_vocab_limit(spec.draft_vocab, verifier.vocab_size), **common)
-        workers = start_draft_workers(draft_config, options.draft_workers, num_gpus=options.draft_gpus,
-                                      num_cpus=options.cpus_per_worker, resources=options.draft_resources)
-        drafter = RayDrafter(workers, timeout_s=options.draft_timeout_s)
-    engine = SpeculativeEngine(verifier, drafter, config, eos, decoder(tokenizer))
-    log.info("cluster ready: %d draft worker(s), %d target replica(s) x TP %d", options.draft_workers,
-             options.target_replicas, options.tensor_parallel)
-    return Backend(engine, tokenizer, target, draft or "")
+        return [start_tp_replica(config, options.tensor_parallel, name=f"target-{i}",
+                                 gpus_per_rank=options.target_gpus_per_rank, cpus_per_rank=options.cpus_per_worker,
+                                 resources=options.target_resources)
+                for i in range(options.target_replicas)]
+    return start_target_replicas(config, options.target_replicas, num_gpus=options.target_gpus_per_rank,
+                                 num_cpus=options.cpus_per_worker, resources=options.target_resources)
+
+
+def _start_draft_pool(draft: str, config: EngineConfig, options: ClusterOptions, vocab: int) -> list:
+    spec = config.spec
+    worker = WorkerConfig(model=draft, top_m=spec.draft_top_m, confidence=spec.stop_confidence,
+                          draft_vocab=draft_vocab_limit(spec.draft_vocab, vocab), **_worker_common(options))
+    return start_draft_workers(worker, options.draft_workers, num_gpus=options.draft_gpus,
+                               num_cpus=options.cpus_per_worker, resources=options.draft_resources)
+
+
+def _worker_common(options: ClusterOptions) -> dict:
+    return {"device": options.device, "dtype": options.dtype, "threads": options.threads, "eager": options.eager,
+            "kv_tokens": options.kv_tokens}

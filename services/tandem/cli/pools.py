@@ -70,7 +70,7 @@ def run_start(args: argparse.Namespace) -> int:
 
     from tandem.cli.serve import cluster_options
     from tandem.cluster import load_tokenizer
-    from tandem.pools.manager import PoolSpec, start_pools
+    from tandem.pools.manager import IMAGE_ENV, PoolSpec, start_pools
     from tandem.workers.worker_base import WorkerConfig
 
     if args.batch_window_ms < 0:
@@ -89,7 +89,8 @@ def run_start(args: argparse.Namespace) -> int:
         draft = WorkerConfig(model=args.draft, top_m=config.spec.draft_top_m, confidence=config.spec.stop_confidence,
                              draft_vocab=config.spec.draft_vocab, **common)
     engine = dataclasses.replace(config, spec=dataclasses.replace(config.spec, enabled=draft is not None))
-    spec = PoolSpec(name=args.name, target=target, draft=draft, options=options, engine=engine)
+    spec = PoolSpec(name=args.name, target=target, draft=draft, options=options, engine=engine,
+                    image=os.environ.get(IMAGE_ENV, ""))
     connect(args)
     described = start_pools(spec)
     print(json.dumps({"started": described["name"], "target": described["target"], "draft": described["draft"],

@@ -75,6 +75,10 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests queued or running before RESOURCE_EXHAUSTED (default: %(default)s)")
     parser.add_argument("--max-batch", type=int, default=16, help="sequences per engine step (default: %(default)s)")
+    parser.add_argument("--lanes", type=int, default=1,
+                        help="engines over the same Ray workers, so one lane's rows draft while another's verify "
+                             "(each lane takes up to --max-batch; not with --in-process or --tp > 1; default: "
+                             "%(default)s)")
     parser.add_argument("--prefill-chunk", type=int, default=EngineConfig().prefill_chunk,
                         help="while others decode, prefill a new prompt at most this many tokens per step "
                              "(0: a prompt at once; default: %(default)s)")
@@ -97,6 +101,8 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         raise InvalidArgument(f"port: must be between 0 and 65535, got {args.port}")
     if args.max_queue < 1:
         raise InvalidArgument(f"max_queue: must be at least 1, got {args.max_queue}")
+    if args.lanes < 1:
+        raise InvalidArgument(f"lanes: must be at least 1, got {args.lanes}")
     if args.grace < 0 or args.stall_timeout <= 0:
         raise InvalidArgument("grace: must be non-negative; stall_timeout: must be positive")
     limits = GatewayLimits(max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens)
@@ -173,7 +179,7 @@ def _in_process_arms_loader(args: argparse.Namespace, config, canary):
 
 
 def _cluster_loader(args: argparse.Namespace, config, canary=None):
-    from tandem.cluster import start_backend, start_ray
+    from tandem.cluster import start_arm_backends, start_backend, start_ray
 
     options = cluster_options(args)
 
@@ -184,19 +190,20 @@ def _cluster_loader(args: argparse.Namespace, config, canary=None):
     start_ray(options)
 
     def load() -> Backend:
-        backend = start_backend(args.target, args.draft if config.spec.speculating else None, config, options)
+        backend = start_backend(args.target, args.draft if config.spec.speculating else None, config, options,
+                                lanes=args.lanes)
         _announce_worker_metrics(backend)
         return backend
 
     def load_arms() -> dict[str, Backend]:
-        # One backend per arm: each arm starts its own target replicas (not shared between arms yet).
-        backends = {}
+        # One backend per arm over one shared target pool; each distinct draft model gets its own draft pool.
+        arms = {}
         for arm in canary.arms:
             arm_config = _arm_config(config, arm)
-            draft = _arm_draft(args, arm, arm_config)
-            backend = start_backend(args.target, draft or None, arm_config, options)
+            arms[arm.name] = (_arm_draft(args, arm, arm_config) or None, arm_config)
+        backends = start_arm_backends(args.target, arms, options, lanes=args.lanes)
+        for backend in backends.values():
             _announce_worker_metrics(backend)
-            backends[arm.name] = backend
         return backends
 
     return load if canary is None else load_arms
@@ -205,11 +212,11 @@ def _cluster_loader(args: argparse.Namespace, config, canary=None):
 def _announce_worker_metrics(backend: Backend) -> None:
     import ray
 
-    from tandem.workers.tp_replica import TensorParallelReplica
+    from tandem.workers.fanout import RayPoolClient
 
     engine = backend.engine
-    workers = [*getattr(engine.drafter, "workers", []), *getattr(engine.verifier, "workers", [])]
-    actors = [rank for w in workers for rank in (w.ranks if isinstance(w, TensorParallelReplica) else [w])]
+    actors = [actor for side in (engine.drafter, engine.verifier) if isinstance(side, RayPoolClient)
+              for actor in side.actors()]
     try:
         infos = ray.get([actor.info.remote() for actor in actors], timeout=30)
     except Exception as exc:  # only an announcement: serving goes on
@@ -250,6 +257,8 @@ def run_serve(args: argparse.Namespace) -> int:
                        args.draft if speculate else "")
 
     if args.in_process:
+        if args.lanes > 1:
+            raise InvalidArgument("lanes: --in-process runs one engine over its models (lanes need Ray workers)")
         load = load_in_process if canary is None else _in_process_arms_loader(args, config, canary)
     else:
         load = _cluster_loader(args, config, canary)

@@ -90,12 +90,14 @@ class SpeculativeEngine:
         eos_token_ids: frozenset[int] = frozenset(),
         decode: Callable[[list[int]], str] | None = None,
         costs: CostModel | None = None,
+        prior: policy.SharedPrior | None = None,
     ) -> None:
+        """`costs` and `prior` may be shared with other engines over the same workers (gateway.lanes)."""
         self.verifier, self.drafter = verifier, drafter
         self.config = config or EngineConfig()
         self.eos_token_ids, self.decode = eos_token_ids, decode
         self.costs = costs or CostModel()
-        self.prior = policy.SharedPrior(self.config.spec.acceptance_prior)
+        self.prior = prior or policy.SharedPrior(self.config.spec.acceptance_prior)
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._kv_full = False  # the verifier was full: sequences it does not hold wait until one finishes
@@ -284,21 +286,21 @@ class SpeculativeEngine:
         if self.drafter is not None:
             self.drafter.release(seq.request_id, retain)
 
-    def session_affinity(self, session_id: str) -> dict[str, int]:
-        """Which draft worker and target replica retained the session's cache (pools with routers only)."""
+    def session_affinity(self, session_id: str) -> dict[str, str]:
+        """The names of the draft worker and target replica that retained the session's cache (none in-process)."""
         found = {}
-        for key, pool in (("draft_worker", self.drafter), ("target_replica", self.verifier)):
-            router = getattr(pool, "router", None)
-            if router is not None and session_id in router.sessions:
-                found[key] = router.sessions[session_id]
+        for key, side in (("draft_worker", self.drafter), ("target_replica", self.verifier)):
+            worker = side.session_worker(session_id) if side is not None else None
+            if worker is not None:
+                found[key] = worker
         return found
 
     def pin_session(self, session_id: str, affinity: dict) -> None:
-        """Route the session's next sequence as `affinity` (from session_affinity, e.g. via a session store) says."""
-        for key, pool in (("draft_worker", self.drafter), ("target_replica", self.verifier)):
-            router = getattr(pool, "router", None)
-            if router is not None and isinstance(affinity.get(key), int) and session_id not in router.sessions:
-                router.pin(session_id, affinity[key])
+        """Route the session's next sequence as `affinity` (from session_affinity, e.g. via a session store) says.
+        Workers are named; a worker that is gone is skipped (the session is placed afresh)."""
+        for key, side in (("draft_worker", self.drafter), ("target_replica", self.verifier)):
+            if side is not None and isinstance(affinity.get(key), str):
+                side.pin_session(session_id, affinity[key])
 
     def result(self, seq: Sequence) -> GenerationResult:
         text = None

@@ -9,6 +9,7 @@ from tandem.core.protocol import (
     PREFILLING,
     DraftProposal,
     DraftRequest,
+    InProcessSide,
     KVUsage,
     StateLost,
     VerifyRequest,
@@ -54,7 +55,7 @@ def _sync_all(runner: ModelRunner, requests: list) -> list[SequenceState]:
     return states
 
 
-class LocalDrafter:
+class LocalDrafter(InProcessSide):
     def __init__(self, runner: ModelRunner, top_m: int = 64, confidence: float = 0.0) -> None:
         self.runner = runner
         self.top_m = top_m
@@ -114,10 +115,11 @@ class LocalDrafter:
         return dist.ids[0, pick[0]], dist.probs[0, 0], dist
 
 
-class LocalVerifier:
+class LocalVerifier(InProcessSide):
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.vocab_size = runner.vocab_size
+        self.context_window = runner.context_window
 
     def release(self, seq_id: str, retain: bool = False) -> None:
         self.runner.release(seq_id, retain)

@@ -104,19 +104,72 @@ class VerifyResult:
 PREFILLING = -1
 
 
-class Drafter(Protocol):
+@dataclass(slots=True, frozen=True)
+class WorkerHealth:
+    """One worker of a side (a draft worker, a target replica, or the one in-process model) as the gateway sees it."""
+
+    name: str
+    healthy: bool
+
+
+TraceCarriers = dict[str, dict[str, str]]  # sequence id -> W3C trace context of its request (traced rows only)
+
+
+class PoolSide(Protocol):
+    """What a gateway asks of either side besides rounds: its workers, where a session's cache lives (by worker
+    name, so the answer survives a change in the set of workers), and the trace context of traced rows. In-process
+    models answer with one worker and no affinity."""
+
+    def kv_usage(self) -> KVUsage: ...
+
+    def worker_health(self) -> list[WorkerHealth]: ...
+
+    def tensor_parallel(self) -> int: ...
+
+    def session_worker(self, session_id: str) -> str | None: ...
+
+    def pin_session(self, session_id: str, worker: str) -> None: ...
+
+    def carry_trace(self, carriers: TraceCarriers | None) -> None: ...
+
+    def reachable(self, timeout_s: float) -> int:
+        """How many workers answer within `timeout_s` (a remote call: keep it off an event loop); those that do are
+        back in service."""
+        ...
+
+
+class Drafter(PoolSide, Protocol):
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]: ...
 
     def release(self, seq_id: str, retain: bool = False) -> None: ...
 
-    def kv_usage(self) -> KVUsage: ...
 
-
-class Verifier(Protocol):
+class Verifier(PoolSide, Protocol):
     vocab_size: int
+    context_window: int | None  # the target's position limit (None: unknown)
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]: ...
 
     def release(self, seq_id: str, retain: bool = False) -> None: ...
 
-    def kv_usage(self) -> KVUsage: ...
+
+class InProcessSide:
+    """PoolSide for a model in this process: one worker, always healthy, no affinity, nothing to carry."""
+
+    def worker_health(self) -> list[WorkerHealth]:
+        return [WorkerHealth("local", True)]
+
+    def tensor_parallel(self) -> int:
+        return 1
+
+    def session_worker(self, session_id: str) -> str | None:
+        return None
+
+    def pin_session(self, session_id: str, worker: str) -> None:
+        return None
+
+    def carry_trace(self, carriers: TraceCarriers | None) -> None:
+        return None
+
+    def reachable(self, timeout_s: float) -> int:
+        return 1

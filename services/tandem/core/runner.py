@@ -89,6 +89,8 @@ class ModelRunner:
         self.causal_kernel = ATTENTION[implementation]
         self.mask_dtype = torch.bool if self.causal_kernel else self.dtype
         self.vocab_size = int(model.config.vocab_size)
+        window = getattr(text_config, "max_position_embeddings", None)
+        self.context_window: int | None = window if isinstance(window, int) and window > 0 else None
         # Logits are computed here rather than by the model, optionally for only the first `vocab_limit` ids,
         # without touching the shared model.
         # The model's own head may be tensor-parallel or prepacked (core.packed_linear).

@@ -22,7 +22,7 @@ from tandem.core.config import SamplingParams
 from tandem.core.engine import Sequence, SpeculativeEngine, StepOutput
 from tandem.core.policy import PolicyState
 from tandem.core.stops import FINISH_ABORT
-from tandem.errors import InvalidArgument, KVBudgetExceeded, TandemError
+from tandem.errors import BackendUnavailable, InvalidArgument, KVBudgetExceeded, TandemError
 from tandem.sessions import MemorySessionStore
 from tandem.telemetry.rounds import RoundTracer
 
@@ -110,6 +110,9 @@ class EngineLoop:
         self.stall_timeout = stall_timeout
         self.sessions: SessionStore = sessions if sessions is not None else MemorySessionStore()
         self.draining = False
+        # No target replica answered the last step: new requests are refused until one does (the gateway's
+        # readiness is NOT_SERVING meanwhile, and it probes the replicas: `recover`).
+        self.unavailable = False
         self._active: dict[str, RequestHandle] = {}  # touched only on the event loop
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._running: dict[str, tuple[Sequence, RequestHandle]] = {}  # touched only on the engine thread
@@ -119,15 +122,16 @@ class EngineLoop:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._watchdog: asyncio.Task | None = None
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-sessions")
+        self.thread_name = "tandem-engine"
         self.metrics = None  # telemetry.metrics.GatewayMetrics: counts each finished request's rounds
         self._rounds = RoundTracer()  # touched only on the engine thread
-        for pool in (engine.drafter, engine.verifier):
-            if hasattr(pool, "trace_carriers"):  # Ray pools: pass each traced row's context to its worker
-                pool.trace_carriers = self._rounds.carriers
+        for side in (engine.drafter, engine.verifier):
+            if side is not None:  # remote pools pass each traced row's context to its worker
+                side.carry_trace(self._rounds.carriers)
 
     async def start(self) -> None:
         self._event_loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
         self._watchdog = asyncio.create_task(self._watch_stalls())
 
@@ -145,6 +149,20 @@ class EngineLoop:
     def active(self) -> int:
         return len(self._active)
 
+    @property
+    def batch_capacity(self) -> int:
+        """Sequences one step runs; requests beyond it wait in the queue."""
+        return self.engine.config.max_batch
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._active
+
+    def recover(self, timeout_s: float) -> bool:
+        """Probe the target replicas (blocking; keep it off the event loop): serve again once one answers."""
+        if self.unavailable and self.engine.verifier.reachable(timeout_s):
+            self.unavailable = False
+        return not self.unavailable
+
     def sessions_in_fallback(self) -> int:
         """Running requests whose policy is in plain-decoding fallback (read by the metrics scrape thread)."""
         return sum(seq.policy.fallback for seq, _ in list(self._running.values()))
@@ -159,6 +177,9 @@ class EngineLoop:
             raise EngineUnavailable("not accepting requests: the server is draining or stopped")
         if self.stalled:
             raise EngineUnavailable("not accepting requests: the engine is stalled")
+        if self.unavailable:
+            raise EngineUnavailable("not accepting requests: no target replica is available (readiness turns "
+                                    "SERVING once one answers)")
         if request_id in self._active:
             raise InvalidArgument(f"request_id: {request_id!r} is already running")
         if len(self._active) >= self.max_requests:
@@ -230,12 +251,18 @@ class EngineLoop:
             except KVBudgetExceeded as exc:  # that request alone can never run; the others go on
                 self._fail_one(exc.request_id, exc)
                 continue
+            except BackendUnavailable as exc:
+                log.warning("no target replica available: failing %d request(s) UNAVAILABLE", len(self._running))
+                self.unavailable = True
+                self._fail_running(exc)
+                continue
             except Exception as exc:
                 log.exception("engine step failed")
                 self._fail_running(exc)
                 continue
             finally:
                 self._step_started = None
+            self.unavailable = False
             self._publish([self._update_for(out) for out in outputs])
         self._fail_running(EngineUnavailable("server shutting down"))
 

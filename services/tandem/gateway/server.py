@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.errors import TandemError
+from tandem.gateway.lanes import LanedLoop, ServingLoop
 from tandem.gateway.loop import EngineLoop, SessionStore
 from tandem.gateway.servicer import Backend, GenerationServicer
 from tandem.gateway.validate import GatewayLimits
@@ -34,6 +35,7 @@ LIVENESS_SERVICE = ""
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 DRAIN_POLL_SECONDS = 0.05
+BACKEND_POLL_SECONDS = 1.0  # while no target replica answers: how often the gateway probes them
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,12 +63,13 @@ class Gateway:
         self.metrics: GatewayMetrics | None = servicer.metrics
         self.options = options
         self.port = port
-        self.loop: EngineLoop | None = None  # the baseline arm's loop with canary arms
-        self.loops: dict[str, EngineLoop] = {}  # canary arms: every arm's loop (empty without a canary)
+        self.loop: ServingLoop | None = None  # the baseline arm's loop with canary arms
+        self.loops: dict[str, ServingLoop] = {}  # canary arms: every arm's loop (empty without a canary)
         self.canary = None  # tandem.canary.CanaryController while serving canary arms
         self.canary_options = None  # tandem.canary.config.CanaryOptions: serve arms
         self.loading: asyncio.Task | None = None
         self._drain: asyncio.Task | None = None
+        self._backend_watch: asyncio.Task | None = None
 
     @property
     def address(self) -> str:
@@ -93,13 +96,13 @@ class Gateway:
 
     async def _load(self, load: Callable[[], Backend | Mapping[str, Backend]],
                     sessions: SessionStore | None) -> None:
-        loops: dict[str, EngineLoop] = {}
+        loops: dict[str, ServingLoop] = {}
         try:
             loaded = await asyncio.to_thread(load)
             backends = self._arm_backends(loaded)
             baseline = next(iter(backends))
             for name, backend in backends.items():
-                loop = EngineLoop(backend.engine, self.options.max_requests, self.options.stall_timeout, sessions)
+                loop = self._loop_for(backend, sessions)
                 if self.metrics is not None:
                     loop.metrics = self.metrics
                     if name == baseline:
@@ -129,10 +132,37 @@ class Gateway:
         if self.canary_options is not None:
             self.loops = loops
         self.servicer.attach(backend, loop, self.loops, canary)
+        self._backend_watch = asyncio.create_task(self._watch_backends())
         if self._drain is None:
             await self.health.set(READINESS_SERVICE, SERVING)
             arms = f" (canary arms {', '.join(loops)})" if self.canary_options is not None else ""
             log.info("ready: %s on %s%s", backend.target_name, self.address, arms)
+
+    async def _watch_backends(self) -> None:
+        """Readiness follows the target replicas: NOT_SERVING while no replica of a loop answers (its requests fail
+        UNAVAILABLE), SERVING again once one does."""
+        down = False
+        while self._drain is None:
+            await asyncio.sleep(BACKEND_POLL_SECONDS)
+            loops = [loop for loop in self.all_loops if loop.unavailable]
+            if loops and not down:
+                log.warning("readiness NOT_SERVING: no target replica is available")
+                await self.health.set(READINESS_SERVICE, NOT_SERVING)
+            recovered = [await asyncio.to_thread(loop.recover, BACKEND_POLL_SECONDS) for loop in loops]
+            down = not all(recovered)
+            if loops and not down and self._drain is None:
+                log.warning("readiness SERVING: a target replica answers again")
+                await self.health.set(READINESS_SERVICE, SERVING)
+
+    def _loop_for(self, backend: Backend, sessions: SessionStore | None) -> ServingLoop:
+        options = self.options
+        loops = [EngineLoop(engine, options.max_requests, options.stall_timeout, sessions)
+                 for engine in backend.engines]
+        if len(loops) == 1:
+            return loops[0]
+        for index, loop in enumerate(loops):
+            loop.thread_name = f"tandem-engine-{index}"
+        return LanedLoop(loops, options.max_requests)
 
     def _arm_backends(self, loaded: Backend | Mapping[str, Backend]) -> dict[str, Backend]:
         """{arm: Backend}, the baseline first; a plain Backend without a canary ("" names it)."""
@@ -149,12 +179,14 @@ class Gateway:
 
     def _start_canary(self, sessions: SessionStore | None, served: set[str]):
         from tandem.canary.config import start_controller
+        from tandem.sessions.store import RedisSessionStore
 
+        url = sessions.url if isinstance(sessions, RedisSessionStore) else None  # arms' weights shared via Redis
         meter = self.metrics.endpoint.provider.get_meter("tandem.canary") if self.metrics is not None else None
-        return start_controller(self.canary_options, getattr(sessions, "url", None), served=served, meter=meter)
+        return start_controller(self.canary_options, url, served=served, meter=meter)
 
     @property
-    def all_loops(self) -> list[EngineLoop]:
+    def all_loops(self) -> list[ServingLoop]:
         return list(self.loops.values()) if self.loops else ([self.loop] if self.loop is not None else [])
 
     def drain(self, grace: float | None = None) -> asyncio.Task:
@@ -165,6 +197,8 @@ class Gateway:
 
     async def _drain_and_stop(self, grace: float) -> None:
         deadline = time.monotonic() + grace
+        if self._backend_watch is not None:
+            self._backend_watch.cancel()
         await self.health.set(READINESS_SERVICE, NOT_SERVING)
         loops = self.all_loops
         if loops:

@@ -14,7 +14,8 @@ from tandem.core.detok import IncrementalDetokenizer
 from tandem.core.engine import SpeculativeEngine
 from tandem.core.stops import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from tandem.errors import BackendUnavailable, InvalidArgument
-from tandem.gateway.loop import EngineFailed, EngineLoop, EngineUnavailable, Finished, QueueFull
+from tandem.gateway.lanes import ServingLoop
+from tandem.gateway.loop import EngineFailed, EngineUnavailable, Finished, QueueFull
 from tandem.gateway.validate import GatewayLimits, ModelLimits, prepare
 from tandem.telemetry.gateway import RequestObserver
 from tandem.telemetry.metrics import GatewayMetrics
@@ -28,21 +29,25 @@ FINISH_REASONS = {FINISH_STOP: pb.STOP, FINISH_LENGTH: pb.LENGTH, FINISH_ABORT: 
 
 @dataclass(slots=True)
 class Backend:
-    """A loaded engine and what the gateway needs to describe and feed it."""
+    """A loaded engine and what the gateway needs to describe and feed it. `lanes`: more engines over the same
+    pools (gateway.lanes), each driven by its own loop; `engine` is the first lane."""
 
     engine: SpeculativeEngine
     tokenizer: object
     target_name: str
     draft_name: str = ""
+    lanes: tuple[SpeculativeEngine, ...] = ()
+
+    @property
+    def engines(self) -> list[SpeculativeEngine]:
+        return [self.engine, *self.lanes]
 
     @property
     def model_limits(self) -> ModelLimits:
         spec = self.engine.config.spec
-        model_config = getattr(getattr(self.engine.verifier, "runner", None), "model", None)
-        window = getattr(getattr(model_config, "config", None), "max_position_embeddings", None)
         return ModelLimits(vocab_size=self.engine.verifier.vocab_size,
                            max_k=spec.k_max if self.engine.speculating else 0,
-                           context_window=window if isinstance(window, int) and window > 0 else None)
+                           context_window=self.engine.verifier.context_window)
 
 
 STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
@@ -85,13 +90,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.limits = limits or GatewayLimits()
         self.metrics = metrics
         self.backend: Backend | None = None
-        self.loop: EngineLoop | None = None
+        self.loop: ServingLoop | None = None
         self._model_limits: ModelLimits | None = None
         # Canary arms (see tandem.canary): arm name -> loop; backend/loop above are the baseline arm's.
-        self.loops: dict[str, EngineLoop] = {}
+        self.loops: dict[str, ServingLoop] = {}
         self.canary = None  # tandem.canary.CanaryController, or None: every request on `loop`
 
-    def attach(self, backend: Backend, loop: EngineLoop, loops: Mapping[str, EngineLoop] | None = None,
+    def attach(self, backend: Backend, loop: ServingLoop, loops: Mapping[str, ServingLoop] | None = None,
                canary=None) -> None:
         """Start serving requests: before this every RPC answers UNAVAILABLE. With canary arms, `backend` and `loop`
         are the baseline arm's (unknown arms fall back to it; GetModelInfo describes it), `loops` every arm's."""
@@ -100,7 +105,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.canary = canary
         self.backend, self.loop = backend, loop
 
-    def _route(self, prepared, loop: EngineLoop, observed: RequestObserver):
+    def _route(self, prepared, loop: ServingLoop, observed: RequestObserver):
         """The canary assignment (None without a canary) and the loop that serves the request."""
         if self.canary is None:
             return None, loop
@@ -114,7 +119,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             observed.span.set_attribute("tandem.canary.arm", assignment.arm.name)
         return assignment, arm_loop
 
-    async def _ready(self, context: grpc.aio.ServicerContext) -> tuple[Backend, EngineLoop]:
+    async def _ready(self, context: grpc.aio.ServicerContext) -> tuple[Backend, ServingLoop]:
         if self.backend is None or self.loop is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "not ready: the engine is still loading")
         if self.loop.draining:
@@ -236,20 +241,17 @@ def _kv_usages(engine) -> tuple[pb.KVUsage | None, pb.KVUsage | None]:
     return _kv_usage(engine.verifier), _kv_usage(engine.drafter) if engine.speculating else None
 
 
-def _kv_usage(pool) -> pb.KVUsage | None:
-    read = getattr(pool, "kv_usage", None)
-    if read is None:
-        return None
+def _kv_usage(side) -> pb.KVUsage | None:
     try:
-        usage = read()
+        usage = side.kv_usage()
     except Exception:  # only a report: the rest of the model info still answers
-        log.warning("reading the KV usage of %s failed", type(pool).__name__, exc_info=True)
+        log.warning("reading the KV usage of %s failed", type(side).__name__, exc_info=True)
         return None
     return pb.KVUsage(used_tokens=usage.used, reserved_tokens=usage.reserved, capacity_tokens=usage.capacity)
 
 
 def _pool_sizes(engine) -> dict[str, int]:
     """Worker counts: the Ray pools' sizes, or one in-process model each."""
-    replicas = getattr(engine.verifier, "workers", [None])
-    return {"draft_workers": len(getattr(engine.drafter, "workers", [None])) if engine.speculating else 0,
-            "target_replicas": len(replicas), "tensor_parallel_size": len(getattr(replicas[0], "ranks", [None]))}
+    return {"draft_workers": len(engine.drafter.worker_health()) if engine.speculating else 0,
+            "target_replicas": len(engine.verifier.worker_health()),
+            "tensor_parallel_size": engine.verifier.tensor_parallel()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import uuid
 
@@ -17,10 +18,11 @@ import ray
 
 from tandem.cluster import load_tokenizer
 from tandem.core.config import EngineConfig
-from tandem.core.engine import SpeculativeEngine
+from tandem.errors import TandemError
+from tandem.gateway.lanes import engine_lanes
 from tandem.gateway.servicer import Backend
 from tandem.local_engine import decoder
-from tandem.pools.manager import find_manager
+from tandem.pools.manager import IMAGE_ENV, find_manager
 from tandem.workers.draft_pool import RayDrafter
 from tandem.workers.fanout import RayPoolClient
 from tandem.workers.target_pool import RayVerifier
@@ -37,39 +39,57 @@ def _handles(description: dict, role: str) -> list:
 
 
 def attach_backend(pool: str, max_batch: int | None = None, prefill_chunk: int | None = None,
-                   draft_timeout_s: float = 5.0, stop: threading.Event | None = None) -> Backend:
+                   draft_timeout_s: float = 5.0, stop: threading.Event | None = None, lanes: int = 1) -> Backend:
     """An engine driving the pool named `pool` (Ray must be initialised). `max_batch` and `prefill_chunk` override
-    the pool's engine config for this gateway; `stop` ends the membership watcher."""
+    the pool's engine config for this gateway; `lanes` engines share the pools (gateway.lanes); `stop` ends the
+    membership watcher."""
     manager = find_manager(pool)
     description = ray.get(manager.describe.remote())
+    check_image(pool, description.get("image", ""), os.environ.get(IMAGE_ENV, ""))
     tokenizer, eos = load_tokenizer(description["target"])
     tag = f"{uuid.uuid4().hex[:12]}/"
-    verifier = RayVerifier(_handles(description, "target"), names=description["workers"]["target"], prefix=tag)
-    drafter = None
     config: EngineConfig = description["engine"]
-    if description["draft"] and config.spec.speculating:
-        drafter = RayDrafter(_handles(description, "draft"), timeout_s=draft_timeout_s,
-                             names=description["workers"]["draft"], prefix=tag)
+    speculating = bool(description["draft"]) and config.spec.speculating
+    targets, drafts = _handles(description, "target"), _handles(description, "draft") if speculating else []
+    clients: list[RayPoolClient] = []
+
+    def sides(lane: int) -> tuple[RayVerifier, RayDrafter | None]:
+        prefix = f"{tag}{lane}/" if lanes > 1 else tag
+        verifier = RayVerifier(targets, names=description["workers"]["target"], prefix=prefix)
+        drafter = RayDrafter(drafts, timeout_s=draft_timeout_s, names=description["workers"]["draft"],
+                             prefix=prefix) if speculating else None
+        clients.extend(side for side in (verifier, drafter) if side is not None)
+        return verifier, drafter
+
     changes = {k: v for k, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)) if v is not None}
-    engine = SpeculativeEngine(verifier, drafter, dataclasses.replace(config, **changes), eos, decoder(tokenizer))
+    engines = engine_lanes(sides, lanes, dataclasses.replace(config, **changes), eos, decoder(tokenizer))
     watcher = threading.Thread(target=_follow_membership, name="tandem-pool-members", daemon=True,
-                               args=(manager, description["generation"], verifier, drafter, stop or threading.Event()))
+                               args=(manager, description["generation"], clients, stop or threading.Event()))
     watcher.start()
-    log.info("attached to pools %r: %d target replica(s), %d draft worker(s)", pool, len(verifier.workers),
-             len(drafter.workers) if drafter else 0)
-    return Backend(engine, tokenizer, description["target"], description["draft"] if drafter else "")
+    log.info("attached to pools %r: %d target replica(s), %d draft worker(s), %d lane(s)", pool, len(targets),
+             len(drafts), lanes)
+    return Backend(engines[0], tokenizer, description["target"], description["draft"] if speculating else "",
+                   lanes=tuple(engines[1:]))
 
 
-def _follow_membership(manager, generation: int, verifier: RayPoolClient, drafter: RayPoolClient | None,
-                       stop: threading.Event) -> None:
+def check_image(pool: str, pools_image: str, own_image: str) -> None:
+    """A gateway never serves over workers of another build unnoticed (an upgrade half done): both images known
+    and different is an error naming both."""
+    if pools_image and own_image and pools_image != own_image:
+        raise TandemError(f"image: this gateway runs {own_image} but pools {pool!r} run {pools_image}; restart the "
+                          f"pools on {own_image} (`tandem pools stop` and `start`) or roll the gateways back")
+
+
+def _follow_membership(manager, generation: int, clients: list[RayPoolClient], stop: threading.Event) -> None:
     while not stop.wait(MEMBERSHIP_POLL_S):
         try:
             description = ray.get(manager.describe.remote(), timeout=MEMBERSHIP_POLL_S * 5)
             if description["generation"] == generation:
                 continue
-            for role, client in (("target", verifier), ("draft", drafter)):
-                if client is not None:
-                    client.offer_workers(_handles(description, role), description["workers"][role])
+            handles = {role: _handles(description, role) for role in ("target", "draft")}
+            for client in clients:
+                role = "target" if isinstance(client, RayVerifier) else "draft"
+                client.offer_workers(handles[role], description["workers"][role])
             generation = description["generation"]
             log.warning("pools %r now: %s", description["name"],
                         {role: len(names) for role, names in description["workers"].items()})

@@ -12,6 +12,8 @@ from the workers' resource requests.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 from dataclasses import dataclass
 
 import ray
@@ -24,8 +26,12 @@ from tandem.workers.draft_pool import start_draft_workers
 from tandem.workers.target_pool import start_target_replicas
 from tandem.workers.worker_base import NAMESPACE, WorkerConfig, ray_failures
 
+log = logging.getLogger(__name__)
+
 ROLES = ("draft", "target")
 STATUS_TIMEOUT_S = 2.0
+IMAGE_ENV = "TANDEM_IMAGE"  # the image a process runs (the Helm chart sets it): pools and gateways must agree
+PRUNE_EVERY_S = 2.0  # how often the manager looks for workers that died for good
 STATUS_FIELDS = ("sequences", "retained_sessions", "kv_tokens_used", "kv_tokens_capacity", "reused_tokens", "forwards",
                  "rows", "merged_forwards", "pid", "metrics")  # copied from each worker's info()
 
@@ -37,6 +43,7 @@ class PoolSpec:
     draft: WorkerConfig | None  # None: the pool decodes plainly
     options: ClusterOptions
     engine: EngineConfig  # what gateways attached to this pool run (they may change batching only)
+    image: str = ""  # $TANDEM_IMAGE of whoever started the pools: gateways of another image refuse to attach
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").isalnum():
@@ -61,6 +68,8 @@ class PoolManager:
         self.next_index = dict.fromkeys(ROLES, 0)
         self.generation = 0
         self.draft_config = spec.draft
+        self._lock = threading.Lock()  # the manager serves several calls at once (status, scale, the pruner)
+        self._stopped = threading.Event()
 
     def start(self) -> dict:
         options = self.spec.options
@@ -71,13 +80,28 @@ class PoolManager:
             self.draft_config = dataclasses.replace(self.spec.draft,
                                                     draft_vocab=draft_vocab_limit(self.spec.draft.draft_vocab, vocab))
             self._add("draft", options.draft_workers)
+        threading.Thread(target=self._prune_dead, name="tandem-pools-prune", daemon=True).start()
         return self.describe()
+
+    def _prune_dead(self) -> None:
+        """Drop workers that died for good (killed without restart, their node gone for good): gateways follow the
+        membership and stop routing to them. A worker that crashed is restarted by Ray (max_restarts) and stays."""
+        while not self._stopped.wait(PRUNE_EVERY_S):
+            with self._lock:
+                dead = [(role, name) for role in ROLES for name, handle in self.workers[role].items()
+                        if _actor_state(handle) == "DEAD"]
+                for role, name in dead:
+                    del self.workers[role][name]
+                if dead:
+                    self.generation += 1
+            for role, name in dead:
+                log.warning("pools %s: %s worker %s died; removed from the pool", self.spec.name, role, name)
 
     def describe(self) -> dict:
         """What a gateway needs to attach: models, engine config, and the workers' actor names in order."""
         return {"name": self.spec.name, "target": self.spec.target.model,
                 "draft": self.spec.draft.model if self.spec.draft else "", "engine": self.spec.engine,
-                "generation": self.generation, "actor_prefix": self.spec.actor_prefix,
+                "generation": self.generation, "actor_prefix": self.spec.actor_prefix, "image": self.spec.image,
                 "workers": {role: list(self.workers[role].copy()) for role in ROLES}}
 
     def scale(self, role: str, count: int) -> dict:
@@ -87,13 +111,14 @@ class PoolManager:
             raise InvalidArgument(f"count: a pool keeps at least one {role} worker, got {count}")
         if role == "draft" and self.spec.draft is None:
             raise InvalidArgument("draft: this pool has no draft model")
-        current = self.workers[role]
-        if count > len(current):
-            self._add(role, count - len(current))
-        while len(current) > count:  # the newest go first: the oldest hold the longest-lived sessions
-            _, handle = current.popitem()
-            ray.kill(handle, no_restart=True)
-        self.generation += 1
+        with self._lock:
+            current = self.workers[role]
+            if count > len(current):
+                self._add(role, count - len(current))
+            while len(current) > count:  # the newest go first: the oldest hold the longest-lived sessions
+                _, handle = current.popitem()
+                ray.kill(handle, no_restart=True)
+            self.generation += 1
         return self.describe()
 
     def status(self) -> dict:
@@ -117,9 +142,10 @@ class PoolManager:
         rows = sum(w["rows_per_forward"] for w in targets) / len(targets) if targets else 0.0
         return {"name": self.spec.name, "target": self.spec.target.model,
                 "draft": self.spec.draft.model if self.spec.draft else "", "generation": self.generation,
-                "workers": workers, "rows_per_verify_call": round(rows, 3)}
+                "image": self.spec.image, "workers": workers, "rows_per_verify_call": round(rows, 3)}
 
     def stop(self) -> None:
+        self._stopped.set()
         for role in ROLES:
             for handle in self.workers[role].values():
                 ray.kill(handle, no_restart=True)
@@ -139,6 +165,17 @@ class PoolManager:
         for offset, handle in enumerate(handles):
             self.workers[role][f"{role}-{first + offset}"] = handle
         self.next_index[role] = first + count
+
+
+def _actor_state(handle) -> str:
+    """ALIVE, RESTARTING, DEAD, ... from the GCS's actor table (Ray's public state API needs the dashboard, which
+    a cluster may run without); "" when it cannot be read."""
+    try:
+        from ray._private import state
+
+        return state.actors(handle._actor_id.hex())["State"]
+    except Exception:
+        return ""
 
 
 def find_manager(pool: str):

@@ -182,7 +182,7 @@ class GatewayMetrics:
 
     def _queued(self) -> Iterator[tuple[float, dict]]:
         if self._loop is not None:
-            yield max(0, self._loop.active - self._engine.config.max_batch), {}
+            yield max(0, self._loop.active - self._loop.batch_capacity), {}
 
     def _active(self) -> Iterator[tuple[float, dict]]:
         if self._loop is not None:
@@ -192,13 +192,11 @@ class GatewayMetrics:
         engine = self._engine
         if engine is None:
             return
-        for role, pool in (("draft", engine.drafter), ("target", engine.verifier)):
-            if pool is None:
+        for role, side in (("draft", engine.drafter), ("target", engine.verifier)):
+            if side is None:
                 continue
-            router = getattr(pool, "router", None)
-            states = [router.healthy(i) for i in range(router.size)] if router is not None else [True]
-            for index, healthy in enumerate(states):
-                yield int(healthy), {"tandem.worker.role": role, "tandem.worker.index": index}
+            for index, worker in enumerate(side.worker_health()):
+                yield int(worker.healthy), {"tandem.worker.role": role, "tandem.worker.index": index}
 
     def _kv_tokens(self) -> Iterator[tuple[float, dict]]:
         from tandem.core.local import LocalDrafter, LocalVerifier

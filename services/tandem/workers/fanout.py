@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from tandem.core.protocol import KVCacheFull, KVUsage
+from tandem.core.protocol import KVCacheFull, KVUsage, TraceCarriers, WorkerHealth
 from tandem.telemetry import tracing
 from tandem.workers.routing import AffinityRouter
 from tandem.workers.tp_replica import TensorParallelReplica
@@ -141,11 +141,12 @@ def kv_usage(workers: list, timeout_s: float = KV_USAGE_TIMEOUT_S) -> KVUsage:
 
 class RayPoolClient:
     """A gateway's view of a pool: its workers (in the order every gateway sees them), the router, and the prefix
-    that keeps this gateway's sequence ids apart from other gateways' on shared workers."""
+    that keeps this gateway's sequence ids apart from other gateways' on shared workers. Implements the PoolSide
+    part of the Drafter and Verifier protocols (core.protocol)."""
 
     def __init__(self, workers: list, router: AffinityRouter, prefix: str = "") -> None:
         self.workers, self.router, self.ids = workers, router, WireIds(prefix)
-        self.trace_carriers: dict[str, dict[str, str]] | None = None  # set by the gateway's engine loop
+        self.trace_carriers: TraceCarriers | None = None  # given by the gateway's engine loop (carry_trace)
         self._offered: tuple[list, list[str]] | None = None
 
     def offer_workers(self, workers: list, names: list[str]) -> None:
@@ -158,9 +159,53 @@ class RayPoolClient:
             self.workers = offered[0]
             self.router.resize(offered[1])
 
+    def actors(self) -> list:
+        """Every actor behind the pool: each worker, or each rank of a tensor-parallel replica."""
+        return [rank for w in self.workers for rank in (w.ranks if isinstance(w, TensorParallelReplica) else [w])]
+
     def release(self, seq_id: str, retain: bool = False) -> None:
         release(self.workers, self.router, self.ids, seq_id, retain)
 
     def kv_usage(self, timeout_s: float = KV_USAGE_TIMEOUT_S) -> KVUsage:
         """Summed over the workers that answer within `timeout_s` (remote calls: keep it off an event loop)."""
         return kv_usage(self.workers, timeout_s)
+
+    def worker_health(self) -> list[WorkerHealth]:
+        router = self.router
+        return [WorkerHealth(name, router.healthy(i)) for i, name in enumerate(list(router.names))]
+
+    def tensor_parallel(self) -> int:
+        first = self.workers[0]
+        return len(first.ranks) if isinstance(first, TensorParallelReplica) else 1
+
+    def session_worker(self, session_id: str) -> str | None:
+        index = self.router.sessions.get(session_id)
+        names = self.router.names
+        return names[index] if index is not None and index < len(names) else None
+
+    def pin_session(self, session_id: str, worker: str) -> None:
+        if session_id not in self.router.sessions and worker in self.router.names:
+            self.router.pin(session_id, self.router.names.index(worker))
+
+    def carry_trace(self, carriers: TraceCarriers | None) -> None:
+        self.trace_carriers = carriers
+
+    def reachable(self, timeout_s: float) -> int:
+        """Workers answering info() within `timeout_s`; a benched one that answers returns to service at once
+        rather than after its cool-down (a tensor-parallel replica being rebuilt stays out until the rebuild ends)."""
+        offered = self._offered  # workers the pool has now, not yet taken up (the engine thread does that)
+        workers = list(offered[0] if offered is not None and offered[1] else self.workers)
+        refs = [(w.ranks[0] if isinstance(w, TensorParallelReplica) else w).info.remote() for w in workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        answered = 0
+        for index, ref in enumerate(refs):
+            if ref not in ready:
+                continue
+            try:
+                ray.get(ref)
+            except ray_failures():
+                continue
+            answered += 1
+            if offered is None and index < self.router.size and self.router.benched_until[index] != float("inf"):
+                self.router.benched_until[index] = 0.0
+        return answered

@@ -32,7 +32,8 @@ class RayVerifier(RayPoolClient):
                  rebuild_timeout_s: float = 600.0, names: list[str] | None = None, prefix: str = "") -> None:
         super().__init__(replicas, AffinityRouter(len(replicas), cooldown_s, "target", names=names), prefix)
         self.timeout_s, self.rebuild_timeout_s = timeout_s, rebuild_timeout_s
-        self.vocab_size = ray.get(replicas[0].info.remote())["vocab_size"]
+        info = ray.get(replicas[0].info.remote())
+        self.vocab_size, self.context_window = info["vocab_size"], info.get("context_window")
         self.rebuilds: dict[int, Future] = {}
         self.rebuilt = 0
         self._executor = ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="tandem-rebuild")

@@ -1,0 +1,163 @@
+"""Drafting overlapped with verifying: one gateway's rounds in order (`--lanes 1`) against two engine lanes
+(`--lanes 2`, one lane's rows draft while the other's verify), on the same pools, alternated.
+
+The draft worker and the target worker each get one torch thread, and every thread of each is pinned to a core of
+its own (emulating separate devices); the gateways and Ray's own processes are left unpinned. N concurrent greedy
+chat sessions of --max-tokens each; per run: aggregate tok/s, drafted and accepted tokens, rows per verify forward.
+JSON on stdout (and --out):
+
+    python -m loadtest.overlap_bench --sessions 8 --max-tokens 128 --repeats 2 --out docs/bench/overlap-v1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from loadtest.pools_bench import BIN, SERVING, _env, _tandem, _target_counters, _wait_for_port
+from loadtest.prompts import load_set
+from tandem.client import TandemClient
+
+
+def _pin(pid: int, core: int) -> int:
+    """Pin every thread of `pid` to `core`; returns how many threads were pinned."""
+    tasks = os.listdir(f"/proc/{pid}/task")
+    for tid in tasks:
+        os.sched_setaffinity(int(tid), {core})
+    return len(tasks)
+
+
+def _gateway(address: str, pools: str, lanes: int) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([str(BIN / "tandem"), "gateway", "--pools", pools, "--port", "0", "--metrics-port",
+                                "-1", "--lanes", str(lanes)], env=_env(address), stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)
+    for line in process.stdout:
+        if "serving tandem.v1.Generation on" in line:
+            target = line.split(" on ")[1].split()[0]
+            break
+    else:
+        raise RuntimeError("gateway exited")
+    threading.Thread(target=process.stdout.read, daemon=True).start()
+    deadline = time.monotonic() + 300
+    with TandemClient(target, timeout=10) as client:
+        while client.health_status("tandem.v1.Generation") != SERVING:
+            if time.monotonic() > deadline:
+                raise RuntimeError("gateway never turned ready")
+            time.sleep(0.5)
+    return process, target
+
+
+def _run(address: str, prompts: list, max_tokens: int) -> dict:
+    outputs: dict[int, list[int]] = {}
+    stats: dict[int, object] = {}
+
+    def one(index: int) -> None:
+        with TandemClient(address, timeout=900) as client:
+            ids = []
+            for item in client.generate(**prompts[index].request_input(), temperature=0.0, max_tokens=max_tokens,
+                                        ignore_eos=True):
+                ids += list(getattr(item, "token_ids", []))
+                if hasattr(item, "speculation"):
+                    stats[index] = item.speculation
+            outputs[index] = ids
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    tokens = sum(len(ids) for ids in outputs.values())
+    drafted = sum(s.drafted_tokens for s in stats.values())
+    accepted = sum(s.accepted_tokens for s in stats.values())
+    return {"seconds": round(seconds, 3), "tokens": tokens, "tok_s": round(tokens / seconds, 3),
+            "drafted": drafted, "accepted": accepted, "rounds": sum(s.rounds for s in stats.values()),
+            "outputs": [outputs.get(i, []) for i in range(len(prompts))]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--lanes", type=int, default=2, help="lanes of the overlapped gateway")
+    parser.add_argument("--pool-args", default="", help="more `tandem pools start` flags, one string")
+    parser.add_argument("--no-pin", action="store_true", help="leave the workers unpinned")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    address = "127.0.0.1:6398"
+    head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                             "--port=6398", "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats",
+                             f"--temp-dir={tempfile.mkdtemp(prefix='tandem-ray-')}"], env=_env(address),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    gateways: list[subprocess.Popen] = []
+    try:
+        _wait_for_port(6398)
+        _tandem(address, "pools", "start", "--name", "overlap", "--threads", "1", "--draft-workers", "1",
+                "--target-replicas", "1", *args.pool_args.split())
+        status = json.loads(_tandem(address, "pools", "status", "--name", "overlap", "--json"))
+        pinned = {}
+        if not args.no_pin:
+            for core, role in enumerate(("draft", "target")):
+                worker = next(w for w in status["workers"] if w["role"] == role)
+                pinned[role] = {"pid": worker["pid"], "core": core, "threads": _pin(worker["pid"], core)}
+        sequential, overlapped = _gateway(address, "overlap", 1), _gateway(address, "overlap", args.lanes)
+        gateways += [sequential[0], overlapped[0]]
+        prompts = (load_set("chat") * args.sessions)[: args.sessions]
+        configs = {"sequential": sequential[1], "overlapped": overlapped[1]}
+        for target in configs.values():
+            _run(target, prompts[:2], 16)  # warm-up: each gateway's first rounds
+        runs: list[dict] = []
+        for repeat in range(args.repeats):
+            for name in (list(configs) if repeat % 2 == 0 else list(reversed(configs))):
+                rows0, forwards0 = _target_counters(address, "overlap")
+                result = _run(configs[name], prompts, args.max_tokens)
+                rows1, forwards1 = _target_counters(address, "overlap")
+                result |= {"config": name, "repeat": repeat,
+                           "rows_per_verify_forward": round((rows1 - rows0) / max(1, forwards1 - forwards0), 3)}
+                print(json.dumps({k: v for k, v in result.items() if k != "outputs"}), file=sys.stderr, flush=True)
+                runs.append(result)
+        report = _summarise(runs, args, pinned)
+    finally:
+        for process in gateways:
+            process.terminate()
+        head.terminate()
+        head.wait(timeout=120)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def _summarise(runs: list[dict], args: argparse.Namespace, pinned: dict) -> dict:
+    def total(config: str, key: str) -> float:
+        return sum(r[key] for r in runs if r["config"] == config)
+
+    tok_s = {c: round(total(c, "tokens") / total(c, "seconds"), 3) for c in ("sequential", "overlapped")}
+    reference = next(r["outputs"] for r in runs if r["config"] == "sequential")
+    return {
+        "command": "python -m loadtest.overlap_bench " + " ".join(sys.argv[1:]),
+        "sessions": args.sessions, "max_tokens": args.max_tokens, "lanes": args.lanes, "pinned": pinned,
+        "pool_args": args.pool_args,
+        "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
+        "tok_s": tok_s, "overlapped_over_sequential": round(tok_s["overlapped"] / tok_s["sequential"], 3),
+        "acceptance": {c: round(total(c, "accepted") / max(1, total(c, "drafted")), 3)
+                       for c in ("sequential", "overlapped")},
+        "drafted_per_round": {c: round(total(c, "drafted") / max(1, total(c, "rounds")), 3)
+                              for c in ("sequential", "overlapped")},
+        "greedy_outputs_equal_across_runs": all(r["outputs"] == reference for r in runs),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

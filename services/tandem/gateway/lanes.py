@@ -1,0 +1,113 @@
+"""Engine lanes: several engines in one gateway over the same pools, so drafting overlaps verifying.
+
+One engine runs its rounds in order: draft, then verify, then the next draft. With the drafter and the verifier on
+separate hardware (draft workers on small GPUs, target replicas on large ones) each side idles while the other
+works. Lanes split a gateway's requests over N engines, each with its own thread and its own pool clients (its own
+wire-id prefix: to the workers, a lane is one more gateway), so while lane A's rows are being verified, lane B's rows
+are being drafted. The workers merge calls that reach them at the same time (workers.batcher), so lanes in step
+still share forwards. Requests go to the lane with the fewest; every lane shares one cost model and one acceptance
+prior (the measured costs are the same hardware's).
+
+`LanedLoop` has the interface the gateway uses of an `EngineLoop` (submit, cancel, draining, active, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from tandem.core.config import EngineConfig, SamplingParams
+from tandem.core.engine import SpeculativeEngine
+from tandem.core.protocol import Drafter, Verifier
+from tandem.errors import InvalidArgument
+from tandem.gateway.loop import EngineLoop, QueueFull, RequestHandle
+
+
+def engine_lanes(sides: Callable[[int], tuple[Verifier, Drafter | None]], lanes: int, config: EngineConfig,
+                 eos: frozenset[int], decode) -> list[SpeculativeEngine]:
+    """`lanes` engines, each over the pool clients `sides(lane)` returns; the first calibrates, the others share
+    its cost model and acceptance prior."""
+    if lanes < 1:
+        raise InvalidArgument(f"lanes: must be at least 1, got {lanes}")
+    verifier, drafter = sides(0)
+    first = SpeculativeEngine(verifier, drafter, config, eos, decode)
+    others = dataclasses.replace(config, calibrate=False)
+    return [first, *(SpeculativeEngine(*sides(lane), others, eos, decode, costs=first.costs, prior=first.prior)
+                     for lane in range(1, lanes))]
+
+
+class LanedLoop:
+    def __init__(self, loops: list[EngineLoop], max_requests: int) -> None:
+        if len(loops) < 2:
+            raise InvalidArgument(f"lanes: a laned loop needs at least two lanes, got {len(loops)}")
+        self.lanes = loops
+        self.max_requests = max_requests
+
+    @property
+    def engine(self) -> SpeculativeEngine:
+        """The first lane's engine: the lanes share its configuration, costs and prior."""
+        return self.lanes[0].engine
+
+    @property
+    def metrics(self):
+        return self.lanes[0].metrics
+
+    @metrics.setter
+    def metrics(self, value) -> None:
+        for lane in self.lanes:
+            lane.metrics = value
+
+    @property
+    def draining(self) -> bool:
+        return any(lane.draining for lane in self.lanes)
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        for lane in self.lanes:
+            lane.draining = value
+
+    @property
+    def active(self) -> int:
+        return sum(lane.active for lane in self.lanes)
+
+    @property
+    def unavailable(self) -> bool:
+        return any(lane.unavailable for lane in self.lanes)
+
+    def recover(self, timeout_s: float) -> bool:
+        return all([lane.recover(timeout_s) for lane in self.lanes])
+
+    @property
+    def batch_capacity(self) -> int:
+        return sum(lane.batch_capacity for lane in self.lanes)
+
+    @property
+    def stalled(self) -> bool:
+        return any(lane.stalled for lane in self.lanes)
+
+    def sessions_in_fallback(self) -> int:
+        return sum(lane.sessions_in_fallback() for lane in self.lanes)
+
+    async def start(self) -> None:
+        for lane in self.lanes:
+            await lane.start()
+
+    async def close(self) -> None:
+        for lane in self.lanes:
+            await lane.close()
+
+    async def submit(self, prompt: list[int], params: SamplingParams, request_id: str, session_id: str = "",
+                     max_k: int | None = None, trace: object | None = None) -> RequestHandle:
+        if any(lane.has_request(request_id) for lane in self.lanes):
+            raise InvalidArgument(f"request_id: {request_id!r} is already running")
+        if self.active >= self.max_requests:
+            raise QueueFull(f"queue full: {self.active} requests queued or running (limit {self.max_requests})")
+        serving = [lane for lane in self.lanes if not lane.unavailable] or self.lanes
+        lane = min(serving, key=lambda candidate: candidate.active)
+        return await lane.submit(prompt, params, request_id, session_id, max_k, trace)
+
+    def cancel(self, request_id: str, detach: bool = False) -> bool:
+        return any(lane.cancel(request_id, detach) for lane in self.lanes)
+
+
+ServingLoop = EngineLoop | LanedLoop  # what the gateway drives: one engine, or lanes of them
