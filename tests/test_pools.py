@@ -272,6 +272,28 @@ def _wait_health(address: str, want: int, timeout_s: float) -> None:
             time.sleep(0.2)
 
 
+def test_a_restarted_manager_adopts_its_workers_and_gateways_keep_serving(pools, gateways, expected) -> None:
+    before = _status(pools)
+    os.kill(before["manager_pid"], signal.SIGKILL)  # Ray restarts it (its node, or the head, went away)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            after = _status(pools)
+            if after["manager_pid"] != before["manager_pid"]:
+                break
+        except AssertionError:
+            pass  # still restarting
+        assert time.monotonic() < deadline, "the manager did not come back"
+        time.sleep(0.5)
+    assert [(w["name"], w["pid"]) for w in after["workers"]] == [(w["name"], w["pid"]) for w in before["workers"]]
+    _tandem(pools, "pools", "scale", "--name", "t", "draft", "2")  # it still manages them: scaling goes on
+    time.sleep(3)
+    gateway = next(g for g in gateways if g.process.poll() is None)
+    out = _at_once([(gateway.address, i) for i in range(len(PROMPTS))], pair_ids=False)
+    assert [out[(i, i)] for i in range(len(PROMPTS))] == expected
+    _tandem(pools, "pools", "scale", "--name", "t", "draft", "1")
+
+
 def test_pool_commands_need_a_cluster_and_refuse_duplicates(pools, tiny_dirs) -> None:
     done = subprocess.run([str(BIN / "tandem"), "pools", "status"], capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in _env(pools).items() if k != "RAY_ADDRESS"})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import threading
 import uuid
 
@@ -64,7 +65,7 @@ def attach_backend(pool: str, max_batch: int | None = None, prefill_chunk: int |
     changes = {k: v for k, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)) if v is not None}
     engines = engine_lanes(sides, lanes, dataclasses.replace(config, **changes), eos, decoder(tokenizer))
     watcher = threading.Thread(target=_follow_membership, name="tandem-pool-members", daemon=True,
-                               args=(manager, description["generation"], clients, stop or threading.Event()))
+                               args=(pool, manager, description, clients, stop or threading.Event()))
     watcher.start()
     log.info("attached to pools %r: %d target replica(s), %d draft worker(s), %d lane(s)", pool, len(targets),
              len(drafts), lanes)
@@ -80,18 +81,32 @@ def check_image(pool: str, pools_image: str, own_image: str) -> None:
                           f"pools on {own_image} (`tandem pools stop` and `start`) or roll the gateways back")
 
 
-def _follow_membership(manager, generation: int, clients: list[RayPoolClient], stop: threading.Event) -> None:
+def _follow_membership(pool: str, manager, description: dict, clients: list[RayPoolClient],
+                       stop: threading.Event) -> None:
+    """Follow the pools' membership (scaling, dead workers dropped, a restarted manager, pools started anew) until
+    `stop`. Pools that came back with other models cannot be served with this gateway's tokenizer: the gateway then
+    drains and exits (SIGTERM to itself), and its supervisor starts a fresh one that attaches to them."""
+    seen = (description["incarnation"], description["generation"])
+    models = (description["target"], description["draft"])
     while not stop.wait(MEMBERSHIP_POLL_S):
         try:
-            description = ray.get(manager.describe.remote(), timeout=MEMBERSHIP_POLL_S * 5)
-            if description["generation"] == generation:
+            try:
+                description = ray.get(manager.describe.remote(), timeout=MEMBERSHIP_POLL_S * 5)
+            except Exception:
+                manager = find_manager(pool)  # restarted, or stopped and started anew: look it up by name again
+                description = ray.get(manager.describe.remote(), timeout=MEMBERSHIP_POLL_S * 5)
+            if (description["incarnation"], description["generation"]) == seen:
                 continue
+            if (description["target"], description["draft"]) != models:
+                log.error("pools %r now run target %s, draft %s (this gateway attached to %s, %s): exiting so that a "
+                          "fresh gateway attaches", pool, description["target"], description["draft"] or "-", *models)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
             handles = {role: _handles(description, role) for role in ("target", "draft")}
             for client in clients:
                 role = "target" if isinstance(client, RayVerifier) else "draft"
                 client.offer_workers(handles[role], description["workers"][role])
-            generation = description["generation"]
-            log.warning("pools %r now: %s", description["name"],
-                        {role: len(names) for role, names in description["workers"].items()})
+            seen = (description["incarnation"], description["generation"])
+            log.warning("pools %r now: %s", pool, {role: len(names) for role, names in description["workers"].items()})
         except Exception as exc:  # the manager restarting or a worker not yet named: try again next poll
             log.warning("could not follow the pools' membership: %s", exc)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
+import uuid
 from dataclasses import dataclass
 
 import ray
@@ -70,18 +72,46 @@ class PoolManager:
         self.draft_config = spec.draft
         self._lock = threading.Lock()  # the manager serves several calls at once (status, scale, the pruner)
         self._stopped = threading.Event()
+        # Gateways compare (incarnation, generation): a restarted manager, or pools stopped and started anew, is a
+        # new incarnation whose generation count starts again.
+        self.incarnation = uuid.uuid4().hex
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self._adopt_workers()
+            threading.Thread(target=self._prune_dead, name="tandem-pools-prune", daemon=True).start()
+
+    def _adopt_workers(self) -> None:
+        """A restarted manager (its node or the Ray head restarted; the detached workers lived on) finds its workers
+        again by their names."""
+        prefix = self.spec.actor_prefix
+        found = []
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            name = actor["name"]
+            role, _, index = name[len(prefix):].rpartition("-")
+            if actor["namespace"] == NAMESPACE and name.startswith(prefix) and role in ROLES and index.isdigit():
+                found.append((role, int(index), name))
+        for role, index, name in sorted(found):
+            self.workers[role][f"{role}-{index}"] = ray.get_actor(name, namespace=NAMESPACE)
+            self.next_index[role] = max(self.next_index[role], index + 1)
+        if self.spec.draft is not None and self.workers["target"]:
+            self._limit_draft_vocab()
+        log.warning("pools %s: manager restarted, adopted %s", self.spec.name,
+                    {role: list(workers) for role, workers in self.workers.items()})
 
     def start(self) -> dict:
         options = self.spec.options
         self._add("target", options.target_replicas)
         if self.spec.draft is not None:
-            first = next(iter(self.workers["target"].values()))
-            vocab = ray.get(first.info.remote())["vocab_size"]  # the drafter never scores ids the target lacks
-            self.draft_config = dataclasses.replace(self.spec.draft,
-                                                    draft_vocab=draft_vocab_limit(self.spec.draft.draft_vocab, vocab))
+            self._limit_draft_vocab()
             self._add("draft", options.draft_workers)
         threading.Thread(target=self._prune_dead, name="tandem-pools-prune", daemon=True).start()
         return self.describe()
+
+    def _limit_draft_vocab(self) -> None:
+        """Draft workers never score ids the target lacks: their vocabulary is cut to the target's."""
+        first = next(iter(self.workers["target"].values()))
+        vocab = ray.get(first.info.remote())["vocab_size"]
+        self.draft_config = dataclasses.replace(self.spec.draft,
+                                                draft_vocab=draft_vocab_limit(self.spec.draft.draft_vocab, vocab))
 
     def _prune_dead(self) -> None:
         """Drop workers that died for good (killed without restart, their node gone for good): gateways follow the
@@ -101,7 +131,8 @@ class PoolManager:
         """What a gateway needs to attach: models, engine config, and the workers' actor names in order."""
         return {"name": self.spec.name, "target": self.spec.target.model,
                 "draft": self.spec.draft.model if self.spec.draft else "", "engine": self.spec.engine,
-                "generation": self.generation, "actor_prefix": self.spec.actor_prefix, "image": self.spec.image,
+                "generation": self.generation, "incarnation": self.incarnation,
+                "actor_prefix": self.spec.actor_prefix, "image": self.spec.image,
                 "workers": {role: list(self.workers[role].copy()) for role in ROLES}}
 
     def scale(self, role: str, count: int) -> dict:
@@ -142,7 +173,8 @@ class PoolManager:
         rows = sum(w["rows_per_forward"] for w in targets) / len(targets) if targets else 0.0
         return {"name": self.spec.name, "target": self.spec.target.model,
                 "draft": self.spec.draft.model if self.spec.draft else "", "generation": self.generation,
-                "image": self.spec.image, "workers": workers, "rows_per_verify_call": round(rows, 3)}
+                "image": self.spec.image, "manager_pid": os.getpid(), "workers": workers,
+                "rows_per_verify_call": round(rows, 3)}
 
     def stop(self) -> None:
         self._stopped.set()
@@ -195,7 +227,7 @@ def start_pools(spec: PoolSpec) -> dict:
     else:
         raise InvalidArgument(f"name: pools named {spec.name!r} are already running (`tandem pools status`)")
     manager = ray.remote(PoolManager).options(name=manager_name(spec.name), namespace=NAMESPACE, lifetime="detached",
-                                              num_cpus=0, max_restarts=0, max_concurrency=8).remote(spec)
+                                              num_cpus=0, max_restarts=-1, max_concurrency=8).remote(spec)
     try:
         return ray.get(manager.start.remote())
     except Exception:
