@@ -6,7 +6,8 @@ its own (emulating separate devices); the gateways and Ray's own processes are l
 chat sessions of --max-tokens each; per run: aggregate tok/s, drafted and accepted tokens, rows per verify forward.
 JSON on stdout (and --out):
 
-    python -m loadtest.overlap_bench --sessions 8 --max-tokens 128 --repeats 2 --out docs/bench/overlap-v1.json
+    python -m loadtest.overlap_bench --sessions 8 --max-tokens 128 --repeats 2 --pool-args "--fixed-k 3" \
+        --gateway-args "--max-batch 4" --out docs/bench/overlap-capped-v1.json
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -21,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from loadtest.pools_bench import BIN, SERVING, _env, _tandem, _target_counters, _wait_for_port
+from loadtest.pools_bench import BIN, SERVING, _env, _tandem, _wait_for_port
 from loadtest.prompts import load_set
 from tandem.client import TandemClient
 
@@ -34,9 +36,9 @@ def _pin(pid: int, core: int) -> int:
     return len(tasks)
 
 
-def _gateway(address: str, pools: str, lanes: int) -> tuple[subprocess.Popen, str]:
+def _gateway(address: str, pools: str, lanes: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen([str(BIN / "tandem"), "gateway", "--pools", pools, "--port", "0", "--metrics-port",
-                                "-1", "--lanes", str(lanes)], env=_env(address), stdout=subprocess.PIPE,
+                                "-1", "--lanes", str(lanes), *extra], env=_env(address), stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True)
     for line in process.stdout:
         if "serving tandem.v1.Generation on" in line:
@@ -52,6 +54,12 @@ def _gateway(address: str, pools: str, lanes: int) -> tuple[subprocess.Popen, st
                 raise RuntimeError("gateway never turned ready")
             time.sleep(0.5)
     return process, target
+
+
+def _counters(address: str) -> dict[str, dict]:
+    """Each role's cumulative forwards, rows and busy seconds (one worker per role here)."""
+    status = json.loads(_tandem(address, "pools", "status", "--name", "overlap", "--json"))
+    return {w["role"]: w for w in status["workers"]}
 
 
 def _run(address: str, prompts: list, max_tokens: int) -> dict:
@@ -90,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--lanes", type=int, default=2, help="lanes of the overlapped gateway")
     parser.add_argument("--pool-args", default="", help="more `tandem pools start` flags, one string")
+    parser.add_argument("--gateway-args", default="",
+                        help="more `tandem gateway` flags for both gateways, one string (e.g. \"--max-batch 4\")")
     parser.add_argument("--no-pin", action="store_true", help="leave the workers unpinned")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -110,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             for core, role in enumerate(("draft", "target")):
                 worker = next(w for w in status["workers"] if w["role"] == role)
                 pinned[role] = {"pid": worker["pid"], "core": core, "threads": _pin(worker["pid"], core)}
-        sequential, overlapped = _gateway(address, "overlap", 1), _gateway(address, "overlap", args.lanes)
+        extra = args.gateway_args.split()
+        sequential = _gateway(address, "overlap", 1, extra)
+        overlapped = _gateway(address, "overlap", args.lanes, extra)
         gateways += [sequential[0], overlapped[0]]
         prompts = (load_set("chat") * args.sessions)[: args.sessions]
         configs = {"sequential": sequential[1], "overlapped": overlapped[1]}
@@ -119,11 +131,16 @@ def main(argv: list[str] | None = None) -> int:
         runs: list[dict] = []
         for repeat in range(args.repeats):
             for name in (list(configs) if repeat % 2 == 0 else list(reversed(configs))):
-                rows0, forwards0 = _target_counters(address, "overlap")
+                before = _counters(address)
                 result = _run(configs[name], prompts, args.max_tokens)
-                rows1, forwards1 = _target_counters(address, "overlap")
-                result |= {"config": name, "repeat": repeat,
-                           "rows_per_verify_forward": round((rows1 - rows0) / max(1, forwards1 - forwards0), 3)}
+                after = _counters(address)
+                rows, forwards = (after["target"][key] - before["target"][key] for key in ("rows", "forwards"))
+                # How busy each worker was over the run: overlap can only shorten a run whose workers wait on each
+                # other (sequential: draft + target busy <= 1; overlapped, up to 1 each).
+                busy = {role: round((after[role]["busy_s"] - before[role]["busy_s"]) / result["seconds"], 3)
+                        for role in ("draft", "target")}
+                result |= {"config": name, "repeat": repeat, "busy": busy,
+                           "rows_per_verify_forward": round(rows / max(1, forwards), 3)}
                 print(json.dumps({k: v for k, v in result.items() if k != "outputs"}), file=sys.stderr, flush=True)
                 runs.append(result)
         report = _summarise(runs, args, pinned)
@@ -146,15 +163,18 @@ def _summarise(runs: list[dict], args: argparse.Namespace, pinned: dict) -> dict
     tok_s = {c: round(total(c, "tokens") / total(c, "seconds"), 3) for c in ("sequential", "overlapped")}
     reference = next(r["outputs"] for r in runs if r["config"] == "sequential")
     return {
-        "command": "python -m loadtest.overlap_bench " + " ".join(sys.argv[1:]),
+        "command": "python -m loadtest.overlap_bench " + shlex.join(sys.argv[1:]),
         "sessions": args.sessions, "max_tokens": args.max_tokens, "lanes": args.lanes, "pinned": pinned,
-        "pool_args": args.pool_args,
+        "pool_args": args.pool_args, "gateway_args": args.gateway_args,
         "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
         "tok_s": tok_s, "overlapped_over_sequential": round(tok_s["overlapped"] / tok_s["sequential"], 3),
         "acceptance": {c: round(total(c, "accepted") / max(1, total(c, "drafted")), 3)
                        for c in ("sequential", "overlapped")},
         "drafted_per_round": {c: round(total(c, "drafted") / max(1, total(c, "rounds")), 3)
                               for c in ("sequential", "overlapped")},
+        "busy": {c: {role: round(sum(r["busy"][role] * r["seconds"] for r in runs if r["config"] == c)
+                                 / total(c, "seconds"), 3) for role in ("draft", "target")}
+                 for c in ("sequential", "overlapped")},
         "greedy_outputs_equal_across_runs": all(r["outputs"] == reference for r in runs),
     }
 

@@ -301,7 +301,11 @@ def main(argv: list[str] | None = None) -> dict:
             if process.poll() is None:
                 process.terminate()
         for process in processes:
-            process.wait(timeout=60)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:  # still draining: the cleanup must not leave it (or the head) running
+                process.kill()
+                process.wait()
         if head is not None:
             head.terminate()
             head.wait(timeout=120)

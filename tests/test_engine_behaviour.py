@@ -182,6 +182,14 @@ def test_calibration_times_real_batches_and_leaves_no_state(tiny_models) -> None
     assert not engine.verifier.runner.states and not engine.drafter.runner.states
 
 
+def test_a_fixed_k_engine_starts_without_calibrating(tiny_models) -> None:
+    target, draft, _ = tiny_models
+    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(k_max=3, k_init=3, adaptive=False)))
+    assert not engine.costs.calibrated
+    result = engine.generate([PROMPT], _greedy(max_tokens=12))[0]
+    assert result.stats["drafted"] > 0 and not result.stats["fallback"]
+
+
 def test_measured_costs_put_random_draft_into_fallback(tiny_models) -> None:
     target, _, draft_random = tiny_models
     engine = build_engine(target, draft_random)

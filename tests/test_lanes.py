@@ -113,6 +113,17 @@ def test_two_lanes_draft_while_the_other_verifies_and_stay_exact(served, expecte
     assert server.wait_for(lambda: server.gateway.loop.active == 0)
 
 
+@pytest.mark.parametrize("served", [2], indirect=True)
+def test_a_second_lane_takes_requests_only_once_the_first_lanes_batch_is_full(served, expected) -> None:
+    server, _, verifies = served
+    with TandemClient(server.address, timeout=60) as client:
+        for index in (0, 1):  # one at a time: the first lane (batch 3) always has room
+            ids = [t for item in client.generate(token_ids=PROMPTS[index], temperature=0.0, max_tokens=TOKENS,
+                                                  ignore_eos=True) for t in getattr(item, "token_ids", [])]
+            assert ids == expected[index]
+    assert {lane for lane, _, _ in verifies.calls} == {"tandem-engine-0"}
+
+
 @pytest.mark.parametrize("served", [1], indirect=True)
 def test_one_lane_runs_its_rounds_in_order(served, expected) -> None:
     server, drafts, verifies = served

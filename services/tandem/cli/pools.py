@@ -121,7 +121,8 @@ def run_status(args: argparse.Namespace) -> int:
         print(json.dumps(pools[0] if args.name else {"pools": pools}))
         return 0
     for pool in pools:
-        print(f"pools {pool['name']}: target {pool['target']}, draft {pool['draft'] or '-'}, "
+        tp = f" (tp {pool['tensor_parallel']})" if pool["tensor_parallel"] > 1 else ""
+        print(f"pools {pool['name']}: target {pool['target']}{tp}, draft {pool['draft'] or '-'}, "
               f"rows per verify call {pool['rows_per_verify_call']}")
         for w in pool["workers"]:
             if not w["healthy"]:

@@ -77,8 +77,8 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=16, help="sequences per engine step (default: %(default)s)")
     parser.add_argument("--lanes", type=int, default=1,
                         help="engines over the same Ray workers, so one lane's rows draft while another's verify "
-                             "(each lane takes up to --max-batch; not with --in-process or --tp > 1; default: "
-                             "%(default)s)")
+                             "(a lane takes requests once the lanes before it run --max-batch; not with --in-process "
+                             "or with --tp > 1 under tandem serve; default: %(default)s)")
     parser.add_argument("--prefill-chunk", type=int, default=EngineConfig().prefill_chunk,
                         help="while others decode, prefill a new prompt at most this many tokens per step "
                              "(0: a prompt at once; default: %(default)s)")

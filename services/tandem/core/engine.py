@@ -101,7 +101,9 @@ class SpeculativeEngine:
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._kv_full = False  # the verifier was full: sequences it does not hold wait until one finishes
-        if self.drafter is not None and self.config.spec.speculating and self.config.calibrate:
+        # Costs only steer an adaptive k (policy, batch plan): a fixed k drafts as given, so it starts at once.
+        if self.drafter is not None and self.config.spec.speculating and self.config.spec.adaptive \
+                and self.config.calibrate:
             self.calibrate()
 
     @property

@@ -5,8 +5,14 @@ separate hardware (draft workers on small GPUs, target replicas on large ones) e
 works. Lanes split a gateway's requests over N engines, each with its own thread and its own pool clients (its own
 wire-id prefix: to the workers, a lane is one more gateway), so while lane A's rows are being verified, lane B's rows
 are being drafted. The workers merge calls that reach them at the same time (workers.batcher), so lanes in step
-still share forwards. Requests go to the lane with the fewest; every lane shares one cost model and one acceptance
-prior (the measured costs are the same hardware's).
+still share forwards. Every lane shares one cost model and one acceptance prior (the measured costs are the same
+hardware's).
+
+A request goes to the first lane with room in its batch, and to the least loaded only when every lane is full:
+splitting a batch that one engine could run costs more than the overlap gives back wherever a forward over half the
+rows costs much more than half a full one (measured on the real pair: the target's busy time per token rose 1.5x
+with 8 sessions split 4 + 4, docs/performance.md), so a second lane takes sessions only beyond one engine's
+--max-batch.
 
 `LanedLoop` has the interface the gateway uses of an `EngineLoop` (submit, cancel, draining, active, ...).
 """
@@ -103,7 +109,8 @@ class LanedLoop:
         if self.active >= self.max_requests:
             raise QueueFull(f"queue full: {self.active} requests queued or running (limit {self.max_requests})")
         serving = [lane for lane in self.lanes if not lane.unavailable] or self.lanes
-        lane = min(serving, key=lambda candidate: candidate.active)
+        with_room = [candidate for candidate in serving if candidate.active < candidate.batch_capacity]
+        lane = with_room[0] if with_room else min(serving, key=lambda candidate: candidate.active)
         return await lane.submit(prompt, params, request_id, session_id, max_k, trace)
 
     def cancel(self, request_id: str, detach: bool = False) -> bool:

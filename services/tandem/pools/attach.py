@@ -1,9 +1,10 @@
 """A stateless gateway's engine over running shared pools.
 
 The gateway keeps only the tokenizer and its own sessions' bookkeeping; the workers and their KV caches belong to
-the pools. Each gateway prefixes the sequence ids it sends with its own random tag (request ids from different
-gateways may be equal), and a watcher thread follows the pool's membership (`tandem pools scale`): a new set of
-workers is taken up at the engine's next call, moving only the sessions of workers that came or went.
+the pools. Each gateway prefixes the sequence ids it sends with its Ray job id and a random tag (request ids from
+different gateways may be equal; workers release the sequences of a gateway whose job died, workers.orphans), and
+a watcher thread follows the pool's membership (`tandem pools scale`): a new set of workers is taken up at the
+engine's next call, moving only the sessions of workers that came or went.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tandem.local_engine import decoder
 from tandem.pools.manager import IMAGE_ENV, find_manager
 from tandem.workers.draft_pool import RayDrafter
 from tandem.workers.fanout import RayPoolClient
+from tandem.workers.orphans import owner_tag
 from tandem.workers.target_pool import RayVerifier
 from tandem.workers.worker_base import NAMESPACE
 
@@ -48,7 +50,7 @@ def attach_backend(pool: str, max_batch: int | None = None, prefill_chunk: int |
     description = ray.get(manager.describe.remote())
     check_image(pool, description.get("image", ""), os.environ.get(IMAGE_ENV, ""))
     tokenizer, eos = load_tokenizer(description["target"])
-    tag = f"{uuid.uuid4().hex[:12]}/"
+    tag = f"{owner_tag()}{uuid.uuid4().hex[:12]}/"  # the job first: workers release a dead gateway's sequences
     config: EngineConfig = description["engine"]
     speculating = bool(description["draft"]) and config.spec.speculating
     targets, drafts = _handles(description, "target"), _handles(description, "draft") if speculating else []
@@ -56,7 +58,8 @@ def attach_backend(pool: str, max_batch: int | None = None, prefill_chunk: int |
 
     def sides(lane: int) -> tuple[RayVerifier, RayDrafter | None]:
         prefix = f"{tag}{lane}/" if lanes > 1 else tag
-        verifier = RayVerifier(targets, names=description["workers"]["target"], prefix=prefix)
+        verifier = RayVerifier(targets, names=description["workers"]["target"], prefix=prefix,
+                               tensor_parallel=description.get("tensor_parallel", 1))
         drafter = RayDrafter(drafts, timeout_s=draft_timeout_s, names=description["workers"]["draft"],
                              prefix=prefix) if speculating else None
         clients.extend(side for side in (verifier, drafter) if side is not None)

@@ -26,6 +26,7 @@ from tandem.errors import InvalidArgument, TandemError
 from tandem.local_engine import draft_vocab_limit
 from tandem.workers.draft_pool import start_draft_workers
 from tandem.workers.target_pool import start_target_replicas
+from tandem.workers.tp_replica import TensorParallelReplica, find_tp_replica, start_tp_replica, stop_tp_replica
 from tandem.workers.worker_base import NAMESPACE, WorkerConfig, ray_failures
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ STATUS_TIMEOUT_S = 2.0
 IMAGE_ENV = "TANDEM_IMAGE"  # the image a process runs (the Helm chart sets it): pools and gateways must agree
 PRUNE_EVERY_S = 2.0  # how often the manager looks for workers that died for good
 STATUS_FIELDS = ("sequences", "retained_sessions", "kv_tokens_used", "kv_tokens_capacity", "reused_tokens", "forwards",
-                 "rows", "merged_forwards", "pid", "metrics")  # copied from each worker's info()
+                 "rows", "merged_forwards", "busy_s", "pid", "metrics")  # copied from each worker's info()
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,9 +51,6 @@ class PoolSpec:
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").isalnum():
             raise InvalidArgument(f"name: letters, digits and dashes only, got {self.name!r}")
-        if self.options.tensor_parallel > 1:
-            raise InvalidArgument("tp: shared pools of tensor-parallel replicas are not built yet (their ranks must "
-                                  "see every gateway's calls in one order); use `tandem serve --tp`")
 
     @property
     def actor_prefix(self) -> str:
@@ -68,6 +66,9 @@ class PoolManager:
         self.spec = spec
         self.workers: dict[str, dict[str, object]] = {role: {} for role in ROLES}  # role -> {name: handle}
         self.next_index = dict.fromkeys(ROLES, 0)
+        # Tensor-parallel target replicas by name: gateways call rank 0 (in `workers`), which leads the others. One
+        # dead rank breaks its group, so the manager replaces the whole group.
+        self.groups: dict[str, TensorParallelReplica] = {}
         self.generation = 0
         self.draft_config = spec.draft
         self._lock = threading.Lock()  # the manager serves several calls at once (status, scale, the pruner)
@@ -89,8 +90,12 @@ class PoolManager:
             role, _, index = name[len(prefix):].rpartition("-")
             if actor["namespace"] == NAMESPACE and name.startswith(prefix) and role in ROLES and index.isdigit():
                 found.append((role, int(index), name))
+        tp = self.spec.options.tensor_parallel
         for role, index, name in sorted(found):
-            self.workers[role][f"{role}-{index}"] = ray.get_actor(name, namespace=NAMESPACE)
+            worker = f"{role}-{index}"
+            if role == "target" and tp > 1:
+                self.groups[worker] = find_tp_replica(prefix, worker, tp)
+            self.workers[role][worker] = ray.get_actor(name, namespace=NAMESPACE)
             self.next_index[role] = max(self.next_index[role], index + 1)
         if self.spec.draft is not None and self.workers["target"]:
             self._limit_draft_vocab()
@@ -115,17 +120,31 @@ class PoolManager:
 
     def _prune_dead(self) -> None:
         """Drop workers that died for good (killed without restart, their node gone for good): gateways follow the
-        membership and stop routing to them. A worker that crashed is restarted by Ray (max_restarts) and stays."""
+        membership and stop routing to them. A worker that crashed is restarted by Ray (max_restarts) and stays. A
+        tensor-parallel replica with a dead rank is replaced by a fresh group under a new name (its sessions move,
+        their histories resent)."""
         while not self._stopped.wait(PRUNE_EVERY_S):
             with self._lock:
                 dead = [(role, name) for role in ROLES for name, handle in self.workers[role].items()
-                        if _actor_state(handle) == "DEAD"]
+                        if any(_actor_state(actor) == "DEAD" for actor in self._actors(name, handle))]
                 for role, name in dead:
+                    log.warning("pools %s: %s worker %s died; removed from the pool", self.spec.name, role, name)
                     del self.workers[role][name]
+                    if name in self.groups:
+                        self._replace_group(role, name)
                 if dead:
                     self.generation += 1
-            for role, name in dead:
-                log.warning("pools %s: %s worker %s died; removed from the pool", self.spec.name, role, name)
+
+    def _replace_group(self, role: str, name: str) -> None:
+        try:
+            stop_tp_replica(self.groups.pop(name))
+            self._add(role, 1)
+        except Exception:  # no room for a new group now: the pool runs on with one replica fewer
+            log.exception("pools %s: could not replace tensor-parallel replica %s", self.spec.name, name)
+
+    def _actors(self, name: str, handle) -> list:
+        group = self.groups.get(name)
+        return group.ranks if group is not None else [handle]
 
     def describe(self) -> dict:
         """What a gateway needs to attach: models, engine config, and the workers' actor names in order."""
@@ -133,6 +152,7 @@ class PoolManager:
                 "draft": self.spec.draft.model if self.spec.draft else "", "engine": self.spec.engine,
                 "generation": self.generation, "incarnation": self.incarnation,
                 "actor_prefix": self.spec.actor_prefix, "image": self.spec.image,
+                "tensor_parallel": self.spec.options.tensor_parallel,
                 "workers": {role: list(self.workers[role].copy()) for role in ROLES}}
 
     def scale(self, role: str, count: int) -> dict:
@@ -147,8 +167,7 @@ class PoolManager:
             if count > len(current):
                 self._add(role, count - len(current))
             while len(current) > count:  # the newest go first: the oldest hold the longest-lived sessions
-                _, handle = current.popitem()
-                ray.kill(handle, no_restart=True)
+                self._remove(role, *current.popitem())
             self.generation += 1
         return self.describe()
 
@@ -173,20 +192,35 @@ class PoolManager:
         rows = sum(w["rows_per_forward"] for w in targets) / len(targets) if targets else 0.0
         return {"name": self.spec.name, "target": self.spec.target.model,
                 "draft": self.spec.draft.model if self.spec.draft else "", "generation": self.generation,
-                "image": self.spec.image, "manager_pid": os.getpid(), "workers": workers,
+                "image": self.spec.image, "manager_pid": os.getpid(),
+                "tensor_parallel": self.spec.options.tensor_parallel, "workers": workers,
                 "rows_per_verify_call": round(rows, 3)}
 
     def stop(self) -> None:
         self._stopped.set()
         for role in ROLES:
-            for handle in self.workers[role].values():
-                ray.kill(handle, no_restart=True)
+            for name, handle in self.workers[role].items():
+                self._remove(role, name, handle)
             self.workers[role].clear()
+
+    def _remove(self, role: str, name: str, handle) -> None:
+        if name in self.groups:
+            stop_tp_replica(self.groups.pop(name))
+        else:
+            ray.kill(handle, no_restart=True)
 
     def _add(self, role: str, count: int) -> None:
         options, first = self.spec.options, self.next_index[role]
         naming = {"first": first, "detached_prefix": self.spec.actor_prefix}
-        if role == "target":
+        if role == "target" and options.tensor_parallel > 1:
+            for index in range(first, first + count):
+                group = start_tp_replica(self.spec.target, options.tensor_parallel, name=f"target-{index}",
+                                         gpus_per_rank=options.target_gpus_per_rank,
+                                         cpus_per_rank=options.cpus_per_worker, resources=options.target_resources,
+                                         detached_prefix=self.spec.actor_prefix)
+                self.groups[f"target-{index}"] = group
+            handles = [self.groups[f"target-{index}"].ranks[0] for index in range(first, first + count)]
+        elif role == "target":
             handles = start_target_replicas(self.spec.target, count, num_gpus=options.target_gpus_per_rank,
                                             num_cpus=options.cpus_per_worker, resources=options.target_resources,
                                             **naming)

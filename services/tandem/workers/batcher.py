@@ -35,6 +35,7 @@ class BatchStats:
     calls: int = 0
     rows: int = 0
     merged: int = 0  # forwards that served more than one call (several gateways or lanes)
+    busy_s: float = 0.0  # seconds spent in forwards: over a stretch of wall time, how busy the worker was
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_CALLS))  # (rows, calls) per forward
 
     def rows_per_forward(self) -> float:
@@ -93,6 +94,7 @@ class CallBatcher:
         self.stats.rows += len(merged)
         self.stats.merged += len(calls) > 1
         self.stats.recent.append((len(merged), len(calls)))
+        started = time.perf_counter()
         try:
             with self._model:
                 reply = self.run(merged)
@@ -105,6 +107,8 @@ class CallBatcher:
                 if call.reply is None:
                     call.error = exc
             return
+        finally:
+            self.stats.busy_s += time.perf_counter() - started
         start = 0
         for call in calls:
             end = start + len(call.requests)

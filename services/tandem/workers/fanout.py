@@ -148,6 +148,7 @@ class RayPoolClient:
         self.workers, self.router, self.ids = workers, router, WireIds(prefix)
         self.trace_carriers: TraceCarriers | None = None  # given by the gateway's engine loop (carry_trace)
         self._offered: tuple[list, list[str]] | None = None
+        self.ranks_per_worker = 1  # a shared pool's tensor-parallel replica: ranks behind the rank 0 it calls
 
     def offer_workers(self, workers: list, names: list[str]) -> None:
         """The pool now has these workers (scaled): taken up at the next call, on the engine's thread."""
@@ -176,7 +177,7 @@ class RayPoolClient:
 
     def tensor_parallel(self) -> int:
         first = self.workers[0]
-        return len(first.ranks) if isinstance(first, TensorParallelReplica) else 1
+        return len(first.ranks) if isinstance(first, TensorParallelReplica) else self.ranks_per_worker
 
     def session_worker(self, session_id: str) -> str | None:
         index = self.router.sessions.get(session_id)

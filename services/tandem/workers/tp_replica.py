@@ -6,12 +6,19 @@ the ranks run identical verification logic with random numbers keyed by the requ
 for unseeded requests) and token position, so they sample alike, and rank 0's reply is the answer.
 A rank that dies takes the group with it (its peers would wait in collectives): `rebuild` replaces every rank and
 the placement group, and the engine resends the sessions' histories.
+
+A shared pool's replica (tandem.pools) serves many gateways, whose calls could reach the ranks in different orders
+and deadlock their collectives. There rank 0 leads: gateways call it alone, its batcher merges their calls into one
+forward, and before each forward (or release) it broadcasts the call to the other ranks over a gloo group of its own
+(vLLM's driver worker does alike), so every rank runs the same calls in one order.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import threading
 from datetime import timedelta
 
 import ray
@@ -20,15 +27,30 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.core.local import LocalVerifier
 from tandem.workers.target_worker import TargetWorker
-from tandem.workers.worker_base import WorkerBase, WorkerConfig, load_runner
+from tandem.workers.worker_base import (
+    MAX_CONCURRENT_CALLS,
+    NAMESPACE,
+    WorkerBase,
+    WorkerConfig,
+    WorkerReply,
+    load_runner,
+)
+
+log = logging.getLogger(__name__)
+CONTROL_TIMEOUT = timedelta(days=365)  # followers wait on the control group between calls, however long traffic pauses
 
 
 class TensorParallelRank(TargetWorker):
     """A target worker whose model is loaded only once its process group is up (in `setup`)."""
 
-    def __init__(self, config: WorkerConfig, rank: int, world: int, name: str = "target") -> None:
-        WorkerBase.__init__(self, f"{name}-rank{rank}")
+    def __init__(self, config: WorkerConfig, rank: int, world: int, name: str = "target", lead: bool = False) -> None:
         self.config, self.rank, self.world = config, rank, world
+        WorkerBase.__init__(self, name if lead else f"{name}-rank{rank}", config.batch_window_s)
+        self.lead = lead  # shared pools: rank 0 takes every call and broadcasts it to the others
+        self.control = None
+
+    def owns_sequences(self) -> bool:
+        return self.rank == 0  # rank 0's releases reach the others (broadcast in a shared pool, by the replica else)
 
     def rendezvous_address(self) -> tuple[str, int]:
         with socket.socket() as sock:
@@ -46,6 +68,42 @@ class TensorParallelRank(TargetWorker):
         dist.init_process_group(backend, rank=self.rank, world_size=self.world, timeout=timedelta(seconds=timeout_s))
         self.runner = load_runner(self.config, extra={"tp_plan": "auto"} if self.world > 1 else None)
         self.verifier = LocalVerifier(self.runner)
+        if self.lead and self.world > 1:
+            self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+            if self.rank:
+                threading.Thread(target=self._follow, name="tandem-tp-follow", daemon=True).start()
+
+    def _broadcast(self, call: tuple) -> tuple:
+        import torch.distributed as dist
+
+        box = [call]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def _run(self, requests: list) -> WorkerReply:
+        if self.control is not None and self.rank == 0:
+            self._broadcast(("verify", requests))
+        return super()._run(requests)
+
+    def release(self, seq_ids: list[str], retain: bool = False) -> None:
+        with self.batcher.exclusive():  # the model lock orders releases and forwards alike on every rank
+            if self.control is not None and self.rank == 0:
+                self._broadcast(("release", seq_ids, retain))
+            for seq_id in seq_ids:
+                self.runner.release(seq_id, retain)
+
+    def _follow(self) -> None:
+        """Ranks other than 0 of a shared replica: run rank 0's calls in its order, for as long as the group lives."""
+        while True:
+            call = self._broadcast(None)
+            try:
+                if call[0] == "verify":
+                    super()._run(call[1])
+                else:
+                    for seq_id in call[1]:
+                        self.runner.release(seq_id, call[2])
+            except Exception:  # rank 0 hit the same error in the same call and answers for the replica
+                log.exception("rank %d: %s failed", self.rank, call[0])
 
 
 class _AllRanks:
@@ -72,26 +130,50 @@ class TensorParallelReplica:
 
     def rebuild(self) -> None:
         """Replace every rank (a fresh process group and placement group); blocks while the model loads."""
-        for rank in self.ranks:
-            ray.kill(rank, no_restart=True)
-        remove_placement_group(self.group)
+        stop_tp_replica(self)
         fresh = start_tp_replica(**self.start)
         self.ranks, self.group = fresh.ranks, fresh.group
 
 
 def start_tp_replica(config: WorkerConfig, size: int, name: str = "target", gpus_per_rank: float = 0.0,
-                     cpus_per_rank: float = 1.0, resources: dict[str, float] | None = None) -> TensorParallelReplica:
-    """`resources`: custom Ray resources each rank needs (e.g. {"target_pool": 1} to land on that worker group)."""
+                     cpus_per_rank: float = 1.0, resources: dict[str, float] | None = None,
+                     detached_prefix: str | None = None) -> TensorParallelReplica:
+    """`resources`: custom Ray resources each rank needs (e.g. {"target_pool": 1} to land on that worker group).
+    With `detached_prefix` (shared pools) the ranks and the placement group outlive their starter: rank 0 is named
+    `{prefix}{name}` and leads (gateways call it alone), the others `{prefix}{name}-rank{i}`."""
     bundle = {"CPU": cpus_per_rank} | ({"GPU": gpus_per_rank} if gpus_per_rank else {}) | (resources or {})
-    group = placement_group([bundle] * size, strategy="STRICT_PACK")
+    shared = detached_prefix is not None
+    group = placement_group([bundle] * size, strategy="STRICT_PACK",
+                            **({"name": f"{detached_prefix}{name}", "lifetime": "detached"} if shared else {}))
     ray.get(group.ready())
     actor = ray.remote(TensorParallelRank)
-    ranks = [actor.options(num_cpus=cpus_per_rank, num_gpus=gpus_per_rank, resources=resources or {},
+    options = {"num_cpus": cpus_per_rank, "num_gpus": gpus_per_rank, "resources": resources or {}}
+    if shared:
+        options |= {"lifetime": "detached", "namespace": NAMESPACE, "max_concurrency": MAX_CONCURRENT_CALLS}
+    ranks = [actor.options(**options, **_rank_name(detached_prefix, name, i),
                            scheduling_strategy=
                            PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i))
-             .remote(config, rank=i, world=size, name=name) for i in range(size)]
+             .remote(config, rank=i, world=size, name=name, lead=shared) for i in range(size)]
     address, port = ray.get(ranks[0].rendezvous_address.remote())
     ray.get([rank.setup.remote(address, port) for rank in ranks])
     start = {"config": config, "size": size, "name": name, "gpus_per_rank": gpus_per_rank,
-             "cpus_per_rank": cpus_per_rank, "resources": resources}
+             "cpus_per_rank": cpus_per_rank, "resources": resources, "detached_prefix": detached_prefix}
     return TensorParallelReplica(ranks, group, start)
+
+
+def _rank_name(prefix: str | None, name: str, rank: int) -> dict:
+    if prefix is None:
+        return {}
+    return {"name": f"{prefix}{name}" if rank == 0 else f"{prefix}{name}-rank{rank}"}
+
+
+def find_tp_replica(prefix: str, name: str, size: int) -> TensorParallelReplica:
+    """A shared replica's ranks and placement group, found by name (a restarted pool manager adopting them)."""
+    ranks = [ray.get_actor(_rank_name(prefix, name, i)["name"], namespace=NAMESPACE) for i in range(size)]
+    return TensorParallelReplica(ranks, ray.util.get_placement_group(f"{prefix}{name}"), {})
+
+
+def stop_tp_replica(replica: TensorParallelReplica) -> None:
+    for rank in replica.ranks:
+        ray.kill(rank, no_restart=True)
+    remove_placement_group(replica.group)

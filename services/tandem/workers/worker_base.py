@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from tandem.core.protocol import KVUsage
 from tandem.core.runner import ModelRunner
 from tandem.telemetry.worker import WorkerTelemetry
+from tandem.workers.orphans import release_orphans_forever
 
 
 def ray_failures() -> tuple[type[BaseException], ...]:
@@ -68,6 +70,7 @@ class WorkerBase:
         self.batcher = CallBatcher(self._run, batch_window_s)
         self.telemetry = WorkerTelemetry(name, self.role, kv_usage=self.kv_usage)
         self.telemetry.serve_metrics_from_env()
+        threading.Thread(target=release_orphans_forever, args=(self,), name="tandem-orphans", daemon=True).start()
 
     def serve_metrics(self, port: int = 0, host: str | None = None) -> str:
         """Serve this worker's Prometheus /metrics (also started at construction by TANDEM_WORKER_METRICS_PORT)."""
@@ -81,6 +84,16 @@ class WorkerBase:
         with self.batcher.exclusive():
             for seq_id in seq_ids:
                 self.runner.release(seq_id, retain)
+
+    def sequence_ids(self) -> list[str]:
+        if getattr(self, "runner", None) is None:  # a tensor-parallel rank before `setup`
+            return []
+        with self.batcher.exclusive():
+            return list(self.runner.states)
+
+    def owns_sequences(self) -> bool:
+        """Whether this worker decides when its sequences are released (not a follower rank of a shared replica)."""
+        return True
 
     def cached_sequences(self) -> int:
         return len(self.runner.states)
@@ -98,6 +111,7 @@ class WorkerBase:
                 "kv_tokens_used": self.runner.kv_tokens_used, "kv_tokens_reserved": self.runner.kv_tokens_reserved,
                 "kv_tokens_capacity": self.runner.kv_tokens_capacity, "forwards": self.batcher.stats.forwards,
                 "rows": self.batcher.stats.rows, "merged_forwards": self.batcher.stats.merged,
+                "busy_s": round(self.batcher.stats.busy_s, 3),
                 "rows_per_forward": self.batcher.stats.rows_per_forward(),
                 "calls_per_forward": self.batcher.stats.calls_per_forward()}
 

@@ -1,0 +1,157 @@
+"""What the shared-pools tests share: a Ray head of their own on loopback, the `tandem` command against it, gateway
+processes, and concurrent greedy requests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tandem.client import TandemClient
+
+TOKENS = 40
+PROMPTS = [[5, 6, 7, 8], [40, 50, 60], [1, 2, 3, 4, 5, 6, 7], [200, 17, 33]]
+BIN = Path(sys.executable).parent
+SERVING, NOT_SERVING = 1, 2  # grpc.health.v1
+READINESS = "tandem.v1.Generation"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def head_env(address: str) -> dict:
+    # Not this process's own Ray settings (a local Ray started here turns token auth on): the loopback head has none.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    return inherited | {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled",
+                        "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                         "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def tandem_cli(address: str, *args: str, timeout: float = 180) -> str:
+    done = subprocess.run([str(BIN / "tandem"), *args], env=head_env(address), capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@contextlib.contextmanager
+def ray_head(temp: Path, cpus: int = 8) -> Iterator[str]:
+    """A Ray head on loopback, apart from the test process's own Ray; yields its address. Started with --block so
+    that stopping it stops this head alone (`ray stop` would stop every Ray on the machine)."""
+    if shutil.which("ray", path=str(BIN)) is None:
+        pytest.skip("no ray command")
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                             f"--port={port}", f"--num-cpus={cpus}", "--include-dashboard=false",
+                             "--disable-usage-stats", f"--temp-dir={temp}"], env=head_env(address),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert head.poll() is None and time.monotonic() < deadline, "the Ray head did not start"
+            time.sleep(0.2)
+    try:
+        yield address
+    finally:
+        head.terminate()
+        head.wait(timeout=120)
+
+
+class Gateway:
+    def __init__(self, address: str, redis_url: str, *flags: str, pool: str = "t") -> None:
+        self.process = subprocess.Popen([str(BIN / "tandem"), "gateway", "--pools", pool, "--port", "0",
+                                         "--metrics-port", "-1", "--redis-url", redis_url, *flags],
+                                        env=head_env(address), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        text=True)
+        for line in self.process.stdout:
+            if "serving tandem.v1.Generation on" in line:
+                self.address = line.split(" on ")[1].split()[0]
+                break
+        else:
+            raise AssertionError("the gateway exited before listening")
+        threading.Thread(target=self.process.stdout.read, daemon=True).start()
+        deadline = time.monotonic() + 120
+        with TandemClient(self.address, timeout=10) as client:
+            while client.health_status("tandem.v1.Generation") != SERVING:
+                assert time.monotonic() < deadline, "the gateway never turned ready"
+                time.sleep(0.2)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.process.send_signal(sig)
+        self.process.wait(timeout=60)
+
+
+def generate_greedy(address: str, prompt: list[int], out: dict, key, request_id: str, tokens: int = TOKENS) -> None:
+    """`out[key]`: the streamed ids, or the grpc.RpcError the stream ended with."""
+    with TandemClient(address, timeout=120) as client:
+        ids = []
+        try:
+            for item in client.generate(token_ids=prompt, temperature=0.0, max_tokens=tokens, ignore_eos=True,
+                                        request_id=request_id):
+                ids += list(getattr(item, "token_ids", []))
+        except grpc.RpcError as exc:
+            out[key] = exc
+            return
+        out[key] = ids
+
+
+def at_once(jobs: list[tuple[str, int]], pair_ids: bool = True, tokens: int = TOKENS) -> dict:
+    """With `pair_ids`, job n runs as request id `r{n // 2}`: jobs alternating between two gateways give each gateway
+    the same ids."""
+    out: dict = {}
+    threads = [threading.Thread(target=generate_greedy, args=(address, PROMPTS[i], out, (n, i),
+                                                        f"r{n // 2 if pair_ids else n}", tokens))
+               for n, (address, i) in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    return out
+
+
+def kill_for_good(address: str, actor: str) -> None:
+    script = (f"import ray; ray.init(log_to_driver=False); "
+              f"ray.kill(ray.get_actor({actor!r}, namespace='tandem'), no_restart=True)")
+    done = subprocess.run([sys.executable, "-c", script], env=head_env(address), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def wait_health(address: str, want: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with TandemClient(address, timeout=10) as client:
+        while client.health_status(READINESS) != want:
+            assert time.monotonic() < deadline, f"readiness never turned {want}"
+            time.sleep(0.2)
+
+
+def named_actors(address: str) -> tuple[list[str], float]:
+    """The named actors on the cluster at `address`, sorted, and the CPUs its actors hold."""
+    script = ("import ray, json; ray.init(log_to_driver=False, namespace='tandem'); "
+              "names = sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)); "
+              "used = ray.cluster_resources()['CPU'] - ray.available_resources().get('CPU', 0); "
+              "print(json.dumps([names, used]))")
+    done = subprocess.run([sys.executable, "-c", script], env=head_env(address), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    names, used = json.loads(done.stdout.strip().splitlines()[-1])
+    return names, used
