@@ -254,7 +254,8 @@ def test_pools_job_submits_the_reconcile_script_to_the_ray_head():
     assert config["data"]["reconcile-pools.sh"].strip() == (CHART / "files" / "reconcile-pools.sh").read_text().strip()
 
     args = flags(pools["args"])
-    assert not [a for a in pools["args"] if a.startswith("--name") or a.startswith("--tp")]
+    assert not [a for a in pools["args"] if a.startswith("--name")]
+    assert args["tp"] == "1"
     assert (args["target"], args["draft"]) == ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
     assert (args["draft-workers"], args["target-replicas"], args["device"]) == ("2", "1", "cuda")
     assert (args["draft-gpus"], args["target-gpus"]) == ("1", "1")
@@ -324,8 +325,20 @@ def test_pools_worker_groups_scale_separately(values, sets, draft, target, autos
     per_pod = ray_resources(groups["draft-pool"])["draft_pool"]
     assert int(args["draft-workers"]) <= draft[1] * per_pod
     assert int(args["target-replicas"]) <= target[1] * ray_resources(groups["target-pool"])["target_pool"]
-    # Shared pools are tp 1: one GPU and one target rank per target-pool pod.
+    # pools.tp defaults to 1: one GPU and one target rank per target-pool pod.
     assert groups["target-pool"]["rayStartParams"]["num-cpus"] == "1"
+
+
+def test_pools_tp_starts_tensor_parallel_pools_on_target_pods_sized_for_a_replica():
+    objs = render(None, "pools.tp=2")
+    assert flags(pools_container(objs)["args"])["tp"] == "2"
+    target = ray_groups(objs)["target-pool"]
+    gpus = target["template"]["spec"]["containers"][0]["resources"]["limits"]
+    gpu_name = next(k for k in gpus if k.endswith("/gpu"))
+    assert ray_resources(target)["target_pool"] == 2  # one replica of 2 ranks per pod
+    assert target["rayStartParams"]["num-cpus"] == "2" and target["rayStartParams"]["num-gpus"] == "2"
+    assert gpus[gpu_name] == 2
+    assert not [a for d in gateways(objs) for a in gateway_container(d)["args"] if a.startswith("--tp")]
 
 
 @pytest.mark.parametrize("values, sets, draft_pods, target_pods, gpus_per_target", [
@@ -707,11 +720,11 @@ def run_reconcile(tmp_path: Path, objs, status: dict | None, head_spec: str | No
 
 
 def pools_status(objs, image: str | None = None, target: str = "qwen2.5-coder-1.5b-instruct",
-                 draft: str = "qwen2.5-coder-0.5b-instruct", drafts: int = 2, targets: int = 1) -> dict:
+                 draft: str = "qwen2.5-coder-0.5b-instruct", drafts: int = 2, targets: int = 1, tp: int = 1) -> dict:
     workers = [{"role": "target", "name": f"target-{i}", "healthy": True} for i in range(targets)]
     workers += [{"role": "draft", "name": f"draft-{i}", "healthy": True} for i in range(drafts)]
     status = {"name": FULLNAME, "target": target, "draft": draft, "generation": 0, "workers": workers,
-              "rows_per_verify_call": 0.0}
+              "rows_per_verify_call": 0.0, "tensor_parallel": tp}
     if image != "":
         status["image"] = image or env_of(pools_container(objs))["TANDEM_IMAGE"]
     return status
@@ -748,12 +761,19 @@ def test_reconcile_scales_each_pool_to_the_values(tmp_path):
 
 
 @pytest.mark.parametrize("change", [{"image": "tandem:0.0.9"}, {"image": ""}, {"target": "other-target"},
-                                    {"draft": "other-draft"}])
+                                    {"draft": "other-draft"}, {"tp": 2}])
 def test_reconcile_restarts_pools_of_another_image_or_models(tmp_path, change):
     objs = render()
     result, calls = run_reconcile(tmp_path, objs, pools_status(objs, **change))
     assert result.returncode == 0, result.stderr
     assert calls == [STATUS, ["pools", "stop", "--name", FULLNAME], start_call(objs)]
+
+
+def test_reconcile_keeps_tensor_parallel_pools_of_the_values_tp(tmp_path):
+    objs = render(None, "pools.tp=2")
+    result, calls = run_reconcile(tmp_path, objs, pools_status(objs, tp=2))
+    assert result.returncode == 0, result.stderr
+    assert calls == [STATUS]
 
 
 def test_reconcile_without_a_draft_expects_plain_pools(tmp_path):
@@ -831,8 +851,9 @@ def test_pools_job_command_runs_the_script_through_ray_job_submit(tmp_path):
     (("gateway.autoscaling.minReplicas=5", "gateway.autoscaling.maxReplicas=3"), "exceeds maxReplicas"),
     (("gatewayApi.grpcRoute.enabled=true",), "parentRefs"),
     (("topology=shared",), "topology"),
-    # Shared pools refuse --tp > 1: the chart says so instead of rendering a Job that fails on the cluster.
-    (("serving.tp=2",), "topology=pools runs shared pools, which refuse --tp > 1"),
+    # serving.* sizes embedded gateways; a tp set there with shared pools would silently do nothing.
+    (("serving.tp=2",), "shared pools take pools.tp"),
+    (("pools.tp=0",), "pools.tp"),
     (("canary.enabled=true", "canary.arms[0].name=a", "canary.arms[0].draftModel=d", "canary.arms[0].weight=100"),
      "set topology=embedded"),
     (("gatewayArms[0].name=a", "gatewayArms[0].weight=100", "gatewayArms[0].draftModel=other"),

@@ -9,7 +9,7 @@
 #                              own TANDEM_RAY_SPEC must equal it (under upgradeStrategy Recreate, KubeRay may not have
 #                              replaced the old head yet: fail, and the Job retries)
 #
-# No pools of that name: start them. Pools of another image, target or draft model: stop them and start them anew
+# No pools of that name: start them. Pools of another image, target or draft model or tp: stop them and start them anew
 # (the upgrade path; gateways of the old image then refuse the new pools and are replaced by the rollout). Same image
 # and models: scale draft and target to the flags' counts. Other flags (--kv-tokens, --k-max, ...) take effect when
 # the pools are next started: `tandem pools stop --name <pools>` and re-run the Job (README.md, "Upgrades").
@@ -29,19 +29,21 @@ if [ -n "${TANDEM_RAY_SPEC_WANT:-}" ] && [ "${TANDEM_RAY_SPEC:-}" != "$TANDEM_RA
 fi
 
 # The models and sizes the flags ask for (argparse keeps the last of a repeated flag, and so does this).
-target="" draft="" drafts=1 targets=1 spec=1 previous=""
+target="" draft="" drafts=1 targets=1 tp=1 spec=1 previous=""
 for arg in "$@"; do
     case $previous in
         --target) target=$arg ;;
         --draft) draft=$arg ;;
         --draft-workers) drafts=$arg ;;
         --target-replicas) targets=$arg ;;
+        --tp) tp=$arg ;;
     esac
     case $arg in
         --target=*) target=${arg#*=} ;;
         --draft=*) draft=${arg#*=} ;;
         --draft-workers=*) drafts=${arg#*=} ;;
         --target-replicas=*) targets=${arg#*=} ;;
+        --tp=*) tp=${arg#*=} ;;
         --no-spec) spec="" ;;
     esac
     previous=$arg
@@ -72,9 +74,12 @@ workers() { query workers "$1"; }
 have_image=$(field image)
 have_target=$(field target)
 have_draft=$(field draft)
-if [ "$have_image" != "$image" ] || [ "$have_target" != "$target" ] || [ "$have_draft" != "$draft" ]; then
-    log "pools $name run image ${have_image:-unknown}, target $have_target, draft ${have_draft:-none};" \
-        "the release wants image $image, target $target, draft ${draft:-none}: stopping them"
+have_tp=$(field tensor_parallel)
+if [ "$have_image" != "$image" ] || [ "$have_target" != "$target" ] || [ "$have_draft" != "$draft" ] \
+        || [ "${have_tp:-1}" != "$tp" ]; then
+    log "pools $name run image ${have_image:-unknown}, target $have_target (tp ${have_tp:-1}), draft" \
+        "${have_draft:-none}; the release wants image $image, target $target (tp $tp), draft ${draft:-none}:" \
+        "stopping them"
     tandem pools stop --name "$name"
     start "$@"
 fi

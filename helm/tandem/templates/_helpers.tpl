@@ -65,9 +65,9 @@ cluster has not replaced yet): it waits for a pod of its own image instead.
 {{- include "tandem.fullname" . | replace "." "-" }}
 {{- end }}
 
-{{/* Tensor-parallel ranks per target replica: shared pools run tp 1. */}}
+{{/* Tensor-parallel ranks per target replica: pools.tp for shared pools, serving.tp for embedded gateways. */}}
 {{- define "tandem.tp" -}}
-{{- ternary 1 .Values.serving.tp (eq .Values.topology "pools") }}
+{{- ternary .Values.pools.tp .Values.serving.tp (eq .Values.topology "pools") }}
 {{- end }}
 
 {{/* Ray resources each actor of a pool asks for: (dict "ctx" $ "pool" "draft"|"target"), as JSON. */}}
@@ -220,7 +220,7 @@ workers or one target replica per pod. topology=pools: the pools' declared size 
 {{- end }}
 {{- if eq $v.topology "pools" }}
 {{- if gt (int $v.serving.tp) 1 }}
-{{- fail (printf "serving.tp=%d: topology=pools runs shared pools, which refuse --tp > 1 (tensor-parallel shared pools are not built yet); set topology=embedded for tensor-parallel targets" (int $v.serving.tp)) }}
+{{- fail (printf "serving.tp=%d: serving.* sizes topology=embedded gateways; shared pools take pools.tp" (int $v.serving.tp)) }}
 {{- end }}
 {{- if $v.canary.enabled }}
 {{- fail "canary.enabled: the in-gateway canary switches draft models per session, and shared pools serve one draft model; set topology=embedded, or use gatewayArms for gateway-flag canaries" }}
@@ -349,6 +349,7 @@ Each draft worker and target rank asks for its pool's resource and the image's (
     (printf "--draft=%s" $v.models.draft)
     (printf "--draft-workers=%v" $v.pools.draftWorkers)
     (printf "--target-replicas=%v" $v.pools.targetReplicas)
+    (printf "--tp=%v" $v.pools.tp)
     (printf "--draft-gpus=%s" (include "tandem.draftGpusPerWorker" .))
     (printf "--target-gpus=%v" $v.ray.targetPool.gpusPerRank)
     (printf "--draft-resources=%s" (include "tandem.actorResources" (dict "ctx" . "pool" "draft")))
