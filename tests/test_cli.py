@@ -93,3 +93,15 @@ def test_bench_rejects_bad_prompt_file(capsys, cli_models, tmp_path) -> None:
     code = main(["bench", "--target", str(cli_models / "target"), "--draft", str(cli_models / "draft"),
                  "--prompts", str(bad)])
     assert code == 2 and "line 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["pools", "status"], ["gateway", "--pools", "p", "--port", "0"]])
+def test_a_ray_address_where_nothing_listens_fails_at_once(capsys, command: list[str]) -> None:
+    import socket
+
+    with socket.socket() as sock:  # bound, never listening: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+        code = main([*command, "--ray-address", address])
+    assert code == 2
+    assert f"error: no Ray cluster answers at {address}" in capsys.readouterr().err

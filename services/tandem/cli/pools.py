@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import socket
 
 from tandem.cli.common import add_model_options, engine_config, kv_tokens
 from tandem.cli.serve import add_pool_options
@@ -25,11 +27,29 @@ def connect(args: argparse.Namespace) -> None:
     if not args.ray_address:
         raise InvalidArgument("ray_address: shared pools live on a running Ray cluster: pass --ray-address or set "
                               "RAY_ADDRESS (e.g. after `ray start --head`)")
+    check_reachable(args.ray_address)
     try:
         ray.init(address=args.ray_address, namespace=NAMESPACE, log_to_driver=False,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     except (ConnectionError, RuntimeError) as exc:
         raise TandemError(f"could not join the Ray cluster at {args.ray_address}: {exc}") from exc
+
+
+ADDRESS = re.compile(r"^(?:ray://)?(\[[^\]]+\]|[^:/\[\]]+):(\d+)$")
+CONNECT_TIMEOUT_S = 10.0
+
+
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Fail at once when nothing listens at a host:port Ray address: ray.init would retry for many minutes."""
+    match = ADDRESS.match(address)
+    if match is None:  # "auto", a file path, ...: Ray resolves those itself
+        return
+    host, port = match.group(1).strip("[]"), int(match.group(2))
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise TandemError(f"no Ray cluster answers at {address} ({exc}); is `ray start --head` running there, and "
+                          "is --ray-address / RAY_ADDRESS right?") from exc
 
 
 def add_pools_parser(subparsers) -> None:
