@@ -20,6 +20,7 @@ import ray
 
 from tandem.cluster import load_tokenizer
 from tandem.core.config import EngineConfig
+from tandem.core.costs import CostModel
 from tandem.errors import TandemError
 from tandem.gateway.lanes import engine_lanes
 from tandem.gateway.servicer import Backend
@@ -66,7 +67,17 @@ def attach_backend(pool: str, max_batch: int | None = None, prefill_chunk: int |
         return verifier, drafter
 
     changes = {k: v for k, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)) if v is not None}
-    engines = engine_lanes(sides, lanes, dataclasses.replace(config, **changes), eos, decoder(tokenizer))
+    config = dataclasses.replace(config, **changes)
+    # One gateway times the pools' forwards; the others adopt its costs rather than run calibration forwards on
+    # workers that serve traffic (a gateway the autoscaler adds would slow every stream while it starts).
+    measured: CostModel | None = ray.get(manager.calibration.remote(config.max_batch)) if speculating else None
+    engines = engine_lanes(sides, lanes, dataclasses.replace(config, calibrate=config.calibrate and measured is None),
+                           eos, decoder(tokenizer))
+    if measured is not None:
+        engines[0].costs.adopt(measured)  # the lanes share the first lane's cost model
+        log.info("adopted the pools' calibration (batches up to %d)", config.max_batch)
+    elif engines[0].costs.calibrated:
+        ray.get(manager.record_calibration.remote(config.max_batch, engines[0].costs))
     watcher = threading.Thread(target=_follow_membership, name="tandem-pool-members", daemon=True,
                                args=(pool, manager, description, clients, stop or threading.Event()))
     watcher.start()

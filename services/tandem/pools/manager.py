@@ -22,6 +22,7 @@ import ray
 
 from tandem.cluster import ClusterOptions
 from tandem.core.config import EngineConfig
+from tandem.core.costs import CostModel
 from tandem.errors import InvalidArgument, TandemError
 from tandem.local_engine import draft_vocab_limit
 from tandem.workers.draft_pool import start_draft_workers
@@ -69,6 +70,7 @@ class PoolManager:
         # Tensor-parallel target replicas by name: gateways call rank 0 (in `workers`), which leads the others. One
         # dead rank breaks its group, so the manager replaces the whole group.
         self.groups: dict[str, TensorParallelReplica] = {}
+        self.calibrations: dict[int, CostModel] = {}  # the first gateway's measured costs, by its --max-batch
         self.generation = 0
         self.draft_config = spec.draft
         self._lock = threading.Lock()  # the manager serves several calls at once (status, scale, the pruner)
@@ -110,6 +112,14 @@ class PoolManager:
             self._add("draft", options.draft_workers)
         threading.Thread(target=self._prune_dead, name="tandem-pools-prune", daemon=True).start()
         return self.describe()
+
+    def calibration(self, max_batch: int) -> CostModel | None:
+        """Costs a gateway measured on these pools with batches up to `max_batch` (None: none yet)."""
+        return self.calibrations.get(max_batch)
+
+    def record_calibration(self, max_batch: int, costs: CostModel) -> None:
+        with self._lock:
+            self.calibrations.setdefault(max_batch, costs)
 
     def _limit_draft_vocab(self) -> None:
         """Draft workers never score ids the target lacks: their vocabulary is cut to the target's."""
@@ -193,7 +203,8 @@ class PoolManager:
         return {"name": self.spec.name, "target": self.spec.target.model,
                 "draft": self.spec.draft.model if self.spec.draft else "", "generation": self.generation,
                 "image": self.spec.image, "manager_pid": os.getpid(),
-                "tensor_parallel": self.spec.options.tensor_parallel, "workers": workers,
+                "tensor_parallel": self.spec.options.tensor_parallel, "calibrated_batches": sorted(self.calibrations),
+                "workers": workers,
                 "rows_per_verify_call": round(rows, 3)}
 
     def stop(self) -> None:

@@ -1,0 +1,58 @@
+"""Gateways on shared pools time the pools' forwards once: the first gateway calibrates (adaptive k), the pool manager
+keeps its costs, and later gateways with the same --max-batch adopt them instead of running calibration forwards on
+workers that serve traffic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("ray")
+
+from pools_harness import PROMPTS, Gateway, at_once, ray_head, tandem_cli
+from tandem.core.config import SamplingParams
+from tandem.local_engine import build_engine
+from tandem.sessions import EmbeddedRedis
+
+
+@pytest.fixture(scope="module")
+def adaptive_pools(tmp_path_factory, tiny_dirs):
+    with ray_head(tmp_path_factory.mktemp("ray")) as address:
+        tandem_cli(address, "pools", "start", "--name", "c", "--target", str(tiny_dirs.target), "--draft",
+                   str(tiny_dirs.draft), "--threads", "1", "--dtype", "float32")  # adaptive k: gateways calibrate
+        yield address
+        tandem_cli(address, "pools", "stop", "--name", "c")
+
+
+def _status(address: str) -> dict:
+    return json.loads(tandem_cli(address, "pools", "status", "--name", "c", "--json"))
+
+
+def _forwards(status: dict) -> int:
+    return sum(w["forwards"] for w in status["workers"])
+
+
+def test_the_first_gateway_calibrates_and_the_next_adopts_its_costs(adaptive_pools, tiny_models) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = [r.token_ids for r in build_engine(tiny_models[0], None).generate(PROMPTS, greedy)]
+    with EmbeddedRedis() as redis:
+        started = [Gateway(adaptive_pools, redis.url, pool="c")]
+        try:
+            status = _status(adaptive_pools)
+            assert status["calibrated_batches"] == [16]
+            calibrated = _forwards(status)
+            assert calibrated > 20, "the first gateway should have timed forwards on the workers"
+
+            started.append(Gateway(adaptive_pools, redis.url, pool="c"))
+            assert _forwards(_status(adaptive_pools)) == calibrated, "the second gateway ran forwards to start"
+            out = at_once([(started[1].address, i) for i in range(len(PROMPTS))], pair_ids=False)
+            assert [out[(i, i)] for i in range(len(PROMPTS))] == expected
+
+            before = _forwards(_status(adaptive_pools))
+            started.append(Gateway(adaptive_pools, redis.url, "--max-batch", "4", pool="c"))
+            status = _status(adaptive_pools)
+            assert status["calibrated_batches"] == [4, 16] and _forwards(status) > before
+        finally:
+            for gateway in started:
+                gateway.stop()
