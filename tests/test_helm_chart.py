@@ -329,15 +329,18 @@ def test_pools_worker_groups_scale_separately(values, sets, draft, target, autos
     assert groups["target-pool"]["rayStartParams"]["num-cpus"] == "1"
 
 
-def test_pools_tp_starts_tensor_parallel_pools_on_target_pods_sized_for_a_replica():
-    objs = render(None, "pools.tp=2")
-    assert flags(pools_container(objs)["args"])["tp"] == "2"
+@pytest.mark.parametrize("gpus_per_rank", [1, 0])  # 0: CPU ranks
+def test_pools_tp_starts_tensor_parallel_pools_on_target_pods_sized_for_a_replica(gpus_per_rank):
+    objs = render(None, "pools.tp=2", f"ray.targetPool.gpusPerRank={gpus_per_rank}")
+    args = flags(pools_container(objs)["args"])
+    assert (args["tp"], args["target-gpus"]) == ("2", str(gpus_per_rank))
     target = ray_groups(objs)["target-pool"]
-    gpus = target["template"]["spec"]["containers"][0]["resources"]["limits"]
-    gpu_name = next(k for k in gpus if k.endswith("/gpu"))
+    limits = target["template"]["spec"]["containers"][0]["resources"]["limits"]
+    gpus = sum(v for k, v in limits.items() if k.endswith("/gpu"))
     assert ray_resources(target)["target_pool"] == 2  # one replica of 2 ranks per pod
-    assert target["rayStartParams"]["num-cpus"] == "2" and target["rayStartParams"]["num-gpus"] == "2"
-    assert gpus[gpu_name] == 2
+    assert target["rayStartParams"]["num-cpus"] == "2"
+    assert target["rayStartParams"]["num-gpus"] == str(2 * gpus_per_rank)
+    assert gpus == 2 * gpus_per_rank  # tp x gpusPerRank
     assert not [a for d in gateways(objs) for a in gateway_container(d)["args"] if a.startswith("--tp")]
 
 
