@@ -20,12 +20,20 @@ import grpc
 import pytest
 
 from tandem.client import TandemClient
+from tandem.core.config import SamplingParams
+from tandem.local_engine import build_engine
 
 TOKENS = 40
 PROMPTS = [[5, 6, 7, 8], [40, 50, 60], [1, 2, 3, 4, 5, 6, 7], [200, 17, 33]]
 BIN = Path(sys.executable).parent
 SERVING, NOT_SERVING = 1, 2  # grpc.health.v1
 READINESS = "tandem.v1.Generation"
+
+
+def plain_greedy(tiny_models, tokens: int = TOKENS) -> list[list[int]]:
+    """PROMPTS decoded greedily by the tiny target alone, in process: what every pool stream must equal."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    return [r.token_ids for r in build_engine(tiny_models[0], None).generate(PROMPTS, greedy)]
 
 
 def free_port() -> int:

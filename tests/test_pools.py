@@ -26,13 +26,12 @@ from pools_harness import (
     head_env,
     kill_for_good,
     named_actors,
+    plain_greedy,
     ray_head,
     tandem_cli,
     wait_health,
 )
 from tandem.client import TandemClient
-from tandem.core.config import SamplingParams
-from tandem.local_engine import build_engine
 from tandem.sessions import EmbeddedRedis
 
 
@@ -64,8 +63,7 @@ def gateways(pools):
 
 @pytest.fixture(scope="module")
 def expected(tiny_models):
-    greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
-    return [r.token_ids for r in build_engine(tiny_models[0], None).generate(PROMPTS, greedy)]
+    return plain_greedy(tiny_models)
 
 
 def _status(address: str) -> dict:

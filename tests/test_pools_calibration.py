@@ -10,9 +10,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from pools_harness import PROMPTS, Gateway, at_once, ray_head, tandem_cli
-from tandem.core.config import SamplingParams
-from tandem.local_engine import build_engine
+from pools_harness import PROMPTS, Gateway, at_once, plain_greedy, ray_head, tandem_cli
 from tandem.sessions import EmbeddedRedis
 
 
@@ -34,8 +32,7 @@ def _forwards(status: dict) -> int:
 
 
 def test_the_first_gateway_calibrates_and_the_next_adopts_its_costs(adaptive_pools, tiny_models) -> None:
-    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    expected = [r.token_ids for r in build_engine(tiny_models[0], None).generate(PROMPTS, greedy)]
+    expected = plain_greedy(tiny_models)
     with EmbeddedRedis() as redis:
         started = [Gateway(adaptive_pools, redis.url, pool="c")]
         try:

@@ -13,17 +13,15 @@ pytest.importorskip("ray")
 from pools_harness import (
     PROMPTS,
     SERVING,
-    TOKENS,
     Gateway,
     at_once,
     kill_for_good,
     named_actors,
+    plain_greedy,
     ray_head,
     tandem_cli,
     wait_health,
 )
-from tandem.core.config import SamplingParams
-from tandem.local_engine import build_engine
 from tandem.sessions import EmbeddedRedis
 
 
@@ -39,8 +37,7 @@ def tp_pools(tmp_path_factory, tiny_dirs):
 
 @pytest.fixture(scope="module")
 def expected(tiny_models):
-    greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
-    return [r.token_ids for r in build_engine(tiny_models[0], None).generate(PROMPTS, greedy)]
+    return plain_greedy(tiny_models)
 
 
 def _targets(address: str) -> list[dict]:

@@ -10,7 +10,7 @@ hardware's).
 
 A request goes to the first lane with room in its batch, and to the least loaded only when every lane is full:
 splitting a batch that one engine could run costs more than the overlap gives back wherever a forward over half the
-rows costs much more than half a full one (measured on the real pair: the target's busy time per token rose 1.5x
+rows costs much more than half a full one (measured on the real pair: the target's busy time per token rose 1.4x
 with 8 sessions split 4 + 4, docs/performance.md), so a second lane takes sessions only beyond one engine's
 --max-batch.
 

@@ -139,15 +139,15 @@ class PoolManager:
                         if any(_actor_state(actor) == "DEAD" for actor in self._actors(name, handle))]
                 for role, name in dead:
                     log.warning("pools %s: %s worker %s died; removed from the pool", self.spec.name, role, name)
-                    del self.workers[role][name]
+                    handle = self.workers[role].pop(name)
                     if name in self.groups:
-                        self._replace_group(role, name)
+                        self._replace_group(role, name, handle)
                 if dead:
                     self.generation += 1
 
-    def _replace_group(self, role: str, name: str) -> None:
+    def _replace_group(self, role: str, name: str, handle) -> None:
         try:
-            stop_tp_replica(self.groups.pop(name))
+            self._remove(role, name, handle)
             self._add(role, 1)
         except Exception:  # no room for a new group now: the pool runs on with one replica fewer
             log.exception("pools %s: could not replace tensor-parallel replica %s", self.spec.name, name)

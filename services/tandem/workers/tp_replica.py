@@ -47,7 +47,7 @@ class TensorParallelRank(TargetWorker):
         self.config, self.rank, self.world = config, rank, world
         WorkerBase.__init__(self, name if lead else f"{name}-rank{rank}", config.batch_window_s)
         self.lead = lead  # shared pools: rank 0 takes every call and broadcasts it to the others
-        self.control = None
+        self.control = None  # the gloo group rank 0 broadcasts calls over (a shared replica of 2+ ranks)
 
     def owns_sequences(self) -> bool:
         return self.rank == 0  # rank 0's releases reach the others (broadcast in a shared pool, by the replica else)
@@ -80,17 +80,17 @@ class TensorParallelRank(TargetWorker):
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
+    # Rank 0 broadcasts under the model lock (the batcher holds it for forwards and releases alike), so the other
+    # ranks receive forwards and releases in the order rank 0 runs them.
     def _run(self, requests: list) -> WorkerReply:
         if self.control is not None and self.rank == 0:
             self._broadcast(("verify", requests))
         return super()._run(requests)
 
-    def release(self, seq_ids: list[str], retain: bool = False) -> None:
-        with self.batcher.exclusive():  # the model lock orders releases and forwards alike on every rank
-            if self.control is not None and self.rank == 0:
-                self._broadcast(("release", seq_ids, retain))
-            for seq_id in seq_ids:
-                self.runner.release(seq_id, retain)
+    def _release(self, seq_ids: list[str], retain: bool) -> None:
+        if self.control is not None and self.rank == 0:
+            self._broadcast(("release", seq_ids, retain))
+        super()._release(seq_ids, retain)
 
     def _follow(self) -> None:
         """Ranks other than 0 of a shared replica: run rank 0's calls in its order, for as long as the group lives."""
@@ -100,8 +100,7 @@ class TensorParallelRank(TargetWorker):
                 if call[0] == "verify":
                     super()._run(call[1])
                 else:
-                    for seq_id in call[1]:
-                        self.runner.release(seq_id, call[2])
+                    super()._release(call[1], call[2])
             except Exception:  # rank 0 hit the same error in the same call and answers for the replica
                 log.exception("rank %d: %s failed", self.rank, call[0])
 

@@ -82,8 +82,12 @@ class WorkerBase:
 
     def release(self, seq_ids: list[str], retain: bool = False) -> None:
         with self.batcher.exclusive():
-            for seq_id in seq_ids:
-                self.runner.release(seq_id, retain)
+            self._release(seq_ids, retain)
+
+    def _release(self, seq_ids: list[str], retain: bool) -> None:
+        """Drop these sequences' caches (the model lock held, as `_run` holds it)."""
+        for seq_id in seq_ids:
+            self.runner.release(seq_id, retain)
 
     def sequence_ids(self) -> list[str]:
         if getattr(self, "runner", None) is None:  # a tensor-parallel rank before `setup`
