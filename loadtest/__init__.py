@@ -1,4 +1,4 @@
-"""loadtest: an asyncio gRPC load generator for tandem's tandem.v1.Generation API (python -m loadtest --help).
+"""loadtest: an asyncio gRPC load generator for tandem's tandem.v1.GenerationService API (python -m loadtest --help).
 
 arrivals.py   Poisson / gamma arrival schedules          prompts.py + prompts/*.jsonl  the shipped prompt sets
 config.py     one load level's settings                   client_run.py  the grpc.aio driver, records a RunTrace

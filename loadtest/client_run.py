@@ -61,7 +61,7 @@ class Driver:
                              session_id=f"{self.run_id}{tag}-s{session}", ignore_eos=config.ignore_eos,
                              speculation=config.speculation, max_k=config.max_k, **sampling)
 
-    async def send(self, stub: generation_pb2_grpc.GenerationStub, request: pb.GenerateRequest,
+    async def send(self, stub: generation_pb2_grpc.GenerationServiceStub, request: pb.GenerateRequest,
                    trace: RequestTrace) -> RequestTrace:
         """One streamed request, recorded into trace; never raises except CancelledError."""
         trace.status, trace.send = IN_FLIGHT, self.now()
@@ -85,7 +85,7 @@ class Driver:
             raise
         return trace
 
-    async def warm_up(self, stub: generation_pb2_grpc.GenerationStub) -> None:
+    async def warm_up(self, stub: generation_pb2_grpc.GenerationServiceStub) -> None:
         for index in range(self.config.warmup):
             trace = await self.send(stub, self.request(index, self.prompts[index], "-warmup"), RequestTrace(index))
             if trace.status != OK:
@@ -99,7 +99,7 @@ class Driver:
             except TimeoutError:
                 raise ServerUnreachable(f"no server answered at {config.address} within "
                                         f"{config.connect_timeout:g} s") from None
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
             try:
                 info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=config.connect_timeout)
                 self.server = MessageToDict(info, preserving_proto_field_name=True)
@@ -108,7 +108,7 @@ class Driver:
             await self.warm_up(stub)
             return await self.measure(stub)
 
-    async def measure(self, stub: generation_pb2_grpc.GenerationStub) -> RunTrace:
+    async def measure(self, stub: generation_pb2_grpc.GenerationServiceStub) -> RunTrace:
         config = self.config
         measured = self.prompts[config.warmup:]
         # Requests and their records are made when sent, so a large --requests with a short --duration starts at once.

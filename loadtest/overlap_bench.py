@@ -41,7 +41,7 @@ def _gateway(address: str, pools: str, lanes: int, extra: list[str]) -> tuple[su
                                 "-1", "--lanes", str(lanes), *extra], env=_env(address), stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True)
     for line in process.stdout:
-        if "serving tandem.v1.Generation on" in line:
+        if "serving tandem.v1.GenerationService on" in line:
             target = line.split(" on ")[1].split()[0]
             break
     else:
@@ -49,7 +49,7 @@ def _gateway(address: str, pools: str, lanes: int, extra: list[str]) -> tuple[su
     threading.Thread(target=process.stdout.read, daemon=True).start()
     deadline = time.monotonic() + 300
     with TandemClient(target, timeout=10) as client:
-        while client.health_status("tandem.v1.Generation") != SERVING:
+        while client.health_status("tandem.v1.GenerationService") != SERVING:
             if time.monotonic() > deadline:
                 raise RuntimeError("gateway never turned ready")
             time.sleep(0.5)

@@ -58,14 +58,14 @@ def _gateway(address: str, pools: str) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen([str(BIN / "tandem"), "gateway", "--pools", pools, "--port", "0", "--metrics-port",
                                 "-1"], env=_env(address), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in process.stdout:
-        if "serving tandem.v1.Generation on" in line:
+        if "serving tandem.v1.GenerationService on" in line:
             target = line.split(" on ")[1].split()[0]
             break
     else:
         raise RuntimeError("gateway exited")
     threading.Thread(target=process.stdout.read, daemon=True).start()
     with TandemClient(target, timeout=10) as client:
-        while client.health_status("tandem.v1.Generation") != SERVING:
+        while client.health_status("tandem.v1.GenerationService") != SERVING:
             time.sleep(0.5)
     return process, target
 

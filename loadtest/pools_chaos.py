@@ -80,13 +80,13 @@ def _gateway(address: str, redis_url: str, log: Path, started: list,
     lines: queue.Queue[str] = queue.Queue()  # read on a thread so that the wait has a deadline; "" marks EOF
     threading.Thread(target=lambda: [*map(lines.put, process.stdout), lines.put("")], daemon=True).start()
     deadline, line = time.monotonic() + timeout_s, "-"
-    while line and "serving tandem.v1.Generation on" not in line:
+    while line and "serving tandem.v1.GenerationService on" not in line:
         line = lines.get(timeout=max(0.01, deadline - time.monotonic()))  # queue.Empty at the deadline
     if not line:
         raise RuntimeError(f"the gateway exited before listening (see {log})")
     target = line.split(" on ")[1].split()[0]
     with TandemClient(target, timeout=10) as client:
-        while client.health_status("tandem.v1.Generation") != SERVING:
+        while client.health_status("tandem.v1.GenerationService") != SERVING:
             if time.monotonic() > deadline or process.poll() is not None:
                 raise RuntimeError(f"the gateway never turned ready (see {log})")
             time.sleep(0.2)

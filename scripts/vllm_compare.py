@@ -202,7 +202,7 @@ def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: P
                     if server.poll() is not None:
                         raise RuntimeError(f"tandem serve exited {server.returncode}; see {log}")
                     try:
-                        if client.health_status("tandem.v1.Generation") == 1:
+                        if client.health_status("tandem.v1.GenerationService") == 1:
                             break
                     except Exception:  # not listening yet
                         pass

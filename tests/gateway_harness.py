@@ -8,9 +8,9 @@ import time
 from collections.abc import Callable, Coroutine
 
 from tandem.core.config import EngineConfig, SpecConfig
+from tandem.gateway.generation import Backend
 from tandem.gateway.loop import SessionStore
 from tandem.gateway.server import Gateway, GatewayOptions, start_gateway
-from tandem.gateway.servicer import Backend
 from tandem.local_engine import build_engine
 
 CALL_TIMEOUT = 60.0

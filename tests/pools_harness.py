@@ -27,7 +27,7 @@ TOKENS = 40
 PROMPTS = [[5, 6, 7, 8], [40, 50, 60], [1, 2, 3, 4, 5, 6, 7], [200, 17, 33]]
 BIN = Path(sys.executable).parent
 SERVING, NOT_SERVING = 1, 2  # grpc.health.v1
-READINESS = "tandem.v1.Generation"
+READINESS = "tandem.v1.GenerationService"
 
 
 def plain_greedy(tiny_models, tokens: int = TOKENS) -> list[list[int]]:
@@ -91,7 +91,7 @@ class Gateway:
                                         env=head_env(address), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                         text=True)
         for line in self.process.stdout:
-            if "serving tandem.v1.Generation on" in line:
+            if "serving tandem.v1.GenerationService on" in line:
                 self.address = line.split(" on ")[1].split()[0]
                 break
         else:
@@ -99,7 +99,7 @@ class Gateway:
         threading.Thread(target=self.process.stdout.read, daemon=True).start()
         deadline = time.monotonic() + 120
         with TandemClient(self.address, timeout=10) as client:
-            while client.health_status("tandem.v1.Generation") != SERVING:
+            while client.health_status("tandem.v1.GenerationService") != SERVING:
                 assert time.monotonic() < deadline, "the gateway never turned ready"
                 time.sleep(0.2)
 

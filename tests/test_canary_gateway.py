@@ -17,7 +17,7 @@ from tandem.canary.config import CanaryOptions
 from tandem.canary.state import ROLLED_BACK
 from tandem.client import TandemClient
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
-from tandem.gateway.servicer import Backend
+from tandem.gateway.generation import Backend
 from tandem.local_engine import build_engine
 from tandem.sessions import EmbeddedRedis, open_session_store
 from tandem.v1 import generation_pb2 as pb

@@ -74,7 +74,7 @@ def test_greedy_through_server_equals_plain_decoding(server, references, tiny_mo
             ids = [t for c in chunks for t in c.token_ids]
             assert ids == want
             assert "".join(c.text for c in chunks) == tokenizer.decode(want, skip_special_tokens=True)
-            assert complete.finish_reason == pb.LENGTH and complete.request_id.startswith("req-")
+            assert complete.finish_reason == pb.FINISH_REASON_LENGTH and complete.request_id.startswith("req-")
             assert complete.usage.prompt_tokens == len(prompt) and complete.usage.completion_tokens == NEW_TOKENS
         assert complete.speculation.drafted_tokens > 0 and complete.speculation.rounds > 0
         _, off = _stream(client, token_ids=prompts[0], speculation="off", **GREEDY)
@@ -152,7 +152,7 @@ def test_stop_strings_cut_text_like_the_engine(server, tiny_models) -> None:
         chunks, complete = _stream(client, token_ids=prompt, temperature=0.0, max_tokens=40, ignore_eos=True,
                                    stop=[stop])
     assert "".join(c.text for c in chunks) == want.text
-    assert complete.finish_reason == pb.STOP and stop not in want.text
+    assert complete.finish_reason == pb.FINISH_REASON_STOP and stop not in want.text
 
 
 def test_sessions_save_policy_state(server, references) -> None:
@@ -189,7 +189,7 @@ def test_abort_rpc_ends_the_stream_with_abort(server, references) -> None:
         assert isinstance(next(stream), pb.Chunk)
         assert client.abort("to-abort") is True
         complete = next(item for item in stream if isinstance(item, pb.Complete))
-        assert complete.finish_reason == pb.ABORT and complete.request_id == "to-abort"
+        assert complete.finish_reason == pb.FINISH_REASON_ABORT and complete.request_id == "to-abort"
         assert 0 < complete.usage.completion_tokens < 4000
         assert client.abort("to-abort") is False and client.abort("never-existed") is False
     assert server.wait_for(server.caches_empty)
@@ -271,5 +271,5 @@ def test_request_id_is_reusable_after_cancel(server, references) -> None:
             except grpc.RpcError as exc:
                 assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "already running" in exc.details()
                 time.sleep(0.02)
-    assert [t for c in chunks for t in c.token_ids] == expected[6] and complete.finish_reason == pb.LENGTH
+    assert [t for c in chunks for t in c.token_ids] == expected[6] and complete.finish_reason == pb.FINISH_REASON_LENGTH
     assert server.wait_for(server.caches_empty)

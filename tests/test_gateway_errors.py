@@ -71,7 +71,7 @@ def server(tiny_models):
 
 def test_bad_requests_are_rejected_by_field(server) -> None:
     with grpc.insecure_channel(server.address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         wrong = {}
         for name, request, field in BAD_REQUESTS:
             try:
@@ -104,7 +104,7 @@ def test_duplicate_request_id_and_queue_full(server) -> None:
         assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in full.value.details()
         assert all(client.abort(f"long-{i}") for i in range(3))
         finals = [[item for item in stream if isinstance(item, pb.Complete)] for stream in streams]
-        assert [f[0].finish_reason for f in finals] == [pb.ABORT] * 3
+        assert [f[0].finish_reason for f in finals] == [pb.FINISH_REASON_ABORT] * 3
         assert server.wait_for(server.caches_empty)
         assert client.generate_text(token_ids=[9], max_tokens=4)[1].usage.completion_tokens >= 1
 
@@ -137,7 +137,7 @@ def test_readiness_follows_loading_and_draining(tiny_models) -> None:
                 client.generate_text(prompt="hi")
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             rest = list(stream)
-            assert rest[-1].finish_reason == pb.LENGTH
+            assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
             assert len(first.token_ids) + sum(len(c.token_ids) for c in rest[:-1]) == 300
         running.call(running.gateway.wait_closed())
     finally:

@@ -176,9 +176,9 @@ def test_gateway_probes_use_grpc_health(ci_values):
         ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
         assert ports == {"grpc": 50051, "metrics": 9464}
         assert gateway["livenessProbe"]["grpc"] == {"port": 50051, "service": ""}
-        assert gateway["readinessProbe"]["grpc"] == {"port": 50051, "service": "tandem.v1.Generation"}
+        assert gateway["readinessProbe"]["grpc"] == {"port": 50051, "service": "tandem.v1.GenerationService"}
         startup = gateway["startupProbe"]
-        assert startup["grpc"] == {"port": 50051, "service": "tandem.v1.Generation"}
+        assert startup["grpc"] == {"port": 50051, "service": "tandem.v1.GenerationService"}
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 30 * 60, "startup budget below model loading"
         grace = float(flags(gateway["args"])["grace"])
         pre_stop = int(gateway["lifecycle"]["preStop"]["exec"]["command"][1])

@@ -188,10 +188,10 @@ def test_empty_metrics_are_null_and_slo_flags_are_checked() -> None:
 
 
 def test_analytic_bound_has_the_known_answers() -> None:
-    info = pb.ModelInfo(costs=pb.CostModel(draft_step_seconds=0.1, forward_seconds={n: 1.0 for n in range(1, 10)},
-                                           draft_rows_seconds={8: 0.4}, draft_forward_seconds={16: 0.3},
-                                           batched=[pb.BatchedForward(rows=8, width=w, seconds=2.0 + w)
-                                                    for w in (1, 2, 3)]))
+    info = pb.GetModelInfoResponse(costs=pb.CostModel(
+        draft_step_seconds=0.1, forward_seconds={n: 1.0 for n in range(1, 10)}, draft_rows_seconds={8: 0.4},
+        draft_forward_seconds={16: 0.3},
+        batched=[pb.BatchedForward(rows=8, width=w, seconds=2.0 + w) for w in (1, 2, 3)]))
     costs = cost_model(MessageToDict(info, preserving_proto_field_name=True))
     assert costs.draft_step == 0.1 and costs.draft_time(8) == 0.4 and costs.batch_forward_time(8, 2) == 4.0
     assert costs.draft_forward == {16: 0.3} and costs.round_time(2) == pytest.approx(1.2)

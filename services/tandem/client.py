@@ -21,7 +21,7 @@ from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens")
-SPECULATION_MODES = {"auto": pb.SpeculationOptions.AUTO, "off": pb.SpeculationOptions.OFF}
+SPECULATION_MODES = {"auto": pb.SpeculationOptions.MODE_AUTO, "off": pb.SpeculationOptions.MODE_OFF}
 ChatMessages = Iterable[tuple[str, str] | Mapping[str, str]]
 
 
@@ -76,7 +76,7 @@ class TandemClient:
         self.address = address
         self.timeout = timeout
         self.channel = grpc.insecure_channel(address)
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
@@ -98,11 +98,11 @@ class TandemClient:
     def abort(self, request_id: str) -> bool:
         return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout).found
 
-    def model_info(self) -> pb.ModelInfo:
+    def model_info(self) -> pb.GetModelInfoResponse:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
 
     def health_status(self, service: str = "") -> int:
-        """grpc.health.v1 status of `service` ("" liveness, "tandem.v1.Generation" readiness)."""
+        """grpc.health.v1 status of `service` ("" liveness, "tandem.v1.GenerationService" readiness)."""
         request = health_pb2.HealthCheckRequest(service=service)
         return self.health.Check(request, timeout=self.timeout).status
 
@@ -121,7 +121,7 @@ class AsyncTandemClient:
         self.address = address
         self.timeout = timeout
         self.channel = grpc.aio.insecure_channel(address)
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                        **options) -> AsyncIterator[pb.Chunk | pb.Complete]:
@@ -139,7 +139,7 @@ class AsyncTandemClient:
     async def abort(self, request_id: str) -> bool:
         return (await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout)).found
 
-    async def model_info(self) -> pb.ModelInfo:
+    async def model_info(self) -> pb.GetModelInfoResponse:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
 
     async def close(self) -> None:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from tandem.core.config import EngineConfig
 from tandem.errors import InvalidArgument
+from tandem.gateway.generation import Backend
 from tandem.gateway.lanes import engine_lanes
-from tandem.gateway.servicer import Backend
 from tandem.local_engine import decoder, draft_vocab_limit
 from tandem.workers.draft_pool import RayDrafter, start_draft_workers
 from tandem.workers.target_pool import RayVerifier, start_target_replicas

@@ -18,8 +18,8 @@ from tandem.cli.canary import add_serve_canary_options, serve_canary_options
 from tandem.cli.common import add_model_options, engine_config, kv_tokens, load_models, setup_torch
 from tandem.core.config import EngineConfig
 from tandem.errors import InvalidArgument, TandemError
+from tandem.gateway.generation import Backend
 from tandem.gateway.server import GatewayOptions, serve
-from tandem.gateway.servicer import Backend
 from tandem.gateway.validate import GatewayLimits
 from tandem.local_engine import build_engine
 from tandem.telemetry import tracing
@@ -277,7 +277,7 @@ def serve_gateway(args: argparse.Namespace, load, options: GatewayOptions, canar
     """Run the gRPC gateway over the backend `load()` returns until SIGTERM/SIGINT (with the session store)."""
 
     def announce(address: str) -> None:
-        print(f"tandem: serving tandem.v1.Generation on {address} (readiness turns SERVING once "
+        print(f"tandem: serving tandem.v1.GenerationService on {address} (readiness turns SERVING once "
               f"{model} is loaded)", flush=True)
 
     def announce_metrics(url: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.core.logprobs import MAX_TOP_LOGPROBS
 from tandem.errors import InvalidArgument
 
 
@@ -32,6 +33,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     engine_seed: int | None = None
+    logprobs: int | None = None  # report the target's logprob of each emitted token and this many alternatives
 
     def __post_init__(self) -> None:
         _require(isinstance(self.temperature, int | float) and 0.0 <= self.temperature <= 100.0,
@@ -46,6 +48,8 @@ class SamplingParams:
                  "engine_seed", f"must be a non-negative integer below 2**63, got {self.engine_seed!r}")
         _require(isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= 1_000_000,
                  "max_tokens", f"must be between 1 and 1000000, got {self.max_tokens!r}")
+        _require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+                 "logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
         _require(all(isinstance(s, str) and s for s in self.stop),
                  "stop", "stop strings must be non-empty strings")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

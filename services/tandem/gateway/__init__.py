@@ -1,1 +1,1 @@
-"""The gateway: a gRPC front end (tandem.v1.Generation) driving a speculative engine."""
+"""The gateway: a gRPC front end (tandem.v1.GenerationService) driving a speculative engine."""

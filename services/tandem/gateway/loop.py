@@ -20,6 +20,7 @@ from typing import Protocol
 
 from tandem.core.config import SamplingParams
 from tandem.core.engine import Sequence, SpeculativeEngine, StepOutput
+from tandem.core.logprobs import TokenLogprob
 from tandem.core.policy import PolicyState
 from tandem.core.stops import FINISH_ABORT
 from tandem.errors import BackendUnavailable, InvalidArgument, KVBudgetExceeded, TandemError
@@ -66,6 +67,7 @@ class Update:
 
     token_ids: list[int]
     finished: Finished | None = None
+    logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when the request asked for logprobs
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """The gateway's gRPC server: Generation, grpc.health.v1 and reflection, with loading and draining phases.
 
-Liveness ("" in grpc.health.v1) is SERVING as soon as the port is bound. Readiness ("tandem.v1.Generation") is
+Liveness ("" in grpc.health.v1) is SERVING as soon as the port is bound. Readiness ("tandem.v1.GenerationService") is
 NOT_SERVING while the engine loads, SERVING once it can take requests, and NOT_SERVING again while draining.
 
 With canary options (tandem.canary), the loader returns {arm name: Backend}: one EngineLoop per arm, readiness once
@@ -21,16 +21,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.errors import TandemError
+from tandem.gateway.generation import Backend, Generations
 from tandem.gateway.lanes import LanedLoop, ServingLoop
 from tandem.gateway.loop import EngineLoop, SessionStore
-from tandem.gateway.servicer import Backend, GenerationServicer
+from tandem.gateway.servicer import GenerationServiceServicer
 from tandem.gateway.validate import GatewayLimits
 from tandem.telemetry.metrics import GatewayMetrics
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-READINESS_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+READINESS_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 LIVENESS_SERVICE = ""
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -58,9 +59,10 @@ class Gateway:
     """A started server; the engine loads in the background (see `ready`)."""
 
     def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
-                 servicer: GenerationServicer, options: GatewayOptions, port: int) -> None:
+                 servicer: GenerationServiceServicer, options: GatewayOptions, port: int) -> None:
         self.server, self.health, self.servicer = server, health_servicer, servicer
-        self.metrics: GatewayMetrics | None = servicer.metrics
+        self.generations: Generations = servicer.generations  # the generate path every transport shares
+        self.metrics: GatewayMetrics | None = self.generations.metrics
         self.options = options
         self.port = port
         self.loop: ServingLoop | None = None  # the baseline arm's loop with canary arms
@@ -131,7 +133,7 @@ class Gateway:
         self.loop, self.canary = loop, canary
         if self.canary_options is not None:
             self.loops = loops
-        self.servicer.attach(backend, loop, self.loops, canary)
+        self.generations.attach(backend, loop, self.loops, canary)
         self._backend_watch = asyncio.create_task(self._watch_backends())
         if self._drain is None:
             await self.health.set(READINESS_SERVICE, SERVING)
@@ -236,8 +238,8 @@ async def start_gateway(load: Callable[[], Backend | Mapping[str, Backend]], opt
     if options.metrics_port is not None:
         ports = [options.metrics_port, 0] if options.metrics_port_fallback else [options.metrics_port]
         metrics = GatewayMetrics(options.host, ports)
-    servicer = GenerationServicer(options.limits, metrics)
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    servicer = GenerationServiceServicer(Generations(options.limits, metrics))
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((READINESS_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -1,66 +1,28 @@
-"""The tandem.v1.Generation servicer: validates, submits to the EngineLoop, streams detokenized chunks."""
+"""The tandem.v1.GenerationService servicer: the gRPC face of the gateway's generate path (gateway.generation)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
 import grpc
 
-from tandem.core.detok import IncrementalDetokenizer
-from tandem.core.engine import SpeculativeEngine
+from tandem.core.logprobs import TokenLogprob
 from tandem.core.stops import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
-from tandem.errors import BackendUnavailable, InvalidArgument
-from tandem.gateway.lanes import ServingLoop
-from tandem.gateway.loop import EngineFailed, EngineUnavailable, Finished, QueueFull
-from tandem.gateway.validate import GatewayLimits, ModelLimits, prepare
-from tandem.telemetry.gateway import RequestObserver
-from tandem.telemetry.metrics import GatewayMetrics
+from tandem.errors import InvalidArgument
+from tandem.gateway.generation import FAILURES, ChoiceDelta, ChoiceEnd, Generations, error_code
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-FINISH_REASONS = {FINISH_STOP: pb.STOP, FINISH_LENGTH: pb.LENGTH, FINISH_ABORT: pb.ABORT}
+FINISH_REASONS = {FINISH_STOP: pb.FINISH_REASON_STOP, FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
+                  FINISH_ABORT: pb.FINISH_REASON_ABORT}
 
 
-@dataclass(slots=True)
-class Backend:
-    """A loaded engine and what the gateway needs to describe and feed it. `lanes`: more engines over the same
-    pools (gateway.lanes), each driven by its own loop; `engine` is the first lane."""
-
-    engine: SpeculativeEngine
-    tokenizer: object
-    target_name: str
-    draft_name: str = ""
-    lanes: tuple[SpeculativeEngine, ...] = ()
-
-    @property
-    def engines(self) -> list[SpeculativeEngine]:
-        return [self.engine, *self.lanes]
-
-    @property
-    def model_limits(self) -> ModelLimits:
-        spec = self.engine.config.spec
-        return ModelLimits(vocab_size=self.engine.verifier.vocab_size,
-                           max_k=spec.k_max if self.engine.speculating else 0,
-                           context_window=self.engine.verifier.context_window)
-
-
-STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
-    BackendUnavailable: grpc.StatusCode.UNAVAILABLE,
-    EngineFailed: grpc.StatusCode.INTERNAL,
-}
-
-
-def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    return next(code for kind, code in STATUS_CODES.items() if isinstance(exc, kind)), str(exc)
+def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    return grpc.StatusCode[error_code(exc)], str(exc)
 
 
 def speculation_stats(stats: dict) -> pb.SpeculationStats:
@@ -76,153 +38,82 @@ def speculation_stats(stats: dict) -> pb.SpeculationStats:
     )
 
 
-def complete_message(request_id: str, prompt_tokens: int, finished: Finished) -> pb.GenerateResponse:
+def chunk_message(delta: ChoiceDelta) -> pb.GenerateResponse:
+    return pb.GenerateResponse(chunk=pb.Chunk(text=delta.text, token_ids=delta.token_ids, index=delta.index,
+                                              logprobs=_logprobs(delta.logprobs)))
+
+
+def _logprobs(logprobs: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                            top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in lp.top])
+            for lp in logprobs or ()]
+
+
+def complete_message(end: ChoiceEnd) -> pb.GenerateResponse:
     return pb.GenerateResponse(complete=pb.Complete(
-        finish_reason=FINISH_REASONS.get(finished.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-        usage=pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=finished.completion_tokens),
-        speculation=speculation_stats(finished.stats),
-        request_id=request_id,
+        finish_reason=FINISH_REASONS.get(end.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+        usage=pb.Usage(prompt_tokens=end.prompt_tokens, completion_tokens=end.completion_tokens),
+        speculation=speculation_stats(end.stats),
+        request_id=end.request_id,
+        index=end.index,
     ))
 
 
-class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, limits: GatewayLimits | None = None, metrics: GatewayMetrics | None = None) -> None:
-        self.limits = limits or GatewayLimits()
-        self.metrics = metrics
-        self.backend: Backend | None = None
-        self.loop: ServingLoop | None = None
-        self._model_limits: ModelLimits | None = None
-        # Canary arms (see tandem.canary): arm name -> loop; backend/loop above are the baseline arm's.
-        self.loops: dict[str, ServingLoop] = {}
-        self.canary = None  # tandem.canary.CanaryController, or None: every request on `loop`
-
-    def attach(self, backend: Backend, loop: ServingLoop, loops: Mapping[str, ServingLoop] | None = None,
-               canary=None) -> None:
-        """Start serving requests: before this every RPC answers UNAVAILABLE. With canary arms, `backend` and `loop`
-        are the baseline arm's (unknown arms fall back to it; GetModelInfo describes it), `loops` every arm's."""
-        self._model_limits = backend.model_limits
-        self.loops = dict(loops) if loops else {}
-        self.canary = canary
-        self.backend, self.loop = backend, loop
-
-    def _route(self, prepared, loop: ServingLoop, observed: RequestObserver):
-        """The canary assignment (None without a canary) and the loop that serves the request."""
-        if self.canary is None:
-            return None, loop
-        assignment = self.canary.arm_for(prepared.session_id, prepared.request_id)
-        if assignment is None:
-            return None, loop
-        arm_loop = self.loops.get(assignment.arm.name)
-        if arm_loop is None:  # not served here: the baseline, unrecorded
-            return None, loop
-        if observed.span is not None:
-            observed.span.set_attribute("tandem.canary.arm", assignment.arm.name)
-        return assignment, arm_loop
-
-    async def _ready(self, context: grpc.aio.ServicerContext) -> tuple[Backend, ServingLoop]:
-        if self.backend is None or self.loop is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "not ready: the engine is still loading")
-        if self.loop.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this server is shutting down")
-        return self.backend, self.loop
+class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, generations: Generations) -> None:
+        self.generations = generations
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        backend, loop = await self._ready(context)
-        observed = RequestObserver(self.metrics, request, context.invocation_metadata(), backend.target_name)
         status: tuple[grpc.StatusCode, str] | None = None
         try:
-            try:
-                prepared = prepare(request, backend.tokenizer, self.limits, self._model_limits)
-                observed.prepared(prepared)
-                assignment, loop = self._route(prepared, loop, observed)
-                handle = await loop.submit(prepared.prompt_ids, prepared.params, prepared.request_id,
-                                           prepared.session_id, prepared.max_k, trace=observed.span)
-            except (InvalidArgument, QueueFull, EngineUnavailable) as exc:
-                status = _status_of(exc)
-            if status is not None:
-                observed.failed(status[0].name, status[1])
-                await context.abort(*status)
-            detok = IncrementalDetokenizer(backend.engine.decode, prepared.params.stop)
-            finished: Finished | None = None
-            token_ids: list[int] = []
-            first_token_at: float | None = None
-            try:
-                async for update in handle:
-                    finished = update.finished
-                    if assignment is not None and update.token_ids:
-                        token_ids.extend(update.token_ids)
-                        if first_token_at is None:
-                            first_token_at = time.monotonic()
-                    observed.tokens(len(update.token_ids))
-                    text = detok.push(update.token_ids, final=finished is not None,
-                                      cut=finished.text_cut if finished else None)
-                    if text or update.token_ids:
-                        yield pb.GenerateResponse(chunk=pb.Chunk(text=text, token_ids=update.token_ids))
-            except (InvalidArgument, EngineUnavailable, EngineFailed, BackendUnavailable) as exc:
-                status = _status_of(exc)
-                # An engine failure or stall counts against the arm; a shutdown (draining) does not.
-                if assignment is not None and not isinstance(exc, InvalidArgument) \
-                        and (isinstance(exc, EngineFailed) or not loop.draining):
-                    self._record_error(assignment)
-            finally:
-                if finished is None:
-                    # The client went away (cancelled, deadline) or the engine failed: free the request's caches.
-                    loop.cancel(handle.request_id, detach=True)
-            if status is not None:
-                observed.failed(status[0].name, status[1])
-                await context.abort(*status)
-            observed.completed(handle.prompt_tokens, finished.completion_tokens, finished.finish_reason,
-                               finished.stats)
-            if assignment is not None:
-                self._record(assignment, prepared, finished, first_token_at, token_ids)
-            yield complete_message(handle.request_id, handle.prompt_tokens, finished)
-        finally:
-            observed.end()  # a no-op unless the client went away (cancelled, deadline) mid-stream
-
-    def _record(self, assignment, prepared, finished: Finished, first_token_at: float | None,
-                token_ids: list[int]) -> None:
-        from tandem.canary.observations import Outcome
-
-        try:
-            self.canary.record(assignment, Outcome.from_request(assignment.session, finished.stats, first_token_at,
-                                                                time.monotonic(), finished.completion_tokens))
-            self.canary.check_greedy(assignment, prepared.params.greedy, prepared.prompt_ids, token_ids)
-        except Exception:  # the canary never fails a request
-            log.exception("canary: recording a request failed")
-
-    def _record_error(self, assignment) -> None:
-        from tandem.canary.observations import Outcome
-
-        try:
-            self.canary.record(assignment, Outcome(assignment.session, error=True))
-        except Exception:
-            log.exception("canary: recording a request failed")
+            async for event in self.generations.stream(request, context.invocation_metadata()):
+                yield chunk_message(event) if isinstance(event, ChoiceDelta) else complete_message(event)
+        except FAILURES as exc:
+            status = _status(exc)
+        if status is not None:
+            await context.abort(*status)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
-        if self.loop is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "not ready: the engine is still loading")
-        loops = [self.loop, *(loop for loop in self.loops.values() if loop is not self.loop)]
-        return pb.AbortResponse(found=any(loop.cancel(request.request_id) for loop in loops))
+        try:
+            if not request.request_id:
+                raise InvalidArgument("request_id: required")
+            return pb.AbortResponse(found=self.generations.abort(request.request_id))
+        except FAILURES as exc:
+            await context.abort(*_status(exc))
+
+    async def Tokenize(self, request: pb.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            kind = request.WhichOneof("input")
+            ids = await self.generations.tokenize(prompt=request.prompt if kind == "prompt" else None,
+                                                  chat=request.chat if kind == "chat" else None)
+            return pb.TokenizeResponse(token_ids=ids)
+        except FAILURES as exc:
+            await context.abort(*_status(exc))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
-                           context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        if self.backend is None:
+                           context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        backend = self.generations.backend
+        if backend is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "not ready: the engine is still loading")
-        engine = self.backend.engine
+        engine, limits = backend.engine, self.generations.model_limits
         # Off the event loop: a Ray pool asks its workers (each answer bounded by a short timeout).
         target_kv, draft_kv = await asyncio.to_thread(_kv_usages, engine)
-        return pb.ModelInfo(
-            target_model=self.backend.target_name,
-            draft_model=self.backend.draft_name if engine.speculating else "",
-            vocab_size=self._model_limits.vocab_size,
-            max_k=self._model_limits.max_k,
+        return pb.GetModelInfoResponse(
+            target_model=backend.target_name,
+            draft_model=backend.draft_name if engine.speculating else "",
+            vocab_size=limits.vocab_size,
+            max_k=limits.max_k,
             **_pool_sizes(engine),
             costs=_cost_model(engine),
             target_kv=target_kv,
             draft_kv=draft_kv,
+            context_length=limits.context_window or 0,
+            tokenizer=pb.TokenizerInfo(
+                eos_token_ids=sorted(engine.eos_token_ids),
+                chat_template=bool(getattr(backend.tokenizer, "chat_template", None)),
+                max_prompt_tokens=self.generations.limits.max_prompt_tokens),
         )
 
 

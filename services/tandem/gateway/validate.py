@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass
 
 from tandem.core.config import SamplingParams
+from tandem.core.logprobs import MAX_TOP_LOGPROBS
 from tandem.errors import InvalidArgument
 from tandem.v1 import generation_pb2 as pb
 
@@ -24,6 +25,7 @@ class GatewayLimits:
     max_stop_token_ids: int = 64
     max_chat_messages: int = 1024
     max_id_chars: int = 128
+    max_choices: int = 16  # n
 
     def __post_init__(self) -> None:
         for name in self.__slots__:
@@ -47,6 +49,7 @@ class PreparedRequest:
     prompt_ids: list[int]
     params: SamplingParams
     max_k: int | None  # None: the policy decides up to the server's k_max; 0: plain decoding
+    n: int = 1  # choices: each runs as its own sequence (gateway.generation)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -77,10 +80,14 @@ def sampling_params(request: pb.GenerateRequest, limits: GatewayLimits, model: M
              f"stop_token_ids: at most {limits.max_stop_token_ids} ids, got {len(request.stop_token_ids)}")
     bad_stops = [t for t in request.stop_token_ids if not 0 <= t < model.vocab_size]
     _require(not bad_stops, f"stop_token_ids: {bad_stops[:5]} are outside the vocabulary (0..{model.vocab_size - 1})")
+    logprobs = request.logprobs if request.HasField("logprobs") else None
+    _require(logprobs is None or 0 <= logprobs <= MAX_TOP_LOGPROBS,
+             f"logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
     # SamplingParams checks the remaining ranges (temperature, top_p, top_k, seed) with field-named messages.
     return SamplingParams(temperature=value("temperature", 1.0), top_p=value("top_p", 1.0), top_k=value("top_k", 0),
                           seed=value("seed", None), max_tokens=max_tokens, stop=tuple(request.stop),
-                          stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos)
+                          stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos,
+                          logprobs=logprobs)
 
 
 def speculation_max_k(options: pb.SpeculationOptions, model: ModelLimits) -> int | None:
@@ -89,7 +96,7 @@ def speculation_max_k(options: pb.SpeculationOptions, model: ModelLimits) -> int
     if options.HasField("max_k"):
         _require(0 <= options.max_k <= model.max_k,
                  f"speculation.max_k: must be between 0 and {model.max_k}, got {options.max_k}")
-    if options.mode == modes.Value("OFF"):
+    if options.mode == modes.Value("MODE_OFF"):
         return 0
     return options.max_k if options.HasField("max_k") else None
 
@@ -135,6 +142,8 @@ def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model
     """Validate and tokenize; raises InvalidArgument whose message starts with the bad field's name."""
     _check_id("request_id", request.request_id, limits)
     _check_id("session_id", request.session_id, limits)
+    n = request.n or 1
+    _require(1 <= n <= limits.max_choices, f"n: must be between 1 and {limits.max_choices}, got {request.n}")
     params = sampling_params(request, limits, model)
     max_k = speculation_max_k(request.speculation, model)
     ids = prompt_ids(request, tokenizer, limits, model)
@@ -143,4 +152,4 @@ def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model
                  f"max_tokens: the prompt's {len(ids)} tokens plus max_tokens {params.max_tokens} exceed the "
                  f"model's context window of {model.context_window}")
     request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-    return PreparedRequest(request_id, request.session_id, ids, params, max_k)
+    return PreparedRequest(request_id, request.session_id, ids, params, max_k, n)

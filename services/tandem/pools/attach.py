@@ -22,8 +22,8 @@ from tandem.cluster import load_tokenizer
 from tandem.core.config import EngineConfig
 from tandem.core.costs import CostModel
 from tandem.errors import TandemError
+from tandem.gateway.generation import Backend
 from tandem.gateway.lanes import engine_lanes
-from tandem.gateway.servicer import Backend
 from tandem.local_engine import decoder
 from tandem.pools.manager import IMAGE_ENV, find_manager
 from tandem.workers.draft_pool import RayDrafter

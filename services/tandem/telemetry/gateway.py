@@ -41,7 +41,7 @@ class RequestObserver:
             span = tracing.tracer().start_span(
                 f"{operation} {model}", context=tracing.extract_metadata(metadata), kind=trace.SpanKind.SERVER,
                 attributes=self.attributes | {"gen_ai.system": PROVIDER, "rpc.system": "grpc",
-                                              "rpc.service": "tandem.v1.Generation", "rpc.method": "Generate"})
+                                              "rpc.service": "tandem.v1.GenerationService", "rpc.method": "Generate"})
             self.span = span if span.is_recording() else None  # sampled out: nothing downstream records either
 
     def prepared(self, prepared) -> None:

@@ -11,16 +11,16 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
-    STOP: _ClassVar[FinishReason]
-    LENGTH: _ClassVar[FinishReason]
-    ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
-STOP: FinishReason
-LENGTH: FinishReason
-ABORT: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "prompt", "token_ids", "chat", "sampling", "stop", "stop_token_ids", "speculation", "ignore_eos")
+    __slots__ = ("request_id", "session_id", "prompt", "token_ids", "chat", "sampling", "stop", "stop_token_ids", "speculation", "ignore_eos", "n", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,8 @@ class GenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     prompt: str
@@ -41,7 +43,9 @@ class GenerateRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     speculation: SpeculationOptions
     ignore_eos: bool
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    n: int
+    logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., ignore_eos: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens")
@@ -62,11 +66,11 @@ class SpeculationOptions(_message.Message):
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODE_UNSPECIFIED: _ClassVar[SpeculationOptions.Mode]
-        AUTO: _ClassVar[SpeculationOptions.Mode]
-        OFF: _ClassVar[SpeculationOptions.Mode]
+        MODE_AUTO: _ClassVar[SpeculationOptions.Mode]
+        MODE_OFF: _ClassVar[SpeculationOptions.Mode]
     MODE_UNSPECIFIED: SpeculationOptions.Mode
-    AUTO: SpeculationOptions.Mode
-    OFF: SpeculationOptions.Mode
+    MODE_AUTO: SpeculationOptions.Mode
+    MODE_OFF: SpeculationOptions.Mode
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
     mode: SpeculationOptions.Mode
@@ -102,12 +106,34 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("text", "token_ids")
+    __slots__ = ("text", "token_ids", "logprobs", "index")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    index: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -138,16 +164,18 @@ class SpeculationStats(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., fallback_rounds: _Optional[int] = ..., acceptance_per_position: _Optional[_Iterable[float]] = ..., draft_failures: _Optional[int] = ...) -> None: ...
 
 class Complete(_message.Message):
-    __slots__ = ("finish_reason", "usage", "speculation", "request_id")
+    __slots__ = ("finish_reason", "usage", "speculation", "request_id", "index")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     usage: Usage
     speculation: SpeculationStats
     request_id: str
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    index: int
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., request_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -165,8 +193,8 @@ class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class ModelInfo(_message.Message):
-    __slots__ = ("target_model", "draft_model", "vocab_size", "max_k", "draft_workers", "target_replicas", "tensor_parallel_size", "costs", "target_kv", "draft_kv")
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("target_model", "draft_model", "vocab_size", "max_k", "draft_workers", "target_replicas", "tensor_parallel_size", "costs", "target_kv", "draft_kv", "context_length", "tokenizer")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +205,8 @@ class ModelInfo(_message.Message):
     COSTS_FIELD_NUMBER: _ClassVar[int]
     TARGET_KV_FIELD_NUMBER: _ClassVar[int]
     DRAFT_KV_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     vocab_size: int
@@ -187,7 +217,33 @@ class ModelInfo(_message.Message):
     costs: CostModel
     target_kv: KVUsage
     draft_kv: KVUsage
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_k: _Optional[int] = ..., draft_workers: _Optional[int] = ..., target_replicas: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., costs: _Optional[_Union[CostModel, _Mapping]] = ..., target_kv: _Optional[_Union[KVUsage, _Mapping]] = ..., draft_kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
+    context_length: int
+    tokenizer: TokenizerInfo
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_k: _Optional[int] = ..., draft_workers: _Optional[int] = ..., target_replicas: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., costs: _Optional[_Union[CostModel, _Mapping]] = ..., target_kv: _Optional[_Union[KVUsage, _Mapping]] = ..., draft_kv: _Optional[_Union[KVUsage, _Mapping]] = ..., context_length: _Optional[int] = ..., tokenizer: _Optional[_Union[TokenizerInfo, _Mapping]] = ...) -> None: ...
+
+class TokenizerInfo(_message.Message):
+    __slots__ = ("eos_token_ids", "chat_template", "max_prompt_tokens")
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    chat_template: bool
+    max_prompt_tokens: int
+    def __init__(self, eos_token_ids: _Optional[_Iterable[int]] = ..., chat_template: _Optional[bool] = ..., max_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("prompt", "chat")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    chat: Chat
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVUsage(_message.Message):
     __slots__ = ("used_tokens", "reserved_tokens", "capacity_tokens")

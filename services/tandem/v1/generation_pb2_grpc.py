@@ -26,7 +26,7 @@ if _version_not_supported:
     )
 
 
-class GenerationStub:
+class GenerationServiceStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -36,27 +36,32 @@ class GenerationStub:
             channel: A grpc.Channel.
         """
         self.Generate = channel.unary_stream(
-                '/tandem.v1.Generation/Generate',
+                '/tandem.v1.GenerationService/Generate',
                 request_serializer=tandem_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
-                '/tandem.v1.Generation/Abort',
+                '/tandem.v1.GenerationService/Abort',
                 request_serializer=tandem_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_generation__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
-                '/tandem.v1.Generation/GetModelInfo',
+                '/tandem.v1.GenerationService/GetModelInfo',
                 request_serializer=tandem_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+                response_deserializer=tandem_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
+                _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/tandem.v1.GenerationService/Tokenize',
+                request_serializer=tandem_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
 
 
-class GenerationServicer:
+class GenerationServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams chunks of generated text; the last message is a Complete.
+        """Streams chunks of generated text; each of the request's n choices ends with its own Complete.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -70,13 +75,21 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The models, their limits and tokenizer, the pools' sizes and the cost model the adaptive policy uses.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
+        """The token ids the target's tokenizer gives a prompt or a chat (with the chat template applied).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
 
-def add_GenerationServicer_to_server(servicer, server):
+def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -91,17 +104,22 @@ def add_GenerationServicer_to_server(servicer, server):
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
                     request_deserializer=tandem_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+                    response_serializer=tandem_dot_v1_dot_generation__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=tandem_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'tandem.v1.Generation', rpc_method_handlers)
+            'tandem.v1.GenerationService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('tandem.v1.Generation', rpc_method_handlers)
+    server.add_registered_method_handlers('tandem.v1.GenerationService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Generation:
+class GenerationService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -118,7 +136,7 @@ class Generation:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/tandem.v1.Generation/Generate',
+            '/tandem.v1.GenerationService/Generate',
             tandem_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             tandem_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
@@ -145,7 +163,7 @@ class Generation:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/tandem.v1.Generation/Abort',
+            '/tandem.v1.GenerationService/Abort',
             tandem_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
             tandem_dot_v1_dot_generation__pb2.AbortResponse.FromString,
             options,
@@ -172,9 +190,36 @@ class Generation:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/tandem.v1.Generation/GetModelInfo',
+            '/tandem.v1.GenerationService/GetModelInfo',
             tandem_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
-            tandem_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            tandem_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.GenerationService/Tokenize',
+            tandem_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            tandem_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
