@@ -177,7 +177,7 @@ class Generations:
             raise
         choices = [choice_request(prepared, index) for index in range(prepared.n)]
         if len(choices) == 1:
-            async for event in self._choice(0, choices[0], observed, backend, loop):
+            async for event in self._choice(0, choices[0], prepared.request_id, observed, backend, loop):
                 yield event
             return
         self._choices[prepared.request_id] = [choice.request_id for choice in choices]
@@ -188,7 +188,7 @@ class Generations:
             choice_observed = observed if index == 0 else RequestObserver(self.metrics, request, metadata,
                                                                           backend.target_name)
             try:
-                async for event in self._choice(index, choice, choice_observed, backend, loop):
+                async for event in self._choice(index, choice, prepared.request_id, choice_observed, backend, loop):
                     events.put_nowait(event)
             except Exception as exc:
                 events.put_nowait(exc)
@@ -209,8 +209,9 @@ class Generations:
             await asyncio.gather(*tasks, return_exceptions=True)
             self._choices.pop(prepared.request_id, None)
 
-    async def _choice(self, index: int, prepared: PreparedRequest, observed: RequestObserver, backend: Backend,
-                      loop: ServingLoop) -> AsyncIterator[Event]:
+    async def _choice(self, index: int, prepared: PreparedRequest, request_id: str, observed: RequestObserver,
+                      backend: Backend, loop: ServingLoop) -> AsyncIterator[Event]:
+        """One choice's events; `prepared` is the choice's own (choice_request), `request_id` the client's request."""
         try:
             observed.prepared(prepared)
             assignment, loop = self._route(prepared, loop, observed)
@@ -252,7 +253,7 @@ class Generations:
             if assignment is not None:
                 self._record(assignment, prepared, finished, first_token_at, token_ids)
             yield ChoiceEnd(index, finished.finish_reason, handle.prompt_tokens, finished.completion_tokens,
-                            finished.stats, prepared.request_id)
+                            finished.stats, request_id)
         finally:
             observed.end()  # a no-op unless the client went away (cancelled, deadline) mid-stream
 
