@@ -23,6 +23,7 @@ from tandem.core.batch_plan import catch_up_share, plan_batch
 from tandem.core.calibration import calibrate
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.costs import CostModel
+from tandem.core.logprobs import TokenLogprob
 from tandem.core.protocol import (
     Drafter,
     DrafterUnavailable,
@@ -54,6 +55,7 @@ class Sequence:
     max_k: int | None = None  # per-request cap on drafted tokens per round; 0 is plain decoding
     session_id: str = ""  # workers keep a finished sequence's cache for the session's next request
     prefill_started: bool = False  # the verifier holds part of the prompt uncached (a chunked prefill goes on)
+    logprobs: list[TokenLogprob] | None = None  # aligned with output when the request asked (params.logprobs)
 
     @property
     def context(self) -> list[int]:
@@ -70,6 +72,7 @@ class StepOutput:
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # aligned with new_token_ids when the request asked, else None
 
 
 @dataclass(slots=True)
@@ -79,6 +82,7 @@ class GenerationResult:
     text: str | None
     finish_reason: str
     stats: dict
+    logprobs: list[TokenLogprob] | None = None  # aligned with token_ids when the request asked, else None
 
 
 class SpeculativeEngine:
@@ -130,7 +134,8 @@ class SpeculativeEngine:
         state = policy_state or policy.PolicyState(k=self.config.spec.k_init)
         stop = StopChecker(params, self.eos_token_ids, self.decode)
         self.sequences[request_id] = Sequence(request_id, list(prompt), params, stop, state, max_k=max_k,
-                                              session_id=session_id)
+                                              session_id=session_id,
+                                              logprobs=None if params.logprobs is None else [])
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -217,7 +222,7 @@ class SpeculativeEngine:
                 seq.prefill_started = True
                 outputs.append(None)
             else:
-                outputs.append(self._commit(seq, k, proposal, result.accepted, result.next_token))
+                outputs.append(self._commit(seq, k, proposal, result.accepted, result.next_token, result.logprobs))
         return outputs
 
     def _choose_k(self, seq: Sequence) -> int:
@@ -264,7 +269,7 @@ class SpeculativeEngine:
         return proposals
 
     def _commit(self, seq: Sequence, k: int, proposal: DraftProposal | None, accepted: int,
-                next_token: int) -> StepOutput:
+                next_token: int, logprobs: list[TokenLogprob] | None = None) -> StepOutput:
         committed = len(seq.context)
         new_tokens = (proposal.tokens[:accepted] if proposal else []) + [next_token]
         if k > 0:
@@ -278,7 +283,16 @@ class SpeculativeEngine:
         seq.finish_reason, seq.text_cut = seq.stop.extend(seq.output, new_tokens)
         if seq.finish_reason is not None:
             self._release(seq)
-        return StepOutput(seq.request_id, seq.output[before:], seq.finish_reason)
+        emitted = seq.output[before:]
+        if seq.params.logprobs is None:
+            logprobs = None
+        else:
+            # The emitted tokens are a prefix of the block (a stop or max_tokens cuts it): so are their logprobs.
+            logprobs = list((logprobs or [])[: len(emitted)])
+            if len(logprobs) != len(emitted):
+                raise RuntimeError(f"the verifier sent {len(logprobs)} logprobs for {len(emitted)} emitted tokens")
+            seq.logprobs.extend(logprobs)
+        return StepOutput(seq.request_id, emitted, seq.finish_reason, logprobs)
 
     def _release(self, seq: Sequence) -> None:
         self.sequences.pop(seq.request_id, None)
@@ -311,7 +325,8 @@ class SpeculativeEngine:
             if seq.text_cut is not None:
                 text = text[: seq.text_cut]
         stats = seq.stats.to_dict() | {"fallback": seq.policy.fallback, "final_k": seq.policy.k}
-        return GenerationResult(seq.request_id, list(seq.output), text, seq.finish_reason or FINISH_ABORT, stats)
+        return GenerationResult(seq.request_id, list(seq.output), text, seq.finish_reason or FINISH_ABORT, stats,
+                                None if seq.logprobs is None else list(seq.logprobs))
 
     def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[StepOutput]:
         request_id = self.add_request(prompt, params)

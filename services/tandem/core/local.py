@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tandem.core.costs import CATCH_UP_ALONE_ABOVE
+from tandem.core.logprobs import TokenLogprob
 from tandem.core.protocol import (
     PREFILLING,
     DraftProposal,
@@ -153,18 +154,23 @@ class LocalVerifier(InProcessSide):
         wants = [len(tokens) + 1 for tokens in drafts]
         logits = self.runner.forward_on_device(states, wants)
         # Every row's outcome is computed on the device; the host receives them in one transfer.
-        outcomes = [self._accept(request, row_logits, tokens, length) for request, row_logits, tokens, length
-                    in zip(requests, logits.split(wants), drafts, committed, strict=True)]
+        row_logits = logits.split(wants)
+        outcomes = [self._accept(request, rows, tokens, length) for request, rows, tokens, length
+                    in zip(requests, row_logits, drafts, committed, strict=True)]
+        # Queued before the outcomes' transfer, so that its own transfer (rows that asked only) finds it done.
+        scores = _score_logprobs(requests, row_logits, drafts, outcomes)
         host = torch.cat(outcomes).tolist() if outcomes else []
         results, at = [], 0
-        for request, state, tokens, length, outcome in zip(requests, states, drafts, committed, outcomes, strict=True):
+        for index, (request, state, tokens, length, outcome) in enumerate(
+                zip(requests, states, drafts, committed, outcomes, strict=True)):
             row = host[at : at + len(outcome)]
             at += len(outcome)
             # Choices (greedy, seeded): accept while the draft matches them; sampled: (accepted, next token).
             compares = request.params.greedy or request.params.reproducible
             accepted, next_token = accept_greedy(tokens, row) if compares else (int(row[0]), int(row[1]))
             state.sync(length + accepted, [next_token])
-            results.append(VerifyResult(accepted=accepted, next_token=next_token))
+            logprobs = scores.emitted(index, accepted + 1) if index in scores.rows else None
+            results.append(VerifyResult(accepted=accepted, next_token=next_token, logprobs=logprobs))
         return results
 
     @staticmethod
@@ -194,3 +200,59 @@ class LocalVerifier(InProcessSide):
             resample.unsqueeze(0).to(device),
         )
         return torch.cat([accepted, next_token])
+
+
+class _Logprobs:
+    """The target's log-probabilities at every scored position of the rows that asked for them, brought to the host
+    in one transfer on first use. Per position: [token emitted there, its logprob, top values..., top ids...]
+    (ids travel as float64: exact for any vocabulary below 2**53)."""
+
+    def __init__(self, rows: dict[int, tuple[int, int, int]], packed: torch.Tensor | None, width: int) -> None:
+        self.rows = rows  # request index -> (its first packed position, its positions, top alternatives it asked)
+        self._packed, self._width = packed, width
+        self._host: list[list[float]] | None = None
+
+    def emitted(self, index: int, count: int) -> list[TokenLogprob]:
+        """The first `count` positions of request `index`: its accepted drafts, then the next token."""
+        if self._host is None:
+            self._host = self._packed.tolist() if self._packed is not None else []
+        first, positions, top = self.rows[index]
+        ids_at = 2 + self._width
+        return [TokenLogprob(int(values[0]), values[1],
+                             tuple((int(values[ids_at + j]), values[2 + j]) for j in range(top)))
+                for values in self._host[first : first + min(count, positions)]]
+
+
+def _score_logprobs(requests: list[VerifyRequest], row_logits: tuple[torch.Tensor, ...], drafts: list[list[int]],
+                    outcomes: list[torch.Tensor]) -> _Logprobs:
+    """On the device, for the rows whose requests ask for logprobs only (nothing at all when none does): log-softmax
+    of the target's raw logits (float32; before temperature, top-k and top-p), batched over those rows' positions.
+    Position i of a row scores the token emitted there if i drafts are accepted: the i-th drafted token for i below
+    the accepted count, the next token at the accepted count."""
+    asking = [i for i, request in enumerate(requests) if request.params.logprobs is not None]
+    if not asking:
+        return _Logprobs({}, None, 0)
+    logits = torch.cat([row_logits[i] for i in asking]).float()
+    width = min(max(requests[i].params.logprobs for i in asking), logits.shape[-1])
+    tokens = torch.cat([_emitted_tokens(requests[i], drafts[i], outcomes[i]) for i in asking])
+    log_probs = torch.log_softmax(logits, dim=-1)
+    parts = [tokens.unsqueeze(1).double(), log_probs.gather(1, tokens.unsqueeze(1)).double()]
+    if width:
+        top = log_probs.topk(width, dim=-1)  # sorted: most likely first
+        parts += [top.values.double(), top.indices.double()]
+    rows, at = {}, 0
+    for i in asking:
+        rows[i] = (at, len(drafts[i]) + 1, min(requests[i].params.logprobs, width))
+        at += len(drafts[i]) + 1
+    return _Logprobs(rows, torch.cat(parts, dim=1), width)
+
+
+def _emitted_tokens(request: VerifyRequest, drafts: list[int], outcome: torch.Tensor) -> torch.Tensor:
+    """On the device: [k + 1] token ids, the one emitted at each position if the round stops there (see
+    _score_logprobs); only positions up to the accepted count are ever read."""
+    if request.params.greedy or request.params.reproducible:
+        return outcome  # the target's choices: equal to the accepted drafts, then the next token
+    accepted, next_token = outcome[0], outcome[1]
+    drafted = torch.tensor(drafts + [0], dtype=outcome.dtype, device=outcome.device)
+    positions = torch.arange(len(drafts) + 1, device=outcome.device)
+    return torch.where(positions < accepted, drafted, next_token)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tandem.core.config import SamplingParams
+from tandem.core.logprobs import TokenLogprob
 from tandem.core.sampling import SparseDist
 
 
@@ -95,6 +96,8 @@ class VerifyRequest:
 class VerifyResult:
     accepted: int
     next_token: int  # PREFILLING: the sequence's prefill was capped by prefill_limit and goes on next call
+    # When the request asked (SamplingParams.logprobs): one per emitted token, the accepted drafts then next_token.
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def prefilling(self) -> bool:
