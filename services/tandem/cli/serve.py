@@ -26,6 +26,8 @@ from tandem.telemetry import tracing
 from tandem.telemetry.metrics import DEFAULT_PORT as DEFAULT_METRICS_PORT
 from tandem.telemetry.worker import DEFAULT_WORKER_METRICS_PORT, METRICS_PORT_ENV
 
+DEFAULT_HTTP_PORT = 8000  # vLLM's and most OpenAI-compatible servers' default
+
 
 def add_serve_parser(subparsers) -> None:
     parser = subparsers.add_parser("serve", help="serve the gRPC API: gateway, Ray draft and target workers, Redis")
@@ -72,6 +74,9 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                         help="session state store (default: $REDIS_URL, else an embedded redis-server)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port (default: %(default)s)")
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions) on --host "
+                             f"(default: {DEFAULT_HTTP_PORT}, or a free port when taken; 0: a free port; -1: off)")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests queued or running before RESOURCE_EXHAUSTED (default: %(default)s)")
     parser.add_argument("--max-batch", type=int, default=16, help="sequences per engine step (default: %(default)s)")
@@ -110,9 +115,13 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
     if not -1 <= metrics_port <= 65535:
         raise InvalidArgument(f"metrics_port: must be between -1 (off) and 65535, got {metrics_port}")
     off = args.no_metrics or metrics_port == -1
+    http_port = DEFAULT_HTTP_PORT if args.http_port is None else args.http_port
+    if not -1 <= http_port <= 65535:
+        raise InvalidArgument(f"http_port: must be between -1 (off) and 65535, got {http_port}")
     return GatewayOptions(host=args.host, port=args.port, limits=limits, max_requests=args.max_queue,
                           stall_timeout=args.stall_timeout, grace=args.grace,
-                          metrics_port=None if off else metrics_port, metrics_port_fallback=args.metrics_port is None)
+                          metrics_port=None if off else metrics_port, metrics_port_fallback=args.metrics_port is None,
+                          http_port=None if http_port == -1 else http_port, http_port_fallback=args.http_port is None)
 
 
 def worker_metrics_port(args: argparse.Namespace) -> int:
@@ -283,6 +292,9 @@ def serve_gateway(args: argparse.Namespace, load, options: GatewayOptions, canar
     def announce_metrics(url: str) -> None:
         print(f"tandem: Prometheus metrics at {url}", flush=True)
 
+    def announce_http(url: str) -> None:
+        print(f"tandem: serving the OpenAI-compatible HTTP API on {url}/v1", flush=True)
+
     with contextlib.ExitStack() as stack:
         sessions = _session_store(args.redis_url, stack)
         stack.callback(tracing.shutdown)  # flushes the last spans
@@ -293,7 +305,7 @@ def serve_gateway(args: argparse.Namespace, load, options: GatewayOptions, canar
                 print(f"tandem: canary arms {', '.join(f'{arm.name}={arm.weight:g}' for arm in canary.arms)} "
                       f"(deployment {canary.deployment}; `tandem canary status`)", flush=True)
             asyncio.run(serve(load, options, sessions=sessions, on_listening=announce, on_metrics=announce_metrics,
-                              canary=canary))
+                              on_http=announce_http, canary=canary))
         except OSError as exc:
             raise TandemError(str(exc)) from exc
     return 0

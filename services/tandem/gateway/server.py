@@ -49,6 +49,8 @@ class GatewayOptions:
     grace: float = 30.0
     metrics_port: int | None = None  # Prometheus /metrics on the gateway's host: None = off, 0 = any free port
     metrics_port_fallback: bool = False  # when metrics_port is taken, use any free port instead of failing
+    http_port: int | None = None  # the OpenAI-compatible HTTP API on the gateway's host: None = off, 0 = any free port
+    http_port_fallback: bool = False  # when http_port is taken, use any free port instead of failing
 
 
 def format_address(host: str, port: int) -> str:
@@ -72,6 +74,7 @@ class Gateway:
         self.loading: asyncio.Task | None = None
         self._drain: asyncio.Task | None = None
         self._backend_watch: asyncio.Task | None = None
+        self.http = None  # tandem.gateway.openai.server.HttpServer while the OpenAI-compatible HTTP API is on
 
     @property
     def address(self) -> str:
@@ -85,6 +88,39 @@ class Gateway:
     @property
     def draining(self) -> bool:
         return self._drain is not None
+
+    @property
+    def http_port(self) -> int | None:
+        """The HTTP API's bound port (None: off)."""
+        return self.http.port if self.http is not None else None
+
+    @property
+    def http_url(self) -> str | None:
+        return self.http.url if self.http is not None else None
+
+    def http_status(self) -> str | None:
+        """Why the HTTP API cannot take requests now, or None when it can: the gRPC readiness, in words."""
+        if self._drain is not None:
+            return "draining"
+        if self.loop is None:
+            return "loading"
+        return "unavailable" if any(loop.unavailable for loop in self.all_loops) else None
+
+    async def _start_http(self) -> None:
+        from tandem.gateway.openai.app import create_app
+        from tandem.gateway.openai.server import start_http_server
+
+        options = self.options
+        ports = [options.http_port, 0] if options.http_port_fallback else [options.http_port]
+        app = create_app(self.generations, self.http_status)
+        for index, port in enumerate(ports):
+            try:
+                self.http = await start_http_server(app, options.host, port)
+                return
+            except OSError:
+                if index == len(ports) - 1:
+                    raise
+                log.info("HTTP port %d is taken; serving the HTTP API on a free port", port)
 
     async def ready(self) -> bool:
         """Wait for the engine to load: True once serving, False if a drain cut loading short; re-raises failures."""
@@ -210,7 +246,8 @@ class Gateway:
             while any(loop.active for loop in loops) and time.monotonic() < deadline:
                 await asyncio.sleep(DRAIN_POLL_SECONDS)
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(max(0.0, deadline - time.monotonic()))
+        remaining = max(0.0, deadline - time.monotonic())
+        await asyncio.gather(self.server.stop(remaining), *([self.http.stop(remaining)] if self.http else []))
         if self.loading is not None and not self.loading.done():
             self.loading.cancel()
         if self.canary is not None:  # flushes the last observations; pending greedy checks end with the loops
@@ -254,6 +291,14 @@ async def start_gateway(load: Callable[[], Backend | Mapping[str, Backend]], opt
     await health_servicer.set(READINESS_SERVICE, NOT_SERVING)
     await server.start()
     gateway = Gateway(server, health_servicer, servicer, options, port)
+    if options.http_port is not None:
+        try:
+            await gateway._start_http()
+        except BaseException:
+            await server.stop(0)
+            if metrics is not None:
+                metrics.close()
+            raise
     gateway.canary_options = canary
     gateway.loading = asyncio.create_task(gateway._load(load, sessions))
     return gateway
@@ -261,13 +306,16 @@ async def start_gateway(load: Callable[[], Backend | Mapping[str, Backend]], opt
 
 async def serve(load: Callable[[], Backend | Mapping[str, Backend]], options: GatewayOptions,
                 sessions: SessionStore | None = None, on_listening: Callable[[str], None] | None = None,
-                on_metrics: Callable[[str], None] | None = None, canary=None) -> None:
-    """Run until SIGTERM or SIGINT, then drain gracefully."""
+                on_metrics: Callable[[str], None] | None = None, canary=None,
+                on_http: Callable[[str], None] | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then drain gracefully. on_http: told the HTTP API's base URL when it is on."""
     gateway = await start_gateway(load, options, sessions, canary)
     if on_metrics is not None and gateway.metrics_url is not None:
         on_metrics(gateway.metrics_url)
     if on_listening is not None:
         on_listening(gateway.address)
+    if on_http is not None and gateway.http_url is not None:
+        on_http(gateway.http_url)
     stopping: list[asyncio.Task] = []
 
     def on_signal() -> None:

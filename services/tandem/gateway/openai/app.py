@@ -1,0 +1,195 @@
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/models, /health.
+
+Requests go through the gateway's own generation path (tandem.gateway.generation.Generations), the one the gRPC
+API uses: the same validation, engine loop, canary routing and cancellation. Bodies are parsed here rather than by
+FastAPI's parameter binding so that every refusal, a bad JSON body included, is a 400 in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from tandem.gateway.generation import ChoiceDelta, ChoiceEnd, Generations
+from tandem.gateway.openai.convert import (
+    CHAT_RENAMES,
+    COMPLETION_RENAMES,
+    chat_request,
+    check_model,
+    completion_request,
+)
+from tandem.gateway.openai.errors import OpenAIError, bad_request, from_exception, not_ready, validation_error
+from tandem.gateway.openai.responses import SSE_DONE, Kind, Responder, sse
+from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
+from tandem.gateway.openai.streaming import ClientGone, EventStream, until_disconnected
+from tandem.gateway.openai.tokens import TokenTexts
+
+CLIENT_CLOSED = 499  # never seen by the client (it left); what access logs conventionally record
+# Why the server cannot take requests now ("loading", "draining", "unavailable"), or None when it can.
+Status = Callable[[], str | None]
+NOT_READY = {"loading": "not ready: the engine is still loading",
+             "draining": "draining: this server is shutting down",
+             "unavailable": "no target replica is available; retry later"}
+
+
+@dataclass(slots=True, frozen=True)
+class _Endpoint:
+    kind: Kind
+    schema: type[BaseModel]
+    convert: Callable
+    renames: dict[str, str]
+    id_prefix: str
+
+
+CHAT = _Endpoint("chat", ChatCompletionRequest, chat_request, CHAT_RENAMES, "chatcmpl")
+COMPLETION = _Endpoint("completion", CompletionRequest, completion_request, COMPLETION_RENAMES, "cmpl")
+
+
+def create_app(generations: Generations, status: Status | None = None) -> FastAPI:
+    """The API over `generations`; `status` says why it cannot serve (default: loading until attached)."""
+    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    api = _Api(generations, status or (lambda: None if generations.ready else "loading"))
+    app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/health", api.health, methods=["GET"])
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # OpenAI's answer to an unknown URL, in its error shape (Starlette's is {"detail": ...}).
+        message = f"Invalid URL ({request.method} {request.url.path})" if exc.status_code in (404, 405) \
+            else str(exc.detail)
+        return OpenAIError(exc.status_code, message).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(list(exc.errors())).response()
+
+    return app
+
+
+class _Api:
+    def __init__(self, generations: Generations, status: Status) -> None:
+        self.generations = generations
+        self.status = status
+        self.created = int(time.time())
+        self._texts: TokenTexts | None = None
+
+    def _token_texts(self) -> TokenTexts:
+        tokenizer = self.generations.tokenizer
+        if self._texts is None or self._texts.tokenizer is not tokenizer:
+            self._texts = TokenTexts(tokenizer)
+        return self._texts
+
+    def _check_ready(self) -> None:
+        if (reason := self.status()) is not None:
+            raise not_ready(NOT_READY.get(reason, reason))
+
+    async def health(self) -> JSONResponse:
+        reason = self.status()
+        return JSONResponse({"status": reason or "ok"}, status_code=503 if reason else 200)
+
+    async def models(self) -> JSONResponse:
+        try:
+            self._check_ready()
+            name = self.generations.target_name
+        except Exception as exc:
+            return _error(exc, {})
+        model = {"id": name, "object": "model", "created": self.created, "owned_by": "tandem"}
+        limits = self.generations.model_limits
+        if limits is not None and limits.context_window:
+            model["max_model_len"] = limits.context_window  # vLLM's name for it; clients size prompts by it
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, COMPLETION)
+
+    async def _generate(self, request: Request, endpoint: _Endpoint) -> Response:
+        try:
+            return await self._serve(request, endpoint)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        except Exception as exc:
+            return _error(exc, endpoint.renames)
+
+    async def _serve(self, request: Request, endpoint: _Endpoint) -> Response:
+        body = await _read_body(request, endpoint.schema)
+        self._check_ready()
+        model = self.generations.target_name
+        check_model(body, model)
+        request_id = body.request_id or f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
+        message = endpoint.convert(body, request_id)
+        responder = Responder(endpoint.kind, request_id, model, self._token_texts(), n=max(message.n, 1),
+                              logprobs=message.HasField("logprobs"), include_usage=body.stream and body.include_usage)
+        events = self.generations.stream(message, list(request.headers.items()))  # headers: a W3C trace context
+        if not body.stream:
+            await until_disconnected(request, _collect(events, responder))
+            return JSONResponse(responder.response())
+        try:
+            # The first event before any byte is sent: a refused request (400, 429, 503) gets its own status.
+            first = await until_disconnected(request, _first(events))
+        except BaseException:
+            await events.aclose()
+            raise
+        return EventStream(_sse(events, first, responder, endpoint.renames), events)
+
+
+def _error(exc: Exception, renames: dict[str, str]) -> JSONResponse:
+    error = exc if isinstance(exc, OpenAIError) else from_exception(exc, renames)
+    return error.response()
+
+
+async def _read_body(request: Request, schema: type[BaseModel]):
+    try:
+        data = json.loads(await request.body())
+    except ValueError as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from exc
+
+
+async def _collect(events: AsyncGenerator, responder: Responder) -> None:
+    async with contextlib.aclosing(events):
+        async for event in events:
+            responder.collect(event)
+
+
+async def _first(events: AsyncGenerator) -> ChoiceDelta | ChoiceEnd:
+    async for event in events:
+        return event
+    raise RuntimeError("the generation stream ended without an event")
+
+
+async def _sse(events: AsyncGenerator, first: ChoiceDelta | ChoiceEnd, responder: Responder,
+               renames: dict[str, str]) -> AsyncGenerator[bytes, None]:
+    async with contextlib.aclosing(events):
+        for chunk in responder.first_chunks():
+            yield sse(chunk)
+        yield sse(responder.chunk(first))
+        try:
+            async for event in events:
+                yield sse(responder.chunk(event))
+        except Exception as exc:  # after the headers: the error travels as an event (the SDKs raise it)
+            yield sse(from_exception(exc, renames).body())
+            yield SSE_DONE
+            return
+        if responder.include_usage:
+            yield sse(responder.usage_chunk())
+        yield SSE_DONE

@@ -1,0 +1,108 @@
+"""OpenAI request bodies -> tandem.v1 GenerateRequest, the message the gateway's generation path takes.
+
+Only shapes are translated here; values are checked by the gateway's validation (the same as gRPC requests get),
+whose messages name gRPC fields: RENAMES_* map those names back to the body's fields for the error's `param`.
+"""
+
+from __future__ import annotations
+
+from tandem.gateway.openai.errors import bad_request, model_not_found
+from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, _Generate
+from tandem.v1 import generation_pb2 as pb
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+SEED_LIMIT = 2**63  # SamplingParams' range; the wire field is uint64
+# The developer role is OpenAI's newer name for system instructions; chat templates know only "system".
+ROLE_ALIASES = {"developer": "system"}
+SPECULATION_MODES = {"auto": pb.SpeculationOptions.MODE_AUTO, "off": pb.SpeculationOptions.MODE_OFF}
+
+_COMMON_RENAMES = {"speculation.max_k": "max_k", "speculation.mode": "speculation"}
+CHAT_RENAMES = {**_COMMON_RENAMES, "chat.messages": "messages", "chat": "messages", "input": "messages",
+                "logprobs": "top_logprobs"}
+COMPLETION_RENAMES = {**_COMMON_RENAMES, "token_ids": "prompt", "input": "prompt"}
+
+
+def _int32(name: str, value: int | None) -> int | None:
+    """The wire's int32 fields would raise on a value past their range; refuse it with the field's name instead.
+    Narrower ranges are the gateway validation's to check."""
+    if value is not None and not INT32_MIN <= value <= INT32_MAX:
+        raise bad_request(f"{name}: must be between {INT32_MIN} and {INT32_MAX}, got {value}", name)
+    return value
+
+
+def _choices(n: int | None) -> int:
+    """The wire's n (0: one choice); an explicit 0 is refused, as OpenAI refuses it."""
+    if n is not None and n < 1:
+        raise bad_request(f"n: must be at least 1, got {n}", "n")
+    return _int32("n", n) or 0
+
+
+def _refuse_unsupported(body: _Generate) -> None:
+    if fields := body.unsupported():
+        raise bad_request(f"{fields[0]}: not supported by this server", fields[0])
+
+
+def _common(body: _Generate, request_id: str, max_tokens: int | None, logprobs: int | None) -> pb.GenerateRequest:
+    _refuse_unsupported(body)
+    if body.seed is not None and not 0 <= body.seed < SEED_LIMIT:
+        raise bad_request(f"seed: must be between 0 and {SEED_LIMIT - 1}, got {body.seed}", "seed")
+    sampling = pb.SamplingParams(max_tokens=_int32("max_tokens", max_tokens), top_k=_int32("top_k", body.top_k),
+                                 seed=body.seed, temperature=body.temperature, top_p=body.top_p)
+    speculation = pb.SpeculationOptions(mode=SPECULATION_MODES[body.speculation or "auto"],
+                                        max_k=_int32("max_k", body.max_k))
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stop_token_ids = [_int32(f"stop_token_ids[{i}]", t) for i, t in enumerate(body.stop_token_ids or [])]
+    return pb.GenerateRequest(request_id=request_id, session_id=body.session_id or "", sampling=sampling,
+                              stop=stop, stop_token_ids=stop_token_ids, speculation=speculation,
+                              ignore_eos=body.ignore_eos, n=_choices(body.n),
+                              logprobs=_int32("logprobs", logprobs))
+
+
+def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    # max_completion_tokens is OpenAI's newer name for max_tokens; it wins when both are sent.
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    request = _common(body, request_id, max_tokens, logprobs)
+    messages = [pb.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=_content(i, m.content))
+                for i, m in enumerate(body.messages)]
+    request.chat.CopyFrom(pb.Chat(messages=messages))
+    return request
+
+
+def _content(index: int, content) -> str:
+    """A message's text: a string, or its text parts joined by newlines (as vLLM joins them)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            param = f"messages[{index}].content"
+            raise bad_request(f"{param}: only text parts are supported, got type {part.type!r}", param)
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def completion_request(body: CompletionRequest, request_id: str) -> pb.GenerateRequest:
+    request = _common(body, request_id, body.max_tokens, body.logprobs)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:  # a batch of prompts: one request per prompt keeps each stream's choices simple
+            raise bad_request(f"prompt: one prompt per request, got {len(prompt)}", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        for i, token in enumerate(prompt):
+            if not 0 <= token <= INT32_MAX:
+                raise bad_request(f"prompt[{i}]: token id {token} is out of range", "prompt")
+        request.token_ids.CopyFrom(pb.TokenIds(ids=prompt))
+    return request
+
+
+def check_model(body: _Generate, served: str) -> None:
+    """An omitted model means the served one; any other name is unknown here."""
+    if body.model and body.model != served:
+        raise model_not_found(body.model)
+

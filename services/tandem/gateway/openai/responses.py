@@ -1,0 +1,117 @@
+"""Generation events -> OpenAI response bodies: chat.completion(.chunk) and text_completion, streamed or whole.
+
+One `Responder` per HTTP request turns the gateway's events (ChoiceDelta, ChoiceEnd) into chunks as they come, or
+collects them into one response. Usage sums completion tokens over the choices (the prompt counts once). Each
+choice's speculation statistics ride along under "tandem", next to its engine request id.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tandem.core.logprobs import TokenLogprob
+from tandem.gateway.generation import ChoiceDelta, ChoiceEnd
+from tandem.gateway.openai.tokens import CompletionLogprobs, TokenTexts, chat_logprobs
+
+Kind = Literal["chat", "completion"]
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def tandem_extra(end: ChoiceEnd) -> dict:
+    return {"request_id": end.request_id, "speculation": end.stats}
+
+
+@dataclass(slots=True)
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    end: ChoiceEnd | None = None
+
+
+class Responder:
+    def __init__(self, kind: Kind, response_id: str, model: str, texts: TokenTexts, n: int,
+                 logprobs: bool = False, include_usage: bool = False) -> None:
+        self.kind, self.id, self.model, self.texts = kind, response_id, model, texts
+        self.logprobs, self.include_usage = logprobs, include_usage
+        self.created = int(time.time())
+        self.choices = [_Choice() for _ in range(n)]
+        # text_offset counts on across a choice's chunks
+        self._completion_logprobs = [CompletionLogprobs(texts) for _ in range(n)] if kind == "completion" else []
+
+    # --- usage ---
+
+    def usage(self) -> dict:
+        ends = [choice.end for choice in self.choices if choice.end is not None]
+        prompt = ends[0].prompt_tokens if ends else 0
+        completion = sum(end.completion_tokens for end in ends)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    # --- streaming ---
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                 "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None  # OpenAI's shape: null on every chunk but the last
+        return chunk
+
+    def first_chunks(self) -> list[dict]:
+        """Chat streams open each choice with the assistant role, before any text."""
+        if self.kind != "chat":
+            return []
+        return [self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for index in range(len(self.choices))]
+
+    def chunk(self, event: ChoiceDelta | ChoiceEnd) -> dict:
+        if isinstance(event, ChoiceEnd):
+            self.choices[event.index].end = event
+            body = {"delta": {}} if self.kind == "chat" else {"text": ""}
+            return self._chunk([{"index": event.index, **body, "logprobs": None,
+                                 "finish_reason": event.finish_reason, "tandem": tandem_extra(event)}])
+        body = {"delta": {"content": event.text}} if self.kind == "chat" else {"text": event.text}
+        return self._chunk([{"index": event.index, **body, "logprobs": self._logprobs(event.index, event.logprobs),
+                             "finish_reason": None}])
+
+    def usage_chunk(self) -> dict:
+        return self._chunk([]) | {"usage": self.usage()}
+
+    def _logprobs(self, index: int, logprobs: list[TokenLogprob] | None) -> dict | None:
+        if not self.logprobs or logprobs is None:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(self.texts, logprobs)
+        return self._completion_logprobs[index].format(logprobs)
+
+    # --- whole responses ---
+
+    def collect(self, event: ChoiceDelta | ChoiceEnd) -> None:
+        choice = self.choices[event.index]
+        if isinstance(event, ChoiceEnd):
+            choice.end = event
+            return
+        choice.text.append(event.text)
+        if event.logprobs:
+            choice.logprobs.extend(event.logprobs)
+
+    def response(self) -> dict:
+        choices = []
+        for index, choice in enumerate(self.choices):
+            text = "".join(choice.text)
+            body = {"message": {"role": "assistant", "content": text}} if self.kind == "chat" else {"text": text}
+            end = choice.end
+            choices.append({"index": index, **body, "logprobs": self._logprobs(index, choice.logprobs),
+                            "finish_reason": end.finish_reason if end else None,
+                            "tandem": tandem_extra(end) if end else None})
+        return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}

@@ -1,0 +1,80 @@
+"""uvicorn on the gateway's own event loop: the HTTP API shares the engine loop with gRPC without a thread.
+
+`uvicorn.Server.serve()` would install its own SIGINT/SIGTERM handlers over the gateway's (which drain), so the
+server is driven through its parts instead: the socket is bound here (a busy port is an OSError naming the address,
+port 0 a free one whose number is then known), `startup` serves it, `main_loop` runs as a task until `stop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+import uvicorn
+
+log = logging.getLogger(__name__)
+
+MIN_SHUTDOWN_SECONDS = 0.5
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise OSError(f"cannot listen on {address} for HTTP: {exc.strerror or exc}") from exc
+
+
+class HttpServer:
+    """A started uvicorn server; `port` is the bound one."""
+
+    def __init__(self, server: uvicorn.Server, sock: socket.socket, task: asyncio.Task) -> None:
+        self.server, self.socket, self.task = server, sock, task
+        self.host: str = server.config.host
+        self.port: int = sock.getsockname()[1]
+        self._stopped: asyncio.Task | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def stop(self, grace: float = 0.0) -> asyncio.Task:
+        """Stop accepting connections, let responses in flight finish for up to `grace` seconds, then cancel them
+        (idempotent)."""
+        if self._stopped is None:
+            self._stopped = asyncio.ensure_future(self._stop(grace))
+        return self._stopped
+
+    async def _stop(self, grace: float) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        # Read when shutdown waits on open responses: past it, uvicorn cancels them (closing their generations).
+        # At least a moment: uvicorn closes idle connections first, and a zero wait would time out (and log an error)
+        # before even that is seen.
+        self.server.config.timeout_graceful_shutdown = max(MIN_SHUTDOWN_SECONDS, grace)
+        await self.server.shutdown(sockets=[self.socket])
+        log.info("stopped HTTP on %s", self.url)
+
+
+async def start_http_server(app, host: str, port: int) -> HttpServer:
+    """Serve `app` (ASGI) on host:port (0: a free port) on the running event loop."""
+    config = uvicorn.Config(app, host=host, port=port, loop="none", lifespan="off", ws="none", log_config=None,
+                            access_log=False, server_header=False)
+    config.load()
+    server = uvicorn.Server(config)
+    server.lifespan = config.lifespan_class(config)
+    sock = _bind(host, port)
+    try:
+        await server.startup(sockets=[sock])
+    except BaseException:
+        sock.close()
+        raise
+    task = asyncio.create_task(server.main_loop(), name="tandem-http")
+    http = HttpServer(server, sock, task)
+    log.info("serving the OpenAI-compatible API on %s/v1", http.url)
+    return http

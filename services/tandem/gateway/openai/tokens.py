@@ -1,0 +1,104 @@
+"""Token ids -> the strings and bytes OpenAI's logprobs report for them.
+
+`token` is the decode of the one id (special tokens shown, as OpenAI and vLLM show them); `bytes` are the token's
+exact bytes. With a byte-level BPE tokenizer (GPT-2, Qwen) a token may be part of a UTF-8 character, whose decode
+alone is a replacement character; its bytes then come from the byte-level alphabet, so a client can join tokens'
+bytes back into the text.
+"""
+
+from __future__ import annotations
+
+import codecs
+import math
+from functools import cache
+
+from tandem.core.logprobs import TokenLogprob
+
+
+@cache
+def _byte_alphabet() -> dict[str, int]:
+    """The inverse of GPT-2's bytes_to_unicode: the printable character each byte is written as -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(char): byte for byte, char in zip(printable, chars, strict=True)}
+
+
+def _byte_level(tokenizer) -> bool:
+    try:
+        from tokenizers import decoders
+
+        return isinstance(tokenizer.backend_tokenizer.decoder, decoders.ByteLevel)
+    except (AttributeError, ImportError):
+        return False
+
+
+class TokenTexts:
+    """Cached per id: a vocabulary is small, and logprobs name the same tokens over and over."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.byte_level = _byte_level(tokenizer)
+        self.special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def get(self, token_id: int) -> tuple[str, bytes]:
+        if (known := self._cache.get(token_id)) is None:
+            known = self._cache[token_id] = self._texts(token_id)
+        return known
+
+    def _texts(self, token_id: int) -> tuple[str, bytes]:
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if self.byte_level and token_id not in self.special:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            alphabet = _byte_alphabet()
+            if piece is not None and all(char in alphabet for char in piece):
+                return text, bytes(alphabet[char] for char in piece)
+        return text, text.encode()
+
+    def shown_bytes(self, token_id: int) -> bytes:
+        """The token's bytes as they appear in the returned text: none for special tokens, which it skips."""
+        return b"" if token_id in self.special else self.get(token_id)[1]
+
+
+FLOOR_LOGPROB = -9999.0  # JSON has no -Infinity (strict encoders refuse it): vLLM's stand-in for an impossible token
+
+
+def finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else FLOOR_LOGPROB
+
+
+def _entry(texts: TokenTexts, token_id: int, logprob: float) -> dict:
+    token, raw = texts.get(token_id)
+    return {"token": token, "logprob": finite(logprob), "bytes": list(raw)}
+
+
+def chat_logprobs(texts: TokenTexts, logprobs: list[TokenLogprob]) -> dict:
+    """{"content": [...]}: each token with its bytes and its most likely alternatives."""
+    return {"content": [_entry(texts, lp.token_id, lp.logprob)
+                        | {"top_logprobs": [_entry(texts, tid, value) for tid, value in lp.top]}
+                        for lp in logprobs]}
+
+
+class CompletionLogprobs:
+    """The completions API's logprobs of one choice: `text_offset` counts characters across all its chunks."""
+
+    def __init__(self, texts: TokenTexts) -> None:
+        self.texts = texts
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = 0
+
+    def format(self, logprobs: list[TokenLogprob]) -> dict:
+        offsets = []
+        for lp in logprobs:
+            offsets.append(self._chars)
+            self._chars += len(self._decoder.decode(self.texts.shown_bytes(lp.token_id)))
+        return {"tokens": [self.texts.get(lp.token_id)[0] for lp in logprobs],
+                "token_logprobs": [finite(lp.logprob) for lp in logprobs],
+                "top_logprobs": [{self.texts.get(tid)[0]: finite(value) for tid, value in lp.top} for lp in logprobs],
+                "text_offset": offsets}

@@ -1,0 +1,372 @@
+"""The OpenAI-compatible HTTP API end to end: the real openai SDK against uvicorn on the gateway's loop, tiny models."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gateway_harness import ServerThread, tiny_backend
+from tandem.client import TandemClient
+from tandem.gateway.server import GatewayOptions, start_gateway
+from tandem.gateway.validate import GatewayLimits
+from tandem.v1 import generation_pb2 as pb
+
+SERVICES = Path(__file__).resolve().parent.parent / "services"
+MODEL = "tiny-target"
+NEW_TOKENS = 24
+GREEDY = {"temperature": 0.0, "max_tokens": NEW_TOKENS}
+IGNORE_EOS = {"ignore_eos": True}
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    target, draft, _ = tiny_models
+    running = ServerThread(tiny_backend(target, draft), http_port=0, limits=GatewayLimits(max_prompt_tokens=512))
+    yield running
+    running.stop()
+
+
+def _sdk(server: ServerThread) -> openai.OpenAI:
+    # No retries: the SDK would retry a 429 or 503 on its own, hiding the status under test.
+    return openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def _grpc(server: ServerThread, **request) -> tuple[str, list[int], pb.Complete]:
+    with TandemClient(server.address, timeout=60) as client:
+        items = list(client.generate(**request))
+    chunks = [item for item in items if isinstance(item, pb.Chunk)]
+    return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], items[-1]
+
+
+def _idle(server: ServerThread) -> bool:
+    return server.wait_for(lambda: server.gateway.loop.active == 0 and server.caches_empty())
+
+
+def test_models_and_health(server) -> None:
+    models = _sdk(server).models.list()
+    assert [m.id for m in models.data] == [MODEL] and models.data[0].owned_by == "tandem"
+    assert models.data[0].model_extra["max_model_len"] == server.gateway.generations.model_limits.context_window
+    health = httpx.get(f"{server.gateway.http_url}/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+def test_chat_greedy_equals_the_grpc_stream(server) -> None:
+    text, _, complete = _grpc(server, chat=[(m["role"], m["content"]) for m in CHAT], ignore_eos=True, **GREEDY)
+    response = _sdk(server).chat.completions.create(model=MODEL, messages=CHAT, extra_body=IGNORE_EOS, **GREEDY)
+    choice = response.choices[0]
+    assert response.object == "chat.completion" and response.model == MODEL and response.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content == text and text
+    assert choice.finish_reason == "length" and choice.index == 0
+    usage = response.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (complete.usage.prompt_tokens, NEW_TOKENS)
+    assert usage.total_tokens == usage.prompt_tokens + NEW_TOKENS
+    stats = choice.model_extra["tandem"]["speculation"]
+    assert stats["rounds"] > 0 and stats["drafted"] > 0 and choice.model_extra["tandem"]["request_id"] == response.id
+    assert _idle(server)
+
+
+def test_chat_stream_with_usage(server) -> None:
+    want = _sdk(server).chat.completions.create(model=MODEL, messages=CHAT, extra_body=IGNORE_EOS, **GREEDY)
+    chunks = list(_sdk(server).chat.completions.create(model=MODEL, messages=CHAT, stream=True, extra_body=IGNORE_EOS,
+                                                       stream_options={"include_usage": True}, **GREEDY))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == want.choices[0].message.content
+    *_, last_choice, usage_chunk = chunks
+    assert last_choice.choices[0].finish_reason == "length" and last_choice.usage is None
+    assert "speculation" in last_choice.choices[0].model_extra["tandem"]
+    assert usage_chunk.choices == [] and usage_chunk.usage.model_dump() == want.usage.model_dump()
+
+
+def test_completions_equal_the_grpc_stream(server, tiny_models) -> None:
+    tokenizer = tiny_models[0].tokenizer
+    sdk = _sdk(server)
+    for prompt in ("def add(a, b):", tokenizer.encode("import os\n")):
+        request = {"prompt": prompt} if isinstance(prompt, str) else {"token_ids": prompt}
+        text, _, complete = _grpc(server, ignore_eos=True, **request, **GREEDY)
+        whole = sdk.completions.create(model=MODEL, prompt=prompt, extra_body=IGNORE_EOS, **GREEDY)
+        assert whole.object == "text_completion" and whole.choices[0].text == text
+        assert whole.usage.prompt_tokens == complete.usage.prompt_tokens
+        assert whole.usage.completion_tokens == NEW_TOKENS and whole.choices[0].finish_reason == "length"
+        streamed = list(sdk.completions.create(model=MODEL, prompt=prompt, stream=True, extra_body=IGNORE_EOS,
+                                               **GREEDY))
+        assert "".join(c.choices[0].text for c in streamed) == text
+        assert streamed[-1].choices[0].finish_reason == "length"
+    assert _idle(server)
+
+
+def test_n_choices(server) -> None:
+    sdk = _sdk(server)
+    response = sdk.chat.completions.create(model=MODEL, messages=CHAT, n=3, temperature=1.0, seed=7, max_tokens=16,
+                                           extra_body=IGNORE_EOS)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert len({c.message.content for c in response.choices}) > 1, "each choice samples with its own seed"
+    assert response.usage.completion_tokens == 3 * 16
+    request_ids = [c.model_extra["tandem"]["request_id"] for c in response.choices]
+    assert request_ids == [response.id] * 3  # the id the gRPC Abort takes: it stops every choice
+    chunks = list(sdk.completions.create(model=MODEL, prompt="x = ", n=2, temperature=1.0, seed=7, max_tokens=16,
+                                         stream=True, stream_options={"include_usage": True}, extra_body=IGNORE_EOS))
+    ends = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert ends == {0: "length", 1: "length"} and chunks[-1].usage.completion_tokens == 2 * 16
+    assert _idle(server)
+
+
+def test_chat_logprobs(server, tiny_models) -> None:
+    tokenizer = tiny_models[0].tokenizer
+    _, ids, _ = _grpc(server, chat=[(m["role"], m["content"]) for m in CHAT], ignore_eos=True, **GREEDY)
+    response = _sdk(server).chat.completions.create(model=MODEL, messages=CHAT, logprobs=True, top_logprobs=3,
+                                                    extra_body=IGNORE_EOS, **GREEDY)
+    content = response.choices[0].logprobs.content
+    assert [entry.token for entry in content] == [tokenizer.decode([t]) for t in ids]
+    special = set(tokenizer.all_special_ids)
+    shown = b"".join(bytes(entry.bytes) for entry, t in zip(content, ids, strict=True) if t not in special)
+    assert shown.decode("utf-8", errors="replace") == response.choices[0].message.content
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the top token
+    streamed = list(_sdk(server).chat.completions.create(model=MODEL, messages=CHAT, logprobs=True, stream=True,
+                                                         extra_body=IGNORE_EOS, **GREEDY))
+    tokens = [e.token for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert tokens == [entry.token for entry in content]
+
+
+def test_completion_logprobs(server) -> None:
+    response = _sdk(server).completions.create(model=MODEL, prompt="def add(a, b):", logprobs=2,
+                                               extra_body=IGNORE_EOS, **GREEDY)
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == NEW_TOKENS
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    assert logprobs.text_offset[-1] <= len(response.choices[0].text)
+
+
+def test_stop_strings(server) -> None:
+    sdk = _sdk(server)
+    sample = sdk.completions.create(model=MODEL, prompt="def add(a, b):", temperature=0, max_tokens=40,
+                                    extra_body=IGNORE_EOS).choices[0].text
+    stop = sample[12:14]
+    want, _, _ = _grpc(server, prompt="def add(a, b):", temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    for stream in (False, True):
+        response = sdk.completions.create(model=MODEL, prompt="def add(a, b):", temperature=0, max_tokens=40,
+                                          stop=stop, stream=stream, extra_body=IGNORE_EOS)
+        chunks = list(response) if stream else [response]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want and stop not in want
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def _error(call) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as caught:
+        call()
+    return caught.value
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"temperature": -1.0}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
+    ({"messages": []}, "messages"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"n": 0}, "n"),
+    ({"seed": -1}, "seed"),
+    ({"top_k": -1}, "top_k"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"max_completion_tokens": 2**40}, "max_tokens"),
+    ({"stop": [""]}, "stop[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"max_k": 99}, "max_k"),
+    ({"speculation": "sometimes"}, "speculation"),
+    ({"max_tokens": "many"}, "max_tokens"),
+])
+def test_bad_fields_are_400_naming_the_param(server, body, param) -> None:
+    request = {"model": MODEL, "messages": CHAT, "max_tokens": 4} | body
+    response = httpx.post(f"{server.gateway.http_url}/v1/chat/completions", json=request)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert error["message"].startswith(f"{param}: ")
+
+
+def test_request_errors(server) -> None:
+    sdk, url = _sdk(server), server.gateway.http_url
+    error = _error(lambda: sdk.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=4))
+    assert error.status_code == 400 and error.body["param"] == "prompt"
+    error = _error(lambda: sdk.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=4))
+    assert error.status_code == 404 and error.body["code"] == "model_not_found" and error.body["param"] == "model"
+    for response in (httpx.post(f"{url}/v1/embeddings", json={}), httpx.get(f"{url}/v1/chat/completions")):
+        assert response.status_code in (404, 405) and "Invalid URL" in response.json()["error"]["message"]
+    bad_json = httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["type"] == "invalid_request_error"
+    # The model may be omitted: it is the served one.
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+
+
+def test_newer_and_extra_fields(server) -> None:
+    """max_completion_tokens, content parts, the developer role, and tandem's extras (speculation, session)."""
+    messages = [{"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "def add"}, {"type": "text", "text": "(a, b):"}]}]
+    text, _, _ = _grpc(server, chat=[("system", "be brief"), ("user", "def add\n(a, b):")], ignore_eos=True,
+                       temperature=0, max_tokens=5)
+    response = _sdk(server).chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=5, max_tokens=50, temperature=0, user="someone",
+        extra_body={"ignore_eos": True, "speculation": "off", "session_id": "openai-session", "request_id": "mine-1"})
+    assert response.id == "mine-1" and response.choices[0].message.content == text
+    assert response.usage.completion_tokens == 5
+    assert response.choices[0].model_extra["tandem"]["speculation"]["drafted"] == 0
+
+
+def test_stream_disconnect_frees_caches(server) -> None:
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.gateway.http_url}/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert server.gateway.loop.active == 1
+    assert _idle(server)
+
+
+def test_whole_response_disconnect_frees_caches(server) -> None:
+    """A client that leaves while a non-streamed response is being generated: the handler notices and cancels."""
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 4000, "temperature": 0, "ignore_eos": True})
+    port = server.gateway.http_port
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        assert server.wait_for(lambda: server.gateway.loop.active == 1)
+    assert _idle(server)
+
+
+def test_engine_refusal_mid_generation(tiny_models) -> None:
+    """A sequence that outgrows the whole KV budget is refused by the engine once it gets there, after some tokens: a
+    whole response is a 400 with the reason; a stream, already under way, ends with an error event the SDK raises."""
+    small = ServerThread(tiny_backend(tiny_models[0], None, kv_tokens=96), http_port=0)
+    request = {"model": MODEL, "prompt": list(range(3, 63)), "max_tokens": 80, "extra_body": IGNORE_EOS}
+    try:
+        sdk = _sdk(small)
+        error = _error(lambda: sdk.completions.create(**request))
+        assert error.status_code == 400 and "budget of 96" in error.body["message"]
+        chunks = []
+        with pytest.raises(openai.APIError) as caught:
+            chunks.extend(sdk.completions.create(stream=True, **request))
+        assert chunks and "budget of 96" in caught.value.body["message"]
+        assert caught.value.body["type"] == "invalid_request_error"
+        assert _idle(small)
+    finally:
+        small.stop()
+
+
+def test_queue_full_is_429(tiny_models) -> None:
+    target, draft, _ = tiny_models
+    small = ServerThread(tiny_backend(target, draft), http_port=0, max_requests=1)
+    try:
+        sdk = _sdk(small)
+        stream = sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4000, temperature=0, stream=True,
+                                             extra_body=IGNORE_EOS)
+        next(iter(stream))
+        error = _error(lambda: sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4))
+        assert error.status_code == 429 and error.body["code"] == "queue_full"
+        assert error.response.headers["retry-after"] == "1"
+        stream.close()
+        assert _idle(small)
+    finally:
+        small.stop()
+
+
+def test_503_while_loading_and_draining(tiny_models) -> None:
+    target, draft, _ = tiny_models
+    loaded = threading.Event()
+    backend = tiny_backend(target, draft)
+    running = ServerThread(lambda: loaded.wait(60) and backend(), wait_ready=False, http_port=0)
+    try:
+        sdk, url = _sdk(running), running.gateway.http_url
+        assert httpx.get(f"{url}/health").json() == {"status": "loading"}
+        error = _error(lambda: sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4))
+        assert error.status_code == 503 and "loading" in error.body["message"]
+        assert httpx.get(f"{url}/v1/models").status_code == 503
+        loaded.set()
+        running.call(running.gateway.ready())
+        assert httpx.get(f"{url}/health").status_code == 200
+        stream = sdk.completions.create(model=MODEL, prompt="x", max_tokens=48, temperature=0, stream=True,
+                                        extra_body=IGNORE_EOS)
+        first = next(iter(stream))
+        running.start_drain(grace=30)
+        assert running.wait_for(lambda: httpx.get(f"{url}/health").status_code == 503)
+        assert httpx.get(f"{url}/health").json() == {"status": "draining"}
+        error = _error(lambda: sdk.completions.create(model=MODEL, prompt="x", max_tokens=4))
+        assert error.status_code == 503
+        rest = list(stream)  # the request in flight finishes within the grace period
+        assert rest[-1].choices[0].finish_reason == "length"
+        text = first.choices[0].text + "".join(c.choices[0].text for c in rest)
+        assert len(text) > 0
+        assert running.wait_for(lambda: running.gateway.draining and running.gateway.http.task.done())
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health")
+    finally:
+        loaded.set()
+        running.stop()
+
+
+def test_a_taken_http_port(tiny_models) -> None:
+    """A taken --http-port fails the start naming the address, unless it was the default (then a free port)."""
+    load = tiny_backend(tiny_models[0], None)
+
+    async def start(port: int, fallback: bool) -> int | None:
+        gateway = await start_gateway(load, GatewayOptions(port=0, http_port=port, http_port_fallback=fallback))
+        try:
+            return gateway.http_port
+        finally:
+            await gateway.drain(0)
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        assert asyncio.run(start(port, fallback=True)) not in (None, port)
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} for HTTP"):
+            asyncio.run(start(port, fallback=False))
+
+
+def test_tandem_serve_prints_and_serves_http(tiny_dirs) -> None:
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(SERVICES), os.environ.get("PYTHONPATH")])),
+                        "REDIS_URL": ""}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem", "serve", "--in-process", "--target", str(tiny_dirs.target), "--draft",
+         str(tiny_dirs.draft), "--port", "0", "--http-port", "0", "--no-metrics", "--dtype", "float32",
+         "--threads", "1", "--kv-tokens", "4096", "--grace", "5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = None
+        for line in proc.stdout:
+            if "OpenAI-compatible HTTP API on " in line:
+                url = line.split(" on ")[1].split()[0].removesuffix("/v1")
+                break
+        assert url, proc.stderr.read() if proc.poll() is not None else "no HTTP line"
+        for _ in range(480):  # loading (and calibrating) happens after the ports are bound
+            assert proc.poll() is None, proc.stderr.read()
+            if httpx.get(f"{url}/health").status_code == 200:
+                break
+            threading.Event().wait(0.25)
+        sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        response = sdk.completions.create(model=str(tiny_dirs.target), prompt="hi", max_tokens=5,
+                                          extra_body=IGNORE_EOS)
+        assert response.usage.completion_tokens == 5
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
