@@ -1,6 +1,7 @@
 """python -m loadtest: one load level, a sweep, or plots of a finished sweep.
 
     python -m loadtest --address 127.0.0.1:50051 --rate 2 --requests 100 --speculation auto --out DIR
+    python -m loadtest --backend openai --url http://127.0.0.1:8000 --rate 2 --requests 100 --out DIR
     python -m loadtest sweep --address 127.0.0.1:50051 --rates 0.5 1 2 --requests 50 --out DIR
     python -m loadtest plot DIR/sweep.json
     python -m loadtest bound DIR/sweep.json   # the analytic bound per level, from the server's measured costs
@@ -18,14 +19,14 @@ from pathlib import Path
 
 from loadtest.arrivals import parse_rate
 from loadtest.client_run import ServerUnreachable, WarmupFailed
-from loadtest.config import MODES, RunConfig
+from loadtest.config import BACKENDS, MODES, TOKEN_COUNTS, RunConfig
 from loadtest.metrics import parse_slos
 from loadtest.prompts import LENGTHS, SETS
 
 # Options copied as they are from the command line into RunConfig (the rest are converted).
-CONFIG_ARGS = ("address", "allow_remote", "requests", "burstiness", "max_concurrency", "seed", "duration", "grace",
-               "timeout", "warmup", "max_k", "prompts", "max_tokens", "temperature", "ignore_eos", "sessions",
-               "connect_timeout")
+CONFIG_ARGS = ("address", "backend", "url", "openai_token_counts", "allow_remote", "requests", "burstiness",
+               "max_concurrency", "seed", "duration", "grace", "timeout", "warmup", "max_k", "prompts", "max_tokens",
+               "temperature", "ignore_eos", "sessions", "connect_timeout")
 
 
 class UsageError(ValueError):
@@ -40,7 +41,13 @@ def _positive_rate(text: str) -> float:
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", required=True, help="HOST:PORT of a tandem gateway (loopback only)")
+    parser.add_argument("--backend", choices=BACKENDS, default="grpc",
+                        help="grpc (--address) or openai: OpenAI's HTTP API streamed over SSE (--url)")
+    parser.add_argument("--address", default="", help="grpc: HOST:PORT of a tandem gateway (loopback only)")
+    parser.add_argument("--url", default="", help="openai: the server's base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--openai-token-counts", choices=TOKEN_COUNTS, default="logprobs",
+                        help="openai: count a chunk's tokens from logprobs the requests ask for (exact), or one per "
+                             "chunk (vLLM's assumption; no logprobs asked)")
     parser.add_argument("--allow-remote", action="store_true", help="allow a non-loopback address")
     parser.add_argument("--requests", type=int, required=True, help="measured requests per run")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
@@ -135,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (ServerUnreachable, WarmupFailed) as exc:
-        print(f"error: {'warmup' if isinstance(exc, WarmupFailed) else 'address'}: {exc}", file=sys.stderr)
+        where = "url" if getattr(args, "backend", "grpc") == "openai" else "address"
+        print(f"error: {'warmup' if isinstance(exc, WarmupFailed) else where}: {exc}", file=sys.stderr)
         return 1
 
 

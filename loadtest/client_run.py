@@ -1,38 +1,34 @@
-"""The asyncio driver: sends one load level's requests over grpc.aio and records a RunTrace.
+"""The asyncio driver: sends one load level's requests and records a RunTrace, over gRPC or OpenAI's HTTP API.
 
 Rate mode issues request i at the i-th offset of the arrival process (an absolute schedule, so late wake-ups do not
 accumulate); concurrency mode runs C workers that each send their next request as soon as the last one ends.
 Bounds: `requests` in all; with `duration`, nothing new is issued after `duration` seconds and whatever is still in
-flight at `duration + grace` is cancelled (the RPC is cancelled on the wire, so the server frees its caches) and
-recorded as cancelled; requests never issued leave no record and count as not_sent. With max_concurrency, a request
-that arrives while all slots are busy waits for one, and its send time (the start of its TTFT) is when it gets it, as
-in vLLM.
+flight at `duration + grace` is cancelled (the RPC is cancelled on the wire, or the HTTP connection closed, so the
+server frees its caches) and recorded as cancelled; requests never issued leave no record and count as not_sent.
+With max_concurrency, a request that arrives while all slots are busy waits for one, and its send time (the start of
+its TTFT) is when it gets it, as in vLLM.
+
+The backends (loadtest/backends.py) turn a stream into the same events, so both are timed by the same code here:
+the token count of each chunk that carries tokens (its arrival is stamped when the backend hands it over), then the
+end of the stream with its usage and speculation stats.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 import uuid
 
-import grpc
-from google.protobuf.json_format import MessageToDict
-
 from loadtest.arrivals import ArrivalProcess
+from loadtest.backends import Backend, Final, RequestFailed, RequestSpec, ServerUnreachable, backend_for
 from loadtest.config import RunConfig
 from loadtest.prompts import Prompt, load_set, schedule
 from loadtest.trace import CANCELLED, ERROR, OK, RequestTrace, RunTrace
-from tandem.client import build_request
-from tandem.v1 import generation_pb2 as pb
-from tandem.v1 import generation_pb2_grpc
 
 IN_FLIGHT = "in_flight"
-CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]  # loopback targets: never route through a proxy from the env
-
-
-class ServerUnreachable(ConnectionError):
-    pass
+__all__ = ["Driver", "ServerUnreachable", "WarmupFailed", "run_level"]
 
 
 class WarmupFailed(RuntimeError):
@@ -51,64 +47,51 @@ class Driver:
     def now(self) -> float:
         return time.perf_counter() - self.start
 
-    def request(self, index: int, prompt: Prompt, tag: str = "") -> pb.GenerateRequest:
+    def request(self, index: int, prompt: Prompt, tag: str = "") -> RequestSpec:
         config = self.config
         session = index % config.sessions if config.sessions else index
-        sampling = {"temperature": config.temperature, "max_tokens": config.max_tokens}
-        if config.temperature > 0:
-            sampling["seed"] = config.seed * 1_000_003 + index
-        return build_request(**prompt.request_input(), request_id=f"{self.run_id}{tag}-{index}",
-                             session_id=f"{self.run_id}{tag}-s{session}", ignore_eos=config.ignore_eos,
-                             speculation=config.speculation, max_k=config.max_k, **sampling)
+        return RequestSpec(prompt=prompt, request_id=f"{self.run_id}{tag}-{index}",
+                           session_id=f"{self.run_id}{tag}-s{session}", max_tokens=config.max_tokens,
+                           temperature=config.temperature,
+                           seed=config.seed * 1_000_003 + index if config.temperature > 0 else None,
+                           ignore_eos=config.ignore_eos, speculation=config.speculation, max_k=config.max_k)
 
-    async def send(self, stub: generation_pb2_grpc.GenerationServiceStub, request: pb.GenerateRequest,
-                   trace: RequestTrace) -> RequestTrace:
+    async def send(self, backend: Backend, request: RequestSpec, trace: RequestTrace) -> RequestTrace:
         """One streamed request, recorded into trace; never raises except CancelledError."""
         trace.status, trace.send = IN_FLIGHT, self.now()
-        call = stub.Generate(request, timeout=self.config.timeout)
+        final: Final | None = None
         try:
-            async for response in call:
-                if response.WhichOneof("kind") == "chunk":
-                    if tokens := len(response.chunk.token_ids):
+            async with contextlib.aclosing(backend.stream(request)) as events:
+                async for event in events:
+                    if isinstance(event, Final):
+                        trace.end, final = self.now(), event  # the Complete, or the SSE chunk with finish_reason
+                    elif event:
                         trace.chunk_times.append(self.now())
-                        trace.chunk_tokens.append(tokens)
-                else:
-                    trace.end = self.now()
-                    _record_complete(trace, response.complete)
-            if trace.status != OK:
-                trace.end, trace.status, trace.error = self.now(), ERROR, "INCOMPLETE: no Complete message"
-        except grpc.aio.AioRpcError as exc:
-            trace.end, trace.status, trace.error = self.now(), ERROR, f"{exc.code().name}: {exc.details()}"
+                        trace.chunk_tokens.append(event)
+            if final is None:
+                trace.end, trace.status, trace.error = self.now(), ERROR, "INCOMPLETE: the stream had no end"
+            else:
+                _record_final(trace, final)  # after the stream: OpenAI's usage comes after the finish chunk
+        except RequestFailed as exc:
+            trace.end, trace.status, trace.error = self.now(), ERROR, str(exc)
         except asyncio.CancelledError:
-            call.cancel()
             trace.end, trace.status = self.now(), CANCELLED
             raise
         return trace
 
-    async def warm_up(self, stub: generation_pb2_grpc.GenerationServiceStub) -> None:
+    async def warm_up(self, backend: Backend) -> None:
         for index in range(self.config.warmup):
-            trace = await self.send(stub, self.request(index, self.prompts[index], "-warmup"), RequestTrace(index))
+            trace = await self.send(backend, self.request(index, self.prompts[index], "-warmup"), RequestTrace(index))
             if trace.status != OK:
                 raise WarmupFailed(trace.error)
 
     async def run(self) -> RunTrace:
-        config = self.config
-        async with grpc.aio.insecure_channel(config.address, options=CHANNEL_OPTIONS) as channel:
-            try:
-                await asyncio.wait_for(channel.channel_ready(), config.connect_timeout)
-            except TimeoutError:
-                raise ServerUnreachable(f"no server answered at {config.address} within "
-                                        f"{config.connect_timeout:g} s") from None
-            stub = generation_pb2_grpc.GenerationServiceStub(channel)
-            try:
-                info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=config.connect_timeout)
-                self.server = MessageToDict(info, preserving_proto_field_name=True)
-            except grpc.aio.AioRpcError as exc:
-                self.server = {"error": f"{exc.code().name}: {exc.details()}"}
-            await self.warm_up(stub)
-            return await self.measure(stub)
+        async with backend_for(self.config) as backend:
+            self.server = await backend.open()
+            await self.warm_up(backend)
+            return await self.measure(backend)
 
-    async def measure(self, stub: generation_pb2_grpc.GenerationServiceStub) -> RunTrace:
+    async def measure(self, backend: Backend) -> RunTrace:
         config = self.config
         measured = self.prompts[config.warmup:]
         # Requests and their records are made when sent, so a large --requests with a short --duration starts at once.
@@ -121,7 +104,7 @@ class Driver:
             if self.now() < issuing_ends:
                 request = self.request(index, measured[index])
                 traces[index] = RequestTrace(index, prompt_id=measured[index].id)
-                await self.send(stub, request, traces[index])
+                await self.send(backend, request, traces[index])
 
         if config.concurrency is not None:
             counter = itertools.count()
@@ -167,14 +150,12 @@ class Driver:
         return tasks
 
 
-def _record_complete(trace: RequestTrace, complete: pb.Complete) -> None:
-    stats = complete.speculation
+def _record_final(trace: RequestTrace, final: Final) -> None:
     trace.status = OK
-    trace.prompt_tokens = complete.usage.prompt_tokens
-    trace.completion_tokens = complete.usage.completion_tokens
-    trace.finish_reason = pb.FinishReason.Name(complete.finish_reason)
-    trace.rounds, trace.drafted, trace.accepted = stats.rounds, stats.drafted_tokens, stats.accepted_tokens
-    trace.fallback_rounds, trace.draft_failures = stats.fallback_rounds, stats.draft_failures
+    trace.prompt_tokens, trace.completion_tokens = final.prompt_tokens, final.completion_tokens
+    trace.finish_reason = final.finish_reason
+    trace.rounds, trace.drafted, trace.accepted = final.rounds, final.drafted, final.accepted
+    trace.fallback_rounds, trace.draft_failures = final.fallback_rounds, final.draft_failures
 
 
 async def run_level(config: RunConfig, prompts: list[Prompt] | None = None) -> RunTrace:

@@ -6,14 +6,16 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from loadtest.prompts import LENGTHS, SETS
-from loadtest.target import check_address
+from loadtest.target import check_address, check_url
 
 MODES = ("auto", "off")
+BACKENDS = ("grpc", "openai")
+TOKEN_COUNTS = ("logprobs", "chunks")  # the openai backend's tokens per SSE chunk (loadtest/backends.py)
 
 
 @dataclass(slots=True)
 class RunConfig:
-    address: str
+    address: str  # HOST:PORT of the gRPC gateway ("" with the openai backend)
     requests: int  # measured requests (warm-up not included)
     rate: float | None = None  # requests per second (math.inf: all at once); None in concurrency mode
     concurrency: int | None = None  # fixed concurrency: this many workers, each sending back to back
@@ -35,12 +37,24 @@ class RunConfig:
     connect_timeout: float = 10.0
     goodput: dict[str, float] = field(default_factory=dict)  # SLOs in seconds: ttft, tpot, e2el
     allow_remote: bool = False  # load tests target loopback addresses only unless this is set
+    backend: str = "grpc"  # "grpc" (address) or "openai" (url: OpenAI's HTTP API, streamed over SSE)
+    url: str = ""  # the OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8000
+    openai_token_counts: str = "logprobs"  # how the openai backend counts a chunk's tokens
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.openai_token_counts not in TOKEN_COUNTS:
+            raise ValueError(f"openai_token_counts: must be one of {', '.join(TOKEN_COUNTS)}, "
+                             f"got {self.openai_token_counts!r}")
+        name, value, check = (("url", self.url, check_url) if self.backend == "openai"
+                              else ("address", self.address, check_address))
+        if not value:
+            raise ValueError(f"{name}: the {self.backend} backend needs --{name}")
         try:
-            check_address(self.address, self.allow_remote)
+            check(value, self.allow_remote)
         except ValueError as exc:
-            raise ValueError(f"address: {exc}") from None
+            raise ValueError(f"{name}: {exc}") from None
         if self.rate is not None and self.concurrency is not None:
             raise ValueError("rate: give either a rate or a concurrency, not both")
         if self.rate is None and self.concurrency is None:
@@ -68,6 +82,11 @@ class RunConfig:
         for name, ok, message in checks:
             if not ok:
                 raise ValueError(f"{name}: {message}, got {getattr(self, name)!r}")
+
+    @property
+    def target(self) -> str:
+        """What the run talks to: the gRPC address or the HTTP base URL."""
+        return self.url if self.backend == "openai" else self.address
 
     @property
     def load(self) -> str:

@@ -96,7 +96,7 @@ def run_sweep(base: RunConfig, out: Path, rates: list[float] | None = None, conc
                 results = run_to_dir(config, out / directory, prompts)
                 echo(summary(results))
                 repetitions.append(_entry(config, mode, directory, results) | {"repetition": repetition + 1})
-    header = {"address": base.address, "load_kind": "concurrency" if concurrencies else "rate", "modes": list(modes),
+    header = {"address": base.target, "load_kind": "concurrency" if concurrencies else "rate", "modes": list(modes),
               "repeats": repeats}
     return assemble(out, header, repetitions, plots)
 

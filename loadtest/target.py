@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from urllib.parse import urlsplit
 
 
 class RemoteAddress(ValueError):
@@ -44,3 +45,18 @@ def check_address(address: str, allow_remote: bool = False) -> str:
         raise RemoteAddress(f"{host} is not a loopback address; load tests target this machine only "
                             f"(pass --allow-remote to override)")
     return address
+
+
+def check_url(url: str, allow_remote: bool = False) -> str:
+    """An http(s) base URL if a load test may target it, by the rule check_address applies to its host."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected http://HOST:PORT or https://HOST:PORT, got {url!r}")
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+    except ValueError:
+        raise ValueError(f"bad port in {url!r}") from None
+    if not allow_remote and not is_loopback(parts.hostname):
+        raise RemoteAddress(f"{parts.hostname} is not a loopback address; load tests target this machine only "
+                            f"(pass --allow-remote to override)")
+    return url

@@ -234,14 +234,14 @@ def test_report_checks_the_targets_per_level() -> None:
 @pytest.fixture(scope="module")
 def server(tiny_models):
     target, draft, _ = tiny_models
-    running = ServerThread(tiny_backend(target, draft), sessions=MemorySessionStore())
+    running = ServerThread(tiny_backend(target, draft), sessions=MemorySessionStore(), http_port=0)  # gRPC and HTTP
     yield running
     running.stop()
 
 
 def _config(server, **options) -> RunConfig:
-    return RunConfig(address=server.address, **({"requests": 4, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-                                                 "lengths": ("short",), "seed": 1} | options))
+    return RunConfig(**({"address": server.address, "requests": 4, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                         "lengths": ("short",), "seed": 1} | options))
 
 
 def _run(config: RunConfig) -> tuple[RunTrace, float]:
@@ -362,6 +362,66 @@ def test_sweep_repeats_alternate_the_order_and_pool_the_repetitions(server, tmp_
     assert rebuilt["ratios"] == sweep["ratios"] and rebuilt["runs"] == sweep["runs"]
     assert (out / "rateinf-auto-1" / "results.json").exists()
 
+# --- the OpenAI HTTP backend (SSE), against the same gateway's HTTP API ----------------------------------------------
+
+
+def _openai(server, **options) -> RunConfig:
+    return _config(server, **({"address": "", "backend": "openai", "url": server.gateway.http_url} | options))
+
+
+def test_openai_backend_measures_what_the_grpc_backend_does(server) -> None:
+    # mixed: code prompts go to /v1/completions, chat prompts to /v1/chat/completions
+    grpc_trace, _ = _run(_config(server, concurrency=2, requests=6, prompts="mixed", seed=4))
+    http_trace, _ = _run(_openai(server, concurrency=2, requests=6, prompts="mixed", seed=4))
+    grpc_results, http_results = compute(grpc_trace), compute(http_trace)
+    assert http_results["completed"] == 6 and http_results["failed"] == 0, http_results["error_kinds"]
+    assert {p.kind for p in Driver(_openai(server, requests=6, prompts="mixed", seed=4)).prompts} == {"code", "chat"}
+    # Token counts from the requested logprobs are exact: what the gRPC path reads from the chunks' token ids.
+    assert http_results["total_output_tokens"] == grpc_results["total_output_tokens"] == 6 * MAX_TOKENS
+    assert http_results["total_input_tokens"] == grpc_results["total_input_tokens"]  # same prompts, same order
+    for request in http_trace.requests:
+        assert request.completion_tokens == request.output_tokens == MAX_TOKENS
+        assert request.finish_reason == "FINISH_REASON_LENGTH" and request.prompt_tokens > 0
+        assert request.rounds > 0  # tandem's stats, read from the finish chunk's "tandem" key
+    assert max(n for r in http_trace.requests for n in r.chunk_tokens) > 1  # speculative rounds: several per chunk
+    assert 0 < http_results["acceptance_rate"] <= 1
+    for key in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 < http_results[key]["p50"] <= http_results[key]["p99"]
+    assert http_trace.config["server"]["target_model"] == "tiny-target"
+    assert server.wait_for(server.caches_empty)
+
+
+def test_openai_backend_counting_chunks_and_the_cli(server, tmp_path) -> None:
+    trace, _ = _run(_openai(server, concurrency=1, requests=2, openai_token_counts="chunks", speculation="off"))
+    results = compute(trace)
+    assert results["completed"] == 2 and results["speculation"]["drafted"] == 0
+    # one token per chunk with text: a lower bound on the tokens (a chunk may hold several, or none with text)
+    assert 0 < results["total_output_tokens"] <= 2 * MAX_TOKENS
+    assert all(r.completion_tokens == MAX_TOKENS for r in trace.requests)
+    out = tmp_path / "run"
+    code = main(["--backend", "openai", "--url", server.gateway.http_url, "--concurrency", "2", "--requests", "3",
+                 "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--lengths", "short", "--out", str(out)])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["completed"] == 3 and results["config"]["backend"] == "openai"
+    assert results["total_output_tokens"] == 3 * MAX_TOKENS
+
+
+def test_openai_backend_cancels_at_the_deadline_and_reports_http_errors(server) -> None:
+    config = _openai(server, rate=math.inf, requests=2, max_tokens=3000, duration=0.3, grace=0.3, warmup=0)
+    trace, elapsed = _run(config)
+    results = compute(trace)
+    assert results["cancelled"] == 2 and results["completed"] == 0 and elapsed < 0.6 + 1.0
+    assert server.wait_for(server.caches_empty)  # closing the connection cancelled the requests on the server
+    # A request the gateway refuses (max_k over its limit) is an HTTP 400, counted by status.
+    trace, _ = _run(_openai(server, requests=2, warmup=0, max_k=10_000))
+    assert compute(trace)["error_kinds"] == {"HTTP_400": 2}
+    with pytest.raises(ValueError, match="url: the openai backend needs --url"):
+        RunConfig(address="127.0.0.1:1", requests=1, backend="openai")
+    with pytest.raises(ValueError, match=r"url: 10\.1\.2\.3 is not a loopback address"):
+        RunConfig(address="", url="http://10.1.2.3:8000", requests=1, backend="openai")
+
+
 # --- targets ----------------------------------------------------------------------------------------------------
 
 
@@ -384,6 +444,9 @@ def test_refuses_non_loopback_addresses(tmp_path, capsys) -> None:
 def test_unreachable_server_and_bad_arguments_fail_cleanly(tmp_path, capsys) -> None:
     code = main(["--address", "127.0.0.1:9", "--requests", "1", "--connect-timeout", "0.5", "--out", str(tmp_path)])
     assert code == 1 and "error: address: no server answered" in capsys.readouterr().err
+    code = main(["--backend", "openai", "--url", "http://127.0.0.1:9", "--requests", "1", "--connect-timeout", "0.5",
+                 "--out", str(tmp_path)])
+    assert code == 1 and "error: url: no server answered at http://127.0.0.1:9" in capsys.readouterr().err
     assert main(["--address", "127.0.0.1:9", "--requests", "0", "--out", str(tmp_path)]) == 2
     assert "error: requests:" in capsys.readouterr().err
     with pytest.raises(ValueError, match="either a rate or a concurrency"):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-
-import torch
+from typing import TYPE_CHECKING
 
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
-from tandem.core.device import select_device, select_dtype
 from tandem.errors import InvalidArgument
+
+if TYPE_CHECKING:  # torch is imported where models load: `tandem generate --address` runs on the client install
+    import torch
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -70,6 +71,10 @@ def kv_tokens(args: argparse.Namespace) -> int:
 
 
 def setup_torch(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    import torch
+
+    from tandem.core.device import select_device, select_dtype
+
     if args.threads is not None:
         if args.threads < 1:
             raise InvalidArgument(f"threads: must be at least 1, got {args.threads}")

@@ -16,8 +16,6 @@ from tandem.cli.common import (
     sampling_params,
 )
 from tandem.cli.remote import add_address_option, run_remote_generate
-from tandem.core.detok import IncrementalDetokenizer
-from tandem.local_engine import build_engine, encode_prompt
 
 
 def add_generate_parser(subparsers) -> None:
@@ -35,6 +33,10 @@ def add_generate_parser(subparsers) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     if args.address:
         return run_remote_generate(args)
+    # Imported here: --address needs only the client install, these need the server stack (torch).
+    from tandem.core.detok import IncrementalDetokenizer
+    from tandem.local_engine import build_engine, encode_prompt
+
     params = sampling_params(args)
     speculate = not args.no_spec
     config = engine_config(args, speculate)

@@ -1,26 +1,37 @@
-"""`tandem generate --address HOST:PORT`: stream one prompt from a running gateway, same output as local generate."""
+"""`tandem generate --address HOST:PORT`: stream one prompt from a running gateway, same output as local generate.
+
+Needs only the client install (grpcio, protobuf): nothing here imports torch."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import grpc
 
 from tandem.cli.common import print_outcome
-from tandem.client import TandemClient
+from tandem.client import Collector, SpeculationStats, TandemClient
 from tandem.errors import TandemError
 from tandem.v1 import generation_pb2 as pb
+
+API_KEY_ENV = "TANDEM_API_KEY"  # read from the environment, so the key stays out of `ps` and shell history
 
 
 def add_address_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None, metavar="HOST:PORT",
                         help="generate on a running `tandem serve` instead of loading models here "
                              "(model options are then ignored)")
+    parser.add_argument("--tls", action="store_true", help="with --address: connect over TLS")
+    parser.add_argument("--root-certificates", default=None, metavar="PEM",
+                        help="with --tls: CA certificates to verify the server with (default: system roots)")
+    parser.add_argument("--client-key", default=None, metavar="PEM", help="with --tls: client key (mutual TLS)")
+    parser.add_argument("--client-certificate", default=None, metavar="PEM",
+                        help="with --tls: client certificate chain (mutual TLS)")
 
 
-def stats_dict(stats: pb.SpeculationStats) -> dict:
+def stats_dict(stats: SpeculationStats) -> dict:
     """The server's SpeculationStats under the key names of the in-process engine's stats."""
     return {
         "rounds": stats.rounds,
@@ -34,39 +45,42 @@ def stats_dict(stats: pb.SpeculationStats) -> dict:
     }
 
 
+def client_for(args: argparse.Namespace) -> TandemClient:
+    try:
+        return TandemClient(args.address, tls=args.tls, root_certificates=args.root_certificates,
+                            private_key=args.client_key, certificate_chain=args.client_certificate,
+                            api_key=os.environ.get(API_KEY_ENV) or None)
+    except OSError as exc:  # a certificate file that cannot be read
+        raise TandemError(f"{exc.filename}: {exc.strerror}") from None
+
+
 def run_remote_generate(args: argparse.Namespace) -> int:
-    options = {
-        "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
-        "max_tokens": args.max_tokens, "stop": args.stop, "stop_token_ids": args.stop_token_id,
-        "ignore_eos": args.ignore_eos, "speculation": "off" if args.no_spec else "auto",
-    }
-    if args.chat:
-        options["chat"] = [("user", args.prompt)]
-    else:
-        options["prompt"] = args.prompt
-    parts: list[str] = []
-    token_ids: list[int] = []
-    complete: pb.Complete | None = None
+    collector = Collector()
     started = time.perf_counter()
     first_token_at = None
-    with TandemClient(args.address) as client:
+    with client_for(args) as client:
         try:
-            for item in client.generate(**options):
+            for item in client.generate(None if args.chat else args.prompt,
+                                        chat=[("user", args.prompt)] if args.chat else None,
+                                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                        seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
+                                        stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
+                                        speculation="off" if args.no_spec else "auto"):
+                collector.add(item)
                 if isinstance(item, pb.Complete):
-                    complete = item
                     continue
                 first_token_at = first_token_at or time.perf_counter()
-                parts.append(item.text)
-                token_ids.extend(item.token_ids)
                 if not args.json and item.text:
                     sys.stdout.write(item.text)
                     sys.stdout.flush()
         except grpc.RpcError as exc:
             raise TandemError(f"{args.address}: {exc.code().name}: {exc.details()}") from exc
     elapsed = time.perf_counter() - started
-    if complete is None:
-        raise TandemError(f"{args.address}: the stream ended without a result")
-    print_outcome(args.json, "".join(parts), token_ids, pb.FinishReason.Name(complete.finish_reason).lower(),
-                  complete.usage.prompt_tokens, elapsed, first_token_at and first_token_at - started,
-                  not args.no_spec, stats_dict(complete.speculation), request_id=complete.request_id)
+    try:
+        result = collector.result()
+    except RuntimeError:
+        raise TandemError(f"{args.address}: the stream ended without a result") from None
+    print_outcome(args.json, result.text, result.token_ids, result.finish_reason, result.usage.prompt_tokens,
+                  elapsed, first_token_at and first_token_at - started, not args.no_spec,
+                  stats_dict(result.speculation), request_id=result.request_id)
     return 0

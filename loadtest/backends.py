@@ -1,0 +1,265 @@
+"""How the load tester talks to tandem: gRPC (tandem.v1.GenerationService) or OpenAI's HTTP API (SSE streams).
+
+A backend turns one streamed request into the events the driver times (loadtest/client_run.py), identical for both:
+- an int: the tokens of one chunk (gRPC: a Chunk's token ids; HTTP: one SSE chunk, see OpenAIBackend for the count);
+- a Final: the end of the stream (gRPC: the Complete; HTTP: the chunk with finish_reason), with usage and tandem's
+  speculation stats. The OpenAI backend fills its usage from the usage chunk that follows, before the stream ends.
+Failures raise RequestFailed("KIND: details"): the gRPC status name, or HTTP_<status> / the HTTP server's error
+type / the transport's exception, so results.json's error_kinds count them alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from loadtest.config import RunConfig
+from loadtest.prompts import Prompt
+
+CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]  # loopback targets: never route through a proxy from the env
+
+
+class ServerUnreachable(ConnectionError):
+    pass
+
+
+class RequestFailed(Exception):
+    """One request failed; the message is "KIND: details"."""
+
+
+@dataclass(slots=True, frozen=True)
+class RequestSpec:
+    prompt: Prompt
+    request_id: str
+    session_id: str
+    max_tokens: int
+    temperature: float
+    seed: int | None
+    ignore_eos: bool
+    speculation: str
+    max_k: int | None
+
+
+@dataclass(slots=True)
+class Final:
+    finish_reason: str = ""  # the proto's names (FINISH_REASON_LENGTH ...) from either backend
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    fallback_rounds: int = 0
+    draft_failures: int = 0
+
+
+class Backend:
+    """open() checks the server answers and returns what it says about itself (results.json's "server")."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+
+    async def open(self) -> dict:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    def stream(self, request: RequestSpec) -> AsyncIterator[int | Final]:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Backend:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+
+def backend_for(config: RunConfig) -> Backend:
+    return OpenAIBackend(config) if config.backend == "openai" else GrpcBackend(config)
+
+
+# --- gRPC ---------------------------------------------------------------------------------------------------------
+
+
+class GrpcBackend(Backend):
+    def __init__(self, config: RunConfig) -> None:
+        import grpc
+
+        from tandem.v1 import generation_pb2_grpc
+
+        super().__init__(config)
+        self.grpc = grpc
+        self.channel = grpc.aio.insecure_channel(config.address, options=CHANNEL_OPTIONS)
+        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
+
+    async def open(self) -> dict:
+        from google.protobuf.json_format import MessageToDict
+
+        from tandem.v1 import generation_pb2 as pb
+
+        config = self.config
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), config.connect_timeout)
+        except TimeoutError:
+            raise ServerUnreachable(f"no server answered at {config.address} within "
+                                    f"{config.connect_timeout:g} s") from None
+        try:
+            info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=config.connect_timeout)
+            return MessageToDict(info, preserving_proto_field_name=True)
+        except self.grpc.aio.AioRpcError as exc:
+            return {"error": f"{exc.code().name}: {exc.details()}"}
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def stream(self, request: RequestSpec) -> AsyncIterator[int | Final]:
+        from tandem.client import build_request
+        from tandem.v1 import generation_pb2 as pb
+
+        call = self.stub.Generate(build_request(
+            **request.prompt.request_input(), request_id=request.request_id, session_id=request.session_id,
+            max_tokens=request.max_tokens, temperature=request.temperature, seed=request.seed,
+            ignore_eos=request.ignore_eos, speculation=request.speculation, max_k=request.max_k),
+            timeout=self.config.timeout)
+        try:
+            async for response in call:
+                if response.WhichOneof("kind") == "chunk":
+                    yield len(response.chunk.token_ids)
+                    continue
+                complete = response.complete
+                stats = complete.speculation
+                yield Final(pb.FinishReason.Name(complete.finish_reason), complete.usage.prompt_tokens,
+                            complete.usage.completion_tokens, stats.rounds, stats.drafted_tokens,
+                            stats.accepted_tokens, stats.fallback_rounds, stats.draft_failures)
+        except self.grpc.aio.AioRpcError as exc:
+            raise RequestFailed(f"{exc.code().name}: {exc.details()}") from None
+        finally:
+            call.cancel()  # a cancelled task or an early close frees the server's caches
+
+
+# --- OpenAI HTTP (SSE) --------------------------------------------------------------------------------------------
+
+
+class OpenAIBackend(Backend):
+    """POST /v1/completions (code prompts: raw text) or /v1/chat/completions (chat prompts: the server applies the
+    chat template), `stream: true` with `stream_options.include_usage`, tandem's extra fields (ignore_eos,
+    speculation, max_k, session_id, request_id) at the top level of the body.
+
+    Tokens per SSE chunk: OpenAI's chunks carry text, not token ids, and a speculative round's chunk holds several
+    tokens. With `openai_token_counts="logprobs"` (the default) each request asks for logprobs with no alternatives
+    (`logprobs: 0`; chat: `logprobs: true, top_logprobs: 0`) and a chunk's tokens are its logprob entries: exact, the
+    counts the gRPC path reads from Chunk.token_ids, at the cost of the server computing one log-softmax per emitted
+    token. "chunks" sends no logprobs and counts one token per chunk with text (vLLM's bench assumption), so ITL is
+    per chunk and the output token total is a lower bound under speculation."""
+
+    def __init__(self, config: RunConfig) -> None:
+        import httpx
+
+        super().__init__(config)
+        self.httpx = httpx
+        self.base = config.url.rstrip("/")
+        self.model = ""
+        # No pool cap (a load level decides concurrency, not the client); trust_env off: never a proxy for loopback.
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=config.connect_timeout),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+                                        trust_env=False)
+
+    async def open(self) -> dict:
+        config = self.config
+        try:
+            response = await self.client.get(f"{self.base}/v1/models", timeout=config.connect_timeout)
+        except self.httpx.TransportError as exc:
+            raise ServerUnreachable(f"no server answered at {config.url} within {config.connect_timeout:g} s "
+                                    f"({type(exc).__name__})") from None
+        if response.status_code != 200:
+            return {"error": f"HTTP_{response.status_code}: {response.text[:200]}"}
+        models = [m["id"] for m in response.json().get("data", [])]
+        self.model = models[0] if models else ""
+        return {"target_model": self.model, "models": models, "url": config.url}
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    def body(self, request: RequestSpec) -> tuple[str, dict]:
+        config = self.config
+        exact = config.openai_token_counts == "logprobs"
+        body: dict = {"model": self.model, "max_tokens": request.max_tokens, "temperature": request.temperature,
+                      "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": request.ignore_eos,
+                      "speculation": request.speculation, "session_id": request.session_id,
+                      "request_id": request.request_id}
+        if request.seed is not None:
+            body["seed"] = request.seed
+        if request.max_k is not None:
+            body["max_k"] = request.max_k
+        if request.prompt.kind == "chat":
+            body["messages"] = [{"role": role, "content": content} for role, content in request.prompt.messages]
+            if exact:
+                body |= {"logprobs": True, "top_logprobs": 0}
+            return "/v1/chat/completions", body
+        body["prompt"] = request.prompt.text
+        if exact:
+            body["logprobs"] = 0
+        return "/v1/completions", body
+
+    async def stream(self, request: RequestSpec) -> AsyncIterator[int | Final]:
+        path, body = self.body(request)
+        exact = self.config.openai_token_counts == "logprobs"
+        final: Final | None = None
+        try:
+            # A whole-request deadline, as the gRPC path's (httpx's timeouts are per read).
+            async with asyncio.timeout(self.config.timeout), \
+                    self.client.stream("POST", self.base + path, json=body) as response:
+                if response.status_code != 200:
+                    raise RequestFailed(_http_error(response.status_code, await response.aread()))
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue  # blank separators, comments, event names
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:  # an error after the stream began
+                        error = chunk["error"] or {}
+                        raise RequestFailed(f"{error.get('type') or 'error'}: {error.get('message', '')}")
+                    for choice in chunk.get("choices") or ():
+                        if choice.get("finish_reason") is not None:
+                            final = _final(choice)
+                            yield final
+                        elif tokens := _tokens(choice, exact):
+                            yield tokens
+                    if (usage := chunk.get("usage")) and final is not None:
+                        final.prompt_tokens = usage.get("prompt_tokens", 0)
+                        final.completion_tokens = usage.get("completion_tokens", 0)
+        except TimeoutError:
+            raise RequestFailed(f"DEADLINE_EXCEEDED: no end within {self.config.timeout:g} s") from None
+        except self.httpx.TransportError as exc:
+            raise RequestFailed(f"{type(exc).__name__}: {exc}") from None
+
+
+def _tokens(choice: dict, exact: bool) -> int:
+    """Tokens in one streamed choice: its logprob entries (completions: `tokens`; chat: `content`), or one per chunk
+    with text when logprobs were not asked for."""
+    if exact:
+        logprobs = choice.get("logprobs") or {}
+        entries = logprobs.get("tokens") if "tokens" in logprobs else logprobs.get("content")
+        return len(entries or ())
+    text = choice["delta"].get("content") if "delta" in choice else choice.get("text")
+    return 1 if text else 0
+
+
+def _final(choice: dict) -> Final:
+    """The finish chunk: tandem puts the choice's speculation stats under "tandem" (absent on other servers)."""
+    stats = (choice.get("tandem") or {}).get("speculation") or {}
+    return Final(finish_reason=f"FINISH_REASON_{choice['finish_reason'].upper()}",
+                 rounds=stats.get("rounds", 0), drafted=stats.get("drafted", 0), accepted=stats.get("accepted", 0),
+                 fallback_rounds=stats.get("fallback_rounds", 0), draft_failures=stats.get("draft_failures", 0))
+
+
+def _http_error(status: int, body: bytes) -> str:
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body[:200].decode(errors="replace")
+    return f"HTTP_{status}: {message}"
