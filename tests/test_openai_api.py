@@ -108,6 +108,20 @@ def test_completions_equal_the_grpc_stream(server, tiny_models) -> None:
     assert _idle(server)
 
 
+def test_return_token_ids(server) -> None:
+    """vLLM's return_token_ids: the ids of each streamed chunk and of a whole choice are the gRPC stream's."""
+    _, ids, _ = _grpc(server, chat=[(m["role"], m["content"]) for m in CHAT], ignore_eos=True, **GREEDY)
+    extra = IGNORE_EOS | {"return_token_ids": True}
+    whole = _sdk(server).chat.completions.create(model=MODEL, messages=CHAT, extra_body=extra, **GREEDY)
+    assert whole.choices[0].model_extra["token_ids"] == ids
+    chunks = list(_sdk(server).chat.completions.create(model=MODEL, messages=CHAT, stream=True, extra_body=extra,
+                                                       **GREEDY))
+    streamed = [t for c in chunks for t in (c.choices[0].model_extra.get("token_ids") or [])]
+    assert streamed == ids
+    plain = _sdk(server).chat.completions.create(model=MODEL, messages=CHAT, extra_body=IGNORE_EOS, **GREEDY)
+    assert "token_ids" not in plain.choices[0].model_extra
+
+
 def test_n_choices(server) -> None:
     sdk = _sdk(server)
     response = sdk.chat.completions.create(model=MODEL, messages=CHAT, n=3, temperature=1.0, seed=7, max_tokens=16,

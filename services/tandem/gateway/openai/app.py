@@ -133,7 +133,8 @@ class _Api:
         request_id = body.request_id or f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         message = endpoint.convert(body, request_id)
         responder = Responder(endpoint.kind, request_id, model, self._token_texts(), n=max(message.n, 1),
-                              logprobs=message.HasField("logprobs"), include_usage=body.stream and body.include_usage)
+                              logprobs=message.HasField("logprobs"), include_usage=body.stream and body.include_usage,
+                              token_ids=body.return_token_ids)
         events = self.generations.stream(message, list(request.headers.items()))  # headers: a W3C trace context
         if not body.stream:
             await until_disconnected(request, _collect(events, responder))

@@ -35,15 +35,16 @@ def tandem_extra(end: ChoiceEnd) -> dict:
 @dataclass(slots=True)
 class _Choice:
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     end: ChoiceEnd | None = None
 
 
 class Responder:
     def __init__(self, kind: Kind, response_id: str, model: str, texts: TokenTexts, n: int,
-                 logprobs: bool = False, include_usage: bool = False) -> None:
+                 logprobs: bool = False, include_usage: bool = False, token_ids: bool = False) -> None:
         self.kind, self.id, self.model, self.texts = kind, response_id, model, texts
-        self.logprobs, self.include_usage = logprobs, include_usage
+        self.logprobs, self.include_usage, self.token_ids = logprobs, include_usage, token_ids
         self.created = int(time.time())
         self.choices = [_Choice() for _ in range(n)]
         # text_offset counts on across a choice's chunks
@@ -80,6 +81,8 @@ class Responder:
             return self._chunk([{"index": event.index, **body, "logprobs": None,
                                  "finish_reason": event.finish_reason, "tandem": tandem_extra(event)}])
         body = {"delta": {"content": event.text}} if self.kind == "chat" else {"text": event.text}
+        if self.token_ids:
+            body["token_ids"] = event.token_ids
         return self._chunk([{"index": event.index, **body, "logprobs": self._logprobs(event.index, event.logprobs),
                              "finish_reason": None}])
 
@@ -101,6 +104,7 @@ class Responder:
             choice.end = event
             return
         choice.text.append(event.text)
+        choice.token_ids.extend(event.token_ids)
         if event.logprobs:
             choice.logprobs.extend(event.logprobs)
 
@@ -109,6 +113,8 @@ class Responder:
         for index, choice in enumerate(self.choices):
             text = "".join(choice.text)
             body = {"message": {"role": "assistant", "content": text}} if self.kind == "chat" else {"text": text}
+            if self.token_ids:
+                body["token_ids"] = choice.token_ids
             end = choice.end
             choices.append({"index": index, **body, "logprobs": self._logprobs(index, choice.logprobs),
                             "finish_reason": end.finish_reason if end else None,

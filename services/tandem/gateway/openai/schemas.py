@@ -57,6 +57,7 @@ class _Generate(_Body):
     max_k: StrictInt | None = None
     session_id: str | None = None
     request_id: str | None = None
+    return_token_ids: StrictBool = False  # vLLM's field: each choice (and streamed chunk) carries its token ids
 
     def unsupported(self) -> list[str]:
         """Fields set to something tandem cannot honour."""
