@@ -32,7 +32,8 @@ EMBEDDED = "topology=embedded"
 # kubernetes-validate has schemas for core kinds only. These CRD kinds are checked by the assertions below (the
 # RayCluster's pod templates are validated as Pods); any other kind must validate.
 CRD_KINDS = {("ray.io/v1", "RayCluster"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
-             ("monitoring.coreos.com/v1", "PodMonitor"), ("gateway.networking.k8s.io/v1", "GRPCRoute")}
+             ("monitoring.coreos.com/v1", "PodMonitor"), ("gateway.networking.k8s.io/v1", "GRPCRoute"),
+             ("gateway.networking.k8s.io/v1", "HTTPRoute")}
 K8S_VERSIONS = ("1.27.0", kv.latest_version())  # the chart's kubeVersion floor, and the newest schemas known
 
 
@@ -174,7 +175,8 @@ def test_gateway_probes_use_grpc_health(ci_values):
         pod = deployment["spec"]["template"]["spec"]
         gateway = container(pod, "gateway")
         ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
-        assert ports == {"grpc": 50051, "metrics": 9464}
+        assert ports == {"grpc": 50051, "http": 8000, "metrics": 9464}
+        # The HTTP API is served beside gRPC; gRPC health stays the probe (it reports loading and draining).
         assert gateway["livenessProbe"]["grpc"] == {"port": 50051, "service": ""}
         assert gateway["readinessProbe"]["grpc"] == {"port": 50051, "service": "tandem.v1.GenerationService"}
         startup = gateway["startupProbe"]
@@ -203,8 +205,8 @@ def test_pools_gateway_attaches_to_the_release_pools():
     head = assert_joins_ray_as_a_driver(objs, pod, gateway)
     assert gateway["args"][0] == "gateway"
     args = flags(gateway["args"])
-    assert args == {"pools": FULLNAME, "host": "0.0.0.0", "port": "50051", "metrics-port": "9464", "ray-address": head,
-                    "grace": "30"}
+    assert args == {"pools": FULLNAME, "host": "0.0.0.0", "port": "50051", "http-port": "8000", "metrics-port": "9464",
+                    "ray-address": head, "grace": "30"}
     env = env_of(pools_container(objs))
     assert env["TANDEM_POOLS"] == args["pools"]
     # A stateless gateway loads no worker: no serve-only flags.
@@ -222,7 +224,8 @@ def test_embedded_gateway_runs_tandem_serve_against_the_ray_head():
     head = assert_joins_ray_as_a_driver(objs, pod, gateway)
     assert gateway["args"][0] == "serve"
     args = flags(gateway["args"])
-    assert args | {"host": "0.0.0.0", "port": "50051", "metrics-port": "9464", "ray-address": head} == args
+    assert args | {"host": "0.0.0.0", "port": "50051", "http-port": "8000", "metrics-port": "9464",
+                   "ray-address": head} == args
     assert (args["draft-workers"], args["target-replicas"], args["tp"], args["grace"]) == ("2", "1", "1", "30")
     assert (args["target"], args["draft"]) == ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
 
@@ -493,6 +496,7 @@ def test_pdbs_and_services_select_exactly_their_gateway_pods(ci_values):
             assert selected and (name == f"{FULLNAME}-gateway" or selected == [name])
             assert service["spec"]["ports"][0] | {"name": "grpc", "port": 50051, "targetPort": "grpc"} == \
                 service["spec"]["ports"][0]
+            assert [p["name"] for p in service["spec"]["ports"]] == ["grpc", "http"]
 
 
 def test_pdb_min_available_replaces_max_unavailable():
@@ -546,6 +550,92 @@ def test_grpcroute_splits_by_weight_between_arm_services():
     assert one(single, "GRPCRoute")["spec"]["rules"][0]["backendRefs"] == [
         {"name": f"{FULLNAME}-gateway", "port": 50051, "weight": 1}]
     assert not find(render(), "GRPCRoute")
+
+
+def service_ports(service: dict) -> dict[str, dict]:
+    return {p["name"]: p for p in service["spec"]["ports"]}
+
+
+@pytest.mark.parametrize("values, sets, service_port", [
+    (None, (), 8000), (None, (EMBEDDED,), 8000), ("canary-grpcroute-values.yaml", (), 80),
+    ("tp4-multi-replica-values.yaml", (), 8000),
+])
+def test_gateways_serve_the_openai_http_api_beside_grpc(values, sets, service_port):
+    objs = render(values, *sets)
+    deployments = gateways(objs)
+    assert deployments
+    for deployment in deployments:
+        gateway = gateway_container(deployment)
+        assert flags(gateway["args"])["http-port"] == "8000"
+        assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in gateway["ports"]
+    services = [s for s in find(objs, "Service") if s["metadata"]["name"].startswith(f"{FULLNAME}-gateway")]
+    assert len(services) == len(deployments) + (1 if len(deployments) > 1 else 0)  # the arms' and the shared one
+    for service in services:
+        ports = service_ports(service)
+        assert ports["http"] == {"name": "http", "port": service_port, "targetPort": "http", "protocol": "TCP",
+                                 "appProtocol": "http"}
+        assert ports["grpc"]["port"] == 50051 and ports["grpc"]["appProtocol"] == "kubernetes.io/h2c"
+    # A port of another number reaches the flag, the container and (by default) the Service alike.
+    moved = render(values, *sets, "gateway.httpPort=8080")
+    for deployment in gateways(moved):
+        gateway = gateway_container(deployment)
+        assert flags(gateway["args"])["http-port"] == "8080"
+        assert {p["name"]: p["containerPort"] for p in gateway["ports"]}["http"] == 8080
+    assert service_ports(one(moved, "Service", f"{FULLNAME}-gateway"))["http"]["port"] == (
+        8080 if service_port == 8000 else service_port)
+    # The HPA and PDB do not change with the HTTP API.
+    assert find(objs, "HorizontalPodAutoscaler") == find(moved, "HorizontalPodAutoscaler")
+    assert find(objs, "PodDisruptionBudget") == find(moved, "PodDisruptionBudget")
+
+
+@pytest.mark.parametrize("values, sets", [
+    (None, ("gateway.httpPort=null",)),
+    (None, ("gateway.httpPort=0",)),
+    (None, ("gateway.http.enabled=false",)),
+    (None, (EMBEDDED, "gateway.http.enabled=false")),
+    ("canary-grpcroute-values.yaml", ("gateway.httpPort=null", "gatewayApi.httpRoute.enabled=false")),
+])
+def test_http_api_off_passes_minus_one_and_exposes_no_http_port(values, sets):
+    objs = render(values, *sets)
+    for deployment in gateways(objs):
+        gateway = gateway_container(deployment)
+        assert [a for a in gateway["args"] if a.startswith("--http-port")] == ["--http-port=-1"]
+        assert [p["name"] for p in gateway["ports"]] == ["grpc", "metrics"]
+    for service in find(objs, "Service"):
+        assert "http" not in service_ports(service)
+        assert 8000 not in {p["port"] for p in service["spec"]["ports"]}
+    assert not find(objs, "HTTPRoute")
+
+
+def test_httproute_sends_the_http_api_to_each_arm_by_weight():
+    objs = render("canary-grpcroute-values.yaml")
+    route = one(objs, "HTTPRoute")
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert route["metadata"]["labels"]["app.kubernetes.io/component"] == "gateway"
+    assert route["spec"]["parentRefs"] == [{"name": "public-gateway", "namespace": "gateway-system",
+                                            "sectionName": "https"}]
+    assert route["spec"]["hostnames"] == ["llm.example.com"]
+    [rule] = route["spec"]["rules"]
+    assert rule["timeouts"] == {"request": "600s"}
+    assert {b["name"]: b["weight"] for b in rule["backendRefs"]} == {f"{FULLNAME}-gateway-stable": 80,
+                                                                     f"{FULLNAME}-gateway-candidate": 20}
+    # Each backend is the arm Service's http port (80 here), which leads to the gateway container's http port.
+    pods = {d["metadata"]["name"]: d["spec"]["template"] for d in gateways(objs)}
+    for backend in rule["backendRefs"]:
+        service = one(objs, "Service", backend["name"])
+        port = next(p for p in service["spec"]["ports"] if p["port"] == backend["port"])
+        assert (port["name"], port["port"], port["targetPort"]) == ("http", 80, "http")
+        [template] = [t for t in pods.values() if selects(service["spec"]["selector"], t["metadata"]["labels"])]
+        container_ports = {p["name"]: p["containerPort"] for p in container(template["spec"], "gateway")["ports"]}
+        assert container_ports["http"] == int(flags(container(template["spec"], "gateway")["args"])["http-port"])
+    # The GRPCRoute beside it keeps the grpc port.
+    assert {b["port"] for b in one(objs, "GRPCRoute")["spec"]["rules"][0]["backendRefs"]} == {50051}
+
+    single = render(None, "gatewayApi.httpRoute.enabled=true", "gatewayApi.httpRoute.parentRefs[0].name=gw")
+    [rule] = one(single, "HTTPRoute")["spec"]["rules"]
+    assert rule == {"backendRefs": [{"name": f"{FULLNAME}-gateway", "port": 8000, "weight": 1}]}
+    assert not find(single, "GRPCRoute")
+    assert not find(render(), "HTTPRoute")
 
 
 def redis_env(objs) -> dict:
@@ -853,6 +943,15 @@ def test_pools_job_command_runs_the_script_through_ray_job_submit(tmp_path):
      "unique"),
     (("gateway.autoscaling.minReplicas=5", "gateway.autoscaling.maxReplicas=3"), "exceeds maxReplicas"),
     (("gatewayApi.grpcRoute.enabled=true",), "parentRefs"),
+    (("gatewayApi.httpRoute.enabled=true",), "gatewayApi.httpRoute.parentRefs"),
+    (("gatewayApi.httpRoute.enabled=true", "gatewayApi.httpRoute.parentRefs[0].name=gw", "gateway.httpPort=null"),
+     "the HTTPRoute needs the gateway's HTTP API"),
+    (("gatewayApi.httpRoute.enabled=true", "gatewayApi.httpRoute.parentRefs[0].name=gw",
+      "gatewayApi.httpRoute.timeouts.request=10min"), "timeouts.request"),
+    (("gateway.httpPort=70000",), "gateway.httpPort"),
+    (("gateway.httpPort=50051",), "gateway.httpPort 50051: gateway.grpcPort takes it"),
+    (("gateway.httpPort=9464",), "gateway.httpPort 9464: gateway.metricsPort takes it"),
+    (("gateway.service.httpPort=50051",), "is also its grpc port"),
     (("topology=shared",), "topology"),
     # serving.* sizes embedded gateways; a tp set there with shared pools would silently do nothing.
     (("serving.tp=2",), "shared pools take pools.tp"),
@@ -895,6 +994,8 @@ def test_plain_manifests_match_a_fresh_render():
     assert all("namespace" not in o["metadata"] for o in objs), "plain manifests take the namespace from kubectl -n"
     assert one(objs, "Job")["metadata"]["name"] == "tandem-pools-r1"
     assert flags(gateway_container(one(objs, "Deployment"))["args"])["pools"] == "tandem"
+    assert flags(gateway_container(one(objs, "Deployment"))["args"])["http-port"] == "8000"
+    assert [p["name"] for p in one(objs, "Service", "tandem-gateway")["spec"]["ports"]] == ["grpc", "http"]
 
 
 def test_image_build_follows_the_readme_install():

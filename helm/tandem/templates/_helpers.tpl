@@ -81,6 +81,20 @@ cluster has not replaced yet): it waits for a pod of its own image instead.
 {{- .Values.ray.address | default (printf "%s-head-svc:6379" (include "tandem.rayClusterName" .)) }}
 {{- end }}
 
+{{/*
+The gateway's OpenAI-compatible HTTP port (--http-port, container port http), or "" when it is off: gateway.httpPort
+null or 0, or gateway.http.enabled false.
+*/}}
+{{- define "tandem.httpPort" -}}
+{{- $g := .Values.gateway }}
+{{- if and (dig "http" "enabled" true $g) $g.httpPort }}{{ int $g.httpPort }}{{ end }}
+{{- end }}
+
+{{/* The gateway Services' http port, when the HTTP API is on: gateway.service.httpPort, else gateway.httpPort. */}}
+{{- define "tandem.serviceHttpPort" -}}
+{{- with include "tandem.httpPort" . }}{{ int ($.Values.gateway.service.httpPort | default .) }}{{ end }}
+{{- end }}
+
 {{/* REDIS_URL for the gateway: the bundled StatefulSet's headless Service, or the external URL. */}}
 {{- define "tandem.redisEnv" -}}
 - name: REDIS_URL
@@ -218,6 +232,25 @@ workers or one target replica per pod. topology=pools: the pools' declared size 
 {{- if and $v.gatewayApi.grpcRoute.enabled (not $v.gatewayApi.grpcRoute.parentRefs) }}
 {{- fail "gatewayApi.grpcRoute.parentRefs: name the Gateway the GRPCRoute attaches to" }}
 {{- end }}
+{{- $http := include "tandem.httpPort" . }}
+{{- if $http }}
+{{- range $name, $port := dict "grpcPort" $v.gateway.grpcPort "metricsPort" $v.gateway.metricsPort }}
+{{- if eq (int $port) (int $http) }}
+{{- fail (printf "gateway.httpPort %s: gateway.%s takes it; pick another" $http $name) }}
+{{- end }}
+{{- end }}
+{{- if eq (int (include "tandem.serviceHttpPort" .)) (int $v.gateway.service.port) }}
+{{- fail (printf "gateway.service.httpPort: the Service's http port %s is also its grpc port (gateway.service.port); set gateway.service.httpPort to another" (include "tandem.serviceHttpPort" .)) }}
+{{- end }}
+{{- end }}
+{{- if $v.gatewayApi.httpRoute.enabled }}
+{{- if not $http }}
+{{- fail "gatewayApi.httpRoute.enabled: the HTTPRoute needs the gateway's HTTP API; set gateway.httpPort and gateway.http.enabled=true" }}
+{{- end }}
+{{- if not $v.gatewayApi.httpRoute.parentRefs }}
+{{- fail "gatewayApi.httpRoute.parentRefs: name the Gateway the HTTPRoute attaches to" }}
+{{- end }}
+{{- end }}
 {{- if eq $v.topology "pools" }}
 {{- if gt (int $v.serving.tp) 1 }}
 {{- fail (printf "serving.tp=%d: serving.* sizes topology=embedded gateways; shared pools take pools.tp" (int $v.serving.tp)) }}
@@ -309,6 +342,7 @@ or CUDA_VISIBLE_DEVICES="" (quietly cpu), and warns when its GPU is unusable.
 {{- $s := $v.serving }}
 {{- $args := list "serve" "--host=0.0.0.0"
     (printf "--port=%v" $v.gateway.grpcPort)
+    (printf "--http-port=%s" (include "tandem.httpPort" .ctx | default "-1"))
     (printf "--metrics-port=%v" $v.gateway.metricsPort)
     (printf "--ray-address=%s" (include "tandem.rayAddress" .ctx))
     (printf "--target=%s" $v.models.target)
@@ -332,6 +366,7 @@ or CUDA_VISIBLE_DEVICES="" (quietly cpu), and warns when its GPU is unusable.
     (printf "--pools=%s" (include "tandem.poolsName" .ctx))
     "--host=0.0.0.0"
     (printf "--port=%v" $v.gateway.grpcPort)
+    (printf "--http-port=%s" (include "tandem.httpPort" .ctx | default "-1"))
     (printf "--metrics-port=%v" $v.gateway.metricsPort)
     (printf "--ray-address=%s" (include "tandem.rayAddress" .ctx))
     (printf "--grace=%v" $v.gateway.grace) }}
