@@ -14,6 +14,7 @@ Exit status: 0 done, 1 the server could not be reached or the warm-up failed, 2 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from loadtest.prompts import LENGTHS, SETS
 # Options copied as they are from the command line into RunConfig (the rest are converted).
 CONFIG_ARGS = ("address", "backend", "url", "openai_token_counts", "allow_remote", "requests", "burstiness",
                "max_concurrency", "seed", "duration", "grace", "timeout", "warmup", "max_k", "prompts", "max_tokens",
-               "temperature", "ignore_eos", "sessions", "connect_timeout")
+               "temperature", "ignore_eos", "sessions", "connect_timeout", "tls", "ca", "api_key")
 
 
 class UsageError(ValueError):
@@ -45,10 +46,16 @@ def add_common(parser: argparse.ArgumentParser) -> None:
                         help="grpc (--address) or openai: OpenAI's HTTP API streamed over SSE (--url)")
     parser.add_argument("--address", default="", help="grpc: HOST:PORT of a tandem gateway (loopback only)")
     parser.add_argument("--url", default="", help="openai: the server's base URL, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--openai-token-counts", choices=TOKEN_COUNTS, default="logprobs",
-                        help="openai: count a chunk's tokens from logprobs the requests ask for (exact), or one per "
-                             "chunk (vLLM's assumption; no logprobs asked)")
+    parser.add_argument("--openai-token-counts", choices=TOKEN_COUNTS, default="token_ids",
+                        help="openai: count a chunk's tokens from the token ids the requests ask for (vLLM's "
+                             "return_token_ids; exact), from logprobs (exact, the server computes them), or one per "
+                             "chunk (vLLM's bench assumption; nothing extra asked)")
     parser.add_argument("--allow-remote", action="store_true", help="allow a non-loopback address")
+    parser.add_argument("--tls", action="store_true", help="grpc: connect over TLS (openai: give an https:// --url)")
+    parser.add_argument("--ca", default=None, metavar="FILE",
+                        help="PEM CA that signed the server's certificate (default: the system's trust store)")
+    parser.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+                        help="sent as `authorization: Bearer <key>` (default: $TANDEM_API_KEY)")
     parser.add_argument("--requests", type=int, required=True, help="measured requests per run")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1.0: Poisson)")

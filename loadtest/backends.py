@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -91,8 +92,17 @@ class GrpcBackend(Backend):
 
         super().__init__(config)
         self.grpc = grpc
-        self.channel = grpc.aio.insecure_channel(config.address, options=CHANNEL_OPTIONS)
+        if config.tls:
+            root = None
+            if config.ca:
+                with open(config.ca, "rb") as file:
+                    root = file.read()
+            self.channel = grpc.aio.secure_channel(config.address, grpc.ssl_channel_credentials(root),
+                                                   options=CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.aio.insecure_channel(config.address, options=CHANNEL_OPTIONS)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {config.api_key}"),) if config.api_key else None
 
     async def open(self) -> dict:
         from google.protobuf.json_format import MessageToDict
@@ -106,7 +116,8 @@ class GrpcBackend(Backend):
             raise ServerUnreachable(f"no server answered at {config.address} within "
                                     f"{config.connect_timeout:g} s") from None
         try:
-            info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=config.connect_timeout)
+            info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=config.connect_timeout,
+                                                metadata=self.metadata)
             return MessageToDict(info, preserving_proto_field_name=True)
         except self.grpc.aio.AioRpcError as exc:
             return {"error": f"{exc.code().name}: {exc.details()}"}
@@ -122,7 +133,7 @@ class GrpcBackend(Backend):
             **request.prompt.request_input(), request_id=request.request_id, session_id=request.session_id,
             max_tokens=request.max_tokens, temperature=request.temperature, seed=request.seed,
             ignore_eos=request.ignore_eos, speculation=request.speculation, max_k=request.max_k),
-            timeout=self.config.timeout)
+            timeout=self.config.timeout, metadata=self.metadata)
         try:
             async for response in call:
                 if response.WhichOneof("kind") == "chunk":
@@ -148,11 +159,13 @@ class OpenAIBackend(Backend):
     speculation, max_k, session_id, request_id) at the top level of the body.
 
     Tokens per SSE chunk: OpenAI's chunks carry text, not token ids, and a speculative round's chunk holds several
-    tokens. With `openai_token_counts="logprobs"` (the default) each request asks for logprobs with no alternatives
-    (`logprobs: 0`; chat: `logprobs: true, top_logprobs: 0`) and a chunk's tokens are its logprob entries: exact, the
-    counts the gRPC path reads from Chunk.token_ids, at the cost of the server computing one log-softmax per emitted
-    token. "chunks" sends no logprobs and counts one token per chunk with text (vLLM's bench assumption), so ITL is
-    per chunk and the output token total is a lower bound under speculation."""
+    tokens. With `openai_token_counts="token_ids"` (the default) each request sets vLLM's `return_token_ids: true`
+    and a chunk's tokens are its choice's `token_ids`: exact, the counts the gRPC path reads from Chunk.token_ids, and
+    no work on the server the gRPC path does not do. "logprobs" asks for logprobs with no alternatives instead
+    (`logprobs: 0`; chat: `logprobs: true, top_logprobs: 0`) and counts a chunk's logprob entries: exact too, for
+    servers without return_token_ids, at the cost of the server computing one log-softmax per emitted token.
+    "chunks" asks for nothing and counts one token per chunk with text (vLLM's bench assumption), so ITL is per chunk
+    and the output token total is a lower bound under speculation."""
 
     def __init__(self, config: RunConfig) -> None:
         import httpx
@@ -162,9 +175,12 @@ class OpenAIBackend(Backend):
         self.base = config.url.rstrip("/")
         self.model = ""
         # No pool cap (a load level decides concurrency, not the client); trust_env off: never a proxy for loopback.
+        # verify: a private CA's file when given (httpx's default, certifi's bundle, knows no private CA).
+        verify = ssl.create_default_context(cafile=config.ca) if config.ca else True
+        headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else None
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=config.connect_timeout),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-                                        trust_env=False)
+                                        trust_env=False, verify=verify, headers=headers)
 
     async def open(self) -> dict:
         config = self.config
@@ -184,7 +200,7 @@ class OpenAIBackend(Backend):
 
     def body(self, request: RequestSpec) -> tuple[str, dict]:
         config = self.config
-        exact = config.openai_token_counts == "logprobs"
+        counts = config.openai_token_counts
         body: dict = {"model": self.model, "max_tokens": request.max_tokens, "temperature": request.temperature,
                       "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": request.ignore_eos,
                       "speculation": request.speculation, "session_id": request.session_id,
@@ -193,19 +209,21 @@ class OpenAIBackend(Backend):
             body["seed"] = request.seed
         if request.max_k is not None:
             body["max_k"] = request.max_k
+        if counts == "token_ids":
+            body["return_token_ids"] = True
         if request.prompt.kind == "chat":
             body["messages"] = [{"role": role, "content": content} for role, content in request.prompt.messages]
-            if exact:
+            if counts == "logprobs":
                 body |= {"logprobs": True, "top_logprobs": 0}
             return "/v1/chat/completions", body
         body["prompt"] = request.prompt.text
-        if exact:
+        if counts == "logprobs":
             body["logprobs"] = 0
         return "/v1/completions", body
 
     async def stream(self, request: RequestSpec) -> AsyncIterator[int | Final]:
         path, body = self.body(request)
-        exact = self.config.openai_token_counts == "logprobs"
+        counts = self.config.openai_token_counts
         final: Final | None = None
         try:
             # A whole-request deadline, as the gRPC path's (httpx's timeouts are per read).
@@ -227,7 +245,7 @@ class OpenAIBackend(Backend):
                         if choice.get("finish_reason") is not None:
                             final = _final(choice)
                             yield final
-                        elif tokens := _tokens(choice, exact):
+                        elif tokens := _tokens(choice, counts):
                             yield tokens
                     if (usage := chunk.get("usage")) and final is not None:
                         final.prompt_tokens = usage.get("prompt_tokens", 0)
@@ -238,10 +256,12 @@ class OpenAIBackend(Backend):
             raise RequestFailed(f"{type(exc).__name__}: {exc}") from None
 
 
-def _tokens(choice: dict, exact: bool) -> int:
-    """Tokens in one streamed choice: its logprob entries (completions: `tokens`; chat: `content`), or one per chunk
-    with text when logprobs were not asked for."""
-    if exact:
+def _tokens(choice: dict, counts: str) -> int:
+    """Tokens in one streamed choice: its `token_ids`, its logprob entries (completions: `tokens`; chat: `content`),
+    or one per chunk with text, as `counts` (RunConfig.openai_token_counts) says."""
+    if counts == "token_ids":
+        return len(choice.get("token_ids") or ())
+    if counts == "logprobs":
         logprobs = choice.get("logprobs") or {}
         entries = logprobs.get("tokens") if "tokens" in logprobs else logprobs.get("content")
         return len(entries or ())

@@ -10,7 +10,7 @@ from loadtest.target import check_address, check_url
 
 MODES = ("auto", "off")
 BACKENDS = ("grpc", "openai")
-TOKEN_COUNTS = ("logprobs", "chunks")  # the openai backend's tokens per SSE chunk (loadtest/backends.py)
+TOKEN_COUNTS = ("token_ids", "logprobs", "chunks")  # the openai backend's tokens per SSE chunk (loadtest/backends.py)
 
 
 @dataclass(slots=True)
@@ -39,7 +39,10 @@ class RunConfig:
     allow_remote: bool = False  # load tests target loopback addresses only unless this is set
     backend: str = "grpc"  # "grpc" (address) or "openai" (url: OpenAI's HTTP API, streamed over SSE)
     url: str = ""  # the OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8000
-    openai_token_counts: str = "logprobs"  # how the openai backend counts a chunk's tokens
+    openai_token_counts: str = "token_ids"  # how the openai backend counts a chunk's tokens
+    tls: bool = False  # grpc: a TLS channel (openai: an https URL says so)
+    ca: str | None = None  # PEM CA that signed the server's certificate (default: the system's trust store)
+    api_key: str | None = None  # sent as `authorization: Bearer <key>`; never written to results.json
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -55,6 +58,10 @@ class RunConfig:
             check(value, self.allow_remote)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
+        if self.backend == "openai" and (self.tls or self.ca) and not self.url.startswith("https://"):
+            raise ValueError(f"url: TLS (--tls, --ca) needs an https:// URL, got {self.url!r}")
+        if self.backend == "grpc" and self.ca and not self.tls:
+            raise ValueError("ca: a CA is for a TLS channel; add --tls")
         if self.rate is not None and self.concurrency is not None:
             raise ValueError("rate: give either a rate or a concurrency, not both")
         if self.rate is None and self.concurrency is None:
@@ -99,6 +106,7 @@ class RunConfig:
         body = asdict(self)
         body["lengths"] = list(self.lengths)
         body["load"] = self.load
+        body["api_key"] = "<set>" if self.api_key else None  # a secret: results.json says only whether one was sent
         if body["rate"] is not None and math.isinf(body["rate"]):
             body["rate"] = "inf"  # JSON has no infinity
         return body

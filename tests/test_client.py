@@ -5,9 +5,7 @@ plaintext, TLS and mutual-TLS ports (certificates made here), and the torch-free
 from __future__ import annotations
 
 import asyncio
-import datetime
 import inspect
-import ipaddress
 import json
 import subprocess
 import sys
@@ -17,13 +15,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway_harness import ServerThread, tiny_backend
+from pki import make_pki
 from tandem.cli.main import main
 from tandem.client import (
     AsyncTandemClient,
@@ -184,43 +179,11 @@ class Capture(grpc.ServerInterceptor):
         return continuation(handler_call_details)
 
 
-def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-
-def _certificate(subject: str, key, issuer: str, issuer_key, ca: bool = False) -> bytes:
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(_name(issuer))
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if not ca:  # what the client checks the server's name against
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
-
-
-def _key() -> ec.EllipticCurvePrivateKey:
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _pem_key(key) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict:
     """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, all signed by the CA, plus an
     unrelated CA; the CA is also written to a file (the client takes paths)."""
-    ca_key, server_key, client_key, other_key = _key(), _key(), _key(), _key()
-    out = tmp_path_factory.mktemp("pki")
-    ca = _certificate("test-ca", ca_key, "test-ca", ca_key, ca=True)
-    (out / "ca.pem").write_bytes(ca)
-    return {"ca": ca, "ca_path": str(out / "ca.pem"),
-            "server": (_pem_key(server_key), _certificate("server", server_key, "test-ca", ca_key)),
-            "client": (_pem_key(client_key), _certificate("client", client_key, "test-ca", ca_key)),
-            "other_ca": _certificate("other-ca", other_key, "other-ca", other_key, ca=True)}
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")

@@ -376,7 +376,7 @@ def test_openai_backend_measures_what_the_grpc_backend_does(server) -> None:
     grpc_results, http_results = compute(grpc_trace), compute(http_trace)
     assert http_results["completed"] == 6 and http_results["failed"] == 0, http_results["error_kinds"]
     assert {p.kind for p in Driver(_openai(server, requests=6, prompts="mixed", seed=4)).prompts} == {"code", "chat"}
-    # Token counts from the requested logprobs are exact: what the gRPC path reads from the chunks' token ids.
+    # Token counts from return_token_ids are exact: what the gRPC path reads from the chunks' token ids.
     assert http_results["total_output_tokens"] == grpc_results["total_output_tokens"] == 6 * MAX_TOKENS
     assert http_results["total_input_tokens"] == grpc_results["total_input_tokens"]  # same prompts, same order
     for request in http_trace.requests:

@@ -378,6 +378,7 @@ def test_tandem_serve_prints_and_serves_http(tiny_dirs) -> None:
         response = sdk.completions.create(model=str(tiny_dirs.target), prompt="hi", max_tokens=5,
                                           extra_body=IGNORE_EOS)
         assert response.usage.completion_tokens == 5
+        assert response.model == "target"  # the served directory's name: no server path in what clients see
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:

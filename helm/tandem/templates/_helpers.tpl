@@ -356,8 +356,21 @@ or CUDA_VISIBLE_DEVICES="" (quietly cpu), and warns when its GPU is unusable.
     (printf "--target-resources=%s" (include "tandem.actorResources" (dict "ctx" .ctx "pool" "target")))
     (printf "--grace=%v" $v.gateway.grace)
     (printf "--device=%s" (include "tandem.workerDevice" .ctx)) }}
-{{- toYaml (concat $args $s.extraArgs $v.gateway.extraArgs .arm.extraArgs) }}
+{{- toYaml (concat $args (include "tandem.gatewayAuthArgs" .ctx | fromYamlArray) $s.extraArgs $v.gateway.extraArgs .arm.extraArgs) }}
 {{- end }}
+
+{{/* --api-keys from gateway.apiKeys.secretName (mounted at tandem.apiKeysDir), else --insecure: the gateway listens on
+0.0.0.0, which `tandem serve`/`tandem gateway` refuse without keys unless told. */}}
+{{- define "tandem.gatewayAuthArgs" -}}
+{{- $keys := .Values.gateway.apiKeys }}
+{{- if $keys.secretName }}
+{{- toYaml (list (printf "--api-keys=%s/%s" (include "tandem.apiKeysDir" .) $keys.key)) }}
+{{- else }}
+{{- toYaml (list "--insecure") }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.apiKeysDir" -}}/etc/tandem/api-keys{{- end }}
 
 {{/* `tandem gateway` arguments for one gateway arm over the release's pools: (dict "ctx" $ "arm" $arm). */}}
 {{- define "tandem.gatewayArgs" -}}
@@ -370,7 +383,7 @@ or CUDA_VISIBLE_DEVICES="" (quietly cpu), and warns when its GPU is unusable.
     (printf "--metrics-port=%v" $v.gateway.metricsPort)
     (printf "--ray-address=%s" (include "tandem.rayAddress" .ctx))
     (printf "--grace=%v" $v.gateway.grace) }}
-{{- toYaml (concat $args $v.gateway.extraArgs .arm.extraArgs) }}
+{{- toYaml (concat $args (include "tandem.gatewayAuthArgs" .ctx | fromYamlArray) $v.gateway.extraArgs .arm.extraArgs) }}
 {{- end }}
 
 {{/*

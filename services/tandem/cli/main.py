@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 ("generate", "add_generate_parser", "generate"),
                                 ("bench", "add_bench_parser", "bench"), ("serve", "add_serve_parser", "serve"),
                                 ("pools", "add_pools_parser", "pools"), ("gateway", "add_gateway_parser", "gateway"),
-                                ("canary", "add_canary_parser", "canary")):
+                                ("canary", "add_canary_parser", "canary"), ("keys", "add_keys_parser", "keys")):
         try:
             add = getattr(importlib.import_module(f"tandem.cli.{module}"), adder)
         except ModuleNotFoundError as exc:

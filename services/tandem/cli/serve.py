@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ from tandem.cli.common import add_model_options, engine_config, kv_tokens, load_
 from tandem.core.config import EngineConfig
 from tandem.errors import InvalidArgument, TandemError
 from tandem.gateway.generation import Backend
-from tandem.gateway.server import GatewayOptions, serve
+from tandem.gateway.server import GatewayOptions, check_tls_files, serve
 from tandem.gateway.validate import GatewayLimits
 from tandem.local_engine import build_engine
 from tandem.telemetry import tracing
@@ -99,6 +100,25 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                         help=f"Prometheus /metrics port on --host (default: {DEFAULT_METRICS_PORT}, or a free port "
                         "when taken; 0: a free port; -1: off)")
     parser.add_argument("--no-metrics", action="store_true", help="serve no Prometheus metrics (gateway and workers)")
+    parser.add_argument("--tls-cert", default=None, metavar="FILE",
+                        help="serve gRPC and HTTP over TLS with this PEM certificate (chain); needs --tls-key")
+    parser.add_argument("--tls-key", default=None, metavar="FILE", help="the PEM private key of --tls-cert")
+    parser.add_argument("--tls-client-ca", default=None, metavar="FILE",
+                        help="mutual TLS: clients must present a certificate signed by this PEM CA")
+    parser.add_argument("--api-keys", default=None, metavar="FILE",
+                        help="require an API key (`authorization: Bearer <key>`) on every call but health checks; "
+                             "FILE maps key hashes to tenants (`tandem keys create`)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow a --host beyond loopback without --api-keys (anyone who reaches it may call)")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 def gateway_options(args: argparse.Namespace) -> GatewayOptions:
@@ -118,10 +138,26 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
     http_port = DEFAULT_HTTP_PORT if args.http_port is None else args.http_port
     if not -1 <= http_port <= 65535:
         raise InvalidArgument(f"http_port: must be between -1 (off) and 65535, got {http_port}")
-    return GatewayOptions(host=args.host, port=args.port, limits=limits, max_requests=args.max_queue,
-                          stall_timeout=args.stall_timeout, grace=args.grace,
-                          metrics_port=None if off else metrics_port, metrics_port_fallback=args.metrics_port is None,
-                          http_port=None if http_port == -1 else http_port, http_port_fallback=args.http_port is None)
+    keys = None
+    if args.api_keys is not None:
+        from tandem.gateway.auth import ApiKeys
+
+        keys = ApiKeys.load(args.api_keys)
+    elif not args.insecure and not is_loopback(args.host):
+        # Without keys, anyone who reaches the port may generate: only loopback unless the operator says so.
+        raise InvalidArgument(f"host: {args.host} is reachable beyond this machine and no --api-keys were given; "
+                              "pass --api-keys FILE (`tandem keys create`), or --insecure to serve it unauthenticated")
+    options = GatewayOptions(host=args.host, port=args.port, limits=limits, max_requests=args.max_queue,
+                             stall_timeout=args.stall_timeout, grace=args.grace,
+                             metrics_port=None if off else metrics_port,
+                             metrics_port_fallback=args.metrics_port is None,
+                             http_port=None if http_port == -1 else http_port,
+                             http_port_fallback=args.http_port is None,
+                             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+                             api_keys=keys)
+    if options.tls:
+        check_tls_files(options)  # now, before Ray or the models start
+    return options
 
 
 def worker_metrics_port(args: argparse.Namespace) -> int:
@@ -285,8 +321,13 @@ def run_serve(args: argparse.Namespace) -> int:
 def serve_gateway(args: argparse.Namespace, load, options: GatewayOptions, canary, exporters, model: str) -> int:
     """Run the gRPC gateway over the backend `load()` returns until SIGTERM/SIGINT (with the session store)."""
 
+    security = ("mutual TLS" if options.tls_client_ca else "TLS") if options.tls else "plaintext"
+    if options.api_keys is not None:
+        security += f", {len(options.api_keys)} API keys"
+
     def announce(address: str) -> None:
-        print(f"tandem: serving tandem.v1.GenerationService on {address} (readiness turns SERVING once "
+        # The address stays bare (HOST:PORT, what clients take): scripts read it from this line.
+        print(f"tandem: serving tandem.v1.GenerationService on {address} ({security}; readiness turns SERVING once "
               f"{model} is loaded)", flush=True)
 
     def announce_metrics(url: str) -> None:

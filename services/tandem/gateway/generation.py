@@ -21,7 +21,15 @@ from tandem.core.logprobs import TokenLogprob
 from tandem.errors import BackendUnavailable, InvalidArgument
 from tandem.gateway.lanes import ServingLoop
 from tandem.gateway.loop import EngineFailed, EngineUnavailable, Finished, QueueFull
-from tandem.gateway.validate import GatewayLimits, ModelLimits, PreparedRequest, chat_ids, prepare
+from tandem.gateway.validate import (
+    GatewayLimits,
+    ModelLimits,
+    PreparedRequest,
+    chat_ids,
+    display_name,
+    encode_prompt,
+    prepare,
+)
 from tandem.telemetry.gateway import RequestObserver
 from tandem.telemetry.metrics import GatewayMetrics
 from tandem.v1 import generation_pb2 as pb
@@ -41,6 +49,10 @@ class Backend:
     target_name: str
     draft_name: str = ""
     lanes: tuple[SpeculativeEngine, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Model info, /v1/models and metric labels name a model given as a path by its directory's name only.
+        self.target_name, self.draft_name = display_name(self.target_name), display_name(self.draft_name)
 
     @property
     def engines(self) -> list[SpeculativeEngine]:
@@ -90,6 +102,16 @@ ERROR_CODES: dict[type[Exception], str] = {
 FAILURES = tuple(ERROR_CODES)
 
 
+class TenantBusy(QueueFull):
+    """The tenant already has its max_concurrency requests in flight (RESOURCE_EXHAUSTED / 429, as a full queue)."""
+
+
+def scoped_id(tenant: str, id_: str) -> str:
+    """An id inside the gateway: the tenant's namespace in front (tenant names hold no ':'), so one tenant's request
+    and session ids never reach another's requests, session state or retained KV caches."""
+    return f"{tenant}:{id_}" if tenant and id_ else id_
+
+
 def error_code(exc: Exception) -> str:
     return next(code for kind, code in ERROR_CODES.items() if isinstance(exc, kind))
 
@@ -122,7 +144,9 @@ class Generations:
         self.model_limits: ModelLimits | None = None
         self.loops: dict[str, ServingLoop] = {}  # canary arms: arm name -> loop; `loop` is the baseline arm's
         self.canary = None  # tandem.canary.CanaryController, or None: every request on `loop`
-        self._choices: dict[str, list[str]] = {}  # request id -> its choices' engine ids, while n > 1 runs
+        self._choices: dict[str, list[str]] = {}  # scoped request id -> its choices' engine ids, while n > 1 runs
+        self.tenant_limits: dict[str, int] = {}  # tenant -> most requests in flight at once (absent: no cap)
+        self._tenant_active: dict[str, int] = {}  # tenant -> requests in flight, for the tenants with a cap
 
     def attach(self, backend: Backend, loop: ServingLoop, loops: Mapping[str, ServingLoop] | None = None,
                canary=None) -> None:
@@ -157,17 +181,40 @@ class Generations:
         backend, _ = self._serving()
         return await asyncio.to_thread(prepare, request, backend.tokenizer, self.limits, self.model_limits)
 
-    async def tokenize(self, prompt: str | None = None, chat: pb.Chat | None = None) -> list[int]:
-        """The token ids of a prompt (no template) or a chat (template applied), in a worker thread."""
+    async def tokenize(self, prompt: str | None = None, chat: pb.Chat | None = None, tenant: str = "") -> list[int]:
+        """The token ids of a prompt (no template) or a chat (template applied), in a worker thread. `tenant` is
+        taken for symmetry with stream/abort: tokenizing touches no per-tenant state."""
         backend, _ = self._serving()
         if chat is not None:
             return await asyncio.to_thread(chat_ids, chat, backend.tokenizer, self.limits)
         if not prompt:
             raise InvalidArgument("input: set one of prompt or chat")
-        return await asyncio.to_thread(backend.tokenizer.encode, prompt)
+        return await asyncio.to_thread(encode_prompt, prompt, backend.tokenizer, self.limits)
 
-    async def stream(self, request: pb.GenerateRequest, metadata: Sequence = ()) -> AsyncIterator[Event]:
-        """Every choice's events, interleaved as they come; a choice's ChoiceEnd is its last event."""
+    async def stream(self, request: pb.GenerateRequest, metadata: Sequence = (),
+                     tenant: str = "") -> AsyncIterator[Event]:
+        """Every choice's events, interleaved as they come; a choice's ChoiceEnd is its last event. `tenant`: the
+        authenticated caller's (the transport's to say; "" without API keys), which namespaces its ids."""
+        self._serving()
+        cap = self.tenant_limits.get(tenant) if tenant else None
+        if cap is None:
+            async for event in self._stream(request, metadata, tenant):
+                yield event
+            return
+        active = self._tenant_active.get(tenant, 0)
+        if active >= cap:
+            raise TenantBusy(f"tenant {tenant!r} has {active} requests in flight (its limit is {cap}); retry later")
+        self._tenant_active[tenant] = active + 1
+        try:
+            async for event in self._stream(request, metadata, tenant):
+                yield event
+        finally:
+            if (left := self._tenant_active[tenant] - 1) > 0:
+                self._tenant_active[tenant] = left
+            else:
+                del self._tenant_active[tenant]
+
+    async def _stream(self, request: pb.GenerateRequest, metadata: Sequence, tenant: str) -> AsyncIterator[Event]:
         backend, loop = self._serving()
         observed = RequestObserver(self.metrics, request, metadata, backend.target_name)
         try:
@@ -175,9 +222,12 @@ class Generations:
         except InvalidArgument as exc:
             observed.failed(error_code(exc), str(exc))
             raise
+        client_id = prepared.request_id  # what the client sees back; the engine sees the scoped one
+        prepared = replace(prepared, request_id=scoped_id(tenant, prepared.request_id),
+                           session_id=scoped_id(tenant, prepared.session_id))
         choices = [choice_request(prepared, index) for index in range(prepared.n)]
         if len(choices) == 1:
-            async for event in self._choice(0, choices[0], prepared.request_id, observed, backend, loop):
+            async for event in self._choice(0, choices[0], client_id, observed, backend, loop):
                 yield event
             return
         self._choices[prepared.request_id] = [choice.request_id for choice in choices]
@@ -188,7 +238,7 @@ class Generations:
             choice_observed = observed if index == 0 else RequestObserver(self.metrics, request, metadata,
                                                                           backend.target_name)
             try:
-                async for event in self._choice(index, choice, prepared.request_id, choice_observed, backend, loop):
+                async for event in self._choice(index, choice, client_id, choice_observed, backend, loop):
                     events.put_nowait(event)
             except Exception as exc:
                 events.put_nowait(exc)
@@ -257,11 +307,13 @@ class Generations:
         finally:
             observed.end()  # a no-op unless the client went away (cancelled, deadline) mid-stream
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a running request (every choice of it) on whichever loop runs it; False if none does."""
+    def abort(self, request_id: str, tenant: str = "") -> bool:
+        """Stop a running request (every choice of it) on whichever loop runs it; False if none does. Only the
+        tenant's own requests: another tenant's same id is another engine id."""
         if self.loop is None:
             raise EngineUnavailable("not ready: the engine is still loading")
         loops = [self.loop, *(loop for loop in self.loops.values() if loop is not self.loop)]
+        request_id = scoped_id(tenant, request_id)
         ids = self._choices.get(request_id, [request_id])
         return any([loop.cancel(engine_id) for engine_id in ids for loop in loops])
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,14 +21,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.errors import TandemError
+from tandem.errors import InvalidArgument, TandemError
+from tandem.gateway.auth import ApiKeys
 from tandem.gateway.generation import Backend, Generations
 from tandem.gateway.lanes import LanedLoop, ServingLoop
 from tandem.gateway.loop import EngineLoop, SessionStore
-from tandem.gateway.servicer import GenerationServiceServicer
+from tandem.gateway.servicer import AuthInterceptor, GenerationServiceServicer, add_to_server
 from tandem.gateway.validate import GatewayLimits
 from tandem.telemetry.metrics import GatewayMetrics
-from tandem.v1 import generation_pb2, generation_pb2_grpc
+from tandem.v1 import generation_pb2
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,57 @@ class GatewayOptions:
     metrics_port_fallback: bool = False  # when metrics_port is taken, use any free port instead of failing
     http_port: int | None = None  # the OpenAI-compatible HTTP API on the gateway's host: None = off, 0 = any free port
     http_port_fallback: bool = False  # when http_port is taken, use any free port instead of failing
+    # TLS on the gRPC and HTTP ports (PEM files; both or neither). tls_client_ca: mutual TLS, clients must present a
+    # certificate it signed. Prometheus /metrics stays plaintext: scrapers sit inside the cluster's network.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    api_keys: ApiKeys | None = None  # None: no keys asked for, every caller is tenant ""
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise InvalidArgument("tls: give both a certificate (--tls-cert) and its key (--tls-key), or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise InvalidArgument("tls_client_ca: mutual TLS needs --tls-cert and --tls-key too")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+
+def _read_pem(name: str, path: str) -> bytes:
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as exc:
+        raise InvalidArgument(f"{name}: cannot read {path}: {exc.strerror or exc}") from exc
+
+
+def check_tls_files(options: GatewayOptions) -> None:
+    """Load the files as Python's ssl would: a bad PEM or a key that is not the certificate's fails here with its
+    reason (grpc only reports "Failed to bind" for them)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(options.tls_cert, options.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidArgument(f"tls_cert: cannot use {options.tls_cert} with the key {options.tls_key}: {exc}") \
+            from exc
+    if options.tls_client_ca is not None:
+        try:
+            context.load_verify_locations(options.tls_client_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidArgument(f"tls_client_ca: cannot use {options.tls_client_ca}: {exc}") from exc
+
+
+def grpc_server_credentials(options: GatewayOptions) -> grpc.ServerCredentials:
+    """TLS credentials for the gRPC port; with a client CA, a client without a certificate it signed is refused in
+    the handshake."""
+    pair = (_read_pem("tls_key", options.tls_key), _read_pem("tls_cert", options.tls_cert))
+    check_tls_files(options)
+    if options.tls_client_ca is None:
+        return grpc.ssl_server_credentials([pair])
+    return grpc.ssl_server_credentials([pair], root_certificates=_read_pem("tls_client_ca", options.tls_client_ca),
+                                       require_client_auth=True)
 
 
 def format_address(host: str, port: int) -> str:
@@ -112,10 +165,12 @@ class Gateway:
 
         options = self.options
         ports = [options.http_port, 0] if options.http_port_fallback else [options.http_port]
-        app = create_app(self.generations, self.http_status)
+        app = create_app(self.generations, self.http_status, options.api_keys)
+        tls = {"certfile": options.tls_cert, "keyfile": options.tls_key, "client_ca": options.tls_client_ca} \
+            if options.tls else None
         for index, port in enumerate(ports):
             try:
-                self.http = await start_http_server(app, options.host, port)
+                self.http = await start_http_server(app, options.host, port, tls)
                 return
             except OSError:
                 if index == len(ports) - 1:
@@ -269,20 +324,30 @@ async def start_gateway(load: Callable[[], Backend | Mapping[str, Backend]], opt
     """Bind and start the server now; `load` (run in a thread) builds the engine while health reports loading.
     canary: tandem.canary.config.CanaryOptions; `load` then returns {arm name: Backend} (the first arm the baseline)."""
     options = options or GatewayOptions()
+    credentials = grpc_server_credentials(options) if options.tls else None  # unreadable files fail before binding
+    interceptors = [AuthInterceptor(options.api_keys)] if options.api_keys is not None else []
     # SO_REUSEPORT off: a second server on a busy port must fail rather than silently share it.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    # A message past max_request_bytes is refused (RESOURCE_EXHAUSTED) before it is parsed.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                      ("grpc.max_receive_message_length", options.limits.max_request_bytes)],
+                             interceptors=interceptors)
     metrics = None
     if options.metrics_port is not None:
         ports = [options.metrics_port, 0] if options.metrics_port_fallback else [options.metrics_port]
         metrics = GatewayMetrics(options.host, ports)
-    servicer = GenerationServiceServicer(Generations(options.limits, metrics))
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+    generations = Generations(options.limits, metrics)
+    if options.api_keys is not None:
+        generations.tenant_limits = {name: tenant.max_concurrency for name, tenant in options.api_keys.tenants.items()
+                                     if tenant.max_concurrency is not None}
+    servicer = GenerationServiceServicer(generations, options.api_keys)
+    add_to_server(servicer, server)  # generation_pb2_grpc's registration, malformed requests INVALID_ARGUMENT
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((READINESS_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = format_address(options.host, options.port)
     try:
-        port = server.add_insecure_port(address)
+        port = server.add_secure_port(address, credentials) if credentials is not None \
+            else server.add_insecure_port(address)
     except RuntimeError as exc:
         if metrics is not None:
             metrics.close()

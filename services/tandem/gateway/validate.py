@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import uuid
 from dataclasses import dataclass
+
+from jinja2.exceptions import TemplateError
 
 from tandem.core.config import SamplingParams
 from tandem.core.logprobs import MAX_TOP_LOGPROBS
 from tandem.errors import InvalidArgument
 from tandem.v1 import generation_pb2 as pb
 
+log = logging.getLogger(__name__)
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_MAX_TOKENS = 128
+PROMPT_BYTES_PER_TOKEN = 16  # max_prompt_bytes' default: a prompt of max_prompt_tokens tokens of up to 16 bytes each
 
 
 @dataclass(slots=True, frozen=True)
@@ -26,8 +33,15 @@ class GatewayLimits:
     max_chat_messages: int = 1024
     max_id_chars: int = 128
     max_choices: int = 16  # n
+    # Checked before tokenizing or templating: the UTF-8 bytes of a prompt, or of a chat's contents summed.
+    # None: max_prompt_tokens * PROMPT_BYTES_PER_TOKEN (the longest legitimate prompt fits).
+    max_prompt_bytes: int | None = None
+    # One request as it arrives: a gRPC message (grpc.max_receive_message_length), an HTTP body (413 past it).
+    max_request_bytes: int = 4 * 1024 * 1024
 
     def __post_init__(self) -> None:
+        if self.max_prompt_bytes is None:
+            object.__setattr__(self, "max_prompt_bytes", self.max_prompt_tokens * PROMPT_BYTES_PER_TOKEN)
         for name in self.__slots__:
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name}: must be at least 1, got {getattr(self, name)}")
@@ -55,6 +69,28 @@ class PreparedRequest:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise InvalidArgument(message)
+
+
+def display_name(model: str) -> str:
+    """How a model is named to clients (model info, /v1/models, metric labels): a registry or hub name as given,
+    a local directory by its base name only (a full path says how the server's disk is laid out)."""
+    name = model.rstrip("/\\") or model
+    if name.startswith(("/", "./", "../", "~", "\\")) or (os.sep in name and os.path.isdir(name)) \
+            or ":\\" in name[:3]:
+        return os.path.basename(name.replace("\\", "/").rstrip("/")) or name
+    return model
+
+
+def _check_bytes(name: str, size: int, limits: GatewayLimits) -> None:
+    _require(size <= limits.max_prompt_bytes,
+             f"{name}: {size} bytes is more than the limit of {limits.max_prompt_bytes} bytes")
+
+
+def _utf8_size(text: str, limits: GatewayLimits) -> int:
+    """The UTF-8 size of `text`, or a bound past the limit without encoding a huge string."""
+    if len(text) > limits.max_prompt_bytes:  # a character is at least one byte
+        return len(text)
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def _check_id(name: str, value: str, limits: GatewayLimits) -> None:
@@ -107,7 +143,7 @@ def prompt_ids(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, mo
         raise InvalidArgument("input: set one of prompt, token_ids or chat")
     if kind == "prompt":
         _require(bool(request.prompt), "prompt: must not be empty")
-        ids = tokenizer.encode(request.prompt)
+        ids = encode_prompt(request.prompt, tokenizer, limits)
     elif kind == "token_ids":
         ids = list(request.token_ids.ids)
         _require(bool(ids), "token_ids: must contain at least one id")
@@ -121,21 +157,39 @@ def prompt_ids(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, mo
     return ids
 
 
+def encode_prompt(prompt: str, tokenizer, limits: GatewayLimits) -> list[int]:
+    """A prompt's token ids, its size checked first (tokenizing megabytes would hold a core for seconds)."""
+    _check_bytes("prompt", _utf8_size(prompt, limits), limits)
+    return tokenizer.encode(prompt)
+
+
 def chat_ids(chat: pb.Chat, tokenizer, limits: GatewayLimits) -> list[int]:
     messages = chat.messages
     _require(len(messages) > 0, "chat: needs at least one message")
     _require(len(messages) <= limits.max_chat_messages,
              f"chat: at most {limits.max_chat_messages} messages, got {len(messages)}")
+    size = 0
     for index, message in enumerate(messages):
         _require(message.role in CHAT_ROLES,
                  f"chat.messages[{index}].role: must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}")
+        size += _utf8_size(message.content, limits)
+        if size > limits.max_prompt_bytes:  # before templating: bounded work
+            _check_bytes("chat.messages", size, limits)
     _require(bool(getattr(tokenizer, "chat_template", None)), "chat: this model's tokenizer has no chat template")
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
     try:
-        text = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
-                                             tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # the template itself rejects the conversation (e.g. roles must alternate)
+        # sanitize_control_tokens: a special token's text inside a message ("<|im_end|>") is encoded as plain text;
+        # only the template's own control tokens are control tokens (no forged turns).
+        ids = tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True,
+                                            sanitize_control_tokens=True, return_dict=False)
+    except TemplateError as exc:  # the template itself rejects the conversation (e.g. roles must alternate)
         raise InvalidArgument(f"chat: the chat template rejected these messages: {exc}") from exc
-    return tokenizer.encode(text, add_special_tokens=False)
+    except Exception as exc:  # its own text may name the server's files: kept in the log
+        log.warning("applying the chat template failed", exc_info=True)
+        raise InvalidArgument("chat: the chat template could not be applied to these messages") from exc
+    if ids and isinstance(ids[0], list):  # a batch of one
+        ids = ids[0]
+    return list(ids)
 
 
 def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model: ModelLimits) -> PreparedRequest:

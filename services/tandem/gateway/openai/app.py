@@ -7,6 +7,7 @@ FastAPI's parameter binding so that every refusal, a bad JSON body included, is 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from tandem.gateway.auth import ApiKeys
 from tandem.gateway.generation import ChoiceDelta, ChoiceEnd, Generations
 from tandem.gateway.openai.convert import (
     CHAT_RENAMES,
@@ -28,12 +30,20 @@ from tandem.gateway.openai.convert import (
     check_model,
     completion_request,
 )
-from tandem.gateway.openai.errors import OpenAIError, bad_request, from_exception, not_ready, validation_error
+from tandem.gateway.openai.errors import (
+    OpenAIError,
+    bad_request,
+    from_exception,
+    not_ready,
+    unauthorized,
+    validation_error,
+)
 from tandem.gateway.openai.responses import SSE_DONE, Kind, Responder, sse
 from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tandem.gateway.openai.streaming import ClientGone, EventStream, until_disconnected
 from tandem.gateway.openai.tokens import TokenTexts
 
+LARGE_BODY_BYTES = 64 * 1024  # bodies past this are parsed in a worker thread (other streams go on meanwhile)
 CLIENT_CLOSED = 499  # never seen by the client (it left); what access logs conventionally record
 # Why the server cannot take requests now ("loading", "draining", "unavailable"), or None when it can.
 Status = Callable[[], str | None]
@@ -55,10 +65,11 @@ CHAT = _Endpoint("chat", ChatCompletionRequest, chat_request, CHAT_RENAMES, "cha
 COMPLETION = _Endpoint("completion", CompletionRequest, completion_request, COMPLETION_RENAMES, "cmpl")
 
 
-def create_app(generations: Generations, status: Status | None = None) -> FastAPI:
-    """The API over `generations`; `status` says why it cannot serve (default: loading until attached)."""
+def create_app(generations: Generations, status: Status | None = None, keys: ApiKeys | None = None) -> FastAPI:
+    """The API over `generations`; `status` says why it cannot serve (default: loading until attached); `keys`: the
+    API keys /v1/* asks for (`Authorization: Bearer <key>`, else 401), None for none (/health is always open)."""
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
-    api = _Api(generations, status or (lambda: None if generations.ready else "loading"))
+    api = _Api(generations, status or (lambda: None if generations.ready else "loading"), keys)
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
@@ -79,9 +90,10 @@ def create_app(generations: Generations, status: Status | None = None) -> FastAP
 
 
 class _Api:
-    def __init__(self, generations: Generations, status: Status) -> None:
+    def __init__(self, generations: Generations, status: Status, keys: ApiKeys | None = None) -> None:
         self.generations = generations
         self.status = status
+        self.keys = keys
         self.created = int(time.time())
         self._texts: TokenTexts | None = None
 
@@ -91,6 +103,17 @@ class _Api:
             self._texts = TokenTexts(tokenizer)
         return self._texts
 
+    def _tenant(self, request: Request) -> str:
+        """The caller's tenant ("" without API keys); a missing or unknown key is a 401."""
+        if self.keys is None:
+            return ""
+        if not request.headers.get("authorization"):
+            raise unauthorized("You didn't provide an API key: send it as `Authorization: Bearer <key>`.")
+        tenant = self.keys.from_authorization(request.headers.get("authorization"))
+        if tenant is None:
+            raise unauthorized()
+        return tenant.name
+
     def _check_ready(self) -> None:
         if (reason := self.status()) is not None:
             raise not_ready(NOT_READY.get(reason, reason))
@@ -99,8 +122,9 @@ class _Api:
         reason = self.status()
         return JSONResponse({"status": reason or "ok"}, status_code=503 if reason else 200)
 
-    async def models(self) -> JSONResponse:
+    async def models(self, request: Request) -> JSONResponse:
         try:
+            self._tenant(request)
             self._check_ready()
             name = self.generations.target_name
         except Exception as exc:
@@ -126,7 +150,8 @@ class _Api:
             return _error(exc, endpoint.renames)
 
     async def _serve(self, request: Request, endpoint: _Endpoint) -> Response:
-        body = await _read_body(request, endpoint.schema)
+        tenant = self._tenant(request)  # before the body: an unauthenticated client gets nothing parsed
+        body = await _read_body(request, endpoint.schema, self.generations.limits.max_request_bytes)
         self._check_ready()
         model = self.generations.target_name
         check_model(body, model)
@@ -135,7 +160,8 @@ class _Api:
         responder = Responder(endpoint.kind, request_id, model, self._token_texts(), n=max(message.n, 1),
                               logprobs=message.HasField("logprobs"), include_usage=body.stream and body.include_usage,
                               token_ids=body.return_token_ids)
-        events = self.generations.stream(message, list(request.headers.items()))  # headers: a W3C trace context
+        # headers: a W3C trace context
+        events = self.generations.stream(message, list(request.headers.items()), tenant=tenant)
         if not body.stream:
             await until_disconnected(request, _collect(events, responder))
             return JSONResponse(responder.response())
@@ -153,9 +179,32 @@ def _error(exc: Exception, renames: dict[str, str]) -> JSONResponse:
     return error.response()
 
 
-async def _read_body(request: Request, schema: type[BaseModel]):
+def _too_large(size: int, limit: int) -> OpenAIError:
+    return OpenAIError(413, f"the body is {size} bytes or more, past the limit of {limit} bytes",
+                       code="request_too_large")
+
+
+async def _read_body(request: Request, schema: type[BaseModel], limit: int):
+    """The body parsed and validated. One past `limit` bytes is refused (413) unread when its Content-Length says
+    so, else as soon as that much has arrived; a large one is parsed off the event loop."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if len(body) > LARGE_BODY_BYTES:
+        return await asyncio.to_thread(_parse_body, body, schema)
+    return _parse_body(body, schema)
+
+
+def _parse_body(body: bytes, schema: type[BaseModel]):
     try:
-        data = json.loads(await request.body())
+        data = json.loads(body)
     except ValueError as exc:
         raise bad_request(f"the body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):

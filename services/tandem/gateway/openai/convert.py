@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from tandem.gateway.openai.errors import bad_request, model_not_found
 from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, _Generate
+from tandem.gateway.validate import display_name
 from tandem.v1 import generation_pb2 as pb
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -102,7 +103,8 @@ def completion_request(body: CompletionRequest, request_id: str) -> pb.GenerateR
 
 
 def check_model(body: _Generate, served: str) -> None:
-    """An omitted model means the served one; any other name is unknown here."""
-    if body.model and body.model != served:
+    """An omitted model means the served one, and so does the path it was served from (`served` is that path's
+    display name: validate.display_name); any other name is unknown here."""
+    if body.model and body.model != served and display_name(body.model) != served:
         raise model_not_found(body.model)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fastapi.responses import JSONResponse
 
 from tandem.errors import BackendUnavailable, InvalidArgument
+from tandem.gateway.generation import TenantBusy
 from tandem.gateway.loop import EngineFailed, EngineUnavailable, QueueFull
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 
 
 def unauthorized(message: str = "Incorrect API key provided.") -> OpenAIError:
-    """The shape a missing or wrong API key gets (API keys are not checked yet)."""
+    """The shape a missing or wrong API key gets (--api-keys)."""
     return OpenAIError(401, message, "invalid_request_error", code="invalid_api_key")
 
 
@@ -74,6 +75,8 @@ def from_exception(exc: Exception, renames: dict[str, str]) -> OpenAIError:
     if isinstance(exc, InvalidArgument):
         param, message = param_of(str(exc), renames)
         return bad_request(message, param)
+    if isinstance(exc, TenantBusy):
+        return OpenAIError(429, str(exc), "rate_limit_error", code="tenant_concurrency")
     if isinstance(exc, QueueFull):
         return OpenAIError(429, str(exc), "rate_limit_error", code="queue_full")
     if isinstance(exc, EngineUnavailable | BackendUnavailable):

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 
 import uvicorn
 
@@ -35,12 +36,13 @@ class HttpServer:
         self.server, self.socket, self.task = server, sock, task
         self.host: str = server.config.host
         self.port: int = sock.getsockname()[1]
+        self.scheme = "https" if server.config.is_ssl else "http"
         self._stopped: asyncio.Task | None = None
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{self.scheme}://{host}:{self.port}"
 
     def stop(self, grace: float = 0.0) -> asyncio.Task:
         """Stop accepting connections, let responses in flight finish for up to `grace` seconds, then cancel them
@@ -61,11 +63,20 @@ class HttpServer:
         log.info("stopped HTTP on %s", self.url)
 
 
-async def start_http_server(app, host: str, port: int) -> HttpServer:
-    """Serve `app` (ASGI) on host:port (0: a free port) on the running event loop."""
+async def start_http_server(app, host: str, port: int, tls: dict[str, str | None] | None = None) -> HttpServer:
+    """Serve `app` (ASGI) on host:port (0: a free port) on the running event loop. tls: {"certfile", "keyfile",
+    "client_ca"} PEM paths (client_ca None: no client certificate asked for; else one it signed is required)."""
+    ssl_options: dict = {}
+    if tls is not None:
+        ssl_options = {"ssl_certfile": tls["certfile"], "ssl_keyfile": tls["keyfile"]}
+        if tls.get("client_ca"):
+            ssl_options |= {"ssl_ca_certs": tls["client_ca"], "ssl_cert_reqs": ssl.CERT_REQUIRED}
     config = uvicorn.Config(app, host=host, port=port, loop="none", lifespan="off", ws="none", log_config=None,
-                            access_log=False, server_header=False)
-    config.load()
+                            access_log=False, server_header=False, **ssl_options)
+    try:
+        config.load()  # builds the SSL context: a bad certificate or key fails here
+    except (OSError, ssl.SSLError) as exc:
+        raise OSError(f"HTTP TLS: cannot load the certificate, key or client CA: {exc}") from exc
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)
     sock = _bind(host, port)

@@ -1,0 +1,27 @@
+"""`tandem keys create`: a new API key for a tenant, its hash appended to a keys file (`--api-keys`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tandem.gateway.auth import create_key
+
+
+def add_keys_parser(subparsers) -> None:
+    parser = subparsers.add_parser("keys", help="manage the API keys a gateway accepts (--api-keys)")
+    commands = parser.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
+    create = commands.add_parser("create", help="make a key for a tenant; prints it once, stores only its hash")
+    create.add_argument("--tenant", required=True, help="the tenant the key acts as (its requests' namespace)")
+    create.add_argument("--file", required=True, metavar="FILE", help="the keys file to append to (made if missing)")
+    create.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                        help="the tenant's requests in flight at once (default: no cap beyond the gateway's queue)")
+    create.set_defaults(handler=run_create)
+
+
+def run_create(args: argparse.Namespace) -> int:
+    key = create_key(args.file, args.tenant, args.max_concurrency)
+    # The key alone on stdout (scripts capture it); it cannot be shown again: only its hash is kept.
+    print(key)
+    print(f"tandem: key for tenant {args.tenant!r} added to {args.file}; it is shown only now", file=sys.stderr)
+    return 0

@@ -1,0 +1,394 @@
+"""TLS, API keys and tenants against real gateways on tiny models: handshakes with certificates made here (gRPC via
+TandemClient, HTTP via httpx and the openai SDK), keys checked on every method but health, tenants' request and
+session ids kept apart, per-tenant concurrency caps, the CLI's refusals, and the load tester over TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
+
+from gateway_harness import ServerThread, tiny_backend
+from loadtest.backends import GrpcBackend, OpenAIBackend, RequestSpec
+from loadtest.config import RunConfig
+from loadtest.prompts import Prompt
+from pki import make_pki
+from tandem.cli.main import build_parser, main
+from tandem.cli.serve import gateway_options
+from tandem.client import TandemClient
+from tandem.errors import InvalidArgument
+from tandem.gateway.auth import ApiKeys, create_key
+from tandem.sessions import MemorySessionStore
+from tandem.v1 import generation_pb2 as pb
+
+SERVICES = Path(__file__).resolve().parent.parent / "services"
+PROMPT = [5, 17, 99, 3, 42, 8]
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+LONG = 4000  # max_tokens of a request that is still running when the test acts on it
+SERVING = health_pb2.HealthCheckResponse.SERVING
+REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("keys") / "keys.jsonl"
+    made = {"alice": create_key(path, "alice"), "bob": create_key(path, "bob"),
+            "capped": create_key(path, "capped", max_concurrency=1)}
+    return {"path": str(path), **made}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, pki, keys):
+    """TLS (no client certificate asked for), API keys, the HTTP API, sessions in memory."""
+    target, draft, _ = tiny_models
+    running = ServerThread(tiny_backend(target, draft), sessions=MemorySessionStore(), http_port=0,
+                           tls_cert=pki["server_cert_path"], tls_key=pki["server_key_path"],
+                           api_keys=ApiKeys.load(keys["path"]))
+    yield running
+    running.stop()
+
+
+def _client(server: ServerThread, pki: dict, key: str | None = None, **options) -> TandemClient:
+    return TandemClient(server.address, tls=True, root_certificates=pki["ca_path"], api_key=key,
+                        timeout=options.pop("timeout", 60), **options)
+
+
+def _http(pki: dict, key: str | None = None, **options) -> httpx.Client:
+    headers = {"authorization": f"Bearer {key}"} if key else None
+    return httpx.Client(verify=ssl.create_default_context(cafile=pki["ca_path"]), headers=headers, timeout=60,
+                        **options)
+
+
+# --- TLS ----------------------------------------------------------------------------------------------------------
+
+
+def test_grpc_over_tls(server, pki, keys) -> None:
+    with _client(server, pki, keys["alice"]) as client:
+        result = client.generate_result(token_ids=PROMPT, max_tokens=8, **GREEDY)
+        assert len(result.token_ids) == 8 and client.model_info().target_model == "tiny-target"
+    # Plaintext to the TLS port, or a client trusting another CA: no handshake, no answer.
+    for client in (TandemClient(server.address, api_key=keys["alice"], timeout=3),
+                   TandemClient(server.address, tls=True, root_certificates=pki["other_ca"], api_key=keys["alice"],
+                                timeout=3)):
+        with client, pytest.raises(grpc.RpcError) as failed:
+            client.health_status()
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_http_over_tls(server, pki, keys) -> None:
+    url = server.gateway.http_url
+    assert url.startswith("https://127.0.0.1:")
+    with _http(pki) as client:
+        health = client.get(f"{url}/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    sdk = openai.OpenAI(base_url=f"{url}/v1", api_key=keys["alice"], max_retries=0,
+                        http_client=_http(pki))
+    response = sdk.completions.create(model="tiny-target", prompt=PROMPT, max_tokens=6, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    assert response.usage.completion_tokens == 6
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url.replace("https://", "http://") + "/health", timeout=5)
+    with pytest.raises(httpx.ConnectError):  # the system trust store does not know the test CA
+        httpx.get(f"{url}/health", timeout=5)
+
+
+def test_mutual_tls(tiny_models, pki) -> None:
+    target, draft, _ = tiny_models
+    running = ServerThread(tiny_backend(target, draft), http_port=0, tls_cert=pki["server_cert_path"],
+                           tls_key=pki["server_key_path"], tls_client_ca=pki["ca_path"])
+    try:
+        key, chain = pki["client"]
+        with _client(running, pki, private_key=key, certificate_chain=chain) as client:
+            assert len(client.generate_result(token_ids=PROMPT, max_tokens=4, **GREEDY).token_ids) == 4
+        with _client(running, pki, timeout=3) as client, pytest.raises(grpc.RpcError) as failed:
+            client.health_status()
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        url = running.gateway.http_url
+        with_cert = ssl.create_default_context(cafile=pki["ca_path"])
+        with_cert.load_cert_chain(pki["client_cert_path"], pki["client_key_path"])
+        assert httpx.get(f"{url}/health", verify=with_cert, timeout=10).status_code == 200
+        with pytest.raises(httpx.TransportError):  # TLS 1.3: the refusal may surface on the first read
+            httpx.get(f"{url}/health", verify=ssl.create_default_context(cafile=pki["ca_path"]), timeout=5)
+    finally:
+        running.stop()
+
+
+def test_tls_options_are_both_or_neither(pki) -> None:
+    from tandem.gateway.server import GatewayOptions
+
+    with pytest.raises(InvalidArgument, match="tls"):
+        GatewayOptions(tls_cert=pki["server_cert_path"])
+    with pytest.raises(InvalidArgument, match="tls_client_ca"):
+        GatewayOptions(tls_client_ca=pki["ca_path"])
+
+
+# --- API keys -----------------------------------------------------------------------------------------------------
+
+
+def test_grpc_methods_need_a_key_health_does_not(server, pki, keys) -> None:
+    for key in (None, "tk-wrong"):
+        with _client(server, pki, key, timeout=10) as client:
+            assert client.health_status("tandem.v1.GenerationService") == SERVING  # health needs no key
+            for call in (lambda: list(client.generate(token_ids=PROMPT, max_tokens=2)), lambda: client.tokenize("hi"),
+                         client.model_info, lambda: client.abort("r")):
+                with pytest.raises(grpc.RpcError) as failed:
+                    call()
+                assert failed.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "API key" in failed.value.details()
+    with _client(server, pki, keys["bob"]) as client:
+        assert client.tokenize("hi") and client.abort("r") is False
+
+
+def _reflection(server: ServerThread, pki: dict, key: str | None) -> list[str]:
+    credentials = grpc.ssl_channel_credentials(pki["ca"])
+    with grpc.secure_channel(server.address, credentials) as channel:
+        call = channel.stream_stream(REFLECTION,
+                                     request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                     response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        metadata = [("authorization", f"Bearer {key}")] if key else None
+        responses = call(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), metadata=metadata,
+                         timeout=10)
+        return [s.name for r in responses for s in r.list_services_response.service]
+
+
+def test_reflection_needs_a_key(server, pki, keys) -> None:
+    assert "tandem.v1.GenerationService" in _reflection(server, pki, keys["alice"])
+    with pytest.raises(grpc.RpcError) as failed:
+        _reflection(server, pki, None)
+    assert failed.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_http_needs_a_key(server, pki, keys) -> None:
+    url = server.gateway.http_url
+    body = {"model": "tiny-target", "prompt": "hi", "max_tokens": 2}
+    for key in (None, "tk-wrong"):
+        with _http(pki, key) as client:
+            for response in (client.get(f"{url}/v1/models"), client.post(f"{url}/v1/completions", json=body),
+                             client.post(f"{url}/v1/chat/completions", content=b"not json")):
+                assert response.status_code == 401, response.text
+                error = response.json()["error"]
+                assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+            assert client.get(f"{url}/health").status_code == 200
+    with _http(pki, keys["alice"]) as client:
+        assert client.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny-target"
+    sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="tk-wrong", max_retries=0, http_client=_http(pki))
+    with pytest.raises(openai.AuthenticationError):
+        sdk.models.list()
+
+
+def test_keys_file_and_cli(tmp_path, capsys) -> None:
+    path = tmp_path / "keys.jsonl"
+    assert main(["keys", "create", "--tenant", "team-1", "--file", str(path), "--max-concurrency", "3"]) == 0
+    key = capsys.readouterr().out.strip()
+    assert key.startswith("tk-") and key not in path.read_text()  # only the hash is stored
+    assert (path.stat().st_mode & 0o777) == 0o600
+    assert json.loads(path.read_text())["tenant"] == "team-1"
+    keys = ApiKeys.load(path)
+    tenant = keys.from_authorization(f"Bearer {key}")
+    assert tenant is not None and (tenant.name, tenant.max_concurrency) == ("team-1", 3)
+    assert keys.from_authorization(f"Basic {key}") is None and keys.authenticate(key + "x") is None
+    assert main(["keys", "create", "--tenant", "a:b", "--file", str(path)]) == 2  # ':' would blur the namespaces
+    path.write_text("{not json\n")
+    with pytest.raises(InvalidArgument, match="line 1"):
+        ApiKeys.load(path)
+
+
+def test_serve_refuses_an_open_host_without_keys(tmp_path) -> None:
+    parser = build_parser()
+    keys = tmp_path / "keys.jsonl"
+    create_key(keys, "t")
+    with pytest.raises(InvalidArgument, match="--insecure"):
+        gateway_options(parser.parse_args(["serve", "--host", "0.0.0.0"]))
+    with pytest.raises(InvalidArgument, match="--insecure"):
+        gateway_options(parser.parse_args(["gateway", "--pools", "p", "--host", "10.1.2.3"]))
+    assert gateway_options(parser.parse_args(["serve", "--host", "0.0.0.0", "--insecure"])).api_keys is None
+    options = gateway_options(parser.parse_args(["serve", "--host", "0.0.0.0", "--api-keys", str(keys)]))
+    assert len(options.api_keys) == 1
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert gateway_options(parser.parse_args(["serve", "--host", host])).host == host
+    with pytest.raises(InvalidArgument, match="tls"):
+        gateway_options(parser.parse_args(["serve", "--tls-key", "k.pem"]))
+
+
+# --- tenants ------------------------------------------------------------------------------------------------------
+
+
+def test_a_tenant_cannot_abort_another_tenants_request(server, pki, keys) -> None:
+    with _client(server, pki, keys["alice"]) as alice, _client(server, pki, keys["bob"]) as bob:
+        stream = alice.generate(token_ids=PROMPT, request_id="shared", max_tokens=200, **GREEDY)
+        assert isinstance(next(stream), pb.Chunk)
+        assert bob.abort("shared") is False
+        # The same id in bob's namespace is another request: it runs alongside alice's.
+        assert bob.generate_result(token_ids=PROMPT, request_id="shared", max_tokens=4, **GREEDY).request_id == "shared"
+        complete = next(item for item in stream if isinstance(item, pb.Complete))
+        assert complete.finish_reason == pb.FINISH_REASON_LENGTH and complete.request_id == "shared"
+        stream = alice.generate(token_ids=PROMPT, request_id="mine", max_tokens=LONG, **GREEDY)
+        assert isinstance(next(stream), pb.Chunk)
+        assert alice.abort("mine") is True  # its own: found
+        complete = next(item for item in stream if isinstance(item, pb.Complete))
+        assert complete.finish_reason == pb.FINISH_REASON_ABORT and complete.request_id == "mine"
+    assert server.wait_for(lambda: server.gateway.loop.active == 0)
+
+
+def test_same_session_id_in_two_tenants_is_two_sessions(server, pki, keys) -> None:
+    runner = server.engine.verifier.runner
+    store = server.gateway.loop.sessions
+    with _client(server, pki, keys["alice"]) as alice, _client(server, pki, keys["bob"]) as bob:
+        alice.generate_result(token_ids=PROMPT, session_id="s1", max_tokens=8, **GREEDY)
+        assert server.wait_for(lambda: "alice:s1" in runner.retained and store.get("alice:s1") is not None)
+        reused = runner.reused_tokens
+        bob.generate_result(token_ids=PROMPT, session_id="s1", max_tokens=8, **GREEDY)
+        assert runner.reused_tokens == reused  # alice's cache is not bob's
+        assert server.wait_for(lambda: "bob:s1" in runner.retained and store.get("bob:s1") is not None)
+        assert "s1" not in runner.retained and store.get("s1") is None
+        alice.generate_result(token_ids=PROMPT, session_id="s1", max_tokens=8, **GREEDY)
+        assert runner.reused_tokens > reused  # alice's own session does reuse its cache
+
+
+def test_per_tenant_concurrency_cap(server, pki, keys) -> None:
+    url = server.gateway.http_url
+    with _client(server, pki, keys["capped"]) as capped, _client(server, pki, keys["alice"]) as alice:
+        stream = capped.generate(token_ids=PROMPT, request_id="first", max_tokens=LONG, **GREEDY)
+        assert isinstance(next(stream), pb.Chunk)
+        with pytest.raises(grpc.RpcError) as failed:
+            capped.generate_result(token_ids=PROMPT, max_tokens=2, **GREEDY)
+        assert failed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "capped" in failed.value.details()
+        with _http(pki, keys["capped"]) as client:
+            response = client.post(f"{url}/v1/completions",
+                                   json={"model": "tiny-target", "prompt": PROMPT, "max_tokens": 2})
+        assert response.status_code == 429 and response.json()["error"]["code"] == "tenant_concurrency"
+        assert len(alice.generate_result(token_ids=PROMPT, max_tokens=2, **GREEDY).token_ids) == 2  # others unaffected
+        assert capped.abort("first") is True
+        list(stream)
+        assert server.wait_for(lambda: not server.gateway.generations._tenant_active)
+        assert len(capped.generate_result(token_ids=PROMPT, max_tokens=2, **GREEDY).token_ids) == 2
+
+
+# --- the load tester over TLS -------------------------------------------------------------------------------------
+
+
+def test_loadtest_backends_over_tls(server, pki, keys) -> None:
+    prompt = Prompt("p", "code", "short", text="def add(a, b):")
+    spec = RequestSpec(prompt, "lt-1", "", 4, 0.0, None, True, "auto", None)
+    grpc_config = RunConfig(address=server.address, requests=1, tls=True, ca=pki["ca_path"], api_key=keys["alice"])
+    http_config = RunConfig(address="", requests=1, backend="openai", url=server.gateway.http_url, ca=pki["ca_path"],
+                            api_key=keys["alice"], openai_token_counts="chunks")
+    assert grpc_config.to_json()["api_key"] == "<set>"
+
+    async def run(config: RunConfig, backend_type) -> tuple[dict, list]:
+        async with backend_type(config) as backend:
+            info = await backend.open()
+            return info, [event async for event in backend.stream(spec)]
+
+    info, events = asyncio.run(run(grpc_config, GrpcBackend))
+    assert info["target_model"] == "tiny-target" and events[-1].completion_tokens == 4
+    info, events = asyncio.run(run(http_config, OpenAIBackend))
+    assert info["target_model"] == "tiny-target" and events[-1].finish_reason == "FINISH_REASON_LENGTH"
+    with pytest.raises(ValueError, match="https"):
+        RunConfig(address="", requests=1, backend="openai", url="http://127.0.0.1:1", ca=pki["ca_path"])
+
+
+# --- `tandem serve` with the flags --------------------------------------------------------------------------------
+
+
+def test_tandem_serve_with_tls_and_keys(tiny_dirs, pki, keys) -> None:
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(SERVICES), os.environ.get("PYTHONPATH")])),
+                        "REDIS_URL": ""}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem", "serve", "--in-process", "--target", str(tiny_dirs.target), "--draft",
+         str(tiny_dirs.draft), "--port", "0", "--http-port", "0", "--no-metrics", "--dtype", "float32",
+         "--threads", "1", "--kv-tokens", "4096", "--grace", "5", "--tls-cert", pki["server_cert_path"],
+         "--tls-key", pki["server_key_path"], "--api-keys", keys["path"]],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lines: dict[str, str] = {}
+        for line in proc.stdout:
+            for marker in ("GenerationService on ", "HTTP API on "):
+                if marker in line:
+                    lines[marker] = line
+            if len(lines) == 2:
+                break
+        assert len(lines) == 2, proc.stderr.read() if proc.poll() is not None else lines
+        assert "(TLS, 3 API keys;" in lines["GenerationService on "]
+        address = lines["GenerationService on "].split(" on ")[1].split()[0]
+        url = lines["HTTP API on "].split(" on ")[1].split()[0].removesuffix("/v1")
+        assert url.startswith("https://")
+        with TandemClient(address, tls=True, root_certificates=pki["ca_path"], api_key=keys["bob"],
+                          timeout=60) as client:
+            deadline = time.monotonic() + 120  # loading happens after the ports are bound
+            while client.health_status("tandem.v1.GenerationService") != SERVING:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.25)
+            assert len(client.generate_result(token_ids=PROMPT, max_tokens=3, **GREEDY).token_ids) == 3
+        with _http(pki, keys["bob"]) as client:
+            assert client.get(f"{url}/v1/models").status_code == 200
+        with _http(pki) as client:
+            assert client.get(f"{url}/v1/models").status_code == 401
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+# --- the Helm chart -----------------------------------------------------------------------------------------------
+
+
+def test_helm_chart_mounts_the_keys_or_says_insecure() -> None:
+    from test_helm_chart import CHART, helm
+
+    def gateway(*sets: str) -> dict:
+        args = [item for value in sets for item in ("--set", value)]
+        rendered = helm("template", "demo", str(CHART), *args)
+        assert rendered.returncode == 0, rendered.stderr
+        return next(doc for doc in yaml.safe_load_all(rendered.stdout)
+                    if doc and doc["kind"] == "Deployment" and doc["metadata"]["name"] == "demo-tandem-gateway")
+
+    for topology in ("pools", "embedded"):
+        spec = gateway(f"topology={topology}")["spec"]["template"]["spec"]
+        assert "--insecure" in spec["containers"][0]["args"]
+        assert not any(volume["name"] == "api-keys" for volume in spec["volumes"])
+        spec = gateway(f"topology={topology}", "gateway.apiKeys.secretName=tandem-keys")["spec"]["template"]["spec"]
+        container = spec["containers"][0]
+        assert "--insecure" not in container["args"]
+        assert "--api-keys=/etc/tandem/api-keys/keys.jsonl" in container["args"]
+        assert {"name": "api-keys", "mountPath": "/etc/tandem/api-keys", "readOnly": True} in container["volumeMounts"]
+        volume = next(volume for volume in spec["volumes"] if volume["name"] == "api-keys")
+        assert volume["secret"]["secretName"] == "tandem-keys"
+
+
+def test_bad_tls_files_are_named(tiny_models, pki, tmp_path) -> None:
+    from tandem.gateway.server import GatewayOptions, start_gateway
+
+    target, draft, _ = tiny_models
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    cases = [({"tls_cert": str(garbage), "tls_key": pki["server_key_path"]}, "tls_cert"),
+             ({"tls_cert": pki["server_cert_path"], "tls_key": pki["client_key_path"]}, "tls_cert"),  # another's key
+             ({"tls_cert": pki["server_cert_path"], "tls_key": str(tmp_path / "missing.key")}, "tls_key"),
+             ({"tls_cert": pki["server_cert_path"], "tls_key": pki["server_key_path"],
+               "tls_client_ca": str(garbage)}, "tls_client_ca")]
+    for files, field in cases:
+        with pytest.raises(InvalidArgument, match=field):
+            asyncio.run(start_gateway(tiny_backend(target, draft), GatewayOptions(port=0, **files)))
