@@ -12,9 +12,13 @@ tested against Hugging Face's generate).
 `prepack(model)` swaps every nn.Linear of a CPU bf16 model for a PackedLinear holding only the packed weight, so
 memory stays what it was, except for an output head whose weight is tied to the input embedding (the embedding keeps
 the plain copy for its lookups). The model stays a plain Hugging Face module for anything that calls it.
+oneDNN packs bf16 weights only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; elsewhere (an AVX2-only CPU)
+`supported()` is False and models stay eager.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -47,13 +51,25 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+@functools.cache
+def supported() -> bool:
+    """Whether this CPU and torch build can pack bf16 weights: asked of oneDNN itself, once (the instruction sets
+    it needs are its business, and differ between its versions)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
+
+
 def packable(model: torch.nn.Module) -> bool:
-    """Whether prepack would change this model: bf16 on CPU, oneDNN built in, and not a tensor-parallel shard
-    (those linears are wrapped by the parallel plan and must stay as they are)."""
+    """Whether prepack would change this model: bf16 on CPU, a CPU oneDNN packs bf16 on, and not a tensor-parallel
+    shard (those linears are wrapped by the parallel plan and must stay as they are)."""
     parameter = next(model.parameters())
     sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return (parameter.device.type == "cpu" and parameter.dtype in PACKABLE_DTYPES
-            and torch.backends.mkldnn.is_available() and not sharded)
+    return (parameter.device.type == "cpu" and parameter.dtype in PACKABLE_DTYPES and supported() and not sharded)
 
 
 def prepack(model: torch.nn.Module) -> int:
