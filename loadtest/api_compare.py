@@ -79,8 +79,8 @@ def bench_prompts() -> list[Prompt]:
             enumerate(rows)]
 
 
-def requests_for(concurrency: int) -> int:
-    return max(MIN_REQUESTS, 2 * concurrency)
+def requests_for(concurrency: int, least: int = MIN_REQUESTS) -> int:
+    return max(least, 2 * concurrency)
 
 
 # --- the server ---------------------------------------------------------------------------------------------------
@@ -411,7 +411,7 @@ def schedule_for(repeat: int, with_tool: bool) -> list[str]:
 def run_levels(args: argparse.Namespace, server: Server, prompts: list[Prompt], tool: Guidellm | None) -> dict:
     levels = []
     for concurrency in args.concurrency:
-        requests = requests_for(concurrency)
+        requests = requests_for(concurrency, args.min_requests)
         base = RunConfig(address=server.address, requests=requests, concurrency=concurrency, seed=args.seed,
                          warmup=args.warmup, speculation=args.speculation, prompts="chat",
                          max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, timeout=args.timeout)
@@ -490,6 +490,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--min-requests", type=int, default=MIN_REQUESTS,
+                        help="requests a run at the least (a run sends max(this, 2 x concurrency))")
     parser.add_argument("--speculation", choices=("auto", "off"), default="auto")
     parser.add_argument("--warmup", type=int, default=1, help="loadtest warm-up requests per run (not measured)")
     parser.add_argument("--seed", type=int, default=0, help="the prompt order of every run")
