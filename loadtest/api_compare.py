@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
                      "serve_command": server.command, "max_tokens": args.max_tokens,
                      "concurrency": args.concurrency, "repeats": args.repeats, "speculation": args.speculation,
                      "warmup": args.warmup, "seed": args.seed, "requests_per_run": {
-                         str(c): requests_for(c) for c in args.concurrency},
+                         str(c): requests_for(c, args.min_requests) for c in args.concurrency},
                      "prompts": [p.id for p in prompts], "prompt_source": "services/tandem/bench/prompts.jsonl, "
                      "each as one user chat message", "latency_requests": "greedy, ignore_eos: every request "
                      f"{args.max_tokens} tokens", "openai_token_counts": TOKEN_COUNT_MODE,
