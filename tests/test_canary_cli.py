@@ -53,6 +53,7 @@ def test_round_trip(canary, capsys, server) -> None:
     lines = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("stable ", "canary "))}
     assert lines["stable"][1] == "90" and lines["stable"][3] == "d0" and lines["stable"][6] == "0.75"
     assert int(lines["stable"][4]) + int(lines["canary"][4]) == 40
+    assert lines["stable"][11] == "1" and "each tenant capped at 0.25 of an arm's weight" in out  # anonymous: one
     assert "  canary: hold (min_sessions): waiting for sessions" in out and "register" in out
 
     assert canary(capsys, "set", "stable=75", "canary=25", "--reason", "more traffic")[0] == 0
@@ -128,3 +129,21 @@ def test_corrupt_state_is_reported_and_replaced_by_set_arms(canary, capsys, serv
     assert canary(capsys, "set", "stable=100")[0] == 2
     assert canary(capsys, "set", "--arms", ARMS)[0] == 0
     assert json.loads(canary(capsys, "status", "--json")[1])["state"]["arms"][0]["weight"] == 90
+
+
+def test_password_from_the_environment_or_a_file(server, monkeypatch, capsys, tmp_path) -> None:
+    """The CLI reaches a password-protected Redis the way the gateways do: $TANDEM_REDIS_PASSWORD or a file."""
+    bare = f"redis://{server.host}:{server.port}/0"
+    monkeypatch.delenv("TANDEM_REDIS_PASSWORD", raising=False)
+    assert main(["canary", "status", "--redis-url", bare, "--deployment", "pw"]) == 2
+    err = capsys.readouterr().err
+    assert "authenticated" in err and "no canary registered" not in err and server.password not in err
+    monkeypatch.setenv("TANDEM_REDIS_PASSWORD", server.password)
+    assert main(["canary", "status", "--redis-url", bare, "--deployment", "pw"]) == 2  # reached: no canary yet
+    assert "no canary registered" in capsys.readouterr().err
+    monkeypatch.delenv("TANDEM_REDIS_PASSWORD")
+    secret = tmp_path / "password"
+    secret.write_text(server.password + "\n")
+    assert main(["canary", "status", "--redis-url", bare, "--redis-password-file", str(secret),
+                 "--deployment", "pw"]) == 2
+    assert "no canary registered" in capsys.readouterr().err

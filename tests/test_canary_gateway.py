@@ -1,6 +1,7 @@
 """Canary arms in a real gateway: sessions routed over gRPC to per-arm engines on the tiny models, the canary state
-and observations in a real redis-server. Sessions stick to their arm and weights are honoured; a random-draft canary
-is rolled back automatically from the traffic it served; greedy output is plain decoding's on every arm."""
+and observations in a real redis-server. Sessions stick to their arm and weights are honoured; with API keys the
+caller's tenant keys the assignment and is recorded with every outcome; a random-draft canary is rolled back
+automatically from the traffic it served; greedy output is plain decoding's on every arm."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from tandem.canary.config import CanaryOptions
 from tandem.canary.state import ROLLED_BACK
 from tandem.client import TandemClient
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
-from tandem.gateway.generation import Backend
+from tandem.gateway.auth import ApiKeys, create_key
+from tandem.gateway.generation import Backend, scoped_id
 from tandem.local_engine import build_engine
 from tandem.sessions import EmbeddedRedis, open_session_store
 from tandem.v1 import generation_pb2 as pb
@@ -95,6 +97,39 @@ def test_sessions_stick_to_weighted_arms(redis_server, tiny_models, plain) -> No
         assert len(placed) == 1 and seen[placed[0]][key] == 2, (session, seen)
     per_arm = {arm: len(counts) for arm, counts in seen.items()}
     assert sum(per_arm.values()) == 30 and min(per_arm.values()) >= 6, per_arm  # 50/50: both arms well used
+
+
+def test_tenants_key_the_assignment_and_are_recorded(redis_server, tiny_models, tmp_path) -> None:
+    target, draft, draft_random = tiny_models
+    path = tmp_path / "keys.jsonl"
+    keys = {tenant: create_key(path, tenant) for tenant in ("alice", "bob")}
+    canary = CanaryOptions(arms=ARMS, deployment="gw-" + uuid.uuid4().hex[:8], greedy_check_rate=0.0,
+                           thresholds=Thresholds(min_sessions=10_000))
+    server = ServerThread(arms_loader(target, draft, draft_random), sessions=open_session_store(redis_server.url),
+                          canary=canary, api_keys=ApiKeys.load(path))
+    sessions = [f"s{i}" for i in range(6)]
+    try:
+        for key in keys.values():  # the same session ids in both tenants
+            with TandemClient(server.address, timeout=60, api_key=key) as client:
+                for i, session in enumerate(sessions):
+                    items = list(client.generate(token_ids=prompt_for(i), session_id=session, max_tokens=4,
+                                                 temperature=0.0, ignore_eos=True))
+                    assert isinstance(items[-1], pb.Complete)
+        controller = server.gateway.canary
+        controller.flush()
+        generation = controller.state(refresh=True).generation
+        store = RedisCanaryStore(redis_server.url)
+        seen = {arm: {o.session: o for o in store.outcomes(canary.deployment, generation, arm, 2000)}
+                for arm in ("stable", "canary")}
+        for tenant in keys:
+            for session in sessions:
+                scoped = scoped_id(tenant, session)  # the gateway's id for it
+                arm = controller.arm_for(scoped, tenant=tenant).arm.name
+                outcome = seen[arm].get(short_hash(session_key(scoped, "", tenant)))
+                assert outcome is not None and outcome.tenant == tenant, (tenant, session, arm, seen)
+    finally:
+        server.stop()
+    assert sum(len(window) for window in seen.values()) == 12
 
 
 def test_random_draft_canary_rolled_back_through_grpc(redis_server, tiny_models, plain) -> None:

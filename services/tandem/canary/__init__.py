@@ -1,11 +1,12 @@
 """Canary arms in the gateway: sticky weighted assignment of sessions to arms (draft model, target, speculation
 overrides), weights shared through Redis, per-arm metrics, and automatic stepwise promotion or rollback."""
 
-from tandem.canary.analysis import HOLD, PROMOTE, ROLLBACK, Thresholds, Verdict, evaluate
+from tandem.canary.analysis import HOLD, PROMOTE, ROLLBACK, Thresholds, Verdict, evaluate, judge
 from tandem.canary.arms import ENV_ARMS, ArmSpec, arms_from_env, parse_arms
 from tandem.canary.controller import Assignment, CanaryController
 from tandem.canary.greedy_check import GreedyChecker, PlainReference, engine_reference, loop_reference
 from tandem.canary.observations import ArmSummary, Outcome, summarize
+from tandem.canary.secret import CanarySecret, configured_secret
 from tandem.canary.state import CanaryState, DecisionRecord, new_state
 from tandem.canary.store import CanaryStore, CanaryStoreError, MemoryCanaryStore, RedisCanaryStore, open_canary_store
 
@@ -18,6 +19,7 @@ __all__ = [
     "ArmSummary",
     "Assignment",
     "CanaryController",
+    "CanarySecret",
     "CanaryState",
     "CanaryStore",
     "CanaryStoreError",
@@ -30,8 +32,10 @@ __all__ = [
     "Thresholds",
     "Verdict",
     "arms_from_env",
+    "configured_secret",
     "engine_reference",
     "evaluate",
+    "judge",
     "loop_reference",
     "new_state",
     "open_canary_store",

@@ -1,6 +1,9 @@
 """The automatic analysis: compare a candidate arm with the baseline and say hold, promote one step, or roll back.
 
-Pure functions of two ArmSummary windows and the thresholds, so they are tested with known inputs. Rules, in order:
+Pure functions of the two arms' windows and the thresholds, so they are tested with known inputs. `judge` takes the
+windows' outcomes: it summarizes each arm with every tenant capped at `max_tenant_share` of each statistic's weight
+(tenants.py), runs `evaluate` on the summaries, and lets the verdict stand only if no single tenant decides it (below).
+`evaluate`'s rules, in order:
 
 1. Greedy mismatch. With a clean baseline (no mismatches of its own) and zero tolerance, one mismatch rolls back at
    once: the speculative core is exact, so a draft canary whose greedy output differs from plain decoding is broken.
@@ -10,20 +13,34 @@ Pure functions of two ArmSummary windows and the thresholds, so they are tested 
 3. Any regression beyond its threshold rolls back, naming every one: acceptance drop (absolute), TPOT p50 and p99
    ratios, error-rate increase (absolute).
 4. A draft canary still short of `min_greedy_checks` checks: hold. Otherwise: promote one step.
+
+No single tenant decides (with max_tenant_share below 1): the cap bounds a tenant's weight, but a capped tenant still
+moves a p99 (1% of the weight does), a mean, and even a median; so a promote or rollback verdict is also reached with
+each tenant's observations left out in turn, and where leaving one tenant out changes the action, the verdict is hold
+(code `tenant_skew`): one tenant's traffic alone may neither roll a candidate back that the others see as fine, nor
+promote one that the others see as bad. A conclusive greedy mismatch (exact numerics) is exempt: the output differs
+from plain decoding whoever sent the prompt. With one tenant (no API keys) there is no one to leave out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tandem.canary.observations import ArmSummary
+from tandem.canary.observations import ArmSummary, Outcome, Window, count_text
 from tandem.errors import InvalidArgument
 
 HOLD = "hold"
 PROMOTE = "promote"
 ROLLBACK = "rollback"
+TENANT_SKEW = "tenant_skew"
+# Tenants holding less than this of every statistic's weight in both arms are not left out one by one: such a tenant
+# moves a rate by under 1% of its range and a percentile by at most about one percentile rank of the others' traffic;
+# the bound also keeps the leave-one-out work small (at most 100 tenants per statistic and arm).
+LEAVE_OUT_MIN_SHARE = 0.01
+DEFAULT_MAX_TENANT_SHARE = 0.25
 
 
 @dataclass(slots=True, frozen=True)
@@ -35,6 +52,9 @@ class Thresholds:
     max_error_rate_increase: float = 0.01
     greedy_mismatch_tolerance: float = 0.0
     min_greedy_checks: int = 0
+    # The most of an arm's weight one tenant may hold in each statistic, and below 1 no single tenant decides a verdict
+    # (see the module docstring). 1: tenants are pooled as they come (one tenant may carry an arm, and decide alone).
+    max_tenant_share: float = DEFAULT_MAX_TENANT_SHARE
 
     def __post_init__(self) -> None:
         for name in ("min_sessions", "min_greedy_checks"):
@@ -50,9 +70,17 @@ class Thresholds:
             if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value)
                                                                                     and value >= 1.0):
                 raise InvalidArgument(f"{name}: must be a finite ratio >= 1, got {value!r}")
+        share = self.max_tenant_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0.0 < share <= 1.0:
+            raise InvalidArgument(f"max_tenant_share: must be in (0, 1], got {share!r}")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        # Left out at its default: gateways from before this field reject unknown thresholds in the shared state, and
+        # would stop reading it while a rollout runs both versions. Set explicitly, it is stored.
+        if data["max_tenant_share"] == DEFAULT_MAX_TENANT_SHARE:
+            del data["max_tenant_share"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Thresholds:
@@ -91,12 +119,18 @@ def _fmt(value: float | None, scale: float = 1.0, unit: str = "") -> str:
     return "n/a" if value is None else f"{value * scale:.3g}{unit}"
 
 
+def _conclusive_greedy(base: ArmSummary, cand: ArmSummary, th: Thresholds) -> bool:
+    """Exact numerics (a clean baseline, zero tolerance): one candidate mismatch is conclusive."""
+    return bool(cand.greedy_mismatches) and base.greedy_mismatches == 0 and th.greedy_mismatch_tolerance == 0.0
+
+
 def _greedy_regression(base: ArmSummary, cand: ArmSummary, th: Thresholds) -> str | None:
     if not cand.greedy_mismatches:
         return None
-    text = f"greedy output differs from plain decoding in {cand.greedy_mismatches}/{cand.greedy_checks} checks"
-    if base.greedy_mismatches == 0 and th.greedy_mismatch_tolerance == 0.0:
-        return text  # exact numerics: one mismatch is conclusive
+    text = (f"greedy output differs from plain decoding in {count_text(cand.greedy_mismatches)}/"
+            f"{count_text(cand.greedy_checks)} checks")
+    if _conclusive_greedy(base, cand, th):
+        return text
     if cand.greedy_checks < th.min_greedy_checks or (base.greedy_mismatches
                                                      and base.greedy_checks < th.min_greedy_checks):
         return None
@@ -130,16 +164,60 @@ def evaluate(base: ArmSummary, cand: ArmSummary, th: Thresholds, draft_canary: b
     if greedy is not None and min(cand.sessions, base.sessions) < th.min_sessions:
         return Verdict(ROLLBACK, "greedy_mismatch", (greedy,))
     if cand.sessions < th.min_sessions or base.sessions < th.min_sessions:
-        return Verdict(HOLD, "min_sessions", (f"waiting for sessions: candidate {cand.sessions}, baseline "
-                                              f"{base.sessions} (need {th.min_sessions} each)",))
+        return Verdict(HOLD, "min_sessions", (f"waiting for sessions: candidate {count_text(cand.sessions)}, "
+                                              f"baseline {count_text(base.sessions)} (need {th.min_sessions} each)",))
     found = ([("greedy_mismatch", greedy)] if greedy is not None else []) + regressions(base, cand, th)
     if found:
         return Verdict(ROLLBACK, found[0][0], tuple(reason for _, reason in found))
     if draft_canary and cand.greedy_checks < th.min_greedy_checks:
-        return Verdict(HOLD, "min_greedy_checks", (f"waiting for greedy checks: {cand.greedy_checks} "
+        return Verdict(HOLD, "min_greedy_checks", (f"waiting for greedy checks: {count_text(cand.greedy_checks)} "
                                                    f"(need {th.min_greedy_checks})",))
     return Verdict(PROMOTE, "healthy", (
-        f"healthy over {cand.sessions} sessions: acceptance {_fmt(cand.acceptance)} vs {_fmt(base.acceptance)}, "
+        f"healthy over {count_text(cand.sessions)} sessions: acceptance {_fmt(cand.acceptance)} vs "
+        f"{_fmt(base.acceptance)}, "
         f"TPOT p50 {_fmt(cand.tpot_p50, 1e3, ' ms')} vs {_fmt(base.tpot_p50, 1e3, ' ms')}, "
         f"p99 {_fmt(cand.tpot_p99, 1e3, ' ms')} vs {_fmt(base.tpot_p99, 1e3, ' ms')}, "
-        f"errors {cand.error_rate:.3f} vs {base.error_rate:.3f}, greedy checks {cand.greedy_checks}",))
+        f"errors {cand.error_rate:.3f} vs {base.error_rate:.3f}, greedy checks {count_text(cand.greedy_checks)}",))
+
+
+def _tenant_name(tenant: str) -> str:
+    return repr(tenant) if tenant else "(anonymous)"
+
+
+def _heavy_tenants(*windows: Window) -> list[str]:
+    """Tenants holding at least LEAVE_OUT_MIN_SHARE of some statistic's weight (requests, timed requests, drafted
+    tokens, sessions, greedy checks) in either window, heaviest first; none when the windows hold fewer than two
+    tenants (leaving the only one out leaves nothing to judge)."""
+    weights = (lambda t: t.requests, lambda t: t.timed, lambda t: t.drafted, lambda t: len(t.sessions),
+               lambda t: t.checks)
+    shares: dict[str, float] = {}
+    for window in windows:
+        for weight in weights:
+            total = sum(weight(sums) for sums in window.tenants.values())
+            for tenant, sums in window.tenants.items():
+                shares[tenant] = max(shares.get(tenant, 0.0), weight(sums) / total if total else 0.0)
+    if len(shares) < 2:
+        return []
+    return sorted((tenant for tenant, share in shares.items() if share >= LEAVE_OUT_MIN_SHARE), key=shares.__getitem__,
+                  reverse=True)
+
+
+def judge(base: Iterable[Outcome], cand: Iterable[Outcome], th: Thresholds,
+          draft_canary: bool = False) -> tuple[Verdict, ArmSummary, ArmSummary]:
+    """The verdict on a candidate from both arms' outcomes, tenant-capped and checked for a deciding tenant (module
+    docstring), with the two summaries it judged."""
+    share = th.max_tenant_share
+    base_window, cand_window = Window(base), Window(cand)
+    base_summary, cand_summary = base_window.summary(share), cand_window.summary(share)
+    verdict = evaluate(base_summary, cand_summary, th, draft_canary)
+    if verdict.action == HOLD or share >= 1.0 or _conclusive_greedy(base_summary, cand_summary, th):
+        return verdict, base_summary, cand_summary
+    for tenant in _heavy_tenants(base_window, cand_window):
+        without = evaluate(base_window.summary(share, tenant) if tenant in base_window.tenants else base_summary,
+                           cand_window.summary(share, tenant) if tenant in cand_window.tenants else cand_summary,
+                           th, draft_canary)
+        if without.action != verdict.action:
+            reason = (f"{verdict.action} ({verdict.code}) rests on tenant {_tenant_name(tenant)}'s traffic: without "
+                      f"it, {without.action} ({without.code}: {'; '.join(without.reasons)})")
+            return Verdict(HOLD, TENANT_SKEW, (reason, *verdict.reasons)), base_summary, cand_summary
+    return verdict, base_summary, cand_summary

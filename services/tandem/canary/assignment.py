@@ -1,13 +1,20 @@
-"""Sticky arm choice: a session's point in [0, 1) (a hash of its id) against the arms' cumulative weights.
+"""Sticky arm choice: a session's point in [0, 1) (a keyed hash of its tenant and id) against the arms' cumulative
+weights.
+
+The point is HMAC-SHA256 keyed with a server secret (secret.py), not a plain hash: with a public hash anyone could
+compute which session ids land on the candidate and pick them, to steer the analysis with traffic of their choosing.
+HMAC output is uniform and fixed for a fixed secret, so the split follows the weights and a session keeps its point;
+every gateway replica holding the same secret computes the same point, so the session keeps its arm whichever replica
+serves it. The tenant is part of the key: the same session id in two tenants is two sessions, placed independently.
 
 The baseline arm comes first, so while a candidate ramps up (5% -> 25% -> ...) sessions only ever move from the
-baseline to the candidate, never back; a rollback moves the candidate's sessions to the baseline. Every gateway
-replica computes the same point for a session, so the session keeps its arm whichever replica serves it.
+baseline to the candidate, never back; a rollback moves the candidate's sessions to the baseline.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import secrets
 from collections.abc import Sequence
 
@@ -16,18 +23,21 @@ from tandem.canary.arms import ArmSpec
 _SCALE = float(1 << 64)
 
 
-def session_point(key: str, salt: str = "") -> float:
-    """A stable, uniformly spread point in [0, 1) for `key` (sha256, so every process and replica agrees)."""
-    digest = hashlib.sha256(f"{salt}\x00{key}".encode()).digest()
+def session_point(key: str, secret: bytes, salt: str = "") -> float:
+    """A stable, uniformly spread point in [0, 1) for `key`: HMAC-SHA256 keyed with `secret`, so only holders of the
+    secret (the gateway replicas) can compute it; `salt` (the deployment) gives each use its own points."""
+    digest = hmac.new(secret, f"{salt}\x00{key}".encode(), hashlib.sha256).digest()
     return int.from_bytes(digest[:8], "big") / _SCALE
 
 
-def session_key(session_id: str, request_id: str = "") -> str:
-    """What a request is bucketed by: its session, else its request id, else a random key (no stickiness)."""
+def session_key(session_id: str, request_id: str = "", tenant: str = "") -> str:
+    """What a request is bucketed by: the tenant's session, else its request id, else a random key (no
+    stickiness). The tenant goes first with its length, so no (tenant, id) pair can spell another's key."""
+    scope = f"{len(tenant)}:{tenant}:"
     if session_id:
-        return "s:" + session_id
+        return "s:" + scope + session_id
     if request_id:
-        return "r:" + request_id
+        return "r:" + scope + request_id
     return "x:" + secrets.token_hex(8)
 
 

@@ -6,6 +6,8 @@ Environment (the Helm chart sets the first):
     TANDEM_CANARY_DEPLOYMENT   the shared state's name (default "default"); gateways of one deployment share it
     TANDEM_CANARY_THRESHOLDS   JSON object of analysis thresholds, e.g. {"min_sessions": 100}
     TANDEM_CANARY_STEPS        promotion schedule in percent, e.g. "5,25,50,100"
+    TANDEM_CANARY_SECRET_FILE  a file holding the assignment secret every replica shares (or --canary-secret-file)
+    TANDEM_CANARY_SECRET       the secret itself, where no file is given (see secret.py; unset: random per process)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tandem.canary.analysis import Thresholds
 from tandem.canary.arms import ArmSpec, arms_from_env, validate_arms
 from tandem.canary.controller import CanaryController
 from tandem.canary.greedy_check import GreedyChecker, PlainReference
+from tandem.canary.secret import CanarySecret, configured_secret
 from tandem.canary.state import DEFAULT_STEPS, validate_steps
 from tandem.canary.store import open_canary_store
 from tandem.errors import InvalidArgument
@@ -39,9 +42,12 @@ class CanaryOptions:
     greedy_check_tokens: int = 64
     decide_interval_s: float = 10.0
     cache_ttl_s: float = 1.0
+    secret: CanarySecret | None = field(default=None, repr=False)  # None: a random one per process (secret.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "arms", validate_arms(self.arms))
+        if self.secret is not None and not isinstance(self.secret, CanarySecret):
+            raise InvalidArgument("canary_secret: expected a CanarySecret (see tandem.canary.secret)")
         object.__setattr__(self, "steps", validate_steps(self.steps))
         if not self.deployment:
             raise InvalidArgument("canary_deployment: must be a non-empty name")
@@ -85,6 +91,8 @@ def options_from_env(environ: Mapping[str, str] | None = None, **overrides) -> C
         values["thresholds"] = thresholds_from_json(text)
     if text := env.get(ENV_STEPS, "").strip():
         values["steps"] = parse_steps(text)
+    if overrides.get("secret") is None:
+        values["secret"] = configured_secret(environ=env)
     values.update({key: value for key, value in overrides.items() if value is not None})
     return CanaryOptions(arms=tuple(arms), **values)
 
@@ -98,6 +106,6 @@ def start_controller(options: CanaryOptions, redis_url: str | None, reference: P
         greedy = GreedyChecker(reference, rate=options.greedy_check_rate, max_tokens=options.greedy_check_tokens)
     controller = CanaryController(open_canary_store(redis_url), options.deployment, arms=options.arms, served=served,
                                   thresholds=options.thresholds, steps=options.steps, cache_ttl_s=options.cache_ttl_s,
-                                  greedy=greedy, meter=meter)
+                                  greedy=greedy, meter=meter, secret=options.secret)
     controller.start(options.decide_interval_s)
     return controller

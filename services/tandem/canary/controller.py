@@ -8,6 +8,7 @@ counted; meanwhile the controller routes on its last known state and buffers obs
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -18,12 +19,13 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from tandem.canary import analysis
-from tandem.canary.analysis import Thresholds, Verdict, evaluate
+from tandem.canary.analysis import Thresholds, Verdict, judge
 from tandem.canary.arms import ArmSpec, fingerprint
 from tandem.canary.assignment import choose_arm, ordered, session_key, session_point, short_hash
 from tandem.canary.greedy_check import GreedyChecker
 from tandem.canary.metrics import CanaryMetrics
 from tandem.canary.observations import ArmSummary, Outcome, summarize
+from tandem.canary.secret import CanarySecret, random_secret
 from tandem.canary.state import DEFAULT_STEPS, RUNNING, CanaryState, DecisionRecord, new_state
 from tandem.canary.store import CanaryStore, CanaryStoreError
 
@@ -34,9 +36,10 @@ log = logging.getLogger(__name__)
 class Assignment:
     arm: ArmSpec
     baseline: ArmSpec
-    key: str  # what the request was bucketed by (session, else request id, else random)
+    key: str  # what the request was bucketed by (tenant and session, else request id, else random)
     generation: int
     fallback: bool = False  # the chosen arm is not served here; `arm` is the replica's substitute (not recorded)
+    tenant: str = ""  # the caller's tenant ("" without API keys), stamped on the outcomes recorded for it
 
     @property
     def session(self) -> str:
@@ -49,8 +52,12 @@ class CanaryController:
                  thresholds: Thresholds | None = None, steps: Iterable[float] = DEFAULT_STEPS,
                  cache_ttl_s: float = 1.0, window: int = 2000, decide_every: int = 0,
                  greedy: GreedyChecker | None = None, meter=None, retry_s: float = 5.0, max_buffered: int = 20_000,
-                 on_decision: Callable[[DecisionRecord], None] | None = None) -> None:
+                 on_decision: Callable[[DecisionRecord], None] | None = None,
+                 secret: CanarySecret | None = None) -> None:
+        """secret: keys session placement; every replica of the deployment needs the same one (None: this process's
+        random one, see canary/secret.py)."""
         self.store, self.deployment = store, deployment
+        self._secret = secret if secret is not None else random_secret()
         self.arms = tuple(arms)
         self.served = frozenset(served if served is not None else (arm.name for arm in self.arms))
         self.baseline, self.thresholds, self.steps = baseline, thresholds, tuple(steps)
@@ -128,24 +135,27 @@ class CanaryController:
         self._healthy = True
 
     # ---- requests ---------------------------------------------------------------------------------------------
-    def arm_for(self, session_id: str = "", request_id: str = "") -> Assignment | None:
-        """The arm for a request: sticky per session (a hash of its id against the cumulative weights)."""
+    def arm_for(self, session_id: str = "", request_id: str = "", tenant: str = "") -> Assignment | None:
+        """The arm for a request: sticky per tenant and session (a keyed hash of both against the cumulative
+        weights, which clients cannot compute: assignment.py)."""
         state = self.state()
         if state is None:
             return None
-        key = session_key(session_id, request_id)
+        key = session_key(session_id, request_id, tenant)
         arms = ordered(state.arms, state.baseline)
-        arm, baseline = choose_arm(arms, session_point(key, self.deployment)), arms[0]
+        arm, baseline = choose_arm(arms, session_point(key, self._secret.key, self.deployment)), arms[0]
         if self.served and arm.name not in self.served:
             substitute = baseline if baseline.name in self.served else next(
                 (a for a in self.arms if a.name in self.served), baseline)
-            return Assignment(substitute, baseline, key, state.generation, fallback=True)
-        return Assignment(arm, baseline, key, state.generation)
+            return Assignment(substitute, baseline, key, state.generation, fallback=True, tenant=tenant)
+        return Assignment(arm, baseline, key, state.generation, tenant=tenant)
 
     def record(self, assignment: Assignment, outcome: Outcome) -> None:
         """Note a finished request (or greedy check) of the assignment's arm; cheap, no I/O unless decide_every."""
         if assignment.fallback:
             return
+        if outcome.tenant != assignment.tenant:  # the analysis caps each tenant's weight: every outcome names its own
+            outcome = dataclasses.replace(outcome, tenant=assignment.tenant)
         self._metrics.outcome(assignment.arm.name, outcome)
         with self._lock:
             self._pending.setdefault((assignment.generation, assignment.arm.name), []).append(outcome)
@@ -164,8 +174,8 @@ class CanaryController:
 
     def check_greedy(self, assignment: Assignment, greedy: bool, prompt_ids: list[int], output_ids: list[int]) -> bool:
         """Maybe (sampled) compare the output with plain decoding; the result is recorded when it is ready."""
-        if self.greedy is None or assignment.fallback \
-                or not self.greedy.wants(assignment.key, greedy, assignment.arm, assignment.baseline):
+        if self.greedy is None or assignment.fallback or not self.greedy.wants(
+                assignment.key, greedy, assignment.arm, assignment.baseline, self._secret.key):
             return False
 
         def done(match: bool) -> None:
@@ -188,9 +198,15 @@ class CanaryController:
                 self._buffered += buffered
 
     # ---- analysis and decisions -------------------------------------------------------------------------------
-    def summaries(self, state: CanaryState) -> dict[str, ArmSummary]:
-        return {arm.name: summarize(self.store.outcomes(self.deployment, state.generation, arm.name, self.window))
+    def windows(self, state: CanaryState) -> dict[str, list[Outcome]]:
+        """Each arm's observations of the state's generation (the newest `window`)."""
+        return {arm.name: self.store.outcomes(self.deployment, state.generation, arm.name, self.window)
                 for arm in state.arms}
+
+    @staticmethod
+    def summaries(state: CanaryState, windows: dict[str, list[Outcome]]) -> dict[str, ArmSummary]:
+        """Each arm's window as the analysis sees it: every tenant capped at the thresholds' max_tenant_share."""
+        return {name: summarize(outcomes, state.thresholds.max_tenant_share) for name, outcomes in windows.items()}
 
     def _draft_canary(self, arm: ArmSpec, baseline: ArmSpec) -> bool:
         return self.greedy is not None and self.greedy.rate > 0 and arm.same_model_as(baseline) \
@@ -207,14 +223,15 @@ class CanaryController:
             state = self.refresh()
             if state is None or not self._healthy:
                 return []
-            summaries = self.summaries(state)
+            windows = self.windows(state)
+            summaries = self.summaries(state, windows)
             verdicts: dict[str, Verdict] = {}
             if state.status == RUNNING and state.auto:
                 base_arm = state.arm(state.baseline)
                 for arm in state.candidates:
                     if arm.weight > 0:
-                        verdicts[arm.name] = evaluate(summaries[state.baseline], summaries[arm.name],
-                                                      state.thresholds, self._draft_canary(arm, base_arm))
+                        verdicts[arm.name] = judge(windows[state.baseline], windows[arm.name], state.thresholds,
+                                                   self._draft_canary(arm, base_arm))[0]
             self.store.put_evaluation(self.deployment, {
                 "at": round(time.time(), 3), "by": self.replica, "generation": state.generation,
                 "arms": {name: summary.to_dict() for name, summary in summaries.items()},

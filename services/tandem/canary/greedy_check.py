@@ -47,13 +47,14 @@ class GreedyChecker:
         self._lock = threading.Lock()
         self._pool = None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-canary-check")
 
-    def wants(self, key: str, greedy: bool, arm: ArmSpec, baseline: ArmSpec) -> bool:
-        """Check this request? Greedy only; arms that decode with the baseline's target and may draft."""
+    def wants(self, key: str, greedy: bool, arm: ArmSpec, baseline: ArmSpec, secret: bytes = b"") -> bool:
+        """Check this request? Greedy only; arms that decode with the baseline's target and may draft. Sessions are
+        sampled at a point keyed with `secret` (the controller's), so clients cannot compute which ones are checked."""
         if not greedy or self.rate <= 0.0 or arm.enabled is False or arm.k_max == 0 or not arm.same_model_as(baseline):
             return False
         if arm.name == baseline.name and not self.check_baseline:
             return False
-        return session_point(key, SAMPLE_SALT) < self.rate
+        return session_point(key, secret, SAMPLE_SALT) < self.rate
 
     def compare(self, prompt_ids: list[int], output_ids: list[int]) -> bool | None:
         """True when plain decoding gives the same tokens (up to max_tokens); None for an empty output."""

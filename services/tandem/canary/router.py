@@ -48,8 +48,8 @@ class ArmRouter:
         self.controller, self.engines = controller, dict(engines)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str = "",
-                 request_id: str = "") -> Routed:
-        assignment = self.controller.arm_for(session_id, request_id)
+                 request_id: str = "", tenant: str = "") -> Routed:
+        assignment = self.controller.arm_for(session_id, request_id, tenant)
         if assignment is None:
             raise InvalidArgument("arms: the canary has no arms (set TANDEM_CANARY_ARMS or `tandem canary set`)")
         engine = self.engines[assignment.arm.name]

@@ -26,6 +26,11 @@ def add_canary_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                         help="Redis holding the canary state (default: $REDIS_URL)")
+    common.add_argument("--redis-password-file", default=os.environ.get("TANDEM_REDIS_PASSWORD_FILE"),
+                        metavar="FILE", help="the Redis password, from a file (default: $TANDEM_REDIS_PASSWORD_FILE; "
+                        "else $TANDEM_REDIS_PASSWORD, else the URL's own)")
+    common.add_argument("--redis-ca", default=os.environ.get("TANDEM_REDIS_CA"), metavar="FILE",
+                        help="PEM CA bundle of a rediss:// server (default: $TANDEM_REDIS_CA, else the system's)")
     common.add_argument("--deployment", default=os.environ.get(ENV_DEPLOYMENT) or "default",
                         help=f"canary deployment name (default: ${ENV_DEPLOYMENT}, else 'default')")
     parser = subparsers.add_parser("canary", help="show and steer the canary arms shared by the gateways")
@@ -71,7 +76,9 @@ def _store(args: argparse.Namespace):
         raise InvalidArgument("redis_url: set --redis-url or REDIS_URL to the Redis the gateways use")
     if not args.deployment:
         raise InvalidArgument("deployment: must be a non-empty name")
-    return open_canary_store(args.redis_url)
+    from tandem.cli.common import session_store_url
+
+    return open_canary_store(session_store_url(args))
 
 
 def _require(state, deployment: str):
@@ -195,7 +202,7 @@ def _fmt(value, scale: float = 1.0, digits: int = 3) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from tandem.canary.observations import summarize
+    from tandem.canary.observations import count_text, summarize
 
     store = _store(args)
     try:
@@ -203,7 +210,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         generation = state.generation if args.generation is None else args.generation
         if not 1 <= generation <= state.generation:
             raise InvalidArgument(f"generation: must be between 1 and {state.generation}, got {generation}")
-        summaries = {arm.name: summarize(store.outcomes(args.deployment, generation, arm.name, DEFAULT_WINDOW))
+        share = state.thresholds.max_tenant_share  # as the analysis sees the windows: each tenant capped
+        summaries = {arm.name: summarize(store.outcomes(args.deployment, generation, arm.name, DEFAULT_WINDOW), share)
                      for arm in state.arms}
         evaluation = store.evaluation(args.deployment)
     finally:
@@ -216,15 +224,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     print(f"deployment {state.deployment}  status {state.status}  auto {'on' if state.auto else 'off'}  "
           f"generation {state.generation}  baseline {state.baseline}  steps {','.join(f'{s:g}' for s in state.steps)}")
-    print(f"observations of generation {generation} (the newest {DEFAULT_WINDOW} per arm):")
+    print(f"observations of generation {generation} (the newest {DEFAULT_WINDOW} per arm; sessions and rates with "
+          f"each tenant capped at {share:g} of an arm's weight):")
     header = ("ARM", "WEIGHT", "TARGET", "DRAFT", "REQUESTS", "SESSIONS", "ACCEPT", "TPOT_P50_MS", "TPOT_P99_MS",
-              "ERRORS", "GREEDY")
+              "ERRORS", "GREEDY", "TENANTS")
     rows = [header]
     for arm in state.arms:
         s = summaries[arm.name]
-        rows.append((arm.name, f"{arm.weight:g}", arm.target or "(default)", arm.draft or "(default)", str(s.requests),
-                     str(s.sessions), _fmt(s.acceptance), _fmt(s.tpot_p50, 1e3), _fmt(s.tpot_p99, 1e3),
-                     f"{s.error_rate:.3f}", f"{s.greedy_checks - s.greedy_mismatches}/{s.greedy_checks}"))
+        rows.append((arm.name, f"{arm.weight:g}", arm.target or "(default)", arm.draft or "(default)",
+                     str(s.observed), count_text(s.sessions), _fmt(s.acceptance), _fmt(s.tpot_p50, 1e3),
+                     _fmt(s.tpot_p99, 1e3), f"{s.error_rate:.3f}",
+                     f"{count_text(s.greedy_checks - s.greedy_mismatches)}/{count_text(s.greedy_checks)}",
+                     str(s.tenants)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
@@ -257,6 +268,10 @@ def add_serve_canary_options(parser: argparse.ArgumentParser) -> None:
                        help="share of greedy sessions of a draft canary re-run as plain decoding (default: 0.05)")
     group.add_argument("--canary-decide-interval", type=float, default=None,
                        help="seconds between analyses (default: 10)")
+    group.add_argument("--canary-secret-file", default=None, metavar="PATH",
+                       help="the secret that keys session-to-arm assignment, the same file in every gateway replica "
+                            "(e.g. `openssl rand -hex 32 > PATH`; default: $TANDEM_CANARY_SECRET_FILE, else "
+                            "$TANDEM_CANARY_SECRET, else a random one per process: replicas then disagree)")
 
 
 def serve_canary_options(args: argparse.Namespace):
@@ -265,11 +280,13 @@ def serve_canary_options(args: argparse.Namespace):
 
     from tandem.canary.arms import parse_arms
     from tandem.canary.config import options_from_env, parse_steps
+    from tandem.canary.secret import secret_from_file
 
     options = options_from_env(
         arms=parse_arms(args.canary_arms) if args.canary_arms else None, deployment=args.canary_deployment,
         steps=parse_steps(args.canary_steps) if args.canary_steps else None,
-        greedy_check_rate=args.canary_greedy_check_rate, decide_interval_s=args.canary_decide_interval)
+        greedy_check_rate=args.canary_greedy_check_rate, decide_interval_s=args.canary_decide_interval,
+        secret=secret_from_file(args.canary_secret_file) if args.canary_secret_file else None)
     if options is not None and args.canary_threshold:
         options = dataclasses.replace(options, thresholds=options.thresholds.with_text(args.canary_threshold))
     return options
