@@ -3,14 +3,17 @@ processes, and concurrent greedy requests."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -42,12 +45,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def head_env(address: str) -> dict:
-    # Not this process's own Ray settings (a local Ray started here turns token auth on): the loopback head has none.
+def _token_file() -> str:
+    """The token of the test heads (Ray token authentication, as tandem's own clusters run): a 0600 file of its own,
+    removed at exit."""
+    directory = tempfile.mkdtemp(prefix="tandem-test-ray-auth-")
+    path = os.path.join(directory, "auth_token")
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as handle:
+        handle.write(secrets.token_hex(32))
+    atexit.register(shutil.rmtree, directory, True)
+    return path
+
+
+RAY_TOKEN_FILE = _token_file()
+
+
+def head_env(address: str, token: bool = True) -> dict:
+    """The environment of the test head and of every process that joins it: token auth, the head's token (the
+    `tandem` commands pick it up from $RAY_AUTH_TOKEN_PATH, as a Kubernetes Secret would pass it). Not this
+    process's own Ray settings: its local Ray has a token of its own."""
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    return inherited | {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled",
-                        "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                         "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": RAY_TOKEN_FILE} if token else {}
+    return inherited | auth | {"RAY_ADDRESS": address, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                               "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def tandem_cli(address: str, *args: str, timeout: float = 180) -> str:

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from tandem.core.config import EngineConfig
-from tandem.errors import InvalidArgument
+from tandem.errors import InvalidArgument, TandemError
 from tandem.gateway.generation import Backend
 from tandem.gateway.lanes import engine_lanes
 from tandem.local_engine import decoder, draft_vocab_limit
@@ -36,6 +36,7 @@ class ClusterOptions:
     target_resources: dict[str, float] | None = None  # ... and per target rank
     cpus_per_worker: float = 1.0
     ray_address: str | None = None
+    ray_token_file: str | None = None  # Ray token auth (tandem.ray_auth); else $RAY_AUTH_TOKEN(_PATH) or a fresh one
     draft_timeout_s: float = 5.0
     threads: int | None = None
     device: str = "auto"
@@ -64,19 +65,31 @@ class ClusterOptions:
 
 
 def start_ray(options: ClusterOptions) -> None:
-    """Join RAY_ADDRESS (or options.ray_address), else start a local Ray on loopback sized for our actors."""
+    """Join RAY_ADDRESS (or options.ray_address), else start a local Ray on loopback sized for our actors, with
+    token authentication on (tandem.ray_auth) and no dashboard."""
     import ray
+
+    from tandem import ray_auth
 
     if ray.is_initialized():
         return
     address = options.ray_address or os.environ.get("RAY_ADDRESS")
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
     if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=False)
+        mode = ray_auth.configure_client(options.ray_token_file)
+        try:
+            ray.init(address=address, runtime_env=env, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ray.exceptions.RayError) as exc:
+            if not ray_auth.refused_token(exc):
+                raise
+            fix = "the token is not the cluster's" if mode == "token" else "it wants a token: --ray-token-file FILE"
+            raise TandemError(f"the Ray cluster at {address} refused this client ({fix})") from exc
         return
+    ray_auth.configure_local_cluster(options.ray_token_file)
     cpus = max(os.cpu_count() or 1, int(options.actors * options.cpus_per_worker) + 1)
-    ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1", runtime_env=env,
-             log_to_driver=False, configure_logging=False)
+    # No dashboard (its job API runs code for anyone who reaches it); were it ever turned on, loopback only.
+    ray.init(num_cpus=cpus, include_dashboard=False, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
+             runtime_env=env, log_to_driver=False, configure_logging=False)
 
 
 def load_tokenizer(spec: str):
@@ -85,9 +98,7 @@ def load_tokenizer(spec: str):
     from tandem.models.loader import resolve
 
     source = resolve(spec)
-    kwargs = {"local_files_only": source.local_files_only}
-    if source.gguf_file:
-        kwargs["gguf_file"] = source.gguf_file
+    kwargs = source.hub_kwargs()  # a pinned hub id's revision too: the tokenizer of the weights the workers load
     tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     try:

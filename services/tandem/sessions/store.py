@@ -18,11 +18,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Protocol, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from tandem.sessions.connection import SCHEMES, RedisSetupError, redact_url, setup_problem
 
 log = logging.getLogger(__name__)
 
@@ -112,15 +114,6 @@ class MemorySessionStore:
         pass
 
 
-def redact_url(url: str) -> str:
-    """The URL without its password, for logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 class RedisSessionStore:
     """Sessions in Redis under `tandem:session:<id>` as JSON with a TTL; serves from memory while Redis is down."""
 
@@ -160,6 +153,18 @@ class RedisSessionStore:
     def healthy(self) -> bool:
         return self._healthy
 
+    def check(self) -> bool:
+        """At start: True when Redis answers; False when it cannot be reached (an outage: served from memory and
+        retried); RedisSetupError when it refuses our password or TLS, which no retry would fix."""
+        try:
+            self._client.ping()
+        except redis.RedisError as error:
+            if (problem := setup_problem(error, self.url)) is not None:
+                raise RedisSetupError(problem) from None  # (the redis-py error is in the message; no URL in it)
+            self._failed(error, probe=False)
+            return False
+        return True
+
     def _key(self, session_id: str) -> str:
         return self.prefix + session_id
 
@@ -195,9 +200,11 @@ class RedisSessionStore:
                 self.counters.outages += 1
                 self._backoff_s = self.retry_initial_s
                 self._next_try = time.monotonic() + self._backoff_s
+                # A refused password (rotated under a running gateway) is said as such: retrying will not fix it.
                 log.warning(
-                    "Redis at %s unreachable (%s); serving session state from memory, retrying with backoff",
+                    "Redis at %s %s (%s); serving session state from memory, retrying with backoff",
                     redact_url(self.url),
+                    "refused the credentials" if isinstance(error, redis.AuthenticationError) else "unreachable",
                     error,
                 )
             elif probe:
@@ -291,10 +298,21 @@ class RedisSessionStore:
         self._client.close()
 
 
-def open_session_store(url: str | None, ttl_s: float = DEFAULT_TTL_S, **options) -> SessionStore:
-    """A store for `url`: None, "" or "memory" -> in memory; a redis:// / rediss:// / unix:// URL -> Redis."""
+def open_session_store(url: str | None, ttl_s: float = DEFAULT_TTL_S, *, check: bool = True,
+                       **options) -> SessionStore:
+    """A store for `url`: None, "" or "memory" -> in memory; a redis:// / rediss:// / unix:// URL -> Redis.
+    `check`: ping it now, so that a wrong password or TLS setting fails at start (RedisSetupError) rather than
+    every session quietly living in memory; an unreachable Redis is an outage the store rides out."""
     if not url or url == "memory":
         return MemorySessionStore(ttl_s, **{k: v for k, v in options.items() if k == "max_sessions"})
-    if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"unsupported session store URL {url!r}: expected redis://host:port/db or 'memory'")
-    return RedisSessionStore(url, ttl_s, **options)
+    if urlsplit(url).scheme not in SCHEMES:
+        raise ValueError(f"unsupported session store URL {redact_url(url)!r}: expected redis://host:port/db or "
+                         "'memory'")
+    store = RedisSessionStore(url, ttl_s, **options)
+    if check:
+        try:
+            store.check()
+        except RedisSetupError:
+            store.close()
+            raise
+    return store

@@ -1,0 +1,115 @@
+"""Ray token authentication for the Ray clusters tandem starts and joins (Ray >= 2.52.0, pyproject's pin).
+
+Whoever reaches a Ray cluster's GCS or raylet ports can run any code on it (tasks, actors, the job API), and a port
+on 127.0.0.1 is reachable by every local user. With `RAY_AUTH_MODE=token` every Ray RPC and HTTP endpoint wants a
+shared bearer token; Ray reads it from $RAY_AUTH_TOKEN, else the file at $RAY_AUTH_TOKEN_PATH, else
+~/.ray/auth_token. These are environment variables because every process of the cluster needs them: tandem sets
+them in its own process before `ray.init`, and the GCS, raylet and workers Ray spawns inherit them.
+
+- A local cluster (`tandem serve` without --ray-address) always gets token auth: the token of --ray-token-file or
+  of Ray's own variables, else a fresh random one in a 0600 file of a private temp dir (not ~/.ray/auth_token,
+  which other clusters of the user may read or overwrite). `RAY_AUTH_MODE=disabled`, set on purpose, is obeyed
+  with a warning.
+- Joining a cluster (`--ray-address`, `tandem pools`, `tandem gateway`): --ray-token-file, or $RAY_AUTH_TOKEN /
+  $RAY_AUTH_TOKEN_PATH (Kubernetes passes them from a Secret) turn token mode on for this client.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+
+from tandem.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+MODE_ENV = "RAY_AUTH_MODE"
+TOKEN_ENV = "RAY_AUTH_TOKEN"
+TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+MIN_RAY_VERSION = "2.52.0"  # the first Ray with token authentication (docs.ray.io, "Ray token authentication")
+
+
+def _token_configured() -> bool:
+    return bool(os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_PATH_ENV))
+
+
+def _use_token_file(path: str) -> None:
+    """Point Ray at `path`, checked now: Ray aborts a process (not raises) when the file is unreadable or empty."""
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise InvalidArgument(f"ray_token_file: cannot read {path} ({exc.strerror or exc})") from None
+    if not token:
+        raise InvalidArgument(f"ray_token_file: {path} is empty")
+    os.environ[TOKEN_PATH_ENV] = os.path.abspath(path)
+    os.environ.pop(TOKEN_ENV, None)  # Ray prefers $RAY_AUTH_TOKEN over the file: the flag must win
+
+
+def _new_token_file() -> None:
+    """A random token (256 bits, as Ray's own generator) in a file only this user can read, removed at exit."""
+    directory = tempfile.mkdtemp(prefix="tandem-ray-auth-")  # 0700
+    path = os.path.join(directory, "auth_token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(secrets.token_hex(32))
+    # Registered before ray.init, so it runs after the ray.shutdown Ray registers (atexit runs last-in first-out):
+    # Ray's processes may read the file until they are gone.
+    atexit.register(shutil.rmtree, directory, True)
+    os.environ[TOKEN_PATH_ENV] = path
+    os.environ.pop(TOKEN_ENV, None)
+
+
+def _refresh_ray_config() -> None:
+    """This process's Ray caches the auth mode and token at import; re-read them (what Ray itself does when it turns
+    token mode on). Private API: a Ray without it reads the environment at ray.init anyway."""
+    with contextlib.suppress(ImportError, AttributeError):
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+
+
+def configure_local_cluster(token_file: str | None = None) -> str:
+    """Before `ray.init()` starts a local cluster: token auth on (see the module's doc). Returns the mode."""
+    if token_file:
+        _use_token_file(token_file)
+    elif os.environ.get(MODE_ENV, "").lower() == "disabled":
+        log.warning("%s=disabled: the local Ray cluster starts without token authentication; any local user who "
+                    "reaches its ports can run code in it", MODE_ENV)
+        return "disabled"
+    elif not _token_configured():
+        _new_token_file()
+    os.environ[MODE_ENV] = "token"
+    _refresh_ray_config()
+    return "token"
+
+
+def configure_client(token_file: str | None = None) -> str:
+    """Before `ray.init(address=...)` joins a cluster: token mode when a token is given. Returns the mode."""
+    if token_file:
+        _use_token_file(token_file)
+        os.environ[MODE_ENV] = "token"
+    elif MODE_ENV not in os.environ and _token_configured():
+        os.environ[MODE_ENV] = "token"  # not every Ray infers token mode from a token alone: say it
+    _refresh_ray_config()
+    return os.environ.get(MODE_ENV, "disabled").lower()
+
+
+def refused_token(error: BaseException) -> bool:
+    """Whether a failed ray.init was the cluster refusing this client's token (missing or wrong): Ray wraps that in
+    a generic ConnectionError, naming token authentication only in the errors it chains."""
+    seen: BaseException | None = error
+    for _ in range(8):  # a short chain; bounded anyway
+        if seen is None:
+            return False
+        text = f"{type(seen).__name__} {seen}"
+        if "AuthenticationError" in text or "token-auth" in text or "Unauthenticated" in text:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
