@@ -8,7 +8,11 @@ Needs helm: $TANDEM_HELM, else .venv/bin/helm (scripts/install_helm.sh puts it t
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import functools
+import importlib.util
+import ipaddress
 import json
 import math
 import os
@@ -33,7 +37,7 @@ EMBEDDED = "topology=embedded"
 # RayCluster's pod templates are validated as Pods); any other kind must validate.
 CRD_KINDS = {("ray.io/v1", "RayCluster"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
              ("monitoring.coreos.com/v1", "PodMonitor"), ("gateway.networking.k8s.io/v1", "GRPCRoute"),
-             ("gateway.networking.k8s.io/v1", "HTTPRoute")}
+             ("gateway.networking.k8s.io/v1", "HTTPRoute"), ("cert-manager.io/v1", "Certificate")}
 K8S_VERSIONS = ("1.27.0", kv.latest_version())  # the chart's kubeVersion floor, and the newest schemas known
 
 
@@ -135,6 +139,16 @@ def worker_args(objs) -> list[list[str]]:
     return [gateway_container(d)["args"] for d in gateways(objs)]
 
 
+def secret_refs(node) -> set[tuple[str, str]]:
+    """(Secret, key) of every secretKeyRef anywhere in a manifest object."""
+    if isinstance(node, list):
+        return {ref for item in node for ref in secret_refs(item)}
+    if not isinstance(node, dict):
+        return set()
+    found = {(node["secretKeyRef"]["name"], node["secretKeyRef"]["key"])} if "secretKeyRef" in node else set()
+    return found | {ref for value in node.values() for ref in secret_refs(value)}
+
+
 def values_ids(path: Path) -> str:
     return path.stem
 
@@ -176,15 +190,20 @@ def test_gateway_probes_use_grpc_health(ci_values):
         gateway = container(pod, "gateway")
         ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
         assert ports == {"grpc": 50051, "http": 8000, "metrics": 9464}
-        # The HTTP API is served beside gRPC; gRPC health stays the probe (it reports loading and draining).
-        assert gateway["livenessProbe"]["grpc"] == {"port": 50051, "service": ""}
-        assert gateway["readinessProbe"]["grpc"] == {"port": 50051, "service": "tandem.v1.GenerationService"}
         startup = gateway["startupProbe"]
-        assert startup["grpc"] == {"port": 50051, "service": "tandem.v1.GenerationService"}
+        if not serves_tls(gateway):  # under TLS: test_gateway_tls_moves_the_probes_to_https_and_mounts_the_secret
+            # The HTTP API is served beside gRPC; gRPC health stays the probe (it reports loading and draining).
+            assert gateway["livenessProbe"]["grpc"] == {"port": 50051, "service": ""}
+            assert gateway["readinessProbe"]["grpc"] == {"port": 50051, "service": "tandem.v1.GenerationService"}
+            assert startup["grpc"] == {"port": 50051, "service": "tandem.v1.GenerationService"}
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 30 * 60, "startup budget below model loading"
         grace = float(flags(gateway["args"])["grace"])
         pre_stop = int(gateway["lifecycle"]["preStop"]["exec"]["command"][1])
         assert pod["terminationGracePeriodSeconds"] > pre_stop + grace
+
+
+def serves_tls(gateway: dict) -> bool:
+    return any(arg.startswith("--tls-cert=") for arg in gateway["args"])
 
 
 def assert_joins_ray_as_a_driver(objs, pod: dict, gateway: dict) -> str:
@@ -238,23 +257,23 @@ def test_pools_job_submits_the_reconcile_script_to_the_ray_head():
     assert pod["restartPolicy"] == "Never" and job["spec"]["backoffLimit"] >= 3
     pools = container(pod, "pools")
     env = env_of(pools)
-    assert env["RAY_DASHBOARD_ADDRESS"] == f"http://{FULLNAME}-ray-head-svc:8265"
+    # The dashboard (job submission) listens on the head's loopback only: the Job reaches the head through the Ray
+    # Client port and submits from there (files/submit-on-head.py), so the Ray job, the driver and the pools' manager
+    # actor live on the head, not on this pod.
+    assert env["RAY_CLIENT_ADDRESS"] == f"ray://{FULLNAME}-ray-head-svc:10001"
+    assert env["RAY_DASHBOARD_ADDRESS"] == "http://127.0.0.1:8265"
     head_ports = {p["name"]: p["containerPort"] for p in ray_groups(objs)["head"]["template"]["spec"]["containers"][0]
                   ["ports"]}
-    assert head_ports["dashboard"] == 8265
-    # Submitted as a Ray job: its driver, and the pools' manager actor it owns, live on the head, not on this pod.
-    script = pools.get("command")[2]
-    assert 'ray job submit --address "$RAY_DASHBOARD_ADDRESS" --submission-id "$POD_NAME"' in script
-    assert "/bin/sh -c \"$(cat /etc/tandem/reconcile-pools.sh)\" reconcile-pools \"$@\"" in script
+    assert head_ports["client"] == 10001 and "dashboard" not in head_ports and 8265 not in head_ports.values()
+    assert pools["command"] == ["python3", "/etc/tandem/submit-on-head.py"]
+    assert env["RECONCILE_SCRIPT"] == "/etc/tandem/reconcile-pools.sh"
     assert next(e for e in pools["env"] if e["name"] == "POD_NAME")["valueFrom"] == {
         "fieldRef": {"fieldPath": "metadata.name"}}
-    for name in ("TANDEM_POOLS", "TANDEM_IMAGE", "TANDEM_RAY_SPEC_WANT"):
-        assert f'{name}="${name}"' in script
-    [mount] = pools["volumeMounts"]
-    assert mount["mountPath"] == "/etc/tandem"
+    mount = next(m for m in pools["volumeMounts"] if m["mountPath"] == "/etc/tandem")
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
     config = one(objs, "ConfigMap", volume["configMap"]["name"])
-    assert config["data"]["reconcile-pools.sh"].strip() == (CHART / "files" / "reconcile-pools.sh").read_text().strip()
+    for name in ("reconcile-pools.sh", "submit-on-head.py"):
+        assert config["data"][name].strip() == (CHART / "files" / name).read_text().strip()
 
     args = flags(pools["args"])
     assert not [a for a in pools["args"] if a.startswith("--name")]
@@ -645,6 +664,8 @@ def redis_env(objs) -> dict:
 def test_redis_url_wiring():
     bundled = render()
     service, statefulset = one(bundled, "Service", f"{FULLNAME}-redis"), one(bundled, "StatefulSet")
+    # The bundled Redis requires a password, which tandem takes from TANDEM_REDIS_PASSWORD, not the URL
+    # (test_redis_requires_its_password_from_a_secret).
     assert redis_env(bundled) == {"name": "REDIS_URL", "value": f"redis://{FULLNAME}-redis:6379/0"}
     assert service["spec"]["clusterIP"] == "None" and statefulset["spec"]["serviceName"] == service["metadata"]["name"]
     assert selects(service["spec"]["selector"], statefulset["spec"]["template"]["metadata"]["labels"])
@@ -660,11 +681,16 @@ def test_redis_url_wiring():
             "env"]
 
 
+BUNDLED_REDIS_PASSWORD = {"valueFrom": {"secretKeyRef": {"name": f"{FULLNAME}-redis-auth", "key": "password"}}}
+
+
 @pytest.mark.parametrize("values, sets, options", [
-    # The bundled Redis keeps the GCS tables too, under KubeRay's default namespace (the RayCluster's UID).
-    (None, (), {"redisAddress": f"{FULLNAME}-redis:6379"}),
-    (None, (EMBEDDED,), {"redisAddress": f"{FULLNAME}-redis:6379"}),
+    # The bundled Redis keeps the GCS tables too, under KubeRay's default namespace (the RayCluster's UID), and KubeRay
+    # hands the head its password.
+    (None, (), {"redisAddress": f"{FULLNAME}-redis:6379", "redisPassword": BUNDLED_REDIS_PASSWORD}),
+    (None, (EMBEDDED,), {"redisAddress": f"{FULLNAME}-redis:6379", "redisPassword": BUNDLED_REDIS_PASSWORD}),
     ("pools-autoscaling-values.yaml", (), {"redisAddress": f"{FULLNAME}-redis:6379",
+                                           "redisPassword": BUNDLED_REDIS_PASSWORD,
                                            "externalStorageNamespace": "tandem-prod"}),
     ("external-redis-servicemonitor-values.yaml", (), {
         "redisAddress": "redis-master.data.svc:6379",
@@ -904,8 +930,40 @@ sys.exit(1 if subprocess.run(shlex.join(entrypoint), shell=True, env=env).return
 """
 
 
+# A stand-in for the `ray` module that files/submit-on-head.py imports: ray.init as a Ray Client (refused twice, as
+# while the head starts), and a remote task that runs right here and records where it asked to be scheduled.
+FAKE_RAY_MODULE = """
+import json, os
+_log = os.environ["STUB_LOG"]
+_refusals = [0]
+def _write(entry):
+    with open(_log, "a") as log:
+        log.write(json.dumps(entry) + "\\n")
+def init(address=None, **kwargs):
+    _write(["ray.init", address])
+    if _refusals[0] < 2:
+        _refusals[0] += 1
+        raise ConnectionError("ray client connection timeout")
+def shutdown():
+    pass
+class _Task:
+    def __init__(self, function):
+        self.function = function
+    def options(self, **options):
+        _write(["options", options])
+        return self
+    def remote(self, *args):
+        return self.function(*args)
+def remote(function):
+    return _Task(function)
+def get(value):
+    return value
+"""
+
+
 def test_pools_job_command_runs_the_script_through_ray_job_submit(tmp_path):
-    """The Job's own command end to end: its env and args, the script from the ConfigMap, through a stub `ray`."""
+    """The Job's own command end to end: its env and args, submit-on-head.py and the script from the ConfigMap, a
+    fake `ray` module (the Ray Client) and a stub `ray` CLI on the 'head' (here)."""
     objs = render("pools-autoscaling-values.yaml")
     pools = pools_container(objs)
     bin_dir = tmp_path / "bin"
@@ -913,19 +971,36 @@ def test_pools_job_command_runs_the_script_through_ray_job_submit(tmp_path):
     for name, text in (("tandem", STUB_TANDEM), ("ray", STUB_RAY)):
         (bin_dir / name).write_text(text.replace("{python}", sys.executable))
         (bin_dir / name).chmod(0o755)
+    module_dir = tmp_path / "module" / "ray"
+    module_dir.mkdir(parents=True)
+    (module_dir / "__init__.py").write_text(FAKE_RAY_MODULE)
     mount = tmp_path / "etc"
     mount.mkdir()
-    script = one(objs, "ConfigMap", f"{FULLNAME}-pools")["data"]["reconcile-pools.sh"]
-    (mount / "reconcile-pools.sh").write_text(script)
+    config = one(objs, "ConfigMap", f"{FULLNAME}-pools")["data"]
+    for name in ("reconcile-pools.sh", "submit-on-head.py"):
+        (mount / name).write_text(config[name])
     log = tmp_path / "calls.jsonl"
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_LOG": str(log), "STUB_STATUS": "",
-           "POD_NAME": f"{FULLNAME}-pools-r1-abcde", "TANDEM_RAY_SPEC": env_of(pools)["TANDEM_RAY_SPEC_WANT"]}
-    env |= {k: v for k, v in env_of(pools).items() if v is not None}
-    command = [c.replace("/etc/tandem/", f"{mount}/") for c in pools["command"]]
-    result = subprocess.run([*command, *pools["args"]], env=env, capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in env_of(pools).items() if v is not None}
+    env |= {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(module_dir.parent), "STUB_LOG": str(log),
+            "STUB_STATUS": "", "POD_NAME": f"{FULLNAME}-pools-r1-abcde",
+            "TANDEM_RAY_SPEC": env_of(pools)["TANDEM_RAY_SPEC_WANT"],
+            "RECONCILE_SCRIPT": env["RECONCILE_SCRIPT"].replace("/etc/tandem/", f"{mount}/")}
+    script = pools["command"][1].replace("/etc/tandem/", f"{mount}/")
+    source = (mount / "submit-on-head.py").read_text()
+    for constant in ("RETRY_SECONDS = 5", "FLUSH_SECONDS = 2"):  # no waiting here
+        assert constant in source
+        source = source.replace(constant, constant.split("=")[0] + "= 0")
+    Path(script).write_text(source)
+    result = subprocess.run([sys.executable, script, *pools["args"]], env=env, capture_output=True, text=True,
+                            timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     calls = [json.loads(line) for line in log.read_text().splitlines()]
-    assert calls == [["ray", "job", "list"], ["ray", "job", "submit"], STATUS, start_call(objs)]
+    client = f"ray://{FULLNAME}-ray-head-svc:10001"
+    assert calls == [["ray.init", client]] * 3 + [
+        ["options", {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}, "max_retries": 0}],
+        ["ray", "job", "list"], ["ray", "job", "submit"], STATUS, start_call(objs)]
+    assert result.stdout.count(f"waiting for the Ray head at {client}") == 2
+    assert f"the Ray job {FULLNAME}-pools-r1-abcde exited with 0" in result.stdout
 
 
 @pytest.mark.parametrize("sets, message", [
@@ -970,6 +1045,15 @@ def test_pools_job_command_runs_the_script_through_ray_job_submit(tmp_path):
      "set ray.gcsFaultTolerance.redisAddress"),
     (("ray.gcsFaultTolerance.redisAddress=redis://r:6379",), "redisAddress"),
     (("gateway.autoscaling.metric.name=",), "metric"),
+    (("gateway.tls.secretName=tls", "gateway.http.enabled=false"), "the gateway's probes need the HTTP API under TLS"),
+    (("gateway.tls.certManager.issuerRef.name=ca", "gateway.httpPort=null"), "need the HTTP API under TLS"),
+    (("gateway.tls.clientCA.enabled=true",), "mutual TLS needs TLS"),
+    (("redis.bundled.enabled=false", "redis.url=redis://r:6379/0", "redis.auth.existingSecret=s"),
+     "an external Redis takes its password in its URL"),
+    (("ray.version=2.51.0",), "needs Ray >= 2.52"),
+    (("ray.head.rayStartParams.dashboard-host=0.0.0.0",), "stays on the head's loopback"),
+    (("gateway.tls.certManager.duration=90d",), "duration"),
+    (("networkPolicy.clients=all",), "networkPolicy.clients"),
 ])
 def test_bad_values_fail_the_render(sets, message):
     result = helm("template", RELEASE, str(CHART), *values_args(None, sets))
@@ -990,7 +1074,14 @@ def test_plain_manifests_match_a_fresh_render():
     assert committed == fresh, "deploy/manifests/tandem.yaml is stale: run scripts/render_helm.sh"
     objs = [doc for doc in yaml.safe_load_all(committed) if doc]
     assert {o["kind"] for o in objs} >= {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
-                                         "RayCluster", "StatefulSet", "Job", "ConfigMap"}
+                                         "RayCluster", "StatefulSet", "Job", "ConfigMap", "NetworkPolicy"}
+    # No generated Secret in a committed file (its password would be everyone's): the user creates both.
+    assert not find(objs, "Secret")
+    assert {ref for o in objs for ref in secret_refs(o)} == {("tandem-redis-auth", "password"),
+                                                             ("tandem-ray-auth", "auth_token")}
+    header = committed.split("\n---", 1)[0]
+    assert "kubectl create secret generic -n tandem tandem-redis-auth --from-literal=password=" in header
+    assert "kubectl create secret generic -n tandem tandem-ray-auth --from-literal=auth_token=" in header
     assert all("namespace" not in o["metadata"] for o in objs), "plain manifests take the namespace from kubectl -n"
     assert one(objs, "Job")["metadata"]["name"] == "tandem-pools-r1"
     assert flags(gateway_container(one(objs, "Deployment"))["args"])["pools"] == "tandem"
@@ -1004,7 +1095,9 @@ def test_image_build_follows_the_readme_install():
     torch = re.search(r"pip install torch==([\w.]+)", readme).group(1)
     assert f"ARG TORCH_VERSION={torch}\n" in dockerfile
     assert re.search(r"^FROM python:3\.11-slim$", dockerfile, re.M)
-    assert re.search(r'pip install --no-cache-dir "\.\[server\]" ', dockerfile)  # the base install is the client
+    # The base install is the client: the image's dependencies are the server extra's, locked (test_deploy_lock.py).
+    assert "pip install --no-cache-dir --no-deps --no-build-isolation ." in dockerfile
+    assert "--extra server" in (ROOT / "scripts" / "lock_deps.sh").read_text()
     assert 'ENTRYPOINT ["tandem"]' in dockerfile
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -1019,11 +1112,487 @@ def test_image_pins_a_cuda_build_and_names_the_driver_it_needs():
     docs = (ROOT / "deploy" / "README.md").read_text()
     args = dict(re.findall(r"^ARG (\w+)=(.*)$", dockerfile, re.M))
     assert args["TORCH_VARIANT"] == "cu130"
-    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/${TORCH_VARIANT}"
-    assert 'pip install --no-cache-dir "torch==${TORCH_VERSION}+${TORCH_VARIANT}" --index-url "${TORCH_INDEX_URL}"' \
-        in dockerfile
+    assert '"${TORCH_VERSION}+${TORCH_VARIANT}"' in dockerfile  # the build checks torch.__version__: PyPI's is +cu130
     assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in dockerfile
     # The driver minimums the docs state are the ones a failing --device cuda reports (core/device.py).
     for text in (dockerfile, docs):
         assert f"CUDA 13.0, NVIDIA driver >= {MIN_DRIVER['13']}" in text or f"| 13.0 | >= {MIN_DRIVER['13']}" in text
         assert f">= {MIN_DRIVER['12']}" in text
+
+
+# --- Security: Pod Security "restricted", TLS, Secrets, Ray's dashboard and token, NetworkPolicies ---------------
+
+def pod_security():
+    """scripts/check_pod_security.py, imported (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location("check_pod_security", ROOT / "scripts" / "check_pod_security.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("check_pod_security", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+SECURITY_CASES = [(None, ()), (None, (EMBEDDED,)), (None, ("gateway.tls.secretName=tls",)),
+                  (None, ("gateway.joinRayCluster=false",)), ("secure-tls-values.yaml", (EMBEDDED,))]
+
+
+@pytest.mark.parametrize("values, sets", [(name.name, ()) for name in CI_VALUES] + SECURITY_CASES)
+def test_every_rendered_pod_meets_the_restricted_pod_security_standard(values, sets):
+    objs = render(values, *sets)
+    checked, found = pod_security().check_documents(objs)
+    assert not found, "\n".join(map(str, found))
+    # Every pod the chart renders was looked at: the gateways, Redis, the pools Job, the Ray head and worker groups.
+    templates = len(find(objs, "Deployment")) + len(find(objs, "StatefulSet")) + len(find(objs, "Job"))
+    assert checked == templates + len(ray_groups(objs))
+
+
+def tandem_containers(objs) -> list[tuple[str, dict, dict]]:
+    """(where, pod spec, container) for every container of the tandem image: gateways (init containers too), the pools
+    Job, the Ray head and workers."""
+    found = []
+    pods = [(d["metadata"]["name"], d["spec"]["template"]["spec"]) for d in gateways(objs) + find(objs, "Job")]
+    pods += [(name, group["template"]["spec"]) for name, group in ray_groups(objs).items()]
+    for name, pod in pods:
+        for cont in pod.get("initContainers", []) + pod["containers"]:
+            found.append((f"{name}/{cont['name']}", pod, cont))
+    return found
+
+
+@pytest.mark.parametrize("values", [None, "secure-tls-values.yaml", "tp4-multi-replica-values.yaml"])
+def test_pods_run_as_their_images_users_with_a_read_only_root(values):
+    objs = render(values)
+    for where, pod, cont in tandem_containers(objs):
+        context = pod["securityContext"]
+        # deploy/Dockerfile: USER 1000 (useradd --uid 1000 tandem).
+        assert (context["runAsUser"], context["runAsGroup"], context["fsGroup"]) == (1000, 1000, 1000), where
+        assert context["runAsNonRoot"] is True and context["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert cont["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                           "capabilities": {"drop": ["ALL"]}}, where
+        # What Ray, torch and the Hugging Face client write goes to emptyDirs: /tmp (Ray's session directory) and HOME.
+        mounts = {m["mountPath"]: m["name"] for m in cont.get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert env_of(cont)["HOME"] == "/home/tandem", where
+        for path in ("/tmp", "/home/tandem"):
+            assert "emptyDir" in volumes[mounts[path]], (where, path)
+    redis = one(objs, "StatefulSet")["spec"]["template"]["spec"] if find(objs, "StatefulSet") else None
+    if redis:
+        assert (redis["securityContext"]["runAsUser"], redis["securityContext"]["fsGroup"]) == (999, 999)  # redis:7
+        assert container(redis, "redis")["securityContext"]["readOnlyRootFilesystem"] is True
+    # No pod needs the Kubernetes API but the Ray head (KubeRay's autoscaler runs in it).
+    for d in gateways(objs) + find(objs, "Job") + find(objs, "StatefulSet"):
+        assert d["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    for name, group in ray_groups(objs).items():
+        assert ("automountServiceAccountToken" in group["template"]["spec"]) == (name != "head")
+    # KubeRay's autoscaler container takes the same restricted securityContext and scratch mounts.
+    options = one(objs, "RayCluster")["spec"].get("autoscalerOptions")
+    if options:
+        assert options["securityContext"]["readOnlyRootFilesystem"] is True
+        assert {m["mountPath"] for m in options["volumeMounts"]} == {"/tmp", "/home/tandem"}
+
+
+PLANTED = """
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: planted}
+spec:
+  template:
+    spec:
+      securityContext: {runAsNonRoot: true, seccompProfile: {type: RuntimeDefault}}
+      containers:
+        - name: app
+          securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
+        - name: no-drop
+          securityContext: {allowPrivilegeEscalation: false}
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: bad
+  annotations: {container.apparmor.security.beta.kubernetes.io/app: unconfined}
+spec:
+  hostNetwork: true
+  securityContext:
+    runAsUser: 0
+    sysctls: [{name: kernel.msgmax, value: "1"}]
+    seLinuxOptions: {type: spc_t}
+  volumes:
+    - {name: host, hostPath: {path: /}}
+    - {name: nfs, nfs: {server: nfs, path: /}}
+  containers:
+    - name: app
+      ports: [{containerPort: 80, hostPort: 80}]
+      securityContext:
+        privileged: true
+        procMount: Unmasked
+        seccompProfile: {type: Unconfined}
+        capabilities: {drop: [ALL], add: [SYS_ADMIN, NET_BIND_SERVICE]}
+---
+apiVersion: ray.io/v1
+kind: RayCluster
+metadata: {name: ray}
+spec:
+  enableInTreeAutoscaling: true
+  headGroupSpec:
+    template:
+      spec:
+        securityContext: {runAsNonRoot: true, seccompProfile: {type: RuntimeDefault}}
+        containers:
+          - name: ray-head
+            securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
+  workerGroupSpecs:
+    - groupName: gpu
+      template:
+        spec:
+          containers: [{name: ray-worker}]
+"""
+
+
+def test_pod_security_checker_names_the_object_container_and_rule_it_breaks(tmp_path):
+    checker = pod_security()
+    _, found = checker.check_documents(yaml.safe_load_all(PLANTED))
+    lines = {str(v) for v in found}
+    assert lines >= {
+        'Deployment/planted spec.template: container "no-drop": Capabilities: securityContext.capabilities.drop '
+        'must include ALL',
+        "Pod/bad spec: pod: Host Namespaces: hostNetwork must be unset or false",
+        "Pod/bad spec: pod: Running as Non-root user: securityContext.runAsUser must not be 0",
+        "Pod/bad spec: pod: HostPath Volumes: volume 'host' is a hostPath",
+        'Pod/bad spec: container "app": Privileged Containers: securityContext.privileged must be unset or false',
+        'Pod/bad spec: container "app": Host Ports: hostPort 80 must be unset or 0',
+        'Pod/bad spec: container "app": Running as Non-root: runAsNonRoot must be true (on the pod, or on every '
+        'container)',
+    }
+    rules = {(v.pod.obj, v.container, v.rule) for v in found}
+    assert {("Pod/bad", None, rule) for rule in ("Sysctls", "SELinux", "AppArmor", "Volume Types")} <= rules
+    assert {("Pod/bad", "app", rule) for rule in ("/proc Mount Type", "Seccomp", "Capabilities",
+                                                  "Privilege Escalation")} <= rules
+    # KubeRay's autoscaler container (no autoscalerOptions.securityContext here) and a bare worker group.
+    assert ("RayCluster/ray", "autoscaler (KubeRay)", "Privilege Escalation") in rules
+    assert ("RayCluster/ray", "ray-worker", "Running as Non-root") in rules
+    assert not [v for v in found if v.container == "app" and v.pod.obj == "Deployment/planted"]
+
+    # The command line: exit 1 naming them, 0 on the chart's render, 2 on what is not YAML.
+    planted = tmp_path / "planted.yaml"
+    planted.write_text(PLANTED)
+    script = str(ROOT / "scripts" / "check_pod_security.py")
+    result = subprocess.run([sys.executable, script, str(planted)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f'{planted}: Deployment/planted spec.template: container "no-drop": Capabilities' in result.stderr
+    chart = subprocess.run([sys.executable, script], input=yaml.safe_dump_all(render()), capture_output=True,
+                           text=True, timeout=60)
+    assert chart.returncode == 0 and "meet the restricted Pod Security Standard" in chart.stdout, chart.stderr
+    (tmp_path / "broken.yaml").write_text("kind: [unclosed")
+    broken = subprocess.run([sys.executable, script, str(tmp_path / "broken.yaml")], capture_output=True, text=True,
+                            timeout=60)
+    assert broken.returncode == 2
+
+
+def test_render_check_runs_the_pod_security_checker_on_every_render():
+    script = (ROOT / "scripts" / "render_helm.sh").read_text()
+    assert '"$PYTHON" scripts/check_pod_security.py "$out/$name.yaml"' in script
+    assert '"$PYTHON" scripts/check_pod_security.py "$MANIFEST"' in script
+
+
+@pytest.mark.parametrize("values, sets", [(None, ("gateway.tls.secretName=gw-tls",)),
+                                          (None, (EMBEDDED, "gateway.tls.secretName=gw-tls")),
+                                          ("canary-grpcroute-values.yaml", ("gateway.tls.secretName=gw-tls",))])
+def test_gateway_tls_moves_the_probes_to_https_and_mounts_the_secret(values, sets):
+    objs = render(values, *sets)
+    plain = render(values)
+    for deployment in gateways(objs):
+        pod = deployment["spec"]["template"]["spec"]
+        gateway = container(pod, "gateway")
+        args = flags(gateway["args"])
+        assert (args["tls-cert"], args["tls-key"]) == ("/etc/tandem/tls/tls.crt", "/etc/tandem/tls/tls.key")
+        assert "tls-client-ca" not in args
+        mount = next(m for m in gateway["volumeMounts"] if m["name"] == "tls")
+        assert mount == {"name": "tls", "mountPath": "/etc/tandem/tls", "readOnly": True}
+        assert next(v for v in pod["volumes"] if v["name"] == "tls")["secret"] == {"secretName": "gw-tls"}
+        # Kubernetes' gRPC probes cannot speak TLS: /health over HTTPS (the kubelet skips verification), and a TCP
+        # connect for liveness; the timings stay the values'.
+        https = {"path": "/health", "port": "http", "scheme": "HTTPS"}
+        assert gateway["readinessProbe"]["httpGet"] == https and gateway["startupProbe"]["httpGet"] == https
+        assert gateway["livenessProbe"]["tcpSocket"] == {"port": "http"}
+        assert not [p for p in ("livenessProbe", "readinessProbe", "startupProbe") if "grpc" in gateway[p]]
+        assert gateway["startupProbe"]["failureThreshold"] == 180 and gateway["readinessProbe"]["periodSeconds"] == 5
+        assert {p["name"]: p["containerPort"] for p in gateway["ports"]}["http"] == 8000
+    for service in find(objs, "Service"):
+        if service["metadata"]["name"].startswith(f"{FULLNAME}-gateway"):
+            ports = service_ports(service)
+            assert "appProtocol" not in ports["grpc"] and ports["http"]["appProtocol"] == "https"
+    # Plaintext is as it was: gRPC probes, no TLS flags or mounts, h2c on the Service.
+    for deployment in gateways(plain):
+        gateway = gateway_container(deployment)
+        assert not serves_tls(gateway) and "grpc" in gateway["readinessProbe"]
+        assert "tls" not in {m["name"] for m in gateway["volumeMounts"]}
+    assert service_ports(one(plain, "Service", f"{FULLNAME}-gateway"))["grpc"]["appProtocol"] == "kubernetes.io/h2c"
+    assert not find(objs, "Certificate")
+
+
+def test_mutual_tls_checks_readiness_with_the_gateways_own_certificate():
+    objs = render("secure-tls-values.yaml")
+    pod = one(objs, "Deployment", f"{FULLNAME}-gateway")["spec"]["template"]["spec"]
+    gateway = container(pod, "gateway")
+    args = flags(gateway["args"])
+    # cert-manager writes <fullname>-gateway-tls with ca.crt: the issuing CA is the client CA.
+    assert args["tls-client-ca"] == "/etc/tandem/tls/ca.crt" and "--insecure" not in gateway["args"]
+    assert args["api-keys"] == "/etc/tandem/api-keys/keys.jsonl"
+    assert next(v for v in pod["volumes"] if v["name"] == "tls")["secret"]["secretName"] == f"{FULLNAME}-gateway-tls"
+    # The kubelet presents no client certificate: an exec probe presents the gateway's own.
+    for probe in ("readinessProbe", "startupProbe"):
+        command = gateway[probe]["exec"]["command"]
+        assert command[:2] == ["python3", "-c"] and command[3:] == ["8000", "/etc/tandem/tls/tls.crt",
+                                                                     "/etc/tandem/tls/tls.key"]
+        assert "load_cert_chain(cert, key)" in command[2] and '"/health"' in command[2]
+        compile(command[2], probe, "exec")
+    assert gateway["livenessProbe"]["tcpSocket"] == {"port": "http"}
+    certificate = one(objs, "Certificate")
+    assert certificate["apiVersion"] == "cert-manager.io/v1"
+    spec = certificate["spec"]
+    assert spec["secretName"] == f"{FULLNAME}-gateway-tls"
+    assert spec["issuerRef"] == {"name": "tandem-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+    assert {"server auth", "client auth"} <= set(spec["usages"])
+    assert f"{FULLNAME}-gateway" in spec["dnsNames"] and "llm.internal.example.com" in spec["dnsNames"]
+    assert f"{FULLNAME}-gateway.default.svc.cluster.local" in spec["dnsNames"]
+    assert (spec["duration"], spec["renewBefore"]) == ("2160h", "720h")
+    # A client CA of its own: a second Secret, mounted beside the first.
+    separate = render(None, "gateway.tls.secretName=gw-tls", "gateway.tls.clientCA.enabled=true",
+                      "gateway.tls.clientCA.secretName=clients-ca", "gateway.tls.clientCA.key=bundle.pem")
+    pod = one(separate, "Deployment")["spec"]["template"]["spec"]
+    gateway = container(pod, "gateway")
+    assert flags(gateway["args"])["tls-client-ca"] == "/etc/tandem/client-ca/bundle.pem"
+    assert next(v for v in pod["volumes"] if v["name"] == "client-ca")["secret"] == {
+        "secretName": "clients-ca", "items": [{"key": "bundle.pem", "path": "bundle.pem"}]}
+    assert {"name": "client-ca", "mountPath": "/etc/tandem/client-ca", "readOnly": True} in gateway["volumeMounts"]
+
+
+def secret_value(objs, name: str, key: str) -> str:
+    return base64.b64decode(one(objs, "Secret", name)["data"][key]).decode()
+
+
+def test_redis_requires_its_password_from_a_secret():
+    objs = render()
+    redis_pod = one(objs, "StatefulSet")["spec"]["template"]["spec"]
+    redis = container(redis_pod, "redis")
+    # Kubernetes expands $(REDIS_PASSWORD) from the container's env: the pod spec names the Secret, not the password.
+    assert redis["args"][:2] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    password_ref = {"name": f"{FULLNAME}-redis-auth", "key": "password"}
+    for name in ("REDIS_PASSWORD", "REDISCLI_AUTH"):
+        assert next(e for e in redis["env"] if e["name"] == name)["valueFrom"] == {"secretKeyRef": password_ref}
+    # The readiness probe authenticates (REDISCLI_AUTH) and needs PONG, which a refused AUTH does not print.
+    assert redis["readinessProbe"]["exec"]["command"] == ["sh", "-c", "redis-cli ping | grep -q PONG"]
+    password = secret_value(objs, f"{FULLNAME}-redis-auth", "password")
+    assert re.fullmatch(r"[A-Za-z0-9]{40}", password)
+    # Every consumer: the gateways (TANDEM_REDIS_PASSWORD, which tandem folds into REDIS_URL; it refuses a second
+    # password in the URL itself) and the Ray head's GCS fault tolerance (KubeRay's redisPassword).
+    for values, sets in ((None, ()), (None, (EMBEDDED,)), ("canary-grpcroute-values.yaml", ("redis.url=",
+                         "redis.bundled.enabled=true"))):
+        rendered = render(values, *sets)
+        for deployment in gateways(rendered):
+            env = {e["name"]: e for e in gateway_container(deployment)["env"]}
+            assert env["TANDEM_REDIS_PASSWORD"]["valueFrom"] == {"secretKeyRef": password_ref}
+            assert env["REDIS_URL"]["value"] == f"redis://{FULLNAME}-redis:6379/0"
+            assert "@" not in env["REDIS_URL"]["value"] and "$(" not in json.dumps(list(env.values()))
+        redis_password = one(rendered, "RayCluster")["spec"]["gcsFaultToleranceOptions"]["redisPassword"]
+        assert redis_password == {"valueFrom": {"secretKeyRef": password_ref}}
+    # An existing Secret: no generated one, and every reference moves to it.
+    own = render(None, "redis.auth.existingSecret=my-redis", "redis.auth.key=pw")
+    assert [s["metadata"]["name"] for s in find(own, "Secret")] == [f"{FULLNAME}-ray-auth"]
+    refs = {ref for o in own for ref in secret_refs(o) if ref[0] != f"{FULLNAME}-ray-auth"}
+    assert refs == {("my-redis", "pw")}
+    # An external Redis: no password Secret, the URL carries it (redis.existingSecret) as before.
+    external = render("external-redis-servicemonitor-values.yaml")
+    assert [s["metadata"]["name"] for s in find(external, "Secret")] == [f"{FULLNAME}-ray-auth"]
+    assert "TANDEM_REDIS_PASSWORD" not in env_of(gateway_container(one(external, "Deployment")))
+
+
+def test_the_canary_key_is_one_secret_shared_by_every_gateway():
+    """The in-gateway canary places sessions by HMAC: every replica must hold the same key, from a Secret."""
+    ref = {"secretKeyRef": {"name": f"{FULLNAME}-canary-secret", "key": "secret"}}
+    objs = render("canary-grpcroute-values.yaml")
+    for deployment in gateways(objs):
+        env = {e["name"]: e for e in gateway_container(deployment)["env"]}
+        assert env["TANDEM_CANARY_SECRET"]["valueFrom"] == ref
+    assert re.fullmatch(r"[A-Za-z0-9]{40}", secret_value(objs, f"{FULLNAME}-canary-secret", "secret"))
+    own = render("canary-grpcroute-values.yaml", "canary.secret.existingSecret=my-canary", "canary.secret.key=k")
+    assert not find(own, "Secret", f"{FULLNAME}-canary-secret")
+    for deployment in gateways(own):
+        env = {e["name"]: e for e in gateway_container(deployment)["env"]}
+        assert env["TANDEM_CANARY_SECRET"]["valueFrom"] == {"secretKeyRef": {"name": "my-canary", "key": "k"}}
+    plain = render()  # no in-gateway canary: no key
+    assert not find(plain, "Secret", f"{FULLNAME}-canary-secret")
+    assert all("TANDEM_CANARY_SECRET" not in env_of(gateway_container(d)) for d in gateways(plain))
+
+
+def ray_auth_env(cont: dict) -> tuple[str | None, dict | None]:
+    env = {e["name"]: e for e in cont.get("env", [])}
+    mode = env.get("RAY_AUTH_MODE", {}).get("value")
+    token = env.get("RAY_AUTH_TOKEN", {}).get("valueFrom")
+    return mode, token
+
+
+@pytest.mark.parametrize("values, sets, secret", [
+    (None, (), (f"{FULLNAME}-ray-auth", "auth_token")),
+    (None, (EMBEDDED, "gateway.joinRayCluster=false"), (f"{FULLNAME}-ray-auth", "auth_token")),
+    ("secure-tls-values.yaml", (), ("tandem-ray-auth", "token")),
+    ("external-redis-servicemonitor-values.yaml", (), (f"{FULLNAME}-ray-auth", "auth_token")),
+])
+def test_the_ray_token_comes_from_a_secret_on_every_ray_container(values, sets, secret):
+    objs = render(values, *sets)
+    want = ("token", {"secretKeyRef": {"name": secret[0], "key": secret[1]}})
+    containers = tandem_containers(objs)
+    assert {where.rsplit("/", 1)[1] for where, _, _ in containers} >= {"gateway", "ray-head", "ray-worker"}
+    for where, _, cont in containers:
+        assert ray_auth_env(cont) == want, where  # KubeRay copies the workers' env into wait-gcs-ready
+    spec = one(objs, "RayCluster")["spec"]
+    if spec.get("enableInTreeAutoscaling"):
+        assert ray_auth_env(spec["autoscalerOptions"]) == want  # KubeRay's autoscaler container talks to the GCS
+    generated = find(objs, "Secret", f"{FULLNAME}-ray-auth")
+    assert bool(generated) == (secret[0] == f"{FULLNAME}-ray-auth")
+    if generated:
+        assert re.fullmatch(r"[A-Za-z0-9]{40}", secret_value(objs, *secret))
+
+
+@pytest.mark.parametrize("values", [p.name for p in CI_VALUES])
+def test_the_ray_dashboard_listens_on_the_heads_loopback_only(values):
+    objs = render(values)
+    groups = ray_groups(objs)
+    assert groups["head"]["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    for group in groups.values():
+        assert "0.0.0.0" not in json.dumps(group["rayStartParams"])
+        ports = group["template"]["spec"]["containers"][0]["ports"]
+        assert 8265 not in {p["containerPort"] for p in ports}  # nor does KubeRay's head Service expose it
+    # No pod is told to reach the dashboard over the network.
+    assert "head-svc:8265" not in json.dumps(objs)
+
+
+# A NetworkPolicy evaluator for what the chart renders: podSelector/namespaceSelector matchLabels, ipBlock, numbered
+# and named ports, endPort. The release lives in namespace "default" (helm template's).
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    labels: dict
+    namespace: str = "default"
+    ports: dict = dataclasses.field(default_factory=dict)  # named container ports, for a destination
+    ip: str | None = None  # outside the cluster's pods
+
+
+def peer_matches(peer: dict, other: Endpoint) -> bool:
+    if "ipBlock" in peer:
+        block = peer["ipBlock"]
+        return other.ip is not None and ipaddress.ip_address(other.ip) in ipaddress.ip_network(block["cidr"]) and \
+            not any(ipaddress.ip_address(other.ip) in ipaddress.ip_network(e) for e in block.get("except", []))
+    if other.ip is not None:
+        return False
+    if "namespaceSelector" in peer:
+        namespace = {"kubernetes.io/metadata.name": other.namespace}
+        in_namespace = selects(peer["namespaceSelector"].get("matchLabels", {}), namespace)
+    else:
+        in_namespace = other.namespace == "default"
+    return in_namespace and selects(peer.get("podSelector", {}).get("matchLabels", {}), other.labels)
+
+
+def port_matches(entries: list | None, port: int, named: dict) -> bool:
+    if not entries:
+        return True
+    for entry in entries:
+        wanted = entry.get("port")
+        if wanted is None or (isinstance(wanted, str) and named.get(wanted) == port) or (
+                isinstance(wanted, int) and wanted <= port <= entry.get("endPort", wanted)):
+            return True
+    return False
+
+
+def direction_allows(policies, subject: Endpoint, other: Endpoint, port: int, kind: str) -> bool:
+    rules_key, peers_key = ("ingress", "from") if kind == "Ingress" else ("egress", "to")
+    if subject.ip is not None or subject.namespace != "default":
+        return True  # not the release's pod: no policy of the chart's selects it
+    selecting = [p["spec"] for p in policies if kind in p["spec"]["policyTypes"]
+                 and selects(p["spec"]["podSelector"].get("matchLabels", {}), subject.labels)]
+    if not selecting:
+        return True
+    named = subject.ports if kind == "Ingress" else other.ports
+    return any(port_matches(rule.get("ports"), port, named)
+               and (peers_key not in rule or any(peer_matches(peer, other) for peer in rule[peers_key]))
+               for spec in selecting for rule in spec.get(rules_key, []))
+
+
+def network_allows(objs, source: Endpoint, destination: Endpoint, port: int) -> bool:
+    policies = find(objs, "NetworkPolicy")
+    return direction_allows(policies, destination, source, port, "Ingress") and \
+        direction_allows(policies, source, destination, port, "Egress")
+
+
+def release_endpoints(objs) -> dict[str, Endpoint]:
+    def endpoint(template: dict) -> Endpoint:
+        ports = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+        return Endpoint(template["metadata"]["labels"], ports=ports)
+
+    found = {"gateway": endpoint(gateways(objs)[0]["spec"]["template"])}
+    found |= {name: endpoint(group["template"]) for name, group in ray_groups(objs).items()}
+    for kind, name in (("StatefulSet", "redis"), ("Job", "pools")):
+        if find(objs, kind):
+            found[name] = endpoint(one(objs, kind)["spec"]["template"])
+    return found
+
+
+def test_network_policies_let_only_the_release_reach_ray_and_redis():
+    objs = render()
+    pods = release_endpoints(objs)
+    gateway, head, worker, redis, pools = (pods[n] for n in ("gateway", "head", "draft-pool", "redis", "pools"))
+    stranger = Endpoint({"app": "other"})                                  # any other pod of the namespace
+    outside = Endpoint({"app": "client"}, namespace="apps")                # a client in another namespace
+    prometheus = Endpoint({"app.kubernetes.io/name": "prometheus"}, namespace="monitoring")
+    internet = Endpoint({}, ip="203.0.113.7")
+    allows = functools.partial(network_allows, objs)
+    assert {o["metadata"]["name"] for o in find(objs, "NetworkPolicy")} == {
+        f"{FULLNAME}-{name}" for name in ("gateway", "ray", "ray-client", "pools", "redis")}
+    # Clients reach the gateways' gRPC and HTTP ports from anywhere; metrics only from Prometheus.
+    for client in (outside, stranger):
+        assert allows(client, gateway, 50051) and allows(client, gateway, 8000)
+        assert not allows(client, gateway, 9464)
+    assert allows(prometheus, gateway, 9464) and allows(prometheus, head, 9465) and allows(prometheus, worker, 9466)
+    # Ray: every port between Ray nodes (head, workers, gateways: Ray picks most ports at start), nothing else.
+    for port in (6379, 10001, 8265, 52365, 12345):
+        for ray_node in (gateway, head, worker):
+            assert allows(ray_node, head, port) and allows(ray_node, worker, port)
+        for other in (stranger, outside, prometheus, internet):
+            assert not allows(other, head, port) and not allows(other, worker, port), (other, port)
+    assert allows(head, gateway, 23456) and allows(worker, gateway, 23456)  # Ray calls back into the gateway's driver
+    # The pools Job: the head's Ray Client port and DNS, nothing else, and nothing reaches it.
+    assert allows(pools, head, 10001)
+    assert not allows(pools, head, 6379) and not allows(pools, worker, 10001) and not allows(pools, internet, 443)
+    assert allows(pools, Endpoint({}, ip="10.96.0.10"), 53)
+    assert not allows(gateway, pools, 8080) and not allows(head, pools, 10001)
+    # Redis: the gateways and the Ray pods (GCS tables), on 6379 only; Redis itself calls nowhere but DNS.
+    assert allows(gateway, redis, 6379) and allows(head, redis, 6379) and allows(worker, redis, 6379)
+    assert not allows(stranger, redis, 6379) and not allows(pools, redis, 6379) and not allows(gateway, redis, 6380)
+    assert not allows(redis, internet, 443) and allows(redis, Endpoint({}, ip="10.96.0.10"), 53)
+    # Egress of gateways and Ray pods stays open by default: models come from the Hugging Face Hub.
+    assert allows(head, internet, 443) and allows(gateway, internet, 443)
+
+    assert not find(render(None, "networkPolicy.enabled=false"), "NetworkPolicy")
+    embedded = {o["metadata"]["name"] for o in find(render(None, EMBEDDED), "NetworkPolicy")}
+    assert embedded == {f"{FULLNAME}-{name}" for name in ("gateway", "ray", "redis")}  # no pools Job
+
+
+def test_network_policies_can_restrict_clients_and_egress():
+    objs = render("secure-tls-values.yaml")
+    pods = release_endpoints(objs)
+    gateway, head = pods["gateway"], pods["head"]
+    allows = functools.partial(network_allows, objs)
+    from_gateway_api = Endpoint({"app": "envoy"}, namespace="gateway-system")
+    assert allows(from_gateway_api, gateway, 50051) and allows(from_gateway_api, gateway, 8000)
+    assert not allows(Endpoint({"app": "client"}, namespace="apps"), gateway, 50051)
+    assert allows(Endpoint({}, namespace="monitoring"), head, 9465)
+    assert not allows(Endpoint({"app.kubernetes.io/name": "prometheus"}, namespace="other"), head, 9465)
+    # restrictEgress: DNS, the release's pods and the extra rules (the API server, a model mirror), nothing else.
+    for source in (gateway, head):
+        assert allows(source, pods["redis"], 6379) and allows(source, head, 6379)
+        assert allows(source, Endpoint({}, ip="172.20.0.10"), 6443)
+        assert allows(source, Endpoint({}, ip="10.40.0.9"), 443)
+        assert not allows(source, Endpoint({}, ip="203.0.113.7"), 443)
+        assert allows(source, Endpoint({}, ip="10.96.0.10"), 53)
+    # Without a local Ray node the gateways take no Ray traffic.
+    client = render(None, "gateway.joinRayCluster=false")
+    ray_pods = release_endpoints(client)
+    assert not network_allows(client, ray_pods["head"], ray_pods["gateway"], 23456)
+    assert network_allows(client, ray_pods["gateway"], ray_pods["head"], 10001)

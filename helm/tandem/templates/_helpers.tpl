@@ -95,8 +95,18 @@ null or 0, or gateway.http.enabled false.
 {{- with include "tandem.httpPort" . }}{{ int ($.Values.gateway.service.httpPort | default .) }}{{ end }}
 {{- end }}
 
-{{/* REDIS_URL for the gateway: the bundled StatefulSet's headless Service, or the external URL. */}}
+{{/*
+REDIS_URL for the gateway: the bundled StatefulSet's headless Service, or the external URL. The bundled Redis needs
+its password: TANDEM_REDIS_PASSWORD from its Secret, which tandem folds into the URL (URL-quoted, so any password
+works; tandem refuses a password given both there and in the URL), so neither the pod spec nor a command line holds
+it.
+*/}}
 {{- define "tandem.redisEnv" -}}
+{{- if .Values.redis.bundled.enabled }}
+- name: TANDEM_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef: {name: {{ include "tandem.redisSecretName" . }}, key: {{ .Values.redis.auth.key | quote }}}
+{{- end }}
 - name: REDIS_URL
 {{- if .Values.redis.bundled.enabled }}
   value: {{ printf "redis://%s:6379/0" (include "tandem.redisName" .) | quote }}
@@ -200,9 +210,145 @@ workers or one target replica per pod. topology=pools: the pools' declared size 
 {{- if $p.gpusPerPod }}{{ divf $p.gpusPerPod $p.workersPerPod }}{{ else }}0{{ end }}
 {{- end }}
 
+{{/* The Secret holding the bundled Redis' password: redis.auth.existingSecret, else the chart's own. */}}
+{{- define "tandem.redisSecretName" -}}
+{{- .Values.redis.auth.existingSecret | default (printf "%s-redis-auth" (include "tandem.fullname" .)) }}
+{{- end }}
+
+{{/* The Secret holding the Ray token: ray.auth.existingSecret, else the chart's own. */}}
+{{- define "tandem.raySecretName" -}}
+{{- .Values.ray.auth.existingSecret | default (printf "%s-ray-auth" (include "tandem.fullname" .)) }}
+{{- end }}
+
+{{- define "tandem.canarySecretName" -}}
+{{- .Values.canary.secret.existingSecret | default (printf "%s-canary-secret" (include "tandem.fullname" .)) }}
+{{- end }}
+
+{{/*
+A generated Secret's value, base64: (dict "ctx" $ "name" SECRET "key" KEY). The value the Secret already holds in the
+cluster (so an upgrade keeps the password or token every running pod uses), else a new random one. `helm template`
+and --dry-run cannot look it up and print a new one each time.
+*/}}
+{{- define "tandem.secretValue" -}}
+{{- $existing := lookup "v1" "Secret" .ctx.Release.Namespace .name | default dict }}
+{{- dig "data" .key "" $existing | default (randAlphaNum 40 | b64enc) }}
+{{- end }}
+
+{{/* Ray token authentication for a container that talks to the Ray cluster (Ray >= 2.52). */}}
+{{- define "tandem.rayAuthEnv" -}}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ include "tandem.raySecretName" . }}, key: {{ .Values.ray.auth.key | quote }}}
+{{- end }}
+
+{{/*
+Writable scratch for a tandem-image container whose root filesystem is read-only: /tmp (Ray's session directory
+/tmp/ray, Python's tempfiles, torch's compile caches) and HOME (~/.cache for Hugging Face and pip, ~/.triton, ~/.nv).
+HOME is set explicitly so it does not depend on the image's passwd entry.
+*/}}
+{{- define "tandem.homeDir" -}}/home/tandem{{- end }}
+
+{{- define "tandem.scratchEnv" -}}
+- name: HOME
+  value: {{ include "tandem.homeDir" . }}
+{{- end }}
+
+{{- define "tandem.scratchMounts" -}}
+- {name: tmp, mountPath: /tmp}
+- {name: home, mountPath: {{ include "tandem.homeDir" . }}}
+{{- end }}
+
+{{- define "tandem.scratchVolumes" -}}
+- {name: tmp, emptyDir: {}}
+- {name: home, emptyDir: {}}
+{{- end }}
+
+{{/*
+Gateway TLS as {secretName, clientCA, clientCASecret, clientCAKey}: secretName "" when TLS is off. secretName is
+gateway.tls.secretName, else <fullname>-gateway-tls when the chart's cert-manager Certificate writes it.
+*/}}
+{{- define "tandem.gatewayTLS" -}}
+{{- $tls := .Values.gateway.tls }}
+{{- $secret := $tls.secretName }}
+{{- if and (not $secret) $tls.certManager.issuerRef.name }}
+{{- $secret = printf "%s-gateway-tls" (include "tandem.fullname" .) }}
+{{- end }}
+{{- $clientCA := and $secret $tls.clientCA.enabled }}
+{{- dict "secretName" $secret "clientCA" $clientCA "clientCASecret" ($tls.clientCA.secretName | default $secret)
+    "clientCAKey" $tls.clientCA.key | toYaml }}
+{{- end }}
+
+{{- define "tandem.tlsDir" -}}/etc/tandem/tls{{- end }}
+{{- define "tandem.clientCADir" -}}/etc/tandem/client-ca{{- end }}
+
+{{/* --tls-cert/--tls-key (and --tls-client-ca) from the mounted Secrets, or nothing in plaintext. */}}
+{{- define "tandem.gatewayTLSArgs" -}}
+{{- $tls := include "tandem.gatewayTLS" . | fromYaml }}
+{{- $args := list }}
+{{- if $tls.secretName }}
+{{- $dir := include "tandem.tlsDir" . }}
+{{- $args = list (printf "--tls-cert=%s/tls.crt" $dir) (printf "--tls-key=%s/tls.key" $dir) }}
+{{- if $tls.clientCA }}
+{{- $caDir := ternary (include "tandem.tlsDir" .) (include "tandem.clientCADir" .) (eq $tls.clientCASecret $tls.secretName) }}
+{{- $args = append $args (printf "--tls-client-ca=%s/%s" $caDir $tls.clientCAKey) }}
+{{- end }}
+{{- end }}
+{{- toYaml $args }}
+{{- end }}
+
+{{/*
+The gateway's readiness (and startup) check under TLS. Kubernetes' gRPC probes cannot speak TLS and its HTTPS probes
+present no client certificate, so: plain TLS, an httpGet of /health over HTTPS (the kubelet does not verify the
+certificate); mutual TLS, an exec of Python's ssl client presenting the gateway's own certificate. /health answers
+503 while loading or draining, as the gRPC health service reports NOT_SERVING.
+*/}}
+{{- define "tandem.gatewayTLSCheck" -}}
+{{- $tls := include "tandem.gatewayTLS" . | fromYaml }}
+{{- if $tls.clientCA }}
+exec:
+  command:
+    - python3
+    - -c
+    - |
+      import http.client, ssl, sys
+      port, cert, key = sys.argv[1:4]
+      context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+      context.check_hostname = False
+      context.verify_mode = ssl.CERT_NONE  # the probe checks health, not the gateway's identity
+      context.load_cert_chain(cert, key)
+      connection = http.client.HTTPSConnection("127.0.0.1", int(port), context=context, timeout=4)
+      connection.request("GET", "/health")
+      sys.exit(connection.getresponse().status != 200)
+    - {{ include "tandem.httpPort" . | quote }}
+    - {{ include "tandem.tlsDir" . }}/tls.crt
+    - {{ include "tandem.tlsDir" . }}/tls.key
+{{- else }}
+httpGet: {path: /health, port: http, scheme: HTTPS}
+{{- end }}
+{{- end }}
+
 {{/* Checks the JSON schema cannot express. Rendered (empty) by the gateway Deployment. */}}
 {{- define "tandem.validate" -}}
 {{- $v := .Values }}
+{{- $tls := include "tandem.gatewayTLS" . | fromYaml }}
+{{- if and $tls.secretName (not (include "tandem.httpPort" .)) }}
+{{- fail "gateway.tls: the gateway's probes need the HTTP API under TLS (Kubernetes' gRPC probes cannot speak TLS; they check /health over HTTPS instead); set gateway.httpPort and gateway.http.enabled=true" }}
+{{- end }}
+{{- if and $v.gateway.tls.clientCA.enabled (not $tls.secretName) }}
+{{- fail "gateway.tls.clientCA.enabled: mutual TLS needs TLS; set gateway.tls.secretName (or gateway.tls.certManager.issuerRef.name)" }}
+{{- end }}
+{{- if and $v.redis.auth.existingSecret (not $v.redis.bundled.enabled) }}
+{{- fail "redis.auth.existingSecret: the password is the bundled Redis'; an external Redis takes its password in its URL (redis.existingSecret)" }}
+{{- end }}
+{{- $dashboardHost := toString (dig "dashboard-host" "127.0.0.1" $v.ray.head.rayStartParams) }}
+{{- if not (has $dashboardHost (list "127.0.0.1" "localhost")) }}
+{{- fail (printf "ray.head.rayStartParams.dashboard-host %s: the Ray dashboard accepts jobs (code execution) and stays on the head's loopback; the pools Job reaches it from inside the head (README.md, \"Ray: the dashboard and the token\")" $dashboardHost) }}
+{{- end }}
+{{- if semverCompare "<2.52.0-0" $v.ray.version }}
+{{- fail (printf "ray.version %s: Ray token authentication (RAY_AUTH_MODE=token, which the chart always sets) needs Ray >= 2.52; use an image with a newer Ray" $v.ray.version) }}
+{{- end }}
 {{- if and $v.redis.bundled.enabled (or $v.redis.url $v.redis.existingSecret.name) }}
 {{- fail "redis: set either redis.url / redis.existingSecret.name (external) or redis.bundled.enabled, not both" }}
 {{- end }}
@@ -356,7 +502,8 @@ or CUDA_VISIBLE_DEVICES="" (quietly cpu), and warns when its GPU is unusable.
     (printf "--target-resources=%s" (include "tandem.actorResources" (dict "ctx" .ctx "pool" "target")))
     (printf "--grace=%v" $v.gateway.grace)
     (printf "--device=%s" (include "tandem.workerDevice" .ctx)) }}
-{{- toYaml (concat $args (include "tandem.gatewayAuthArgs" .ctx | fromYamlArray) $s.extraArgs $v.gateway.extraArgs .arm.extraArgs) }}
+{{- toYaml (concat $args (include "tandem.gatewayAuthArgs" .ctx | fromYamlArray)
+    (include "tandem.gatewayTLSArgs" .ctx | fromYamlArray) $s.extraArgs $v.gateway.extraArgs .arm.extraArgs) }}
 {{- end }}
 
 {{/* --api-keys from gateway.apiKeys.secretName (mounted at tandem.apiKeysDir), else --insecure: the gateway listens on
@@ -383,7 +530,8 @@ or CUDA_VISIBLE_DEVICES="" (quietly cpu), and warns when its GPU is unusable.
     (printf "--metrics-port=%v" $v.gateway.metricsPort)
     (printf "--ray-address=%s" (include "tandem.rayAddress" .ctx))
     (printf "--grace=%v" $v.gateway.grace) }}
-{{- toYaml (concat $args (include "tandem.gatewayAuthArgs" .ctx | fromYamlArray) $v.gateway.extraArgs .arm.extraArgs) }}
+{{- toYaml (concat $args (include "tandem.gatewayAuthArgs" .ctx | fromYamlArray)
+    (include "tandem.gatewayTLSArgs" .ctx | fromYamlArray) $v.gateway.extraArgs .arm.extraArgs) }}
 {{- end }}
 
 {{/*
@@ -432,6 +580,9 @@ Pod template of a Ray node: (dict "ctx" $ "group" "head"|groupName "container" n
 group's pods host `workers` actors, each serving /metrics on its own port from ray.workerMetricsPort (named
 wrk-metrics-<i>, which the PodMonitor scrapes). The head carries the RayCluster's fingerprint (tandem.rayFingerprint)
 for the pools Job to check that it talks to a head of the current spec.
+Pod Security "restricted" (ray.podSecurityContext, ray.securityContext): KubeRay copies the container's
+securityContext, env and mounts into the wait-gcs-ready init container it adds to worker pods, so that one complies
+and carries the Ray token too. Only the head keeps a service account token: KubeRay's autoscaler runs there.
 */}}
 {{- define "tandem.rayPodTemplate" -}}
 {{- $v := .ctx.Values }}
@@ -449,13 +600,24 @@ spec:
   imagePullSecrets:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  {{- if ne .group "head" }}
+  automountServiceAccountToken: false
+  {{- end }}
+  {{- with $v.ray.podSecurityContext }}
   securityContext:
-    fsGroup: 1000
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
   containers:
     - name: {{ .container }}
       image: {{ include "tandem.image" (dict "ctx" .ctx) }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
+      {{- with $v.ray.securityContext }}
+      securityContext:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
       env:
+        {{- include "tandem.rayAuthEnv" .ctx | nindent 8 }}
+        {{- include "tandem.scratchEnv" .ctx | nindent 8 }}
         - name: TANDEM_HOME
           value: {{ $v.models.cache.mountPath | quote }}
         - name: TOKENIZERS_PARALLELISM
@@ -474,8 +636,9 @@ spec:
         {{- end }}
       ports:
         {{- if eq .group "head" }}
+        # No dashboard port: the dashboard listens on the head's 127.0.0.1 only (KubeRay's head Service exposes the
+        # head container's ports, so it offers none either).
         - {name: gcs-server, containerPort: 6379}
-        - {name: dashboard, containerPort: 8265}
         - {name: client, containerPort: 10001}
         {{- end }}
         - {name: metrics, containerPort: {{ $v.ray.metricsPort }}}
@@ -493,8 +656,10 @@ spec:
           mountPath: {{ $v.models.cache.mountPath }}
         - name: dshm
           mountPath: /dev/shm
+        {{- include "tandem.scratchMounts" .ctx | nindent 8 }}
   volumes:
     {{- include "tandem.modelCacheVolume" .ctx | nindent 4 }}
+    {{- include "tandem.scratchVolumes" .ctx | nindent 4 }}
     - name: dshm
       emptyDir:
         medium: Memory

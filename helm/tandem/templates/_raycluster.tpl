@@ -24,10 +24,15 @@ upgradeStrategy:
 {{- if $ft.enabled }}
 gcsFaultToleranceOptions:
   redisAddress: {{ $ft.address | quote }}
-  {{- with $v.ray.gcsFaultTolerance.redisPasswordSecret.name }}
+  {{- $password := $v.ray.gcsFaultTolerance.redisPasswordSecret }}
+  {{- if and (not $password.name) $v.redis.bundled.enabled (eq $ft.address (printf "%s:6379" (include "tandem.redisName" $ctx))) }}
+  {{- /* The bundled Redis requires its password (redis.auth). */}}
+  {{- $password = dict "name" (include "tandem.redisSecretName" $ctx) "key" $v.redis.auth.key }}
+  {{- end }}
+  {{- with $password.name }}
   redisPassword:
     valueFrom:
-      secretKeyRef: {name: {{ . }}, key: {{ $v.ray.gcsFaultTolerance.redisPasswordSecret.key }}}
+      secretKeyRef: {name: {{ . }}, key: {{ $password.key }}}
   {{- end }}
   {{- with $v.ray.gcsFaultTolerance.externalStorageNamespace }}
   externalStorageNamespace: {{ . | quote }}
@@ -35,14 +40,33 @@ gcsFaultToleranceOptions:
 {{- end }}
 {{- if include "tandem.rayAutoscaling" $ctx }}
 enableInTreeAutoscaling: true
+{{- /*
+KubeRay adds the autoscaler as a second container of the head pod, with none of the head container's settings: it
+gets the Ray token (it talks to the GCS), the same restricted securityContext and the same writable /tmp and HOME
+(KubeRay mounts its log volume at /tmp/ray on both).
+*/}}
 autoscalerOptions:
   upscalingMode: Default
   idleTimeoutSeconds: {{ $v.ray.autoscaling.idleTimeoutSeconds }}
+  env:
+    {{- include "tandem.rayAuthEnv" $ctx | nindent 4 }}
+    {{- include "tandem.scratchEnv" $ctx | nindent 4 }}
+  volumeMounts:
+    {{- include "tandem.scratchMounts" $ctx | nindent 4 }}
+  {{- with $v.ray.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
 {{- end }}
 headGroupSpec:
   serviceType: ClusterIP
   rayStartParams:
-    {{- $head := dict "dashboard-host" "0.0.0.0" "num-cpus" "0" "num-gpus" "0"
+    {{- /*
+    The dashboard (and with it Ray's job submission API: code execution) listens on the head's loopback only; the
+    pools Job submits through a task on the head instead (files/submit-on-head.py). tandem.validate refuses another
+    dashboard-host in ray.head.rayStartParams.
+    */}}
+    {{- $head := dict "dashboard-host" "127.0.0.1" "num-cpus" "0" "num-gpus" "0"
         "metrics-export-port" (toString $v.ray.metricsPort) "disable-usage-stats" "true" }}
     {{- include "tandem.rayStartParams" (merge (deepCopy $v.ray.head.rayStartParams) $head) | trim | nindent 4 }}
   template:
