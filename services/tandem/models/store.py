@@ -3,7 +3,8 @@
 Layout under the root (`$TANDEM_HOME`, else ~/.cache/tandem):
 
     models/<name>/hf/             finished Hugging Face directory; exists only when complete,
-                                  and is trusted only with a valid tandem.json manifest
+                                  and is trusted only with a valid tandem.json manifest, whose
+                                  per-file sha256 the loader re-checks at every load (models.verify)
     models/<name>/hf.partial/     conversion output, renamed to hf/ when done
     models/<name>/model.gguf      assembled GGUF, present only once its sha256 was verified
     models/<name>/model.gguf.partial
@@ -38,20 +39,34 @@ def default_root() -> Path:
 
 
 @dataclass(frozen=True, slots=True)
+class FileDigest:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
 class Manifest:
+    """What a pull made: the GGUF it came from (sha256, packages, version) and, since per-file hashes were added,
+    every file of hf/ by its relative POSIX path. `files` is None in a manifest written before that."""
+
     name: str
     sha256: str
     packages: tuple[str, ...]
     version: str
     created: str
     size_bytes: int
+    files: dict[str, FileDigest] | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2) + "\n"
+        data = asdict(self)
+        if self.files is None:
+            del data["files"]
+        return json.dumps(data, indent=2) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         data = json.loads(text)
+        files = data.get("files")
         return cls(
             name=str(data["name"]),
             sha256=str(data["sha256"]),
@@ -59,6 +74,10 @@ class Manifest:
             version=str(data["version"]),
             created=str(data["created"]),
             size_bytes=int(data["size_bytes"]),
+            files=None if files is None else {
+                str(path): FileDigest(size=int(entry["size"]), sha256=str(entry["sha256"]))
+                for path, entry in files.items()
+            },
         )
 
 
@@ -68,6 +87,14 @@ class CachedModel:
     path: Path
     size_bytes: int
     complete: bool
+
+
+def read_manifest(hf_dir: Path) -> Manifest | None:
+    """hf_dir's manifest, or None when it has none or it cannot be read."""
+    try:
+        return Manifest.from_json((hf_dir / MANIFEST_NAME).read_text())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def dir_size(path: Path) -> int:
@@ -97,11 +124,16 @@ class ModelStore:
 
     def manifest(self, name: str) -> Manifest | None:
         """The manifest of a finished hf/ directory, or None when hf/ is missing or untrustworthy."""
-        try:
-            manifest = Manifest.from_json((self.hf_dir(name) / MANIFEST_NAME).read_text())
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        return manifest if manifest.name == name else None
+        manifest = read_manifest(self.hf_dir(name))
+        return manifest if manifest is not None and manifest.name == name else None
+
+    def owns(self, directory: Path) -> bool:
+        """Whether `directory` is a pulled model's hf/ folder: in this store, or in any tandem store (its model
+        folder holds the pull lock), so that a copy whose manifest was deleted is still recognised as pulled."""
+        if directory.name != HF_DIR:
+            return False
+        model_dir = directory.resolve().parent
+        return (model_dir / LOCK_NAME).is_file() or model_dir.parent == self.models_dir.resolve()
 
     def is_complete(self, name: str, sha256: str | None = None) -> bool:
         manifest = self.manifest(name)
