@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -93,13 +94,16 @@ class Server:
     GRPC_LINE = "serving tandem.v1.GenerationService on "
     HTTP_LINE = "serving the OpenAI-compatible HTTP API on "
 
-    def __init__(self, args: argparse.Namespace, log_path: Path) -> None:
+    def __init__(self, args: argparse.Namespace, log_path: Path, extra: list[str] = (), ca: str | None = None) -> None:
+        """`extra`: more serve flags than args.serve_args; `ca`: the server speaks TLS with a certificate this PEM CA
+        signed (the readiness checks connect with it)."""
         self.command = [str(BIN / "tandem"), "serve", "--in-process", "--host", "127.0.0.1", "--port", "0",
                         "--http-port", "0", "--no-metrics", "--dtype", args.dtype, "--grace", "5"]
         for flag, value in (("--target", args.target), ("--draft", args.draft), ("--threads", args.threads)):
             if value is not None:
                 self.command += [flag, str(value)]
-        self.command += args.serve_args.split()
+        self.command += args.serve_args.split() + list(extra)
+        self.ca = ca
         self.log_path = log_path
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self.address = ""
@@ -149,7 +153,9 @@ class Server:
 
         from tandem.client import READINESS_SERVICE, TandemClient
 
-        with TandemClient(self.address, timeout=5) as client, httpx.Client(trust_env=False, timeout=5) as http:
+        verify = ssl.create_default_context(cafile=self.ca) if self.ca else True
+        with TandemClient(self.address, timeout=5, tls=self.ca is not None, root_certificates=self.ca) as client, \
+                httpx.Client(trust_env=False, timeout=5, verify=verify) as http:
             while True:
                 self._check_alive()
                 with contextlib.suppress(grpc.RpcError, httpx.HTTPError):

@@ -263,6 +263,8 @@ def test_display_names() -> None:
     assert display_name("qwen2.5-0.5b") == "qwen2.5-0.5b"
     assert display_name("/srv/models/llama/") == "llama" and display_name("./models/x") == "x"
     assert display_name("~/m/draft") == "draft" and display_name("") == ""
+    pinned = "Qwen/Qwen2.5-0.5B-Instruct@" + "0123456789abcdef" * 2 + "01234567"
+    assert display_name(pinned) == "Qwen/Qwen2.5-0.5B-Instruct"  # clients name the model; the pin stays inside
 
 
 def test_engine_failures_do_not_leak_their_text(tiny_models) -> None:

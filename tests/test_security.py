@@ -284,6 +284,40 @@ def test_per_tenant_concurrency_cap(server, pki, keys) -> None:
         assert len(capped.generate_result(token_ids=PROMPT, max_tokens=2, **GREEDY).token_ids) == 2
 
 
+def test_one_tenant_cannot_fill_the_queue(tiny_models, pki, keys) -> None:
+    """A queue of 4 and a share of 0.5: alice holds at most 2 places, and bob still gets his."""
+    target, draft, _ = tiny_models
+    small = ServerThread(tiny_backend(target, draft), sessions=MemorySessionStore(), max_requests=4,
+                         tenant_queue_share=0.5, tls_cert=pki["server_cert_path"], tls_key=pki["server_key_path"],
+                         api_keys=ApiKeys.load(keys["path"]))
+    try:
+        with _client(small, pki, keys["alice"]) as alice, _client(small, pki, keys["bob"]) as bob:
+            streams = [alice.generate(token_ids=PROMPT, request_id=f"a{i}", max_tokens=LONG, **GREEDY)
+                       for i in range(2)]
+            for stream in streams:
+                assert isinstance(next(stream), pb.Chunk)
+            with pytest.raises(grpc.RpcError) as failed:
+                alice.generate_result(token_ids=PROMPT, max_tokens=2, **GREEDY)
+            assert failed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "alice" in failed.value.details() and "limit is 2" in failed.value.details()
+            # bob's share is his own: both his requests run beside alice's two.
+            bobs = [bob.generate(token_ids=PROMPT, request_id=f"b{i}", max_tokens=LONG, **GREEDY) for i in range(2)]
+            for stream in bobs:
+                assert isinstance(next(stream), pb.Chunk)
+            for i, stream in enumerate([*streams, *bobs]):
+                assert (alice if i < 2 else bob).abort(f"{'ab'[i // 2]}{i % 2}") is True
+                list(stream)
+            assert small.wait_for(lambda: small.gateway.loop.active == 0)
+            assert len(alice.generate_result(token_ids=PROMPT, max_tokens=2, **GREEDY).token_ids) == 2
+    finally:
+        small.stop()
+
+
+def test_tenant_queue_share_is_checked() -> None:
+    with pytest.raises(InvalidArgument, match="tenant_queue_share"):
+        gateway_options(build_parser().parse_args(["serve", "--tenant-queue-share", "0"]))
+
+
 # --- the load tester over TLS -------------------------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING
 
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
@@ -19,6 +20,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET,
                         help="registry name, HF directory, GGUF file or hub id (default: %(default)s)")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, same forms (default: %(default)s)")
+    parser.add_argument("--allow-unpinned", action="store_true",
+                        help="accept a hub id without a commit (org/name rather than org/name@<40-hex commit>): it "
+                             "is resolved to the commit the hub serves now, once at start, and logged")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32 (default: auto)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
@@ -35,6 +39,34 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="KV cache budget of each model (the target's and the draft's, in every worker), in "
                              "tokens counted as sequences x the longest one's length (default 0: a share of the "
                              "memory free at start)")
+
+
+def add_redis_options(parser: argparse.ArgumentParser) -> None:
+    """Where session state lives, and the credentials to reach it (kept off the command line where possible)."""
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                        help="session state store, redis://[:PASSWORD@]host:port/db or rediss:// for TLS (default: "
+                             "$REDIS_URL, else an embedded redis-server on 127.0.0.1 with a random password)")
+    parser.add_argument("--redis-password-file", default=os.environ.get("TANDEM_REDIS_PASSWORD_FILE"),
+                        metavar="FILE", help="the Redis password, from a file (default: "
+                        "$TANDEM_REDIS_PASSWORD_FILE; else $TANDEM_REDIS_PASSWORD, else the URL's own)")
+    parser.add_argument("--redis-ca", default=os.environ.get("TANDEM_REDIS_CA"), metavar="FILE",
+                        help="PEM CA bundle that signed the rediss:// server's certificate (default: $TANDEM_REDIS_CA, "
+                             "else the system's CAs)")
+
+
+def add_ray_token_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ray-token-file", default=None, metavar="FILE",
+                        help="Ray token authentication: the cluster's token (default: $RAY_AUTH_TOKEN or "
+                             "$RAY_AUTH_TOKEN_PATH, which Ray reads itself; a local cluster gets a random token)")
+
+
+def session_store_url(args: argparse.Namespace) -> str | None:
+    """--redis-url with the password and CA of the other flags folded in (None: the embedded Redis)."""
+    from tandem.sessions.connection import configured_password, with_credentials
+
+    if not args.redis_url or args.redis_url == "memory":
+        return args.redis_url or None
+    return with_credentials(args.redis_url, configured_password(args.redis_password_file), args.redis_ca)
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -83,10 +115,21 @@ def setup_torch(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
     return device, select_dtype(args.dtype, device)
 
 
+def pin_model_args(args: argparse.Namespace) -> None:
+    """Check --target and --draft before anything loads: a hub id must be pinned to a commit, or with
+    --allow-unpinned is replaced by its current commit here, once, so that every process loads that same commit."""
+    from tandem.models.hub import pin_spec
+
+    for attr in ("target", "draft"):
+        if getattr(args, attr, None):
+            setattr(args, attr, pin_spec(getattr(args, attr), allow_unpinned=args.allow_unpinned))
+
+
 def load_models(args: argparse.Namespace, speculate: bool):
     """(target, draft or None), loaded and checked for a shared tokenizer."""
     from tandem.models.loader import load_model, load_pair
 
+    pin_model_args(args)
     device, dtype = setup_torch(args)
     if not speculate:
         return load_model(args.target, device=device, dtype=dtype, eager=args.eager), None

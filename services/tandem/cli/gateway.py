@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import threading
 
+from tandem.cli.common import session_store_url
 from tandem.cli.pools import add_ray_address, connect
 from tandem.cli.serve import add_gateway_options, gateway_options, serve_gateway
 from tandem.telemetry import tracing
@@ -24,6 +25,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     from tandem.pools import attach_backend, find_manager
 
     options = gateway_options(args)
+    session_store_url(args)  # a bad Redis password file or CA fails now, before Ray is joined
     exporters = tracing.setup_from_env("tandem-gateway")
     # Ray is joined on the main thread, before the gateway's SIGTERM handler (see `tandem serve`).
     connect(args)

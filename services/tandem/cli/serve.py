@@ -16,7 +16,17 @@ if TYPE_CHECKING:
     from tandem.cluster import ClusterOptions
 
 from tandem.cli.canary import add_serve_canary_options, serve_canary_options
-from tandem.cli.common import add_model_options, engine_config, kv_tokens, load_models, setup_torch
+from tandem.cli.common import (
+    add_model_options,
+    add_ray_token_option,
+    add_redis_options,
+    engine_config,
+    kv_tokens,
+    load_models,
+    pin_model_args,
+    session_store_url,
+    setup_torch,
+)
 from tandem.core.config import EngineConfig
 from tandem.errors import InvalidArgument, TandemError
 from tandem.gateway.generation import Backend
@@ -35,6 +45,7 @@ def add_serve_parser(subparsers) -> None:
     add_model_options(parser)
     add_pool_options(parser)
     parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: $RAY_ADDRESS or local)")
+    add_ray_token_option(parser)
     parser.add_argument("--in-process", action="store_true", help="load both models in the gateway, no Ray")
     parser.add_argument("--no-spec", action="store_true", help="serve plain target decoding (no draft model)")
     add_gateway_options(parser)
@@ -65,14 +76,13 @@ def cluster_options(args: argparse.Namespace) -> ClusterOptions:
                           tensor_parallel=args.tp, draft_gpus=args.draft_gpus, target_gpus_per_rank=args.target_gpus,
                           draft_resources=_json_flag("draft_resources", args.draft_resources),
                           target_resources=_json_flag("target_resources", args.target_resources),
-                          ray_address=args.ray_address, threads=args.threads, device=args.device, dtype=args.dtype,
-                          eager=args.eager, kv_tokens=args.kv_tokens)
+                          ray_address=args.ray_address, ray_token_file=args.ray_token_file, threads=args.threads,
+                          device=args.device, dtype=args.dtype, eager=args.eager, kv_tokens=args.kv_tokens)
 
 
 def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     """The flags of the gRPC gateway itself, shared by `tandem serve` and `tandem gateway`."""
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                        help="session state store (default: $REDIS_URL, else an embedded redis-server)")
+    add_redis_options(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port (default: %(default)s)")
     parser.add_argument("--http-port", type=int, default=None,
@@ -110,6 +120,9 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                              "FILE maps key hashes to tenants (`tandem keys create`)")
     parser.add_argument("--insecure", action="store_true",
                         help="allow a --host beyond loopback without --api-keys (anyone who reaches it may call)")
+    parser.add_argument("--tenant-queue-share", type=float, default=GatewayOptions().tenant_queue_share,
+                        help="with --api-keys: the most of --max-queue one tenant may hold queued or running, so one "
+                             "client cannot fill the queue (1: no cap; default: %(default)s)")
 
 
 def is_loopback(host: str) -> bool:
@@ -154,7 +167,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
                              http_port=None if http_port == -1 else http_port,
                              http_port_fallback=args.http_port is None,
                              tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                             api_keys=keys)
+                             api_keys=keys, tenant_queue_share=args.tenant_queue_share)
     if options.tls:
         check_tls_files(options)  # now, before Ray or the models start
     return options
@@ -273,6 +286,7 @@ def _announce_worker_metrics(backend: Backend) -> None:
 
 
 def _session_store(url: str | None, stack: contextlib.ExitStack):
+    """The store at `url` (credentials folded in: session_store_url), else in an embedded Redis of our own."""
     from tandem.sessions import EmbeddedRedis, open_session_store
 
     if not url:
@@ -282,7 +296,7 @@ def _session_store(url: str | None, stack: contextlib.ExitStack):
             logging.getLogger(__name__).warning("no Redis: keeping session state in memory (%s)", exc)
             return open_session_store(None)
         url = redis.url
-        print(f"tandem: session state in embedded Redis at {url}", flush=True)
+        print(f"tandem: session state in embedded Redis at {redis.redacted_url}", flush=True)
     return open_session_store(url)
 
 
@@ -292,8 +306,10 @@ def run_serve(args: argparse.Namespace) -> int:
                                  prefill_chunk=args.prefill_chunk)
     options = gateway_options(args)
     kv_tokens(args)  # checked before anything starts
+    session_store_url(args)  # ... and the Redis password file and CA
     canary = serve_canary_options(args)  # None: no canary arms, one backend
     _check_arms(args, canary)
+    pin_model_args(args)  # a hub id's commit, fixed before Ray's workers (each loading the models) start
     exporters = tracing.setup_from_env("tandem-gateway")  # before Ray starts: a bad OTEL_* setting fails first
 
     def load_in_process() -> Backend:
@@ -337,7 +353,7 @@ def serve_gateway(args: argparse.Namespace, load, options: GatewayOptions, canar
         print(f"tandem: serving the OpenAI-compatible HTTP API on {url}/v1", flush=True)
 
     with contextlib.ExitStack() as stack:
-        sessions = _session_store(args.redis_url, stack)
+        sessions = _session_store(session_store_url(args), stack)
         stack.callback(tracing.shutdown)  # flushes the last spans
         if exporters:
             print(f"tandem: tracing on, exporting to {', '.join(exporters)} (OTEL_* variables)", flush=True)

@@ -103,7 +103,8 @@ FAILURES = tuple(ERROR_CODES)
 
 
 class TenantBusy(QueueFull):
-    """The tenant already has its max_concurrency requests in flight (RESOURCE_EXHAUSTED / 429, as a full queue)."""
+    """The tenant already holds its limit of requests in flight: its key's max_concurrency, or its share of the
+    gateway's queue (RESOURCE_EXHAUSTED / 429, as a full queue)."""
 
 
 def scoped_id(tenant: str, id_: str) -> str:
@@ -146,6 +147,9 @@ class Generations:
         self.canary = None  # tandem.canary.CanaryController, or None: every request on `loop`
         self._choices: dict[str, list[str]] = {}  # scoped request id -> its choices' engine ids, while n > 1 runs
         self.tenant_limits: dict[str, int] = {}  # tenant -> most requests in flight at once (absent: no cap)
+        # The most of the queue (max_requests) one named tenant may hold, so one client cannot fill it for the rest;
+        # 1.0: no share cap. Requests without a tenant (no API keys) are one caller and take the whole queue.
+        self.tenant_queue_share = 1.0
         self._tenant_active: dict[str, int] = {}  # tenant -> requests in flight, for the tenants with a cap
 
     def attach(self, backend: Backend, loop: ServingLoop, loops: Mapping[str, ServingLoop] | None = None,
@@ -195,15 +199,16 @@ class Generations:
                      tenant: str = "") -> AsyncIterator[Event]:
         """Every choice's events, interleaved as they come; a choice's ChoiceEnd is its last event. `tenant`: the
         authenticated caller's (the transport's to say; "" without API keys), which namespaces its ids."""
-        self._serving()
-        cap = self.tenant_limits.get(tenant) if tenant else None
+        _, loop = self._serving()
+        cap = self.tenant_cap(tenant, loop.max_requests)
         if cap is None:
             async for event in self._stream(request, metadata, tenant):
                 yield event
             return
         active = self._tenant_active.get(tenant, 0)
         if active >= cap:
-            raise TenantBusy(f"tenant {tenant!r} has {active} requests in flight (its limit is {cap}); retry later")
+            raise TenantBusy(f"tenant {tenant!r} has {active} requests queued or running (its limit is {cap}); "
+                             "retry later")
         self._tenant_active[tenant] = active + 1
         try:
             async for event in self._stream(request, metadata, tenant):
@@ -213,6 +218,18 @@ class Generations:
                 self._tenant_active[tenant] = left
             else:
                 del self._tenant_active[tenant]
+
+    def tenant_cap(self, tenant: str, max_requests: int) -> int | None:
+        """The most requests `tenant` may have queued or running: the lower of its key's max_concurrency and its
+        share of a queue of `max_requests`; None for no cap. A request with n choices counts once: its choices
+        share its slot here, while the engine's queue counts each."""
+        if not tenant:
+            return None
+        cap = self.tenant_limits.get(tenant)
+        if self.tenant_queue_share < 1.0:
+            share = max(1, int(max_requests * self.tenant_queue_share))
+            cap = share if cap is None else min(cap, share)
+        return cap
 
     async def _stream(self, request: pb.GenerateRequest, metadata: Sequence, tenant: str) -> AsyncIterator[Event]:
         backend, loop = self._serving()
@@ -227,7 +244,7 @@ class Generations:
                            session_id=scoped_id(tenant, prepared.session_id))
         choices = [choice_request(prepared, index) for index in range(prepared.n)]
         if len(choices) == 1:
-            async for event in self._choice(0, choices[0], client_id, observed, backend, loop):
+            async for event in self._choice(0, choices[0], client_id, observed, backend, loop, tenant):
                 yield event
             return
         self._choices[prepared.request_id] = [choice.request_id for choice in choices]
@@ -238,7 +255,7 @@ class Generations:
             choice_observed = observed if index == 0 else RequestObserver(self.metrics, request, metadata,
                                                                           backend.target_name)
             try:
-                async for event in self._choice(index, choice, client_id, choice_observed, backend, loop):
+                async for event in self._choice(index, choice, client_id, choice_observed, backend, loop, tenant):
                     events.put_nowait(event)
             except Exception as exc:
                 events.put_nowait(exc)
@@ -260,11 +277,11 @@ class Generations:
             self._choices.pop(prepared.request_id, None)
 
     async def _choice(self, index: int, prepared: PreparedRequest, request_id: str, observed: RequestObserver,
-                      backend: Backend, loop: ServingLoop) -> AsyncIterator[Event]:
+                      backend: Backend, loop: ServingLoop, tenant: str = "") -> AsyncIterator[Event]:
         """One choice's events; `prepared` is the choice's own (choice_request), `request_id` the client's request."""
         try:
             observed.prepared(prepared)
-            assignment, loop = self._route(prepared, loop, observed)
+            assignment, loop = self._route(prepared, loop, observed, tenant)
             try:
                 handle = await loop.submit(prepared.prompt_ids, prepared.params, prepared.request_id,
                                            prepared.session_id, prepared.max_k, trace=observed.span)
@@ -317,11 +334,13 @@ class Generations:
         ids = self._choices.get(request_id, [request_id])
         return any([loop.cancel(engine_id) for engine_id in ids for loop in loops])
 
-    def _route(self, prepared: PreparedRequest, loop: ServingLoop, observed: RequestObserver):
-        """The canary assignment (None without a canary) and the loop that serves the request."""
+    def _route(self, prepared: PreparedRequest, loop: ServingLoop, observed: RequestObserver, tenant: str = ""):
+        """The canary assignment (None without a canary) and the loop that serves the request. The tenant keys the
+        assignment (the same session id in two tenants is placed independently) and is recorded with the outcome,
+        so the analysis can cap each tenant's weight."""
         if self.canary is None:
             return None, loop
-        assignment = self.canary.arm_for(prepared.session_id, prepared.request_id)
+        assignment = self.canary.arm_for(prepared.session_id, prepared.request_id, tenant)
         if assignment is None:
             return None, loop
         arm_loop = self.loops.get(assignment.arm.name)

@@ -59,8 +59,13 @@ class GatewayOptions:
     tls_key: str | None = None
     tls_client_ca: str | None = None
     api_keys: ApiKeys | None = None  # None: no keys asked for, every caller is tenant ""
+    # With API keys: the most of max_requests one tenant may hold queued or running, so one client cannot fill the
+    # queue for the others (1.0: no cap beyond each key's max_concurrency).
+    tenant_queue_share: float = 0.5
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.tenant_queue_share <= 1.0:
+            raise InvalidArgument(f"tenant_queue_share: must be in (0, 1], got {self.tenant_queue_share}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise InvalidArgument("tls: give both a certificate (--tls-cert) and its key (--tls-key), or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -339,6 +344,7 @@ async def start_gateway(load: Callable[[], Backend | Mapping[str, Backend]], opt
     if options.api_keys is not None:
         generations.tenant_limits = {name: tenant.max_concurrency for name, tenant in options.api_keys.tenants.items()
                                      if tenant.max_concurrency is not None}
+        generations.tenant_queue_share = options.tenant_queue_share
     servicer = GenerationServiceServicer(generations, options.api_keys)
     add_to_server(servicer, server)  # generation_pb2_grpc's registration, malformed requests INVALID_ARGUMENT
     health_servicer = health.aio.HealthServicer()

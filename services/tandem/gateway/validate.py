@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -73,7 +74,10 @@ def _require(ok: bool, message: str) -> None:
 
 def display_name(model: str) -> str:
     """How a model is named to clients (model info, /v1/models, metric labels): a registry or hub name as given,
-    a local directory by its base name only (a full path says how the server's disk is laid out)."""
+    a local directory by its base name only (a full path says how the server's disk is laid out), a hub id pinned to
+    a commit (org/name@<sha>) by its id: clients name the model, the pin is the server's business."""
+    if re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}", model):
+        return model.split("@", 1)[0]
     name = model.rstrip("/\\") or model
     if name.startswith(("/", "./", "../", "~", "\\")) or (os.sep in name and os.path.isdir(name)) \
             or ":\\" in name[:3]:
