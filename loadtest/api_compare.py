@@ -485,14 +485,19 @@ def targets(body: dict) -> dict:
     return out
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.api_compare", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="the JSON report")
+def add_server_options(parser: argparse.ArgumentParser) -> None:
+    """The flags Server reads: which models, dtype and threads `tandem serve` gets, and any more of its flags."""
     parser.add_argument("--target", default=None, help="target model (default: tandem serve's)")
     parser.add_argument("--draft", default=None, help="draft model (default: tandem serve's)")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--threads", type=int, default=None, help="the server's torch threads (default: all cores)")
+    parser.add_argument("--threads", type=int, default=None, help="each server's torch threads (default: all cores)")
     parser.add_argument("--serve-args", default="", help="more `tandem serve` flags, one string")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.api_compare", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="the JSON report")
+    add_server_options(parser)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=2)

@@ -34,7 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from loadtest import trace
-from loadtest.api_compare import Server, bench_prompts, figures, log, machine, ratio
+from loadtest.api_compare import Server, add_server_options, bench_prompts, figures, log, machine, ratio
 from loadtest.client_run import run_level
 from loadtest.config import RunConfig
 from loadtest.prompts import Prompt
@@ -190,11 +190,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m loadtest.security_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="the JSON report")
     parser.add_argument("--part", choices=("cost", "timing", "both"), default="both")
-    parser.add_argument("--target", default=None, help="target model (default: tandem serve's)")
-    parser.add_argument("--draft", default=None, help="draft model (default: tandem serve's)")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--threads", type=int, default=None, help="each server's torch threads (default: all cores)")
-    parser.add_argument("--serve-args", default="", help="more `tandem serve` flags, one string")
+    add_server_options(parser)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
