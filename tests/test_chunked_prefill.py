@@ -6,10 +6,10 @@ import pytest
 
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.local import LocalVerifier
-from tandem.core.protocol import PREFILLING, VerifyRequest
+from tandem.core.protocol import VerifyRequest, VerifyResult
 from tandem.core.runner import ModelRunner
+from tandem.engines.local import build_engine
 from tandem.errors import InvalidArgument
-from tandem.local_engine import build_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 LONGER = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)  # still decoding after LONG's prefill
@@ -98,12 +98,12 @@ def test_a_retained_prefix_is_not_prefilled_again(tiny_models, expected) -> None
 def test_the_verifier_caches_at_most_the_limit_and_scores_once_all_is_cached(tiny_models) -> None:
     verifier = LocalVerifier(ModelRunner(tiny_models[0].model))
     request = VerifyRequest("s", 0, LONG[:40], None, GREEDY, prefill_limit=16)
-    assert verifier.verify([request])[0].next_token == PREFILLING
+    assert verifier.verify([request])[0] == VerifyResult.prefill_goes_on()
     assert verifier.runner.states["s"].cached == 16
     again = VerifyRequest("s", 40, [], None, GREEDY, prefill_limit=16)
     assert verifier.verify([again])[0].prefilling and verifier.runner.states["s"].cached == 32
     result = verifier.verify([again])[0]  # 7 uncached tokens left: cached, then scored
-    assert not result.prefilling and result.next_token >= 0
+    assert not result.prefilling and result.next_token is not None and result.next_token >= 0
     assert verifier.runner.states["s"].cached == 40 and len(verifier.runner.states["s"].tokens) == 41
 
 

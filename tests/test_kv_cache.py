@@ -126,7 +126,7 @@ def test_steady_decoding_writes_in_place_and_allocates_nothing_that_grows_with_c
             _decode(runner, states, 4)
         # Attention's own workspace (scores over the context) is not a copy of the cache.
         per_step[context] = (meter.allocated - meter.by_op["aten::scaled_dot_product_attention"]) / 4
-        live[context] = runner.cached_tokens * runner.cache.reserved_bytes / runner.kv_tokens_reserved
+        live[context] = runner.kv_tokens_used * runner.cache.reserved_bytes / runner.kv_tokens_reserved
     copies = (per_step[400] - per_step[40]) / (live[400] - live[40])
     assert copies < 0.02, f"{copies:.3f} copies of the KV cache per step"
 
@@ -184,7 +184,7 @@ def test_verifying_several_tokens_per_row_does_not_repeat_the_key_value_heads(ti
         for state, row in zip(states, logits, strict=True):
             torch.testing.assert_close(row, _recomputed(model, state.tokens, 5), **TIGHT)
         per_step[context] = meter.allocated - meter.by_op["aten::scaled_dot_product_attention"]
-        live[context] = runner.cached_tokens
+        live[context] = runner.kv_tokens_used  # no retained sessions: the rows' own tokens
     kv_token_bytes = runner.cache.reserved_bytes / runner.kv_tokens_reserved
     copies = (per_step[400] - per_step[40]) / ((live[400] - live[40]) * kv_token_bytes)
     assert copies < 0.05, f"{copies:.3f} copies of the KV cache per step"
@@ -232,6 +232,35 @@ def test_the_engine_queues_what_the_verifier_cannot_hold_and_runs_it_once_room_i
         assert runner.kv_tokens_reserved <= 100
     assert waited
     assert [engine.result(seq).token_ids for seq in sequences] == expected
+
+
+def test_a_round_retried_for_a_smaller_batch_moves_each_policy_once(tiny_models) -> None:
+    """A round the verifier cannot hold is planned again without its newest sequence: the policies of the others
+    record one round, not one per try (a fallback session's probe clock counts the rounds it ran)."""
+    from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+    from tandem.core.costs import CostModel
+    from tandem.core.engine import SpeculativeEngine
+    from tandem.core.local import LocalDrafter, LocalVerifier
+    from tandem.core.policy import PolicyState
+
+    target, draft, _ = tiny_models
+    costs = CostModel(draft_step=0.3, verify={n: 1.0 + 0.05 * (n - 1) for n in range(1, 12)}, frozen=True)
+    runner = ModelRunner(target.model, kv_tokens=100)  # as above: the third sequence is preempted
+    engine = SpeculativeEngine(LocalVerifier(runner), LocalDrafter(ModelRunner(draft.model, kv_tokens=4096)),
+                               EngineConfig(spec=SpecConfig(probe_interval=64, probe_interval_max=64),
+                                            calibrate=False), costs=costs)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    in_fallback = {"rejected": 50.0, "fallback": True, "probe_interval": 64}  # no probe due within 12 tokens
+    sequences = [engine.sequences[engine.add_request(_tokens(10 + i, 30), params,
+                                                     policy_state=PolicyState.from_dict(in_fallback))]
+                 for i in range(3)]
+    waited = False
+    while engine.has_unfinished():
+        engine.step()
+        waited |= len(runner.states) == 2 and len(sequences[2].output) < len(sequences[0].output)
+        # The first round is plain without asking the policy; each later round asks it once.
+        assert all(seq.policy.rounds_since_probe == max(seq.stats.rounds - 1, 0) for seq in sequences)
+    assert waited and all(seq.stats.drafted == 0 for seq in sequences)
 
 
 def test_a_request_that_can_never_fit_raises_a_clear_error_naming_it(tiny_models) -> None:

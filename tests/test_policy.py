@@ -14,10 +14,17 @@ def _costs(draft_step: float = 0.3) -> CostModel:
     return CostModel(draft_step=draft_step, verify={n: 1.0 + 0.05 * (n - 1) for n in range(1, 10)}, frozen=True)
 
 
+def _choose(state: policy.PolicyState, costs: CostModel, config: SpecConfig) -> int:
+    """One round's k, its decision applied as the engine applies it to a round that runs."""
+    decision = policy.decide(state, costs, config)
+    policy.apply(state, decision)
+    return decision.k
+
+
 def _rounds(state: policy.PolicyState, costs: CostModel, config: SpecConfig, accept_all: bool, n: int) -> list[int]:
     ks = []
     for _ in range(n):
-        k = policy.choose_k(state, costs, config)
+        k = _choose(state, costs, config)
         ks.append(k)
         policy.update(state, k, k if accept_all else 0, costs, config)
     return ks
@@ -29,7 +36,7 @@ def test_k_grows_with_acceptance_and_shrinks_with_draft_cost() -> None:
     assert policy.best_k(0.8, _costs(0.5), 8)[0] < policy.best_k(0.8, costs, 8)[0]
     assert policy.expected_tokens(0.0, 4) == 1.0
     assert abs(policy.expected_tokens(0.5, 2) - 1.75) < 1e-12
-    assert policy.choose_k(policy.PolicyState(), CostModel(), config) == config.k_init  # uncalibrated
+    assert policy.decide(policy.PolicyState(), CostModel(), config).k == config.k_init  # uncalibrated
 
 
 def test_fallback_engages_on_rejection_and_probes_back_off() -> None:
@@ -54,6 +61,28 @@ def test_fallback_disengages_when_draft_agrees_again() -> None:
     assert all(k > 0 for k in ks[-10:])
 
 
+def test_deciding_is_a_query_and_applying_records_the_decision() -> None:
+    """decide() reads the state only: asked twice (a round planned again after its batch shrank), it answers the
+    same and moves no probe; apply() then records exactly what it decided."""
+    config, costs = SpecConfig(probe_interval=4), _costs()
+    for state in (policy.PolicyState(k=4),  # speculating
+                  policy.PolicyState(rejected=50.0, k=4),  # about to enter fallback
+                  policy.PolicyState(rejected=50.0, fallback=True, rounds_since_probe=1, probe_interval=4),  # waits
+                  policy.PolicyState(rejected=50.0, fallback=True, rounds_since_probe=3, probe_interval=4)):  # probes
+        before = state.to_dict()
+        first, second = policy.decide(state, costs, config), policy.decide(state, costs, config)
+        assert first == second and state.to_dict() == before
+        policy.apply(state, first)
+        assert (state.k, state.fallback, state.rounds_since_probe, state.probe_interval, state.probing) == (
+            first.k, first.fallback, first.rounds_since_probe, first.probe_interval, first.probing)
+        assert (state.accepted, state.rejected) == (before["accepted"], before["rejected"])
+    entering = policy.decide(policy.PolicyState(rejected=50.0, k=4), costs, config)
+    assert entering.fallback and entering.k == 0 and entering.probe_interval == 4 and entering.rounds_since_probe == 1
+    probe = policy.decide(policy.PolicyState(rejected=50.0, fallback=True, rounds_since_probe=3, probe_interval=4),
+                          costs, config)
+    assert probe.probing and probe.k >= config.k_init and probe.rounds_since_probe == 0
+
+
 def test_hysteresis_keeps_marginal_sessions_in_place() -> None:
     config = SpecConfig(enter_fallback_margin=0.1, exit_fallback_margin=0.1)
     costs = _costs(draft_step=0.02)
@@ -61,7 +90,7 @@ def test_hysteresis_keeps_marginal_sessions_in_place() -> None:
     _, rate = policy.best_k(alpha, costs, config.k_max)
     assert 0.9 < rate * costs.verify_time(0) < 1.1
     on = policy.PolicyState(accepted=alpha * 1000, rejected=(1 - alpha) * 1000)
-    policy.choose_k(on, costs, config)
+    _choose(on, costs, config)
     assert not on.fallback
 
 
@@ -195,7 +224,7 @@ def test_a_slower_narrow_forward_raises_the_price_of_wider_ones() -> None:
     config = SpecConfig(probe_interval=2)
     state = policy.PolicyState(fallback=True, probe_interval=2)
     for _ in range(20):
-        policy.update(state, k := policy.choose_k(state, costs, config), 0, costs, config)
+        policy.update(state, k := _choose(state, costs, config), 0, costs, config)
         assert state.fallback, k
 
 

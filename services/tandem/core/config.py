@@ -76,7 +76,8 @@ class SpecConfig:
 
     draft_confidence: with the adaptive policy, the drafter stops early once its top probability falls below this
     (0 never stops early); a fixed k (adaptive off) always drafts k tokens. One session on the real pair
-    (scripts/lone_itl.py): 0.8 against 0 kept the speed (6.26 vs 6.20 tok/s) and cut the p99 ITL from 0.49 to 0.33 s.
+    (python -m tandem.bench.lone_itl): 0.8 against 0 kept the speed (6.26 vs 6.20 tok/s) and cut the p99 ITL from
+    0.49 to 0.33 s.
     draft_vocab: the drafter scores only the first N token ids (BPE ids run roughly by frequency); verification
     still uses the target's full vocabulary, so output stays exact. 0 scores the whole vocabulary.
     plain_first_round: with the adaptive policy, a sequence's first round only prefills the target, so the first

@@ -1,12 +1,12 @@
 """The speculative engine: requests in, one round per step, tokens out.
 
-A round: the policy picks k per sequence, the drafter proposes, the verifier scores all k + 1 positions in one
-forward and accepts a prefix, and stops cut the block. The drafter and verifier are protocols, so the same loop
-drives in-process models and remote workers. A prompt that arrives while others decode is prefilled in chunks, one
-per step, and joins the rounds once the rest of it fits in one (EngineConfig.prefill_chunk). When the verifier's KV
-cache cannot hold the step's sequences (KVCacheFull), the newest of them waits in the queue until one finishes: its
-workers drop its caches, and it is sent its whole history again when it resumes (same tokens: greedy choices and
-seeded random numbers depend only on the context).
+A round: the round plan (core.round_plan) decides each sequence's k, the drafter proposes, the verifier scores all
+k + 1 positions in one forward and accepts a prefix, and stops cut the block; the sessions' policies then record the
+round. The drafter and verifier are protocols, so the same loop drives in-process models and remote workers. A prompt
+that arrives while others decode is prefilled in chunks, one per step, and joins the rounds once the rest of it fits
+in one (EngineConfig.prefill_chunk). When the verifier's KV cache cannot hold the step's sequences (KVCacheFull), the
+newest of them waits in the queue until one finishes: its workers drop its caches, and it is sent its whole history
+again when it resumes (same tokens: greedy choices and seeded random numbers depend only on the context).
 """
 
 from __future__ import annotations
@@ -19,21 +19,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tandem.core import policy
-from tandem.core.batch_plan import catch_up_share, plan_batch
 from tandem.core.calibration import calibrate
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.costs import CostModel
 from tandem.core.logprobs import TokenLogprob
 from tandem.core.protocol import (
     Drafter,
-    DrafterUnavailable,
     DraftProposal,
     DraftRequest,
     KVCacheFull,
     StateLost,
     Verifier,
     VerifyRequest,
+    VerifyResult,
 )
+from tandem.core.round_plan import RoundPlan, RowView, plan_round
 from tandem.core.stats import RequestStats
 from tandem.core.stops import FINISH_ABORT, StopChecker
 from tandem.errors import InvalidArgument, KVBudgetExceeded
@@ -154,9 +154,10 @@ class SpeculativeEngine:
         batch = waiting[: self.config.max_batch]
         while True:
             limits = self._prefill_limits(batch)
-            ks = [0 if limits[seq.request_id] else self._choose_k(seq) for seq in batch]
+            plan = plan_round([self._row_view(seq, limit) for seq, limit in zip(batch, limits, strict=True)],
+                              self.speculating, self.config.spec, self.costs, self.prior.value)
             try:
-                outputs = self._round(batch, ks, limits)
+                outputs = self._round(batch, plan, limits)
                 break
             except KVCacheFull as full:
                 batch = self._defer_newest(batch, full)
@@ -179,30 +180,46 @@ class SpeculativeEngine:
         newest.prefill_started = False
         return batch[:-1]
 
-    def _prefill_limits(self, batch: list[Sequence]) -> dict[str, int]:
+    def _prefill_limits(self, batch: list[Sequence]) -> list[int]:
         """Per sequence, the most uncached tokens its verifier may prefill this step (0: all). Only while another
         sequence is decoding (its next token waits for this step) is a new prompt cut into chunks."""
         chunk = self.config.prefill_chunk
         decoding = chunk > 0 and any(seq.output for seq in batch)
-        return {seq.request_id: chunk if decoding and seq.prefilling(chunk) else 0 for seq in batch}
+        return [chunk if decoding and seq.prefilling(chunk) else 0 for seq in batch]
 
-    def _round(self, batch: list[Sequence], ks: list[int], limits: dict[str, int]) -> list[StepOutput | None]:
-        if len(batch) > 1 and self.config.spec.adaptive:  # a fixed k (adaptive off) is used as given
-            limit = self.config.spec.batch_catch_up_limit
-            behind = [len(seq.context) - seq.draft_synced for seq in batch]
-            ks = [0 if lag > limit else k for lag, k in zip(behind, ks, strict=True)]
-            alphas = [policy.acceptance(seq.policy, self.config.spec, self.prior.value) for seq in batch]
-            catch_up = [catch_up_share(self.costs, lag, alpha, k, seq.params.max_tokens - len(seq.output))
-                        for seq, lag, alpha, k in zip(batch, behind, alphas, ks, strict=True)]
-            ks = plan_batch(ks, alphas, self.costs, catch_up)
-        proposals = self._draft(batch, ks)
-        ks = [len(p.tokens) if p else 0 for p in proposals]
+    @staticmethod
+    def _row_view(seq: Sequence, prefill_limit: int) -> RowView:
+        return RowView(seq.policy, seq.max_k, seq.params.max_tokens - len(seq.output), prefill_limit,
+                       first_round=not seq.output, behind=len(seq.context) - seq.draft_synced)
+
+    def _round(self, batch: list[Sequence], plan: RoundPlan, limits: list[int]) -> list[StepOutput | None]:
+        """Draft, verify, commit. A KVCacheFull from the verifier commits nothing and moves no policy: the caller
+        plans the round again for a smaller batch."""
+        proposals = self._draft(batch, plan.ks)
+        ks = [len(p.tokens) if p else 0 for p in proposals]  # drafted: a confidence stop or a failure drafts fewer
+        results = self._verify(batch, proposals, ks, limits)
+        for seq, decision in zip(batch, plan.decisions, strict=True):
+            if decision is not None:
+                policy.apply(seq.policy, decision)
+        outputs: list[StepOutput | None] = []
+        for seq, k, proposal, result in zip(batch, ks, proposals, results, strict=True):
+            if result.prefilling:
+                seq.verify_synced = len(seq.context)  # the verifier holds the whole prompt, part of it cached
+                seq.prefill_started = True
+                outputs.append(None)
+            else:
+                outputs.append(self._commit(seq, k, proposal, result))
+        return outputs
+
+    def _verify(self, batch: list[Sequence], proposals: list[DraftProposal | None], ks: list[int],
+                limits: list[int]) -> list[VerifyResult]:
         started = time.perf_counter()
-        def verify() -> list:
+
+        def verify() -> list[VerifyResult]:
             return self.verifier.verify([
                 VerifyRequest(seq.request_id, seq.verify_synced, seq.context[seq.verify_synced :], proposal, seq.params,
-                              seq.session_id, limits[seq.request_id])
-                for seq, proposal in zip(batch, proposals, strict=True)
+                              seq.session_id, limit)
+                for seq, proposal, limit in zip(batch, proposals, limits, strict=True)
             ])
 
         def forget(lost: list[str]) -> None:
@@ -214,28 +231,11 @@ class SpeculativeEngine:
         seconds = time.perf_counter() - started
         if all(seq.verify_synced == len(seq.context) for seq in batch) and not any(r.prefilling for r in results):
             self.costs.observe_verify(max(ks) + 1, seconds, rows=len(batch))
-        outputs: list[StepOutput | None] = []
-        for seq, k, proposal, result in zip(batch, ks, proposals, results, strict=True):
+        for seq in batch:
             seq.stats.verify_seconds += seconds
-            if result.prefilling:
-                seq.verify_synced = len(seq.context)  # the verifier holds the whole prompt, part of it cached
-                seq.prefill_started = True
-                outputs.append(None)
-            else:
-                outputs.append(self._commit(seq, k, proposal, result.accepted, result.next_token, result.logprobs))
-        return outputs
+        return results
 
-    def _choose_k(self, seq: Sequence) -> int:
-        spec = self.config.spec
-        if not self.speculating or seq.max_k == 0 or (spec.adaptive and spec.plain_first_round and not seq.output):
-            return 0
-        remaining = seq.params.max_tokens - len(seq.output)
-        k = policy.choose_k(seq.policy, self.costs, spec, self.prior.value)
-        if seq.max_k is not None:
-            k = min(k, seq.max_k)
-        return min(k, remaining - 1)
-
-    def _draft(self, batch: list[Sequence], ks: list[int]) -> list[DraftProposal | None]:
+    def _draft(self, batch: list[Sequence], ks: tuple[int, ...]) -> list[DraftProposal | None]:
         rows = [i for i, k in enumerate(ks) if k > 0]
         proposals: list[DraftProposal | None] = [None] * len(batch)
         if not rows:
@@ -253,7 +253,7 @@ class SpeculativeEngine:
         started = time.perf_counter()
         try:
             sent, drafted = _retry_lost(lambda: ((r := requests()), self.drafter.propose(r)), forget)
-        except (DrafterUnavailable, KVCacheFull):  # a full draft cache: plain decoding this round
+        except KVCacheFull:  # a full draft cache: plain decoding this round
             for i in rows:
                 batch[i].stats.draft_failures += 1
             forget([batch[i].request_id for i in rows])
@@ -268,10 +268,9 @@ class SpeculativeEngine:
             batch[i].stats.draft_failures += proposal.failed
         return proposals
 
-    def _commit(self, seq: Sequence, k: int, proposal: DraftProposal | None, accepted: int,
-                next_token: int, logprobs: list[TokenLogprob] | None = None) -> StepOutput:
-        committed = len(seq.context)
-        new_tokens = (proposal.tokens[:accepted] if proposal else []) + [next_token]
+    def _commit(self, seq: Sequence, k: int, proposal: DraftProposal | None, result: VerifyResult) -> StepOutput:
+        committed, accepted = len(seq.context), result.accepted
+        new_tokens = (proposal.tokens[:accepted] if proposal else []) + [result.next_token]
         if k > 0:
             seq.draft_synced = committed + accepted
         seq.verify_synced = committed + accepted + 1
@@ -288,7 +287,7 @@ class SpeculativeEngine:
             logprobs = None
         else:
             # The emitted tokens are a prefix of the block (a stop or max_tokens cuts it): so are their logprobs.
-            logprobs = list((logprobs or [])[: len(emitted)])
+            logprobs = list((result.logprobs or [])[: len(emitted)])
             if len(logprobs) != len(emitted):
                 raise RuntimeError(f"the verifier sent {len(logprobs)} logprobs for {len(emitted)} emitted tokens")
             seq.logprobs.extend(logprobs)

@@ -118,9 +118,10 @@ class SlotLayer(CacheLayerMixin):
 class SlotCache(Cache):
     """The buffers of every layer and the Step the current forward runs under; `past_key_values` for the model."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, margin: int = 0) -> None:
+        """`margin`: positions allocated past the capacity, for writes that are never read (core.cuda_graphs)."""
         self.slots, self.capacity = 0, 0  # the shape buffers have, or will have when first allocated
-        self.margin = 0  # positions allocated past the capacity, for writes that are never read (core.cuda_graphs)
+        self.margin = margin
         self.step: Step | None = None
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
 

@@ -7,7 +7,6 @@ import torch
 from tandem.core.costs import CATCH_UP_ALONE_ABOVE
 from tandem.core.logprobs import TokenLogprob
 from tandem.core.protocol import (
-    PREFILLING,
     DraftProposal,
     DraftRequest,
     InProcessSide,
@@ -130,7 +129,7 @@ class LocalVerifier(InProcessSide):
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         states = _sync_all(self.runner, requests)
-        results: list[VerifyResult] = [VerifyResult(0, PREFILLING)] * len(requests)
+        results = [VerifyResult.prefill_goes_on()] * len(requests)  # the rows scored below replace theirs
         scoring = []
         for index, (request, state) in enumerate(zip(requests, states, strict=True)):
             uncached = len(state.pending) - 1  # everything but the last token is cached before scoring

@@ -4,11 +4,14 @@ With per-token acceptance a, a round that drafts k tokens yields E(k) = (1 - a^(
 k * T_draft + T_verify(k); plain decoding yields one token per T_verify(0). The session drops to plain decoding
 when the best k is predicted slower than plain, probes now and then (backing off exponentially) to notice when
 the draft starts agreeing again, and leaves fallback only past a higher bar (hysteresis).
+
+A round asks `decide` (a pure query: the k and the fallback bookkeeping it implies), then, once the round has run,
+records that decision with `apply` and its outcome with `update`.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from tandem.core.config import SpecConfig
 from tandem.core.costs import CostModel
@@ -80,30 +83,43 @@ def best_k(alpha: float, costs: CostModel, k_max: int) -> tuple[int, float]:
     return k, rate
 
 
-def choose_k(state: PolicyState, costs: CostModel, config: SpecConfig, prior: float | None = None) -> int:
-    """The number of tokens to draft this round (0: plain decoding)."""
+@dataclass(slots=True, frozen=True)
+class Decision:
+    """The policy's k for one round, and the fallback bookkeeping that round leaves the session with (`apply`)."""
+
+    k: int
+    fallback: bool
+    rounds_since_probe: int
+    probe_interval: int
+    probing: bool
+
+
+def decide(state: PolicyState, costs: CostModel, config: SpecConfig, prior: float | None = None) -> Decision:
+    """The number of tokens to draft this round (0: plain decoding) and the state the round leaves; reads `state`
+    only, so a round that does not run (its batch shrinks to fit the KV cache) can simply ask again."""
+    unchanged = Decision(state.k, state.fallback, state.rounds_since_probe, state.probe_interval, state.probing)
     if not config.speculating:
-        return 0
+        return replace(unchanged, k=0)
     if not config.adaptive or not costs.calibrated:
-        state.k = config.k_init
-        return state.k
+        return replace(unchanged, k=config.k_init)
     k, rate = best_k(acceptance(state, config, prior), costs, config.k_max)
     plain_rate = 1.0 / costs.verify_time(0)
-    state.probing = False
-    if not state.fallback and rate < plain_rate * (1.0 - config.enter_fallback_margin):
-        state.fallback = True
-        state.rounds_since_probe = 0
-        state.probe_interval = state.probe_interval or config.probe_interval
-    if state.fallback:
-        state.rounds_since_probe += 1
-        if state.rounds_since_probe < state.probe_interval:
-            state.k = 0
-            return 0
-        state.probing = True
-        state.rounds_since_probe = 0
-        k = max(k, config.k_init)
-    state.k = k
-    return k
+    fallback, since, interval = state.fallback, state.rounds_since_probe, state.probe_interval
+    if not fallback and rate < plain_rate * (1.0 - config.enter_fallback_margin):
+        fallback, since, interval = True, 0, interval or config.probe_interval
+    if not fallback:
+        return Decision(k, False, since, interval, probing=False)
+    since += 1
+    if since < interval:
+        return Decision(0, True, since, interval, probing=False)
+    # A probe drafts at least k_init, whatever the long-run estimate (still remembering the bad stretch) would pick.
+    return Decision(max(k, config.k_init), True, 0, interval, probing=True)
+
+
+def apply(state: PolicyState, decision: Decision) -> None:
+    """Enter a round's decision into the session's state (before the round's outcome, `update`)."""
+    state.k, state.fallback, state.probing = decision.k, decision.fallback, decision.probing
+    state.rounds_since_probe, state.probe_interval = decision.rounds_since_probe, decision.probe_interval
 
 
 def update(state: PolicyState, k: int, accepted: int, costs: CostModel, config: SpecConfig) -> None:

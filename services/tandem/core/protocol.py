@@ -60,10 +60,6 @@ class KVUsage:
         return cls(info["kv_tokens_used"], info["kv_tokens_reserved"], info["kv_tokens_capacity"])
 
 
-class DrafterUnavailable(RuntimeError):
-    """The drafter failed or timed out; the engine continues these sequences with plain decoding."""
-
-
 @dataclass(slots=True)
 class DraftRequest:
     seq_id: str
@@ -92,19 +88,27 @@ class VerifyRequest:
     prefill_limit: int = 0  # cache at most this many uncached tokens this call; score only if none are left (0: no cap)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class VerifyResult:
+    """One sequence's outcome of a verify call: `accepted` drafts then `next_token`, the target's own; or, when its
+    prefill was capped by prefill_limit, `prefilling` (the prefill goes on next call) and no tokens at all."""
+
     accepted: int
-    next_token: int  # PREFILLING: the sequence's prefill was capped by prefill_limit and goes on next call
+    next_token: int | None  # None exactly when prefilling
     # When the request asked (SamplingParams.logprobs): one per emitted token, the accepted drafts then next_token.
     logprobs: list[TokenLogprob] | None = None
+    prefilling: bool = False
 
-    @property
-    def prefilling(self) -> bool:
-        return self.next_token == PREFILLING
+    def __post_init__(self) -> None:
+        if self.prefilling != (self.next_token is None):
+            raise ValueError(f"a verify result has a next token unless it is prefilling, got {self!r}")
+        if self.prefilling and self.accepted:
+            raise ValueError(f"a prefilling row accepts no drafts, got {self!r}")
 
-
-PREFILLING = -1
+    @classmethod
+    def prefill_goes_on(cls) -> VerifyResult:
+        """A row whose prompt is still being cached: nothing scored this call."""
+        return cls(accepted=0, next_token=None, prefilling=True)
 
 
 @dataclass(slots=True, frozen=True)

@@ -100,18 +100,16 @@ class ModelRunner:
                          else partial(torch.nn.functional.linear, weight=self.head.weight[:vocab_limit]))
             self.vocab_size = vocab_limit
         self.pad_token_id = pad_token_id
-        self.cache = SlotCache(text_config.num_hidden_layers)
         self.kv_tokens_capacity = kv_tokens or default_kv_tokens(model)
         self.occupants: list[SequenceState | None] = []  # by slot
         self.states: dict[str, SequenceState] = {}  # the active sequences, in slots [0, len(states))
         self.retain_tokens = retain_tokens
         self.retained: OrderedDict[str, SequenceState] = OrderedDict()  # session -> its last finished sequence
         self.reused_tokens = 0
-        self.graphs: GraphedForward | None = None
         sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if cuda_graphs and self.device.type == "cuda" and not sharded:
-            self.graphs = GraphedForward(self.cache, self._hidden)
-            self.cache.margin = MAX_WIDTH
+        graphed = cuda_graphs and self.device.type == "cuda" and not sharded
+        self.cache = SlotCache(text_config.num_hidden_layers, margin=MAX_WIDTH if graphed else 0)
+        self.graphs = GraphedForward(self.cache, self._hidden) if graphed else None
 
     def state(self, seq_id: str, session: str = "") -> SequenceState:
         """The state of `seq_id`; a new one starts from its session's retained cache when there is one."""
@@ -142,14 +140,10 @@ class ModelRunner:
             self._free(self.retained.popitem(last=False)[1])
 
     @property
-    def cached_tokens(self) -> int:
-        return sum(state.cached for state in list(self.states.values()))
-
-    @property
     def kv_tokens_used(self) -> int:
         """Tokens whose keys and values are held: the active sequences' and the retained sessions'. Safe to read
         from another thread (metrics) while the runner works: the dicts are copied at once, not iterated."""
-        return self.cached_tokens + sum(state.cached for state in list(self.retained.values()))
+        return sum(state.cached for state in [*self.states.values(), *self.retained.values()])
 
     @property
     def kv_tokens_reserved(self) -> int:

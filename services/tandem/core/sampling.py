@@ -20,10 +20,6 @@ class SparseDist:
     ids: torch.Tensor  # [n, m] int64
     probs: torch.Tensor  # [n, m] float32, rows sum to 1
 
-    def to_dense(self, vocab_size: int) -> torch.Tensor:
-        dense = torch.zeros(self.ids.shape[0], vocab_size, dtype=self.probs.dtype, device=self.probs.device)
-        return dense.scatter_add_(1, self.ids, self.probs)
-
     def to(self, device: torch.device | str) -> SparseDist:
         return SparseDist(self.ids.to(device), self.probs.to(device))
 

@@ -144,11 +144,12 @@ class RayPoolClient:
     that keeps this gateway's sequence ids apart from other gateways' on shared workers. Implements the PoolSide
     part of the Drafter and Verifier protocols (core.protocol)."""
 
-    def __init__(self, workers: list, router: AffinityRouter, prefix: str = "") -> None:
+    def __init__(self, workers: list, router: AffinityRouter, prefix: str = "", ranks_per_worker: int = 1) -> None:
+        """`ranks_per_worker`: a shared pool's tensor-parallel replica's ranks behind the rank 0 this client calls."""
         self.workers, self.router, self.ids = workers, router, WireIds(prefix)
         self.trace_carriers: TraceCarriers | None = None  # given by the gateway's engine loop (carry_trace)
         self._offered: tuple[list, list[str]] | None = None
-        self.ranks_per_worker = 1  # a shared pool's tensor-parallel replica: ranks behind the rank 0 it calls
+        self.ranks_per_worker = ranks_per_worker
 
     def offer_workers(self, workers: list, names: list[str]) -> None:
         """The pool now has these workers (scaled): taken up at the next call, on the engine's thread."""

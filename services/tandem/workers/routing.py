@@ -34,7 +34,6 @@ class AffinityRouter:
         self.session_of: dict[str, str] = {}  # running sequence -> its session
         self.sessions: OrderedDict[str, int] = OrderedDict()  # session -> worker that retained its last sequence
         self.benched_until = [0.0] * size
-        self.rerouted = 0
         self.session_hits = 0
 
     def healthy(self, index: int) -> bool:
@@ -58,7 +57,6 @@ class AffinityRouter:
         if preferred is not None and self.healthy(preferred) and load[preferred] <= load[choice] + self.max_imbalance:
             choice = preferred
             self.session_hits += 1
-        self.rerouted += index is not None
         self.affinity[seq_id] = choice
         if session:
             self.session_of[seq_id] = session

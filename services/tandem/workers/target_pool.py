@@ -33,8 +33,8 @@ class RayVerifier(RayPoolClient):
                  tensor_parallel: int = 1) -> None:
         """`tensor_parallel`: ranks behind each replica a shared pool's rank 0 leads (replicas given here as
         TensorParallelReplica count their own ranks)."""
-        super().__init__(replicas, AffinityRouter(len(replicas), cooldown_s, "target", names=names), prefix)
-        self.ranks_per_worker = tensor_parallel
+        super().__init__(replicas, AffinityRouter(len(replicas), cooldown_s, "target", names=names), prefix,
+                         ranks_per_worker=tensor_parallel)
         self.timeout_s, self.rebuild_timeout_s = timeout_s, rebuild_timeout_s
         info = ray.get(replicas[0].info.remote())
         self.vocab_size, self.context_window = info["vocab_size"], info.get("context_window")

@@ -1,0 +1,77 @@
+"""How many tokens each sequence of a round may draft: every rule that bounds k, in one place.
+
+`plan_round` applies these rules in order, per row and then over the batch:
+
+1. No drafting (k 0, the policy not asked): the engine is not speculating (no drafter, or speculation off), the
+   request's max_k is 0, it is the row's first round under the adaptive policy's plain_first_round, or the row only
+   prefills a chunk of its prompt this step.
+2. The session's policy picks k (core.policy.decide). Its decision comes back with the plan, for the engine to apply
+   once the round has run: a round that does not run (its batch shrinks to fit the KV cache) is planned afresh.
+3. Caps: the request's max_k, then remaining - 1 (the round's last token is the verifier's own, never a draft).
+4. A batch of two or more rows under the adaptive policy: a row whose drafter is more than batch_catch_up_limit
+   tokens behind drafts nothing (its catch-up would stall every row), then core.batch_plan prices the batched
+   round with each row's catch-up and may lower any row's k, or zero it. A fixed k (adaptive off) drafts as given.
+
+The plan's k is the most a row may draft: the drafter may end a block sooner when its own top probability drops below
+draft_confidence (it sees the draft's probabilities, which the plan does not), and a drafter that fails drafts nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tandem.core import policy
+from tandem.core.batch_plan import catch_up_share, plan_batch
+from tandem.core.config import SpecConfig
+from tandem.core.costs import CostModel
+
+
+@dataclass(slots=True, frozen=True)
+class RowView:
+    """What the plan reads of one sequence of the batch; the plan never changes its policy state."""
+
+    policy: policy.PolicyState
+    max_k: int | None  # the request's cap on drafted tokens per round (None: no cap; 0: plain decoding)
+    remaining: int  # tokens the request may still emit
+    prefill_limit: int  # above 0: the verifier only prefills a chunk of the prompt this step
+    first_round: bool  # the request has emitted nothing yet
+    behind: int  # committed tokens the row's drafter has not seen (its catch-up)
+
+
+@dataclass(slots=True, frozen=True)
+class RoundPlan:
+    ks: tuple[int, ...]  # per row, the most it may draft this round
+    decisions: tuple[policy.Decision | None, ...]  # per row, the policy's decision (None: the policy was not asked)
+
+
+def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, costs: CostModel,
+               prior: float) -> RoundPlan:
+    """Each row's k and policy decision for one round (the rules in the module's docstring, in order). Pure: reads
+    the rows, the costs and the prior, and changes none of them. `prior`: the deployment's recent acceptance."""
+    decisions = [_decide(row, speculating, spec, costs, prior) for row in rows]
+    ks = [_capped(row, decision) for row, decision in zip(rows, decisions, strict=True)]
+    if len(rows) > 1 and spec.adaptive:
+        ks = [0 if row.behind > spec.batch_catch_up_limit else k for row, k in zip(rows, ks, strict=True)]
+        alphas = [policy.acceptance(row.policy, spec, prior) for row in rows]
+        catch_up = [catch_up_share(costs, row.behind, alpha, k, row.remaining)
+                    for row, alpha, k in zip(rows, alphas, ks, strict=True)]
+        ks = plan_batch(ks, alphas, costs, catch_up)
+    return RoundPlan(tuple(ks), tuple(decisions))
+
+
+def _decide(row: RowView, speculating: bool, spec: SpecConfig, costs: CostModel,
+            prior: float) -> policy.Decision | None:
+    """Rules 1 and 2: None where the row does not draft whatever its policy says, else its policy's decision."""
+    plain_first = spec.adaptive and spec.plain_first_round and row.first_round
+    if not speculating or row.max_k == 0 or plain_first or row.prefill_limit > 0:
+        return None
+    return policy.decide(row.policy, costs, spec, prior)
+
+
+def _capped(row: RowView, decision: policy.Decision | None) -> int:
+    """Rule 3: the policy's k within the request's cap and the tokens it has left."""
+    if decision is None:
+        return 0
+    k = decision.k if row.max_k is None else min(decision.k, row.max_k)
+    return min(k, row.remaining - 1)

@@ -1,0 +1,89 @@
+"""The round plan: every rule that bounds a row's k, each on its own, with calibrated costs and no models."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tandem.core import policy
+from tandem.core.config import SpecConfig
+from tandem.core.costs import CostModel
+from tandem.core.round_plan import RowView, plan_round
+
+SPEC = SpecConfig()
+PRIOR = 0.6
+# Batched drafting always pays: target forwards cost the same whatever their width, draft steps are cheap.
+CHEAP = CostModel(draft_step=0.01, verify={n: 1.0 for n in range(1, 12)}, draft_rows={2: 0.01},
+                  batched={(2, w): 1.0 for w in range(1, 12)}, frozen=True)
+# A forward costs 0.1 s + 0.02 s per token fed: one session drafts, but a batch of 8 gains nothing from drafting.
+COMPUTE_BOUND = CostModel(draft_step=0.03, verify={n: 0.1 + 0.02 * n for n in (1, 2, 64)}, draft_rows={8: 0.1},
+                          frozen=True)
+
+
+def _row(**changes) -> RowView:
+    row = RowView(policy.PolicyState(k=SPEC.k_init), max_k=None, remaining=100, prefill_limit=0, first_round=False,
+                  behind=1)
+    return dataclasses.replace(row, **changes)
+
+
+def _plan(rows: list[RowView], costs: CostModel = CHEAP, spec: SpecConfig = SPEC, speculating: bool = True):
+    return plan_round(rows, speculating, spec, costs, PRIOR)
+
+
+def _policy_k(costs: CostModel = CHEAP, spec: SpecConfig = SPEC) -> int:
+    return policy.decide(policy.PolicyState(k=spec.k_init), costs, spec, PRIOR).k
+
+
+def test_a_lone_row_drafts_what_its_policy_decides() -> None:
+    row = _row()
+    plan = _plan([row])
+    assert plan.ks == (_policy_k(),) and _policy_k() > 0
+    assert plan.decisions == (policy.decide(row.policy, CHEAP, SPEC, PRIOR),)
+
+
+def test_rows_that_may_not_draft_get_zero_and_leave_their_policy_unasked() -> None:
+    assert _plan([_row()], speculating=False).ks == (0,)  # no drafter, or speculation off
+    for row in (_row(max_k=0), _row(prefill_limit=64), _row(first_round=True)):
+        plan = _plan([row])
+        assert plan.ks == (0,) and plan.decisions == (None,), row
+
+
+def test_the_first_round_drafts_without_plain_first_round_or_with_a_fixed_k() -> None:
+    assert _plan([_row(first_round=True)], spec=SpecConfig(plain_first_round=False)).ks == (_policy_k(),)
+    fixed = SpecConfig(adaptive=False, k_init=3)
+    assert _plan([_row(first_round=True)], spec=fixed).ks == (3,)
+
+
+def test_the_request_cap_and_the_tokens_left_bound_the_policys_k() -> None:
+    assert _plan([_row(max_k=1)]).ks == (1,)
+    assert _plan([_row(remaining=3)]).ks == (2,)  # the round's last token is the verifier's
+    last = _plan([_row(remaining=1)])
+    assert last.ks == (0,) and last.decisions[0] is not None  # the policy was asked: its probe clock moves
+    assert last.decisions[0].k == _policy_k()  # the policy's own k, not the capped one
+
+
+def test_a_batched_row_far_behind_in_its_drafter_does_not_draft() -> None:
+    # Two tokens behind or fewer cost no catch-up of their own (they go with the first draft step).
+    limit = SpecConfig(batch_catch_up_limit=2)
+    gated = _plan([_row(behind=3), _row(behind=2)], spec=limit).ks
+    assert gated[0] == 0 and gated[1] > 0
+    assert all(_plan([_row(behind=2), _row(behind=2)], spec=limit).ks)
+    assert _plan([_row(behind=3)], spec=limit).ks == (_policy_k(spec=limit),)  # alone: it catches up
+    fixed = SpecConfig(adaptive=False, k_init=3, batch_catch_up_limit=2)
+    assert _plan([_row(behind=3), _row(behind=2)], spec=fixed).ks == (3, 3)  # a fixed k drafts as given
+
+
+def test_the_batch_plan_prices_the_batched_round() -> None:
+    alone = _plan([_row()], costs=COMPUTE_BOUND)
+    assert alone.ks[0] > 0
+    batch = _plan([_row() for _ in range(8)], costs=COMPUTE_BOUND)
+    assert batch.ks == (0,) * 8  # eight rows: drafting costs more than it gains
+    assert batch.decisions == alone.decisions * 8  # each session's policy was still asked
+
+
+def test_planning_changes_nothing_and_repeats_itself() -> None:
+    rows = [_row(policy=policy.PolicyState(rejected=40.0, fallback=True, rounds_since_probe=15, probe_interval=16)),
+            _row(policy=policy.PolicyState(rejected=40.0, k=4)), _row(behind=3)]
+    before = [row.policy.to_dict() for row in rows]
+    first = _plan(rows, costs=COMPUTE_BOUND)
+    assert _plan(rows, costs=COMPUTE_BOUND) == first and [row.policy.to_dict() for row in rows] == before
+    assert first.decisions[0].probing and first.decisions[1].fallback  # a probe is due; a session enters fallback
