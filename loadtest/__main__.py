@@ -8,7 +8,7 @@
     python -m loadtest report DIR/sweep.json  # markdown tables: runs, AUTO/OFF with the targets, the bound
     python -m loadtest rebuild DIR/sweep.json # recompute every results.json and sweep.json from the traces
 
-Exit status: 0 done, 1 the server could not be reached or the warm-up failed, 2 bad arguments (`error: <field>: ...`).
+Exit status: 0 done, 1 the server could not be reached or the warm-up failed, 2 bad arguments (`error: --flag: ...`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from loadtest.arrivals import parse_rate
 from loadtest.client_run import ServerUnreachable, WarmupFailed
 from loadtest.config import BACKENDS, MODES, TOKEN_COUNTS, RunConfig
 from loadtest.metrics import parse_slos
-from loadtest.prompts import LENGTHS, SETS
+from loadtest.prompts import LENGTHS, SETS, Prompt
+from tandem.cli.options import DefaultsHelpFormatter, add_prompts_option, flag_names, name_flags
 
 # Options copied as they are from the command line into RunConfig (the rest are converted).
 CONFIG_ARGS = ("address", "backend", "url", "openai_token_counts", "allow_remote", "requests", "burstiness",
@@ -60,49 +61,55 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1.0: Poisson)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="rate mode: cap on requests in flight")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the arrival gaps, the prompt order and sampling")
     parser.add_argument("--duration", type=float, default=None, help="stop issuing requests after S seconds")
     parser.add_argument("--grace", type=float, default=10.0, help="cancel what is in flight at duration + grace")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request deadline in seconds")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up requests, excluded from the metrics")
     parser.add_argument("--max-k", type=int, default=None, help="cap on draft tokens per round")
-    parser.add_argument("--prompts", choices=SETS, default="mixed")
-    parser.add_argument("--lengths", nargs="+", choices=LENGTHS, default=list(LENGTHS))
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    add_prompts_option(parser, SETS, "mixed")
+    parser.add_argument("--lengths", nargs="+", choices=LENGTHS, default=list(LENGTHS),
+                        help="the prompt lengths to draw from (a file's rows without a length are always drawn)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="most tokens per request")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens tokens")
     parser.add_argument("--sessions", type=int, default=0, help="distinct session ids (0: one per request)")
-    parser.add_argument("--connect-timeout", type=float, default=10.0)
+    parser.add_argument("--connect-timeout", type=float, default=10.0,
+                        help="seconds to wait for the server to answer before giving up")
     parser.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
                         help="SLOs in milliseconds, e.g. ttft:500 tpot:100 e2el:5000")
 
 
 def run_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m loadtest", description="Run one load level against tandem.")
+    parser = argparse.ArgumentParser(prog="python -m loadtest", description="Run one load level against tandem.",
+                                     formatter_class=DefaultsHelpFormatter)
     add_common(parser)
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--rate", type=_positive_rate, default=None, help="requests per second, or inf (default)")
     load.add_argument("--concurrency", type=int, default=None, help="fixed number of requests in flight")
-    parser.add_argument("--speculation", choices=MODES, default="auto")
+    parser.add_argument("--speculation", choices=MODES, default="auto", help="the requests' speculation mode")
     return parser
 
 
 def sweep_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m loadtest sweep",
-                                     description="Run several load levels, each with speculation AUTO and OFF.")
+                                     description="Run several load levels, each with speculation AUTO and OFF.",
+                                     formatter_class=DefaultsHelpFormatter)
     add_common(parser)
     load = parser.add_mutually_exclusive_group(required=True)
     load.add_argument("--rates", type=_positive_rate, nargs="+", help="request rates (req/s; inf allowed)")
     load.add_argument("--concurrencies", type=int, nargs="+", help="fixed concurrencies")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="the speculation modes each level runs in")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each level and mode, the order reversed every other time; results pooled")
-    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     return parser
 
 
 def plot_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m loadtest plot", description="Plot a finished sweep.")
+    parser = argparse.ArgumentParser(prog="python -m loadtest plot", description="Plot a finished sweep.",
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("sweep", type=Path, help="a sweep.json")
     parser.add_argument("--out", type=Path, default=None, help="where the PNGs go (default: next to sweep.json)")
     return parser
@@ -120,37 +127,52 @@ def config_from(args: argparse.Namespace, **load) -> RunConfig:
         raise UsageError(str(exc)) from None
 
 
+def prompts_of(config: RunConfig) -> list[Prompt]:
+    """--prompts read now, so that a bad file is a usage error before any request is sent."""
+    try:
+        return config.load_prompts()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+PARSERS = {"run": run_parser, "sweep": sweep_parser, "plot": plot_parser, "bound": plot_parser,
+           "report": plot_parser, "rebuild": plot_parser}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv.pop(0) if argv and argv[0] in ("sweep", "plot", "bound", "report", "rebuild") else "run"
+    command = argv.pop(0) if argv and argv[0] in PARSERS.keys() - {"run"} else "run"
+    parser = PARSERS[command]()
+    args = parser.parse_args(argv)
     try:
         if command in ("plot", "bound", "report", "rebuild"):
-            args = plot_parser().parse_args(argv)
             return {"plot": _plot, "bound": _bound, "report": _report, "rebuild": _rebuild}[command](args)
         if command == "sweep":
-            args = sweep_parser().parse_args(argv)
             base = config_from(args)
+            prompts = prompts_of(base)
             from loadtest.sweep import run_sweep
 
             body = run_sweep(base, args.out, rates=args.rates, concurrencies=args.concurrencies,
-                             modes=tuple(dict.fromkeys(args.modes)), plots=not args.no_plots,
+                             modes=tuple(dict.fromkeys(args.modes)), prompts=prompts, plots=not args.no_plots,
                              repeats=args.repeats)
             print(f"wrote {args.out / 'sweep.json'}" + (f" and {', '.join(body['plots'])}" if "plots" in body else ""))
             return 0
-        args = run_parser().parse_args(argv)
         config = config_from(args, rate=args.rate, concurrency=args.concurrency, speculation=args.speculation)
+        prompts = prompts_of(config)
         from loadtest.run import run_to_dir, summary
 
-        results = run_to_dir(config, args.out)
+        results = run_to_dir(config, args.out, prompts)
         print(summary(results))
         print(f"wrote {args.out / 'results.json'}")
         return 0
     except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {name_flags(str(exc), flag_names([parser]))}", file=sys.stderr)
         return 2
-    except (ServerUnreachable, WarmupFailed) as exc:
-        where = "url" if getattr(args, "backend", "grpc") == "openai" else "address"
-        print(f"error: {'warmup' if isinstance(exc, WarmupFailed) else where}: {exc}", file=sys.stderr)
+    except WarmupFailed as exc:
+        print(f"error: warmup: {exc}", file=sys.stderr)
+        return 1
+    except ServerUnreachable as exc:
+        print(f"error: {'--url' if args.backend == 'openai' else '--address'}: {exc}", file=sys.stderr)
         return 1
 
 
@@ -185,7 +207,7 @@ def _report(args: argparse.Namespace) -> int:
 def _bound(args: argparse.Namespace) -> int:
     import json
 
-    from loadtest.report.bound import sweep_bound
+    from tandem.bench.bound import sweep_bound
 
     print(json.dumps(sweep_bound(json.loads(args.sweep.read_text())), indent=2))
     return 0

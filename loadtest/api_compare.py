@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API against gRPC on one server, and the load tester against an independent tool.
 
-    python -m loadtest.api_compare --out docs/bench/api-compare.json --threads 2 --max-tokens 128 \\
+    python -m loadtest.api_compare --json docs/bench/api-compare.json --threads 2 --max-tokens 128 \\
         --concurrency 1 8 --repeats 2 --guidellm /tmp/glvenv/bin/guidellm
 
 Starts one `tandem serve --in-process` (gRPC and HTTP on free loopback ports, metrics off; the models and dtype as
@@ -19,8 +19,8 @@ given, tandem's default pair in bfloat16 when not) and stops it at the end, on a
    guidellm, then guidellm openai grpc); its TTFT and ITL p50 beside the load tester's, and the ratios (target:
    within 10%).
 
-Writes the JSON to --out (settings, machine, every run's figures, pooled figures, ratios, targets met or not), the
-server's output to OUT.server.log, guidellm's raw JSON and logs to OUT.guidellm/; progress lines on stderr.
+Writes the JSON to --json PATH (settings, machine, every run's figures, pooled figures, ratios, targets met or not), the
+server's output to PATH.server.log, guidellm's raw JSON and logs to PATH.guidellm/; progress lines on stderr.
 Exit status: 0 done (targets met or not: see the JSON), 1 the server or a tool failed, 2 bad arguments.
 """
 
@@ -50,6 +50,7 @@ from loadtest import metrics, trace
 from loadtest.client_run import run_level
 from loadtest.config import RunConfig
 from loadtest.prompts import Prompt, schedule
+from tandem.cli.options import DefaultsHelpFormatter
 
 BIN = Path(sys.executable).parent
 SERVING = 1  # grpc.health.v1 HealthCheckResponse.SERVING
@@ -73,7 +74,7 @@ def log(message: str) -> None:
 
 def bench_prompts() -> list[Prompt]:
     """The 8 prompts of tandem.bench (services/tandem/bench/prompts.jsonl) as chat prompts: one user message each,
-    the chat template applied by the server, as tandem.bench and loadtest.pools_bench send them."""
+    the chat template applied by the server, as tandem.bench and tandem.bench.pools send them."""
     text = resources.files("tandem.bench").joinpath("prompts.jsonl").read_text()
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return [Prompt(f"bench-{i + 1}", "chat", "short", messages=(("user", row["prompt"]),)) for i, row in
@@ -489,21 +490,23 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
     """The flags Server reads: which models, dtype and threads `tandem serve` gets, and any more of its flags."""
     parser.add_argument("--target", default=None, help="target model (default: tandem serve's)")
     parser.add_argument("--draft", default=None, help="draft model (default: tandem serve's)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="bfloat16", help="the servers' dtype")
     parser.add_argument("--threads", type=int, default=None, help="each server's torch threads (default: all cores)")
     parser.add_argument("--serve-args", default="", help="more `tandem serve` flags, one string")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.api_compare", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="the JSON report")
+    parser = argparse.ArgumentParser(prog="python -m loadtest.api_compare", description=__doc__.splitlines()[0],
+                                     formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--json", type=Path, required=True, metavar="PATH",
+                        help="the JSON report; the servers' logs go beside it")
     add_server_options(parser)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="requests in flight, one level each")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each backend per level, alternated")
     parser.add_argument("--min-requests", type=int, default=MIN_REQUESTS,
                         help="requests a run at the least (a run sends max(this, 2 x concurrency))")
-    parser.add_argument("--speculation", choices=("auto", "off"), default="auto")
+    parser.add_argument("--speculation", choices=("auto", "off"), default="auto", help="the requests' speculation mode")
     parser.add_argument("--warmup", type=int, default=1, help="loadtest warm-up requests per run (not measured)")
     parser.add_argument("--seed", type=int, default=0, help="the prompt order of every run")
     parser.add_argument("--timeout", type=float, default=1800.0, help="per-request deadline, seconds")
@@ -532,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     started = time.time()
     prompts = bench_prompts()
-    server = Server(args, args.out.with_name(args.out.name + ".server.log"))
+    server = Server(args, args.json.with_name(args.json.name + ".server.log"))
     body: dict = {
         "command": "python -m loadtest.api_compare " + " ".join(sys.argv[1:] if argv is None else argv),
         "settings": {"target": args.target, "draft": args.draft, "dtype": args.dtype, "threads": args.threads,
@@ -558,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         tool = None
         if args.guidellm is not None:
             tool = Guidellm(args.guidellm, server.url, model, args.speculation, args.max_tokens,
-                            args.out.with_name(args.out.name + ".guidellm"))
+                            args.json.with_name(args.json.name + ".guidellm"))
             body["guidellm"] = {
                 "executable": args.guidellm, "version": tool.version(),
                 "data": "the same chat messages as the load tester, in its order (json_file, messages column)",
@@ -580,12 +583,12 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         log(f"error: {exc}")
         body["error"] = str(exc)
-        _write(args.out, body, started)
+        _write(args.json, body, started)
         return 1
     finally:
         server.stop()
-    _write(args.out, body, started)
-    log(f"wrote {args.out}: parity {body['parity']['equal']}/{body['parity']['total']}, all targets met: "
+    _write(args.json, body, started)
+    log(f"wrote {args.json}: parity {body['parity']['equal']}/{body['parity']['total']}, all targets met: "
         f"{body['targets']['all']}")
     return 0
 

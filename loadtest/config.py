@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-from loadtest.prompts import LENGTHS, SETS
+from loadtest.prompts import LENGTHS, SETS, Prompt, load_set
 from loadtest.target import check_address, check_url
 
 MODES = ("auto", "off")
@@ -28,7 +30,7 @@ class RunConfig:
     warmup: int = 1  # requests sent (one at a time) before the benchmark starts, excluded from the metrics
     speculation: str = "auto"
     max_k: int | None = None
-    prompts: str = "mixed"
+    prompts: str = "mixed"  # a shipped set (SETS) or the path of a JSONL file (load_prompt_file)
     lengths: tuple[str, ...] = LENGTHS
     max_tokens: int = 128
     temperature: float = 0.0
@@ -78,7 +80,8 @@ class RunConfig:
             ("warmup", self.warmup >= 0, "must not be negative"),
             ("speculation", self.speculation in MODES, f"must be one of {', '.join(MODES)}"),
             ("max_k", self.max_k is None or self.max_k >= 0, "must not be negative"),
-            ("prompts", self.prompts in SETS, f"must be one of {', '.join(SETS)}"),
+            ("prompts", self.prompts in SETS or Path(self.prompts).is_file(),
+             f"must be one of {', '.join(SETS)} or a JSONL file"),
             ("lengths", bool(self.lengths) and all(x in LENGTHS for x in self.lengths),
              f"must be among {', '.join(LENGTHS)}"),
             ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
@@ -89,6 +92,15 @@ class RunConfig:
         for name, ok, message in checks:
             if not ok:
                 raise ValueError(f"{name}: {message}, got {getattr(self, name)!r}")
+
+    def load_prompts(self) -> list[Prompt]:
+        """The prompts of `prompts`, a shipped set or a file, of the lengths in `lengths`."""
+        try:
+            if self.prompts in SETS:
+                return load_set(self.prompts, self.lengths)
+            return load_prompt_file(Path(self.prompts), self.lengths)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"prompts: {exc}") from None
 
     @property
     def target(self) -> str:
@@ -110,3 +122,37 @@ class RunConfig:
         if body["rate"] is not None and math.isinf(body["rate"]):
             body["rate"] = "inf"  # JSON has no infinity
         return body
+
+
+def load_prompt_file(path: Path, lengths: tuple[str, ...] = LENGTHS) -> list[Prompt]:
+    """A JSONL file of prompts, one a line: {"prompt": text} is sent as raw text, {"messages": [{"role", "content"},
+    ...]} as chat. The shipped sets' rows (with "id", "kind" and "length") are read as they are; a row without a
+    length is kept whatever `lengths` says, and one without an id is named by the file and its line."""
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path.name}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: not a JSON object")
+        length = row.get("length", "")
+        if length and length not in lengths:
+            continue
+        prompt_id = str(row.get("id") or f"{path.stem}-{number}")
+        if messages := row.get("messages"):
+            try:
+                turns = tuple((str(m["role"]), str(m["content"])) for m in messages)
+            except (KeyError, TypeError):
+                raise ValueError(f"{where}: messages must be {{\"role\", \"content\"}} objects") from None
+            prompts.append(Prompt(prompt_id, "chat", length, messages=turns))
+        elif isinstance(row.get("prompt"), str) and row["prompt"]:
+            prompts.append(Prompt(prompt_id, "code", length, text=row["prompt"]))
+        else:
+            raise ValueError(f"{where}: needs a \"prompt\" (text) or \"messages\" (chat) field")
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts of length {', '.join(lengths)}")
+    return prompts

@@ -1,8 +1,8 @@
 """What security costs and what it closes: TLS + API keys against plaintext, and the cross-tenant timing channel.
 
-    python -m loadtest.security_bench --out docs/bench/security-tls-cost.json --part cost \\
+    python -m loadtest.security_bench --json docs/bench/security-tls-cost.json --part cost \\
         --target DIR --draft DIR --concurrency 8 --repeats 3
-    python -m loadtest.security_bench --out docs/bench/security-tenant-timing.json --part timing --threads 2
+    python -m loadtest.security_bench --json docs/bench/security-tenant-timing.json --part timing --threads 2
 
 1. cost: two `tandem serve --in-process` on loopback with the same models and flags, one plaintext without keys,
    one with TLS (a CA and server certificate made here, ECDSA P-256) and --api-keys; the load tester at a fixed
@@ -16,7 +16,7 @@
    is read. Reported: medians and attacker-same-session / attacker-fresh (target: no faster, ratio >= 0.9 within
    noise) beside victim-warm / victim-cold (how much faster a cross-tenant hit would have been).
 
-Writes the JSON to --out; server logs beside it. Exit status 0 done, 1 a server failed, 2 bad arguments.
+Writes the JSON to --json PATH; server logs beside it. Exit status 0 done, 1 a server failed, 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from loadtest.api_compare import Server, add_server_options, bench_prompts, figu
 from loadtest.client_run import run_level
 from loadtest.config import RunConfig
 from loadtest.prompts import Prompt
+from tandem.cli.options import DefaultsHelpFormatter
 
 COST_TARGET = 1.02  # secured / plain request latency p50 at 8 in flight
 TIMING_TARGET = 0.9  # attacker on the victim's session id / attacker cold: not faster than this
@@ -74,8 +75,8 @@ def make_keys(path: Path, tenants: tuple[str, ...]) -> dict[str, str]:
 def cost(args: argparse.Namespace, work: Path, prompts: list[Prompt]) -> dict:
     pki = make_pki(work)
     keys = make_keys(work / "keys.jsonl", ("bench",))
-    plain = Server(args, args.out.with_name(args.out.name + ".plain.log"))
-    secured = Server(args, args.out.with_name(args.out.name + ".secured.log"),
+    plain = Server(args, args.json.with_name(args.json.name + ".plain.log"))
+    secured = Server(args, args.json.with_name(args.json.name + ".secured.log"),
                      extra=["--tls-cert", pki["server_cert_path"], "--tls-key", pki["server_key_path"],
                             "--api-keys", str(work / "keys.jsonl")], ca=pki["ca_path"])
     servers = {"plain": plain, "secured": secured}
@@ -132,7 +133,7 @@ def timing(args: argparse.Namespace, work: Path, prompts: list[Prompt]) -> dict:
     from tandem.client import TandemClient
 
     keys = make_keys(work / "keys.jsonl", ("victim", "attacker"))
-    server = Server(args, args.out.with_name(args.out.name + ".timing.log"),
+    server = Server(args, args.json.with_name(args.json.name + ".timing.log"),
                     extra=["--api-keys", str(work / "keys.jsonl")])
     records = []
     try:
@@ -187,19 +188,21 @@ def _fmt(value: float | None) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.security_bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="the JSON report")
-    parser.add_argument("--part", choices=("cost", "timing", "both"), default="both")
+    parser = argparse.ArgumentParser(prog="python -m loadtest.security_bench", description=__doc__.splitlines()[0],
+                                     formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--json", type=Path, required=True, metavar="PATH",
+                        help="the JSON report; the servers' logs go beside it")
+    parser.add_argument("--part", choices=("cost", "timing", "both"), default="both", help="what to measure")
     add_server_options(parser)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request")
+    parser.add_argument("--concurrency", type=int, default=8, help="cost: requests in flight")
+    parser.add_argument("--repeats", type=int, default=3, help="cost: runs of each server, alternated")
     parser.add_argument("--min-requests", type=int, default=16, help="requests a cost run at the least")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up requests per run (not measured)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trials", type=int, default=8, help="timing: prompts tried (at most the 8 shipped)")
-    parser.add_argument("--timeout", type=float, default=1800.0)
-    parser.add_argument("--ready-timeout", type=float, default=1800.0)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="per-request deadline, seconds")
+    parser.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds a server may take to turn ready")
     args = parser.parse_args(argv)
     for name in ("max_tokens", "concurrency", "repeats", "trials"):
         if getattr(args, name) < 1:
@@ -233,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             body["error"] = str(exc)
             status = 1
     body["seconds"] = round(time.time() - started, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(body, indent=2) + "\n")
-    log(f"wrote {args.out}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(body, indent=2) + "\n")
+    log(f"wrote {args.json}")
     return status
 
 

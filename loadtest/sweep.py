@@ -1,7 +1,7 @@
 """A sweep: several load levels × speculation AUTO and OFF against one server, in one command.
 
 Writes DIR/<level>-<mode>[-<repetition>]/{results.json,trace.jsonl} per run, DIR/sweep.json with every run's
-results, the AUTO/OFF ratios and the analytic bound (loadtest.report.bound) per level, and the PNG plots of
+results, the AUTO/OFF ratios and the analytic bound (tandem.bench.bound) per level, and the PNG plots of
 loadtest.report.plots. Both modes of a level use the same seed, so they send the same prompts at the same arrival
 times.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 from loadtest import trace
 from loadtest.config import RunConfig
 from loadtest.prompts import Prompt
-from loadtest.report.bound import sweep_bound
 from loadtest.run import results_of, run_to_dir, summary, write_json
+from tandem.bench.bound import sweep_bound
 
 # (name in sweep.json, results key, statistic): the quantities compared between AUTO and OFF per level.
 RATIO_FIELDS = (

@@ -21,7 +21,7 @@ MAX_TOKENS = 8
 def _compare(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / "compare.json"
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, "-m", "loadtest.api_compare", "--out", str(out), "--dtype", "float32",
+    done = subprocess.run([sys.executable, "-m", "loadtest.api_compare", "--json", str(out), "--dtype", "float32",
                            "--threads", "1", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     return done, out
 
@@ -97,10 +97,10 @@ def test_a_server_that_fails_to_start_is_reported(tmp_path) -> None:
 
 def test_bad_arguments_exit_2(tmp_path) -> None:
     with pytest.raises(SystemExit) as exc:
-        api_compare.parse_args(["--out", str(tmp_path / "x.json"), "--guidellm", str(tmp_path / "nope")])
+        api_compare.parse_args(["--json", str(tmp_path / "x.json"), "--guidellm", str(tmp_path / "nope")])
     assert exc.value.code == 2
     with pytest.raises(SystemExit):
-        api_compare.parse_args(["--out", "x.json", "--concurrency", "0"])
+        api_compare.parse_args(["--json", "x.json", "--concurrency", "0"])
 
 
 def test_the_shipped_prompts_and_the_schedule() -> None:

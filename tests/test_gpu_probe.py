@@ -1,16 +1,19 @@
-"""scripts/gpu_probe.py runs only where CUDA is; its measuring functions run here on tiny shapes, so a GPU session
-does not spend its machine time on a probe that breaks."""
+"""tandem.bench.gpu_probe runs only where CUDA is; its measuring functions run here on tiny shapes, so a GPU session
+does not spend its machine time on a probe that breaks. It also runs by path from a checkout with only torch and
+transformers (the GPU machine has no tandem installed)."""
 
 from __future__ import annotations
 
-import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-SPEC = importlib.util.spec_from_file_location("gpu_probe", Path(__file__).parents[1] / "scripts" / "gpu_probe.py")
-probe = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(probe)
+from tandem.bench import gpu_probe as probe
+
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512)
 
@@ -27,3 +30,19 @@ def test_probe_measures_tandem_and_hugging_face_on_the_same_weights() -> None:
     assert set(costs) == {1, 3} and all(seconds > 0 for seconds in costs.values())
     head_dim = 64 // 4
     assert probe.kv_bytes_per_token(target) == 2 * 2 * 2 * head_dim * 4  # layers x (k, v) x kv heads x dim x fp32
+
+
+def test_probe_runs_by_path_and_shows_every_default(tmp_path) -> None:
+    """By path from another folder, as on a GPU machine with a checkout and no install: tandem resolves from the
+    checkout's services/ and --help shows the defaults; where there is no GPU, it stops at once, saying so."""
+    script = str(Path(probe.__file__))
+    shown = subprocess.run([sys.executable, script, "--help"], cwd=tmp_path, capture_output=True, text=True,
+                           env=os.environ | {"COLUMNS": "240"})  # wide: argparse breaks long words at the width
+    assert shown.returncode == 0, shown.stderr
+    text = " ".join(shown.stdout.split())
+    assert "--num-prompts NUM_PROMPTS random prompts (64 to 256 tokens) (default: 8)" in text
+    assert "(default: gpu-probe.json)" in text
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA is not available"):
+            probe.main(["--json", str(tmp_path / "probe.json")])
+        assert not (tmp_path / "probe.json").exists()

@@ -1,16 +1,12 @@
-"""scripts/vllm_compare.py's pure parts (schedule, pooling, ratios against the targets, arguments), without vLLM."""
+"""tandem.bench.vllm_compare's pure parts (schedule, pooling, ratios against the targets, arguments), without vLLM."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-SPEC = importlib.util.spec_from_file_location("vllm_compare", Path(__file__).parents[1] / "scripts" / "vllm_compare.py")
-compare = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(compare)
+from tandem.bench import vllm_compare as compare
 
 
 def run(tok_s: float, tokens: int = 100) -> dict:
@@ -67,12 +63,15 @@ def test_arguments_defaults_and_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     args = compare.parse_args([])
     assert (args.threads, args.max_tokens, args.batch, args.k, args.repeats) == (2, 128, 8, 4, 2)
     assert args.vllm_python == compare.DEFAULT_VLLM_PYTHON and args.systems == ["tandem", "vllm"]
-    assert args.prompts is None and not args.no_served
+    assert args.prompts == "bench" and args.num_prompts is None and not args.no_served
+    assert args.json == compare.DEFAULT_REPORT
     monkeypatch.setenv("VLLM_PYTHON", "/opt/v/bin/python")
-    args = compare.parse_args(["--systems", "vllm", "--max-tokens", "16", "--prompts", "2", "--repeats", "1"])
-    assert args.vllm_python == "/opt/v/bin/python" and args.systems == ["vllm"]
-    assert (args.max_tokens, args.prompts, args.repeats) == (16, 2, 1)
-    for bad in (["--systems", "tandem,sglang"], ["--systems", "vllm,vllm"], ["--repeats", "0"], ["--threads", "0"]):
+    args = compare.parse_args(["--systems", "vllm", "tandem", "--max-tokens", "16", "--num-prompts", "2", "--repeats",
+                               "1", "--json"])
+    assert args.vllm_python == "/opt/v/bin/python" and args.systems == ["vllm", "tandem"]
+    assert (args.max_tokens, args.num_prompts, args.repeats, args.json) == (16, 2, 1, "-")
+    for bad in (["--systems", "tandem", "sglang"], ["--systems", "vllm", "vllm"], ["--systems", "tandem,vllm"],
+                ["--repeats", "0"], ["--threads", "0"]):
         with pytest.raises(SystemExit):
             compare.parse_args(bad)
 

@@ -7,8 +7,8 @@ ITL at least 1.3x better (<= 1/1.3 of OFF's); at the highest load AUTO's output 
 
 from __future__ import annotations
 
-from loadtest.report.bound import sweep_bound
 from loadtest.sweep import value_of
+from tandem.bench.bound import sweep_bound
 
 ITL_LIMIT = 1.02
 LOW_LOAD_GAIN = 1.3

@@ -15,10 +15,10 @@ import argparse
 import asyncio
 import json
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tandem.bench.runner import load_prompts
+from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
+from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_prompts_option, wants_text, write_json
 from tandem.client import AsyncTandemClient
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ class InProcess:
 
     def __init__(self, target: LoadedModel, draft: LoadedModel) -> None:
         from tandem.core.config import EngineConfig
-        from tandem.local_engine import build_engine
+        from tandem.engines.local import build_engine
 
         self.tokenizer = target.tokenizer
         self.engine = build_engine(target, draft, EngineConfig())
@@ -127,7 +127,7 @@ class InProcess:
 
     def run(self, prompts: list[str], max_tokens: int) -> dict:
         from tandem.core.config import SamplingParams
-        from tandem.local_engine import encode_prompt
+        from tandem.engines.local import encode_prompt
 
         encoded = [encode_prompt(self.tokenizer, prompt, chat=True) for prompt in prompts]
         self.engine.generate([encoded[0]], SamplingParams(temperature=0.0, max_tokens=4))
@@ -144,25 +144,24 @@ class InProcess:
                 "fallback_rounds": sum(r.stats["fallback_rounds"] for r in results), "draft_failures": 0}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--address", default="127.0.0.1:50051")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--prompts", type=Path, default=None)
-    parser.add_argument("--json", type=Path, default=None)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--address", default="127.0.0.1:50051", help="the server's HOST:PORT")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="levels: requests in flight at once")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
+    add_prompts_option(parser, PROMPT_SETS, DEFAULT_PROMPTS)
+    add_json_option(parser, "the report")
     parser.add_argument("--in-process", nargs=2, metavar=("TARGET", "DRAFT"), default=None,
                         help="also run the prompts through an in-process engine on these models (bf16, CPU)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for --in-process")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each level and mode, interleaved")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     prompts = load_prompts(args.prompts)
     in_process = InProcess.load(*args.in_process, args.threads) if args.in_process else None
     report = asyncio.run(run(args.address, prompts, args.concurrency, args.max_tokens, args.repeat, in_process))
-    text = json.dumps(report, indent=2)
-    if args.json:
-        args.json.write_text(text + "\n")
-    print(text)
+    if wants_text(args):
+        print(json.dumps(report, indent=2))
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ import asyncio
 import json
 import time
 import uuid
-from pathlib import Path
 
-from tandem.bench.runner import load_prompts
+from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
+from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_prompts_option, wants_text, write_json
 from tandem.client import AsyncTandemClient
 
 FOLLOW_UP = "Now add type hints and a docstring, and explain the complexity."
@@ -68,19 +68,18 @@ async def run(address: str, prompts: list[str], max_tokens: int) -> dict:
     return report
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--address", default="127.0.0.1:50051")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--prompts", type=Path, default=None)
-    parser.add_argument("--limit", type=int, default=4)
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
-    report = asyncio.run(run(args.address, load_prompts(args.prompts)[: args.limit], args.max_tokens))
-    text = json.dumps(report, indent=2)
-    if args.json:
-        args.json.write_text(text + "\n")
-    print(text)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--address", default="127.0.0.1:50051", help="the server's HOST:PORT")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per turn")
+    add_prompts_option(parser, PROMPT_SETS, DEFAULT_PROMPTS)
+    parser.add_argument("--num-prompts", type=int, default=4, help="use only the first N prompts")
+    add_json_option(parser, "the report")
+    args = parser.parse_args(argv)
+    report = asyncio.run(run(args.address, load_prompts(args.prompts)[: args.num_prompts], args.max_tokens))
+    if wants_text(args):
+        print(json.dumps(report, indent=2))
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -6,5 +6,5 @@
 - `gateway`: what the servicer records per Generate call (the SERVER span and the gen_ai.server.* histograms).
 - `metrics`: the gateway's instruments and its Prometheus endpoint.
 - `worker`: worker-side spans and the worker's Prometheus endpoint.
-- `overhead`: `python -m tandem.telemetry.overhead` times the instrumentation's per-call cost.
+- `overhead`: `python -m tandem.bench.overhead` times the instrumentation's per-call cost.
 """

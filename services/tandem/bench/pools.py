@@ -3,75 +3,37 @@
 Starts a Ray head on loopback (or joins --ray-address), `tandem pools start` with one draft worker and one target
 replica, and the gateways as separate `tandem gateway` processes; runs the configurations alternately, --repeats
 times, each as N concurrent greedy streams of --max-tokens (chat prompts); reads rows per verify forward from the
-target worker's counters. JSON on stdout (and --out):
+target worker's counters. JSON on stdout (and --json PATH):
 
-    python -m loadtest.pools_bench --sessions 8 --max-tokens 128 --repeats 2 --out docs/bench/pools-v1.json
+    python -m tandem.bench.pools --sessions 8 --max-tokens 128 --repeats 2 --json docs/bench/pools-v2.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 from loadtest.prompts import load_set
+from tandem.bench.local_cluster import (
+    BIN,
+    pools_status,
+    ray_env,
+    ray_head_command,
+    run_tandem,
+    start_gateway,
+    wait_for_port,
+)
+from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
 from tandem.client import TandemClient
-
-BIN = Path(sys.executable).parent
-SERVING = 1
-
-
-def _env(address: str) -> dict:
-    # Not this process's own Ray settings (a local Ray started here turns token auth on): the loopback head has none.
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    return inherited | {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled",
-                        "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}
-
-
-def _tandem(address: str, *args: str) -> str:
-    done = subprocess.run([str(BIN / "tandem"), *args], env=_env(address), capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(done.stderr[-2000:])
-    return done.stdout
-
-
-def _wait_for_port(port: int, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"nothing listens on port {port}") from None
-            time.sleep(0.2)
-
-
-def _gateway(address: str, pools: str) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([str(BIN / "tandem"), "gateway", "--pools", pools, "--port", "0", "--metrics-port",
-                                "-1"], env=_env(address), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    for line in process.stdout:
-        if "serving tandem.v1.GenerationService on" in line:
-            target = line.split(" on ")[1].split()[0]
-            break
-    else:
-        raise RuntimeError("gateway exited")
-    threading.Thread(target=process.stdout.read, daemon=True).start()
-    with TandemClient(target, timeout=10) as client:
-        while client.health_status("tandem.v1.GenerationService") != SERVING:
-            time.sleep(0.5)
-    return process, target
 
 
 def _target_counters(address: str, pools: str) -> tuple[int, int]:
-    status = json.loads(_tandem(address, "pools", "status", "--name", pools, "--json"))
+    status = pools_status(address, pools)
     # rows and forwards are cumulative on the worker; status reports recent means, so read them from info here.
     target = next(w for w in status["workers"] if w["role"] == "target")
     return target["rows"], target["forwards"]
@@ -101,33 +63,30 @@ def _run(addresses: list[str], prompts: list, max_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--ray-address", default=None, help="join this cluster (default: start a head here)")
-    parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--sessions", type=int, default=8, help="concurrent greedy streams")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per stream")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration, alternated")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--pool-args", default="", help="more `tandem pools start` flags, one string")
-    parser.add_argument("--out", default=None)
+    add_json_option(parser, "the report")
     args = parser.parse_args(argv)
 
     address, head = args.ray_address, None
-    if address is None:  # a head of our own; --block: terminating it stops this head alone
+    if address is None:
         address = "127.0.0.1:6399"
-        head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-                                 "--port=6399", "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats",
-                                 f"--temp-dir={tempfile.mkdtemp(prefix='tandem-ray-')}"], env=_env(address),
+        head = subprocess.Popen(ray_head_command(6399, tempfile.mkdtemp(prefix="tandem-ray-")), env=ray_env(address),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_for_port(6399)
+        wait_for_port(6399)
     gateways: list[subprocess.Popen] = []
     try:
-        _tandem(address, "pools", "start", "--name", "bench", "--threads", str(args.threads), "--draft-workers", "1",
-                "--target-replicas", "1", *args.pool_args.split())
-        one, two_a, two_b = (_gateway(address, "bench") for _ in range(3))
-        gateways += [one[0], two_a[0], two_b[0]]
+        run_tandem(address, "pools", "start", "--name", "bench", "--threads", str(args.threads), "--draft-workers",
+                   "1", "--target-replicas", "1", *args.pool_args.split())
+        one, two_a, two_b = (start_gateway(address, "bench", started=gateways).address for _ in range(3))
         prompts = (load_set("chat") * args.sessions)[: args.sessions]
-        configs = {"one_gateway": [one[1]], "two_gateways": [two_a[1], two_b[1]]}
-        _run([one[1], two_a[1]], prompts[:2], 16)  # warm-up: every gateway's first round on the pools
+        configs = {"one_gateway": [one], "two_gateways": [two_a, two_b]}
+        _run([one, two_a], prompts[:2], 16)  # warm-up: every gateway's first round on the pools
         runs: list[dict] = []
         for repeat in range(args.repeats):
             order = list(configs) if repeat % 2 == 0 else list(reversed(configs))
@@ -139,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                            "rows_per_verify_forward": round((rows1 - rows0) / max(1, forwards1 - forwards0), 3)}
                 print(json.dumps({k: v for k, v in result.items() if k != "outputs"}), file=sys.stderr, flush=True)
                 runs.append(result)
-        status = json.loads(_tandem(address, "pools", "status", "--name", "bench", "--json"))
-        report = _summarise(runs, args, status)
+        report = _summarise(runs, args, pools_status(address, "bench"))
     finally:
         for process in gateways:
             process.terminate()
@@ -148,12 +106,11 @@ def main(argv: list[str] | None = None) -> int:
             head.terminate()
             head.wait(timeout=120)
         else:
-            subprocess.run([str(BIN / "tandem"), "pools", "stop", "--name", "bench"], env=_env(address),
+            subprocess.run([str(BIN / "tandem"), "pools", "stop", "--name", "bench"], env=ray_env(address),
                            capture_output=True)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    if wants_text(args):
+        print(json.dumps(report, indent=2))
+    write_json(args.json, report)
     return 0
 
 
@@ -164,7 +121,7 @@ def _summarise(runs: list[dict], args: argparse.Namespace, status: dict) -> dict
 
     reference = next(r["outputs"] for r in runs if r["config"] == "one_gateway")
     return {
-        "command": "python -m loadtest.pools_bench " + " ".join(sys.argv[1:]),
+        "command": "python -m tandem.bench.pools " + " ".join(sys.argv[1:]),
         "sessions": args.sessions, "max_tokens": args.max_tokens, "threads_per_worker": args.threads,
         "worker_actors": len(status["workers"]),
         "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],

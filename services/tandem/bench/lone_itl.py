@@ -4,7 +4,7 @@ Each prompt runs through one engine per setting (plain, AUTO with draft confiden
 the settings' order reversed on every other prompt; all engines share the cost model calibrated once. A step's
 gap is divided over the tokens it committed, as loadtest does with streamed chunks.
 
-    python scripts/lone_itl.py --json docs/bench/lone-itl-v1.json     # about 12 minutes on 2 cores
+    python -m tandem.bench.lone_itl --json docs/bench/lone-itl-v1.json     # about 12 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
+from importlib import resources
 
 import torch
 
+from tandem.bench.prompts import load_prompts
+from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
-from tandem.local_engine import build_engine, encode_prompt
+from tandem.engines.local import build_engine, encode_prompt
 from tandem.models.loader import load_model
 
 SETTINGS = {
@@ -29,10 +31,9 @@ SETTINGS = {
 
 
 def prompts() -> list[str]:
-    root = Path(__file__).resolve().parents[1]
-    bench = [json.loads(line)["prompt"] for line in (root / "services/tandem/bench/prompts.jsonl").open()]
-    chat = [json.loads(line)["messages"][-1]["content"] for line in (root / "loadtest/prompts/chat.jsonl").open()]
-    return bench + chat[3:7]
+    """The bench's shipped set, then four of loadtest's chat prompts (their last message), for longer requests."""
+    chat = resources.files("loadtest").joinpath("prompts", "chat.jsonl").read_text().splitlines()
+    return load_prompts() + [json.loads(line)["messages"][-1]["content"] for line in chat[3:7]]
 
 
 def lone_itls(engine, ids: list[int], params: SamplingParams) -> tuple[list[float], int, float]:
@@ -53,12 +54,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(int(len(ordered) * q), len(ordered) - 1)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", type=Path, required=True)
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    add_json_option(parser, "the ITL percentiles and tok/s per setting")
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     target, draft = (load_model(name, device=torch.device("cpu"), dtype=torch.bfloat16, progress=False)
                      for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"))
@@ -80,8 +81,9 @@ def main() -> None:
     report = {name: {"itl_p50": percentile(itls[name], 0.5), "itl_p90": percentile(itls[name], 0.9),
                      "itl_p99": percentile(itls[name], 0.99), "tok_s": totals[name][0] / totals[name][1],
                      "itls": len(itls[name])} for name in SETTINGS}
-    args.json.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, indent=1))
+    if wants_text(args):
+        print(json.dumps(report, indent=2))
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

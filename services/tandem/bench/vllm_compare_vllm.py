@@ -1,9 +1,10 @@
-"""vLLM's half of scripts/vllm_compare.py: one engine (plain, or draft-model speculation), batch 1 and all at once.
+"""vLLM's half of tandem.bench.vllm_compare: one engine (plain, or draft-model speculation), batch 1 and all at once.
 
-Runs under vLLM's own Python (no tandem import), started by scripts/vllm_compare.py with the job as JSON:
+Runs by path under vLLM's own Python, where tandem is not installed (so it imports nothing of tandem), started by
+tandem.bench.vllm_compare with the job as JSON:
 
-    VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 /work/vllm-venv/bin/python scripts/vllm_compare_vllm.py \
-        job.json result.json
+    VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 /work/vllm-venv/bin/python \
+        services/tandem/bench/vllm_compare_vllm.py job.json result.json
 
 job: target_dir, draft_dir, spec (bool), k, prompt_ids (chat-templated token ids, one list per prompt), jobs (the
 token ids sent at once), max_tokens, max_model_len, eos_ids, order (["b1", "bN"] or reversed). result: per mode
@@ -19,6 +20,11 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+# Run by path, this file's folder comes first on sys.path, and its modules' names (core, prompts, serving, ...) must
+# not shadow what vLLM imports. Checked, not blindly popped: vLLM's spawned processes run this module again.
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    del sys.path[0]
 
 
 def _strip_eos(token_ids: list[int], eos: set[int]) -> list[int]:

@@ -1,6 +1,6 @@
 """GPU probe: tandem's runner on a GPU next to Hugging Face generate on the same weights; one JSON out.
 
-Needs only torch and transformers (and this checkout's services/ on the path): the real pair's configs
+Needs only torch and transformers, and tandem's own code from a checkout, installed or not: the real pair's configs
 (Qwen2.5-Coder-1.5B-Instruct target, -0.5B draft) with random weights, random prompt ids, greedy, EOS ignored.
 Random weights mean the draft agrees with the target about as often as chance, so the speculative runs show what
 rounds cost, not what they gain; the gain at the real pair's acceptance is projected from measured forward costs
@@ -11,7 +11,8 @@ Measures: plain and speculative tok/s at batch 1 and 8 (tandem), HF generate pla
 bytes allocated per decode step against the live KV cache (a cache copied every step allocates its whole size
 again), and the plain batch-1 decode against the weight-bandwidth limit.
 
-    python scripts/gpu_probe.py --out probe.json            # under 10 minutes on one H100
+    python -m tandem.bench.gpu_probe --json probe.json                # under 10 minutes on one H100
+    python services/tandem/bench/gpu_probe.py --json probe.json       # the same from a checkout, tandem not installed
 """
 
 from __future__ import annotations
@@ -25,13 +26,19 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services"))
+HERE = Path(__file__).resolve().parent
+if not __package__ and sys.path and Path(sys.path[0] or ".").resolve() == HERE:
+    # Run by path: the checkout's services/ in place of this folder, so tandem imports without an install and this
+    # folder's modules (core, prompts, ...) shadow nothing.
+    sys.path[0] = str(HERE.parents[1])
 
-from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
-from tandem.core.engine import SpeculativeEngine
-from tandem.core.kv_cache import kv_bytes_per_token
-from tandem.core.local import LocalDrafter, LocalVerifier
-from tandem.core.runner import ModelRunner
+from tandem.core.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
+from tandem.core.engine import SpeculativeEngine  # noqa: E402
+from tandem.core.kv_cache import kv_bytes_per_token  # noqa: E402
+from tandem.core.local import LocalDrafter, LocalVerifier  # noqa: E402
+from tandem.core.runner import ModelRunner  # noqa: E402
+
+STDOUT = "-"  # `--json` alone: the report on stdout (tandem.cli.options.STDOUT)
 
 COMMON = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
               tie_word_embeddings=True, hidden_act="silu", eos_token_id=None, pad_token_id=0)
@@ -172,7 +179,7 @@ def allocated_per_step(eng_factory, work: list[list[int]], contexts: tuple[int, 
             eng.step()
         sync()
         allocated = torch.cuda.memory_stats()["allocated_bytes.all.allocated"] - before
-        live = eng.verifier.runner.cached_tokens * kv_bytes_per_token(eng.verifier.runner.model)
+        live = eng.verifier.runner.kv_tokens_used * kv_bytes_per_token(eng.verifier.runner.model)
         while eng.has_unfinished():
             eng.step()
         out[context] = {"allocated_per_step": allocated / steps, "live_kv_bytes": live}
@@ -196,15 +203,17 @@ def graphs_vs_eager(target, draft, work: list[list[int]], tokens: int, log) -> N
                                         "speedup": pooled["graphs"] / pooled["eager"]})
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("gpu-probe.json"))
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--prompts", type=int, default=8)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--json", nargs="?", const=STDOUT, default="gpu-probe.json", metavar="PATH",
+                        help="the report: on stdout when PATH is left out, else PATH, rewritten after each figure")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens generated per request")
+    parser.add_argument("--num-prompts", type=int, default=8, help="random prompts (64 to 256 tokens)")
     parser.add_argument("--warm-seconds", type=float, default=45.0, help="decode this long before measuring")
     parser.add_argument("--no-compile", action="store_true", help="skip HF generate with static cache + compile")
     parser.add_argument("--only-graphs", action="store_true", help="only CUDA graphs against eager forwards")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit(f"gpu_probe: CUDA is not available (torch {torch.__version__})")
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -212,16 +221,23 @@ def main() -> None:
     target, draft = build("target", device, dtype), build("draft", device, dtype)
     name = torch.cuda.get_device_name()
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
-    work = prompts(args.prompts)
+    work = prompts(args.num_prompts)
     batch1 = work[:4]
     report: dict = {"device": name, "torch": torch.__version__, "dtype": "bfloat16", "tokens": args.tokens,
                     "prompt_lengths": list(map(len, work)), "target_weight_bytes": weight_bytes, "results": {}}
     res = report["results"]
+    progress = sys.stderr if args.json == STDOUT else sys.stdout
+
+    def save(final: bool = False) -> None:
+        if args.json != STDOUT:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        if final:
+            print(json.dumps(report) if args.json == STDOUT else f"wrote {args.json}", flush=True)
 
     def log(key, value):
         res[key] = value
-        args.out.write_text(json.dumps(report, indent=2) + "\n")  # a run cut short still leaves its figures
-        print(f"[{time.perf_counter() - started:6.1f}s] {key}: {json.dumps(value)}", flush=True)
+        save()  # a run cut short still leaves its figures
+        print(f"[{time.perf_counter() - started:6.1f}s] {key}: {json.dumps(value)}", file=progress, flush=True)
 
     # First calls of each new shape pay one-off kernel selection: warm every prompt's prefill in both stacks. Then
     # keep decoding for a while: on the lent H100 the same run doubled its tok/s over its first minute (clocks
@@ -234,7 +250,7 @@ def main() -> None:
         run_tandem(target, draft, None, 8, work, 32)
     graphs_vs_eager(target, draft, work, args.tokens, log)
     if args.only_graphs:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        save(final=True)
         return
     # Plain decoding of both stacks at batch 1 in the order A B B A, each pair pooled.
     pairs = {"tandem_plain_b1": [], "hf_plain_b1": []}
@@ -277,7 +293,7 @@ def main() -> None:
     report["bandwidth"] = {"hbm_peak_bytes_s": hbm, "tandem_plain_b1_weight_bytes_s": weight_bytes / per_token,
                            "limit_tok_s": hbm / weight_bytes if hbm else None,
                            "share_of_limit": weight_bytes / per_token / hbm if hbm else None}
-    print("bandwidth:", json.dumps(report["bandwidth"]), flush=True)
+    print("bandwidth:", json.dumps(report["bandwidth"]), file=progress, flush=True)
     if not args.no_compile:
         try:
             kwargs = dict(cache_implementation="static")
@@ -286,8 +302,7 @@ def main() -> None:
         except Exception as exc:  # report, do not lose the rest of the probe
             log("hf_static_compiled_b1", {"error": f"{type(exc).__name__}: {exc}"[:500]})
     report["wall_seconds"] = time.perf_counter() - started
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out} in {report['wall_seconds']:.0f}s")
+    save(final=True)
 
 
 if __name__ == "__main__":

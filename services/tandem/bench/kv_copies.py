@@ -3,8 +3,8 @@
 The previous runner is imported from a worktree of the commit before the KV cache change:
 
     git worktree add /tmp/old-runner b031b91
-    python scripts/kv_copies.py --out kv-copies.json                      # tiny target, float32
-    python scripts/kv_copies.py --model qwen-shape --dtype bfloat16 --contexts 256 1024
+    python -m tandem.bench.kv_copies --json kv-copies.json                  # tiny target, float32
+    python -m tandem.bench.kv_copies --model qwen-shape --dtype bfloat16 --contexts 256 1024
 
 Per runner, batch and context: greedy decode steps (rows of slightly different lengths; --width tokens per row
 and step, 1 for plain decoding, k + 1 for a verification), every allocation counted by tandem.bench.allocations.
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,11 +28,9 @@ from pathlib import Path
 import torch
 import transformers
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "services"))
-
-from tandem.bench.allocations import AllocationMeter  # noqa: E402
-from tandem.core.runner import ModelRunner  # noqa: E402
+from tandem.bench.allocations import AllocationMeter
+from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
+from tandem.core.runner import ModelRunner
 
 ATTENTION_OP = "aten::scaled_dot_product_attention"
 QWEN_SHAPE = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
@@ -121,21 +118,22 @@ def _shape(runner) -> tuple[int, int] | None:
     return (runner.cache.slots, runner.cache.capacity) if hasattr(runner, "cache") else None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("kv-copies.json"))
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    add_json_option(parser, "the report")
+    parser.set_defaults(json="kv-copies.json")
     parser.add_argument("--old", type=Path, default=Path("/tmp/old-runner"), help="worktree of the previous commit")
     parser.add_argument("--model", choices=["tiny", "qwen-shape"], default="tiny",
                         help="qwen-shape: random weights, Qwen2.5-Coder-1.5B layer shapes, --layers layers")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--contexts", type=int, nargs=2, default=[128, 1024])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=2, help="layers of the qwen-shape model")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the model's dtype")
+    parser.add_argument("--contexts", type=int, nargs=2, default=[128, 1024], help="the two context lengths compared")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps measured per batch and context")
     parser.add_argument("--width", type=int, default=1, help="new tokens per row and step (k + 1 to verify)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--device", default="cpu", help="torch device")
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     old = old_runner_module(args.old)
     device = torch.device(args.device)
@@ -164,10 +162,12 @@ def main() -> None:
                           "resident_over_live": {c: by_context[c]["resident_over_live"] for c in (lo, hi)},
                           "by_context": by_context}
                 report["results"][f"{name}_b{batch}"] = result
-                print(f"{name} batch {batch}: {copies:.3f} KV copies per step, step peak KV / live KV "
-                      f"{result['step_peak_kv_over_live']:.2f}, resident / live "
-                      + ", ".join(f"{by_context[c]['resident_over_live']:.2f} at {c}" for c in (lo, hi)), flush=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+                if wants_text(args):
+                    print(f"{name} batch {batch}: {copies:.3f} KV copies per step, step peak KV / live KV "
+                          f"{result['step_peak_kv_over_live']:.2f}, resident / live "
+                          + ", ".join(f"{by_context[c]['resident_over_live']:.2f} at {c}" for c in (lo, hi)),
+                          flush=True)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

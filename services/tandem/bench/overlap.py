@@ -4,10 +4,10 @@
 The draft worker and the target worker each get one torch thread, and every thread of each is pinned to a core of
 its own (emulating separate devices); the gateways and Ray's own processes are left unpinned. N concurrent greedy
 chat sessions of --max-tokens each; per run: aggregate tok/s, drafted and accepted tokens, rows per verify forward.
-JSON on stdout (and --out):
+JSON on stdout (and --json PATH):
 
-    python -m loadtest.overlap_bench --sessions 8 --max-tokens 128 --repeats 2 --pool-args "--fixed-k 3" \
-        --gateway-args "--max-batch 4" --out docs/bench/overlap-capped-v1.json
+    python -m tandem.bench.overlap --sessions 8 --max-tokens 128 --repeats 2 --pool-args "--fixed-k 3" \
+        --gateway-args "--max-batch 4" --json docs/bench/overlap-capped-v1.json
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
-from loadtest.pools_bench import BIN, SERVING, _env, _tandem, _wait_for_port
 from loadtest.prompts import load_set
+from tandem.bench.local_cluster import pools_status, ray_env, ray_head_command, run_tandem, start_gateway, wait_for_port
+from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
 from tandem.client import TandemClient
 
 
@@ -36,30 +36,9 @@ def _pin(pid: int, core: int) -> int:
     return len(tasks)
 
 
-def _gateway(address: str, pools: str, lanes: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([str(BIN / "tandem"), "gateway", "--pools", pools, "--port", "0", "--metrics-port",
-                                "-1", "--lanes", str(lanes), *extra], env=_env(address), stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True)
-    for line in process.stdout:
-        if "serving tandem.v1.GenerationService on" in line:
-            target = line.split(" on ")[1].split()[0]
-            break
-    else:
-        raise RuntimeError("gateway exited")
-    threading.Thread(target=process.stdout.read, daemon=True).start()
-    deadline = time.monotonic() + 300
-    with TandemClient(target, timeout=10) as client:
-        while client.health_status("tandem.v1.GenerationService") != SERVING:
-            if time.monotonic() > deadline:
-                raise RuntimeError("gateway never turned ready")
-            time.sleep(0.5)
-    return process, target
-
-
 def _counters(address: str) -> dict[str, dict]:
     """Each role's cumulative forwards, rows and busy seconds (one worker per role here)."""
-    status = json.loads(_tandem(address, "pools", "status", "--name", "overlap", "--json"))
-    return {w["role"]: w for w in status["workers"]}
+    return {w["role"]: w for w in pools_status(address, "overlap")["workers"]}
 
 
 def _run(address: str, prompts: list, max_tokens: int) -> dict:
@@ -92,40 +71,37 @@ def _run(address: str, prompts: list, max_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--sessions", type=int, default=8, help="concurrent greedy streams")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per stream")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration, alternated")
     parser.add_argument("--lanes", type=int, default=2, help="lanes of the overlapped gateway")
     parser.add_argument("--pool-args", default="", help="more `tandem pools start` flags, one string")
     parser.add_argument("--gateway-args", default="",
                         help="more `tandem gateway` flags for both gateways, one string (e.g. \"--max-batch 4\")")
     parser.add_argument("--no-pin", action="store_true", help="leave the workers unpinned")
-    parser.add_argument("--out", default=None)
+    add_json_option(parser, "the report")
     args = parser.parse_args(argv)
 
     address = "127.0.0.1:6398"
-    head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-                             "--port=6398", "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats",
-                             f"--temp-dir={tempfile.mkdtemp(prefix='tandem-ray-')}"], env=_env(address),
+    head = subprocess.Popen(ray_head_command(6398, tempfile.mkdtemp(prefix="tandem-ray-")), env=ray_env(address),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     gateways: list[subprocess.Popen] = []
     try:
-        _wait_for_port(6398)
-        _tandem(address, "pools", "start", "--name", "overlap", "--threads", "1", "--draft-workers", "1",
-                "--target-replicas", "1", *args.pool_args.split())
-        status = json.loads(_tandem(address, "pools", "status", "--name", "overlap", "--json"))
+        wait_for_port(6398)
+        run_tandem(address, "pools", "start", "--name", "overlap", "--threads", "1", "--draft-workers", "1",
+                   "--target-replicas", "1", *args.pool_args.split())
+        status = pools_status(address, "overlap")
         pinned = {}
         if not args.no_pin:
             for core, role in enumerate(("draft", "target")):
                 worker = next(w for w in status["workers"] if w["role"] == role)
                 pinned[role] = {"pid": worker["pid"], "core": core, "threads": _pin(worker["pid"], core)}
         extra = args.gateway_args.split()
-        sequential = _gateway(address, "overlap", 1, extra)
-        overlapped = _gateway(address, "overlap", args.lanes, extra)
-        gateways += [sequential[0], overlapped[0]]
+        sequential = start_gateway(address, "overlap", ["--lanes", "1", *extra], started=gateways)
+        overlapped = start_gateway(address, "overlap", ["--lanes", str(args.lanes), *extra], started=gateways)
         prompts = (load_set("chat") * args.sessions)[: args.sessions]
-        configs = {"sequential": sequential[1], "overlapped": overlapped[1]}
+        configs = {"sequential": sequential.address, "overlapped": overlapped.address}
         for target in configs.values():
             _run(target, prompts[:2], 16)  # warm-up: each gateway's first rounds
         runs: list[dict] = []
@@ -149,10 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             process.terminate()
         head.terminate()
         head.wait(timeout=120)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    if wants_text(args):
+        print(json.dumps(report, indent=2))
+    write_json(args.json, report)
     return 0
 
 
@@ -163,7 +138,7 @@ def _summarise(runs: list[dict], args: argparse.Namespace, pinned: dict) -> dict
     tok_s = {c: round(total(c, "tokens") / total(c, "seconds"), 3) for c in ("sequential", "overlapped")}
     reference = next(r["outputs"] for r in runs if r["config"] == "sequential")
     return {
-        "command": "python -m loadtest.overlap_bench " + shlex.join(sys.argv[1:]),
+        "command": "python -m tandem.bench.overlap " + shlex.join(sys.argv[1:]),
         "sessions": args.sessions, "max_tokens": args.max_tokens, "lanes": args.lanes, "pinned": pinned,
         "pool_args": args.pool_args, "gateway_args": args.gateway_args,
         "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],

@@ -1,9 +1,10 @@
 """Per-call overhead of the two ways to expose a worker: a named detached actor and a Ray Serve deployment.
 
 Both run the same trivial method on a round's worth of messages (8 VerifyRequests, 5 draft tokens each), so the
-difference is transport and routing, not work. Blocks of calls alternate between the two; JSON on stdout (and --out):
+difference is transport and routing, not work. Blocks of calls alternate between the two; JSON on stdout (and
+--json PATH). Ray Serve comes with the serve-compare extra (`pip install -e ".[serve-compare]"`):
 
-    python -m loadtest.pool_overhead --calls 200 --blocks 6 --out docs/bench/pool-overhead-v1.json
+    python -m tandem.bench.pool_overhead --calls 200 --blocks 6 --json docs/bench/pool-overhead-v1.json
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import ray
 
+from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
 from tandem.core.config import SamplingParams
 from tandem.core.protocol import DraftProposal, VerifyRequest
 
@@ -41,10 +42,10 @@ def _block(call, calls: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--blocks", type=int, default=6)
-    parser.add_argument("--out", default=None)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--calls", type=int, default=200, help="calls per block")
+    parser.add_argument("--blocks", type=int, default=6, help="blocks per method, alternated")
+    add_json_option(parser, "the report")
     args = parser.parse_args(argv)
 
     from ray import serve
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.kill(actor)
     ray.shutdown()
     report = {
-        "command": "python -m loadtest.pool_overhead " + " ".join(sys.argv[1:]),
+        "command": "python -m tandem.bench.pool_overhead " + " ".join(sys.argv[1:]),
         "payload": "8 VerifyRequests with 5 draft tokens each",
         "median_us": {name: round(statistics.median(v), 1) for name, v in samples.items()},
         "p90_us": {name: round(statistics.quantiles(v, n=10)[-1], 1) for name, v in samples.items()},
@@ -74,10 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     report["serve_over_actor_median"] = round(report["median_us"]["serve_deployment"]
                                               / report["median_us"]["detached_actor"], 2)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    if wants_text(args):
+        print(json.dumps(report, indent=2))
+    write_json(args.json, report)
     return 0
 
 

@@ -1,14 +1,31 @@
 """The bench's Hugging Face methods: plain greedy like tandem's runners, on models as from_pretrained leaves them
-(parameters requiring grad: turning that off sent HF's sliced LM-head matmul to a bmm that copies the head weight)."""
+(parameters requiring grad: turning that off sent HF's sliced LM-head matmul to a bmm that copies the head weight);
+and the prompts every benchmark's `--prompts` names."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tandem.bench.runner import HF_ASSISTANT, hf_generate, run_bench
+from tandem.bench.core import HF_ASSISTANT, hf_generate, run_bench
+from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
 from tandem.core.config import EngineConfig, SamplingParams
-from tandem.local_engine import build_engine, encode_prompt
+from tandem.engines.local import build_engine, encode_prompt
+from tandem.errors import InvalidArgument
+
+
+def test_prompts_name_a_shipped_set_or_a_jsonl_file(tmp_path) -> None:
+    assert DEFAULT_PROMPTS in PROMPT_SETS and load_prompts() == load_prompts(DEFAULT_PROMPTS)
+    assert len(load_prompts("bench")) == 8 and all(isinstance(p, str) and p for p in load_prompts("bench"))
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "def add(a, b):"}\n\n{"prompt": "Sort a list"}\n')
+    assert load_prompts(str(path)) == load_prompts(path) == ["def add(a, b):", "Sort a list"]
+    with pytest.raises(InvalidArgument, match="neither a shipped set"):
+        load_prompts("no-such-set")
+    path.write_text('{"text": "x"}\n')
+    with pytest.raises(InvalidArgument, match="line 1"):
+        load_prompts(path)
 
 
 def _requires_grad(model) -> set[bool]:

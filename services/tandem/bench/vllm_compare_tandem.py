@@ -1,22 +1,28 @@
-"""tandem's half of scripts/vllm_compare.py: plain and AUTO at batch 1, and N requests at once, in one process.
+"""tandem's half of tandem.bench.vllm_compare: plain and AUTO at batch 1, and N requests at once, in a process of its
+own; and the served runs (run_served, which vllm_compare calls itself: `tandem serve` with N requests in flight).
 
-Started by scripts/vllm_compare.py with tandem's Python and the job as JSON:
+The process is started by tandem.bench.vllm_compare with tandem's Python and the job as JSON:
 
-    python scripts/vllm_compare_tandem.py job.json result.json
+    python -m tandem.bench.vllm_compare_tandem job.json result.json
 
 job: target, draft (registry names or paths), prompts (texts; the chat template is applied as `tandem bench` does),
 jobs (the texts sent at once), max_tokens, threads, repeat, order (["b1", "bN"] or reversed). Batch 1 is
-tandem.bench.runner.run_bench with methods plain and tandem (AUTO), prompt by prompt interleaved; N at once is one
+tandem.bench.core.run_bench with methods plain and tandem (AUTO), prompt by prompt interleaved; N at once is one
 engine.generate call over all jobs on a plain engine and on an AUTO engine, both bf16 on the CPU. Loading,
 calibration and warm-up requests are left out of the timings.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 import os
+import socket
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,9 +46,9 @@ def _batched(engine, ids: list[list[int]], max_tokens: int) -> dict:
 def run(job: dict) -> dict:
     import transformers
 
-    from tandem.bench.runner import run_bench
+    from tandem.bench.core import run_bench
     from tandem.core.config import EngineConfig, SamplingParams
-    from tandem.local_engine import build_engine, encode_prompt
+    from tandem.engines.local import build_engine, encode_prompt
     from tandem.models.loader import load_pair
 
     torch.set_num_threads(job["threads"])
@@ -75,6 +81,50 @@ def run(job: dict) -> dict:
     return {"modes": modes, "load_seconds": round(load_seconds, 1),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
             "torch_threads": torch.get_num_threads()}
+
+
+def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: Path,
+               say: Callable[[str], None]) -> dict[str, dict]:
+    """`tandem serve --in-process` on a free port, then tandem.bench.serving.run_level OFF and AUTO at N in flight;
+    run by tandem.bench.vllm_compare itself, the server's output appended to `log`."""
+    from tandem.bench.serving import run_level
+    from tandem.client import TandemClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    cmd = [sys.executable, "-m", "tandem", "serve", "--in-process", "--target", args.target, "--draft", args.draft,
+           "--device", "cpu", "--dtype", "bfloat16", "--threads", str(args.threads), "--port", address.split(":")[1],
+           "--no-metrics"]
+    modes: dict[str, dict] = {}
+    with log.open("a") as sink:
+        sink.write(f"\n==== {' '.join(cmd)}\n")
+        sink.flush()
+        server = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            with TandemClient(address, timeout=5) as client:
+                while True:  # readiness: SERVING (1) once the models are loaded
+                    if server.poll() is not None:
+                        raise RuntimeError(f"tandem serve exited {server.returncode}; see {log}")
+                    try:
+                        if client.health_status("tandem.v1.GenerationService") == 1:
+                            break
+                    except Exception:  # not listening yet
+                        pass
+                    time.sleep(2)
+            for mode in ("off", "auto") if repeat % 2 == 0 else ("auto", "off"):
+                result = asyncio.run(run_level(address, prompts, args.batch, args.max_tokens, mode, repeat))
+                result["loadavg_1m"] = round(os.getloadavg()[0], 2)  # well above --threads: something else ran
+                modes[f"served_{mode}_b{args.batch}"] = result
+                say(f"  tandem served_{mode}_b{args.batch}: {result['tokens']} tokens in {result['seconds']:.2f} s"
+                    f" = {result['tok_s']:.2f} tok/s")
+        finally:
+            server.terminate()
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    return modes
 
 
 def main() -> None:

@@ -7,9 +7,9 @@ gateway_kill: N streams split over two gateways; --kill-after s after the first 
 streams should complete; the workers' pids should not change). Each stream's greedy ids are compared with its prompt
 run afterwards with speculation off through a surviving gateway. Reported, never asserted: completed / failed (with
 errors), identical_to_plain, event times and the share of requested tokens delivered before each. JSON on stdout
-(and --out); the real pair:
+(and --json PATH); the real pair:
 
-    python -m loadtest.pools_chaos --sessions 16 --max-tokens 64 --out docs/bench/pools-chaos-v1.json
+    python -m tandem.bench.pools_chaos --sessions 16 --max-tokens 64 --json docs/bench/pools-chaos-v1.json
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import queue
 import shlex
 import socket
 import subprocess
@@ -31,8 +30,17 @@ from pathlib import Path
 
 import grpc
 
-from loadtest.pools_bench import BIN, SERVING, _env, _wait_for_port
 from loadtest.prompts import Prompt, load_set
+from tandem.bench.local_cluster import (
+    BIN,
+    pools_status,
+    ray_env,
+    ray_head_command,
+    run_tandem,
+    start_gateway,
+    wait_for_port,
+)
+from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
 from tandem.client import TandemClient
 from tandem.sessions import EmbeddedRedis
 
@@ -55,42 +63,8 @@ class Stream:
     spec: dict[str, int] = field(default_factory=dict)  # the Complete's speculation counts
 
 
-def _cli(address: str, *args: str, timeout: float = 300) -> str:
-    # Not pools_bench._tandem: it has no timeout, and a scale that hangs must not hang the benchmark.
-    done = subprocess.run([str(BIN / "tandem"), *args], env=_env(address), capture_output=True, text=True,
-                          timeout=timeout)
-    if done.returncode:
-        raise RuntimeError(f"tandem {' '.join(args)}: {done.stderr[-2000:]}")
-    return done.stdout
-
-
 def _workers(address: str) -> dict[str, dict]:
-    status = json.loads(_cli(address, "pools", "status", "--name", POOLS, "--json", timeout=120))
-    return {w["name"]: w for w in status["workers"]}
-
-
-def _gateway(address: str, redis_url: str, log: Path, started: list,
-             timeout_s: float = 300) -> tuple[str, subprocess.Popen]:
-    """pools_bench._gateway bounded in time, stderr kept in `log`, the process put in `started` for the cleanup, and
-    a shared session store: a SIGKILLed gateway would leave its own embedded redis-server running."""
-    process = subprocess.Popen([str(BIN / "tandem"), "gateway", "--pools", POOLS, "--port", "0", "--metrics-port",
-                                "-1", "--redis-url", redis_url], env=_env(address), stdout=subprocess.PIPE,
-                               stderr=log.open("w"), text=True)
-    started.append(process)
-    lines: queue.Queue[str] = queue.Queue()  # read on a thread so that the wait has a deadline; "" marks EOF
-    threading.Thread(target=lambda: [*map(lines.put, process.stdout), lines.put("")], daemon=True).start()
-    deadline, line = time.monotonic() + timeout_s, "-"
-    while line and "serving tandem.v1.GenerationService on" not in line:
-        line = lines.get(timeout=max(0.01, deadline - time.monotonic()))  # queue.Empty at the deadline
-    if not line:
-        raise RuntimeError(f"the gateway exited before listening (see {log})")
-    target = line.split(" on ")[1].split()[0]
-    with TandemClient(target, timeout=10) as client:
-        while client.health_status("tandem.v1.GenerationService") != SERVING:
-            if time.monotonic() > deadline or process.poll() is not None:
-                raise RuntimeError(f"the gateway never turned ready (see {log})")
-            time.sleep(0.2)
-    return target, process
+    return {w["name"]: w for w in pools_status(address, POOLS, timeout=120)["workers"]}
 
 
 def _load(jobs: list[tuple[str, str, Prompt]], args: argparse.Namespace, speculation: str, tag: str,
@@ -179,7 +153,7 @@ def scale(address: str, gateways: list[str], prompts: list[Prompt], args: argpar
     first = threading.Event()
     streams, started, threads = _load([(gateways[0], "g0", p) for p in prompts], args, "auto", "scale", first)
     events = {"scale_up": _wait_then(first, args.scale_after, started)}
-    _cli(address, "pools", "scale", "--name", POOLS, "draft", "2")
+    run_tandem(address, "pools", "scale", "--name", POOLS, "draft", "2")
     events["scale_up_done"] = time.monotonic() - started
     hold = threading.Thread(target=time.sleep, args=(args.scale_hold,))  # gateways see new members within 2 s
     hold.start()
@@ -187,7 +161,7 @@ def scale(address: str, gateways: list[str], prompts: list[Prompt], args: argpar
     events["status_at_two"] = time.monotonic() - started
     hold.join()
     events["scale_down"] = time.monotonic() - started
-    _cli(address, "pools", "scale", "--name", POOLS, "draft", "1")
+    run_tandem(address, "pools", "scale", "--name", POOLS, "draft", "1")
     events["scale_down_done"] = time.monotonic() - started  # the removed worker is killed just before this
     _join(threads, args.stream_timeout)
     plain_began = time.monotonic()
@@ -233,67 +207,70 @@ def _start_head(logs: Path, report: dict) -> tuple[subprocess.Popen, str]:
     address, log = f"127.0.0.1:{port}", logs / "ray-head.log"
     # A short temp dir of its own: Ray's AF_UNIX socket paths under it must stay within 107 bytes.
     report["ray_temp_dir"] = tempfile.mkdtemp(prefix="chaos-ray-")
-    head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-                             f"--port={port}", "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats",
-                             f"--temp-dir={report['ray_temp_dir']}"], stdout=log.open("w"), stderr=subprocess.STDOUT,
+    head = subprocess.Popen(ray_head_command(port, report["ray_temp_dir"]), stdout=log.open("w"),
+                            stderr=subprocess.STDOUT,
                             # no 30 s drain when it is stopped: the pools and the gateways go with it
-                            env=_env(address) | {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
+                            env=ray_env(address) | {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
     deadline = time.monotonic() + 120
     while head.poll() is None and time.monotonic() < deadline:  # a head that exits ends the wait at once
         with contextlib.suppress(RuntimeError):
-            _wait_for_port(port, timeout_s=0.5)
+            wait_for_port(port, timeout_s=0.5)
             return head, address
     head.kill()
     raise RuntimeError(f"no Ray head on {address} (see {log})")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     add = parser.add_argument
-    add("--scenarios", nargs="+", choices=["scale", "gateway_kill"], default=["scale", "gateway_kill"])
-    add("--sessions", type=int, default=16)
-    add("--max-tokens", type=int, default=64)
+    add("--scenarios", nargs="+", choices=["scale", "gateway_kill"], default=["scale", "gateway_kill"],
+        help="the scenarios to run, in order")
+    add("--sessions", type=int, default=16, help="concurrent greedy streams")
+    add("--max-tokens", type=int, default=64, help="tokens per stream")
     add("--threads", type=int, default=1, help="torch threads per worker")
-    add("--target", default="qwen2.5-coder-1.5b-instruct")
-    add("--draft", default="qwen2.5-coder-0.5b-instruct")
+    add("--target", default="qwen2.5-coder-1.5b-instruct", help="target model")
+    add("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model")
     add("--dtype", default="bfloat16", help="for `tandem pools start` (float32: exact identity with plain)")
     add("--pool-args", default="", help="more `tandem pools start` flags, one string")
-    add("--scale-after", type=float, default=3.0, help="s after the first token (default: 3)")
-    add("--scale-hold", type=float, default=5.0, help="s at two draft workers, at least (default: 5)")
-    add("--kill-after", type=float, default=3.0, help="s after the first token (default: 3)")
+    add("--scale-after", type=float, default=3.0, help="s after the first token")
+    add("--scale-hold", type=float, default=5.0, help="s at two draft workers, at least")
+    add("--kill-after", type=float, default=3.0, help="s after the first token")
     add("--stream-timeout", type=float, default=1800.0, help="each stream's deadline, s")
     add("--ray-address", default=None, help="join this cluster (default: start a head here)")
     add("--redis-url", default=None, help="the gateways' session store (default: a redis-server started here)")
     add("--log-dir", default=None, help="for the gateways' and the head's output (default: a tmp dir)")
-    add("--out", default=None)
+    add_json_option(parser, "the report")
     args = parser.parse_args(argv)
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-chaos-"))
     logs.mkdir(parents=True, exist_ok=True)
-    report: dict = {"command": "python -m loadtest.pools_chaos " + shlex.join(sys.argv[1:] if argv is None else argv),
-                    "settings": {k: v for k, v in vars(args).items() if k != "out"}, "dtype_note": DTYPE_NOTE,
+    command = "python -m tandem.bench.pools_chaos " + shlex.join(sys.argv[1:] if argv is None else argv)
+    report: dict = {"command": command,
+                    "settings": {k: v for k, v in vars(args).items() if k != "json"}, "dtype_note": DTYPE_NOTE,
                     "logs": str(logs), "scenarios": {}}
     address, head, processes, ours, began = args.ray_address, None, [], False, time.monotonic()
-    redis = None if args.redis_url else EmbeddedRedis()  # one store for all the gateways, as in a deployment
+    # One session store for all the gateways, as in a deployment (and a SIGKILLed gateway would leave an embedded
+    # redis-server of its own running).
+    redis = None if args.redis_url else EmbeddedRedis()
     try:
         if address is None:
             head, address = _start_head(logs, report)
-        _cli(address, "pools", "start", "--name", POOLS, "--target", args.target, "--draft", args.draft, "--dtype",
-             args.dtype, "--threads", str(args.threads), "--draft-workers", "1", "--target-replicas", "1",
-             *shlex.split(args.pool_args), timeout=1800)  # long: a first run pulls the registry models
+        run_tandem(address, "pools", "start", "--name", POOLS, "--target", args.target, "--draft", args.draft,
+                   "--dtype", args.dtype, "--threads", str(args.threads), "--draft-workers", "1", "--target-replicas",
+                   "1", *shlex.split(args.pool_args), timeout=1800)  # long: a first run pulls the registry models
         ours = True  # from here on the pools are this run's to stop
         count = 2 if "gateway_kill" in args.scenarios else 1
         with ThreadPoolExecutor(count) as pool:  # side by side: each takes seconds to import and attach
             url = args.redis_url or redis.start().url
-            started = list(pool.map(lambda i: _gateway(address, url, logs / f"gateway-{i}.log", processes),
-                                    range(count)))
-        gateways = [target for target, _ in started]
+            started = list(pool.map(lambda i: start_gateway(address, POOLS, ["--redis-url", url],
+                                                            logs / f"gateway-{i}.log", processes), range(count)))
+        gateways = [gateway.address for gateway in started]
         prompts = (load_set("chat") * args.sessions)[: args.sessions]
         report["setup_s"] = round(time.monotonic() - began, 3)  # head, pools and gateways started
         for name in args.scenarios:
             began = time.monotonic()
             known = report["scenarios"].get("scale", {}).get("worker_pids_after")  # the pids the kill starts from
             report["scenarios"][name] = (scale(address, gateways, prompts, args) if name == "scale" else
-                                         gateway_kill(address, gateways, prompts, args, started[1][1], known))
+                                         gateway_kill(address, gateways, prompts, args, started[1].process, known))
             report["scenarios"][name]["scenario_s"] = round(time.monotonic() - began, 3)  # the CLI calls included
             print(json.dumps({name: report["scenarios"][name]}), file=sys.stderr, flush=True)
     finally:
@@ -310,14 +287,13 @@ def main(argv: list[str] | None = None) -> dict:
             head.terminate()
             head.wait(timeout=120)
         elif ours:
-            subprocess.run([str(BIN / "tandem"), "pools", "stop", "--name", POOLS], env=_env(address),
+            subprocess.run([str(BIN / "tandem"), "pools", "stop", "--name", POOLS], env=ray_env(address),
                            capture_output=True, timeout=120)
         if redis is not None:
             redis.stop()
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    if wants_text(args):
+        print(json.dumps(report, indent=2))
+    write_json(args.json, report)
     return report
 
 

@@ -14,10 +14,17 @@ a whole round, g(k) > T_target(1), and they carry (1 - alpha) / E(alpha, k) of a
 
 A full batch of `rows` sequences (saturation): one round costs the draft steps over the rows still drafting plus
 one target forward over rows x (k + 1) tokens (core.batch_plan.predicted_rate); the bound takes the best common k.
+
+    python -m tandem.bench.bound runs/sweep/sweep.json --json bound.json      # a finished `python -m loadtest sweep`
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
+
+from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
 from tandem.core.batch_plan import predicted_rate
 from tandem.core.costs import CostModel
 from tandem.core.policy import best_k, expected_tokens, tokens_per_second
@@ -108,3 +115,20 @@ def sweep_bound(sweep: dict, rows: int = 8) -> list[dict]:
                        "single_stream": single_stream(alpha, costs), "full_batch": full_batch(alpha, rows, costs),
                        "acceptance_for_itl_p99": acceptance_needed_for_itl(costs)})
     return levels
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("sweep", type=Path, help="a sweep's sweep.json (python -m loadtest sweep)")
+    parser.add_argument("--rows", type=int, default=8, help="sequences in the full batch")
+    add_json_option(parser, "the bound per level")
+    args = parser.parse_args(argv)
+    levels = sweep_bound(json.loads(args.sweep.read_text()), args.rows)
+    if wants_text(args):
+        print(json.dumps(levels, indent=2))
+    write_json(args.json, levels)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

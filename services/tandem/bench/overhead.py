@@ -1,4 +1,4 @@
-"""Per-call cost of the instrumentation: `python -m tandem.telemetry.overhead`.
+"""Per-call cost of the instrumentation (tandem.telemetry): `python -m tandem.bench.overhead`.
 
 Measures what one Generate call, one engine step and one pool call pay with tracing off (and metrics off / on),
 and, with tracing on, a round recorded as a child span against a span event.
@@ -6,12 +6,14 @@ and, with tracing on, a round recorded as a child span against a span event.
 
 from __future__ import annotations
 
+import argparse
 import timeit
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
 from tandem.telemetry import tracing
 from tandem.telemetry.gateway import RequestObserver
 from tandem.telemetry.rounds import RoundTracer
@@ -39,24 +41,37 @@ def _microseconds(statement, number: int) -> float:
     return min(timeit.repeat(statement, number=number, repeat=5)) / number * 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    add_json_option(parser, "the figures, in microseconds, one key per line of the text")
+    args = parser.parse_args(argv)
+    figures: dict[str, float] = {}
+
+    def report(key: str, label: str, microseconds: float, unit: str = "us", digits: int = 2) -> None:
+        figures[key] = microseconds
+        if wants_text(args):
+            shown = microseconds * 1000 if unit == "ns" else microseconds
+            print(f"{label}: {shown:.{digits}f} {unit}")
+
     from tandem.telemetry.metrics import GatewayMetrics
 
     tracing.shutdown()
     rounds = RoundTracer()
     carriers: dict = {}
-    off = _microseconds(lambda: _request_path(None), 2000)
-    print(f"tracing off, metrics off: one Generate call, 64 chunks: {off:.2f} us")
+    report("generate_tracing_off_metrics_off_us", "tracing off, metrics off: one Generate call, 64 chunks",
+           _microseconds(lambda: _request_path(None), 2000))
     metrics = GatewayMetrics("127.0.0.1", [0])
     try:
-        print(f"tracing off, metrics on:  one Generate call, 64 chunks: "
-              f"{_microseconds(lambda: _request_path(metrics), 2000):.2f} us")
+        report("generate_tracing_off_metrics_on_us", "tracing off, metrics on:  one Generate call, 64 chunks",
+               _microseconds(lambda: _request_path(metrics), 2000))
     finally:
         metrics.close()
-    print(f"tracing off: engine-loop checks per step (rounds.active, trace None): "
-          f"{_microseconds(lambda: rounds.active or None, 200000) * 1000:.1f} ns")
-    print(f"tracing off: pool call carrier check: {_microseconds(lambda: bool(carriers), 200000) * 1000:.1f} ns")
-    print(f"client with no active span: outgoing_metadata(): {_microseconds(tracing.outgoing_metadata, 100000):.3f} us")
+    report("step_checks_tracing_off_us", "tracing off: engine-loop checks per step (rounds.active, trace None)",
+           _microseconds(lambda: rounds.active or None, 200000), "ns", 1)
+    report("pool_carrier_check_tracing_off_us", "tracing off: pool call carrier check",
+           _microseconds(lambda: bool(carriers), 200000), "ns", 1)
+    report("client_outgoing_metadata_us", "client with no active span: outgoing_metadata()",
+           _microseconds(tracing.outgoing_metadata, 100000), digits=3)
 
     provider = tracing.install([SimpleSpanProcessor(InMemorySpanExporter())])
     tracer = provider.get_tracer("overhead")
@@ -72,12 +87,12 @@ def main() -> None:
         parent.add_event("tandem.spec.round", {"tandem.spec.k": 4, "tandem.spec.accepted": 3,
                                                "tandem.spec.fallback": False})
 
-    print(f"tracing on: a round as a child span (in-memory exporter): {_microseconds(round_span, 5000):.2f} us")
-    print(f"tracing on: a round as a span event: {_microseconds(round_event, 5000):.2f} us")
-    carrier = _microseconds(lambda: tracing.carrier_for(parent), 5000)
-    print(f"tracing on: W3C carrier for a round span: {carrier:.2f} us")
+    report("round_span_us", "tracing on: a round as a child span (in-memory exporter)", _microseconds(round_span, 5000))
+    report("round_event_us", "tracing on: a round as a span event", _microseconds(round_event, 5000))
+    report("round_carrier_us", "tracing on: W3C carrier for a round span",
+           _microseconds(lambda: tracing.carrier_for(parent), 5000))
     tracing.shutdown()
-
+    write_json(args.json, figures)
 
 if __name__ == "__main__":
     main()

@@ -1,25 +1,31 @@
 """Seeds on the real pair: identical token ids with speculation on and off, and what each acceptance rule accepts.
 
-For every dtype asked for: N seeded sampled requests (the shipped chat prompts, seeds 0..N-1) decoded plainly, then
+For every dtype asked for: N seeded sampled requests (--prompts as chat messages, seeds 0..N-1) decoded plainly, then
 with a fixed k of 2 and 6; counts the requests whose token ids equal plain decoding's. Then the acceptance rate of
 drafted tokens (k fixed at 4) under the two rules on the same prompts: clients' seeds (drafter-invariant Gumbel-max:
 a draft is kept when it equals the target's seeded choice) and engine seeds (min(1, p/q)). One JSON out.
 
-    python scripts/seed_check.py --requests 100 --tokens 64 --dtypes float32 bfloat16 --out seeds.json
+    python -m tandem.bench.seeds --requests 100 --tokens 64 --dtypes float32 bfloat16 --json seeds.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
-from tandem.bench.runner import load_prompts
+from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
+from tandem.cli.options import (
+    STDOUT,
+    DefaultsHelpFormatter,
+    add_json_option,
+    add_prompts_option,
+    wants_text,
+    write_json,
+)
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
-from tandem.local_engine import build_engine, encode_prompt
+from tandem.engines.local import build_engine, encode_prompt
 from tandem.models.loader import load_model
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
@@ -36,10 +42,10 @@ def _config(k: int | None, batch: int) -> EngineConfig:
     return EngineConfig(spec=SpecConfig(adaptive=False, k_max=k, k_init=k), max_batch=batch, calibrate=False)
 
 
-def check(dtype: torch.dtype, requests: int, tokens: int, batch: int, parts: list[str], log) -> dict:
+def check(dtype: torch.dtype, requests: int, tokens: int, batch: int, parts: list[str], log,
+          texts: list[str]) -> dict:
     target = load_model(TARGET, device=torch.device("cpu"), dtype=dtype, progress=False)
     draft = load_model(DRAFT, device=torch.device("cpu"), dtype=dtype, progress=False)
-    texts = load_prompts(None)
     prompts = [encode_prompt(target.tokenizer, texts[i % len(texts)], chat=True) for i in range(requests)]
     seeded = [_params(seed, tokens) for seed in range(requests)]
     out: dict = {}
@@ -79,28 +85,34 @@ def _acceptance(target, draft, prompts, seeded, tokens: int, batch: int, log) ->
     return rates
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=100)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--parts", nargs="+", default=["identity", "acceptance"], choices=["identity", "acceptance"])
-    parser.add_argument("--out", type=Path, default=Path("seed-check.json"))
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--requests", type=int, default=100, help="seeded requests per dtype")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per request")
+    parser.add_argument("--batch", type=int, default=16, help="requests per engine step")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="model dtypes to check")
+    parser.add_argument("--parts", nargs="+", default=["identity", "acceptance"], choices=["identity", "acceptance"],
+                        help="what to measure")
+    add_prompts_option(parser, PROMPT_SETS, DEFAULT_PROMPTS)
+    add_json_option(parser, "the report (a file is rewritten after each dtype)")
+    parser.set_defaults(json="seed-check.json")
+    args = parser.parse_args(argv)
+    texts = load_prompts(args.prompts)
     started = time.perf_counter()
 
     def log(message: str) -> None:
-        print(f"[{time.perf_counter() - started:7.1f}s] {message}", flush=True)
+        if wants_text(args):
+            print(f"[{time.perf_counter() - started:7.1f}s] {message}", flush=True)
 
     report = {"target": TARGET, "draft": DRAFT, "requests": args.requests, "tokens": args.tokens,
               "sampling": {"temperature": 0.8, "top_p": 0.95}, "torch_threads": torch.get_num_threads()}
     for name in args.dtypes:
-        report[name] = check(getattr(torch, name), args.requests, args.tokens, args.batch, args.parts, log)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        report[name] = check(getattr(torch, name), args.requests, args.tokens, args.batch, args.parts, log, texts)
+        if args.json != STDOUT:  # a run cut short still leaves the dtypes it finished
+            write_json(args.json, report)
     report["wall_seconds"] = time.perf_counter() - started
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    log(f"wrote {args.out}")
+    write_json(args.json, report)
+    log(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

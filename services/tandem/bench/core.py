@@ -1,18 +1,15 @@
-"""Benchmark: plain target decoding, Hugging Face's own generate (plain and assisted) and tandem, same models, same run.
+"""`tandem bench`: plain decoding, Hugging Face's own generate (plain and assisted) and tandem, same models, same run.
 
 Methods are interleaved prompt by prompt so slow drift of the machine hits all of them alike.
 """
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 
 import torch
 import transformers
@@ -21,8 +18,7 @@ from tqdm import tqdm
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.costs import CostModel
 from tandem.core.packed_linear import weight_bytes
-from tandem.errors import InvalidArgument
-from tandem.local_engine import build_engine, encode_prompt
+from tandem.engines.local import build_engine, encode_prompt
 
 METHODS = ("plain", "hf_plain", "hf_assisted", "tandem")
 HF_METHODS = ("hf_plain", "hf_assisted")
@@ -31,21 +27,6 @@ HF_METHODS = ("hf_plain", "hf_assisted")
 # a round cut where the assistant's confidence falls under 0.4 (fitted to past rounds only with scikit-learn
 # installed), ran at 0.77x of this on the 6 code prompts (bf16, 64 tokens, one CPU thread), and a constant 5 at 1.03x.
 HF_ASSISTANT = {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic_transient"}
-
-
-def load_prompts(path: Path | None) -> list[str]:
-    text = Path(path).read_text() if path else resources.files("tandem.bench").joinpath("prompts.jsonl").read_text()
-    prompts = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            prompts.append(str(json.loads(line)["prompt"]))
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise InvalidArgument(f"prompts: line {number} is not a JSON object with a 'prompt' field") from exc
-    if not prompts:
-        raise InvalidArgument("prompts: the file holds no prompts")
-    return prompts
 
 
 @dataclass(slots=True)
@@ -121,7 +102,7 @@ def hf_description(target, draft) -> dict:
 
 
 def engine_eos(loaded) -> frozenset[int]:
-    from tandem.local_engine import eos_token_ids
+    from tandem.engines.local import eos_token_ids
 
     return eos_token_ids(loaded.model, loaded.tokenizer)
 

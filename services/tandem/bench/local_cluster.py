@@ -1,0 +1,98 @@
+"""Processes the pool benchmarks run on this machine: a Ray head on loopback, the `tandem` CLI against it, and
+`tandem gateway` processes attached to shared pools (tandem.bench.pools, overlap and pools_chaos).
+
+Each is a separate process, as in a deployment, started with this Python's own `tandem` and `ray` commands.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from tandem.client import TandemClient
+
+BIN = Path(sys.executable).parent
+SERVING = 1  # grpc.health.v1 HealthCheckResponse.SERVING
+LISTENING = "serving tandem.v1.GenerationService on"  # the line a gateway prints once its port is bound
+
+
+class Gateway(NamedTuple):
+    address: str  # HOST:PORT of its gRPC service
+    process: subprocess.Popen
+
+
+def ray_env(address: str) -> dict[str, str]:
+    """This process's environment pointed at the Ray head on `address`."""
+    # Not this process's own Ray settings (a local Ray started here turns token auth on): the loopback head has none.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    return inherited | {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled",
+                        "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def run_tandem(address: str, *args: str, timeout: float | None = None) -> str:
+    """`tandem ARGS` against the cluster; its stdout. A failure raises RuntimeError with the end of its stderr."""
+    done = subprocess.run([str(BIN / "tandem"), *args], env=ray_env(address), capture_output=True, text=True,
+                          timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"tandem {' '.join(args)}: {done.stderr[-2000:]}")
+    return done.stdout
+
+
+def pools_status(address: str, pools: str, timeout: float | None = None) -> dict:
+    """`tandem pools status --json`: the pools' workers with their cumulative counters."""
+    return json.loads(run_tandem(address, "pools", "status", "--name", pools, "--json", timeout=timeout))
+
+
+def wait_for_port(port: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens on port {port}") from None
+            time.sleep(0.2)
+
+
+def ray_head_command(port: int, temp_dir: str) -> list[str]:
+    """`ray start` for a head of our own on loopback; --block: terminating the process stops this head alone."""
+    return [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+            "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"]
+
+
+def start_gateway(address: str, pools: str, extra: Sequence[str] = (), log: Path | None = None,
+                  started: list[subprocess.Popen] | None = None, timeout_s: float = 300) -> Gateway:
+    """`tandem gateway --pools POOLS EXTRA` on a free port, returned once its health check says SERVING.
+
+    `log`: where its stderr goes (else nowhere). `started`: the process is appended as soon as it exists, so the
+    caller's cleanup stops it even when it never turns ready."""
+    process = subprocess.Popen([str(BIN / "tandem"), "gateway", "--pools", pools, "--port", "0", "--metrics-port",
+                                "-1", *extra], env=ray_env(address), stdout=subprocess.PIPE,
+                               stderr=log.open("w") if log else subprocess.DEVNULL, text=True)
+    if started is not None:
+        started.append(process)
+    where = f" (see {log})" if log else ""
+    lines: queue.Queue[str] = queue.Queue()  # read on a thread so that the wait has a deadline; "" marks EOF
+    threading.Thread(target=lambda: [*map(lines.put, process.stdout), lines.put("")], daemon=True).start()
+    deadline, line = time.monotonic() + timeout_s, "-"
+    while line and LISTENING not in line:
+        line = lines.get(timeout=max(0.01, deadline - time.monotonic()))  # queue.Empty at the deadline
+    if not line:
+        raise RuntimeError(f"the gateway exited before listening{where}")
+    target = line.split(" on ")[1].split()[0]
+    with TandemClient(target, timeout=10) as client:
+        while client.health_status("tandem.v1.GenerationService") != SERVING:
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError(f"the gateway never turned ready{where}")
+            time.sleep(0.2)
+    return Gateway(target, process)
