@@ -4,7 +4,7 @@ overrides), weights shared through Redis, per-arm metrics, and automatic stepwis
 from tandem.canary.analysis import HOLD, PROMOTE, ROLLBACK, Thresholds, Verdict, evaluate, judge
 from tandem.canary.arms import ENV_ARMS, ArmSpec, arms_from_env, parse_arms
 from tandem.canary.controller import Assignment, CanaryController
-from tandem.canary.greedy_check import GreedyChecker, PlainReference, engine_reference, loop_reference
+from tandem.canary.greedy_check import GreedyChecker, PlainReference
 from tandem.canary.observations import ArmSummary, Outcome, summarize
 from tandem.canary.secret import CanarySecret, configured_secret
 from tandem.canary.state import CanaryState, DecisionRecord, new_state
@@ -33,10 +33,8 @@ __all__ = [
     "Verdict",
     "arms_from_env",
     "configured_secret",
-    "engine_reference",
     "evaluate",
     "judge",
-    "loop_reference",
     "new_state",
     "open_canary_store",
     "parse_arms",

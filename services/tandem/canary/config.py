@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from tandem.canary.analysis import Thresholds
@@ -71,13 +71,16 @@ def thresholds_from_json(text: str) -> Thresholds:
     return Thresholds.from_dict(data)
 
 
-def parse_steps(text: str) -> tuple[float, ...]:
+def parse_steps(parts: Iterable[str]) -> tuple[float, ...]:
+    """A promotion schedule from its percentages as written: `--steps 5 25 50 100`, or TANDEM_CANARY_STEPS split at
+    its commas."""
+    parts = list(parts)
     try:
-        return validate_steps(float(part) for part in text.split(","))
+        return validate_steps(float(part) for part in parts)
     except ValueError as exc:
         if isinstance(exc, InvalidArgument):
             raise
-        raise InvalidArgument(f"steps: expected comma-separated percentages, got {text!r}") from None
+        raise InvalidArgument(f"steps: expected percentages, got {' '.join(parts)!r}") from None
 
 
 def options_from_env(environ: Mapping[str, str] | None = None, **overrides) -> CanaryOptions | None:
@@ -90,7 +93,7 @@ def options_from_env(environ: Mapping[str, str] | None = None, **overrides) -> C
     if text := env.get(ENV_THRESHOLDS, "").strip():
         values["thresholds"] = thresholds_from_json(text)
     if text := env.get(ENV_STEPS, "").strip():
-        values["steps"] = parse_steps(text)
+        values["steps"] = parse_steps(text.split(","))
     if overrides.get("secret") is None:
         values["secret"] = configured_secret(environ=env)
     values.update({key: value for key, value in overrides.items() if value is not None})
@@ -100,7 +103,7 @@ def options_from_env(environ: Mapping[str, str] | None = None, **overrides) -> C
 def start_controller(options: CanaryOptions, redis_url: str | None, reference: PlainReference | None = None,
                      served: set[str] | None = None, meter=None) -> CanaryController:
     """A controller on Redis (or memory without a URL) with its background ticker running. `reference` enables
-    greedy-equality checks (or attach later: `controller.greedy = GreedyChecker(...)`, once the engine is up)."""
+    greedy-equality checks; `served`: the arms this replica serves (None: every configured arm)."""
     greedy = None
     if reference is not None and options.greedy_check_rate > 0:
         greedy = GreedyChecker(reference, rate=options.greedy_check_rate, max_tokens=options.greedy_check_tokens)

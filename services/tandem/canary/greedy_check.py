@@ -1,33 +1,25 @@
 """Greedy-equality checks for draft canaries: a sampled share of greedy sessions is re-run as plain decoding of the
 same target, and the canary's output must match it token for token (speculative decoding is exact).
 
-The gateway supplies the plain path as a `PlainReference`: `reference(prompt_ids, n)` returns the first n tokens of
-plain greedy decoding (no stops, EOS ignored). `loop_reference` builds one from a gateway EngineLoop (a request with
-max_k=0), `engine_reference` from an in-process SpeculativeEngine.
+The plain path is a `PlainReference`: `reference(prompt_ids, n)` returns the first n tokens of plain greedy decoding
+(no stops, EOS ignored); the gateway supplies one over its baseline arm (tandem.gateway.arms.plain_decoder).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from tandem.canary.arms import ArmSpec
 from tandem.canary.assignment import session_point
-from tandem.core.config import SamplingParams
 from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
 PlainReference = Callable[[list[int], int], list[int]]
 SAMPLE_SALT = "tandem-canary-greedy-check"
-
-
-def plain_params(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 class GreedyChecker:
@@ -92,45 +84,3 @@ class GreedyChecker:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-def engine_reference(engine) -> PlainReference:
-    """Plain greedy decoding (max_k=0) on an in-process SpeculativeEngine; call it only while nothing else steps it."""
-
-    def reference(prompt_ids: list[int], n: int) -> list[int]:
-        request_id = engine.add_request(prompt_ids, plain_params(n), f"canary-check-{uuid.uuid4().hex}", max_k=0)
-        seq = engine.sequences[request_id]
-        while request_id in engine.sequences:
-            engine.step()
-        return list(seq.output)
-
-    return reference
-
-
-def loop_reference(engine_loop, event_loop: asyncio.AbstractEventLoop, timeout_s: float = 120.0) -> PlainReference:
-    """Plain greedy decoding through a gateway EngineLoop (`submit(..., max_k=0)`), callable from any thread but the
-    event loop's own (the checker's background thread)."""
-
-    async def run(prompt_ids: list[int], n: int) -> list[int]:
-        request_id = f"canary-check-{uuid.uuid4().hex}"
-        handle = await engine_loop.submit(prompt_ids, plain_params(n), request_id, session_id="", max_k=0)
-        tokens: list[int] = []
-        finished = False
-        try:
-            async for update in handle:
-                tokens.extend(update.token_ids)
-                finished = update.finished is not None
-        finally:
-            if not finished:
-                engine_loop.cancel(request_id, detach=True)
-        return tokens
-
-    def reference(prompt_ids: list[int], n: int) -> list[int]:
-        future = asyncio.run_coroutine_threadsafe(run(prompt_ids, n), event_loop)
-        try:
-            return future.result(timeout_s)
-        except BaseException:
-            future.cancel()  # a timeout: cancel the request (its `finally` frees the sequence) and give up
-            raise
-
-    return reference

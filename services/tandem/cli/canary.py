@@ -1,9 +1,9 @@
 """`tandem canary status|set|promote|rollback`: the shared canary state in Redis, as every gateway replica sees it.
 
-    tandem canary status [--json]
+    tandem canary status [--json [PATH]]
     tandem canary set stable=90 canary=10                # live weights (percent, summing to 100)
     tandem canary set --arms '[{"name": "stable", "weight": 95}, {"name": "canary", "draftModel": "d", "weight": 5}]'
-    tandem canary set --threshold min_sessions=100 --steps 5,25,50,100 --manual
+    tandem canary set --threshold min_sessions=100 --steps 5 25 50 100 --manual
     tandem canary promote [ARM] [--to PERCENT]           # one step of the schedule, or to PERCENT
     tandem canary rollback [ARM]
 """
@@ -11,11 +11,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
+from tandem.cli.options import add_json_option, wants_text, write_json
 from tandem.errors import InvalidArgument
 
 ENV_DEPLOYMENT = "TANDEM_CANARY_DEPLOYMENT"
@@ -33,11 +33,11 @@ def add_canary_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                         help="PEM CA bundle of a rediss:// server (default: $TANDEM_REDIS_CA, else the system's)")
     common.add_argument("--deployment", default=os.environ.get(ENV_DEPLOYMENT) or "default",
                         help=f"canary deployment name (default: ${ENV_DEPLOYMENT}, else 'default')")
-    parser = subparsers.add_parser("canary", help="show and steer the canary arms shared by the gateways")
+    parser = subparsers.add_parser("canary")  # its help line is in tandem.cli.main.COMMANDS
     commands = parser.add_subparsers(dest="canary_command", metavar="COMMAND", required=True)
 
     status = commands.add_parser("status", parents=[common], help="arms, weights, per-arm stats, decision log")
-    status.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_option(status, "the state, each arm's observations and the last analysis")
     status.add_argument("--log", type=int, default=20, help="decision log entries to show (default: %(default)s)")
     status.add_argument("--generation", type=int, default=None,
                         help="show the observation windows of this generation (default: the current one)")
@@ -47,7 +47,7 @@ def add_canary_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     set_.add_argument("weights", nargs="*", metavar="ARM=PERCENT", help="new weights; arms left out get 0")
     set_.add_argument("--arms", metavar="JSON|@FILE", help="register these arms (a new experiment)")
     set_.add_argument("--baseline", help="with --arms: the baseline arm (default: 'stable', else the first)")
-    set_.add_argument("--steps", help="promotion schedule in percent, e.g. 5,25,50,100")
+    set_.add_argument("--steps", nargs="+", metavar="PERCENT", help="promotion schedule, e.g. 5 25 50 100")
     set_.add_argument("--threshold", action="append", default=[], metavar="NAME=VALUE",
                       help="analysis threshold (repeatable), e.g. --threshold min_sessions=100")
     mode = set_.add_mutually_exclusive_group()
@@ -73,7 +73,7 @@ def _store(args: argparse.Namespace):
     from tandem.canary.store import open_canary_store
 
     if not args.redis_url:
-        raise InvalidArgument("redis_url: set --redis-url or REDIS_URL to the Redis the gateways use")
+        raise InvalidArgument("redis_url: give the Redis the gateways use (or set REDIS_URL)")
     if not args.deployment:
         raise InvalidArgument("deployment: must be a non-empty name")
     from tandem.cli.common import session_store_url
@@ -216,11 +216,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         evaluation = store.evaluation(args.deployment)
     finally:
         store.close()
-    if args.json:
-        print(json.dumps({"state": state.to_dict() | {"log": [r.to_dict() for r in state.log[-args.log:]]},
-                          "generation": generation,
-                          "summaries": {name: s.to_dict() for name, s in summaries.items()},
-                          "evaluation": evaluation}))
+    write_json(args.json, {"state": state.to_dict() | {"log": [r.to_dict() for r in state.log[-args.log:]]},
+                           "generation": generation, "summaries": {name: s.to_dict() for name, s in summaries.items()},
+                           "evaluation": evaluation})
+    if not wants_text(args):
         return 0
     print(f"deployment {state.deployment}  status {state.status}  auto {'on' if state.auto else 'off'}  "
           f"generation {state.generation}  baseline {state.baseline}  steps {','.join(f'{s:g}' for s in state.steps)}")
@@ -263,7 +262,8 @@ def add_serve_canary_options(parser: argparse.ArgumentParser) -> None:
                        help=f"name of the shared canary state (default: ${ENV_DEPLOYMENT}, else 'default')")
     group.add_argument("--canary-threshold", action="append", default=[], metavar="NAME=VALUE",
                        help="analysis threshold for a newly registered canary (repeatable), e.g. min_sessions=100")
-    group.add_argument("--canary-steps", default=None, help="promotion schedule in percent (default: 5,25,50,100)")
+    group.add_argument("--canary-steps", nargs="+", default=None, metavar="PERCENT",
+                       help="promotion schedule of a newly registered canary (default: 5 25 50 100)")
     group.add_argument("--canary-greedy-check-rate", type=float, default=None,
                        help="share of greedy sessions of a draft canary re-run as plain decoding (default: 0.05)")
     group.add_argument("--canary-decide-interval", type=float, default=None,

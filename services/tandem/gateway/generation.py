@@ -1,10 +1,10 @@
 """Generations: what a gateway does with one generate request, whatever the transport (gRPC or OpenAI HTTP).
 
-A request is validated and tokenized (off the event loop: a long prompt must not stall other streams), routed to a
-canary arm when one runs, submitted to the engine loop once per choice (`n`), and streamed back as events:
-`ChoiceDelta` (new text and tokens of one choice) and, as each choice's last event, `ChoiceEnd`. Closing the stream
-early (the client went away) cancels every choice and frees its caches on every worker. Failures are raised as the
-gateway's typed errors; each transport maps them to its own status codes.
+A request is validated and tokenized (off the event loop: a long prompt must not stall other streams), placed on an
+arm by the arm router when one runs (gateway.arms), submitted to that arm's serving loop once per choice (`n`), and
+streamed back as events (gateway.events). Closing the stream early (the client went away) cancels every choice and
+frees its caches on every worker. Failures are raised as the gateway's typed errors; each transport maps them to its
+own status codes.
 """
 
 from __future__ import annotations
@@ -12,24 +12,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import replace
 
 from tandem.core.detok import IncrementalDetokenizer
-from tandem.core.engine import SpeculativeEngine
-from tandem.core.logprobs import TokenLogprob
+from tandem.engines import Backend
 from tandem.errors import BackendUnavailable, InvalidArgument
-from tandem.gateway.lanes import ServingLoop
-from tandem.gateway.loop import EngineFailed, EngineUnavailable, Finished, QueueFull
-from tandem.gateway.validate import (
-    GatewayLimits,
-    ModelLimits,
-    PreparedRequest,
-    chat_ids,
-    display_name,
-    encode_prompt,
-    prepare,
+from tandem.gateway.arms import ArmOutcome, ArmRoute, ArmRouter
+from tandem.gateway.events import (
+    DRAINING,
+    FAILURES,
+    ChoiceDelta,
+    ChoiceEnd,
+    EngineFailed,
+    EngineUnavailable,
+    Event,
+    TenantBusy,
+    error_code,
 )
+from tandem.gateway.handles import Finished
+from tandem.gateway.lanes import ServingLoop
+from tandem.gateway.validate import GatewayLimits, PreparedRequest, chat_ids, encode_prompt, prepare
 from tandem.telemetry.gateway import RequestObserver
 from tandem.telemetry.metrics import GatewayMetrics
 from tandem.v1 import generation_pb2 as pb
@@ -39,82 +42,10 @@ log = logging.getLogger(__name__)
 SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i > 0 of a seeded request samples with a seed derived from the client's
 
 
-@dataclass(slots=True)
-class Backend:
-    """A loaded engine and what the gateway needs to describe and feed it. `lanes`: more engines over the same
-    pools (gateway.lanes), each driven by its own loop; `engine` is the first lane."""
-
-    engine: SpeculativeEngine
-    tokenizer: object
-    target_name: str
-    draft_name: str = ""
-    lanes: tuple[SpeculativeEngine, ...] = ()
-
-    def __post_init__(self) -> None:
-        # Model info, /v1/models and metric labels name a model given as a path by its directory's name only.
-        self.target_name, self.draft_name = display_name(self.target_name), display_name(self.draft_name)
-
-    @property
-    def engines(self) -> list[SpeculativeEngine]:
-        return [self.engine, *self.lanes]
-
-    @property
-    def model_limits(self) -> ModelLimits:
-        spec = self.engine.config.spec
-        return ModelLimits(vocab_size=self.engine.verifier.vocab_size,
-                           max_k=spec.k_max if self.engine.speculating else 0,
-                           context_window=self.engine.verifier.context_window)
-
-
-@dataclass(slots=True, frozen=True)
-class ChoiceDelta:
-    """New tokens of one choice: text never splits a character or shows a stop string."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
-
-
-@dataclass(slots=True, frozen=True)
-class ChoiceEnd:
-    """The last event of one choice."""
-
-    index: int
-    finish_reason: str  # tandem.core.stops FINISH_*: "stop", "length" or "abort"
-    prompt_tokens: int
-    completion_tokens: int
-    stats: dict  # speculation: rounds, drafted, accepted, acceptance_rate, mean_accepted_length, fallback_rounds, ...
-    request_id: str
-
-
-Event = ChoiceDelta | ChoiceEnd
-
-# The gateway's failures by kind, named as gRPC status codes (the names telemetry records as error.type); each
-# transport maps a name to its own status.
-ERROR_CODES: dict[type[Exception], str] = {
-    InvalidArgument: "INVALID_ARGUMENT",
-    QueueFull: "RESOURCE_EXHAUSTED",
-    EngineUnavailable: "UNAVAILABLE",
-    BackendUnavailable: "UNAVAILABLE",
-    EngineFailed: "INTERNAL",
-}
-FAILURES = tuple(ERROR_CODES)
-
-
-class TenantBusy(QueueFull):
-    """The tenant already holds its limit of requests in flight: its key's max_concurrency, or its share of the
-    gateway's queue (RESOURCE_EXHAUSTED / 429, as a full queue)."""
-
-
 def scoped_id(tenant: str, id_: str) -> str:
     """An id inside the gateway: the tenant's namespace in front (tenant names hold no ':'), so one tenant's request
     and session ids never reach another's requests, session state or retained KV caches."""
     return f"{tenant}:{id_}" if tenant and id_ else id_
-
-
-def error_code(exc: Exception) -> str:
-    return next(code for kind, code in ERROR_CODES.items() if isinstance(exc, kind))
 
 
 def choice_ids(request_id: str, n: int) -> list[str]:
@@ -135,35 +66,29 @@ def choice_request(prepared: PreparedRequest, index: int) -> PreparedRequest:
 
 
 class Generations:
-    """The gateway's generate path; `attach` makes it ready (before that, every call raises EngineUnavailable)."""
+    """The gateway's generate path over loaded engines: one serving loop per arm, the first the baseline (model info
+    describes it; requests no arm router placed run on it)."""
 
-    def __init__(self, limits: GatewayLimits | None = None, metrics: GatewayMetrics | None = None) -> None:
+    def __init__(self, backend: Backend, loops: Mapping[str, ServingLoop], limits: GatewayLimits | None = None,
+                 metrics: GatewayMetrics | None = None, tenant_limits: Mapping[str, int] | None = None,
+                 tenant_queue_share: float = 1.0, arm_router: ArmRouter | None = None) -> None:
+        """backend: the baseline arm's; loops: every arm's, the baseline's first. tenant_limits: tenant -> most
+        requests in flight at once (absent: no cap). tenant_queue_share: the most of the queue (max_requests) one
+        named tenant may hold, so one client cannot fill it for the rest (1.0: no share cap; requests without a
+        tenant, as without API keys, are one caller and take the whole queue)."""
+        if not loops:
+            raise InvalidArgument("loops: the generate path needs at least one serving loop")
+        self.backend = backend
+        self.loops = dict(loops)
+        self.loop = next(iter(self.loops.values()))
+        self.model_limits = backend.model_limits
         self.limits = limits or GatewayLimits()
         self.metrics = metrics
-        self.backend: Backend | None = None
-        self.loop: ServingLoop | None = None
-        self.model_limits: ModelLimits | None = None
-        self.loops: dict[str, ServingLoop] = {}  # canary arms: arm name -> loop; `loop` is the baseline arm's
-        self.canary = None  # tandem.canary.CanaryController, or None: every request on `loop`
+        self.tenant_limits = dict(tenant_limits or {})
+        self.tenant_queue_share = tenant_queue_share
+        self.arm_router = arm_router
         self._choices: dict[str, list[str]] = {}  # scoped request id -> its choices' engine ids, while n > 1 runs
-        self.tenant_limits: dict[str, int] = {}  # tenant -> most requests in flight at once (absent: no cap)
-        # The most of the queue (max_requests) one named tenant may hold, so one client cannot fill it for the rest;
-        # 1.0: no share cap. Requests without a tenant (no API keys) are one caller and take the whole queue.
-        self.tenant_queue_share = 1.0
         self._tenant_active: dict[str, int] = {}  # tenant -> requests in flight, for the tenants with a cap
-
-    def attach(self, backend: Backend, loop: ServingLoop, loops: Mapping[str, ServingLoop] | None = None,
-               canary=None) -> None:
-        """Start serving. With canary arms, `backend` and `loop` are the baseline arm's (unknown arms fall back to
-        it; model info describes it), `loops` every arm's."""
-        self.model_limits = backend.model_limits
-        self.loops = dict(loops) if loops else {}
-        self.canary = canary
-        self.backend, self.loop = backend, loop
-
-    @property
-    def ready(self) -> bool:
-        return self.backend is not None and self.loop is not None and not self.loop.draining
 
     @property
     def tokenizer(self):
@@ -174,10 +99,8 @@ class Generations:
         return self._serving()[0].target_name
 
     def _serving(self) -> tuple[Backend, ServingLoop]:
-        if self.backend is None or self.loop is None:
-            raise EngineUnavailable("not ready: the engine is still loading")
         if self.loop.draining:
-            raise EngineUnavailable("draining: this server is shutting down")
+            raise EngineUnavailable(DRAINING)
         return self.backend, self.loop
 
     async def prepare(self, request: pb.GenerateRequest) -> PreparedRequest:
@@ -281,7 +204,7 @@ class Generations:
         """One choice's events; `prepared` is the choice's own (choice_request), `request_id` the client's request."""
         try:
             observed.prepared(prepared)
-            assignment, loop = self._route(prepared, loop, observed, tenant)
+            route, loop = self._route(prepared, loop, observed, tenant)
             try:
                 handle = await loop.submit(prepared.prompt_ids, prepared.params, prepared.request_id,
                                            prepared.session_id, prepared.max_k, trace=observed.span)
@@ -295,7 +218,7 @@ class Generations:
             try:
                 async for update in handle:
                     finished = update.finished
-                    if assignment is not None and update.token_ids:
+                    if route is not None and update.token_ids:
                         token_ids.extend(update.token_ids)
                         if first_token_at is None:
                             first_token_at = time.monotonic()
@@ -305,10 +228,10 @@ class Generations:
                     if text or update.token_ids:
                         yield ChoiceDelta(index, text, update.token_ids, update.logprobs)
             except (InvalidArgument, EngineUnavailable, EngineFailed, BackendUnavailable) as exc:
-                # An engine failure or stall counts against the canary arm; a shutdown (draining) does not.
-                if assignment is not None and not isinstance(exc, InvalidArgument) \
+                # An engine failure or stall counts against the arm; a shutdown (draining) does not.
+                if route is not None and not isinstance(exc, InvalidArgument) \
                         and (isinstance(exc, EngineFailed) or not loop.draining):
-                    self._record_error(assignment)
+                    self._tell(route, ArmOutcome(failed=True))
                 observed.failed(error_code(exc), str(exc))
                 raise
             finally:
@@ -317,8 +240,8 @@ class Generations:
                     loop.cancel(handle.request_id, detach=True)
             observed.completed(handle.prompt_tokens, finished.completion_tokens, finished.finish_reason,
                                finished.stats)
-            if assignment is not None:
-                self._record(assignment, prepared, finished, first_token_at, token_ids)
+            if route is not None:
+                self._record(route, prepared, finished, first_token_at, token_ids)
             yield ChoiceEnd(index, finished.finish_reason, handle.prompt_tokens, finished.completion_tokens,
                             finished.stats, request_id)
         finally:
@@ -327,44 +250,39 @@ class Generations:
     def abort(self, request_id: str, tenant: str = "") -> bool:
         """Stop a running request (every choice of it) on whichever loop runs it; False if none does. Only the
         tenant's own requests: another tenant's same id is another engine id."""
-        if self.loop is None:
-            raise EngineUnavailable("not ready: the engine is still loading")
-        loops = [self.loop, *(loop for loop in self.loops.values() if loop is not self.loop)]
         request_id = scoped_id(tenant, request_id)
         ids = self._choices.get(request_id, [request_id])
-        return any([loop.cancel(engine_id) for engine_id in ids for loop in loops])
+        return any([loop.cancel(engine_id) for engine_id in ids for loop in self.loops.values()])
 
-    def _route(self, prepared: PreparedRequest, loop: ServingLoop, observed: RequestObserver, tenant: str = ""):
-        """The canary assignment (None without a canary) and the loop that serves the request. The tenant keys the
-        assignment (the same session id in two tenants is placed independently) and is recorded with the outcome,
-        so the analysis can cap each tenant's weight."""
-        if self.canary is None:
+    def _route(self, prepared: PreparedRequest, loop: ServingLoop, observed: RequestObserver,
+               tenant: str = "") -> tuple[ArmRoute | None, ServingLoop]:
+        """The arm router's placement (None without a router) and the loop that serves the request. The tenant keys
+        the placement (the same session id in two tenants is placed independently)."""
+        if self.arm_router is None:
             return None, loop
-        assignment = self.canary.arm_for(prepared.session_id, prepared.request_id, tenant)
-        if assignment is None:
+        route = self.arm_router.route(prepared.session_id, prepared.request_id, tenant)
+        if route is None:
             return None, loop
-        arm_loop = self.loops.get(assignment.arm.name)
+        arm_loop = self.loops.get(route.arm)
         if arm_loop is None:  # not served here: the baseline, unrecorded
             return None, loop
         if observed.span is not None:
-            observed.span.set_attribute("tandem.canary.arm", assignment.arm.name)
-        return assignment, arm_loop
+            observed.span.set_attribute("tandem.canary.arm", route.arm)
+        return route, arm_loop
 
-    def _record(self, assignment, prepared: PreparedRequest, finished: Finished, first_token_at: float | None,
+    def _record(self, route: ArmRoute, prepared: PreparedRequest, finished: Finished, first_token_at: float | None,
                 token_ids: list[int]) -> None:
-        from tandem.canary.observations import Outcome
+        self._tell(route, ArmOutcome(prompt_ids=prepared.prompt_ids, token_ids=token_ids,
+                                     greedy=prepared.params.greedy, completion_tokens=finished.completion_tokens,
+                                     stats=finished.stats, first_token_at=first_token_at,
+                                     finished_at=time.monotonic()))
 
+    def _tell(self, route: ArmRoute, outcome: ArmOutcome) -> None:
         try:
-            self.canary.record(assignment, Outcome.from_request(assignment.session, finished.stats, first_token_at,
-                                                                time.monotonic(), finished.completion_tokens))
-            self.canary.check_greedy(assignment, prepared.params.greedy, prepared.prompt_ids, token_ids)
-        except Exception:  # the canary never fails a request
-            log.exception("canary: recording a request failed")
+            self.arm_router.record(route, outcome)
+        except Exception:  # an arm router never fails a request
+            log.exception("arm router: recording a request failed")
 
-    def _record_error(self, assignment) -> None:
-        from tandem.canary.observations import Outcome
 
-        try:
-            self.canary.record(assignment, Outcome(assignment.session, error=True))
-        except Exception:
-            log.exception("canary: recording a request failed")
+# The generate path once the engines have loaded; raises EngineUnavailable(events.NOT_LOADED) while they load.
+GenerationsSource = Callable[[], Generations]

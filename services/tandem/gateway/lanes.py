@@ -1,4 +1,5 @@
-"""Engine lanes: several engines in one gateway over the same pools, so drafting overlaps verifying.
+"""Serving engine lanes: a gateway's requests split over several engines on the same pools, so drafting overlaps
+verifying (the engines are built by tandem.engines.backend.engine_lanes).
 
 One engine runs its rounds in order: draft, then verify, then the next draft. With the drafter and the verifier on
 separate hardware (draft workers on small GPUs, target replicas on large ones) each side idles while the other
@@ -19,27 +20,12 @@ with 8 sessions split 4 + 4, docs/performance.md), so a second lane takes sessio
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-
-from tandem.core.config import EngineConfig, SamplingParams
+from tandem.core.config import SamplingParams
 from tandem.core.engine import SpeculativeEngine
-from tandem.core.protocol import Drafter, Verifier
 from tandem.errors import InvalidArgument
-from tandem.gateway.loop import EngineLoop, QueueFull, RequestHandle
-
-
-def engine_lanes(sides: Callable[[int], tuple[Verifier, Drafter | None]], lanes: int, config: EngineConfig,
-                 eos: frozenset[int], decode) -> list[SpeculativeEngine]:
-    """`lanes` engines, each over the pool clients `sides(lane)` returns; the first calibrates, the others share
-    its cost model and acceptance prior."""
-    if lanes < 1:
-        raise InvalidArgument(f"lanes: must be at least 1, got {lanes}")
-    verifier, drafter = sides(0)
-    first = SpeculativeEngine(verifier, drafter, config, eos, decode)
-    others = dataclasses.replace(config, calibrate=False)
-    return [first, *(SpeculativeEngine(*sides(lane), others, eos, decode, costs=first.costs, prior=first.prior)
-                     for lane in range(1, lanes))]
+from tandem.gateway.events import QueueFull
+from tandem.gateway.handles import RequestHandle
+from tandem.gateway.loop import EngineLoop
 
 
 class LanedLoop:
@@ -53,15 +39,6 @@ class LanedLoop:
     def engine(self) -> SpeculativeEngine:
         """The first lane's engine: the lanes share its configuration, costs and prior."""
         return self.lanes[0].engine
-
-    @property
-    def metrics(self):
-        return self.lanes[0].metrics
-
-    @metrics.setter
-    def metrics(self, value) -> None:
-        for lane in self.lanes:
-            lane.metrics = value
 
     @property
     def draining(self) -> bool:

@@ -13,83 +13,23 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 from tandem.core.config import SamplingParams
 from tandem.core.engine import Sequence, SpeculativeEngine, StepOutput
-from tandem.core.logprobs import TokenLogprob
 from tandem.core.policy import PolicyState
 from tandem.core.stops import FINISH_ABORT
 from tandem.errors import BackendUnavailable, InvalidArgument, KVBudgetExceeded, TandemError
+from tandem.gateway.events import EngineFailed, EngineUnavailable, QueueFull
+from tandem.gateway.handles import Delivery, Finished, RequestHandle, SessionStore, Update
 from tandem.sessions import MemorySessionStore
+from tandem.telemetry.metrics import GatewayMetrics
 from tandem.telemetry.rounds import RoundTracer
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.25
-
-
-class SessionStore(Protocol):
-    """Where a session's state lives between its requests (tandem.sessions: memory or Redis): PolicyState.to_dict()
-    plus the worker affinity (`draft_worker`, `target_replica`) from SpeculativeEngine.session_affinity."""
-
-    def get(self, session_id: str) -> dict | None: ...
-
-    def put(self, session_id: str, state: dict) -> None: ...
-
-
-class QueueFull(TandemError):
-    """Too many requests queued or running; retry later."""
-
-
-class EngineUnavailable(TandemError):
-    """The loop is not running, is draining, or its engine is stalled."""
-
-
-class EngineFailed(TandemError):
-    """The engine raised or stalled while this request was in flight."""
-
-
-@dataclass(slots=True, frozen=True)
-class Finished:
-    finish_reason: str
-    text_cut: int | None
-    completion_tokens: int
-    stats: dict
-
-
-@dataclass(slots=True, frozen=True)
-class Update:
-    """New tokens for one request; `finished` is set on its last update."""
-
-    token_ids: list[int]
-    finished: Finished | None = None
-    logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when the request asked for logprobs
-
-
-@dataclass(slots=True)
-class RequestHandle:
-    request_id: str
-    prompt_tokens: int
-    session_id: str = ""
-    abort_requested: bool = False
-    updates: asyncio.Queue = field(default_factory=asyncio.Queue)
-    trace: object | None = None  # the request's recording span (tracing on): the engine thread adds round spans
-
-    async def __aiter__(self) -> AsyncIterator[Update]:
-        while True:
-            item = await self.updates.get()
-            if isinstance(item, Exception):
-                raise item
-            yield item
-            if item.finished is not None:
-                return
-
-
-Delivery = tuple[RequestHandle, Update | Exception]
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,7 +44,9 @@ class _Add:
 
 class EngineLoop:
     def __init__(self, engine: SpeculativeEngine, max_requests: int = 256, stall_timeout: float = 60.0,
-                 sessions: SessionStore | None = None) -> None:
+                 sessions: SessionStore | None = None, metrics: GatewayMetrics | None = None,
+                 thread_name: str = "tandem-engine") -> None:
+        """metrics: counts each finished request's rounds (None: off); thread_name: the engine thread's."""
         if max_requests < 1:
             raise InvalidArgument(f"max_requests: must be at least 1, got {max_requests}")
         self.engine = engine
@@ -124,8 +66,8 @@ class EngineLoop:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._watchdog: asyncio.Task | None = None
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-sessions")
-        self.thread_name = "tandem-engine"
-        self.metrics = None  # telemetry.metrics.GatewayMetrics: counts each finished request's rounds
+        self.thread_name = thread_name
+        self.metrics = metrics
         self._rounds = RoundTracer()  # touched only on the engine thread
         for side in (engine.drafter, engine.verifier):
             if side is not None:  # remote pools pass each traced row's context to its worker

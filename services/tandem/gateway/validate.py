@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import re
 import uuid
 from dataclasses import dataclass
 
@@ -12,6 +10,7 @@ from jinja2.exceptions import TemplateError
 
 from tandem.core.config import SamplingParams
 from tandem.core.logprobs import MAX_TOP_LOGPROBS
+from tandem.engines import ModelLimits
 from tandem.errors import InvalidArgument
 from tandem.v1 import generation_pb2 as pb
 
@@ -49,15 +48,6 @@ class GatewayLimits:
 
 
 @dataclass(slots=True, frozen=True)
-class ModelLimits:
-    """What the loaded models accept: token ids below vocab_size, drafting up to max_k, context_window in all."""
-
-    vocab_size: int
-    max_k: int
-    context_window: int | None = None
-
-
-@dataclass(slots=True, frozen=True)
 class PreparedRequest:
     request_id: str
     session_id: str
@@ -70,19 +60,6 @@ class PreparedRequest:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise InvalidArgument(message)
-
-
-def display_name(model: str) -> str:
-    """How a model is named to clients (model info, /v1/models, metric labels): a registry or hub name as given,
-    a local directory by its base name only (a full path says how the server's disk is laid out), a hub id pinned to
-    a commit (org/name@<sha>) by its id: clients name the model, the pin is the server's business."""
-    if re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}", model):
-        return model.split("@", 1)[0]
-    name = model.rstrip("/\\") or model
-    if name.startswith(("/", "./", "../", "~", "\\")) or (os.sep in name and os.path.isdir(name)) \
-            or ":\\" in name[:3]:
-        return os.path.basename(name.replace("\\", "/").rstrip("/")) or name
-    return model
 
 
 def _check_bytes(name: str, size: int, limits: GatewayLimits) -> None:

@@ -18,13 +18,12 @@ import uuid
 
 import ray
 
-from tandem.cluster import load_tokenizer
 from tandem.core.config import EngineConfig
 from tandem.core.costs import CostModel
+from tandem.engines.backend import Backend, engine_lanes
+from tandem.engines.cluster import load_tokenizer
+from tandem.engines.local import decoder
 from tandem.errors import TandemError
-from tandem.gateway.generation import Backend
-from tandem.gateway.lanes import engine_lanes
-from tandem.local_engine import decoder
 from tandem.pools.manager import IMAGE_ENV, find_manager
 from tandem.workers.draft_pool import RayDrafter
 from tandem.workers.fanout import RayPoolClient

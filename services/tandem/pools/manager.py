@@ -4,7 +4,7 @@ Why named detached actors and not Ray Serve deployments: a speculative round is 
 step, and a gateway must reach the exact replica that holds a session's KV cache. Actor calls go straight to the
 worker; a Serve handle adds its router and a proxy hop per call and routes by its own policy (custom routers can pin
 sessions, but every call still passes the router). The per-call overhead of both, measured here:
-loadtest/pool_overhead.py (docs/bench/pool-overhead-v1.json: 1.19 ms median per actor call, 4.08 ms through
+tandem.bench.pool_overhead (docs/bench/pool-overhead-v1.json: 1.19 ms median per actor call, 4.08 ms through
 Serve). Scaling, health and restarts are the manager's and Ray's (max_restarts) job; the Ray autoscaler grows nodes
 from the workers' resource requests.
 """
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import ray
 
-from tandem.cluster import ClusterOptions
 from tandem.core.config import EngineConfig
 from tandem.core.costs import CostModel
+from tandem.engines.local import draft_vocab_limit
+from tandem.engines.options import ClusterOptions
 from tandem.errors import InvalidArgument, TandemError
-from tandem.local_engine import draft_vocab_limit
 from tandem.workers.draft_pool import start_draft_workers
 from tandem.workers.target_pool import start_target_replicas
 from tandem.workers.tp_replica import TensorParallelReplica, find_tp_replica, start_tp_replica, stop_tp_replica

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/models, /health.
 
 Requests go through the gateway's own generation path (tandem.gateway.generation.Generations), the one the gRPC
-API uses: the same validation, engine loop, canary routing and cancellation. Bodies are parsed here rather than by
+API uses: the same validation, engine loop, arm routing and cancellation. Bodies are parsed here rather than by
 FastAPI's parameter binding so that every refusal, a bad JSON body included, is a 400 in OpenAI's error shape.
 """
 
@@ -22,7 +22,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from tandem.gateway.auth import ApiKeys
-from tandem.gateway.generation import ChoiceDelta, ChoiceEnd, Generations
+from tandem.gateway.events import ChoiceDelta, ChoiceEnd
+from tandem.gateway.generation import GenerationsSource
 from tandem.gateway.openai.convert import (
     CHAT_RENAMES,
     COMPLETION_RENAMES,
@@ -42,6 +43,7 @@ from tandem.gateway.openai.responses import SSE_DONE, Kind, Responder, sse
 from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tandem.gateway.openai.streaming import ClientGone, EventStream, until_disconnected
 from tandem.gateway.openai.tokens import TokenTexts
+from tandem.gateway.validate import GatewayLimits
 
 LARGE_BODY_BYTES = 64 * 1024  # bodies past this are parsed in a worker thread (other streams go on meanwhile)
 CLIENT_CLOSED = 499  # never seen by the client (it left); what access logs conventionally record
@@ -65,11 +67,13 @@ CHAT = _Endpoint("chat", ChatCompletionRequest, chat_request, CHAT_RENAMES, "cha
 COMPLETION = _Endpoint("completion", CompletionRequest, completion_request, COMPLETION_RENAMES, "cmpl")
 
 
-def create_app(generations: Generations, status: Status | None = None, keys: ApiKeys | None = None) -> FastAPI:
-    """The API over `generations`; `status` says why it cannot serve (default: loading until attached); `keys`: the
-    API keys /v1/* asks for (`Authorization: Bearer <key>`, else 401), None for none (/health is always open)."""
+def create_app(generations: GenerationsSource, limits: GatewayLimits, status: Status,
+               keys: ApiKeys | None = None) -> FastAPI:
+    """The API over the generate path `generations()` returns once the engines have loaded; `limits` bound bodies
+    before that; `status` says why it cannot serve; `keys`: the API keys /v1/* asks for (`Authorization: Bearer
+    <key>`, else 401), None for none (/health is always open)."""
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
-    api = _Api(generations, status or (lambda: None if generations.ready else "loading"), keys)
+    api = _Api(generations, limits, status, keys)
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
@@ -90,15 +94,17 @@ def create_app(generations: Generations, status: Status | None = None, keys: Api
 
 
 class _Api:
-    def __init__(self, generations: Generations, status: Status, keys: ApiKeys | None = None) -> None:
+    def __init__(self, generations: GenerationsSource, limits: GatewayLimits, status: Status,
+                 keys: ApiKeys | None = None) -> None:
         self.generations = generations
+        self.limits = limits
         self.status = status
         self.keys = keys
         self.created = int(time.time())
         self._texts: TokenTexts | None = None
 
     def _token_texts(self) -> TokenTexts:
-        tokenizer = self.generations.tokenizer
+        tokenizer = self.generations().tokenizer
         if self._texts is None or self._texts.tokenizer is not tokenizer:
             self._texts = TokenTexts(tokenizer)
         return self._texts
@@ -126,12 +132,13 @@ class _Api:
         try:
             self._tenant(request)
             self._check_ready()
-            name = self.generations.target_name
+            generations = self.generations()
+            name = generations.target_name
         except Exception as exc:
             return _error(exc, {})
         model = {"id": name, "object": "model", "created": self.created, "owned_by": "tandem"}
-        limits = self.generations.model_limits
-        if limits is not None and limits.context_window:
+        limits = generations.model_limits
+        if limits.context_window:
             model["max_model_len"] = limits.context_window  # vLLM's name for it; clients size prompts by it
         return JSONResponse({"object": "list", "data": [model]})
 
@@ -151,9 +158,10 @@ class _Api:
 
     async def _serve(self, request: Request, endpoint: _Endpoint) -> Response:
         tenant = self._tenant(request)  # before the body: an unauthenticated client gets nothing parsed
-        body = await _read_body(request, endpoint.schema, self.generations.limits.max_request_bytes)
+        body = await _read_body(request, endpoint.schema, self.limits.max_request_bytes)
         self._check_ready()
-        model = self.generations.target_name
+        generations = self.generations()
+        model = generations.target_name
         check_model(body, model)
         request_id = body.request_id or f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         message = endpoint.convert(body, request_id)
@@ -161,7 +169,7 @@ class _Api:
                               logprobs=message.HasField("logprobs"), include_usage=body.stream and body.include_usage,
                               token_ids=body.return_token_ids)
         # headers: a W3C trace context
-        events = self.generations.stream(message, list(request.headers.items()), tenant=tenant)
+        events = generations.stream(message, list(request.headers.items()), tenant=tenant)
         if not body.stream:
             await until_disconnected(request, _collect(events, responder))
             return JSONResponse(responder.response())

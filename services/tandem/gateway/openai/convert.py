@@ -6,9 +6,9 @@ whose messages name gRPC fields: RENAMES_* map those names back to the body's fi
 
 from __future__ import annotations
 
+from tandem.engines import display_name
 from tandem.gateway.openai.errors import bad_request, model_not_found
 from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, _Generate
-from tandem.gateway.validate import display_name
 from tandem.v1 import generation_pb2 as pb
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1

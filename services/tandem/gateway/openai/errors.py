@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from fastapi.responses import JSONResponse
 
 from tandem.errors import BackendUnavailable, InvalidArgument
-from tandem.gateway.generation import TenantBusy
-from tandem.gateway.loop import EngineFailed, EngineUnavailable, QueueFull
+from tandem.gateway.events import EngineFailed, EngineUnavailable, QueueFull, TenantBusy
 
 log = logging.getLogger(__name__)
 

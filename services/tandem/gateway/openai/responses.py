@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tandem.core.logprobs import TokenLogprob
-from tandem.gateway.generation import ChoiceDelta, ChoiceEnd
+from tandem.gateway.events import ChoiceDelta, ChoiceEnd
 from tandem.gateway.openai.tokens import CompletionLogprobs, TokenTexts, chat_logprobs
 
 Kind = Literal["chat", "completion"]

@@ -1,11 +1,17 @@
-"""Building an in-process speculative engine from loaded models."""
+"""Engines over models loaded in this process: the engine itself, and the backends `tandem serve --in-process`
+builds (the target loaded once, each distinct draft model once, one engine per arm)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from tandem.core.config import EngineConfig
 from tandem.core.engine import SpeculativeEngine
 from tandem.core.local import LocalDrafter, LocalVerifier
 from tandem.core.runner import ModelRunner
+from tandem.engines.backend import Backend
+from tandem.engines.options import Arm, LocalOptions
+from tandem.errors import InvalidArgument
 
 
 def eos_token_ids(model, tokenizer) -> frozenset[int]:
@@ -19,7 +25,7 @@ def eos_token_ids(model, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def decoder(tokenizer):
+def decoder(tokenizer) -> Callable[[list[int]], str]:
     def decode(token_ids: list[int]) -> str:
         return tokenizer.decode(token_ids, skip_special_tokens=True)
 
@@ -51,10 +57,39 @@ def build_engine(target, draft=None, config: EngineConfig | None = None, kv_toke
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat:
         if not getattr(tokenizer, "chat_template", None):
-            from tandem.errors import InvalidArgument
-
             raise InvalidArgument("chat: this model's tokenizer has no chat template; drop --chat")
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(prompt)
+
+
+def build_local_backends(target: str, arms: tuple[Arm, ...], options: LocalOptions) -> dict[str, Backend]:
+    """{arm: Backend} over models loaded here: the target once, each distinct draft once (checked to share the
+    target's tokenizer), one engine per arm."""
+    from tandem.models.loader import check_compatible, load_model
+
+    device, dtype = _setup_torch(options)
+    target_model = load_model(target, device=device, dtype=dtype, eager=options.eager)
+    drafts: dict[str, object] = {}
+    backends = {}
+    for arm in arms:
+        draft = arm.draft if arm.config.spec.speculating else ""
+        if draft and draft not in drafts:
+            drafts[draft] = load_model(draft, device=device, dtype=dtype, eager=options.eager)
+            check_compatible(drafts[draft], target_model)
+        engine = build_engine(target_model, drafts[draft] if draft else None, arm.config, kv_tokens=options.kv_tokens)
+        backends[arm.name] = Backend(engine, target_model.tokenizer, target, draft)
+    return backends
+
+
+def _setup_torch(options: LocalOptions):
+    """(device, dtype) for the models, with torch's thread count set when options ask."""
+    import torch
+
+    from tandem.core.device import select_device, select_dtype
+
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    device = select_device(options.device)
+    return device, select_dtype(options.dtype, device)

@@ -1,6 +1,6 @@
-"""The distributed backend behind `tandem serve`: Ray, the draft-worker pool and tensor-parallel target replicas.
+"""Backends over Ray pools: a draft-worker pool and tensor-parallel target replicas, started for this server.
 
-The gateway process holds only the tokenizer and the engine's bookkeeping; models live in Ray actors. Workers are
+The server process holds only the tokenizer and the engine's bookkeeping; models live in Ray actors. Workers are
 reached through Ray actor calls rather than a second gRPC contract: Ray already places them (GPU requests,
 placement groups), restarts them, and serialises the small messages a round needs (token ids, the truncated draft
 distribution), so one more RPC layer would add a hop and nothing else.
@@ -10,59 +10,18 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 from tandem.core.config import EngineConfig
-from tandem.errors import InvalidArgument, TandemError
-from tandem.gateway.generation import Backend
-from tandem.gateway.lanes import engine_lanes
-from tandem.local_engine import decoder, draft_vocab_limit
+from tandem.engines.backend import Backend, engine_lanes
+from tandem.engines.local import decoder, draft_vocab_limit
+from tandem.engines.options import Arm, ClusterOptions
+from tandem.errors import TandemError
 from tandem.workers.draft_pool import RayDrafter, start_draft_workers
 from tandem.workers.target_pool import RayVerifier, start_target_replicas
 from tandem.workers.tp_replica import start_tp_replica
 from tandem.workers.worker_base import WorkerConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, frozen=True)
-class ClusterOptions:
-    draft_workers: int = 1
-    target_replicas: int = 1
-    tensor_parallel: int = 1
-    draft_gpus: float = 0.0
-    target_gpus_per_rank: float = 0.0
-    draft_resources: dict[str, float] | None = None  # custom Ray resources per draft worker (a worker group's)
-    target_resources: dict[str, float] | None = None  # ... and per target rank
-    cpus_per_worker: float = 1.0
-    ray_address: str | None = None
-    ray_token_file: str | None = None  # Ray token auth (tandem.ray_auth); else $RAY_AUTH_TOKEN(_PATH) or a fresh one
-    draft_timeout_s: float = 5.0
-    threads: int | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    eager: bool = False  # models as Hugging Face builds them (no prepacked linears)
-    kv_tokens: int = 0  # every worker's KV token budget (0: a share of the memory free when it starts)
-
-    def __post_init__(self) -> None:
-        if self.draft_workers < 0:
-            raise InvalidArgument(f"draft_workers: must be non-negative, got {self.draft_workers}")
-        if self.target_replicas < 1:
-            raise InvalidArgument(f"target_replicas: must be at least 1, got {self.target_replicas}")
-        if self.tensor_parallel < 1:
-            raise InvalidArgument(f"tp: must be at least 1, got {self.tensor_parallel}")
-        if self.kv_tokens < 0:
-            raise InvalidArgument(f"kv_tokens: must be non-negative (0: a share of free memory), got {self.kv_tokens}")
-        for name in ("draft_resources", "target_resources"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, dict) and all(
-                    isinstance(k, str) and isinstance(v, int | float) and v > 0 for k, v in value.items())):
-                raise InvalidArgument(f"{name}: must map resource names to positive amounts, got {value!r}")
-
-    @property
-    def actors(self) -> int:
-        return self.draft_workers + self.target_replicas * self.tensor_parallel
-
 
 def start_ray(options: ClusterOptions) -> None:
     """Join RAY_ADDRESS (or options.ray_address), else start a local Ray on loopback sized for our actors, with
@@ -91,8 +50,8 @@ def start_ray(options: ClusterOptions) -> None:
     ray.init(num_cpus=cpus, include_dashboard=False, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
              runtime_env=env, log_to_driver=False, configure_logging=False)
 
-
 def load_tokenizer(spec: str):
+    """(tokenizer, EOS ids) of a model whose weights live elsewhere (the workers load them)."""
     from transformers import AutoTokenizer, GenerationConfig
 
     from tandem.models.loader import resolve
@@ -108,49 +67,40 @@ def load_tokenizer(spec: str):
     eos |= set(generation_eos if isinstance(generation_eos, list) else [generation_eos] if generation_eos else [])
     return tokenizer, frozenset(eos)
 
-
-def start_backend(target: str, draft: str | None, config: EngineConfig, options: ClusterOptions,
-                  lanes: int = 1) -> Backend:
-    """Pull models once here, start Ray and the workers, and return an engine driving them (`lanes` engines over
-    the same workers: gateway.lanes)."""
-    return start_arm_backends(target, {"": (draft, config)}, options, lanes)[""]
-
-
-def start_arm_backends(target: str, arms: dict[str, tuple[str | None, EngineConfig]], options: ClusterOptions,
-                       lanes: int = 1) -> dict[str, Backend]:
-    """One backend per arm ({name: (draft or None, engine config)}) over one shared target pool; arms with the
-    same draft model share its draft pool. With tensor-parallel replicas each arm gets replicas of its own: a failed
-    replica is rebuilt by the one pool client that holds it."""
-    if lanes > 1 and options.tensor_parallel > 1:
-        raise InvalidArgument("lanes: engine lanes over tensor-parallel replicas are not supported (each lane would "
-                              "rebuild a failed replica on its own); use --lanes 1 with --tp")
+def build_cluster_backends(target: str, arms: tuple[Arm, ...], options: ClusterOptions,
+                           lanes: int = 1) -> dict[str, Backend]:
+    """Pull the models once here, start Ray and the workers, and return one backend per arm over one shared target
+    pool; arms with the same draft model share its draft pool. With tensor-parallel replicas each arm gets replicas
+    of its own: a failed replica is rebuilt by the one pool client that holds it."""
     tokenizer, eos = load_tokenizer(target)
-    drafts = {draft for draft, config in arms.values() if draft and config.spec.speculating}
+    drafts = {arm.draft for arm in arms if arm.draft and arm.config.spec.speculating}
     for draft in sorted(drafts):
         load_tokenizer(draft)  # pulls a registry draft once, before several workers would race for it
     start_ray(options)
     shared = _start_target_pool(target, options) if options.tensor_parallel == 1 else None
     draft_pools: dict[str, list] = {}
     backends = {}
-    for name, (draft, config) in arms.items():
+    for arm in arms:
         replicas = shared if shared is not None else _start_target_pool(target, options)
-        speculating = bool(draft) and config.spec.speculating and options.draft_workers > 0
-        if speculating and draft not in draft_pools:
-            draft_pools[draft] = _start_draft_pool(draft, config, options, RayVerifier(replicas).vocab_size)
-        workers = draft_pools[draft] if speculating else []
+        speculating = bool(arm.draft) and arm.config.spec.speculating and options.draft_workers > 0
+        if speculating and arm.draft not in draft_pools:
+            draft_pools[arm.draft] = _start_draft_pool(arm.draft, arm.config, options, RayVerifier(replicas).vocab_size)
+        workers = draft_pools[arm.draft] if speculating else []
 
-        def sides(lane: int, replicas=replicas, workers=workers, name=name) -> tuple[RayVerifier, RayDrafter | None]:
+        def sides(lane: int, replicas: list = replicas, workers: list = workers,
+                  name: str = arm.name) -> tuple[RayVerifier, RayDrafter | None]:
             # To the workers, each lane and each arm is a gateway of its own (its own sequence-id prefix).
             prefix = f"{name}/{lane}/" if name or lanes > 1 else ""
             drafter = RayDrafter(workers, timeout_s=options.draft_timeout_s, prefix=prefix) if workers else None
             return RayVerifier(replicas, prefix=prefix), drafter
 
-        engines = engine_lanes(sides, lanes, config, eos, decoder(tokenizer))
-        backends[name] = Backend(engines[0], tokenizer, target, draft or "", lanes=tuple(engines[1:]))
+        engines = engine_lanes(sides, lanes, arm.config, eos, decoder(tokenizer))
+        draft_name = arm.draft if arm.config.spec.speculating else ""
+        backends[arm.name] = Backend(engines[0], tokenizer, target, draft_name, lanes=tuple(engines[1:]))
         log.info("%sready: %d draft worker(s), %d target replica(s) x TP %d, %d lane(s)",
-                 f"arm {name}: " if name else "cluster ", len(workers), len(replicas), options.tensor_parallel, lanes)
+                 f"arm {arm.name}: " if arm.name else "cluster ", len(workers), len(replicas),
+                 options.tensor_parallel, lanes)
     return backends
-
 
 def _start_target_pool(target: str, options: ClusterOptions) -> list:
     config = WorkerConfig(model=target, **_worker_common(options))
@@ -162,14 +112,12 @@ def _start_target_pool(target: str, options: ClusterOptions) -> list:
     return start_target_replicas(config, options.target_replicas, num_gpus=options.target_gpus_per_rank,
                                  num_cpus=options.cpus_per_worker, resources=options.target_resources)
 
-
 def _start_draft_pool(draft: str, config: EngineConfig, options: ClusterOptions, vocab: int) -> list:
     spec = config.spec
     worker = WorkerConfig(model=draft, top_m=spec.draft_top_m, confidence=spec.stop_confidence,
                           draft_vocab=draft_vocab_limit(spec.draft_vocab, vocab), **_worker_common(options))
     return start_draft_workers(worker, options.draft_workers, num_gpus=options.draft_gpus,
                                num_cpus=options.cpus_per_worker, resources=options.draft_resources)
-
 
 def _worker_common(options: ClusterOptions) -> dict:
     return {"device": options.device, "dtype": options.dtype, "threads": options.threads, "eager": options.eager,

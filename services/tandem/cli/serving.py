@@ -1,0 +1,181 @@
+"""The gateway's own flags and running it until SIGTERM: shared by `tandem serve` (which builds the engines) and
+`tandem gateway` (which attaches to shared pools)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import logging
+from typing import TYPE_CHECKING
+
+from tandem.cli.common import add_redis_options, session_store_url
+from tandem.core.config import EngineConfig
+from tandem.errors import InvalidArgument, TandemError
+from tandem.gateway.options import GatewayOptions, check_tls_files
+from tandem.gateway.server import Loader, serve
+from tandem.gateway.validate import GatewayLimits
+from tandem.telemetry import tracing
+from tandem.telemetry.metrics import DEFAULT_PORT as DEFAULT_METRICS_PORT
+
+if TYPE_CHECKING:
+    from tandem.canary.config import CanaryOptions
+    from tandem.canary.plugin import CanaryArms
+    from tandem.gateway.handles import SessionStore
+
+DEFAULT_HTTP_PORT = 8000  # vLLM's and most OpenAI-compatible servers' default
+
+
+def add_gateway_options(parser: argparse.ArgumentParser) -> None:
+    """The flags of the gRPC gateway itself, shared by `tandem serve` and `tandem gateway`."""
+    add_redis_options(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=50051, help="0 picks a free port (default: %(default)s)")
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions) on --host "
+                             f"(default: {DEFAULT_HTTP_PORT}, or a free port when taken; 0: a free port; -1: off)")
+    parser.add_argument("--max-queue", type=int, default=256,
+                        help="requests queued or running before RESOURCE_EXHAUSTED (default: %(default)s)")
+    parser.add_argument("--max-batch", type=int, default=16, help="sequences per engine step (default: %(default)s)")
+    parser.add_argument("--lanes", type=int, default=1,
+                        help="engines over the same Ray workers, so one lane's rows draft while another's verify "
+                             "(a lane takes requests once the lanes before it run --max-batch; not with --in-process "
+                             "or with --tp > 1 under tandem serve; default: %(default)s)")
+    parser.add_argument("--prefill-chunk", type=int, default=EngineConfig().prefill_chunk,
+                        help="while others decode, prefill a new prompt at most this many tokens per step "
+                             "(0: a prompt at once; default: %(default)s)")
+    parser.add_argument("--max-tokens-limit", type=int, default=GatewayLimits().max_tokens,
+                        help="largest max_tokens a request may ask for (default: %(default)s)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=GatewayLimits().max_prompt_tokens,
+                        help="longest prompt in tokens (default: %(default)s)")
+    parser.add_argument("--grace", type=float, default=30.0,
+                        help="seconds in-flight requests may run on after SIGTERM (default: %(default)s)")
+    parser.add_argument("--stall-timeout", type=float, default=60.0,
+                        help="fail in-flight requests when one engine step runs longer (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help=f"Prometheus /metrics port on --host (default: {DEFAULT_METRICS_PORT}, or a free port "
+                        "when taken; 0: a free port; -1: off)")
+    parser.add_argument("--no-metrics", action="store_true", help="serve no Prometheus metrics (gateway and workers)")
+    parser.add_argument("--tls-cert", default=None, metavar="FILE",
+                        help="serve gRPC and HTTP over TLS with this PEM certificate (chain); needs --tls-key")
+    parser.add_argument("--tls-key", default=None, metavar="FILE", help="the PEM private key of --tls-cert")
+    parser.add_argument("--tls-client-ca", default=None, metavar="FILE",
+                        help="mutual TLS: clients must present a certificate signed by this PEM CA")
+    parser.add_argument("--api-keys", default=None, metavar="FILE",
+                        help="require an API key (`authorization: Bearer <key>`) on every call but health checks; "
+                             "FILE maps key hashes to tenants (`tandem keys create`)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow a --host beyond loopback without --api-keys (anyone who reaches it may call)")
+    parser.add_argument("--tenant-queue-share", type=float, default=GatewayOptions().tenant_queue_share,
+                        help="with --api-keys: the most of --max-queue one tenant may hold queued or running, so one "
+                             "client cannot fill the queue (1: no cap; default: %(default)s)")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def gateway_options(args: argparse.Namespace) -> GatewayOptions:
+    if not 0 <= args.port <= 65535:
+        raise InvalidArgument(f"port: must be between 0 and 65535, got {args.port}")
+    if args.max_queue < 1:
+        raise InvalidArgument(f"max_queue: must be at least 1, got {args.max_queue}")
+    if args.lanes < 1:
+        raise InvalidArgument(f"lanes: must be at least 1, got {args.lanes}")
+    if args.grace < 0 or args.stall_timeout <= 0:
+        raise InvalidArgument("grace: must be non-negative; stall_timeout: must be positive")
+    limits = GatewayLimits(max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens)
+    metrics_port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
+    if not -1 <= metrics_port <= 65535:
+        raise InvalidArgument(f"metrics_port: must be between -1 (off) and 65535, got {metrics_port}")
+    off = args.no_metrics or metrics_port == -1
+    http_port = DEFAULT_HTTP_PORT if args.http_port is None else args.http_port
+    if not -1 <= http_port <= 65535:
+        raise InvalidArgument(f"http_port: must be between -1 (off) and 65535, got {http_port}")
+    keys = None
+    if args.api_keys is not None:
+        from tandem.gateway.auth import ApiKeys
+
+        keys = ApiKeys.load(args.api_keys)
+    elif not args.insecure and not is_loopback(args.host):
+        # Without keys, anyone who reaches the port may generate: only loopback unless the operator says so.
+        raise InvalidArgument(f"host: {args.host} is reachable beyond this machine and no --api-keys were given; "
+                              "pass --api-keys FILE (`tandem keys create`), or --insecure to serve it unauthenticated")
+    options = GatewayOptions(host=args.host, port=args.port, limits=limits, max_requests=args.max_queue,
+                             stall_timeout=args.stall_timeout, grace=args.grace,
+                             metrics_port=None if off else metrics_port,
+                             metrics_port_fallback=args.metrics_port is None,
+                             http_port=None if http_port == -1 else http_port,
+                             http_port_fallback=args.http_port is None,
+                             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+                             api_keys=keys, tenant_queue_share=args.tenant_queue_share)
+    if options.tls:
+        check_tls_files(options)  # now, before Ray or the models start
+    return options
+
+
+def session_store(url: str | None, stack: contextlib.ExitStack) -> SessionStore:
+    """The store at `url` (credentials folded in: session_store_url), else in an embedded Redis of our own."""
+    from tandem.sessions import EmbeddedRedis, open_session_store
+
+    if not url:
+        try:
+            redis = stack.enter_context(EmbeddedRedis())
+        except RuntimeError as exc:
+            logging.getLogger(__name__).warning("no Redis: keeping session state in memory (%s)", exc)
+            return open_session_store(None)
+        url = redis.url
+        print(f"tandem: session state in embedded Redis at {redis.redacted_url}", flush=True)
+    return open_session_store(url)
+
+
+def serve_gateway(args: argparse.Namespace, load: Loader, options: GatewayOptions, canary: CanaryOptions | None,
+                  exporters: list[str], model: str) -> int:
+    """Run the gRPC gateway over the backends `load()` returns until SIGTERM/SIGINT (with the session store).
+    canary: split sessions over the arms `load()` returns (tandem.canary.plugin; None: one backend)."""
+
+    security = ("mutual TLS" if options.tls_client_ca else "TLS") if options.tls else "plaintext"
+    if options.api_keys is not None:
+        security += f", {len(options.api_keys)} API keys"
+
+    def announce(address: str) -> None:
+        # The address stays bare (HOST:PORT, what clients take): scripts read it from this line.
+        print(f"tandem: serving tandem.v1.GenerationService on {address} ({security}; readiness turns SERVING once "
+              f"{model} is loaded)", flush=True)
+
+    def announce_metrics(url: str) -> None:
+        print(f"tandem: Prometheus metrics at {url}", flush=True)
+
+    def announce_http(url: str) -> None:
+        print(f"tandem: serving the OpenAI-compatible HTTP API on {url}/v1", flush=True)
+
+    with contextlib.ExitStack() as stack:
+        sessions = session_store(session_store_url(args), stack)
+        stack.callback(tracing.shutdown)  # flushes the last spans
+        if exporters:
+            print(f"tandem: tracing on, exporting to {', '.join(exporters)} (OTEL_* variables)", flush=True)
+        try:
+            arm_routers = None
+            if canary is not None:
+                arm_routers = _canary_arms(canary, sessions)
+                print(f"tandem: canary arms {', '.join(f'{arm.name}={arm.weight:g}' for arm in canary.arms)} "
+                      f"(deployment {canary.deployment}; `tandem canary status`)", flush=True)
+            asyncio.run(serve(load, options, sessions=sessions, on_listening=announce, on_metrics=announce_metrics,
+                              on_http=announce_http, arm_routers=arm_routers))
+        except OSError as exc:
+            raise TandemError(str(exc)) from exc
+    return 0
+
+
+def _canary_arms(canary: CanaryOptions, sessions: SessionStore) -> CanaryArms:
+    """The canary plug-in; its replicas share the arms' weights and observations through the sessions' Redis."""
+    from tandem.canary.plugin import CanaryArms
+    from tandem.sessions.store import RedisSessionStore
+
+    return CanaryArms(canary, sessions.url if isinstance(sessions, RedisSessionStore) else None)

@@ -1,0 +1,81 @@
+"""From built engines to a serving generate path: one serving loop per arm, the arm router, and Generations.
+
+Runs once per gateway, in its loading phase: the engines are built off the event loop (the loader blocks while
+models load and workers start), each arm's loop is started, and the arm router, when the gateway has one, is
+started last, with plain decoding on the baseline arm's loop for its exactness checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+
+from tandem.engines import Backend
+from tandem.errors import TandemError
+from tandem.gateway.arms import ArmRouter, ArmRouterFactory, plain_decoder
+from tandem.gateway.generation import Generations
+from tandem.gateway.handles import SessionStore
+from tandem.gateway.lanes import LanedLoop, ServingLoop
+from tandem.gateway.loop import EngineLoop
+from tandem.gateway.options import GatewayOptions
+from tandem.telemetry.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+
+async def load_generations(load: Callable[[], Backend | Mapping[str, Backend]], options: GatewayOptions,
+                           metrics: GatewayMetrics | None, sessions: SessionStore | None,
+                           arm_routers: ArmRouterFactory | None) -> Generations:
+    """Build the engines (`load`, in a thread), start their loops and the arm router; on a failure, close what
+    started and re-raise."""
+    loops: dict[str, ServingLoop] = {}
+    router: ArmRouter | None = None
+    try:
+        backends = arm_backends(await asyncio.to_thread(load), routed=arm_routers is not None)
+        for name, backend in backends.items():
+            loops[name] = serving_loop(backend, options, metrics, sessions)
+            await loops[name].start()
+        baseline = next(iter(backends))
+        if metrics is not None:
+            metrics.attach(loops[baseline], backends[baseline].target_name, backends[baseline].draft_name)
+        if arm_routers is not None:
+            plain = plain_decoder(loops[baseline], asyncio.get_running_loop())
+            provider = metrics.endpoint.provider if metrics is not None else None
+            router = await asyncio.to_thread(arm_routers.start, list(backends), plain, provider)
+    except Exception as exc:
+        for started in loops.values():
+            await started.close()
+        if isinstance(exc, TandemError):  # a user-facing message; whoever awaits the gateway's ready() reports it
+            log.info("loading the engine failed: %s", exc)
+        else:
+            log.exception("loading the engine failed")
+        raise
+    keys = options.api_keys
+    tenant_limits = {name: tenant.max_concurrency for name, tenant in keys.tenants.items()
+                     if tenant.max_concurrency is not None} if keys is not None else {}
+    return Generations(backends[baseline], loops, options.limits, metrics, tenant_limits,
+                       options.tenant_queue_share if keys is not None else 1.0, router)
+
+
+def arm_backends(loaded: Backend | Mapping[str, Backend], routed: bool) -> dict[str, Backend]:
+    """{arm: Backend}, the baseline first; a lone Backend is arm "". Several arms need an arm router to place
+    requests on them."""
+    if isinstance(loaded, Backend):
+        return {"": loaded}
+    if not isinstance(loaded, Mapping) or not loaded or not all(isinstance(b, Backend) for b in loaded.values()):
+        raise TandemError("the loader must return a Backend or {arm name: Backend}")
+    if len(loaded) > 1 and not routed:
+        raise TandemError(f"the loader returned arms {list(loaded)}, but the gateway has no arm router")
+    return dict(loaded)
+
+
+def serving_loop(backend: Backend, options: GatewayOptions, metrics: GatewayMetrics | None,
+                 sessions: SessionStore | None) -> ServingLoop:
+    """One EngineLoop over the backend's engine, or a LanedLoop over its lanes (a thread each)."""
+    engines = backend.engines
+    if len(engines) == 1:
+        return EngineLoop(engines[0], options.max_requests, options.stall_timeout, sessions, metrics)
+    return LanedLoop([EngineLoop(engine, options.max_requests, options.stall_timeout, sessions, metrics,
+                                 thread_name=f"tandem-engine-{index}") for index, engine in enumerate(engines)],
+                     options.max_requests)

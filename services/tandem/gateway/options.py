@@ -1,0 +1,86 @@
+"""A gateway's settings: where it listens, its limits and phases, TLS, API keys and tenants' share of the queue."""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass, field
+
+import grpc
+
+from tandem.errors import InvalidArgument
+from tandem.gateway.auth import ApiKeys
+from tandem.gateway.validate import GatewayLimits
+
+
+@dataclass(slots=True, frozen=True)
+class GatewayOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    limits: GatewayLimits = field(default_factory=GatewayLimits)
+    max_requests: int = 256
+    stall_timeout: float = 60.0
+    grace: float = 30.0
+    metrics_port: int | None = None  # Prometheus /metrics on the gateway's host: None = off, 0 = any free port
+    metrics_port_fallback: bool = False  # when metrics_port is taken, use any free port instead of failing
+    http_port: int | None = None  # the OpenAI-compatible HTTP API on the gateway's host: None = off, 0 = any free port
+    http_port_fallback: bool = False  # when http_port is taken, use any free port instead of failing
+    # TLS on the gRPC and HTTP ports (PEM files; both or neither). tls_client_ca: mutual TLS, clients must present a
+    # certificate it signed. Prometheus /metrics stays plaintext: scrapers sit inside the cluster's network.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    api_keys: ApiKeys | None = None  # None: no keys asked for, every caller is tenant ""
+    # With API keys: the most of max_requests one tenant may hold queued or running, so one client cannot fill the
+    # queue for the others (1.0: no cap beyond each key's max_concurrency).
+    tenant_queue_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.tenant_queue_share <= 1.0:
+            raise InvalidArgument(f"tenant_queue_share: must be in (0, 1], got {self.tenant_queue_share}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise InvalidArgument("tls: give both a certificate (--tls-cert) and its key (--tls-key), or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise InvalidArgument("tls_client_ca: mutual TLS needs --tls-cert and --tls-key too")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+
+def _read_pem(name: str, path: str) -> bytes:
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as exc:
+        raise InvalidArgument(f"{name}: cannot read {path}: {exc.strerror or exc}") from exc
+
+
+def check_tls_files(options: GatewayOptions) -> None:
+    """Load the files as Python's ssl would: a bad PEM or a key that is not the certificate's fails here with its
+    reason (grpc only reports "Failed to bind" for them)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(options.tls_cert, options.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidArgument(f"tls_cert: cannot use {options.tls_cert} with the key {options.tls_key}: {exc}") \
+            from exc
+    if options.tls_client_ca is not None:
+        try:
+            context.load_verify_locations(options.tls_client_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidArgument(f"tls_client_ca: cannot use {options.tls_client_ca}: {exc}") from exc
+
+
+def grpc_server_credentials(options: GatewayOptions) -> grpc.ServerCredentials:
+    """TLS credentials for the gRPC port; with a client CA, a client without a certificate it signed is refused in
+    the handshake."""
+    pair = (_read_pem("tls_key", options.tls_key), _read_pem("tls_cert", options.tls_cert))
+    check_tls_files(options)
+    if options.tls_client_ca is None:
+        return grpc.ssl_server_credentials([pair])
+    return grpc.ssl_server_credentials([pair], root_certificates=_read_pem("tls_client_ca", options.tls_client_ca),
+                                       require_client_auth=True)
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
