@@ -42,3 +42,18 @@ def tiny_models(tiny_dirs):
         return load_model(str(path), device=torch.device("cpu"), dtype=torch.float32, progress=False)
 
     return load(tiny_dirs.target), load(tiny_dirs.draft), load(tiny_dirs.draft_random)
+
+
+# Modules that start Ray (a local cluster, `tandem serve`, pools): under pytest-xdist they share one worker, so two
+# Ray heads never race for Ray's fixed ports, while the CPU-bound tests run on the other worker beside their waits.
+RAY_MODULES = frozenset({
+    "test_canary_e2e", "test_cli_conventions", "test_gateway_cli", "test_hardening", "test_logprobs",
+    "test_openai_api", "test_pools", "test_pools_calibration", "test_pools_chaos", "test_pools_tp", "test_ray_auth",
+    "test_ray_workers", "test_security", "test_serve_cluster", "test_telemetry_cli", "test_telemetry_cluster",
+})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in RAY_MODULES:
+            item.add_marker(pytest.mark.xdist_group("ray"))

@@ -8,10 +8,12 @@ import time
 from collections.abc import Callable, Coroutine
 
 from tandem.core.config import EngineConfig, SpecConfig
-from tandem.gateway.generation import Backend
-from tandem.gateway.loop import SessionStore
-from tandem.gateway.server import Gateway, GatewayOptions, start_gateway
-from tandem.local_engine import build_engine
+from tandem.engines import Backend
+from tandem.engines.local import build_engine
+from tandem.gateway.arms import ArmRouterFactory
+from tandem.gateway.handles import SessionStore
+from tandem.gateway.options import GatewayOptions
+from tandem.gateway.server import Gateway, start_gateway
 
 CALL_TIMEOUT = 60.0
 
@@ -29,14 +31,15 @@ def tiny_backend(target, draft=None, kv_tokens: int = 0, **spec) -> Callable[[],
 
 
 class ServerThread:
-    def __init__(self, load: Callable[[], Backend], wait_ready: bool = True, sessions: SessionStore | None = None,
-                 canary=None, **options) -> None:
-        """canary: CanaryOptions; `load` then returns {arm name: Backend}."""
+    def __init__(self, load: Callable[[], Backend | dict[str, Backend]], wait_ready: bool = True,
+                 sessions: SessionStore | None = None, arm_routers: ArmRouterFactory | None = None,
+                 **options) -> None:
+        """arm_routers: split requests over the arms `load` returns as {arm name: Backend}."""
         self.event_loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.event_loop.run_forever, name="gateway-test", daemon=True)
         self.thread.start()
         self.gateway: Gateway = self.call(start_gateway(load, GatewayOptions(host="127.0.0.1", port=0, **options),
-                                                        sessions, canary))
+                                                        sessions, arm_routers))
         if wait_ready:
             self.call(self.gateway.ready())
 

@@ -24,7 +24,7 @@ import pytest
 
 from tandem.client import TandemClient
 from tandem.core.config import SamplingParams
-from tandem.local_engine import build_engine
+from tandem.engines.local import build_engine
 
 TOKENS = 40
 PROMPTS = [[5, 6, 7, 8], [40, 50, 60], [1, 2, 3, 4, 5, 6, 7], [200, 17, 33]]

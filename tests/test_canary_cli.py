@@ -37,7 +37,8 @@ def canary(server, monkeypatch):
 
 
 def test_round_trip(canary, capsys, server) -> None:
-    code, out, _ = canary(capsys, "set", "--arms", ARMS, "--steps", "10,50,100", "--threshold", "min_sessions=100")
+    code, out, _ = canary(capsys, "set", "--arms", ARMS, "--steps", "10", "50", "100",
+                          "--threshold", "min_sessions=100")
     assert code == 0 and "register stable,canary" in out and "configure" in out
     gateway = CanaryController(RedisCanaryStore(server.url), canary.deployment)  # a gateway with no arms configured
     assert gateway.state().weights == {"stable": 90.0, "canary": 10.0}
@@ -78,14 +79,14 @@ def test_round_trip(canary, capsys, server) -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["status"], "error: deployment: no canary registered"),
-    (["set", "stable=100"], "error: deployment: no canary registered"),
-    (["set", "--arms", "[{"], "error: arms: not valid JSON"),
+    (["status"], "error: --deployment: no canary registered"),
+    (["set", "stable=100"], "error: --deployment: no canary registered"),
+    (["set", "--arms", "[{"], "error: --arms: not valid JSON"),
     (["set", "--arms", '[{"name": "a", "weight": 50}]'], "error: weights: must sum to 100, got 50"),
     (["set"], "error: weights: give ARM=PERCENT"),
     (["set", "stable"], "error: weights: expected ARM=PERCENT, got 'stable'"),
-    (["set", "--steps", "5,x"], "error: steps:"),
-    (["set", "--arms", ARMS, "--baseline", "nope"], "error: baseline: 'nope' is not an arm"),
+    (["set", "--steps", "5", "x"], "error: --steps: expected percentages, got '5 x'"),
+    (["set", "--arms", ARMS, "--baseline", "nope"], "error: --baseline: 'nope' is not an arm"),
     (["set", "--arms", ARMS, "--threshold", "min_sessions=-2"], "error: min_sessions:"),
 ])
 def test_bad_input_exits_2_naming_the_field(canary, capsys, args: list[str], message: str) -> None:
@@ -99,8 +100,8 @@ def test_bad_changes_to_a_registered_canary(canary, capsys) -> None:
                           (["set", "stable=80", "canary=10"], "error: weights: must sum to 100, got 90"),
                           (["promote", "stable"], "error: arm: 'stable' is the baseline"),
                           (["rollback", "ghost"], "error: arm: no arm 'ghost'"),
-                          (["promote", "--to", "5"], "error: to:"),
-                          (["status", "--generation", "7"], "error: generation: must be between 1 and 1")):
+                          (["promote", "--to", "5"], "error: --to:"),
+                          (["status", "--generation", "7"], "error: --generation: must be between 1 and 1")):
         code, _, err = canary(capsys, *args)
         assert code == 2 and message in err, (args, err)
 
@@ -108,9 +109,9 @@ def test_bad_changes_to_a_registered_canary(canary, capsys) -> None:
 def test_missing_redis_url_and_unreachable_redis(monkeypatch, capsys) -> None:
     monkeypatch.delenv("REDIS_URL", raising=False)
     assert main(["canary", "status"]) == 2
-    assert "error: redis_url: set --redis-url or REDIS_URL" in capsys.readouterr().err
+    assert "error: --redis-url: give the Redis the gateways use (or set REDIS_URL)" in capsys.readouterr().err
     assert main(["canary", "status", "--redis-url", "http://x"]) == 2
-    assert "error: redis_url: expected redis://" in capsys.readouterr().err
+    assert "error: --redis-url: expected redis://" in capsys.readouterr().err
     assert main(["canary", "rollback", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: redis: redis://127.0.0.1:1/0") and "Traceback" not in err, err

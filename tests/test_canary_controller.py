@@ -270,7 +270,7 @@ def test_serve_flags_and_environment_start_a_controller(server, monkeypatch) -> 
     parser = argparse.ArgumentParser()
     add_serve_canary_options(parser)
     args = parser.parse_args(["--canary-arms", env["TANDEM_CANARY_ARMS"], "--canary-deployment", "flags",
-                              "--canary-threshold", "max_tpot_p99_ratio=1.5", "--canary-steps", "20,50,100"])
+                              "--canary-threshold", "max_tpot_p99_ratio=1.5", "--canary-steps", "20", "50", "100"])
     options = serve_canary_options(args)
     assert (options.deployment, options.steps, options.thresholds.max_tpot_p99_ratio) == ("flags", (20, 50, 100), 1.5)
     monkeypatch.delenv("TANDEM_CANARY_ARMS", raising=False)

@@ -10,19 +10,11 @@ import threading
 
 import pytest
 
-from tandem.canary import (
-    CanaryController,
-    GreedyChecker,
-    RedisCanaryStore,
-    Thresholds,
-    engine_reference,
-    loop_reference,
-    parse_arms,
-)
-from tandem.canary.router import ArmRouter
+from canary_router import OfflineArmRouter, engine_reference
+from tandem.canary import CanaryController, GreedyChecker, RedisCanaryStore, Thresholds, parse_arms
 from tandem.canary.state import PROMOTED, ROLLED_BACK
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
-from tandem.local_engine import build_engine
+from tandem.engines.local import build_engine
 from tandem.sessions import EmbeddedRedis
 
 CONFIG = EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False)  # fixed k: repeatable
@@ -51,7 +43,8 @@ def run_trial(url: str, deployment: str, target, stable_draft, canary_engine, ch
                            inline=True)
     controller = CanaryController(RedisCanaryStore(url), deployment, arms=ARMS, thresholds=THRESHOLDS,
                                   steps=STEPS, decide_every=4, greedy=greedy)
-    router = ArmRouter(controller, {"stable": build_engine(target, stable_draft, CONFIG), "canary": canary_engine})
+    router = OfflineArmRouter(controller, {"stable": build_engine(target, stable_draft, CONFIG),
+                                           "canary": canary_engine})
     rng = random.Random(7)
     routed = []
     for i in range(MAX_REQUESTS):
@@ -102,6 +95,7 @@ def test_canary_decoding_another_model_fails_the_greedy_check(server, tiny_model
 
 def test_plain_reference_through_a_gateway_engine_loop(tiny_models) -> None:
     """The gateway's PlainReference: a max_k=0 request on its EngineLoop, from the checker's background thread."""
+    from tandem.gateway.arms import plain_decoder
     from tandem.gateway.loop import EngineLoop
 
     target, draft, _ = tiny_models
@@ -113,7 +107,7 @@ def test_plain_reference_through_a_gateway_engine_loop(tiny_models) -> None:
     engine_loop = EngineLoop(build_engine(target, draft, CONFIG))
     try:
         asyncio.run_coroutine_threadsafe(engine_loop.start(), event_loop).result(10)
-        checker = GreedyChecker(loop_reference(engine_loop, event_loop, timeout_s=30), rate=1.0, max_tokens=16)
+        checker = GreedyChecker(plain_decoder(engine_loop, event_loop, timeout_s=30), rate=1.0, max_tokens=16)
         results: list[bool] = []
         done = threading.Event()
         for output in (expected, expected[:5] + [(expected[5] + 1) % 256] + expected[6:]):

@@ -15,12 +15,14 @@ from gateway_harness import ServerThread
 from tandem.canary import RedisCanaryStore, Thresholds, parse_arms
 from tandem.canary.assignment import session_key, short_hash
 from tandem.canary.config import CanaryOptions
+from tandem.canary.plugin import CanaryArms
 from tandem.canary.state import ROLLED_BACK
 from tandem.client import TandemClient
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.engines import Backend
+from tandem.engines.local import build_engine
 from tandem.gateway.auth import ApiKeys, create_key
-from tandem.gateway.generation import Backend, scoped_id
-from tandem.local_engine import build_engine
+from tandem.gateway.generation import scoped_id
 from tandem.sessions import EmbeddedRedis, open_session_store
 from tandem.v1 import generation_pb2 as pb
 
@@ -49,7 +51,8 @@ def arms_loader(target, stable_draft, canary_draft):
 
 def start(redis_url: str, load, **options) -> tuple[ServerThread, CanaryOptions]:
     canary = CanaryOptions(arms=ARMS, deployment="gw-" + uuid.uuid4().hex[:8], **options)
-    return ServerThread(load, sessions=open_session_store(redis_url), canary=canary), canary
+    server = ServerThread(load, sessions=open_session_store(redis_url), arm_routers=CanaryArms(canary, redis_url))
+    return server, canary
 
 
 def generate(client: TandemClient, prompt: list[int], session_id: str) -> list[int]:
@@ -82,7 +85,7 @@ def test_sessions_stick_to_weighted_arms(redis_server, tiny_models, plain) -> No
                     tokens = generate(client, prompt_for(i), session)
                     if turn == 0 and i % 5 == 0:
                         assert tokens == plain(prompt_for(i))
-        controller = server.gateway.canary
+        controller = server.gateway.arm_router.controller
         controller.flush()
         state = controller.state(refresh=True)
         store = RedisCanaryStore(redis_server.url)
@@ -106,7 +109,7 @@ def test_tenants_key_the_assignment_and_are_recorded(redis_server, tiny_models, 
     canary = CanaryOptions(arms=ARMS, deployment="gw-" + uuid.uuid4().hex[:8], greedy_check_rate=0.0,
                            thresholds=Thresholds(min_sessions=10_000))
     server = ServerThread(arms_loader(target, draft, draft_random), sessions=open_session_store(redis_server.url),
-                          canary=canary, api_keys=ApiKeys.load(path))
+                          arm_routers=CanaryArms(canary, redis_server.url), api_keys=ApiKeys.load(path))
     sessions = [f"s{i}" for i in range(6)]
     try:
         for key in keys.values():  # the same session ids in both tenants
@@ -115,7 +118,7 @@ def test_tenants_key_the_assignment_and_are_recorded(redis_server, tiny_models, 
                     items = list(client.generate(token_ids=prompt_for(i), session_id=session, max_tokens=4,
                                                  temperature=0.0, ignore_eos=True))
                     assert isinstance(items[-1], pb.Complete)
-        controller = server.gateway.canary
+        controller = server.gateway.arm_router.controller
         controller.flush()
         generation = controller.state(refresh=True).generation
         store = RedisCanaryStore(redis_server.url)
@@ -141,7 +144,7 @@ def test_random_draft_canary_rolled_back_through_grpc(redis_server, tiny_models,
     store = RedisCanaryStore(redis_server.url)
     outputs: dict[str, list[tuple[list[int], list[int]]]] = {"stable": [], "canary": []}
     try:
-        controller = server.gateway.canary
+        controller = server.gateway.arm_router.controller
         with TandemClient(server.address, timeout=60) as client:
             deadline = time.monotonic() + 25
             i = 0

@@ -1,4 +1,5 @@
-"""The command line, driven as a user would: make tiny models, generate, bench, and get clear errors."""
+"""The command line, driven as a user would: make tiny models, generate, bench, and get clear errors that name
+the flag at fault."""
 
 from __future__ import annotations
 
@@ -42,12 +43,12 @@ def test_generate_streams_text(capsys, cli_models) -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--temperature", "-1"], "error: temperature:"),
-    (["--top-p", "0"], "error: top_p:"),
-    (["--max-tokens", "0"], "error: max_tokens:"),
-    (["--k-max", "99"], "error: k_max:"),
-    (["--device", "quantum"], "error: device:"),
-    (["--kv-tokens", "-5"], "error: kv_tokens: must be non-negative"),
+    (["--temperature", "-1"], "error: --temperature:"),
+    (["--top-p", "0"], "error: --top-p:"),
+    (["--max-tokens", "0"], "error: --max-tokens:"),
+    (["--k-max", "99"], "error: --k-max:"),
+    (["--device", "quantum"], "error: --device:"),
+    (["--kv-tokens", "-5"], "error: --kv-tokens: must be non-negative"),
 ])
 def test_bad_arguments_give_clear_errors(capsys, cli_models, args: list[str], message: str) -> None:
     code = main(["generate", "x", "--target", str(cli_models / "target"), "--draft", str(cli_models / "draft"), *args])
@@ -61,7 +62,7 @@ def test_kv_tokens_sets_the_runners_budget(capsys, cli_models) -> None:
     code = main(["generate", "x", "--target", str(cli_models / "target"), "--draft", str(cli_models / "draft"),
                  "--kv-tokens", "8"])
     assert code == 2  # not even calibration fits: a clear error, not a traceback
-    assert "kv_tokens: a KV budget of 8 tokens cannot hold" in capsys.readouterr().err
+    assert "--kv-tokens: a KV budget of 8 tokens cannot hold" in capsys.readouterr().err
 
 
 def test_unknown_model_fails_without_traceback(tmp_path) -> None:
@@ -73,18 +74,68 @@ def test_unknown_model_fails_without_traceback(tmp_path) -> None:
     assert proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
 
 
+def test_generate_json_to_a_file_still_streams_the_text(capsys, cli_models, tmp_path) -> None:
+    out = tmp_path / "reports" / "generate.json"
+    streamed = _generate_text(capsys, cli_models, "--json", str(out))
+    written = json.loads(out.read_text())
+    assert streamed.out == written["text"] + "\n" and "finish: length" in streamed.err
+    assert written["token_ids"] == _generate(capsys, cli_models)["token_ids"]  # `--json` alone: stdout
+
+
+def _generate_text(capsys, models, *extra: str):
+    code = main(["generate", "def add(a, b):", "--target", str(models / "target"), "--draft", str(models / "draft"),
+                 "--temperature", "0", "--max-tokens", "24", "--ignore-eos", "--dtype", "float32", *extra])
+    assert code == 0
+    return capsys.readouterr()
+
+
+def _bench(models, *extra: str) -> int:
+    return main(["bench", "--target", str(models / "target"), "--draft", str(models / "draft"), "--dtype", "float32",
+                 "--max-tokens", "12", "--num-prompts", "2", *extra])
+
+
 def test_bench_reports_all_methods(capsys, cli_models, tmp_path) -> None:
     out = tmp_path / "bench.json"
-    code = main(["bench", "--target", str(cli_models / "target"), "--draft", str(cli_models / "draft"),
-                 "--dtype", "float32", "--max-tokens", "12", "--limit", "2", "--json", str(out)])
-    assert code == 0
+    assert _bench(cli_models, "--json", str(out)) == 0
     report = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == report  # with PATH the report is also the command's output
     for key in ("plain", "hf_assisted", "tandem"):
         assert report[key]["tok_s"] > 0 and report[key]["tokens"] > 0
     assert 0.0 <= report["tandem"]["alpha"] <= 1.0 and report["tandem"]["tau"] >= 1.0
     assert report["bound"] > 0 and report["ratio_to_bound"] > 0
-    assert report["greedy_identical_to_plain"] == "2/2"
-    capsys.readouterr()
+    assert report["greedy_identical_to_plain"] == "2/2" and report["config"]["prompts"] == 2
+
+
+def test_bench_methods_are_space_separated_and_json_alone_prints(capsys, cli_models) -> None:
+    assert _bench(cli_models, "--methods", "plain", "tandem", "--json") == 0
+    lines = capsys.readouterr().out.splitlines()
+    report = json.loads(lines[-1])  # one object on one line
+    assert len(lines) == 1 and {"plain", "tandem"} <= report.keys()
+    assert "hf_plain" not in report and "hf_assisted" not in report
+    with pytest.raises(SystemExit) as exited:
+        _bench(cli_models, "--methods", "plain,tandem")
+    assert exited.value.code == 2 and "invalid choice: 'plain,tandem'" in capsys.readouterr().err
+
+
+def test_bench_prompts_take_a_set_name_or_a_file(capsys, cli_models, tmp_path) -> None:
+    from tandem.bench.prompts import load_prompts
+
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def mul(a, b):"}) + "\n")
+    assert _bench(cli_models, "--methods", "plain", "--prompts", str(prompts), "--json") == 0
+    assert json.loads(capsys.readouterr().out)["config"]["prompts"] == 1
+    assert _bench(cli_models, "--methods", "plain", "--prompts", "bench", "--num-prompts", "3", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["config"]["prompts"] == min(3, len(load_prompts("bench")))
+    assert _bench(cli_models, "--prompts", str(tmp_path / "none.jsonl")) == 2
+    assert "error: --prompts: " in capsys.readouterr().err
+
+
+def test_bench_parser_names_the_benchmarks_methods() -> None:
+    """The parser names them itself (tandem.bench.core imports torch): the two lists must agree."""
+    from tandem.bench import core
+    from tandem.cli import bench
+
+    assert bench.METHODS == core.METHODS
 
 
 def test_bench_rejects_bad_prompt_file(capsys, cli_models, tmp_path) -> None:

@@ -60,7 +60,7 @@ def test_cli_reports_an_unusable_cuda_device_before_loading_models(capsys, tmp_p
     code = main(["generate", "x", "--target", str(tmp_path / "none"), "--no-spec", "--device", "cuda:5"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "error: device: 'cuda:5' requested, but " in err and "Traceback" not in err
+    assert "error: --device: 'cuda:5' requested, but " in err and "Traceback" not in err
 
 
 class FakeCuda:

@@ -9,8 +9,8 @@ from scipy.stats import chisquare
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.costs import CostModel
 from tandem.core.runner import ModelRunner
+from tandem.engines.local import build_engine
 from tandem.errors import InvalidArgument
-from tandem.local_engine import build_engine
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
 FIXED_K = EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False)

@@ -7,7 +7,7 @@ import torch
 
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.costs import CostModel
-from tandem.local_engine import build_engine
+from tandem.engines.local import build_engine
 
 NEW_TOKENS = 64
 

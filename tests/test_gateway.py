@@ -16,9 +16,9 @@ from gateway_harness import ServerThread, tiny_backend
 from tandem.client import AsyncTandemClient, TandemClient
 from tandem.core.config import SamplingParams
 from tandem.core.detok import REPLACEMENT
+from tandem.engines.local import build_engine
 from tandem.gateway.server import READINESS_SERVICE, SERVING
 from tandem.gateway.validate import GatewayLimits
-from tandem.local_engine import build_engine
 from tandem.sessions import MemorySessionStore
 from tandem.v1 import generation_pb2 as pb
 

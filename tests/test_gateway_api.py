@@ -7,7 +7,7 @@ import pytest
 
 from gateway_harness import ServerThread, tiny_backend
 from tandem.core.config import SamplingParams
-from tandem.local_engine import build_engine
+from tandem.engines.local import build_engine
 from tandem.sessions import MemorySessionStore
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc

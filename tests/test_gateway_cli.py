@@ -19,7 +19,8 @@ from tandem.cli.generate import add_generate_parser
 from tandem.cli.main import main
 from tandem.cli.remote import run_remote_generate
 from tandem.client import TandemClient
-from tandem.gateway.server import READINESS_SERVICE, SERVING, GatewayOptions, start_gateway
+from tandem.gateway.options import GatewayOptions
+from tandem.gateway.server import READINESS_SERVICE, SERVING, start_gateway
 
 SERVICES = Path(__file__).resolve().parent.parent / "services"
 STARTUP_SECONDS = 120
@@ -124,10 +125,11 @@ def test_sigterm_drains_and_exits_cleanly(served) -> None:
 
 
 @pytest.mark.parametrize(("flag", "value", "message"), [
-    ("--draft-resources", "{draft_pool: 1}", "draft_resources: not valid JSON"),
-    ("--target-resources", '{"target_pool": -1}', "target_resources: must map resource names to positive amounts"),
-    ("--target-resources", '["target_pool"]', "target_resources: must map"),
-    ("--kv-tokens", "-1", "kv_tokens: must be non-negative"),
+    ("--draft-resources", "{draft_pool: 1}", "error: --draft-resources: not valid JSON"),
+    ("--target-resources", '{"target_pool": -1}', "error: --target-resources: must map resource names to positive "
+                                                   "amounts"),
+    ("--target-resources", '["target_pool"]', "error: --target-resources: must map"),
+    ("--kv-tokens", "-1", "error: --kv-tokens: must be non-negative"),
 ])
 def test_serve_rejects_bad_worker_resources_before_starting_anything(tiny_dirs, flag, value, message) -> None:
     proc = subprocess.run([sys.executable, "-m", "tandem", "serve", "--target", str(tiny_dirs.target), flag, value],

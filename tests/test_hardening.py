@@ -18,10 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway_harness import ServerThread
 from tandem.core.config import EngineConfig, SpecConfig
-from tandem.gateway.generation import Backend
+from tandem.engines import Backend
+from tandem.engines.local import build_engine
 from tandem.gateway.server import READINESS_SERVICE
 from tandem.gateway.validate import CHAT_ROLES, GatewayLimits
-from tandem.local_engine import build_engine
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc
 
@@ -257,7 +257,7 @@ def test_models_given_by_path_are_named_by_their_directory(server, tiny_dirs) ->
 
 
 def test_display_names() -> None:
-    from tandem.gateway.validate import display_name
+    from tandem.engines import display_name
 
     assert display_name("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
     assert display_name("qwen2.5-0.5b") == "qwen2.5-0.5b"

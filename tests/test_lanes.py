@@ -13,9 +13,9 @@ from gateway_harness import ServerThread
 from tandem.client import TandemClient
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.local import LocalDrafter, LocalVerifier
-from tandem.gateway.generation import Backend
-from tandem.gateway.lanes import LanedLoop, engine_lanes
-from tandem.local_engine import build_engine
+from tandem.engines import Backend, engine_lanes
+from tandem.engines.local import build_engine
+from tandem.gateway.lanes import LanedLoop
 
 PROMPTS = [[5, 6, 7, 8], [40, 50, 60], [1, 2, 3, 4, 5, 6, 7], [200, 17, 33], [9, 9, 9], [120, 121, 122, 123]]
 TOKENS = 24

@@ -25,7 +25,10 @@ from loadtest.client_run import Driver
 from loadtest.config import RunConfig
 from loadtest.metrics import compute, parse_slos
 from loadtest.prompts import load_set, schedule
-from loadtest.report.bound import (
+from loadtest.report.tables import markdown, target_checks
+from loadtest.target import check_address
+from loadtest.trace import CANCELLED, ERROR, NOT_SENT, OK, RequestTrace, RunTrace, concatenate, load, save
+from tandem.bench.bound import (
     acceptance_needed_for_itl,
     cost_model,
     full_batch,
@@ -33,9 +36,6 @@ from loadtest.report.bound import (
     single_stream,
     weighted_percentile,
 )
-from loadtest.report.tables import markdown, target_checks
-from loadtest.target import check_address
-from loadtest.trace import CANCELLED, ERROR, NOT_SENT, OK, RequestTrace, RunTrace, concatenate, load, save
 from tandem.sessions import MemorySessionStore
 from tandem.v1 import generation_pb2 as pb
 
@@ -436,18 +436,18 @@ def test_refuses_non_loopback_addresses(tmp_path, capsys) -> None:
         RunConfig(address="10.1.2.3:50051", requests=1)  # the library refuses too, not only the CLI
     assert RunConfig(address="10.1.2.3:50051", requests=1, allow_remote=True).load == "rate=inf"
     code = main(["--address", "192.0.2.1:50051", "--requests", "1", "--out", str(tmp_path / "x")])
-    assert code == 2 and "error: address:" in capsys.readouterr().err
+    assert code == 2 and "error: --address:" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     assert main(["--address", "127.0.0.1", "--requests", "1", "--out", str(tmp_path)]) == 2
 
 
 def test_unreachable_server_and_bad_arguments_fail_cleanly(tmp_path, capsys) -> None:
     code = main(["--address", "127.0.0.1:9", "--requests", "1", "--connect-timeout", "0.5", "--out", str(tmp_path)])
-    assert code == 1 and "error: address: no server answered" in capsys.readouterr().err
+    assert code == 1 and "error: --address: no server answered" in capsys.readouterr().err
     code = main(["--backend", "openai", "--url", "http://127.0.0.1:9", "--requests", "1", "--connect-timeout", "0.5",
                  "--out", str(tmp_path)])
-    assert code == 1 and "error: url: no server answered at http://127.0.0.1:9" in capsys.readouterr().err
+    assert code == 1 and "error: --url: no server answered at http://127.0.0.1:9" in capsys.readouterr().err
     assert main(["--address", "127.0.0.1:9", "--requests", "0", "--out", str(tmp_path)]) == 2
-    assert "error: requests:" in capsys.readouterr().err
+    assert "error: --requests:" in capsys.readouterr().err
     with pytest.raises(ValueError, match="either a rate or a concurrency"):
         replace(RunConfig(address="127.0.0.1:1", requests=1), concurrency=2)

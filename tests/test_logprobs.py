@@ -14,7 +14,7 @@ from tandem.core.local import LocalVerifier
 from tandem.core.logprobs import TokenLogprob
 from tandem.core.protocol import VerifyRequest
 from tandem.core.runner import ModelRunner
-from tandem.local_engine import build_engine
+from tandem.engines.local import build_engine
 
 PROMPTS = [[72, 101, 108, 108, 111, 44, 32, 119], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [97, 98, 99]]
 ATOL = 1e-4

@@ -18,7 +18,8 @@ import pytest
 
 from gateway_harness import ServerThread, tiny_backend
 from tandem.client import TandemClient
-from tandem.gateway.server import GatewayOptions, start_gateway
+from tandem.gateway.options import GatewayOptions
+from tandem.gateway.server import start_gateway
 from tandem.gateway.validate import GatewayLimits
 from tandem.v1 import generation_pb2 as pb
 

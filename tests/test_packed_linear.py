@@ -8,7 +8,7 @@ import torch
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.packed_linear import PackedLinear, packable, prepack, supported, weight_bytes
 from tandem.core.runner import ModelRunner
-from tandem.local_engine import build_engine
+from tandem.engines.local import build_engine
 from tandem.models.loader import load_model
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""loadtest/pools_chaos.py end to end on tiny models: its own Ray head, pools, gateways, both scenarios, in float32
+"""tandem.bench.pools_chaos end to end on tiny models: its own Ray head, pools, gateways, both scenarios, in float32
 (where greedy speculative output must equal plain decoding exactly)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from loadtest import pools_chaos
+from tandem.bench import pools_chaos
 
 BIN = Path(sys.executable).parent
 SESSIONS = 4
@@ -41,7 +41,7 @@ def test_scale_and_gateway_kill_fail_nothing_and_keep_greedy_output(tiny_dirs, t
         "--target", str(tiny_dirs.target), "--draft", str(tiny_dirs.draft), "--dtype", "float32",
         "--sessions", str(SESSIONS), "--max-tokens", str(TOKENS), "--scale-after", "0.1", "--scale-hold", "2.5",
         "--kill-after", "0.1", "--pool-args", "--fixed-k 4",  # fixed k: every round drafts, so the draft pool is used
-        "--stream-timeout", "120", "--log-dir", str(tmp_path / "logs"), "--out", str(out)])
+        "--stream-timeout", "120", "--log-dir", str(tmp_path / "logs"), "--json", str(out)])
     assert json.loads(out.read_text()) == report
     assert report["ray_temp_dir"].startswith(short_tmp)
     assert report["settings"]["dtype"] == "float32" and "bfloat16" in report["dtype_note"]

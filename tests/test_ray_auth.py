@@ -79,7 +79,8 @@ def test_token_settings_for_local_and_joined_clusters(tmp_path) -> None:
 HEAD = """if True:
     import json, os, sys
     import ray
-    from tandem.cluster import ClusterOptions, start_ray
+    from tandem.engines import ClusterOptions
+    from tandem.engines.cluster import start_ray
 
     start_ray(ClusterOptions(draft_workers=0, target_replicas=1))
 

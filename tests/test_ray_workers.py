@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from tandem.core.engine import SpeculativeEngine  # noqa: E402
 from tandem.core.protocol import KVUsage  # noqa: E402
-from tandem.local_engine import build_engine  # noqa: E402
+from tandem.engines.local import build_engine  # noqa: E402
 from tandem.workers.draft_pool import RayDrafter, start_draft_workers  # noqa: E402
 from tandem.workers.target_pool import RayVerifier, start_target_replicas  # noqa: E402
 from tandem.workers.worker_base import WorkerConfig  # noqa: E402

@@ -169,10 +169,10 @@ def test_with_credentials_and_redact_url_forms(tmp_path) -> None:
 
 
 def test_serve_announces_the_embedded_redis_without_its_password(capsys) -> None:
-    from tandem.cli.serve import _session_store
+    from tandem.cli.serving import session_store
 
     with contextlib.ExitStack() as stack:
-        store = _session_store(None, stack)
+        store = session_store(None, stack)
         assert isinstance(store, RedisSessionStore) and store.healthy
         out = capsys.readouterr().out
         password = urlsplit(store.url).password

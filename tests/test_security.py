@@ -28,7 +28,7 @@ from loadtest.config import RunConfig
 from loadtest.prompts import Prompt
 from pki import make_pki
 from tandem.cli.main import build_parser, main
-from tandem.cli.serve import gateway_options
+from tandem.cli.serving import gateway_options
 from tandem.client import TandemClient
 from tandem.errors import InvalidArgument
 from tandem.gateway.auth import ApiKeys, create_key
@@ -134,7 +134,7 @@ def test_mutual_tls(tiny_models, pki) -> None:
 
 
 def test_tls_options_are_both_or_neither(pki) -> None:
-    from tandem.gateway.server import GatewayOptions
+    from tandem.gateway.options import GatewayOptions
 
     with pytest.raises(InvalidArgument, match="tls"):
         GatewayOptions(tls_cert=pki["server_cert_path"])
@@ -413,7 +413,8 @@ def test_helm_chart_mounts_the_keys_or_says_insecure() -> None:
 
 
 def test_bad_tls_files_are_named(tiny_models, pki, tmp_path) -> None:
-    from tandem.gateway.server import GatewayOptions, start_gateway
+    from tandem.gateway.options import GatewayOptions
+    from tandem.gateway.server import start_gateway
 
     target, draft, _ = tiny_models
     garbage = tmp_path / "garbage.pem"

@@ -12,9 +12,9 @@ ray = pytest.importorskip("ray")
 
 from gateway_harness import ServerThread  # noqa: E402
 from tandem.client import TandemClient  # noqa: E402
-from tandem.cluster import ClusterOptions, start_backend  # noqa: E402
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
-from tandem.local_engine import build_engine  # noqa: E402
+from tandem.engines import Arm, BuildOptions, ClusterOptions, build  # noqa: E402
+from tandem.engines.local import build_engine  # noqa: E402
 from tandem.sessions import EmbeddedRedis, RedisSessionStore  # noqa: E402
 
 PROMPTS = [[72, 101, 108, 108, 111, 32, 119], [40, 50, 60], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200, 17], [99] * 12,
@@ -29,7 +29,7 @@ def stack(tiny_dirs, ray_session):
     store = RedisSessionStore(redis.url, retry_initial_s=0.1)
     config = EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False)
     options = ClusterOptions(draft_workers=2, target_replicas=1, threads=1, dtype="float32")
-    backend = start_backend(str(tiny_dirs.target), str(tiny_dirs.draft), config, options)
+    backend = build(BuildOptions(str(tiny_dirs.target), (Arm("", str(tiny_dirs.draft), config),), options))[""]
     server = ServerThread(lambda: backend, sessions=store)
     yield server, backend, redis, store
     server.stop()
@@ -143,13 +143,12 @@ def test_a_sessions_turns_reuse_the_workers_cache_and_affinity_is_stored(stack, 
 
 def test_canary_arms_share_the_target_pool_and_each_draft_model_gets_its_own(tiny_dirs, ray_session,
                                                                               expected) -> None:
-    from tandem.cluster import start_arm_backends
-
     config = EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False)
     options = ClusterOptions(draft_workers=1, target_replicas=1, threads=1, dtype="float32")
-    arms = {"stable": (str(tiny_dirs.draft), config), "canary": (str(tiny_dirs.draft_random), config),
-            "again": (str(tiny_dirs.draft), config), "plain": (None, config)}
-    backends = start_arm_backends(str(tiny_dirs.target), arms, options)
+    arms = (Arm("stable", str(tiny_dirs.draft), config), Arm("canary", str(tiny_dirs.draft_random), config),
+            Arm("again", str(tiny_dirs.draft), config), Arm("plain", "", config))
+    backends = build(BuildOptions(str(tiny_dirs.target), arms, options))
+    assert list(backends) == ["stable", "canary", "again", "plain"]
     try:
         targets = {b.engine.verifier.workers[0]._actor_id for b in backends.values()}
         assert len(targets) == 1, "every arm verifies on the one target pool"

@@ -10,7 +10,7 @@ from bpe_vocab import LONG_STOP, RARE, WORDS, bpe_decode, bpe_tokenizer, longest
 from tandem.core.config import SamplingParams
 from tandem.core.detok import REPLACEMENT
 from tandem.core.stops import FINISH_LENGTH, FINISH_STOP, StopChecker
-from tandem.local_engine import decoder
+from tandem.engines.local import decoder
 from tandem.models.tiny import build_byte_tokenizer
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tandem.cli.main import build_parser
-from tandem.cli.serve import gateway_options, worker_metrics_port
+from tandem.cli.serve import worker_metrics_port
+from tandem.cli.serving import gateway_options
 from tandem.client import TandemClient
 from tandem.errors import InvalidArgument
 from tandem.gateway.server import READINESS_SERVICE, SERVING

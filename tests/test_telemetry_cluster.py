@@ -12,8 +12,8 @@ ray = pytest.importorskip("ray")
 
 from gateway_harness import ServerThread  # noqa: E402
 from tandem.client import TandemClient  # noqa: E402
-from tandem.cluster import ClusterOptions, start_backend  # noqa: E402
 from tandem.core.config import EngineConfig, SpecConfig  # noqa: E402
+from tandem.engines import Arm, BuildOptions, ClusterOptions, build  # noqa: E402
 from telemetry_helpers import by_trace, in_memory_tracing, scrape, value  # noqa: E402
 
 PROMPT = [72, 101, 108, 108, 111, 32, 119]
@@ -25,7 +25,7 @@ KV_TOKENS = 4096
 def cluster(tiny_dirs, ray_session):
     config = EngineConfig(spec=SpecConfig(adaptive=False, k_init=3), calibrate=False)
     options = ClusterOptions(draft_workers=1, target_replicas=1, threads=1, dtype="float32", kv_tokens=KV_TOKENS)
-    backend = start_backend(str(tiny_dirs.target), str(tiny_dirs.draft), config, options)
+    backend = build(BuildOptions(str(tiny_dirs.target), (Arm("", str(tiny_dirs.draft), config),), options))[""]
     server = ServerThread(lambda: backend, metrics_port=0)
     yield server, backend
     server.stop()

@@ -4,28 +4,36 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from tandem.bench.runner import HF_METHODS, METHODS, load_prompts, run_bench
+from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS
 from tandem.cli.common import add_model_options, engine_config, kv_tokens, load_models
-from tandem.core.packed_linear import PackedLinear
+from tandem.cli.options import add_json_option, add_prompts_option, wants_text, write_json
 from tandem.errors import InvalidArgument
 
+# tandem.bench.core's METHODS, named here too: that module imports torch, and the parser must not (`tandem bench
+# --help` stays quick). tests/test_cli.py checks that the two agree.
+METHODS = ("plain", "hf_plain", "hf_assisted", "tandem")
 
-def add_bench_parser(subparsers) -> None:
-    parser = subparsers.add_parser("bench", help="benchmark plain, HF assisted and tandem decoding")
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench")
     add_model_options(parser)
-    parser.add_argument("--prompts", type=Path, default=None, help="JSONL file, one {\"prompt\": ...} per line")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of %(default)s")
-    parser.add_argument("--json", dest="json_out", type=Path, default=None, help="write the report here")
+    add_prompts_option(parser, PROMPT_SETS, DEFAULT_PROMPTS)
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt and method")
+    parser.add_argument("--num-prompts", type=int, default=None, metavar="N",
+                        help="use only the first N prompts (default: all)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), metavar="METHOD",
+                        help=f"the methods to run, of {' '.join(METHODS)} (default: all)")
+    add_json_option(parser, "the report")
     parser.set_defaults(handler=run)
 
 
 def _standard_models(args: argparse.Namespace, target, draft, methods: tuple[str, ...]):
     """Hugging Face's methods measured the standard way: when tandem's models were prepared for its fast path
     (prepacked linears), load a second, untouched copy for them; None when tandem's are already standard."""
+    from tandem.bench.core import HF_METHODS
+    from tandem.core.packed_linear import PackedLinear
+
     if not any(m in HF_METHODS for m in methods) or not any(
             isinstance(m, PackedLinear) for loaded in (target, draft) for m in loaded.model.modules()):
         return None
@@ -37,20 +45,22 @@ def _standard_models(args: argparse.Namespace, target, draft, methods: tuple[str
 
 
 def run(args: argparse.Namespace) -> int:
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    if unknown := [m for m in methods if m not in METHODS]:
-        raise InvalidArgument(f"methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+    from tandem.bench.core import run_bench
+    from tandem.bench.prompts import load_prompts
+
+    methods = tuple(dict.fromkeys(args.methods))
     if args.max_tokens < 1:
         raise InvalidArgument(f"max_tokens: must be at least 1, got {args.max_tokens}")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise InvalidArgument(f"num_prompts: must be at least 1, got {args.num_prompts}")
     budget = kv_tokens(args)
-    prompts = load_prompts(args.prompts)[: args.limit]
+    prompts = load_prompts(args.prompts)[: args.num_prompts]
     target, draft = load_models(args, speculate=True)
     report = run_bench(target, draft, prompts, args.max_tokens, methods, engine_config(args),
                        hf_models=_standard_models(args, target, draft, methods), kv_tokens=budget)
     report["config"] |= {"target": args.target, "draft": args.draft}
-    text = json.dumps(report, indent=2)
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(text + "\n")
-    print(text)
+    # The report is the command's output: printed as text would be, and also written where --json PATH says.
+    if wants_text(args):
+        print(json.dumps(report, indent=2))
+    write_json(args.json, report)
     return 0

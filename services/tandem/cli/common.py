@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import TYPE_CHECKING
 
+from tandem.cli.options import STDOUT, write_json
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.errors import InvalidArgument
 
@@ -71,10 +73,10 @@ def session_store_url(args: argparse.Namespace) -> str | None:
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default: %(default)s)")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     parser.add_argument("--top-k", type=int, default=0, help="0 disables (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
@@ -137,18 +139,16 @@ def load_models(args: argparse.Namespace, speculate: bool):
     return target, draft
 
 
-def print_outcome(as_json: bool, text: str | None, token_ids: list[int], finish_reason: str, prompt_tokens: int,
-                  elapsed: float, first_token_at: float | None, speculative: bool, stats: dict, **extra) -> None:
-    """The end of `tandem generate`, local or remote: one JSON object, or a summary line after streamed text."""
-    import json
-    import sys
-
-    if not as_json:
+def print_outcome(json_target: str | None, text: str | None, token_ids: list[int], finish_reason: str,
+                  prompt_tokens: int, elapsed: float, first_token_at: float | None, speculative: bool, stats: dict,
+                  **extra) -> None:
+    """The end of `tandem generate`, local or remote: a summary line after the streamed text, and the JSON object
+    where `--json` asked for it (stdout instead of the text, or a file)."""
+    if json_target != STDOUT:
         sys.stdout.write("\n")
         print(f"[{len(token_ids)} tokens, {elapsed:.2f}s, finish: {finish_reason}, "
               f"acceptance {stats['acceptance_rate']:.2f}]", file=sys.stderr)
-        return
-    print(json.dumps({
+    write_json(json_target, {
         "text": text,
         "token_ids": token_ids,
         "finish_reason": finish_reason,
@@ -160,4 +160,4 @@ def print_outcome(as_json: bool, text: str | None, token_ids: list[int], finish_
         "speculative": speculative,
         "stats": stats,
         **extra,
-    }))
+    })

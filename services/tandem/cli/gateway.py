@@ -7,12 +7,11 @@ import threading
 
 from tandem.cli.common import session_store_url
 from tandem.cli.pools import add_ray_address, connect
-from tandem.cli.serve import add_gateway_options, gateway_options, serve_gateway
-from tandem.telemetry import tracing
+from tandem.cli.serving import add_gateway_options, gateway_options, serve_gateway
 
 
-def add_gateway_parser(subparsers) -> None:
-    parser = subparsers.add_parser("gateway", help="serve the gRPC API over shared pools (`tandem pools start`)")
+def add_gateway_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("gateway")
     parser.add_argument("--pools", required=True, metavar="NAME", help="the pools to attach to")
     add_ray_address(parser)
     add_gateway_options(parser)
@@ -22,13 +21,15 @@ def add_gateway_parser(subparsers) -> None:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    from tandem.pools import attach_backend, find_manager
+    from tandem.telemetry import tracing
 
     options = gateway_options(args)
     session_store_url(args)  # a bad Redis password file or CA fails now, before Ray is joined
     exporters = tracing.setup_from_env("tandem-gateway")
     # Ray is joined on the main thread, before the gateway's SIGTERM handler (see `tandem serve`).
     connect(args)
+    from tandem.pools import attach_backend, find_manager  # the engine stack, once a cluster answers
+
     find_manager(args.pools)  # a clear error now rather than a gateway that never turns ready
     stop = threading.Event()
 

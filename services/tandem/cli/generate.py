@@ -15,27 +15,30 @@ from tandem.cli.common import (
     print_outcome,
     sampling_params,
 )
-from tandem.cli.remote import add_address_option, run_remote_generate
+from tandem.cli.options import add_json_option, wants_text
+from tandem.cli.remote import add_address_option
 
 
-def add_generate_parser(subparsers) -> None:
-    parser = subparsers.add_parser("generate", help="generate text for one prompt")
+def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("generate")
     parser.add_argument("prompt", help="prompt text")
     add_model_options(parser)
     add_sampling_options(parser)
     parser.add_argument("--no-spec", action="store_true", help="plain target decoding through the same engine")
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_json_option(parser, "the text, token ids and statistics")
     add_address_option(parser)
     parser.set_defaults(handler=run_generate)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     if args.address:
+        from tandem.cli.remote import run_remote_generate
+
         return run_remote_generate(args)
     # Imported here: --address needs only the client install, these need the server stack (torch).
     from tandem.core.detok import IncrementalDetokenizer
-    from tandem.local_engine import build_engine, encode_prompt
+    from tandem.engines.local import build_engine, encode_prompt
 
     params = sampling_params(args)
     speculate = not args.no_spec
@@ -53,7 +56,7 @@ def run_generate(args: argparse.Namespace) -> int:
         for out in engine.step():
             first_token_at = first_token_at or time.perf_counter()
             delta = detok.push(out.new_token_ids, final=out.finish_reason is not None, cut=seq.text_cut)
-            if not args.json and delta:
+            if wants_text(args) and delta:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
     elapsed = time.perf_counter() - started

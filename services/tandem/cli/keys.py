@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tandem.gateway.auth import create_key
 
-
-def add_keys_parser(subparsers) -> None:
-    parser = subparsers.add_parser("keys", help="manage the API keys a gateway accepts (--api-keys)")
+def add_keys_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("keys")
     commands = parser.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
     create = commands.add_parser("create", help="make a key for a tenant; prints it once, stores only its hash")
     create.add_argument("--tenant", required=True, help="the tenant the key acts as (its requests' namespace)")
@@ -20,6 +18,8 @@ def add_keys_parser(subparsers) -> None:
 
 
 def run_create(args: argparse.Namespace) -> int:
+    from tandem.gateway.auth import create_key
+
     key = create_key(args.file, args.tenant, args.max_concurrency)
     # The key alone on stdout (scripts capture it); it cannot be shown again: only its hash is kept.
     print(key)

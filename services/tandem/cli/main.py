@@ -1,4 +1,10 @@
-"""The `tandem` command line: models, generate, bench."""
+"""The `tandem` command line: one sub-command per module of tandem.cli, each imported only when it runs.
+
+`tandem --help` lists the commands from COMMANDS alone, and `tandem models list` imports the models command and
+nothing of the server stack: neither waits for torch, Ray or gRPC to import. Every parser shows its defaults in
+help (CommandParser), and an error a handler raises about a field names the flag that sets it (`--port`, not
+`port`).
+"""
 
 from __future__ import annotations
 
@@ -6,50 +12,125 @@ import argparse
 import importlib
 import logging
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 from tandem import __version__
-from tandem.errors import TandemError
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Speculative-decoding LLM serving.")
-    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    # Each command's module is imported on its own: on the client install (no torch, Ray, ...) the server commands
-    # are listed with a stub that says what to install, and `tandem generate --address` still works.
-    for module, adder, name in (("models", "add_models_parser", "models"),
-                                ("generate", "add_generate_parser", "generate"),
-                                ("bench", "add_bench_parser", "bench"), ("serve", "add_serve_parser", "serve"),
-                                ("pools", "add_pools_parser", "pools"), ("gateway", "add_gateway_parser", "gateway"),
-                                ("canary", "add_canary_parser", "canary"), ("keys", "add_keys_parser", "keys")):
-        try:
-            add = getattr(importlib.import_module(f"tandem.cli.{module}"), adder)
-        except ModuleNotFoundError as exc:
-            if exc.name is None or exc.name.split(".")[0] == "tandem":  # our own bug, not a missing dependency
-                raise
-            _add_missing_stack_parser(subparsers, name, exc)
-        else:
-            add(subparsers)
-    return parser
-
+from tandem.cli.options import DefaultsHelpFormatter, flag_names, name_flags
+from tandem.errors import InvalidArgument, TandemError
 
 SERVER_INSTALL = "pip install 'tandem[server]'"
 
 
-def _needs_server_stack(exc: ModuleNotFoundError) -> str:
+@dataclass(frozen=True, slots=True)
+class Command:
+    name: str
+    module: str  # tandem.cli.<module>
+    adder: str  # the module's function that adds the command's parser to the sub-command action
+    help: str  # its line in `tandem --help`, and the description atop `tandem <name> --help`
+
+
+COMMANDS = (
+    Command("models", "models", "add_models_parser", "pull, list and make models"),
+    Command("generate", "generate", "add_generate_parser", "generate text for one prompt"),
+    Command("bench", "bench", "add_bench_parser", "benchmark plain, HF assisted and tandem decoding"),
+    Command("serve", "serve", "add_serve_parser", "serve the gRPC API: gateway, Ray draft and target workers, Redis"),
+    Command("pools", "pools", "add_pools_parser", "shared draft and target worker pools on a Ray cluster"),
+    Command("gateway", "gateway", "add_gateway_parser", "serve the gRPC API over shared pools (`tandem pools start`)"),
+    Command("canary", "canary", "add_canary_parser", "show and steer the canary arms shared by the gateways"),
+    Command("keys", "keys", "add_keys_parser", "manage the API keys a gateway accepts (--api-keys)"),
+)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ArgumentParser whose help shows every default. Sub-command actions make their parsers of the class of the
+    parser they belong to, so every level below `tandem` (`tandem pools start`, ...) is one too."""
+
+    def __init__(self, *args: Any, formatter_class: type[argparse.HelpFormatter] = DefaultsHelpFormatter,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+
+class LazyCommands(argparse._SubParsersAction):
+    """The `tandem` sub-commands: each starts as a placeholder that only lists the command, and is replaced by the
+    command's real parser (its module imported, its adder called) once the command line names it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._commands: dict[str, Command] = {}
+        self._loaded: set[str] = set()
+
+    def add_placeholder(self, command: Command) -> None:
+        self._commands[command.name] = command
+        self.add_parser(command.name, help=command.help, add_help=False)
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        command = self._commands.get(name)
+        if command is not None:  # the command's help is stated once, in COMMANDS
+            kwargs.setdefault("help", command.help)
+            kwargs.setdefault("description", command.help)
+        return super().add_parser(name, **kwargs)
+
+    def load(self, name: str) -> None:
+        """Replace the placeholder of `name` with the command's parser, keeping its place in the listing."""
+        command = self._commands.get(name)
+        if command is None or name in self._loaded:
+            return
+        self._loaded.add(name)
+        del self._name_parser_map[name]
+        place = next(i for i, choice in enumerate(self._choices_actions) if choice.dest == name)
+        del self._choices_actions[place]
+        try:
+            adder = getattr(importlib.import_module(f"tandem.cli.{command.module}"), command.adder)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or exc.name.split(".")[0] == "tandem":  # our own bug, not a missing dependency
+                raise
+            self._add_missing_stack_parser(command, exc)
+        else:
+            adder(self)
+        self._choices_actions.insert(place, self._choices_actions.pop())
+
+    def _add_missing_stack_parser(self, command: Command, exc: ModuleNotFoundError) -> None:
+        """On the client install (no torch, Ray, ...): a parser that takes any arguments and says what to install."""
+        parser = self.add_parser(command.name, help=f"(needs {SERVER_INSTALL})", add_help=False)
+        parser.add_argument("rest", nargs=argparse.REMAINDER)
+
+        def refuse(args: argparse.Namespace) -> int:
+            raise TandemError(f"tandem {command.name}: {needs_server_stack(exc)}")
+
+        parser.set_defaults(handler=refuse, missing_stack=True)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: list[str],
+                 option_string: str | None = None) -> None:
+        self.load(values[0])
+        super().__call__(parser, namespace, values, option_string)
+
+
+def needs_server_stack(exc: ModuleNotFoundError) -> str:
     return (f"this command needs the server stack, which is not installed (no module {exc.name!r}): "
             f"{SERVER_INSTALL}")
 
 
-def _add_missing_stack_parser(subparsers, name: str, exc: ModuleNotFoundError) -> None:
-    parser = subparsers.add_parser(name, help=f"(needs {SERVER_INSTALL})", add_help=False)
-    parser.add_argument("rest", nargs=argparse.REMAINDER)
+def build_parser() -> argparse.ArgumentParser:
+    """The `tandem` parser; a command's module is imported when a command line names the command."""
+    parser = CommandParser(prog="tandem", description="Speculative-decoding LLM serving.")
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    commands = parser.add_subparsers(action=LazyCommands, dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        commands.add_placeholder(command)
+    return parser
 
-    def refuse(args: argparse.Namespace) -> int:
-        raise TandemError(f"tandem {name}: {_needs_server_stack(exc)}")
 
-    parser.set_defaults(handler=refuse, missing_stack=True)
+def command_parsers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[argparse.ArgumentParser]:
+    """The parsers a command line went through, `tandem` first: e.g. tandem, `tandem pools`, `tandem pools start`."""
+    chain = [parser]
+    while action := next((a for a in chain[-1]._actions if isinstance(a, argparse._SubParsersAction)), None):
+        name = getattr(args, action.dest, None)
+        if name not in action.choices:
+            break
+        chain.append(action.choices[name])
+    return chain
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,13 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return int(args.handler(args) or 0)
+    except InvalidArgument as exc:
+        print(f"error: {name_flags(str(exc), flag_names(command_parsers(parser, args)))}", file=sys.stderr)
+        return 2
     except TandemError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:  # e.g. local `tandem generate` (no --address) on the client install
         if exc.name is None or exc.name.split(".")[0] == "tandem":
             raise
-        print(f"error: {_needs_server_stack(exc)}", file=sys.stderr)
+        print(f"error: {needs_server_stack(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

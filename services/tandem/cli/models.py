@@ -14,7 +14,7 @@ from tandem.models.store import ModelStore
 
 def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `models pull|list|verify|make-tiny`; each sub-command sets `handler(args) -> int` as a default."""
-    parser = subparsers.add_parser("models", help="pull, list and make models")
+    parser = subparsers.add_parser("models")
     commands = parser.add_subparsers(dest="models_command", metavar="COMMAND", required=True)
 
     pull = commands.add_parser("pull", help="download, verify and convert registry models (idempotent)")
@@ -34,8 +34,8 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     verify.set_defaults(handler=cmd_verify)
 
     tiny = commands.add_parser("make-tiny", help="write tiny random target/draft models for tests")
-    tiny.add_argument("dir", type=Path, metavar="DIR")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("dir", type=Path, metavar="DIR", help="where the models go (made if missing)")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     tiny.add_argument("--tokenizer-from", type=Path, default=None, metavar="HF_DIR",
                       help="copy the tokenizer of this HF directory instead of the built-in byte tokenizer")
     tiny.set_defaults(handler=cmd_make_tiny)

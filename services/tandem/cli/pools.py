@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 import socket
 
 from tandem.cli.common import add_model_options, add_ray_token_option, engine_config, kv_tokens, pin_model_args
+from tandem.cli.options import add_json_option, wants_text, write_json
 from tandem.cli.serve import add_pool_options
 from tandem.errors import InvalidArgument, TandemError
 
@@ -59,8 +61,8 @@ def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
                           "is --ray-address / RAY_ADDRESS right?") from exc
 
 
-def add_pools_parser(subparsers) -> None:
-    parser = subparsers.add_parser("pools", help="shared draft and target worker pools on a Ray cluster")
+def add_pools_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("pools")
     commands = parser.add_subparsers(dest="pools_command", required=True, metavar="COMMAND")
 
     start = commands.add_parser("start", help="start named pools as detached Ray actors; returns once ready")
@@ -75,37 +77,36 @@ def add_pools_parser(subparsers) -> None:
 
     status = commands.add_parser("status", help="every worker's health, load, sessions, KV tokens, rows per call")
     status.add_argument("--name", default=None, help="one pool (default: every pool on the cluster)")
-    status.add_argument("--json", action="store_true", help="one JSON object")
+    add_json_option(status, "the pools' status (one pool's with --name, else {\"pools\": [...]})")
     add_ray_address(status)
     status.set_defaults(handler=run_status)
 
     scale = commands.add_parser("scale", help="set the number of draft workers or target replicas")
-    scale.add_argument("--name", required=True)
+    scale.add_argument("--name", required=True, help="the pools' name")
     scale.add_argument("role", choices=["draft", "target"])
     scale.add_argument("count", type=int)
     add_ray_address(scale)
     scale.set_defaults(handler=run_scale)
 
     stop = commands.add_parser("stop", help="stop the pools' workers and manager")
-    stop.add_argument("--name", required=True)
+    stop.add_argument("--name", required=True, help="the pools' name")
     add_ray_address(stop)
     stop.set_defaults(handler=run_stop)
 
 
 def run_start(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from tandem.cli.serve import cluster_options
-    from tandem.cluster import load_tokenizer
-    from tandem.pools.manager import IMAGE_ENV, PoolSpec, start_pools
-    from tandem.workers.worker_base import WorkerConfig
-
     if args.batch_window_ms < 0:
         raise InvalidArgument(f"batch_window_ms: must be non-negative, got {args.batch_window_ms}")
     kv_tokens(args)
     pin_model_args(args)  # the pools' workers all load the commit a hub id names now
     speculate = not args.no_spec
     config = engine_config(args, speculate)
+    # The pools' stack (Ray, torch), once the arguments are known good.
+    from tandem.cli.serve import cluster_options
+    from tandem.engines.cluster import load_tokenizer
+    from tandem.pools.manager import IMAGE_ENV, PoolSpec, start_pools
+    from tandem.workers.worker_base import WorkerConfig
+
     options = cluster_options(args)
     load_tokenizer(args.target)  # pulls a registry model once, before the workers would race for it
     common = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "eager": args.eager,
@@ -145,8 +146,8 @@ def run_status(args: argparse.Namespace) -> int:
 
     connect(args)
     pools = ray.get([manager.status.remote() for manager in _managers(args)])
-    if args.json:
-        print(json.dumps(pools[0] if args.name else {"pools": pools}))
+    write_json(args.json, pools[0] if args.name else {"pools": pools})
+    if not wants_text(args):
         return 0
     for pool in pools:
         tp = f" (tp {pool['tensor_parallel']})" if pool["tensor_parallel"] > 1 else ""

@@ -1,6 +1,7 @@
 """`tandem generate --address HOST:PORT`: stream one prompt from a running gateway, same output as local generate.
 
-Needs only the client install (grpcio, protobuf): nothing here imports torch."""
+Needs only the client install (grpcio, protobuf): nothing here imports torch. gRPC and the client are imported
+when a remote generation runs, so that `tandem generate --help` does not wait for them."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import argparse
 import os
 import sys
 import time
-
-import grpc
+from typing import TYPE_CHECKING
 
 from tandem.cli.common import print_outcome
-from tandem.client import Collector, SpeculationStats, TandemClient
+from tandem.cli.options import wants_text
 from tandem.errors import TandemError
-from tandem.v1 import generation_pb2 as pb
+
+if TYPE_CHECKING:
+    from tandem.client import SpeculationStats, TandemClient
 
 API_KEY_ENV = "TANDEM_API_KEY"  # read from the environment, so the key stays out of `ps` and shell history
 
@@ -46,6 +48,8 @@ def stats_dict(stats: SpeculationStats) -> dict:
 
 
 def client_for(args: argparse.Namespace) -> TandemClient:
+    from tandem.client import TandemClient
+
     try:
         return TandemClient(args.address, tls=args.tls, root_certificates=args.root_certificates,
                             private_key=args.client_key, certificate_chain=args.client_certificate,
@@ -55,6 +59,11 @@ def client_for(args: argparse.Namespace) -> TandemClient:
 
 
 def run_remote_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from tandem.client import Collector
+    from tandem.v1 import generation_pb2 as pb
+
     collector = Collector()
     started = time.perf_counter()
     first_token_at = None
@@ -70,7 +79,7 @@ def run_remote_generate(args: argparse.Namespace) -> int:
                 if isinstance(item, pb.Complete):
                     continue
                 first_token_at = first_token_at or time.perf_counter()
-                if not args.json and item.text:
+                if wants_text(args) and item.text:
                     sys.stdout.write(item.text)
                     sys.stdout.flush()
         except grpc.RpcError as exc:
