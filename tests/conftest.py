@@ -44,16 +44,22 @@ def tiny_models(tiny_dirs):
     return load(tiny_dirs.target), load(tiny_dirs.draft), load(tiny_dirs.draft_random)
 
 
-# Modules that start Ray (a local cluster, `tandem serve`, pools): under pytest-xdist they share one worker, so two
-# Ray heads never race for Ray's fixed ports, while the CPU-bound tests run on the other worker beside their waits.
-RAY_MODULES = frozenset({
-    "test_canary_e2e", "test_cli_conventions", "test_gateway_cli", "test_hardening", "test_logprobs",
-    "test_openai_api", "test_pools", "test_pools_calibration", "test_pools_chaos", "test_pools_tp", "test_ray_auth",
-    "test_ray_workers", "test_security", "test_serve_cluster", "test_telemetry_cli", "test_telemetry_cluster",
-})
+# Modules that start Ray, by the worker group they share under pytest-xdist (`--dist loadgroup`): tests of one module
+# keep their order and fixtures; the in-process Ray tests share one group (the session's `ray_session`), and each
+# group of pools tests, which start their own Ray heads on free ports, may run beside another one.
+RAY_GROUPS = {
+    "ray": ("test_canary_e2e", "test_cli_conventions", "test_gateway_cli", "test_hardening", "test_logprobs",
+            "test_openai_api", "test_ray_workers", "test_security", "test_serve_cluster", "test_telemetry_cli",
+            "test_telemetry_cluster"),
+    "pools": ("test_pools",),
+    "pools-tp-chaos": ("test_pools_tp", "test_pools_chaos"),
+    "pools-auth": ("test_pools_calibration", "test_ray_auth"),
+}
+RAY_GROUP_OF = {module: group for group, modules in RAY_GROUPS.items() for module in modules}
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
-        if item.module.__name__.rpartition(".")[2] in RAY_MODULES:
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        group = RAY_GROUP_OF.get(item.module.__name__.rpartition(".")[2])
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))

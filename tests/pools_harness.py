@@ -86,6 +86,8 @@ def ray_head(temp: Path, cpus: int = 8) -> Iterator[str]:
     address = f"127.0.0.1:{port}"
     head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
                              f"--port={port}", f"--num-cpus={cpus}", "--include-dashboard=false",
+                             # Ports Ray would otherwise fix, so heads of tests that run side by side never clash.
+                             f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
                              "--disable-usage-stats", f"--temp-dir={temp}"], env=head_env(address),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
