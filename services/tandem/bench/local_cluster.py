@@ -104,3 +104,34 @@ def start_gateway(address: str, pools: str, extra: Sequence[str] = (), log: Path
                 raise RuntimeError(f"the gateway never turned ready{where}")
             time.sleep(0.2)
     return Gateway(target, process)
+
+
+def greedy_streams(addresses: Sequence[str], prompts: Sequence, max_tokens: int) -> dict:
+    """Every prompt as its own greedy stream at once, prompt i through gateway i mod len(addresses): wall seconds,
+    tokens, tokens/s, the speculation totals and each stream's token ids (to compare outputs across configurations)."""
+    outputs: dict[int, list[int]] = {}
+    stats: dict[int, object] = {}
+
+    def one(index: int) -> None:
+        with TandemClient(addresses[index % len(addresses)], timeout=900) as client:
+            ids = []
+            for item in client.generate(**prompts[index].request_input(), temperature=0.0, max_tokens=max_tokens,
+                                        ignore_eos=True):
+                ids += list(getattr(item, "token_ids", []))
+                if hasattr(item, "speculation"):
+                    stats[index] = item.speculation
+            outputs[index] = ids
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    tokens = sum(len(ids) for ids in outputs.values())
+    return {"seconds": round(seconds, 3), "tokens": tokens, "tok_s": round(tokens / seconds, 3),
+            "drafted": sum(s.drafted_tokens for s in stats.values()),
+            "accepted": sum(s.accepted_tokens for s in stats.values()),
+            "rounds": sum(s.rounds for s in stats.values()),
+            "outputs": [outputs.get(i, []) for i in range(len(prompts))]}

@@ -19,13 +19,18 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 
 from loadtest.prompts import load_set
-from tandem.bench.local_cluster import pools_status, ray_env, ray_head_command, run_tandem, start_gateway, wait_for_port
+from tandem.bench.local_cluster import (
+    greedy_streams,
+    pools_status,
+    ray_env,
+    ray_head_command,
+    run_tandem,
+    start_gateway,
+    wait_for_port,
+)
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
-from tandem.client import TandemClient
 
 
 def _pin(pid: int, core: int) -> int:
@@ -39,35 +44,6 @@ def _pin(pid: int, core: int) -> int:
 def _counters(address: str) -> dict[str, dict]:
     """Each role's cumulative forwards, rows and busy seconds (one worker per role here)."""
     return {w["role"]: w for w in pools_status(address, "overlap")["workers"]}
-
-
-def _run(address: str, prompts: list, max_tokens: int) -> dict:
-    outputs: dict[int, list[int]] = {}
-    stats: dict[int, object] = {}
-
-    def one(index: int) -> None:
-        with TandemClient(address, timeout=900) as client:
-            ids = []
-            for item in client.generate(**prompts[index].request_input(), temperature=0.0, max_tokens=max_tokens,
-                                        ignore_eos=True):
-                ids += list(getattr(item, "token_ids", []))
-                if hasattr(item, "speculation"):
-                    stats[index] = item.speculation
-            outputs[index] = ids
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    seconds = time.perf_counter() - started
-    tokens = sum(len(ids) for ids in outputs.values())
-    drafted = sum(s.drafted_tokens for s in stats.values())
-    accepted = sum(s.accepted_tokens for s in stats.values())
-    return {"seconds": round(seconds, 3), "tokens": tokens, "tok_s": round(tokens / seconds, 3),
-            "drafted": drafted, "accepted": accepted, "rounds": sum(s.rounds for s in stats.values()),
-            "outputs": [outputs.get(i, []) for i in range(len(prompts))]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,12 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         prompts = (load_set("chat") * args.sessions)[: args.sessions]
         configs = {"sequential": sequential.address, "overlapped": overlapped.address}
         for target in configs.values():
-            _run(target, prompts[:2], 16)  # warm-up: each gateway's first rounds
+            greedy_streams([target], prompts[:2], 16)  # warm-up: each gateway's first rounds
         runs: list[dict] = []
         for repeat in range(args.repeats):
             for name in (list(configs) if repeat % 2 == 0 else list(reversed(configs))):
                 before = _counters(address)
-                result = _run(configs[name], prompts, args.max_tokens)
+                result = greedy_streams([configs[name]], prompts, args.max_tokens)
                 after = _counters(address)
                 rows, forwards = (after["target"][key] - before["target"][key] for key in ("rows", "forwards"))
                 # How busy each worker was over the run: overlap can only shorten a run whose workers wait on each

@@ -15,12 +15,11 @@ import json
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 
 from loadtest.prompts import load_set
 from tandem.bench.local_cluster import (
     BIN,
+    greedy_streams,
     pools_status,
     ray_env,
     ray_head_command,
@@ -29,7 +28,6 @@ from tandem.bench.local_cluster import (
     wait_for_port,
 )
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
-from tandem.client import TandemClient
 
 
 def _target_counters(address: str, pools: str) -> tuple[int, int]:
@@ -37,29 +35,6 @@ def _target_counters(address: str, pools: str) -> tuple[int, int]:
     # rows and forwards are cumulative on the worker; status reports recent means, so read them from info here.
     target = next(w for w in status["workers"] if w["role"] == "target")
     return target["rows"], target["forwards"]
-
-
-def _run(addresses: list[str], prompts: list, max_tokens: int) -> dict:
-    outputs: dict[int, list[int]] = {}
-
-    def one(index: int) -> None:
-        with TandemClient(addresses[index % len(addresses)], timeout=900) as client:
-            ids = []
-            for item in client.generate(**prompts[index].request_input(), temperature=0.0, max_tokens=max_tokens,
-                                        ignore_eos=True):
-                ids += list(getattr(item, "token_ids", []))
-            outputs[index] = ids
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    seconds = time.perf_counter() - started
-    tokens = sum(len(ids) for ids in outputs.values())
-    return {"seconds": round(seconds, 3), "tokens": tokens, "tok_s": round(tokens / seconds, 3),
-            "outputs": [outputs.get(i, []) for i in range(len(prompts))]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,13 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         one, two_a, two_b = (start_gateway(address, "bench", started=gateways).address for _ in range(3))
         prompts = (load_set("chat") * args.sessions)[: args.sessions]
         configs = {"one_gateway": [one], "two_gateways": [two_a, two_b]}
-        _run([one, two_a], prompts[:2], 16)  # warm-up: every gateway's first round on the pools
+        greedy_streams([one, two_a], prompts[:2], 16)  # warm-up: every gateway's first round on the pools
         runs: list[dict] = []
         for repeat in range(args.repeats):
             order = list(configs) if repeat % 2 == 0 else list(reversed(configs))
             for name in order:
                 rows0, forwards0 = _target_counters(address, "bench")
-                result = _run(configs[name], prompts, args.max_tokens)
+                result = greedy_streams(configs[name], prompts, args.max_tokens)
                 rows1, forwards1 = _target_counters(address, "bench")
                 result |= {"config": name, "repeat": repeat,
                            "rows_per_verify_forward": round((rows1 - rows0) / max(1, forwards1 - forwards0), 3)}
