@@ -168,8 +168,8 @@ def test_a_gateway_with_two_engine_lanes_stays_exact_on_the_shared_pools(pools, 
 
 
 def test_a_gateway_refuses_pools_of_another_image() -> None:
+    from tandem.engines.shared_pools import check_image
     from tandem.errors import TandemError
-    from tandem.pools.attach import check_image
 
     check_image("t", "", "repo/tandem:2")  # pools started without an image: nothing to compare
     check_image("t", "repo/tandem:2", "repo/tandem:2")

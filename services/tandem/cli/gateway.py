@@ -28,7 +28,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     exporters = tracing.setup_from_env("tandem-gateway")
     # Ray is joined on the main thread, before the gateway's SIGTERM handler (see `tandem serve`).
     connect(args)
-    from tandem.pools import attach_backend, find_manager  # the engine stack, once a cluster answers
+    from tandem.engines.shared_pools import attach_backend  # the engine stack, once a cluster answers
+    from tandem.pools import find_manager
 
     find_manager(args.pools)  # a clear error now rather than a gateway that never turns ready
     stop = threading.Event()

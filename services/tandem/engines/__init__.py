@@ -1,5 +1,6 @@
-"""Building engines: in process (engines.local), over Ray pools started for this server (engines.cluster), one
-backend per canary arm, and lanes of engines over the same workers (engines.backend.engine_lanes).
+"""Building engines: in process (engines.local), over Ray pools started for this server (engines.cluster), over
+shared pools other processes run (engines.shared_pools, for `tandem gateway --pools`), one backend per canary arm,
+and lanes of engines over the same workers (engines.backend.engine_lanes).
 
 Below the gateway: what a server serves is built here and handed to it as `Backend`s; nothing here knows gRPC, the
 HTTP API or the canary. `build(BuildOptions(...))` is the entry point `tandem serve` calls.
