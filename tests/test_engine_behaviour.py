@@ -104,8 +104,7 @@ def _static_costs() -> CostModel:
 def test_fallback_engages_with_unrelated_draft_and_disengages_with_aligned(tiny_models) -> None:
     target, draft, draft_random = tiny_models
     config = EngineConfig(spec=SpecConfig(probe_interval=4, probe_interval_max=16), calibrate=False)
-    engine = build_engine(target, draft_random, config)
-    engine.costs = _static_costs()
+    engine = build_engine(target, draft_random, config, costs=_static_costs())
     request_id = engine.add_request(PROMPT, _greedy(max_tokens=400))
     seq = engine.sequences[request_id]
     for _ in range(40):
@@ -124,8 +123,7 @@ def test_new_sessions_start_from_the_deployments_recent_acceptance(tiny_models) 
     target, draft, draft_random = tiny_models
     config = EngineConfig(spec=SpecConfig(probe_interval=4, probe_interval_max=16), calibrate=False)
     for drafter, starts_speculating in ((draft_random, False), (draft, True)):
-        engine = build_engine(target, drafter, config)
-        engine.costs = _static_costs()
+        engine = build_engine(target, drafter, config, costs=_static_costs())
         for prompt in (PROMPT, PROMPT[:3], PROMPT[1:]):
             engine.generate([prompt], _greedy(max_tokens=60))
         request_id = engine.add_request(PROMPT[2:], _greedy(max_tokens=20))
@@ -142,8 +140,7 @@ def test_first_round_only_prefills_the_target(tiny_models, plain_output) -> None
     target, draft, _ = tiny_models
     for plain_first, first_round_drafts in ((True, False), (False, True)):
         engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(plain_first_round=plain_first),
-                                                          calibrate=False))
-        engine.costs = _static_costs()
+                                                          calibrate=False), costs=_static_costs())
         seq = engine.sequences[engine.add_request(PROMPT, _greedy(max_tokens=30))]
         engine.step()
         assert (seq.stats.spec_rounds == 1) == first_round_drafts and (seq.draft_synced > 0) == first_round_drafts
@@ -163,8 +160,7 @@ def test_batched_rows_far_behind_in_the_drafter_decode_plainly(tiny_models) -> N
     long_prompt, short_prompt = list(range(40, 80)), PROMPT
     for prompts, drafts in (([long_prompt, long_prompt[1:]], False), ([short_prompt, short_prompt[1:]], True),
                             ([long_prompt], True)):
-        engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(), calibrate=False))
-        engine.costs = cheap
+        engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(), calibrate=False), costs=cheap)
         seqs = [engine.sequences[engine.add_request(p, _greedy(max_tokens=20))] for p in prompts]
         engine.step()
         engine.step()  # the first round was plain; now each drafter is a whole prompt behind
@@ -289,8 +285,7 @@ def test_rows_that_gain_draft_while_a_batch_mate_decodes_plainly(tiny_models) ->
                       batched={(3, w): 1.0 for w in range(1, 12)}, frozen=True)  # drafting pays for the rows it has
     prompts = [PROMPT, PROMPT[1:], PROMPT[2:]]
     plain = [r.token_ids for r in build_engine(target, None).generate(prompts, _greedy(max_tokens=24))]
-    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(), calibrate=False))
-    engine.costs = cheap
+    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(), calibrate=False), costs=cheap)
     seqs = [engine.sequences[engine.add_request(p, _greedy(max_tokens=24), max_k=0 if i == 0 else None)]
             for i, p in enumerate(prompts)]
     mixed_rounds = 0

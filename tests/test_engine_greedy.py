@@ -54,10 +54,11 @@ def test_plain_path_and_adaptive_path_match_reference(tiny_models, references) -
     prompts, expected = references
     plain = build_engine(target, None)
     # Prompts of up to 40 tokens: every row's drafter may catch up in a batch.
-    adaptive = build_engine(target, draft, EngineConfig(spec=SpecConfig(batch_catch_up_limit=64), calibrate=False))
     # Priced so that drafting pays: whether it does with timed costs depends on the machine's speed.
-    adaptive.costs = CostModel(draft_step=0.001, verify={n: 0.1 for n in range(1, 10)}, draft_rows={16: 0.002},
-                               batched={(16, w): 0.2 for w in range(1, 10)}, draft_forward={32: 0.002}, frozen=True)
+    pays = CostModel(draft_step=0.001, verify={n: 0.1 for n in range(1, 10)}, draft_rows={16: 0.002},
+                     batched={(16, w): 0.2 for w in range(1, 10)}, draft_forward={32: 0.002}, frozen=True)
+    adaptive = build_engine(target, draft, EngineConfig(spec=SpecConfig(batch_catch_up_limit=64), calibrate=False),
+                            costs=pays)
     some = slice(0, 20)
     assert [r.token_ids for r in plain.generate(prompts[some], GREEDY)] == expected[some]
     results = adaptive.generate(prompts[some], GREEDY)
@@ -144,8 +145,7 @@ def test_a_sessions_next_turn_reuses_the_cached_prefix(tiny_models, references) 
 def test_retained_sessions_are_bounded_and_aborts_are_not_retained(tiny_models, references) -> None:
     target, _, _ = tiny_models
     prompts, _ = references
-    engine = build_engine(target, None, EngineConfig(calibrate=False))
-    engine.verifier.runner.retain_tokens = 3 * NEW_TOKENS
+    engine = build_engine(target, None, EngineConfig(calibrate=False), retain_tokens=3 * NEW_TOKENS)
     for i in range(6):
         _run_session(engine, prompts[i], f"s{i}")
     retained = engine.verifier.runner.retained

@@ -66,8 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     costs = build_engine(target, draft, EngineConfig()).costs
     engines = {}
     for name, spec in SETTINGS.items():
-        engines[name] = build_engine(target, draft, EngineConfig(spec=spec, calibrate=False))
-        engines[name].costs = costs
+        engines[name] = build_engine(target, draft, EngineConfig(spec=spec, calibrate=False), costs=costs)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     itls = {name: [] for name in SETTINGS}
     totals = {name: [0, 0.0] for name in SETTINGS}

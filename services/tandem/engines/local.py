@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tandem.core.config import EngineConfig
+from tandem.core.costs import CostModel
 from tandem.core.engine import SpeculativeEngine
 from tandem.core.local import LocalDrafter, LocalVerifier
-from tandem.core.runner import ModelRunner
+from tandem.core.runner import DEFAULT_RETAIN_TOKENS, ModelRunner
 from tandem.engines.backend import Backend
 from tandem.engines.options import Arm, LocalOptions
 from tandem.errors import InvalidArgument
@@ -37,12 +38,16 @@ def draft_vocab_limit(draft_vocab: int, target_vocab: int) -> int:
     return min(draft_vocab, target_vocab) if draft_vocab else target_vocab
 
 
-def build_engine(target, draft=None, config: EngineConfig | None = None, kv_tokens: int = 0) -> SpeculativeEngine:
+def build_engine(target, draft=None, config: EngineConfig | None = None, kv_tokens: int = 0,
+                 costs: CostModel | None = None, retain_tokens: int = DEFAULT_RETAIN_TOKENS) -> SpeculativeEngine:
     """target and draft are LoadedModel-like objects with .model and .tokenizer; draft None means plain decoding.
-    `kv_tokens`: each model's KV token budget (0: a share of the memory free when its runner starts)."""
+    `kv_tokens`: each model's KV token budget (0: a share of the memory free when its runner starts). `costs`: a cost
+    model to start from (shared with other engines, or fixed), else a fresh one that calibration fills.
+    `retain_tokens`: how many tokens of finished sessions' caches the target's runner keeps for their next turn."""
     config = config or EngineConfig()
     pad = target.tokenizer.pad_token_id or 0
     verifier = LocalVerifier(ModelRunner(target.model, pad_token_id=pad, kv_tokens=kv_tokens,
+                                         retain_tokens=retain_tokens,
                                          cuda_graphs=not getattr(target, "eager", False)))
     drafter = None
     if draft is not None and config.spec.speculating:
@@ -51,7 +56,7 @@ def build_engine(target, draft=None, config: EngineConfig | None = None, kv_toke
                              kv_tokens=kv_tokens, cuda_graphs=not getattr(draft, "eager", False))
         drafter = LocalDrafter(runner, top_m=config.spec.draft_top_m, confidence=config.spec.stop_confidence)
     return SpeculativeEngine(verifier, drafter, config, eos_token_ids(target.model, target.tokenizer),
-                             decoder(target.tokenizer))
+                             decoder(target.tokenizer), costs=costs)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
