@@ -170,6 +170,7 @@ def run_bench(target, draft, prompts: list[str], max_tokens: int, methods: tuple
             totals[method].outputs.append(out)
     weights = (weight_bytes(target.model), weight_bytes(draft.model) if draft is not None else 0)
     report = _report(totals, tandem_stats, tandem_engine.costs, prompts, max_tokens, weights)
+    report["config"]["draft_quantization"] = getattr(draft, "quantization", "none") if draft is not None else None
     if any(m in HF_METHODS for m in methods):
         report["config"]["hf"] = hf_description(hf_target, hf_draft if "hf_assisted" in methods else None)
         report["config"]["hf"]["own_models"] = hf_models is not None

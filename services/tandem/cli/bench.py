@@ -30,12 +30,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _standard_models(args: argparse.Namespace, target, draft, methods: tuple[str, ...]):
     """Hugging Face's methods measured the standard way: when tandem's models were prepared for its fast path
-    (prepacked linears), load a second, untouched copy for them; None when tandem's are already standard."""
+    (prepacked linears, an int8 draft), load a second, untouched copy for them; None when tandem's are standard."""
     from tandem.bench.core import HF_METHODS
     from tandem.core.packed_linear import PackedLinear
 
-    if not any(m in HF_METHODS for m in methods) or not any(
-            isinstance(m, PackedLinear) for loaded in (target, draft) for m in loaded.model.modules()):
+    prepared = any(isinstance(m, PackedLinear) for loaded in (target, draft) for m in loaded.model.modules())
+    if not any(m in HF_METHODS for m in methods) or not (prepared or draft.quantization != "none"):
         return None
     from tandem.models.loader import load_model
 

@@ -116,7 +116,7 @@ def run_start(args: argparse.Namespace) -> int:
     if speculate and args.draft_workers:
         load_tokenizer(args.draft)  # pulls a registry model once, before several workers would race for it
         draft = WorkerConfig(model=args.draft, top_m=config.spec.draft_top_m, confidence=config.spec.stop_confidence,
-                             draft_vocab=config.spec.draft_vocab, **common)
+                             draft_vocab=config.spec.draft_vocab, quantization=args.draft_quantization, **common)
     engine = dataclasses.replace(config, spec=dataclasses.replace(config.spec, enabled=draft is not None))
     spec = PoolSpec(name=args.name, target=target, draft=draft, options=options, engine=engine,
                     image=os.environ.get(IMAGE_ENV, ""))

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from tandem.core.logprobs import MAX_TOP_LOGPROBS
 from tandem.errors import InvalidArgument
 
+# How a draft model's linear weights are held (core.int8_linear); a target is always held as loaded.
+QUANTIZATIONS = ("none", "int8")
+
 
 def _require(ok: bool, field_name: str, message: str) -> None:
     if not ok:

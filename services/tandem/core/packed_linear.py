@@ -86,11 +86,11 @@ def prepack(model: torch.nn.Module) -> int:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of linear-layer weights one forward reads, packed or not: what a decode step streams from memory (the
-    embedding lookup reads a row per token, the norms are small)."""
+    """Bytes of linear-layer weights one forward reads, packed, int8 (core.int8_linear) or plain: what a decode step
+    streams from memory (the embedding lookup reads a row per token, the norms are small)."""
     total = 0
     for module in model.modules():
-        if isinstance(module, PackedLinear):
+        if hasattr(module, "weight_bytes"):  # PackedLinear, Int8Linear
             total += module.weight_bytes
         elif isinstance(module, torch.nn.Linear):
             total += module.weight.numel() * module.weight.element_size()

@@ -115,7 +115,8 @@ def _start_target_pool(target: str, options: ClusterOptions) -> list:
 def _start_draft_pool(draft: str, config: EngineConfig, options: ClusterOptions, vocab: int) -> list:
     spec = config.spec
     worker = WorkerConfig(model=draft, top_m=spec.draft_top_m, confidence=spec.stop_confidence,
-                          draft_vocab=draft_vocab_limit(spec.draft_vocab, vocab), **_worker_common(options))
+                          draft_vocab=draft_vocab_limit(spec.draft_vocab, vocab),
+                          quantization=options.draft_quantization, **_worker_common(options))
     return start_draft_workers(worker, options.draft_workers, num_gpus=options.draft_gpus,
                                num_cpus=options.cpus_per_worker, resources=options.draft_resources)
 

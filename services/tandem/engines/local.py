@@ -81,7 +81,8 @@ def build_local_backends(target: str, arms: tuple[Arm, ...], options: LocalOptio
     for arm in arms:
         draft = arm.draft if arm.config.spec.speculating else ""
         if draft and draft not in drafts:
-            drafts[draft] = load_model(draft, device=device, dtype=dtype, eager=options.eager)
+            drafts[draft] = load_model(draft, device=device, dtype=dtype, eager=options.eager,
+                                       quantization=options.draft_quantization)
             check_compatible(drafts[draft], target_model)
         engine = build_engine(target_model, drafts[draft] if draft else None, arm.config, kv_tokens=options.kv_tokens)
         backends[arm.name] = Backend(engine, target_model.tokenizer, target, draft)

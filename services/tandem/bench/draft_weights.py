@@ -1,0 +1,130 @@
+"""The draft's weights as loaded against int8 (core.int8_linear), one sitting: what drafting costs and what it gains.
+
+Three engines over one target: plain decoding, AUTO with the draft as loaded, AUTO with an int8 copy of it. Greedy,
+batch 1, the chat-templated prompts one by one, the three methods in a rotating order per prompt so a slow spell of
+the machine hits all alike. Per method: tokens, seconds (prefill included), tok/s, and for AUTO the acceptance rate,
+rounds by k and the calibrated cost of a draft step and of verify forwards by width. Before the engines, the cost
+of one [8960 x 1536] linear layer (the target's MLP shape) at 1, 2, 5 and 64 rows in the kernels this CPU offers:
+the model's dtype through PyTorch, int8 weights, float32 weights prepacked for oneDNN.
+
+    python -m tandem.bench.draft_weights --num-prompts 4 --max-tokens 48 --json draft-weights.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
+from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_prompts_option, write_json
+from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.core.int8_linear import Int8Linear
+from tandem.core.packed_linear import PackedLinear, supported, weight_bytes
+from tandem.engines.local import build_engine, encode_prompt
+from tandem.models.loader import load_model
+
+METHODS = ("plain", "auto", "auto_int8")
+ROWS = (1, 2, 5, 64)
+
+
+def _ms(call, passes: int = 5) -> float:
+    call()
+    best = float("inf")
+    for _ in range(passes):
+        started = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - started)
+    return round(best * 1e3, 2)
+
+
+def linear_kernels(dtype: torch.dtype, out_features: int = 8960, in_features: int = 1536) -> dict:
+    """Milliseconds of one linear layer per row count, in each kernel: the shape of the CPU's fast path."""
+    linear = torch.nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+    kernels = {str(dtype).removeprefix("torch."): linear, "int8": Int8Linear.from_linear(linear),
+               "float32_onednn_packed": PackedLinear(linear.weight.detach().float(), None)}
+    if dtype == torch.bfloat16 and supported():
+        kernels["bfloat16_onednn_packed"] = PackedLinear.from_linear(linear)
+    out: dict = {}
+    with torch.inference_mode():
+        for name, layer in kernels.items():
+            act = torch.float32 if name.startswith("float32") else dtype
+            inputs = {rows: torch.randn(rows, in_features, dtype=act) for rows in ROWS}
+            out[name] = {rows: _ms(lambda layer=layer, x=x: layer(x)) for rows, x in inputs.items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="target model")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model")
+    parser.add_argument("--dtype", default="bfloat16", help="both models' dtype")
+    parser.add_argument("--threads", type=int, default=2, help="torch's CPU threads")
+    add_prompts_option(parser, PROMPT_SETS, DEFAULT_PROMPTS)
+    parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
+    add_json_option(parser, "the report")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    report: dict = {"config": {"target": args.target, "draft": args.draft, "dtype": args.dtype,
+                               "threads": args.threads, "max_tokens": args.max_tokens, "torch": torch.__version__,
+                               "machine": platform.processor() or platform.machine(),
+                               "bf16_packing": supported()}}
+    report["linear_ms"] = linear_kernels(dtype)
+    cpu = torch.device("cpu")
+    target = load_model(args.target, device=cpu, dtype=dtype, progress=False)
+    drafts = {"auto": load_model(args.draft, device=cpu, dtype=dtype, progress=False),
+              "auto_int8": load_model(args.draft, device=cpu, dtype=dtype, progress=False, quantization="int8")}
+    report["config"]["weight_bytes"] = {"target": weight_bytes(target.model)} | {
+        name: weight_bytes(draft.model) for name, draft in drafts.items()}
+    one_row = EngineConfig(max_batch=1)
+    engines = {"plain": build_engine(target, None, EngineConfig(spec=SpecConfig(enabled=False), max_batch=1))}
+    engines |= {name: build_engine(target, draft, one_row) for name, draft in drafts.items()}
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    prompts = [encode_prompt(target.tokenizer, text, chat=True)
+               for text in load_prompts(args.prompts)[: args.num_prompts]]
+    for engine in engines.values():  # warm-up, untimed
+        engine.generate([prompts[0][:8]], SamplingParams(temperature=0.0, max_tokens=4))
+    runs = {name: {"tokens": 0, "seconds": 0.0, "outputs": [], "stats": []} for name in METHODS}
+    for i, ids in enumerate(prompts):
+        for name in METHODS[i % 3:] + METHODS[: i % 3]:
+            started = time.perf_counter()
+            result = engines[name].generate([ids], greedy)[0]
+            runs[name]["seconds"] += time.perf_counter() - started
+            runs[name]["tokens"] += len(result.token_ids)
+            runs[name]["outputs"].append(result.token_ids)
+            runs[name]["stats"].append(result.stats)
+    for name, run in runs.items():
+        run["tok_s"] = round(run["tokens"] / run["seconds"], 3)
+        run["seconds"] = round(run["seconds"], 2)
+        run["same_as_plain"] = sum(a == b for a, b in zip(run["outputs"], runs["plain"]["outputs"], strict=True))
+        if name != "plain":
+            drafted = sum(s["drafted"] for s in run["stats"])
+            run["acceptance"] = round(sum(s["accepted"] for s in run["stats"]) / drafted, 4) if drafted else None
+            run["rounds_by_k"] = _summed(s["rounds_by_k"] for s in run["stats"])
+            costs = engines[name].costs
+            run["draft_step_ms"] = round(costs.draft_step * 1e3, 1)
+            run["forward_ms_by_width"] = {w: round(costs.forward_time(w) * 1e3, 1) for w in range(1, 7)}
+        del run["stats"]
+    report |= {name: run | {"vs_plain": round(run["tok_s"] / runs["plain"]["tok_s"], 3)} for name, run in runs.items()}
+    write_json(args.json, report)
+    for name in METHODS:
+        print(f"{name:10s} {runs[name]['tok_s']:6.2f} tok/s  {report[name]['vs_plain']:.2f}x plain  "
+              f"acceptance {runs[name].get('acceptance')}")
+    return 0
+
+
+def _summed(dicts) -> dict:
+    total: dict = {}
+    for d in dicts:
+        for key, value in d.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
