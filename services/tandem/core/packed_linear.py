@@ -1,28 +1,32 @@
 """Linear layers on oneDNN with prepacked weights: the CPU decode path at the memory-bandwidth limit.
 
 A decode step multiplies a few rows of activations by every weight of the model once, so its speed is the speed at
-which the weights stream from memory. PyTorch's own bf16 linear on CPU hands oneDNN the weight in its plain
-[out, in] layout on every call, and oneDNN reorders it on the fly: measured here (2 cores, 28 layers of the 1.5B
-target's MLP, one row) 31 GB/s against 47 GB/s with the weight reordered once, ahead of time, into oneDNN's blocked
-layout (`mkldnn::_reorder_linear_weight`, the same op torch.compile's inductor uses for frozen weights). The products
-are the same oneDNN kernels over the same numbers: outputs are bit-identical to nn.Linear in bf16, which is why only
-bf16 is packed (float32 linears go through another BLAS whose rounding differs, and float32 is where exactness is
-tested against Hugging Face's generate).
+which the weights stream from memory. PyTorch's own linear on CPU hands its BLAS the weight in its plain [out, in]
+layout on every call; oneDNN with the weight reordered once, ahead of time, into its blocked layout
+(`mkldnn::_reorder_linear_weight`, the same op torch.compile's inductor uses for frozen weights) streams it faster
+and, above all, reads it once for all the rows of a step:
+- bf16, on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: 47 GB/s against 31 GB/s for nn.Linear (2 cores, the
+  1.5B target's MLP, one row), and bit-identical to nn.Linear, which runs the same oneDNN kernel unpacked.
+- float32, on any x86 CPU oneDNN runs on. Where bf16 is not fast (AVX2 only) float32 is what `--dtype auto` picks,
+  and there PyTorch's BLAS re-reads the weight for every row of a narrow step: one [8960 x 1536] layer takes 5.6 ms
+  at 1 row, 29 ms at 5, 76 ms at 64, against 4.2, 6.0 and 51 ms packed (2-core AVX2 EPYC; `tandem.bench.draft_weights`
+  measures it). The products round differently from nn.Linear's (up to 2e-4 on that layer), the same for a row
+  whatever the step's other rows, so speculative verification stays exact: every path of a loaded model runs the
+  packed layers, Hugging Face's own generate included.
 
-`prepack(model)` swaps every nn.Linear of a CPU bf16 model for a PackedLinear holding only the packed weight, so
-memory stays what it was, except for an output head whose weight is tied to the input embedding (the embedding keeps
-the plain copy for its lookups). The model stays a plain Hugging Face module for anything that calls it.
-oneDNN packs bf16 weights only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; elsewhere (an AVX2-only CPU)
-`supported()` is False and models stay eager.
+`prepack(model)` swaps every nn.Linear of a CPU model in a packable dtype for a PackedLinear holding only the packed
+weight, so memory stays what it was, except for an output head whose weight is tied to the input embedding (the
+embedding keeps the plain copy for its lookups). The model stays a plain Hugging Face module for anything that
+calls it. Where oneDNN cannot pack a dtype (bf16 on an AVX2-only CPU), `supported(dtype)` is False and the model
+stays eager.
 """
-
 from __future__ import annotations
 
 import functools
 
 import torch
 
-PACKABLE_DTYPES = (torch.bfloat16,)
+PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class PackedLinear(torch.nn.Module):
@@ -52,24 +56,24 @@ class PackedLinear(torch.nn.Module):
 
 
 @functools.cache
-def supported() -> bool:
-    """Whether this CPU and torch build can pack bf16 weights: asked of oneDNN itself, once (the instruction sets
-    it needs are its business, and differ between its versions)."""
-    if not torch.backends.mkldnn.is_available():
+def supported(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this CPU and torch build can pack weights of `dtype`: asked of oneDNN itself, once per dtype (the
+    instruction sets it needs are its business, and differ between its versions)."""
+    if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
         return False
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
     except RuntimeError:
         return False
     return True
 
 
 def packable(model: torch.nn.Module) -> bool:
-    """Whether prepack would change this model: bf16 on CPU, a CPU oneDNN packs bf16 on, and not a tensor-parallel
+    """Whether prepack would change this model: on CPU, in a dtype oneDNN packs here, and not a tensor-parallel
     shard (those linears are wrapped by the parallel plan and must stay as they are)."""
     parameter = next(model.parameters())
     sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return (parameter.device.type == "cpu" and parameter.dtype in PACKABLE_DTYPES and supported() and not sharded)
+    return parameter.device.type == "cpu" and supported(parameter.dtype) and not sharded
 
 
 def prepack(model: torch.nn.Module) -> int:
