@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
-from tandem.core.packed_linear import PackedLinear, packable, prepack, supported, weight_bytes
+from tandem.core.packed_linear import (
+    MIN_PACKED_WEIGHTS,
+    PackedLinear,
+    packable,
+    prepack,
+    supported,
+    weight_bytes,
+)
 from tandem.core.runner import ModelRunner
 from tandem.engines.local import build_engine
 from tandem.models.loader import load_model
@@ -15,6 +22,12 @@ from tandem.models.loader import load_model
 CPU = torch.device("cpu")
 PACKED = [pytest.param(dtype, marks=pytest.mark.skipif(not supported(dtype), reason=f"oneDNN cannot pack {dtype} here"))
           for dtype in (torch.bfloat16, torch.float32)]
+
+
+@pytest.fixture(autouse=True)
+def pack_small_layers(monkeypatch):
+    """The tiny models' layers are all below the float32 size limit: pack them anyway, to test the packed path."""
+    monkeypatch.setitem(MIN_PACKED_WEIGHTS, torch.float32, 0)
 
 
 def load(path, dtype: torch.dtype = torch.bfloat16, eager: bool = False):
@@ -121,3 +134,11 @@ def test_models_stay_eager_where_the_cpu_cannot_pack() -> None:
         assert packable(model) == supported(dtype)
         assert prepack(model) == (1 if supported(dtype) else 0)
     assert not supported(torch.float16)
+
+
+@pytest.mark.skipif(not supported(torch.float32), reason="oneDNN cannot pack float32 here")
+def test_small_float32_layers_stay_on_pytorchs_blas(monkeypatch) -> None:
+    monkeypatch.setitem(MIN_PACKED_WEIGHTS, torch.float32, 1 << 20)
+    model = torch.nn.Sequential(torch.nn.Linear(1536, 256), torch.nn.Linear(1024, 1024))
+    assert prepack(model) == 1
+    assert type(model[0]) is torch.nn.Linear and isinstance(model[1], PackedLinear)

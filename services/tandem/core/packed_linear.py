@@ -14,12 +14,13 @@ and, above all, reads it once for all the rows of a step:
   whatever the step's other rows, so speculative verification stays exact: every path of a loaded model runs the
   packed layers, Hugging Face's own generate included.
 
-`prepack(model)` swaps every nn.Linear of a CPU model in a packable dtype for a PackedLinear holding only the packed
-weight, so memory stays what it was, except for an output head whose weight is tied to the input embedding (the
-embedding keeps the plain copy for its lookups). The model stays a plain Hugging Face module for anything that
-calls it. Where oneDNN cannot pack a dtype (bf16 on an AVX2-only CPU), `supported(dtype)` is False and the model
-stays eager.
+`prepack(model)` swaps every nn.Linear of a CPU model in a packable dtype (in float32, every large one) for a
+PackedLinear holding only the packed weight, so memory stays what it was, except for an output head whose weight is
+tied to the input embedding (the embedding keeps the plain copy for its lookups). The model stays a plain Hugging
+Face module for anything that calls it. Where oneDNN cannot pack a dtype (bf16 on an AVX2-only CPU),
+`supported(dtype)` is False and the model stays eager.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,6 +28,9 @@ import functools
 import torch
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
+# Float32 layers with fewer weights stay on PyTorch's BLAS, whose per-call cost is lower: at one row a [256 x 1536]
+# layer takes 0.12 ms packed against 0.05 ms, a [1536 x 1536] one 1.01 against 1.09 (2-core AVX2 EPYC).
+MIN_PACKED_WEIGHTS = {torch.bfloat16: 0, torch.float32: 1 << 20}
 
 
 class PackedLinear(torch.nn.Module):
@@ -77,12 +81,13 @@ def packable(model: torch.nn.Module) -> bool:
 
 
 def prepack(model: torch.nn.Module) -> int:
-    """Replace the model's nn.Linear layers by PackedLinear in place; the number replaced (0 when not packable, or
-    when already packed, so calling it twice is harmless)."""
+    """Replace the model's nn.Linear layers (those of at least MIN_PACKED_WEIGHTS weights) by PackedLinear in place;
+    the number replaced (0 when not packable, or when already packed, so calling it twice is harmless)."""
     if not packable(model):
         return 0
+    least = MIN_PACKED_WEIGHTS[next(model.parameters()).dtype]
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is torch.nn.Linear]
+             if type(child) is torch.nn.Linear and child.weight.numel() >= least]
     with torch.no_grad():
         for parent, name, child in swaps:
             setattr(parent, name, PackedLinear.from_linear(child))
