@@ -122,7 +122,7 @@ def test_batch_plan_prices_the_padded_batched_round() -> None:
     expected = (policy.expected_tokens(0.8, 2) + policy.expected_tokens(0.8, 1) + 6) / (0.58 + 0.04 + 0.03)
     assert abs(rate - expected) < 1e-9
     assert plan_batch([4] * 8, alphas, costs) == [0] * 8  # 8 rows: drafting costs more than it gains
-    assert 0 < plan_batch([4], [0.8], costs, margin=0.0)[0] <= 4  # one row drafts here, at its best cap
+    assert plan_batch([4], [0.8], costs) == [4]  # one row is the session's own choice
     cheap = CostModel(draft_step=0.001, verify={1: 0.1, 64: 0.1001}, draft_rows={8: 0.001}, frozen=True)
     assert plan_batch([4, 3, 1, 2], [0.8] * 4, cheap) == [4, 3, 1, 2]  # memory-bound: every k pays
     middle = CostModel(draft_step=0.01, verify={n: 0.1 + 0.004 * n for n in (1, 64)}, draft_rows={8: 0.012},

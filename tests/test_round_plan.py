@@ -40,20 +40,6 @@ def test_a_lone_row_drafts_what_its_policy_decides() -> None:
     assert plan.decisions == (policy.decide(row.policy, CHEAP, SPEC, PRIOR),)
 
 
-def test_a_lone_row_drafts_only_where_it_pays_for_its_drafters_catch_up() -> None:
-    """A row decoded plainly for a while must first run its drafter over the tokens it missed; where that wide
-    forward costs more than drafting gains over the tokens left, the row stays plain, policy probe or not."""
-    # Forwards cost 1 s at any width; the drafter's catch-up costs 1 s per token (its wide forwards are slow).
-    costs = dataclasses.replace(CHEAP, draft_forward={8: 8.0, 32: 32.0})
-    assert _plan([_row(behind=1)], costs).ks == (_policy_k(costs),)  # nothing to catch up (behind <= 2)
-    assert _plan([_row(behind=2)], costs).ks == (_policy_k(costs),)
-    assert _plan([_row(behind=40, remaining=20)], costs).ks == (0,)  # 39 s of catch-up for a few rounds
-    cheap = dataclasses.replace(CHEAP, draft_forward={8: 0.008, 32: 0.032})
-    assert _plan([_row(behind=40, remaining=20)], cheap).ks == (_policy_k(cheap),)
-    plan = _plan([_row(behind=40, remaining=20)], costs)
-    assert plan.decisions[0] is not None  # the policy was asked: the engine applies its decision
-
-
 def test_rows_that_may_not_draft_get_zero_and_leave_their_policy_unasked() -> None:
     assert _plan([_row()], speculating=False).ks == (0,)  # no drafter, or speculation off
     for row in (_row(max_k=0), _row(prefill_limit=64), _row(first_round=True)):

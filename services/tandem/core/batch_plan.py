@@ -55,7 +55,7 @@ def plan_batch(ks: list[int], alphas: list[float], costs: CostModel, catch_up: l
                margin: float = 0.05) -> list[int]:
     """Each row's k: capped at the best cap for the rows that gain from drafting, 0 for the others; plain (all 0)
     unless speculating beats it by `margin`."""
-    if not any(ks) or not costs.calibrated:
+    if len(ks) <= 1 or not any(ks) or not costs.calibrated:
         return ks
     plain_seconds = round_seconds([0] * len(ks), costs)
     best, best_rate = [0] * len(ks), len(ks) / plain_seconds * (1.0 + margin)

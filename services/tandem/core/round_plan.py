@@ -8,11 +8,9 @@
 2. The session's policy picks k (core.policy.decide). Its decision comes back with the plan, for the engine to apply
    once the round has run: a round that does not run (its batch shrinks to fit the KV cache) is planned afresh.
 3. Caps: the request's max_k, then remaining - 1 (the round's last token is the verifier's own, never a draft).
-4. Under the adaptive policy, core.batch_plan prices the round with each row's drafter catch-up (the tokens it has
-   not seen, run before it can draft: the prompt, and what was decoded plainly since) and may lower any row's k, or
-   zero it, a lone row's too: a policy probe is worth its catch-up only where it pays. In a batch of two or more, a
-   row more than batch_catch_up_limit tokens behind drafts nothing first (its catch-up would stall every row). A
-   fixed k (adaptive off) drafts as given.
+4. A batch of two or more rows under the adaptive policy: a row whose drafter is more than batch_catch_up_limit
+   tokens behind drafts nothing (its catch-up would stall every row), then core.batch_plan prices the batched
+   round with each row's catch-up and may lower any row's k, or zero it. A fixed k (adaptive off) drafts as given.
 
 The plan's k is the most a row may draft: the drafter may end a block sooner when its own top probability drops below
 draft_confidence (it sees the draft's probabilities, which the plan does not), and a drafter that fails drafts nothing.
@@ -53,16 +51,12 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
     the rows, the costs and the prior, and changes none of them. `prior`: the deployment's recent acceptance."""
     decisions = [_decide(row, speculating, spec, costs, prior) for row in rows]
     ks = [_capped(row, decision) for row, decision in zip(rows, decisions, strict=True)]
-    if spec.adaptive and any(ks):
-        if len(rows) > 1:
-            ks = [0 if row.behind > spec.batch_catch_up_limit else k for row, k in zip(rows, ks, strict=True)]
+    if len(rows) > 1 and spec.adaptive:
+        ks = [0 if row.behind > spec.batch_catch_up_limit else k for row, k in zip(rows, ks, strict=True)]
         alphas = [policy.acceptance(row.policy, spec, prior) for row in rows]
         catch_up = [catch_up_share(costs, row.behind, alpha, k, row.remaining)
                     for row, alpha, k in zip(rows, alphas, ks, strict=True)]
-        if len(rows) > 1:
-            ks = plan_batch(ks, alphas, costs, catch_up)
-        elif catch_up[0]:  # the policy priced a lone row's round without its catch-up: no margin beyond that
-            ks = plan_batch(ks, alphas, costs, catch_up, margin=0.0)
+        ks = plan_batch(ks, alphas, costs, catch_up)
     return RoundPlan(tuple(ks), tuple(decisions))
 
 
