@@ -19,6 +19,7 @@ import time
 import torch
 
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
+from tandem.cli.common import add_bench_model_options
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_prompts_option, write_json
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.int8_linear import Int8Linear
@@ -58,10 +59,7 @@ def linear_kernels(dtype: torch.dtype, out_features: int = 8960, in_features: in
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="target model")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model")
-    parser.add_argument("--dtype", default="bfloat16", help="both models' dtype")
-    parser.add_argument("--threads", type=int, default=2, help="torch's CPU threads")
+    add_bench_model_options(parser, "bfloat16")
     add_prompts_option(parser, PROMPT_SETS, DEFAULT_PROMPTS)
     parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request")

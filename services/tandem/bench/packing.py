@@ -17,6 +17,7 @@ import time
 import torch
 
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
+from tandem.cli.common import add_bench_model_options
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_prompts_option, write_json
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.packed_linear import supported, weight_bytes
@@ -34,10 +35,7 @@ def _timed(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[in
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="target model")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model")
-    parser.add_argument("--dtype", default="float32", help="both models' dtype (one oneDNN packs here)")
-    parser.add_argument("--threads", type=int, default=2, help="torch's CPU threads")
+    add_bench_model_options(parser, "float32", "both models' dtype (one oneDNN packs here)")
     add_prompts_option(parser, PROMPT_SETS, DEFAULT_PROMPTS)
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts at batch 1")
     parser.add_argument("--batch", type=int, default=8, help="requests at once (the first N prompts)")

@@ -46,6 +46,16 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "memory free at start)")
 
 
+def add_bench_model_options(parser: argparse.ArgumentParser, dtype: str,
+                            dtype_help: str = "both models' dtype") -> None:
+    """--target, --draft, --dtype and --threads of a benchmark that loads the pair in its own process (2 threads by
+    default: the machines the documented figures come from)."""
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="target model")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model")
+    parser.add_argument("--dtype", default=dtype, help=dtype_help)
+    parser.add_argument("--threads", type=int, default=2, help="torch's CPU threads")
+
+
 def add_redis_options(parser: argparse.ArgumentParser) -> None:
     """Where session state lives, and the credentials to reach it (kept off the command line where possible)."""
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),

@@ -14,40 +14,34 @@ from __future__ import annotations
 
 import torch
 
-from tandem.core.config import QUANTIZATIONS
-
 KERNEL = "aten::_weight_int8pack_mm"
-__all__ = ["QUANTIZATIONS", "Int8Linear", "quantize_int8", "supported"]
 
 
 class Int8Linear(torch.nn.Module):
     """y = x (s * Q)^T + b, Q int8 [out, in] and s one scale per output row (symmetric: s = max|W_row| / 127)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        w = weight.detach().float()
-        # The scale is held in the activations' dtype (the kernel's demand); levels are rounded against that held
-        # scale, so each weight ends within half a step of its original.
-        self.scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny).to(weight.dtype)
-        levels = torch.round(w / self.scale.float()[:, None])
-        self.qweight = levels.clamp(-127, 127).to(torch.int8).contiguous()
-        self.bias = None if bias is None else bias.detach()
-        self.weight_bytes = self.qweight.numel() + self.scale.numel() * self.scale.element_size()
+        self.out_features, self.in_features = qweight.shape
+        self.qweight, self.scale, self.bias = qweight.contiguous(), scale.contiguous(), bias
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Module) -> Int8Linear:
-        return cls(linear.weight, linear.bias)
+        w = linear.weight.detach().float()
+        # The scale is held in the activations' dtype (the kernel's demand); levels are rounded against that held
+        # scale, so each weight ends within half a step of its original.
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny).to(linear.weight.dtype)
+        levels = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(levels, scale, None if linear.bias is None else linear.bias.detach())
+
+    @property
+    def weight_bytes(self) -> int:
+        """What a forward reads of this layer's weights (core.packed_linear.weight_bytes)."""
+        return self.qweight.numel() + self.scale.numel() * self.scale.element_size()
 
     def first_rows(self, rows: int) -> Int8Linear:
         """The projection onto the first `rows` outputs only (a drafter scoring part of the vocabulary)."""
-        out = Int8Linear.__new__(Int8Linear)
-        torch.nn.Module.__init__(out)
-        out.out_features, out.in_features = rows, self.in_features
-        out.qweight, out.scale = self.qweight[:rows].contiguous(), self.scale[:rows].contiguous()
-        out.bias = None if self.bias is None else self.bias[:rows]
-        out.weight_bytes = out.qweight.numel() + out.scale.numel() * out.scale.element_size()
-        return out
+        return Int8Linear(self.qweight[:rows], self.scale[:rows], None if self.bias is None else self.bias[:rows])
 
     def dequantized(self) -> torch.Tensor:
         """The weight this layer multiplies by, in the activations' dtype (for tests and reports)."""

@@ -9,10 +9,11 @@ and, above all, reads it once for all the rows of a step:
   1.5B target's MLP, one row), and bit-identical to nn.Linear, which runs the same oneDNN kernel unpacked.
 - float32, on any x86 CPU oneDNN runs on. Where bf16 is not fast (AVX2 only) float32 is what `--dtype auto` picks,
   and there PyTorch's BLAS re-reads the weight for every row of a narrow step: one [8960 x 1536] layer takes 5.6 ms
-  at 1 row, 29 ms at 5, 76 ms at 64, against 4.2, 6.0 and 51 ms packed (2-core AVX2 EPYC; `tandem.bench.draft_weights`
-  measures it). The products round differently from nn.Linear's (up to 2e-4 on that layer), the same for a row
-  whatever the step's other rows, so speculative verification stays exact: every path of a loaded model runs the
-  packed layers, Hugging Face's own generate included.
+  at 1 row, 29 ms at 5, 76 ms at 64, against 4.2, 6.0 and 51 ms packed (2-core AVX2 EPYC, a one-off timing;
+  `tandem.bench.draft_weights` records the packed float32, bf16 and int8 kernels by row count). The products round
+  differently from nn.Linear's (up to 2e-4 on that layer), the same for a row whatever the step's other rows, so
+  speculative verification stays exact: every path of a loaded model runs the packed layers, Hugging Face's own
+  generate included.
 
 `prepack(model)` swaps every nn.Linear of a CPU model in a packable dtype (in float32, every large one) for a
 PackedLinear holding only the packed weight, so memory stays what it was, except for an output head whose weight is
