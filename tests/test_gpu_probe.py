@@ -22,12 +22,17 @@ def test_probe_measures_tandem_and_hugging_face_on_the_same_weights() -> None:
     cpu = torch.device("cpu")
     target, draft = probe.build("target", cpu, torch.float32, **TINY), probe.build("draft", cpu, torch.float32, **TINY)
     work = probe.prompts(3, vocab=500)
-    plain = probe.run_tandem(target, draft, None, 1, work, 8)
-    spec = probe.run_tandem(target, draft, 2, 2, work, 8)
-    assert plain["tokens"] == spec["tokens"] == 24 and spec["drafted"] > 0
+    # "graphs" is the uncompiled mode: on a CPU that runs eagerly, so no test time goes to compiling here.
+    plain = probe.run_tandem(target, draft, None, 1, work, 8, mode="graphs")
+    spec = probe.run_tandem(target, draft, 2, 2, work, 8, mode="graphs")
+    assert plain["tokens"] == spec["tokens"] == 24 and spec["drafted"] > 0 and not any(spec["compiled"])
     assert probe.hf_generate(target, work[:2], 2, 8)["tokens"] == 16
     costs = probe.forward_costs(probe.ModelRunner(target), [1, 3], context=64, reps=2)
     assert set(costs) == {1, 3} and all(seconds > 0 for seconds in costs.values())
+    # A free draft and a verify as cheap as a plain step: every acceptance pays, the more the better.
+    projected = probe.projected_speedups({1: 1.0, 2: 1.0, 3: 1.0, 5: 1.0, 9: 1.0}, 0.0)
+    assert list(projected) == ["0.6", "0.7", "0.8", "0.9"]
+    assert 1 < projected["0.6"]["speedup_vs_plain"] < projected["0.9"]["speedup_vs_plain"] < 10
     head_dim = 64 // 4
     assert probe.kv_bytes_per_token(target) == 2 * 2 * 2 * head_dim * 4  # layers x (k, v) x kv heads x dim x fp32
 

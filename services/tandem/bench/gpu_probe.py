@@ -6,12 +6,15 @@ Random weights mean the draft agrees with the target about as often as chance, s
 rounds cost, not what they gain; the gain at the real pair's acceptance is projected from measured forward costs
 (tokens per round (1 - a^(k+1)) / (1 - a) over k draft steps plus one (k+1)-token verify) and labelled so.
 
-Measures: plain and speculative tok/s at batch 1 and 8 (tandem), HF generate plain (eager and, unless
---no-compile, static cache + torch.compile) and assisted at batch 1, the share of wall time spent in GPU kernels,
+Measures: tandem's three forward modes against each other in adjacent A B B A pairs (compiled: torch.compile's
+kernels in CUDA graphs, the default; graphs: the eager kernels in CUDA graphs; eager: no graphs), plain and
+speculative tok/s at batch 1 and 8 (tandem), HF generate plain (eager and, unless --no-compile, static cache +
+torch.compile) and assisted at batch 1, the share of wall time spent in GPU kernels,
 bytes allocated per decode step against the live KV cache (a cache copied every step allocates its whole size
 again), and the plain batch-1 decode against the weight-bandwidth limit.
 
     python -m tandem.bench.gpu_probe --json probe.json                # under 10 minutes on one H100
+    python -m tandem.bench.gpu_probe --only-modes --json modes.json   # the mode pairs and forward costs alone
     python services/tandem/bench/gpu_probe.py --json probe.json       # the same from a checkout, tandem not installed
 """
 
@@ -49,6 +52,8 @@ CONFIGS = {  # the published Qwen2.5-Coder-*-Instruct config.json shapes
                   num_key_value_heads=2),
 }
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # datasheet peaks (SXM)
+MODES = {"compiled": dict(graphs=True, compile=True), "graphs": dict(graphs=True, compile=False),
+         "eager": dict(graphs=False, compile=False)}
 
 
 def build(role: str, device: torch.device, dtype: torch.dtype, **shape) -> Qwen2ForCausalLM:
@@ -81,19 +86,20 @@ def timed(call) -> float:
     return time.perf_counter() - started
 
 
-def engine(target, draft, k: int | None, batch: int, graphs: bool = True) -> SpeculativeEngine:
-    """k None: plain; k 0: adaptive (AUTO, calibrated); k > 0: fixed k. `graphs` False: eager forwards."""
-    verifier = LocalVerifier(ModelRunner(target, cuda_graphs=graphs))
+def engine(target, draft, k: int | None, batch: int, mode: str = "compiled") -> SpeculativeEngine:
+    """k None: plain; k 0: adaptive (AUTO, calibrated); k > 0: fixed k. `mode`: a key of MODES."""
+    verifier = LocalVerifier(ModelRunner(target, cuda_graphs=MODES[mode]["graphs"], compile=MODES[mode]["compile"]))
     if k is None:
         return SpeculativeEngine(verifier, None, EngineConfig(max_batch=batch, calibrate=False))
     spec = SpecConfig(k_max=8 if k == 0 else k, k_init=4 if k == 0 else k, adaptive=k == 0)
-    drafter = LocalDrafter(ModelRunner(draft, cuda_graphs=graphs), top_m=spec.draft_top_m,
+    drafter = LocalDrafter(ModelRunner(draft, cuda_graphs=MODES[mode]["graphs"], compile=MODES[mode]["compile"]),
+                           top_m=spec.draft_top_m,
                            confidence=spec.stop_confidence)
     return SpeculativeEngine(verifier, drafter, EngineConfig(spec=spec, max_batch=batch, calibrate=k == 0))
 
 
-def run_tandem(target, draft, k, batch: int, work: list[list[int]], tokens: int, graphs: bool = True) -> dict:
-    eng = engine(target, draft, k, batch, graphs)
+def run_tandem(target, draft, k, batch: int, work: list[list[int]], tokens: int, mode: str = "compiled") -> dict:
+    eng = engine(target, draft, k, batch, mode)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     eng.generate([work[0][:32]], params)  # warm-up
     results = []
@@ -106,7 +112,9 @@ def run_tandem(target, draft, k, batch: int, work: list[list[int]], tokens: int,
     out = sum(len(r.token_ids) for r in results)
     graphs = [g for g in (eng.verifier.runner.graphs, eng.drafter and eng.drafter.runner.graphs) if g]
     return {"tok_s": out / seconds, "tokens": out, "seconds": seconds, "drafted": drafted, "accepted": accepted,
-            "graph_captures": sum(g.captures for g in graphs), "graph_failures": sum(len(g.failed) for g in graphs)}
+            "graph_captures": sum(g.captures for g in graphs), "graph_failures": sum(len(g.failed) for g in graphs),
+            "compiled": [g.compiled for g in graphs], "compile_errors": [g.compile_error for g in graphs
+                                                                         if g.compile_error]}
 
 
 def hf_generate(model, work: list[list[int]], batch: int, tokens: int, assistant=None, **kwargs) -> dict:
@@ -130,6 +138,20 @@ def hf_generate(model, work: list[list[int]], batch: int, tokens: int, assistant
         seconds += timed(call)
         out += len(group) * tokens
     return {"tok_s": out / seconds, "tokens": out, "seconds": seconds}
+
+
+def projected_speedups(verify: dict[int, float], draft_step: float) -> dict[str, dict]:
+    """Speculative over plain at batch 1 from forward costs, at the best k for each acceptance (labelled a
+    projection: random weights cannot measure acceptance)."""
+    def round_s(k: int) -> float:
+        return k * draft_step + verify[min((w for w in verify if w >= k + 1), default=max(verify))]
+
+    out = {}
+    for alpha in (0.6, 0.7, 0.8, 0.9):
+        best = max(range(1, 9), key=lambda k: (1 - alpha ** (k + 1)) / (1 - alpha) / round_s(k))
+        out[str(alpha)] = {"k": best, "speedup_vs_plain": (1 - alpha ** (best + 1)) / (1 - alpha) / round_s(best)
+                           * verify[1]}
+    return out
 
 
 def forward_costs(runner: ModelRunner, widths: list[int], context: int, reps: int = 20) -> dict[int, float]:
@@ -189,18 +211,18 @@ def allocated_per_step(eng_factory, work: list[list[int]], contexts: tuple[int, 
     return {"by_context": out, "kv_copies_per_step": growth / kv_growth if kv_growth else None}
 
 
-def graphs_vs_eager(target, draft, work: list[list[int]], tokens: int, log) -> None:
-    """tandem with CUDA graphs (the default) against eager forwards: plain and k 4 at batch 1, plain at batch 8;
-    A B B A per case, each pair pooled, and whether the greedy tokens were the same."""
+def mode_pairs(target, draft, work: list[list[int]], tokens: int, log, a: str, b: str) -> None:
+    """tandem in mode `a` against mode `b` (keys of MODES): plain and k 4 at batch 1, plain at batch 8; A B B A per
+    case, each pair pooled."""
     for case, k, batch, items in (("plain_b1", None, 1, work[:4]), ("spec_k4_b1", 4, 1, work[:2]),
                                   ("plain_b8", None, 8, work)):
-        runs: dict[str, list[dict]] = {"graphs": [], "eager": []}
-        for mode in ("graphs", "eager", "eager", "graphs"):
+        runs: dict[str, list[dict]] = {a: [], b: []}
+        for mode in (a, b, b, a):
             half = items if batch > 1 else (items[: len(items) // 2] if not runs[mode] else items[len(items) // 2:])
-            runs[mode].append(run_tandem(target, draft, k, batch, half, tokens, graphs=mode == "graphs"))
+            runs[mode].append(run_tandem(target, draft, k, batch, half, tokens, mode))
         pooled = {mode: sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs) for mode, rs in runs.items()}
-        log(f"graphs_vs_eager_{case}", {"graphs_tok_s": pooled["graphs"], "eager_tok_s": pooled["eager"],
-                                        "speedup": pooled["graphs"] / pooled["eager"]})
+        log(f"{a}_vs_{b}_{case}", {f"{a}_tok_s": pooled[a], f"{b}_tok_s": pooled[b], "speedup": pooled[a] / pooled[b],
+                                   "compile_errors": [e for r in runs[a] + runs[b] for e in r["compile_errors"]]})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -212,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=8, help="random prompts (64 to 256 tokens)")
     parser.add_argument("--warm-seconds", type=float, default=45.0, help="decode this long before measuring")
     parser.add_argument("--no-compile", action="store_true", help="skip HF generate with static cache + compile")
-    parser.add_argument("--only-graphs", action="store_true", help="only CUDA graphs against eager forwards")
+    parser.add_argument("--only-modes", action="store_true",
+                        help="only tandem's forward modes against each other, their forward costs and kernel shares")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit(f"gpu_probe: CUDA is not available (torch {torch.__version__})")
@@ -239,19 +262,46 @@ def main(argv: list[str] | None = None) -> None:
         save()  # a run cut short still leaves its figures
         print(f"[{time.perf_counter() - started:6.1f}s] {key}: {json.dumps(value)}", file=progress, flush=True)
 
-    # First calls of each new shape pay one-off kernel selection: warm every prompt's prefill in both stacks. Then
-    # keep decoding for a while: on the lent H100 the same run doubled its tok/s over its first minute (clocks
-    # ramping; docs/bench/gpu-order-check-v1.json), so figures taken cold are not comparable with later ones.
-    run_tandem(target, draft, None, 1, work, 2)
-    run_tandem(target, draft, None, 8, work, 2)
-    hf_generate(target, work, 1, 2)
+    def bandwidth(tok_s: float) -> dict:
+        hbm = next((v for key, v in HBM_BYTES_PER_S.items() if key in name), None)
+        return {"hbm_peak_bytes_s": hbm, "plain_b1_tok_s": tok_s, "weight_bytes_s": weight_bytes * tok_s,
+                "limit_tok_s": hbm / weight_bytes if hbm else None,
+                "share_of_limit": weight_bytes * tok_s / hbm if hbm else None}
+
+    # First calls of each new shape pay one-off kernel selection and compiles (timed here): warm every prompt's
+    # prefill, and the decode shapes of plain and speculative rounds at batch 1 and 8. Then keep decoding for a
+    # while: on the lent H100 the same run doubled its tok/s over its first minute (clocks ramping;
+    # docs/bench/gpu-order-check-v1.json), so figures taken cold are not comparable with later ones.
+    for k, batch in ((None, 1), (4, 1), (None, 8)) + (() if args.only_modes else ((4, 8),)):
+        log(f"warm_up_seconds_k{k}_b{batch}", timed(lambda k=k, batch=batch: run_tandem(
+            target, draft, k, batch, work if k is None else work[:batch], 2 if k is None else 8)))
     warm_until = time.perf_counter() + args.warm_seconds
     while time.perf_counter() < warm_until:
         run_tandem(target, draft, None, 8, work, 32)
-    graphs_vs_eager(target, draft, work, args.tokens, log)
-    if args.only_graphs:
+    mode_pairs(target, draft, work, args.tokens, log, "compiled", "graphs")
+    costs = {}
+    for mode in ("compiled", "graphs"):
+        runners = [ModelRunner(model, compile=MODES[mode]["compile"]) for model in (target, draft)]
+        costs[mode] = {"target": forward_costs(runners[0], [1, 2, 3, 5, 9], context=256),
+                       "draft_step": forward_costs(runners[1], [1], context=256)[1]}
+    log("forward_seconds", costs)
+    log("projected_spec_b1_from_forward_costs", projected_speedups(costs["compiled"]["target"],
+                                                                    costs["compiled"]["draft_step"]))
+    params32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for mode in ("compiled", "graphs"):
+        plain_b1 = engine(target, None, None, 1, mode)
+        log(f"kernel_share_{mode}_plain_b1", kernel_share(lambda eng=plain_b1: eng.generate([work[1]], params32)))
+    report["bandwidth"] = bandwidth(res["compiled_vs_graphs_plain_b1"]["compiled_tok_s"])
+    print("bandwidth:", json.dumps(report["bandwidth"]), file=progress, flush=True)
+    if args.only_modes:
+        from torch._dynamo.utils import counters
+
+        report["dynamo_stats"] = dict(counters["stats"])  # unique_graphs: how many compiles in all
+        report["wall_seconds"] = time.perf_counter() - started
         save(final=True)
         return
+    hf_generate(target, work, 1, 2)
+    mode_pairs(target, draft, work, args.tokens, log, "graphs", "eager")
     # Plain decoding of both stacks at batch 1 in the order A B B A, each pair pooled.
     pairs = {"tandem_plain_b1": [], "hf_plain_b1": []}
     for key in ("tandem_plain_b1", "hf_plain_b1", "hf_plain_b1", "tandem_plain_b1"):
@@ -267,32 +317,10 @@ def main(argv: list[str] | None = None) -> None:
         log(key, run_tandem(target, draft, k, batch, items, args.tokens))
     log("hf_plain_b8", hf_generate(target, work, 8, args.tokens))
     log("hf_assisted_b1", hf_generate(target, batch1[:2], 1, args.tokens, assistant=draft))
-
-    verify = forward_costs(ModelRunner(target), [1, 2, 3, 5, 9], context=256)
-    draft_step = forward_costs(ModelRunner(draft), [1], context=256)[1]
-    log("forward_seconds", {"target": verify, "draft_step": draft_step,
-                            "tandem_plain_b1_step_beyond_forward": 1 / res["tandem_plain_b1"]["tok_s"] - verify[1]})
-    projected = {}
-    for alpha in (0.6, 0.7, 0.8, 0.9):
-        best = max(range(1, 9), key=lambda k: (1 - alpha ** (k + 1)) / (1 - alpha) / (k * draft_step + verify[min(
-            (w for w in verify if w >= k + 1), default=9)]))
-        round_s = best * draft_step + verify[min((w for w in verify if w >= best + 1), default=9)]
-        projected[str(alpha)] = {"k": best, "speedup_vs_plain": (1 - alpha ** (best + 1)) / (1 - alpha)
-                                 / round_s * verify[1]}
-    log("projected_spec_b1_from_forward_costs", projected)
-
-    plain_b1 = engine(target, None, None, 1)
-    params32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    log("kernel_share_tandem_plain_b1", kernel_share(lambda: plain_b1.generate([work[1]], params32)))
     log("kernel_share_hf_plain_b1", kernel_share(lambda: hf_generate(target, [work[1]], 1, 32)))
     log("alloc_tandem_plain_b1", allocated_per_step(lambda: engine(target, None, None, 1), work[:1], (256, 1024)))
     log("alloc_tandem_plain_b8", allocated_per_step(lambda: engine(target, None, None, 8), work, (256, 1024)))
-
-    hbm = next((v for key, v in HBM_BYTES_PER_S.items() if key in name), None)
-    per_token = 1 / res["tandem_plain_b1"]["tok_s"]
-    report["bandwidth"] = {"hbm_peak_bytes_s": hbm, "tandem_plain_b1_weight_bytes_s": weight_bytes / per_token,
-                           "limit_tok_s": hbm / weight_bytes if hbm else None,
-                           "share_of_limit": weight_bytes / per_token / hbm if hbm else None}
+    report["bandwidth"] = bandwidth(res["tandem_plain_b1"]["tok_s"])
     print("bandwidth:", json.dumps(report["bandwidth"]), file=progress, flush=True)
     if not args.no_compile:
         try:

@@ -30,7 +30,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     parser.add_argument("--eager", action="store_true",
                         help="run the models as Hugging Face builds them, without the device's fast path "
-                             "(on CPU in bfloat16: oneDNN linears with prepacked weights; on a GPU: CUDA graphs)")
+                             "(on CPU: oneDNN linears with prepacked weights; on a GPU: torch.compile'd CUDA graphs)")
     parser.add_argument("--k-max", type=int, default=SpecConfig().k_max, help="most draft tokens per round")
     parser.add_argument("--fixed-k", type=int, default=None, help="draft exactly this many tokens (no adaptation)")
     parser.add_argument("--draft-confidence", type=float, default=SpecConfig().draft_confidence,

@@ -16,6 +16,14 @@ memory, so a graph is captured per bucket (rows, width) and reads fixed tensors:
 Only ids, cached lengths and counts are copied in before a replay; the graph's output is the last hidden state, from
 which the runner computes the logits it needs. Graphs are captured on a bucket's first use and dropped when the cache
 reallocates its buffers. Prefill (wide forwards) and tensor-parallel ranks run eagerly.
+
+Inside a graph each kernel still costs its few microseconds, and a Hugging Face decoder layer runs ~40 of them
+(RMSNorm alone is six), so with `compile` the forward is first compiled by torch.compile (inductor fuses the
+elementwise work around the matrix products) and the compiled kernels are what the graph records. The forward reads
+only tensors whose shapes carry the bucket (ids, positions, mask, the buffers: Step.whole), so with dynamic shapes one
+compiled graph serves every bucket past size 1: about four compiles per model, none per bucket or cache growth. A
+forward that fails to compile runs uncompiled from then on. Without CUDA (`capture` False) the same compiled static
+forwards run directly, which is how the CPU tests check them.
 """
 
 from __future__ import annotations
@@ -32,17 +40,20 @@ log = logging.getLogger(__name__)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_WIDTH = 16
 WARMUP_RUNS = 2
+# Compiled graphs per code object before dynamo gives up on it: each model (draft, target) needs about four (rows
+# and width each 1 or more), and every runner shares ModelRunner._hidden's code.
+RECOMPILE_LIMIT = 64
 
 
 class _Graph:
     """One captured forward over `rows` x `width` and the fixed tensors it reads and writes."""
 
-    def __init__(self, rows: int, width: int, length: int, device: torch.device) -> None:
+    def __init__(self, rows: int, width: int, length: int, device: torch.device, capture: bool = True) -> None:
         self.rows, self.width, self.length = rows, width, length
         self.ids = torch.zeros((rows, width), dtype=torch.long, device=device)
         self.starts = torch.zeros(rows, dtype=torch.long, device=device)
         self.counts = torch.zeros(rows, dtype=torch.long, device=device)
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph = torch.cuda.CUDAGraph() if capture else None
         self.hidden: torch.Tensor | None = None
 
     def step_and_inputs(self) -> tuple[Step, torch.Tensor, torch.Tensor]:
@@ -55,7 +66,7 @@ class _Graph:
         last = (self.counts - 1)[:, None]
         limits = (self.starts[:, None] + torch.minimum(columns[None], last)).clamp(min=0)
         mask = torch.arange(self.length, device=device) <= limits[:, None, :, None]
-        step = Step(0, [0] * self.rows, [self.width] * self.rows, self.length, index)
+        step = Step(0, [0] * self.rows, [self.width] * self.rows, self.length, index, whole=True)
         return step, positions, mask
 
 
@@ -63,16 +74,36 @@ class GraphedForward:
     """Replays captured decode forwards for a runner's model and cache; `run` returns None where it does not apply
     (too wide, too many rows, cache not allocated yet), and the runner runs that forward eagerly."""
 
-    def __init__(self, cache: SlotCache, forward: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, cache: SlotCache, forward: Callable[..., torch.Tensor], compile: bool = False,
+                 capture: bool = True) -> None:
         """`forward(ids, positions, mask)` runs the model under the cache's current step and returns the last
-        hidden state; the runner supplies it so that attention and cache handling are its own."""
-        self.cache, self.forward = cache, forward
+        hidden state; the runner supplies it so that attention and cache handling are its own. `compile`: record
+        torch.compile's kernels rather than the eager ones. `capture` False: no CUDA graphs, the static forwards
+        run as they are (compiled, on a CPU)."""
+        self.cache, self.plain_forward, self.capture = cache, forward, capture
+        self.forward = forward
+        self.compile_error: str | None = None
+        if compile:
+            from torch._dynamo import config as dynamo_config
+            from torch.fx.experimental import _config as fx_config
+
+            limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+            setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), RECOMPILE_LIMIT))
+            # Without duck sizing, sizes that happen to be equal when a graph compiles (2 rows over 2 slots, say) get
+            # symbols of their own, so the graph does not assume them equal and recompile when they differ.
+            fx_config.use_duck_shape = False
+            self.forward = torch.compile(forward, dynamic=True, fullgraph=True)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.buffers_seen: tuple | None = None
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.failed: set[tuple[int, int]] = set()
         self.captures = 0
         self.replays = 0
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the forwards run compiled (asked for, and nothing failed to compile)."""
+        return self.forward is not self.plain_forward
 
     def bucket(self, hi: int, width: int) -> int | None:
         """The rows of the graph that covers slots [0, hi) at this width, or None to run eagerly."""
@@ -99,7 +130,8 @@ class GraphedForward:
         graph = self.graphs.get((rows, width))
         fresh = graph is None
         if fresh:
-            graph = _Graph(rows, width, self.cache.capacity + self.cache.margin, self.cache.layers[0].keys.device)
+            graph = _Graph(rows, width, self.cache.capacity + self.cache.margin, self.cache.layers[0].keys.device,
+                           self.capture)
         ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
         counts = torch.zeros(rows, dtype=torch.long)
         for slot, new in fed.items():
@@ -108,6 +140,9 @@ class GraphedForward:
         graph.ids.copy_(ids, non_blocking=True)
         graph.starts.copy_(torch.tensor((starts + [0] * rows)[:rows], dtype=torch.long), non_blocking=True)
         graph.counts.copy_(counts, non_blocking=True)
+        if not self.capture:
+            self.replays += 1
+            return self._body(graph)
         if fresh:
             try:
                 self._capture(graph)
@@ -120,15 +155,28 @@ class GraphedForward:
         self.replays += 1
         return graph.hidden
 
-    def _capture(self, graph: _Graph) -> None:
-        """Warm up on a side stream (the writes are this step's own, so repeating them is harmless), then record."""
-        def body() -> torch.Tensor:
-            step, positions, mask = graph.step_and_inputs()
-            self.cache.step = step
+    def _body(self, graph: _Graph) -> torch.Tensor:
+        """One static forward of `graph`'s bucket; a compile failure leaves the forwards uncompiled and runs it so."""
+        step, positions, mask = graph.step_and_inputs()
+        self.cache.step = step
+        try:
             try:
                 return self.forward(graph.ids, positions, mask)
-            finally:
-                self.cache.step = None
+            except Exception as exc:  # dynamo and inductor raise many types; the uncompiled forward still works
+                if not self.compiled:
+                    raise
+                log.warning("torch.compile of the decode forward failed, running it uncompiled: %s", exc)
+                self.compile_error = f"{type(exc).__name__}: {exc}"[:500]
+                self.forward = self.plain_forward
+                return self.forward(graph.ids, positions, mask)
+        finally:
+            self.cache.step = None
+
+    def _capture(self, graph: _Graph) -> None:
+        """Warm up on a side stream (the writes are this step's own, so repeating them is harmless; the first run
+        compiles), then record."""
+        def body() -> torch.Tensor:
+            return self._body(graph)
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -34,6 +34,9 @@ class Step:
     counts: list[int]
     length: int  # keys in the view: the furthest position any row of the forward reaches
     index: tuple[torch.Tensor, ...] | None = None  # (slots, positions, rows, columns) of the new tokens
+    # A static forward's step (core.cuda_graphs): it reads slots [0, rows) over every position of the buffers, sized
+    # by the tensors rather than by these Python numbers, so one torch.compile graph serves every bucket.
+    whole: bool = False
 
     @classmethod
     def build(cls, lo: int, starts: list[int], counts: list[int], device: torch.device) -> Step:
@@ -100,6 +103,8 @@ class SlotLayer(CacheLayerMixin):
         step = self.cache.step
         step.write(self.keys, key_states)
         step.write(self.values, value_states)
+        if step.whole:
+            return self.keys[: key_states.shape[0]], self.values[: key_states.shape[0]]
         rows = slice(step.lo, step.lo + step.rows)
         return self.keys[rows, :, : step.length], self.values[rows, :, : step.length]
 

@@ -17,6 +17,8 @@ raises KVCacheFull before anything of that call is written.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import partial
@@ -31,6 +33,7 @@ from tandem.core.kv_cache import SlotCache, Step, default_kv_tokens
 from tandem.core.packed_linear import PackedLinear
 from tandem.core.protocol import KVCacheFull
 
+log = logging.getLogger(__name__)
 DEFAULT_RETAIN_TOKENS = 32768
 MIN_SLOTS = 1
 MIN_CAPACITY = 256
@@ -74,9 +77,12 @@ class ModelRunner:
     """Owns one model, the cache of its sequences, and which sequence holds which slot."""
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int = 0, vocab_limit: int = 0,
-                 retain_tokens: int = DEFAULT_RETAIN_TOKENS, kv_tokens: int = 0, cuda_graphs: bool = True) -> None:
+                 retain_tokens: int = DEFAULT_RETAIN_TOKENS, kv_tokens: int = 0, cuda_graphs: bool = True,
+                 compile: bool | None = None) -> None:
         """`kv_tokens`: the KV token budget (slots x capacity); 0 takes a share of the memory free now.
-        `cuda_graphs`: replay decode forwards as CUDA graphs (core.cuda_graphs) on a GPU, outside tensor parallel."""
+        `cuda_graphs`: replay decode forwards as CUDA graphs (core.cuda_graphs) on a GPU, outside tensor parallel.
+        `compile`: those forwards compiled by torch.compile first (None: wherever CUDA graphs run); on a CPU, True
+        runs the same compiled static forwards without graphs."""
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -110,8 +116,10 @@ class ModelRunner:
         self.reused_tokens = 0
         sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
         graphed = cuda_graphs and self.device.type == "cuda" and not sharded
-        self.cache = SlotCache(text_config.num_hidden_layers, margin=MAX_WIDTH if graphed else 0)
-        self.graphs = GraphedForward(self.cache, self._hidden) if graphed else None
+        compiled = graphed if compile is None else compile and not sharded and (graphed or self.device.type == "cpu")
+        static = graphed or compiled
+        self.cache = SlotCache(text_config.num_hidden_layers, margin=MAX_WIDTH if static else 0)
+        self.graphs = GraphedForward(self.cache, self._hidden, compile=compiled, capture=graphed) if static else None
 
     def state(self, seq_id: str, session: str = "") -> SequenceState:
         """The state of `seq_id`; a new one starts from its session's retained cache when there is one."""
@@ -151,6 +159,36 @@ class ModelRunner:
     def kv_tokens_reserved(self) -> int:
         """Tokens the cache has room for (slots x capacity), allocated or about to be; within kv_tokens_capacity."""
         return self.cache.slots * self.cache.capacity
+
+    @torch.inference_mode()
+    def warm_up(self) -> int:
+        """Compile the static forwards now rather than in a request: with dynamic shapes one compile serves each
+        class of bucket (rows 1 or more, width 1 or more), and on a GPU each takes tens of seconds. Runs the four
+        classes over two throwaway sequences; returns the forwards run (0 where nothing compiles)."""
+        if self.graphs is None or not self.graphs.compiled:
+            return 0
+        started = time.perf_counter()
+        log.info("compiling %s's decode forwards (four shape classes; about a minute per model on an H100)",
+                 type(self.model).__name__)
+        runs = 0
+        try:
+            states = [self.state(f"warm-up-{row}") for row in range(2)]
+            for state in states:
+                state.sync(0, [self.pad_token_id] * 4)
+                self.prefill(state, 4)
+            for rows in (1, 2):
+                for width in (1, 2):
+                    for state in states[:rows]:
+                        state.sync(len(state.tokens), [self.pad_token_id] * width)
+                    self.forward_on_device(states[:rows], [1] * rows)
+                    runs += 1
+        except KVCacheFull:  # a budget too small for two short sequences: those shapes compile when first used
+            pass
+        finally:
+            for row in range(2):
+                self.release(f"warm-up-{row}")
+        log.info("compiled %d shape classes in %.1f s", runs, time.perf_counter() - started)
+        return runs
 
     @torch.inference_mode()
     def prefill(self, state: SequenceState, upto: int) -> None:

@@ -55,6 +55,9 @@ def build_engine(target, draft=None, config: EngineConfig | None = None, kv_toke
                              vocab_limit=draft_vocab_limit(config.spec.draft_vocab, verifier.vocab_size),
                              kv_tokens=kv_tokens, cuda_graphs=not getattr(draft, "eager", False))
         drafter = LocalDrafter(runner, top_m=config.spec.draft_top_m, confidence=config.spec.stop_confidence)
+    for compiling in (verifier.runner, drafter and drafter.runner):
+        if compiling is not None:
+            compiling.warm_up()  # compiles at start, not in the first requests (a GPU's default)
     return SpeculativeEngine(verifier, drafter, config, eos_token_ids(target.model, target.tokenizer),
                              decoder(target.tokenizer), costs=costs)
 

@@ -56,8 +56,10 @@ def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None =
     device = select_device(config.device)
     loaded = load_model(config.model, device=device, dtype=select_dtype(config.dtype, device), progress=False,
                         extra=extra, eager=config.eager, quantization=config.quantization)
-    return ModelRunner(loaded.model, pad_token_id=loaded.tokenizer.pad_token_id or 0, vocab_limit=vocab_limit,
-                       kv_tokens=config.kv_tokens, cuda_graphs=not config.eager)
+    runner = ModelRunner(loaded.model, pad_token_id=loaded.tokenizer.pad_token_id or 0, vocab_limit=vocab_limit,
+                         kv_tokens=config.kv_tokens, cuda_graphs=not config.eager)
+    runner.warm_up()  # compiles at start, not in the first requests (a GPU's default)
+    return runner
 
 
 class WorkerBase:

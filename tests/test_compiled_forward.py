@@ -1,0 +1,90 @@
+"""Compiled static forwards on a CPU: the forward that CUDA graphs record on a GPU (core.cuda_graphs: fixed buckets,
+the whole buffers under a mask, compiled by torch.compile with dynamic shapes), run here without the capture. The
+same greedy tokens as the eager runner and Hugging Face's generate in float32, for batched rows of different lengths
+and a lone row, plain and speculative; a seed gives the same tokens; cache growth compiles nothing new.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.core.engine import SpeculativeEngine
+from tandem.core.local import LocalDrafter, LocalVerifier
+from tandem.core.runner import ModelRunner
+
+# One worker for the module: its compiles are in-process, so later tests reuse the earlier tests' graphs.
+pytestmark = pytest.mark.xdist_group("compiled_forward")
+PROMPTS = [list(range(3, 3 + n)) for n in (5, 19, 33, 11)]
+
+
+def run(tiny_models, compile: bool, prompts: list[list[int]], k: int | None, params: SamplingParams | None = None,
+        kv_tokens: int = 4096) -> tuple[list[list[int]], list[ModelRunner]]:
+    target, draft, _ = tiny_models
+    runners = [ModelRunner(target.model, kv_tokens=kv_tokens, compile=compile)]
+    spec = SpecConfig(enabled=False) if k is None else SpecConfig(k_max=k, k_init=k, adaptive=False)
+    if k is not None:
+        runners.append(ModelRunner(draft.model, kv_tokens=kv_tokens, compile=compile))
+    engine = SpeculativeEngine(LocalVerifier(runners[0]), LocalDrafter(runners[1]) if k is not None else None,
+                               EngineConfig(spec=spec, calibrate=False, max_batch=len(prompts)))
+    params = params or SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    return [r.token_ids for r in engine.generate(prompts, params)], runners
+
+
+def hf_greedy(tiny_models, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = tiny_models[0].model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                        min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [None, 1, 4])
+def test_compiled_forwards_give_the_eager_and_hf_greedy_tokens(tiny_models, k) -> None:
+    for prompts in (PROMPTS, PROMPTS[1:2]):  # rows of different lengths, then a lone row
+        compiled, runners = run(tiny_models, True, prompts, k)
+        eager, plain_runners = run(tiny_models, False, prompts, k)
+        assert compiled == eager == [hf_greedy(tiny_models, p, 40) for p in prompts]
+        assert all(r.graphs is not None and r.graphs.compiled and r.graphs.replays > 0 for r in runners)
+        assert all(r.graphs.compile_error is None and r.graphs.captures == 0 for r in runners)  # no CUDA here
+        assert all(r.graphs is None for r in plain_runners)
+
+
+@pytest.mark.slow
+def test_cache_growth_and_new_runners_compile_nothing_new(tiny_models) -> None:
+    """Dynamic shapes: once a lone row has decoded and verified, a longer run whose cache reallocates twice (so the
+    buffers change shape) and whose runners are new objects reuses the compiled graphs."""
+    run(tiny_models, True, [PROMPTS[0]], 4, params=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    graphs = counters["stats"]["unique_graphs"]
+    compiled, runners = run(tiny_models, True, [PROMPTS[0]], 4, kv_tokens=2048,
+                            params=SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True))
+    assert runners[0].cache.capacity >= 600 > 256  # grew from the first allocation
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert compiled == [hf_greedy(tiny_models, PROMPTS[0], 600)]
+
+
+@pytest.mark.slow
+def test_a_seed_gives_the_same_tokens_compiled_or_not(tiny_models) -> None:
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=24, ignore_eos=True) for s in range(4)]
+    outputs = [run(tiny_models, compile, PROMPTS, k, params=params)[0] for compile in (True, False) for k in (None, 4)]
+    assert outputs[0] == outputs[1] == outputs[2] == outputs[3]
+
+
+@pytest.mark.slow
+def test_warm_up_compiles_every_class_of_bucket_before_the_first_request(tiny_models) -> None:
+    """Last in the module: it clears dynamo's caches, so the warm-up must compile, and serving afterwards (lone and
+    batched rows, plain and speculative) compiles nothing more. Eager runners have nothing to warm."""
+    target, draft, _ = tiny_models
+    torch._dynamo.reset()
+    runners = [ModelRunner(model.model, kv_tokens=4096, compile=True) for model in (target, draft)]
+    assert [runner.warm_up() for runner in runners] == [4, 4]
+    assert not any(runner.states for runner in runners) and runners[0].kv_tokens_used == 0
+    graphs = counters["stats"]["unique_graphs"]
+    engine = SpeculativeEngine(LocalVerifier(runners[0]), LocalDrafter(runners[1]),
+                               EngineConfig(spec=SpecConfig(k_max=4, k_init=4, adaptive=False), calibrate=False))
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    assert len(engine.generate(PROMPTS, greedy)) == len(engine.generate(PROMPTS[:1], greedy)) + 3
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert ModelRunner(target.model, compile=False).warm_up() == 0
