@@ -61,6 +61,21 @@ def test_fallback_disengages_when_draft_agrees_again() -> None:
     assert all(k > 0 for k in ks[-10:])
 
 
+def test_no_probe_runs_where_no_probe_could_leave_fallback() -> None:
+    """Verifying k drafts costs k + 1 plain steps (bf16 on a CPU without fast bf16 units): even drafts that all pass
+    cannot beat plain decoding, so fallback skips its probes, backing off as if they had failed; once the measured
+    costs make speculation pay again, the next due probe runs and finds it."""
+    config = SpecConfig(probe_interval=4, probe_interval_max=16)
+    linear = CostModel(draft_step=0.1, verify={n: float(n) for n in range(1, 10)}, frozen=True)
+    assert not policy.probe_can_exit(linear, config) and policy.probe_can_exit(_costs(), config)
+    state = policy.PolicyState(k=config.k_init)
+    assert _rounds(state, linear, config, accept_all=True, n=200) == [0] * 200
+    assert state.fallback and state.probe_interval == 16 and state.accepted == 0.0
+    linear.adopt(_costs())
+    ks = _rounds(state, linear, config, accept_all=True, n=40)
+    assert 0 < ks.index(next(k for k in ks if k > 0)) <= 16 and not state.fallback
+
+
 def test_deciding_is_a_query_and_applying_records_the_decision() -> None:
     """decide() reads the state only: asked twice (a round planned again after its batch shrank), it answers the
     same and moves no probe; apply() then records exactly what it decided."""

@@ -3,7 +3,9 @@
 With per-token acceptance a, a round that drafts k tokens yields E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs
 k * T_draft + T_verify(k); plain decoding yields one token per T_verify(0). The session drops to plain decoding
 when the best k is predicted slower than plain, probes now and then (backing off exponentially) to notice when
-the draft starts agreeing again, and leaves fallback only past a higher bar (hysteresis).
+the draft starts agreeing again, and leaves fallback only past a higher bar (hysteresis). Where the costs leave no
+probe a way past that bar (verifying k drafts costs about k + 1 plain steps, as on a CPU without fast bf16 matrix
+units), it skips the probes: each one would pay a drafter catch-up and a wide verify for nothing.
 
 A round asks `decide` (a pure query: the k and the fallback bookkeeping it implies), then, once the round has run,
 records that decision with `apply` and its outcome with `update`.
@@ -83,6 +85,19 @@ def best_k(alpha: float, costs: CostModel, k_max: int) -> tuple[int, float]:
     return k, rate
 
 
+def passes_exit_bar(alpha: float, costs: CostModel, config: SpecConfig) -> bool:
+    """Whether speculating at acceptance `alpha` beats plain decoding by the margin that leaves fallback."""
+    _, rate = best_k(alpha, costs, config.k_max)
+    return rate > (1.0 + config.exit_fallback_margin) / costs.verify_time(0)
+
+
+def probe_can_exit(costs: CostModel, config: SpecConfig) -> bool:
+    """Whether any probe could leave fallback on these costs. A probe drafts at most k_max tokens and is judged at
+    acceptance accepted / (accepted + 1) (`update`), so k_max / (k_max + 1) is the best it can show; the rate rises
+    with acceptance, so if that fails the bar, every probe would."""
+    return passes_exit_bar(config.k_max / (config.k_max + 1), costs, config)
+
+
 @dataclass(slots=True, frozen=True)
 class Decision:
     """The policy's k for one round, and the fallback bookkeeping that round leaves the session with (`apply`)."""
@@ -112,6 +127,9 @@ def decide(state: PolicyState, costs: CostModel, config: SpecConfig, prior: floa
     since += 1
     if since < interval:
         return Decision(0, True, since, interval, probing=False)
+    if not probe_can_exit(costs, config):
+        # Skipped, not run: look again after a longer wait, since the measured costs may change.
+        return Decision(0, True, 0, min(2 * interval, config.probe_interval_max), probing=False)
     # A probe drafts at least k_init, whatever the long-run estimate (still remembering the bad stretch) would pick.
     return Decision(max(k, config.k_init), True, 0, interval, probing=True)
 
@@ -132,8 +150,7 @@ def update(state: PolicyState, k: int, accepted: int, costs: CostModel, config: 
         return
     # Judge a probe on its own evidence (the long-run estimate still remembers the bad stretch):
     # `accepted` successes followed by one failure or the end of the block.
-    _, rate = best_k(accepted / (accepted + 1), costs, config.k_max)
-    if rate > (1.0 + config.exit_fallback_margin) / costs.verify_time(0):
+    if passes_exit_bar(accepted / (accepted + 1), costs, config):
         state.fallback = False
         state.accepted, state.rejected = float(accepted), float(accepted < k)
         state.probe_interval = config.probe_interval
