@@ -14,7 +14,7 @@ vllm_compare_vllm.py beside this file, run by path; tandem's is tandem.bench.vll
 
 What runs, each system in its own processes, one system at a time, alternated A B B A over --repeats (and the batch
 1 / at-once order reversed on odd repeats); the same chat-templated prompts (--prompts: the shipped set, or a JSONL
-file), bf16, --threads threads, greedy, --max-tokens:
+file), --dtype (bf16 unless asked), --threads threads, greedy, --max-tokens:
   vllm    plain_b1, spec_b1 (draft-model speculation, k --k), plain_bN, spec_bN (the N requests in one generate call);
           one process per engine (plain, speculative), prefix caching off
   tandem  plain_b1, auto_b1 (tandem.bench.core.run_bench: plain and AUTO, prompt by prompt interleaved),
@@ -45,6 +45,7 @@ TANDEM_SIDE = [sys.executable, "-m", "tandem.bench.vllm_compare_tandem"]
 VLLM_SIDE = Path(__file__).resolve().with_name("vllm_compare_vllm.py")  # run by path with vLLM's own Python
 DEFAULT_REPORT = "bench-results/vllm-compare.json"
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
+DTYPES = ("bfloat16", "float32")
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
 STARTED = time.perf_counter()
 
@@ -61,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="target model")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model")
     parser.add_argument("--threads", type=int, default=2, help="threads of each system")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                        help="both systems' weights and activations (float32: where the CPU has no fast bf16)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
     add_prompts_option(parser, PROMPT_SETS, DEFAULT_PROMPTS)
     parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
@@ -211,15 +214,15 @@ def main(argv: list[str] | None = None) -> int:
         eos = sorted(eos_token_ids(generation, tokenizer))  # the ids tandem stops at
         ids = {t: encode_prompt(tokenizer, t, chat=True) for t in texts}
         vjob = {"target_dir": target_dir, "draft_dir": draft_dir, "k": args.k, "max_tokens": args.max_tokens,
-                "max_model_len": args.max_model_len, "eos_ids": eos, "prompt_ids": [ids[t] for t in texts],
-                "jobs": [ids[t] for t in jobs]}
+                "max_model_len": args.max_model_len, "dtype": args.dtype, "eos_ids": eos,
+                "prompt_ids": [ids[t] for t in texts], "jobs": [ids[t] for t in jobs]}
     for repeat, system in schedule(args.repeats, args.systems):
         say(f"repeat {repeat + 1}/{args.repeats}: {system}")
         modes: dict[str, dict] = {}
         try:
             if system == "tandem":
                 job = {"target": args.target, "draft": args.draft, "prompts": texts, "jobs": jobs,
-                       "max_tokens": args.max_tokens, "threads": args.threads, "repeat": repeat,
+                       "max_tokens": args.max_tokens, "threads": args.threads, "dtype": args.dtype, "repeat": repeat,
                        "order": steps(args.batch, repeat)}
                 result = run_worker(TANDEM_SIDE, job, None, log)
                 modes |= result["modes"]
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                for s, reps in runs.items()}
     report = {"summary": summary, "ratios": ratios(summary, args.batch),
               "config": {"prompts": len(texts), "requests_at_once": len(jobs), "max_tokens": args.max_tokens,
-                         "threads": args.threads, "repeats": args.repeats, "dtype": "bfloat16", "greedy": True,
+                         "threads": args.threads, "repeats": args.repeats, "dtype": args.dtype, "greedy": True,
                          "order": [f"{r + 1}:{s}" for r, s in schedule(args.repeats, args.systems)],
                          "target": args.target, "draft": args.draft, "vllm_k": args.k, "log": str(log)},
               "systems": meta, "errors": errors,

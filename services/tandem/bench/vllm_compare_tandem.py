@@ -53,8 +53,8 @@ def run(job: dict) -> dict:
 
     torch.set_num_threads(job["threads"])
     started = time.perf_counter()
-    draft, target = load_pair(job["draft"], job["target"], device=torch.device("cpu"), dtype=torch.bfloat16,
-                              progress=False)
+    draft, target = load_pair(job["draft"], job["target"], device=torch.device("cpu"),
+                              dtype=getattr(torch, job["dtype"]), progress=False)
     load_seconds = time.perf_counter() - started
     n = len(job["jobs"])
     engines: dict = {}
@@ -94,7 +94,7 @@ def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: P
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
     cmd = [sys.executable, "-m", "tandem", "serve", "--in-process", "--target", args.target, "--draft", args.draft,
-           "--device", "cpu", "--dtype", "bfloat16", "--threads", str(args.threads), "--port", address.split(":")[1],
+           "--device", "cpu", "--dtype", args.dtype, "--threads", str(args.threads), "--port", address.split(":")[1],
            "--no-metrics"]
     modes: dict[str, dict] = {}
     with log.open("a") as sink:

@@ -66,7 +66,7 @@ def run(job: dict) -> dict:
     spec = ({"model": job["draft_dir"], "method": "draft_model", "num_speculative_tokens": job["k"]}
             if job["spec"] else None)
     started = time.perf_counter()
-    llm = LLM(model=job["target_dir"], dtype="bfloat16", max_model_len=job["max_model_len"], seed=0,
+    llm = LLM(model=job["target_dir"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
               enable_prefix_caching=False, speculative_config=spec, disable_log_stats=not job["spec"])
     load_seconds = time.perf_counter() - started
     eos = set(job["eos_ids"])
