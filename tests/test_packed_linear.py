@@ -58,18 +58,33 @@ def test_packed_linear_matches_nn_linear(dtype: torch.dtype) -> None:
         assert torch.equal(head(x), packed(x)[..., :30])
 
 
-@pytest.mark.parametrize("dtype", PACKED)
-def test_a_packed_rows_result_does_not_depend_on_its_step_mates(dtype: torch.dtype) -> None:
-    """A verify forward of k + 1 rows must give each row what a one-row decode step gives it (the real pair's MLP
-    and draft-head shapes, where BLAS libraries switch kernels with the row count)."""
+@pytest.mark.skipif(not supported(torch.float32), reason="oneDNN cannot pack float32 here")
+def test_a_packed_rows_result_does_not_depend_on_its_step_mates() -> None:
+    """In float32, the dtype exactness is held to, a verify forward of k + 1 rows must give each row what a one-row
+    decode step gives it (the real pair's MLP, attention and head shapes, where BLAS libraries switch kernels with
+    the row count; a lone row and a row in a 3-D batch included)."""
     torch.manual_seed(0)
-    for out_features, in_features in ((8960, 1536), (4096, 896)):
-        packed = PackedLinear(torch.randn(out_features, in_features, dtype=dtype), None)
-        x = torch.randn(40, in_features, dtype=dtype)
+    for out_features, in_features in ((8960, 1536), (1536, 8960), (1536, 1536), (4096, 896)):
+        packed = PackedLinear(torch.randn(out_features, in_features), None)
+        x = torch.randn(40, in_features)
         with torch.no_grad():
             full = packed(x)
             assert all(torch.equal(packed(x[i : i + 1]), full[i : i + 1]) for i in range(0, 40, 3))
             assert all(torch.equal(packed(x[i : i + 5]), full[i : i + 5]) for i in range(0, 40, 5))
+            assert torch.equal(packed(x[None, None, 7]), full[None, None, 7])
+
+
+@pytest.mark.skipif(not supported(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
+def test_packed_bf16_gives_nn_linears_result_at_every_row_count() -> None:
+    """bf16 is not held to row independence (on an AMX CPU nn.Linear's own result depends on the row count); packing
+    must change nothing: the same values as nn.Linear for every count of rows."""
+    torch.manual_seed(0)
+    for out_features, in_features in ((8960, 1536), (4096, 896)):
+        weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+        packed = PackedLinear(weight, None)
+        x = torch.randn(40, in_features, dtype=torch.bfloat16)
+        with torch.no_grad():
+            assert all(torch.equal(packed(x[:n]), torch.nn.functional.linear(x[:n], weight)) for n in (1, 2, 5, 16, 40))
 
 
 @pytest.mark.parametrize("dtype", PACKED)

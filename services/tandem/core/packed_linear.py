@@ -11,9 +11,10 @@ and, above all, reads it once for all the rows of a step:
   and there PyTorch's BLAS re-reads the weight for every row of a narrow step: one [8960 x 1536] layer takes 5.6 ms
   at 1 row, 29 ms at 5, 76 ms at 64, against 4.2, 6.0 and 51 ms packed (2-core AVX2 EPYC, a one-off timing;
   `tandem.bench.draft_weights` records the packed float32, bf16 and int8 kernels by row count). The products round
-  differently from nn.Linear's (up to 2e-4 on that layer), the same for a row whatever the step's other rows, so
-  speculative verification stays exact: every path of a loaded model runs the packed layers, Hugging Face's own
-  generate included.
+  differently from nn.Linear's (up to 2e-4 on that layer), the same for a row whatever the step's other rows (a
+  lone row runs as two, since oneDNN's one-row kernel rounds otherwise), so speculative verification stays exact:
+  every path of a loaded model runs the packed layers, Hugging Face's own generate included. In bf16 on an AMX CPU
+  nn.Linear's own result depends on the row count, and the packed layer's equals it at every count.
 
 `prepack(model)` swaps every nn.Linear of a CPU model in a packable dtype (in float32, every large one) for a
 PackedLinear holding only the packed weight, so memory stays what it was, except for an output head whose weight is
@@ -54,6 +55,13 @@ class PackedLinear(torch.nn.Module):
         return PackedLinear(self.packed.to_dense()[:rows], bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.numel() == x.shape[-1]:
+            # One row: oneDNN would take its matrix-vector kernel, which rounds differently from the kernel every
+            # wider step takes (seen on an AVX-512/AMX Xeon), and a plain decode step would then part from a verify
+            # forward. Two identical rows take the wide kernel; the weights are still read once.
+            both = torch.ops.mkldnn._linear_pointwise(x.reshape(1, -1).expand(2, -1).contiguous(), self.packed,
+                                                       self.bias, "none", [], "")
+            return both[:1].reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
