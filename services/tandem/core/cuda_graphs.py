@@ -90,7 +90,8 @@ class GraphedForward:
             limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
             setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), RECOMPILE_LIMIT))
             # Without duck sizing, sizes that happen to be equal when a graph compiles (2 rows over 2 slots, say) get
-            # symbols of their own, so the graph does not assume them equal and recompile when they differ.
+            # symbols of their own, so the graph does not assume them equal and recompile when they differ (a
+            # process-wide setting of PyTorch's).
             fx_config.use_duck_shape = False
             self.forward = torch.compile(forward, dynamic=True, fullgraph=True)
         self.graphs: dict[tuple[int, int], _Graph] = {}
