@@ -153,7 +153,7 @@ def test_first_round_only_prefills_the_target(tiny_models, plain_output) -> None
         assert seq.output == plain_output[:30]
 
 
-def test_batched_rows_far_behind_in_the_drafter_decode_plainly(tiny_models) -> None:
+def test_batched_rows_far_behind_in_the_drafter_catch_up_in_chunks_then_draft(tiny_models) -> None:
     target, draft, _ = tiny_models
     cheap = CostModel(draft_step=0.01, verify={n: 1.0 for n in range(1, 12)}, draft_rows={2: 0.01},
                       batched={(2, w): 1.0 for w in range(1, 12)}, frozen=True)  # drafting always pays
@@ -165,6 +165,10 @@ def test_batched_rows_far_behind_in_the_drafter_decode_plainly(tiny_models) -> N
         engine.step()
         engine.step()  # the first round was plain; now each drafter is a whole prompt behind
         assert all((seq.stats.spec_rounds == 1) == drafts for seq in seqs), (len(prompts[0]), len(prompts))
+        if not drafts:  # their drafters took the first 32 tokens of the backlog, in one forward of their own
+            assert [seq.draft_synced for seq in seqs] == [SpecConfig().batch_catch_up_limit] * 2
+            engine.step()  # 10 and 9 tokens behind now: a catch-up the plan prices, and drafting pays
+            assert all(seq.stats.spec_rounds == 1 for seq in seqs)
 
 
 def test_calibration_times_real_batches_and_leaves_no_state(tiny_models) -> None:

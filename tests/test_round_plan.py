@@ -61,15 +61,24 @@ def test_the_request_cap_and_the_tokens_left_bound_the_policys_k() -> None:
     assert last.decisions[0].k == _policy_k()  # the policy's own k, not the capped one
 
 
-def test_a_batched_row_far_behind_in_its_drafter_does_not_draft() -> None:
+def test_a_batched_row_far_behind_in_its_drafter_catches_up_in_chunks_before_drafting() -> None:
     # Two tokens behind or fewer cost no catch-up of their own (they go with the first draft step).
     limit = SpecConfig(batch_catch_up_limit=2)
-    gated = _plan([_row(behind=3), _row(behind=2)], spec=limit).ks
-    assert gated[0] == 0 and gated[1] > 0
+    gated = _plan([_row(behind=3), _row(behind=2)], spec=limit)
+    assert gated.ks[0] == 0 and gated.ks[1] > 0
+    assert gated.catch_up == (2, 0)  # the far row's drafter takes the next two tokens of its backlog
     assert all(_plan([_row(behind=2), _row(behind=2)], spec=limit).ks)
-    assert _plan([_row(behind=3)], spec=limit).ks == (_policy_k(spec=limit),)  # alone: it catches up
+    alone = _plan([_row(behind=3)], spec=limit)
+    assert alone.ks == (_policy_k(spec=limit),) and alone.catch_up == (0,)  # alone: it catches up and drafts
     fixed = SpecConfig(adaptive=False, k_init=3, batch_catch_up_limit=2)
     assert _plan([_row(behind=3), _row(behind=2)], spec=fixed).ks == (3, 3)  # a fixed k drafts as given
+    # A row whose policy would not draft (speculation off, fallback, the first round) catches nothing up.
+    resting = [_row(behind=40, first_round=True), _row(behind=40, max_k=0), _row(behind=40)]
+    assert _plan(resting, speculating=False).catch_up == (0, 0, 0)
+    assert _plan(resting).catch_up == (0, 0, SPEC.batch_catch_up_limit)
+    # Where the batch would not draft once caught up, no catch-up is spent.
+    assert _plan([_row(behind=40) for _ in range(8)], costs=COMPUTE_BOUND).catch_up == (0,) * 8
+    assert _plan([_row(behind=40) for _ in range(8)]).catch_up == (SPEC.batch_catch_up_limit,) * 8
 
 
 def test_the_batch_plan_prices_the_batched_round() -> None:

@@ -31,12 +31,12 @@ def _timed(call) -> float:
     return time.perf_counter() - started
 
 
-def _fastest(call, passes: int) -> float:
-    return min(_timed(call) for _ in range(passes))
-
-
 def _fastest_each(calls: dict, passes: int) -> dict:
-    """The fastest of `passes` timings per call, the passes interleaved so a slow spell does not hit one shape."""
+    """The fastest of `passes` timings per call, the passes interleaved so a slow spell does not hit one shape,
+    after one untimed call of each (a shape's first call sets up its kernels: it would leave one timing that
+    counts, and one slow spell would then price that shape at twice its cost for as long as the plan avoids it)."""
+    for call in calls.values():
+        call()
     best: dict = {}
     for _ in range(passes):
         for key, call in calls.items():
@@ -57,9 +57,16 @@ def calibrate(verifier: Verifier, drafter: Drafter, k_max: int, k_init: int, max
         draft = DraftProposal(tokens=[prompt[0]] * (width - 1))
         verifier.verify([VerifyRequest(seq_id, context - 1, [prompt[-1]], draft, greedy) for seq_id in ids[:n]])
 
-    def draft(n: int, steps: int, width: int = 1) -> None:
-        drafter.propose([DraftRequest(seq_id, context - width, prompt[-width:], steps, greedy)
-                         for seq_id in ids[:n]])
+    def draft(n: int, steps: int, width: int = 1) -> int:
+        """Steps the drafter took: a confidence stop may end a block before `steps`."""
+        proposals = drafter.propose([DraftRequest(seq_id, context - width, prompt[-width:], steps, greedy)
+                                     for seq_id in ids[:n]])
+        return max((len(p.tokens) for p in proposals), default=0)
+
+    def seconds_per_step(steps: int) -> float:
+        started = time.perf_counter()
+        taken = draft(1, steps)
+        return (time.perf_counter() - started) / max(taken, 1)
 
     costs = CostModel()
     verifier.verify([VerifyRequest(seq_id, 0, prompt, None, greedy) for seq_id in ids])
@@ -70,14 +77,14 @@ def calibrate(verifier: Verifier, drafter: Drafter, k_max: int, k_init: int, max
     for width, seconds in single.items():
         costs.observe_verify(width, seconds)
     shapes = [(n, w) for n in rows for w in BATCH_WIDTHS if w <= k_max + 1]
-    for (n, width), seconds in _fastest_each({s: lambda s=s: verify(*s) for s in shapes}, 2).items():
+    for (n, width), seconds in _fastest_each({s: lambda s=s: verify(*s) for s in shapes}, passes).items():
         costs.observe_verify(width, seconds, rows=n)
     for seq_id in ids:
         verifier.release(seq_id)
 
     drafter.propose([DraftRequest(seq_id, 0, prompt, 1, greedy) for seq_id in ids])
     steps = max(k_init, 2)
-    costs.observe_draft_step(_fastest(lambda: draft(1, steps), passes) / steps)
+    costs.observe_draft_step(min(seconds_per_step(steps) for _ in range(passes)))
     for n, seconds in _fastest_each({n: lambda n=n: draft(n, 1) for n in rows}, 2).items():
         costs.observe_draft_step(seconds, rows=n)
     if max_batch > 1:

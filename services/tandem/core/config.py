@@ -86,9 +86,9 @@ class SpecConfig:
     plain_first_round: with the adaptive policy, a sequence's first round only prefills the target, so the first
     token comes as soon as in plain decoding; the drafter catches up on the prompt in the second round.
     batch_catch_up_limit: with the adaptive policy, in a round of several sequences a sequence whose drafter is more
-    than this many tokens behind (its prompt, tokens decoded plainly) does not draft: the drafter's catch-up would
-    run before the batch's drafting and stall every row. It catches up when it runs alone; until then the batch
-    decodes plainly (core.batch_plan: no row waits for drafts it gains nothing from). Shorter catch-ups are priced.
+    than this many tokens behind (its prompt, tokens decoded plainly) does not draft yet: its drafter catches up on
+    this many tokens a round (one draft forward for every such row), so no round stalls on a whole prompt. Shorter
+    catch-ups are priced by core.batch_plan, which lets a row draft only where that pays.
     """
 
     enabled: bool = True
@@ -111,7 +111,7 @@ class SpecConfig:
     def __post_init__(self) -> None:
         _require(0 <= self.k_max <= 32, "k_max", f"must be between 0 and 32, got {self.k_max}")
         _require(0 <= self.k_init <= self.k_max or self.k_max == 0, "k_init", "must be between 0 and k_max")
-        _require(self.batch_catch_up_limit >= 0, "batch_catch_up_limit", "must be non-negative")
+        _require(self.batch_catch_up_limit >= 1, "batch_catch_up_limit", "must be positive")
         _require(1 <= self.draft_top_m <= 4096, "draft_top_m", "must be between 1 and 4096")
         _require(0.0 <= self.draft_confidence < 1.0, "draft_confidence", "must be in [0, 1)")
         _require(self.draft_vocab >= 0, "draft_vocab", "must be non-negative (0 keeps the full vocabulary)")

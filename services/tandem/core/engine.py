@@ -85,6 +85,13 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None  # aligned with token_ids when the request asked, else None
 
 
+def _backlog(seq: Sequence, k: int, catch_up: int) -> list[int]:
+    """The context the drafter has not seen: all of it for a drafting row, at most `catch_up` tokens for a row that
+    only catches up."""
+    unseen = seq.context[seq.draft_synced :]
+    return unseen if k > 0 else unseen[:catch_up]
+
+
 class SpeculativeEngine:
     def __init__(
         self,
@@ -195,7 +202,7 @@ class SpeculativeEngine:
     def _round(self, batch: list[Sequence], plan: RoundPlan, limits: list[int]) -> list[StepOutput | None]:
         """Draft, verify, commit. A KVCacheFull from the verifier commits nothing and moves no policy: the caller
         plans the round again for a smaller batch."""
-        proposals = self._draft(batch, plan.ks)
+        proposals = self._draft(batch, plan)
         ks = [len(p.tokens) if p else 0 for p in proposals]  # drafted: a confidence stop or a failure drafts fewer
         results = self._verify(batch, proposals, ks, limits)
         for seq, decision in zip(batch, plan.decisions, strict=True):
@@ -235,14 +242,17 @@ class SpeculativeEngine:
             seq.stats.verify_seconds += seconds
         return results
 
-    def _draft(self, batch: list[Sequence], ks: tuple[int, ...]) -> list[DraftProposal | None]:
-        rows = [i for i, k in enumerate(ks) if k > 0]
+    def _draft(self, batch: list[Sequence], plan: RoundPlan) -> list[DraftProposal | None]:
+        """Proposals of the rows that draft; rows that only catch up (plan.catch_up) send their drafter the next
+        part of their backlog and get no proposal."""
+        ks, catch_up = plan.ks, plan.catch_up
+        rows = [i for i, (k, c) in enumerate(zip(ks, catch_up, strict=True)) if k > 0 or c > 0]
         proposals: list[DraftProposal | None] = [None] * len(batch)
         if not rows:
             return proposals
 
         def requests() -> list[DraftRequest]:
-            return [DraftRequest(batch[i].request_id, batch[i].draft_synced, batch[i].context[batch[i].draft_synced :],
+            return [DraftRequest(batch[i].request_id, batch[i].draft_synced, _backlog(batch[i], ks[i], catch_up[i]),
                                  ks[i], batch[i].params, batch[i].session_id) for i in rows]
 
         def forget(lost: list[str]) -> None:
@@ -262,10 +272,13 @@ class SpeculativeEngine:
         steps = max(len(p.tokens) for p in drafted)
         if steps and all(len(r.append) <= 1 for r in sent):
             self.costs.observe_draft_step(seconds / steps, rows=round(sum(len(p.tokens) for p in drafted) / steps))
-        for i, proposal in zip(rows, drafted, strict=True):
-            proposals[i] = proposal
+        for i, request, proposal in zip(rows, sent, drafted, strict=True):
             batch[i].stats.draft_seconds += seconds
             batch[i].stats.draft_failures += proposal.failed
+            if ks[i] > 0:
+                proposals[i] = proposal
+            elif not proposal.failed:  # caught up: the drafter holds these tokens now
+                batch[i].draft_synced += len(request.append)
         return proposals
 
     def _commit(self, seq: Sequence, k: int, proposal: DraftProposal | None, result: VerifyResult) -> StepOutput:

@@ -22,6 +22,7 @@ from tandem.core.sampling import (
     DRAFT_STREAM,
     SAMPLE_STREAM,
     SparseDist,
+    greedy_tokens,
     gumbel_choice,
     keyed_uniforms,
     processed_probs,
@@ -69,11 +70,11 @@ class LocalDrafter(InProcessSide):
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         states = _sync_all(self.runner, requests)
-        if len(states) > 1:
-            # Long catch-ups (prompts, tokens decoded while not drafting) run alone so batched rows stay short.
-            for state in states:
-                if len(state.pending) > CATCH_UP_ALONE_ABOVE:
-                    self.runner.prefill(state, len(state.tokens) - 1)
+        # Catch-ups (prompts, tokens decoded while not drafting, rows that only catch up: k 0) run before the
+        # drafting, batched among themselves, so the draft steps' rows stay one or two tokens wide.
+        behind = [s for s, r in zip(states, requests, strict=True)
+                  if r.k == 0 or (len(states) > 1 and len(s.pending) > CATCH_UP_ALONE_ABOVE)]
+        self.runner.prefill_many(behind, [len(s.tokens) - 1 for s in behind])
         proposals = [DraftProposal(tokens=[]) for _ in requests]
         dists: list[list[SparseDist]] = [[] for _ in requests]
         budget = [r.k for r in requests]
@@ -106,7 +107,7 @@ class LocalDrafter(InProcessSide):
         params = request.params
         if params.greedy:
             top = logits[0].float().softmax(-1).max() if self.confidence else logits.new_ones(())
-            return logits[0].argmax(), top, None
+            return greedy_tokens(logits[0]), top, None
         if params.reproducible:
             probs = processed_probs(logits, params)
             return gumbel_choice(probs, params.seed, position)[0], probs.max(), None
@@ -130,15 +131,15 @@ class LocalVerifier(InProcessSide):
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         states = _sync_all(self.runner, requests)
         results = [VerifyResult.prefill_goes_on()] * len(requests)  # the rows scored below replace theirs
-        scoring = []
+        scoring, uptos = [], []
         for index, (request, state) in enumerate(zip(requests, states, strict=True)):
             uncached = len(state.pending) - 1  # everything but the last token is cached before scoring
             if 0 < request.prefill_limit < uncached:
-                self.runner.prefill(state, state.cached + request.prefill_limit)
+                uptos.append(state.cached + request.prefill_limit)
                 continue
-            if uncached > 0:
-                self.runner.prefill(state, len(state.tokens) - 1)
+            uptos.append(len(state.tokens) - 1)
             scoring.append(index)
+        self.runner.prefill_many(states, uptos)  # prompts (or chunks of them) arriving together share forwards
         if scoring:
             for index, result in zip(scoring, self._score([requests[i] for i in scoring], [states[i] for i in scoring]),
                                      strict=True):
@@ -180,7 +181,7 @@ class LocalVerifier(InProcessSide):
         `position`; random numbers are keyed by each token's position (core.sampling)."""
         params = request.params
         if params.greedy:
-            return logits.argmax(dim=-1)
+            return greedy_tokens(logits)
         if params.reproducible:
             return gumbel_choice(processed_probs(logits, params), params.seed, position)
         seed = _key_seed(params)

@@ -69,6 +69,17 @@ def acceptance(state: PolicyState, config: SpecConfig, prior: float | None = Non
     return (state.accepted + prior_accepted) / (state.accepted + state.rejected + config.prior_weight)
 
 
+def optimistic_acceptance(state: PolicyState, config: SpecConfig, prior: float | None = None) -> float:
+    """The session's acceptance raised by the spread of its estimate (a Beta posterior's standard deviation) while
+    the session has little evidence of its own, for the batch plan. Priced at the prior alone, a batch where the
+    prior makes drafting a loss drafts nothing, so no row ever measures its real acceptance. The raise shrinks as
+    the session's own evidence outweighs the prior (by their ratio), so a measured session is priced as measured."""
+    mean = acceptance(state, config, prior)
+    trials = state.accepted + state.rejected + config.prior_weight
+    spread = (mean * (1.0 - mean) / (trials + 1.0)) ** 0.5
+    return min(mean + spread * config.prior_weight / trials, 0.99)
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     if alpha >= 1.0:
         return k + 1.0

@@ -9,8 +9,12 @@
    once the round has run: a round that does not run (its batch shrinks to fit the KV cache) is planned afresh.
 3. Caps: the request's max_k, then remaining - 1 (the round's last token is the verifier's own, never a draft).
 4. A batch of two or more rows under the adaptive policy: a row whose drafter is more than batch_catch_up_limit
-   tokens behind drafts nothing (its catch-up would stall every row), then core.batch_plan prices the batched
-   round with each row's catch-up and may lower any row's k, or zero it. A fixed k (adaptive off) drafts as given.
+   tokens behind drafts nothing this round. If the batch plan would let it draft once caught up (its whole catch-up
+   priced), its drafter catches up on that many tokens of its backlog instead (`catch_up`), so no round stalls on a
+   whole prompt and the row drafts a few rounds later. Then core.batch_plan prices the batched round with each
+   drafting row's catch-up and may lower any row's k, or zero it. It prices each row at an optimistic acceptance
+   (core.policy.optimistic_acceptance): a batch that drafted nothing until its rows' acceptance were known would
+   never learn them. A fixed k (adaptive off) drafts as given, its drafter catching up on everything first.
 
 The plan's k is the most a row may draft: the drafter may end a block sooner when its own top probability drops below
 draft_confidence (it sees the draft's probabilities, which the plan does not), and a drafter that fails drafts nothing.
@@ -42,6 +46,7 @@ class RowView:
 @dataclass(slots=True, frozen=True)
 class RoundPlan:
     ks: tuple[int, ...]  # per row, the most it may draft this round
+    catch_up: tuple[int, ...]  # per row, backlog tokens its drafter catches up on without drafting (rule 4)
     decisions: tuple[policy.Decision | None, ...]  # per row, the policy's decision (None: the policy was not asked)
 
 
@@ -51,13 +56,20 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
     the rows, the costs and the prior, and changes none of them. `prior`: the deployment's recent acceptance."""
     decisions = [_decide(row, speculating, spec, costs, prior) for row in rows]
     ks = [_capped(row, decision) for row, decision in zip(rows, decisions, strict=True)]
+    catch_up = [0] * len(rows)
     if len(rows) > 1 and spec.adaptive:
-        ks = [0 if row.behind > spec.batch_catch_up_limit else k for row, k in zip(rows, ks, strict=True)]
-        alphas = [policy.acceptance(row.policy, spec, prior) for row in rows]
-        catch_up = [catch_up_share(costs, row.behind, alpha, k, row.remaining)
-                    for row, alpha, k in zip(rows, alphas, ks, strict=True)]
-        ks = plan_batch(ks, alphas, costs, catch_up)
-    return RoundPlan(tuple(ks), tuple(decisions))
+        alphas = [policy.optimistic_acceptance(row.policy, spec, prior) for row in rows]
+        shares = [catch_up_share(costs, row.behind, alpha, k, row.remaining)
+                  for row, alpha, k in zip(rows, alphas, ks, strict=True)]
+        far = [row.behind > spec.batch_catch_up_limit for row in rows]
+        if any(far):
+            # A far row's drafter catches up only where the batch would let it draft, its whole catch-up priced:
+            # where batched drafting does not pay, no catch-up is spent on it.
+            would_draft = plan_batch(ks, alphas, costs, shares)
+            catch_up = [spec.batch_catch_up_limit if f and k > 0 else 0 for f, k in zip(far, would_draft, strict=True)]
+            ks = [0 if f else k for f, k in zip(far, ks, strict=True)]
+        ks = plan_batch(ks, alphas, costs, shares)
+    return RoundPlan(tuple(ks), tuple(catch_up), tuple(decisions))
 
 
 def _decide(row: RowView, speculating: bool, spec: SpecConfig, costs: CostModel,

@@ -193,8 +193,25 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, state: SequenceState, upto: int) -> None:
         """Cache the first `upto` tokens without keeping logits (prompt processing)."""
-        if upto > state.cached:
-            self._forward([state], [state.tokens[state.cached : upto]], [0])
+        self.prefill_many([state], [upto])
+
+    @torch.inference_mode()
+    def prefill_many(self, states: list[SequenceState], uptos: list[int]) -> None:
+        """Cache each state's first `upto` tokens in as few forwards as padding allows. A forward spans its rows'
+        slots at the widest row's width, so rows join one (in slot order) while that padded area stays within
+        twice the tokens they feed; the rest start another."""
+        rows = sorted(((s, s.tokens[s.cached : u]) for s, u in zip(states, uptos, strict=True) if u > s.cached),
+                      key=lambda row: row[0].slot)
+        group: list[tuple[SequenceState, list[int]]] = []
+        for row in rows:
+            joined = [*group, row]
+            area = (row[0].slot - joined[0][0].slot + 1) * max(len(new) for _, new in joined)
+            if group and area > 2 * sum(len(new) for _, new in joined):
+                self._forward([s for s, _ in group], [new for _, new in group], [0] * len(group))
+                joined = [row]
+            group = joined
+        if group:
+            self._forward([s for s, _ in group], [new for _, new in group], [0] * len(group))
 
     @torch.inference_mode()
     def forward(self, states: list[SequenceState], wants: list[int]) -> list[torch.Tensor]:
