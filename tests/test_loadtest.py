@@ -282,7 +282,10 @@ def test_sends_follow_the_arrival_schedule(server) -> None:
     sends = np.array([r.send for r in trace.requests])
     scheduled = ArrivalProcess(rate, seed=11).offsets(count)
     lateness = sends - scheduled
-    assert lateness.min() >= 0 and np.median(lateness) < 0.02 and lateness.max() < 0.25
+    # The median shows the schedule kept; the bound on the latest send allows one stall of the process (the other
+    # test worker shares the 2 CI cores: one run saw a single send 0.57 s late, the rest within 2 ms).
+    assert lateness.min() >= 0 and np.median(lateness) < 0.02 and lateness.max() < 1.0
+    assert np.mean(lateness > 0.25) <= 0.04, lateness
     gaps = np.diff(sends)
     assert stats.kstest(gaps, "expon", args=(0, 1 / rate)).pvalue > 0.001
     assert (count - 1) / sends[-1] == pytest.approx(rate, rel=0.5)  # 50 Poisson arrivals: a loose bound
