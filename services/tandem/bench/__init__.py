@@ -15,6 +15,7 @@ kv_copies.py     KV-cache bytes a decode step copies (allocations.py counts them
 seeds.py         seeded sampling: identical output with speculation on and off, acceptance per rule
 vllm_compare.py  tandem against vLLM on this machine (vllm_compare_tandem.py and, run by path in vLLM's own
                  environment, vllm_compare_vllm.py)
+at_once.py       N requests at once in one process, plain against AUTO, with what the batch plan drafted
 outputs.py       the token ids of a fixed matrix of runs, to show a change kept behaviour (`--compare`)
 gpu_probe.py     tandem's runner against Hugging Face on a GPU; runs by path from a checkout (torch + transformers)
 

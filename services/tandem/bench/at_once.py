@@ -10,30 +10,17 @@ each; the AUTO engine's calibrated costs are reported before and after. One JSON
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
+from tandem.bench.vllm_compare_tandem import batched
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_prompts_option, wants_text, write_json
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.engines.local import build_engine, encode_prompt
 from tandem.models.loader import load_pair
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
-
-
-def _run(engine, ids: list[list[int]], tokens: int) -> tuple[dict, list[list[int]]]:
-    started = time.perf_counter()
-    results = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=tokens))
-    seconds = time.perf_counter() - started
-    emitted = sum(len(r.token_ids) for r in results)
-    drafted, accepted = sum(r.stats["drafted"] for r in results), sum(r.stats["accepted"] for r in results)
-    return ({"tokens": emitted, "seconds": round(seconds, 3), "tok_s": round(emitted / seconds, 2),
-             "rounds": sum(r.stats["rounds"] for r in results),
-             "spec_rounds": sum(r.stats["spec_rounds"] for r in results),
-             "drafted": drafted, "acceptance": round(accepted / drafted, 4) if drafted else None},
-            [list(r.token_ids) for r in results])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     outputs: dict[str, list] = {}
     for repeat in range(args.repeats):
         for name in ("plain", "auto") if repeat % 2 == 0 else ("auto", "plain"):
-            run, outputs[name] = _run(engines[name], ids, args.tokens)
+            run = batched(engines[name], ids, args.tokens)
+            outputs[name] = run.pop("outputs")
             report["runs"].append({"engine": name, "repeat": repeat} | run)
             if wants_text(args):
                 print(f"{name}: {run}", flush=True)

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 
-def _batched(engine, ids: list[list[int]], max_tokens: int) -> dict:
+def batched(engine, ids: list[list[int]], max_tokens: int) -> dict:
+    """Every prompt at once through `engine.generate`, greedy: tokens, time, rounds, what was drafted, the outputs."""
     from tandem.core.config import SamplingParams
 
     started = time.perf_counter()
@@ -39,6 +40,8 @@ def _batched(engine, ids: list[list[int]], max_tokens: int) -> dict:
     accepted = sum(r.stats["accepted"] for r in results)
     return {"tokens": tokens, "seconds": round(seconds, 4), "tok_s": round(tokens / seconds, 3),
             "requests": len(ids), "loadavg_1m": round(os.getloadavg()[0], 2),
+            "rounds": sum(r.stats["rounds"] for r in results),
+            "spec_rounds": sum(r.stats["spec_rounds"] for r in results), "drafted": drafted,
             "alpha": round(accepted / drafted, 4) if drafted else 0.0,
             "outputs": [list(r.token_ids) for r in results]}
 
@@ -74,7 +77,7 @@ def run(job: dict) -> dict:
                 for engine in engines.values():
                     engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=4))
             for name in ("plain", "auto") if job["repeat"] % 2 == 0 else ("auto", "plain"):
-                modes[f"{name}_b{n}"] = _batched(engines[name], ids, job["max_tokens"])
+                modes[f"{name}_b{n}"] = batched(engines[name], ids, job["max_tokens"])
         for name in [m for m in modes if m.endswith(f"_{step}")]:
             print(f"tandem {name}: {modes[name]['tokens']} tokens in {modes[name]['seconds']:.2f} s = "
                   f"{modes[name]['tok_s']:.2f} tok/s", file=sys.stderr, flush=True)

@@ -202,15 +202,15 @@ class ModelRunner:
         twice the tokens they feed; the rest start another."""
         rows = sorted(((s, s.tokens[s.cached : u]) for s, u in zip(states, uptos, strict=True) if u > s.cached),
                       key=lambda row: row[0].slot)
-        group: list[tuple[SequenceState, list[int]]] = []
+        groups: list[list[tuple[SequenceState, list[int]]]] = []
         for row in rows:
-            joined = [*group, row]
+            joined = [*groups[-1], row] if groups else [row]
             area = (row[0].slot - joined[0][0].slot + 1) * max(len(new) for _, new in joined)
-            if group and area > 2 * sum(len(new) for _, new in joined):
-                self._forward([s for s, _ in group], [new for _, new in group], [0] * len(group))
-                joined = [row]
-            group = joined
-        if group:
+            if area > 2 * sum(len(new) for _, new in joined):
+                groups.append([row])
+            else:
+                groups[-1:] = [joined]
+        for group in groups:
             self._forward([s for s, _ in group], [new for _, new in group], [0] * len(group))
 
     @torch.inference_mode()

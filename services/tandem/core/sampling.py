@@ -36,7 +36,7 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits = logits.to(torch.float32)
     if params.greedy:
         probs = torch.zeros_like(logits)
-        return probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        return probs.scatter_(1, greedy_tokens(logits).unsqueeze(-1), 1.0)
     logits = logits / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
