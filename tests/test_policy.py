@@ -191,7 +191,7 @@ def test_batch_plan_drafts_the_rows_that_gain_beside_rows_that_decode_plainly() 
 
 
 def test_sync_keeps_the_cached_tokens_that_the_new_tokens_repeat() -> None:
-    from tandem.core.runner import SequenceState
+    from tandem.core.sequence import SequenceState
 
     state = SequenceState(tokens=[1, 2, 3, 4, 5, 6], cached=6)  # an empty cache: only the bookkeeping counts
     state.sync(0, [1, 2, 3, 9])

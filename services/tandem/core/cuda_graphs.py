@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_WIDTH = 16
 WARMUP_RUNS = 2
-# Compiled graphs per code object before dynamo gives up on it: each model (draft, target) needs about four (rows
+# Compiled graphs per code object before dynamo gives up on it: each model (draft, target) needs six (slots, rows
 # and width each 1 or more), and every runner shares ModelRunner._hidden's code.
 RECOMPILE_LIMIT = 64
 

@@ -16,7 +16,7 @@ from tandem.core.protocol import (
     VerifyResult,
 )
 from tandem.core.rejection import accept_greedy, accept_sampled
-from tandem.core.runner import ModelRunner, SequenceState
+from tandem.core.runner import ModelRunner
 from tandem.core.sampling import (
     ACCEPT_STREAM,
     DRAFT_STREAM,
@@ -29,6 +29,7 @@ from tandem.core.sampling import (
     sample_index,
     truncate_top_m,
 )
+from tandem.core.sequence import SequenceState
 
 
 def _key_seed(params) -> int:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -32,6 +31,7 @@ from tandem.core.int8_linear import Int8Linear
 from tandem.core.kv_cache import SlotCache, Step, default_kv_tokens
 from tandem.core.packed_linear import PackedLinear
 from tandem.core.protocol import KVCacheFull
+from tandem.core.sequence import SequenceState
 
 log = logging.getLogger(__name__)
 DEFAULT_RETAIN_TOKENS = 32768
@@ -39,38 +39,6 @@ MIN_SLOTS = 1
 MIN_CAPACITY = 256
 CAPACITY_ALIGN = 64
 ATTENTION = {"sdpa": True, "eager": False}  # implementations whose masks we build -> whether is_causal is honoured
-
-
-@dataclass(slots=True)
-class SequenceState:
-    """Tokens a runner knows for one sequence; the first `cached` of them have keys and values in slot `slot`."""
-
-    tokens: list[int] = field(default_factory=list)
-    cached: int = 0
-    session: str = ""
-    slot: int = -1
-
-    def sync(self, keep: int, append: list[int]) -> None:
-        """Truncate to the first `keep` tokens, then append new ones; cached tokens past `keep` that `append`
-        repeats stay cached, the rest are rolled back."""
-        if keep > len(self.tokens):
-            raise ValueError(f"cannot keep {keep} tokens of a sequence that has {len(self.tokens)}")
-        stale = self.tokens[keep : self.cached]
-        del self.tokens[keep:]
-        self.tokens.extend(append)
-        if self.cached > keep:
-            same = next((i for i, (a, b) in enumerate(zip(stale, append, strict=False)) if a != b),
-                        min(len(stale), len(append)))
-            if keep + same < self.cached:
-                self.truncate_cache(keep + same)
-
-    def truncate_cache(self, length: int) -> None:
-        """Forget cached keys and values past `length`: the next forward overwrites them in place."""
-        self.cached = min(self.cached, length)
-
-    @property
-    def pending(self) -> list[int]:
-        return self.tokens[self.cached :]
 
 
 class ModelRunner:
@@ -163,30 +131,39 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self) -> int:
         """Compile the static forwards now rather than in a request: with dynamic shapes one compile serves each
-        class of bucket (rows 1 or more, width 1 or more), and on a GPU each takes tens of seconds. Runs the four
-        classes over two throwaway sequences; returns the forwards run (0 where nothing compiles)."""
+        class of bucket, and on a GPU each takes tens of seconds. The classes: a cache of one slot (dynamo
+        specializes a size of 1; a lone first request, or a budget that fits one slot at the length a sequence
+        needs) with one row, then a cache of several slots with 1 or 2 rows; each at width 1 and above. Runs the six
+        over throwaway sequences; returns the forwards run (0 where nothing compiles)."""
         if self.graphs is None or not self.graphs.compiled:
             return 0
         started = time.perf_counter()
-        log.info("compiling %s's decode forwards (four shape classes; about a minute per model on an H100)",
+        log.info("compiling %s's decode forwards (six shape classes; about a minute per model on an H100)",
                  type(self.model).__name__)
         runs = 0
+        names = [f"warm-up-{row}" for row in range(2)]
         try:
-            states = [self.state(f"warm-up-{row}") for row in range(2)]
-            for state in states:
-                state.sync(0, [self.pad_token_id] * 4)
-                self.prefill(state, 4)
-            for rows in (1, 2):
+            if not self.states and not self.retained and self.cache.slots > 1:
+                self.cache.reshape(1, self.cache.capacity)
+                self.occupants = self.occupants[:1]
+            for rows in (1, 1, 2):  # the first pass over a one-slot cache, the others after it grows
+                states = [self.state(name) for name in names[:rows]]
+                for state in states:
+                    if not state.cached:
+                        state.sync(0, [self.pad_token_id] * 4)
+                        self.prefill(state, 4)
                 for width in (1, 2):
-                    for state in states[:rows]:
+                    for state in states:
                         state.sync(len(state.tokens), [self.pad_token_id] * width)
-                    self.forward_on_device(states[:rows], [1] * rows)
+                    self.forward_on_device(states, [1] * rows)
                     runs += 1
+                if rows == 1 and self.cache.slots == 1:
+                    self.state(names[1])  # grows the cache to several slots
         except KVCacheFull:  # a budget too small for two short sequences: those shapes compile when first used
             pass
         finally:
-            for row in range(2):
-                self.release(f"warm-up-{row}")
+            for name in names:
+                self.release(name)
         log.info("compiled %d shape classes in %.1f s", runs, time.perf_counter() - started)
         return runs
 
