@@ -171,6 +171,28 @@ def test_batched_rows_far_behind_in_the_drafter_catch_up_in_chunks_then_draft(ti
             assert all(seq.stats.spec_rounds == 1 for seq in seqs)
 
 
+def test_a_row_resting_beside_a_drafting_mate_keeps_its_drafter_in_step(tiny_models, plain_output) -> None:
+    """A session in fallback decodes plainly, but rides its mate's first draft step with the token its drafter
+    lacks: it never falls behind, so drafting again costs it no catch-up. The tokens stay the plain ones."""
+    target, draft, _ = tiny_models
+    cheap = CostModel(draft_step=0.01, verify={n: 1.0 for n in range(1, 12)}, draft_rows={2: 0.01},
+                      batched={(2, w): 1.0 for w in range(1, 12)}, frozen=True)  # drafting always pays
+    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(probe_interval=64), calibrate=False),
+                          costs=cheap)
+    drafting, resting = (engine.sequences[engine.add_request(PROMPT, _greedy(max_tokens=40))] for _ in range(2))
+    engine.step()
+    engine.step()  # the first round was plain; in the second both drafters caught up and drafted
+    assert drafting.stats.spec_rounds == resting.stats.spec_rounds == 1
+    resting.policy.fallback, resting.policy.rejected, resting.policy.accepted = True, 1000.0, 0.0
+    for _ in range(6):
+        engine.step()
+        assert resting.stats.spec_rounds == 1 and drafting.stats.spec_rounds > 1
+        assert len(resting.context) - resting.draft_synced <= 1  # the token committed in this round
+    while engine.has_unfinished():
+        engine.step()
+    assert drafting.output == resting.output == plain_output[:40]
+
+
 def test_calibration_times_real_batches_and_leaves_no_state(tiny_models) -> None:
     target, draft, _ = tiny_models
     engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(k_max=3, k_init=2), max_batch=4))

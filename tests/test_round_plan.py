@@ -81,6 +81,19 @@ def test_a_batched_row_far_behind_in_its_drafter_catches_up_in_chunks_before_dra
     assert _plan([_row(behind=40) for _ in range(8)]).catch_up == (SPEC.batch_catch_up_limit,) * 8
 
 
+def test_a_row_that_rests_while_a_mate_drafts_rides_its_first_draft_step() -> None:
+    # A row at k 0 whose policy was asked (a session in fallback) sends its drafter the token or two it lacks;
+    # further behind, never drafting (max_k 0), or on its last token, it does not; nor does anyone where no row
+    # drafts.
+    resting = policy.PolicyState(rejected=40.0, fallback=True)
+    rows = [_row(), _row(policy=resting, behind=2), _row(policy=resting, behind=3), _row(max_k=0, behind=1),
+            _row(remaining=1, behind=1)]
+    plan = _plan(rows)
+    assert plan.ks[0] > 0 and plan.ks[1:] == (0, 0, 0, 0)
+    assert plan.catch_up == (0, 2, 0, 0, 0)
+    assert _plan([_row() for _ in range(8)], costs=COMPUTE_BOUND).catch_up == (0,) * 8
+
+
 def test_the_batch_plan_prices_the_batched_round() -> None:
     alone = _plan([_row()], costs=COMPUTE_BOUND)
     assert alone.ks[0] > 0

@@ -72,9 +72,13 @@ class LocalDrafter(InProcessSide):
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         states = _sync_all(self.runner, requests)
         # Catch-ups (prompts, tokens decoded while not drafting, rows that only catch up: k 0) run before the
-        # drafting, batched among themselves, so the draft steps' rows stay one or two tokens wide.
-        behind = [s for s, r in zip(states, requests, strict=True)
-                  if r.k == 0 or (len(states) > 1 and len(s.pending) > CATCH_UP_ALONE_ABOVE)]
+        # drafting, batched among themselves, so the draft steps' rows stay one or two tokens wide. A row that only
+        # catches up on a token or two (a rider) is fed in the first draft step instead, its logits not computed.
+        drafting = any(r.k > 0 for r in requests)
+        riders = [drafting and r.k == 0 and len(s.pending) <= CATCH_UP_ALONE_ABOVE
+                  for s, r in zip(states, requests, strict=True)]
+        behind = [s for s, r, rider in zip(states, requests, riders, strict=True) if not rider and (
+            r.k == 0 or (len(states) > 1 and len(s.pending) > CATCH_UP_ALONE_ABOVE))]
         self.runner.prefill_many(behind, [len(s.tokens) - 1 for s in behind])
         proposals = [DraftProposal(tokens=[]) for _ in requests]
         dists: list[list[SparseDist]] = [[] for _ in requests]
@@ -83,7 +87,9 @@ class LocalDrafter(InProcessSide):
             rows = [i for i, k in enumerate(budget) if k > step]
             if not rows:
                 break
-            logits = self.runner.forward_on_device([states[i] for i in rows], [1] * len(rows))
+            fed = rows if step else sorted(rows + [i for i, rider in enumerate(riders) if rider and states[i].pending])
+            wants = [int(i in rows) for i in fed]
+            logits = self.runner.forward_on_device([states[i] for i in fed], wants)
             choices = [self._sample(logits[n : n + 1], requests[i], len(states[i].tokens))
                        for n, i in enumerate(rows)]
             # One transfer for the step: every row's token and the draft's top probability.

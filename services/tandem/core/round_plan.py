@@ -15,6 +15,11 @@
    drafting row's catch-up and may lower any row's k, or zero it. It prices each row at an optimistic acceptance
    (core.policy.optimistic_acceptance): a batch that drafted nothing until its rows' acceptance were known would
    never learn them. A fixed k (adaptive off) drafts as given, its drafter catching up on everything first.
+5. Riders: where some row drafts this round, a row that does not (its policy asked: rule 1 keeps rows that never
+   draft out; not on its last token) and whose drafter is at most CATCH_UP_ALONE_ABOVE tokens behind sends its
+   drafter those tokens (`catch_up`), fed in the first draft step beside the drafting rows (a step spans its rows'
+   slots, so a row between them is computed anyway). A row decoding plainly between its drafting rounds then never
+   falls behind its drafter, and drafts again with no catch-up to pay.
 
 The plan's k is the most a row may draft: the drafter may end a block sooner when its own top probability drops below
 draft_confidence (it sees the draft's probabilities, which the plan does not), and a drafter that fails drafts nothing.
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 from tandem.core import policy
 from tandem.core.batch_plan import catch_up_share, plan_batch
 from tandem.core.config import SpecConfig
-from tandem.core.costs import CostModel
+from tandem.core.costs import CATCH_UP_ALONE_ABOVE, CostModel
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,6 +74,9 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
             catch_up = [spec.batch_catch_up_limit if f and k > 0 else 0 for f, k in zip(far, would_draft, strict=True)]
             ks = [0 if f else k for f, k in zip(far, ks, strict=True)]
         ks = plan_batch(ks, alphas, costs, shares)
+    if any(ks):
+        riders = _riders(rows, ks, decisions)
+        catch_up = [row.behind if rider else c for row, c, rider in zip(rows, catch_up, riders, strict=True)]
     return RoundPlan(tuple(ks), tuple(catch_up), tuple(decisions))
 
 
@@ -87,3 +95,10 @@ def _capped(row: RowView, decision: policy.Decision | None) -> int:
         return 0
     k = decision.k if row.max_k is None else min(decision.k, row.max_k)
     return min(k, row.remaining - 1)
+
+
+def _riders(rows: Sequence[RowView], ks: list[int], decisions: list[policy.Decision | None]) -> list[bool]:
+    """Rule 5: the rows that send their drafter their last token or two with the first draft step (not a row on
+    its last token: it finishes this round)."""
+    return [k == 0 and decision is not None and row.remaining > 1 and 0 < row.behind <= CATCH_UP_ALONE_ABOVE
+            for row, k, decision in zip(rows, ks, decisions, strict=True)]
