@@ -65,12 +65,22 @@ class CostModel:
         self.draft_rows[rows] = seconds if old is None else self._blend(old, seconds)
 
     def observe_verify(self, tokens: int, seconds: float, rows: int = 1) -> None:
-        """A target forward over `rows` rows of `tokens` tokens each (padded width)."""
+        """A target forward over `rows` rows of `tokens` tokens each (padded width). The other widths with as
+        many rows move by the same factor: the machine's speed drifts (other processes, clocks) for every width
+        alike, while rounds keep re-measuring the widths they use. Were only those to follow, a machine that sped up
+        during plain rounds would leave every wider forward priced at the slower past, drafting would look dearer
+        than it is, and the plain rounds that followed would only deepen it. The widths' relative costs stay those
+        calibration measured side by side."""
         if self.frozen:
             return
         table, key = (self.verify, tokens) if rows <= 1 else (self.batched, (rows, tokens))
         old = table.get(key)
-        table[key] = seconds if old is None else self._blend(old, seconds)
+        if old is None:
+            table[key] = seconds
+            return
+        factor = self._blend(old, seconds) / old
+        for other in [k for k in table if k == key or rows <= 1 or k[0] == rows]:
+            table[other] *= factor
 
     def verify_time(self, k: int) -> float:
         """Seconds to verify k draft tokens of one sequence (a forward over k + 1 tokens)."""
