@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tandem.bench import gpu_probe as probe
+from tandem.core.kv_cache import kv_bytes_per_token
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512)
@@ -34,7 +35,7 @@ def test_probe_measures_tandem_and_hugging_face_on_the_same_weights() -> None:
     assert list(projected) == ["0.6", "0.7", "0.8", "0.9"]
     assert 1 < projected["0.6"]["speedup_vs_plain"] < projected["0.9"]["speedup_vs_plain"] < 10
     head_dim = 64 // 4
-    assert probe.kv_bytes_per_token(target) == 2 * 2 * 2 * head_dim * 4  # layers x (k, v) x kv heads x dim x fp32
+    assert kv_bytes_per_token(target) == 2 * 2 * 2 * head_dim * 4  # layers x (k, v) x kv heads x dim x fp32
 
 
 def test_probe_runs_by_path_and_shows_every_default(tmp_path) -> None:

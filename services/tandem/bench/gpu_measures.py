@@ -1,0 +1,104 @@
+"""What the GPU probe (tandem.bench.gpu_probe) measures besides tok/s: forward costs by width, the share of wall time
+in GPU kernels, bytes allocated per decode step against the live KV cache, and the speculative speedup those costs
+project at a given acceptance; with the random prompt ids and the synchronised timer they share.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tandem.core.config import SamplingParams
+from tandem.core.kv_cache import kv_bytes_per_token
+from tandem.core.runner import ModelRunner
+
+
+def prompts(count: int, seed: int = 0, vocab: int = 150000) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(64, 257, (count,), generator=generator)
+    return [torch.randint(10, vocab, (int(n),), generator=generator).tolist() for n in lengths]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(call) -> float:
+    sync()
+    started = time.perf_counter()
+    call()
+    sync()
+    return time.perf_counter() - started
+
+
+def projected_speedups(verify: dict[int, float], draft_step: float) -> dict[str, dict]:
+    """Speculative over plain at batch 1 from forward costs, at the best k for each acceptance (labelled a
+    projection: random weights cannot measure acceptance)."""
+    def round_s(k: int) -> float:
+        return k * draft_step + verify[min((w for w in verify if w >= k + 1), default=max(verify))]
+
+    out = {}
+    for alpha in (0.6, 0.7, 0.8, 0.9):
+        best = max(range(1, 9), key=lambda k: (1 - alpha ** (k + 1)) / (1 - alpha) / round_s(k))
+        out[str(alpha)] = {"k": best, "speedup_vs_plain": (1 - alpha ** (best + 1)) / (1 - alpha) / round_s(best)
+                           * verify[1]}
+    return out
+
+
+def forward_costs(runner: ModelRunner, widths: list[int], context: int, reps: int = 20) -> dict[int, float]:
+    """Median seconds of one forward over `width` new tokens on a `context`-token cache, batch 1."""
+    ids = prompts(1, seed=7, vocab=min(150000, runner.vocab_size))[0] * 8
+    state = runner.state("probe")
+    state.sync(0, ids[:context])
+    runner.prefill(state, context)
+    costs = {}
+    for width in widths:
+        samples = []
+        for _ in range(reps):
+            state.truncate_cache(context)
+            state.sync(context, ids[context : context + width])
+            samples.append(timed(lambda width=width: runner.forward([state], [width])))
+        costs[width] = sorted(samples)[len(samples) // 2]
+    runner.release("probe")
+    return costs
+
+
+def kernel_share(call) -> dict:
+    """GPU kernel time over wall time for `call` (kernel time from the profiler, wall time from an unprofiled run)."""
+    wall = timed(call)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        sync()
+    device_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return {"wall_s": wall, "kernel_s": device_us / 1e6, "share": device_us / 1e6 / wall}
+
+
+def allocated_per_step(eng_factory, work: list[list[int]], contexts: tuple[int, int], steps: int = 8) -> dict:
+    """Bytes the allocator hands out per decode step at two context lengths, and the live KV bytes at each.
+    The growth with context, over the growth of the live KV, is how many copies of the KV cache a step makes."""
+    out = {}
+    for context in contexts:
+        eng = eng_factory()
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)  # still live when read
+        ids = [(p * 32)[:context] for p in work]
+        for prompt in ids:
+            eng.add_request(prompt, params)
+        eng.step()  # prefill and first token
+        sync()
+        before = torch.cuda.memory_stats()["allocated_bytes.all.allocated"]
+        for _ in range(steps):
+            eng.step()
+        sync()
+        allocated = torch.cuda.memory_stats()["allocated_bytes.all.allocated"] - before
+        live = eng.verifier.runner.kv_tokens_used * kv_bytes_per_token(eng.verifier.runner.model)
+        while eng.has_unfinished():
+            eng.step()
+        out[context] = {"allocated_per_step": allocated / steps, "live_kv_bytes": live}
+    lo, hi = contexts
+    growth = out[hi]["allocated_per_step"] - out[lo]["allocated_per_step"]
+    kv_growth = out[hi]["live_kv_bytes"] - out[lo]["live_kv_bytes"]
+    return {"by_context": out, "kv_copies_per_step": growth / kv_growth if kv_growth else None}
