@@ -16,7 +16,8 @@ from tandem.canary.controller import Assignment, CanaryController
 from tandem.canary.greedy_check import PlainReference
 from tandem.canary.observations import Outcome
 from tandem.core.config import SamplingParams
-from tandem.core.engine import GenerationResult, SpeculativeEngine
+from tandem.core.engine import SpeculativeEngine
+from tandem.core.requests import GenerationResult
 from tandem.errors import InvalidArgument
 
 

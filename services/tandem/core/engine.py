@@ -16,13 +16,11 @@ import itertools
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 from tandem.core import policy
 from tandem.core.calibration import calibrate
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.costs import CostModel
-from tandem.core.logprobs import TokenLogprob
 from tandem.core.protocol import (
     Drafter,
     DraftProposal,
@@ -33,63 +31,10 @@ from tandem.core.protocol import (
     VerifyRequest,
     VerifyResult,
 )
+from tandem.core.requests import GenerationResult, Sequence, StepOutput
 from tandem.core.round_plan import RoundPlan, RowView, plan_round
-from tandem.core.stats import RequestStats
 from tandem.core.stops import FINISH_ABORT, StopChecker
 from tandem.errors import InvalidArgument, KVBudgetExceeded
-
-
-@dataclass(slots=True)
-class Sequence:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    stop: StopChecker
-    policy: policy.PolicyState
-    output: list[int] = field(default_factory=list)
-    stats: RequestStats = field(default_factory=RequestStats)
-    draft_synced: int = 0
-    verify_synced: int = 0
-    finish_reason: str | None = None
-    text_cut: int | None = None
-    max_k: int | None = None  # per-request cap on drafted tokens per round; 0 is plain decoding
-    session_id: str = ""  # workers keep a finished sequence's cache for the session's next request
-    prefill_started: bool = False  # the verifier holds part of the prompt uncached (a chunked prefill goes on)
-    logprobs: list[TokenLogprob] | None = None  # aligned with output when the request asked (params.logprobs)
-
-    @property
-    def context(self) -> list[int]:
-        return self.prompt + self.output
-
-    def prefilling(self, chunk: int) -> bool:
-        """Whether the prompt may still need more than `chunk` tokens cached before its first round (the verifier
-        may hold a session's prefix already: it prefills only what it lacks)."""
-        return not self.output and (self.prefill_started or len(self.prompt) - self.verify_synced - 1 > chunk)
-
-
-@dataclass(slots=True)
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None = None  # aligned with new_token_ids when the request asked, else None
-
-
-@dataclass(slots=True)
-class GenerationResult:
-    request_id: str
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str
-    stats: dict
-    logprobs: list[TokenLogprob] | None = None  # aligned with token_ids when the request asked, else None
-
-
-def _backlog(seq: Sequence, k: int, catch_up: int) -> list[int]:
-    """The context the drafter has not seen: all of it for a drafting row, at most `catch_up` tokens for a row that
-    only catches up."""
-    unseen = seq.context[seq.draft_synced :]
-    return unseen if k > 0 else unseen[:catch_up]
 
 
 class SpeculativeEngine:
@@ -157,7 +102,7 @@ class SpeculativeEngine:
     def step(self) -> list[StepOutput]:
         waiting = list(self.sequences.values())
         if self._kv_full:
-            waiting = [seq for seq in waiting if _admitted(seq)] or waiting[:1]
+            waiting = [seq for seq in waiting if seq.admitted] or waiting[:1]
         batch = waiting[: self.config.max_batch]
         while True:
             limits = self._prefill_limits(batch)
@@ -252,7 +197,7 @@ class SpeculativeEngine:
             return proposals
 
         def requests() -> list[DraftRequest]:
-            return [DraftRequest(batch[i].request_id, batch[i].draft_synced, _backlog(batch[i], ks[i], catch_up[i]),
+            return [DraftRequest(batch[i].request_id, batch[i].draft_synced, batch[i].backlog(ks[i], catch_up[i]),
                                  ks[i], batch[i].params, batch[i].session_id) for i in rows]
 
         def forget(lost: list[str]) -> None:
@@ -364,11 +309,6 @@ class SpeculativeEngine:
                 f"calibration times (needs {full.needed}); raise --kv-tokens or lower --max-batch") from full
         self.costs.adopt(measured)
         return self.costs
-
-
-def _admitted(seq: Sequence) -> bool:
-    """Whether the verifier holds (part of) this sequence's cache."""
-    return bool(seq.verify_synced or seq.prefill_started)
 
 
 def _retry_lost(call, forget):

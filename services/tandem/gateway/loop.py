@@ -17,8 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tandem.core.config import SamplingParams
-from tandem.core.engine import Sequence, SpeculativeEngine, StepOutput
+from tandem.core.engine import SpeculativeEngine
 from tandem.core.policy import PolicyState
+from tandem.core.requests import Sequence, StepOutput
 from tandem.core.stops import FINISH_ABORT
 from tandem.errors import BackendUnavailable, InvalidArgument, KVBudgetExceeded, TandemError
 from tandem.gateway.events import EngineFailed, EngineUnavailable, QueueFull

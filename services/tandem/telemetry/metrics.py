@@ -26,8 +26,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from tandem.telemetry.tracing import resource_for
 
 if TYPE_CHECKING:
-    from tandem.core.engine import Sequence
     from tandem.core.protocol import KVUsage
+    from tandem.core.requests import Sequence
 
 log = logging.getLogger(__name__)
 

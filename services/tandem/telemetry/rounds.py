@@ -20,7 +20,7 @@ from opentelemetry import trace
 from tandem.telemetry import tracing
 
 if TYPE_CHECKING:
-    from tandem.core.engine import Sequence
+    from tandem.core.requests import Sequence
     from tandem.core.stats import RequestStats
 
 
