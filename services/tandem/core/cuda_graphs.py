@@ -21,7 +21,8 @@ Inside a graph each kernel still costs its few microseconds, and a Hugging Face 
 (RMSNorm alone is six), so with `compile` the forward is first compiled by torch.compile (inductor fuses the
 elementwise work around the matrix products) and the compiled kernels are what the graph records. The forward reads
 only tensors whose shapes carry the bucket (ids, positions, mask, the buffers: Step.whole), so with dynamic shapes one
-compiled graph serves every bucket past size 1: about four compiles per model, none per bucket or cache growth. A
+compiled graph serves every bucket past size 1: six compiles per model (ModelRunner.warm_up), none per bucket or
+cache growth. A
 forward that fails to compile runs uncompiled from then on. Without CUDA (`capture` False) the same compiled static
 forwards run directly, which is how the CPU tests check them.
 """
