@@ -9,8 +9,9 @@ CATCH_UP_ALONE_ABOVE = 2  # a batched drafter row further behind than this catch
 
 
 def _at_least_narrower(points: dict, n: int, seconds: float) -> float:
-    """A forward over more tokens is never priced below a measured narrower one: plain rounds keep re-measuring
-    the narrowest forward as contexts grow, while wider ones may not have been timed since calibration."""
+    """A forward over more tokens is never priced below a measured narrower one. Observations move a table's
+    calibrated widths together (CostModel.observe_verify), but a width first timed in service was never timed
+    beside the others, and one slow spell there may leave it above a wider one."""
     return max([seconds, *(s for size, s in points.items() if size < n)])
 
 

@@ -87,7 +87,7 @@ class LocalDrafter(InProcessSide):
             rows = [i for i, k in enumerate(budget) if k > step]
             if not rows:
                 break
-            fed = rows if step else sorted(rows + [i for i, rider in enumerate(riders) if rider and states[i].pending])
+            fed = rows if step else sorted(rows + [i for i, rider in enumerate(riders) if rider])
             wants = [int(i in rows) for i in fed]
             logits = self.runner.forward_on_device([states[i] for i in fed], wants)
             choices = [self._sample(logits[n : n + 1], requests[i], len(states[i].tokens))
