@@ -127,6 +127,10 @@ class GraphedForward:
         if buffers != self.buffers_seen:  # reallocated: every graph reads the old buffers
             self.graphs.clear()
             self.buffers_seen = buffers
+            if self.capture:
+                # The allocator deletes a private pool once no graph uses it, and a capture into a deleted pool's
+                # handle fails an internal assert (seen on an H100 when a cache grew): so a new pool per cache.
+                self.pool = torch.cuda.graph_pool_handle()
         if (rows, width) in self.failed:
             return None
         graph = self.graphs.get((rows, width))

@@ -138,7 +138,7 @@ class ModelRunner:
         if self.graphs is None or not self.graphs.compiled:
             return 0
         started = time.perf_counter()
-        log.info("compiling %s's decode forwards (six shape classes; about a minute per model on an H100)",
+        log.info("compiling %s's decode forwards (six shape classes: minutes on a GPU, less from a kept cache)",
                  type(self.model).__name__)
         runs = 0
         names = [f"warm-up-{row}" for row in range(2)]

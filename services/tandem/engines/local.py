@@ -13,6 +13,7 @@ from tandem.core.runner import DEFAULT_RETAIN_TOKENS, ModelRunner
 from tandem.engines.backend import Backend
 from tandem.engines.options import Arm, LocalOptions
 from tandem.errors import InvalidArgument
+from tandem.models.store import use_compile_cache
 
 
 def eos_token_ids(model, tokenizer) -> frozenset[int]:
@@ -55,6 +56,7 @@ def build_engine(target, draft=None, config: EngineConfig | None = None, kv_toke
                              vocab_limit=draft_vocab_limit(config.spec.draft_vocab, verifier.vocab_size),
                              kv_tokens=kv_tokens, cuda_graphs=not getattr(draft, "eager", False))
         drafter = LocalDrafter(runner, top_m=config.spec.draft_top_m, confidence=config.spec.stop_confidence)
+    use_compile_cache()
     for compiling in (verifier.runner, drafter and drafter.runner):
         if compiling is not None:
             compiling.warm_up()  # compiles at start, not in the first requests (a GPU's default)

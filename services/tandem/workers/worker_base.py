@@ -50,6 +50,7 @@ class WorkerReply:
 def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None = None) -> ModelRunner:
     from tandem.core.device import select_device, select_dtype
     from tandem.models.loader import load_model
+    from tandem.models.store import use_compile_cache
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -58,6 +59,7 @@ def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None =
                         extra=extra, eager=config.eager, quantization=config.quantization)
     runner = ModelRunner(loaded.model, pad_token_id=loaded.tokenizer.pad_token_id or 0, vocab_limit=vocab_limit,
                          kv_tokens=config.kv_tokens, cuda_graphs=not config.eager)
+    use_compile_cache()
     runner.warm_up()  # compiles at start, not in the first requests (a GPU's default)
     return runner
 

@@ -1,0 +1,30 @@
+"""torch.compile's cache lives under the model store (models.store.use_compile_cache), so a restarted pod, or every
+replica on a shared claim, starts from compiled code; a directory the user set is kept."""
+
+from __future__ import annotations
+
+import os
+
+from tandem.core.config import EngineConfig
+from tandem.engines.local import build_engine
+from tandem.workers.worker_base import WorkerConfig, load_runner
+
+CACHE = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def test_engines_and_workers_keep_compiled_code_under_the_model_store(tiny_models, tiny_dirs, tmp_path,
+                                                                      monkeypatch) -> None:
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    monkeypatch.delenv(CACHE, raising=False)
+    build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
+    assert os.environ[CACHE] == str(tmp_path / "compile")
+    monkeypatch.delenv(CACHE)
+    load_runner(WorkerConfig(model=str(tiny_dirs.draft), device="cpu", dtype="float32"))
+    assert os.environ[CACHE] == str(tmp_path / "compile")
+
+
+def test_a_cache_directory_the_user_set_is_kept(tiny_dirs, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(CACHE, str(tmp_path / "mine"))
+    load_runner(WorkerConfig(model=str(tiny_dirs.target), device="cpu", dtype="float32"))
+    assert os.environ[CACHE] == str(tmp_path / "mine")
