@@ -68,3 +68,43 @@ def test_a_failing_forward_raises_in_every_caller_it_served() -> None:
     for thread in threads:
         thread.join()
     assert errors == ["device lost"] * 3
+
+
+def test_a_worker_runs_its_model_on_one_thread_whoever_calls(tiny_dirs, monkeypatch) -> None:
+    """Loading, forwards led by any of the call threads, and releases all run on the worker's model thread (one
+    OpenMP team: see the batcher's docstring)."""
+    from tandem.core.config import SamplingParams
+    from tandem.core.protocol import DraftRequest
+    from tandem.workers import draft_worker
+    from tandem.workers.worker_base import WorkerConfig
+
+    threads: set[str] = set()
+    load_runner = draft_worker.load_runner
+
+    def recording_load(*args):
+        threads.add(threading.current_thread().name)
+        return load_runner(*args)
+
+    monkeypatch.setattr(draft_worker, "load_runner", recording_load)
+
+    class Recording(draft_worker.DraftWorker):
+        def _run(self, requests):
+            threads.add(threading.current_thread().name)
+            return super()._run(requests)
+
+        def _release(self, seq_ids, retain):
+            threads.add(threading.current_thread().name)
+            super()._release(seq_ids, retain)
+
+    worker = Recording(WorkerConfig(model=str(tiny_dirs.draft), device="cpu", dtype="float32"))
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    callers = [threading.Thread(target=lambda i=i: worker.propose([DraftRequest(f"s{i}", 0, [3, 4, 5 + i], 2,
+                                                                                params)]))
+               for i in range(4)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    worker.release([f"s{i}" for i in range(4)])
+    assert worker.batcher.stats.forwards >= 1 and not worker.sequence_ids()
+    assert len(threads) == 1 and next(iter(threads)).startswith("tandem-model")

@@ -87,9 +87,10 @@ def run(job: dict) -> dict:
 
 
 def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: Path,
-               say: Callable[[str], None]) -> dict[str, dict]:
+               say: Callable[[str], None], started: Callable[[int], None] | None = None) -> dict[str, dict]:
     """`tandem serve --in-process` on a free port, then tandem.bench.serving.run_level OFF and AUTO at N in flight;
-    run by tandem.bench.vllm_compare itself, the server's output appended to `log`."""
+    run by tandem.bench.vllm_compare itself, the server's output appended to `log`. `started(pid)` is called once
+    the server process runs."""
     from tandem.bench.serving import run_level
     from tandem.client import TandemClient
 
@@ -104,6 +105,8 @@ def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: P
         sink.write(f"\n==== {' '.join(cmd)}\n")
         sink.flush()
         server = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+        if started is not None:
+            started(server.pid)
         try:
             with TandemClient(address, timeout=5) as client:
                 while True:  # readiness: SERVING (1) once the models are loaded

@@ -8,8 +8,11 @@ started last, with plain decoding on the baseline arm's loop for its exactness c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from tandem.engines import Backend
 from tandem.errors import TandemError
@@ -22,6 +25,7 @@ from tandem.gateway.options import GatewayOptions
 from tandem.telemetry.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 async def load_generations(load: Callable[[], Backend | Mapping[str, Backend]], options: GatewayOptions,
@@ -32,7 +36,7 @@ async def load_generations(load: Callable[[], Backend | Mapping[str, Backend]], 
     loops: dict[str, ServingLoop] = {}
     router: ArmRouter | None = None
     try:
-        backends = arm_backends(await asyncio.to_thread(load), routed=arm_routers is not None)
+        backends = arm_backends(await in_own_thread(load), routed=arm_routers is not None)
         for name, backend in backends.items():
             loops[name] = serving_loop(backend, options, metrics, sessions)
             await loops[name].start()
@@ -56,6 +60,38 @@ async def load_generations(load: Callable[[], Backend | Mapping[str, Backend]], 
                      if tenant.max_concurrency is not None} if keys is not None else {}
     return Generations(backends[baseline], loops, options.limits, metrics, tenant_limits,
                        options.tenant_queue_share if keys is not None else 1.0, router)
+
+
+async def in_own_thread(call: Callable[[], T]) -> T:
+    """`call()` in a thread that ends when it returns, rather than in the event loop's executor, whose threads live on.
+
+    torch's CPU thread pool is OpenMP's (libgomp), which keeps a team of threads for every thread that ran a parallel
+    op, for as long as that thread lives. Loading and calibrating run such ops; the engine's thread then runs its own
+    team. With more of these threads than CPUs, libgomp spins only ~100 iterations before putting a waiting thread
+    to sleep, so every op of a forward waited for a wake-up: with the loader's team kept in an executor thread, the
+    served engine's forwards ran about 1.5x slower than the same engine's in one thread (docs/performance.md)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = call()
+        except BaseException as exc:  # re-raised by the awaiting coroutine
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the event loop closed meanwhile: nobody awaits the load
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="tandem-loader", daemon=True).start()
+    return await done
 
 
 def arm_backends(loaded: Backend | Mapping[str, Backend], routed: bool) -> dict[str, Backend]:

@@ -6,6 +6,11 @@ join, takes every call queued by then, runs them as one batch and hands each cal
 during that forward queue for the next one, so rows join and leave per step and the window bounds the wait. A merged
 call that reports lost sequences or a full cache is rerun call by call, so each caller gets the answer to its own
 rows (both are raised before the forward writes anything, so the rerun is safe).
+
+Whichever thread leads, the model itself only ever runs on one thread of the worker's (`on_model_thread`): loading,
+forwards and cache releases alike. torch's CPU thread pool is OpenMP's, which keeps a team of threads for every
+thread that ran a parallel op; with more of them than CPUs, libgomp puts waiting threads to sleep after every op, and
+a worker whose forwards ran on its 64 call threads in turn would soon run every op that way.
 """
 
 from __future__ import annotations
@@ -14,12 +19,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from tandem.workers.worker_base import WorkerReply
 
 RECENT_CALLS = 100  # forwards the rows-per-call mean is taken over
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -53,12 +60,12 @@ class CallBatcher:
         self._queue: list[_Call] = []
         self._busy = False
         self._model = threading.Lock()  # held while the model or its caches change (forwards, releases)
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-model")
 
-    @contextmanager
-    def exclusive(self):
-        """Hold the model for something other than a forward (releasing caches)."""
+    def on_model_thread(self, call: Callable[..., T], *args) -> T:
+        """`call(*args)` on the worker's model thread, holding the model (loading, releasing caches, reading them)."""
         with self._model:
-            yield
+            return self._model_thread.submit(call, *args).result()
 
     def submit(self, requests: list) -> WorkerReply:
         call = _Call(requests)
@@ -96,12 +103,9 @@ class CallBatcher:
         self.stats.recent.append((len(merged), len(calls)))
         started = time.perf_counter()
         try:
-            with self._model:
-                reply = self.run(merged)
-                if len(calls) > 1 and reply.results is None:
-                    for call in calls:
-                        call.reply = self.run(call.requests)
-                    return
+            reply = self.on_model_thread(self._forward, calls, merged)
+            if reply is None:  # answered call by call
+                return
         except BaseException as exc:  # every caller of the failed forward sees the failure
             for call in calls:
                 if call.reply is None:
@@ -115,3 +119,12 @@ class CallBatcher:
             call.reply = WorkerReply(results=reply.results[start:end] if reply.results is not None else None,
                                      lost=reply.lost, full=reply.full)
             start = end
+
+    def _forward(self, calls: list[_Call], merged: list) -> WorkerReply | None:
+        """The merged forward; where it reports lost sequences or a full cache, each call's own (None then)."""
+        reply = self.run(merged)
+        if len(calls) > 1 and reply.results is None:
+            for call in calls:
+                call.reply = self.run(call.requests)
+            return None
+        return reply

@@ -15,7 +15,7 @@ class DraftWorker(WorkerBase):
 
     def __init__(self, config: WorkerConfig, name: str = "draft") -> None:
         super().__init__(name, config.batch_window_s)
-        self.runner = load_runner(config, vocab_limit=config.draft_vocab)
+        self.runner = self.batcher.on_model_thread(load_runner, config, config.draft_vocab)
         self.drafter = LocalDrafter(self.runner, top_m=config.top_m, confidence=config.confidence)
 
     def propose(self, requests: list[DraftRequest], trace: dict | None = None) -> WorkerReply:

@@ -12,7 +12,7 @@ class TargetWorker(WorkerBase):
 
     def __init__(self, config: WorkerConfig, name: str = "target") -> None:
         super().__init__(name, config.batch_window_s)
-        self.runner = load_runner(config)
+        self.runner = self.batcher.on_model_thread(load_runner, config)
         self.verifier = LocalVerifier(self.runner)
 
     def verify(self, requests: list[VerifyRequest], trace: dict | None = None) -> WorkerReply:

@@ -86,8 +86,7 @@ class WorkerBase:
         raise NotImplementedError
 
     def release(self, seq_ids: list[str], retain: bool = False) -> None:
-        with self.batcher.exclusive():
-            self._release(seq_ids, retain)
+        self.batcher.on_model_thread(self._release, seq_ids, retain)
 
     def _release(self, seq_ids: list[str], retain: bool) -> None:
         """Drop these sequences' caches (the model lock held, as `_run` holds it)."""
@@ -97,8 +96,7 @@ class WorkerBase:
     def sequence_ids(self) -> list[str]:
         if getattr(self, "runner", None) is None:  # a tensor-parallel rank before `setup`
             return []
-        with self.batcher.exclusive():
-            return list(self.runner.states)
+        return self.batcher.on_model_thread(lambda: list(self.runner.states))
 
     def owns_sequences(self) -> bool:
         """Whether this worker decides when its sequences are released (not a follower rank of a shared replica)."""
