@@ -57,15 +57,9 @@ def served(checkout: Path, args: argparse.Namespace, repeat: int, log: Path, say
 
         threading.Thread(target=loop, daemon=True).start()
 
-    env = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(checkout / "services") + (os.pathsep + env if env else "")
-    try:
-        modes = run_served(args, load_prompts(), repeat, log, say, started=sample)
-    finally:
-        if env is None:
-            os.environ.pop("PYTHONPATH")
-        else:
-            os.environ["PYTHONPATH"] = env
+    path = os.environ.get("PYTHONPATH")
+    env = os.environ | {"PYTHONPATH": str(checkout / "services") + (os.pathsep + path if path else "")}
+    modes = run_served(args, load_prompts(), repeat, log, say, started=sample, env=env)
     return {"modes": modes, "thread_cpu_samples": samples}
 
 

@@ -87,10 +87,11 @@ def run(job: dict) -> dict:
 
 
 def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: Path,
-               say: Callable[[str], None], started: Callable[[int], None] | None = None) -> dict[str, dict]:
+               say: Callable[[str], None], started: Callable[[int], None] | None = None,
+               env: dict[str, str] | None = None) -> dict[str, dict]:
     """`tandem serve --in-process` on a free port, then tandem.bench.serving.run_level OFF and AUTO at N in flight;
     run by tandem.bench.vllm_compare itself, the server's output appended to `log`. `started(pid)` is called once
-    the server process runs."""
+    the server process runs; `env`: the server's environment (None: this process's)."""
     from tandem.bench.serving import run_level
     from tandem.client import TandemClient
 
@@ -104,7 +105,7 @@ def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: P
     with log.open("a") as sink:
         sink.write(f"\n==== {' '.join(cmd)}\n")
         sink.flush()
-        server = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
         if started is not None:
             started(server.pid)
         try:
