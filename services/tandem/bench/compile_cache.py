@@ -27,7 +27,6 @@ TINY = "tiny"
 
 def warm_up_once(model: str, device: str, dtype: str) -> dict:
     """Load `model` and time its runner's warm-up in this process (the child's side)."""
-
     from tandem.core.device import select_device, select_dtype
     from tandem.core.runner import ModelRunner
     from tandem.models.loader import load_model

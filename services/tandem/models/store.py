@@ -42,7 +42,7 @@ def use_compile_cache(root: Path | None = None) -> str:
     """Keep torch.compile's caches (inductor's compiled graphs, and the Triton kernels beside them) under the model
     store, unless TORCHINDUCTOR_CACHE_DIR says where; returns the directory. The default is under /tmp, which a pod
     loses when it is rescheduled: under the store, a restarted pod, or with a shared claim every new replica, starts
-    from compiled code (a fresh process's warm-up ran 2.8x faster from a warm cache, docs/performance.md)."""
+    from compiled code (a fresh process's warm-up ran 2.69x faster from a kept cache, docs/performance.md)."""
     return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((root or default_root()) / "compile"))
 
 
