@@ -89,18 +89,23 @@ def packable(model: torch.nn.Module) -> bool:
     return parameter.device.type == "cpu" and supported(parameter.dtype) and not sharded
 
 
-def prepack(model: torch.nn.Module) -> int:
-    """Replace the model's nn.Linear layers (those of at least MIN_PACKED_WEIGHTS weights) by PackedLinear in place;
-    the number replaced (0 when not packable, or when already packed, so calling it twice is harmless)."""
+def prepack(model: torch.nn.Module, fuse_siblings: bool = True) -> int:
+    """Replace the model's nn.Linear layers (those of at least MIN_PACKED_WEIGHTS weights) by PackedLinear in place,
+    and, with `fuse_siblings`, those that read one input (q/k/v, gate/up) by parts of one packed product
+    (core.fused_linear); the number of nn.Linear replaced (0 when not packable, or when already packed, so calling
+    it twice is harmless)."""
+    from tandem.core.fused_linear import fuse  # it builds on PackedLinear
+
     if not packable(model):
         return 0
     least = MIN_PACKED_WEIGHTS[next(model.parameters()).dtype]
+    fused = fuse(model, least) if fuse_siblings else 0
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is torch.nn.Linear and child.weight.numel() >= least]
     with torch.no_grad():
         for parent, name, child in swaps:
             setattr(parent, name, PackedLinear.from_linear(child))
-    return len(swaps)
+    return fused + len(swaps)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -1,0 +1,84 @@
+"""Sibling linears that read the same input run as one prepacked product: a layer's q/k/v, an MLP's gate/up.
+
+A decode step streams every weight once (core.packed_linear), and each oneDNN call has a cost of its own beside the
+bytes it reads: the 1.5B target's 256-row k and v projections stream at well under the rate its MLP does. One call
+over the stacked weights reads them in one pass, as vLLM's merged projections do.
+
+Hugging Face's modules call q_proj(x), k_proj(x) and v_proj(x) in turn on the same x, and gate_proj(x) and up_proj(x)
+likewise, so those modules stay as Hugging Face wrote them: each projection becomes a FusedPart of one FusedLinear.
+Whichever part is called first computes the stacked product and keeps it until each part has taken its columns (a
+view); a part called on another input, or a second time, computes afresh. So any call order gives the right numbers,
+and nothing is kept after the last part has read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.core.packed_linear import PackedLinear
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class FusedLinear(torch.nn.Module):
+    """y = x [W_1; W_2; ...]^T + [b_1; b_2; ...], computed once per input for the parts that slice it."""
+
+    def __init__(self, linears: list[torch.nn.Linear]) -> None:
+        super().__init__()
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        biases = [linear.bias for linear in linears]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.detach() if b is not None else linear.weight.new_zeros(linear.out_features)
+                              for b, linear in zip(biases, linears, strict=True)])
+        self.linear = PackedLinear(weight, bias)
+        sizes = [linear.out_features for linear in linears]
+        self.spans = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
+        # [(input, its product, parts yet to read it)]: the triple is replaced whole, so a reader sees one consistent
+        # one; a list cell rather than a module attribute, whose assignment nn.Module makes slow.
+        self._kept: list[tuple[torch.Tensor, torch.Tensor, frozenset[int]] | None] = [None]
+
+    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        kept = self._kept[0]
+        if kept is None or kept[0] is not x or index not in kept[2]:
+            kept = (x, self.linear(x), frozenset(range(len(self.spans))))
+        left = kept[2] - {index}
+        self._kept[0] = (x, kept[1], left) if left else None
+        start, size = self.spans[index]
+        return kept[1].narrow(-1, start, size)
+
+
+class FusedPart(torch.nn.Module):
+    """One projection's columns of a FusedLinear, standing where its nn.Linear stood."""
+
+    def __init__(self, fused: FusedLinear, index: int, in_features: int) -> None:
+        super().__init__()
+        self.fused, self.index = fused, index
+        self.in_features, self.out_features = in_features, fused.spans[index][1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.part(self.index, x)
+
+    def extra_repr(self) -> str:
+        return f"part {self.index} of {len(self.fused.spans)}, out_features={self.out_features}"
+
+
+def fuse(model: torch.nn.Module, least: int = 0) -> int:
+    """Replace each GROUPS set of nn.Linear siblings (same input width and dtype, at least `least` weights together)
+    by parts of one FusedLinear, in place; the number of nn.Linear replaced."""
+    replaced = 0
+    for module in list(model.modules()):
+        for names in GROUPS:
+            linears = [getattr(module, name, None) for name in names]
+            if not all(type(linear) is torch.nn.Linear for linear in linears):
+                continue
+            if len({(linear.in_features, linear.weight.dtype) for linear in linears}) != 1:
+                continue
+            if sum(linear.weight.numel() for linear in linears) < least:
+                continue
+            with torch.no_grad():
+                fused = FusedLinear(linears)
+            for index, (name, linear) in enumerate(zip(names, linears, strict=True)):
+                setattr(module, name, FusedPart(fused, index, linear.in_features))
+            replaced += len(linears)
+    return replaced
