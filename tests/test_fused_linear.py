@@ -96,17 +96,23 @@ def test_prepack_fuses_attention_and_mlp_projections(tiny_dirs, monkeypatch, dty
     assert torch.allclose(logits[0], logits[1], atol=tolerance, rtol=tolerance)
 
 
-def test_fusion_benchmark_reports_both_copies_per_model_and_width(tiny_dirs, monkeypatch, tmp_path) -> None:
+@pytest.mark.parametrize("compare", ["fusion", pytest.param("compile", marks=pytest.mark.slow)])
+def test_forward_benchmark_reports_both_runners_per_model_and_width(tiny_dirs, monkeypatch, tmp_path, compare) -> None:
     import json
 
-    from tandem.bench import fusion
+    from tandem.bench import forward_ab
 
     monkeypatch.setitem(MIN_PACKED_WEIGHTS, torch.float32, 0)
-    out = tmp_path / "fusion.json"
-    assert fusion.main(["--target", str(tiny_dirs.target), "--draft", str(tiny_dirs.draft), "--dtype", "float32",
-                        "--widths", "1", "3", "--steps", "2", "--context", "20", "--json", str(out)]) == 0
+    out = tmp_path / "ab.json"
+    assert forward_ab.main(["--compare", compare, "--target", str(tiny_dirs.target), "--draft", str(tiny_dirs.draft),
+                            "--dtype", "float32", "--widths", "1", "3", "--steps", "2", "--context", "20",
+                            "--json", str(out)]) == 0
     report = json.loads(out.read_text())
+    first, second = forward_ab.VARIANTS[compare]
     for role in ("target", "draft"):
-        assert set(report[role]) == {"1", "3"}
-        for row in report[role].values():
-            assert row["fused_s"] > 0 and row["unfused_s"] > 0 and row["max_logit_diff"] < 1e-3
+        for width in ("1", "3"):
+            row = report[role][width]
+            assert row[f"{first}_s"] > 0 and row[f"{second}_s"] > 0 and row["speedup"] > 0
+            assert row["max_logit_diff"] < 1e-3
+        if compare == "compile":
+            assert report[role]["compiled"] is True

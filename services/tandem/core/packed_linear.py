@@ -35,6 +35,33 @@ PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 MIN_PACKED_WEIGHTS = {torch.bfloat16: 0, torch.float32: 1 << 20}
 
 
+def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    if x.dtype == torch.float32 and x.numel() == x.shape[-1]:
+        # One row: oneDNN would take its matrix-vector kernel, which rounds differently from the kernel every wider
+        # step takes (seen on an AVX-512/AMX Xeon), and a plain decode step would then part from a verify forward.
+        # Two identical rows take the wide kernel; the weights are still read once.
+        both = torch.ops.mkldnn._linear_pointwise(x.reshape(1, -1).expand(2, -1).contiguous(), packed, bias, "none",
+                                                   [], "")
+        return both[:1].reshape(*x.shape[:-1], out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@torch.library.custom_op("tandem::packed_product", mutates_args=())
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+    """The packed product as one opaque op for torch.compile, which calls it between the elementwise kernels it
+    fuses. Inductor's own lowering of mkldnn._linear_pointwise asserts on a bf16 weight it did not pack itself (a
+    LoweringException: every compiled CPU forward of a packed bf16 model ran uncompiled). Eager forwards call the
+    product directly: the dispatcher's per-call cost would show in a decode step of ~200 products."""
+    return _product(x, packed, bias, out_features)
+
+
+@packed_product.register_fake
+def _packed_product_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                          out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 class PackedLinear(torch.nn.Module):
     """y = x W^T + b with W held in oneDNN's layout; inference only (no gradient flows to W)."""
 
@@ -55,14 +82,9 @@ class PackedLinear(torch.nn.Module):
         return PackedLinear(self.packed.to_dense()[:rows], bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and x.numel() == x.shape[-1]:
-            # One row: oneDNN would take its matrix-vector kernel, which rounds differently from the kernel every
-            # wider step takes (seen on an AVX-512/AMX Xeon), and a plain decode step would then part from a verify
-            # forward. Two identical rows take the wide kernel; the weights are still read once.
-            both = torch.ops.mkldnn._linear_pointwise(x.reshape(1, -1).expand(2, -1).contiguous(), self.packed,
-                                                       self.bias, "none", [], "")
-            return both[:1].reshape(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():
+            return packed_product(x, self.packed, self.bias, self.out_features)
+        return _product(x, self.packed, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

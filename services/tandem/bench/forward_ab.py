@@ -1,0 +1,121 @@
+"""Two ways of running the same forward, forward by forward in one sitting: fused projections or compiled forwards.
+
+`--compare fusion`: each model of the pair loaded twice, prepacked with and without fusing q/k/v and gate/up
+(core.fused_linear). `--compare compile`: each model loaded once, run by an eager runner and by one whose decode
+forwards torch.compile compiled (on a CPU: the static forwards without CUDA graphs). Each runner holds one sequence of
+the same context; forwards of each width then alternate between the two (A B, then B A) for `--steps` pairs, each
+feeding `width` tokens at the context's end and rolled back, so every forward sees the same context. Reported per
+model and width: the median seconds of each, the speed-up of the first over the second (the median of each
+back-to-back pair's ratio, free of the machine's slower drifts; above 1: the first is faster), the first forward's
+seconds (a compile), and the largest difference between their logits.
+
+    python -m tandem.bench.forward_ab --compare fusion --json fusion.json      # about 2 min on a 2-core CPU
+    python -m tandem.bench.forward_ab --compare compile --json compile.json    # plus a compile per model and width
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+from tandem.cli.common import add_bench_model_options
+from tandem.cli.options import DefaultsHelpFormatter, add_json_option, write_json
+from tandem.core.packed_linear import prepack, supported
+from tandem.core.runner import ModelRunner
+from tandem.models.loader import load_model
+
+VARIANTS = {"fusion": ("fused", "unfused"), "compile": ("compiled", "eager")}
+
+
+def _ids(count: int, vocab: int, offset: int = 0) -> list[int]:
+    return [(offset + 7 + 13 * i) % vocab for i in range(count)]
+
+
+def _runners(compare: str, name: str, dtype: torch.dtype, context: int) -> dict:
+    first, second = VARIANTS[compare]
+    if compare == "fusion":
+        models = {}
+        for variant in (first, second):
+            loaded = load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False, eager=True)
+            prepack(loaded.model, fuse_siblings=variant == first)
+            models[variant] = ModelRunner(loaded.model)
+    else:
+        model = load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False).model
+        models = {first: ModelRunner(model, compile=True), second: ModelRunner(model, compile=False)}
+    runners = {}
+    for variant, runner in models.items():
+        state = runner.state("bench")
+        state.sync(0, _ids(context, runner.vocab_size))
+        runner.prefill(state, context)
+        runners[variant] = (runner, state)
+    return runners
+
+
+def _forward(runner: ModelRunner, state, width: int) -> tuple[float, torch.Tensor]:
+    keep = len(state.tokens)
+    state.sync(keep, _ids(width, runner.vocab_size, offset=keep))
+    started = time.perf_counter()
+    logits = runner.forward_on_device([state], [width])
+    seconds = time.perf_counter() - started
+    state.sync(keep, [])  # rolled back: the next forward sees the same context
+    return seconds, logits
+
+
+def compare_forwards(compare: str, name: str, dtype: torch.dtype, widths: list[int], steps: int,
+                     context: int) -> dict:
+    runners = _runners(compare, name, dtype, context)
+    first, second = VARIANTS[compare]
+    result: dict = {}
+    for width in widths:
+        firsts, logits = {}, {}
+        for variant, (runner, state) in runners.items():  # untimed in the pairs: it may compile
+            firsts[variant], logits[variant] = _forward(runner, state, width)
+        times: dict[str, list[float]] = {variant: [] for variant in runners}
+        for step in range(steps):
+            for variant in (first, second) if step % 2 == 0 else (second, first):
+                times[variant].append(_forward(*runners[variant], width)[0])
+        paired = statistics.median(b / a for a, b in zip(times[first], times[second], strict=True))
+        result[str(width)] = {
+            **{f"{variant}_s": round(statistics.median(t), 5) for variant, t in times.items()},
+            "speedup": round(paired, 4),
+            "first_forward_s": {variant: round(seconds, 3) for variant, seconds in firsts.items()},
+            "max_logit_diff": (logits[first].float() - logits[second].float()).abs().max().item(),
+        }
+        print(f"{name} width {width}: {first} {result[str(width)][first + '_s'] * 1e3:.1f} ms, {second} "
+              f"{result[str(width)][second + '_s'] * 1e3:.1f} ms, {first} {paired:.3f}x", flush=True)
+    if compare == "compile":
+        graphs = runners[first][0].graphs
+        result["compiled"] = bool(graphs is not None and graphs.compiled)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--compare", choices=sorted(VARIANTS), default="fusion", help="what the two runners differ in")
+    add_bench_model_options(parser, "bfloat16", "both models' dtype (one oneDNN packs here)")
+    parser.add_argument("--widths", type=int, nargs="+", default=[1, 5], help="tokens per forward")
+    parser.add_argument("--steps", type=int, default=60, help="alternated pairs of forwards per width")
+    parser.add_argument("--context", type=int, default=300, help="tokens cached before the timed forwards")
+    add_json_option(parser, "the report")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    if not supported(dtype):
+        parser.error(f"oneDNN cannot pack {args.dtype} weights on this CPU: nothing to compare")
+    report: dict = {"config": {"compare": args.compare, "variants": VARIANTS[args.compare], "target": args.target,
+                               "draft": args.draft, "dtype": args.dtype, "threads": args.threads,
+                               "steps": args.steps, "context": args.context, "torch": torch.__version__,
+                               "machine": platform.processor() or platform.machine()}}
+    for role in ("target", "draft"):
+        report[role] = compare_forwards(args.compare, getattr(args, role), dtype, args.widths, args.steps,
+                                        args.context)
+    write_json(args.json, report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
