@@ -9,8 +9,8 @@ import torch
 
 from tandem.core.fused_linear import FusedLinear, FusedPart, fuse
 from tandem.core.packed_linear import MIN_PACKED_WEIGHTS, PackedLinear, prepack, supported, weight_bytes
-from tandem.core.runner import ModelRunner
 from tandem.models.loader import load_model
+from test_packed_linear import runner_logits
 
 pytestmark = pytest.mark.skipif(not supported(torch.float32), reason="oneDNN cannot pack float32 here")
 CPU = torch.device("cpu")
@@ -85,13 +85,7 @@ def test_prepack_fuses_attention_and_mlp_projections(tiny_dirs, monkeypatch, dty
     assert weight_bytes(fast.model) == weight_bytes(eager.model)  # a fused weight is counted once
     assert isinstance(fast.model.get_output_embeddings(), PackedLinear)
     assert prepack(fast.model) == 0
-    prompt = list(range(3, 40))
-    logits = []
-    for loaded in (fast, eager):
-        runner = ModelRunner(loaded.model, kv_tokens=512)
-        state = runner.state("a")
-        state.sync(0, prompt)
-        logits.append(runner.forward([state], [5])[0])
+    logits = [runner_logits(loaded.model) for loaded in (fast, eager)]
     tolerance = 1e-4 if dtype == torch.float32 else 0.1
     assert torch.allclose(logits[0], logits[1], atol=tolerance, rtol=tolerance)
 

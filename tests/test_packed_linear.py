@@ -38,6 +38,14 @@ def linears(model: torch.nn.Module, kind: type) -> int:
     return sum(type(module) is kind for module in model.modules())
 
 
+def runner_logits(model: torch.nn.Module, prompt: tuple[int, ...] = tuple(range(3, 40)), want: int = 5) -> torch.Tensor:
+    """The logits of a prompt's last `want` tokens, through a fresh ModelRunner."""
+    runner = ModelRunner(model, kv_tokens=512)
+    state = runner.state("a")
+    state.sync(0, list(prompt))
+    return runner.forward([state], [want])[0]
+
+
 def same(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
     """bf16 packing runs nn.Linear's own oneDNN kernel (bit-identical); float32 replaces PyTorch's BLAS, whose
     rounding differs slightly."""
@@ -104,13 +112,8 @@ def test_loader_packs_on_cpu_in_packable_dtypes_only(tiny_dirs, dtype: torch.dty
 @pytest.mark.parametrize("dtype", PACKED)
 def test_packed_model_logits_equal_eager_in_runner_and_generate(tiny_dirs, dtype: torch.dtype) -> None:
     fast, eager = load(tiny_dirs.target, dtype), load(tiny_dirs.target, dtype, eager=True)
-    prompt = list(range(3, 40))
-    logits = []
-    for loaded in (fast, eager):
-        runner = ModelRunner(loaded.model, kv_tokens=512)
-        state = runner.state("a")
-        state.sync(0, prompt)
-        logits.append(runner.forward([state], [5])[0])
+    prompt = tuple(range(3, 40))
+    logits = [runner_logits(loaded.model, prompt) for loaded in (fast, eager)]
     assert same(logits[0], logits[1], dtype)
     ids = torch.tensor([prompt])
     outs = [loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,

@@ -22,9 +22,10 @@ import time
 
 import torch
 
+from tandem.bench.packing import packable_dtype
 from tandem.cli.common import add_bench_model_options
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, write_json
-from tandem.core.packed_linear import prepack, supported
+from tandem.core.packed_linear import prepack
 from tandem.core.runner import ModelRunner
 from tandem.models.loader import load_model
 
@@ -102,10 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=300, help="tokens cached before the timed forwards")
     add_json_option(parser, "the report")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    if not supported(dtype):
-        parser.error(f"oneDNN cannot pack {args.dtype} weights on this CPU: nothing to compare")
+    dtype = packable_dtype(parser, args)
     report: dict = {"config": {"compare": args.compare, "variants": VARIANTS[args.compare], "target": args.target,
                                "draft": args.draft, "dtype": args.dtype, "threads": args.threads,
                                "steps": args.steps, "context": args.context, "torch": torch.__version__,

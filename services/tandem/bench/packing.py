@@ -33,6 +33,15 @@ def _timed(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[in
     return sum(len(r.token_ids) for r in results), time.perf_counter() - started, [r.token_ids for r in results]
 
 
+def packable_dtype(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.dtype:
+    """Sets torch's threads and returns the asked dtype; a usage error where oneDNN cannot pack it on this CPU."""
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    if not supported(dtype):
+        parser.error(f"oneDNN cannot pack {args.dtype} weights on this CPU: nothing to compare")
+    return dtype
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     add_bench_model_options(parser, "float32", "both models' dtype (one oneDNN packs here)")
@@ -43,10 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     add_json_option(parser, "the report")
     args = parser.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    if not supported(dtype):
-        parser.error(f"oneDNN cannot pack {args.dtype} weights on this CPU: nothing to compare")
+    dtype = packable_dtype(parser, args)
     cpu = torch.device("cpu")
     models = {layout: tuple(load_model(name, device=cpu, dtype=dtype, progress=False, eager=layout == "eager")
                             for name in (args.target, args.draft)) for layout in LAYOUTS}
