@@ -8,7 +8,7 @@ started last, with plain decoding on the baseline arm's loop for its exactness c
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -70,28 +70,19 @@ async def in_own_thread(call: Callable[[], T]) -> T:
     team. With more of these threads than CPUs, libgomp spins only ~100 iterations before putting a waiting thread
     to sleep, so every op of a forward waited for a wake-up: with the loader's team kept in an executor thread, the
     served engine's forwards ran about 1.5x slower than the same engine's in one thread (docs/performance.md)."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: T | None, error: BaseException | None) -> None:
-        if done.cancelled():
-            return
-        if error is not None:
-            done.set_exception(error)
-        else:
-            done.set_result(result)
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
 
     def run() -> None:
-        result, error = None, None
+        if not done.set_running_or_notify_cancel():  # the wait was cancelled before the thread started
+            return
         try:
-            result = call()
+            done.set_result(call())
         except BaseException as exc:  # re-raised by the awaiting coroutine
-            error = exc
-        with contextlib.suppress(RuntimeError):  # the event loop closed meanwhile: nobody awaits the load
-            loop.call_soon_threadsafe(settle, result, error)
+            done.set_exception(exc)
 
     threading.Thread(target=run, name="tandem-loader", daemon=True).start()
-    return await done
+    # wrap_future drops a result that arrives for a cancelled wait, or after the event loop closed.
+    return await asyncio.wrap_future(done)
 
 
 def arm_backends(loaded: Backend | Mapping[str, Backend], routed: bool) -> dict[str, Backend]:

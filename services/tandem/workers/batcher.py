@@ -59,13 +59,13 @@ class CallBatcher:
         self._cond = threading.Condition()
         self._queue: list[_Call] = []
         self._busy = False
-        self._model = threading.Lock()  # held while the model or its caches change (forwards, releases)
+        # The one thread that runs the model: loading, forwards and releases queue for it in the order they come.
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-model")
 
     def on_model_thread(self, call: Callable[..., T], *args) -> T:
-        """`call(*args)` on the worker's model thread, holding the model (loading, releasing caches, reading them)."""
-        with self._model:
-            return self._model_thread.submit(call, *args).result()
+        """`call(*args)` on the worker's model thread, after every call queued before it (loading, forwards,
+        releasing caches, reading them)."""
+        return self._model_thread.submit(call, *args).result()
 
     def submit(self, requests: list) -> WorkerReply:
         call = _Call(requests)

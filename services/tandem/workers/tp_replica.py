@@ -81,8 +81,8 @@ class TensorParallelRank(TargetWorker):
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
-    # Rank 0 broadcasts under the model lock (the batcher holds it for forwards and releases alike), so the other
-    # ranks receive forwards and releases in the order rank 0 runs them.
+    # Rank 0 broadcasts on its model thread (the batcher runs forwards and releases alike there, one at a time), so
+    # the other ranks receive forwards and releases in the order rank 0 runs them.
     def _run(self, requests: list) -> WorkerReply:
         if self.control is not None and self.rank == 0:
             self._broadcast(("verify", requests))

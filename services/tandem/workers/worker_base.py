@@ -89,7 +89,7 @@ class WorkerBase:
         self.batcher.on_model_thread(self._release, seq_ids, retain)
 
     def _release(self, seq_ids: list[str], retain: bool) -> None:
-        """Drop these sequences' caches (the model lock held, as `_run` holds it)."""
+        """Drop these sequences' caches (on the model thread, where `_run` runs too)."""
         for seq_id in seq_ids:
             self.runner.release(seq_id, retain)
 
