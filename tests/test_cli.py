@@ -56,6 +56,13 @@ def test_bad_arguments_give_clear_errors(capsys, cli_models, args: list[str], me
     assert message in capsys.readouterr().err
 
 
+def test_eager_and_compile_exclude_each_other(capsys, cli_models) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "x", "--target", str(cli_models / "target"), "--eager", "--compile"])
+    assert exited.value.code == 2
+    assert "--compile: not allowed with argument --eager" in capsys.readouterr().err
+
+
 def test_kv_tokens_sets_the_runners_budget(capsys, cli_models) -> None:
     budgeted = _generate(capsys, cli_models, "--kv-tokens", "8192")
     assert budgeted["token_ids"] == _generate(capsys, cli_models)["token_ids"]

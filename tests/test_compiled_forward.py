@@ -16,7 +16,11 @@ from tandem.core.fused_linear import FusedPart
 from tandem.core.local import LocalDrafter, LocalVerifier
 from tandem.core.packed_linear import MIN_PACKED_WEIGHTS, supported
 from tandem.core.runner import ModelRunner
+from tandem.engines.local import build_engine
+from tandem.engines.options import ClusterOptions, LocalOptions
+from tandem.errors import InvalidArgument
 from tandem.models.loader import load_model
+from tandem.workers.worker_base import WorkerConfig, load_runner
 
 # One worker for the module: its compiles are in-process, so later tests reuse the earlier tests' graphs.
 pytestmark = pytest.mark.xdist_group("compiled_forward")
@@ -102,6 +106,45 @@ def test_packed_and_fused_models_compile(tiny_dirs, monkeypatch, dtype) -> None:
 
 
 @pytest.mark.slow
+def test_the_compile_option_reaches_every_runner(tiny_dirs) -> None:
+    """`--compile` travels as LoadedModel.compile to the engine's runners and as WorkerConfig.compile to a worker's;
+    without it a CPU runner has no static forwards. Eager and compile together are refused before any loading."""
+    def load(path, compile: bool):
+        return load_model(str(path), device=torch.device("cpu"), dtype=torch.float32, progress=False, compile=compile)
+
+    for compile in (True, False):
+        engine = build_engine(load(tiny_dirs.target, compile), load(tiny_dirs.draft, compile), kv_tokens=4096)
+        runners = (engine.verifier.runner, engine.drafter.runner)
+        assert all((r.graphs is not None and r.graphs.compiled) == compile for r in runners)
+    worker = load_runner(WorkerConfig(model=str(tiny_dirs.draft), device="cpu", dtype="float32", kv_tokens=4096,
+                                      compile=True))
+    assert worker.graphs is not None and worker.graphs.compiled and worker.graphs.compile_error is None
+    with pytest.raises(InvalidArgument, match="eager and compile"):
+        load_model(str(tiny_dirs.target), device=torch.device("cpu"), dtype=torch.float32, eager=True, compile=True)
+    for options in (LocalOptions, ClusterOptions):
+        with pytest.raises(InvalidArgument, match="eager and compile"):
+            options(eager=True, compile=True)
+
+
+@pytest.mark.slow
+def test_compile_benchmark_compares_both_engines_of_each_kind(tiny_dirs, tmp_path) -> None:
+    """tandem.bench.compile_ab on the tiny pair in float32: every section reported, and compiled tokens equal eager."""
+    import json
+
+    from tandem.bench import compile_ab
+
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "ab.json"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "hello"}\n')
+    assert compile_ab.main(["--target", str(tiny_dirs.target), "--draft", str(tiny_dirs.draft), "--dtype", "float32",
+                            "--prompts", str(prompts), "--max-tokens", "8", "--repeats", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for section in ("plain_b1", "plain_b2", "auto_b1", "auto_b2"):
+        row = report[section]
+        assert row["eager_tok_s"] > 0 and row["compiled_tok_s"] > 0 and row["identical"] == 2, (section, row)
+    assert len(report["auto_b1"]["prompt_ratios"]) == 2 and report["compile_seconds"] > 0
+
+
+@pytest.mark.slow
 def test_warm_up_compiles_every_class_of_bucket_before_the_first_request(tiny_models) -> None:
     """Last in the module: it clears dynamo's caches, so the warm-up must compile, and serving afterwards (lone and
     batched rows, plain and speculative) compiles nothing more. Eager runners have nothing to warm."""
@@ -117,3 +160,4 @@ def test_warm_up_compiles_every_class_of_bucket_before_the_first_request(tiny_mo
     assert len(engine.generate(PROMPTS, greedy)) == len(engine.generate(PROMPTS[:1], greedy)) + 3
     assert counters["stats"]["unique_graphs"] == graphs
     assert ModelRunner(target.model, compile=False).warm_up() == 0
+

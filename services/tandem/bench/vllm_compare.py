@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", nargs="+", choices=("tandem", "vllm"), default=["tandem", "vllm"],
                         help="the systems to run, the first first")
     parser.add_argument("--no-served", action="store_true", help="skip tandem's served run at N in flight")
+    parser.add_argument("--compile", action="store_true",
+                        help="tandem with `--compile` (decode forwards compiled by torch.compile; compiling untimed)")
     add_json_option(parser, "the report (its workers' output goes to a .log beside a file)")
     parser.set_defaults(json=DEFAULT_REPORT)
     args = parser.parse_args(argv)
@@ -223,11 +225,11 @@ def main(argv: list[str] | None = None) -> int:
             if system == "tandem":
                 job = {"target": args.target, "draft": args.draft, "prompts": texts, "jobs": jobs,
                        "max_tokens": args.max_tokens, "threads": args.threads, "dtype": args.dtype, "repeat": repeat,
-                       "order": steps(args.batch, repeat)}
+                       "order": steps(args.batch, repeat), "compile": args.compile}
                 result = run_worker(TANDEM_SIDE, job, None, log)
                 modes |= result["modes"]
                 if not args.no_served:
-                    modes |= run_served(args, texts, repeat, log, say)
+                    modes |= run_served(args, texts, repeat, log, say, compile=args.compile)
             else:
                 for spec in (False, True) if repeat % 2 == 0 else (True, False):
                     job = vjob | {"spec": spec, "order": steps(args.batch, repeat)}
@@ -246,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
               "config": {"prompts": len(texts), "requests_at_once": len(jobs), "max_tokens": args.max_tokens,
                          "threads": args.threads, "repeats": args.repeats, "dtype": args.dtype, "greedy": True,
                          "order": [f"{r + 1}:{s}" for r, s in schedule(args.repeats, args.systems)],
-                         "target": args.target, "draft": args.draft, "vllm_k": args.k, "log": str(log)},
+                         "target": args.target, "draft": args.draft, "vllm_k": args.k, "log": str(log),
+                         "tandem_compile": args.compile},
               "systems": meta, "errors": errors,
               "runs": {s: [{m: {k: v for k, v in x.items() if k != "outputs"} for m, x in r.items()} for r in reps]
                        for s, reps in runs.items()}}

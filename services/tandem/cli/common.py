@@ -28,9 +28,14 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32 (default: auto)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
-    parser.add_argument("--eager", action="store_true",
-                        help="run the models as Hugging Face builds them, without the device's fast path "
-                             "(on CPU: oneDNN linears with prepacked weights; on a GPU: torch.compile'd CUDA graphs)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--eager", action="store_true",
+                      help="run the models as Hugging Face builds them, without the device's fast path "
+                           "(on CPU: oneDNN linears with prepacked weights; on a GPU: torch.compile'd CUDA graphs)")
+    mode.add_argument("--compile", action="store_true",
+                      help="on a CPU, compile the decode forwards with torch.compile as a GPU does by default: "
+                           "decoding 4-7%% faster, after minutes of compiling at start (kept in the compile cache "
+                           "for the next start)")
     parser.add_argument("--k-max", type=int, default=SpecConfig().k_max, help="most draft tokens per round")
     parser.add_argument("--fixed-k", type=int, default=None, help="draft exactly this many tokens (no adaptation)")
     parser.add_argument("--draft-confidence", type=float, default=SpecConfig().draft_confidence,
@@ -147,9 +152,9 @@ def load_models(args: argparse.Namespace, speculate: bool):
     pin_model_args(args)
     device, dtype = setup_torch(args)
     if not speculate:
-        return load_model(args.target, device=device, dtype=dtype, eager=args.eager), None
+        return load_model(args.target, device=device, dtype=dtype, eager=args.eager, compile=args.compile), None
     draft, target = load_pair(args.draft, args.target, device=device, dtype=dtype, eager=args.eager,
-                              draft_quantization=args.draft_quantization)
+                              draft_quantization=args.draft_quantization, compile=args.compile)
     return target, draft
 
 

@@ -110,7 +110,7 @@ def run_start(args: argparse.Namespace) -> int:
     options = cluster_options(args)
     load_tokenizer(args.target)  # pulls a registry model once, before the workers would race for it
     common = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "eager": args.eager,
-              "kv_tokens": args.kv_tokens, "batch_window_s": args.batch_window_ms / 1000}
+              "compile": args.compile, "kv_tokens": args.kv_tokens, "batch_window_s": args.batch_window_ms / 1000}
     target = WorkerConfig(model=args.target, **common)
     draft = None
     if speculate and args.draft_workers:

@@ -71,7 +71,8 @@ def cluster_options(args: argparse.Namespace) -> ClusterOptions:
                           draft_resources=_json_flag("draft_resources", args.draft_resources),
                           target_resources=_json_flag("target_resources", args.target_resources),
                           ray_address=args.ray_address, ray_token_file=args.ray_token_file, threads=args.threads,
-                          device=args.device, dtype=args.dtype, eager=args.eager, kv_tokens=args.kv_tokens,
+                          device=args.device, dtype=args.dtype, eager=args.eager, compile=args.compile,
+                          kv_tokens=args.kv_tokens,
                           draft_quantization=args.draft_quantization)
 
 
@@ -104,7 +105,7 @@ def build_options(args: argparse.Namespace, config: EngineConfig, canary: Canary
     else:
         arms = tuple(_arm(args, config, arm) for arm in canary.arms)
     placement = LocalOptions(device=args.device, dtype=args.dtype, threads=args.threads, eager=args.eager,
-                             kv_tokens=args.kv_tokens, draft_quantization=args.draft_quantization,
+                             compile=args.compile, kv_tokens=args.kv_tokens, draft_quantization=args.draft_quantization,
                              ) if args.in_process else cluster_options(args)
     return BuildOptions(args.target, arms, placement, lanes=args.lanes)
 

@@ -11,6 +11,12 @@ from tandem.errors import InvalidArgument
 QUANTIZATIONS = ("none", "int8")
 
 
+def check_model_mode(eager: bool, compile: bool) -> None:
+    """How a model runs: eager (as Hugging Face builds it) and compile (torch.compile'd forwards) exclude each other."""
+    if eager and compile:
+        raise InvalidArgument("eager and compile exclude each other: compiling is part of the fast path eager skips")
+
+
 def _require(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise InvalidArgument(f"{field_name}: {message}")

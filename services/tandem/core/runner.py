@@ -138,8 +138,8 @@ class ModelRunner:
         if self.graphs is None or not self.graphs.compiled:
             return 0
         started = time.perf_counter()
-        log.info("compiling %s's decode forwards (six shape classes: minutes on a GPU, less from a kept cache)",
-                 type(self.model).__name__)
+        log.info("compiling %s's decode forwards (six shape classes: about a minute each on a GPU, one to two on a "
+                 "2-core CPU; less from a kept cache)", type(self.model).__name__)
         runs = 0
         names = [f"warm-up-{row}" for row in range(2)]
         try:
@@ -157,6 +157,7 @@ class ModelRunner:
                         state.sync(len(state.tokens), [self.pad_token_id] * width)
                     self.forward_on_device(states, [1] * rows)
                     runs += 1
+                    log.info("compiled shape class %d of 6 (%.0f s so far)", runs, time.perf_counter() - started)
                 if rows == 1 and self.cache.slots == 1:
                     self.state(names[1])  # grows the cache to several slots
         except KVCacheFull:  # a budget too small for two short sequences: those shapes compile when first used

@@ -122,4 +122,4 @@ def _start_draft_pool(draft: str, config: EngineConfig, options: ClusterOptions,
 
 def _worker_common(options: ClusterOptions) -> dict:
     return {"device": options.device, "dtype": options.dtype, "threads": options.threads, "eager": options.eager,
-            "kv_tokens": options.kv_tokens}
+            "compile": options.compile, "kv_tokens": options.kv_tokens}

@@ -13,7 +13,6 @@ from tandem.core.runner import DEFAULT_RETAIN_TOKENS, ModelRunner
 from tandem.engines.backend import Backend
 from tandem.engines.options import Arm, LocalOptions
 from tandem.errors import InvalidArgument
-from tandem.models.store import use_compile_cache
 
 
 def eos_token_ids(model, tokenizer) -> frozenset[int]:
@@ -39,6 +38,13 @@ def draft_vocab_limit(draft_vocab: int, target_vocab: int) -> int:
     return min(draft_vocab, target_vocab) if draft_vocab else target_vocab
 
 
+def runner_mode(loaded) -> dict:
+    """The ModelRunner arguments a loaded model asks for: no CUDA graphs when eager; compiled forwards on a CPU too
+    when it was loaded with `compile` (None leaves the choice to the device: compiled where CUDA graphs run)."""
+    return {"cuda_graphs": not getattr(loaded, "eager", False),
+            "compile": True if getattr(loaded, "compile", False) else None}
+
+
 def build_engine(target, draft=None, config: EngineConfig | None = None, kv_tokens: int = 0,
                  costs: CostModel | None = None, retain_tokens: int = DEFAULT_RETAIN_TOKENS) -> SpeculativeEngine:
     """target and draft are LoadedModel-like objects with .model and .tokenizer; draft None means plain decoding.
@@ -48,15 +54,13 @@ def build_engine(target, draft=None, config: EngineConfig | None = None, kv_toke
     config = config or EngineConfig()
     pad = target.tokenizer.pad_token_id or 0
     verifier = LocalVerifier(ModelRunner(target.model, pad_token_id=pad, kv_tokens=kv_tokens,
-                                         retain_tokens=retain_tokens,
-                                         cuda_graphs=not getattr(target, "eager", False)))
+                                         retain_tokens=retain_tokens, **runner_mode(target)))
     drafter = None
     if draft is not None and config.spec.speculating:
         runner = ModelRunner(draft.model, pad_token_id=pad,
                              vocab_limit=draft_vocab_limit(config.spec.draft_vocab, verifier.vocab_size),
-                             kv_tokens=kv_tokens, cuda_graphs=not getattr(draft, "eager", False))
+                             kv_tokens=kv_tokens, **runner_mode(draft))
         drafter = LocalDrafter(runner, top_m=config.spec.draft_top_m, confidence=config.spec.stop_confidence)
-    use_compile_cache()
     for compiling in (verifier.runner, drafter and drafter.runner):
         if compiling is not None:
             compiling.warm_up()  # compiles at start, not in the first requests (a GPU's default)
@@ -80,14 +84,14 @@ def build_local_backends(target: str, arms: tuple[Arm, ...], options: LocalOptio
     from tandem.models.loader import check_compatible, load_model
 
     device, dtype = _setup_torch(options)
-    target_model = load_model(target, device=device, dtype=dtype, eager=options.eager)
+    common = {"device": device, "dtype": dtype, "eager": options.eager, "compile": options.compile}
+    target_model = load_model(target, **common)
     drafts: dict[str, object] = {}
     backends = {}
     for arm in arms:
         draft = arm.draft if arm.config.spec.speculating else ""
         if draft and draft not in drafts:
-            drafts[draft] = load_model(draft, device=device, dtype=dtype, eager=options.eager,
-                                       quantization=options.draft_quantization)
+            drafts[draft] = load_model(draft, quantization=options.draft_quantization, **common)
             check_compatible(drafts[draft], target_model)
         engine = build_engine(target_model, drafts[draft] if draft else None, arm.config, kv_tokens=options.kv_tokens)
         backends[arm.name] = Backend(engine, target_model.tokenizer, target, draft)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.core.config import QUANTIZATIONS, EngineConfig
+from tandem.core.config import QUANTIZATIONS, EngineConfig, check_model_mode
 from tandem.errors import InvalidArgument
 
 
-def _check_quantization(value: str) -> None:
-    if value not in QUANTIZATIONS:
-        raise InvalidArgument(f"draft_quantization: one of {', '.join(QUANTIZATIONS)}, got {value!r}")
+def _check_models(options: LocalOptions | ClusterOptions) -> None:
+    """What both placements check of how their models are loaded and run."""
+    if options.draft_quantization not in QUANTIZATIONS:
+        raise InvalidArgument(f"draft_quantization: one of {', '.join(QUANTIZATIONS)}, "
+                              f"got {options.draft_quantization!r}")
+    check_model_mode(options.eager, options.compile)
 
 
 @dataclass(slots=True, frozen=True)
@@ -21,11 +24,12 @@ class LocalOptions:
     dtype: str = "auto"
     threads: int | None = None  # torch's CPU threads (None: all cores)
     eager: bool = False  # models as Hugging Face builds them (no prepacked linears, no CUDA graphs)
+    compile: bool = False  # decode forwards compiled by torch.compile on a CPU too (a GPU's default)
     kv_tokens: int = 0  # each model's KV token budget (0: a share of the memory free when its runner starts)
     draft_quantization: str = "none"  # "int8": draft weights as int8 (core.int8_linear; output unchanged)
 
     def __post_init__(self) -> None:
-        _check_quantization(self.draft_quantization)
+        _check_models(self)
         if self.threads is not None and self.threads < 1:
             raise InvalidArgument(f"threads: must be at least 1, got {self.threads}")
         if self.kv_tokens < 0:
@@ -51,11 +55,12 @@ class ClusterOptions:
     device: str = "auto"
     dtype: str = "auto"
     eager: bool = False  # models as Hugging Face builds them (no prepacked linears)
+    compile: bool = False  # decode forwards compiled by torch.compile on a CPU too (a GPU's default)
     kv_tokens: int = 0  # every worker's KV token budget (0: a share of the memory free when it starts)
     draft_quantization: str = "none"  # "int8": draft workers hold their weights as int8 (core.int8_linear)
 
     def __post_init__(self) -> None:
-        _check_quantization(self.draft_quantization)
+        _check_models(self)
         if self.draft_workers < 0:
             raise InvalidArgument(f"draft_workers: must be non-negative, got {self.draft_workers}")
         if self.target_replicas < 1:

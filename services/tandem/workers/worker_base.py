@@ -32,6 +32,7 @@ class WorkerConfig:
     draft_vocab: int = 0  # ids the drafter scores (0: all); the backend caps it at the target's vocabulary
     kv_tokens: int = 0  # the runner's KV token budget (0: a share of the memory free at start)
     eager: bool = False  # the model as Hugging Face builds it (no prepacked linears)
+    compile: bool = False  # decode forwards compiled by torch.compile on a CPU too (a GPU's default)
     quantization: str = "none"  # "int8": weights held as int8 (draft workers only, core.int8_linear)
     batch_window_s: float = 0.0  # how long a call waits for other gateways' calls to join its forward (shared pools)
 
@@ -49,17 +50,16 @@ class WorkerReply:
 
 def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None = None) -> ModelRunner:
     from tandem.core.device import select_device, select_dtype
+    from tandem.engines.local import runner_mode
     from tandem.models.loader import load_model
-    from tandem.models.store import use_compile_cache
 
     if config.threads:
         torch.set_num_threads(config.threads)
     device = select_device(config.device)
     loaded = load_model(config.model, device=device, dtype=select_dtype(config.dtype, device), progress=False,
-                        extra=extra, eager=config.eager, quantization=config.quantization)
+                        extra=extra, eager=config.eager, compile=config.compile, quantization=config.quantization)
     runner = ModelRunner(loaded.model, pad_token_id=loaded.tokenizer.pad_token_id or 0, vocab_limit=vocab_limit,
-                         kv_tokens=config.kv_tokens, cuda_graphs=not config.eager)
-    use_compile_cache()
+                         kv_tokens=config.kv_tokens, **runner_mode(loaded))
     runner.warm_up()  # compiles at start, not in the first requests (a GPU's default)
     return runner
 
