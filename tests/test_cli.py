@@ -63,6 +63,17 @@ def test_eager_and_compile_exclude_each_other(capsys, cli_models) -> None:
     assert "--compile: not allowed with argument --eager" in capsys.readouterr().err
 
 
+def test_compile_says_why_the_start_is_slow(capsys) -> None:
+    import argparse
+
+    from tandem.cli.common import announce_compile
+
+    announce_compile(argparse.Namespace(compile=False))
+    assert capsys.readouterr().err == ""
+    announce_compile(argparse.Namespace(compile=True))
+    assert "--compile: each model's decode forwards compile before the first request" in capsys.readouterr().err
+
+
 def test_kv_tokens_sets_the_runners_budget(capsys, cli_models) -> None:
     budgeted = _generate(capsys, cli_models, "--kv-tokens", "8192")
     assert budgeted["token_ids"] == _generate(capsys, cli_models)["token_ids"]

@@ -145,12 +145,21 @@ def pin_model_args(args: argparse.Namespace) -> None:
             setattr(args, attr, pin_spec(getattr(args, attr), allow_unpinned=args.allow_unpinned))
 
 
+def announce_compile(args: argparse.Namespace) -> None:
+    """Say why a start with --compile is quiet for minutes (the runners' per-class progress is logged with -v)."""
+    if args.compile:
+        print("tandem: --compile: each model's decode forwards compile before the first request (six shape classes, "
+              "1-2 min each on a 2-core CPU, less from a kept cache; `tandem -v` logs each)",
+              file=sys.stderr, flush=True)
+
+
 def load_models(args: argparse.Namespace, speculate: bool):
     """(target, draft or None), loaded and checked for a shared tokenizer."""
     from tandem.models.loader import load_model, load_pair
 
     pin_model_args(args)
     device, dtype = setup_torch(args)
+    announce_compile(args)
     if not speculate:
         return load_model(args.target, device=device, dtype=dtype, eager=args.eager, compile=args.compile), None
     draft, target = load_pair(args.draft, args.target, device=device, dtype=dtype, eager=args.eager,

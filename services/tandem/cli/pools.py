@@ -9,7 +9,14 @@ import os
 import re
 import socket
 
-from tandem.cli.common import add_model_options, add_ray_token_option, engine_config, kv_tokens, pin_model_args
+from tandem.cli.common import (
+    add_model_options,
+    add_ray_token_option,
+    announce_compile,
+    engine_config,
+    kv_tokens,
+    pin_model_args,
+)
 from tandem.cli.options import add_json_option, wants_text, write_json
 from tandem.cli.serve import add_pool_options
 from tandem.errors import InvalidArgument, TandemError
@@ -101,6 +108,7 @@ def run_start(args: argparse.Namespace) -> int:
     pin_model_args(args)  # the pools' workers all load the commit a hub id names now
     speculate = not args.no_spec
     config = engine_config(args, speculate)
+    announce_compile(args)
     # The pools' stack (Ray, torch), once the arguments are known good.
     from tandem.cli.serve import cluster_options
     from tandem.engines.cluster import load_tokenizer

@@ -16,6 +16,7 @@ from tandem.cli.canary import add_serve_canary_options, serve_canary_options
 from tandem.cli.common import (
     add_model_options,
     add_ray_token_option,
+    announce_compile,
     engine_config,
     kv_tokens,
     pin_model_args,
@@ -154,6 +155,7 @@ def run_serve(args: argparse.Namespace) -> int:
     pin_model_args(args)  # a hub id's commit, fixed before Ray's workers (each loading the models) start
     exporters = tracing.setup_from_env("tandem-gateway")  # before Ray starts: a bad OTEL_* setting fails first
     build = build_options(args, config, canary)
+    announce_compile(args)
     pools = isinstance(build.placement, ClusterOptions)
     if pools:
         from tandem.engines.cluster import start_ray
