@@ -13,6 +13,7 @@ from tandem.core.runner import DEFAULT_RETAIN_TOKENS, ModelRunner
 from tandem.engines.backend import Backend
 from tandem.engines.options import Arm, LocalOptions
 from tandem.errors import InvalidArgument
+from tandem.models.loader import runner_mode
 
 
 def eos_token_ids(model, tokenizer) -> frozenset[int]:
@@ -36,13 +37,6 @@ def decoder(tokenizer) -> Callable[[list[int]], str]:
 def draft_vocab_limit(draft_vocab: int, target_vocab: int) -> int:
     """The ids the drafter scores: never beyond the target's vocabulary, fewer if `draft_vocab` asks."""
     return min(draft_vocab, target_vocab) if draft_vocab else target_vocab
-
-
-def runner_mode(loaded) -> dict:
-    """The ModelRunner arguments a loaded model asks for: no CUDA graphs when eager; compiled forwards on a CPU too
-    when it was loaded with `compile` (None leaves the choice to the device: compiled where CUDA graphs run)."""
-    return {"cuda_graphs": not getattr(loaded, "eager", False),
-            "compile": True if getattr(loaded, "compile", False) else None}
 
 
 def build_engine(target, draft=None, config: EngineConfig | None = None, kv_tokens: int = 0,

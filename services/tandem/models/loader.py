@@ -43,6 +43,14 @@ class LoadedModel:
     quantization: str = "none"  # "int8": linear weights held as int8 (drafts only, core.int8_linear)
 
 
+def runner_mode(loaded) -> dict:
+    """The ModelRunner arguments a loaded model (or a LoadedModel-like object) asks for: no CUDA graphs when eager;
+    compiled forwards on a CPU too when it was loaded with `compile` (None leaves the choice to the device: compiled
+    where CUDA graphs run)."""
+    return {"cuda_graphs": not getattr(loaded, "eager", False),
+            "compile": True if getattr(loaded, "compile", False) else None}
+
+
 @dataclass(frozen=True, slots=True)
 class _Source:
     path: str

@@ -50,8 +50,7 @@ class WorkerReply:
 
 def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None = None) -> ModelRunner:
     from tandem.core.device import select_device, select_dtype
-    from tandem.engines.local import runner_mode
-    from tandem.models.loader import load_model
+    from tandem.models.loader import load_model, runner_mode
 
     if config.threads:
         torch.set_num_threads(config.threads)
