@@ -161,3 +161,19 @@ def test_warm_up_compiles_every_class_of_bucket_before_the_first_request(tiny_mo
     assert counters["stats"]["unique_graphs"] == graphs
     assert ModelRunner(target.model, compile=False).warm_up() == 0
 
+
+
+@pytest.mark.slow
+def test_a_w8a8_draft_compiles(tiny_models, tiny_dirs) -> None:
+    """The int8 product reaches inductor as one opaque op, as the packed one does: the draft's forwards compile with
+    no fallback, and the tokens stay the target's."""
+    from tandem.core.w8a8_linear import supported as w8a8_supported
+
+    if not w8a8_supported():
+        pytest.skip("oneDNN's int8 GEMM does not run here")
+    draft = load_model(str(tiny_dirs.draft), device=torch.device("cpu"), dtype=torch.float32, progress=False,
+                       quantization="w8a8")
+    models = (tiny_models[0], draft, None)
+    compiled, runners = run(models, True, PROMPTS, 4)
+    assert all(r.graphs.compiled and r.graphs.compile_error is None and r.graphs.replays > 0 for r in runners)
+    assert compiled == run(models, False, PROMPTS, None)[0]

@@ -1,8 +1,9 @@
-"""The draft's weights as loaded against int8 (core.int8_linear), one sitting: what drafting costs and what it gains.
+"""The draft's weights as loaded against int8, one sitting: what drafting costs and what it gains.
 
-Three engines over one target: plain decoding, AUTO with the draft as loaded, AUTO with an int8 copy of it. Greedy,
-batch 1, the chat-templated prompts one by one, the three methods in a rotating order per prompt so a slow spell of
-the machine hits all alike. Per method: tokens, seconds (prefill included), tok/s, and for AUTO the acceptance rate,
+Engines over one target: plain decoding, AUTO with the draft as loaded, AUTO with an int8 copy of it (core.int8_linear,
+activations in the model's dtype) and, where oneDNN runs int8 GEMMs, AUTO with a w8a8 copy (core.w8a8_linear). Greedy,
+batch 1, the chat-templated prompts one by one, the methods in a rotating order per prompt so a slow spell of the
+machine hits all alike. Per method: tokens, seconds (prefill included), tok/s, and for AUTO the acceptance rate,
 rounds by k and the calibrated cost of a draft step and of verify forwards by width. Before the engines, the cost
 of one [8960 x 1536] linear layer (the target's MLP shape) at 1, 2, 5 and 64 rows in the kernels this CPU offers:
 the model's dtype through PyTorch, int8 weights, float32 weights prepacked for oneDNN.
@@ -24,10 +25,12 @@ from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_promp
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.int8_linear import Int8Linear
 from tandem.core.packed_linear import PackedLinear, supported, weight_bytes
+from tandem.core.w8a8_linear import W8A8Linear
+from tandem.core.w8a8_linear import supported as w8a8_supported
 from tandem.engines.local import build_engine, encode_prompt
 from tandem.models.loader import load_model
 
-METHODS = ("plain", "auto", "auto_int8")
+METHODS = ("plain", "auto", "auto_int8", "auto_w8a8")
 ROWS = (1, 2, 5, 64)
 
 
@@ -48,6 +51,8 @@ def linear_kernels(dtype: torch.dtype, out_features: int = 8960, in_features: in
                "float32_onednn_packed": PackedLinear(linear.weight.detach().float(), None)}
     if dtype == torch.bfloat16 and supported():
         kernels["bfloat16_onednn_packed"] = PackedLinear.from_linear(linear)
+    if w8a8_supported():
+        kernels["w8a8_onednn"] = W8A8Linear.from_linear(linear)
     out: dict = {}
     with torch.inference_mode():
         for name, layer in kernels.items():
@@ -75,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     report["linear_ms"] = linear_kernels(dtype)
     cpu = torch.device("cpu")
     target = load_model(args.target, device=cpu, dtype=dtype, progress=False)
-    drafts = {"auto": load_model(args.draft, device=cpu, dtype=dtype, progress=False),
-              "auto_int8": load_model(args.draft, device=cpu, dtype=dtype, progress=False, quantization="int8")}
+    methods = METHODS if w8a8_supported() else METHODS[:-1]
+    drafts = {name: load_model(args.draft, device=cpu, dtype=dtype, progress=False,
+                               quantization=name.removeprefix("auto").removeprefix("_") or "none")
+              for name in methods[1:]}
     report["config"]["weight_bytes"] = {"target": weight_bytes(target.model)} | {
         name: weight_bytes(draft.model) for name, draft in drafts.items()}
     one_row = EngineConfig(max_batch=1)
@@ -87,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
                for text in load_prompts(args.prompts)[: args.num_prompts]]
     for engine in engines.values():  # warm-up, untimed
         engine.generate([prompts[0][:8]], SamplingParams(temperature=0.0, max_tokens=4))
-    runs = {name: {"tokens": 0, "seconds": 0.0, "outputs": [], "stats": []} for name in METHODS}
+    runs = {name: {"tokens": 0, "seconds": 0.0, "outputs": [], "stats": []} for name in methods}
     for i, ids in enumerate(prompts):
-        for name in METHODS[i % 3:] + METHODS[: i % 3]:
+        for name in methods[i % len(methods):] + methods[: i % len(methods)]:
             started = time.perf_counter()
             result = engines[name].generate([ids], greedy)[0]
             runs[name]["seconds"] += time.perf_counter() - started
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         del run["stats"]
     report |= {name: run | {"vs_plain": round(run["tok_s"] / runs["plain"]["tok_s"], 3)} for name, run in runs.items()}
     write_json(args.json, report)
-    for name in METHODS:
+    for name in methods:
         print(f"{name:10s} {runs[name]['tok_s']:6.2f} tok/s  {report[name]['vs_plain']:.2f}x plain  "
               f"acceptance {runs[name].get('acceptance')}")
     return 0

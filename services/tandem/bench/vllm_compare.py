@@ -40,6 +40,7 @@ from types import SimpleNamespace
 
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
 from tandem.cli.options import STDOUT, DefaultsHelpFormatter, add_json_option, add_prompts_option, write_json
+from tandem.core.config import QUANTIZATIONS
 
 TANDEM_SIDE = [sys.executable, "-m", "tandem.bench.vllm_compare_tandem"]
 VLLM_SIDE = Path(__file__).resolve().with_name("vllm_compare_vllm.py")  # run by path with vLLM's own Python
@@ -77,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-served", action="store_true", help="skip tandem's served run at N in flight")
     parser.add_argument("--compile", action="store_true",
                         help="tandem with `--compile` (decode forwards compiled by torch.compile; compiling untimed)")
+    parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default="none",
+                        help="tandem's draft weights as `--draft-quantization` holds them (vLLM's stay as loaded)")
     add_json_option(parser, "the report (its workers' output goes to a .log beside a file)")
     parser.set_defaults(json=DEFAULT_REPORT)
     args = parser.parse_args(argv)
@@ -225,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             if system == "tandem":
                 job = {"target": args.target, "draft": args.draft, "prompts": texts, "jobs": jobs,
                        "max_tokens": args.max_tokens, "threads": args.threads, "dtype": args.dtype, "repeat": repeat,
-                       "order": steps(args.batch, repeat), "compile": args.compile}
+                       "order": steps(args.batch, repeat), "compile": args.compile,
+                       "draft_quantization": args.draft_quantization}
                 result = run_worker(TANDEM_SIDE, job, None, log)
                 modes |= result["modes"]
                 if not args.no_served:
@@ -249,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                          "threads": args.threads, "repeats": args.repeats, "dtype": args.dtype, "greedy": True,
                          "order": [f"{r + 1}:{s}" for r, s in schedule(args.repeats, args.systems)],
                          "target": args.target, "draft": args.draft, "vllm_k": args.k, "log": str(log),
-                         "tandem_compile": args.compile},
+                         "tandem_compile": args.compile, "tandem_draft_quantization": args.draft_quantization},
               "systems": meta, "errors": errors,
               "runs": {s: [{m: {k: v for k, v in x.items() if k != "outputs"} for m, x in r.items()} for r in reps]
                        for s, reps in runs.items()}}

@@ -7,9 +7,9 @@ The process is started by tandem.bench.vllm_compare with tandem's Python and the
 
 job: target, draft (registry names or paths), prompts (texts; the chat template is applied as `tandem bench` does),
 jobs (the texts sent at once), max_tokens, threads, repeat, order (["b1", "bN"] or reversed), compile (`--compile`:
-compiled decode forwards). Batch 1 is
-tandem.bench.core.run_bench with methods plain and tandem (AUTO), prompt by prompt interleaved; N at once is one
-engine.generate call over all jobs on a plain engine and on an AUTO engine, both bf16 on the CPU. Loading,
+compiled decode forwards), draft_quantization (`--draft-quantization`). Batch 1 is tandem.bench.core.run_bench
+with methods plain and tandem (AUTO), prompt by prompt interleaved; N at once is one engine.generate call over all
+jobs on a plain engine and on an AUTO engine, both bf16 on the CPU. Loading,
 calibration and warm-up requests are left out of the timings.
 """
 
@@ -58,7 +58,8 @@ def run(job: dict) -> dict:
     torch.set_num_threads(job["threads"])
     started = time.perf_counter()
     draft, target = load_pair(job["draft"], job["target"], device=torch.device("cpu"),
-                              dtype=getattr(torch, job["dtype"]), progress=False, compile=job.get("compile", False))
+                              dtype=getattr(torch, job["dtype"]), progress=False, compile=job.get("compile", False),
+                              draft_quantization=job.get("draft_quantization", "none"))
     load_seconds = time.perf_counter() - started
     n = len(job["jobs"])
     engines: dict = {}
@@ -93,7 +94,7 @@ def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: P
     """`tandem serve --in-process` on a free port, then tandem.bench.serving.run_level OFF and AUTO at N in flight;
     run by tandem.bench.vllm_compare itself, the server's output appended to `log`. `started(pid)` is called once
     the server process runs; `env`: the server's environment (None: this process's); `compile`: serve with
-    `--compile` (readiness waits for its compiling)."""
+    `--compile` (readiness waits for its compiling); the draft is held as `args.draft_quantization` asks, if set."""
     from tandem.bench.serving import run_level
     from tandem.client import TandemClient
 
@@ -102,7 +103,8 @@ def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: P
         address = f"127.0.0.1:{s.getsockname()[1]}"
     cmd = [sys.executable, "-m", "tandem", "serve", "--in-process", "--target", args.target, "--draft", args.draft,
            "--device", "cpu", "--dtype", args.dtype, "--threads", str(args.threads), "--port", address.split(":")[1],
-           "--no-metrics", *(["--compile"] if compile else [])]
+           "--no-metrics", "--draft-quantization", getattr(args, "draft_quantization", "none"),
+           *(["--compile"] if compile else [])]
     modes: dict[str, dict] = {}
     with log.open("a") as sink:
         sink.write(f"\n==== {' '.join(cmd)}\n")

@@ -44,7 +44,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="draft scores only the first N token ids (0: all); output stays exact")
     parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default="none",
                         help="hold the draft's weights as int8 (one scale per output row): a draft step reads half "
-                             "the bytes; output stays exact, acceptance may drop slightly (default: none)")
+                             "the bytes; output stays exact, acceptance may drop slightly. int8 keeps the activations "
+                             "in the model's dtype; w8a8 quantizes them too, per row, for oneDNN's int8 GEMM, the "
+                             "fast one on an AVX-512 or AMX CPU (default: none)")
     parser.add_argument("--kv-tokens", type=int, default=0, metavar="N",
                         help="KV cache budget of each model (the target's and the draft's, in every worker), in "
                              "tokens counted as sequences x the longest one's length (default 0: a share of the "

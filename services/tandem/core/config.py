@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from tandem.core.logprobs import MAX_TOP_LOGPROBS
 from tandem.errors import InvalidArgument
 
-# How a draft model's linear weights are held (core.int8_linear); a target is always held as loaded.
-QUANTIZATIONS = ("none", "int8")
+# How a draft model's linear weights are held: "int8" weights with activations in the model's dtype
+# (core.int8_linear), "w8a8" int8 weights and activations quantized per row on a CPU (core.w8a8_linear). A target is
+# always held as loaded.
+QUANTIZATIONS = ("none", "int8", "w8a8")
 
 
 def check_model_mode(eager: bool, compile: bool) -> None:

@@ -23,7 +23,7 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class FusedLinear(torch.nn.Module):
     """y = x [W_1; W_2; ...]^T + [b_1; b_2; ...], computed once per input for the parts that slice it."""
 
-    def __init__(self, linears: list[torch.nn.Linear]) -> None:
+    def __init__(self, linears: list[torch.nn.Linear], product: type[torch.nn.Module] = PackedLinear) -> None:
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])
         biases = [linear.bias for linear in linears]
@@ -31,7 +31,7 @@ class FusedLinear(torch.nn.Module):
         if any(b is not None for b in biases):
             bias = torch.cat([b.detach() if b is not None else linear.weight.new_zeros(linear.out_features)
                               for b, linear in zip(biases, linears, strict=True)])
-        self.linear = PackedLinear(weight, bias)
+        self.linear = product(weight, bias)
         sizes = [linear.out_features for linear in linears]
         self.spans = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
         # [(input, its product, parts yet to read it)]: the triple is replaced whole, so a reader sees one consistent
@@ -63,9 +63,10 @@ class FusedPart(torch.nn.Module):
         return f"part {self.index} of {len(self.fused.spans)}, out_features={self.out_features}"
 
 
-def fuse(model: torch.nn.Module, least: int = 0) -> int:
+def fuse(model: torch.nn.Module, least: int = 0, product: type[torch.nn.Module] = PackedLinear) -> int:
     """Replace each GROUPS set of nn.Linear siblings (same input width and dtype, at least `least` weights together)
-    by parts of one FusedLinear, in place; the number of nn.Linear replaced."""
+    by parts of one FusedLinear whose stacked product is a `product` layer (PackedLinear, or core.w8a8_linear's
+    W8A8Linear), in place; the number of nn.Linear replaced."""
     replaced = 0
     for module in list(model.modules()):
         for names in GROUPS:
@@ -77,7 +78,7 @@ def fuse(model: torch.nn.Module, least: int = 0) -> int:
             if sum(linear.weight.numel() for linear in linears) < least:
                 continue
             with torch.no_grad():
-                fused = FusedLinear(linears)
+                fused = FusedLinear(linears, product)
             for index, (name, linear) in enumerate(zip(names, linears, strict=True)):
                 setattr(module, name, FusedPart(fused, index, linear.in_features))
             replaced += len(linears)

@@ -27,9 +27,7 @@ from transformers import PreTrainedModel
 
 from tandem.core.attention import packed
 from tandem.core.cuda_graphs import MAX_WIDTH, GraphedForward
-from tandem.core.int8_linear import Int8Linear
 from tandem.core.kv_cache import SlotCache, Step, default_kv_tokens
-from tandem.core.packed_linear import PackedLinear
 from tandem.core.protocol import KVCacheFull
 from tandem.core.sequence import SequenceState
 
@@ -68,11 +66,11 @@ class ModelRunner:
         self.context_window: int | None = window if isinstance(window, int) and window > 0 else None
         # Logits are computed here rather than by the model, optionally for only the first `vocab_limit` ids,
         # without touching the shared model.
-        # The model's own head may be tensor-parallel, prepacked (core.packed_linear) or int8 (core.int8_linear):
-        # the last two slice themselves.
+        # The model's own head may be tensor-parallel, prepacked (core.packed_linear) or int8 (core.int8_linear,
+        # core.w8a8_linear): the last ones slice themselves.
         self.head = model.get_output_embeddings()
         if 0 < vocab_limit < self.vocab_size:
-            self.head = (self.head.first_rows(vocab_limit) if isinstance(self.head, PackedLinear | Int8Linear)
+            self.head = (self.head.first_rows(vocab_limit) if hasattr(self.head, "first_rows")
                          else partial(torch.nn.functional.linear, weight=self.head.weight[:vocab_limit]))
             self.vocab_size = vocab_limit
         self.pad_token_id = pad_token_id

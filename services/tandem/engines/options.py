@@ -26,7 +26,7 @@ class LocalOptions:
     eager: bool = False  # models as Hugging Face builds them (no prepacked linears, no CUDA graphs)
     compile: bool = False  # decode forwards compiled by torch.compile on a CPU too (a GPU's default)
     kv_tokens: int = 0  # each model's KV token budget (0: a share of the memory free when its runner starts)
-    draft_quantization: str = "none"  # "int8": draft weights as int8 (core.int8_linear; output unchanged)
+    draft_quantization: str = "none"  # "int8" or "w8a8": draft weights as int8 (core.config; output unchanged)
 
     def __post_init__(self) -> None:
         _check_models(self)
@@ -57,7 +57,7 @@ class ClusterOptions:
     eager: bool = False  # models as Hugging Face builds them (no prepacked linears)
     compile: bool = False  # decode forwards compiled by torch.compile on a CPU too (a GPU's default)
     kv_tokens: int = 0  # every worker's KV token budget (0: a share of the memory free when it starts)
-    draft_quantization: str = "none"  # "int8": draft workers hold their weights as int8 (core.int8_linear)
+    draft_quantization: str = "none"  # "int8" or "w8a8": draft workers hold their weights as int8 (core.config)
 
     def __post_init__(self) -> None:
         _check_models(self)

@@ -16,6 +16,7 @@ import torch
 from tandem.core.config import QUANTIZATIONS, check_model_mode
 from tandem.core.int8_linear import quantize_int8
 from tandem.core.packed_linear import prepack
+from tandem.core.w8a8_linear import quantize_w8a8
 from tandem.errors import IncompatibleModels, InvalidArgument, ModelNotFound
 from tandem.models.hub import hub_local_only, hub_not_found, hub_ref, looks_local, pin, require_pinned
 from tandem.models.registry import PAIRS, REGISTRY, known_names
@@ -40,7 +41,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     eager: bool = False  # loaded without the device's fast path; runners then skip CUDA graphs too
     compile: bool = False  # runners compile their decode forwards (torch.compile) on a CPU too, not only on a GPU
-    quantization: str = "none"  # "int8": linear weights held as int8 (drafts only, core.int8_linear)
+    quantization: str = "none"  # "int8" or "w8a8": linear weights held as int8 (drafts only, core.config.QUANTIZATIONS)
 
 
 def runner_mode(loaded) -> dict:
@@ -132,9 +133,10 @@ def load_model(
     `eager`, the model is prepared for this device's fast path (core.packed_linear: oneDNN prepacked linears for bf16
     on CPU; on a GPU the runner replays CUDA graphs, core.cuda_graphs); `eager` leaves it as from_pretrained built it
     and says so to the runners. An unpinned hub id is refused unless `allow_unpinned` (see resolve and pin_spec).
-    `quantization` "int8" holds the linear weights as int8 (core.int8_linear): for draft models only, since the
-    target's logits are the distribution the engine reproduces. `compile` tells the runners to compile their decode
-    forwards on a CPU as well (a GPU's default): forwards run 5-13% faster after minutes of compiling at start.
+    `quantization` "int8" holds the linear weights as int8 (core.int8_linear), "w8a8" as int8 for oneDNN's int8 GEMM
+    (core.w8a8_linear): for draft models only, since the target's logits are the distribution the engine reproduces.
+    `compile` tells the runners to compile their decode forwards on a CPU as well (a GPU's default): forwards run
+    5-13% faster after minutes of compiling at start.
     """
     check_model_mode(eager, compile)
     if quantization not in QUANTIZATIONS:
@@ -157,9 +159,9 @@ def load_model(
         quantizer.remove_quantization_config(model)
     model.to(device)
     model.eval()
-    if quantization == "int8":
+    if quantization != "none":
         try:
-            quantize_int8(model)
+            {"int8": quantize_int8, "w8a8": quantize_w8a8}[quantization](model)
         except ValueError as exc:
             raise InvalidArgument(f"model {spec!r}: {exc}") from exc
     if not eager:

@@ -1,0 +1,131 @@
+"""Int8 weights and int8 activations for the draft model on a CPU: oneDNN's int8 GEMM, one scale per row of each.
+
+A draft step streams every weight of the draft once (core.packed_linear), so halving the bytes halves its cost, if
+the kernel keeps up. PyTorch's weight-only int8 kernel (core.int8_linear) widens every weight to the activations'
+dtype on the fly, which costs more than the bytes it saves on an AVX-512/AMX CPU once a step has two rows. oneDNN's
+int8 GEMM multiplies int8 by int8 into int32 (AMX or VNNI instructions) and streams the half-size weights at the
+rate bf16 weights stream, so the 0.5B draft's products take about 0.55 of their prepacked bf16 time.
+
+The activations are quantized at each call, one scale per row (its largest magnitude over 127), so a row's product
+does not depend on the step's other rows and an outlier token of a prefill coarsens only its own row. The int32
+products are exact; the row and weight scales are applied in float32 afterwards.
+
+Only drafts are quantized: the target's verification decides every emitted token, so the coarser draft can lower
+the acceptance rate but never changes the output (lossless, and seeded requests give plain decoding's tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# oneDNN picks a slow kernel for one row against a narrow weight (a [128 x 896] layer: 2 ms for one row, 35 us for
+# five): such rows run as two.
+NARROW = 1024
+_ONE = torch.tensor(1.0)
+_ZERO = torch.tensor(0, dtype=torch.int64)
+
+
+def _product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor,
+             bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1]).float()
+    lone = rows.shape[0] == 1 and out_features < NARROW
+    if lone:
+        rows = rows.expand(2, -1)
+    row_scale = rows.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
+    levels = torch.round(rows / row_scale).to(torch.int8)
+    # x scale 1 and zero point 0: the GEMM returns the weight-scaled int32 products; the row scales follow.
+    y = torch.ops.onednn.qlinear_pointwise.tensor(levels, _ONE, _ZERO, packed, scale, zero_points, None, 1.0, 0,
+                                                  torch.float32, "none", [None], "")
+    y = y.mul_(row_scale) if bias is None else torch.addcmul(bias, y, row_scale)
+    if lone:
+        y = y[:1]
+    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("tandem::w8a8_product", mutates_args=())
+def w8a8_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor,
+                 bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """The product as one opaque op for torch.compile (as core.packed_linear's packed_product); eager forwards
+    call it directly."""
+    return _product(x, packed, scale, zero_points, bias, out_features)
+
+
+@w8a8_product.register_fake
+def _w8a8_product_shape(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor,
+                        bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+class W8A8Linear(torch.nn.Module):
+    """y = (x quantized per row) (s * Q)^T + b: Q int8 [out, in] with s one float32 scale per output row
+    (symmetric, s = max|W_row| / 127), held in oneDNN's int8 layout; inference only."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        w = weight.detach().float()
+        self.scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+        levels = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.packed = torch.ops.onednn.qlinear_prepack(levels, [1, self.in_features])
+        self.zero_points = torch.zeros(self.out_features, dtype=torch.int64)
+        self.bias = None if bias is None else bias.detach().float()
+        self.weight_bytes = levels.numel() + self.scale.numel() * self.scale.element_size()
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Module) -> W8A8Linear:
+        return cls(linear.weight, linear.bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by, in float32, recovered through the product itself (the packed layout
+        is oneDNN's business): the identity's rows, which quantize exactly, pick out the weight's columns."""
+        identity = torch.eye(self.in_features, dtype=torch.int8)
+        columns = torch.ops.onednn.qlinear_pointwise.tensor(identity, _ONE, _ZERO, self.packed, self.scale,
+                                                            self.zero_points, None, 1.0, 0, torch.float32, "none",
+                                                            [None], "")
+        return columns.t().contiguous()
+
+    def first_rows(self, rows: int) -> W8A8Linear:
+        """The projection onto the first `rows` outputs only (a drafter scoring part of the vocabulary); the levels
+        and scales are the same, since each output row is quantized on its own."""
+        return W8A8Linear(self.dequantized()[:rows], None if self.bias is None else self.bias[:rows])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        product = w8a8_product if torch.compiler.is_compiling() else _product
+        return product(x, self.packed, self.scale, self.zero_points, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+@functools.cache
+def supported() -> bool:
+    """Whether this CPU and torch build run oneDNN's int8 GEMM: asked of oneDNN itself, once."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        W8A8Linear(torch.ones(16, 16), None)(torch.ones(2, 16))
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def quantize_w8a8(model: torch.nn.Module) -> int:
+    """Replace the model's nn.Linear layers by W8A8Linear in place, siblings that read one input (q/k/v, gate/up)
+    as parts of one product (core.fused_linear); the number of nn.Linear replaced. An output head tied to the input
+    embedding gets its own int8 copy (the embedding keeps its weight for lookups)."""
+    from tandem.core.fused_linear import fuse
+
+    parameter = next(model.parameters())
+    if parameter.device.type != "cpu" or not supported():
+        raise ValueError(f"w8a8 draft weights: oneDNN's int8 GEMM does not run on {parameter.device.type} here")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise ValueError("w8a8 draft weights: not with tensor parallelism (drafts run on one device)")
+    replaced = fuse(model, product=W8A8Linear)
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if type(child) is torch.nn.Linear]
+    with torch.no_grad():
+        for parent, name, child in swaps:
+            setattr(parent, name, W8A8Linear.from_linear(child))
+    return replaced + len(swaps)

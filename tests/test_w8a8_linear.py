@@ -1,0 +1,134 @@
+"""W8A8 draft weights (core.w8a8_linear): the layer is int8 x int8 with per-row scales, a row's product ignores its
+batch mates, the loader quantizes (and fuses) only where asked, and a w8a8 draft leaves the engine's output exactly
+plain decoding's, greedy and seeded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.core.fused_linear import FusedPart
+from tandem.core.packed_linear import weight_bytes
+from tandem.core.runner import ModelRunner
+from tandem.core.w8a8_linear import NARROW, W8A8Linear, quantize_w8a8, supported
+from tandem.engines.local import build_engine
+from tandem.engines.options import ClusterOptions, LocalOptions
+from tandem.models.loader import load_model
+from tandem.workers.worker_base import WorkerConfig, load_runner
+
+CPU = torch.device("cpu")
+PROMPTS = [[72, 101, 108, 108, 111, 44, 32, 119], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [97, 98, 99]]
+pytestmark = pytest.mark.skipif(not supported(), reason="oneDNN's int8 GEMM does not run here")
+
+
+def _fixed(k: int) -> EngineConfig:
+    return EngineConfig(spec=SpecConfig(adaptive=False, k_max=k, k_init=k), calibrate=False)
+
+
+def _expected(layer: W8A8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The product the layer stands for, computed in float64: each row quantized to 255 levels of its own scale."""
+    rows = x.reshape(-1, x.shape[-1]).double()
+    row_scale = rows.abs().amax(dim=-1, keepdim=True) / 127
+    levels = torch.round(rows / row_scale)
+    y = (levels * row_scale) @ layer.dequantized().double().t()
+    if layer.bias is not None:
+        y = y + layer.bias.double()
+    return y.reshape(*x.shape[:-1], layer.out_features)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features", [96, NARROW + 32])
+def test_w8a8_linear_is_the_int8_product_with_per_row_scales(dtype: torch.dtype, out_features: int) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, out_features, bias=True).to(dtype)
+    layer = W8A8Linear.from_linear(linear)
+    # Each weight within half a step of the original, one step per output row.
+    step = layer.scale[:, None]
+    assert ((layer.dequantized() - linear.weight.float()).abs() <= step * 0.5 * (1 + 1e-5)).all()
+    with torch.no_grad():
+        for shape in ((1, 64), (3, 1, 64), (2, 7, 64)):
+            x = torch.randn(shape, dtype=dtype)
+            y = layer(x)
+            assert y.dtype == dtype and y.shape == (*shape[:-1], out_features)
+            tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+            assert torch.allclose(y.double(), _expected(layer, x), atol=tolerance, rtol=tolerance)
+            # Close to the unquantized layer too: a coarser draft, not another one.
+            exact = linear(x).float()
+            assert (y.float() - exact).norm() < 0.03 * exact.norm()
+        # A row's product does not depend on the rows beside it (the int32 products are exact).
+        x = torch.randn(5, 64, dtype=dtype)
+        x[2] *= 100  # an outlier row coarsens only itself
+        assert torch.equal(torch.cat([layer(row[None]) for row in x]), layer(x))
+        head = layer.first_rows(30)
+        assert torch.equal(head(x), layer(x)[..., :30])
+        assert head.weight_bytes < layer.weight_bytes
+
+
+def test_loader_quantizes_and_fuses_only_when_asked(tiny_dirs) -> None:
+    plain = load_model(str(tiny_dirs.draft), device=CPU, dtype=torch.bfloat16, progress=False)
+    w8a8 = load_model(str(tiny_dirs.draft), device=CPU, dtype=torch.bfloat16, progress=False, quantization="w8a8")
+    assert w8a8.quantization == "w8a8"
+    assert not any(type(m) is torch.nn.Linear for m in w8a8.model.modules())
+    assert not any(isinstance(m, W8A8Linear) for m in plain.model.modules())
+    # q/k/v and gate/up are each one int8 product, as the bf16 siblings are one packed product.
+    parts = [m for m in w8a8.model.modules() if isinstance(m, FusedPart)]
+    assert parts and all(isinstance(p.fused.linear, W8A8Linear) for p in parts)
+    assert 0.45 < weight_bytes(w8a8.model) / weight_bytes(plain.model) < 0.6
+    assert isinstance(w8a8.model.get_output_embeddings(), W8A8Linear)
+    assert w8a8.model.get_input_embeddings().weight.dtype == torch.bfloat16
+    for options in (LocalOptions, ClusterOptions):
+        assert options(draft_quantization="w8a8").draft_quantization == "w8a8"
+
+
+def test_quantize_refuses_a_device_without_the_kernel() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).to("meta")
+    with pytest.raises(ValueError, match="int8 GEMM does not run on meta"):
+        quantize_w8a8(model)
+
+
+@pytest.fixture(scope="module")
+def w8a8_draft(tiny_dirs):
+    return load_model(str(tiny_dirs.draft), device=CPU, dtype=torch.float32, progress=False, quantization="w8a8")
+
+
+def test_a_draft_runner_scores_a_limited_vocabulary_with_w8a8_weights(w8a8_draft) -> None:
+    full = ModelRunner(w8a8_draft.model, kv_tokens=256)
+    limited = ModelRunner(w8a8_draft.model, kv_tokens=256, vocab_limit=50)
+    states = [runner.state("s") for runner in (full, limited)]
+    for state in states:
+        state.sync(0, PROMPTS[1])
+    logits = [runner.forward([state], [2])[0] for runner, state in zip((full, limited), states, strict=True)]
+    assert logits[1].shape[-1] == 50
+    assert torch.allclose(logits[1], logits[0][..., :50], atol=1e-5)
+
+
+def test_a_draft_worker_loads_w8a8_weights_when_configured(tiny_dirs) -> None:
+    runner = load_runner(WorkerConfig(model=str(tiny_dirs.draft), dtype="float32", quantization="w8a8"))
+    assert any(isinstance(m, W8A8Linear) for m in runner.model.modules())
+
+
+def test_a_w8a8_draft_keeps_greedy_output_exact(tiny_models, w8a8_draft) -> None:
+    target = tiny_models[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = build_engine(target, None, EngineConfig(calibrate=False))
+    expected = [r.token_ids for r in plain.generate(PROMPTS, greedy)]
+    for config in (_fixed(1), _fixed(4), EngineConfig(calibrate=False)):
+        results = build_engine(target, w8a8_draft, config).generate(PROMPTS, greedy)
+        assert [r.token_ids for r in results] == expected
+    drafted = build_engine(target, w8a8_draft, _fixed(4)).generate(PROMPTS, greedy)
+    assert sum(r.stats["accepted"] for r in drafted) > 0.5 * sum(r.stats["drafted"] for r in drafted)
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_a_w8a8_draft_keeps_seeded_output_plain_decodings(tiny_models, w8a8_draft, seed: int) -> None:
+    target, draft, _ = tiny_models
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=40, ignore_eos=True)
+    plain = build_engine(target, None, EngineConfig(calibrate=False))
+    expected = [r.token_ids for r in plain.generate(PROMPTS, params)]
+    rates = {}
+    for name, model in (("float32 draft", draft), ("w8a8 draft", w8a8_draft)):
+        results = build_engine(target, model, _fixed(3)).generate(PROMPTS, params)
+        assert [r.token_ids for r in results] == expected, name
+        rates[name] = sum(r.stats["accepted"] for r in results) / sum(r.stats["drafted"] for r in results)
+    assert rates["w8a8 draft"] > 0.8 * rates["float32 draft"], rates
