@@ -30,6 +30,17 @@ def test_engines_and_workers_keep_compiled_code_under_the_model_store(tiny_dirs,
     assert cache_dir() == str(tmp_path / "compile")
 
 
+def test_the_store_wins_over_the_default_an_early_import_wrote(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """Importing transformers (which tandem's runner does) asks inductor for its directory, and inductor writes its
+    default into the environment: a server that imported the runner before loading kept compiling under /tmp."""
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    monkeypatch.delenv(CACHE, raising=False)
+    cache_dir()  # what the import does
+    assert os.environ[CACHE] != str(tmp_path / "compile")
+    load_model(str(tiny_dirs.target), device=torch.device("cpu"), dtype=torch.float32, progress=False)
+    assert cache_dir() == str(tmp_path / "compile")
+
+
 def test_a_cache_directory_the_user_set_is_kept(tiny_dirs, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
     monkeypatch.setenv(CACHE, str(tmp_path / "mine"))

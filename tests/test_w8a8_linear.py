@@ -132,3 +132,37 @@ def test_a_w8a8_draft_keeps_seeded_output_plain_decodings(tiny_models, w8a8_draf
         assert [r.token_ids for r in results] == expected, name
         rates[name] = sum(r.stats["accepted"] for r in results) / sum(r.stats["drafted"] for r in results)
     assert rates["w8a8 draft"] > 0.8 * rates["float32 draft"], rates
+
+
+def test_forward_benchmark_compares_the_w8a8_draft_with_the_draft_as_loaded(tiny_dirs, tmp_path) -> None:
+    import json
+
+    from tandem.bench import forward_ab
+
+    out = tmp_path / "ab.json"
+    assert forward_ab.main(["--compare", "w8a8", "--target", str(tiny_dirs.target), "--draft", str(tiny_dirs.draft),
+                            "--dtype", "float32", "--widths", "1", "3", "--steps", "2", "--context", "20",
+                            "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "target" not in report  # a target is never quantized
+    for width in ("1", "3"):
+        row = report["draft"][width]
+        assert row["w8a8_s"] > 0 and row["as_loaded_s"] > 0 and row["speedup"] > 0
+        assert 0 < row["max_logit_diff"] < 1.0  # a coarser draft, not another one
+
+
+@pytest.mark.slow
+def test_draft_weights_benchmark_runs_every_draft_and_keeps_the_output(tiny_dirs, tmp_path) -> None:
+    import json
+
+    from tandem.bench import draft_weights
+
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "dw.json"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "hello"}\n')
+    assert draft_weights.main(["--target", str(tiny_dirs.target), "--draft", str(tiny_dirs.draft), "--dtype",
+                               "float32", "--prompts", str(prompts), "--max-tokens", "8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["linear_ms"]["w8a8_onednn"]["1"] > 0
+    for method in draft_weights.METHODS:
+        assert report[method]["tok_s"] > 0 and report[method]["same_as_plain"] == 2, method
+    assert report["config"]["weight_bytes"]["auto_w8a8"] < 0.6 * report["config"]["weight_bytes"]["auto"]

@@ -1,8 +1,10 @@
-"""Two ways of running the same forward, forward by forward in one sitting: fused projections or compiled forwards.
+"""Two ways of running the same forward, forward by forward in one sitting: fused projections, compiled forwards, or
+a w8a8 draft.
 
 `--compare fusion`: each model of the pair loaded twice, prepacked with and without fusing q/k/v and gate/up
 (core.fused_linear). `--compare compile`: each model loaded once, run by an eager runner and by one whose decode
-forwards torch.compile compiled (on a CPU: the static forwards without CUDA graphs). Each runner holds one sequence of
+forwards torch.compile compiled (on a CPU: the static forwards without CUDA graphs). `--compare w8a8`: the draft
+only, loaded as is and with `--draft-quantization w8a8` (core.w8a8_linear). Each runner holds one sequence of
 the same context; forwards of each width then alternate between the two (A B, then B A) for `--steps` pairs, each
 feeding `width` tokens at the context's end and rolled back, so every forward sees the same context. Reported per
 model and width: the median seconds of each, the speed-up of the first over the second (the median of each
@@ -11,6 +13,7 @@ seconds (a compile), and the largest difference between their logits.
 
     python -m tandem.bench.forward_ab --compare fusion --json fusion.json      # about 2 min on a 2-core CPU
     python -m tandem.bench.forward_ab --compare compile --json compile.json    # plus a compile per model and width
+    python -m tandem.bench.forward_ab --compare w8a8 --json w8a8.json          # about 1 min
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from tandem.core.packed_linear import prepack
 from tandem.core.runner import ModelRunner
 from tandem.models.loader import load_model
 
-VARIANTS = {"fusion": ("fused", "unfused"), "compile": ("compiled", "eager")}
+VARIANTS = {"fusion": ("fused", "unfused"), "compile": ("compiled", "eager"), "w8a8": ("w8a8", "as_loaded")}
 
 
 def _ids(count: int, vocab: int, offset: int = 0) -> list[int]:
@@ -44,6 +47,10 @@ def _runners(compare: str, name: str, dtype: torch.dtype, context: int) -> dict:
             loaded = load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False, eager=True)
             prepack(loaded.model, fuse_siblings=variant == first)
             models[variant] = ModelRunner(loaded.model)
+    elif compare == "w8a8":
+        models = {variant: ModelRunner(load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False,
+                                                  quantization="w8a8" if variant == first else "none").model)
+                  for variant in (first, second)}
     else:
         model = load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False).model
         models = {first: ModelRunner(model, compile=True), second: ModelRunner(model, compile=False)}
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                                "draft": args.draft, "dtype": args.dtype, "threads": args.threads,
                                "steps": args.steps, "context": args.context, "torch": torch.__version__,
                                "machine": platform.processor() or platform.machine()}}
-    for role in ("target", "draft"):
+    for role in ("draft",) if args.compare == "w8a8" else ("target", "draft"):  # a target is never quantized
         report[role] = compare_forwards(args.compare, getattr(args, role), dtype, args.widths, args.steps,
                                         args.context)
     write_json(args.json, report)

@@ -27,35 +27,39 @@ _ONE = torch.tensor(1.0)
 _ZERO = torch.tensor(0, dtype=torch.int64)
 
 
-def _product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor,
-             bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def _gemm(levels: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor) -> torch.Tensor:
+    # x scale 1 and zero point 0: the int32 products times the weight's row scales, in float32.
+    return torch.ops.onednn.qlinear_pointwise.tensor(levels, _ONE, _ZERO, packed, scale, zero_points, None, 1.0, 0,
+                                                     torch.float32, "none", [None], "")
+
+
+@torch.library.custom_op("tandem::int8_gemm", mutates_args=())
+def int8_gemm(levels: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+              zero_points: torch.Tensor) -> torch.Tensor:
+    """oneDNN's int8 GEMM as one opaque op for torch.compile, which fuses the quantizing and scaling around it (as
+    core.packed_linear's packed_product); eager forwards call it directly."""
+    return _gemm(levels, packed, scale, zero_points)
+
+
+@int8_gemm.register_fake
+def _int8_gemm_shape(levels: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                     zero_points: torch.Tensor) -> torch.Tensor:
+    return levels.new_empty((levels.shape[0], scale.shape[0]), dtype=torch.float32)
+
+
+def _product(x: torch.Tensor, gemm, packed: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    out_features = scale.shape[0]
     rows = x.reshape(-1, x.shape[-1]).float()
     lone = rows.shape[0] == 1 and out_features < NARROW
     if lone:
         rows = rows.expand(2, -1)
     row_scale = rows.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
-    levels = torch.round(rows / row_scale).to(torch.int8)
-    # x scale 1 and zero point 0: the GEMM returns the weight-scaled int32 products; the row scales follow.
-    y = torch.ops.onednn.qlinear_pointwise.tensor(levels, _ONE, _ZERO, packed, scale, zero_points, None, 1.0, 0,
-                                                  torch.float32, "none", [None], "")
-    y = y.mul_(row_scale) if bias is None else torch.addcmul(bias, y, row_scale)
+    y = gemm(torch.round(rows / row_scale).to(torch.int8), packed, scale, zero_points)
+    y = y * row_scale if bias is None else torch.addcmul(bias, y, row_scale)
     if lone:
         y = y[:1]
     return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
-
-
-@torch.library.custom_op("tandem::w8a8_product", mutates_args=())
-def w8a8_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor,
-                 bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """The product as one opaque op for torch.compile (as core.packed_linear's packed_product); eager forwards
-    call it directly."""
-    return _product(x, packed, scale, zero_points, bias, out_features)
-
-
-@w8a8_product.register_fake
-def _w8a8_product_shape(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor,
-                        bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], out_features))
 
 
 class W8A8Linear(torch.nn.Module):
@@ -81,10 +85,7 @@ class W8A8Linear(torch.nn.Module):
         """The weight this layer multiplies by, in float32, recovered through the product itself (the packed layout
         is oneDNN's business): the identity's rows, which quantize exactly, pick out the weight's columns."""
         identity = torch.eye(self.in_features, dtype=torch.int8)
-        columns = torch.ops.onednn.qlinear_pointwise.tensor(identity, _ONE, _ZERO, self.packed, self.scale,
-                                                            self.zero_points, None, 1.0, 0, torch.float32, "none",
-                                                            [None], "")
-        return columns.t().contiguous()
+        return _gemm(identity, self.packed, self.scale, self.zero_points).t().contiguous()
 
     def first_rows(self, rows: int) -> W8A8Linear:
         """The projection onto the first `rows` outputs only (a drafter scoring part of the vocabulary); the levels
@@ -92,8 +93,8 @@ class W8A8Linear(torch.nn.Module):
         return W8A8Linear(self.dequantized()[:rows], None if self.bias is None else self.bias[:rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        product = w8a8_product if torch.compiler.is_compiling() else _product
-        return product(x, self.packed, self.scale, self.zero_points, self.bias, self.out_features)
+        gemm = int8_gemm if torch.compiler.is_compiling() else _gemm
+        return _product(x, gemm, self.packed, self.scale, self.zero_points, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

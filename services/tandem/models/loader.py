@@ -144,9 +144,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     source = resolve(spec, progress=progress, pip_args=pip_args, allow_unpinned=allow_unpinned)
-    # Before from_pretrained: it asks inductor for its cache directory, which pins TORCHINDUCTOR_CACHE_DIR to the
-    # default under /tmp for the rest of the process, so the runners' compiles would miss the kept cache.
-    use_compile_cache()
+    use_compile_cache()  # before the runners compile anything
     common = source.hub_kwargs()
     model_kwargs: dict[str, Any] = dict(extra or {})
     if source.gguf_file is not None:

@@ -42,8 +42,16 @@ def use_compile_cache(root: Path | None = None) -> str:
     """Keep torch.compile's caches (inductor's compiled graphs, and the Triton kernels beside them) under the model
     store, unless TORCHINDUCTOR_CACHE_DIR says where; returns the directory. The default is under /tmp, which a pod
     loses when it is rescheduled: under the store, a restarted pod, or with a shared claim every new replica, starts
-    from compiled code (a fresh process's warm-up ran 2.69x faster from a kept cache, docs/performance.md)."""
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((root or default_root()) / "compile"))
+    from compiled code (a fresh process's warm-up ran 2.69x faster from a kept cache, docs/performance.md).
+
+    Inductor's first lookup of its directory writes its default into the environment, and importing transformers
+    looks it up, so a variable holding exactly that default is taken as unset: only another value is the user's."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((root or default_root()) / "compile")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 @dataclass(frozen=True, slots=True)
