@@ -1,5 +1,6 @@
 """Int8 draft weights (core.int8_linear): the layer computes with its dequantized weight, the loader quantizes only
-where asked, and an int8 draft leaves the engine's output exactly plain decoding's, greedy and seeded."""
+where asked, and an int8 draft (weight-only, or w8a8: core.w8a8_linear) leaves the engine's output exactly plain
+decoding's, greedy and seeded."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.int8_linear import Int8Linear, quantize_int8, supported
 from tandem.core.packed_linear import weight_bytes
 from tandem.core.runner import ModelRunner
+from tandem.core.w8a8_linear import supported as w8a8_supported
 from tandem.engines.local import build_engine
 from tandem.engines.options import ClusterOptions, LocalOptions
 from tandem.errors import InvalidArgument
@@ -66,10 +68,9 @@ def test_loader_quantizes_only_when_asked(tiny_dirs) -> None:
             options(draft_quantization="fp8")
 
 
-def test_a_draft_runner_scores_a_limited_vocabulary_with_int8_weights(tiny_dirs) -> None:
-    loaded = load_model(str(tiny_dirs.draft), device=CPU, dtype=torch.float32, progress=False, quantization="int8")
-    full = ModelRunner(loaded.model, kv_tokens=256)
-    limited = ModelRunner(loaded.model, kv_tokens=256, vocab_limit=50)
+def test_a_draft_runner_scores_a_limited_vocabulary_with_int8_weights(int8_draft) -> None:
+    full = ModelRunner(int8_draft.model, kv_tokens=256)
+    limited = ModelRunner(int8_draft.model, kv_tokens=256, vocab_limit=50)
     states = [runner.state("s") for runner in (full, limited)]
     for state in states:
         state.sync(0, PROMPTS[1])
@@ -89,9 +90,13 @@ def test_quantize_refuses_a_device_without_the_kernel() -> None:
         quantize_int8(model)
 
 
-@pytest.fixture(scope="module")
-def int8_draft(tiny_dirs):
-    return load_model(str(tiny_dirs.draft), device=CPU, dtype=torch.float32, progress=False, quantization="int8")
+@pytest.fixture(scope="module", params=["int8", "w8a8"])
+def int8_draft(request, tiny_dirs):
+    """The draft with int8 weights, each way the loader holds them."""
+    if request.param == "w8a8" and not w8a8_supported():
+        pytest.skip("oneDNN's int8 GEMM does not run here")
+    return load_model(str(tiny_dirs.draft), device=CPU, dtype=torch.float32, progress=False,
+                      quantization=request.param)
 
 
 def test_an_int8_draft_keeps_greedy_output_exact(tiny_models, int8_draft) -> None:

@@ -1,29 +1,21 @@
 """W8A8 draft weights (core.w8a8_linear): the layer is int8 x int8 with per-row scales, a row's product ignores its
-batch mates, the loader quantizes (and fuses) only where asked, and a w8a8 draft leaves the engine's output exactly
-plain decoding's, greedy and seeded."""
+batch mates, and the loader quantizes (and fuses) only where asked. That a w8a8 draft leaves the engine's output
+exactly plain decoding's, greedy and seeded, is tested with the int8 one in tests/test_int8_linear.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.fused_linear import FusedPart
 from tandem.core.packed_linear import weight_bytes
-from tandem.core.runner import ModelRunner
 from tandem.core.w8a8_linear import NARROW, W8A8Linear, quantize_w8a8, supported
-from tandem.engines.local import build_engine
 from tandem.engines.options import ClusterOptions, LocalOptions
 from tandem.models.loader import load_model
 from tandem.workers.worker_base import WorkerConfig, load_runner
 
 CPU = torch.device("cpu")
-PROMPTS = [[72, 101, 108, 108, 111, 44, 32, 119], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [97, 98, 99]]
 pytestmark = pytest.mark.skipif(not supported(), reason="oneDNN's int8 GEMM does not run here")
-
-
-def _fixed(k: int) -> EngineConfig:
-    return EngineConfig(spec=SpecConfig(adaptive=False, k_max=k, k_init=k), calibrate=False)
 
 
 def _expected(layer: W8A8Linear, x: torch.Tensor) -> torch.Tensor:
@@ -87,51 +79,9 @@ def test_quantize_refuses_a_device_without_the_kernel() -> None:
         quantize_w8a8(model)
 
 
-@pytest.fixture(scope="module")
-def w8a8_draft(tiny_dirs):
-    return load_model(str(tiny_dirs.draft), device=CPU, dtype=torch.float32, progress=False, quantization="w8a8")
-
-
-def test_a_draft_runner_scores_a_limited_vocabulary_with_w8a8_weights(w8a8_draft) -> None:
-    full = ModelRunner(w8a8_draft.model, kv_tokens=256)
-    limited = ModelRunner(w8a8_draft.model, kv_tokens=256, vocab_limit=50)
-    states = [runner.state("s") for runner in (full, limited)]
-    for state in states:
-        state.sync(0, PROMPTS[1])
-    logits = [runner.forward([state], [2])[0] for runner, state in zip((full, limited), states, strict=True)]
-    assert logits[1].shape[-1] == 50
-    assert torch.allclose(logits[1], logits[0][..., :50], atol=1e-5)
-
-
 def test_a_draft_worker_loads_w8a8_weights_when_configured(tiny_dirs) -> None:
     runner = load_runner(WorkerConfig(model=str(tiny_dirs.draft), dtype="float32", quantization="w8a8"))
     assert any(isinstance(m, W8A8Linear) for m in runner.model.modules())
-
-
-def test_a_w8a8_draft_keeps_greedy_output_exact(tiny_models, w8a8_draft) -> None:
-    target = tiny_models[0]
-    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    plain = build_engine(target, None, EngineConfig(calibrate=False))
-    expected = [r.token_ids for r in plain.generate(PROMPTS, greedy)]
-    for config in (_fixed(1), _fixed(4), EngineConfig(calibrate=False)):
-        results = build_engine(target, w8a8_draft, config).generate(PROMPTS, greedy)
-        assert [r.token_ids for r in results] == expected
-    drafted = build_engine(target, w8a8_draft, _fixed(4)).generate(PROMPTS, greedy)
-    assert sum(r.stats["accepted"] for r in drafted) > 0.5 * sum(r.stats["drafted"] for r in drafted)
-
-
-@pytest.mark.parametrize("seed", [0, 7])
-def test_a_w8a8_draft_keeps_seeded_output_plain_decodings(tiny_models, w8a8_draft, seed: int) -> None:
-    target, draft, _ = tiny_models
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=40, ignore_eos=True)
-    plain = build_engine(target, None, EngineConfig(calibrate=False))
-    expected = [r.token_ids for r in plain.generate(PROMPTS, params)]
-    rates = {}
-    for name, model in (("float32 draft", draft), ("w8a8 draft", w8a8_draft)):
-        results = build_engine(target, model, _fixed(3)).generate(PROMPTS, params)
-        assert [r.token_ids for r in results] == expected, name
-        rates[name] = sum(r.stats["accepted"] for r in results) / sum(r.stats["drafted"] for r in results)
-    assert rates["w8a8 draft"] > 0.8 * rates["float32 draft"], rates
 
 
 def test_forward_benchmark_compares_the_w8a8_draft_with_the_draft_as_loaded(tiny_dirs, tmp_path) -> None:
