@@ -31,6 +31,7 @@ from tandem.engines.local import build_engine, encode_prompt
 from tandem.models.loader import load_model
 
 METHODS = ("plain", "auto", "auto_int8", "auto_w8a8")
+DRAFT_QUANTIZATION = {"auto": "none", "auto_int8": "int8", "auto_w8a8": "w8a8"}  # how each AUTO method's draft is held
 ROWS = (1, 2, 5, 64)
 
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     target = load_model(args.target, device=cpu, dtype=dtype, progress=False)
     methods = METHODS if w8a8_supported() else METHODS[:-1]
     drafts = {name: load_model(args.draft, device=cpu, dtype=dtype, progress=False,
-                               quantization=name.removeprefix("auto").removeprefix("_") or "none")
+                               quantization=DRAFT_QUANTIZATION[name])
               for name in methods[1:]}
     report["config"]["weight_bytes"] = {"target": weight_bytes(target.model)} | {
         name: weight_bytes(draft.model) for name, draft in drafts.items()}

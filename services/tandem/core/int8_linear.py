@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem.core.packed_linear import replace_linears
+
 KERNEL = "aten::_weight_int8pack_mm"
 
 
@@ -72,9 +74,4 @@ def quantize_int8(model: torch.nn.Module) -> int:
         raise ValueError(f"int8 draft weights: this torch build has no {KERNEL} kernel for {parameter.device.type}")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         raise ValueError("int8 draft weights: not with tensor parallelism (drafts run on one device)")
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is torch.nn.Linear]
-    with torch.no_grad():
-        for parent, name, child in swaps:
-            setattr(parent, name, Int8Linear.from_linear(child))
-    return len(swaps)
+    return replace_linears(model, Int8Linear.from_linear)

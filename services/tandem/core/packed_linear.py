@@ -122,12 +122,19 @@ def prepack(model: torch.nn.Module, fuse_siblings: bool = True) -> int:
         return 0
     least = MIN_PACKED_WEIGHTS[next(model.parameters()).dtype]
     fused = fuse(model, least) if fuse_siblings else 0
+    return fused + replace_linears(model, PackedLinear.from_linear, least)
+
+
+def replace_linears(model: torch.nn.Module, make, least: int = 0) -> int:
+    """Replace every nn.Linear of the model holding at least `least` weights by `make(linear)`, in place; the number
+    replaced. The layers built here (PackedLinear, core.int8_linear's and core.w8a8_linear's) each keep their own
+    copy of the weight, so a head tied to the input embedding gets its own and the embedding keeps its weight."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is torch.nn.Linear and child.weight.numel() >= least]
     with torch.no_grad():
         for parent, name, child in swaps:
-            setattr(parent, name, PackedLinear.from_linear(child))
-    return fused + len(swaps)
+            setattr(parent, name, make(child))
+    return len(swaps)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

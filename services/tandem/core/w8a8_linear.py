@@ -22,6 +22,9 @@ import functools
 
 import torch
 
+from tandem.core.fused_linear import fuse
+from tandem.core.packed_linear import replace_linears
+
 # oneDNN picks a slow kernel for one row against a narrow weight (a [128 x 896] layer: 2 ms for one row, 35 us for
 # five): such rows run as two.
 NARROW = 1024
@@ -118,17 +121,9 @@ def quantize_w8a8(model: torch.nn.Module) -> int:
     """Replace the model's nn.Linear layers by W8A8Linear in place, siblings that read one input (q/k/v, gate/up)
     as parts of one product (core.fused_linear); the number of nn.Linear replaced. An output head tied to the input
     embedding gets its own int8 copy (the embedding keeps its weight for lookups)."""
-    from tandem.core.fused_linear import fuse
-
     parameter = next(model.parameters())
     if parameter.device.type != "cpu" or not supported():
         raise ValueError(f"w8a8 draft weights: oneDNN's int8 GEMM does not run on {parameter.device.type} here")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         raise ValueError("w8a8 draft weights: not with tensor parallelism (drafts run on one device)")
-    replaced = fuse(model, product=W8A8Linear)
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is torch.nn.Linear]
-    with torch.no_grad():
-        for parent, name, child in swaps:
-            setattr(parent, name, W8A8Linear.from_linear(child))
-    return replaced + len(swaps)
+    return fuse(model, product=W8A8Linear) + replace_linears(model, W8A8Linear.from_linear)
