@@ -2,7 +2,7 @@
 
 A draft step streams every weight of the draft once (core.packed_linear), so halving the bytes halves its cost, if
 the kernel keeps up. PyTorch's weight-only int8 kernel (core.int8_linear) widens every weight to the activations'
-dtype on the fly, which costs more than the bytes it saves on an AVX-512/AMX CPU once a step has two rows. oneDNN's
+dtype on the fly, which on an AVX-512/AMX CPU costs more than the bytes it saves as a step's rows grow. oneDNN's
 int8 GEMM multiplies int8 by int8 into int32 (AMX or VNNI instructions) and streams the half-size weights at the
 rate bf16 weights stream, so the 0.5B draft's products take about 0.55 of their prepacked bf16 time. The rest of a
 forward stays as it was: on a 2-core AMX Xeon a whole draft forward ran 1.11x, AUTO at batch 1 1.03-1.19x
