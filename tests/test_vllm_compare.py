@@ -13,12 +13,43 @@ def run(tok_s: float, tokens: int = 100) -> dict:
     return {"tokens": tokens, "seconds": tokens / tok_s, "tok_s": tok_s}
 
 
-def test_systems_alternate_a_b_b_a_and_the_batch_order_flips_with_them() -> None:
-    assert compare.schedule(2, ["tandem", "vllm"]) == [(0, "tandem"), (0, "vllm"), (1, "vllm"), (1, "tandem")]
-    assert [s for _, s in compare.schedule(3, ["vllm", "tandem"])] == ["vllm", "tandem", "tandem", "vllm", "vllm",
-                                                                         "tandem"]
-    assert compare.schedule(1, ["tandem"]) == [(0, "tandem")]
-    assert compare.steps(8, 0) == ["b1", "b8"] and compare.steps(8, 1) == ["b8", "b1"]
+def test_each_prompt_runs_on_both_systems_back_to_back_and_who_goes_first_alternates() -> None:
+    order = compare.schedule(2, 2, 8, ["tandem", "vllm"])
+    first = [(s, m, i) for r, s, m, i in order if r == 0]
+    assert first == [("tandem", "plain_b1", 0), ("vllm", "plain_b1", 0), ("tandem", "auto_b1", 0),
+                     ("vllm", "spec_b1", 0),
+                     ("vllm", "spec_b1", 1), ("tandem", "auto_b1", 1), ("vllm", "plain_b1", 1),
+                     ("tandem", "plain_b1", 1),
+                     ("tandem", "plain_b8", None), ("vllm", "plain_b8", None), ("vllm", "spec_b8", None),
+                     ("tandem", "auto_b8", None)]
+    second = [(s, m, i) for r, s, m, i in order if r == 1]
+    assert second[:4] == [("tandem", "auto_b8", None), ("vllm", "spec_b8", None), ("vllm", "plain_b8", None),
+                          ("tandem", "plain_b8", None)]  # at once first, reversed
+    assert second[4:6] == [("vllm", "plain_b1", 0), ("tandem", "plain_b1", 0)]  # prompt 0: vLLM first this time
+    for r in (0, 1):  # every prompt, every mode, once per repeat
+        steps = [(s, m, i) for r2, s, m, i in order if r2 == r]
+        assert len(steps) == len(set(steps)) == 2 * 4 + 4
+    only = compare.schedule(1, 3, 4, ["tandem"])
+    assert {s for _, s, _, _ in only} == {"tandem"} and len(only) == 3 * 2 + 2
+
+
+def test_merge_pools_one_repeats_runs_and_sums_the_counters() -> None:
+    a = {"tokens": 100, "seconds": 10.0, "tok_s": 10.0, "requests": 1, "outputs": [[1]], "loadavg_1m": 2.0,
+         "rounds": 40, "spec_rounds": 30, "drafted": 90, "accepted": 60}
+    b = a | {"tokens": 50, "seconds": 2.5, "outputs": [[2]], "loadavg_1m": 3.5, "drafted": 10, "accepted": 10}
+    merged = compare.merge([a, b])
+    assert (merged["tokens"], merged["seconds"], merged["tok_s"], merged["requests"]) == (150, 12.5, 12.0, 2)
+    assert merged["outputs"] == [[1], [2]] and merged["loadavg_1m_max"] == 3.5
+    assert (merged["drafted"], merged["accepted"], merged["alpha"]) == (100, 70, 0.7)
+    vllm_like = compare.merge([{k: v for k, v in a.items() if k not in ("rounds", "drafted")}])
+    assert "drafted" not in vllm_like and "alpha" not in vllm_like
+
+
+def test_within_is_each_systems_speculation_over_its_own_plain() -> None:
+    summary = {"tandem": {m: compare.pool([run(v)]) for m, v in
+                          {"plain_b1": 5.0, "auto_b1": 9.0, "plain_b8": 40.0}.items()},
+               "vllm": {m: compare.pool([run(v)]) for m, v in {"plain_b1": 6.0, "spec_b1": 9.0}.items()}}
+    assert compare.within(summary, 8) == {"tandem": {"auto_b1/plain_b1": 1.8}, "vllm": {"spec_b1/plain_b1": 1.5}}
 
 
 def test_pool_is_tokens_over_seconds_with_each_repeat_listed() -> None:
@@ -64,7 +95,7 @@ def test_arguments_defaults_and_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (args.threads, args.max_tokens, args.batch, args.k, args.repeats) == (2, 128, 8, 4, 2)
     assert args.vllm_python == compare.DEFAULT_VLLM_PYTHON and args.systems == ["tandem", "vllm"]
     assert args.prompts == "bench" and args.num_prompts is None and not args.no_served and args.dtype == "bfloat16"
-    assert args.json == compare.DEFAULT_REPORT
+    assert args.json == compare.DEFAULT_REPORT and args.kv_space == 2
     monkeypatch.setenv("VLLM_PYTHON", "/opt/v/bin/python")
     args = compare.parse_args(["--systems", "vllm", "tandem", "--max-tokens", "16", "--num-prompts", "2", "--repeats",
                                "1", "--dtype", "float32", "--json"])

@@ -12,33 +12,34 @@ torchcodec` there (vLLM runs text models without them). Its workers get VLLM_CPU
 (apt libtcmalloc-minimal4) and the venv's libiomp5 where present, as vLLM's CPU guide asks. vLLM's side is
 vllm_compare_vllm.py beside this file, run by path; tandem's is tandem.bench.vllm_compare_tandem.
 
-What runs, each system in its own processes, one system at a time, alternated A B B A over --repeats (and the batch
-1 / at-once order reversed on odd repeats); the same chat-templated prompts (--prompts: the shipped set, or a JSONL
+What runs: both systems loaded once and kept resident (tandem.bench.resident: a tandem process with a plain and an
+AUTO engine, a vLLM process per engine), then asked for one run at a time, alternated request by request
+(`schedule`): at batch 1 each prompt goes to both systems back to back, plain beside plain, speculation beside
+speculation; the N-at-once runs go A B B A. The same chat-templated prompts (--prompts: the shipped set, or a JSONL
 file), --dtype (bf16 unless asked), --threads threads, greedy, --max-tokens:
-  vllm    plain_b1, spec_b1 (draft-model speculation, k --k), plain_bN, spec_bN (the N requests in one generate call);
-          one process per engine (plain, speculative), prefix caching off
-  tandem  plain_b1, auto_b1 (tandem.bench.core.run_bench: plain and AUTO, prompt by prompt interleaved),
-          plain_bN, auto_bN (one engine.generate call over the N requests), served_off_bN, served_auto_bN
-          (`tandem serve --in-process`, tandem.bench.serving.run_level: N in flight over gRPC; --no-served skips)
+  vllm    plain_b1, spec_b1 (draft-model speculation, k --k), plain_bN, spec_bN (the N requests in one generate call),
+          prefix caching off
+  tandem  plain_b1, auto_b1, plain_bN, auto_bN (engine.generate on the plain or the AUTO engine), and after the
+          resident runs served_off_bN, served_auto_bN (`tandem serve --in-process`, tandem.bench.serving.run_level:
+          N in flight over gRPC; --no-served skips)
 tok/s = generated tokens (EOS not counted, for either) / wall seconds of the timed requests; loading, compiling,
 calibrating and warm-up requests are not timed. A mode's tok/s pools its repeats (tokens / seconds); each repeat's
-figure is listed too. Targets: tandem plain_b1 >= 0.9x vLLM plain_b1, tandem auto_b1 >= 1.2x vLLM spec_b1, tandem's
-best in-process at N >= 1.0x vLLM's best at N (the served figures are reported beside, not judged).
+figure is listed too, and `within` gives each system's speculation over its own plain decoding. Targets: tandem
+plain_b1 >= 0.9x vLLM plain_b1, tandem auto_b1 >= 1.2x vLLM spec_b1, tandem's best in-process at N >= 1.0x vLLM's
+best at N (the served figures are reported beside, not judged).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
+from tandem.bench.resident import Resident
 from tandem.cli.options import STDOUT, DefaultsHelpFormatter, add_json_option, add_prompts_option, write_json
 from tandem.core.config import QUANTIZATIONS
 
@@ -70,8 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
     parser.add_argument("--batch", type=int, default=8, help="requests at once")
     parser.add_argument("--k", type=int, default=4, help="vLLM's draft tokens per step")
-    parser.add_argument("--repeats", type=int, default=2, help="turns of each system, alternated")
-    parser.add_argument("--kv-space", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE in GiB")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of the whole schedule")
+    parser.add_argument("--kv-space", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE in GiB")
     parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM's max_model_len")
     parser.add_argument("--systems", nargs="+", choices=("tandem", "vllm"), default=["tandem", "vllm"],
                         help="the systems to run, the first first")
@@ -91,15 +92,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def schedule(repeats: int, systems: list[str]) -> list[tuple[int, str]]:
-    """(repeat, system) in running order: A B B A A B ..., so a slow spell of the machine lands on both."""
-    return [(r, s) for r in range(repeats) for s in (systems if r % 2 == 0 else systems[::-1])]
+def schedule(repeats: int, prompts: int, batch: int, systems: list[str]) -> list[tuple[int, str, str, int | None]]:
+    """(repeat, system, mode, prompt index; None: all N at once) in running order. At batch 1 each prompt runs on
+    both systems back to back, plain beside plain and speculation beside speculation, which system and which pair go
+    first alternating prompt by prompt; the N-at-once runs go A B B A, after batch 1 on even repeats and before it on
+    odd ones. So a slow spell of the machine (here they last minutes) lands on both systems alike."""
+    plain, spec = [("tandem", "plain_b1"), ("vllm", "plain_b1")], [("tandem", "auto_b1"), ("vllm", "spec_b1")]
+    n = f"b{batch}"
+    at_once = [("tandem", f"plain_{n}"), ("vllm", f"plain_{n}"), ("vllm", f"spec_{n}"), ("tandem", f"auto_{n}")]
+    order: list[tuple[int, str, str, int | None]] = []
+    for r in range(repeats):
+        one: list[tuple[int, str, str, int | None]] = []
+        for i in range(prompts):
+            pairs = [pair[::-1] if (i + r) % 2 else pair for pair in (plain, spec)]
+            one += [(r, s, m, i) for pair in (pairs[::-1] if i % 2 else pairs) for s, m in pair]
+        many = [(r, s, m, None) for s, m in (at_once if r % 2 == 0 else at_once[::-1])]
+        order += one + many if r % 2 == 0 else many + one
+    return [step for step in order if step[1] in systems]
 
 
-def steps(batch: int, repeat: int) -> list[str]:
-    """The order of batch 1 and N at once within one system's turn, reversed on odd repeats."""
-    order = ["b1", f"b{batch}"]
-    return order if repeat % 2 == 0 else order[::-1]
+def merge(results: list[dict]) -> dict:
+    """One mode's runs within a repeat (batch 1: one per prompt) as one: tokens over seconds, the outputs in order,
+    tandem's speculation counters summed."""
+    tokens, seconds = sum(r["tokens"] for r in results), sum(r["seconds"] for r in results)
+    out = {"tokens": tokens, "seconds": round(seconds, 4), "tok_s": round(tokens / seconds, 3) if seconds else 0.0,
+           "requests": sum(r["requests"] for r in results), "outputs": [o for r in results for o in r["outputs"]],
+           "loadavg_1m_max": max(r["loadavg_1m"] for r in results)}
+    counted = [k for k in ("rounds", "spec_rounds", "drafted", "accepted") if all(k in r for r in results)]
+    out |= {k: sum(r[k] for r in results) for k in counted}
+    if out.get("drafted"):
+        out["alpha"] = round(out["accepted"] / out["drafted"], 4)
+    return out
 
 
 def pool(runs: list[dict]) -> dict:
@@ -137,6 +160,17 @@ def ratios(summary: dict[str, dict[str, dict]], batch: int) -> dict[str, dict]:
     return out
 
 
+def within(summary: dict[str, dict[str, dict]], batch: int) -> dict[str, dict[str, float]]:
+    """Each system's speculation over its own plain decoding, at batch 1 and at N: the sitting cancels here."""
+    out: dict[str, dict[str, float]] = {}
+    for system, spec in (("tandem", "auto"), ("vllm", "spec")):
+        modes = summary.get(system, {})
+        pairs = [(f"{spec}_{b}", f"plain_{b}") for b in ("b1", f"b{batch}")]
+        out[system] = {f"{a}/{b}": round(modes[a]["tok_s"] / modes[b]["tok_s"], 4)
+                       for a, b in pairs if a in modes and modes.get(b, {}).get("tok_s")}
+    return out
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     """How alike two systems' greedy outputs are (bf16 kernels differ, so some drift is expected)."""
     prefix = [next((i for i, (x, y) in enumerate(zip(p, q, strict=False)) if x != y), min(len(p), len(q)))
@@ -152,28 +186,6 @@ def vllm_env(args: argparse.Namespace) -> dict[str, str]:
     env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space),
             "LD_PRELOAD": ":".join(preload)}
     return env
-
-
-def run_worker(command: list[str], job: dict, env: dict[str, str] | None, log: Path) -> dict:
-    """Run one worker (`command JOB RESULT`), its output into `log` (its own progress lines echoed here); its result
-    JSON."""
-    name = Path(command[-1]).name
-    with tempfile.TemporaryDirectory() as tmp:
-        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_path.write_text(json.dumps(job))
-        with log.open("a") as sink:
-            sink.write(f"\n==== {name} {json.dumps({k: v for k, v in job.items() if 'ids' not in k})[:300]}\n")
-            proc = subprocess.Popen([*command, str(job_path), str(out_path)], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            tail: list[str] = []
-            for line in proc.stdout:
-                sink.write(line)
-                tail = (tail + [line])[-25:]
-                if line.startswith(("tandem ", "vllm ")):
-                    say("  " + line.rstrip())
-            if proc.wait() != 0 or not out_path.is_file():
-                raise RuntimeError(f"{name} exited {proc.returncode}:\n{''.join(tail)}")
-            return json.loads(out_path.read_text())
 
 
 def hf_dir(name: str) -> str:
@@ -197,70 +209,98 @@ def hf_dir(name: str) -> str:
     return str(out)
 
 
+def start_workers(args: argparse.Namespace, texts: list[str], jobs: list[str], log: Path,
+                  errors: list[str]) -> dict[str, Resident]:
+    """The resident workers, loaded one after another (untimed): "tandem" (a plain and an AUTO engine), "vllm_plain"
+    and "vllm_spec" (one vLLM engine each). A worker that fails to load is left out, its error in `errors`."""
+    workers: dict[str, Resident] = {}
+    wanted: list[tuple[str, list[str], dict, dict[str, str] | None]] = []
+    if "tandem" in args.systems:
+        wanted.append(("tandem", TANDEM_SIDE, {
+            "target": args.target, "draft": args.draft, "texts": jobs, "max_tokens": args.max_tokens,
+            "threads": args.threads, "dtype": args.dtype, "compile": args.compile,
+            "draft_quantization": args.draft_quantization}, None))
+    if "vllm" in args.systems:
+        from transformers import AutoTokenizer, GenerationConfig
+
+        from tandem.engines.local import encode_prompt, eos_token_ids
+
+        target_dir, draft_dir = hf_dir(args.target), hf_dir(args.draft)
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        generation = SimpleNamespace(generation_config=GenerationConfig.from_pretrained(target_dir))
+        vjob = {"target_dir": target_dir, "draft_dir": draft_dir, "k": args.k, "max_tokens": args.max_tokens,
+                "max_model_len": args.max_model_len, "dtype": args.dtype,
+                "eos_ids": sorted(eos_token_ids(generation, tokenizer)),  # the ids tandem stops at
+                "jobs": [encode_prompt(tokenizer, t, chat=True) for t in jobs]}
+        command = [args.vllm_python, str(VLLM_SIDE)]
+        wanted += [("vllm_plain", command, vjob | {"spec": False}, vllm_env(args)),
+                   ("vllm_spec", command, vjob | {"spec": True}, vllm_env(args))]
+    for name, command, job, env in wanted:
+        say(f"loading {name}")
+        try:
+            workers[name] = Resident(name, command, job, log, env, echo=("tandem ", "vllm "), say=say)
+        except Exception as exc:  # one system failing still leaves the other's figures
+            errors.append(f"loading {name}: {exc}")
+            say(f"  {name} failed: {str(exc)[-2000:]}")
+    return workers
+
+
+def worker_of(system: str, mode: str) -> str:
+    return "tandem" if system == "tandem" else f"vllm_{mode.split('_')[0]}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from tandem.bench.vllm_compare_tandem import run_served
-    from tandem.engines.local import encode_prompt, eos_token_ids
 
     texts = load_prompts(args.prompts)[: args.num_prompts]
     jobs = [texts[i % len(texts)] for i in range(max(args.batch, len(texts)))]  # as serving.run_level sends them
     log = Path(DEFAULT_REPORT if args.json == STDOUT else args.json).with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
-    runs: dict[str, list[dict]] = {s: [] for s in args.systems}
-    meta: dict[str, dict] = {}
     errors: list[str] = []
-    if "vllm" in args.systems:
-        from transformers import AutoTokenizer, GenerationConfig
-
-        target_dir, draft_dir = hf_dir(args.target), hf_dir(args.draft)
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        generation = SimpleNamespace(generation_config=GenerationConfig.from_pretrained(target_dir))
-        eos = sorted(eos_token_ids(generation, tokenizer))  # the ids tandem stops at
-        ids = {t: encode_prompt(tokenizer, t, chat=True) for t in texts}
-        vjob = {"target_dir": target_dir, "draft_dir": draft_dir, "k": args.k, "max_tokens": args.max_tokens,
-                "max_model_len": args.max_model_len, "dtype": args.dtype, "eos_ids": eos,
-                "prompt_ids": [ids[t] for t in texts], "jobs": [ids[t] for t in jobs]}
-    for repeat, system in schedule(args.repeats, args.systems):
-        say(f"repeat {repeat + 1}/{args.repeats}: {system}")
-        modes: dict[str, dict] = {}
-        try:
-            if system == "tandem":
-                job = {"target": args.target, "draft": args.draft, "prompts": texts, "jobs": jobs,
-                       "max_tokens": args.max_tokens, "threads": args.threads, "dtype": args.dtype, "repeat": repeat,
-                       "order": steps(args.batch, repeat), "compile": args.compile,
-                       "draft_quantization": args.draft_quantization}
-                result = run_worker(TANDEM_SIDE, job, None, log)
-                modes |= result["modes"]
-                if not args.no_served:
-                    modes |= run_served(args, texts, repeat, log, say, compile=args.compile)
-            else:
-                for spec in (False, True) if repeat % 2 == 0 else (True, False):
-                    job = vjob | {"spec": spec, "order": steps(args.batch, repeat)}
-                    result = run_worker([args.vllm_python, str(VLLM_SIDE)], job, vllm_env(args), log)
-                    modes |= result["modes"]
-                    if spec:
-                        meta["vllm_speculative_config"] = result["speculative_config"]
-            meta[system] = {k: v for k, v in result.items() if k not in ("modes", "speculative_config")}
-        except Exception as exc:  # one system failing still leaves the other's figures
-            errors.append(f"repeat {repeat + 1} {system}: {exc}")
-            say(f"  {system} failed: {str(exc)[-2000:]}")
-        runs[system].append(modes)
+    workers = start_workers(args, texts, jobs, log, errors)
+    order = schedule(args.repeats, len(texts), args.batch, args.systems)
+    done: dict[tuple[str, int, str], list[dict]] = {}
+    try:
+        for step, (repeat, system, mode, prompt) in enumerate(order):
+            worker = workers.get(worker_of(system, mode))
+            if worker is None:
+                continue
+            if prompt is None or prompt == 0:
+                say(f"repeat {repeat + 1}/{args.repeats}, step {step + 1}/{len(order)}: {system} {mode}")
+            try:
+                result = worker.ask({"mode": mode, "prompts": list(range(len(jobs))) if prompt is None else [prompt]})
+            except Exception as exc:
+                errors.append(f"repeat {repeat + 1} {system} {mode}: {exc}")
+                say(f"  {worker.name} failed: {str(exc)[-2000:]}")
+                workers.pop(worker.name).close()
+                continue
+            done.setdefault((system, repeat, mode), []).append(result)
+    finally:
+        loaded = {name: worker.loaded for name, worker in workers.items()}
+        for worker in workers.values():
+            worker.close()
+    runs: dict[str, list[dict]] = {s: [{m: merge(done[s, r, m]) for (s2, r2, m) in done if (s2, r2) == (s, r)}
+                                       for r in range(args.repeats)] for s in args.systems}
+    if "tandem" in workers and not args.no_served:
+        for repeat in range(args.repeats):
+            runs["tandem"][repeat] |= run_served(args, texts, repeat, log, say, compile=args.compile)
     summary = {s: {m: pool([r[m] for r in reps if m in r]) for m in dict.fromkeys(k for r in reps for k in r)}
                for s, reps in runs.items()}
-    report = {"summary": summary, "ratios": ratios(summary, args.batch),
+    report = {"summary": summary, "ratios": ratios(summary, args.batch), "within": within(summary, args.batch),
               "config": {"prompts": len(texts), "requests_at_once": len(jobs), "max_tokens": args.max_tokens,
                          "threads": args.threads, "repeats": args.repeats, "dtype": args.dtype, "greedy": True,
-                         "order": [f"{r + 1}:{s}" for r, s in schedule(args.repeats, args.systems)],
+                         "order": [f"{r + 1}:{s}:{m}:{'all' if i is None else i}" for r, s, m, i in order],
                          "target": args.target, "draft": args.draft, "vllm_k": args.k, "log": str(log),
                          "tandem_compile": args.compile, "tandem_draft_quantization": args.draft_quantization},
-              "systems": meta, "errors": errors,
+              "systems": loaded, "errors": errors,
               "runs": {s: [{m: {k: v for k, v in x.items() if k != "outputs"} for m, x in r.items()} for r in reps]
                        for s, reps in runs.items()}}
-    plain_n = f"plain_b{args.batch}"
-    if all(runs.get(s) and plain_n in runs[s][0] for s in ("tandem", "vllm")):
-        report["greedy_agreement_" + plain_n] = agreement(runs["tandem"][0][plain_n]["outputs"],
-                                                          runs["vllm"][0][plain_n]["outputs"])
+    for mode in ("plain_b1", f"plain_b{args.batch}"):
+        if all(runs.get(s) and mode in runs[s][0] for s in ("tandem", "vllm")):
+            report["greedy_agreement_" + mode] = agreement(runs["tandem"][0][mode]["outputs"],
+                                                           runs["vllm"][0][mode]["outputs"])
     if "vllm" in args.systems:
         report["config"]["vllm_env"] = {k: v for k, v in vllm_env(args).items() if k.startswith(("VLLM_", "LD_"))}
     write_json(args.json, report)

@@ -1,16 +1,14 @@
-"""tandem's half of tandem.bench.vllm_compare: plain and AUTO at batch 1, and N requests at once, in a process of its
-own; and the served runs (run_served, which vllm_compare calls itself: `tandem serve` with N requests in flight).
+"""tandem's half of tandem.bench.vllm_compare: a plain and an AUTO engine loaded once, answering one run at a time;
+and the served runs (run_served, which vllm_compare calls itself: `tandem serve` with N requests in flight).
 
-The process is started by tandem.bench.vllm_compare with tandem's Python and the job as JSON:
+The process is started by tandem.bench.vllm_compare (tandem.bench.resident) with tandem's Python:
 
-    python -m tandem.bench.vllm_compare_tandem job.json result.json
+    python -m tandem.bench.vllm_compare_tandem job.json RESULT_FD
 
-job: target, draft (registry names or paths), prompts (texts; the chat template is applied as `tandem bench` does),
-jobs (the texts sent at once), max_tokens, threads, repeat, order (["b1", "bN"] or reversed), compile (`--compile`:
-compiled decode forwards), draft_quantization (`--draft-quantization`). Batch 1 is tandem.bench.core.run_bench
-with methods plain and tandem (AUTO), prompt by prompt interleaved; N at once is one engine.generate call over all
-jobs on a plain engine and on an AUTO engine, both bf16 on the CPU. Loading,
-calibration and warm-up requests are left out of the timings.
+job: target, draft (registry names or paths), texts (the prompts; the chat template is applied as `tandem bench`
+does), max_tokens, threads, dtype, compile (`--compile`: compiled decode forwards), draft_quantization
+(`--draft-quantization`). Each request names a mode (plain_b1, auto_b1, plain_bN, auto_bN) and the prompts to send in
+one engine.generate call, greedy, on the CPU. Loading, calibration and warm-up requests are left out of the timings.
 """
 
 from __future__ import annotations
@@ -42,15 +40,17 @@ def batched(engine, ids: list[list[int]], max_tokens: int) -> dict:
     return {"tokens": tokens, "seconds": round(seconds, 4), "tok_s": round(tokens / seconds, 3),
             "requests": len(ids), "loadavg_1m": round(os.getloadavg()[0], 2),
             "rounds": sum(r.stats["rounds"] for r in results),
-            "spec_rounds": sum(r.stats["spec_rounds"] for r in results), "drafted": drafted,
+            "spec_rounds": sum(r.stats["spec_rounds"] for r in results), "drafted": drafted, "accepted": accepted,
             "alpha": round(accepted / drafted, 4) if drafted else 0.0,
             "outputs": [list(r.token_ids) for r in results]}
 
 
-def run(job: dict) -> dict:
+def load(job: dict) -> tuple[dict, Callable[[dict], dict]]:
+    """The pair loaded once, a plain engine and an AUTO engine built and warmed up (untimed); what was loaded, and
+    the function that answers one request: {"mode": "plain_..." or "auto_...", "prompts": indices into job["texts"]}
+    through that engine in one generate call, greedy, job["max_tokens"] each."""
     import transformers
 
-    from tandem.bench.core import run_bench
     from tandem.core.config import EngineConfig, SamplingParams
     from tandem.engines.local import build_engine, encode_prompt
     from tandem.models.loader import load_pair
@@ -61,31 +61,25 @@ def run(job: dict) -> dict:
                               dtype=getattr(torch, job["dtype"]), progress=False, compile=job.get("compile", False),
                               draft_quantization=job.get("draft_quantization", "none"))
     load_seconds = time.perf_counter() - started
-    n = len(job["jobs"])
-    engines: dict = {}
-    ids = [encode_prompt(target.tokenizer, text, chat=True) for text in job["jobs"]]
-    modes: dict[str, dict] = {}
-    for step in job["order"]:
-        if step == "b1":
-            report = run_bench(target, draft, job["prompts"], job["max_tokens"], ("plain", "tandem"),
-                               EngineConfig(), progress=False)
-            modes["plain_b1"] = report["plain"] | {"loadavg_1m": round(os.getloadavg()[0], 2)}
-            modes["auto_b1"] = report["tandem"] | {
-                key: report[key] for key in ("tandem_vs_plain", "greedy_identical_to_plain", "bound") if key in report}
-        else:
-            if not engines:  # built once, warmed up with one short batch each
-                engines["plain"] = build_engine(target, None, EngineConfig(calibrate=False))
-                engines["auto"] = build_engine(target, draft, EngineConfig())
-                for engine in engines.values():
-                    engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=4))
-            for name in ("plain", "auto") if job["repeat"] % 2 == 0 else ("auto", "plain"):
-                modes[f"{name}_b{n}"] = batched(engines[name], ids, job["max_tokens"])
-        for name in [m for m in modes if m.endswith(f"_{step}")]:
-            print(f"tandem {name}: {modes[name]['tokens']} tokens in {modes[name]['seconds']:.2f} s = "
-                  f"{modes[name]['tok_s']:.2f} tok/s", file=sys.stderr, flush=True)
-    return {"modes": modes, "load_seconds": round(load_seconds, 1),
-            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-            "torch_threads": torch.get_num_threads()}
+    ids = [encode_prompt(target.tokenizer, text, chat=True) for text in job["texts"]]
+    engines = {"plain": build_engine(target, None, EngineConfig(calibrate=False)),
+               "auto": build_engine(target, draft, EngineConfig())}
+    for engine in engines.values():  # a short lone request and a short batch: compiling, calibrating, first calls
+        engine.generate([ids[0][:8]], SamplingParams(temperature=0.0, max_tokens=job["max_tokens"]))
+        engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=4))
+
+    def answer(request: dict) -> dict:
+        result = batched(engines[request["mode"].split("_")[0]], [ids[i] for i in request["prompts"]],
+                         job["max_tokens"])
+        print(f"tandem {request['mode']} {request['prompts'][0] if len(request['prompts']) == 1 else 'all'}: "
+              f"{result['tokens']} tokens in {result['seconds']:.2f} s = {result['tok_s']:.2f} tok/s",
+              file=sys.stderr, flush=True)
+        return result
+
+    loaded = {"load_seconds": round(load_seconds, 1),
+              "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+              "torch_threads": torch.get_num_threads()}
+    return loaded, answer
 
 
 def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: Path,
@@ -139,8 +133,15 @@ def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: P
 
 
 def main() -> None:
+    """Load, then answer requests (JSON lines on stdin) on the result pipe (tandem.bench.resident)."""
     job = json.loads(Path(sys.argv[1]).read_text())
-    Path(sys.argv[2]).write_text(json.dumps(run(job)))
+    with os.fdopen(int(sys.argv[2]), "w") as results:
+        loaded, answer = load(job)
+        results.write(json.dumps(loaded) + "\n")
+        results.flush()
+        for line in sys.stdin:
+            results.write(json.dumps(answer(json.loads(line))) + "\n")
+            results.flush()
 
 
 if __name__ == "__main__":

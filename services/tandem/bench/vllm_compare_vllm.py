@@ -1,14 +1,15 @@
-"""vLLM's half of tandem.bench.vllm_compare: one engine (plain, or draft-model speculation), batch 1 and all at once.
+"""vLLM's half of tandem.bench.vllm_compare: one engine (plain, or draft-model speculation) loaded once, answering
+one run at a time.
 
 Runs by path under vLLM's own Python, where tandem is not installed (so it imports nothing of tandem), started by
-tandem.bench.vllm_compare with the job as JSON:
+tandem.bench.vllm_compare (tandem.bench.resident's protocol) with the job as JSON:
 
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 /work/vllm-venv/bin/python \
-        services/tandem/bench/vllm_compare_vllm.py job.json result.json
+        services/tandem/bench/vllm_compare_vllm.py job.json RESULT_FD
 
-job: target_dir, draft_dir, spec (bool), k, prompt_ids (chat-templated token ids, one list per prompt), jobs (the
-token ids sent at once), max_tokens, max_model_len, eos_ids, order (["b1", "bN"] or reversed). result: per mode
-tokens, seconds, tok_s, outputs (token ids, EOS stripped as tandem strips it), plus versions and acceptance counters.
+job: target_dir, draft_dir, spec (bool), k, jobs (chat-templated token ids, one list per prompt), max_tokens,
+max_model_len, eos_ids. Each request names a mode and the prompts (indices into jobs) to send in one generate call;
+its result: tokens, seconds, tok_s, outputs (token ids, EOS stripped as tandem strips it), acceptance counters.
 Loading, compilation and the warm-up requests are left out of the timings.
 """
 
@@ -43,22 +44,10 @@ def _counters(llm: Any) -> dict[str, float]:
     return {m.name.split(":")[1]: float(getattr(m, "value", 0.0)) for m in metrics if m.name in wanted}
 
 
-def _timed(llm: Any, prompts: list[list[int]], params: Any, together: bool, eos: set[int]) -> dict:
-    """Generate `prompts` one request after another (together False) or in one generate call; tok/s over the wall."""
-    batches = [prompts] if together else [[ids] for ids in prompts]
-    outputs: list[list[int]] = []
-    started = time.perf_counter()
-    for batch in batches:
-        results = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
-        outputs += [list(r.outputs[0].token_ids) for r in results]
-    seconds = time.perf_counter() - started
-    outputs = [_strip_eos(out, eos) for out in outputs]
-    tokens = sum(len(out) for out in outputs)
-    return {"tokens": tokens, "seconds": round(seconds, 4), "tok_s": round(tokens / seconds, 3),
-            "requests": len(prompts), "loadavg_1m": round(os.getloadavg()[0], 2), "outputs": outputs}
-
-
-def run(job: dict) -> dict:
+def load(job: dict) -> tuple[dict, Any]:
+    """One engine (plain, or draft-model speculation with k job["k"]) loaded and warmed up (untimed); what was
+    loaded, and the function that answers one request: {"mode": ..., "prompts": indices into job["jobs"]} in one
+    generate call, greedy, job["max_tokens"] each."""
     import torch
     import vllm
     from vllm import LLM, SamplingParams
@@ -74,29 +63,41 @@ def run(job: dict) -> dict:
     warm = SamplingParams(temperature=0.0, max_tokens=min(16, job["max_tokens"]))
     # Warm-up, untimed: the first request of a fresh engine runs several times slower than the next.
     for _ in range(2):
-        llm.generate([{"prompt_token_ids": job["prompt_ids"][0]}], warm, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": job["jobs"][0]}], warm, use_tqdm=False)
     llm.generate([{"prompt_token_ids": ids} for ids in job["jobs"]], warm, use_tqdm=False)
-    name = "spec" if job["spec"] else "plain"
-    modes: dict[str, dict] = {}
-    for step in job["order"]:
-        together = step != "b1"
-        prompts = job["jobs"] if together else job["prompt_ids"]
+
+    def answer(request: dict) -> dict:
+        prompts = [job["jobs"][i] for i in request["prompts"]]
         counters = _counters(llm)
-        result = _timed(llm, prompts, greedy, together, eos)
+        started = time.perf_counter()
+        results = llm.generate([{"prompt_token_ids": ids} for ids in prompts], greedy, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        outputs = [_strip_eos(list(r.outputs[0].token_ids), eos) for r in results]
+        tokens = sum(len(out) for out in outputs)
+        result = {"tokens": tokens, "seconds": round(seconds, 4), "tok_s": round(tokens / seconds, 3),
+                  "requests": len(prompts), "loadavg_1m": round(os.getloadavg()[0], 2), "outputs": outputs}
         after = _counters(llm)
         if after:
             result["spec_counters"] = {key: after[key] - counters.get(key, 0.0) for key in after}
-        modes[f"{name}_{step}"] = result
-        print(f"vllm {name}_{step}: {result['tokens']} tokens in {result['seconds']:.2f} s = "
-              f"{result['tok_s']:.2f} tok/s", file=sys.stderr, flush=True)
-    return {"modes": modes, "load_seconds": round(load_seconds, 1),
-            "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-            "speculative_config": spec}
+        print(f"vllm {request['mode']} {request['prompts'][0] if len(prompts) == 1 else 'all'}: {tokens} tokens in "
+              f"{seconds:.2f} s = {tokens / seconds:.2f} tok/s", file=sys.stderr, flush=True)
+        return result
+
+    loaded = {"load_seconds": round(load_seconds, 1), "speculative_config": spec,
+              "versions": {"vllm": vllm.__version__, "torch": torch.__version__}}
+    return loaded, answer
 
 
 def main() -> None:
+    """Load, then answer requests (JSON lines on stdin) on the result pipe (tandem.bench.resident's protocol)."""
     job = json.loads(Path(sys.argv[1]).read_text())
-    Path(sys.argv[2]).write_text(json.dumps(run(job)))
+    with os.fdopen(int(sys.argv[2]), "w") as results:
+        loaded, answer = load(job)
+        results.write(json.dumps(loaded) + "\n")
+        results.flush()
+        for line in sys.stdin:
+            results.write(json.dumps(answer(json.loads(line))) + "\n")
+            results.flush()
 
 
 if __name__ == "__main__":  # vLLM starts its engine core by spawn, which re-imports this module
