@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -211,15 +212,11 @@ def hf_dir(name: str) -> str:
 
 def start_workers(args: argparse.Namespace, texts: list[str], jobs: list[str], log: Path,
                   errors: list[str]) -> dict[str, Resident]:
-    """The resident workers, loaded one after another (untimed): "tandem" (a plain and an AUTO engine), "vllm_plain"
-    and "vllm_spec" (one vLLM engine each). A worker that fails to load is left out, its error in `errors`."""
+    """The resident workers, loaded one after another (untimed): "vllm_plain" and "vllm_spec" (one vLLM engine
+    each), "tandem" (a plain and an AUTO engine). A worker that fails to load is left out, its error in `errors`;
+    the others still load, so one run reports every failure."""
     workers: dict[str, Resident] = {}
     wanted: list[tuple[str, list[str], dict, dict[str, str] | None]] = []
-    if "tandem" in args.systems:
-        wanted.append(("tandem", TANDEM_SIDE, {
-            "target": args.target, "draft": args.draft, "texts": jobs, "max_tokens": args.max_tokens,
-            "threads": args.threads, "dtype": args.dtype, "compile": args.compile,
-            "draft_quantization": args.draft_quantization}, None))
     if "vllm" in args.systems:
         from transformers import AutoTokenizer, GenerationConfig
 
@@ -235,11 +232,16 @@ def start_workers(args: argparse.Namespace, texts: list[str], jobs: list[str], l
         command = [args.vllm_python, str(VLLM_SIDE)]
         wanted += [("vllm_plain", command, vjob | {"spec": False}, vllm_env(args)),
                    ("vllm_spec", command, vjob | {"spec": True}, vllm_env(args))]
+    if "tandem" in args.systems:  # last: vLLM sizes its KV cache from the memory free when it loads
+        wanted.append(("tandem", TANDEM_SIDE, {
+            "target": args.target, "draft": args.draft, "texts": jobs, "max_tokens": args.max_tokens,
+            "threads": args.threads, "dtype": args.dtype, "compile": args.compile,
+            "draft_quantization": args.draft_quantization}, None))
     for name, command, job, env in wanted:
         say(f"loading {name}")
         try:
             workers[name] = Resident(name, command, job, log, env, echo=("tandem ", "vllm "), say=say)
-        except Exception as exc:  # one system failing still leaves the other's figures
+        except Exception as exc:
             errors.append(f"loading {name}: {exc}")
             say(f"  {name} failed: {str(exc)[-2000:]}")
     return workers
@@ -253,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from tandem.bench.vllm_compare_tandem import run_served
 
+    # Killed, still close the workers: vLLM's engine processes outlive a frontend that dies without shutting down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
     texts = load_prompts(args.prompts)[: args.num_prompts]
     jobs = [texts[i % len(texts)] for i in range(max(args.batch, len(texts)))]  # as serving.run_level sends them
     log = Path(DEFAULT_REPORT if args.json == STDOUT else args.json).with_suffix(".log")
@@ -260,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     log.write_text("")
     errors: list[str] = []
     workers = start_workers(args, texts, jobs, log, errors)
+    if errors:  # the schedule pairs every run with the other system's: a half comparison would mislead
+        for worker in workers.values():
+            worker.close()
+        write_json(args.json, {"errors": errors, "config": {"log": str(log)}})
+        return 1
     order = schedule(args.repeats, len(texts), args.batch, args.systems)
     done: dict[tuple[str, int, str], list[dict]] = {}
     try:

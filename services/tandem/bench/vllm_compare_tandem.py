@@ -62,8 +62,11 @@ def load(job: dict) -> tuple[dict, Callable[[dict], dict]]:
                               draft_quantization=job.get("draft_quantization", "none"))
     load_seconds = time.perf_counter() - started
     ids = [encode_prompt(target.tokenizer, text, chat=True) for text in job["texts"]]
-    engines = {"plain": build_engine(target, None, EngineConfig(calibrate=False)),
-               "auto": build_engine(target, draft, EngineConfig())}
+    # A KV budget for these requests (and calibration's max_batch sequences), not a share of free memory: the other
+    # system is loaded beside this one.
+    kv_tokens = max(len(ids), EngineConfig().max_batch) * (max(map(len, ids)) + job["max_tokens"] + 64)
+    engines = {"plain": build_engine(target, None, EngineConfig(calibrate=False), kv_tokens=kv_tokens),
+               "auto": build_engine(target, draft, EngineConfig(), kv_tokens=kv_tokens)}
     for engine in engines.values():  # a short lone request and a short batch: compiling, calibrating, first calls
         engine.generate([ids[0][:8]], SamplingParams(temperature=0.0, max_tokens=job["max_tokens"]))
         engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=4))
@@ -76,7 +79,7 @@ def load(job: dict) -> tuple[dict, Callable[[dict], dict]]:
               file=sys.stderr, flush=True)
         return result
 
-    loaded = {"load_seconds": round(load_seconds, 1),
+    loaded = {"load_seconds": round(load_seconds, 1), "kv_tokens": kv_tokens,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
               "torch_threads": torch.get_num_threads()}
     return loaded, answer
