@@ -54,8 +54,10 @@ STARTED = time.perf_counter()
 
 
 def say(message: str) -> None:
-    """Progress, on stderr: stdout is left to the report when --json asks for it there."""
-    print(f"[{time.perf_counter() - STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)
+    """Progress, on stderr: stdout is left to the report when --json asks for it there. The workers' echo threads
+    call it too, hence one write per line."""
+    sys.stderr.write(f"[{time.perf_counter() - STARTED:7.1f}s] {message}\n")
+    sys.stderr.flush()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -62,9 +62,9 @@ def load(job: dict) -> tuple[dict, Callable[[dict], dict]]:
                               draft_quantization=job.get("draft_quantization", "none"))
     load_seconds = time.perf_counter() - started
     ids = [encode_prompt(target.tokenizer, text, chat=True) for text in job["texts"]]
-    # A KV budget for these requests (and calibration's max_batch sequences), not a share of free memory: the other
-    # system is loaded beside this one.
-    kv_tokens = max(len(ids), EngineConfig().max_batch) * (max(map(len, ids)) + job["max_tokens"] + 64)
+    # A KV budget for these requests and for calibration (max_batch sequences, forwards up to ~1k tokens wide), not a
+    # share of free memory: the other system is loaded beside this one.
+    kv_tokens = max(len(ids), EngineConfig().max_batch) * max(1024, max(map(len, ids)) + job["max_tokens"] + 64)
     engines = {"plain": build_engine(target, None, EngineConfig(calibrate=False), kv_tokens=kv_tokens),
                "auto": build_engine(target, draft, EngineConfig(), kv_tokens=kv_tokens)}
     for engine in engines.values():  # a short lone request and a short batch: compiling, calibrating, first calls
