@@ -1,4 +1,5 @@
-"""tandem.bench.vllm_compare's pure parts (schedule, pooling, ratios against the targets, arguments), without vLLM."""
+"""tandem.bench.vllm_compare's pure parts (schedule, arguments) and its report (pooling, ratios against the targets),
+without vLLM."""
 
 from __future__ import annotations
 
@@ -7,53 +8,50 @@ import sys
 import pytest
 
 from tandem.bench import vllm_compare as compare
+from tandem.bench import vllm_compare_report as report
 
 
 def run(tok_s: float, tokens: int = 100) -> dict:
     return {"tokens": tokens, "seconds": tokens / tok_s, "tok_s": tok_s}
 
 
-def test_each_prompt_runs_on_both_systems_back_to_back_and_who_goes_first_alternates() -> None:
+def test_each_phase_pairs_every_prompt_on_both_systems_and_who_goes_first_alternates() -> None:
     order = compare.schedule(2, 2, 8, ["tandem", "vllm"])
-    first = [(s, m, i) for r, s, m, i in order if r == 0]
-    assert first == [("tandem", "plain_b1", 0), ("vllm", "plain_b1", 0), ("tandem", "auto_b1", 0),
-                     ("vllm", "spec_b1", 0),
-                     ("vllm", "spec_b1", 1), ("tandem", "auto_b1", 1), ("vllm", "plain_b1", 1),
-                     ("tandem", "plain_b1", 1),
-                     ("tandem", "plain_b8", None), ("vllm", "plain_b8", None), ("vllm", "spec_b8", None),
-                     ("tandem", "auto_b8", None)]
-    second = [(s, m, i) for r, s, m, i in order if r == 1]
-    assert second[:4] == [("tandem", "auto_b8", None), ("vllm", "spec_b8", None), ("vllm", "plain_b8", None),
-                          ("tandem", "plain_b8", None)]  # at once first, reversed
-    assert second[4:6] == [("vllm", "plain_b1", 0), ("tandem", "plain_b1", 0)]  # prompt 0: vLLM first this time
-    for r in (0, 1):  # every prompt, every mode, once per repeat
-        steps = [(s, m, i) for r2, s, m, i in order if r2 == r]
-        assert len(steps) == len(set(steps)) == 2 * 4 + 4
+    assert [p for p, *_ in order] == ["plain"] * 16 + ["spec"] * 16  # one vLLM engine resident per phase
+    first = [(s, m, i) for p, r, s, m, i in order if (p, r) == ("plain", 0)]
+    assert first == [("tandem", "plain_b1", 0), ("vllm", "plain_b1", 0), ("vllm", "plain_b1", 1),
+                     ("tandem", "plain_b1", 1), ("tandem", "plain_b8", None), ("vllm", "plain_b8", None),
+                     ("vllm", "plain_b8", None), ("tandem", "plain_b8", None)]
+    second = [(s, m, i) for p, r, s, m, i in order if (p, r) == ("spec", 1)]
+    assert second == [("vllm", "spec_b8", None), ("tandem", "auto_b8", None), ("tandem", "auto_b8", None),
+                      ("vllm", "spec_b8", None),  # at once first on odd repeats, A B B A
+                      ("vllm", "spec_b1", 0), ("tandem", "auto_b1", 0), ("tandem", "auto_b1", 1),
+                      ("vllm", "spec_b1", 1)]
     only = compare.schedule(1, 3, 4, ["tandem"])
-    assert {s for _, s, _, _ in only} == {"tandem"} and len(only) == 3 * 2 + 2
+    assert {s for _, _, s, _, _ in only} == {"tandem"} and len(only) == 2 * (3 + 2)
 
 
 def test_merge_pools_one_repeats_runs_and_sums_the_counters() -> None:
     a = {"tokens": 100, "seconds": 10.0, "tok_s": 10.0, "requests": 1, "outputs": [[1]], "loadavg_1m": 2.0,
          "rounds": 40, "spec_rounds": 30, "drafted": 90, "accepted": 60}
     b = a | {"tokens": 50, "seconds": 2.5, "outputs": [[2]], "loadavg_1m": 3.5, "drafted": 10, "accepted": 10}
-    merged = compare.merge([a, b])
+    merged = report.merge([a, b])
     assert (merged["tokens"], merged["seconds"], merged["tok_s"], merged["requests"]) == (150, 12.5, 12.0, 2)
     assert merged["outputs"] == [[1], [2]] and merged["loadavg_1m_max"] == 3.5
     assert (merged["drafted"], merged["accepted"], merged["alpha"]) == (100, 70, 0.7)
-    vllm_like = compare.merge([{k: v for k, v in a.items() if k not in ("rounds", "drafted")}])
+    vllm_like = report.merge([{k: v for k, v in a.items() if k not in ("rounds", "drafted")}])
     assert "drafted" not in vllm_like and "alpha" not in vllm_like
 
 
 def test_within_is_each_systems_speculation_over_its_own_plain() -> None:
-    summary = {"tandem": {m: compare.pool([run(v)]) for m, v in
+    summary = {"tandem": {m: report.pool([run(v)]) for m, v in
                           {"plain_b1": 5.0, "auto_b1": 9.0, "plain_b8": 40.0}.items()},
-               "vllm": {m: compare.pool([run(v)]) for m, v in {"plain_b1": 6.0, "spec_b1": 9.0}.items()}}
-    assert compare.within(summary, 8) == {"tandem": {"auto_b1/plain_b1": 1.8}, "vllm": {"spec_b1/plain_b1": 1.5}}
+               "vllm": {m: report.pool([run(v)]) for m, v in {"plain_b1": 6.0, "spec_b1": 9.0}.items()}}
+    assert report.within(summary, 8) == {"tandem": {"auto_b1/plain_b1": 1.8}, "vllm": {"spec_b1/plain_b1": 1.5}}
 
 
 def test_pool_is_tokens_over_seconds_with_each_repeat_listed() -> None:
-    pooled = compare.pool([run(10.0, 100), run(20.0, 100)])
+    pooled = report.pool([run(10.0, 100), run(20.0, 100)])
     assert pooled["tokens"] == 200 and pooled["seconds"] == 15.0
     assert pooled["tok_s"] == pytest.approx(200 / 15, abs=1e-3)
     assert pooled["tok_s_each"] == [10.0, 20.0] and pooled["tok_s_mean"] == 15.0
@@ -61,31 +59,31 @@ def test_pool_is_tokens_over_seconds_with_each_repeat_listed() -> None:
 
 def test_ratios_take_each_systems_best_mode_and_judge_the_targets() -> None:
     summary = {
-        "tandem": {m: compare.pool([run(v)]) for m, v in
+        "tandem": {m: report.pool([run(v)]) for m, v in
                    {"plain_b1": 12.0, "auto_b1": 20.0, "plain_b8": 70.0, "auto_b8": 80.0, "served_off_b8": 60.0,
                     "served_auto_b8": 50.0}.items()},
-        "vllm": {m: compare.pool([run(v)]) for m, v in
+        "vllm": {m: report.pool([run(v)]) for m, v in
                  {"plain_b1": 13.2, "spec_b1": 17.6, "plain_b8": 76.9, "spec_b8": 59.4}.items()},
     }
-    out = compare.ratios(summary, 8)
+    out = report.ratios(summary, 8)
     assert out["plain_b1"]["ratio"] == pytest.approx(12 / 13.2, abs=1e-4) and out["plain_b1"]["met"] is True
     assert out["spec_b1"]["ratio"] == pytest.approx(20 / 17.6, abs=1e-4) and out["spec_b1"]["met"] is False
     best = out["best_b8"]
     assert (best["tandem_mode"], best["vllm_mode"], best["met"]) == ("auto_b8", "plain_b8", True)
     served = out["served_best_b8"]
     assert served["tandem_mode"] == "served_off_b8" and served["target"] is None and served["met"] is None
-    assert [t for *_, t in compare.targets(8)] == [0.9, 1.2, 1.0, None]
+    assert [t for *_, t in report.targets(8)] == [0.9, 1.2, 1.0, None]
 
 
 def test_a_missing_system_leaves_the_ratio_open() -> None:
-    out = compare.ratios({"tandem": {"plain_b1": compare.pool([run(12.0)])}, "vllm": {}}, 8)
+    out = report.ratios({"tandem": {"plain_b1": report.pool([run(12.0)])}, "vllm": {}}, 8)
     assert out["plain_b1"] == {"tandem_mode": "plain_b1", "vllm_mode": None, "ratio": None, "target": 0.9,
                                "met": None}
     assert out["spec_b1"]["tandem_mode"] is None
 
 
 def test_agreement_counts_identical_outputs_and_the_common_prefix() -> None:
-    assert compare.agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6, 7]]) == {"identical": "1/2",
+    assert report.agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6, 7]]) == {"identical": "1/2",
                                                                                "mean_common_prefix": 2.0}
 
 

@@ -12,21 +12,21 @@ torchcodec` there (vLLM runs text models without them). Its workers get VLLM_CPU
 (apt libtcmalloc-minimal4) and the venv's libiomp5 where present, as vLLM's CPU guide asks. vLLM's side is
 vllm_compare_vllm.py beside this file, run by path; tandem's is tandem.bench.vllm_compare_tandem.
 
-What runs: both systems loaded once and kept resident (tandem.bench.resident: a tandem process with a plain and an
-AUTO engine, a vLLM process per engine), then asked for one run at a time, alternated request by request
-(`schedule`): at batch 1 each prompt goes to both systems back to back, plain beside plain, speculation beside
-speculation; the N-at-once runs go A B B A. The same chat-templated prompts (--prompts: the shipped set, or a JSONL
-file), --dtype (bf16 unless asked), --threads threads, greedy, --max-tokens:
-  vllm    plain_b1, spec_b1 (draft-model speculation, k --k), plain_bN, spec_bN (the N requests in one generate call),
-          prefix caching off
-  tandem  plain_b1, auto_b1, plain_bN, auto_bN (engine.generate on the plain or the AUTO engine), and after the
-          resident runs served_off_bN, served_auto_bN (`tandem serve --in-process`, tandem.bench.serving.run_level:
-          N in flight over gRPC; --no-served skips)
+What runs: tandem loaded once and kept resident (tandem.bench.resident: one process, a plain and an AUTO engine),
+and one vLLM engine at a time beside it (both of vLLM's do not fit in 24 GiB with tandem's): a plain phase, then a
+speculative phase, each asking one run at a time, the systems alternated request by request (`schedule`): at batch
+1 each prompt goes to both back to back; the N-at-once runs go A B B A. The same chat-templated prompts (--prompts:
+the shipped set, or a JSONL file), --dtype (bf16 unless asked), --threads threads, greedy, --max-tokens:
+  vllm    plain_b1, plain_bN; then spec_b1, spec_bN (draft-model speculation, k --k); prefix caching off
+  tandem  plain_b1, plain_bN; then auto_b1, auto_bN (engine.generate on the plain or the AUTO engine); after them
+          served_off_bN, served_auto_bN (`tandem serve --in-process`, tandem.bench.serving.run_level: N in flight
+          over gRPC; --no-served skips)
 tok/s = generated tokens (EOS not counted, for either) / wall seconds of the timed requests; loading, compiling,
 calibrating and warm-up requests are not timed. A mode's tok/s pools its repeats (tokens / seconds); each repeat's
 figure is listed too, and `within` gives each system's speculation over its own plain decoding. Targets: tandem
 plain_b1 >= 0.9x vLLM plain_b1, tandem auto_b1 >= 1.2x vLLM spec_b1, tandem's best in-process at N >= 1.0x vLLM's
-best at N (the served figures are reported beside, not judged).
+best at N (the served figures are reported beside, not judged); where the two bests come from different phases,
+that ratio spans them, and `within` and the same-phase pairs in `runs` say how far it moves.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from types import SimpleNamespace
 
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
 from tandem.bench.resident import Resident
+from tandem.bench.vllm_compare_report import agreement, merge, pool, ratios, within
 from tandem.cli.options import STDOUT, DefaultsHelpFormatter, add_json_option, add_prompts_option, write_json
 from tandem.core.config import QUANTIZATIONS
 
@@ -95,91 +96,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def schedule(repeats: int, prompts: int, batch: int, systems: list[str]) -> list[tuple[int, str, str, int | None]]:
-    """(repeat, system, mode, prompt index; None: all N at once) in running order. At batch 1 each prompt runs on
-    both systems back to back, plain beside plain and speculation beside speculation, which system and which pair go
-    first alternating prompt by prompt; the N-at-once runs go A B B A, after batch 1 on even repeats and before it on
-    odd ones. So a slow spell of the machine (here they last minutes) lands on both systems alike."""
-    plain, spec = [("tandem", "plain_b1"), ("vllm", "plain_b1")], [("tandem", "auto_b1"), ("vllm", "spec_b1")]
-    n = f"b{batch}"
-    at_once = [("tandem", f"plain_{n}"), ("vllm", f"plain_{n}"), ("vllm", f"spec_{n}"), ("tandem", f"auto_{n}")]
-    order: list[tuple[int, str, str, int | None]] = []
-    for r in range(repeats):
-        one: list[tuple[int, str, str, int | None]] = []
-        for i in range(prompts):
-            pairs = [pair[::-1] if (i + r) % 2 else pair for pair in (plain, spec)]
-            one += [(r, s, m, i) for pair in (pairs[::-1] if i % 2 else pairs) for s, m in pair]
-        many = [(r, s, m, None) for s, m in (at_once if r % 2 == 0 else at_once[::-1])]
-        order += one + many if r % 2 == 0 else many + one
-    return [step for step in order if step[1] in systems]
+PHASES = {"plain": ("plain", "plain"), "spec": ("auto", "spec")}  # phase: (tandem's mode, vLLM's mode)
 
 
-def merge(results: list[dict]) -> dict:
-    """One mode's runs within a repeat (batch 1: one per prompt) as one: tokens over seconds, the outputs in order,
-    tandem's speculation counters summed."""
-    tokens, seconds = sum(r["tokens"] for r in results), sum(r["seconds"] for r in results)
-    out = {"tokens": tokens, "seconds": round(seconds, 4), "tok_s": round(tokens / seconds, 3) if seconds else 0.0,
-           "requests": sum(r["requests"] for r in results), "outputs": [o for r in results for o in r["outputs"]],
-           "loadavg_1m_max": max(r["loadavg_1m"] for r in results)}
-    counted = [k for k in ("rounds", "spec_rounds", "drafted", "accepted") if all(k in r for r in results)]
-    out |= {k: sum(r[k] for r in results) for k in counted}
-    if out.get("drafted"):
-        out["alpha"] = round(out["accepted"] / out["drafted"], 4)
-    return out
-
-
-def pool(runs: list[dict]) -> dict:
-    """A mode's repeats pooled: tokens over seconds, plus each repeat's tok/s and their mean."""
-    tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
-    each = [r["tok_s"] for r in runs]
-    return {"tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 3) if seconds else 0.0,
-            "tok_s_each": each, "tok_s_mean": round(sum(each) / len(each), 3),
-            "tokens_each": [r["tokens"] for r in runs]}
-
-
-def targets(batch: int) -> list[tuple[str, list[str], list[str], float | None]]:
-    """(name, tandem modes, vLLM modes, target): the ratio is tandem's best mode over vLLM's best; None: not judged."""
-    n = f"b{batch}"
-    return [("plain_b1", ["plain_b1"], ["plain_b1"], 0.9), ("spec_b1", ["auto_b1"], ["spec_b1"], 1.2),
-            (f"best_{n}", [f"plain_{n}", f"auto_{n}"], [f"plain_{n}", f"spec_{n}"], 1.0),
-            (f"served_best_{n}", [f"served_off_{n}", f"served_auto_{n}"], [f"plain_{n}", f"spec_{n}"], None)]
-
-
-def ratios(summary: dict[str, dict[str, dict]], batch: int) -> dict[str, dict]:
-    out = {}
-    for name, ours, theirs, target in targets(batch):
-        t = max((m for m in ours if m in summary.get("tandem", {})), key=lambda m: summary["tandem"][m]["tok_s"],
-                default=None)
-        v = max((m for m in theirs if m in summary.get("vllm", {})), key=lambda m: summary["vllm"][m]["tok_s"],
-                default=None)
-        if t is None or v is None or not summary["vllm"][v]["tok_s"]:
-            out[name] = {"tandem_mode": t, "vllm_mode": v, "ratio": None, "target": target, "met": None}
-            continue
-        a, b = summary["tandem"][t], summary["vllm"][v]
-        ratio = a["tok_s"] / b["tok_s"]
-        out[name] = {"tandem_mode": t, "tandem_tok_s": a["tok_s"], "vllm_mode": v, "vllm_tok_s": b["tok_s"],
-                     "ratio": round(ratio, 4), "target": target, "met": None if target is None else ratio >= target,
-                     "ratio_each": [round(x / y, 4) for x, y in zip(a["tok_s_each"], b["tok_s_each"], strict=False)]}
-    return out
-
-
-def within(summary: dict[str, dict[str, dict]], batch: int) -> dict[str, dict[str, float]]:
-    """Each system's speculation over its own plain decoding, at batch 1 and at N: the sitting cancels here."""
-    out: dict[str, dict[str, float]] = {}
-    for system, spec in (("tandem", "auto"), ("vllm", "spec")):
-        modes = summary.get(system, {})
-        pairs = [(f"{spec}_{b}", f"plain_{b}") for b in ("b1", f"b{batch}")]
-        out[system] = {f"{a}/{b}": round(modes[a]["tok_s"] / modes[b]["tok_s"], 4)
-                       for a, b in pairs if a in modes and modes.get(b, {}).get("tok_s")}
-    return out
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    """How alike two systems' greedy outputs are (bf16 kernels differ, so some drift is expected)."""
-    prefix = [next((i for i, (x, y) in enumerate(zip(p, q, strict=False)) if x != y), min(len(p), len(q)))
-              for p, q in zip(a, b, strict=True)]
-    return {"identical": f"{sum(p == q for p, q in zip(a, b, strict=True))}/{len(a)}",
-            "mean_common_prefix": round(sum(prefix) / len(prefix), 1)}
+def schedule(repeats: int, prompts: int, batch: int, systems: list[str]) -> list[tuple[str, int, str, str, int | None]]:
+    """(phase, repeat, system, mode, prompt index; None: all N at once) in running order. Two phases, one vLLM engine
+    resident in each (both at once do not fit in 24 GiB beside tandem): plain decoding against plain decoding, then
+    tandem's AUTO against vLLM's speculation. Within a phase each prompt at batch 1 runs on both systems back to back,
+    which goes first alternating prompt by prompt and repeat by repeat, and the N-at-once runs go A B B A, after batch
+    1 on even repeats and before it on odd ones. So a slow spell of the machine (here they last minutes) lands on
+    both systems alike."""
+    order: list[tuple[str, int, str, str, int | None]] = []
+    for phase, (ours, theirs) in PHASES.items():
+        for r in range(repeats):
+            pair = [("tandem", f"{ours}_b1"), ("vllm", f"{theirs}_b1")]
+            one = [(phase, r, s, m, i) for i in range(prompts) for s, m in (pair[::-1] if (i + r) % 2 else pair)]
+            pair = [("tandem", f"{ours}_b{batch}"), ("vllm", f"{theirs}_b{batch}")]
+            many = [(phase, r, s, m, None) for s, m in (pair + pair[::-1] if r % 2 == 0 else pair[::-1] + pair)]
+            order += one + many if r % 2 == 0 else many + one
+    return [step for step in order if step[2] in systems]
 
 
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
@@ -212,45 +147,72 @@ def hf_dir(name: str) -> str:
     return str(out)
 
 
-def start_workers(args: argparse.Namespace, texts: list[str], jobs: list[str], log: Path,
-                  errors: list[str]) -> dict[str, Resident]:
-    """The resident workers, loaded one after another (untimed): "vllm_plain" and "vllm_spec" (one vLLM engine
-    each), "tandem" (a plain and an AUTO engine). A worker that fails to load is left out, its error in `errors`;
-    the others still load, so one run reports every failure."""
+def tandem_worker(args: argparse.Namespace, jobs: list[str], log: Path) -> Resident:
+    """tandem's resident worker: the pair loaded once, a plain and an AUTO engine (tandem.bench.vllm_compare_tandem)."""
+    return Resident("tandem", TANDEM_SIDE, {
+        "target": args.target, "draft": args.draft, "texts": jobs, "max_tokens": args.max_tokens,
+        "threads": args.threads, "dtype": args.dtype, "compile": args.compile,
+        "draft_quantization": args.draft_quantization}, log, echo=("tandem ", "vllm "), say=say)
+
+
+def vllm_job(args: argparse.Namespace, jobs: list[str]) -> dict:
+    """What vLLM's side loads and sends: Hugging Face directories, and the prompts chat-templated as tandem does."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from tandem.engines.local import encode_prompt, eos_token_ids
+
+    target_dir, draft_dir = hf_dir(args.target), hf_dir(args.draft)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    generation = SimpleNamespace(generation_config=GenerationConfig.from_pretrained(target_dir))
+    return {"target_dir": target_dir, "draft_dir": draft_dir, "k": args.k, "max_tokens": args.max_tokens,
+            "max_model_len": args.max_model_len, "dtype": args.dtype,
+            "eos_ids": sorted(eos_token_ids(generation, tokenizer)),  # the ids tandem stops at
+            "jobs": [encode_prompt(tokenizer, t, chat=True) for t in jobs]}
+
+
+def run_phases(args: argparse.Namespace, jobs: list[str], log: Path, order: list, errors: list[str],
+               loaded: dict[str, dict]) -> dict[tuple[str, int, str], list[dict]]:
+    """Every step of `order` on the resident workers: tandem's for the whole run, one vLLM engine per phase. Results
+    by (system, repeat, mode); a worker that dies is left out from then on, its error in `errors`."""
+    done: dict[tuple[str, int, str], list[dict]] = {}
     workers: dict[str, Resident] = {}
-    wanted: list[tuple[str, list[str], dict, dict[str, str] | None]] = []
-    if "vllm" in args.systems:
-        from transformers import AutoTokenizer, GenerationConfig
-
-        from tandem.engines.local import encode_prompt, eos_token_ids
-
-        target_dir, draft_dir = hf_dir(args.target), hf_dir(args.draft)
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        generation = SimpleNamespace(generation_config=GenerationConfig.from_pretrained(target_dir))
-        vjob = {"target_dir": target_dir, "draft_dir": draft_dir, "k": args.k, "max_tokens": args.max_tokens,
-                "max_model_len": args.max_model_len, "dtype": args.dtype,
-                "eos_ids": sorted(eos_token_ids(generation, tokenizer)),  # the ids tandem stops at
-                "jobs": [encode_prompt(tokenizer, t, chat=True) for t in jobs]}
-        command = [args.vllm_python, str(VLLM_SIDE)]
-        wanted += [("vllm_plain", command, vjob | {"spec": False}, vllm_env(args)),
-                   ("vllm_spec", command, vjob | {"spec": True}, vllm_env(args))]
-    if "tandem" in args.systems:  # last: vLLM sizes its KV cache from the memory free when it loads
-        wanted.append(("tandem", TANDEM_SIDE, {
-            "target": args.target, "draft": args.draft, "texts": jobs, "max_tokens": args.max_tokens,
-            "threads": args.threads, "dtype": args.dtype, "compile": args.compile,
-            "draft_quantization": args.draft_quantization}, None))
-    for name, command, job, env in wanted:
-        say(f"loading {name}")
-        try:
-            workers[name] = Resident(name, command, job, log, env, echo=("tandem ", "vllm "), say=say)
-        except Exception as exc:
-            errors.append(f"loading {name}: {exc}")
-            say(f"  {name} failed: {str(exc)[-2000:]}")
-    return workers
-
-
-def worker_of(system: str, mode: str) -> str:
-    return "tandem" if system == "tandem" else f"vllm_{mode.split('_')[0]}"
+    vjob = vllm_job(args, jobs) if "vllm" in args.systems else {}
+    try:
+        if "tandem" in args.systems:
+            say("loading tandem")
+            workers["tandem"] = tandem_worker(args, jobs, log)
+            loaded["tandem"] = workers["tandem"].loaded
+        for phase in PHASES:
+            if "vllm" in args.systems:
+                say(f"loading vLLM for the {phase} phase")
+                workers["vllm"] = Resident(f"vllm_{phase}", [args.vllm_python, str(VLLM_SIDE)],
+                                           vjob | {"spec": phase == "spec"}, log, vllm_env(args),
+                                           echo=("tandem ", "vllm "), say=say)
+                loaded[f"vllm_{phase}"] = workers["vllm"].loaded
+            for step, (where, repeat, system, mode, prompt) in enumerate(order):
+                if where != phase or system not in workers:
+                    continue
+                if prompt is None or prompt == 0:
+                    say(f"{phase} phase, repeat {repeat + 1}/{args.repeats}, step {step + 1}/{len(order)}: "
+                        f"{system} {mode}")
+                try:
+                    result = workers[system].ask({"mode": mode, "prompts": [prompt] if prompt is not None
+                                                  else list(range(len(jobs)))})
+                except RuntimeError as exc:
+                    errors.append(f"{phase} repeat {repeat + 1} {system} {mode}: {exc}")
+                    say(f"  {system} failed: {str(exc)[-2000:]}")
+                    workers.pop(system).close()
+                    continue
+                done.setdefault((system, repeat, mode), []).append(result)
+            if "vllm" in workers:
+                workers.pop("vllm").close()
+    except RuntimeError as exc:  # a worker that did not load
+        errors.append(f"loading: {exc}")
+        say(f"  failed to load: {str(exc)[-2000:]}")
+    finally:
+        for worker in workers.values():
+            worker.close()
+    return done
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,36 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
     errors: list[str] = []
-    workers = start_workers(args, texts, jobs, log, errors)
-    if errors:  # the schedule pairs every run with the other system's: a half comparison would mislead
-        for worker in workers.values():
-            worker.close()
-        write_json(args.json, {"errors": errors, "config": {"log": str(log)}})
-        return 1
+    loaded: dict[str, dict] = {}
     order = schedule(args.repeats, len(texts), args.batch, args.systems)
-    done: dict[tuple[str, int, str], list[dict]] = {}
-    try:
-        for step, (repeat, system, mode, prompt) in enumerate(order):
-            worker = workers.get(worker_of(system, mode))
-            if worker is None:
-                continue
-            if prompt is None or prompt == 0:
-                say(f"repeat {repeat + 1}/{args.repeats}, step {step + 1}/{len(order)}: {system} {mode}")
-            try:
-                result = worker.ask({"mode": mode, "prompts": list(range(len(jobs))) if prompt is None else [prompt]})
-            except Exception as exc:
-                errors.append(f"repeat {repeat + 1} {system} {mode}: {exc}")
-                say(f"  {worker.name} failed: {str(exc)[-2000:]}")
-                workers.pop(worker.name).close()
-                continue
-            done.setdefault((system, repeat, mode), []).append(result)
-    finally:
-        loaded = {name: worker.loaded for name, worker in workers.items()}
-        for worker in workers.values():
-            worker.close()
+    done = run_phases(args, jobs, log, order, errors, loaded)
     runs: dict[str, list[dict]] = {s: [{m: merge(done[s, r, m]) for (s2, r2, m) in done if (s2, r2) == (s, r)}
                                        for r in range(args.repeats)] for s in args.systems}
-    if "tandem" in workers and not args.no_served:
+    if "tandem" in loaded and not args.no_served and not errors:
         for repeat in range(args.repeats):
             runs["tandem"][repeat] |= run_served(args, texts, repeat, log, say, compile=args.compile)
     summary = {s: {m: pool([r[m] for r in reps if m in r]) for m in dict.fromkeys(k for r in reps for k in r)}
@@ -303,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"summary": summary, "ratios": ratios(summary, args.batch), "within": within(summary, args.batch),
               "config": {"prompts": len(texts), "requests_at_once": len(jobs), "max_tokens": args.max_tokens,
                          "threads": args.threads, "repeats": args.repeats, "dtype": args.dtype, "greedy": True,
-                         "order": [f"{r + 1}:{s}:{m}:{'all' if i is None else i}" for r, s, m, i in order],
+                         "order": [f"{p}:{r + 1}:{s}:{m}:{'all' if i is None else i}" for p, r, s, m, i in order],
                          "target": args.target, "draft": args.draft, "vllm_k": args.k, "log": str(log),
                          "tandem_compile": args.compile, "tandem_draft_quantization": args.draft_quantization},
               "systems": loaded, "errors": errors,
