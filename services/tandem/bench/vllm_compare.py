@@ -52,6 +52,9 @@ DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 DTYPES = ("bfloat16", "float32")
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
 STARTED = time.perf_counter()
+# A pause before each timed run: vLLM's worker busy-polls its message queue for a second after each step it reads
+# (vllm.distributed shm_broadcast, busy_loop_s 1), which would take a core from a tandem run started right after.
+SETTLE_SECONDS = 1.5
 
 
 def say(message: str) -> None:
@@ -195,6 +198,7 @@ def run_phases(args: argparse.Namespace, jobs: list[str], log: Path, order: list
                 if prompt is None or prompt == 0:
                     say(f"{phase} phase, repeat {repeat + 1}/{args.repeats}, step {step + 1}/{len(order)}: "
                         f"{system} {mode}")
+                time.sleep(SETTLE_SECONDS)
                 try:
                     result = workers[system].ask({"mode": mode, "prompts": [prompt] if prompt is not None
                                                   else list(range(len(jobs)))})
