@@ -50,3 +50,17 @@ def test_a_worker_that_dies_is_reported_with_the_end_of_its_output(tiny_dirs, tm
         assert worker.ask({}) == {"ok": 1}
         with pytest.raises(RuntimeError, match="once exited 3:\nbye"):
             worker.ask({})
+
+
+def test_a_worker_under_another_python_serves_with_the_file_loaded_by_path(tmp_path: Path) -> None:
+    resident = Path(__file__).resolve().parents[1] / "services" / "tandem" / "bench" / "resident.py"
+    script = tmp_path / "echo.py"  # tandem not importable: only the file, as vLLM's side loads it
+    script.write_text(
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('r', {str(resident)!r})\n"
+        "r = importlib.util.module_from_spec(spec); spec.loader.exec_module(r)\n"
+        "r.serve(lambda job: ({'job': job}, lambda req: {'twice': 2 * req['n']}))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with Resident("echo", [sys.executable, "-I", str(script)], {"a": 1}, tmp_path / "w.log", env) as worker:
+        assert worker.loaded == {"job": {"a": 1}}
+        assert [worker.ask({"n": n}) for n in (1, 5)] == [{"twice": 2}, {"twice": 10}]

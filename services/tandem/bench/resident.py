@@ -5,7 +5,8 @@ The worker is any program run as `command JOB_PATH RESULT_FD`: it reads the job 
 one JSON line to file descriptor RESULT_FD (what it loaded: versions, load seconds), then for each JSON line on its
 stdin writes one JSON line back to RESULT_FD. Its stdout and stderr go to a log (vLLM's engine process writes there
 too, which is why results travel on a pipe of their own); its lines that start with one of `echo`'s prefixes are
-echoed as progress. Closing its stdin ends it.
+echoed as progress. Closing its stdin ends it. `serve` is that side of the protocol; this file imports nothing
+outside the standard library, so a worker under another Python (vLLM's) loads it by path.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -20,6 +22,22 @@ from pathlib import Path
 from typing import IO
 
 _LOG_LOCK = threading.Lock()  # workers share one log file
+
+Answer = Callable[[dict], dict]
+
+
+def serve(load: Callable[[dict], tuple[dict, Answer]], argv: list[str] | None = None) -> None:
+    """A worker's main: `load(job)` once, its description on the result pipe, then one answer per request line."""
+    job_path, result_fd = (argv if argv is not None else sys.argv[1:])[:2]
+    with open(job_path) as source:
+        job = json.load(source)
+    with os.fdopen(int(result_fd), "w") as results:
+        loaded, answer = load(job)
+        results.write(json.dumps(loaded) + "\n")
+        results.flush()
+        for line in sys.stdin:
+            results.write(json.dumps(answer(json.loads(line))) + "\n")
+            results.flush()
 
 
 class Resident:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import socket
 import subprocess
@@ -136,15 +135,9 @@ def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: P
 
 
 def main() -> None:
-    """Load, then answer requests (JSON lines on stdin) on the result pipe (tandem.bench.resident)."""
-    job = json.loads(Path(sys.argv[1]).read_text())
-    with os.fdopen(int(sys.argv[2]), "w") as results:
-        loaded, answer = load(job)
-        results.write(json.dumps(loaded) + "\n")
-        results.flush()
-        for line in sys.stdin:
-            results.write(json.dumps(answer(json.loads(line))) + "\n")
-            results.flush()
+    from tandem.bench.resident import serve
+
+    serve(load)
 
 
 if __name__ == "__main__":

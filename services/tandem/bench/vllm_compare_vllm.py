@@ -15,7 +15,7 @@ Loading, compilation and the warm-up requests are left out of the timings.
 
 from __future__ import annotations
 
-import json
+import importlib.util
 import os
 import sys
 import time
@@ -89,15 +89,11 @@ def load(job: dict) -> tuple[dict, Any]:
 
 
 def main() -> None:
-    """Load, then answer requests (JSON lines on stdin) on the result pipe (tandem.bench.resident's protocol)."""
-    job = json.loads(Path(sys.argv[1]).read_text())
-    with os.fdopen(int(sys.argv[2]), "w") as results:
-        loaded, answer = load(job)
-        results.write(json.dumps(loaded) + "\n")
-        results.flush()
-        for line in sys.stdin:
-            results.write(json.dumps(answer(json.loads(line))) + "\n")
-            results.flush()
+    """tandem.bench.resident's worker side, its file loaded by path: tandem is not installed under vLLM's Python."""
+    spec = importlib.util.spec_from_file_location("tandem_bench_resident", Path(__file__).with_name("resident.py"))
+    resident = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(resident)
+    resident.serve(load)
 
 
 if __name__ == "__main__":  # vLLM starts its engine core by spawn, which re-imports this module
