@@ -184,6 +184,7 @@ def test_a_row_resting_beside_a_drafting_mate_keeps_its_drafter_in_step(tiny_mod
     engine.step()  # the first round was plain; in the second both drafters caught up and drafted
     assert drafting.stats.spec_rounds == resting.stats.spec_rounds == 1
     resting.policy.fallback, resting.policy.rejected, resting.policy.accepted = True, 1000.0, 0.0
+    resting.policy.probe_interval = 64  # no probe due in these rounds
     for _ in range(6):
         engine.step()
         assert resting.stats.spec_rounds == 1 and drafting.stats.spec_rounds > 1

@@ -157,3 +157,19 @@ def test_retained_sessions_are_bounded_and_aborts_are_not_retained(tiny_models, 
     engine.step()
     engine.abort(request_id)
     assert "aborted" not in retained and not engine.verifier.runner.states
+
+
+def test_an_unsure_draft_keeps_pace_with_sure_batch_mates_only() -> None:
+    from tandem.core.local import LocalDrafter
+
+    drafter = LocalDrafter(runner=None, confidence=0.8)  # type: ignore[arg-type]  # the stop rule reads no model
+    alone = [4]
+    drafter._stop_unsure([0], [0.5], alone, step=0)
+    assert alone == [1]  # alone, an unsure draft is its last
+    # Row 0 is sure and drafts to 4; unsure rows 1 and 2 go on as far as it (no further than their own budget).
+    budget = [4, 6, 2, 5]
+    drafter._stop_unsure([0, 1, 2, 3], [0.9, 0.3, 0.5, 0.95], budget, step=1)
+    assert budget == [4, 5, 2, 5]
+    budget = [4, 6, 3]
+    drafter._stop_unsure([0, 1, 2], [0.1, 0.3, 0.5], budget, step=1)
+    assert budget == [2, 2, 2]  # every row unsure: the block ends for all of them

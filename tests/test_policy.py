@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
+
 from tandem.core import policy
 from tandem.core.config import SpecConfig
 from tandem.core.costs import CostModel
@@ -173,22 +175,40 @@ def test_batch_plan_prices_the_drafter_catch_up() -> None:
 
 
 def test_batch_plan_drafts_the_rows_that_gain_beside_rows_that_decode_plainly() -> None:
-    from tandem.core.batch_plan import plan_batch, predicted_rate, round_seconds
+    from tandem.core.batch_plan import plan_batch, predicted_rate
 
-    costs = CostModel(draft_step=0.01, verify={1: 0.1, 2: 0.1}, draft_rows={4: 0.01}, batched={(4, 1): 0.1},
+    # Forwards cost 0.1 s whatever the width; a draft step 0.01 s per row drafting.
+    costs = CostModel(draft_step=0.01, verify={1: 0.1, 2: 0.1}, draft_rows={4: 0.04}, batched={(4, 1): 0.1},
                       frozen=True)
     # A session in fallback (k 0) decodes plainly in the same forward while the other three draft: the batch's
     # tokens per second is higher than with the whole batch plain.
     assert predicted_rate([2, 2, 2, 0], [0.8] * 4, costs) > predicted_rate([0] * 4, [0.8] * 4, costs)
     assert plan_batch([2, 2, 2, 0], [0.8] * 4, costs) == [2, 2, 2, 0]
-    # A row that rarely agrees with the drafter: at cap 2 it expects 1.1725 tokens in a round 1.2x as long as a
-    # plain one, so it does not gain and drafts nothing; the others draft 2 (a better rate than all at cap 1).
+    # A row that rarely agrees with the drafter: its two draft steps (0.02 s) bring 0.17 tokens, less than the 0.02 s
+    # decode for the batch, so it drafts nothing; the others draft 2 (a better rate than all at cap 1).
     alphas = [0.9, 0.9, 0.9, 0.15]
-    assert abs(round_seconds([2] * 4, costs) / round_seconds([0] * 4, costs) - 1.2) < 1e-12
     assert plan_batch([2] * 4, alphas, costs) == [2, 2, 2, 0]
-    assert predicted_rate([2, 2, 2, 0], alphas, costs) > predicted_rate([1] * 4, alphas, costs)
+    assert predicted_rate([2, 2, 2, 0], alphas, costs) > predicted_rate([2] * 4, alphas, costs)
+    assert predicted_rate([2, 2, 2, 0], alphas, costs) > predicted_rate([1, 1, 1, 0], alphas, costs)
+    # Where a draft step costs as much over one row as over four (memory-bound), its drafts come free beside its
+    # mates: it drafts, although alone it would gain less than plain decoding.
+    flat = CostModel(draft_step=0.01, verify={1: 0.1, 2: 0.1}, draft_rows={4: 0.01}, batched={(4, 1): 0.1},
+                     frozen=True)
+    assert plan_batch([2] * 4, alphas, flat) == [2] * 4
+    assert predicted_rate([2] * 4, alphas, flat) > predicted_rate([2, 2, 2, 0], alphas, flat)
     # No row gains: the batch decodes plainly.
-    assert plan_batch([2] * 4, [0.05] * 4, costs) == [0] * 4
+    assert plan_batch([2] * 4, [0.05] * 4, costs) == plan_batch([2] * 4, [0.05] * 4, flat) == [0] * 4
+
+
+def test_batch_plan_lets_rows_draft_past_their_sessions_k_within_their_limits() -> None:
+    from tandem.core.batch_plan import plan_batch
+
+    # Memory-bound: a forward costs the same over 64 tokens as over one, a draft step almost nothing.
+    cheap = CostModel(draft_step=0.001, verify={1: 0.1, 64: 0.1001}, draft_rows={8: 0.001}, frozen=True)
+    assert plan_batch([1, 1, 2, 1], [0.8] * 4, cheap, limits=[6, 6, 6, 6]) == [6] * 4
+    # Each row within its own limit (a request's max_k, its tokens left); a session that does not draft stays at 0.
+    assert plan_batch([1, 1, 2, 0], [0.8] * 4, cheap, limits=[6, 3, 6, 6]) == [6, 3, 6, 0]
+    assert plan_batch([1, 1, 2, 1], [0.8] * 4, cheap) == [1, 1, 2, 1]  # no limits: the sessions' own k at most
 
 
 def test_sync_keeps_the_cached_tokens_that_the_new_tokens_repeat() -> None:
@@ -243,6 +263,25 @@ def test_batched_costs_are_kept_apart_from_single_sequence_costs() -> None:
     assert abs(costs.batch_forward_time(4, 2) - 0.3 * 0.2 / 0.15 * 0.15 / 0.2) < 1e-12
     costs.observe_verify(1, 0.12, rows=2)
     assert abs(costs.batch_forward_time(4, 1) - (0.12 + (0.3 - 0.12) * 2 / 6)) < 1e-12  # between 2 and 8 rows
+
+
+def test_one_slow_or_fast_timing_moves_batched_prices_little() -> None:
+    from tandem.core.batch_plan import plan_batch
+
+    # 8 rows cost 0.15 s + 0.01 s per token of width; one width was timed in a fast moment, one in a slow spell
+    # (as a table on the 2-core machine held 8 x 7 at 0.154 s and 8 x 9 at 0.318 s).
+    batched = {(8, w): 0.15 + 0.01 * w for w in (1, 2, 3, 5, 6)} | {(8, 7): 0.12, (8, 9): 0.40}
+    costs = CostModel(draft_step=0.05, verify={1: 0.15, 2: 0.16}, batched=batched, frozen=True,
+                      draft_rows={2: 0.051, 3: 0.052, 4: 0.053, 6: 0.055, 8: 0.11})  # 8 rows: one slow timing
+    for width in (1, 4, 7, 9):
+        assert costs.batch_forward_time(8, width) == pytest.approx(0.15 + 0.01 * width, rel=0.02)
+    assert costs.draft_time(8) == pytest.approx(0.057, rel=0.02)
+    assert all(costs.batch_forward_time(8, w + 1) >= costs.batch_forward_time(8, w) for w in range(1, 12))
+    # The plan is the one the noiseless timings give (priced point by point, the slow 8 x 9 and 8-row draft step
+    # made every wide round look dearer than it is).
+    clean = CostModel(draft_step=0.05, verify={1: 0.15, 2: 0.16}, frozen=True,
+                      batched={(8, w): 0.15 + 0.01 * w for w in (1, 9)}, draft_rows={8: 0.057})
+    assert plan_batch([8] * 8, [0.95] * 8, costs) == plan_batch([8] * 8, [0.95] * 8, clean) == [6] * 8
 
 
 def test_a_slower_narrow_forward_raises_the_price_of_wider_ones() -> None:

@@ -85,7 +85,7 @@ def test_a_row_that_rests_while_a_mate_drafts_rides_its_first_draft_step() -> No
     # A row at k 0 whose policy was asked (a session in fallback) sends its drafter the token or two it lacks;
     # further behind, never drafting (max_k 0), or on its last token, it does not; nor does anyone where no row
     # drafts.
-    resting = policy.PolicyState(rejected=40.0, fallback=True)
+    resting = policy.PolicyState(rejected=40.0, fallback=True, probe_interval=16)  # no probe due: k 0
     rows = [_row(), _row(policy=resting, behind=2), _row(policy=resting, behind=3), _row(max_k=0, behind=1),
             _row(remaining=1, behind=1)]
     plan = _plan(rows)
@@ -100,6 +100,17 @@ def test_the_batch_plan_prices_the_batched_round() -> None:
     batch = _plan([_row() for _ in range(8)], costs=COMPUTE_BOUND)
     assert batch.ks == (0,) * 8  # eight rows: drafting costs more than it gains
     assert batch.decisions == alone.decisions * 8  # each session's policy was still asked
+
+
+def test_batched_rows_draft_up_to_k_max_within_their_request_caps() -> None:
+    # Where draft steps and padding cost next to nothing, every drafting row drafts the most it may, past its
+    # policy's own k: k_max, its request's max_k, the tokens it has left less the verifier's own.
+    lone = policy.PolicyState(k=1, accepted=2.0, rejected=2.0)  # a middling session: alone it drafts little
+    assert 0 < _plan([_row(policy=lone)]).ks[0] < SPEC.k_max
+    sure = policy.PolicyState(k=SPEC.k_max, accepted=200.0, rejected=2.0)
+    rows = [_row(policy=lone), _row(policy=sure), _row(policy=sure, max_k=3), _row(policy=sure, remaining=3),
+            _row(max_k=0)]
+    assert _plan(rows).ks == (SPEC.k_max, SPEC.k_max, 3, 2, 0)
 
 
 def test_planning_changes_nothing_and_repeats_itself() -> None:

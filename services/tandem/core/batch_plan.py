@@ -1,20 +1,25 @@
 """Which rows of a batch speculate this round, and how far, priced with the measured costs of batched forwards.
 
-Each session's policy picks its own k from single-sequence costs. In a batch the round's cost is shared: one
-target forward over every row, each padded to the widest block (rows x (max k + 1) tokens fed), and one draft step
-over the rows still drafting for each of the max k steps. On hardware where a forward's cost grows with the tokens
-it feeds (a CPU, a saturated GPU), the best round drafts less than the sessions would alone, or nothing. For each
-cap c in 1..max k the plan takes k_i' = min(k_i, c) for the rows that gain from drafting and 0 for the others,
+Each session's policy picks its own k from single-sequence costs, and whether it drafts at all. In a batch the
+round's cost is shared: one target forward over every row, each padded to the widest block (rows x (max k + 1)
+tokens fed), and one draft step over the rows still drafting for each of the max k steps. On hardware where a
+forward's cost grows with the tokens it feeds (a CPU, a saturated GPU), the best round may draft less than the
+sessions would alone, or nothing; where a draft step over more rows costs little more, rows may draft further than
+they would alone, since their mates pay for the steps and the padding. For each cap c up to the widest limit L_i
+(the most row i may draft: k_max, its request's cap, its tokens left) the plan takes k_i' = min(L_i, c) for the rows
+whose session drafts (0 for the others and for the rows it drops, below),
 
     rate(c) = sum_i E(alpha_i, k_i') / T(c),
     T(c) = sum_{s=1..c} T_draft(rows with k_i' >= s) + T_target(rows x (max_i k_i' + 1)) + sum_{i: k_i' > 0} C_i,
 
 with E(a, k) = (1 - a^(k+1)) / (1 - a) as in the per-session policy, and keeps the cap with the best rate if it
-beats plain decoding of the whole batch (rows / T(0)) by a margin. A row gains when E(alpha_i, k_i') / T(c) >=
-1 / T(0); while some row does not (a low acceptance, a costly catch-up), the costliest such row is set to 0 and
-T(c) priced again, until every drafting row gains. Rows at 0 (these, and sessions in fallback) decode plainly in
-the same forward as their drafting mates: the batch's tokens per second is what is maximised, so such a row may
-wait for its mates' drafts.
+beats plain decoding of the whole batch (rows / T(0)) by a margin. Within a cap, a row's drafting is dropped (k_i' = 0)
+where the batch's rate rises without it: a row that would widen the forward, lengthen the draft steps or pay a
+catch-up for fewer extra tokens than that time decodes. A row is not dropped merely for gaining less than plain
+decoding would alone: beside drafting mates the round lasts T(c) whether it drafts or not, and where a draft step
+over one more row and a padded verification cost next to nothing (a CPU, a GPU below saturation), its drafts come
+nearly free. Rows at 0 (these, and sessions in fallback) decode plainly in the same forward as their drafting mates:
+the batch's tokens per second is what is maximised, so such a row may wait for its mates' drafts.
 
 C_i is row i's drafter catch-up: a row whose drafter is behind (its prompt, tokens decoded plainly) first runs a
 draft forward over those tokens, which stalls the whole batch. It is paid once and lets the row draft from then on,
@@ -52,24 +57,26 @@ def predicted_rate(ks: list[int], alphas: list[float], costs: CostModel, catch_u
 
 
 def plan_batch(ks: list[int], alphas: list[float], costs: CostModel, catch_up: list[float] | None = None,
-               margin: float = 0.05) -> list[int]:
-    """Each row's k: capped at the best cap for the rows that gain from drafting, 0 for the others; plain (all 0)
-    unless speculating beats it by `margin`."""
+               margin: float = 0.05, limits: list[int] | None = None) -> list[int]:
+    """Each row's k: the best cap within its limit (limits: the most each row may draft, else its session's own k)
+    for the rows whose session drafts (ks[i] > 0), 0 for the rows whose drafting costs the batch more than it
+    brings; plain (all 0) unless speculating beats it by `margin`."""
     if len(ks) <= 1 or not any(ks) or not costs.calibrated:
         return ks
-    plain_seconds = round_seconds([0] * len(ks), costs)
-    best, best_rate = [0] * len(ks), len(ks) / plain_seconds * (1.0 + margin)
-    for cap in range(1, max(ks) + 1):
-        capped = [min(k, cap) for k in ks]
-        while any(capped):
-            seconds = round_seconds(capped, costs, catch_up)
-            tokens = [expected_tokens(a, k) for a, k in zip(alphas, capped, strict=True)]
-            losers = [i for i, k in enumerate(capped) if k and tokens[i] / seconds < 1.0 / plain_seconds]
-            if not losers:
+    limits = [limit if k else 0 for k, limit in zip(ks, limits or ks, strict=True)]
+    shares = catch_up or [0.0] * len(ks)
+    best, best_rate = [0] * len(ks), len(ks) / round_seconds([0] * len(ks), costs) * (1.0 + margin)
+    for cap in range(1, max(limits) + 1):
+        capped = [min(limit, cap) for limit in limits]
+        rate = predicted_rate(capped, alphas, costs, shares)
+        # Rows least worth their drafting first: the fewest extra tokens, net of what their catch-up's seconds
+        # would have decoded at this rate. Each is dropped only where the batch's rate rises without it.
+        for i in sorted((i for i, k in enumerate(capped) if k),
+                        key=lambda i: expected_tokens(alphas[i], capped[i]) - 1.0 - rate * shares[i]):
+            without = capped[:i] + [0] + capped[i + 1:]
+            if not any(without) or (rate_without := predicted_rate(without, alphas, costs, shares)) <= rate:
                 break
-            # One at a time, the costliest first (its catch-up), then the one expecting least: dropping a row
-            # shortens the round, so the others may gain once it is gone.
-            capped[max(losers, key=lambda i: (catch_up[i] if catch_up else 0.0, -tokens[i]))] = 0
-        if any(capped) and (rate := sum(tokens) / seconds) > best_rate:
+            capped, rate = without, rate_without
+        if any(capped) and rate > best_rate:
             best, best_rate = capped, rate
     return best

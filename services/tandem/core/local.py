@@ -94,18 +94,29 @@ class LocalDrafter(InProcessSide):
                        for n, i in enumerate(rows)]
             # One transfer for the step: every row's token and the draft's top probability.
             picked = torch.stack([torch.stack([token.double(), top.double()]) for token, top, _ in choices]).tolist()
-            for i, (token, top), (_, _, dist) in zip(rows, picked, choices, strict=True):
+            for i, (token, _), (_, _, dist) in zip(rows, picked, choices, strict=True):
                 states[i].tokens.append(int(token))
                 proposals[i].tokens.append(int(token))
                 if dist is not None:
                     dists[i].append(dist)
-                if top < self.confidence:
-                    budget[i] = step + 1
+            self._stop_unsure(rows, [top for _, top in picked], budget, step)
         for proposal, row_dists in zip(proposals, dists, strict=True):
             if row_dists:  # to the host once per proposal: it may travel to a verifier elsewhere
                 proposal.dist = SparseDist(torch.cat([d.ids for d in row_dists]),
                                            torch.cat([d.probs for d in row_dists])).to("cpu")
         return proposals
+
+    def _stop_unsure(self, rows: list[int], tops: list[float], budget: list[int], step: int) -> None:
+        """Confidence stops: a row whose draft's top probability fell below `confidence` drafts no further than the
+        rows still sure of theirs (none: it stops here). A draft step costs about as much over one row as over all
+        of them, and the batch's verification pads every row to the widest block, so an unsure row that keeps pace
+        with sure ones costs next to nothing, and its drafts may still be accepted; alone, it would pay a step and a
+        wider verification for a draft likely rejected."""
+        sure = [budget[i] for i, top in zip(rows, tops, strict=True) if top >= self.confidence]
+        reach = max(sure, default=step + 1)
+        for i, top in zip(rows, tops, strict=True):
+            if top < self.confidence:
+                budget[i] = min(budget[i], reach)
 
     def _sample(self, logits: torch.Tensor, request: DraftRequest,
                 position: int) -> tuple[torch.Tensor, torch.Tensor, SparseDist | None]:

@@ -12,9 +12,11 @@
    tokens behind drafts nothing this round. If the batch plan would let it draft once caught up (its whole catch-up
    priced), its drafter catches up on that many tokens of its backlog instead (`catch_up`), so no round stalls on a
    whole prompt and the row drafts a few rounds later. Then core.batch_plan prices the batched round with each
-   drafting row's catch-up and may lower any row's k, or zero it. It prices each row at an optimistic acceptance
-   (core.policy.optimistic_acceptance): a batch that drafted nothing until its rows' acceptance were known would
-   never learn them. A fixed k (adaptive off) drafts as given, its drafter catching up on everything first.
+   drafting row's catch-up and sets every drafting row's k, up to k_max within its request's cap and tokens left
+   (further than its policy's own k where its mates pay for the steps), or zeroes it. It prices each row at an
+   optimistic acceptance (core.policy.optimistic_acceptance): a batch that drafted nothing until its rows'
+   acceptance were known would never learn them. A fixed k (adaptive off) drafts as given, its drafter catching up
+   on everything first.
 5. Riders: where some row drafts this round, a row that does not (its policy asked: rule 1 keeps rows that never
    draft out; not on its last token) and whose drafter is at most CATCH_UP_ALONE_ABOVE tokens behind sends its
    drafter those tokens (`catch_up`), fed in the first draft step beside the drafting rows (a step spans its rows'
@@ -66,14 +68,15 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
         alphas = [policy.optimistic_acceptance(row.policy, spec, prior) for row in rows]
         shares = [catch_up_share(costs, row.behind, alpha, k, row.remaining)
                   for row, alpha, k in zip(rows, alphas, ks, strict=True)]
+        limits = [_limit(row, spec) for row in rows]
         far = [row.behind > spec.batch_catch_up_limit for row in rows]
         if any(far):
             # A far row's drafter catches up only where the batch would let it draft, its whole catch-up priced:
             # where batched drafting does not pay, no catch-up is spent on it.
-            would_draft = plan_batch(ks, alphas, costs, shares)
+            would_draft = plan_batch(ks, alphas, costs, shares, limits=limits)
             catch_up = [spec.batch_catch_up_limit if f and k > 0 else 0 for f, k in zip(far, would_draft, strict=True)]
             ks = [0 if f else k for f, k in zip(far, ks, strict=True)]
-        ks = plan_batch(ks, alphas, costs, shares)
+        ks = plan_batch(ks, alphas, costs, shares, limits=limits)
     if any(ks):
         riders = _riders(rows, ks, decisions)
         catch_up = [row.behind if rider else c for row, c, rider in zip(rows, catch_up, riders, strict=True)]
@@ -95,6 +98,11 @@ def _capped(row: RowView, decision: policy.Decision | None) -> int:
         return 0
     k = decision.k if row.max_k is None else min(decision.k, row.max_k)
     return min(k, row.remaining - 1)
+
+
+def _limit(row: RowView, spec: SpecConfig) -> int:
+    """The most a row may draft in a batch: k_max within the request's cap and the tokens it has left."""
+    return min(spec.k_max if row.max_k is None else min(spec.k_max, row.max_k), row.remaining - 1)
 
 
 def _riders(rows: Sequence[RowView], ks: list[int], decisions: list[policy.Decision | None]) -> list[bool]:
