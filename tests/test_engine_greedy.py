@@ -166,7 +166,8 @@ def test_an_unsure_draft_keeps_pace_with_sure_batch_mates_only() -> None:
     alone = [4]
     drafter._stop_unsure([0], [0.5], alone, step=0)
     assert alone == [1]  # alone, an unsure draft is its last
-    # Row 0 is sure and drafts to 4; unsure rows 1 and 2 go on as far as it (no further than their own budget).
+    # Rows 0 and 3 are sure (budgets 4 and 5): unsure rows 1 and 2 go on as far as the farthest of them, 5, and no
+    # further than their own budget.
     budget = [4, 6, 2, 5]
     drafter._stop_unsure([0, 1, 2, 3], [0.9, 0.3, 0.5, 0.95], budget, step=1)
     assert budget == [4, 5, 2, 5]

@@ -26,7 +26,7 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=2, help="plain/AUTO pairs, the order alternating")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of every engine, the order reversed each repeat")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per request")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--fixed-k", type=int, default=0, help="also run an engine drafting this many tokens every "
