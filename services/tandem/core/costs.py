@@ -142,10 +142,10 @@ class CostModel:
 
     def draft_time(self, rows: int) -> float:
         """Seconds for one draft step over `rows` sequences."""
+        if rows <= 1:
+            return self.draft_step
         points = self.draft_rows | ({1: self.draft_step} if self.draft_step else {})
-        if rows <= 1 or len(points) < 2:
-            return self.draft_step if rows <= 1 or not points else _interpolate(points, rows)
-        return _robust_line(points, rows)
+        return _robust_line(points, rows) if len(points) > 1 else _interpolate(points, rows)
 
     def catch_up_time(self, behind: int) -> float:
         """Seconds a batched round spends bringing one drafter row that is `behind` tokens behind up to date: all

@@ -62,7 +62,7 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
     """Each row's k and policy decision for one round (the rules in the module's docstring, in order). Pure: reads
     the rows, the costs and the prior, and changes none of them. `prior`: the deployment's recent acceptance."""
     decisions = [_decide(row, speculating, spec, costs, prior) for row in rows]
-    ks = [_capped(row, decision) for row, decision in zip(rows, decisions, strict=True)]
+    ks = [_capped(row, decision, spec) for row, decision in zip(rows, decisions, strict=True)]
     catch_up = [0] * len(rows)
     if len(rows) > 1 and spec.adaptive:
         alphas = [policy.optimistic_acceptance(row.policy, spec, prior) for row in rows]
@@ -92,16 +92,13 @@ def _decide(row: RowView, speculating: bool, spec: SpecConfig, costs: CostModel,
     return policy.decide(row.policy, costs, spec, prior)
 
 
-def _capped(row: RowView, decision: policy.Decision | None) -> int:
-    """Rule 3: the policy's k within the request's cap and the tokens it has left."""
-    if decision is None:
-        return 0
-    k = decision.k if row.max_k is None else min(decision.k, row.max_k)
-    return min(k, row.remaining - 1)
+def _capped(row: RowView, decision: policy.Decision | None, spec: SpecConfig) -> int:
+    """Rule 3: the policy's k (never above k_max) within the request's cap and the tokens it has left."""
+    return 0 if decision is None else min(decision.k, _limit(row, spec))
 
 
 def _limit(row: RowView, spec: SpecConfig) -> int:
-    """The most a row may draft in a batch: k_max within the request's cap and the tokens it has left."""
+    """The most a row may draft: k_max within the request's cap and the tokens it has left."""
     return min(spec.k_max if row.max_k is None else min(spec.k_max, row.max_k), row.remaining - 1)
 
 
