@@ -2,8 +2,8 @@
 
 Single sequence: target forwards over every k + 1 tokens (k = 0..k_max) plus wider ones (prompt-sized), the draft
 step, and draft forwards over several tokens (a drafter catching up). Batches: target forwards over n rows of w
-tokens each and draft steps over n rows, with n real sequences, as batched rounds run them (caches stacked and
-padded per forward), for the batch plan.
+tokens each and draft steps over n rows, with n real sequences in the runners' KV slots, as batched rounds run them, for
+the batch plan.
 
 Each shape runs several times and the fastest counts: first calls of a shape pay one-off kernel setup, and other
 processes on the machine only ever make a call slower. For the same reason a forward is never priced above a wider
@@ -26,15 +26,17 @@ CATCH_UP_WIDTHS = (4, 8, 16, 32)
 
 
 def _timed(call) -> float:
+    """Seconds per unit of work: a call returns how many units it did (draft steps taken), or None for one."""
     started = time.perf_counter()
-    call()
-    return time.perf_counter() - started
+    units = call()
+    return (time.perf_counter() - started) / max(units or 1, 1)
 
 
 def _fastest_each(calls: dict, passes: int) -> dict:
-    """The fastest of `passes` timings per call, the passes interleaved so a slow spell does not hit one shape,
-    after one untimed call of each (a shape's first call sets up its kernels: it would leave one timing that
-    counts, and one slow spell would then price that shape at twice its cost for as long as the plan avoids it)."""
+    """The fastest of `passes` timings per call (per unit, `_timed`), the passes interleaved so a slow spell does
+    not hit one shape, after one untimed call of each (a shape's first call sets up its kernels: it would leave one
+    timing that counts, and one slow spell would then price that shape at twice its cost for as long as the plan
+    avoids it)."""
     for call in calls.values():
         call()
     best: dict = {}
@@ -63,11 +65,6 @@ def calibrate(verifier: Verifier, drafter: Drafter, k_max: int, k_init: int, max
                                      for seq_id in ids[:n]])
         return max((len(p.tokens) for p in proposals), default=0)
 
-    def seconds_per_step(steps: int) -> float:
-        started = time.perf_counter()
-        taken = draft(1, steps)
-        return (time.perf_counter() - started) / max(taken, 1)
-
     costs = CostModel()
     verifier.verify([VerifyRequest(seq_id, 0, prompt, None, greedy) for seq_id in ids])
     widest = max_batch * (k_max + 1)
@@ -83,9 +80,10 @@ def calibrate(verifier: Verifier, drafter: Drafter, k_max: int, k_init: int, max
         verifier.release(seq_id)
 
     drafter.propose([DraftRequest(seq_id, 0, prompt, 1, greedy) for seq_id in ids])
+    # One row and every row count in the same passes, each per step of a block as rounds draft it: timed apart, a
+    # slow spell over one block once priced every batched step at twice the single one (0.08-0.12 s against 0.05).
     steps = max(k_init, 2)
-    costs.observe_draft_step(min(seconds_per_step(steps) for _ in range(passes)))
-    for n, seconds in _fastest_each({n: lambda n=n: draft(n, 1) for n in rows}, 2).items():
+    for n, seconds in _fastest_each({n: lambda n=n: draft(n, steps) for n in [1, *rows]}, passes).items():
         costs.observe_draft_step(seconds, rows=n)
     if max_batch > 1:
         widths = [w for w in CATCH_UP_WIDTHS if w <= context]
