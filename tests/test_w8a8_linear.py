@@ -4,6 +4,10 @@ exactly plain decoding's, greedy and seeded, is tested with the int8 one in test
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -55,6 +59,18 @@ def test_w8a8_linear_is_the_int8_product_with_per_row_scales(dtype: torch.dtype,
         head = layer.first_rows(30)
         assert torch.equal(head(x), layer(x)[..., :30])
         assert head.weight_bytes < layer.weight_bytes
+
+
+def test_the_product_runs_on_a_onednn_jit_kernel_not_its_reference_one() -> None:
+    """oneDNN falls back to a scalar reference kernel for int8 products it has no fast kernel for (int8 activations
+    on a CPU with VNNI but no AMX: 600x slower): its verbose log names the implementation each product ran on."""
+    script = ("import torch; from tandem.core.w8a8_linear import W8A8Linear; "
+              "W8A8Linear(torch.randn(1152, 896), None)(torch.randn(8, 896, dtype=torch.bfloat16))")
+    run = subprocess.run([sys.executable, "-c", script], env=os.environ | {"ONEDNN_VERBOSE": "1"},
+                         capture_output=True, text=True, timeout=120, check=True)
+    products = [line for line in run.stdout.splitlines() if ",exec,cpu,matmul," in line]
+    assert products, run.stdout[-2000:]
+    assert not any(",ref" in line for line in products), products
 
 
 def test_loader_quantizes_and_fuses_only_when_asked(tiny_dirs) -> None:
