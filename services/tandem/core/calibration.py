@@ -2,8 +2,8 @@
 
 Single sequence: target forwards over every k + 1 tokens (k = 0..k_max) plus wider ones (prompt-sized), the draft
 step, and draft forwards over several tokens (a drafter catching up). Batches: target forwards over n rows of w
-tokens each and draft steps over n rows, with n real sequences in the runners' KV slots, as batched rounds run them, for
-the batch plan.
+tokens each and draft steps over n rows, with n real sequences in the runners' KV slots, as batched rounds run
+them, for the batch plan.
 
 Each shape runs several times and the fastest counts: first calls of a shape pay one-off kernel setup, and other
 processes on the machine only ever make a call slower. For the same reason a forward is never priced above a wider
@@ -29,7 +29,7 @@ def _timed(call) -> float:
     """Seconds per unit of work: a call returns how many units it did (draft steps taken), or None for one."""
     started = time.perf_counter()
     units = call()
-    return (time.perf_counter() - started) / max(units or 1, 1)
+    return (time.perf_counter() - started) / (units or 1)
 
 
 def _fastest_each(calls: dict, passes: int) -> dict:
