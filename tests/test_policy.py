@@ -159,6 +159,10 @@ def test_batch_plan_prices_the_drafter_catch_up() -> None:
                       draft_forward={8: 0.08, 32: 0.32}, frozen=True)
     assert costs.catch_up_time(2) == 0.0  # two behind: both go with the first batched draft step
     assert abs(costs.catch_up_time(17) - 0.16) < 1e-12  # 16 tokens alone, the last with the batch
+    # Past the widest forward measured, a backlog costs as many of those forwards as it fills, even where the
+    # table is flat (a weights-bound drafter): 128 tokens are four 32-token catch-ups.
+    flat = CostModel(draft_step=0.04, draft_forward={8: 0.04, 32: 0.04}, frozen=True)
+    assert abs(flat.catch_up_time(129) - 0.16) < 1e-12 and flat.catch_up_time(33) == 0.04
     e = policy.expected_tokens(0.8, 2)
     assert abs(catch_up_share(costs, 17, 0.8, 2, remaining=20) - 0.16 / (20 / e)) < 1e-12
     assert abs(catch_up_share(costs, 17, 0.8, 2, remaining=1000) - 0.16 / CATCH_UP_HORIZON) < 1e-12
@@ -312,3 +316,12 @@ def test_adopting_measured_costs_takes_every_measured_field() -> None:
     costs = CostModel(smoothing=0.5, frozen=True)
     costs.adopt(measured)
     assert costs.to_dict() == measured.to_dict() and costs.smoothing == 0.5 and costs.frozen
+
+
+def test_the_shared_prior_is_measured_once_its_sessions_evidence_outweighs_its_guess() -> None:
+    prior = policy.SharedPrior(initial=0.75)
+    assert not prior.measured and prior.value == 0.75
+    prior.observe(2, 2)  # two drafts accepted: two trials
+    assert not prior.measured
+    prior.observe(4, 2)  # two accepted, then a rejection: three more, the earlier ones decayed
+    assert prior.measured and abs(prior.value - (0.99 * 2 + 2 + 0.75 * 4) / (0.99 * 2 + 3 + 4)) < 1e-12

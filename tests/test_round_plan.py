@@ -120,3 +120,28 @@ def test_planning_changes_nothing_and_repeats_itself() -> None:
     first = _plan(rows, costs=COMPUTE_BOUND)
     assert _plan(rows, costs=COMPUTE_BOUND) == first and [row.policy.to_dict() for row in rows] == before
     assert first.decisions[0].probing and first.decisions[1].fallback  # a probe is due; a session enters fallback
+
+
+def test_a_row_only_explored_pays_its_whole_catch_up_in_the_round_that_explores_it() -> None:
+    # Forwards cost 0.1 s whatever their width, a draft step over the batch 0.03 s, a catch-up 0.01 s per token:
+    # 0.16 s for a row 17 tokens behind. At the prior's acceptance (0.6) drafting does not pay; a new row is priced
+    # optimistically so that it gets measured, and may never draft again after that round, so the round pays its
+    # whole catch-up. A measured row spreads it over the rounds it has left (0.01 s a round).
+    costs = CostModel(draft_step=0.01, verify={1: 0.1, 2: 0.1}, draft_rows={4: 0.03}, batched={(4, 1): 0.1},
+                      draft_forward={8: 0.08, 32: 0.32}, frozen=True)
+    sure = policy.PolicyState(k=SPEC.k_init, accepted=150.0, rejected=10.0)
+    new = policy.PolicyState(k=SPEC.k_init)
+    assert policy.optimistic_acceptance(new, SPEC, PRIOR) >= policy.acceptance(sure, SPEC, PRIOR)
+    assert all(_plan([_row(policy=sure, behind=17) for _ in range(4)], costs=costs).ks)
+    assert _plan([_row(policy=new, behind=17) for _ in range(4)], costs=costs).ks == (0,) * 4
+    # Caught up, the same new rows are explored: their drafts then cost only the draft steps.
+    assert all(_plan([_row(policy=new, behind=1) for _ in range(4)], costs=costs).ks)
+    # Where drafting pays at the acceptance a new row is expected to have, its catch-up is an investment the rounds
+    # it has left repay: spread, as for a measured row.
+    cheap_steps = dataclasses.replace(costs, draft_rows={4: 0.01})
+    assert all(_plan([_row(policy=new, behind=17) for _ in range(4)], costs=cheap_steps).ks)
+    # While the deployment has measured no acceptance of its own (the prior is only the configured guess), new rows
+    # are explored with their catch-ups spread: else a batch-only deployment would never learn it.
+    unmeasured = plan_round([_row(policy=new, behind=17) for _ in range(4)], True, SPEC, costs, PRIOR,
+                            prior_measured=False)
+    assert all(unmeasured.ks)

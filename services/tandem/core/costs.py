@@ -149,10 +149,17 @@ class CostModel:
 
     def catch_up_time(self, behind: int) -> float:
         """Seconds a batched round spends bringing one drafter row that is `behind` tokens behind up to date: all
-        but the last token run alone first (the last goes with the batch's first draft step)."""
+        but the last token run alone first (the last goes with the batch's first draft step). A backlog wider than
+        the widest forward measured is priced as that many forwards of it: in a batch a far row catches up at most
+        batch_catch_up_limit tokens a round (core.round_plan), the widest width calibration times. Extrapolated
+        along a table that is flat up to there (weights-bound forwards), 140 tokens were once priced as 32."""
         if behind <= CATCH_UP_ALONE_ABOVE:
             return 0.0
-        return _interpolate(self.draft_forward | ({1: self.draft_step} if self.draft_step else {}), behind - 1)
+        points = self.draft_forward | ({1: self.draft_step} if self.draft_step else {})
+        tokens, widest = behind - 1, max(points, default=0)
+        if widest and tokens > widest:
+            return points[widest] * tokens / widest
+        return _interpolate(points, tokens)
 
     def adopt(self, measured: CostModel) -> None:
         """Take every measured cost from `measured`, keeping this model's smoothing and frozen flag."""

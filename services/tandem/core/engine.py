@@ -107,7 +107,7 @@ class SpeculativeEngine:
         while True:
             limits = self._prefill_limits(batch)
             plan = plan_round([self._row_view(seq, limit) for seq, limit in zip(batch, limits, strict=True)],
-                              self.speculating, self.config.spec, self.costs, self.prior.value)
+                              self.speculating, self.config.spec, self.costs, self.prior.value, self.prior.measured)
             try:
                 outputs = self._round(batch, plan, limits)
                 break

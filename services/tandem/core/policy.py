@@ -58,6 +58,11 @@ class SharedPrior:
         self.trials = self.decay * self.trials + accepted + (1 if accepted < k else 0)
 
     @property
+    def measured(self) -> bool:
+        """Whether the sessions' own evidence outweighs the initial guess's pseudo-trials."""
+        return self.trials >= self.weight
+
+    @property
     def value(self) -> float:
         return min(max((self.accepted + self.initial * self.weight) / (self.trials + self.weight), 0.01), 0.99)
 
@@ -67,6 +72,11 @@ def acceptance(state: PolicyState, config: SpecConfig, prior: float | None = Non
     (the deployment's recent acceptance when given, else `acceptance_prior`)."""
     prior_accepted = (config.acceptance_prior if prior is None else prior) * config.prior_weight
     return (state.accepted + prior_accepted) / (state.accepted + state.rejected + config.prior_weight)
+
+
+def measured(state: PolicyState) -> bool:
+    """Whether the session has evidence of its own: it has drafted at least once."""
+    return state.accepted + state.rejected > 0.0
 
 
 def optimistic_acceptance(state: PolicyState, config: SpecConfig, prior: float | None = None) -> float:

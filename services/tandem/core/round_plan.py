@@ -15,8 +15,10 @@
    drafting row's catch-up and sets every drafting row's k, up to k_max within its request's cap and tokens left
    (further than its policy's own k where its mates pay for the steps), or zeroes it. It prices each row at an
    optimistic acceptance (core.policy.optimistic_acceptance): a batch that drafted nothing until its rows'
-   acceptance were known would never learn them. A fixed k (adaptive off) drafts as given, its drafter catching up
-   on everything first.
+   acceptance were known would never learn them. Once the deployment has measured its acceptance, a row that has
+   never drafted and would not draft at that acceptance is charged its whole catch-up, not a share: it is explored
+   only where that round pays for it. A fixed k (adaptive off) drafts as given, its drafter catching up on
+   everything first.
 5. Riders: where some row drafts this round, a row that does not (its policy asked: rule 1 keeps rows that never
    draft out; not on its last token) and whose drafter is at most CATCH_UP_ALONE_ABOVE tokens behind sends its
    drafter those tokens (`catch_up`), fed in the first draft step beside the drafting rows (a step spans its rows'
@@ -58,17 +60,17 @@ class RoundPlan:
 
 
 def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, costs: CostModel,
-               prior: float) -> RoundPlan:
+               prior: float, prior_measured: bool = True) -> RoundPlan:
     """Each row's k and policy decision for one round (the rules in the module's docstring, in order). Pure: reads
-    the rows, the costs and the prior, and changes none of them. `prior`: the deployment's recent acceptance."""
+    the rows, the costs and the prior, and changes none of them. `prior`: the deployment's recent acceptance;
+    `prior_measured`: whether the deployment's sessions have measured it (policy.SharedPrior.measured)."""
     decisions = [_decide(row, speculating, spec, costs, prior) for row in rows]
     ks = [_capped(row, decision, spec) for row, decision in zip(rows, decisions, strict=True)]
     catch_up = [0] * len(rows)
     if len(rows) > 1 and spec.adaptive:
         alphas = [policy.optimistic_acceptance(row.policy, spec, prior) for row in rows]
-        shares = [catch_up_share(costs, row.behind, alpha, k, row.remaining)
-                  for row, alpha, k in zip(rows, alphas, ks, strict=True)]
         limits = [_limit(row, spec) for row in rows]
+        shares = _catch_up_shares(rows, ks, alphas, limits, spec, costs, prior if prior_measured else None)
         far = [row.behind > spec.batch_catch_up_limit for row in rows]
         if any(far):
             # A far row's drafter catches up only where the batch would let it draft, its whole catch-up priced:
@@ -81,6 +83,25 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
         riders = _riders(rows, ks, decisions)
         catch_up = [row.behind if rider else c for row, c, rider in zip(rows, catch_up, riders, strict=True)]
     return RoundPlan(tuple(ks), tuple(catch_up), tuple(decisions))
+
+
+def _catch_up_shares(rows: Sequence[RowView], ks: list[int], alphas: list[float], limits: list[int],
+                     spec: SpecConfig, costs: CostModel, prior: float | None) -> list[float]:
+    """Rule 4's catch-up prices: each row's catch-up spread over the rounds it has left, except for a row that has
+    never drafted and would not draft at the deployment's measured acceptance `prior` (the optimistic price alone
+    sends it exploring): its later rounds may never draft, so the exploring round pays for the whole catch-up.
+    While the deployment has measured nothing (`prior` None) every row's is spread, so that a batch explores and
+    the deployment learns its acceptance: else a deployment serving only batches, where batched drafting does not
+    pay at the default prior, would never learn it (8 at once on CPU-A: the default 0.75, the pair's 0.85)."""
+    spread = [catch_up_share(costs, row.behind, alpha, k, row.remaining)
+              for row, alpha, k in zip(rows, alphas, ks, strict=True)]
+    new = [share > 0.0 and not policy.measured(row.policy) for row, share in zip(rows, spread, strict=True)]
+    if prior is None or not any(new):
+        return spread
+    expected = [policy.acceptance(row.policy, spec, prior) for row in rows]
+    at_expected = plan_batch(ks, expected, costs, spread, limits=limits)
+    return [costs.catch_up_time(row.behind) if n and not k else share
+            for row, n, k, share in zip(rows, new, at_expected, spread, strict=True)]
 
 
 def _decide(row: RowView, speculating: bool, spec: SpecConfig, costs: CostModel,
