@@ -288,6 +288,16 @@ def test_one_slow_or_fast_timing_moves_batched_prices_little() -> None:
     assert plan_batch([8] * 8, [0.95] * 8, costs) == plan_batch([8] * 8, [0.95] * 8, clean) == [6] * 8
 
 
+def test_a_batched_one_token_forward_is_priced_at_its_own_timing_not_below() -> None:
+    # A batch's cost is flat at narrow widths (weights-bound) and then climbs: the line through the widths runs below
+    # the one-token point, which plain rounds keep re-timing. Calibrated on CPU-A (at-once-v6.json, 8 rows).
+    batched = {(8, 1): 0.1395, (8, 2): 0.1797, (8, 3): 0.2375, (8, 5): 0.3496}
+    costs = CostModel(draft_step=0.05, verify={1: 0.1}, batched=batched, frozen=True)
+    assert costs.batch_forward_time(8, 1) == 0.1395
+    assert costs.batch_forward_time(8, 3) == pytest.approx(0.2375, rel=0.02)  # the line, where it fits
+    assert all(costs.batch_forward_time(8, w + 1) >= costs.batch_forward_time(8, w) for w in range(1, 12))
+
+
 def test_a_slower_narrow_forward_raises_the_price_of_wider_ones() -> None:
     # Calibrated at a short context; plain rounds then re-measure only the one-token forward as the context grows.
     costs = CostModel(draft_step=0.01, verify={1: 0.10, 2: 0.11, 3: 0.12}, batched={(4, 1): 0.2, (4, 2): 0.21})
