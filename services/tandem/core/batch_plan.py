@@ -23,8 +23,9 @@ the batch's tokens per second is what is maximised, so such a row may wait for i
 
 C_i is row i's drafter catch-up: a row whose drafter is behind (its prompt, tokens decoded plainly) first runs a
 draft forward over those tokens, which stalls the whole batch. It is paid once and lets the row draft from then on,
-so it is spread over the rounds the row has left (at most `CATCH_UP_HORIZON`). core.round_plan charges it whole
-instead to a row that is only explored (never drafted, and drafting only at its optimistic acceptance).
+so it is spread over the rounds the row has left (at most `CATCH_UP_HORIZON`). Once the deployment has measured
+its acceptance, core.round_plan charges it whole instead to a row that is only explored (never drafted, and
+drafting only at its optimistic acceptance).
 """
 
 from __future__ import annotations
