@@ -70,7 +70,10 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
     if len(rows) > 1 and spec.adaptive:
         alphas = [policy.optimistic_acceptance(row.policy, spec, prior) for row in rows]
         limits = [_limit(row, spec) for row in rows]
-        shares = _catch_up_shares(rows, ks, alphas, limits, spec, costs, prior if prior_measured else None)
+        shares = [catch_up_share(costs, row.behind, alpha, k, row.remaining)
+                  for row, alpha, k in zip(rows, alphas, ks, strict=True)]
+        if prior_measured:
+            shares = _explored_pay_whole(rows, ks, shares, limits, spec, costs, prior)
         far = [row.behind > spec.batch_catch_up_limit for row in rows]
         if any(far):
             # A far row's drafter catches up only where the batch would let it draft, its whole catch-up priced:
@@ -85,23 +88,21 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
     return RoundPlan(tuple(ks), tuple(catch_up), tuple(decisions))
 
 
-def _catch_up_shares(rows: Sequence[RowView], ks: list[int], alphas: list[float], limits: list[int],
-                     spec: SpecConfig, costs: CostModel, prior: float | None) -> list[float]:
-    """Rule 4's catch-up prices: each row's catch-up spread over the rounds it has left, except for a row that has
-    never drafted and would not draft at the deployment's measured acceptance `prior` (the optimistic price alone
-    sends it exploring): its later rounds may never draft, so the exploring round pays for the whole catch-up.
-    While the deployment has measured nothing (`prior` None) every row's is spread, so that a batch explores and
-    the deployment learns its acceptance: else a deployment serving only batches, where batched drafting does not
-    pay at the default prior, would never learn it (8 at once on CPU-A: the default 0.75, the pair's 0.85)."""
-    spread = [catch_up_share(costs, row.behind, alpha, k, row.remaining)
-              for row, alpha, k in zip(rows, alphas, ks, strict=True)]
-    new = [share > 0.0 and not policy.measured(row.policy) for row, share in zip(rows, spread, strict=True)]
-    if prior is None or not any(new):
-        return spread
+def _explored_pay_whole(rows: Sequence[RowView], ks: list[int], shares: list[float], limits: list[int],
+                        spec: SpecConfig, costs: CostModel, prior: float) -> list[float]:
+    """Rule 4's catch-up prices once the deployment has measured its acceptance `prior`: a row that has never
+    drafted and would not draft at that acceptance (the optimistic price alone sends it exploring) pays its whole
+    catch-up, since its later rounds may never draft; every other row keeps its share. Before the prior is measured
+    every share stays spread, so that a batch explores and the deployment learns its acceptance: else a deployment
+    serving only batches, where batched drafting does not pay at the default prior, would never learn it (8 at once
+    on CPU-A: the default 0.75, the pair's 0.85)."""
+    new = [share > 0.0 and not policy.measured(row.policy) for row, share in zip(rows, shares, strict=True)]
+    if not any(new):
+        return shares
     expected = [policy.acceptance(row.policy, spec, prior) for row in rows]
-    at_expected = plan_batch(ks, expected, costs, spread, limits=limits)
+    at_expected = plan_batch(ks, expected, costs, shares, limits=limits)
     return [costs.catch_up_time(row.behind) if n and not k else share
-            for row, n, k, share in zip(rows, new, at_expected, spread, strict=True)]
+            for row, n, k, share in zip(rows, new, at_expected, shares, strict=True)]
 
 
 def _decide(row: RowView, speculating: bool, spec: SpecConfig, costs: CostModel,
