@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.core.fused_linear import FusedLinear, FusedPart, fuse
+from tandem.core.fused_linear import FusedLinear, FusedPart, StackedLinear, fuse, stack_on_gpu
 from tandem.core.packed_linear import MIN_PACKED_WEIGHTS, PackedLinear, prepack, supported, weight_bytes
+from tandem.core.runner import ModelRunner
 from tandem.models.loader import load_model
 from test_packed_linear import runner_logits
 
@@ -88,6 +89,27 @@ def test_prepack_fuses_attention_and_mlp_projections(tiny_dirs, monkeypatch, dty
     logits = [runner_logits(loaded.model) for loaded in (fast, eager)]
     tolerance = 1e-4 if dtype == torch.float32 else 0.1
     assert torch.allclose(logits[0], logits[1], atol=tolerance, rtol=tolerance)
+
+
+def test_stacked_products_compute_what_the_siblings_did_eager_and_compiled(tiny_dirs) -> None:
+    """The GPU's fusion (plain stacked linears) on a CPU: the same logits as the unfused model, eager and through
+    the compiled static forward that CUDA graphs record on a GPU (dynamo traces the kept product whole)."""
+    plain = load_model(str(tiny_dirs.target), device=CPU, dtype=torch.float32, progress=False, eager=True)
+    stacked = load_model(str(tiny_dirs.target), device=CPU, dtype=torch.float32, progress=False, eager=True)
+    assert stack_on_gpu(stacked.model) == 0  # a CPU model: left to prepack
+    layers = stacked.model.config.num_hidden_layers
+    assert fuse(stacked.model, product=StackedLinear) == 5 * layers
+    assert weight_bytes(stacked.model) == weight_bytes(plain.model)
+    expected = runner_logits(plain.model)
+    assert torch.allclose(runner_logits(stacked.model), expected, atol=1e-5, rtol=1e-5)
+    runner = ModelRunner(stacked.model, kv_tokens=512, compile=True)
+    state = runner.state("a")
+    state.sync(0, list(range(3, 40)))
+    runner.prefill(state, 36)
+    compiled = runner.forward([state], [1])[0]
+    assert runner.graphs is not None and runner.graphs.compiled and runner.graphs.compile_error is None
+    assert runner.graphs.replays > 0
+    assert torch.allclose(compiled[-1], expected[-1], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("compare", ["fusion", pytest.param("compile", marks=pytest.mark.slow)])

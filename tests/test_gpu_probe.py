@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,13 @@ def test_probe_measures_tandem_and_hugging_face_on_the_same_weights() -> None:
     spec = probe.run_tandem(target, draft, 2, 2, work, 8, mode="graphs")
     assert plain["tokens"] == spec["tokens"] == 24 and spec["drafted"] > 0 and not any(spec["compiled"])
     assert probe.hf_generate(target, work[:2], 2, 8)["tokens"] == 16
+    logged = {}
+    sides = {name: partial(probe.run_tandem, target, draft, mode="graphs") for name in ("a", "b")}
+    probe.side_pairs(sides, work, 4, lambda key, value: logged.update({key: value}), cases=("plain_b1", "spec_k4_b1"))
+    assert set(logged) == {"a_vs_b_plain_b1", "a_vs_b_spec_k4_b1"}
+    assert all(row["a_tok_s"] > 0 and row["b_tok_s"] > 0 and not row["compile_errors"] for row in logged.values())
+    share = probe.kernel_share(lambda: probe.hf_generate(target, work[:1], 1, 2))
+    assert share["wall_s"] > 0 and isinstance(share["top_kernels"], list)  # no GPU kernels on a CPU
     costs = probe.forward_costs(probe.ModelRunner(target), [1, 3], context=64, reps=2)
     assert set(costs) == {1, 3} and all(seconds > 0 for seconds in costs.values())
     # A free draft and a verify as cheap as a plain step: every acceptance pays, the more the better.

@@ -65,16 +65,21 @@ def forward_costs(runner: ModelRunner, widths: list[int], context: int, reps: in
     return costs
 
 
-def kernel_share(call) -> dict:
-    """GPU kernel time over wall time for `call` (kernel time from the profiler, wall time from an unprofiled run)."""
+def kernel_share(call, top: int = 12) -> dict:
+    """GPU kernel time over wall time for `call` (kernel time from the profiler, wall time from an unprofiled run),
+    and the `top` kernels by time: name, launches, seconds (where a step's time goes, kernel by kernel)."""
     wall = timed(call)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         call()
         sync()
-    device_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return {"wall_s": wall, "kernel_s": device_us / 1e6, "share": device_us / 1e6 / wall}
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    device_us = sum(e.self_device_time_total for e in events)
+    kernels = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    return {"wall_s": wall, "kernel_s": device_us / 1e6, "share": device_us / 1e6 / wall,
+            "top_kernels": [{"name": e.key[:120], "launches": e.count, "seconds": e.self_device_time_total / 1e6}
+                            for e in kernels]}
 
 
 def allocated_per_step(eng_factory, work: list[list[int]], contexts: tuple[int, int], steps: int = 8) -> dict:

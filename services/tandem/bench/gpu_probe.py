@@ -21,9 +21,12 @@ again), and the plain batch-1 decode against the weight-bandwidth limit.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -45,6 +48,7 @@ from tandem.bench.gpu_measures import (  # noqa: E402
 )
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from tandem.core.engine import SpeculativeEngine  # noqa: E402
+from tandem.core.fused_linear import stack_on_gpu  # noqa: E402
 from tandem.core.local import LocalDrafter, LocalVerifier  # noqa: E402
 from tandem.core.runner import ModelRunner  # noqa: E402
 
@@ -59,6 +63,7 @@ CONFIGS = {  # the published Qwen2.5-Coder-*-Instruct config.json shapes
                   num_key_value_heads=2),
 }
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # datasheet peaks (SXM)
+CASES = {"plain_b1": (None, 1, 4), "spec_k4_b1": (4, 1, 2), "plain_b8": (None, 8, 8)}  # k, batch, prompts
 MODES = {"compiled": dict(graphs=True, compile=True), "graphs": dict(graphs=True, compile=False),
          "eager": dict(graphs=False, compile=False)}
 
@@ -129,17 +134,54 @@ def hf_generate(model, work: list[list[int]], batch: int, tokens: int, assistant
 
 
 def mode_pairs(target, draft, work: list[list[int]], tokens: int, log, a: str, b: str) -> None:
-    """tandem in mode `a` against mode `b` (keys of MODES): plain and k 4 at batch 1, plain at batch 8; A B B A per
-    case, each pair pooled."""
-    for case, k, batch, items in (("plain_b1", None, 1, work[:4]), ("spec_k4_b1", 4, 1, work[:2]),
-                                  ("plain_b8", None, 8, work)):
+    """tandem in mode `a` against mode `b` (keys of MODES): plain and k 4 at batch 1, plain at batch 8."""
+    sides = {mode: partial(run_tandem, target, draft, mode=mode) for mode in (a, b)}
+    side_pairs(sides, work, tokens, log)
+
+
+def side_pairs(sides: dict[str, Callable[..., dict]], work: list[list[int]], tokens: int, log,
+               cases: tuple[str, ...] = ("plain_b1", "spec_k4_b1", "plain_b8"), suffix: str = "") -> None:
+    """Two sides, each `run(k, batch, items, tokens) -> run_tandem's dict`, against each other per case in the order
+    A B B A (at batch 1 each run takes half the prompts), each side's two runs pooled; logged as
+    `{a}_vs_{b}_{case}{suffix}`."""
+    a, b = sides
+    for case in cases:
+        k, batch, items = CASES[case]
+        items = work[:items]
         runs: dict[str, list[dict]] = {a: [], b: []}
-        for mode in (a, b, b, a):
-            half = items if batch > 1 else (items[: len(items) // 2] if not runs[mode] else items[len(items) // 2:])
-            runs[mode].append(run_tandem(target, draft, k, batch, half, tokens, mode))
-        pooled = {mode: sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs) for mode, rs in runs.items()}
-        log(f"{a}_vs_{b}_{case}", {f"{a}_tok_s": pooled[a], f"{b}_tok_s": pooled[b], "speedup": pooled[a] / pooled[b],
-                                   "compile_errors": [e for r in runs[a] + runs[b] for e in r["compile_errors"]]})
+        for side in (a, b, b, a):
+            half = items if batch > 1 else (items[: len(items) // 2] if not runs[side] else items[len(items) // 2:])
+            runs[side].append(sides[side](k, batch, half, tokens))
+        pooled = {side: sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs) for side, rs in runs.items()}
+        errors = [e for r in runs[a] + runs[b] for e in r["compile_errors"]]
+        log(f"{a}_vs_{b}_{case}{suffix}", {f"{a}_tok_s": pooled[a], f"{b}_tok_s": pooled[b],
+                                           "speedup": pooled[a] / pooled[b], "compile_errors": errors})
+
+
+def stacking_ab(target, work: list[list[int]], tokens: int, warm_seconds: float, log, pairs: int = 1) -> None:
+    """The target with its sibling projections stacked (core.fused_linear, what the loader does on a GPU) against
+    the same weights unstacked, compiled graphs, plain decoding at batch 1 and 8 (`pairs` A B B A pairs per case,
+    the side that starts alternating): tok/s, one forward's cost, and where the kernel time goes."""
+    unstacked = copy.deepcopy(target)
+    log("stacked_linears", stack_on_gpu(target))
+    variants = {"stacked": target, "unstacked": unstacked}
+    for model in variants.values():
+        for batch in (1, 8):
+            run_tandem(model, None, None, batch, work[:batch], 2)  # compiles this batch's shapes
+    warm_until = time.perf_counter() + warm_seconds
+    while time.perf_counter() < warm_until:
+        for model in variants.values():
+            run_tandem(model, None, None, 8, work, 16)
+    sides = [(name, partial(run_tandem, model, None)) for name, model in variants.items()]
+    for pair in range(pairs):
+        side_pairs(dict(sides[::-1] if pair % 2 else sides), work, tokens, log, cases=("plain_b1", "plain_b8"),
+                   suffix=f"_pair{pair + 1}" if pair else "")
+    params32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for name, model in variants.items():
+        plain_b1 = engine(model, None, None, 1)
+        log(f"kernel_share_{name}_plain_b1", kernel_share(lambda eng=plain_b1: eng.generate([work[1]], params32)))
+    for name, model in variants.items():
+        log(f"forward_seconds_{name}", forward_costs(ModelRunner(model, compile=True), [1], context=256))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,6 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip HF generate with static cache + compile")
     parser.add_argument("--only-modes", action="store_true",
                         help="only tandem's forward modes against each other, their forward costs and kernel shares")
+    parser.add_argument("--only-stacking", action="store_true",
+                        help="only the target with stacked sibling projections against it unstacked, plain decoding")
+    parser.add_argument("--pairs", type=int, default=1, help="with --only-stacking: A B B A pairs per case")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit(f"gpu_probe: CUDA is not available (torch {torch.__version__})")
@@ -185,6 +230,13 @@ def main(argv: list[str] | None = None) -> None:
                 "limit_tok_s": hbm / weight_bytes if hbm else None,
                 "share_of_limit": weight_bytes * tok_s / hbm if hbm else None}
 
+    if args.only_stacking:
+        stacking_ab(target, work, args.tokens, args.warm_seconds, log, args.pairs)
+        report["bandwidth"] = bandwidth(res["stacked_vs_unstacked_plain_b1"]["stacked_tok_s"])
+        report["wall_seconds"] = time.perf_counter() - started
+        save(final=True)
+        return
+    report["stacked_linears"] = stack_on_gpu(target) + stack_on_gpu(draft)  # as the loader prepares them
     # First calls of each new shape pay one-off kernel selection and compiles (timed here): warm every prompt's
     # prefill, and the decode shapes of plain and speculative rounds at batch 1 and 8. Then keep decoding for a
     # while: on the lent H100 the same run doubled its tok/s over its first minute (clocks ramping;

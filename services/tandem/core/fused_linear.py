@@ -1,8 +1,10 @@
-"""Sibling linears that read the same input run as one prepacked product: a layer's q/k/v, an MLP's gate/up.
+"""Sibling linears that read the same input run as one product: a layer's q/k/v, an MLP's gate/up.
 
 A decode step streams every weight once (core.packed_linear), and each oneDNN call has a cost of its own beside the
 bytes it reads: the 1.5B target's 256-row k and v projections stream at well under the rate its MLP does. One call
-over the stacked weights reads them in one pass, as vLLM's merged projections do.
+over the stacked weights reads them in one pass, as vLLM's merged projections do. On a GPU a batch-1 decode step is
+a chain of small kernels, each with a launch and a tail of its own, so there the stacked product (a plain linear,
+StackedLinear) runs two kernels per layer where the siblings ran five (`stack_on_gpu`).
 
 Hugging Face's modules call q_proj(x), k_proj(x) and v_proj(x) in turn on the same x, and gate_proj(x) and up_proj(x)
 likewise, so those modules stay as Hugging Face wrote them: each projection becomes a FusedPart of one FusedLinear.
@@ -18,6 +20,19 @@ import torch
 from tandem.core.packed_linear import PackedLinear
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class StackedLinear(torch.nn.Module):
+    """The stacked weight as a plain linear layer (cuBLAS on a GPU); inference only."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.weight_bytes = weight.numel() * weight.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
 class FusedLinear(torch.nn.Module):
@@ -65,8 +80,8 @@ class FusedPart(torch.nn.Module):
 
 def fuse(model: torch.nn.Module, least: int = 0, product: type[torch.nn.Module] = PackedLinear) -> int:
     """Replace each GROUPS set of nn.Linear siblings (same input width and dtype, at least `least` weights together)
-    by parts of one FusedLinear whose stacked product is a `product` layer (PackedLinear, or core.w8a8_linear's
-    W8A8Linear), in place; the number of nn.Linear replaced."""
+    by parts of one FusedLinear whose stacked product is a `product` layer (PackedLinear, StackedLinear, or
+    core.w8a8_linear's W8A8Linear), in place; the number of nn.Linear replaced."""
     replaced = 0
     for module in list(model.modules()):
         for names in GROUPS:
@@ -83,3 +98,12 @@ def fuse(model: torch.nn.Module, least: int = 0, product: type[torch.nn.Module] 
                 setattr(module, name, FusedPart(fused, index, linear.in_features))
             replaced += len(linears)
     return replaced
+
+
+def stack_on_gpu(model: torch.nn.Module) -> int:
+    """fuse() with StackedLinear products for a model on a GPU, unless it is a tensor-parallel shard (whose linears
+    the parallel plan wraps); the number of nn.Linear replaced, 0 elsewhere."""
+    sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if next(model.parameters()).device.type != "cuda" or sharded:
+        return 0
+    return fuse(model, product=StackedLinear)

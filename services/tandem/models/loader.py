@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tandem.core.config import QUANTIZATIONS, check_model_mode
+from tandem.core.fused_linear import stack_on_gpu
 from tandem.core.int8_linear import quantize_int8
 from tandem.core.packed_linear import prepack
 from tandem.core.w8a8_linear import quantize_w8a8
@@ -131,7 +132,8 @@ def load_model(
 
     `extra` goes to from_pretrained as is (for example tp_plan="auto" inside a torch.distributed group). Unless
     `eager`, the model is prepared for this device's fast path (core.packed_linear: oneDNN prepacked linears for bf16
-    on CPU; on a GPU the runner replays CUDA graphs, core.cuda_graphs); `eager` leaves it as from_pretrained built it
+    on CPU; on a GPU sibling projections stacked into one product, core.fused_linear, and the runner replays CUDA
+    graphs, core.cuda_graphs); `eager` leaves it as from_pretrained built it
     and says so to the runners. An unpinned hub id is refused unless `allow_unpinned` (see resolve and pin_spec).
     `quantization` "int8" holds the linear weights as int8 (core.int8_linear), "w8a8" as int8 for oneDNN's int8 GEMM
     (core.w8a8_linear): for draft models only, since the target's logits are the distribution the engine reproduces.
@@ -163,7 +165,8 @@ def load_model(
         except ValueError as exc:
             raise InvalidArgument(f"model {spec!r}: {exc}") from exc
     if not eager:
-        prepack(model)  # the linears left as nn.Linear, if any
+        prepack(model)  # the linears left as nn.Linear, if any (CPU)
+        stack_on_gpu(model)
     # Parameters keep requires_grad as from_pretrained leaves them (inference runs under inference_mode or no_grad, so
     # no graph is built). Turning it off changes torch's CPU matmul for a strided [1, n, H] input (a slice of hidden
     # states, as generate's logits_to_keep feeds the LM head): it no longer folds into one mm but runs a bf16 bmm
