@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend
 
 from tandem.bench.allocations import AllocationMeter
 from tandem.core.protocol import KVCacheFull
@@ -190,11 +191,15 @@ def test_verifying_several_tokens_per_row_does_not_repeat_the_key_value_heads(ti
     assert copies < 0.05, f"{copies:.3f} copies of the KV cache per step"
 
 
+@pytest.mark.parametrize("backends", [None, (SDPBackend.MATH,)], ids=["any-kernel", "math-kernel"])
 @pytest.mark.parametrize("width", [1, 3])
-def test_packed_attention_equals_repeated_key_value_heads(width: int) -> None:
+def test_packed_attention_equals_repeated_key_value_heads(width: int, backends, monkeypatch) -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from tandem.core import attention
     from tandem.core.attention import packed_sdpa_forward
+
+    monkeypatch.setattr(attention, "BACKENDS", [backends])  # the kernels the packed call may use
 
     class Attention(torch.nn.Module):
         num_key_value_groups = 3

@@ -1,13 +1,16 @@
 """What the GPU probe (tandem.bench.gpu_probe) measures besides tok/s: forward costs by width, the share of wall time
-in GPU kernels, bytes allocated per decode step against the live KV cache, and the speculative speedup those costs
-project at a given acceptance; with the random prompt ids and the synchronised timer they share.
+in GPU kernels, bytes allocated per decode step against the live KV cache, one attention call's cost per sdpa
+kernel, and the speculative speedup those costs project at a given acceptance; with the random prompt ids and the
+synchronised timer they share.
 """
 
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from tandem.core.config import SamplingParams
 from tandem.core.kv_cache import kv_bytes_per_token
@@ -107,3 +110,55 @@ def allocated_per_step(eng_factory, work: list[list[int]], contexts: tuple[int, 
     growth = out[hi]["allocated_per_step"] - out[lo]["allocated_per_step"]
     kv_growth = out[hi]["live_kv_bytes"] - out[lo]["live_kv_bytes"]
     return {"by_context": out, "kv_copies_per_step": growth / kv_growth if kv_growth else None}
+
+
+def attention_costs(device: torch.device, backends: dict[str, tuple | None], caps: tuple[int, ...] = (256, 1024, 4096),
+                    rows: tuple[int, ...] = (1, 8), widths: tuple[int, ...] = (1, 5), reps: int = 100,
+                    kv_heads: int = 2, groups: int = 6, dim: int = 128) -> dict[str, dict]:
+    """Median seconds of one attention call as the runner's static forwards make it (core.attention: query heads
+    stacked per key/value head, the whole `cap`-key buffer under a boolean mask, 60% of it live), per named set of
+    sdpa kernels (None: PyTorch's pick), bf16 on a GPU; a set that cannot run a shape records the error instead."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out: dict[str, dict] = {name: {} for name in backends}
+    for cap in caps:
+        for row in rows:
+            for width in widths:
+                q = torch.randn(row, kv_heads, groups * width, dim, device=device, dtype=dtype)
+                k, v = (torch.randn(row, kv_heads, cap, dim, device=device, dtype=dtype) for _ in range(2))
+                # Query j of a row sees the live keys and its own block's first j (one mask row per query when wider).
+                limit = int(cap * 0.6) + torch.arange(groups * width if width > 1 else 1, device=device) % width
+                mask = (torch.arange(cap, device=device) <= limit[:, None])[None, None].expand(row, 1, -1, -1)
+                for name, chosen in backends.items():
+                    try:
+                        run = _ten_calls(partial(_attend, chosen, q, k, v, mask), device)
+                        samples = [timed(run) / 10 for _ in range(max(1, reps // 10))]
+                        out[name][f"cap{cap}_rows{row}_width{width}"] = sorted(samples)[len(samples) // 2]
+                    except RuntimeError as exc:  # no kernel of the set takes this shape
+                        out[name][f"cap{cap}_rows{row}_width{width}"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    return out
+
+
+def _attend(chosen: tuple | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            mask: torch.Tensor) -> torch.Tensor:
+    if chosen is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with sdpa_kernel(list(chosen)):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _ten_calls(call, device: torch.device):
+    """`call` ten times over; on a GPU recorded in a CUDA graph, so that its replay times the kernels, not their
+    launches."""
+    if device.type != "cuda":
+        return lambda: [call() for _ in range(10)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the capture stream, as capture requires
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            call()
+    return graph.replay

@@ -38,14 +38,18 @@ if not __package__ and sys.path and Path(sys.path[0] or ".").resolve() == HERE:
     # folder's modules (core, prompts, ...) shadow nothing.
     sys.path[0] = str(HERE.parents[1])
 
+from torch.nn.attention import SDPBackend  # noqa: E402
+
 from tandem.bench.gpu_measures import (  # noqa: E402
     allocated_per_step,
+    attention_costs,
     forward_costs,
     kernel_share,
     projected_speedups,
     prompts,
     timed,
 )
+from tandem.core import attention  # noqa: E402
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from tandem.core.engine import SpeculativeEngine  # noqa: E402
 from tandem.core.fused_linear import stack_on_gpu  # noqa: E402
@@ -158,6 +162,38 @@ def side_pairs(sides: dict[str, Callable[..., dict]], work: list[list[int]], tok
                                            "speedup": pooled[a] / pooled[b], "compile_errors": errors})
 
 
+ATTENTION_BACKENDS = {"default": None, "efficient": (SDPBackend.EFFICIENT_ATTENTION,),
+                      "cudnn": (SDPBackend.CUDNN_ATTENTION,), "math": (SDPBackend.MATH,)}
+
+
+def run_with_backends(backends: tuple | None, *args, **kwargs) -> dict:
+    """run_tandem with the runner's attention restricted to `backends` (core.attention.BACKENDS)."""
+    attention.BACKENDS[0] = backends
+    try:
+        return run_tandem(*args, **kwargs)
+    finally:
+        attention.BACKENDS[0] = None
+
+
+def attention_ab(target, work: list[list[int]], tokens: int, warm_seconds: float, log, pairs: int = 1,
+                 against: str = "efficient") -> None:
+    """One attention call per sdpa kernel set (ATTENTION_BACKENDS) at the runner's shapes, then the target decoding
+    with PyTorch's pick against `against`, compiled graphs, plain at batch 1 and 8 (`pairs` A B B A pairs)."""
+    log("attention_seconds", attention_costs(target.device, ATTENTION_BACKENDS))
+    sides = [(name, partial(run_with_backends, ATTENTION_BACKENDS[name], target, None))
+             for name in ("default", against)]
+    for _, side in sides:
+        for batch in (1, 8):
+            side(None, batch, work[:batch], 2)  # compiles this batch's shapes
+    warm_until = time.perf_counter() + warm_seconds
+    while time.perf_counter() < warm_until:
+        for _, side in sides:
+            side(None, 8, work, 16)
+    for pair in range(pairs):
+        side_pairs(dict(sides[::-1] if pair % 2 else sides), work, tokens, log, cases=("plain_b1", "plain_b8"),
+                   suffix=f"_pair{pair + 1}" if pair else "")
+
+
 def stacking_ab(target, work: list[list[int]], tokens: int, warm_seconds: float, log, pairs: int = 1) -> None:
     """The target with its sibling projections stacked (core.fused_linear, what the loader does on a GPU) against
     the same weights unstacked, compiled graphs, plain decoding at batch 1 and 8 (`pairs` A B B A pairs per case,
@@ -197,7 +233,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="only tandem's forward modes against each other, their forward costs and kernel shares")
     parser.add_argument("--only-stacking", action="store_true",
                         help="only the target with stacked sibling projections against it unstacked, plain decoding")
-    parser.add_argument("--pairs", type=int, default=1, help="with --only-stacking: A B B A pairs per case")
+    parser.add_argument("--only-attention", choices=[n for n in ATTENTION_BACKENDS if n != "default"],
+                        help="only one attention call per sdpa kernel set, then decoding with PyTorch's pick against "
+                             "this one (the stacked target, plain)")
+    parser.add_argument("--pairs", type=int, default=1, help="with --only-stacking or --only-attention: A B B A pairs "
+                                                             "per case")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit(f"gpu_probe: CUDA is not available (torch {torch.__version__})")
@@ -237,6 +277,13 @@ def main(argv: list[str] | None = None) -> None:
         save(final=True)
         return
     report["stacked_linears"] = stack_on_gpu(target) + stack_on_gpu(draft)  # as the loader prepares them
+    if args.only_attention:
+        attention_ab(target, work, args.tokens, args.warm_seconds, log, args.pairs, args.only_attention)
+        key = f"default_vs_{args.only_attention}_plain_b1"
+        report["bandwidth"] = bandwidth(res[key]["default_tok_s"])
+        report["wall_seconds"] = time.perf_counter() - started
+        save(final=True)
+        return
     # First calls of each new shape pay one-off kernel selection and compiles (timed here): warm every prompt's
     # prefill, and the decode shapes of plain and speculative rounds at batch 1 and 8. Then keep decoding for a
     # while: on the lent H100 the same run doubled its tok/s over its first minute (clocks ramping;

@@ -11,6 +11,11 @@ prepacked decode step. Here the query heads that share a key/value head are stac
 
 The runner switches a model to this implementation only for the duration of its own forwards (`packed`), so the
 model object stays plain sdpa for anything else that calls it.
+
+`BACKENDS[0]`, when set, restricts which of PyTorch's sdpa kernels these forwards may use (`torch.nn.attention`'s
+SDPBackend; None: PyTorch picks). On an H100 PyTorch picks cuDNN's flash kernel, which took 10.8 us a layer for one
+query over a few hundred cached keys (docs/performance.md, "On a GPU"); tandem.bench.gpu_probe's `--only-attention`
+times the others against it. Compiled forwards read it when they are traced, and retrace when it changes.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "tandem_packed_sdpa"
+BACKENDS: list[tuple[SDPBackend, ...] | None] = [None]  # a cell: compiled code guards on its content
 
 
 def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -47,7 +54,11 @@ def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     mask = attention_mask
     if mask is not None and width > 1:
         mask = mask.unsqueeze(2).expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * width, mask.shape[-1])
-    out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)
+    if BACKENDS[0] is None:
+        out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)
+    else:
+        with sdpa_kernel(list(BACKENDS[0])):
+            out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, width, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
