@@ -329,9 +329,26 @@ def test_adopting_measured_costs_takes_every_measured_field() -> None:
 
 
 def test_the_shared_prior_is_measured_once_its_sessions_evidence_outweighs_its_guess() -> None:
-    prior = policy.SharedPrior(initial=0.75)
+    prior = policy.SharedPrior(initial=0.75, clock=lambda: 100.0)
     assert not prior.measured and prior.value == 0.75
     prior.observe(2, 2)  # two drafts accepted: two trials
     assert not prior.measured
     prior.observe(4, 2)  # two accepted, then a rejection: three more, the earlier ones decayed
     assert prior.measured and abs(prior.value - (0.99 * 2 + 2 + 0.75 * 4) / (0.99 * 2 + 3 + 4)) < 1e-12
+
+
+def test_evidence_no_round_renews_fades_back_to_the_guess() -> None:
+    """A batch that stopped drafting because the measured prior said drafting would not pay observes nothing more;
+    with time its evidence fades (half-life), the prior is no longer measured, and new rows explore again."""
+    now = [0.0]
+    prior = policy.SharedPrior(initial=0.75, half_life=300.0, clock=lambda: now[0])
+    for _ in range(20):
+        prior.observe(4, 1)  # acceptance 0.5 of what was tried: well below the guess
+    measured_value = prior.value
+    assert prior.measured and measured_value < 0.6
+    now[0] = 300.0  # one half-life: half the evidence, the estimate halfway nearer the guess in weight
+    assert prior.measured and measured_value < prior.value < 0.75
+    now[0] = 3000.0  # ten half-lives: the evidence weighs less than the guess's pseudo-trials
+    assert not prior.measured and abs(prior.value - 0.75) < 0.01
+    prior.observe(4, 4)  # a new round renews it from the faded evidence, not from the old
+    assert prior.at == 3000.0 and prior.trials < 5.0

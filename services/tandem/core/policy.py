@@ -13,6 +13,8 @@ records that decision with `apply` and its outcome with `update`.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from tandem.core.config import SpecConfig
@@ -43,28 +45,44 @@ class PolicyState:
 class SharedPrior:
     """Per-token acceptance across all recent sessions: where a new session's estimate starts.
 
-    A round that accepts a of k drafts is a successes then one failure (or none if a == k). Evidence decays so the
-    prior follows a change of traffic or draft model.
+    A round that accepts a of k drafts is a successes then one failure (or none if a == k). Evidence decays with
+    each round (`decay`), so the prior follows a change of traffic or draft model, and with time (`half_life`
+    seconds), so evidence that no round renews fades back to the guess: a batch that stopped drafting because the
+    prior said it would not pay (core.round_plan) explores again once the prior is no longer measured.
     """
 
     initial: float
     weight: float = 4.0
     decay: float = 0.99
+    half_life: float = 300.0
     accepted: float = 0.0
     trials: float = 0.0
+    clock: Callable[[], float] = time.monotonic
+    at: float = -1.0  # when accepted and trials were last brought up to date (clock's time); -1: at creation
+
+    def __post_init__(self) -> None:
+        if self.at < 0:
+            self.at = self.clock()
+
+    def _fade(self) -> float:
+        return 0.5 ** (max(self.clock() - self.at, 0.0) / self.half_life)
 
     def observe(self, k: int, accepted: int) -> None:
-        self.accepted = self.decay * self.accepted + accepted
-        self.trials = self.decay * self.trials + accepted + (1 if accepted < k else 0)
+        fade = self.decay * self._fade()
+        self.at = self.clock()
+        self.accepted = fade * self.accepted + accepted
+        self.trials = fade * self.trials + accepted + (1 if accepted < k else 0)
 
     @property
     def measured(self) -> bool:
         """Whether the sessions' own evidence outweighs the initial guess's pseudo-trials."""
-        return self.trials >= self.weight
+        return self.trials * self._fade() >= self.weight
 
     @property
     def value(self) -> float:
-        return min(max((self.accepted + self.initial * self.weight) / (self.trials + self.weight), 0.01), 0.99)
+        fade = self._fade()
+        estimate = (fade * self.accepted + self.initial * self.weight) / (fade * self.trials + self.weight)
+        return min(max(estimate, 0.01), 0.99)
 
 
 def acceptance(state: PolicyState, config: SpecConfig, prior: float | None = None) -> float:
