@@ -157,6 +157,9 @@ class LocalVerifier(InProcessSide):
                 continue
             uptos.append(len(state.tokens) - 1)
             scoring.append(index)
+        if scoring and self.runner.fits_one_forward([states[i] for i in scoring]):
+            for index in scoring:  # their prompts go into the forward that scores them (a lone or all-new batch)
+                uptos[index] = states[index].cached
         self.runner.prefill_many(states, uptos)  # prompts (or chunks of them) arriving together share forwards
         if scoring:
             for index, result in zip(scoring, self._score([requests[i] for i in scoring], [states[i] for i in scoring]),

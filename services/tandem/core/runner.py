@@ -39,6 +39,13 @@ CAPACITY_ALIGN = 64
 ATTENTION = {"sdpa": True, "eager": False}  # implementations whose masks we build -> whether is_causal is honoured
 
 
+def padding_pays(rows: list[tuple[SequenceState, list[int]]]) -> bool:
+    """Rows (in slot order) fed in one forward span their slots at the widest row's width; whether that padded area
+    stays within twice the tokens they feed."""
+    area = (rows[-1][0].slot - rows[0][0].slot + 1) * max(len(new) for _, new in rows)
+    return area <= 2 * sum(len(new) for _, new in rows)
+
+
 class ModelRunner:
     """Owns one model, the cache of its sequences, and which sequence holds which slot."""
 
@@ -181,13 +188,19 @@ class ModelRunner:
         groups: list[list[tuple[SequenceState, list[int]]]] = []
         for row in rows:
             joined = [*groups[-1], row] if groups else [row]
-            area = (row[0].slot - joined[0][0].slot + 1) * max(len(new) for _, new in joined)
-            if area > 2 * sum(len(new) for _, new in joined):
-                groups.append([row])
-            else:
+            if groups and padding_pays(joined):
                 groups[-1:] = [joined]
+            else:
+                groups.append([row])
         for group in groups:
             self._forward([s for s, _ in group], [new for _, new in group], [0] * len(group))
+
+    @staticmethod
+    def fits_one_forward(states: list[SequenceState]) -> bool:
+        """Whether feeding every state's pending tokens in one forward pads them to at most twice what they feed,
+        prefill_many's rule: then a prompt can be fed in the forward that scores its last token, which saves a
+        forward that reads every weight again for one token a row."""
+        return padding_pays(sorted(((s, s.pending) for s in states), key=lambda row: row[0].slot))
 
     @torch.inference_mode()
     def forward(self, states: list[SequenceState], wants: list[int]) -> list[torch.Tensor]:
