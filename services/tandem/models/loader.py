@@ -133,8 +133,8 @@ def load_model(
     `extra` goes to from_pretrained as is (for example tp_plan="auto" inside a torch.distributed group). Unless
     `eager`, the model is prepared for this device's fast path (core.packed_linear: oneDNN prepacked linears for bf16
     on CPU; on a GPU sibling projections stacked into one product, core.fused_linear, and the runner replays CUDA
-    graphs, core.cuda_graphs); `eager` leaves it as from_pretrained built it
-    and says so to the runners. An unpinned hub id is refused unless `allow_unpinned` (see resolve and pin_spec).
+    graphs, core.cuda_graphs); `eager` leaves it as from_pretrained built it and says so to the runners. An unpinned
+    hub id is refused unless `allow_unpinned` (see resolve and pin_spec).
     `quantization` "int8" holds the linear weights as int8 (core.int8_linear), "w8a8" as int8 for oneDNN's int8 GEMM
     (core.w8a8_linear): for draft models only, since the target's logits are the distribution the engine reproduces.
     `compile` tells the runners to compile their decode forwards on a CPU as well (a GPU's default): forwards run
