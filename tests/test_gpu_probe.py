@@ -34,6 +34,9 @@ def test_probe_measures_tandem_and_hugging_face_on_the_same_weights() -> None:
     probe.side_pairs(sides, work, 4, lambda key, value: logged.update({key: value}), cases=("plain_b1", "spec_k4_b1"))
     assert set(logged) == {"a_vs_b_plain_b1", "a_vs_b_spec_k4_b1"}
     assert all(row["a_tok_s"] > 0 and row["b_tok_s"] > 0 and not row["compile_errors"] for row in logged.values())
+    logged.clear()
+    probe.plain_pairs(list(sides.items()), work, 4, 0.0, lambda key, value: logged.update({key: value}), pairs=2)
+    assert set(logged) == {"a_vs_b_plain_b1", "a_vs_b_plain_b8", "b_vs_a_plain_b1_pair2", "b_vs_a_plain_b8_pair2"}
     costs = probe.attention_costs(torch.device("cpu"), {"default": None, "math": probe.ATTENTION_BACKENDS["math"]},
                                   caps=(32,), rows=(1, 2), widths=(1, 3), reps=10)
     assert all(len(by_shape) == 4 and all(seconds > 0 for seconds in by_shape.values()) for by_shape in costs.values())

@@ -162,6 +162,23 @@ def side_pairs(sides: dict[str, Callable[..., dict]], work: list[list[int]], tok
                                            "speedup": pooled[a] / pooled[b], "compile_errors": errors})
 
 
+def plain_pairs(sides: list[tuple[str, Callable[..., dict]]], work: list[list[int]], tokens: int,
+                warm_seconds: float, log, pairs: int = 1) -> None:
+    """Two sides, each `run(k, batch, items, tokens)` (run_tandem with its model bound), decoding plainly at batch 1
+    and 8: each side's shapes compiled, `warm_seconds` of decoding, then `pairs` A B B A pairs per case (side_pairs),
+    the side that starts alternating."""
+    for _, side in sides:
+        for batch in (1, 8):
+            side(None, batch, work[:batch], 2)  # compiles this batch's shapes
+    warm_until = time.perf_counter() + warm_seconds
+    while time.perf_counter() < warm_until:
+        for _, side in sides:
+            side(None, 8, work, 16)
+    for pair in range(pairs):
+        side_pairs(dict(sides[::-1] if pair % 2 else sides), work, tokens, log, cases=("plain_b1", "plain_b8"),
+                   suffix=f"_pair{pair + 1}" if pair else "")
+
+
 ATTENTION_BACKENDS = {"default": None, "efficient": (SDPBackend.EFFICIENT_ATTENTION,),
                       "cudnn": (SDPBackend.CUDNN_ATTENTION,), "math": (SDPBackend.MATH,)}
 
@@ -182,16 +199,7 @@ def attention_ab(target, work: list[list[int]], tokens: int, warm_seconds: float
     log("attention_seconds", attention_costs(target.device, ATTENTION_BACKENDS))
     sides = [(name, partial(run_with_backends, ATTENTION_BACKENDS[name], target, None))
              for name in ("default", against)]
-    for _, side in sides:
-        for batch in (1, 8):
-            side(None, batch, work[:batch], 2)  # compiles this batch's shapes
-    warm_until = time.perf_counter() + warm_seconds
-    while time.perf_counter() < warm_until:
-        for _, side in sides:
-            side(None, 8, work, 16)
-    for pair in range(pairs):
-        side_pairs(dict(sides[::-1] if pair % 2 else sides), work, tokens, log, cases=("plain_b1", "plain_b8"),
-                   suffix=f"_pair{pair + 1}" if pair else "")
+    plain_pairs(sides, work, tokens, warm_seconds, log, pairs)
 
 
 def stacking_ab(target, work: list[list[int]], tokens: int, warm_seconds: float, log, pairs: int = 1) -> None:
@@ -201,17 +209,8 @@ def stacking_ab(target, work: list[list[int]], tokens: int, warm_seconds: float,
     unstacked = copy.deepcopy(target)
     log("stacked_linears", stack_on_gpu(target))
     variants = {"stacked": target, "unstacked": unstacked}
-    for model in variants.values():
-        for batch in (1, 8):
-            run_tandem(model, None, None, batch, work[:batch], 2)  # compiles this batch's shapes
-    warm_until = time.perf_counter() + warm_seconds
-    while time.perf_counter() < warm_until:
-        for model in variants.values():
-            run_tandem(model, None, None, 8, work, 16)
-    sides = [(name, partial(run_tandem, model, None)) for name, model in variants.items()]
-    for pair in range(pairs):
-        side_pairs(dict(sides[::-1] if pair % 2 else sides), work, tokens, log, cases=("plain_b1", "plain_b8"),
-                   suffix=f"_pair{pair + 1}" if pair else "")
+    plain_pairs([(name, partial(run_tandem, model, None)) for name, model in variants.items()], work, tokens,
+                warm_seconds, log, pairs)
     params32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     for name, model in variants.items():
         plain_b1 = engine(model, None, None, 1)
