@@ -107,11 +107,15 @@ def test_the_verifier_caches_at_most_the_limit_and_scores_once_all_is_cached(tin
     assert verifier.runner.states["s"].cached == 40 and len(verifier.runner.states["s"].tokens) == 41
 
 
-def test_a_prompt_is_fed_in_the_forward_that_scores_it_unless_that_would_pad_its_batch_mates(tiny_models) -> None:
-    """A lone new prompt, or new prompts of like lengths arriving together, take one forward that caches the prompt
-    and scores its last token (a second forward would read every weight again for one token a row); a prompt beside
-    rows that only decode is prefilled in a forward of its own, so theirs stays one token wide. Same tokens either
-    way (float32)."""
+def test_a_prompt_is_fed_in_the_forward_that_scores_it_unless_that_would_pad_its_batch_mates(tiny_models,
+                                                                                           monkeypatch) -> None:
+    """A lone new prompt, or new prompts arriving together, take one forward that caches the prompt and scores its
+    last token (a second forward would read every weight again for one token a row). So does a prompt beside rows
+    that only decode, packed into one row with them (core.row_layout); where packing does not pay, it is prefilled in
+    a forward of its own, so theirs stays one token wide. Same tokens either way (float32)."""
+    from tandem.core import row_layout
+    from tandem.core import runner as runner_module
+
     runner = ModelRunner(tiny_models[0].model)
     verifier = LocalVerifier(runner)
     widths: list[tuple[int, int]] = []
@@ -122,10 +126,17 @@ def test_a_prompt_is_fed_in_the_forward_that_scores_it_unless_that_would_pad_its
     widths.clear()
     together = verifier.verify([VerifyRequest(name, 0, LONG[:n], None, GREEDY)
                                 for name, n in (("b", 40), ("c", 36))])
-    assert widths == [(2, 40)] and together[0].next_token == alone.next_token
+    assert widths == [(1, 76)] and together[0].next_token == alone.next_token  # packed: 40 + 36 tokens, no padding
     widths.clear()
     decoding = VerifyRequest("a", 41, [], None, GREEDY)  # "a" decodes on from its first token
     newcomer = VerifyRequest("d", 0, LONG[:40], None, GREEDY)
+    results = verifier.verify([decoding, newcomer])
+    assert widths == [(1, 41)] and results[1].next_token == alone.next_token
+    widths.clear()
+    for module in (row_layout, runner_module):
+        monkeypatch.setattr(module, "packing_pays", lambda *shape: False)
+    decoding = VerifyRequest("a", 42, [], None, GREEDY)
+    newcomer = VerifyRequest("e", 0, LONG[:40], None, GREEDY)
     results = verifier.verify([decoding, newcomer])
     assert len(widths) == 2 and widths[0][1] == 39 and widths[1][1] == 1  # the prompt alone, then one token each
     assert results[1].next_token == alone.next_token

@@ -278,3 +278,64 @@ def test_a_request_that_can_never_fit_raises_a_clear_error_naming_it(tiny_models
     request_id = engine.add_request(_tokens(0, 30), SamplingParams(temperature=0.0, max_tokens=4))
     with pytest.raises(KVBudgetExceeded, match=rf"request {request_id}: .* needs \d+ KV cache tokens, .* 20 "):
         engine.step()
+
+
+def test_packed_rows_give_what_padded_rows_and_a_full_recomputation_give(tiny_models, monkeypatch) -> None:
+    """Rows of different widths fed packed into one row (no padding; attention per row over its own cached keys)
+    give each row's logits as padding them does, and write the same keys: later forwards agree too."""
+    from tandem.core import runner as runner_module
+
+    model = tiny_models[0].model
+    # (cached, new) per row: uncached rows, a cached prefix, a one-token row, and a row between them sitting out.
+    shapes = [(0, 9), (5, 3), (0, 1), (12, 6), (7, 0), (3, 11)]
+    sequences = [_tokens(10 + i, cached + new + 2) for i, (cached, new) in enumerate(shapes)]
+    taking_part = [5, 0, 3, 1, 2]
+    wants = [11, 2, 1, 3, 1]
+    calls = []
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        _counting(torch.nn.functional.scaled_dot_product_attention, calls))
+    results = {}
+    for pack in (False, True):
+        runner = ModelRunner(model, kv_tokens=4096)
+        states = []
+        for i, ((cached, new), tokens) in enumerate(zip(shapes, sequences, strict=True)):
+            state = runner.state(f"s{i}")
+            state.sync(0, tokens[: cached + new])
+            runner.prefill(state, cached)
+            states.append(state)
+        calls.clear()
+        monkeypatch.setattr(runner_module, "packing_pays", lambda *shape, pack=pack: pack)
+        first = runner.forward([states[i] for i in taking_part], wants)
+        fed = len(calls)
+        monkeypatch.setattr(runner_module, "packing_pays", lambda *shape, pack=pack: not pack)
+        for i in taking_part:  # two more tokens each, through the cache the first forward wrote, the other way
+            states[i].sync(states[i].cached, sequences[i][states[i].cached :])
+        later = runner.forward([states[i] for i in taking_part], [2] * len(taking_part))
+        results[pack] = (first, later, fed)
+    (padded, padded_later, padded_calls), (packed, packed_later, packed_calls) = results[False], results[True]
+    layers = model.config.num_hidden_layers
+    assert padded_calls == layers and packed_calls == len(taking_part) * layers  # one attention call per row
+    for i, want, a, b in zip(taking_part, wants, padded, packed, strict=True):
+        cached, new = shapes[i]
+        torch.testing.assert_close(b, a, **TIGHT)
+        torch.testing.assert_close(b, _recomputed(model, sequences[i][: cached + new], want), **TIGHT)
+    for i, a, b in zip(taking_part, padded_later, packed_later, strict=True):
+        torch.testing.assert_close(b, a, **TIGHT)
+        torch.testing.assert_close(b, _recomputed(model, sequences[i], 2), **TIGHT)
+
+
+def _counting(function, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return function(*args, **kwargs)
+    return counted
+
+
+def test_rows_are_packed_where_their_padding_would_cost_more_than_an_attention_call_per_row() -> None:
+    from tandem.core.row_layout import PACK_AREA, packing_pays
+
+    assert packing_pays("cpu", 8, 48, 27) and packing_pays("cpu", 8, 16, 9)  # verification of uneven drafts
+    assert packing_pays("cpu", 8, 480, 413)  # prompts arriving together
+    assert not packing_pays("cpu", 8, 40, 39) and not packing_pays("cpu", 8, 8, 8)  # little or no padding
+    assert not packing_pays("cpu", 1, 5, 3)  # one row: nothing to pack
+    assert not packing_pays("cuda", 8, 48, 27) and packing_pays("cuda", 8, PACK_AREA, 200)  # there, wide ones only

@@ -269,20 +269,19 @@ def main(argv: list[str] | None = None) -> None:
                 "limit_tok_s": hbm / weight_bytes if hbm else None,
                 "share_of_limit": weight_bytes * tok_s / hbm if hbm else None}
 
-    if args.only_stacking:
-        stacking_ab(target, work, args.tokens, args.warm_seconds, log, args.pairs)
-        report["bandwidth"] = bandwidth(res["stacked_vs_unstacked_plain_b1"]["stacked_tok_s"])
+    def finish(plain_b1_tok_s: float | None = None) -> None:
+        if plain_b1_tok_s is not None:
+            report["bandwidth"] = bandwidth(plain_b1_tok_s)
         report["wall_seconds"] = time.perf_counter() - started
         save(final=True)
-        return
+
+    if args.only_stacking:
+        stacking_ab(target, work, args.tokens, args.warm_seconds, log, args.pairs)
+        return finish(res["stacked_vs_unstacked_plain_b1"]["stacked_tok_s"])
     report["stacked_linears"] = stack_on_gpu(target) + stack_on_gpu(draft)  # as the loader prepares them
     if args.only_attention:
         attention_ab(target, work, args.tokens, args.warm_seconds, log, args.pairs, args.only_attention)
-        key = f"default_vs_{args.only_attention}_plain_b1"
-        report["bandwidth"] = bandwidth(res[key]["default_tok_s"])
-        report["wall_seconds"] = time.perf_counter() - started
-        save(final=True)
-        return
+        return finish(res[f"default_vs_{args.only_attention}_plain_b1"]["default_tok_s"])
     # First calls of each new shape pay one-off kernel selection and compiles (timed here): warm every prompt's
     # prefill, and the decode shapes of plain and speculative rounds at batch 1 and 8. Then keep decoding for a
     # while: on the lent H100 the same run doubled its tok/s over its first minute (clocks ramping;
@@ -312,9 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         from torch._dynamo.utils import counters
 
         report["dynamo_stats"] = dict(counters["stats"])  # unique_graphs: how many compiles in all
-        report["wall_seconds"] = time.perf_counter() - started
-        save(final=True)
-        return
+        return finish()
     hf_generate(target, work, 1, 2)
     mode_pairs(target, draft, work, args.tokens, log, "graphs", "eager")
     # Plain decoding of both stacks at batch 1 in the order A B B A, each pair pooled.
@@ -344,8 +341,7 @@ def main(argv: list[str] | None = None) -> None:
             log("hf_static_compiled_b1", hf_generate(target, batch1, 1, args.tokens, **kwargs))
         except Exception as exc:  # report, do not lose the rest of the probe
             log("hf_static_compiled_b1", {"error": f"{type(exc).__name__}: {exc}"[:500]})
-    report["wall_seconds"] = time.perf_counter() - started
-    save(final=True)
+    finish()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,14 @@ prepacked decode step. Here the query heads that share a key/value head are stac
 The runner switches a model to this implementation only for the duration of its own forwards (`packed`), so the
 model object stays plain sdpa for anything else that calls it.
 
+Forwards over rows of different widths (prompts arriving together, drafts of different lengths) can instead feed
+every row's tokens one after another in a single row (`packed(config, varlen=True)`, a kv_cache Step with `packed`;
+core.row_layout decides): the products then run over the tokens alone, where padding every row to the widest costs
+its share of the products' time. Attention is
+what must not mix rows, so `varlen_sdpa_forward` runs it per row over that row's own cached keys, given the rows'
+places as `SEGMENTS` (passed through the model's forward to every attention call). Transformers builds no mask for
+that implementation (it has no mask function), which is as wanted: each row's mask comes with its segment.
+
 `BACKENDS[0]`, when set, restricts which of PyTorch's sdpa kernels these forwards may use (`torch.nn.attention`'s
 SDPBackend; None: PyTorch picks). On an H100 PyTorch picks cuDNN's flash kernel, which took 10.8 us a layer for one
 query over a few hundred cached keys (docs/performance.md, "On a GPU"); tandem.bench.gpu_probe's `--only-attention`
@@ -21,7 +29,7 @@ times the others against it. Compiled forwards read it when they are traced, and
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -30,6 +38,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "tandem_packed_sdpa"
+VARLEN = "tandem_varlen_sdpa"
+SEGMENTS = "tandem_segments"  # the keyword that carries a packed forward's rows to varlen_sdpa_forward
 BACKENDS: list[tuple[SDPBackend, ...] | None] = [None]  # a cell: compiled code guards on its content
 
 
@@ -54,25 +64,38 @@ def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     mask = attention_mask
     if mask is not None and width > 1:
         mask = mask.unsqueeze(2).expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * width, mask.shape[-1])
-    if BACKENDS[0] is None:
+    with sdpa_kernel(list(BACKENDS[0])) if BACKENDS[0] else nullcontext():
         out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)
-    else:
-        with sdpa_kernel(list(BACKENDS[0])):
-            out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, width, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def varlen_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                        **kwargs) -> tuple[torch.Tensor, None]:
+    """Rows packed into one: query [1, heads, tokens, dim]; key and value [rows, kv_heads, length, dim], the rows of
+    the view; kwargs[SEGMENTS] (row, offset, start, count, mask) per row (kv_cache.Step.segments). Returns
+    [1, tokens, heads, dim] as the other implementations do."""
+    segments = kwargs.pop(SEGMENTS)
+    out = [packed_sdpa_forward(module, query[:, :, offset : offset + count], key[row : row + 1, :, : start + count],
+                               value[row : row + 1, :, : start + count], mask, dropout=dropout, scaling=scaling,
+                               **kwargs)[0]
+           for row, offset, start, count, mask in segments]
+    return torch.cat(out, dim=1), None
 
 
 AttentionInterface.register(NAME, packed_sdpa_forward)
 AttentionMaskInterface.register(NAME, sdpa_mask)  # masks transformers builds itself stay sdpa's
+AttentionInterface.register(VARLEN, varlen_sdpa_forward)  # and no mask function: transformers builds none
 
 
 @contextmanager
-def packed(config) -> Iterator[None]:
-    """Run sdpa models through packed_sdpa_forward inside the block; other implementations are left alone."""
+def packed(config, varlen: bool = False) -> Iterator[None]:
+    """Run sdpa models through packed_sdpa_forward inside the block (with `varlen`, varlen_sdpa_forward); other
+    implementations are left alone."""
     if config._attn_implementation != "sdpa":
         yield
         return
-    config._attn_implementation = NAME
+    config._attn_implementation = VARLEN if varlen else NAME
     try:
         yield
     finally:

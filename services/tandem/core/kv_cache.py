@@ -11,7 +11,8 @@ capacity, and core.runner arranges which sequence holds which slot.
 A forward runs under a Step: the slots [lo, lo + rows) it reads, each row's cached length (`starts`) and number of
 new tokens (`counts`, 0 for a row in that range that is not part of the forward), and the view's length. Only the
 new tokens are written; a row's padding within the step and the rows not in the forward are computed but write
-nothing, and the mask hides every key past a row's own length.
+nothing, and the mask hides every key past a row's own length. A `packed` step feeds its rows' new tokens one after
+another in a single row instead, with no padding; its attention runs per row (core.attention, `segments`).
 
 Buffers are allocated at the first update of each layer from the key and value states it sees (heads, head_dim,
 dtype, device), so a tensor-parallel rank allocates its own shard of the heads. They start zeroed: masked keys get
@@ -37,18 +38,36 @@ class Step:
     # A static forward's step (core.cuda_graphs): it reads slots [0, rows) over every position of the buffers, sized
     # by the tensors rather than by these Python numbers, so one torch.compile graph serves every bucket.
     whole: bool = False
+    packed: bool = False  # the new tokens of every row lie one after another in one row, in slot order
 
     @classmethod
-    def build(cls, lo: int, starts: list[int], counts: list[int], device: torch.device) -> Step:
+    def build(cls, lo: int, starts: list[int], counts: list[int], device: torch.device, packed: bool = False
+              ) -> Step:
         length = max(start + count for start, count in zip(starts, counts, strict=True) if count)
-        step = cls(lo, starts, counts, length)
-        if len(starts) > 1:
+        step = cls(lo, starts, counts, length, packed=packed)
+        if len(starts) > 1 or packed:
             counts_ = torch.tensor(counts)
             rows = torch.repeat_interleave(torch.arange(len(counts)), counts_)
             columns = torch.arange(len(rows)) - torch.repeat_interleave(counts_.cumsum(0) - counts_, counts_)
-            index = torch.stack([rows + lo, torch.tensor(starts)[rows] + columns, rows, columns])
+            source = (torch.zeros_like(rows), torch.arange(len(rows))) if packed else (rows, columns)
+            index = torch.stack([rows + lo, torch.tensor(starts)[rows] + columns, *source])
             step.index = tuple(index.to(device))
         return step
+
+    def segments(self, device: torch.device) -> list[tuple[int, int, int, int, torch.Tensor | None]]:
+        """A packed step's rows as (row in the view, offset in the packed row, cached length, new tokens, mask): the
+        mask [1, 1, count, start + count] lets new token j see keys up to start + j; None for an uncached row, whose
+        attention is plain causal."""
+        found, offset = [], 0
+        for row, (start, count) in enumerate(zip(self.starts, self.counts, strict=True)):
+            if count:
+                mask = None
+                if start:
+                    mask = (torch.arange(start + count, device=device)
+                            <= torch.arange(start, start + count, device=device)[:, None])[None, None]
+                found.append((row, offset, start, count, mask))
+                offset += count
+        return found
 
     @property
     def rows(self) -> int:

@@ -25,10 +25,11 @@ from functools import partial
 import torch
 from transformers import PreTrainedModel
 
-from tandem.core.attention import packed
+from tandem.core.attention import SEGMENTS, packed
 from tandem.core.cuda_graphs import MAX_WIDTH, GraphedForward
 from tandem.core.kv_cache import SlotCache, Step, default_kv_tokens
 from tandem.core.protocol import KVCacheFull
+from tandem.core.row_layout import one_forward_pays, packed_inputs, packing_pays, padded_inputs
 from tandem.core.sequence import SequenceState
 
 log = logging.getLogger(__name__)
@@ -37,13 +38,6 @@ MIN_SLOTS = 1
 MIN_CAPACITY = 256
 CAPACITY_ALIGN = 64
 ATTENTION = {"sdpa": True, "eager": False}  # implementations whose masks we build -> whether is_causal is honoured
-
-
-def padding_pays(rows: list[tuple[SequenceState, list[int]]]) -> bool:
-    """Rows (in slot order) fed in one forward span their slots at the widest row's width; whether that padded area
-    stays within twice the tokens they feed."""
-    area = (rows[-1][0].slot - rows[0][0].slot + 1) * max(len(new) for _, new in rows)
-    return area <= 2 * sum(len(new) for _, new in rows)
 
 
 class ModelRunner:
@@ -180,27 +174,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill_many(self, states: list[SequenceState], uptos: list[int]) -> None:
-        """Cache each state's first `upto` tokens in as few forwards as padding allows. A forward spans its rows'
-        slots at the widest row's width, so rows join one (in slot order) while that padded area stays within
-        twice the tokens they feed; the rest start another."""
+        """Cache each state's first `upto` tokens in as few forwards as pay (core.row_layout): rows join one forward
+        (in slot order) while it costs about what their tokens do; the rest start another."""
         rows = sorted(((s, s.tokens[s.cached : u]) for s, u in zip(states, uptos, strict=True) if u > s.cached),
                       key=lambda row: row[0].slot)
         groups: list[list[tuple[SequenceState, list[int]]]] = []
         for row in rows:
             joined = [*groups[-1], row] if groups else [row]
-            if groups and padding_pays(joined):
+            if groups and one_forward_pays(joined, self.device.type, self.causal_kernel):
                 groups[-1:] = [joined]
             else:
                 groups.append([row])
         for group in groups:
             self._forward([s for s, _ in group], [new for _, new in group], [0] * len(group))
 
-    @staticmethod
-    def fits_one_forward(states: list[SequenceState]) -> bool:
-        """Whether feeding every state's pending tokens in one forward pads them to at most twice what they feed,
-        prefill_many's rule: then a prompt can be fed in the forward that scores its last token, which saves a
-        forward that reads every weight again for one token a row."""
-        return padding_pays(sorted(((s, s.pending) for s in states), key=lambda row: row[0].slot))
+    def fits_one_forward(self, states: list[SequenceState]) -> bool:
+        """Whether feeding every state's pending tokens in one forward pays, prefill_many's rule: then a prompt can
+        be fed in the forward that scores its last token, which saves a forward that reads every weight again."""
+        rows = sorted(((s, s.pending) for s in states), key=lambda row: row[0].slot)
+        return one_forward_pays(rows, self.device.type, self.causal_kernel)
 
     @torch.inference_mode()
     def forward(self, states: list[SequenceState], wants: list[int]) -> list[torch.Tensor]:
@@ -225,19 +217,22 @@ class ModelRunner:
             every_start = [s.cached if s is not None else 0 for s in self.occupants]
             hidden = self.graphs.run(hi, every_start, fed, width, self.pad_token_id)
         if hidden is not None:
-            lo = 0  # the graph's rows are slots [0, rows)
+            first = {slot: slot * width for slot in fed}  # where each slot's first new token lies in `hidden`
         else:
             starts = [self.occupants[slot].cached for slot in range(lo, hi)]
             counts = [len(fed.get(slot, ())) for slot in range(lo, hi)]
-            ids = torch.full((hi - lo, width), self.pad_token_id, dtype=torch.long)
-            for slot, new in fed.items():
-                ids[slot - lo, : len(new)] = torch.tensor(new, dtype=torch.long)
-            positions = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(width)
-            step = Step.build(lo, starts, counts, self.device)
-            mask = step.mask(width, self.mask_dtype, self.device, self.causal_kernel)
+            pack = self.causal_kernel and packing_pays(self.device.type, len(fed), (hi - lo) * width, sum(counts))
+            step = Step.build(lo, starts, counts, self.device, packed=pack)
+            if pack:
+                ids, positions, first = packed_inputs(fed, starts, lo)
+                mask, segments = None, step.segments(self.device)
+            else:
+                ids, positions, first = padded_inputs(fed, starts, lo, width, self.pad_token_id)
+                mask = step.mask(width, self.mask_dtype, self.device, self.causal_kernel)
+                segments = None
             self.cache.step = step
             try:
-                hidden = self._hidden(ids.to(self.device), positions.to(self.device), mask)
+                hidden = self._hidden(ids.to(self.device), positions.to(self.device), mask, segments)
             finally:
                 self.cache.step = None
         for state, new in zip(states, news, strict=True):
@@ -245,17 +240,20 @@ class ModelRunner:
         if not any(wants):
             return torch.empty(0, self.vocab_size, device=self.device)
         # Logits only where asked: each row's last `want` real tokens, gathered into one dense batch.
-        picks = [(state.slot - lo) * width + col for state, new, want in zip(states, news, wants, strict=True)
+        picks = [first[state.slot] + col for state, new, want in zip(states, news, wants, strict=True)
                  for col in range(len(new) - want, len(new))]
         hidden = hidden.reshape(-1, hidden.shape[-1])
         hidden = hidden.index_select(0, torch.tensor(picks, device=self.device)).unsqueeze(0)
         return self.head(hidden)[0]
 
-    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """The model's last hidden state for a forward under the cache's current step."""
-        with packed(self.model.config):
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                segments: list | None = None) -> torch.Tensor:
+        """The model's last hidden state for a forward under the cache's current step; `segments`: the rows of a
+        packed step (Step.segments), whose attention runs per row."""
+        varlen = {SEGMENTS: segments} if segments is not None else {}
+        with packed(self.model.config, varlen=segments is not None):
             return self.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                                         past_key_values=self.cache, use_cache=True).last_hidden_state
+                                         past_key_values=self.cache, use_cache=True, **varlen).last_hidden_state
 
     def _fit(self, extra_slots: int, length: int) -> None:
         """Make the cache hold `extra_slots` more sequences and one of `length` tokens, evicting retained sessions

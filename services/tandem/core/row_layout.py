@@ -1,0 +1,63 @@
+"""How one forward over several sequences lays out their new tokens: padded rows, or one packed row.
+
+Padded: each sequence's tokens in a row of its own, every row as wide as the widest, and one attention call over
+them all (a mask hides the padding). Packed: every sequence's tokens one after another in a single row, attention run
+per sequence over its own cached keys (core.attention's varlen implementation, a kv_cache Step with `packed`).
+Padding costs its share of every matrix product; packing costs an attention call per sequence.
+
+Whether a padded forward pays at all decides how many forwards a set of prompts takes (prefill_many) and whether a
+prompt goes into the forward that scores it (fits_one_forward): a second forward reads every weight again.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+
+from tandem.core.sequence import SequenceState
+
+# On a GPU, rows pack once their padded area reaches this many tokens: below, a product's time grows little with its
+# rows (it streams the weights), so padding is nearly free there, and one attention call beats one per row.
+PACK_AREA = 256
+
+
+def packing_pays(device_type: str, rows: int, area: int, tokens: int) -> bool:
+    """Whether `rows` rows feeding `tokens` tokens run packed rather than padded to `area` (sdpa models). On a CPU a
+    product's time grows with its rows from a few rows on, so packing pays from half a padded token per row fed
+    (2-core AVX-512 EPYC, the 1.5B target, 8 rows over ~300 cached tokens, packed against padded: 303 against
+    446 ms for widths 5,3,1,6,2,4,1,5; 208 against 242 ms for 2,1,1,1,1,1,1,1; 454 against 428 ms for
+    5,5,5,5,5,5,5,4)."""
+    if rows < 2 or area == tokens:
+        return False
+    return 2 * (area - tokens) >= rows if device_type == "cpu" else area >= PACK_AREA
+
+
+def one_forward_pays(rows: list[tuple[SequenceState, list[int]]], device_type: str, can_pack: bool) -> bool:
+    """Whether rows (in slot order) fed in one forward cost about what their tokens do: packed where packing pays,
+    else padded to an area (their slots' span at the widest row's width) within twice the tokens they feed."""
+    area = (rows[-1][0].slot - rows[0][0].slot + 1) * max(len(new) for _, new in rows)
+    tokens = sum(len(new) for _, new in rows)
+    return area <= 2 * tokens or (can_pack and packing_pays(device_type, len(rows), area, tokens))
+
+
+def padded_inputs(fed: dict[int, list[int]], starts: list[int], lo: int, width: int, pad_token_id: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]]:
+    """ids and positions [rows, width] for slots [lo, lo + len(starts)), and where each fed slot's first token lies
+    in the flattened output."""
+    ids = torch.full((len(starts), width), pad_token_id, dtype=torch.long)
+    for slot, new in fed.items():
+        ids[slot - lo, : len(new)] = torch.tensor(new, dtype=torch.long)
+    positions = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(width)
+    return ids, positions, {slot: (slot - lo) * width for slot in fed}
+
+
+def packed_inputs(fed: dict[int, list[int]], starts: list[int], lo: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]]:
+    """ids and positions [1, tokens]: the fed slots' tokens in slot order, each at its own position; and where each
+    fed slot's first token lies."""
+    order = sorted(fed)
+    ids = torch.tensor([[token for slot in order for token in fed[slot]]], dtype=torch.long)
+    positions = torch.cat([torch.arange(len(fed[slot])) + starts[slot - lo] for slot in order])[None]
+    first = dict(zip(order, accumulate((len(fed[slot]) for slot in order[:-1]), initial=0), strict=True))
+    return ids, positions, first
