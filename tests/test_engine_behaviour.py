@@ -326,3 +326,27 @@ def test_rows_that_gain_draft_while_a_batch_mate_decodes_plainly(tiny_models) ->
     assert seqs[0].stats.drafted == 0 and all(seq.stats.drafted > 0 for seq in seqs[1:])
     assert mixed_rounds > 0
     assert [seq.output for seq in seqs] == plain
+
+
+def test_only_rounds_whose_rows_drafted_alike_price_the_padded_forward(tiny_models, monkeypatch) -> None:
+    """The batch plan prices a round as its rows padded to the widest; rows of uneven widths may run packed
+    (core.row_layout), cheaper than that, so their timing would price the padded shape too low. A row that may not
+    draft beside mates that do makes every drafting round uneven: only the plain rounds are observed."""
+    target, draft, _ = tiny_models
+    observed: list[tuple[int, int]] = []
+    original = CostModel.observe_verify
+
+    def spy(self, tokens: int, seconds: float, rows: int = 1) -> None:
+        observed.append((tokens, rows))
+        original(self, tokens, seconds, rows)
+
+    monkeypatch.setattr(CostModel, "observe_verify", spy)
+    cheap = CostModel(draft_step=0.01, verify={n: 1.0 for n in range(1, 12)}, draft_rows={3: 0.01, 2: 0.01},
+                      batched={(3, w): 1.0 for w in range(1, 12)}, frozen=True)  # drafting pays for the rows it has
+    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(), calibrate=False), costs=cheap)
+    seqs = [engine.sequences[engine.add_request(p, _greedy(max_tokens=24), max_k=0 if i == 0 else None)]
+            for i, p in enumerate([PROMPT, PROMPT[1:], PROMPT[2:]])]
+    while engine.sequences:
+        engine.step()
+    assert all(seq.stats.drafted > 0 for seq in seqs[1:])
+    assert observed and all(tokens == 1 for tokens, rows in observed if rows > 1)

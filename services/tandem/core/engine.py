@@ -181,8 +181,11 @@ class SpeculativeEngine:
 
         results = _retry_lost(verify, forget)
         seconds = time.perf_counter() - started
-        if all(seq.verify_synced == len(seq.context) for seq in batch) and not any(r.prefilling for r in results):
-            self.costs.observe_verify(max(ks) + 1, seconds, rows=len(batch))
+        # Only rounds whose rows drafted alike price the padded forward the batch plan assumes: rows of uneven widths
+        # may run packed (core.row_layout), cheaper than their padded shape.
+        if (len(set(ks)) == 1 and all(seq.verify_synced == len(seq.context) for seq in batch)
+                and not any(r.prefilling for r in results)):
+            self.costs.observe_verify(ks[0] + 1, seconds, rows=len(batch))
         for seq in batch:
             seq.stats.verify_seconds += seconds
         return results
