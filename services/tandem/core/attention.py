@@ -15,10 +15,10 @@ model object stays plain sdpa for anything else that calls it.
 Forwards over rows of different widths (prompts arriving together, drafts of different lengths) can instead feed
 every row's tokens one after another in a single row (`packed(config, varlen=True)`, a kv_cache Step with `packed`;
 core.row_layout decides): the products then run over the tokens alone, where padding every row to the widest costs
-its share of the products' time. Attention is
-what must not mix rows, so `varlen_sdpa_forward` runs it per row over that row's own cached keys, given the rows'
-places as `SEGMENTS` (passed through the model's forward to every attention call). Transformers builds no mask for
-that implementation (it has no mask function), which is as wanted: each row's mask comes with its segment.
+its share of the products' time. Attention is what must not mix rows, so `varlen_sdpa_forward` runs it per row over
+that row's own cached keys, given the rows' places as `SEGMENTS` (passed through the model's forward to every
+attention call). Transformers builds no mask for that implementation (it has no mask function), which is as wanted:
+each row's mask comes with its segment.
 
 `BACKENDS[0]`, when set, restricts which of PyTorch's sdpa kernels these forwards may use (`torch.nn.attention`'s
 SDPBackend; None: PyTorch picks). On an H100 PyTorch picks cuDNN's flash kernel, which took 10.8 us a layer for one
