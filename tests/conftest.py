@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -63,3 +64,19 @@ def pytest_collection_modifyitems(config, items) -> None:
         group = RAY_GROUP_OF.get(item.module.__name__.rpartition(".")[2])
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_marked(request, tmp_path_factory):
+    """A test marked `alone` bounds wall-clock gaps (a stream's, a call's); on two cores another xdist worker's test
+    can hold the CPU for a second, so such a test waits until no other test runs, and holds the others off while it
+    runs: every test takes a shared lock on one file beside the workers' temporary directories, `alone` ones an
+    exclusive one."""
+    path = tmp_path_factory.getbasetemp().parent / "tests-running.lock"
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -80,6 +80,7 @@ def _idle(server: ServerThread) -> bool:
 # 1. Size caps before tokenizing -------------------------------------------------------------------------------------
 
 
+@pytest.mark.alone
 def test_huge_prompts_are_refused_without_stalling_streams(server) -> None:
     url = server.gateway.http_url
     with grpc.insecure_channel(server.address) as channel:

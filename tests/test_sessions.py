@@ -91,6 +91,7 @@ def test_replicas_share_state(server):
     assert gateway_b.get(session) is None
 
 
+@pytest.mark.alone
 def test_outage_serves_from_memory_and_recovers(own_server, caplog):
     caplog.set_level(logging.INFO, logger=STORE_LOGGER)
     gateway_a = RedisSessionStore(own_server.url, retry_initial_s=0.1, retry_max_s=0.4)
