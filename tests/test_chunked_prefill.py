@@ -113,8 +113,7 @@ def test_a_prompt_is_fed_in_the_forward_that_scores_it_unless_that_would_pad_its
     last token (a second forward would read every weight again for one token a row). So does a prompt beside rows
     that only decode, packed into one row with them (core.row_layout); where packing does not pay, it is prefilled in
     a forward of its own, so theirs stays one token wide. Same tokens either way (float32)."""
-    from tandem.core import row_layout
-    from tandem.core import runner as runner_module
+    from tandem.core.row_layout import RowLayout
 
     runner = ModelRunner(tiny_models[0].model)
     verifier = LocalVerifier(runner)
@@ -133,8 +132,7 @@ def test_a_prompt_is_fed_in_the_forward_that_scores_it_unless_that_would_pad_its
     results = verifier.verify([decoding, newcomer])
     assert widths == [(1, 41)] and results[1].next_token == alone.next_token
     widths.clear()
-    for module in (row_layout, runner_module):
-        monkeypatch.setattr(module, "packing_pays", lambda *shape: False)
+    monkeypatch.setattr(runner, "layout", RowLayout("cpu", can_pack=False))
     decoding = VerifyRequest("a", 42, [], None, GREEDY)
     newcomer = VerifyRequest("e", 0, LONG[:40], None, GREEDY)
     results = verifier.verify([decoding, newcomer])

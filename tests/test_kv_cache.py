@@ -283,7 +283,7 @@ def test_a_request_that_can_never_fit_raises_a_clear_error_naming_it(tiny_models
 def test_packed_rows_give_what_padded_rows_and_a_full_recomputation_give(tiny_models, monkeypatch) -> None:
     """Rows of different widths fed packed into one row (no padding; attention per row over its own cached keys)
     give each row's logits as padding them does, and write the same keys: later forwards agree too."""
-    from tandem.core import runner as runner_module
+    from tandem.core.row_layout import RowLayout
 
     model = tiny_models[0].model
     # (cached, new) per row: uncached rows, a cached prefix, a one-token row, and a row between them sitting out.
@@ -304,10 +304,10 @@ def test_packed_rows_give_what_padded_rows_and_a_full_recomputation_give(tiny_mo
             runner.prefill(state, cached)
             states.append(state)
         calls.clear()
-        monkeypatch.setattr(runner_module, "packing_pays", lambda *shape, pack=pack: pack)
+        monkeypatch.setattr(RowLayout, "packs", lambda self, *shape, pack=pack: pack)
         first = runner.forward([states[i] for i in taking_part], wants)
         fed = len(calls)
-        monkeypatch.setattr(runner_module, "packing_pays", lambda *shape, pack=pack: not pack)
+        monkeypatch.setattr(RowLayout, "packs", lambda self, *shape, pack=pack: not pack)
         for i in taking_part:  # two more tokens each, through the cache the first forward wrote, the other way
             states[i].sync(states[i].cached, sequences[i][states[i].cached :])
         later = runner.forward([states[i] for i in taking_part], [2] * len(taking_part))

@@ -204,6 +204,33 @@ def test_batch_plan_drafts_the_rows_that_gain_beside_rows_that_decode_plainly() 
     assert plan_batch([2] * 4, [0.05] * 4, costs) == plan_batch([2] * 4, [0.05] * 4, flat) == [0] * 4
 
 
+def test_batch_plan_prices_rows_of_different_widths_as_the_target_lays_them_out() -> None:
+    from tandem.core.batch_plan import plan_batch, predicted_rate, round_seconds
+    from tandem.core.row_layout import RowLayout
+
+    def costs(layout: RowLayout | None) -> CostModel:
+        # A CPU-like target: 4 rows cost 0.06 s plus 0.04 s per token of width; draft steps are cheap.
+        return CostModel(draft_step=0.004, verify={n: 0.1 + 0.02 * (n - 1) for n in (1, 2, 3, 5, 8)},
+                         draft_rows={4: 0.005}, batched={(4, w): 0.06 + 0.04 * w for w in (1, 2, 3, 5)}, frozen=True,
+                         layout=layout)
+
+    padded, packed = costs(RowLayout("cpu", can_pack=False)), costs(RowLayout("cpu", can_pack=True))
+    # One row drafting 6 beside three decoding: padded, every row is 7 tokens wide; packed, the forward feeds the
+    # 10 tokens alone, priced as 4 rows of 2.5.
+    assert round_seconds([6, 0, 0, 0], padded) == pytest.approx(0.06 + 0.04 * 7 + 6 * 0.004)
+    assert round_seconds([6, 0, 0, 0], packed) == pytest.approx(0.06 + 0.04 * 2.5 + 6 * 0.004)
+    assert round_seconds([6, 0, 0, 0], costs(None)) == round_seconds([6, 0, 0, 0], padded)  # no layout: padded
+    assert round_seconds([2] * 4, packed) == round_seconds([2] * 4, padded)  # like widths: nothing to pack
+    # One row agrees with its drafter far more than its mates. Padded, a long block widens every row, so the plan
+    # drafts one token a row; packed, the long block costs its own tokens only, and it goes to the row that gains.
+    alphas = [0.95, 0.4, 0.4, 0.4]
+    assert plan_batch([4] * 4, alphas, padded, limits=[6] * 4) == [1] * 4
+    assert plan_batch([4] * 4, alphas, packed, limits=[6] * 4) == [6, 0, 0, 0]
+    assert predicted_rate([6, 0, 0, 0], alphas, packed) > predicted_rate([1] * 4, alphas, packed)
+    # On a GPU the same rows stay padded (narrow products stream the weights), so the plan is the padded one.
+    assert plan_batch([4] * 4, alphas, costs(RowLayout("cuda", can_pack=True)), limits=[6] * 4) == [1] * 4
+
+
 def test_batch_plan_lets_rows_draft_past_their_sessions_k_within_their_limits() -> None:
     from tandem.core.batch_plan import plan_batch
 
@@ -319,13 +346,16 @@ def test_adopting_measured_costs_takes_every_measured_field() -> None:
     from dataclasses import fields
 
     from tandem.core.costs import MEASURED_FIELDS
+    from tandem.core.row_layout import RowLayout
 
-    assert set(MEASURED_FIELDS) == {f.name for f in fields(CostModel)} - {"smoothing", "frozen"}
+    assert set(MEASURED_FIELDS) == {f.name for f in fields(CostModel)} - {"smoothing", "frozen", "layout"}
     measured = CostModel(draft_step=0.1, verify={1: 0.2}, draft_rows={2: 0.15}, batched={(2, 1): 0.3},
                          draft_forward={4: 0.2})
-    costs = CostModel(smoothing=0.5, frozen=True)
+    layout = RowLayout("cpu", can_pack=True)
+    costs = CostModel(smoothing=0.5, frozen=True, layout=layout)
     costs.adopt(measured)
     assert costs.to_dict() == measured.to_dict() and costs.smoothing == 0.5 and costs.frozen
+    assert costs.layout is layout  # the target's, not a measurement
 
 
 def test_the_shared_prior_is_measured_once_its_sessions_evidence_outweighs_its_guess() -> None:

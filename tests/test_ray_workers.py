@@ -13,6 +13,7 @@ ray = pytest.importorskip("ray")
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from tandem.core.engine import SpeculativeEngine  # noqa: E402
 from tandem.core.protocol import KVUsage  # noqa: E402
+from tandem.core.row_layout import RowLayout  # noqa: E402
 from tandem.engines.local import build_engine  # noqa: E402
 from tandem.workers.draft_pool import RayDrafter, start_draft_workers  # noqa: E402
 from tandem.workers.target_pool import RayVerifier, start_target_replicas  # noqa: E402
@@ -149,6 +150,8 @@ def test_target_replicas_prefill_a_newcomer_in_chunks_while_another_decodes(tiny
     local = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
     config = EngineConfig(spec=SpecConfig(adaptive=False, k_init=3), calibrate=False, prefill_chunk=2)
     engine = SpeculativeEngine(RayVerifier(replicas), RayDrafter(pool), config, local.eos_token_ids, local.decode)
+    # The batch plan prices rounds as the replicas' runners lay out rows: the layout comes from the workers.
+    assert engine.costs.layout == local.verifier.row_layout == RowLayout("cpu", can_pack=True)
     decoding = engine.sequences[engine.add_request(PROMPTS[0], GREEDY)]
     engine.step()
     newcomer = engine.sequences[engine.add_request(PROMPTS[2], GREEDY)]

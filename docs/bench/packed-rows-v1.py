@@ -14,7 +14,7 @@ from tandem.bench.prompts import load_prompts
 target = load_model("qwen2.5-coder-1.5b-instruct", device=torch.device("cpu"), dtype=torch.bfloat16, progress=False)
 ids = [encode_prompt(target.tokenizer, t, chat=True) for t in load_prompts()[:8]]
 runner = R.ModelRunner(target.model, kv_tokens=32768)
-real = R.packing_pays
+real = runner.layout
 WIDTHS = {"verify_uneven": [5, 3, 1, 6, 2, 4, 1, 5], "verify_one_longer": [2, 1, 1, 1, 1, 1, 1, 1]}
 
 def prompts(pack):
@@ -55,13 +55,13 @@ seconds = {case: {"padded": [], "packed": []} for case in cases}
 tokens = {}
 for rep in range(-1, int(sys.argv[1]) if len(sys.argv) > 1 else 4):  # repeat -1 warms up, untimed
     for mode in (("packed", "padded") if rep % 2 == 0 else ("padded", "packed")):
-        R.packing_pays = real if mode == "packed" else (lambda *shape: False)
+        runner.layout = real if mode == "packed" else R.RowLayout(real.device_type, can_pack=False)
         for case, run in cases.items():
             s, first = run(mode == "packed")
             if rep >= 0:
                 seconds[case][mode].append(s); tokens[(case, mode)] = first
         print(rep, mode, {c: round(v[mode][-1], 3) for c, v in seconds.items() if v[mode]}, flush=True)
-R.packing_pays = real
+runner.layout = real
 report = {"what": __doc__, "machine": "CPU-A (2 vCPU AMD EPYC, AVX512-BF16, no AMX)", "torch_threads": 2,
           "prompt_lengths": [len(p) for p in ids], "widths": WIDTHS, "seconds": seconds,
           "median_seconds": {c: {m: statistics.median(v) for m, v in d.items()} for c, d in seconds.items()},

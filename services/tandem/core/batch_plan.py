@@ -1,8 +1,11 @@
 """Which rows of a batch speculate this round, and how far, priced with the measured costs of batched forwards.
 
 Each session's policy picks its own k from single-sequence costs, and whether it drafts at all. In a batch the
-round's cost is shared: one target forward over every row, each padded to the widest block (rows x (max k + 1)
-tokens fed), and one draft step over the rows still drafting for each of the max k steps. On hardware where a
+round's cost is shared: one target forward over every row, and one draft step over the rows still drafting for each
+of the max k steps. The target runs rows of different widths padded to the widest block, or packed one after another
+where that pays (core.row_layout: on a CPU, from a few padded tokens); the plan prices the forward as its runner lays
+it out (the target's RowLayout in the cost model), as a uniform forward over as many rows of width w(c), the widest
+block where padded and the mean block where packed. On hardware where a
 forward's cost grows with the tokens it feeds (a CPU, a saturated GPU), the best round may draft less than the
 sessions would alone, or nothing; where a draft step over more rows costs little more, rows may draft further than
 they would alone, since their mates pay for the steps and the padding. For each cap c up to the widest limit L_i
@@ -10,7 +13,7 @@ they would alone, since their mates pay for the steps and the padding. For each 
 whose session drafts (0 for the others and for the rows it drops, below),
 
     rate(c) = sum_i E(alpha_i, k_i') / T(c),
-    T(c) = sum_{s=1..c} T_draft(rows with k_i' >= s) + T_target(rows x (max_i k_i' + 1)) + sum_{i: k_i' > 0} C_i,
+    T(c) = sum_{s=1..c} T_draft(rows with k_i' >= s) + T_target(rows x w(c)) + sum_{i: k_i' > 0} C_i,
 
 with E(a, k) = (1 - a^(k+1)) / (1 - a) as in the per-session policy, and keeps the cap with the best rate if it
 beats plain decoding of the whole batch (rows / T(0)) by a margin. Within a cap, a row's drafting is dropped (k_i' = 0)
@@ -48,7 +51,8 @@ def catch_up_share(costs: CostModel, behind: int, alpha: float, k: int, remainin
 def round_seconds(ks: list[int], costs: CostModel, catch_up: list[float] | None = None) -> float:
     """Expected seconds of one round in which row i drafts ks[i] tokens (catch_up: seconds per row)."""
     widest = max(ks, default=0)
-    seconds = costs.batch_forward_time(len(ks), widest + 1)
+    width = costs.layout.priced_width([k + 1 for k in ks]) if costs.layout and len(ks) > 1 else widest + 1
+    seconds = costs.batch_forward_time(len(ks), width)
     seconds += sum(costs.draft_time(sum(k >= step for k in ks)) for step in range(1, widest + 1))
     return seconds + sum(c for c, k in zip(catch_up or [0.0] * len(ks), ks, strict=True) if k > 0)
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported for the annotation only: this module stays free of torch
+    from tandem.core.row_layout import RowLayout
 
 MEASURED_FIELDS = ("draft_step", "verify", "draft_rows", "batched", "draft_forward")
 CATCH_UP_ALONE_ABOVE = 2  # a batched drafter row further behind than this catches up in a forward of its own
@@ -65,6 +69,9 @@ class CostModel:
     it; an unmeasured row count is interpolated between the measured row counts around it, or scaled from the
     nearest one along the single-sequence curve.
     Observations are blended in with an exponential moving average.
+
+    `layout` is not measured: it is how the target lays out a forward's rows (its runner's RowLayout, given by the
+    engine from its verifier), so that the batch plan prices rows of different widths as they run (None: padded).
     """
 
     draft_step: float = 0.0
@@ -74,6 +81,7 @@ class CostModel:
     draft_forward: dict[int, float] = field(default_factory=dict)
     smoothing: float = 0.2
     frozen: bool = False
+    layout: RowLayout | None = None
 
     def observe_draft_step(self, seconds: float, rows: int = 1) -> None:
         if self.frozen:

@@ -53,6 +53,7 @@ class SpeculativeEngine:
         self.config = config or EngineConfig()
         self.eos_token_ids, self.decode = eos_token_ids, decode
         self.costs = costs or CostModel()
+        self.costs.layout = verifier.row_layout  # the batch plan prices a round as the target lays out its rows
         self.prior = prior or policy.SharedPrior(self.config.spec.acceptance_prior)
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -181,8 +182,8 @@ class SpeculativeEngine:
 
         results = _retry_lost(verify, forget)
         seconds = time.perf_counter() - started
-        # Only rounds whose rows drafted alike price the padded forward the batch plan assumes: rows of uneven widths
-        # may run packed (core.row_layout), cheaper than their padded shape.
+        # Only rounds whose rows drafted alike are timed into the table of like rows' widths: an uneven round runs
+        # padded or packed (core.row_layout), and the plan prices it from that table at the width it runs as.
         if (len(set(ks)) == 1 and all(seq.verify_synced == len(seq.context) for seq in batch)
                 and not any(r.prefilling for r in results)):
             self.costs.observe_verify(ks[0] + 1, seconds, rows=len(batch))

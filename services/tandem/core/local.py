@@ -139,6 +139,7 @@ class LocalVerifier(InProcessSide):
         self.runner = runner
         self.vocab_size = runner.vocab_size
         self.context_window = runner.context_window
+        self.row_layout = runner.layout
 
     def release(self, seq_id: str, retain: bool = False) -> None:
         self.runner.release(seq_id, retain)

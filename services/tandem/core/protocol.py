@@ -13,6 +13,7 @@ from typing import Protocol
 
 from tandem.core.config import SamplingParams
 from tandem.core.logprobs import TokenLogprob
+from tandem.core.row_layout import RowLayout
 from tandem.core.sampling import SparseDist
 
 
@@ -154,6 +155,7 @@ class Drafter(PoolSide, Protocol):
 class Verifier(PoolSide, Protocol):
     vocab_size: int
     context_window: int | None  # the target's position limit (None: unknown)
+    row_layout: RowLayout  # how the target's runner lays out a forward's rows (padded or packed)
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]: ...
 

@@ -7,10 +7,14 @@ Padding costs its share of every matrix product; packing costs an attention call
 
 Whether a padded forward pays at all decides how many forwards a set of prompts takes (prefill_many) and whether a
 prompt goes into the forward that scores it (fits_one_forward): a second forward reads every weight again.
+
+A runner's `RowLayout` makes these decisions; the batch plan reads the same object (the target's, through the
+verifier and core.costs) to price a round whose rows draft different numbers of tokens as the runner will run it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -33,12 +37,32 @@ def packing_pays(device_type: str, rows: int, area: int, tokens: int) -> bool:
     return 2 * (area - tokens) >= rows if device_type == "cpu" else area >= PACK_AREA
 
 
-def one_forward_pays(rows: list[tuple[SequenceState, list[int]]], device_type: str, can_pack: bool) -> bool:
-    """Whether rows (in slot order) fed in one forward cost about what their tokens do: packed where packing pays,
-    else padded to an area (their slots' span at the widest row's width) within twice the tokens they feed."""
-    area = (rows[-1][0].slot - rows[0][0].slot + 1) * max(len(new) for _, new in rows)
-    tokens = sum(len(new) for _, new in rows)
-    return area <= 2 * tokens or (can_pack and packing_pays(device_type, len(rows), area, tokens))
+@dataclass(slots=True, frozen=True)
+class RowLayout:
+    """How a runner lays out a forward's rows: packed where `packing_pays` on its `device_type` and the model
+    `can_pack` (sdpa attention, core.attention's varlen implementation), else padded."""
+
+    device_type: str
+    can_pack: bool
+
+    def packs(self, rows: int, area: int, tokens: int) -> bool:
+        """Whether `rows` rows feeding `tokens` tokens, `area` padded, run packed."""
+        return self.can_pack and packing_pays(self.device_type, rows, area, tokens)
+
+    def one_forward_pays(self, rows: list[tuple[SequenceState, list[int]]]) -> bool:
+        """Whether rows (in slot order) fed in one forward cost about what their tokens do: packed where packing
+        pays, else padded to an area (their slots' span at the widest row's width) within twice the tokens they
+        feed."""
+        area = (rows[-1][0].slot - rows[0][0].slot + 1) * max(len(new) for _, new in rows)
+        tokens = sum(len(new) for _, new in rows)
+        return area <= 2 * tokens or self.packs(len(rows), area, tokens)
+
+    def priced_width(self, widths: list[int]) -> float:
+        """The width of the uniform forward (as many rows, each feeding it) that a forward over rows in neighbouring
+        slots feeding `widths` tokens costs about: the widest where they run padded, their mean where packed (the
+        products then run over their tokens alone; the per-row attention calls are left out of the price)."""
+        tokens, widest = sum(widths), max(widths)
+        return tokens / len(widths) if self.packs(len(widths), len(widths) * widest, tokens) else float(widest)
 
 
 def padded_inputs(fed: dict[int, list[int]], starts: list[int], lo: int, width: int, pad_token_id: int

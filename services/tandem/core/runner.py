@@ -29,7 +29,7 @@ from tandem.core.attention import SEGMENTS, packed
 from tandem.core.cuda_graphs import MAX_WIDTH, GraphedForward
 from tandem.core.kv_cache import SlotCache, Step, default_kv_tokens
 from tandem.core.protocol import KVCacheFull
-from tandem.core.row_layout import one_forward_pays, packed_inputs, packing_pays, padded_inputs
+from tandem.core.row_layout import RowLayout, packed_inputs, padded_inputs
 from tandem.core.sequence import SequenceState
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ class ModelRunner:
             # Our 4D masks replace the sliding-window masks transformers would build: such layers would see too much.
             raise ValueError("sliding-window attention layers are not supported by the slot KV cache")
         self.causal_kernel = ATTENTION[implementation]
+        self.layout = RowLayout(self.device.type, can_pack=self.causal_kernel)
         self.mask_dtype = torch.bool if self.causal_kernel else self.dtype
         self.vocab_size = int(model.config.vocab_size)
         window = getattr(text_config, "max_position_embeddings", None)
@@ -181,7 +182,7 @@ class ModelRunner:
         groups: list[list[tuple[SequenceState, list[int]]]] = []
         for row in rows:
             joined = [*groups[-1], row] if groups else [row]
-            if groups and one_forward_pays(joined, self.device.type, self.causal_kernel):
+            if groups and self.layout.one_forward_pays(joined):
                 groups[-1:] = [joined]
             else:
                 groups.append([row])
@@ -192,7 +193,7 @@ class ModelRunner:
         """Whether feeding every state's pending tokens in one forward pays, prefill_many's rule: then a prompt can
         be fed in the forward that scores its last token, which saves a forward that reads every weight again."""
         rows = sorted(((s, s.pending) for s in states), key=lambda row: row[0].slot)
-        return one_forward_pays(rows, self.device.type, self.causal_kernel)
+        return self.layout.one_forward_pays(rows)
 
     @torch.inference_mode()
     def forward(self, states: list[SequenceState], wants: list[int]) -> list[torch.Tensor]:
@@ -221,7 +222,7 @@ class ModelRunner:
         else:
             starts = [self.occupants[slot].cached for slot in range(lo, hi)]
             counts = [len(fed.get(slot, ())) for slot in range(lo, hi)]
-            pack = self.causal_kernel and packing_pays(self.device.type, len(fed), (hi - lo) * width, sum(counts))
+            pack = self.layout.packs(len(fed), (hi - lo) * width, sum(counts))
             step = Step.build(lo, starts, counts, self.device, packed=pack)
             if pack:
                 ids, positions, first = packed_inputs(fed, starts, lo)

@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import ray
 
 from tandem.core.protocol import StateLost, VerifyRequest, VerifyResult
+from tandem.core.row_layout import RowLayout
 from tandem.errors import BackendUnavailable
 from tandem.workers.fanout import RayPoolClient, fan_out
 from tandem.workers.routing import AffinityRouter
@@ -38,6 +39,7 @@ class RayVerifier(RayPoolClient):
         self.timeout_s, self.rebuild_timeout_s = timeout_s, rebuild_timeout_s
         info = ray.get(replicas[0].info.remote())
         self.vocab_size, self.context_window = info["vocab_size"], info.get("context_window")
+        self.row_layout = RowLayout(info["device_type"], info["packs_rows"])
         self.rebuilds: dict[int, Future] = {}
         self.rebuilt = 0
         self._executor = ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="tandem-rebuild")
