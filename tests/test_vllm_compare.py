@@ -41,6 +41,13 @@ def test_merge_pools_one_repeats_runs_and_sums_the_counters() -> None:
     assert (merged["drafted"], merged["accepted"], merged["alpha"]) == (100, 70, 0.7)
     vllm_like = report.merge([{k: v for k, v in a.items() if k not in ("rounds", "drafted")}])
     assert "drafted" not in vllm_like and "alpha" not in vllm_like
+    # vLLM's speculation reports its own counters (vllm:spec_decode_*, per request): summed as drafted and accepted.
+    vllm = {k: v for k, v in a.items() if k not in ("rounds", "spec_rounds", "drafted", "accepted")}
+    spec = [vllm | {"spec_counters": {"spec_decode_num_drafts": 7.0, "spec_decode_num_draft_tokens": draft,
+                                      "spec_decode_num_accepted_tokens": accepted}}
+            for draft, accepted in ((28.0, 28.0), (40.0, 22.0))]
+    assert {k: report.merge(spec)[k] for k in ("drafted", "accepted", "alpha")} == {
+        "drafted": 68, "accepted": 50, "alpha": 0.7353}
 
 
 def test_within_is_each_systems_speculation_over_its_own_plain() -> None:

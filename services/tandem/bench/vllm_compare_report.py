@@ -6,13 +6,16 @@ from __future__ import annotations
 
 def merge(results: list[dict]) -> dict:
     """One mode's runs within a repeat (batch 1: one per prompt) as one: tokens over seconds, the outputs in order,
-    tandem's speculation counters summed."""
+    the speculation counters summed (tandem's; vLLM's `spec_counters`, as drafted and accepted tokens)."""
     tokens, seconds = sum(r["tokens"] for r in results), sum(r["seconds"] for r in results)
     out = {"tokens": tokens, "seconds": round(seconds, 4), "tok_s": round(tokens / seconds, 3) if seconds else 0.0,
            "requests": sum(r["requests"] for r in results), "outputs": [o for r in results for o in r["outputs"]],
            "loadavg_1m_max": max(r["loadavg_1m"] for r in results)}
     counted = [k for k in ("rounds", "spec_rounds", "drafted", "accepted") if all(k in r for r in results)]
     out |= {k: sum(r[k] for r in results) for k in counted}
+    if results and all(r.get("spec_counters") for r in results):
+        out["drafted"] = int(sum(r["spec_counters"].get("spec_decode_num_draft_tokens", 0) for r in results))
+        out["accepted"] = int(sum(r["spec_counters"].get("spec_decode_num_accepted_tokens", 0) for r in results))
     if out.get("drafted"):
         out["alpha"] = round(out["accepted"] / out["drafted"], 4)
     return out
