@@ -5,10 +5,10 @@ round's cost is shared: one target forward over every row, and one draft step ov
 of the max k steps. The target runs rows of different widths padded to the widest block, or packed one after another
 where that pays (core.row_layout: on a CPU, from a few padded tokens); the plan prices the forward as its runner lays
 it out (the target's RowLayout in the cost model), as a uniform forward over as many rows of width w(c), the widest
-block where padded and the mean block where packed. On hardware where a
-forward's cost grows with the tokens it feeds (a CPU, a saturated GPU), the best round may draft less than the
-sessions would alone, or nothing; where a draft step over more rows costs little more, rows may draft further than
-they would alone, since their mates pay for the steps and the padding. For each cap c up to the widest limit L_i
+block (k + 1 tokens) where padded and the mean block where packed. On hardware where a forward's cost grows with the
+tokens it feeds (a CPU, a saturated GPU), the best round may draft less than the sessions would alone, or nothing;
+where a draft step over more rows costs little more, rows may draft further than they would alone, since their mates
+pay for the steps and the padding. For each cap c up to the widest limit L_i
 (the most row i may draft: k_max, its request's cap, its tokens left) the plan takes k_i' = min(L_i, c) for the rows
 whose session drafts (0 for the others and for the rows it drops, below),
 
