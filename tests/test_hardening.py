@@ -199,6 +199,8 @@ def test_ray_pool_verifier_exposes_the_context_window(ray_session) -> None:
 
     verifier = RayVerifier([Replica.remote()])
     assert verifier.context_window == 4096 and verifier.vocab_size == 320
+    # It reports no row layout (a worker from before it did): the batch plan then prices its rounds padded.
+    assert not verifier.row_layout.can_pack
 
 
 # 3. Special tokens in chat content are text -------------------------------------------------------------------------

@@ -39,7 +39,8 @@ class RayVerifier(RayPoolClient):
         self.timeout_s, self.rebuild_timeout_s = timeout_s, rebuild_timeout_s
         info = ray.get(replicas[0].info.remote())
         self.vocab_size, self.context_window = info["vocab_size"], info.get("context_window")
-        self.row_layout = RowLayout(info["device_type"], info["packs_rows"])
+        # A worker that does not report its layout (an older one, mid-rollout) has its rounds priced padded.
+        self.row_layout = RowLayout(info.get("device_type", "cpu"), info.get("packs_rows", False))
         self.rebuilds: dict[int, Future] = {}
         self.rebuilt = 0
         self._executor = ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="tandem-rebuild")
