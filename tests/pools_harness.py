@@ -82,6 +82,21 @@ def ray_head(temp: Path, cpus: int = 8) -> Iterator[str]:
     that stopping it stops this head alone (`ray stop` would stop every Ray on the machine)."""
     if shutil.which("ray", path=str(BIN)) is None:
         pytest.skip("no ray command")
+    for _ in range(3):  # a port free when picked may be taken by a parallel test's Ray before this head binds it
+        head, address = _start_head(temp, cpus)
+        if head is not None:
+            break
+    else:
+        raise AssertionError("the Ray head did not start (three tries)")
+    try:
+        yield address
+    finally:
+        head.terminate()
+        head.wait(timeout=120)
+
+
+def _start_head(temp: Path, cpus: int) -> tuple[subprocess.Popen | None, str]:
+    """A head listening on its port and still running a second later, or None (it was stopped) where it exited."""
     port = free_port()
     address = f"127.0.0.1:{port}"
     head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
@@ -91,18 +106,18 @@ def ray_head(temp: Path, cpus: int = 8) -> Iterator[str]:
                              "--disable-usage-stats", f"--temp-dir={temp}"], env=head_env(address),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while True:
+    while head.poll() is None and time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
         except OSError:
-            assert head.poll() is None and time.monotonic() < deadline, "the Ray head did not start"
             time.sleep(0.2)
-    try:
-        yield address
-    finally:
-        head.terminate()
-        head.wait(timeout=120)
+            continue
+        time.sleep(1.0)  # the port answering may be another process's, if this head failed to bind it
+        if head.poll() is None:
+            return head, address
+    head.terminate()
+    head.wait(timeout=120)
+    return None, address
 
 
 class Gateway:
