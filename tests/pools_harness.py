@@ -22,9 +22,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tandem.bench.local_cluster import ray_head_command
 from tandem.client import TandemClient
 from tandem.core.config import SamplingParams
 from tandem.engines.local import build_engine
+from tandem.sessions.embedded import free_port
 
 TOKENS = 40
 PROMPTS = [[5, 6, 7, 8], [40, 50, 60], [1, 2, 3, 4, 5, 6, 7], [200, 17, 33]]
@@ -37,12 +39,6 @@ def plain_greedy(tiny_models, tokens: int = TOKENS) -> list[list[int]]:
     """PROMPTS decoded greedily by the tiny target alone, in process: what every pool stream must equal."""
     greedy = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     return [r.token_ids for r in build_engine(tiny_models[0], None).generate(PROMPTS, greedy)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _token_file() -> str:
@@ -99,11 +95,7 @@ def _start_head(temp: Path, cpus: int) -> tuple[subprocess.Popen | None, str]:
     """A head listening on its port and still running a second later, or None (it was stopped) where it exited."""
     port = free_port()
     address = f"127.0.0.1:{port}"
-    head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-                             f"--port={port}", f"--num-cpus={cpus}", "--include-dashboard=false",
-                             # Ports Ray would otherwise fix, so heads of tests that run side by side never clash.
-                             f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-                             "--disable-usage-stats", f"--temp-dir={temp}"], env=head_env(address),
+    head = subprocess.Popen(ray_head_command(port, str(temp), cpus), env=head_env(address),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while head.poll() is None and time.monotonic() < deadline:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tandem.client import TandemClient
+from tandem.sessions.embedded import free_port
 
 BIN = Path(sys.executable).parent
 SERVING = 1  # grpc.health.v1 HealthCheckResponse.SERVING
@@ -64,18 +65,12 @@ def wait_for_port(port: int, timeout_s: float = 120.0) -> None:
             time.sleep(0.2)
 
 
-def ray_head_command(port: int, temp_dir: str) -> list[str]:
+def ray_head_command(port: int, temp_dir: str, cpus: int = 4) -> list[str]:
     """`ray start` for a head of our own on loopback; --block: terminating the process stops this head alone. The
     ports Ray would otherwise fix (its client server, the dashboard agent) are free ones, so heads never clash."""
     return [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-            "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-            f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+            f"--num-cpus={cpus}", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
+            f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}"]
 
 
 def start_gateway(address: str, pools: str, extra: Sequence[str] = (), log: Path | None = None,
