@@ -10,9 +10,11 @@ anything is timed; each AUTO engine calibrates its own costs, so the compiled on
   machine's slow drifts disturb least).
 - N at once (`--at-once`): every prompt in one generate call, eager and compiled alternated over `--repeats`.
 Greedy, the shipped prompts through the chat template; whether the compiled engines' tokens equal the eager ones' is
-reported beside (bf16: compiled kernels round differently, so near-ties may part).
+reported beside (bf16: compiled kernels round differently, so near-ties may part). `--compiled draft` compiles the
+draft's runner alone (`--compile-draft`), so only AUTO is compared (a plain engine runs no draft).
 
     python -m tandem.bench.compile_ab --json compile-ab.json        # 20-30 min on a 2-core CPU, compiling included
+    python -m tandem.bench.compile_ab --compiled draft --draft-quantization w8a8 --no-at-once --json draft.json
 """
 
 from __future__ import annotations
@@ -29,21 +31,25 @@ from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
 from tandem.bench.vllm_compare_tandem import batched
 from tandem.cli.common import add_bench_model_options
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_prompts_option, write_json
-from tandem.core.config import EngineConfig, SamplingParams
+from tandem.core.config import COMPILE_SCOPES, QUANTIZATIONS, EngineConfig, SamplingParams, compiles
 from tandem.engines.local import build_engine, encode_prompt
 from tandem.models.loader import load_pair
 
 VARIANTS = ("eager", "compiled")
 
 
-def _engines(target, draft) -> tuple[dict, float]:
-    """{(kind, variant): engine} and the seconds the compiled engines took to build (their warm-up compiles)."""
+def _engines(target, draft, scope: str, kinds: list[str]) -> tuple[dict, float]:
+    """{(kind, variant): engine} and the seconds the compiled engines took to build (their warm-up compiles); the
+    compiled variant compiles the models `scope` names (core.config.COMPILE_SCOPES)."""
     engines, compiling = {}, 0.0
     for variant in VARIANTS:
-        pair = [dataclasses.replace(m, compile=variant == "compiled") for m in (target, draft)]
+        scoped = scope if variant == "compiled" else "none"
+        pair = [dataclasses.replace(m, compile=compiles(scoped, draft=m is draft)) for m in (target, draft)]
         started = time.perf_counter()
-        engines["plain", variant] = build_engine(pair[0], None, EngineConfig(calibrate=False))
-        engines["auto", variant] = build_engine(pair[0], pair[1], EngineConfig())
+        if "plain" in kinds:
+            engines["plain", variant] = build_engine(pair[0], None, EngineConfig(calibrate=False))
+        if "auto" in kinds:
+            engines["auto", variant] = build_engine(pair[0], pair[1], EngineConfig())
         if variant == "compiled":
             compiling = time.perf_counter() - started
     return engines, compiling
@@ -96,20 +102,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--at-once", action=argparse.BooleanOptionalAction, default=True,
                         help="also every prompt at once")
     parser.add_argument("--repeats", type=int, default=2, help="eager/compiled pairs at once, the order alternating")
+    parser.add_argument("--compiled", choices=COMPILE_SCOPES[1:], default="all",
+                        help="whose decode forwards the compiled engines compile (draft: AUTO only)")
+    parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default="none",
+                        help="the draft's weights as `--draft-quantization` holds them")
     add_json_option(parser, "the report")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     draft, target = load_pair(args.draft, args.target, device=torch.device("cpu"), dtype=getattr(torch, args.dtype),
-                              progress=False)
+                              progress=False, draft_quantization=args.draft_quantization)
     ids = [encode_prompt(target.tokenizer, text, chat=True) for text in load_prompts(args.prompts)]
-    engines, compiling = _engines(target, draft)
+    kinds = ["auto"] if args.compiled == "draft" else ["plain", "auto"]
+    engines, compiling = _engines(target, draft, args.compiled, kinds)
     for engine in engines.values():  # untimed: anything left to compile, and first-call costs
         engine.generate([ids[0]], SamplingParams(temperature=0.0, max_tokens=8))
     report: dict = {"config": {"target": args.target, "draft": args.draft, "dtype": args.dtype,
                                "threads": args.threads, "prompts": len(ids), "max_tokens": args.max_tokens,
+                               "compiled": args.compiled, "draft_quantization": args.draft_quantization,
                                "torch": torch.__version__, "machine": platform.processor() or platform.machine()},
                     "compile_seconds": round(compiling, 1)}
-    for kind in ("plain", "auto"):
+    for kind in kinds:
         report[f"{kind}_b1"] = one_at_a_time(engines, kind, ids, args.max_tokens)
         if args.at_once:
             report[f"{kind}_b{len(ids)}"] = all_at_once(engines, kind, ids, args.max_tokens, args.repeats)

@@ -84,8 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", nargs="+", choices=("tandem", "vllm"), default=["tandem", "vllm"],
                         help="the systems to run, the first first")
     parser.add_argument("--no-served", action="store_true", help="skip tandem's served run at N in flight")
-    parser.add_argument("--compile", action="store_true",
-                        help="tandem with `--compile` (decode forwards compiled by torch.compile; compiling untimed)")
+    compiling = parser.add_mutually_exclusive_group()
+    compiling.add_argument("--compile", action="store_const", const="all", default="none",
+                           help="tandem with `--compile` (decode forwards compiled by torch.compile; compiling "
+                                "untimed)")
+    compiling.add_argument("--compile-draft", dest="compile", action="store_const", const="draft",
+                           help="tandem with `--compile-draft` (the draft's decode forwards alone compiled)")
     parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default="none",
                         help="tandem's draft weights as `--draft-quantization` holds them (vLLM's stay as loaded)")
     add_json_option(parser, "the report (its workers' output goes to a .log beside a file)")

@@ -6,9 +6,10 @@ The process is started by tandem.bench.vllm_compare (tandem.bench.resident) with
     python -m tandem.bench.vllm_compare_tandem job.json RESULT_FD
 
 job: target, draft (registry names or paths), texts (the prompts; the chat template is applied as `tandem bench`
-does), max_tokens, threads, dtype, compile (`--compile`: compiled decode forwards), draft_quantization
-(`--draft-quantization`). Each request names a mode (plain_b1, auto_b1, plain_bN, auto_bN) and the prompts to send in
-one engine.generate call, greedy, on the CPU. Loading, calibration and warm-up requests are left out of the timings.
+does), max_tokens, threads, dtype, compile (a core.config.COMPILE_SCOPES scope: whose decode forwards compile),
+draft_quantization (`--draft-quantization`). Each request names a mode (plain_b1, auto_b1, plain_bN, auto_bN) and
+the prompts to send in one engine.generate call, greedy, on the CPU. Loading, calibration and warm-up requests are
+left out of the timings.
 """
 
 from __future__ import annotations
@@ -86,11 +87,12 @@ def load(job: dict) -> tuple[dict, Callable[[dict], dict]]:
 
 def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: Path,
                say: Callable[[str], None], started: Callable[[int], None] | None = None,
-               env: dict[str, str] | None = None, compile: bool = False) -> dict[str, dict]:
+               env: dict[str, str] | None = None, compile: str = "none") -> dict[str, dict]:
     """`tandem serve --in-process` on a free port, then tandem.bench.serving.run_level OFF and AUTO at N in flight;
     run by tandem.bench.vllm_compare itself, the server's output appended to `log`. `started(pid)` is called once
     the server process runs; `env`: the server's environment (None: this process's); `compile`: serve with
-    `--compile` (readiness waits for its compiling); the draft is held as `args.draft_quantization` asks, if set."""
+    `--compile` ("all") or `--compile-draft` ("draft"; readiness waits for its compiling); the draft is held as
+    `args.draft_quantization` asks, if set."""
     from tandem.bench.serving import run_level
     from tandem.client import TandemClient
 
@@ -100,7 +102,7 @@ def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: P
     cmd = [sys.executable, "-m", "tandem", "serve", "--in-process", "--target", args.target, "--draft", args.draft,
            "--device", "cpu", "--dtype", args.dtype, "--threads", str(args.threads), "--port", address.split(":")[1],
            "--no-metrics", "--draft-quantization", getattr(args, "draft_quantization", "none"),
-           *(["--compile"] if compile else [])]
+           *({"all": ["--compile"], "draft": ["--compile-draft"]}.get(compile, []))]
     modes: dict[str, dict] = {}
     with log.open("a") as sink:
         sink.write(f"\n==== {' '.join(cmd)}\n")

@@ -19,6 +19,7 @@ from tandem.cli.common import (
 )
 from tandem.cli.options import add_json_option, wants_text, write_json
 from tandem.cli.serve import add_pool_options
+from tandem.core.config import compiles
 from tandem.errors import InvalidArgument, TandemError
 
 
@@ -118,13 +119,14 @@ def run_start(args: argparse.Namespace) -> int:
     options = cluster_options(args)
     load_tokenizer(args.target)  # pulls a registry model once, before the workers would race for it
     common = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "eager": args.eager,
-              "compile": args.compile, "kv_tokens": args.kv_tokens, "batch_window_s": args.batch_window_ms / 1000}
-    target = WorkerConfig(model=args.target, **common)
+              "kv_tokens": args.kv_tokens, "batch_window_s": args.batch_window_ms / 1000}
+    target = WorkerConfig(model=args.target, compile=compiles(args.compile, draft=False), **common)
     draft = None
     if speculate and args.draft_workers:
         load_tokenizer(args.draft)  # pulls a registry model once, before several workers would race for it
         draft = WorkerConfig(model=args.draft, top_m=config.spec.draft_top_m, confidence=config.spec.stop_confidence,
-                             draft_vocab=config.spec.draft_vocab, quantization=args.draft_quantization, **common)
+                             draft_vocab=config.spec.draft_vocab, quantization=args.draft_quantization,
+                             compile=compiles(args.compile, draft=True), **common)
     engine = dataclasses.replace(config, spec=dataclasses.replace(config.spec, enabled=draft is not None))
     spec = PoolSpec(name=args.name, target=target, draft=draft, options=options, engine=engine,
                     image=os.environ.get(IMAGE_ENV, ""))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
-from tandem.core.config import EngineConfig
+from tandem.core.config import EngineConfig, compiles
 from tandem.engines.backend import Backend, engine_lanes
 from tandem.engines.local import decoder, draft_vocab_limit
 from tandem.engines.options import Arm, ClusterOptions
@@ -103,7 +103,7 @@ def build_cluster_backends(target: str, arms: tuple[Arm, ...], options: ClusterO
     return backends
 
 def _start_target_pool(target: str, options: ClusterOptions) -> list:
-    config = WorkerConfig(model=target, **_worker_common(options))
+    config = WorkerConfig(model=target, **_worker_common(options, draft=False))
     if options.tensor_parallel > 1:
         return [start_tp_replica(config, options.tensor_parallel, name=f"target-{i}",
                                  gpus_per_rank=options.target_gpus_per_rank, cpus_per_rank=options.cpus_per_worker,
@@ -116,10 +116,10 @@ def _start_draft_pool(draft: str, config: EngineConfig, options: ClusterOptions,
     spec = config.spec
     worker = WorkerConfig(model=draft, top_m=spec.draft_top_m, confidence=spec.stop_confidence,
                           draft_vocab=draft_vocab_limit(spec.draft_vocab, vocab),
-                          quantization=options.draft_quantization, **_worker_common(options))
+                          quantization=options.draft_quantization, **_worker_common(options, draft=True))
     return start_draft_workers(worker, options.draft_workers, num_gpus=options.draft_gpus,
                                num_cpus=options.cpus_per_worker, resources=options.draft_resources)
 
-def _worker_common(options: ClusterOptions) -> dict:
+def _worker_common(options: ClusterOptions, draft: bool) -> dict:
     return {"device": options.device, "dtype": options.dtype, "threads": options.threads, "eager": options.eager,
-            "compile": options.compile, "kv_tokens": options.kv_tokens}
+            "compile": compiles(options.compile, draft), "kv_tokens": options.kv_tokens}

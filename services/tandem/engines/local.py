@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tandem.core.config import EngineConfig
+from tandem.core.config import EngineConfig, compiles
 from tandem.core.costs import CostModel
 from tandem.core.engine import SpeculativeEngine
 from tandem.core.local import LocalDrafter, LocalVerifier
@@ -78,14 +78,15 @@ def build_local_backends(target: str, arms: tuple[Arm, ...], options: LocalOptio
     from tandem.models.loader import check_compatible, load_model
 
     device, dtype = _setup_torch(options)
-    common = {"device": device, "dtype": dtype, "eager": options.eager, "compile": options.compile}
-    target_model = load_model(target, **common)
+    common = {"device": device, "dtype": dtype, "eager": options.eager}
+    target_model = load_model(target, compile=compiles(options.compile, draft=False), **common)
     drafts: dict[str, object] = {}
     backends = {}
     for arm in arms:
         draft = arm.draft if arm.config.spec.speculating else ""
         if draft and draft not in drafts:
-            drafts[draft] = load_model(draft, quantization=options.draft_quantization, **common)
+            drafts[draft] = load_model(draft, quantization=options.draft_quantization,
+                                       compile=compiles(options.compile, draft=True), **common)
             check_compatible(drafts[draft], target_model)
         engine = build_engine(target_model, drafts[draft] if draft else None, arm.config, kv_tokens=options.kv_tokens)
         backends[arm.name] = Backend(engine, target_model.tokenizer, target, draft)

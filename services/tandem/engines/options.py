@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.core.config import QUANTIZATIONS, EngineConfig, check_model_mode
+from tandem.core.config import QUANTIZATIONS, EngineConfig, check_model_mode, compile_scope
 from tandem.errors import InvalidArgument
 
 
@@ -14,6 +14,7 @@ def _check_models(options: LocalOptions | ClusterOptions) -> None:
         raise InvalidArgument(f"draft_quantization: one of {', '.join(QUANTIZATIONS)}, "
                               f"got {options.draft_quantization!r}")
     check_model_mode(options.eager, options.compile)
+    object.__setattr__(options, "compile", compile_scope(options.compile))  # True/False given: "all"/"none"
 
 
 @dataclass(slots=True, frozen=True)
@@ -24,7 +25,7 @@ class LocalOptions:
     dtype: str = "auto"
     threads: int | None = None  # torch's CPU threads (None: all cores)
     eager: bool = False  # models as Hugging Face builds them (no prepacked linears, no CUDA graphs)
-    compile: bool = False  # decode forwards compiled by torch.compile on a CPU too (a GPU's default)
+    compile: str = "none"  # whose decode forwards torch.compile compiles on a CPU too (core.config.COMPILE_SCOPES)
     kv_tokens: int = 0  # each model's KV token budget (0: a share of the memory free when its runner starts)
     draft_quantization: str = "none"  # "int8" or "w8a8": draft weights as int8 (core.config; output unchanged)
 
@@ -55,7 +56,7 @@ class ClusterOptions:
     device: str = "auto"
     dtype: str = "auto"
     eager: bool = False  # models as Hugging Face builds them (no prepacked linears)
-    compile: bool = False  # decode forwards compiled by torch.compile on a CPU too (a GPU's default)
+    compile: str = "none"  # whose decode forwards torch.compile compiles on a CPU too (core.config.COMPILE_SCOPES)
     kv_tokens: int = 0  # every worker's KV token budget (0: a share of the memory free when it starts)
     draft_quantization: str = "none"  # "int8" or "w8a8": draft workers hold their weights as int8 (core.config)
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tandem.core.config import QUANTIZATIONS, check_model_mode
+from tandem.core.config import QUANTIZATIONS, check_model_mode, compiles
 from tandem.core.fused_linear import stack_on_gpu
 from tandem.core.int8_linear import quantize_int8
 from tandem.core.packed_linear import prepack
@@ -211,12 +211,13 @@ def load_pair(
     pip_args: list[str] | None = None,
     eager: bool = False,
     draft_quantization: str = "none",
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> tuple[LoadedModel, LoadedModel]:
-    """Load a draft and a target and check that they can be paired; returns (draft, target)."""
-    common = {"device": device, "dtype": dtype, "progress": progress, "pip_args": pip_args, "eager": eager,
-              "compile": compile}
-    draft = load_model(draft_spec, quantization=draft_quantization, **common)
-    target = load_model(target_spec, **common)
+    """Load a draft and a target and check that they can be paired; returns (draft, target). `compile`: a
+    core.config.COMPILE_SCOPES scope ("draft": the draft's runners alone compile), or a bool for both or neither."""
+    check_model_mode(eager, compile)
+    common = {"device": device, "dtype": dtype, "progress": progress, "pip_args": pip_args, "eager": eager}
+    draft = load_model(draft_spec, quantization=draft_quantization, compile=compiles(compile, draft=True), **common)
+    target = load_model(target_spec, compile=compiles(compile, draft=False), **common)
     check_compatible(draft, target)
     return draft, target
