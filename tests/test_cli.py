@@ -68,10 +68,35 @@ def test_compile_says_why_the_start_is_slow(capsys) -> None:
 
     from tandem.cli.common import announce_compile
 
-    announce_compile(argparse.Namespace(compile=False))
+    announce_compile(argparse.Namespace(compile="none"))
     assert capsys.readouterr().err == ""
-    announce_compile(argparse.Namespace(compile=True))
-    assert "--compile: each model's decode forwards compile before the first request" in capsys.readouterr().err
+    announce_compile(argparse.Namespace(compile="all"))
+    assert "--compile all: each model's decode forwards compile before the first request" in capsys.readouterr().err
+    announce_compile(argparse.Namespace(compile="draft"))
+    assert "--compile draft: the draft's decode forwards compile" in capsys.readouterr().err
+
+
+def test_compile_draft_compiles_the_draft_alone(capsys, cli_models) -> None:
+    """`--compile-draft` loads the draft to compile its decode forwards and the target to run eagerly; it excludes
+    `--compile` and `--eager`. Nothing compiles here: compiling starts when a runner warms up."""
+    import argparse
+
+    from tandem.cli.common import add_model_options, load_models
+
+    parser = argparse.ArgumentParser()
+    add_model_options(parser)
+    assert [parser.parse_args(flags).compile for flags in ([], ["--compile"], ["--compile-draft"])] == [
+        "none", "all", "draft"]
+    for clash in (["--compile", "--compile-draft"], ["--eager", "--compile-draft"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(clash)
+    capsys.readouterr()
+    args = parser.parse_args(["--target", str(cli_models / "target"), "--draft", str(cli_models / "draft"),
+                              "--device", "cpu", "--dtype", "float32", "--compile-draft"])
+    target, draft = load_models(args, speculate=True)
+    assert (draft.compile, target.compile) == (True, False)
+    target, draft = load_models(args, speculate=False)
+    assert (draft, target.compile) == (None, False)
 
 
 def test_kv_tokens_sets_the_runners_budget(capsys, cli_models) -> None:

@@ -126,6 +126,27 @@ def test_the_compile_option_reaches_every_runner(tiny_dirs) -> None:
             options(eager=True, compile=True)
 
 
+def test_compile_scopes_say_which_model_of_a_pair_compiles(tiny_dirs) -> None:
+    """"draft" compiles the draft's runners alone, "all" (or True) both, "none" (or False) neither: in a pair loaded
+    here and in the workers a cluster starts. Options keep the scope a bool stood for; an unknown one is refused."""
+    from tandem.engines.cluster import _worker_common
+    from tandem.models.loader import load_pair
+
+    for scope, draft_compiles, target_compiles in (("draft", True, False), ("all", True, True), (True, True, True),
+                                                   ("none", False, False)):
+        draft, target = load_pair(str(tiny_dirs.draft), str(tiny_dirs.target), device=torch.device("cpu"),
+                                  dtype=torch.float32, progress=False, compile=scope)
+        assert (draft.compile, target.compile) == (draft_compiles, target_compiles)
+        options = ClusterOptions(compile=scope)
+        assert [_worker_common(options, draft=d)["compile"] for d in (True, False)] == [draft_compiles,
+                                                                                      target_compiles]
+    assert LocalOptions(compile=True).compile == "all" and ClusterOptions(compile=False).compile == "none"
+    with pytest.raises(InvalidArgument, match="compile: one of none, draft, all"):
+        LocalOptions(compile="target")
+    with pytest.raises(InvalidArgument, match="eager and compile"):
+        ClusterOptions(eager=True, compile="draft")
+
+
 @pytest.mark.slow
 def test_compile_benchmark_compares_both_engines_of_each_kind(tiny_dirs, tmp_path) -> None:
     """tandem.bench.compile_ab on the tiny pair in float32: every section reported, and compiled tokens equal eager."""
