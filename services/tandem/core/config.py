@@ -15,8 +15,8 @@ QUANTIZATIONS = ("none", "int8", "w8a8")
 
 # Which models of a pair compile their decode forwards with torch.compile on a CPU (a GPU compiles both by default).
 # "draft": the draft alone, whose small layers gain most from compiling (1.26x a forward against the target's 1.05x
-# on a 2-core CPU, docs/performance.md), for the draft's share of the minutes of compiling. True and False, as a
-# model's own setting is given, stand for "all" and "none".
+# on a 2-core CPU, docs/performance.md), without the target's minutes of compiling. True and False, as a model's own
+# setting is given, stand for "all" and "none".
 COMPILE_SCOPES = ("none", "draft", "all")
 
 
