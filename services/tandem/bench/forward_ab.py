@@ -1,12 +1,10 @@
-"""Two ways of running the same forward, forward by forward in one sitting: fused projections, compiled forwards, a
-w8a8 draft, or torch's rms_norm for the norms.
+"""Two ways of running the same forward, forward by forward in one sitting: fused projections, compiled forwards, or
+a w8a8 draft.
 
 `--compare fusion`: each model of the pair loaded twice, prepacked with and without fusing q/k/v and gate/up
 (core.fused_linear). `--compare compile`: each model loaded once, run by an eager runner and by one whose decode
 forwards torch.compile compiled (on a CPU: the static forwards without CUDA graphs). `--compare w8a8`: the draft
-only, loaded as is and with `--draft-quantization w8a8` (core.w8a8_linear). `--compare norms`: each model loaded
-twice, prepacked and fused, one with its norms by torch's rms_norm (core.rms_norm), one with Hugging Face's; the
-draft held as `--draft-quantization` asks. Each runner holds one sequence of
+only, loaded as is and with `--draft-quantization w8a8` (core.w8a8_linear). Each runner holds one sequence of
 the same context; forwards of each width then alternate between the two (A B, then B A) for `--steps` pairs, each
 feeding `width` tokens at the context's end and rolled back, so every forward sees the same context. Reported per
 model and width: the median seconds of each, the speed-up of the first over the second (the median of each
@@ -16,7 +14,6 @@ seconds (a compile), and the largest difference between their logits.
     python -m tandem.bench.forward_ab --compare fusion --json fusion.json      # about 2 min on a 2-core CPU
     python -m tandem.bench.forward_ab --compare compile --json compile.json    # plus a compile per model and width
     python -m tandem.bench.forward_ab --compare w8a8 --json w8a8.json          # about 1 min
-    python -m tandem.bench.forward_ab --compare norms --draft-quantization w8a8 --json norms.json
 """
 
 from __future__ import annotations
@@ -31,38 +28,31 @@ import torch
 from tandem.bench.packing import packable_dtype
 from tandem.cli.common import add_bench_model_options
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, write_json
-from tandem.core.config import QUANTIZATIONS
 from tandem.core.packed_linear import prepack
-from tandem.core.rms_norm import replace_norms
 from tandem.core.runner import ModelRunner
 from tandem.models.loader import load_model
 
-VARIANTS = {"fusion": ("fused", "unfused"), "compile": ("compiled", "eager"), "w8a8": ("w8a8", "as_loaded"),
-            "norms": ("torch_rms_norm", "hf_rms_norm")}
+VARIANTS = {"fusion": ("fused", "unfused"), "compile": ("compiled", "eager"), "w8a8": ("w8a8", "as_loaded")}
 
 
 def _ids(count: int, vocab: int, offset: int = 0) -> list[int]:
     return [(offset + 7 + 13 * i) % vocab for i in range(count)]
 
 
-def _runners(compare: str, name: str, dtype: torch.dtype, context: int, quantization: str = "none") -> dict:
+def _runners(compare: str, name: str, dtype: torch.dtype, context: int) -> dict:
     first, second = VARIANTS[compare]
-    if compare in ("fusion", "norms"):
+    if compare == "fusion":
         models = {}
         for variant in (first, second):
-            loaded = load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False, eager=True,
-                                quantization=quantization)
-            prepack(loaded.model, fuse_siblings=compare == "norms" or variant == first)
-            if compare == "norms" and variant == first:
-                replace_norms(loaded.model)
+            loaded = load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False, eager=True)
+            prepack(loaded.model, fuse_siblings=variant == first)
             models[variant] = ModelRunner(loaded.model)
     elif compare == "w8a8":
         models = {variant: ModelRunner(load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False,
                                                   quantization="w8a8" if variant == first else "none").model)
                   for variant in (first, second)}
     else:
-        model = load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False,
-                           quantization=quantization).model
+        model = load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False).model
         models = {first: ModelRunner(model, compile=True), second: ModelRunner(model, compile=False)}
     runners = {}
     for variant, runner in models.items():
@@ -84,8 +74,8 @@ def _forward(runner: ModelRunner, state, width: int) -> tuple[float, torch.Tenso
 
 
 def compare_forwards(compare: str, name: str, dtype: torch.dtype, widths: list[int], steps: int,
-                     context: int, quantization: str = "none") -> dict:
-    runners = _runners(compare, name, dtype, context, quantization)
+                     context: int) -> dict:
+    runners = _runners(compare, name, dtype, context)
     first, second = VARIANTS[compare]
     result: dict = {}
     for width in widths:
@@ -118,20 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 5], help="tokens per forward")
     parser.add_argument("--steps", type=int, default=60, help="alternated pairs of forwards per width")
     parser.add_argument("--context", type=int, default=300, help="tokens cached before the timed forwards")
-    parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default="none",
-                        help="the draft's weights as `--draft-quantization` holds them (not with --compare w8a8)")
     add_json_option(parser, "the report")
     args = parser.parse_args(argv)
     dtype = packable_dtype(parser, args)
     report: dict = {"config": {"compare": args.compare, "variants": VARIANTS[args.compare], "target": args.target,
                                "draft": args.draft, "dtype": args.dtype, "threads": args.threads,
                                "steps": args.steps, "context": args.context, "torch": torch.__version__,
-                               "draft_quantization": args.draft_quantization,
                                "machine": platform.processor() or platform.machine()}}
     for role in ("draft",) if args.compare == "w8a8" else ("target", "draft"):  # a target is never quantized
-        quantization = args.draft_quantization if role == "draft" and args.compare != "w8a8" else "none"
         report[role] = compare_forwards(args.compare, getattr(args, role), dtype, args.widths, args.steps,
-                                        args.context, quantization)
+                                        args.context)
     write_json(args.json, report)
     return 0
 

@@ -17,7 +17,6 @@ from tandem.core.config import QUANTIZATIONS, check_model_mode, compiles
 from tandem.core.fused_linear import stack_on_gpu
 from tandem.core.int8_linear import quantize_int8
 from tandem.core.packed_linear import prepack
-from tandem.core.rms_norm import replace_norms
 from tandem.core.w8a8_linear import quantize_w8a8
 from tandem.errors import IncompatibleModels, InvalidArgument, ModelNotFound
 from tandem.models.hub import hub_local_only, hub_not_found, hub_ref, looks_local, pin, require_pinned
@@ -134,9 +133,8 @@ def load_model(
     `extra` goes to from_pretrained as is (for example tp_plan="auto" inside a torch.distributed group). Unless
     `eager`, the model is prepared for this device's fast path (core.packed_linear: oneDNN prepacked linears for bf16
     on CPU; on a GPU sibling projections stacked into one product, core.fused_linear, and the runner replays CUDA
-    graphs, core.cuda_graphs; on both, norms by torch's rms_norm, core.rms_norm); `eager` leaves it as
-    from_pretrained built it and says so to the runners. An unpinned hub id is refused unless `allow_unpinned` (see
-    resolve and pin_spec).
+    graphs, core.cuda_graphs); `eager` leaves it as from_pretrained built it and says so to the runners. An unpinned
+    hub id is refused unless `allow_unpinned` (see resolve and pin_spec).
     `quantization` "int8" holds the linear weights as int8 (core.int8_linear), "w8a8" as int8 for oneDNN's int8 GEMM
     (core.w8a8_linear): for draft models only, since the target's logits are the distribution the engine reproduces.
     `compile` tells the runners to compile their decode forwards on a CPU as well (a GPU's default): forwards run
@@ -169,7 +167,6 @@ def load_model(
     if not eager:
         prepack(model)  # the linears left as nn.Linear, if any (CPU)
         stack_on_gpu(model)
-        replace_norms(model)
     # Parameters keep requires_grad as from_pretrained leaves them (inference runs under inference_mode or no_grad, so
     # no graph is built). Turning it off changes torch's CPU matmul for a strided [1, n, H] input (a slice of hidden
     # states, as generate's logits_to_keep feeds the LM head): it no longer folds into one mm but runs a bf16 bmm
