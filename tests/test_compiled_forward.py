@@ -19,7 +19,7 @@ from tandem.core.runner import ModelRunner
 from tandem.engines.local import build_engine
 from tandem.engines.options import ClusterOptions, LocalOptions
 from tandem.errors import InvalidArgument
-from tandem.models.loader import load_model
+from tandem.models.loader import load_model, load_pair
 from tandem.workers.worker_base import WorkerConfig, load_runner
 
 # One worker for the module: its compiles are in-process, so later tests reuse the earlier tests' graphs.
@@ -107,8 +107,9 @@ def test_packed_and_fused_models_compile(tiny_dirs, monkeypatch, dtype) -> None:
 
 @pytest.mark.slow
 def test_the_compile_option_reaches_every_runner(tiny_dirs) -> None:
-    """`--compile` travels as LoadedModel.compile to the engine's runners and as WorkerConfig.compile to a worker's;
-    without it a CPU runner has no static forwards. Eager and compile together are refused before any loading."""
+    """`--compile` travels as LoadedModel.compile to the engine's runners and as WorkerConfig.compile to a worker's,
+    `--compile-draft` to the draft's runner alone; without either a CPU runner has no static forwards. Eager and
+    compile together are refused before any loading."""
     def load(path, compile: bool):
         return load_model(str(path), device=torch.device("cpu"), dtype=torch.float32, progress=False, compile=compile)
 
@@ -116,6 +117,12 @@ def test_the_compile_option_reaches_every_runner(tiny_dirs) -> None:
         engine = build_engine(load(tiny_dirs.target, compile), load(tiny_dirs.draft, compile), kv_tokens=4096)
         runners = (engine.verifier.runner, engine.drafter.runner)
         assert all((r.graphs is not None and r.graphs.compiled) == compile for r in runners)
+    # `--compile-draft`: the draft's runner compiles, the target's runs eagerly.
+    draft, target = load_pair(str(tiny_dirs.draft), str(tiny_dirs.target), device=torch.device("cpu"),
+                              dtype=torch.float32, progress=False, compile="draft")
+    engine = build_engine(target, draft, kv_tokens=4096)
+    assert engine.drafter.runner.graphs is not None and engine.drafter.runner.graphs.compiled
+    assert engine.verifier.runner.graphs is None
     worker = load_runner(WorkerConfig(model=str(tiny_dirs.draft), device="cpu", dtype="float32", kv_tokens=4096,
                                       compile=True))
     assert worker.graphs is not None and worker.graphs.compiled and worker.graphs.compile_error is None
@@ -130,7 +137,6 @@ def test_compile_scopes_say_which_model_of_a_pair_compiles(tiny_dirs) -> None:
     """"draft" compiles the draft's runners alone, "all" (or True) both, "none" (or False) neither: in a pair loaded
     here and in the workers a cluster starts. Options keep the scope a bool stood for; an unknown one is refused."""
     from tandem.engines.cluster import _worker_common
-    from tandem.models.loader import load_pair
 
     for scope, draft_compiles, target_compiles in (("draft", True, False), ("all", True, True), (True, True, True),
                                                    ("none", False, False)):
