@@ -71,9 +71,9 @@ def test_compile_says_why_the_start_is_slow(capsys) -> None:
     announce_compile(argparse.Namespace(compile="none"))
     assert capsys.readouterr().err == ""
     announce_compile(argparse.Namespace(compile="all"))
-    assert "--compile all: each model's decode forwards compile before the first request" in capsys.readouterr().err
+    assert "--compile: each model's decode forwards compile before the first request" in capsys.readouterr().err
     announce_compile(argparse.Namespace(compile="draft"))
-    assert "--compile draft: the draft's decode forwards compile" in capsys.readouterr().err
+    assert "--compile-draft: the draft's decode forwards compile" in capsys.readouterr().err
 
 
 def test_compile_draft_compiles_the_draft_alone(capsys, cli_models) -> None:

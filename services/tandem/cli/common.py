@@ -154,8 +154,8 @@ def announce_compile(args: argparse.Namespace) -> None:
     """Say why a start with --compile is quiet for minutes (the runners' per-class progress is logged with -v)."""
     scope = compile_scope(args.compile)
     if scope != "none":
-        whose = "the draft's" if scope == "draft" else "each model's"
-        print(f"tandem: --compile {scope}: {whose} decode forwards compile before the first request (six shape "
+        flag, whose = ("--compile-draft", "the draft's") if scope == "draft" else ("--compile", "each model's")
+        print(f"tandem: {flag}: {whose} decode forwards compile before the first request (six shape "
               "classes, 1-2 min each on a 2-core CPU, less from a kept cache; `tandem -v` logs each)",
               file=sys.stderr, flush=True)
 
