@@ -38,7 +38,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                            "for the next start)")
     mode.add_argument("--compile-draft", dest="compile", action="store_const", const="draft",
                       help="on a CPU, compile the draft's decode forwards alone: its small layers gain most from "
-                           "compiling (speculative decoding at batch 1 1.11x), after minutes of compiling at start")
+                           "compiling (speculative decoding at batch 1 1.06-1.11x), after minutes of compiling at "
+                           "start")
     parser.add_argument("--k-max", type=int, default=SpecConfig().k_max, help="most draft tokens per round")
     parser.add_argument("--fixed-k", type=int, default=None, help="draft exactly this many tokens (no adaptation)")
     parser.add_argument("--draft-confidence", type=float, default=SpecConfig().draft_confidence,
