@@ -215,7 +215,6 @@ def load_pair(
 ) -> tuple[LoadedModel, LoadedModel]:
     """Load a draft and a target and check that they can be paired; returns (draft, target). `compile`: a
     core.config.COMPILE_SCOPES scope ("draft": the draft's runners alone compile), or a bool for both or neither."""
-    check_model_mode(eager, compile)
     common = {"device": device, "dtype": dtype, "progress": progress, "pip_args": pip_args, "eager": eager}
     draft = load_model(draft_spec, quantization=draft_quantization, compile=compiles(compile, draft=True), **common)
     target = load_model(target_spec, compile=compiles(compile, draft=False), **common)
