@@ -10,7 +10,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,11 +21,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tandem.bench.local_cluster import ray_head_command
+from tandem.bench.local_cluster import start_ray_head
 from tandem.client import TandemClient
 from tandem.core.config import SamplingParams
 from tandem.engines.local import build_engine
-from tandem.sessions.embedded import free_port
 
 TOKENS = 40
 PROMPTS = [[5, 6, 7, 8], [40, 50, 60], [1, 2, 3, 4, 5, 6, 7], [200, 17, 33]]
@@ -78,38 +76,12 @@ def ray_head(temp: Path, cpus: int = 8) -> Iterator[str]:
     that stopping it stops this head alone (`ray stop` would stop every Ray on the machine)."""
     if shutil.which("ray", path=str(BIN)) is None:
         pytest.skip("no ray command")
-    for _ in range(3):  # a port free when picked may be taken by a parallel test's Ray before this head binds it
-        head, address = _start_head(temp, cpus)
-        if head is not None:
-            break
-    else:
-        raise AssertionError("the Ray head did not start (three tries)")
+    head, address = start_ray_head(str(temp), head_env, cpus)
     try:
         yield address
     finally:
         head.terminate()
         head.wait(timeout=120)
-
-
-def _start_head(temp: Path, cpus: int) -> tuple[subprocess.Popen | None, str]:
-    """A head listening on its port and still running a second later, or None (it was stopped) where it exited."""
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    head = subprocess.Popen(ray_head_command(port, str(temp), cpus), env=head_env(address),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while head.poll() is None and time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        except OSError:
-            time.sleep(0.2)
-            continue
-        time.sleep(1.0)  # the port answering may be another process's, if this head failed to bind it
-        if head.poll() is None:
-            return head, address
-    head.terminate()
-    head.wait(timeout=120)
-    return None, address
 
 
 class Gateway:

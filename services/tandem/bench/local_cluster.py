@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,6 +23,7 @@ from tandem.sessions.embedded import free_port
 BIN = Path(sys.executable).parent
 SERVING = 1  # grpc.health.v1 HealthCheckResponse.SERVING
 LISTENING = "serving tandem.v1.GenerationService on"  # the line a gateway prints once its port is bound
+RAY_STARTED = "Ray runtime started."  # what `ray start` prints once its head's services are up, before --block
 
 
 class Gateway(NamedTuple):
@@ -53,24 +53,38 @@ def pools_status(address: str, pools: str, timeout: float | None = None) -> dict
     return json.loads(run_tandem(address, "pools", "status", "--name", pools, "--json", timeout=timeout))
 
 
-def wait_for_port(port: int, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"nothing listens on port {port}") from None
-            time.sleep(0.2)
-
-
 def ray_head_command(port: int, temp_dir: str, cpus: int = 4) -> list[str]:
     """`ray start` for a head of our own on loopback; --block: terminating the process stops this head alone. The
     ports Ray would otherwise fix (its client server, the dashboard agent) are free ones, so heads never clash."""
     return [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
             f"--num-cpus={cpus}", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
             f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}"]
+
+
+def start_ray_head(temp_dir: str, env: Callable[[str], dict[str, str]] = ray_env, cpus: int = 4,
+                   log: Path | None = None, tries: int = 3, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """A Ray head of our own on a free loopback port and its address HOST:PORT, once `ray start` says it started.
+    `env(address)`: the head's environment; `log`: its output (else a file in `temp_dir`). A port free when picked
+    may be taken by another process's Ray before this head binds it, and the head then exits: it is tried again on a
+    fresh port, `tries` times in all; RuntimeError after that."""
+    log = log or Path(temp_dir) / "ray-head.out"
+    for _ in range(tries):
+        port = free_port()
+        address = f"127.0.0.1:{port}"
+        written = log.stat().st_size if log.exists() else 0
+        with log.open("a") as output:
+            head = subprocess.Popen(ray_head_command(port, temp_dir, cpus), env=env(address), stdout=output,
+                                    stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while head.poll() is None and time.monotonic() < deadline:  # a head that exits ends the wait at once
+            with log.open() as output:  # this try's output only: an earlier try's head may have said it started
+                output.seek(written)
+                if RAY_STARTED in output.read():
+                    return head, address
+            time.sleep(0.2)
+        head.terminate()
+        head.wait(timeout=120)
+    raise RuntimeError(f"no Ray head started in {tries} tries (see {log})")
 
 
 def start_gateway(address: str, pools: str, extra: Sequence[str] = (), log: Path | None = None,

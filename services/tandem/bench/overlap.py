@@ -24,11 +24,9 @@ from loadtest.prompts import load_set
 from tandem.bench.local_cluster import (
     greedy_streams,
     pools_status,
-    ray_env,
-    ray_head_command,
     run_tandem,
     start_gateway,
-    wait_for_port,
+    start_ray_head,
 )
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
 
@@ -59,12 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     add_json_option(parser, "the report")
     args = parser.parse_args(argv)
 
-    address = "127.0.0.1:6398"
-    head = subprocess.Popen(ray_head_command(6398, tempfile.mkdtemp(prefix="tandem-ray-")), env=ray_env(address),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    head, address = start_ray_head(tempfile.mkdtemp(prefix="tandem-ray-"))
     gateways: list[subprocess.Popen] = []
     try:
-        wait_for_port(6398)
         run_tandem(address, "pools", "start", "--name", "overlap", "--threads", "1", "--draft-workers", "1",
                    "--target-replicas", "1", *args.pool_args.split())
         status = pools_status(address, "overlap")

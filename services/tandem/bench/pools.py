@@ -22,10 +22,9 @@ from tandem.bench.local_cluster import (
     greedy_streams,
     pools_status,
     ray_env,
-    ray_head_command,
     run_tandem,
     start_gateway,
-    wait_for_port,
+    start_ray_head,
 )
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
 
@@ -50,10 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     address, head = args.ray_address, None
     if address is None:
-        address = "127.0.0.1:6399"
-        head = subprocess.Popen(ray_head_command(6399, tempfile.mkdtemp(prefix="tandem-ray-")), env=ray_env(address),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(6399)
+        head, address = start_ray_head(tempfile.mkdtemp(prefix="tandem-ray-"))
     gateways: list[subprocess.Popen] = []
     try:
         run_tandem(address, "pools", "start", "--name", "bench", "--threads", str(args.threads), "--draft-workers",

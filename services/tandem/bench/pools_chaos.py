@@ -15,10 +15,8 @@ errors), identical_to_plain, event times and the share of requested tokens deliv
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,10 +33,9 @@ from tandem.bench.local_cluster import (
     BIN,
     pools_status,
     ray_env,
-    ray_head_command,
     run_tandem,
     start_gateway,
-    wait_for_port,
+    start_ray_head,
 )
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
 from tandem.client import TandemClient
@@ -199,25 +196,11 @@ def gateway_kill(address: str, gateways: list[str], prompts: list[Prompt], args:
 
 
 def _start_head(logs: Path, report: dict) -> tuple[subprocess.Popen, str]:
-    """A Ray head of our own, asked for 127.0.0.1 (Ray 2.60's `ray start` swaps it for the node's routable address, so
-    its services listen there too); --block: terminating it stops this head alone."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    address, log = f"127.0.0.1:{port}", logs / "ray-head.log"
-    # A short temp dir of its own: Ray's AF_UNIX socket paths under it must stay within 107 bytes.
+    """A Ray head of our own on loopback, in a short temp dir of its own (Ray's AF_UNIX socket paths under it must stay
+    within 107 bytes), with no 30 s drain when it is stopped: the pools and the gateways go with it."""
     report["ray_temp_dir"] = tempfile.mkdtemp(prefix="chaos-ray-")
-    head = subprocess.Popen(ray_head_command(port, report["ray_temp_dir"]), stdout=log.open("w"),
-                            stderr=subprocess.STDOUT,
-                            # no 30 s drain when it is stopped: the pools and the gateways go with it
-                            env=ray_env(address) | {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
-    deadline = time.monotonic() + 120
-    while head.poll() is None and time.monotonic() < deadline:  # a head that exits ends the wait at once
-        with contextlib.suppress(RuntimeError):
-            wait_for_port(port, timeout_s=0.5)
-            return head, address
-    head.kill()
-    raise RuntimeError(f"no Ray head on {address} (see {log})")
+    return start_ray_head(report["ray_temp_dir"], lambda address: ray_env(address) | {
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}, log=logs / "ray-head.log")
 
 
 def main(argv: list[str] | None = None) -> dict:
