@@ -169,6 +169,10 @@ def test_compile_benchmark_compares_both_engines_of_each_kind(tiny_dirs, tmp_pat
         row = report[section]
         assert row["eager_tok_s"] > 0 and row["compiled_tok_s"] > 0 and row["identical"] == 2, (section, row)
     assert len(report["auto_b1"]["prompt_ratios"]) == 2 and report["compile_seconds"] > 0
+    # what each engine drafted, per repeat at once: a plain engine drafts nothing
+    assert report["plain_b2"]["drafted"] == {"eager": [0], "compiled": [0]} and report["plain_b1"]["alpha"] == {
+        "eager": 0.0, "compiled": 0.0}
+    assert all(len(runs) == 1 for runs in report["auto_b2"]["alpha"].values())
 
 
 @pytest.mark.slow

@@ -60,6 +60,7 @@ def one_at_a_time(engines: dict, kind: str, ids: list[list[int]], max_tokens: in
     tokens = {v: 0 for v in VARIANTS}
     seconds = {v: 0.0 for v in VARIANTS}
     outputs: dict[str, list] = {v: [] for v in VARIANTS}
+    drafted = {v: [0, 0] for v in VARIANTS}  # drafted, accepted
     ratios = []
     for index, prompt in enumerate(ids):
         rates = {}
@@ -70,6 +71,8 @@ def one_at_a_time(engines: dict, kind: str, ids: list[list[int]], max_tokens: in
             tokens[variant] += len(result.token_ids)
             seconds[variant] += elapsed
             outputs[variant].append(list(result.token_ids))
+            drafted[variant][0] += result.stats["drafted"]
+            drafted[variant][1] += result.stats["accepted"]
             rates[variant] = len(result.token_ids) / elapsed
         ratios.append(rates["compiled"] / rates["eager"])
         print(f"{kind} b1 prompt {index}: compiled/eager {ratios[-1]:.3f}x", flush=True)
@@ -77,6 +80,8 @@ def one_at_a_time(engines: dict, kind: str, ids: list[list[int]], max_tokens: in
     return report | {"compiled_over_eager": round(report["compiled_tok_s"] / report["eager_tok_s"], 4),
                      "median_prompt_ratio": round(statistics.median(ratios), 4),
                      "prompt_ratios": [round(r, 4) for r in ratios],
+                     "drafted": {v: d for v, (d, _) in drafted.items()},
+                     "alpha": {v: round(a / d, 4) if d else 0.0 for v, (d, a) in drafted.items()},
                      "identical": sum(a == b for a, b in zip(outputs["eager"], outputs["compiled"], strict=True))}
 
 
@@ -91,7 +96,10 @@ def all_at_once(engines: dict, kind: str, ids: list[list[int]], max_tokens: int,
     pairs = zip(runs["eager"], runs["compiled"], strict=True)
     return {f"{v}_tok_s": pooled[v] for v in VARIANTS} | {
         "compiled_over_eager": round(pooled["compiled"] / pooled["eager"], 4),
-        "repeat_ratios": [round(c["tok_s"] / e["tok_s"], 4) for e, c in pairs], "identical": identical}
+        "repeat_ratios": [round(c["tok_s"] / e["tok_s"], 4) for e, c in pairs], "identical": identical,
+        # per repeat: at N rows the batch plan decides how much drafting pays, so a gain may come from drafting more
+        "drafted": {v: [r["drafted"] for r in rs] for v, rs in runs.items()},
+        "alpha": {v: [r["alpha"] for r in rs] for v, rs in runs.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
