@@ -5,8 +5,8 @@ the kernel keeps up. PyTorch's weight-only int8 kernel (core.int8_linear) widens
 dtype on the fly, which on an AVX-512/AMX CPU costs more than the bytes it saves as a step's rows grow. oneDNN's
 int8 GEMM multiplies int8 by int8 into int32 (AMX or VNNI instructions) and streams the half-size weights at the
 rate bf16 weights stream, so the 0.5B draft's products take about 0.55 of their prepacked bf16 time. The rest of a
-forward stays as it was: on a 2-core AMX Xeon a whole draft forward ran 1.11x, AUTO at batch 1 1.03-1.19x
-(docs/performance.md).
+forward stays as it was: a whole draft forward of one token runs 1.25x on a 2-core AMX Xeon and 1.26x on an
+AVX-512 EPYC (docs/performance.md).
 
 The activations are quantized at each call, one scale per row (its largest magnitude over 127), so a row's product
 does not depend on the step's other rows and an outlier token of a prefill coarsens only its own row. The int32
