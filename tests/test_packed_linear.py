@@ -142,7 +142,19 @@ def test_speculative_engine_on_packed_models_equals_plain_greedy(tiny_dirs, dtyp
     for name, spec in (("plain", SpecConfig(enabled=False)), ("spec", SpecConfig(k_max=4, k_init=4, adaptive=False))):
         engine = build_engine(target, draft if spec.enabled else None, EngineConfig(spec=spec, calibrate=False))
         outputs[name] = [result.token_ids for result in engine.generate(prompts, params)]  # one batch
-    assert outputs["spec"] == outputs["plain"]
+    if dtype == torch.float32:  # the dtype exactness is held to
+        assert outputs["spec"] == outputs["plain"]
+        return
+    # In bf16 a (k + 1)-token verify forward and a 1-token forward round differently (on an AMX CPU nn.Linear's own
+    # result depends on the row count), so greedy outputs may part, but only where the target's two best logits
+    # are within bf16's rounding of each other: anywhere else a difference is a bug.
+    for prompt, plain, spec in zip(prompts, outputs["plain"], outputs["spec"], strict=True):
+        if plain != spec:
+            at = next(i for i, (a, b) in enumerate(zip(plain, spec, strict=True)) if a != b)
+            with torch.no_grad():
+                logits = target.model(torch.tensor([prompt + plain[:at]])).logits[0, -1].float()
+            gap = (logits[plain[at]] - logits[spec[at]]).abs()
+            assert gap <= 2 * torch.finfo(torch.bfloat16).eps * logits.abs().max(), (prompt, at, gap)
 
 
 def test_models_stay_eager_where_the_cpu_cannot_pack() -> None:
