@@ -29,6 +29,7 @@ def test_the_tandem_side_loads_once_and_answers_runs_in_turn(tiny_dirs, tmp_path
     with Resident("tandem", TANDEM_SIDE, tandem_job(tiny_dirs), tmp_path / "w.log", env(), echo=("tandem ",),
                   say=seen.append) as worker:
         assert worker.loaded["torch_threads"] == 1 and worker.loaded["load_seconds"] >= 0
+        assert worker.loaded["draft_ids_scored"] > 40  # the whole vocabulary by default
         plain = worker.ask({"mode": "plain_b1", "prompts": [1]})
         auto = worker.ask({"mode": "auto_b1", "prompts": [1]})
         both = worker.ask({"mode": "plain_b2", "prompts": [0, 1]})
@@ -37,6 +38,16 @@ def test_the_tandem_side_loads_once_and_answers_runs_in_turn(tiny_dirs, tmp_path
     assert both["requests"] == 2 and both["outputs"][1] == plain["outputs"][0]
     assert any("tandem plain_b1 1: 8 tokens" in line for line in seen)
     assert "==== tandem" in (tmp_path / "w.log").read_text()
+
+
+def test_the_tandem_side_drafts_from_the_first_ids_alone_when_asked(tiny_dirs, tmp_path: Path) -> None:
+    """`--draft-vocab 40`: the AUTO engine's drafter scores ids below 40 alone; its output stays plain greedy's."""
+    with Resident("tandem", TANDEM_SIDE, tandem_job(tiny_dirs, draft_vocab=40), tmp_path / "w.log", env(),
+                  echo=("tandem ",)) as worker:
+        plain = worker.ask({"mode": "plain_b1", "prompts": [1]})
+        auto = worker.ask({"mode": "auto_b1", "prompts": [1]})
+    assert worker.loaded["draft_ids_scored"] == 40
+    assert auto["outputs"] == plain["outputs"]
 
 
 def test_a_worker_that_dies_is_reported_with_the_end_of_its_output(tiny_dirs, tmp_path: Path) -> None:

@@ -100,14 +100,14 @@ def test_arguments_defaults_and_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (args.threads, args.max_tokens, args.batch, args.k, args.repeats) == (2, 128, 8, 4, 2)
     assert args.vllm_python == compare.DEFAULT_VLLM_PYTHON and args.systems == ["tandem", "vllm"]
     assert args.prompts == "bench" and args.num_prompts is None and not args.no_served and args.dtype == "bfloat16"
-    assert args.json == compare.DEFAULT_REPORT and args.kv_space == 2
+    assert args.json == compare.DEFAULT_REPORT and args.kv_space == 2 and args.draft_vocab == 0
     monkeypatch.setenv("VLLM_PYTHON", "/opt/v/bin/python")
     args = compare.parse_args(["--systems", "vllm", "tandem", "--max-tokens", "16", "--num-prompts", "2", "--repeats",
                                "1", "--dtype", "float32", "--json"])
     assert args.dtype == "float32" and args.vllm_python == "/opt/v/bin/python" and args.systems == ["vllm", "tandem"]
     assert (args.max_tokens, args.num_prompts, args.repeats, args.json) == (16, 2, 1, "-")
     for bad in (["--systems", "tandem", "sglang"], ["--systems", "vllm", "vllm"], ["--systems", "tandem,vllm"],
-                ["--repeats", "0"], ["--threads", "0"], ["--dtype", "float16"]):
+                ["--repeats", "0"], ["--threads", "0"], ["--dtype", "float16"], ["--draft-vocab", "-1"]):
         with pytest.raises(SystemExit):
             compare.parse_args(bad)
 

@@ -92,11 +92,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            help="tandem with `--compile-draft` (the draft's decode forwards alone compiled)")
     parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default="none",
                         help="tandem's draft weights as `--draft-quantization` holds them (vLLM's stay as loaded)")
+    parser.add_argument("--draft-vocab", type=int, default=0,
+                        help="tandem's drafter scores only the first N token ids, as `--draft-vocab` (0: all; "
+                             "vLLM's draft scores all)")
     add_json_option(parser, "the report (its workers' output goes to a .log beside a file)")
     parser.set_defaults(json=DEFAULT_REPORT)
     args = parser.parse_args(argv)
     if len(set(args.systems)) != len(args.systems):
         parser.error(f"--systems: give tandem and/or vllm once each, got {args.systems}")
+    if args.draft_vocab < 0:
+        parser.error("--draft-vocab: must be non-negative (0 keeps the full vocabulary)")
     for name in ("threads", "max_tokens", "batch", "k", "repeats", "kv_space"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: must be at least 1")
@@ -159,7 +164,8 @@ def tandem_worker(args: argparse.Namespace, jobs: list[str], log: Path) -> Resid
     return Resident("tandem", TANDEM_SIDE, {
         "target": args.target, "draft": args.draft, "texts": jobs, "max_tokens": args.max_tokens,
         "threads": args.threads, "dtype": args.dtype, "compile": args.compile,
-        "draft_quantization": args.draft_quantization}, log, echo=("tandem ", "vllm "), say=say)
+        "draft_quantization": args.draft_quantization, "draft_vocab": args.draft_vocab}, log,
+        echo=("tandem ", "vllm "), say=say)
 
 
 def vllm_job(args: argparse.Namespace, jobs: list[str]) -> dict:
@@ -251,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                          "threads": args.threads, "repeats": args.repeats, "dtype": args.dtype, "greedy": True,
                          "order": [f"{p}:{r + 1}:{s}:{m}:{'all' if i is None else i}" for p, r, s, m, i in order],
                          "target": args.target, "draft": args.draft, "vllm_k": args.k, "log": str(log),
-                         "tandem_compile": args.compile, "tandem_draft_quantization": args.draft_quantization},
+                         "tandem_compile": args.compile, "tandem_draft_quantization": args.draft_quantization,
+                         "tandem_draft_vocab": args.draft_vocab},
               "systems": loaded, "errors": errors,
               "runs": {s: [{m: {k: v for k, v in x.items() if k != "outputs"} for m, x in r.items()} for r in reps]
                        for s, reps in runs.items()}}

@@ -7,9 +7,9 @@ The process is started by tandem.bench.vllm_compare (tandem.bench.resident) with
 
 job: target, draft (registry names or paths), texts (the prompts; the chat template is applied as `tandem bench`
 does), max_tokens, threads, dtype, compile (a core.config.COMPILE_SCOPES scope: whose decode forwards compile),
-draft_quantization (`--draft-quantization`). Each request names a mode (plain_b1, auto_b1, plain_bN, auto_bN) and
-the prompts to send in one engine.generate call, greedy, on the CPU. Loading, calibration and warm-up requests are
-left out of the timings.
+draft_quantization (`--draft-quantization`), draft_vocab (`--draft-vocab`; 0 or absent: all ids). Each request names
+a mode (plain_b1, auto_b1, plain_bN, auto_bN) and the prompts to send in one engine.generate call, greedy, on the
+CPU. Loading, calibration and warm-up requests are left out of the timings.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def load(job: dict) -> tuple[dict, Callable[[dict], dict]]:
     through that engine in one generate call, greedy, job["max_tokens"] each."""
     import transformers
 
-    from tandem.core.config import EngineConfig, SamplingParams
+    from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
     from tandem.engines.local import build_engine, encode_prompt
     from tandem.models.loader import load_pair
 
@@ -66,7 +66,8 @@ def load(job: dict) -> tuple[dict, Callable[[dict], dict]]:
     # share of free memory: the other system is loaded beside this one.
     kv_tokens = max(len(ids), EngineConfig().max_batch) * max(1024, max(map(len, ids)) + job["max_tokens"] + 64)
     engines = {"plain": build_engine(target, None, EngineConfig(calibrate=False), kv_tokens=kv_tokens),
-               "auto": build_engine(target, draft, EngineConfig(), kv_tokens=kv_tokens)}
+               "auto": build_engine(target, draft, EngineConfig(spec=SpecConfig(draft_vocab=job.get("draft_vocab", 0))),
+                                    kv_tokens=kv_tokens)}
     for engine in engines.values():  # a short lone request and a short batch: compiling, calibrating, first calls
         engine.generate([ids[0][:8]], SamplingParams(temperature=0.0, max_tokens=job["max_tokens"]))
         engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=4))
@@ -81,7 +82,8 @@ def load(job: dict) -> tuple[dict, Callable[[dict], dict]]:
 
     loaded = {"load_seconds": round(load_seconds, 1), "kv_tokens": kv_tokens,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-              "torch_threads": torch.get_num_threads()}
+              "torch_threads": torch.get_num_threads(),
+              "draft_ids_scored": engines["auto"].drafter.runner.vocab_size}
     return loaded, answer
 
 
@@ -102,6 +104,7 @@ def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: P
     cmd = [sys.executable, "-m", "tandem", "serve", "--in-process", "--target", args.target, "--draft", args.draft,
            "--device", "cpu", "--dtype", args.dtype, "--threads", str(args.threads), "--port", address.split(":")[1],
            "--no-metrics", "--draft-quantization", getattr(args, "draft_quantization", "none"),
+           "--draft-vocab", str(getattr(args, "draft_vocab", 0)),
            *({"all": ["--compile"], "draft": ["--compile-draft"]}.get(compile, []))]
     modes: dict[str, dict] = {}
     with log.open("a") as sink:
