@@ -1,5 +1,5 @@
 """Compiled static forwards on a CPU: the forward that CUDA graphs record on a GPU (core.cuda_graphs: fixed buckets,
-the whole buffers under a mask, compiled by torch.compile with dynamic shapes), run here without the capture. The
+the buffers under a mask, compiled by torch.compile with dynamic shapes), run here without the capture. The
 same greedy tokens as the eager runner and Hugging Face's generate in float32, for batched rows of different lengths
 and a lone row, plain and speculative; a seed gives the same tokens; cache growth compiles nothing new.
 """
@@ -11,6 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.core.cuda_graphs import WINDOW_ALIGN
 from tandem.core.engine import SpeculativeEngine
 from tandem.core.fused_linear import FusedPart
 from tandem.core.local import LocalDrafter, LocalVerifier
@@ -74,6 +75,34 @@ def test_cache_growth_and_new_runners_compile_nothing_new(tiny_models) -> None:
     assert runners[0].cache.capacity >= 600 > 256  # grew from the first allocation
     assert counters["stats"]["unique_graphs"] == graphs
     assert compiled == [hf_greedy(tiny_models, PROMPTS[0], 600)]
+
+
+@pytest.mark.slow
+def test_attention_reads_only_the_positions_the_rows_reach(tiny_models, monkeypatch) -> None:
+    """Without CUDA graphs a compiled forward's attention reads the buffers up to the furthest position its rows
+    reach, rounded up to WINDOW_ALIGN, not the capacity a long earlier sequence left; the tokens stay greedy's."""
+    target = tiny_models[0]
+    runner = ModelRunner(target.model, kv_tokens=4096, compile=True)
+    long = runner.state("long")
+    long.sync(0, [3 + i % 40 for i in range(700)])
+    runner.prefill(long, 700)
+    runner.release("long")
+    assert runner.cache.capacity >= 700
+    windows: list[int] = []
+    body = runner.graphs._body
+    monkeypatch.setattr(runner.graphs, "_body", lambda graph, length: windows.append(length) or body(graph, length))
+    state = runner.state("short")
+    prompt = PROMPTS[1]  # 19 tokens
+    state.sync(0, prompt)
+    runner.prefill(state, len(prompt) - 1)
+    tokens = []
+    for _ in range(50):  # past 64 positions: the window grows once
+        logits = runner.forward_on_device([state], [1])
+        tokens.append(int(logits[-1].argmax()))
+        state.sync(len(state.tokens), [tokens[-1]])
+    assert tokens == hf_greedy(tiny_models, prompt, 50)
+    assert set(windows) == {WINDOW_ALIGN, 2 * WINDOW_ALIGN} and windows == sorted(windows)
+    assert runner.graphs.compiled and runner.graphs.compile_error is None
 
 
 @pytest.mark.slow

@@ -13,6 +13,12 @@ memory, so a graph is captured per bucket (rows, width) and reads fixed tensors:
 - attention reads every position of the buffers under a mask built inside the graph from each row's cached length
   and count of new tokens, the same mask the eager path builds.
 
+Without CUDA graphs (`capture` False: the compiled forwards on a CPU) nothing is replayed, so attention reads only
+the positions the rows reach, rounded up to `WINDOW_ALIGN` (Step.window), rather than every position of the buffers:
+a cache's capacity is set by the longest sequence it has held (a prompt of a thousand tokens, calibration), and 8
+rows reading 1040 positions where they hold about 350 read 150 MB more keys and values a step of the 1.5B target
+than they need. Keys past a row's length get zero weight either way, so the result is the same.
+
 Only ids, cached lengths and counts are copied in before a replay; the graph's output is the last hidden state, from
 which the runner computes the logits it needs. Graphs are captured on a bucket's first use and dropped when the cache
 reallocates its buffers. Prefill (wide forwards) and tensor-parallel ranks run eagerly.
@@ -20,11 +26,10 @@ reallocates its buffers. Prefill (wide forwards) and tensor-parallel ranks run e
 Inside a graph each kernel still costs its few microseconds, and a Hugging Face decoder layer runs ~40 of them
 (RMSNorm alone is six), so with `compile` the forward is first compiled by torch.compile (inductor fuses the
 elementwise work around the matrix products) and the compiled kernels are what the graph records. The forward reads
-only tensors whose shapes carry the bucket (ids, positions, mask, the buffers: Step.whole), so with dynamic shapes one
-compiled graph serves every bucket past size 1: six compiles per model (ModelRunner.warm_up), none per bucket or
-cache growth. A
-forward that fails to compile runs uncompiled from then on. Without CUDA (`capture` False) the same compiled static
-forwards run directly, which is how the CPU tests check them.
+only tensors whose shapes carry the bucket (ids, positions, mask, Step.window and the buffers), so with dynamic shapes
+one compiled graph serves every bucket past size 1: six compiles per model (ModelRunner.warm_up), none per bucket,
+window or cache growth. A forward that fails to compile runs uncompiled from then on. Without CUDA (`capture` False)
+the same compiled static forwards run directly, which is how the CPU tests check them.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from tandem.core.kv_cache import SlotCache, Step
 log = logging.getLogger(__name__)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_WIDTH = 16
+WINDOW_ALIGN = 64  # positions: a window grows in steps of this, so most steps of a sequence read the same one
 WARMUP_RUNS = 2
 # Compiled graphs per code object before dynamo gives up on it: each model (draft, target) needs six (slots, rows
 # and width each 1 or more), and every runner shares ModelRunner._hidden's code.
@@ -57,8 +63,9 @@ class _Graph:
         self.graph = torch.cuda.CUDAGraph() if capture else None
         self.hidden: torch.Tensor | None = None
 
-    def step_and_inputs(self) -> tuple[Step, torch.Tensor, torch.Tensor]:
-        """Device-side positions, KV write index and mask for the fixed inputs (recorded into the graph)."""
+    def step_and_inputs(self, length: int) -> tuple[Step, torch.Tensor, torch.Tensor]:
+        """Device-side positions, KV write index and mask for the fixed inputs (recorded into the graph), attention
+        reading the buffers' first `length` positions."""
         device = self.ids.device
         columns = torch.arange(self.width, device=device)
         positions = self.starts[:, None] + columns
@@ -66,8 +73,9 @@ class _Graph:
         index = (rows, positions.reshape(-1), rows, columns.repeat(self.rows))
         last = (self.counts - 1)[:, None]
         limits = (self.starts[:, None] + torch.minimum(columns[None], last)).clamp(min=0)
-        mask = torch.arange(self.length, device=device) <= limits[:, None, :, None]
-        step = Step(0, [0] * self.rows, [self.width] * self.rows, self.length, index, whole=True)
+        window = torch.arange(length, device=device)
+        mask = window <= limits[:, None, :, None]
+        step = Step(0, [0] * self.rows, [self.width] * self.rows, length, index, window=window)
         return step, positions, mask
 
 
@@ -148,7 +156,8 @@ class GraphedForward:
         graph.counts.copy_(counts, non_blocking=True)
         if not self.capture:
             self.replays += 1
-            return self._body(graph)
+            reach = max((start + len(fed[slot]) for slot, start in enumerate(starts) if slot in fed), default=1)
+            return self._body(graph, min(graph.length, -(-reach // WINDOW_ALIGN) * WINDOW_ALIGN))
         if fresh:
             try:
                 self._capture(graph)
@@ -161,9 +170,10 @@ class GraphedForward:
         self.replays += 1
         return graph.hidden
 
-    def _body(self, graph: _Graph) -> torch.Tensor:
-        """One static forward of `graph`'s bucket; a compile failure leaves the forwards uncompiled and runs it so."""
-        step, positions, mask = graph.step_and_inputs()
+    def _body(self, graph: _Graph, length: int) -> torch.Tensor:
+        """One static forward of `graph`'s bucket, attention reading the buffers' first `length` positions; a compile
+        failure leaves the forwards uncompiled and runs it so."""
+        step, positions, mask = graph.step_and_inputs(length)
         self.cache.step = step
         try:
             try:
@@ -182,7 +192,7 @@ class GraphedForward:
         """Warm up on a side stream (the writes are this step's own, so repeating them is harmless; the first run
         compiles), then record."""
         def body() -> torch.Tensor:
-            return self._body(graph)
+            return self._body(graph, graph.length)  # a replay cannot change its shapes: every position
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -35,9 +35,10 @@ class Step:
     counts: list[int]
     length: int  # keys in the view: the furthest position any row of the forward reaches
     index: tuple[torch.Tensor, ...] | None = None  # (slots, positions, rows, columns) of the new tokens
-    # A static forward's step (core.cuda_graphs): it reads slots [0, rows) over every position of the buffers, sized
-    # by the tensors rather than by these Python numbers, so one torch.compile graph serves every bucket.
-    whole: bool = False
+    # A static forward's step (core.cuda_graphs): it reads slots [0, rows) over the buffers' first window.shape[0]
+    # positions (window: those positions, 0 .. n-1), sized by tensors rather than by these Python numbers, so one
+    # torch.compile graph serves every bucket and window.
+    window: torch.Tensor | None = None
     packed: bool = False  # the new tokens of every row lie one after another in one row, in slot order
 
     @classmethod
@@ -122,8 +123,9 @@ class SlotLayer(CacheLayerMixin):
         step = self.cache.step
         step.write(self.keys, key_states)
         step.write(self.values, value_states)
-        if step.whole:
-            return self.keys[: key_states.shape[0]], self.values[: key_states.shape[0]]
+        if step.window is not None:
+            rows, length = key_states.shape[0], step.window.shape[0]
+            return self.keys[:rows, :, :length], self.values[:rows, :, :length]
         rows = slice(step.lo, step.lo + step.rows)
         return self.keys[rows, :, : step.length], self.values[rows, :, : step.length]
 
