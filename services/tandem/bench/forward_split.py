@@ -11,8 +11,8 @@ three things alternate, in rotating order, for `--steps` rounds:
 Reported per model and row count: each one's median seconds, and the median of each round's forward / products
 ratio, whose excess over 1 is what runs between the products (norms, rotary, attention, residuals, Python, guards).
 
-    python -m tandem.bench.forward_split --rows 1 8 --json split.json               # about 3 min on a 2-core CPU
-    python -m tandem.bench.forward_split --rows 1 8 --compile --json split.json     # plus the compiles
+    python -m tandem.bench.forward_split --rows 1 8 --json split.json
+    python -m tandem.bench.forward_split --rows 1 8 --compile --json split.json     # plus a compiled runner
 """
 
 from __future__ import annotations
