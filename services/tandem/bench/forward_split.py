@@ -28,6 +28,7 @@ from tandem.bench.packing import packable_dtype
 from tandem.cli.common import add_bench_model_options
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, write_json
 from tandem.core.config import QUANTIZATIONS
+from tandem.core.packed_linear import weight_bytes
 from tandem.core.runner import ModelRunner
 from tandem.models.loader import load_model
 
@@ -65,7 +66,7 @@ def split_model(name: str, dtype: torch.dtype, rows_list: list[int], steps: int,
         runners["compiled"] = ModelRunner(model, compile=True)
     layers = product_layers(model)
     head = model.get_output_embeddings()
-    report: dict = {"product_layers": len(layers), "weight_bytes": sum(layer.weight_bytes for layer in layers)}
+    report: dict = {"product_layers": len(layers), "weight_bytes": weight_bytes(model)}
     vocab = runners["eager"].vocab_size
     for rows in rows_list:
         jobs = {}
