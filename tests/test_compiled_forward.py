@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from tandem.core import packed_linear
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
-from tandem.core.cuda_graphs import WINDOW_ALIGN
+from tandem.core.cuda_graphs import WINDOW_ALIGN, GraphedForward
 from tandem.core.engine import SpeculativeEngine
 from tandem.core.fused_linear import FusedPart
 from tandem.core.local import LocalDrafter, LocalVerifier
@@ -117,10 +118,27 @@ def test_a_seed_gives_the_same_tokens_compiled_or_not(tiny_models) -> None:
 def test_packed_and_fused_models_compile(tiny_dirs, monkeypatch, dtype) -> None:
     """Prepacked linears reach inductor as one opaque op (its own lowering of oneDNN's packed product failed in bf16,
     and every compiled forward of a packed model then ran uncompiled). Float32: the eager tokens, plain and k 4; bf16
-    (not held to exactness): compiled, no fallback, the same shape of output."""
+    (not held to exactness): compiled, no fallback, the same shape of output. In bf16 the compiled code calls
+    oneDNN's product itself, never the op's Python kernel; float32 keeps the kernel (its one-row case)."""
     if not supported(dtype):
         pytest.skip(f"oneDNN cannot pack {dtype} here")
     monkeypatch.setitem(MIN_PACKED_WEIGHTS, torch.float32, 0)  # the tiny layers are below the float32 limit
+    compiled_forward, kernel, kernel_calls = GraphedForward._body, packed_linear._product, []
+
+    def marked(graphs: GraphedForward, graph, length: int) -> torch.Tensor:
+        kernel_calls.append(0)  # a compiled forward starts: count the Python kernel's calls inside it
+        try:
+            return compiled_forward(graphs, graph, length)
+        finally:
+            kernel_calls.append(None)
+
+    def counted(*args) -> torch.Tensor:
+        if kernel_calls and kernel_calls[-1] is not None:
+            kernel_calls[-1] += 1
+        return kernel(*args)
+
+    monkeypatch.setattr(GraphedForward, "_body", marked)
+    monkeypatch.setattr(packed_linear, "_product", counted)
     models = tuple(load_model(str(path), device=torch.device("cpu"), dtype=dtype, progress=False)
                    for path in (tiny_dirs.target, tiny_dirs.draft)) + (None,)
     assert any(isinstance(m, FusedPart) for m in models[0].model.modules())
@@ -132,6 +150,8 @@ def test_packed_and_fused_models_compile(tiny_dirs, monkeypatch, dtype) -> None:
             assert compiled == eager
         else:
             assert [len(tokens) for tokens in compiled] == [len(tokens) for tokens in eager]
+    calls = [count for count in kernel_calls if count is not None]
+    assert calls and (all(count > 0 for count in calls) if dtype == torch.float32 else not any(calls))
 
 
 @pytest.mark.slow

@@ -9,15 +9,15 @@ import time
 
 import torch
 
-from tandem.core.packed_linear import PackedLinear, packed_product, _product
+from tandem.core.packed_linear import PackedLinear, _product, onednn_linear
 torch.set_num_threads(2)
 w = torch.randn(256, 1536, dtype=torch.bfloat16)
 lin = PackedLinear(w, None)
 x = torch.randn(1, 1, 1536, dtype=torch.bfloat16)
 def direct(): return torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
 def viaprod(): return _product(x, lin.packed, None, 256)
-def custom(): return packed_product(x, lin.packed, None, 256)
-def opsdef(): return torch.ops.tandem.packed_product(x, lin.packed, None, 256)
+def custom(): return onednn_linear(x, lin.packed, None, 256)
+def opsdef(): return torch.ops.tandem.onednn_linear(x, lin.packed, None, 256)
 fns = {"direct": direct, "_product": viaprod, "custom_op": custom, "torch.ops": opsdef}
 with torch.inference_mode():
     for f in fns.values():

@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 
 from tandem.core.kv_cache import SlotCache, Step
+from tandem.core.packed_linear import lower_to_onednn
 
 log = logging.getLogger(__name__)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -102,6 +103,7 @@ class GraphedForward:
             # symbols of their own, so the graph does not assume them equal and recompile when they differ (a
             # process-wide setting of PyTorch's).
             fx_config.use_duck_shape = False
+            lower_to_onednn()
             self.forward = torch.compile(forward, dynamic=True, fullgraph=True)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.buffers_seen: tuple | None = None

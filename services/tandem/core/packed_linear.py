@@ -46,20 +46,39 @@ def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, o
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@torch.library.custom_op("tandem::packed_product", mutates_args=())
-def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                   out_features: int) -> torch.Tensor:
+@torch.library.custom_op("tandem::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """The packed product as one opaque op for torch.compile, which calls it between the elementwise kernels it
     fuses. Inductor's own lowering of mkldnn._linear_pointwise asserts on a bf16 weight it did not pack itself (a
-    LoweringException: every compiled CPU forward of a packed bf16 model ran uncompiled). Eager forwards call the
-    product directly: the dispatcher's per-call cost would show in a decode step of ~200 products."""
+    LoweringException: every compiled CPU forward of a packed bf16 model ran uncompiled), and its oneDNN fusion pass
+    would fold a residual add into the product and hit the same assert. Eager forwards call the product directly:
+    the dispatcher's per-call cost would show in a decode step of ~200 products."""
     return _product(x, packed, bias, out_features)
 
 
-@packed_product.register_fake
-def _packed_product_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                          out_features: int) -> torch.Tensor:
+@onednn_linear.register_fake
+def _onednn_linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                         out_features: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+@functools.cache
+def lower_to_onednn() -> None:
+    """Have inductor's generated code call oneDNN's product itself where the op stands, rather than through this op's
+    Python kernel (the custom op's dispatch, alias checks and Python frames): a one-row forward of the 1.5B target
+    ran 1.03x faster so, about 4 ms over its 112 products (docs/performance.md). The op stays opaque to inductor's
+    graph passes, so nothing fuses into the product. Float32 keeps the Python kernel: its one-row case (_product)
+    depends on the row count, which a graph compiled for dynamic shapes does not know. Call before compiling."""
+    from torch._inductor.lowering import fallback_handler, register_lowering
+
+    direct = fallback_handler(torch.ops.mkldnn._linear_pointwise.default, add_to_fallback_set=False)
+    opaque = fallback_handler(torch.ops.tandem.onednn_linear.default, add_to_fallback_set=False)
+
+    @register_lowering(torch.ops.tandem.onednn_linear.default, type_promotion_kind=None)
+    def _lowered(x, packed, bias, out_features):
+        if x.get_dtype() == torch.float32:
+            return opaque(x, packed, bias, out_features)
+        return direct(x, packed, bias, "none", [], "")
 
 
 class PackedLinear(torch.nn.Module):
@@ -83,7 +102,7 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return packed_product(x, self.packed, self.bias, self.out_features)
+            return onednn_linear(x, self.packed, self.bias, self.out_features)
         return _product(x, self.packed, self.bias, self.out_features)
 
     def extra_repr(self) -> str:

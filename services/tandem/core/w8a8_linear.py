@@ -47,7 +47,7 @@ def _gemm(levels: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_
 def int8_gemm(levels: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
               zero_points: torch.Tensor) -> torch.Tensor:
     """oneDNN's int8 GEMM as one opaque op for torch.compile, which fuses the quantizing and scaling around it (as
-    core.packed_linear's packed_product); eager forwards call it directly."""
+    core.packed_linear's onednn_linear); eager forwards call it directly."""
     return _gemm(levels, packed, scale, zero_points)
 
 
