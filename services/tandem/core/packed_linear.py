@@ -66,7 +66,7 @@ def _onednn_linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tens
 def lower_to_onednn() -> None:
     """Have inductor's generated code call oneDNN's product itself where the op stands, rather than through this op's
     Python kernel (the custom op's dispatch, alias checks and Python frames): a one-row forward of the 1.5B target
-    ran 1.03x faster so, about 4 ms over its 112 products (docs/performance.md). The op stays opaque to inductor's
+    ran 1.025-1.030x faster so, 4-6 ms over its 112 products (docs/performance.md). The op stays opaque to inductor's
     graph passes, so nothing fuses into the product. Float32 keeps the Python kernel: its one-row case (_product)
     depends on the row count, which a graph compiled for dynamic shapes does not know. Call before compiling."""
     from torch._inductor.lowering import fallback_handler, register_lowering
