@@ -1,5 +1,7 @@
 """Plain batch-1 decode of the compiled target, one process: wall per token against the time inside the engine step,
 the verifier, the runner's forward, the static (compiled) forward and the output head, by wrapping each with a timer.
+Its JSON was taken at cac4b4c, before core.packed_linear.lower_to_onednn; a run at a later commit compiles
+the default variant with that lowering.
 
     PYTHONPATH=services python docs/bench/plain-step-split-v1.py compile 128     # about 10 min, most of it compiling
 """
