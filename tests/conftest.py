@@ -59,6 +59,7 @@ RAY_GROUPS = {
 RAY_GROUP_OF = {module: group for group, modules in RAY_GROUPS.items() for module in modules}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         group = RAY_GROUP_OF.get(item.module.__name__.rpartition(".")[2])

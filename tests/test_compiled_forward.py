@@ -49,6 +49,29 @@ def hf_greedy(tiny_models, prompt: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def count_kernel_calls(monkeypatch, module, name: str) -> list[int]:
+    """Counts of `module.name`'s calls (a custom op's Python kernel) inside each compiled forward that runs from now
+    on, one entry per forward: 0 where the generated code calls oneDNN itself."""
+    compiled_forward, kernel, calls, inside = GraphedForward._body, getattr(module, name), [], [False]
+
+    def marked(graphs: GraphedForward, graph, length: int) -> torch.Tensor:
+        calls.append(0)
+        inside[0] = True
+        try:
+            return compiled_forward(graphs, graph, length)
+        finally:
+            inside[0] = False
+
+    def counted(*args) -> torch.Tensor:
+        if inside[0]:
+            calls[-1] += 1
+        return kernel(*args)
+
+    monkeypatch.setattr(GraphedForward, "_body", marked)
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [None, 1, 4])
 def test_compiled_forwards_give_the_eager_and_hf_greedy_tokens(tiny_models, k) -> None:
@@ -123,22 +146,7 @@ def test_packed_and_fused_models_compile(tiny_dirs, monkeypatch, dtype) -> None:
     if not supported(dtype):
         pytest.skip(f"oneDNN cannot pack {dtype} here")
     monkeypatch.setitem(MIN_PACKED_WEIGHTS, torch.float32, 0)  # the tiny layers are below the float32 limit
-    compiled_forward, kernel, kernel_calls = GraphedForward._body, packed_linear._product, []
-
-    def marked(graphs: GraphedForward, graph, length: int) -> torch.Tensor:
-        kernel_calls.append(0)  # a compiled forward starts: count the Python kernel's calls inside it
-        try:
-            return compiled_forward(graphs, graph, length)
-        finally:
-            kernel_calls.append(None)
-
-    def counted(*args) -> torch.Tensor:
-        if kernel_calls and kernel_calls[-1] is not None:
-            kernel_calls[-1] += 1
-        return kernel(*args)
-
-    monkeypatch.setattr(GraphedForward, "_body", marked)
-    monkeypatch.setattr(packed_linear, "_product", counted)
+    calls = count_kernel_calls(monkeypatch, packed_linear, "_product")
     models = tuple(load_model(str(path), device=torch.device("cpu"), dtype=dtype, progress=False)
                    for path in (tiny_dirs.target, tiny_dirs.draft)) + (None,)
     assert any(isinstance(m, FusedPart) for m in models[0].model.modules())
@@ -150,7 +158,6 @@ def test_packed_and_fused_models_compile(tiny_dirs, monkeypatch, dtype) -> None:
             assert compiled == eager
         else:
             assert [len(tokens) for tokens in compiled] == [len(tokens) for tokens in eager]
-    calls = [count for count in kernel_calls if count is not None]
     assert calls and (all(count > 0 for count in calls) if dtype == torch.float32 else not any(calls))
 
 
@@ -244,16 +251,19 @@ def test_warm_up_compiles_every_class_of_bucket_before_the_first_request(tiny_mo
 
 
 @pytest.mark.slow
-def test_a_w8a8_draft_compiles(tiny_models, tiny_dirs) -> None:
+def test_a_w8a8_draft_compiles(tiny_models, tiny_dirs, monkeypatch) -> None:
     """The int8 product reaches inductor as one opaque op, as the packed one does: the draft's forwards compile with
-    no fallback, and the tokens stay the target's."""
-    from tandem.core.w8a8_linear import supported as w8a8_supported
+    no fallback, the tokens stay the target's, and the compiled code calls oneDNN's int8 GEMM itself, never the op's
+    Python kernel."""
+    from tandem.core import w8a8_linear
 
-    if not w8a8_supported():
+    if not w8a8_linear.supported():
         pytest.skip("oneDNN's int8 GEMM does not run here")
+    calls = count_kernel_calls(monkeypatch, w8a8_linear, "_gemm")
     draft = load_model(str(tiny_dirs.draft), device=torch.device("cpu"), dtype=torch.float32, progress=False,
                        quantization="w8a8")
     models = (tiny_models[0], draft, None)
     compiled, runners = run(models, True, PROMPTS, 4)
     assert all(r.graphs.compiled and r.graphs.compile_error is None and r.graphs.replays > 0 for r in runners)
     assert compiled == run(models, False, PROMPTS, None)[0]
+    assert calls and not any(calls)

@@ -40,8 +40,8 @@ from collections.abc import Callable
 
 import torch
 
+from tandem.core import packed_linear, w8a8_linear
 from tandem.core.kv_cache import SlotCache, Step
-from tandem.core.packed_linear import lower_to_onednn
 
 log = logging.getLogger(__name__)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -103,7 +103,8 @@ class GraphedForward:
             # symbols of their own, so the graph does not assume them equal and recompile when they differ (a
             # process-wide setting of PyTorch's).
             fx_config.use_duck_shape = False
-            lower_to_onednn()
+            packed_linear.lower_to_onednn()
+            w8a8_linear.lower_to_onednn()
             self.forward = torch.compile(forward, dynamic=True, fullgraph=True)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.buffers_seen: tuple | None = None
@@ -157,6 +158,7 @@ class GraphedForward:
         graph.starts.copy_(torch.tensor((starts + [0] * rows)[:rows], dtype=torch.long), non_blocking=True)
         graph.counts.copy_(counts, non_blocking=True)
         if not self.capture:
+            self.graphs[rows, width] = graph  # its fixed inputs serve the bucket's next steps
             self.replays += 1
             reach = max((start + len(fed[slot]) for slot, start in enumerate(starts) if slot in fed), default=1)
             return self._body(graph, min(graph.length, -(-reach // WINDOW_ALIGN) * WINDOW_ALIGN))
