@@ -26,8 +26,8 @@ PROMPTS = [[72, 101, 108, 108, 111], [40, 50, 60], [1, 2, 3, 4, 5, 6, 7, 8, 9], 
 
 def test_the_in_process_ray_modules_share_one_xdist_group(request) -> None:
     """tests/conftest.py puts the modules that use the session's in-process Ray in one xdist group, so one worker
-    starts it once; a pytest that xdist's grouping does not reach (pytest-dev/pytest-xdist#1386, pytest 9.2) would
-    spread them over every worker, silently."""
+    starts it once. Two things spread them over every worker, silently: marks added after xdist's own hook has read
+    them, and pytest 9.2, which no longer reads the node id xdist marks (pytest-dev/pytest-xdist#1386)."""
     if not os.environ.get("PYTEST_XDIST_WORKER") or not getattr(request.config.option, "loadgroup", False):
         pytest.skip("not under pytest-xdist's --dist loadgroup")
     assert request.node.nodeid.endswith("@ray")
