@@ -1,0 +1,66 @@
+"""Where a one-row compiled decode forward's time goes, by the profiler's self time: the oneDNN products, attention,
+inductor's fused kernels (named, with its kernel profiling on), the compiled graph's own Python wrapper, dynamo's
+guard check (its cache lookup) and the rest. Each model in the process, one row, 300 cached tokens; the forward
+timed first without the profiler, then `steps` forwards profiled.
+
+    PYTHONPATH=services python docs/bench/forward-profile-v1.py 10 out.json   # 8 min
+"""
+import json
+import sys
+import time
+
+import torch
+import torch._inductor.config as inductor_config
+from torch.profiler import ProfilerActivity, profile
+
+from tandem.bench.forward_split import _forward
+from tandem.core.runner import ModelRunner
+from tandem.models.loader import load_model
+
+torch.set_num_threads(2)
+steps, out = int(sys.argv[1]), sys.argv[2]
+inductor_config.cpp.enable_kernel_profile = True
+GROUPS = (("oneDNN products", ("mkldnn::_linear_pointwise", "onednn::qlinear_pointwise")),
+          ("attention (sdpa)", ("aten::_scaled_dot_product_flash_attention_for_cpu",)),
+          ("inductor's fused kernels", ("graph_",)),
+          ("compiled graph's Python wrapper", ("## Call CompiledFxGraph",)),
+          ("dynamo's guard check", ("TorchDynamo Cache Lookup",)),
+          ("dynamo's pregraph bytecode", ("Pregraph bytecode",)))
+
+
+def profile_model(name: str, quantization: str) -> dict:
+    model = load_model(name, device=torch.device("cpu"), dtype=torch.bfloat16, progress=False,
+                       quantization=quantization).model
+    runner = ModelRunner(model, compile=True)
+    state = runner.state("p")
+    state.sync(0, [(7 + 13 * i) % runner.vocab_size for i in range(300)])
+    with torch.inference_mode():
+        runner.prefill(state, len(state.tokens))
+        for _ in range(5):
+            _forward(runner, [state])
+        started = time.perf_counter()
+        for _ in range(steps):
+            _forward(runner, [state])
+        plain_ms = (time.perf_counter() - started) / steps * 1e3
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                _forward(runner, [state])
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
+    groups = {label: round(sum(e.self_cpu_time_total for e in events if e.key.startswith(prefixes)) / steps / 1e3, 3)
+              for label, prefixes in GROUPS}
+    groups["the rest"] = round(total - sum(groups.values()), 3)
+    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:25]
+    return {"model": name, "quantization": quantization, "forward_ms_unprofiled": round(plain_ms, 2),
+            "self_ms_per_forward_profiled": round(total, 2), "groups_ms_per_forward": groups,
+            "top": [{"name": e.key[:90], "calls_per_forward": e.count / steps,
+                     "self_ms_per_forward": round(e.self_cpu_time_total / steps / 1e3, 3)} for e in top],
+            "compiled": runner.graphs.compiled}
+
+
+report = {"rows": 1, "context": 300, "steps": steps, "threads": 2, "dtype": "bfloat16",
+          "models": [profile_model("qwen2.5-coder-0.5b-instruct", "w8a8"),
+                     profile_model("qwen2.5-coder-1.5b-instruct", "none")]}
+print(json.dumps(report, indent=1), flush=True)
+with open(out, "w") as sink:
+    json.dump(report, sink, indent=1)
