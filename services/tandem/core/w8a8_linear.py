@@ -61,7 +61,7 @@ def _onednn_int8_gemm_shape(levels: torch.Tensor, packed: torch.Tensor, scale: t
 def lower_to_onednn() -> None:
     """Have inductor's generated code call oneDNN's int8 GEMM itself where the op stands, rather than through this
     op's Python kernel, as core.packed_linear.lower_to_onednn does for the packed product: a one-row compiled forward
-    of the w8a8 0.5B draft ran 1.07x faster so, 4.7 ms over its 96 products (docs/performance.md). The scalar
+    of the w8a8 0.5B draft ran 1.070-1.075x faster so, 3-5 ms over its 96 products (docs/performance.md). The scalar
     overload takes the activations' scale and zero point as constants, so no module-level tensor enters the graph
     (the same products, bit for bit). Call before compiling."""
     from torch._inductor.lowering import fallback_handler, register_lowering
