@@ -158,7 +158,8 @@ class GraphedForward:
         graph.starts.copy_(torch.tensor((starts + [0] * rows)[:rows], dtype=torch.long), non_blocking=True)
         graph.counts.copy_(counts, non_blocking=True)
         if not self.capture:
-            self.graphs[rows, width] = graph  # its fixed inputs serve the bucket's next steps
+            if fresh:
+                self.graphs[rows, width] = graph  # its fixed inputs serve the bucket's next steps
             self.replays += 1
             reach = max((start + len(fed[slot]) for slot, start in enumerate(starts) if slot in fed), default=1)
             return self._body(graph, min(graph.length, -(-reach // WINDOW_ALIGN) * WINDOW_ALIGN))
