@@ -15,6 +15,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def guards_checked(monkeypatch):
+    """Compiled forwards that skip dynamo's guards (core.guardless) check them anyway in every test, and fail where
+    the guards would have picked another graph than their shape class's."""
+    from tandem.core.guardless import GuardlessForward
+
+    monkeypatch.setattr(GuardlessForward, "check_guards", True)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray on loopback for the whole run: starting Ray twice in a process is slow and flaky."""

@@ -15,6 +15,7 @@ from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.cuda_graphs import WINDOW_ALIGN, GraphedForward
 from tandem.core.engine import SpeculativeEngine
 from tandem.core.fused_linear import FusedPart
+from tandem.core.guardless import GuardMismatch
 from tandem.core.local import LocalDrafter, LocalVerifier
 from tandem.core.packed_linear import MIN_PACKED_WEIGHTS, supported
 from tandem.core.runner import ModelRunner
@@ -82,6 +83,23 @@ def test_compiled_forwards_give_the_eager_and_hf_greedy_tokens(tiny_models, k) -
         assert all(r.graphs is not None and r.graphs.compiled and r.graphs.replays > 0 for r in runners)
         assert all(r.graphs.compile_error is None and r.graphs.captures == 0 for r in runners)  # no CUDA here
         assert all(r.graphs is None for r in plain_runners)
+
+
+@pytest.mark.slow
+def test_compiled_forwards_skip_the_guards_once_their_class_has_run(tiny_models, monkeypatch) -> None:
+    """After a shape class's first forward, its compiled code runs without dynamo's guard check (core.guardless).
+    The guards, checked anyway in the tests (tests/conftest.py), pick that same graph on every later forward: here
+    batched rows, the target's drafted width and the draft's widths of 1 and 2. Planted: a class key that leaves out
+    the width fails."""
+    compiled, runners = run(tiny_models, True, PROMPTS, 4)
+    assert compiled == run(tiny_models, False, PROMPTS, 4)[0]
+    for runner in runners:
+        guardless = runner.graphs.guardless
+        assert guardless.direct  # every class's first call found its graph
+        assert guardless.direct_calls == runner.graphs.replays - len(guardless.direct) > 0
+    monkeypatch.setattr(GraphedForward, "shape_class", lambda graphs, graph: (graph.rows == 1,))
+    with pytest.raises(GuardMismatch, match="another compiled graph"):
+        run(tiny_models, True, PROMPTS, 4)
 
 
 @pytest.mark.slow

@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 
 from tandem.core import packed_linear, w8a8_linear
+from tandem.core.guardless import GuardlessForward, GuardMismatch
 from tandem.core.kv_cache import SlotCache, Step
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class GraphedForward:
             packed_linear.lower_to_onednn()
             w8a8_linear.lower_to_onednn()
             self.forward = torch.compile(forward, dynamic=True, fullgraph=True)
+        self.guardless = GuardlessForward(forward, self.forward)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.buffers_seen: tuple | None = None
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -182,9 +184,11 @@ class GraphedForward:
         self.cache.step = step
         try:
             try:
+                if self.compiled:
+                    return self.guardless(self.shape_class(graph), graph.ids, positions, mask)
                 return self.forward(graph.ids, positions, mask)
             except Exception as exc:  # dynamo and inductor raise many types; the uncompiled forward still works
-                if not self.compiled:
+                if not self.compiled or isinstance(exc, GuardMismatch):
                     raise
                 log.warning("torch.compile of the decode forward failed, running it uncompiled: %s", exc)
                 self.compile_error = f"{type(exc).__name__}: {exc}"[:500]
@@ -192,6 +196,10 @@ class GraphedForward:
                 return self.forward(graph.ids, positions, mask)
         finally:
             self.cache.step = None
+
+    def shape_class(self, graph: _Graph) -> tuple[bool, ...]:
+        """What tells the compiled graphs of a model apart: with dynamic shapes, sizes of 1 are specialised."""
+        return self.cache.slots == 1, graph.rows == 1, graph.width == 1
 
     def _capture(self, graph: _Graph) -> None:
         """Warm up on a side stream (the writes are this step's own, so repeating them is harmless; the first run

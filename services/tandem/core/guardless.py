@@ -1,0 +1,81 @@
+"""Compiled forwards called without dynamo's guard check once their shape class has run.
+
+A function compiled by torch.compile checks, on every call, the guards of the graphs compiled for it until one
+passes. For a Qwen2.5 decoder those are thousands of conditions: every parameter's type, dtype and shape, the
+config's fields, each module and builtin the traced code read. They cost 2.4 ms of a 42 ms one-row draft forward
+on the 2-core CPU (docs/bench/forward-profile-v1.json), and the answer they give the runner's static forwards
+never changes once a shape class has run: the model, its config and its parameters stay what they were, and what
+tells the compiled graphs apart is whether the cache's slots, the rows and the width are 1 (dynamic shapes
+specialise sizes 0 and 1; core.cuda_graphs passes that as the class key).
+
+So the first call of a class goes through torch.compile, compiling if it must; the graph it ran is then the first
+of this function's cache entries, compiled under the same backend, whose guards pass for the same arguments (the
+order dynamo itself looks them up in). Dynamo runs a graph by executing a rewritten code object for the function,
+which takes the same arguments, cells and globals as the original (it loads the graph's inputs, calls the compiled
+graph and returns its outputs), so that code, made a plain function, serves the class's later calls directly.
+vLLM does the same for its single graph (the bytecode hook of its TorchCompileWithNoGuardsWrapper).
+
+`check_guards` re-runs the guards on every call and raises where they pick another graph than the class's: the
+tests run whole generations so, which is how the class key is known to cover what the guards test.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+
+class GuardMismatch(AssertionError):
+    """The guards pick another compiled graph than the shape class's (raised only under `check_guards`)."""
+
+
+class GuardlessForward:
+    """Calls `compiled` (torch.compile of `function`, a function or a bound method) for a class's first call, its
+    compiled code directly from then on."""
+
+    check_guards = False  # the tests turn it on for every instance (tests/conftest.py)
+
+    def __init__(self, function: Callable[..., Any], compiled: Callable[..., Any]) -> None:
+        self.compiled = compiled
+        self.func = getattr(function, "__func__", function)
+        self.owner = getattr(function, "__self__", None)
+        self.direct: dict[Hashable, Callable[..., Any]] = {}
+        self.backend: object | None = None  # the backend of the graphs `compiled` runs: only those can serve it
+        self.direct_calls = 0
+
+    def __call__(self, key: Hashable, *args: Any) -> Any:
+        # Grad and inference mode are global state the guards test too.
+        key = (key, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        direct = self.direct.get(key)
+        if direct is None:
+            return self._first_call(key, args)
+        if self.check_guards and self._entry_code(args) is not direct.__code__:
+            raise GuardMismatch(f"the guards pick another compiled graph than that of shape class {key}")
+        self.direct_calls += 1
+        return direct(*args)
+
+    def _first_call(self, key: Hashable, args: tuple) -> Any:
+        out = self.compiled(*args)
+        code = self._entry_code(args)
+        if code is not None:
+            function = types.FunctionType(code, self.func.__globals__, self.func.__name__, self.func.__defaults__,
+                                          self.func.__closure__)
+            self.direct[key] = function if self.owner is None else types.MethodType(function, self.owner)
+        return out
+
+    def _entry_code(self, args: tuple) -> types.CodeType | None:
+        """The code of the graph dynamo runs for `args`: the first cache entry whose guards pass, among those of
+        an equal backend (dynamo's own test; every compile of a function here uses the same options, so the first
+        entry found tells the backend)."""
+        call = (self.owner, *args) if self.owner is not None else args
+        frame_locals = inspect.getcallargs(self.func, *call)
+        for entry in _debug_get_cache_entry_list(self.func.__code__):
+            if (self.backend is None or entry.backend == self.backend) and entry.guard_manager.check(frame_locals):
+                self.backend = entry.backend
+                return entry.code
+        return None
