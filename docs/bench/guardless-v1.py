@@ -3,7 +3,7 @@ models load and warm up as a server's runners do (each compiles its six shape cl
 twelve graphs, as in production); then each model's one-row forward runs `steps` times through its class's code
 directly and through torch.compile's guarded callable, the order alternated every step.
 
-    PYTHONPATH=services python docs/bench/guardless-v1.py 60 out.json   # 15 min from a cold inductor cache
+    PYTHONPATH=services python docs/bench/guardless-v1.py 60 out.json   # 25 min from a cold inductor cache (CPU-A)
 """
 import json
 import statistics

@@ -28,7 +28,8 @@ Inside a graph each kernel still costs its few microseconds, and a Hugging Face 
 elementwise work around the matrix products) and the compiled kernels are what the graph records. The forward reads
 only tensors whose shapes carry the bucket (ids, positions, mask, Step.window and the buffers), so with dynamic shapes
 one compiled graph serves every bucket past size 1: six compiles per model (ModelRunner.warm_up), none per bucket,
-window or cache growth. A forward that fails to compile runs uncompiled from then on. Without CUDA (`capture` False)
+window or cache growth; after a class's first forward its graph runs without dynamo's guard check (core.guardless,
+keyed by `shape_class`). A forward that fails to compile runs uncompiled from then on. Without CUDA (`capture` False)
 the same compiled static forwards run directly, which is how the CPU tests check them.
 """
 

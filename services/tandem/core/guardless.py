@@ -2,21 +2,22 @@
 
 A function compiled by torch.compile checks, on every call, the guards of the graphs compiled for it until one
 passes. For a Qwen2.5 decoder those are thousands of conditions: every parameter's type, dtype and shape, the
-config's fields, each module and builtin the traced code read. They cost 2.4 ms of a 42 ms one-row draft forward
-on the 2-core CPU (docs/bench/forward-profile-v1.json), and the answer they give the runner's static forwards
-never changes once a shape class has run: the model, its config and its parameters stay what they were, and what
-tells the compiled graphs apart is whether the cache's slots, the rows and the width are 1 (dynamic shapes
-specialise sizes 0 and 1; core.cuda_graphs passes that as the class key).
+config's fields, each module and builtin the traced code read. They cost about 2 ms a forward on a 2-core CPU
+(docs/bench/guardless-v1.json: a one-row w8a8 draft forward runs 1.098x faster without them, the target's 1.024x),
+and for the runner's static forwards their answer never changes once a shape class has run: the model, its config
+and its parameters stay what they were, and what tells the compiled graphs apart is whether the cache's slots, the
+rows and the width are 1 (dynamic shapes specialise sizes 0 and 1; core.cuda_graphs passes that as the class key).
 
-So the first call of a class goes through torch.compile, compiling if it must; the graph it ran is then the first
-of this function's cache entries, compiled under the same backend, whose guards pass for the same arguments (the
-order dynamo itself looks them up in). Dynamo runs a graph by executing a rewritten code object for the function,
+So the first call of a class goes through torch.compile, compiling if it must. The graph it ran is then the first
+of this function's cache entries, under an equal backend, whose guards pass for the same arguments: the order and
+test dynamo itself looks them up by. Dynamo runs a graph by executing a rewritten code object for the function,
 which takes the same arguments, cells and globals as the original (it loads the graph's inputs, calls the compiled
 graph and returns its outputs), so that code, made a plain function, serves the class's later calls directly.
 vLLM does the same for its single graph (the bytecode hook of its TorchCompileWithNoGuardsWrapper).
 
-`check_guards` re-runs the guards on every call and raises where they pick another graph than the class's: the
-tests run whole generations so, which is how the class key is known to cover what the guards test.
+`check_guards` re-runs the guards on every call and raises GuardMismatch where they pick another graph than the
+class's. The tests run with it on (tests/conftest.py), which is how the class key is known to cover what the
+guards test.
 """
 
 from __future__ import annotations
