@@ -103,6 +103,15 @@ def test_compiled_forwards_skip_the_guards_once_their_class_has_run(tiny_models,
 
 
 @pytest.mark.slow
+def test_a_pytorch_without_dynamos_cache_entries_keeps_the_guarded_calls(tiny_models, monkeypatch) -> None:
+    """Where dynamo's cache entries cannot be read (another PyTorch), the compiled forwards still run, guarded."""
+    monkeypatch.delattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list")
+    compiled, runners = run(tiny_models, True, PROMPTS[1:2], 4)
+    assert compiled == [hf_greedy(tiny_models, PROMPTS[1], 40)]
+    assert all(r.graphs.compiled and r.graphs.replays > 0 and r.graphs.guardless.direct_calls == 0 for r in runners)
+
+
+@pytest.mark.slow
 def test_cache_growth_and_new_runners_compile_nothing_new(tiny_models) -> None:
     """Dynamic shapes: once both models' runners have warmed up (every class of bucket compiled, whatever ran
     before in this process), a run whose cache reallocates twice (so the buffers change shape) and whose runners are

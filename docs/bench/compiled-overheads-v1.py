@@ -2,7 +2,9 @@
 its C++ wrapper (`cpp_wrapper`), and the default graph run under `torch.compiler.set_stance(skip_guard_eval_unsafe=True)`
 (dynamo checks only the guards that tell its cached graphs apart).
 compiled-overheads-v1.json was taken at cac4b4c, before the oneDNN lowerings (core.packed_linear's and
-core.w8a8_linear's lower_to_onednn); compiled-overheads-v2.json (the w8a8 draft) after both.
+core.w8a8_linear's lower_to_onednn); compiled-overheads-v2.json (the w8a8 draft) after both;
+compiled-overheads-v3.json (the w8a8 draft, `py,cpp`, CPU-A) after core.guardless, each variant calling its graph
+without dynamo's guard check.
 
     PYTHONPATH=services python docs/bench/compiled-overheads-v1.py qwen2.5-coder-1.5b-instruct 30
     PYTHONPATH=services python docs/bench/compiled-overheads-v1.py qwen2.5-coder-0.5b-instruct 60 py,skipguard w8a8

@@ -13,7 +13,8 @@ of this function's cache entries, under an equal backend, whose guards pass for 
 test dynamo itself looks them up by. Dynamo runs a graph by executing a rewritten code object for the function,
 which takes the same arguments, cells and globals as the original (it loads the graph's inputs, calls the compiled
 graph and returns its outputs), so that code, made a plain function, serves the class's later calls directly.
-vLLM does the same for its single graph (the bytecode hook of its TorchCompileWithNoGuardsWrapper).
+vLLM does the same for its single graph (the bytecode hook of its TorchCompileWithNoGuardsWrapper). The cache
+entries are read through dynamo's debugging accessor; where a PyTorch lacks it, the calls stay guarded.
 
 `check_guards` re-runs the guards on every call and raises GuardMismatch where they pick another graph than the
 class's. The tests run with it on (tests/conftest.py), which is how the class key is known to cover what the
@@ -23,12 +24,15 @@ guards test.
 from __future__ import annotations
 
 import inspect
+import logging
 import types
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
-from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch._dynamo import eval_frame
+
+log = logging.getLogger(__name__)
 
 
 class GuardMismatch(AssertionError):
@@ -48,34 +52,55 @@ class GuardlessForward:
         self.direct: dict[Hashable, Callable[..., Any]] = {}
         self.backend: object | None = None  # the backend of the graphs `compiled` runs: only those can serve it
         self.direct_calls = 0
+        self.supported = True
 
     def __call__(self, key: Hashable, *args: Any) -> Any:
         # Grad and inference mode are global state the guards test too.
         key = (key, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         direct = self.direct.get(key)
         if direct is None:
-            return self._first_call(key, args)
+            return self._first_call(key, args) if self.supported else self.compiled(*args)
         if self.check_guards and self._entry_code(args) is not direct.__code__:
             raise GuardMismatch(f"the guards pick another compiled graph than that of shape class {key}")
         self.direct_calls += 1
         return direct(*args)
 
     def _first_call(self, key: Hashable, args: tuple) -> Any:
+        try:
+            before = {id(entry) for entry in self._entries()}
+        except AttributeError as exc:  # a PyTorch whose cache entries look otherwise: its guarded calls, as before
+            return self._unsupported(exc, self.compiled(*args))
         out = self.compiled(*args)
-        code = self._entry_code(args)
+        try:
+            if self.backend is None:  # a graph this call compiled tells the backend for certain
+                new = [entry for entry in self._entries() if id(entry) not in before]
+                self.backend = new[0].backend if new else None
+            code = self._entry_code(args)
+        except AttributeError as exc:
+            return self._unsupported(exc, out)
         if code is not None:
             function = types.FunctionType(code, self.func.__globals__, self.func.__name__, self.func.__defaults__,
                                           self.func.__closure__)
             self.direct[key] = function if self.owner is None else types.MethodType(function, self.owner)
         return out
 
+    def _unsupported(self, exc: Exception, out: Any) -> Any:
+        log.warning("compiled forwards keep dynamo's guard check: %s", exc)
+        self.supported = False
+        return out
+
+    def _entries(self) -> list:
+        return eval_frame._debug_get_cache_entry_list(self.func.__code__)
+
     def _entry_code(self, args: tuple) -> types.CodeType | None:
         """The code of the graph dynamo runs for `args`: the first cache entry whose guards pass, among those of
-        an equal backend (dynamo's own test; every compile of a function here uses the same options, so the first
-        entry found tells the backend)."""
+        an equal backend (dynamo's own test). The backend is known once a call of ours has compiled a graph; before
+        that, `compiled` reused graphs of an equal backend, and the first entry that passes tells it (a process
+        that compiles the function under several inductor options, as some benchmarks do, compiles anew for each,
+        so there it is known)."""
         call = (self.owner, *args) if self.owner is not None else args
         frame_locals = inspect.getcallargs(self.func, *call)
-        for entry in _debug_get_cache_entry_list(self.func.__code__):
+        for entry in self._entries():
             if (self.backend is None or entry.backend == self.backend) and entry.guard_manager.check(frame_locals):
                 self.backend = entry.backend
                 return entry.code
