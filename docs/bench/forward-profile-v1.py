@@ -13,7 +13,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 
-from tandem.bench.forward_split import _forward
+from tandem.bench.forward_split import _forward, cached_state
 from tandem.core.runner import ModelRunner
 from tandem.models.loader import load_model
 
@@ -32,10 +32,8 @@ def profile_model(name: str, quantization: str) -> dict:
     model = load_model(name, device=torch.device("cpu"), dtype=torch.bfloat16, progress=False,
                        quantization=quantization).model
     runner = ModelRunner(model, compile=True)
-    state = runner.state("p")
-    state.sync(0, [(7 + 13 * i) % runner.vocab_size for i in range(300)])
     with torch.inference_mode():
-        runner.prefill(state, len(state.tokens))
+        state = cached_state(runner, "p", 300)
         for _ in range(5):
             _forward(runner, [state])
         started = time.perf_counter()

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from tandem.bench.forward_split import _forward
+from tandem.bench.forward_split import _forward, cached_state
 from tandem.core.runner import ModelRunner
 from tandem.models.loader import load_model
 
@@ -30,10 +30,7 @@ with torch.inference_mode():
         runner.warm_up()
         report["models"][role] = {"name": name, "quantization": quantization,
                                   "warm_up_s": round(time.perf_counter() - started, 1)}
-        state = runner.state(role)
-        state.sync(0, [(7 + 13 * i) % runner.vocab_size for i in range(300)])
-        runner.prefill(state, len(state.tokens))
-        runners[role], states[role] = runner, [state]
+        runners[role], states[role] = runner, [cached_state(runner, role, 300)]
     for role, runner in runners.items():
         guardless = runner.graphs.guardless
         variants = {"guardless": guardless,

@@ -16,7 +16,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch._inductor.lowering import lowerings
 
-from tandem.bench.forward_split import _forward
+from tandem.bench.forward_split import _forward, cached_state
 from tandem.core import packed_linear, w8a8_linear
 from tandem.core.runner import ModelRunner
 from tandem.models.loader import load_model
@@ -33,13 +33,6 @@ else:
     module, op, kernel_name = packed_linear, torch.ops.tandem.onednn_linear.default, "_product"
 
 
-def prepare(runner: ModelRunner, tag: str) -> list:
-    state = runner.state(tag)
-    state.sync(0, [(7 + 13 * i) % runner.vocab_size for i in range(300)])
-    runner.prefill(state, len(state.tokens))
-    return [state]
-
-
 runners, states, firsts, kernel_calls = {}, {}, {}, {}
 with torch.inference_mode():
     for variant in ("kernel", "direct"):
@@ -51,7 +44,7 @@ with torch.inference_mode():
             # another backend object: dynamo compiles anew rather than reuse the first variant's graph
             runner.graphs.forward = torch.compile(runner.graphs.plain_forward, dynamic=True, fullgraph=True,
                                                   options={"max_autotune": False})
-        states[variant] = prepare(runner, variant)
+        states[variant] = [cached_state(runner, variant, 300)]
         started = time.perf_counter()
         _forward(runner, states[variant])
         firsts[variant] = round(time.perf_counter() - started, 1)

@@ -49,6 +49,15 @@ def _products(layers: list[torch.nn.Module], head: torch.nn.Module, rows: int, d
     return run
 
 
+def cached_state(runner: ModelRunner, tag: str, context: int, offset: int = 0):
+    """A sequence of `context` made-up tokens (`offset` varies them), prefilled: what a benchmarked forward decodes
+    after."""
+    state = runner.state(tag)
+    state.sync(0, [(offset + 7 + 13 * i) % runner.vocab_size for i in range(context)])
+    runner.prefill(state, len(state.tokens))
+    return state
+
+
 def _forward(runner: ModelRunner, states: list) -> None:
     keeps = [len(state.tokens) for state in states]
     for state, keep in zip(states, keeps, strict=True):
@@ -67,16 +76,11 @@ def split_model(name: str, dtype: torch.dtype, rows_list: list[int], steps: int,
     layers = product_layers(model)
     head = model.get_output_embeddings()
     report: dict = {"product_layers": len(layers), "weight_bytes": weight_bytes(model)}
-    vocab = runners["eager"].vocab_size
     for rows in rows_list:
         jobs = {}
         for variant, runner in runners.items():
-            states = []
-            for row in range(rows):
-                state = runner.state(f"split-{rows}-{row}")
-                state.sync(0, [(7 + 13 * i + row) % vocab for i in range(context + 37 * row)])
-                runner.prefill(state, len(state.tokens))
-                states.append(state)
+            states = [cached_state(runner, f"split-{rows}-{row}", context + 37 * row, offset=row)
+                      for row in range(rows)]
             jobs[variant] = (lambda r=runner, s=states: _forward(r, s))
         jobs["products"] = _products(layers, head, rows, dtype)
         with torch.inference_mode():
