@@ -27,7 +27,10 @@ from tandem.v1 import generation_pb2_grpc
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 BIG = 4_000_000  # a ~4 MB prompt: under the 4 MiB message cap, far past the prompt byte cap
-MAX_GAP_SECONDS = 0.25
+# Tokenizing a 4 MB prompt on the event loop, the freeze this guards against, stalls streams about 3 s. Refused
+# before tokenizing, the longest gap is 30-60 ms here (with three busy loops beside it), and on the CI's loaded
+# machine it reached 0.38-0.39 s in three runs: the bound sits between.
+MAX_GAP_SECONDS = 1.0
 
 
 def _loader(target, draft, target_name: str, draft_name: str = "", fault=None):

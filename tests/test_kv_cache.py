@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pickle
 
+import psutil
 import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
 from tandem.bench.allocations import AllocationMeter
+from tandem.core.kv_cache import CPU_SHARE, default_kv_tokens, kv_bytes_per_token
 from tandem.core.protocol import KVCacheFull
 from tandem.core.runner import ModelRunner
 from tandem.errors import KVBudgetExceeded
@@ -339,3 +341,11 @@ def test_rows_are_packed_where_their_padding_would_cost_more_than_an_attention_c
     assert not packing_pays("cpu", 8, 40, 39) and not packing_pays("cpu", 8, 8, 8)  # little or no padding
     assert not packing_pays("cpu", 1, 5, 3)  # one row: nothing to pack
     assert not packing_pays("cuda", 8, 48, 27) and packing_pays("cuda", 8, PACK_AREA, 200)  # there, wide ones only
+
+
+def test_a_cpu_runners_default_budget_is_a_share_of_the_available_memory(tiny_models) -> None:
+    """Available, page cache included, not free pages alone (16 of 23 GiB on CPU-A): the two differ by the cache."""
+    model = tiny_models[0].model
+    available = psutil.virtual_memory().available * CPU_SHARE / kv_bytes_per_token(model)
+    assert default_kv_tokens(model) == pytest.approx(available, rel=0.02)
+    assert ModelRunner(model).kv_tokens_capacity == pytest.approx(available, rel=0.02)

@@ -127,10 +127,10 @@ def analytic_bound(stats: dict, plain_seconds_per_token: float) -> dict:
 
 def _merge_stats(all_stats: list[dict]) -> dict:
     merged: dict = {"rounds_by_k": {}, "accepted": 0, "drafted": 0, "spec_rounds": 0, "fallback_rounds": 0,
-                    "rounds": 0, "draft_seconds": 0.0, "verify_seconds": 0.0}
+                    "rounds": 0, "draft_seconds": 0.0, "verify_seconds": 0.0, "draft_failures": 0}
     for stats in all_stats:
         for key in ("accepted", "drafted", "spec_rounds", "fallback_rounds", "rounds", "draft_seconds",
-                    "verify_seconds"):
+                    "verify_seconds", "draft_failures"):
             merged[key] += stats[key]
         for k, n in stats["rounds_by_k"].items():
             merged["rounds_by_k"][k] = merged["rounds_by_k"].get(k, 0) + n
@@ -205,6 +205,7 @@ def _report(totals: dict[str, MethodTotals], tandem_stats: list[dict], costs: Co
             "tau": round((merged["accepted"] + spec_rounds) / spec_rounds, 4) if spec_rounds else 0.0,
             "mean_k": round(merged["drafted"] / spec_rounds, 3) if spec_rounds else 0.0,
             "fallback_round_share": round(merged["fallback_rounds"] / merged["rounds"], 4) if merged["rounds"] else 0.0,
+            "draft_failures": merged["draft_failures"],  # rounds decoded plainly because the drafter could not draft
             "rounds_by_k": merged["rounds_by_k"],
             "t_draft": round(costs.draft_step, 5),
             "t_verify": {k: round(costs.verify_time(int(k)), 5) for k in ["0", *merged["rounds_by_k"]]},

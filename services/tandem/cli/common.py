@@ -54,7 +54,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-tokens", type=int, default=0, metavar="N",
                         help="KV cache budget of each model (the target's and the draft's, in every worker), in "
                              "tokens counted as sequences x the longest one's length (default 0: a share of the "
-                             "memory free at start)")
+                             "memory free at start: the GPU's, or the host's available memory)")
 
 
 def add_bench_model_options(parser: argparse.ArgumentParser, dtype: str,

@@ -21,9 +21,9 @@ zero attention weight, and zero times a non-finite leftover would still poison a
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+import psutil
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -185,7 +185,7 @@ class SlotCache(Cache):
 
 
 CUDA_SHARE = 0.4  # of the device memory free when a runner starts: a drafter may share the GPU, activations need room
-CPU_SHARE = 0.25  # of the host memory available
+CPU_SHARE = 0.25  # of the host memory available (free plus what the kernel can reclaim, such as the page cache)
 
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:
@@ -199,13 +199,15 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 def default_kv_tokens(model: torch.nn.Module) -> int:
-    """A token budget from the memory free now; the ranks of a tensor-parallel group agree on the smallest, so
-    they admit and refuse the same sequences."""
+    """A token budget from the memory free now (a GPU's free memory, or the host's available memory); the ranks of
+    a tensor-parallel group agree on the smallest, so they admit and refuse the same sequences."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         spare = torch.cuda.mem_get_info(device)[0] * CUDA_SHARE
     else:
-        spare = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") * CPU_SHARE
+        # Available, not free: once a host has read its model files the page cache holds much of its memory, which
+        # the kernel hands back on demand; free pages alone (sysconf's AVPHYS_PAGES) counted 16 of 23 GiB on CPU-A.
+        spare = psutil.virtual_memory().available * CPU_SHARE
     tokens = int(spare // kv_bytes_per_token(model))
     if torch.distributed.is_initialized():
         on = device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
