@@ -344,8 +344,9 @@ def test_rows_are_packed_where_their_padding_would_cost_more_than_an_attention_c
 
 
 def test_a_cpu_runners_default_budget_is_a_share_of_the_available_memory(tiny_models) -> None:
-    """Available, page cache included, not free pages alone (16 of 23 GiB on CPU-A): the two differ by the cache."""
+    """Available, page cache included, not free pages alone (16 of 23 GiB on CPU-A): the two differ by the cache.
+    The tolerance leaves room for other processes allocating between the calls."""
     model = tiny_models[0].model
     available = psutil.virtual_memory().available * CPU_SHARE / kv_bytes_per_token(model)
-    assert default_kv_tokens(model) == pytest.approx(available, rel=0.02)
-    assert ModelRunner(model).kv_tokens_capacity == pytest.approx(available, rel=0.02)
+    assert default_kv_tokens(model) == pytest.approx(available, rel=0.05)
+    assert ModelRunner(model).kv_tokens_capacity == pytest.approx(available, rel=0.05)
