@@ -78,9 +78,9 @@ def split_model(name: str, dtype: torch.dtype, rows_list: list[int], steps: int,
     report: dict = {"product_layers": len(layers), "weight_bytes": weight_bytes(model)}
     for rows in rows_list:
         jobs = {}
+        tags = [f"split-{rows}-{row}" for row in range(rows)]
         for variant, runner in runners.items():
-            states = [cached_state(runner, f"split-{rows}-{row}", context + 37 * row, offset=row)
-                      for row in range(rows)]
+            states = [cached_state(runner, tag, context + 37 * row, offset=row) for row, tag in enumerate(tags)]
             jobs[variant] = (lambda r=runner, s=states: _forward(r, s))
         jobs["products"] = _products(layers, head, rows, dtype)
         with torch.inference_mode():
@@ -96,6 +96,11 @@ def split_model(name: str, dtype: torch.dtype, rows_list: list[int], steps: int,
                     started = time.perf_counter()
                     jobs[variant]()
                     times[variant].append(time.perf_counter() - started)
+        # Free the slots: a forward runs over every slot up to its last row, so rows left from this count would
+        # widen the next count's forwards (8 rows after 1 once ran over 9 slots, bucketed to 16).
+        for runner in runners.values():
+            for tag in tags:
+                runner.release(tag)
         result = {f"{variant}_s": round(statistics.median(t), 5) for variant, t in times.items()}
         result |= {f"{variant}_over_products": round(statistics.median(
             a / b for a, b in zip(times[variant], times["products"], strict=True)), 4) for variant in runners}
