@@ -125,12 +125,14 @@ def analytic_bound(stats: dict, plain_seconds_per_token: float) -> dict:
             "t_verify_measured": round(t_verify, 5)}
 
 
+SUMMED_STATS = ("accepted", "drafted", "spec_rounds", "fallback_rounds", "rounds", "draft_seconds", "verify_seconds",
+                "draft_failures")  # the requests' stats (core.stats) that add up across requests
+
+
 def _merge_stats(all_stats: list[dict]) -> dict:
-    merged: dict = {"rounds_by_k": {}, "accepted": 0, "drafted": 0, "spec_rounds": 0, "fallback_rounds": 0,
-                    "rounds": 0, "draft_seconds": 0.0, "verify_seconds": 0.0, "draft_failures": 0}
+    merged: dict = {"rounds_by_k": {}} | {key: 0.0 if key.endswith("_seconds") else 0 for key in SUMMED_STATS}
     for stats in all_stats:
-        for key in ("accepted", "drafted", "spec_rounds", "fallback_rounds", "rounds", "draft_seconds",
-                    "verify_seconds", "draft_failures"):
+        for key in SUMMED_STATS:
             merged[key] += stats[key]
         for k, n in stats["rounds_by_k"].items():
             merged["rounds_by_k"][k] = merged["rounds_by_k"].get(k, 0) + n
