@@ -85,6 +85,26 @@ def test_draft_side_shortcuts_stay_exact(tiny_models, references, options: dict)
         assert cut_short > len(results), "more rounds stopped early than the one final round k is clamped in"
 
 
+def test_greedy_rows_beside_sampled_ones_stay_exact(tiny_models, references) -> None:
+    """A batch mixing greedy and sampled rows: verification chooses the greedy rows together and the drafter each row
+    on its own, and every row gets what it would alone: the greedy ones plain greedy decoding, the seeded ones plain
+    decoding with their seed, the unseeded one as many tokens as asked."""
+    target, draft, _ = tiny_models
+    prompts, expected = references
+    seeded = [SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=NEW_TOKENS, ignore_eos=True)
+              for seed in (5, 9)]
+    unseeded = SamplingParams(temperature=0.8, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = [GREEDY, seeded[0], GREEDY, seeded[1], unseeded]
+    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(adaptive=False, k_init=3), calibrate=False))
+    results = engine.generate(prompts[:5], params)
+    plain = build_engine(target, None)
+    alone = [plain.generate([prompts[i]], params[i])[0].token_ids for i in (1, 3)]
+    assert [results[i].token_ids for i in (0, 2)] == [expected[0], expected[2]]
+    assert [results[i].token_ids for i in (1, 3)] == alone
+    assert len(results[4].token_ids) == NEW_TOKENS
+    assert all(r.stats["drafted"] > 0 for r in results)
+
+
 def test_a_fixed_k_drafts_every_token_whatever_the_confidence(tiny_models) -> None:
     target, draft, _ = tiny_models
     assert SpecConfig(adaptive=False, k_init=4, draft_confidence=0.8).stop_confidence == 0.0
