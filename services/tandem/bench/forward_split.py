@@ -96,11 +96,6 @@ def split_model(name: str, dtype: torch.dtype, rows_list: list[int], steps: int,
                     started = time.perf_counter()
                     jobs[variant]()
                     times[variant].append(time.perf_counter() - started)
-        # Free the slots: a forward runs over every slot up to its last row, so rows left from this count would
-        # widen the next count's forwards (8 rows after 1 once ran over 9 slots, bucketed to 16).
-        for runner in runners.values():
-            for tag in tags:
-                runner.release(tag)
         result = {f"{variant}_s": round(statistics.median(t), 5) for variant, t in times.items()}
         result |= {f"{variant}_over_products": round(statistics.median(
             a / b for a, b in zip(times[variant], times["products"], strict=True)), 4) for variant in runners}
@@ -108,9 +103,11 @@ def split_model(name: str, dtype: torch.dtype, rows_list: list[int], steps: int,
         if compile:
             result["compiled"] = bool(runners["compiled"].graphs is not None and runners["compiled"].graphs.compiled)
         report[str(rows)] = result
+        # Free the slots: a forward runs over every slot up to its last row, so rows left from this count would
+        # widen the next count's forwards.
         for runner in runners.values():
-            for row in range(rows):
-                runner.release(f"split-{rows}-{row}")
+            for tag in tags:
+                runner.release(tag)
         print(f"{name} rows {rows}: " + ", ".join(f"{v} {result[f'{v}_s'] * 1e3:.1f} ms" for v in jobs) + "; "
               + ", ".join(f"{v}/products {result[f'{v}_over_products']:.3f}" for v in runners), flush=True)
     return report
