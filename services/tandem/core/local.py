@@ -122,12 +122,16 @@ class LocalDrafter(InProcessSide):
         row's distribution (_sample). Greedy rows, the common case, are chosen together: one reduction over the
         step's logits rather than one per row."""
         if all(request.params.greedy for request in requests):
-            top = logits.float().softmax(-1).amax(-1) if self.confidence else logits.new_ones(len(requests))
+            top = self._top_probabilities(logits)
             return torch.stack([greedy_tokens(logits).double(), top.double()], dim=1).tolist(), [None] * len(requests)
         choices = [self._sample(logits[n : n + 1], request, position)
                    for n, (request, position) in enumerate(zip(requests, positions, strict=True))]
         picked = torch.stack([torch.stack([token.double(), top.double()]) for token, top, _ in choices]).tolist()
         return picked, [dist for _, _, dist in choices]
+
+    def _top_probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's largest draft probability, which the confidence stop reads (ones where the stop is off)."""
+        return logits.float().softmax(-1).amax(-1) if self.confidence else logits.new_ones(logits.shape[0])
 
     def _sample(self, logits: torch.Tensor, request: DraftRequest,
                 position: int) -> tuple[torch.Tensor, torch.Tensor, SparseDist | None]:
@@ -135,8 +139,7 @@ class LocalDrafter(InProcessSide):
         it was drawn from or None where verification compares choices (greedy, seeded))."""
         params = request.params
         if params.greedy:
-            top = logits[0].float().softmax(-1).max() if self.confidence else logits.new_ones(())
-            return greedy_tokens(logits[0]), top, None
+            return greedy_tokens(logits)[0], self._top_probabilities(logits)[0], None
         if params.reproducible:
             probs = processed_probs(logits, params)
             return gumbel_choice(probs, params.seed, position)[0], probs.max(), None
