@@ -70,10 +70,10 @@ for repeat in range(repeats):
     for setting in settings:
         each[setting].append(round(totals[setting][0] / totals[setting][1], 3))
     print("repeat", repeat, {s: e[-1] for s, e in each.items()}, flush=True)
-first = totals[settings[1] if len(settings) > 1 else settings[0]]
+reference = totals[settings[1] if len(settings) > 1 else settings[0]]  # the ratios' denominator
 report = {"prompts": len(ids), "max_tokens": 128, "repeats": repeats, "settings": {
     s: {"tok_s": round(totals[s][0] / totals[s][1], 3), "tok_s_cumulative_by_repeat": each[s],
-        "vs_second_setting": round((totals[s][0] / totals[s][1]) / (first[0] / first[1]), 4),
+        "vs_second_setting": round((totals[s][0] / totals[s][1]) / (reference[0] / reference[1]), 4),
         "itl_p50_ms": round(percentile(itls[s], 0.5) * 1e3, 2), "itl_p90_ms": round(percentile(itls[s], 0.9) * 1e3, 2),
         "itl_p99_ms": round(percentile(itls[s], 0.99) * 1e3, 2), "itls": len(itls[s])} for s in settings}}
 print(json.dumps(report, indent=1))
