@@ -6,6 +6,8 @@ and a lone row, plain and speculative; a seed gives the same tokens; cache growt
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -97,9 +99,47 @@ def test_compiled_forwards_skip_the_guards_once_their_class_has_run(tiny_models,
         guardless = runner.graphs.guardless
         assert guardless.direct  # every class's first call found its graph
         assert guardless.direct_calls == runner.graphs.replays - len(guardless.direct) > 0
+        for direct in guardless.direct.values():  # the sizes it reads, it reads without dynamo's wrapper
+            helpers = direct.__globals__["__import_torch_dot__dynamo_dot_utils"]
+            assert helpers.call_size is not torch._dynamo.utils.call_size
+            assert helpers.call_size(torch.zeros(2, 3), 1) == 3
     monkeypatch.setattr(GraphedForward, "shape_class", lambda graphs, graph: (graph.rows == 1,))
     with pytest.raises(GuardMismatch, match="another compiled graph"):
         run(tiny_models, True, PROMPTS, 4)
+
+
+def symbolic_inputs(layer: torch.nn.Module, x: torch.Tensor) -> int:
+    """How many symbolic sizes dynamo passes to the graph it compiles for `layer(x)` under dynamic shapes."""
+    found = []
+
+    def backend(graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        found.extend(node for node in graph_module.graph.nodes
+                     if node.op == "placeholder" and isinstance(node.meta.get("example_value"), torch.SymInt))
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    torch.compile(layer, backend=backend, dynamic=True, fullgraph=True)(x)
+    return len(found)
+
+
+@pytest.mark.parametrize("kind", ["packed", "w8a8"])
+def test_a_layers_held_weights_take_no_symbolic_sizes(kind, monkeypatch) -> None:
+    """Packed and w8a8 layers hold their weights, scales and biases as plain attributes, which dynamic shapes
+    would give symbolic sizes of their own: read and passed to the graph on every forward, hundreds a model. Marked
+    fixed, only the input's sizes are symbolic. Planted: without the marks, the weights' sizes are symbolic too.
+    (Int8Linear's weights need no marks: the kernel's own shape checks specialise their sizes.)"""
+    from tandem.core import w8a8_linear
+
+    if kind == "w8a8" and not w8a8_linear.supported():
+        pytest.skip("oneDNN's int8 GEMM does not run here")
+    if kind == "packed" and not supported(torch.float32):
+        pytest.skip("oneDNN cannot pack float32 here")
+    linear = torch.nn.Linear(64, 48)
+    build = {"packed": packed_linear.PackedLinear.from_linear, "w8a8": w8a8_linear.W8A8Linear.from_linear}[kind]
+    x = torch.randn(3, 64)
+    assert symbolic_inputs(build(linear), x) <= x.dim()
+    monkeypatch.setattr(torch._dynamo, "mark_static", lambda tensor: None)
+    assert symbolic_inputs(build(linear), x) > x.dim()
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ import functools
 import torch
 
 from tandem.core.fused_linear import fuse
-from tandem.core.packed_linear import replace_linears
+from tandem.core.packed_linear import fixed_size, replace_linears
 
 # oneDNN picks a slow kernel for one row against a narrow weight (a [128 x 896] layer: 2 ms for one row, 35 us for
 # five): such rows run as two.
@@ -101,6 +101,7 @@ class W8A8Linear(torch.nn.Module):
         self.packed = torch.ops.onednn.qlinear_prepack(levels, [1, self.in_features])
         self.zero_points = torch.zeros(self.out_features, dtype=torch.int64)
         self.bias = None if bias is None else bias.detach().float()
+        fixed_size(self.packed, self.scale, self.zero_points, self.bias)
         self.weight_bytes = levels.numel() + self.scale.numel() * self.scale.element_size()
 
     @classmethod
