@@ -38,7 +38,8 @@ MIN_PACKED_WEIGHTS = {torch.bfloat16: 0, torch.float32: 1 << 20}
 def fixed_size(*tensors: torch.Tensor | None) -> None:
     """Tell torch.compile that these tensors of a layer (its packed weight, scales, bias) never change size. Held as
     plain attributes, not parameters, they would each get symbolic sizes under dynamic shapes, and every compiled
-    forward would read and check hundreds of sizes that never change (the 0.5B draft's w8a8 layers: 290 of them)."""
+    forward would read and check hundreds of sizes that never change (360 of the 458 sizes a forward of the 0.5B w8a8
+    draft read)."""
     for tensor in tensors:
         if tensor is not None:
             torch._dynamo.mark_static(tensor)
