@@ -1,6 +1,6 @@
 """Int8 draft weights (core.int8_linear): the layer computes with its dequantized weight, the loader quantizes only
-where asked, and an int8 draft (weight-only, or w8a8: core.w8a8_linear) leaves the engine's output exactly plain
-decoding's, greedy and seeded."""
+where asked, and a quantized draft (int8 weight-only, w8a8: core.w8a8_linear, or w4: core.w4_linear) leaves the
+engine's output exactly plain decoding's, greedy and seeded."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.int8_linear import Int8Linear, quantize_int8, supported
 from tandem.core.packed_linear import weight_bytes
 from tandem.core.runner import ModelRunner
+from tandem.core.w4_linear import supported as w4_supported
 from tandem.core.w8a8_linear import supported as w8a8_supported
 from tandem.engines.local import build_engine
 from tandem.engines.options import ClusterOptions, LocalOptions
@@ -90,11 +91,13 @@ def test_quantize_refuses_a_device_without_the_kernel() -> None:
         quantize_int8(model)
 
 
-@pytest.fixture(scope="module", params=["int8", "w8a8"])
+@pytest.fixture(scope="module", params=["int8", "w8a8", "w4"])
 def int8_draft(request, tiny_dirs):
-    """The draft with int8 weights, each way the loader holds them."""
+    """The draft with quantized weights, each way the loader holds them."""
     if request.param == "w8a8" and not w8a8_supported():
         pytest.skip("oneDNN's int8 GEMM does not run here")
+    if request.param == "w4" and not w4_supported():
+        pytest.skip("the int4 or int8 CPU kernels do not run here")
     return load_model(str(tiny_dirs.draft), device=CPU, dtype=torch.float32, progress=False,
                       quantization=request.param)
 

@@ -1,10 +1,12 @@
 """Two ways of running the same forward, forward by forward in one sitting: fused projections, compiled forwards, or
-a w8a8 draft.
+a quantized draft.
 
 `--compare fusion`: each model of the pair loaded twice, prepacked with and without fusing q/k/v and gate/up
 (core.fused_linear). `--compare compile`: each model loaded once, run by an eager runner and by one whose decode
 forwards torch.compile compiled (on a CPU: the static forwards without CUDA graphs). `--compare w8a8`: the draft
-only, loaded as is and with `--draft-quantization w8a8` (core.w8a8_linear). Each runner holds one sequence of
+only, loaded as is and with `--draft-quantization w8a8` (core.w8a8_linear); `--compare w4`: the draft only, with
+`--draft-quantization w4` (core.w4_linear) and w8a8. `--compiled` compiles both runners of a comparison (as
+`--compile` does for serving). Each runner holds one sequence of
 the same context; forwards of each width then alternate between the two (A B, then B A) for `--steps` pairs, each
 feeding `width` tokens at the context's end and rolled back, so every forward sees the same context. Reported per
 model and width: the median seconds of each, the speed-up of the first over the second (the median of each
@@ -14,6 +16,7 @@ seconds (a compile), and the largest difference between their logits.
     python -m tandem.bench.forward_ab --compare fusion --json fusion.json      # about 2 min on a 2-core CPU
     python -m tandem.bench.forward_ab --compare compile --json compile.json    # plus a compile per model and width
     python -m tandem.bench.forward_ab --compare w8a8 --json w8a8.json          # about 1 min
+    python -m tandem.bench.forward_ab --compare w4 --compiled --widths 1 2 --json w4.json   # plus 2 compiles
 """
 
 from __future__ import annotations
@@ -32,30 +35,33 @@ from tandem.core.packed_linear import prepack
 from tandem.core.runner import ModelRunner
 from tandem.models.loader import load_model
 
-VARIANTS = {"fusion": ("fused", "unfused"), "compile": ("compiled", "eager"), "w8a8": ("w8a8", "as_loaded")}
+VARIANTS = {"fusion": ("fused", "unfused"), "compile": ("compiled", "eager"), "w8a8": ("w8a8", "as_loaded"),
+            "w4": ("w4", "w8a8")}
+QUANTIZATION = {"w8a8": "w8a8", "as_loaded": "none", "w4": "w4"}  # the draft's, by variant of a quantization compare
 
 
 def _ids(count: int, vocab: int, offset: int = 0) -> list[int]:
     return [(offset + 7 + 13 * i) % vocab for i in range(count)]
 
 
-def _runners(compare: str, name: str, dtype: torch.dtype, context: int) -> dict:
+def _runners(compare: str, name: str, dtype: torch.dtype, context: int, compiled: bool = False) -> dict:
     first, second = VARIANTS[compare]
     if compare == "fusion":
         models = {}
         for variant in (first, second):
             loaded = load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False, eager=True)
             prepack(loaded.model, fuse_siblings=variant == first)
-            models[variant] = ModelRunner(loaded.model)
-    elif compare == "w8a8":
+            models[variant] = ModelRunner(loaded.model, compile=compiled)
+    elif compare in ("w8a8", "w4"):
         models = {variant: ModelRunner(load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False,
-                                                  quantization="w8a8" if variant == first else "none").model)
+                                                  quantization=QUANTIZATION[variant]).model, compile=compiled)
                   for variant in (first, second)}
     else:
         model = load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False).model
         models = {first: ModelRunner(model, compile=True), second: ModelRunner(model, compile=False)}
     runners = {}
     for variant, runner in models.items():
+        runner.warm_up()  # compiles now, where it compiles at all
         state = runner.state("bench")
         state.sync(0, _ids(context, runner.vocab_size))
         runner.prefill(state, context)
@@ -74,8 +80,8 @@ def _forward(runner: ModelRunner, state, width: int) -> tuple[float, torch.Tenso
 
 
 def compare_forwards(compare: str, name: str, dtype: torch.dtype, widths: list[int], steps: int,
-                     context: int) -> dict:
-    runners = _runners(compare, name, dtype, context)
+                     context: int, compiled: bool = False) -> dict:
+    runners = _runners(compare, name, dtype, context, compiled)
     first, second = VARIANTS[compare]
     result: dict = {}
     for width in widths:
@@ -95,9 +101,9 @@ def compare_forwards(compare: str, name: str, dtype: torch.dtype, widths: list[i
         }
         print(f"{name} width {width}: {first} {result[str(width)][first + '_s'] * 1e3:.1f} ms, {second} "
               f"{result[str(width)][second + '_s'] * 1e3:.1f} ms, {first} {paired:.3f}x", flush=True)
-    if compare == "compile":
-        graphs = runners[first][0].graphs
-        result["compiled"] = bool(graphs is not None and graphs.compiled)
+    if compare == "compile" or compiled:  # whether every runner meant to compile did
+        meant = [runners[first][0]] if compare == "compile" else [runner for runner, _ in runners.values()]
+        result["compiled"] = all(runner.graphs is not None and runner.graphs.compiled for runner in meant)
     return result
 
 
@@ -108,16 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 5], help="tokens per forward")
     parser.add_argument("--steps", type=int, default=60, help="alternated pairs of forwards per width")
     parser.add_argument("--context", type=int, default=300, help="tokens cached before the timed forwards")
+    parser.add_argument("--compiled", action="store_true",
+                        help="compile both runners' decode forwards (torch.compile, as --compile does when serving)")
     add_json_option(parser, "the report")
     args = parser.parse_args(argv)
     dtype = packable_dtype(parser, args)
     report: dict = {"config": {"compare": args.compare, "variants": VARIANTS[args.compare], "target": args.target,
                                "draft": args.draft, "dtype": args.dtype, "threads": args.threads,
-                               "steps": args.steps, "context": args.context, "torch": torch.__version__,
+                               "steps": args.steps, "context": args.context, "compiled": args.compiled,
+                               "torch": torch.__version__,
                                "machine": platform.processor() or platform.machine()}}
-    for role in ("draft",) if args.compare == "w8a8" else ("target", "draft"):  # a target is never quantized
+    quantized = args.compare in ("w8a8", "w4")  # a target is never quantized
+    for role in ("draft",) if quantized else ("target", "draft"):
         report[role] = compare_forwards(args.compare, getattr(args, role), dtype, args.widths, args.steps,
-                                        args.context)
+                                        args.context, args.compiled or args.compare == "compile")
     write_json(args.json, report)
     return 0
 

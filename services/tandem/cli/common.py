@@ -50,7 +50,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="hold the draft's weights as int8 (one scale per output row): a draft step reads half "
                              "the bytes; output stays exact, acceptance may drop slightly. int8 keeps the activations "
                              "in the model's dtype; w8a8 quantizes them too, per row, for oneDNN's int8 GEMM, the "
-                             "fast one on an AVX-512 or AMX CPU (default: none)")
+                             "fast one on an AVX-512 or AMX CPU; w4 adds an int4 copy (a scale and zero point per "
+                             "group of 128 inputs) that one-row draft steps read, a quarter of the bf16 bytes "
+                             "(default: none)")
     parser.add_argument("--kv-tokens", type=int, default=0, metavar="N",
                         help="KV cache budget of each model (the target's and the draft's, in every worker), in "
                              "tokens counted as sequences x the longest one's length (default 0: a share of the "

@@ -8,9 +8,9 @@ from tandem.core.logprobs import MAX_TOP_LOGPROBS
 from tandem.errors import InvalidArgument
 
 # How a draft model's linear weights are held: "int8" weights with activations in the model's dtype
-# (core.int8_linear), "w8a8" int8 weights and activations quantized per row on a CPU (core.w8a8_linear). A target is
-# always held as loaded.
-QUANTIZATIONS = ("none", "int8", "w8a8")
+# (core.int8_linear), "w8a8" int8 weights and activations quantized per row on a CPU (core.w8a8_linear), "w4" those
+# w8a8 layers with an int4 copy for one-row steps (core.w4_linear). A target is always held as loaded.
+QUANTIZATIONS = ("none", "int8", "w8a8", "w4")
 
 
 # Which models of a pair compile their decode forwards with torch.compile on a CPU (a GPU compiles both by default).

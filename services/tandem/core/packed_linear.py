@@ -169,11 +169,19 @@ def replace_linears(model: torch.nn.Module, make, least: int = 0) -> int:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of linear-layer weights one forward reads, packed, int8 (core.int8_linear) or plain: what a decode step
-    streams from memory (the embedding lookup reads a row per token, the norms are small)."""
-    total = 0
-    for module in model.modules():
-        if hasattr(module, "weight_bytes"):  # PackedLinear, Int8Linear
-            total += module.weight_bytes
-        elif isinstance(module, torch.nn.Linear):
-            total += module.weight.numel() * module.weight.element_size()
-    return total
+    streams from memory (the embedding lookup reads a row per token, the norms are small). A layer that says its own
+    `weight_bytes` is counted as it says, whatever layers it holds (core.w4_linear's holds the w8a8 one that its
+    wider steps read), and a layer several modules share (a fused product's parts) once."""
+    seen: set[int] = set()
+
+    def read(module: torch.nn.Module) -> int:
+        if id(module) in seen:
+            return 0
+        seen.add(id(module))
+        if hasattr(module, "weight_bytes"):  # PackedLinear, Int8Linear, W8A8Linear, W4Linear
+            return module.weight_bytes
+        if isinstance(module, torch.nn.Linear):
+            return module.weight.numel() * module.weight.element_size()
+        return sum(read(child) for child in module.children())
+
+    return read(model)

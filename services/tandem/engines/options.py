@@ -27,7 +27,7 @@ class LocalOptions:
     eager: bool = False  # models as Hugging Face builds them (no prepacked linears, no CUDA graphs)
     compile: str = "none"  # whose decode forwards torch.compile compiles on a CPU too (core.config.COMPILE_SCOPES)
     kv_tokens: int = 0  # each model's KV token budget (0: a share of the memory free when its runner starts)
-    draft_quantization: str = "none"  # "int8" or "w8a8": draft weights as int8 (core.config; output unchanged)
+    draft_quantization: str = "none"  # "int8", "w8a8" or "w4": quantized draft weights (core.config; output unchanged)
 
     def __post_init__(self) -> None:
         _check_models(self)
@@ -58,7 +58,7 @@ class ClusterOptions:
     eager: bool = False  # models as Hugging Face builds them (no prepacked linears)
     compile: str = "none"  # whose decode forwards torch.compile compiles on a CPU too (core.config.COMPILE_SCOPES)
     kv_tokens: int = 0  # every worker's KV token budget (0: a share of the memory free when it starts)
-    draft_quantization: str = "none"  # "int8" or "w8a8": draft workers hold their weights as int8 (core.config)
+    draft_quantization: str = "none"  # "int8", "w8a8" or "w4": draft workers' quantized weights (core.config)
 
     def __post_init__(self) -> None:
         _check_models(self)

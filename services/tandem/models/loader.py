@@ -17,6 +17,7 @@ from tandem.core.config import QUANTIZATIONS, check_model_mode, compiles
 from tandem.core.fused_linear import stack_on_gpu
 from tandem.core.int8_linear import quantize_int8
 from tandem.core.packed_linear import prepack
+from tandem.core.w4_linear import quantize_w4
 from tandem.core.w8a8_linear import quantize_w8a8
 from tandem.errors import IncompatibleModels, InvalidArgument, ModelNotFound
 from tandem.models.hub import hub_local_only, hub_not_found, hub_ref, looks_local, pin, require_pinned
@@ -42,7 +43,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     eager: bool = False  # loaded without the device's fast path; runners then skip CUDA graphs too
     compile: bool = False  # runners compile their decode forwards (torch.compile) on a CPU too, not only on a GPU
-    quantization: str = "none"  # "int8" or "w8a8": linear weights held as int8 (drafts only, core.config.QUANTIZATIONS)
+    quantization: str = "none"  # "int8", "w8a8" or "w4": quantized linear weights (drafts only, core.config)
 
 
 def runner_mode(loaded) -> dict:
@@ -136,7 +137,8 @@ def load_model(
     graphs, core.cuda_graphs); `eager` leaves it as from_pretrained built it and says so to the runners. An unpinned
     hub id is refused unless `allow_unpinned` (see resolve and pin_spec).
     `quantization` "int8" holds the linear weights as int8 (core.int8_linear), "w8a8" as int8 for oneDNN's int8 GEMM
-    (core.w8a8_linear): for draft models only, since the target's logits are the distribution the engine reproduces.
+    (core.w8a8_linear), "w4" as those with an int4 copy for one-row steps (core.w4_linear): for draft models only,
+    since the target's logits are the distribution the engine reproduces.
     `compile` tells the runners to compile their decode forwards on a CPU as well (a GPU's default): forwards run
     5-13% faster after minutes of compiling at start.
     """
@@ -161,7 +163,7 @@ def load_model(
     model.eval()
     if quantization != "none":
         try:
-            {"int8": quantize_int8, "w8a8": quantize_w8a8}[quantization](model)
+            {"int8": quantize_int8, "w8a8": quantize_w8a8, "w4": quantize_w4}[quantization](model)
         except ValueError as exc:
             raise InvalidArgument(f"model {spec!r}: {exc}") from exc
     if not eager:

@@ -33,7 +33,7 @@ class WorkerConfig:
     kv_tokens: int = 0  # the runner's KV token budget (0: a share of the memory free at start)
     eager: bool = False  # the model as Hugging Face builds it (no prepacked linears)
     compile: bool = False  # decode forwards compiled by torch.compile on a CPU too (a GPU's default)
-    quantization: str = "none"  # "int8" or "w8a8": weights held as int8 (draft workers only, core.config)
+    quantization: str = "none"  # "int8", "w8a8" or "w4": quantized weights (draft workers only, core.config)
     batch_window_s: float = 0.0  # how long a call waits for other gateways' calls to join its forward (shared pools)
 
 
