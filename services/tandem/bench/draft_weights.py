@@ -1,7 +1,9 @@
 """The draft's weights as loaded against int8, one sitting: what drafting costs and what it gains.
 
 Engines over one target: plain decoding, AUTO with the draft as loaded, AUTO with an int8 copy of it (core.int8_linear,
-activations in the model's dtype) and, where oneDNN runs int8 GEMMs, AUTO with a w8a8 copy (core.w8a8_linear). Greedy,
+activations in the model's dtype) and, where oneDNN runs int8 GEMMs, AUTO with a w8a8 copy (core.w8a8_linear) and with
+a w4 one (core.w4_linear; where the int4 CPU kernel runs too). `--methods` picks some of them, `--compile` compiles
+every runner's decode forwards (as serving's `--compile`), `--draft-vocab` limits what each draft scores. Greedy,
 batch 1, the chat-templated prompts one by one, the methods in a rotating order per prompt so a slow spell of the
 machine hits all alike. Per method: tokens, seconds (prefill included), tok/s, and for AUTO the acceptance rate,
 rounds by k and the calibrated cost of a draft step and of verify forwards by width. Before the engines, the cost
@@ -9,6 +11,7 @@ of one [8960 x 1536] linear layer (the target's MLP shape) at 1, 2, 5 and 64 row
 the model's dtype through PyTorch, int8 weights, float32 weights prepacked for oneDNN.
 
     python -m tandem.bench.draft_weights --num-prompts 4 --max-tokens 48 --json draft-weights.json
+    python -m tandem.bench.draft_weights --methods plain auto_w8a8 auto_w4 --compile --draft-vocab 65536 --json w4.json
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_promp
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.int8_linear import Int8Linear
 from tandem.core.packed_linear import PackedLinear, supported, weight_bytes
+from tandem.core.w4_linear import supported as w4_supported
 from tandem.core.w8a8_linear import W8A8Linear
 from tandem.core.w8a8_linear import supported as w8a8_supported
 from tandem.engines.local import build_engine, encode_prompt
 from tandem.models.loader import load_model
 
-METHODS = ("plain", "auto", "auto_int8", "auto_w8a8")
-DRAFT_QUANTIZATION = {"auto": "none", "auto_int8": "int8", "auto_w8a8": "w8a8"}  # how each AUTO method's draft is held
+METHODS = ("plain", "auto", "auto_int8", "auto_w8a8", "auto_w4")
+# How each AUTO method's draft is held.
+DRAFT_QUANTIZATION = {"auto": "none", "auto_int8": "int8", "auto_w8a8": "w8a8", "auto_w4": "w4"}
 ROWS = (1, 2, 5, 64)
 
 
@@ -69,25 +74,31 @@ def main(argv: list[str] | None = None) -> int:
     add_prompts_option(parser, PROMPT_SETS, DEFAULT_PROMPTS)
     parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                        help="the engines to run (plain always runs: the others are compared with it)")
+    parser.add_argument("--compile", action="store_true", help="compile every runner's decode forwards")
+    parser.add_argument("--draft-vocab", type=int, default=0, help="drafts score only the first N ids (0: all)")
     add_json_option(parser, "the report")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     report: dict = {"config": {"target": args.target, "draft": args.draft, "dtype": args.dtype,
-                               "threads": args.threads, "max_tokens": args.max_tokens, "torch": torch.__version__,
+                               "threads": args.threads, "max_tokens": args.max_tokens, "compile": args.compile,
+                               "draft_vocab": args.draft_vocab, "torch": torch.__version__,
                                "machine": platform.processor() or platform.machine(),
                                "bf16_packing": supported()}}
     report["linear_ms"] = linear_kernels(dtype)
     cpu = torch.device("cpu")
-    target = load_model(args.target, device=cpu, dtype=dtype, progress=False)
-    methods = METHODS if w8a8_supported() else METHODS[:-1]
+    target = load_model(args.target, device=cpu, dtype=dtype, progress=False, compile=args.compile)
+    runs_here = {"auto_w8a8": w8a8_supported(), "auto_w4": w4_supported()}
+    methods = ["plain", *(m for m in METHODS[1:] if m in args.methods and runs_here.get(m, True))]
     drafts = {name: load_model(args.draft, device=cpu, dtype=dtype, progress=False,
-                               quantization=DRAFT_QUANTIZATION[name])
+                               quantization=DRAFT_QUANTIZATION[name], compile=args.compile)
               for name in methods[1:]}
     report["config"]["weight_bytes"] = {"target": weight_bytes(target.model)} | {
         name: weight_bytes(draft.model) for name, draft in drafts.items()}
-    one_row = EngineConfig(max_batch=1)
+    one_row = EngineConfig(max_batch=1, spec=SpecConfig(draft_vocab=args.draft_vocab))
     engines = {"plain": build_engine(target, None, EngineConfig(spec=SpecConfig(enabled=False), max_batch=1))}
     engines |= {name: build_engine(target, draft, one_row) for name, draft in drafts.items()}
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
