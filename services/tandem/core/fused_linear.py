@@ -15,11 +15,16 @@ and nothing is kept after the last part has read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tandem.core.packed_linear import PackedLinear
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# What builds a stacked product from its weight and bias: a layer class (PackedLinear, StackedLinear, W8A8Linear) or a
+# function that picks one (core.w4_linear's).
+Product = Callable[[torch.Tensor, torch.Tensor | None], torch.nn.Module]
 
 
 class StackedLinear(torch.nn.Module):
@@ -38,7 +43,7 @@ class StackedLinear(torch.nn.Module):
 class FusedLinear(torch.nn.Module):
     """y = x [W_1; W_2; ...]^T + [b_1; b_2; ...], computed once per input for the parts that slice it."""
 
-    def __init__(self, linears: list[torch.nn.Linear], product: type[torch.nn.Module] = PackedLinear) -> None:
+    def __init__(self, linears: list[torch.nn.Linear], product: Product = PackedLinear) -> None:
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])
         biases = [linear.bias for linear in linears]
@@ -78,10 +83,10 @@ class FusedPart(torch.nn.Module):
         return f"part {self.index} of {len(self.fused.spans)}, out_features={self.out_features}"
 
 
-def fuse(model: torch.nn.Module, least: int = 0, product: type[torch.nn.Module] = PackedLinear) -> int:
+def fuse(model: torch.nn.Module, least: int = 0, product: Product = PackedLinear) -> int:
     """Replace each GROUPS set of nn.Linear siblings (same input width and dtype, at least `least` weights together)
-    by parts of one FusedLinear whose stacked product is a `product` layer (PackedLinear, StackedLinear, or
-    core.w8a8_linear's W8A8Linear), in place; the number of nn.Linear replaced."""
+    by parts of one FusedLinear whose stacked product `product` builds (PackedLinear, StackedLinear,
+    core.w8a8_linear's W8A8Linear, core.w4_linear's choice), in place; the number of nn.Linear replaced."""
     replaced = 0
     for module in list(model.modules()):
         for names in GROUPS:

@@ -68,8 +68,8 @@ class ModelRunner:
         self.context_window: int | None = window if isinstance(window, int) and window > 0 else None
         # Logits are computed here rather than by the model, optionally for only the first `vocab_limit` ids,
         # without touching the shared model.
-        # The model's own head may be tensor-parallel, prepacked (core.packed_linear) or int8 (core.int8_linear,
-        # core.w8a8_linear): the last ones slice themselves.
+        # The model's own head may be tensor-parallel, prepacked (core.packed_linear) or quantized (core.int8_linear,
+        # core.w8a8_linear, core.w4_linear): the last ones slice themselves.
         self.head = model.get_output_embeddings()
         if 0 < vocab_limit < self.vocab_size:
             self.head = (self.head.first_rows(vocab_limit) if hasattr(self.head, "first_rows")

@@ -3,16 +3,17 @@
 At batch 1 a draft step is one row, and it streams every weight of the draft once: fewer bytes are a faster step if
 the kernel keeps up. PyTorch's weight-only int4 kernel for CPUs (`aten::_weight_int4pack_mm_for_cpu`, the one
 torchao's int4 CPU layout runs) widens each group of 4-bit levels to float as it streams them: at one row it ran
-the 0.5B draft's 96 layer products in 7.1 ms against 14.0 for the w8a8 products and 15.0 for prepacked bf16 (2-core
-AVX-512 EPYC, weights streamed from memory; docs/performance.md). The widening is arithmetic per row, so from a few
-rows on it costs more than the bytes save (20.0 ms at 8 rows against 18.5 for w8a8). So each layer holds both: the
-int4 levels for a step of one row, the w8a8 layer for anything wider (a batch's draft steps, a drafter's catch-up,
-prefill). The int4 copy is half the size of the int8 one, so the draft's weights take 1.5x the memory of w8a8 alone.
+the 0.5B draft's 96 layer products in 7.0 ms against 12.8 for the w8a8 products and 14.8 for prepacked bf16 (2-core
+AVX-512 EPYC, weights streamed from memory; docs/bench/int4-kernels-v1.json). The widening is arithmetic per row, so
+from a few rows on it costs more than the bytes save (19.7 ms at 8 rows against 18.0 for w8a8). So each layer holds
+both: the int4 levels for a step of one row, the w8a8 layer for anything wider (a batch's draft steps, a drafter's
+catch-up, prefill). The int4 copy is half the size of the int8 one, so the draft's weights take 1.5x the memory of
+w8a8 alone.
 
-Levels are asymmetric per group of `GROUP` input columns: each group's range split into 15 steps, the kernel's own
-scale-and-zero layout. They are quantized from the w8a8 layer's weight (its int8 levels times their row scale), so a
-layer is fully described by that one weight, and a slice of its rows (`first_rows`, a smaller draft head) quantizes to
-the same levels as the whole.
+Levels are asymmetric per group of input columns (the largest of `GROUPS` that divides them: 128 for the Qwen pair):
+each group's range split into 15 steps, the kernel's own scale-and-zero layout. They are quantized from the w8a8
+layer's weight (its int8 levels times their row scale), so a layer is fully described by that one weight, and a slice
+of its rows (`first_rows`, a smaller draft head) quantizes to the same levels as the whole.
 
 Only drafts are quantized: the target's verification decides every emitted token, so the coarser draft can lower the
 acceptance rate but never changes the output (lossless, and seeded requests give plain decoding's tokens).
