@@ -61,7 +61,6 @@ def _runners(compare: str, name: str, dtype: torch.dtype, context: int, compiled
         models = {first: ModelRunner(model, compile=True), second: ModelRunner(model, compile=False)}
     runners = {}
     for variant, runner in models.items():
-        runner.warm_up()  # compiles now, where it compiles at all
         state = runner.state("bench")
         state.sync(0, _ids(context, runner.vocab_size))
         runner.prefill(state, context)
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     quantized = args.compare in ("w8a8", "w4")  # a target is never quantized
     for role in ("draft",) if quantized else ("target", "draft"):
         report[role] = compare_forwards(args.compare, getattr(args, role), dtype, args.widths, args.steps,
-                                        args.context, args.compiled or args.compare == "compile")
+                                        args.context, args.compiled)
     write_json(args.json, report)
     return 0
 
