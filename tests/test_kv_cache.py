@@ -3,7 +3,9 @@ length, steady decoding never moves or copies the cache, and a token budget admi
 
 from __future__ import annotations
 
+import inspect
 import pickle
+import warnings
 
 import psutil
 import pytest
@@ -11,7 +13,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from tandem.bench.allocations import AllocationMeter
-from tandem.core.kv_cache import CPU_SHARE, default_kv_tokens, kv_bytes_per_token
+from tandem.core.kv_cache import CPU_SHARE, cache_keyword, default_kv_tokens, kv_bytes_per_token
 from tandem.core.protocol import KVCacheFull
 from tandem.core.runner import ModelRunner
 from tandem.errors import KVBudgetExceeded
@@ -59,6 +61,23 @@ def test_rows_of_different_lengths_and_widths_match_each_row_alone_and_a_full_re
         torch.testing.assert_close(logits, _recomputed(model, sequences[i], want), **TIGHT)
     assert states[3].cached == shapes[3][0]  # the row that sat out wrote nothing
     torch.testing.assert_close(runner.forward([states[3]], [2])[0], _recomputed(model, sequences[3], 2), **TIGHT)
+
+
+def test_the_runner_passes_its_cache_by_the_name_the_installed_transformers_takes(tiny_models) -> None:
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache` and drops the old name in 5.40: a
+    runner's forwards name the cache as the installed release declares it, and raise no deprecation warning."""
+    model = tiny_models[0].model
+    keyword = cache_keyword(model.base_model)
+    assert keyword in {"cache", "past_key_values"} & set(inspect.signature(model.base_model.forward).parameters)
+    runner = ModelRunner(model, kv_tokens=1024)
+    state = runner.state("named")
+    state.sync(0, _tokens(5, 12))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner.prefill(state, 11)
+        logits = runner.forward([state], [1])[0]
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
+    torch.testing.assert_close(logits, _recomputed(model, state.tokens, 1), **TIGHT)
 
 
 def test_rollback_then_reextend_equals_a_fresh_run(tiny_models) -> None:

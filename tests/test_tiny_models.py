@@ -12,6 +12,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from tandem.core.kv_cache import cache_keyword
 from tandem.models.tiny import IM_END, IM_START, TOKENIZER_FILES, TinyPair, build_byte_tokenizer, make_tiny
 
 PROMPT_COUNT = 8
@@ -69,7 +70,8 @@ def greedy_sequences(loaded: LoadedPair) -> torch.Tensor:
         for _ in range(GREEDY_STEPS):
             next_tokens = output.logits[:, -1].argmax(-1, keepdim=True)
             sequences = torch.cat([sequences, next_tokens], dim=1)
-            output = loaded.target(next_tokens, past_key_values=output.past_key_values, use_cache=True)
+            keyword = cache_keyword(loaded.target)
+            output = loaded.target(next_tokens, use_cache=True, **{keyword: getattr(output, keyword)})
     return sequences
 
 

@@ -21,6 +21,7 @@ zero attention weight, and zero times a non-finite leftover would still poison a
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import psutil
@@ -141,8 +142,14 @@ class SlotLayer(CacheLayerMixin):
         return self.cache.capacity
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword the model's forward takes its cache by: transformers 5.24 renamed `past_key_values` to `cache`
+    and drops the old name in 5.40, so callers ask the forward they call rather than assume one release."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class SlotCache(Cache):
-    """The buffers of every layer and the Step the current forward runs under; `past_key_values` for the model."""
+    """The buffers of every layer and the Step the current forward runs under; the model's cache argument."""
 
     def __init__(self, num_layers: int, margin: int = 0) -> None:
         """`margin`: positions allocated past the capacity, for writes that are never read (core.cuda_graphs)."""

@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 
 from tandem.core.attention import SEGMENTS, packed
 from tandem.core.cuda_graphs import MAX_WIDTH, GraphedForward
-from tandem.core.kv_cache import SlotCache, Step, default_kv_tokens
+from tandem.core.kv_cache import SlotCache, Step, cache_keyword, default_kv_tokens
 from tandem.core.protocol import KVCacheFull
 from tandem.core.row_layout import RowLayout, packed_inputs, padded_inputs
 from tandem.core.sequence import SequenceState
@@ -87,6 +87,7 @@ class ModelRunner:
         compiled = graphed if compile is None else compile and not sharded and (graphed or self.device.type == "cpu")
         static = graphed or compiled
         self.cache = SlotCache(text_config.num_hidden_layers, margin=MAX_WIDTH if static else 0)
+        self.cache_keyword = cache_keyword(model.base_model)
         self.graphs = GraphedForward(self.cache, self._hidden, compile=compiled, capture=graphed) if static else None
 
     def state(self, seq_id: str, session: str = "") -> SequenceState:
@@ -251,10 +252,10 @@ class ModelRunner:
                 segments: list | None = None) -> torch.Tensor:
         """The model's last hidden state for a forward under the cache's current step; `segments`: the rows of a
         packed step (Step.segments), whose attention runs per row."""
-        varlen = {SEGMENTS: segments} if segments is not None else {}
+        extra = {self.cache_keyword: self.cache} | ({SEGMENTS: segments} if segments is not None else {})
         with packed(self.model.config, varlen=segments is not None):
-            return self.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                                         past_key_values=self.cache, use_cache=True, **varlen).last_hidden_state
+            return self.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                                         **extra).last_hidden_state
 
     def _fit(self, extra_slots: int, length: int) -> None:
         """Make the cache hold `extra_slots` more sequences and one of `length` tokens, evicting retained sessions
