@@ -5,11 +5,14 @@ shapes recorded, self time a call) and the profiled forward's self total; each r
 """
 import torch
 from torch.profiler import ProfilerActivity, profile
+
 from tandem.bench.forward_split import _forward, cached_state
 from tandem.core.runner import ModelRunner
 from tandem.models.loader import load_model
+
 torch.set_num_threads(2)
-model = load_model("qwen2.5-coder-1.5b-instruct", device=torch.device("cpu"), dtype=torch.bfloat16, progress=False).model
+model = load_model("qwen2.5-coder-1.5b-instruct", device=torch.device("cpu"), dtype=torch.bfloat16,
+                   progress=False).model
 runner = ModelRunner(model, compile=True)
 with torch.inference_mode():
     for rows in (1, 8):

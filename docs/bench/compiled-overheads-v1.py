@@ -8,12 +8,14 @@ without dynamo's guard check.
 
     PYTHONPATH=services python docs/bench/compiled-overheads-v1.py qwen2.5-coder-1.5b-instruct 30
     PYTHONPATH=services python docs/bench/compiled-overheads-v1.py qwen2.5-coder-0.5b-instruct 60 py,skipguard w8a8
-"""
+"""  # noqa: E501
 import json
 import statistics
 import sys
 import time
+
 import torch
+
 from tandem.bench.forward_split import _forward, cached_state
 from tandem.core.runner import ModelRunner
 from tandem.models.loader import load_model
@@ -38,10 +40,7 @@ if "skipguard" in variants:
 jobs, firsts = {}, {}
 with torch.inference_mode():
     for v, r in runners.items():
-        if v == "skipguard":
-            states = jobs["py"][1]
-        else:
-            states = [cached_state(r, f"ab-{v}", 300)]
+        states = jobs["py"][1] if v == "skipguard" else [cached_state(r, f"ab-{v}", 300)]
         jobs[v] = (r, states)
     def call(v):
         r, states = jobs[v]
@@ -51,7 +50,10 @@ with torch.inference_mode():
         else:
             _forward(r, states)
     for v in jobs:
-        t = time.perf_counter(); call(v); call(v); firsts[v] = time.perf_counter() - t
+        t = time.perf_counter()
+        call(v)
+        call(v)
+        firsts[v] = time.perf_counter() - t
         print(v, "first", round(firsts[v], 1), "compiled", runners[v].graphs.compiled, runners[v].graphs.compile_error,
               flush=True)
     # logits equal?
@@ -59,7 +61,9 @@ with torch.inference_mode():
     order = list(jobs)
     for step in range(steps):
         for v in order[step % len(order):] + order[:step % len(order)]:
-            t = time.perf_counter(); call(v); times[v].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            call(v)
+            times[v].append(time.perf_counter() - t)
 res = {v: round(statistics.median(t) * 1e3, 2) for v, t in times.items()}
-ratios = {v: round(statistics.median(a / b for a, b in zip(times["py"], times[v])), 4) for v in jobs}
+ratios = {v: round(statistics.median(a / b for a, b in zip(times["py"], times[v], strict=False)), 4) for v in jobs}
 print(json.dumps({"median_ms": res, "py_over_variant": ratios, "steps": steps}), flush=True)

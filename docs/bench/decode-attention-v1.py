@@ -4,12 +4,18 @@ bf16 matmuls with a softmax and against the math backend, alternated, median mic
 
     python docs/bench/decode-attention-v1.py
 """
-import statistics, time, torch
+import statistics
+import time
+
+import torch
 import torch.nn.functional as F
-torch.set_num_threads(2); torch.manual_seed(0)
+
+torch.set_num_threads(2)
+torch.manual_seed(0)
 R, KVH, G, D, L = 8, 2, 6, 128, 512
 q = torch.randn(R, KVH, G, D, dtype=torch.bfloat16)
-k = torch.randn(R, KVH, L, D, dtype=torch.bfloat16); v = torch.randn(R, KVH, L, D, dtype=torch.bfloat16)
+k = torch.randn(R, KVH, L, D, dtype=torch.bfloat16)
+v = torch.randn(R, KVH, L, D, dtype=torch.bfloat16)
 lens = torch.tensor([201 + 37 * r for r in range(R)])
 mask = (torch.arange(L)[None] < lens[:, None])[:, None, None, :]
 scale = D ** -0.5
@@ -31,5 +37,7 @@ t = {n: [] for n in fs}
 for i in range(60):
     names = list(fs)[i % 3:] + list(fs)[:i % 3]
     for n in names:
-        s0 = time.perf_counter(); fs[n](); t[n].append(time.perf_counter() - s0)
+        s0 = time.perf_counter()
+        fs[n]()
+        t[n].append(time.perf_counter() - s0)
 print({n: round(statistics.median(x) * 1e6) for n, x in t.items()}, "us")

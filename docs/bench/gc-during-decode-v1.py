@@ -8,7 +8,9 @@ import json
 import statistics
 import sys
 import time
+
 import torch
+
 from tandem.bench.prompts import load_prompts
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.runner import ModelRunner
@@ -48,7 +50,7 @@ for i, p in enumerate(ids):
         rows.append(row)
         print(json.dumps(row), flush=True)
 by = {m: [r for r in rows if r["mode"] == m] for m in ("default", "frozen")}
-ratios = [d["ms_per_token"] / f["ms_per_token"] for d, f in zip(by["default"], by["frozen"])]
+ratios = [d["ms_per_token"] / f["ms_per_token"] for d, f in zip(by["default"], by["frozen"], strict=False)]
 print(json.dumps({"default_over_frozen_median": round(statistics.median(ratios), 4),
                   "gc_ms_per_token_default": round(statistics.median(r["gc_ms_per_token"] for r in by["default"]), 3),
                   "gc_ms_per_token_frozen": round(statistics.median(r["gc_ms_per_token"] for r in by["frozen"]), 3)}))

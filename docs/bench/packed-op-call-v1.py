@@ -10,6 +10,7 @@ import time
 import torch
 
 from tandem.core.packed_linear import PackedLinear, _product, onednn_linear
+
 torch.set_num_threads(2)
 w = torch.randn(256, 1536, dtype=torch.bfloat16)
 lin = PackedLinear(w, None)
@@ -21,11 +22,13 @@ def opsdef(): return torch.ops.tandem.onednn_linear(x, lin.packed, None, 256)
 fns = {"direct": direct, "_product": viaprod, "custom_op": custom, "torch.ops": opsdef}
 with torch.inference_mode():
     for f in fns.values():
-        for _ in range(200): f()
+        for _ in range(200):
+            f()
     t = {k: [] for k in fns}
-    for rep in range(30):
+    for _rep in range(30):
         for k, f in fns.items():
             s = time.perf_counter()
-            for _ in range(200): f()
+            for _ in range(200):
+                f()
             t[k].append((time.perf_counter() - s) / 200 * 1e6)
 print({k: round(statistics.median(v), 2) for k, v in t.items()}, "us per call")

@@ -8,11 +8,13 @@ the default variant with that lowering.
 import json
 import sys
 import time
+
 import torch
+
+from tandem.bench.prompts import load_prompts
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.engines.local import build_engine, encode_prompt
 from tandem.models.loader import load_model
-from tandem.bench.prompts import load_prompts
 
 torch.set_num_threads(2)
 compile_ = sys.argv[1] == "compile"

@@ -6,12 +6,19 @@
 - "mixed": the same prompts, 4 greedy and 4 sampled at temperature 1.0 with seeds (rows of unlike acceptance).
 Each repeat runs every arm over both cases, the order reversed every other repeat. One JSON out.
 Run: PYTHONPATH=services python docs/bench/plan-pricing-v1.py REPEATS OUT.json"""
-import json, os, statistics, sys, time, torch
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
 torch.set_num_threads(2)
-from tandem.bench.prompts import load_prompts
-from tandem.core.config import EngineConfig, SamplingParams
-from tandem.engines.local import build_engine, encode_prompt
-from tandem.models.loader import load_pair
+from tandem.bench.prompts import load_prompts  # noqa: E402
+from tandem.core.config import EngineConfig, SamplingParams  # noqa: E402
+from tandem.engines.local import build_engine, encode_prompt  # noqa: E402
+from tandem.models.loader import load_pair  # noqa: E402
 
 draft, target = load_pair("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", device=torch.device("cpu"),
                           dtype=torch.bfloat16, progress=False, draft_quantization="w8a8")
@@ -53,13 +60,15 @@ for case in CASES:
     rates = {arm: [r["tok_s"] for r in runs if r["arm"] == arm and r["case"] == case] for arm in ARMS}
     summary[case] = {"median_tok_s": {arm: statistics.median(v) for arm, v in rates.items()},
                      "packed_over_padded_per_repeat": [round(a / b, 3) for a, b in
-                                                        zip(rates["auto_packed_pricing"], rates["auto_padded_pricing"])],
+                                                        zip(rates["auto_packed_pricing"], rates["auto_padded_pricing"],
+                                                            strict=False)],
                      "drafted": {arm: [r["drafted"] for r in runs if r["arm"] == arm and r["case"] == case]
                                  for arm in ARMS[1:]},
                      "same_tokens_as_plain": {arm: sum(a == b for a, b in zip(outputs[(case, arm)],
-                                                                               outputs[(case, "plain")]))
+                                                                               outputs[(case, "plain")], strict=False))
                                               for arm in ARMS[1:]}}
 report = {"what": __doc__, "machine": "CPU-A (2 vCPU AMD EPYC, AVX512-BF16, no AMX)", "torch_threads": 2,
           "calibrated_costs": calibrated, "costs_after": auto.costs.to_dict(), "runs": runs, "summary": summary}
-json.dump(report, open(sys.argv[2], "w"), indent=1)
+with open(sys.argv[2], "w") as fh:
+    json.dump(report, fh, indent=1)
 print(json.dumps(summary, indent=1))
