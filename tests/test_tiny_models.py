@@ -65,12 +65,12 @@ def greedy_sequences(loaded: LoadedPair) -> torch.Tensor:
     """Target-greedy continuations of random byte prompts, one row per prompt."""
     generator = torch.Generator().manual_seed(1234)
     sequences = torch.randint(0, 256, (PROMPT_COUNT, PROMPT_LENGTH), generator=generator)
+    keyword = cache_keyword(loaded.target)  # `cache` from transformers 5.24, `past_key_values` before
     with torch.no_grad():
         output = loaded.target(sequences, use_cache=True)
         for _ in range(GREEDY_STEPS):
             next_tokens = output.logits[:, -1].argmax(-1, keepdim=True)
             sequences = torch.cat([sequences, next_tokens], dim=1)
-            keyword = cache_keyword(loaded.target)
             output = loaded.target(next_tokens, use_cache=True, **{keyword: getattr(output, keyword)})
     return sequences
 
