@@ -8,15 +8,15 @@ core.w4_linear.GROUPS set to the group size under test; the w8a8 draft has no in
 
     PYTHONPATH=services python docs/bench/w4-groups-v1.py out.json      # 10-30 min, a cold compile per w4 draft
 """
-import json
 import statistics
 import sys
 import time
 
 import torch
 
-from tandem.bench.draft_weights import compare_engines
+from tandem.bench.draft_weights import compare_engines, print_runs
 from tandem.bench.prompts import load_prompts
+from tandem.cli.options import write_json
 from tandem.core import w4_linear
 from tandem.core.packed_linear import weight_bytes
 from tandem.engines.local import encode_prompt
@@ -67,10 +67,5 @@ report = {"config": {"threads": 2, "dtype": "bfloat16", "max_tokens": 128, "comp
                      "weight_bytes": {name: weight_bytes(draft.model) for name, draft in drafts.items()}},
           "one_row_int4_products_ms_by_group": products_ms}
 report |= compare_engines(target, drafts, prompts, 128, 65536)
-for name, run in report.items():
-    if name.startswith(("plain", "auto")):
-        print(f"{name:18s} {run['tok_s']:6.2f} tok/s  {run['vs_plain']:.3f}x plain  acceptance {run.get('acceptance')}"
-              f"  draft step {run.get('draft_step_ms')} ms", flush=True)
-if OUT:
-    with open(OUT, "w") as sink:
-        json.dump(report, sink, indent=1)
+print_runs(report)
+write_json(OUT, report)

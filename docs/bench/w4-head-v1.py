@@ -4,15 +4,15 @@ shipped prompts one by one, the engines in a rotating order per prompt), every r
 first 65536 ids, as the vLLM comparison runs tandem. The head is the one layer whose rounding picks the draft's token
 directly; the w8a8 head reads about twice its int4 bytes in every one-row step.
 
-    PYTHONPATH=services python docs/bench/w4-head-v1.py out.json      # 10-20 min, a cold compile of the new draft
+    PYTHONPATH=services python docs/bench/w4-head-v1.py out.json      # 7 min with the compile cache kept
 """
-import json
 import sys
 
 import torch
 
-from tandem.bench.draft_weights import compare_engines
+from tandem.bench.draft_weights import compare_engines, print_runs
 from tandem.bench.prompts import load_prompts
+from tandem.cli.options import write_json
 from tandem.core.packed_linear import weight_bytes
 from tandem.core.w4_linear import W4Linear
 from tandem.engines.local import encode_prompt
@@ -32,10 +32,5 @@ report = {"config": {"threads": 2, "dtype": "bfloat16", "max_tokens": 128, "comp
                      "torch": torch.__version__,
                      "weight_bytes": {name: weight_bytes(draft.model) for name, draft in drafts.items()}}}
 report |= compare_engines(target, drafts, prompts, 128, 65536)
-for name, run in report.items():
-    if name.startswith(("plain", "auto")):
-        print(f"{name:18s} {run['tok_s']:6.2f} tok/s  {run['vs_plain']:.3f}x plain  acceptance {run.get('acceptance')}"
-              f"  draft step {run.get('draft_step_ms')} ms", flush=True)
-if OUT:
-    with open(OUT, "w") as sink:
-        json.dump(report, sink, indent=1)
+print_runs(report)
+write_json(OUT, report)

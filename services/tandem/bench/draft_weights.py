@@ -102,10 +102,16 @@ def main(argv: list[str] | None = None) -> int:
                for text in load_prompts(args.prompts)[: args.num_prompts]]
     report |= compare_engines(target, drafts, prompts, args.max_tokens, args.draft_vocab)
     write_json(args.json, report)
-    for name in methods:
-        print(f"{name:10s} {report[name]['tok_s']:6.2f} tok/s  {report[name]['vs_plain']:.2f}x plain  "
-              f"acceptance {report[name].get('acceptance')}")
+    print_runs(report)
     return 0
+
+
+def print_runs(report: dict) -> None:
+    """One line per engine of a report holding compare_engines' runs."""
+    for name, run in report.items():
+        if isinstance(run, dict) and "tok_s" in run:
+            print(f"{name:18s} {run['tok_s']:6.2f} tok/s  {run['vs_plain']:.3f}x plain  acceptance "
+                  f"{run.get('acceptance')}  draft step {run.get('draft_step_ms')} ms", flush=True)
 
 
 def compare_engines(target: LoadedModel, drafts: dict[str, LoadedModel], prompts: list[list[int]],
