@@ -27,7 +27,7 @@ def _generate(capsys, models, *extra: str) -> dict:
 
 
 def test_generate_json_and_no_spec_agree(capsys, cli_models) -> None:
-    spec = _generate(capsys, cli_models)
+    spec = _generate(capsys, cli_models, "--fixed-k", "2")
     plain = _generate(capsys, cli_models, "--no-spec")
     assert {"text", "token_ids", "finish_reason", "stats"} <= spec.keys()
     assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) == 24
