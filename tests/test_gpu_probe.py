@@ -47,6 +47,11 @@ def test_probe_measures_tandem_and_hugging_face_on_the_same_weights() -> None:
     assert share["wall_s"] > 0 and isinstance(share["top_kernels"], list)  # no GPU kernels on a CPU
     costs = probe.forward_costs(probe.ModelRunner(target), [1, 3], context=64, reps=2)
     assert set(costs) == {1, 3} and all(seconds > 0 for seconds in costs.values())
+    logged.clear()
+    probe.forward_costs_only(target, draft, lambda key, value: logged.update({key: value}), context=32,
+                             compile=False)  # a CPU would spend a minute compiling
+    assert set(logged["forward_seconds"]["target"]) == {1, 5} and logged["forward_seconds"]["draft_step"] > 0
+    assert list(logged["projected_spec_b1_from_forward_costs"]) == ["0.6", "0.7", "0.8", "0.9"]
     # A free draft and a verify as cheap as a plain step: every acceptance pays, the more the better.
     projected = probe.projected_speedups({1: 1.0, 2: 1.0, 3: 1.0, 5: 1.0, 9: 1.0}, 0.0)
     assert list(projected) == ["0.6", "0.7", "0.8", "0.9"]

@@ -15,6 +15,7 @@ again), and the plain batch-1 decode against the weight-bandwidth limit.
 
     python -m tandem.bench.gpu_probe --json probe.json                # under 10 minutes on one H100
     python -m tandem.bench.gpu_probe --only-modes --json modes.json   # the mode pairs and forward costs alone
+    python -m tandem.bench.gpu_probe --only-costs --json costs.json   # one forward's cost, a few minutes
     python services/tandem/bench/gpu_probe.py --json probe.json       # the same from a checkout, tandem not installed
 """
 
@@ -219,6 +220,16 @@ def stacking_ab(target, work: list[list[int]], tokens: int, warm_seconds: float,
         log(f"forward_seconds_{name}", forward_costs(ModelRunner(model, compile=True), [1], context=256))
 
 
+def forward_costs_only(target, draft, log, context: int = 256, compile: bool = True) -> None:
+    """One compiled forward's cost (a draft step, the target at 1 and 5 tokens, `context` cached) and the speculative
+    speedup at batch 1 those costs project at the acceptance rates of projected_speedups: a few minutes where the
+    whole probe takes ten."""
+    draft_step = forward_costs(ModelRunner(draft, compile=compile), [1], context=context)[1]
+    target_costs = forward_costs(ModelRunner(target, compile=compile), [1, 5], context=context)
+    log("forward_seconds", {"target": target_costs, "draft_step": draft_step})
+    log("projected_spec_b1_from_forward_costs", projected_speedups(target_costs, draft_step))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -235,6 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only-attention", choices=[n for n in ATTENTION_BACKENDS if n != "default"],
                         help="only one attention call per sdpa kernel set, then decoding with PyTorch's pick against "
                              "this one (the stacked target, plain)")
+    parser.add_argument("--only-costs", action="store_true",
+                        help="only one compiled forward's cost (a draft step; the target at 1 and 5 tokens) and the "
+                             "speculative speedup they project")
     parser.add_argument("--pairs", type=int, default=1, help="with --only-stacking or --only-attention: A B B A pairs "
                                                              "per case")
     args = parser.parse_args(argv)
@@ -279,6 +293,9 @@ def main(argv: list[str] | None = None) -> None:
         stacking_ab(target, work, args.tokens, args.warm_seconds, log, args.pairs)
         return finish(res["stacked_vs_unstacked_plain_b1"]["stacked_tok_s"])
     report["stacked_linears"] = stack_on_gpu(target) + stack_on_gpu(draft)  # as the loader prepares them
+    if args.only_costs:
+        forward_costs_only(target, draft, log)
+        return finish()
     if args.only_attention:
         attention_ab(target, work, args.tokens, args.warm_seconds, log, args.pairs, args.only_attention)
         return finish(res[f"default_vs_{args.only_attention}_plain_b1"]["default_tok_s"])
