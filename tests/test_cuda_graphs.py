@@ -128,3 +128,18 @@ def test_sampling_on_the_gpu_keeps_seeded_tokens_whatever_k(cuda_models) -> None
                                EngineConfig(spec=SpecConfig(k_max=4, k_init=4, adaptive=False), calibrate=False))
     results = engine.generate(PROMPTS, unseeded)
     assert all(len(r.token_ids) == 24 for r in results) and sum(r.stats["drafted"] for r in results) > 0
+
+
+@pytest.mark.parametrize("k", [None, 4])
+def test_graphs_attending_with_flex_give_the_hf_greedy_tokens_in_float32(cuda_models, k, monkeypatch) -> None:
+    """core.flex_decode in the compiled graphs (core.attention.FLEX), after a long sequence left the cache a capacity
+    far past the rows' lengths, so each row reads only its own live blocks."""
+    from tandem.core import attention
+
+    target, draft = cuda_models[torch.float32]
+    monkeypatch.setattr(attention, "FLEX", [True])
+    long = [3 + i % 40 for i in range(700)]
+    grown, runners = run(target, draft, True, [long, *PROMPTS[:2]], k, max_tokens=8)
+    assert all(r.cache.capacity >= 700 for r in runners)
+    assert grown == [hf_greedy(target, p, 8) for p in (long, *PROMPTS[:2])]
+    assert all(r.graphs.compiled and r.graphs.compile_error is None and not r.graphs.failed for r in runners)

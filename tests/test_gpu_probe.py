@@ -37,12 +37,14 @@ def test_probe_measures_tandem_and_hugging_face_on_the_same_weights() -> None:
     logged.clear()
     probe.plain_pairs(list(sides.items()), work, 4, 0.0, lambda key, value: logged.update({key: value}), pairs=2)
     assert set(logged) == {"a_vs_b_plain_b1", "a_vs_b_plain_b8", "b_vs_a_plain_b1_pair2", "b_vs_a_plain_b8_pair2"}
-    costs = probe.attention_costs(torch.device("cpu"), {"default": None, "math": probe.ATTENTION_BACKENDS["math"]},
+    costs = probe.attention_costs(torch.device("cpu"), {name: probe.ATTENTION_BACKENDS[name]
+                                                        for name in ("default", "math", "flex")},
                                   caps=(32,), rows=(1, 2), widths=(1, 3), reps=10)
     assert all(len(by_shape) == 4 and all(seconds > 0 for seconds in by_shape.values()) for by_shape in costs.values())
-    with_math = probe.run_with_backends(probe.ATTENTION_BACKENDS["math"], target, None, None, 1, work[:1], 4,
-                                        mode="graphs")
-    assert with_math["tokens"] == 4 and probe.attention.BACKENDS[0] is None  # restored after the run
+    for name in ("math", "flex"):
+        run = probe.run_with_backends(probe.ATTENTION_BACKENDS[name], target, None, None, 1, work[:1], 4,
+                                      mode="graphs")
+        assert run["tokens"] == 4 and probe.attention.BACKENDS[0] is None and not probe.attention.FLEX[0]  # restored
     share = probe.kernel_share(lambda: probe.hf_generate(target, work[:1], 1, 2))
     assert share["wall_s"] > 0 and isinstance(share["top_kernels"], list)  # no GPU kernels on a CPU
     costs = probe.forward_costs(probe.ModelRunner(target), [1, 3], context=64, reps=2)

@@ -13,6 +13,7 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from tandem.core.config import SamplingParams
+from tandem.core.flex_decode import flex_decode
 from tandem.core.kv_cache import kv_bytes_per_token
 from tandem.core.runner import ModelRunner
 
@@ -112,14 +113,23 @@ def allocated_per_step(eng_factory, work: list[list[int]], contexts: tuple[int, 
     return {"by_context": out, "kv_copies_per_step": growth / kv_growth if kv_growth else None}
 
 
-def attention_costs(device: torch.device, backends: dict[str, tuple | None], caps: tuple[int, ...] = (256, 1024, 4096),
-                    rows: tuple[int, ...] = (1, 8), widths: tuple[int, ...] = (1, 5), reps: int = 100,
-                    kv_heads: int = 2, groups: int = 6, dim: int = 128) -> dict[str, dict]:
+FLEX = "flex"  # attention_costs' name for core.flex_decode among sets of sdpa kernels
+TOLERANCE = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float32: dict(rtol=1e-5, atol=1e-5)}
+
+
+def attention_costs(device: torch.device, backends: dict[str, tuple | str | None],
+                    caps: tuple[int, ...] = (256, 1024, 4096), rows: tuple[int, ...] = (1, 8),
+                    widths: tuple[int, ...] = (1, 5), reps: int = 100, kv_heads: int = 2, groups: int = 6,
+                    dim: int = 128) -> dict[str, dict]:
     """Median seconds of one attention call as the runner's static forwards make it (core.attention: query heads
     stacked per key/value head, the whole `cap`-key buffer under a boolean mask, 60% of it live), per named set of
-    sdpa kernels (None: PyTorch's pick), bf16 on a GPU; a set that cannot run a shape records the error instead."""
+    sdpa kernels (None: PyTorch's pick; FLEX: core.flex_decode compiled, over the heads unstacked), bf16 on a GPU; a
+    set that cannot run a shape, or gives another result than PyTorch's pick, records the error instead."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out: dict[str, dict] = {name: {} for name in backends}
+    # Compiled on a GPU, as the runner's forwards run it; uncompiled elsewhere (inductor's CPU template for it is not
+    # reliable: core.attention.FLEX_DEVICES), which checks the call, not the kernel.
+    flex = torch.compile(flex_decode, dynamic=True) if device.type == "cuda" else flex_decode
     for cap in caps:
         for row in rows:
             for width in widths:
@@ -128,12 +138,19 @@ def attention_costs(device: torch.device, backends: dict[str, tuple | None], cap
                 # Query j of a row sees the live keys and its own block's first j (one mask row per query when wider).
                 limit = int(cap * 0.6) + torch.arange(groups * width if width > 1 else 1, device=device) % width
                 mask = (torch.arange(cap, device=device) <= limit[:, None])[None, None].expand(row, 1, -1, -1)
+                expected = _attend(None, q, k, v, mask)
                 for name, chosen in backends.items():
                     try:
-                        run = _ten_calls(partial(_attend, chosen, q, k, v, mask), device)
+                        if chosen == FLEX:  # the same keys and mask, the query heads unstacked
+                            heads = q.reshape(row, kv_heads, groups, width, dim).flatten(1, 2)
+                            call = partial(_stacked, flex, heads, k, v, mask[:, :, :width])
+                        else:
+                            call = partial(_attend, chosen, q, k, v, mask)
+                        torch.testing.assert_close(call(), expected, **TOLERANCE[dtype])
+                        run = _ten_calls(call, device)
                         samples = [timed(run) / 10 for _ in range(max(1, reps // 10))]
                         out[name][f"cap{cap}_rows{row}_width{width}"] = sorted(samples)[len(samples) // 2]
-                    except RuntimeError as exc:  # no kernel of the set takes this shape
+                    except (RuntimeError, AssertionError) as exc:  # no kernel of the set takes it, or it errs
                         out[name][f"cap{cap}_rows{row}_width{width}"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
     return out
 
@@ -144,6 +161,13 @@ def _attend(chosen: tuple | None, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     with sdpa_kernel(list(chosen)):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _stacked(flex, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """flex's [rows, heads, width, dim] as the stacked call's [rows, kv_heads, groups * width, dim]."""
+    out = flex(query, key, value, mask)
+    rows, heads, width, dim = out.shape
+    return out.reshape(rows, key.shape[1], heads // key.shape[1] * width, dim)
 
 
 def _ten_calls(call, device: torch.device):

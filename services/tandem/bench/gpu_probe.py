@@ -42,6 +42,7 @@ if not __package__ and sys.path and Path(sys.path[0] or ".").resolve() == HERE:
 from torch.nn.attention import SDPBackend  # noqa: E402
 
 from tandem.bench.gpu_measures import (  # noqa: E402
+    FLEX,
     allocated_per_step,
     attention_costs,
     forward_costs,
@@ -181,16 +182,21 @@ def plain_pairs(sides: list[tuple[str, Callable[..., dict]]], work: list[list[in
 
 
 ATTENTION_BACKENDS = {"default": None, "efficient": (SDPBackend.EFFICIENT_ATTENTION,),
-                      "cudnn": (SDPBackend.CUDNN_ATTENTION,), "math": (SDPBackend.MATH,)}
+                      "cudnn": (SDPBackend.CUDNN_ATTENTION,), "math": (SDPBackend.MATH,), "flex": FLEX}
 
 
-def run_with_backends(backends: tuple | None, *args, **kwargs) -> dict:
-    """run_tandem with the runner's attention restricted to `backends` (core.attention.BACKENDS)."""
-    attention.BACKENDS[0] = backends
+def run_with_backends(backends: tuple | str | None, *args, **kwargs) -> dict:
+    """run_tandem with the runner's attention restricted to `backends` (core.attention.BACKENDS), or with FLEX
+    attending through core.flex_decode (core.attention.FLEX)."""
+    if backends == FLEX:
+        attention.FLEX[0] = True
+    else:
+        attention.BACKENDS[0] = backends
     try:
         return run_tandem(*args, **kwargs)
     finally:
         attention.BACKENDS[0] = None
+        attention.FLEX[0] = False
 
 
 def attention_ab(target, work: list[list[int]], tokens: int, warm_seconds: float, log, pairs: int = 1,

@@ -25,6 +25,11 @@ SDPBackend; None: PyTorch picks). On an H100 PyTorch picks cuDNN's flash kernel,
 query over a few hundred cached keys (docs/performance.md, "On a GPU"); tandem.bench.gpu_probe's `--only-attention`
 times the others against it (on an H200 the pick decoded 1.11x faster than the memory-efficient kernel). Compiled
 forwards read it when they are traced, and retrace when it changes.
+
+`FLEX[0]`, when True, makes compiled forwards attend with core.flex_decode instead: each row's live keys only, split
+across thread blocks, where sdpa walks the whole buffer under the mask (the cost that grows with the cache's
+capacity on a GPU), on a GPU only (FLEX_DEVICES). It stays off until a GPU sitting measures it (`gpu_probe
+--only-attention flex`).
 """
 
 from __future__ import annotations
@@ -38,10 +43,16 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from tandem.core.flex_decode import flex_decode
+
 NAME = "tandem_packed_sdpa"
 VARLEN = "tandem_varlen_sdpa"
 SEGMENTS = "tandem_segments"  # the keyword that carries a packed forward's rows to varlen_sdpa_forward
 BACKENDS: list[tuple[SDPBackend, ...] | None] = [None]  # a cell: compiled code guards on its content
+FLEX: list[bool] = [False]  # a cell, as BACKENDS: compiled forwards attend with core.flex_decode when True
+# Inductor's C++ template for flex_attention (torch 2.13) fails inside a compiled decoder on a CPU (no epilogue
+# fusion; a C++ compile error with two layers); GPUs run its Triton template.
+FLEX_DEVICES = ("cuda",)
 
 
 def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -49,6 +60,8 @@ def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
                         **kwargs) -> tuple[torch.Tensor, None]:
     groups = getattr(module, "num_key_value_groups", 1)
     width = query.shape[2]
+    if FLEX[0] and torch.compiler.is_compiling() and _flex_fits(module, query, attention_mask, dropout, kwargs):
+        return flex_decode(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
     # Without a mask every query sees every key; that holds for stacked rows only when each row has one query (a
     # causal multi-token forward would become causal over the stacked rows).
     maskless_ok = attention_mask is None and width == 1
@@ -68,6 +81,16 @@ def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     with sdpa_kernel(list(BACKENDS[0])) if BACKENDS[0] else nullcontext():
         out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, width, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _flex_fits(module: torch.nn.Module, query: torch.Tensor, mask: torch.Tensor | None, dropout: float,
+               kwargs: dict) -> bool:
+    """flex_decode takes a boolean [rows, 1, width, keys] mask, or none for one query per row (a wider forward without
+    a mask is a causal prefill, which stays sdpa's), on FLEX_DEVICES."""
+    fits_mask = ((mask is None and query.shape[2] == 1)
+                 or (mask is not None and mask.dtype == torch.bool and mask.shape[1] == 1))
+    return (fits_mask and query.device.type in FLEX_DEVICES and kwargs.get("position_bias") is None
+            and kwargs.get("softcap") is None and not (module.training and dropout))
 
 
 def varlen_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
