@@ -127,6 +127,33 @@ def _decode(runner: ModelRunner, states, steps: int) -> list[int]:
     return pointers
 
 
+def test_a_capacity_left_by_a_long_sequence_shrinks_once_it_is_gone(tiny_models) -> None:
+    """A GPU's graphs read every position of the buffers, so a capacity a finished long sequence left would cost
+    every later step: the first forward after it has gone shrinks the cache, and what the others hold is kept. A
+    retained session's sequence, or a new long prompt, is held, so nothing shrinks under it."""
+    model = tiny_models[0].model
+    runner = ModelRunner(model, kv_tokens=65536)
+    kept = runner.state("kept", session="chat")
+    kept.sync(0, _tokens(0, 1200))
+    runner.prefill(kept, 1200)
+    runner.release("kept", retain=True)
+    short = runner.state("short")
+    short.sync(0, _tokens(1, 40))
+    runner.prefill(short, 39)
+    logits = runner.forward([short], [1])[0]
+    assert runner.cache.capacity >= 1200  # the retained session still holds its 1200 tokens
+    assert runner.state("back", session="chat").cached == 1200  # the session returns to its cache ...
+    runner.release("back")  # ... and ends without keeping it
+    short.sync(len(short.tokens), [int(logits[-1].argmax())])
+    again = runner.forward([short], [1])[0]
+    assert runner.cache.capacity == 256 and runner.kv_tokens_reserved == runner.cache.slots * 256
+    torch.testing.assert_close(again, _recomputed(model, short.tokens, 1), **TIGHT)
+    long = runner.state("long")
+    long.sync(0, _tokens(2, 1100))
+    runner.prefill(long, 1100)  # grows straight to what the prompt needs, with nothing shrunk first
+    assert runner.cache.capacity >= 1100
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_steady_decoding_writes_in_place_and_allocates_nothing_that_grows_with_context(tiny_models,
                                                                                        batch: int) -> None:
