@@ -60,16 +60,17 @@ def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
                         **kwargs) -> tuple[torch.Tensor, None]:
     groups = getattr(module, "num_key_value_groups", 1)
     width = query.shape[2]
-    if FLEX[0] and torch.compiler.is_compiling() and _flex_fits(module, query, attention_mask, dropout, kwargs):
-        return flex_decode(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
     # Without a mask every query sees every key; that holds for stacked rows only when each row has one query (a
-    # causal multi-token forward would become causal over the stacked rows).
+    # causal multi-token forward would become causal over the stacked rows, and is a prefill, which stays sdpa's).
+    # Both the stacked call and flex_decode take a boolean [rows, 1, width, keys] mask and nothing beyond it.
     maskless_ok = attention_mask is None and width == 1
-    plain = (groups == 1 or not (maskless_ok or (attention_mask is not None and attention_mask.dtype == torch.bool
-                                                 and attention_mask.shape[1] == 1))
-             or kwargs.get("position_bias") is not None
-             or kwargs.get("softcap") is not None or (module.training and dropout))
-    if plain:
+    fits = ((maskless_ok or (attention_mask is not None and attention_mask.dtype == torch.bool
+                             and attention_mask.shape[1] == 1))
+            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+            and not (module.training and dropout))
+    if fits and FLEX[0] and query.device.type in FLEX_DEVICES and torch.compiler.is_compiling():
+        return flex_decode(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
+    if groups == 1 or not fits:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     batch, heads, width, dim = query.shape
@@ -81,16 +82,6 @@ def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     with sdpa_kernel(list(BACKENDS[0])) if BACKENDS[0] else nullcontext():
         out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, width, value.shape[-1]).transpose(1, 2).contiguous(), None
-
-
-def _flex_fits(module: torch.nn.Module, query: torch.Tensor, mask: torch.Tensor | None, dropout: float,
-               kwargs: dict) -> bool:
-    """flex_decode takes a boolean [rows, 1, width, keys] mask, or none for one query per row (a wider forward without
-    a mask is a causal prefill, which stays sdpa's), on FLEX_DEVICES."""
-    fits_mask = ((mask is None and query.shape[2] == 1)
-                 or (mask is not None and mask.dtype == torch.bool and mask.shape[1] == 1))
-    return (fits_mask and query.device.type in FLEX_DEVICES and kwargs.get("position_bias") is None
-            and kwargs.get("softcap") is None and not (module.training and dropout))
 
 
 def varlen_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
