@@ -17,18 +17,24 @@ def run(tok_s: float, tokens: int = 100) -> dict:
 
 def test_each_phase_pairs_every_prompt_on_both_systems_and_who_goes_first_alternates() -> None:
     order = compare.schedule(2, 2, 8, ["tandem", "vllm"])
-    assert [p for p, *_ in order] == ["plain"] * 16 + ["spec"] * 16  # one vLLM engine resident per phase
+    assert [p for p, *_ in order] == ["plain"] * 20 + ["spec"] * 20  # one vLLM engine resident per phase
     first = [(s, m, i) for p, r, s, m, i in order if (p, r) == ("plain", 0)]
     assert first == [("tandem", "plain_b1", 0), ("vllm", "plain_b1", 0), ("vllm", "plain_b1", 1),
                      ("tandem", "plain_b1", 1), ("tandem", "plain_b8", None), ("vllm", "plain_b8", None),
+                     ("tandem", "auto_b8@plain", None), ("tandem", "auto_b8@plain", None),
                      ("vllm", "plain_b8", None), ("tandem", "plain_b8", None)]
     second = [(s, m, i) for p, r, s, m, i in order if (p, r) == ("spec", 1)]
-    assert second == [("vllm", "spec_b8", None), ("tandem", "auto_b8", None), ("tandem", "auto_b8", None),
-                      ("vllm", "spec_b8", None),  # at once first on odd repeats, A B B A
+    assert second == [("tandem", "plain_b8@spec", None), ("vllm", "spec_b8", None), ("tandem", "auto_b8", None),
+                      ("tandem", "auto_b8", None), ("vllm", "spec_b8", None), ("tandem", "plain_b8@spec", None),
                       ("vllm", "spec_b1", 0), ("tandem", "auto_b1", 0), ("tandem", "auto_b1", 1),
-                      ("vllm", "spec_b1", 1)]
+                      ("vllm", "spec_b1", 1)]  # at once first on odd repeats, tandem's two modes swapping ends
+    for phase in ("plain", "spec"):  # each of tandem's modes at N runs beside each vLLM engine, as often as it does
+        at_n = [(s, m) for p, _, s, m, i in order if p == phase and i is None]
+        counts = {key: at_n.count(key) for key in at_n}
+        assert list(counts.values()) == [4, 4, 4]
+        assert {m.split("@")[0] for s, m in counts if s == "tandem"} == {"plain_b8", "auto_b8"}
     only = compare.schedule(1, 3, 4, ["tandem"])
-    assert {s for _, _, s, _, _ in only} == {"tandem"} and len(only) == 2 * (3 + 2)
+    assert {s for _, _, s, _, _ in only} == {"tandem"} and len(only) == 2 * (3 + 4)
 
 
 def test_merge_pools_one_repeats_runs_and_sums_the_counters() -> None:
@@ -52,9 +58,10 @@ def test_merge_pools_one_repeats_runs_and_sums_the_counters() -> None:
 
 def test_within_is_each_systems_speculation_over_its_own_plain() -> None:
     summary = {"tandem": {m: report.pool([run(v)]) for m, v in
-                          {"plain_b1": 5.0, "auto_b1": 9.0, "plain_b8": 40.0}.items()},
+                          {"plain_b1": 5.0, "auto_b1": 9.0, "plain_b8": 40.0, "auto_b8@plain": 44.0}.items()},
                "vllm": {m: report.pool([run(v)]) for m, v in {"plain_b1": 6.0, "spec_b1": 9.0}.items()}}
-    assert report.within(summary, 8) == {"tandem": {"auto_b1/plain_b1": 1.8}, "vllm": {"spec_b1/plain_b1": 1.5}}
+    assert report.within(summary, 8) == {"tandem": {"auto_b1/plain_b1": 1.8, "auto_b8@plain/plain_b8": 1.1},
+                                         "vllm": {"spec_b1/plain_b1": 1.5}}
 
 
 def test_pool_is_tokens_over_seconds_with_each_repeat_listed() -> None:
@@ -67,19 +74,26 @@ def test_pool_is_tokens_over_seconds_with_each_repeat_listed() -> None:
 def test_ratios_take_each_systems_best_mode_and_judge_the_targets() -> None:
     summary = {
         "tandem": {m: report.pool([run(v)]) for m, v in
-                   {"plain_b1": 12.0, "auto_b1": 20.0, "plain_b8": 70.0, "auto_b8": 80.0, "served_off_b8": 60.0,
-                    "served_auto_b8": 50.0}.items()},
+                   {"plain_b1": 12.0, "auto_b1": 20.0, "plain_b8": 70.0, "auto_b8@plain": 78.0, "auto_b8": 80.0,
+                    "plain_b8@spec": 71.0, "served_off_b8": 60.0, "served_auto_b8": 50.0}.items()},
         "vllm": {m: report.pool([run(v)]) for m, v in
                  {"plain_b1": 13.2, "spec_b1": 17.6, "plain_b8": 76.9, "spec_b8": 59.4}.items()},
     }
     out = report.ratios(summary, 8)
     assert out["plain_b1"]["ratio"] == pytest.approx(12 / 13.2, abs=1e-4) and out["plain_b1"]["met"] is True
     assert out["spec_b1"]["ratio"] == pytest.approx(20 / 17.6, abs=1e-4) and out["spec_b1"]["met"] is False
+    # At 8 tandem's best is taken among the modes timed in the phase of vLLM's best (plain): not the faster AUTO
+    # of the speculative phase.
     best = out["best_b8"]
-    assert (best["tandem_mode"], best["vllm_mode"], best["met"]) == ("auto_b8", "plain_b8", True)
+    assert (best["tandem_mode"], best["vllm_mode"], best["met"]) == ("auto_b8@plain", "plain_b8", True)
+    assert best["ratio"] == pytest.approx(78 / 76.9, abs=1e-4)
+    summary["vllm"]["spec_b8"] = report.pool([run(90.0)])
+    best = report.ratios(summary, 8)["best_b8"]
+    assert (best["tandem_mode"], best["vllm_mode"], best["met"]) == ("auto_b8", "spec_b8", False)
     served = out["served_best_b8"]
     assert served["tandem_mode"] == "served_off_b8" and served["target"] is None and served["met"] is None
     assert [t for *_, t in report.targets(8)] == [0.9, 1.2, 1.0, None]
+    assert report.same_phase("spec_b4") == ["auto_b4", "plain_b4@spec"]
 
 
 def test_a_missing_system_leaves_the_ratio_open() -> None:

@@ -15,18 +15,20 @@ vllm_compare_vllm.py beside this file, run by path; tandem's is tandem.bench.vll
 What runs: tandem loaded once and kept resident (tandem.bench.resident: one process, a plain and an AUTO engine),
 and one vLLM engine at a time beside it (both of vLLM's do not fit in 24 GiB with tandem's): a plain phase, then a
 speculative phase, each asking one run at a time, the systems alternated request by request (`schedule`): at batch
-1 each prompt goes to both back to back; the N-at-once runs go A B B A. The same chat-templated prompts (--prompts:
+1 each prompt goes to both back to back; the N-at-once runs go A B C C B A. The same chat-templated prompts (--prompts:
 the shipped set, or a JSONL file), --dtype (bf16 unless asked), --threads threads, greedy, --max-tokens:
   vllm    plain_b1, plain_bN; then spec_b1, spec_bN (draft-model speculation, k --k); prefix caching off
-  tandem  plain_b1, plain_bN; then auto_b1, auto_bN (engine.generate on the plain or the AUTO engine); after them
+  tandem  plain_b1, plain_bN, auto_bN@plain; then auto_b1, auto_bN, plain_bN@spec (engine.generate on the plain or
+          the AUTO engine); after them
           served_off_bN, served_auto_bN (`tandem serve --in-process`, tandem.bench.serving.run_level: N in flight
           over gRPC; --no-served skips)
 tok/s = generated tokens (EOS not counted, for either) / wall seconds of the timed requests; loading, compiling,
 calibrating and warm-up requests are not timed. A mode's tok/s pools its repeats (tokens / seconds); each repeat's
 figure is listed too, and `within` gives each system's speculation over its own plain decoding. Targets: tandem
 plain_b1 >= 0.9x vLLM plain_b1, tandem auto_b1 >= 1.2x vLLM spec_b1, tandem's best in-process at N >= 1.0x vLLM's
-best at N (the served figures are reported beside, not judged); where the two bests come from different phases,
-that ratio spans them, and `within` and the same-phase pairs in `runs` say how far it moves.
+best at N, the two timed in the same phase (the served figures are reported beside, not judged). At N tandem runs
+both its modes in both phases (the one a phase is not named for as `auto_bN@plain`, `plain_bN@spec`), so its best
+meets whichever of vLLM's engines is the faster at N in the phase that engine ran in, not minutes away.
 """
 
 from __future__ import annotations
@@ -111,20 +113,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 PHASES = {"plain": ("plain", "plain"), "spec": ("auto", "spec")}  # phase: (tandem's mode, vLLM's mode)
 
 
+def guest(phase: str, batch: int) -> str:
+    """tandem's other mode at N at once, timed in `phase` as well so that tandem's best at N meets vLLM's engine in the
+    same phase: AUTO in the plain phase, plain in the speculative one (vllm_compare_report.same_phase)."""
+    other = "auto" if PHASES[phase][0] == "plain" else "plain"
+    return f"{other}_b{batch}@{phase}"
+
+
 def schedule(repeats: int, prompts: int, batch: int, systems: list[str]) -> list[tuple[str, int, str, str, int | None]]:
     """(phase, repeat, system, mode, prompt index; None: all N at once) in running order. Two phases, one vLLM engine
     resident in each (both at once do not fit in 24 GiB beside tandem): plain decoding against plain decoding, then
     tandem's AUTO against vLLM's speculation. Within a phase each prompt at batch 1 runs on both systems back to back,
-    which goes first alternating prompt by prompt and repeat by repeat, and the N-at-once runs go A B B A, after batch
-    1 on even repeats and before it on odd ones. So a slow spell of the machine (here they last minutes) lands on
-    both systems alike."""
+    which goes first alternating prompt by prompt and repeat by repeat. At N at once both of tandem's modes run in
+    each phase beside vLLM's one (`guest`), as A B C C B A, tandem's two swapping ends on odd repeats, after batch 1
+    on even repeats and before it on odd ones. So a slow spell of the machine (here they last minutes) lands on all
+    alike, and tandem's best at N is timed beside whichever vLLM engine is the faster at N."""
     order: list[tuple[str, int, str, str, int | None]] = []
     for phase, (ours, theirs) in PHASES.items():
         for r in range(repeats):
             pair = [("tandem", f"{ours}_b1"), ("vllm", f"{theirs}_b1")]
             one = [(phase, r, s, m, i) for i in range(prompts) for s, m in (pair[::-1] if (i + r) % 2 else pair)]
-            pair = [("tandem", f"{ours}_b{batch}"), ("vllm", f"{theirs}_b{batch}")]
-            many = [(phase, r, s, m, None) for s, m in (pair + pair[::-1] if r % 2 == 0 else pair[::-1] + pair)]
+            three = [("tandem", f"{ours}_b{batch}"), ("vllm", f"{theirs}_b{batch}"), ("tandem", guest(phase, batch))]
+            three = three[::-1] if r % 2 else three
+            many = [(phase, r, s, m, None) for s, m in three + three[::-1]]
             order += one + many if r % 2 == 0 else many + one
     return [step for step in order if step[2] in systems]
 

@@ -31,19 +31,27 @@ def pool(runs: list[dict]) -> dict:
 
 
 def targets(batch: int) -> list[tuple[str, list[str], list[str], float | None]]:
-    """(name, tandem modes, vLLM modes, target): the ratio is tandem's best mode over vLLM's best; None: not judged."""
+    """(name, tandem modes, vLLM modes, target): the ratio is tandem's best mode over vLLM's best; None: not judged.
+    At N (best_bN) tandem's modes are those timed in the phase of vLLM's best (`same_phase`)."""
     n = f"b{batch}"
     return [("plain_b1", ["plain_b1"], ["plain_b1"], 0.9), ("spec_b1", ["auto_b1"], ["spec_b1"], 1.2),
-            (f"best_{n}", [f"plain_{n}", f"auto_{n}"], [f"plain_{n}", f"spec_{n}"], 1.0),
+            (f"best_{n}", [], [f"plain_{n}", f"spec_{n}"], 1.0),
             (f"served_best_{n}", [f"served_off_{n}", f"served_auto_{n}"], [f"plain_{n}", f"spec_{n}"], None)]
+
+
+def same_phase(vllm_mode: str) -> list[str]:
+    """tandem's modes at N timed in the phase of vLLM's `vllm_mode` (plain_bN or spec_bN; vllm_compare.schedule)."""
+    n = vllm_mode.split("_")[1]
+    return [f"plain_{n}", f"auto_{n}@plain"] if vllm_mode.startswith("plain") else [f"auto_{n}", f"plain_{n}@spec"]
 
 
 def ratios(summary: dict[str, dict[str, dict]], batch: int) -> dict[str, dict]:
     out = {}
     for name, ours, theirs, target in targets(batch):
-        t = max((m for m in ours if m in summary.get("tandem", {})), key=lambda m: summary["tandem"][m]["tok_s"],
-                default=None)
         v = max((m for m in theirs if m in summary.get("vllm", {})), key=lambda m: summary["vllm"][m]["tok_s"],
+                default=None)
+        ours = ours or ([] if v is None else same_phase(v))
+        t = max((m for m in ours if m in summary.get("tandem", {})), key=lambda m: summary["tandem"][m]["tok_s"],
                 default=None)
         if t is None or v is None or not summary["vllm"][v]["tok_s"]:
             out[name] = {"tandem_mode": t, "vllm_mode": v, "ratio": None, "target": target, "met": None}
@@ -57,13 +65,16 @@ def ratios(summary: dict[str, dict[str, dict]], batch: int) -> dict[str, dict]:
 
 
 def within(summary: dict[str, dict[str, dict]], batch: int) -> dict[str, dict[str, float]]:
-    """Each system's speculation over its own plain decoding, at batch 1 and at N: the sitting cancels here."""
+    """Each system's speculation over its own plain decoding, at batch 1 and at N: the sitting cancels here, except
+    where the two ran in different phases (vLLM's, and tandem's at batch 1); tandem's at N is given in each phase."""
+    n = f"b{batch}"
+    pairs = {"tandem": [("auto_b1", "plain_b1"), (f"auto_{n}@plain", f"plain_{n}"), (f"auto_{n}", f"plain_{n}@spec")],
+             "vllm": [("spec_b1", "plain_b1"), (f"spec_{n}", f"plain_{n}")]}
     out: dict[str, dict[str, float]] = {}
-    for system, spec in (("tandem", "auto"), ("vllm", "spec")):
+    for system, wanted in pairs.items():
         modes = summary.get(system, {})
-        pairs = [(f"{spec}_{b}", f"plain_{b}") for b in ("b1", f"b{batch}")]
         out[system] = {f"{a}/{b}": round(modes[a]["tok_s"] / modes[b]["tok_s"], 4)
-                       for a, b in pairs if a in modes and modes.get(b, {}).get("tok_s")}
+                       for a, b in wanted if a in modes and modes.get(b, {}).get("tok_s")}
     return out
 
 
