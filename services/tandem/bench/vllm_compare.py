@@ -43,7 +43,7 @@ from types import SimpleNamespace
 
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
 from tandem.bench.resident import Resident
-from tandem.bench.vllm_compare_report import agreement, merge, pool, ratios, within
+from tandem.bench.vllm_compare_report import agreement, guest, merge, pool, ratios, within
 from tandem.cli.options import STDOUT, DefaultsHelpFormatter, add_json_option, add_prompts_option, write_json
 from tandem.core.config import QUANTIZATIONS
 
@@ -111,13 +111,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 PHASES = {"plain": ("plain", "plain"), "spec": ("auto", "spec")}  # phase: (tandem's mode, vLLM's mode)
-
-
-def guest(phase: str, batch: int) -> str:
-    """tandem's other mode at N at once, timed in `phase` as well so that tandem's best at N meets vLLM's engine in the
-    same phase: AUTO in the plain phase, plain in the speculative one (vllm_compare_report.same_phase)."""
-    other = "auto" if PHASES[phase][0] == "plain" else "plain"
-    return f"{other}_b{batch}@{phase}"
 
 
 def schedule(repeats: int, prompts: int, batch: int, systems: list[str]) -> list[tuple[str, int, str, str, int | None]]:

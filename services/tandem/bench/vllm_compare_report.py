@@ -39,10 +39,18 @@ def targets(batch: int) -> list[tuple[str, list[str], list[str], float | None]]:
             (f"served_best_{n}", [f"served_off_{n}", f"served_auto_{n}"], [f"plain_{n}", f"spec_{n}"], None)]
 
 
+def guest(phase: str, batch: int) -> str:
+    """tandem's other mode at N at once, timed in `phase` (plain or spec) as well, so that tandem's best at N meets
+    vLLM's engine in the same phase: AUTO in the plain phase, plain in the speculative one."""
+    return f"auto_b{batch}@plain" if phase == "plain" else f"plain_b{batch}@spec"
+
+
 def same_phase(vllm_mode: str) -> list[str]:
     """tandem's modes at N timed in the phase of vLLM's `vllm_mode` (plain_bN or spec_bN; vllm_compare.schedule)."""
-    n = vllm_mode.split("_")[1]
-    return [f"plain_{n}", f"auto_{n}@plain"] if vllm_mode.startswith("plain") else [f"auto_{n}", f"plain_{n}@spec"]
+    batch = int(vllm_mode.split("_b")[1])
+    if vllm_mode.startswith("plain"):
+        return [f"plain_b{batch}", guest("plain", batch)]
+    return [f"auto_b{batch}", guest("spec", batch)]
 
 
 def ratios(summary: dict[str, dict[str, dict]], batch: int) -> dict[str, dict]:
@@ -68,7 +76,8 @@ def within(summary: dict[str, dict[str, dict]], batch: int) -> dict[str, dict[st
     """Each system's speculation over its own plain decoding, at batch 1 and at N: the sitting cancels here, except
     where the two ran in different phases (vLLM's, and tandem's at batch 1); tandem's at N is given in each phase."""
     n = f"b{batch}"
-    pairs = {"tandem": [("auto_b1", "plain_b1"), (f"auto_{n}@plain", f"plain_{n}"), (f"auto_{n}", f"plain_{n}@spec")],
+    pairs = {"tandem": [("auto_b1", "plain_b1"), (guest("plain", batch), f"plain_{n}"),
+                        (f"auto_{n}", guest("spec", batch))],
              "vllm": [("spec_b1", "plain_b1"), (f"spec_{n}", f"plain_{n}")]}
     out: dict[str, dict[str, float]] = {}
     for system, wanted in pairs.items():
