@@ -7,10 +7,12 @@ and a lone row, plain and speculative; a seed gives the same tokens; cache growt
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.fx.experimental import _config as fx_config
 
 from tandem.core import packed_linear
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
@@ -148,6 +150,47 @@ def test_a_pytorch_without_dynamos_cache_entries_keeps_the_guarded_calls(tiny_mo
     compiled, runners = run(tiny_models, True, PROMPTS[1:2], 4)
     assert compiled == [hf_greedy(tiny_models, PROMPTS[1], 40)]
     assert all(r.graphs.compiled and r.graphs.replays > 0 and r.graphs.guardless.direct_calls == 0 for r in runners)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("thread", ["built_on", "another"])
+def test_sizes_equal_when_a_graph_compiles_stay_apart_and_duck_sizing_stays_on(tiny_models, monkeypatch,
+                                                                              thread) -> None:
+    """2 rows of 2 tokens compile the class of several rows and tokens; 4 rows of 2 and 2 rows of 3 then run the
+    same graph, with the tokens of an uncompiled runner. With duck sizing, PyTorch's default, that graph would take
+    its rows and its width for one size, and the guards (checked on every call in the tests) would pick another
+    graph for the later calls. The runner turns it off only while its forwards trace (cuda_graphs.without_duck_shapes),
+    on whichever thread they run: PyTorch keeps the setting per thread (the gateway builds runners on its loader
+    thread and serves on its engine loops'). The process keeps PyTorch's default."""
+    monkeypatch.setattr(fx_config, "use_duck_shape", True)
+    torch._dynamo.reset()
+    model = tiny_models[0].model
+    runners = {"compiled": ModelRunner(model, kv_tokens=4096, compile=True),
+               "eager": ModelRunner(model, kv_tokens=4096)}
+    graphs = counters["stats"]["unique_graphs"]
+    if thread == "another":
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(_forwards_of_three_shapes, runners).result()
+    else:
+        _forwards_of_three_shapes(runners)
+    assert runners["compiled"].graphs.replays == 3
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    assert fx_config.use_duck_shape
+
+
+def _forwards_of_three_shapes(runners: dict[str, ModelRunner]) -> None:
+    for rows, width in ((2, 2), (4, 2), (2, 3)):
+        logits = {}
+        for name, runner in runners.items():
+            states = [runner.state(f"duck-{row}") for row in range(rows)]
+            for row, state in enumerate(states):
+                state.sync(0, [3 + (5 * row + i) % 50 for i in range(20 + 3 * row + width)])
+                runner.prefill(state, 20 + 3 * row)
+            logits[name] = runner.forward(states, [width] * rows)
+            for row in range(rows):
+                runner.release(f"duck-{row}")
+        assert [row.argmax(-1).tolist() for row in logits["compiled"]] == [row.argmax(-1).tolist()
+                                                                          for row in logits["eager"]]
 
 
 @pytest.mark.slow
@@ -299,10 +342,13 @@ def test_compile_benchmark_compares_both_engines_of_each_kind(tiny_dirs, tmp_pat
 
 
 @pytest.mark.slow
-def test_warm_up_compiles_every_class_of_bucket_before_the_first_request(tiny_models) -> None:
+def test_warm_up_compiles_every_class_of_bucket_before_the_first_request(tiny_models, monkeypatch) -> None:
     """Last in the module: it clears dynamo's caches, so the warm-up must compile, and serving afterwards (lone and
-    batched rows, plain and speculative) compiles nothing more. Eager runners have nothing to warm."""
+    batched rows, plain and speculative) compiles nothing more, with PyTorch's duck sizing on in the process: the
+    runner turns it off only while its own forwards trace (core.cuda_graphs.without_duck_shapes), and leaves it as
+    it was. Eager runners have nothing to warm."""
     target, draft, _ = tiny_models
+    monkeypatch.setattr(fx_config, "use_duck_shape", True)  # PyTorch's default
     torch._dynamo.reset()
     runners = [ModelRunner(model.model, kv_tokens=4096, compile=True) for model in (target, draft)]
     assert [runner.warm_up() for runner in runners] == [6, 6]
@@ -313,6 +359,7 @@ def test_warm_up_compiles_every_class_of_bucket_before_the_first_request(tiny_mo
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     assert len(engine.generate(PROMPTS, greedy)) == len(engine.generate(PROMPTS[:1], greedy)) + 3
     assert counters["stats"]["unique_graphs"] == graphs
+    assert fx_config.use_duck_shape
     assert ModelRunner(target.model, compile=False).warm_up() == 0
 
 

@@ -40,6 +40,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from tandem.core import packed_linear, w8a8_linear
 from tandem.core.guardless import GuardlessForward, GuardMismatch
@@ -87,6 +88,25 @@ class _Graph:
         return step, positions, mask
 
 
+def without_duck_shapes(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`compiled` called with PyTorch's duck sizing off. Dynamo reads the setting when it traces, inside a call (the
+    first of each shape class; later ones skip dynamo), and without it sizes that happen to be equal when a graph
+    compiles (2 rows over 2 slots, say) get symbols of their own: the graph does not assume them equal, so it neither
+    recompiles when they differ nor, called without its guards (core.guardless), runs where they do. Set around the
+    call, not once: PyTorch keeps the setting per thread, and a runner built on one thread may trace on another (the
+    gateway's loader and engine loops); and other compiles keep PyTorch's default, which inductor's CPU template for
+    flex attention needs (tests/test_flex_decode.py)."""
+
+    def call(*args: torch.Tensor) -> torch.Tensor:
+        duck = fx_config.use_duck_shape
+        fx_config.use_duck_shape = False
+        try:
+            return compiled(*args)
+        finally:
+            fx_config.use_duck_shape = duck
+    return call
+
+
 class GraphedForward:
     """Replays captured decode forwards for a runner's model and cache; `run` returns None where it does not apply
     (too wide, too many rows, cache not allocated yet), and the runner runs that forward eagerly."""
@@ -102,14 +122,9 @@ class GraphedForward:
         self.compile_error: str | None = None
         if compile:
             from torch._dynamo import config as dynamo_config
-            from torch.fx.experimental import _config as fx_config
 
             limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
             setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), RECOMPILE_LIMIT))
-            # Without duck sizing, sizes that happen to be equal when a graph compiles (2 rows over 2 slots, say) get
-            # symbols of their own, so the graph does not assume them equal and recompile when they differ (a
-            # process-wide setting of PyTorch's).
-            fx_config.use_duck_shape = False
             packed_linear.lower_to_onednn()
             w8a8_linear.lower_to_onednn()
             self.forward = torch.compile(forward, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
@@ -129,7 +144,7 @@ class GraphedForward:
     def forward(self, forward: Callable[..., torch.Tensor]) -> None:
         # A new compiled forward (a benchmark's other inductor options) brings its own guard-free calls.
         self._forward = forward
-        self.guardless = GuardlessForward(self.plain_forward, forward)
+        self.guardless = GuardlessForward(self.plain_forward, without_duck_shapes(forward))
 
     @property
     def compiled(self) -> bool:
