@@ -35,6 +35,9 @@ def test_each_phase_pairs_every_prompt_on_both_systems_and_who_goes_first_altern
         assert {m.split("@")[0] for s, m in counts if s == "tandem"} == {"plain_b8", "auto_b8"}
     only = compare.schedule(1, 3, 4, ["tandem"])
     assert {s for _, _, s, _, _ in only} == {"tandem"} and len(only) == 2 * (3 + 4)
+    swapped = compare.schedule(2, 2, 8, ["tandem", "vllm"], ("spec", "plain"))  # --spec-first
+    assert [p for p, *_ in swapped] == ["spec"] * 20 + ["plain"] * 20
+    assert swapped == order[20:] + order[:20]  # each phase's own order unchanged
 
 
 def test_merge_pools_one_repeats_runs_and_sums_the_counters() -> None:
@@ -115,6 +118,7 @@ def test_arguments_defaults_and_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert args.vllm_python == compare.DEFAULT_VLLM_PYTHON and args.systems == ["tandem", "vllm"]
     assert args.prompts == "bench" and args.num_prompts is None and not args.no_served and args.dtype == "bfloat16"
     assert args.json == compare.DEFAULT_REPORT and args.kv_space == 2 and args.draft_vocab == 0
+    assert args.phases == ("plain", "spec") and compare.parse_args(["--spec-first"]).phases == ("spec", "plain")
     monkeypatch.setenv("VLLM_PYTHON", "/opt/v/bin/python")
     args = compare.parse_args(["--systems", "vllm", "tandem", "--max-tokens", "16", "--num-prompts", "2", "--repeats",
                                "1", "--dtype", "float32", "--json"])

@@ -86,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", nargs="+", choices=("tandem", "vllm"), default=["tandem", "vllm"],
                         help="the systems to run, the first first")
     parser.add_argument("--no-served", action="store_true", help="skip tandem's served run at N in flight")
+    parser.add_argument("--spec-first", dest="phases", action="store_const", const=("spec", "plain"),
+                        default=("plain", "spec"),
+                        help="the speculative phase before the plain one (does the machine drift, or the order?)")
     compiling = parser.add_mutually_exclusive_group()
     compiling.add_argument("--compile", action="store_const", const="all", default="none",
                            help="tandem with `--compile` (decode forwards compiled by torch.compile; compiling "
@@ -113,16 +116,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 PHASES = {"plain": ("plain", "plain"), "spec": ("auto", "spec")}  # phase: (tandem's mode, vLLM's mode)
 
 
-def schedule(repeats: int, prompts: int, batch: int, systems: list[str]) -> list[tuple[str, int, str, str, int | None]]:
+def schedule(repeats: int, prompts: int, batch: int, systems: list[str],
+             phases: tuple[str, ...] = tuple(PHASES)) -> list[tuple[str, int, str, str, int | None]]:
     """(phase, repeat, system, mode, prompt index; None: all N at once) in running order. Two phases, one vLLM engine
-    resident in each (both at once do not fit in 24 GiB beside tandem): plain decoding against plain decoding, then
-    tandem's AUTO against vLLM's speculation. Within a phase each prompt at batch 1 runs on both systems back to back,
-    which goes first alternating prompt by prompt and repeat by repeat. At N at once both of tandem's modes run in
-    each phase beside vLLM's one (`guest`), as A B C C B A, tandem's two swapping ends on odd repeats, after batch 1
-    on even repeats and before it on odd ones. So a slow spell of the machine (here they last minutes) lands on all
-    alike, and tandem's best at N is timed beside whichever vLLM engine is the faster at N."""
+    resident in each (both at once do not fit in 24 GiB beside tandem), in the order of `phases`: plain decoding
+    against plain decoding, and tandem's AUTO against vLLM's speculation. Within a phase each prompt at batch 1 runs
+    on both systems back to back, which goes first alternating prompt by prompt and repeat by repeat. At N at once
+    both of tandem's modes run in each phase beside vLLM's one (`guest`), as A B C C B A, tandem's two swapping ends
+    on odd repeats, after batch 1 on even repeats and before it on odd ones. So a slow spell of the machine (here
+    they last minutes) lands on all alike, and tandem's best at N is timed beside whichever vLLM engine is the
+    faster at N."""
     order: list[tuple[str, int, str, str, int | None]] = []
-    for phase, (ours, theirs) in PHASES.items():
+    for phase in phases:
+        ours, theirs = PHASES[phase]
         for r in range(repeats):
             pair = [("tandem", f"{ours}_b1"), ("vllm", f"{theirs}_b1")]
             one = [(phase, r, s, m, i) for i in range(prompts) for s, m in (pair[::-1] if (i + r) % 2 else pair)]
@@ -199,7 +205,7 @@ def run_phases(args: argparse.Namespace, jobs: list[str], log: Path, order: list
             say("loading tandem")
             workers["tandem"] = tandem_worker(args, jobs, log)
             loaded["tandem"] = workers["tandem"].loaded
-        for phase in PHASES:
+        for phase in args.phases:
             if "vllm" in args.systems:
                 say(f"loading vLLM for the {phase} phase")
                 workers["vllm"] = Resident(f"vllm_{phase}", [args.vllm_python, str(VLLM_SIDE)],
@@ -247,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     log.write_text("")
     errors: list[str] = []
     loaded: dict[str, dict] = {}
-    order = schedule(args.repeats, len(texts), args.batch, args.systems)
+    order = schedule(args.repeats, len(texts), args.batch, args.systems, args.phases)
     done = run_phases(args, jobs, log, order, errors, loaded)
     runs: dict[str, list[dict]] = {s: [{m: merge(done[s, r, m]) for (s2, r2, m) in done if (s2, r2) == (s, r)}
                                        for r in range(args.repeats)] for s in args.systems}
@@ -259,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"summary": summary, "ratios": ratios(summary, args.batch), "within": within(summary, args.batch),
               "config": {"prompts": len(texts), "requests_at_once": len(jobs), "max_tokens": args.max_tokens,
                          "threads": args.threads, "repeats": args.repeats, "dtype": args.dtype, "greedy": True,
+                         "phases": list(args.phases),
                          "order": [f"{p}:{r + 1}:{s}:{m}:{'all' if i is None else i}" for p, r, s, m, i in order],
                          "target": args.target, "draft": args.draft, "vllm_k": args.k, "log": str(log),
                          "tandem_compile": args.compile, "tandem_draft_quantization": args.draft_quantization,
