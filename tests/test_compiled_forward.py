@@ -159,7 +159,7 @@ def test_sizes_equal_when_a_graph_compiles_stay_apart_and_duck_sizing_stays_on(t
     """2 rows of 2 tokens compile the class of several rows and tokens; 4 rows of 2 and 2 rows of 3 then run the
     same graph, with the tokens of an uncompiled runner. With duck sizing, PyTorch's default, that graph would take
     its rows and its width for one size, and the guards (checked on every call in the tests) would pick another
-    graph for the later calls. The runner turns it off only while its forwards trace (cuda_graphs.without_duck_shapes),
+    graph for the later calls. The runner turns it off only while its forwards trace (cuda_graphs.with_trace_settings),
     on whichever thread they run: PyTorch keeps the setting per thread (the gateway builds runners on its loader
     thread and serves on its engine loops'). The process keeps PyTorch's default."""
     monkeypatch.setattr(fx_config, "use_duck_shape", True)
@@ -343,15 +343,27 @@ def test_compile_benchmark_compares_both_engines_of_each_kind(tiny_dirs, tmp_pat
 
 @pytest.mark.slow
 def test_warm_up_compiles_every_class_of_bucket_before_the_first_request(tiny_models, monkeypatch) -> None:
-    """Last in the module: it clears dynamo's caches, so the warm-up must compile, and serving afterwards (lone and
-    batched rows, plain and speculative) compiles nothing more, with PyTorch's duck sizing on in the process: the
-    runner turns it off only while its own forwards trace (core.cuda_graphs.without_duck_shapes), and leaves it as
-    it was. Eager runners have nothing to warm."""
+    """Last in the module: it clears dynamo's caches, so the warm-up must compile. It warms both models on another
+    thread than the one that serves, as the gateway's loader does: twelve graphs of the runners' shared forward
+    (six classes each), past PyTorch's recompile limit of 8, which the runner raises around its own forwards on
+    whichever thread they trace (core.cuda_graphs.with_trace_settings). Serving afterwards (lone and batched rows,
+    plain and speculative) compiles nothing more. PyTorch's duck sizing and recompile limit stay as they were on both
+    threads. Eager runners have nothing to warm."""
+    from torch._dynamo import config as dynamo_config
+
     target, draft, _ = tiny_models
     monkeypatch.setattr(fx_config, "use_duck_shape", True)  # PyTorch's default
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)  # PyTorch's default
     torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
     runners = [ModelRunner(model.model, kv_tokens=4096, compile=True) for model in (target, draft)]
-    assert [runner.warm_up() for runner in runners] == [6, 6]
+
+    def warm_up() -> tuple[list[int], bool, int]:
+        return [runner.warm_up() for runner in runners], fx_config.use_duck_shape, dynamo_config.recompile_limit
+
+    with ThreadPoolExecutor(1) as loader:
+        assert loader.submit(warm_up).result() == ([6, 6], True, 8)
+    assert counters["stats"]["unique_graphs"] == graphs + 12
     assert not any(runner.states for runner in runners) and runners[0].kv_tokens_used == 0
     graphs = counters["stats"]["unique_graphs"]
     engine = SpeculativeEngine(LocalVerifier(runners[0]), LocalDrafter(runners[1]),
@@ -359,9 +371,8 @@ def test_warm_up_compiles_every_class_of_bucket_before_the_first_request(tiny_mo
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     assert len(engine.generate(PROMPTS, greedy)) == len(engine.generate(PROMPTS[:1], greedy)) + 3
     assert counters["stats"]["unique_graphs"] == graphs
-    assert fx_config.use_duck_shape
+    assert fx_config.use_duck_shape and dynamo_config.recompile_limit == 8
     assert ModelRunner(target.model, compile=False).warm_up() == 0
-
 
 
 @pytest.mark.slow

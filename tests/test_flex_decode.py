@@ -53,7 +53,7 @@ def test_a_rows_blocks_end_at_the_last_key_it_sees() -> None:
                "and the C++ it writes does not compile"))])
 def test_compiled_flex_decode_takes_every_length_and_width_with_one_graph(duck: bool, monkeypatch) -> None:
     """Compiled by inductor on the CPU with dynamic shapes, flex_decode gives sdpa's result for three widths and
-    lengths from one graph. `duck` False is how the runner's forwards trace (core.cuda_graphs.without_duck_shapes:
+    lengths from one graph. `duck` False is how the runner's forwards trace (core.cuda_graphs.with_trace_settings:
     equal sizes keep symbols of their own), which the CPU template cannot compile: one reason FLEX_DEVICES is the GPU
     alone."""
     monkeypatch.setattr(fx_config, "use_duck_shape", duck)

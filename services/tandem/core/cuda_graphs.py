@@ -40,6 +40,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+from torch._dynamo import config as dynamo_config
 from torch.fx.experimental import _config as fx_config
 
 from tandem.core import packed_linear, w8a8_linear
@@ -54,6 +55,7 @@ WARMUP_RUNS = 2
 # Compiled graphs per code object before dynamo gives up on it: each model (draft, target) needs six (slots, rows
 # and width each 1 or more), and every runner shares ModelRunner._hidden's code.
 RECOMPILE_LIMIT = 64
+_LIMIT = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"  # older torch
 # Inductor checks the size and stride of every input and every extern kernel's output on each call of a compiled
 # graph: about 580 checks a forward of the 0.5B draft, at about 0.4 us each. The graphs a runner calls are chosen by
 # shape class (core.guardless; the tests check that against dynamo's guards), so the checks can only fail where the
@@ -88,22 +90,25 @@ class _Graph:
         return step, positions, mask
 
 
-def without_duck_shapes(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`compiled` called with PyTorch's duck sizing off. Dynamo reads the setting when it traces, inside a call (the
-    first of each shape class; later ones skip dynamo), and without it sizes that happen to be equal when a graph
-    compiles (2 rows over 2 slots, say) get symbols of their own: the graph does not assume them equal, so it neither
-    recompiles when they differ nor, called without its guards (core.guardless), runs where they do. Set around the
-    call, not once: PyTorch keeps the setting per thread, and a runner built on one thread may trace on another (the
-    gateway's loader and engine loops); and other compiles keep PyTorch's default, which inductor's CPU template for
-    flex attention needs (tests/test_flex_decode.py)."""
+def with_trace_settings(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`compiled` called with the two settings its traces need. Dynamo reads them when it traces, inside a call (the
+    first of each shape class; later ones skip dynamo), so they are set around the call, not once: PyTorch keeps its
+    settings per thread, and a runner built on one thread may trace on another (the gateway's loader and engine
+    loops). Other compiles in the process keep PyTorch's defaults.
+    - Duck sizing off: sizes that happen to be equal when a graph compiles (2 rows over 2 slots, say) get symbols of
+      their own, so the graph neither recompiles when they differ nor, called without its guards (core.guardless),
+      runs where they do. Inductor's CPU template for flex attention needs it on (tests/test_flex_decode.py).
+    - Dynamo's recompile limit at least RECOMPILE_LIMIT: past PyTorch's 8 it runs further classes eagerly."""
 
     def call(*args: torch.Tensor) -> torch.Tensor:
-        duck = fx_config.use_duck_shape
+        duck, limit = fx_config.use_duck_shape, getattr(dynamo_config, _LIMIT)
         fx_config.use_duck_shape = False
+        setattr(dynamo_config, _LIMIT, max(limit, RECOMPILE_LIMIT))
         try:
             return compiled(*args)
         finally:
             fx_config.use_duck_shape = duck
+            setattr(dynamo_config, _LIMIT, limit)
     return call
 
 
@@ -121,10 +126,6 @@ class GraphedForward:
         self.forward = forward
         self.compile_error: str | None = None
         if compile:
-            from torch._dynamo import config as dynamo_config
-
-            limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-            setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), RECOMPILE_LIMIT))
             packed_linear.lower_to_onednn()
             w8a8_linear.lower_to_onednn()
             self.forward = torch.compile(forward, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
@@ -144,7 +145,7 @@ class GraphedForward:
     def forward(self, forward: Callable[..., torch.Tensor]) -> None:
         # A new compiled forward (a benchmark's other inductor options) brings its own guard-free calls.
         self._forward = forward
-        self.guardless = GuardlessForward(self.plain_forward, without_duck_shapes(forward))
+        self.guardless = GuardlessForward(self.plain_forward, with_trace_settings(forward))
 
     @property
     def compiled(self) -> bool:
