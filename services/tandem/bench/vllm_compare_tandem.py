@@ -45,10 +45,9 @@ def batched(engine, ids: list[list[int]], max_tokens: int) -> dict:
             "outputs": [list(r.token_ids) for r in results]}
 
 
-def load(job: dict) -> tuple[dict, Callable[[dict], dict]]:
-    """The pair loaded once, a plain engine and an AUTO engine built and warmed up (untimed); what was loaded, and
-    the function that answers one request: {"mode": "plain_..." or "auto_...", "prompts": indices into job["texts"]}
-    through that engine in one generate call, greedy, job["max_tokens"] each."""
+def build_engines(job: dict) -> tuple[dict, dict, list[list[int]]]:
+    """The pair loaded once, a plain engine and an AUTO engine built and warmed up (untimed): what was loaded, the
+    engines by mode ("plain", "auto"), and job["texts"] chat-templated to token ids."""
     import transformers
 
     from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
@@ -71,6 +70,17 @@ def load(job: dict) -> tuple[dict, Callable[[dict], dict]]:
     for engine in engines.values():  # a short lone request and a short batch: compiling, calibrating, first calls
         engine.generate([ids[0][:8]], SamplingParams(temperature=0.0, max_tokens=job["max_tokens"]))
         engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=4))
+    loaded = {"load_seconds": round(load_seconds, 1), "kv_tokens": kv_tokens,
+              "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+              "torch_threads": torch.get_num_threads(),
+              "draft_ids_scored": engines["auto"].drafter.runner.vocab_size}
+    return loaded, engines, ids
+
+
+def load(job: dict) -> tuple[dict, Callable[[dict], dict]]:
+    """build_engines, and the function that answers one request: {"mode": "plain_..." or "auto_...", "prompts":
+    indices into job["texts"]} through that engine in one generate call, greedy, job["max_tokens"] each."""
+    loaded, engines, ids = build_engines(job)
 
     def answer(request: dict) -> dict:
         result = batched(engines[request["mode"].split("_")[0]], [ids[i] for i in request["prompts"]],
@@ -80,10 +90,6 @@ def load(job: dict) -> tuple[dict, Callable[[dict], dict]]:
               file=sys.stderr, flush=True)
         return result
 
-    loaded = {"load_seconds": round(load_seconds, 1), "kv_tokens": kv_tokens,
-              "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-              "torch_threads": torch.get_num_threads(),
-              "draft_ids_scored": engines["auto"].drafter.runner.vocab_size}
     return loaded, answer
 
 
