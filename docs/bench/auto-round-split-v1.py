@@ -24,8 +24,9 @@ from tandem.bench.vllm_compare_tandem import build_engines
 from tandem.core.config import SamplingParams
 
 
-def timed(owner, name: str, totals: Counter, key: str, on_call=None) -> None:
-    """Replace `owner.name` with a wrapper adding its wall time to totals[key] (and calling on_call(args, result))."""
+def timed(owner, name: str, totals: Counter, key: str, wrapped: list, on_call=None) -> None:
+    """Shadow `owner.name` with a wrapper adding its wall time to totals[key] (and calling on_call(args, result));
+    (owner, name) is added to `wrapped`, for the caller to remove."""
     inner = getattr(owner, name)
 
     @wraps(inner)
@@ -37,23 +38,25 @@ def timed(owner, name: str, totals: Counter, key: str, on_call=None) -> None:
             on_call(args, result)
         return result
     setattr(owner, name, call)
+    wrapped.append((owner, name))
 
 
-def instrument(engine) -> tuple[Counter, Counter]:
-    totals, shapes = Counter(), Counter()
-    timed(engine, "step", totals, "round_s", lambda a, r: totals.update(rounds=1))
-    timed(engine, "_draft", totals, "draft_s",
+def instrument(engine) -> tuple[Counter, Counter, list]:
+    """The engine's round and its runners' forwards timed: (totals, shapes, what was wrapped)."""
+    totals, shapes, wrapped = Counter(), Counter(), []
+    timed(engine, "step", totals, "round_s", wrapped, lambda a, r: totals.update(rounds=1))
+    timed(engine, "_draft", totals, "draft_s", wrapped,
           lambda a, r: shapes.update({f"draft_forwards_{max((len(p.tokens) for p in r if p), default=0)}": 1}))
-    timed(engine, "_verify", totals, "verify_s")
+    timed(engine, "_verify", totals, "verify_s", wrapped)
     target = engine.verifier.runner
-    timed(target, "forward_on_device", totals, "target_forward_s",
+    timed(target, "forward_on_device", totals, "target_forward_s", wrapped,
           lambda a, r: shapes.update({f"target_rows{len(a[0])}_scored{sum(a[1])}": 1}))
-    timed(target, "prefill_many", totals, "target_prefill_s")
+    timed(target, "prefill_many", totals, "target_prefill_s", wrapped)
     if engine.drafter is not None:
         draft = engine.drafter.runner
-        timed(draft, "forward_on_device", totals, "draft_forward_s")
-        timed(draft, "prefill_many", totals, "draft_prefill_s")
-    return totals, shapes
+        timed(draft, "forward_on_device", totals, "draft_forward_s", wrapped)
+        timed(draft, "prefill_many", totals, "draft_prefill_s", wrapped)
+    return totals, shapes, wrapped
 
 
 def main(repeats: int, out: str) -> None:
@@ -66,16 +69,12 @@ def main(repeats: int, out: str) -> None:
     for repeat in range(repeats):
         for mode in ("plain", "auto", "auto", "plain") if repeat % 2 == 0 else ("auto", "plain", "plain", "auto"):
             engine = engines[mode]
-            totals, shapes = instrument(engine)
+            totals, shapes, wrapped = instrument(engine)
             started = time.perf_counter()
             results = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=job["max_tokens"]))
             seconds = time.perf_counter() - started
-            for name in ("step", "_draft", "_verify"):
-                vars(engine).pop(name, None)
-            for runner in (engine.verifier.runner, engine.drafter and engine.drafter.runner):
-                if runner is not None:
-                    vars(runner).pop("forward_on_device", None)
-                    vars(runner).pop("prefill_many", None)
+            for owner, name in wrapped:  # the class's methods again
+                delattr(owner, name)
             tokens = sum(len(r.token_ids) for r in results)
             run = {"seconds": round(seconds, 4), "tokens": tokens, "tok_s": round(tokens / seconds, 3),
                    **{k: round(v, 4) for k, v in totals.items()}, "shapes": dict(sorted(shapes.items()))}
