@@ -77,6 +77,28 @@ def count_kernel_calls(monkeypatch, module, name: str) -> list[int]:
     return calls
 
 
+def test_a_compiled_runner_pads_rows_of_different_widths_as_its_layout_prices_them(tiny_models) -> None:
+    """Rows of widths 3, 1, 1, 1 run as one static forward padded to 3 (one graph per bucket and width), not packed
+    as the eager runner runs them; the layout the batch plan prices rounds with says so (core.row_layout)."""
+    target, _, _ = tiny_models
+    compiled, eager = (ModelRunner(target.model, kv_tokens=4096, compile=flag) for flag in (True, False))
+    widths = [3, 1, 1, 1]
+    for runner in (compiled, eager):
+        states = [runner.state(f"widths-{row}") for row in range(len(widths))]
+        for row, state in enumerate(states):
+            state.sync(0, list(range(3 + row, 40 + row)))
+            runner.prefill(state, len(state.tokens))
+            state.sync(len(state.tokens), list(range(50, 50 + widths[row])))
+        replays = compiled.graphs.replays
+        runner.forward_on_device(states, [1] * len(states))
+        assert compiled.graphs.replays == replays + (runner is compiled)  # the compiled one ran its static forward
+    assert compiled.layout.priced_width(widths) == 3.0
+    assert compiled.layout.priced_rows(3, 3) == 4 and compiled.layout.priced_rows(3, 17) == 3  # its bucket; eager
+    assert eager.layout.priced_rows(3, 3) == 3
+    assert eager.layout.padded_up_to == 0 and eager.layout.priced_width(widths) == 1.5  # packed: its tokens alone
+    assert eager.layout.packs(len(widths), len(widths) * 3, sum(widths))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [None, 1, 4])
 def test_compiled_forwards_give_the_eager_and_hf_greedy_tokens(tiny_models, k) -> None:

@@ -229,6 +229,12 @@ def test_batch_plan_prices_rows_of_different_widths_as_the_target_lays_them_out(
     assert predicted_rate([6, 0, 0, 0], alphas, packed) > predicted_rate([1] * 4, alphas, packed)
     # On a GPU the same rows stay padded (narrow products stream the weights), so the plan is the padded one.
     assert plan_batch([4] * 4, alphas, costs(RowLayout("cuda", can_pack=True)), limits=[6] * 4) == [1] * 4
+    # A compiled runner's forwards up to 16 wide run padded, one graph per width, whatever the rows' widths: the
+    # plan prices them so (priced packed, it gave [6, 0, 0, 0], which then ran 7 tokens wide on every row).
+    compiled = costs(RowLayout("cpu", can_pack=True, padded_up_to=16))
+    assert round_seconds([6, 0, 0, 0], compiled) == round_seconds([6, 0, 0, 0], padded)
+    assert plan_batch([4] * 4, alphas, compiled, limits=[6] * 4) == [1] * 4
+    assert round_seconds([16, 0, 0, 0], compiled) == round_seconds([16, 0, 0, 0], packed)  # wider: eager, packed
 
 
 def test_batch_plan_lets_rows_draft_past_their_sessions_k_within_their_limits() -> None:
@@ -294,6 +300,62 @@ def test_batched_costs_are_kept_apart_from_single_sequence_costs() -> None:
     assert abs(costs.batch_forward_time(4, 2) - 0.3 * 0.2 / 0.15 * 0.15 / 0.2) < 1e-12
     costs.observe_verify(1, 0.12, rows=2)
     assert abs(costs.batch_forward_time(4, 1) - (0.12 + (0.3 - 0.12) * 2 / 6)) < 1e-12  # between 2 and 8 rows
+
+
+def test_a_row_count_timed_only_in_plain_rounds_grows_with_width_as_its_neighbours_do() -> None:
+    from tandem.core.batch_plan import plan_batch
+
+    # Calibrated at 2, 4 and 8 rows (CPU-A-like: flat, then climbing); a batch down to 7 rows as requests finish is
+    # then timed in plain rounds, at width 1 only. One sequence's curve climbs faster than a batch's (14 tokens at
+    # 1.53x 7); priced along it, 7 rows x 2 tokens cost 0.24 s and the plan kept those rounds plain for good.
+    batched = {(2, w): s for w, s in {1: 0.152, 2: 0.156, 3: 0.16, 5: 0.17}.items()}
+    batched |= {(4, w): s for w, s in {1: 0.155, 2: 0.165, 3: 0.19, 5: 0.24}.items()}
+    batched |= {(8, w): s for w, s in {1: 0.162, 2: 0.211, 3: 0.27, 5: 0.39}.items()}
+    verify = {1: 0.15, 2: 0.152, 3: 0.155, 5: 0.16, 7: 0.17, 9: 0.18, 12: 0.22, 16: 0.30, 24: 0.36}
+    costs = CostModel(draft_step=0.019, verify=verify, batched=batched,
+                      draft_rows={2: 0.03, 4: 0.035, 8: 0.047})
+    costs.observe_verify(1, 0.157, rows=7)
+    assert costs.batch_forward_time(7, 1) == 0.157
+    for width in (2, 3, 5):
+        def between(w: int) -> float:
+            four, eight = costs.batch_forward_time(4, w), costs.batch_forward_time(8, w)
+            return four + (eight - four) * 3 / 4
+
+        assert costs.batch_forward_time(7, width) == pytest.approx(0.157 * between(width) / between(1))
+    assert costs.batch_forward_time(7, 2) < 0.2 < 0.157 * costs.forward_time(14) / costs.forward_time(7)
+    assert plan_batch([3] * 7, [0.8] * 7, costs) == [1] * 7  # drafts, where the single-sequence curve gave [0] * 7
+    # Past the widest row count timed at several widths: that one's growth.
+    costs.observe_verify(1, 0.2, rows=12)
+    assert costs.batch_forward_time(12, 3) == pytest.approx(0.2 * costs.batch_forward_time(8, 3) / 0.162)
+    # With no row count timed at several widths, the single-sequence curve as before.
+    lone = CostModel(draft_step=0.019, verify=verify, batched={(7, 1): 0.157})
+    assert lone.batch_forward_time(7, 2) == pytest.approx(0.157 * lone.forward_time(14) / lone.forward_time(7))
+
+
+def test_a_compiled_runners_batch_is_timed_and_priced_as_its_bucket() -> None:
+    from tandem.core.batch_plan import plan_batch
+    from tandem.core.row_layout import RowLayout
+
+    # A compiled runner runs 5-8 rows as the 8-row graph: a batch down to 7 rows is timed into the 8-row table and
+    # priced from it, calibrated at several widths, rather than from a table of its own begun by one plain round.
+    layout = RowLayout("cpu", can_pack=True, padded_up_to=16, row_buckets=(1, 2, 4, 8, 16))
+    batched = {(8, w): s for w, s in {1: 0.162, 2: 0.211, 3: 0.27, 5: 0.39}.items()}
+    costs = CostModel(draft_step=0.019, verify={1: 0.15, 7: 0.17, 14: 0.26, 21: 0.33}, batched=dict(batched),
+                      draft_rows={2: 0.03, 8: 0.047}, layout=layout)
+    costs.observe_verify(1, 0.172, rows=7)
+    assert {rows for rows, _ in costs.batched} == {8} and costs.batched[8, 1] == pytest.approx(0.164)
+    assert costs.batched[8, 2] / costs.batched[8, 1] == pytest.approx(0.211 / 0.162)  # the widths move together
+    for width in (1, 2, 3, 5):
+        assert costs.batch_forward_time(7, width) == costs.batch_forward_time(5, width) == costs.batch_forward_time(
+            8, width)
+    assert plan_batch([3] * 7, [0.8] * 7, costs) == [1] * 7
+    # Wider than the static forwards: eager, over the rows themselves.
+    costs.observe_verify(20, 0.9, rows=7)
+    assert costs.batched[7, 20] == 0.9 and layout.priced_rows(7, 20) == 7
+    # Without buckets (an eager runner) every row count keeps its own table.
+    eager = CostModel(draft_step=0.019, verify={1: 0.15}, batched=dict(batched), layout=RowLayout("cpu", True))
+    eager.observe_verify(1, 0.172, rows=7)
+    assert eager.batched[7, 1] == 0.172 and eager.batched[8, 1] == 0.162
 
 
 def test_one_slow_or_fast_timing_moves_batched_prices_little() -> None:

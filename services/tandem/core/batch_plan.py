@@ -3,9 +3,10 @@
 Each session's policy picks its own k from single-sequence costs, and whether it drafts at all. In a batch the
 round's cost is shared: one target forward over every row, and one draft step over the rows still drafting for each
 of the max k steps. The target runs rows of different widths padded to the widest block, or packed one after another
-where that pays (core.row_layout: on a CPU, from a few padded tokens); the plan prices the forward as its runner lays
-it out (the target's RowLayout in the cost model), as a uniform forward over as many rows of width w(c), the widest
-block (k + 1 tokens) where padded and the mean block where packed. On hardware where a forward's cost grows with the
+where that pays (core.row_layout: on a CPU, from a few padded tokens, outside a compiled runner's static forwards);
+the plan prices the forward as its runner lays it out (the target's RowLayout in the cost model), as a uniform
+forward of width w(c), the widest block (k + 1 tokens) where padded and the mean block where packed, over as many
+rows (a compiled runner's row bucket: 7 rows run and are priced as 8). On hardware where a forward's cost grows with the
 tokens it feeds (a CPU, a saturated GPU), the best round may draft less than the sessions would alone, or nothing;
 where a draft step over more rows costs little more, rows may draft further than they would alone, since their mates
 pay for the steps and the padding. For each cap c up to the widest limit L_i

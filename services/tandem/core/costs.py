@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -65,13 +66,18 @@ class CostModel:
 
     Single-sequence forwards are priced point by point (interpolated between measured sizes); batched ones and draft
     steps over several rows along a robust line (`_robust_line`) through the widths measured with as many rows (draft
-    steps: through the row counts). A row count measured at one width only follows the single-sequence curve from
-    it; an unmeasured row count is interpolated between the measured row counts around it, or scaled from the
-    nearest one along the single-sequence curve.
-    Observations are blended in with an exponential moving average.
+    steps: through the row counts). A row count measured at one width only follows, from it, the curve of the row
+    counts around it measured at several widths (the single-sequence curve where there are none); an unmeasured row
+    count is interpolated between the measured row counts around it, or scaled from the nearest one along the
+    single-sequence curve. Observations are blended in with an exponential moving average.
 
     `layout` is not measured: it is how the target lays out a forward's rows (its runner's RowLayout, given by the
-    engine from its verifier), so that the batch plan prices rows of different widths as they run (None: padded).
+    engine from its verifier), so that the batch plan prices rows of different widths as they run (None: padded),
+    and a batch as the rows its forward computes: a compiled runner's bucket (7 rows run as 8), whose table every
+    such forward times and prices. Each row count with a table of its own would start from its first timings
+    alone; one that first ran a plain round was then priced wider along the single-sequence curve, and one whose
+    first width-2 forward was slow kept that ratio for good (both read as drafting too dear, so those rounds stayed
+    plain and the table was never corrected).
     """
 
     draft_step: float = 0.0
@@ -101,6 +107,8 @@ class CostModel:
         calibration measured side by side."""
         if self.frozen:
             return
+        if rows > 1 and self.layout is not None:
+            rows = self.layout.priced_rows(rows, tokens)
         table, key = (self.verify, tokens) if rows <= 1 else (self.batched, (rows, tokens))
         old = table.get(key)
         if old is None:
@@ -123,9 +131,12 @@ class CostModel:
         return _at_least_narrower(self.verify, tokens, _interpolate(self.verify, tokens))
 
     def batch_forward_time(self, rows: int, width: int) -> float:
-        """Seconds for a target forward over `rows` rows padded to `width` tokens each."""
+        """Seconds for a target forward over `rows` rows padded to `width` tokens each (timed and priced as the rows
+        its runner computes, `layout`'s bucket)."""
         if rows <= 1:
             return self.forward_time(width)
+        if self.layout is not None:
+            rows = self.layout.priced_rows(rows, width)
         measured_rows = sorted({r for r, _ in self.batched})
         if rows in measured_rows:
             return self._at_measured_rows(rows, width)
@@ -141,7 +152,7 @@ class CostModel:
                 / self.forward_time(nearest * width))
 
     def _at_measured_rows(self, rows: int, width: int) -> float:
-        """A line through the widths measured with `rows` rows (one width: the single-sequence curve's shape), never
+        """A line through the widths measured with `rows` rows (one width: `_width_growth` from it), never
         below the one-token forward's own price. Every plain round re-times that shape, so its price is current and
         no lone outlier; the line, fit to a curve that is flat at first (weights-bound) and then climbs, runs below
         it there (on CPU-A 0.118-0.125 s at 8 rows, while plain rounds timed 0.14-0.15 s), and priced plain decoding
@@ -149,8 +160,33 @@ class CostModel:
         widths = {w: seconds for (r, w), seconds in self.batched.items() if r == rows}
         if len(widths) == 1:
             (only, seconds), = widths.items()
-            return seconds * self.forward_time(rows * width) / self.forward_time(rows * only)
+            return seconds * self._width_growth(rows, only, width)
         return max(_robust_line(widths, width), widths.get(1, 0.0))
+
+    def _width_growth(self, rows: int, only: int, width: int) -> float:
+        """How much a forward over `rows` rows, timed at width `only` alone, costs more at `width`: as at the row
+        counts around it that were timed at several widths (interpolated between the two that bracket it, else the
+        nearest), or, with none, along the single-sequence curve. A row count first met in plain rounds (a batch
+        down to 7 rows as requests finish) is timed at width 1 only; priced along the single-sequence curve, which
+        climbs faster than a batch's (7 rows x 2 tokens at 1.5x their plain step, where 8 rows cost 1.3x), its
+        rounds looked too dear to draft, so they stayed plain and its wider widths were never timed."""
+        counts = Counter(r for r, _ in self.batched)
+        curved = sorted(r for r, n in counts.items() if n > 1)
+        if not curved:
+            return self.forward_time(rows * width) / self.forward_time(rows * only)
+        below, above = [r for r in curved if r < rows], [r for r in curved if r > rows]
+        if below and above:
+            lo, hi = below[-1], above[0]
+
+            def at(w: int) -> float:
+                low, high = self._at_measured_rows(lo, w), self._at_measured_rows(hi, w)
+                return low + (high - low) * (rows - lo) / (hi - lo)
+        else:
+            nearest = below[-1] if below else above[0]
+
+            def at(w: int) -> float:
+                return self._at_measured_rows(nearest, w)
+        return at(width) / at(only)
 
     def draft_time(self, rows: int) -> float:
         """Seconds for one draft step over `rows` sequences."""

@@ -40,10 +40,22 @@ def packing_pays(device_type: str, rows: int, area: int, tokens: int) -> bool:
 @dataclass(slots=True, frozen=True)
 class RowLayout:
     """How a runner lays out a forward's rows: packed where `packing_pays` on its `device_type` and the model
-    `can_pack` (sdpa attention, core.attention's varlen implementation), else padded."""
+    `can_pack` (sdpa attention, core.attention's varlen implementation), else padded. `padded_up_to`: forwards no
+    wider than this run padded whatever their rows' widths, over `row_buckets` rows (a compiled runner's static
+    forwards, core.cuda_graphs: one graph per row bucket and width, the bucket's spare rows computed too); 0 and ()
+    where none do."""
 
     device_type: str
     can_pack: bool
+    padded_up_to: int = 0
+    row_buckets: tuple[int, ...] = ()
+
+    def priced_rows(self, rows: int, width: int) -> int:
+        """The rows a forward over `rows` rows of `width` tokens computes: its bucket where a static forward runs
+        it, else the rows themselves. A batch down to 7 rows runs the 8-row graph, so it costs what 8 rows do."""
+        if width > self.padded_up_to:
+            return rows
+        return next((bucket for bucket in self.row_buckets if bucket >= rows), rows)
 
     def packs(self, rows: int, area: int, tokens: int) -> bool:
         """Whether `rows` rows feeding `tokens` tokens, `area` padded, run packed."""
@@ -62,6 +74,8 @@ class RowLayout:
         slots feeding `widths` tokens costs about: the widest where they run padded, their mean where packed (the
         products then run over their tokens alone; the per-row attention calls are left out of the price)."""
         tokens, widest = sum(widths), max(widths)
+        if widest <= self.padded_up_to:
+            return float(widest)
         return tokens / len(widths) if self.packs(len(widths), len(widths) * widest, tokens) else float(widest)
 
 

@@ -27,7 +27,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tandem.core.attention import SEGMENTS, packed
-from tandem.core.cuda_graphs import MAX_WIDTH, GraphedForward
+from tandem.core.cuda_graphs import MAX_WIDTH, ROW_BUCKETS, GraphedForward
 from tandem.core.kv_cache import SlotCache, Step, cache_keyword, default_kv_tokens
 from tandem.core.protocol import KVCacheFull
 from tandem.core.row_layout import RowLayout, packed_inputs, padded_inputs
@@ -66,7 +66,6 @@ class ModelRunner:
             # Our 4D masks replace the sliding-window masks transformers would build: such layers would see too much.
             raise ValueError("sliding-window attention layers are not supported by the slot KV cache")
         self.causal_kernel = ATTENTION[implementation]
-        self.layout = RowLayout(self.device.type, can_pack=self.causal_kernel)
         self.mask_dtype = torch.bool if self.causal_kernel else self.dtype
         self.vocab_size = int(model.config.vocab_size)
         window = getattr(text_config, "max_position_embeddings", None)
@@ -91,6 +90,10 @@ class ModelRunner:
         graphed = cuda_graphs and self.device.type == "cuda" and not sharded
         compiled = graphed if compile is None else compile and not sharded and (graphed or self.device.type == "cpu")
         static = graphed or compiled
+        # Static forwards serve the batched steps of sdpa models only (boolean masks; GraphedForward.run).
+        bucketed = static and self.mask_dtype == torch.bool
+        self.layout = RowLayout(self.device.type, can_pack=self.causal_kernel,
+                                padded_up_to=MAX_WIDTH if bucketed else 0, row_buckets=ROW_BUCKETS if bucketed else ())
         self.cache = SlotCache(text_config.num_hidden_layers, margin=MAX_WIDTH if static else 0)
         self.cache_keyword = cache_keyword(model.base_model)
         self.graphs = GraphedForward(self.cache, self._hidden, compile=compiled, capture=graphed) if static else None

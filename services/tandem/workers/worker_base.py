@@ -114,6 +114,7 @@ class WorkerBase:
                 "vocab_size": self.runner.vocab_size,
                 "context_window": self.runner.context_window, "retained_sessions": len(self.runner.retained),
                 "device_type": self.runner.layout.device_type, "packs_rows": self.runner.layout.can_pack,
+                "pads_rows_up_to": self.runner.layout.padded_up_to, "row_buckets": list(self.runner.layout.row_buckets),
                 "reused_tokens": self.runner.reused_tokens, "metrics": self.telemetry.metrics_url,
                 "kv_tokens_used": self.runner.kv_tokens_used, "kv_tokens_reserved": self.runner.kv_tokens_reserved,
                 "kv_tokens_capacity": self.runner.kv_tokens_capacity, "forwards": self.batcher.stats.forwards,
