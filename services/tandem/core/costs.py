@@ -74,10 +74,10 @@ class CostModel:
     `layout` is not measured: it is how the target lays out a forward's rows (its runner's RowLayout, given by the
     engine from its verifier), so that the batch plan prices rows of different widths as they run (None: padded),
     and a batch as the rows its forward computes: a compiled runner's bucket (7 rows run as 8), whose table every
-    such forward times and prices. Each row count with a table of its own would start from its first timings
-    alone; one that first ran a plain round was then priced wider along the single-sequence curve, and one whose
-    first width-2 forward was slow kept that ratio for good (both read as drafting too dear, so those rounds stayed
-    plain and the table was never corrected).
+    such forward times and prices. A row count with a table of its own starts from its first timings alone: one
+    that first ran a plain round was priced wider along the single-sequence curve, read as too dear to draft, and its
+    rounds stayed plain, so its wider widths were never timed (docs/performance.md, "A batch priced as the rows its
+    forward computes").
     """
 
     draft_step: float = 0.0
