@@ -356,6 +356,10 @@ def test_a_compiled_runners_batch_is_timed_and_priced_as_its_bucket() -> None:
     eager = CostModel(draft_step=0.019, verify={1: 0.15}, batched=dict(batched), layout=RowLayout("cpu", True))
     eager.observe_verify(1, 0.172, rows=7)
     assert eager.batched[7, 1] == 0.172 and eager.batched[8, 1] == 0.162
+    # The layout crosses the pool's wire in a worker's info (a JSON-like dict) and comes back whole; a worker that
+    # reports none is priced padded, each row count as itself.
+    assert RowLayout.from_info(json.loads(json.dumps(layout.to_info()))) == layout
+    assert RowLayout.from_info({}) == RowLayout("cpu", can_pack=False)
 
 
 def test_one_slow_or_fast_timing_moves_batched_prices_little() -> None:

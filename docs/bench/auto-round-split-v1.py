@@ -20,7 +20,7 @@ from functools import wraps
 import torch
 
 from tandem.bench.prompts import load_prompts
-from tandem.bench.vllm_compare_tandem import build_engines
+from tandem.bench.vllm_compare_tandem import build_engines, sitting_job
 from tandem.core.config import SamplingParams
 
 
@@ -61,9 +61,7 @@ def instrument(engine) -> tuple[Counter, Counter, list]:
 
 def main(repeats: int, out: str) -> None:
     texts = load_prompts(None)[:8]
-    job = {"target": "qwen2.5-coder-1.5b-instruct", "draft": "qwen2.5-coder-0.5b-instruct", "texts": texts,
-           "max_tokens": 128, "threads": 2, "dtype": "bfloat16", "compile": "all", "draft_quantization": "w4",
-           "draft_vocab": 65536}
+    job = sitting_job(texts)
     loaded, engines, ids = build_engines(job)
     runs: dict[str, list[dict]] = {"plain": [], "auto": []}
     for repeat in range(repeats):

@@ -19,16 +19,14 @@ import sys
 import torch
 
 from tandem.bench.prompts import load_prompts
-from tandem.bench.vllm_compare_tandem import build_engines
+from tandem.bench.vllm_compare_tandem import build_engines, sitting_job
 from tandem.core.calibration import calibrate
 
 VARIANTS = {"p3-c32": (3, 32), "p5-c32": (5, 32), "p3-c160": (3, 160)}
 
 
 def main(rounds: int, out: str) -> None:
-    job = {"target": "qwen2.5-coder-1.5b-instruct", "draft": "qwen2.5-coder-0.5b-instruct",
-           "texts": load_prompts(None)[:8], "max_tokens": 128, "threads": 2, "dtype": "bfloat16", "compile": "all",
-           "draft_quantization": "w4", "draft_vocab": 65536}
+    job = sitting_job(load_prompts(None)[:8])
     loaded, engines, _ = build_engines(job)
     engine = engines["auto"]
     spec, names = engine.config.spec, list(VARIANTS)

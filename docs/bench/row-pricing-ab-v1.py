@@ -27,7 +27,7 @@ from collections import Counter
 import torch
 
 from tandem.bench.prompts import load_prompts
-from tandem.bench.vllm_compare_tandem import build_engines
+from tandem.bench.vllm_compare_tandem import build_engines, sitting_job
 from tandem.core.config import SamplingParams
 from tandem.core.costs import MEASURED_FIELDS, CostModel
 from tandem.core.row_layout import RowLayout
@@ -63,9 +63,7 @@ def run(engine, ids: list[list[int]]) -> dict:
 
 def main(repeats: int, out: str, seeded: bool) -> None:
     texts = load_prompts(None)[:8]
-    job = {"target": "qwen2.5-coder-1.5b-instruct", "draft": "qwen2.5-coder-0.5b-instruct", "texts": texts,
-           "max_tokens": 128, "threads": 2, "dtype": "bfloat16", "compile": "all", "draft_quantization": "w4",
-           "draft_vocab": 65536}
+    job = sitting_job(texts)
     loaded, engines, ids = build_engines(job)
     costs = engines["auto"].costs
     now = costs.layout

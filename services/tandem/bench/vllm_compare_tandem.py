@@ -45,6 +45,16 @@ def batched(engine, ids: list[list[int]], max_tokens: int) -> dict:
             "outputs": [list(r.token_ids) for r in results]}
 
 
+def sitting_job(texts: list[str]) -> dict:
+    """The job of the sittings docs/performance.md reports ("Against vLLM for CPU"): the real pair in bf16 on 2
+    threads, 128 tokens, both decoders compiled, the w4 draft with a 65536-id head, as `python -m
+    tandem.bench.vllm_compare --compile --draft-quantization w4 --draft-vocab 65536` sends it. Scripts that take one
+    phase of a sitting apart (docs/bench) build their engines from it."""
+    return {"target": "qwen2.5-coder-1.5b-instruct", "draft": "qwen2.5-coder-0.5b-instruct", "texts": texts,
+            "max_tokens": 128, "threads": 2, "dtype": "bfloat16", "compile": "all", "draft_quantization": "w4",
+            "draft_vocab": 65536}
+
+
 def build_engines(job: dict) -> tuple[dict, dict, list[list[int]]]:
     """The pair loaded once, a plain engine and an AUTO engine built and warmed up (untimed): what was loaded, the
     engines by mode ("plain", "auto"), and job["texts"] chat-templated to token ids."""

@@ -142,9 +142,7 @@ class CostModel:
             return self._at_measured_rows(rows, width)
         below, above = [r for r in measured_rows if r < rows], [r for r in measured_rows if r > rows]
         if below and above:
-            lo, hi = below[-1], above[0]
-            low, high = self._at_measured_rows(lo, width), self._at_measured_rows(hi, width)
-            return low + (high - low) * (rows - lo) / (hi - lo)
+            return self._between_rows(below[-1], above[0], rows, width)
         if not measured_rows:
             return self.forward_time(rows * width)
         nearest = below[-1] if below else above[0]
@@ -177,16 +175,14 @@ class CostModel:
         below, above = [r for r in curved if r < rows], [r for r in curved if r > rows]
         if below and above:
             lo, hi = below[-1], above[0]
+            return self._between_rows(lo, hi, rows, width) / self._between_rows(lo, hi, rows, only)
+        nearest = below[-1] if below else above[0]
+        return self._at_measured_rows(nearest, width) / self._at_measured_rows(nearest, only)
 
-            def at(w: int) -> float:
-                low, high = self._at_measured_rows(lo, w), self._at_measured_rows(hi, w)
-                return low + (high - low) * (rows - lo) / (hi - lo)
-        else:
-            nearest = below[-1] if below else above[0]
-
-            def at(w: int) -> float:
-                return self._at_measured_rows(nearest, w)
-        return at(width) / at(only)
+    def _between_rows(self, lo: int, hi: int, rows: int, width: int) -> float:
+        """A forward over `rows` rows of `width` tokens, on the line between the measured row counts lo and hi."""
+        low, high = self._at_measured_rows(lo, width), self._at_measured_rows(hi, width)
+        return low + (high - low) * (rows - lo) / (hi - lo)
 
     def draft_time(self, rows: int) -> float:
         """Seconds for one draft step over `rows` sequences."""

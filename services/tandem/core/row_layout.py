@@ -50,6 +50,18 @@ class RowLayout:
     padded_up_to: int = 0
     row_buckets: tuple[int, ...] = ()
 
+    def to_info(self) -> dict:
+        """The layout as a worker's info reports it across the pool's wire (`from_info` reads it back)."""
+        return {"device_type": self.device_type, "packs_rows": self.can_pack, "pads_rows_up_to": self.padded_up_to,
+                "row_buckets": list(self.row_buckets)}
+
+    @classmethod
+    def from_info(cls, info: dict) -> RowLayout:
+        """The layout a worker's info reports. A worker that leaves fields out (an older one, mid-rollout) has its
+        rounds priced on a CPU, padded, each row count as itself."""
+        return cls(info.get("device_type", "cpu"), info.get("packs_rows", False), info.get("pads_rows_up_to", 0),
+                   tuple(info.get("row_buckets", ())))
+
     def priced_rows(self, rows: int, width: int) -> int:
         """The rows a forward over `rows` rows of `width` tokens computes: its bucket where a static forward runs
         it, else the rows themselves. A batch down to 7 rows runs the 8-row graph, so it costs what 8 rows do."""

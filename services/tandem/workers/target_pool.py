@@ -39,9 +39,7 @@ class RayVerifier(RayPoolClient):
         self.timeout_s, self.rebuild_timeout_s = timeout_s, rebuild_timeout_s
         info = ray.get(replicas[0].info.remote())
         self.vocab_size, self.context_window = info["vocab_size"], info.get("context_window")
-        # A worker that does not report its layout (an older one, mid-rollout) has its rounds priced padded.
-        self.row_layout = RowLayout(info.get("device_type", "cpu"), info.get("packs_rows", False),
-                                    info.get("pads_rows_up_to", 0), tuple(info.get("row_buckets", ())))
+        self.row_layout = RowLayout.from_info(info)
         self.rebuilds: dict[int, Future] = {}
         self.rebuilt = 0
         self._executor = ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="tandem-rebuild")
