@@ -27,6 +27,7 @@ inductor_config.cpp.enable_kernel_profile = True
 GROUPS = (("oneDNN products", ("mkldnn::_linear_pointwise", "onednn::qlinear_pointwise")),
           ("int4 products", ("aten::_weight_int4pack_mm_for_cpu",)),
           ("attention (sdpa)", ("aten::_scaled_dot_product_flash_attention_for_cpu",)),
+          ("attention (core.cpu_attention)", ("tandem::decode_attention",)),
           ("inductor's fused kernels", ("graph_",)),
           ("compiled graph's Python wrapper", ("## Call CompiledFxGraph",)),
           ("dynamo's guard check", ("TorchDynamo Cache Lookup",)),

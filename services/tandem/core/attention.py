@@ -26,6 +26,9 @@ query over a few hundred cached keys (docs/performance.md, "On a GPU"); tandem.b
 times the others against it (on an H200 the pick decoded 1.11x faster than the memory-efficient kernel). Compiled
 forwards read it when they are traced, and retrace when it changes.
 
+On a CPU in bf16 the stacked call runs core.cpu_attention's kernel where it applies (decode and verification
+widths), sdpa elsewhere.
+
 `FLEX[0]`, when True, makes compiled forwards attend with core.flex_decode instead: each row's live keys only, split
 across thread blocks, where sdpa walks the whole buffer under the mask (the cost that grows with the cache's
 capacity on a GPU), on a GPU only (FLEX_DEVICES). It stays off until a GPU sitting measures it (`gpu_probe
@@ -43,6 +46,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from tandem.core import cpu_attention
 from tandem.core.flex_decode import flex_decode
 
 NAME = "tandem_packed_sdpa"
@@ -53,6 +57,12 @@ FLEX: list[bool] = [False]  # a cell, as BACKENDS: compiled forwards attend with
 # Inductor's C++ template for flex_attention (torch 2.13) fails inside a compiled decoder on a CPU (no epilogue
 # fusion; a C++ compile error with two layers); GPUs run its Triton template.
 FLEX_DEVICES = ("cuda",)
+
+
+def traced_settings() -> tuple:
+    """The cells compiled forwards read as they are traced (BACKENDS, FLEX, core.cpu_attention.ENABLED): a graph
+    serves only the settings it was traced under, so core.cuda_graphs keys its guard-free calls by them too."""
+    return BACKENDS[0], FLEX[0], cpu_attention.ENABLED[0]
 
 
 def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -79,8 +89,12 @@ def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     mask = attention_mask
     if mask is not None and width > 1:
         mask = mask.unsqueeze(2).expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * width, mask.shape[-1])
-    with sdpa_kernel(list(BACKENDS[0])) if BACKENDS[0] else nullcontext():
-        out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)
+    if cpu_attention.applies(stacked, key):
+        out = cpu_attention.decode_attention(stacked, key, value, mask, dim**-0.5 if scaling is None else scaling)
+    else:
+        with sdpa_kernel(list(BACKENDS[0])) if BACKENDS[0] else nullcontext():
+            out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask,
+                                                                   scale=scaling)
     return out.reshape(batch, heads, width, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 

@@ -44,6 +44,7 @@ from torch._dynamo import config as dynamo_config
 from torch.fx.experimental import _config as fx_config
 
 from tandem.core import packed_linear, w8a8_linear
+from tandem.core.attention import traced_settings
 from tandem.core.guardless import GuardlessForward, GuardMismatch
 from tandem.core.kv_cache import SlotCache, Step
 
@@ -229,9 +230,10 @@ class GraphedForward:
         finally:
             self.cache.step = None
 
-    def shape_class(self, graph: _Graph) -> tuple[bool, ...]:
-        """What tells the compiled graphs of a model apart: with dynamic shapes, sizes of 1 are specialised."""
-        return self.cache.slots == 1, graph.rows == 1, graph.width == 1
+    def shape_class(self, graph: _Graph) -> tuple:
+        """What tells the compiled graphs of a model apart: with dynamic shapes, sizes of 1 are specialised; and the
+        attention settings a graph was traced under (a benchmark switches them between runs)."""
+        return self.cache.slots == 1, graph.rows == 1, graph.width == 1, traced_settings()
 
     def _capture(self, graph: _Graph) -> None:
         """Warm up on a side stream (the writes are this step's own, so repeating them is harmless; the first run

@@ -26,6 +26,7 @@ from functools import partial
 import torch
 from transformers import PreTrainedModel
 
+from tandem.core import cpu_attention
 from tandem.core.attention import SEGMENTS, packed
 from tandem.core.cuda_graphs import MAX_WIDTH, ROW_BUCKETS, GraphedForward
 from tandem.core.kv_cache import SlotCache, Step, cache_keyword, default_kv_tokens
@@ -66,6 +67,8 @@ class ModelRunner:
             # Our 4D masks replace the sliding-window masks transformers would build: such layers would see too much.
             raise ValueError("sliding-window attention layers are not supported by the slot KV cache")
         self.causal_kernel = ATTENTION[implementation]
+        if self.causal_kernel:
+            cpu_attention.prepare(self.device, self.dtype)  # built here, once per machine: no forward waits for it
         self.mask_dtype = torch.bool if self.causal_kernel else self.dtype
         self.vocab_size = int(model.config.vocab_size)
         window = getattr(text_config, "max_position_embeddings", None)

@@ -1,0 +1,105 @@
+"""Decode attention on an AVX-512 CPU: a kernel of tandem's own (csrc/decode_attention.cpp) for the few queries a
+decode or verification step puts on each row, over that row's cached keys.
+
+Why not PyTorch's: its CPU flash kernel splits the work into (row, head, query block) tasks and pays about 10-17 us of
+set-up per task; over 8 rows of the 1.5B target that is 440 us a layer in service, about 3.5x the time its keys and
+values take to read (docs/performance.md, "Against vLLM for CPU"), and what 8 rows add to a plain step. An
+inductor-compiled reduction, two matmuls and compiled flex_attention were each slower still. The kernel reads each
+row's keys and values once for all the query heads that share them, skips keys past the last one any query sees,
+and keeps its sums in float32.
+
+`decode_attention` is a torch custom op (`tandem::decode_attention`), so compiled forwards call it as they are
+traced. `ready()` builds the extension once per machine (about 30 s, under the model store's `kernels/`, with the
+compiler torch.compile already needs) and says whether the kernel can run here: an AVX-512 CPU, a C++ compiler.
+`ENABLED[0]` turns it off (then sdpa runs as before); core.attention reads it, and compiled code guards on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+ENABLED: list[bool] = [os.environ.get("TANDEM_CPU_ATTENTION", "kernel") != "sdpa"]  # a cell, as attention.FLEX
+# Queries per task (query heads per key/value head x tokens per row) up to which the kernel runs: decode and
+# verification steps. Wider ones (prompts) keep sdpa, whose tiled products suit them.
+MAX_QUERIES = 64
+HEAD_DIMS = (16, 32, 64, 128, 256)
+_built: list[bool] = []  # once asked: whether the kernel was built and registered
+
+
+def ready() -> bool:
+    """Whether the kernel can run in this process, building it on first use."""
+    if not _built:
+        _built.append(_build())
+    return _built[0]
+
+
+def prepare(device: torch.device, dtype: torch.dtype) -> None:
+    """Build the kernel now where a model on `device` in `dtype` would use it (a runner calls this as it starts)."""
+    if ENABLED[0] and device.type == "cpu" and dtype == torch.bfloat16:
+        ready()
+
+
+def _ready_now() -> bool:
+    return bool(_built) and _built[0]
+
+
+def _build() -> bool:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
+        log.info("CPU decode attention: no AVX-512 here, sdpa runs")
+        return False
+    # OpenMP: at::parallel_for spreads the (row, head) tasks over torch's threads only in code built with it (its
+    # libgomp is the one torch has loaded); without, they ran on one thread and attention took 1.23x sdpa's time.
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        log.info("CPU decode attention: no C++ compiler, sdpa runs")
+        return False
+    from torch.utils.cpp_extension import load
+
+    from tandem.models.store import default_root
+
+    directory = default_root() / "kernels" / f"decode_attention-torch{torch.__version__}"
+    directory.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    log.info("loading the CPU decode-attention kernel from %s (built once per machine: about 30 s)", directory)
+    try:
+        load("tandem_decode_attention", [str(SOURCE)], build_directory=str(directory), is_python_module=False,
+             extra_cflags=["-O3", "-mavx512f", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except (RuntimeError, OSError, ImportError) as error:  # a broken toolchain, no ninja: run as without the kernel
+        log.warning("CPU decode attention: the kernel did not build (%s), sdpa runs", error)
+        return False
+    log.info("CPU decode-attention kernel ready in %.1f s", time.perf_counter() - started)
+    return True
+
+
+def applies(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether `decode_attention` serves a stacked query [rows, kv_heads, queries, dim] over `key` (core.attention
+    asks before calling it). Only once built (`prepare`, which a runner calls as it starts): a forward
+    never waits for a build."""
+    return (ENABLED[0] and query.device.type == "cpu" and query.dtype == key.dtype == torch.bfloat16
+            and query.shape[-1] in HEAD_DIMS and query.shape[2] <= MAX_QUERIES and _ready_now())
+
+
+torch.library.define("tandem::decode_attention",
+                     "(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor")
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    """softmax(query key^T * scale) value per row and key/value head, `mask` [rows, 1, 1 or queries, length] bool
+    (true: seen) or None; query [rows, kv_heads, queries, dim], key and value [rows, kv_heads, length, dim], bf16.
+    The op `tandem::decode_attention`, whose CPU kernel the built library registers (`ready`)."""
+    return torch.ops.tandem.decode_attention(query, key, value, mask, scale)
+
+
+@torch.library.register_fake("tandem::decode_attention")
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+      scale: float) -> torch.Tensor:
+    return query.new_empty(query.shape)
