@@ -1,15 +1,17 @@
 """core.cpu_attention's decode-attention kernel against PyTorch's sdpa, end to end in one process: the engines of
 the vLLM comparison (tandem.bench.vllm_compare_tandem.build_engines: the pair compiled, w4 draft, the draft's head
 cut to 65536 ids, calibrated and warmed up with the kernel), the 8 shipped prompts at once and the first prompt
-alone, 128 tokens, greedy. Modes, the kernel on and off (core.cpu_attention.ENABLED, which compiled forwards guard
-on: each arm runs its own compiled graphs, warmed up by one untimed run of every mode first):
+alone, 128 tokens each (past the end-of-sequence token: bf16 attention rounds differently, and an arm whose rows
+stopped sooner would run a smaller batch for the rest of the run), greedy. Modes, the kernel on and off
+(core.cpu_attention.ENABLED, which compiled forwards guard on: each arm runs its own compiled graphs, warmed up by one
+untimed run of every mode first):
   plain_b8   the plain engine, the 8 prompts at once
   auto_b8    the AUTO engine, the 8 prompts at once; each arm keeps its own cost model (calibration's, then its own
              observations carried from run to run), so neither prices rounds with the other's timings
   plain_b1   the plain engine, the first prompt alone
 Each repeat runs every mode's two arms back to back, the arm first in the pair alternated between repeats. Per mode:
-tok/s pooled over its runs per arm, the ratio kernel/sdpa, and whether both arms' tokens agreed (bf16: a different
-rounding of attention may part greedy outputs at near-ties).
+tok/s pooled over its runs per arm, the ratio kernel/sdpa, and in how many runs both arms' tokens agreed (bf16: a
+different rounding of attention may part greedy outputs at near-ties).
 
     PYTHONPATH=services python docs/bench/cpu-attention-ab-v1.py REPEATS OUT.json     # about 4 min a repeat
 """
@@ -35,7 +37,7 @@ ARMS = {"kernel": True, "sdpa": False}
 
 def run(engine, ids: list[list[int]], max_tokens: int) -> dict:
     started = time.perf_counter()
-    results = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    results = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     seconds = time.perf_counter() - started
     tokens = sum(len(r.token_ids) for r in results)
     return {"seconds": round(seconds, 3), "tokens": tokens, "tok_s": round(tokens / seconds, 3),
