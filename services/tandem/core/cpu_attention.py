@@ -2,16 +2,17 @@
 decode or verification step puts on each row, over that row's cached keys.
 
 Why not PyTorch's: its CPU flash kernel splits the work into (row, head, query block) tasks and pays about 10-17 us of
-set-up per task; over 8 rows of the 1.5B target that is 440 us a layer in service, about 3.5x the time its keys and
-values take to read (docs/performance.md, "Against vLLM for CPU"), and what 8 rows add to a plain step. An
+set-up per task; over 8 rows of the 1.5B target that is 440-520 us a layer, 3.5-4x the time its keys and values
+take to read (docs/performance.md, "Against vLLM for CPU"), and what 8 rows add to a plain step. An
 inductor-compiled reduction, two matmuls and compiled flex_attention were each slower still. The kernel reads each
 row's keys and values once for all the query heads that share them, skips keys past the last one any query sees,
 and keeps its sums in float32.
 
-`decode_attention` is a torch custom op (`tandem::decode_attention`), so compiled forwards call it as they are
-traced. `ready()` builds the extension once per machine (about 30 s, under the model store's `kernels/`, with the
-compiler torch.compile already needs) and says whether the kernel can run here: an AVX-512 CPU, a C++ compiler.
-`ENABLED[0]` turns it off (then sdpa runs as before); core.attention reads it, and compiled code guards on it.
+`decode_attention` is the op `tandem::decode_attention` (its schema and shape function here, its CPU kernel
+registered by the built library), so compiled forwards call it as they are traced. `ready()` builds the library once
+per machine (about 30 s, under the model store's `kernels/`, with the compiler torch.compile already needs, and
+ninja) and says whether the kernel can run here: an AVX-512 CPU, a C++ compiler. `ENABLED[0]` turns it off (sdpa
+runs as before); core.attention reads it, and compiled forwards are keyed by it (attention.traced_settings).
 """
 
 from __future__ import annotations
@@ -56,8 +57,6 @@ def _build() -> bool:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
         log.info("CPU decode attention: no AVX-512 here, sdpa runs")
         return False
-    # OpenMP: at::parallel_for spreads the (row, head) tasks over torch's threads only in code built with it (its
-    # libgomp is the one torch has loaded); without, they ran on one thread and attention took 1.23x sdpa's time.
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         log.info("CPU decode attention: no C++ compiler, sdpa runs")
         return False
@@ -69,7 +68,8 @@ def _build() -> bool:
     directory.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     log.info("loading the CPU decode-attention kernel from %s (built once per machine: about 30 s)", directory)
-    try:
+    try:  # OpenMP: at::parallel_for spreads the (row, head) tasks over torch's threads only in code built with it
+        # (its libgomp is the one torch has loaded); without, they ran on one thread, 1.23x sdpa's time in a forward.
         load("tandem_decode_attention", [str(SOURCE)], build_directory=str(directory), is_python_module=False,
              extra_cflags=["-O3", "-mavx512f", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except (RuntimeError, OSError, ImportError) as error:  # a broken toolchain, no ninja: run as without the kernel
