@@ -45,9 +45,14 @@ def reference(query, key, value, mask, scale) -> torch.Tensor:
                                                             scale=scale)
 
 
+DOTS = [True, False] if cpu_attention.BF16_DOT else [False]  # the scores by AVX512-BF16 dot products, or in float32
+
+
+@pytest.mark.parametrize("bf16_dot", DOTS)
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize(("rows", "width", "masked"), [(1, 1, False), (3, 1, True), (3, 3, True), (8, 2, True)])
-def test_the_kernel_gives_sdpas_attention_within_bf16_rounding(shape, rows, width, masked) -> None:
+@pytest.mark.parametrize(("rows", "width", "masked"), [(1, 1, False), (3, 1, True), (3, 3, True), (8, 2, True),
+                                                       (2, 5, True)])
+def test_the_kernel_gives_sdpas_attention_within_bf16_rounding(shape, rows, width, masked, bf16_dot) -> None:
     heads, kv_heads, dim = SHAPES[shape]
     query, key, value, lengths = stacked(rows, heads, kv_heads, dim, width, length=61)
     mask = causal_mask(lengths, width, heads // kv_heads, 61) if masked else None
@@ -57,38 +62,45 @@ def test_the_kernel_gives_sdpas_attention_within_bf16_rounding(shape, rows, widt
     want = reference(query, key, value, mask, scale)
     sdpa_error = (torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
                   .float() - want).abs().max().item()
-    kernel_error = (cpu_attention.decode_attention(query, key, value, mask, scale).float() - want).abs().max().item()
+    got = cpu_attention.decode_attention(query, key, value, mask, scale, bf16_dot=bf16_dot)
+    kernel_error = (got.float() - want).abs().max().item()
     assert kernel_error <= max(2 * sdpa_error, 4e-3), (kernel_error, sdpa_error)
+    if masked:  # a mask whose keys are not adjacent in memory reads the same
+        strided = mask.transpose(-1, -2).contiguous().transpose(-1, -2)
+        assert torch.equal(cpu_attention.decode_attention(query, key, value, strided, scale, bf16_dot), got)
 
 
-def test_a_querys_result_does_not_depend_on_its_rows_width_or_batch_mates() -> None:
+@pytest.mark.parametrize("bf16_dot", DOTS)
+def test_a_querys_result_does_not_depend_on_its_rows_width_or_batch_mates(bf16_dot) -> None:
     """The last token of a 3-token verification gets, bit for bit, what a 1-token step at that position gets; a row
     alone what it gets among others: the keys a query does not see add exact zeros."""
     heads, kv_heads, dim = SHAPES["target"]
     groups, scale = heads // kv_heads, 1 / math.sqrt(dim)
     query, key, value, lengths = stacked(4, heads, kv_heads, dim, width=3, length=50)
     mask = causal_mask(lengths, 3, groups, 50)
-    wide = cpu_attention.decode_attention(query, key, value, mask, scale)
+    wide = cpu_attention.decode_attention(query, key, value, mask, scale, bf16_dot)
     last = query.reshape(4, kv_heads, groups, 3, dim)[:, :, :, 2].contiguous()
-    narrow = cpu_attention.decode_attention(last, key, value, mask.reshape(4, 1, groups, 3, 50)[:, :, :1, 2], scale)
+    narrow = cpu_attention.decode_attention(last, key, value, mask.reshape(4, 1, groups, 3, 50)[:, :, :1, 2], scale,
+                                            bf16_dot)
     assert torch.equal(wide.reshape(4, kv_heads, groups, 3, dim)[:, :, :, 2], narrow)
     alone = cpu_attention.decode_attention(last[1:2], key[1:2], value[1:2], mask.reshape(4, 1, groups, 3, 50)[1:2, :,
-                                           :1, 2], scale)
+                                           :1, 2], scale, bf16_dot)
     assert torch.equal(alone, narrow[1:2])
 
 
-def test_keys_past_the_last_seen_are_never_read_and_a_query_that_sees_none_gets_zeros() -> None:
+@pytest.mark.parametrize("bf16_dot", DOTS)
+def test_keys_past_the_last_seen_are_never_read_and_a_query_that_sees_none_gets_zeros(bf16_dot) -> None:
     heads, kv_heads, dim = SHAPES["draft"]
     query, key, value, lengths = stacked(3, heads, kv_heads, dim, width=1, length=40)
     mask = causal_mask(lengths, 1, 1, 40)
     mask[2] = False
     scale = 1 / math.sqrt(dim)
-    clean = cpu_attention.decode_attention(query, key, value, mask, scale)
+    clean = cpu_attention.decode_attention(query, key, value, mask, scale, bf16_dot)
     for tensor in (key, value):  # NaN where no query looks: any read of it would show
         for row, n in enumerate(lengths):
             tensor[row, :, n:] = float("nan")
         tensor[2] = float("nan")
-    poisoned = cpu_attention.decode_attention(query, key, value, mask, scale)
+    poisoned = cpu_attention.decode_attention(query, key, value, mask, scale, bf16_dot)
     assert torch.equal(poisoned, clean) and not poisoned[2].any()
 
 

@@ -13,7 +13,9 @@ Each repeat runs every mode's two arms back to back, the arm first in the pair a
 tok/s pooled over its runs per arm, the ratio kernel/sdpa, and in how many runs both arms' tokens agreed (bf16: a
 different rounding of attention may part greedy outputs at near-ties).
 
-    PYTHONPATH=services python docs/bench/cpu-attention-ab-v1.py REPEATS OUT.json     # about 4 min a repeat
+    PYTHONPATH=services python docs/bench/cpu-attention-ab-v1.py REPEATS OUT.json [MODES]   # about 4 min a repeat
+
+MODES, comma-separated, picks some of the modes above (all of them by default).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def run(engine, ids: list[list[int]], max_tokens: int) -> dict:
             "drafted": sum(r.stats["drafted"] for r in results), "ids": [list(r.token_ids) for r in results]}
 
 
-def main(repeats: int, out: str) -> None:
+def main(repeats: int, out: str, modes: dict[str, tuple[str, int]]) -> None:
     job = sitting_job(load_prompts(None)[:8])
     loaded, engines, ids = build_engines(job)
     assert cpu_attention.ready(), "the kernel does not run on this machine"
@@ -62,12 +64,12 @@ def main(repeats: int, out: str) -> None:
         finally:
             cpu_attention.ENABLED[0] = True
 
-    for mode in MODES:  # compile each arm's graphs for every shape its runs meet
+    for mode in modes:  # compile each arm's graphs for every shape its runs meet
         for arm in ARMS:
             timed(mode, arm)
-    runs: dict[str, dict[str, list[dict]]] = {mode: {arm: [] for arm in ARMS} for mode in MODES}
+    runs: dict[str, dict[str, list[dict]]] = {mode: {arm: [] for arm in ARMS} for mode in modes}
     for repeat in range(repeats):
-        for mode in MODES:
+        for mode in modes:
             for arm in list(ARMS)[:: 1 if repeat % 2 == 0 else -1]:
                 result = timed(mode, arm)
                 runs[mode][arm].append(result)
@@ -83,7 +85,7 @@ def main(repeats: int, out: str) -> None:
                          "same_tokens": sum(a["ids"] == b["ids"] for a, b in zip(arms["kernel"], arms["sdpa"],
                                                                                  strict=True)),
                          "runs": len(arms["kernel"])}
-    report = {"config": {**{k: v for k, v in job.items() if k != "texts"}, "repeats": repeats,
+    report = {"config": {**{k: v for k, v in job.items() if k != "texts"}, "repeats": repeats, "modes": list(modes),
                          "torch": torch.__version__, "loaded": loaded},
               "summary": summary,
               "runs": {mode: {arm: [{k: v for k, v in r.items() if k != "ids"} for r in items]
@@ -94,4 +96,5 @@ def main(repeats: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2])
+    chosen = sys.argv[3].split(",") if len(sys.argv) > 3 else list(MODES)
+    main(int(sys.argv[1]), sys.argv[2], {mode: MODES[mode] for mode in chosen})

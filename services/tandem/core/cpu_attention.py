@@ -33,6 +33,11 @@ ENABLED: list[bool] = [os.environ.get("TANDEM_CPU_ATTENTION", "kernel") != "sdpa
 # verification steps. Wider ones (prompts) keep sdpa, whose tiled products suit them.
 MAX_QUERIES = 64
 HEAD_DIMS = (16, 32, 64, 128, 256)
+# The instruction sets every AVX-512 CPU torch dispatches to has (AVX512-BF16 is asked per function, where used).
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-fopenmp"]
+# Whether the CPU has AVX512-BF16: the kernel then computes its scores by bf16 dot products (vdpbf16ps), half the
+# instructions of float32 multiply-adds and no widening of the keys.
+BF16_DOT = torch.cpu._is_avx512_bf16_supported()
 _built: list[bool] = []  # once asked: whether the kernel was built and registered
 
 
@@ -71,7 +76,7 @@ def _build() -> bool:
     try:  # OpenMP: at::parallel_for spreads the (row, head) tasks over torch's threads only in code built with it
         # (its libgomp is the one torch has loaded); without, they ran on one thread, 1.23x sdpa's time in a forward.
         load("tandem_decode_attention", [str(SOURCE)], build_directory=str(directory), is_python_module=False,
-             extra_cflags=["-O3", "-mavx512f", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+             extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except (RuntimeError, OSError, ImportError) as error:  # a broken toolchain, no ninja: run as without the kernel
         log.warning("CPU decode attention: the kernel did not build (%s), sdpa runs", error)
         return False
@@ -88,18 +93,20 @@ def applies(query: torch.Tensor, key: torch.Tensor) -> bool:
 
 
 torch.library.define("tandem::decode_attention",
-                     "(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor")
+                     "(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale, bool bf16_dot) -> Tensor")
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float) -> torch.Tensor:
+                     scale: float, bf16_dot: bool | None = None) -> torch.Tensor:
     """softmax(query key^T * scale) value per row and key/value head, `mask` [rows, 1, 1 or queries, length] bool
     (true: seen) or None; query [rows, kv_heads, queries, dim], key and value [rows, kv_heads, length, dim], bf16.
-    The op `tandem::decode_attention`, whose CPU kernel the built library registers (`ready`)."""
-    return torch.ops.tandem.decode_attention(query, key, value, mask, scale)
+    The op `tandem::decode_attention`, whose CPU kernel the built library registers (`ready`). `bf16_dot`: the scores
+    by AVX512-BF16 dot products (exact products of the bf16 query and key, float32 sums; the default where the CPU
+    has them, BF16_DOT) or by float32 multiply-adds of the widened values."""
+    return torch.ops.tandem.decode_attention(query, key, value, mask, scale, BF16_DOT if bf16_dot is None else bf16_dot)
 
 
 @torch.library.register_fake("tandem::decode_attention")
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-      scale: float) -> torch.Tensor:
+      scale: float, bf16_dot: bool) -> torch.Tensor:
     return query.new_empty(query.shape)

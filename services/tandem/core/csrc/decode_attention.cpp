@@ -5,9 +5,11 @@
 // cache); mask [rows, 1, 1 or queries, length] bool, true where a query sees a key, or undefined (every key seen).
 // Returns [rows, kv_heads, queries, dim] bf16: softmax(q k^T * scale) v, accumulated in float32.
 //
-// One task per (row, kv head): every key and value it reads once, for all its queries; keys after the last one any
-// query sees are not read. A query that sees no key gets zeros. A query's result does not depend on the other
-// queries of its call (its row's width, its batch mates): the keys it does not see add exact zeros.
+// One task per (row, kv head): every key and value it reads once from memory, for all its queries; keys after the
+// last one any query sees are not read. Scores come a block of 16 keys at a time: each query's 16 dot products are
+// summed together (sum16) instead of one horizontal sum per key, by AVX512-BF16 dot products where the CPU has them
+// (bf16_dot), else by float32 multiply-adds. A query that sees no key gets zeros. A query's result does not depend on
+// the other queries of its call (its row's width, its batch mates): the keys it does not see add exact zeros.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,6 +26,7 @@ namespace {
 
 constexpr int64_t BLOCK = 32;  // values widened to float32 per block, reused by every query from L1
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+alignas(64) const uint16_t ZEROS[256] = {};  // a key of zeros, for a block's places past the last key
 
 inline __m512 load_bf16(const uint16_t* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -72,53 +75,139 @@ struct Task {
   uint16_t* out;  // [queries, dim]
 };
 
-// Softmax of one query's scores over keys [0, live), in place; false when it sees no key.
-bool softmax(float* s, const bool* mask, int64_t key_step, int64_t live) {
-  float top = NEG_INF;
-  for (int64_t t = 0; t < live; ++t) {
-    if (mask && !mask[t * key_step]) s[t] = NEG_INF;
-    top = std::max(top, s[t]);
+// A thread's working memory, sized once per call.
+struct Scratch {
+  std::vector<float> q, scores, acc, widened, inv;
+  int64_t stride;  // scores per query: the length rounded up to whole blocks of 16
+  Scratch(int64_t queries, int64_t length, int64_t dim)
+      : q(queries * dim), scores(queries * ((length + 15) / 16 * 16)), acc(queries * dim),
+        widened(std::max<int64_t>(BLOCK, 16) * dim), inv(queries), stride((length + 15) / 16 * 16) {}
+};
+
+// Lane j of the result: the sum of part[j]'s 16 lanes, by one tree for every j (so a key's score does not depend on
+// its place in the block).
+__attribute__((always_inline)) inline __m512 sum16(const __m512* part) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(part[2 * i], part[2 * i + 1]),
+                             _mm512_unpackhi_ps(part[2 * i], part[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
+// Which of keys [t0, t0 + 16) query row `mg` sees (every key before `live` where there is no mask).
+inline __mmask16 seen(const bool* mg, int64_t key_step, int64_t t0, int64_t live) {
+  const int64_t n = std::min<int64_t>(16, live - t0);
+  const __mmask16 in = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
+  if (!mg) return in;
+  if (key_step == 1) return _mm_mask_test_epi8_mask(in, _mm_maskz_loadu_epi8(in, mg + t0), _mm_set1_epi8(1));
+  __mmask16 bits = 0;
+  for (int64_t j = 0; j < n; ++j) bits |= static_cast<__mmask16>(mg[(t0 + j) * key_step] ? 1u << j : 0u);
+  return bits;
+}
+
+inline const bool* mask_row(const Task& task, int64_t g) {
+  return task.mask ? task.mask + (task.mask_rows == 1 ? 0 : g) * task.mask_row_step : nullptr;
+}
+
+// 32 bf16 from p (16 for a head dim of 16, the rest zeros), as vdpbf16ps takes them.
+template <int DIM>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+inline __m512bh bf16_pairs(const uint16_t* p) {
+  if constexpr (DIM >= 32) return (__m512bh)_mm512_loadu_si512(p);
+  else return (__m512bh)_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Scores, the AVX512-BF16 way: each query's bf16 pairs dotted with each key's (vdpbf16ps: exact products, float32
+// sums), times the scale; -inf where the query does not see the key. Keys in blocks of 16, each block read from L1 by
+// every query, its 16 dot products reduced together.
+template <int DIM>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+void scores_bf16(const Task& task, int64_t live, Scratch& w) {
+  constexpr int CHUNKS = DIM >= 32 ? DIM / 32 : 1;
+  const __m512 scale = _mm512_set1_ps(task.scale);
+  for (int64_t t0 = 0; t0 < live; t0 += 16) {
+    const uint16_t* keys[16];  // a block's keys; past `live`, a row of zeros (its scores are masked)
+    for (int64_t j = 0; j < 16; ++j) keys[j] = t0 + j < live ? task.key + (t0 + j) * task.key_step : ZEROS;
+    for (int64_t g = 0; g < task.queries; ++g) {
+      __m512bh q[CHUNKS];
+      for (int c = 0; c < CHUNKS; ++c) q[c] = bf16_pairs<DIM>(task.query + g * DIM + 32 * c);
+      __m512 part[16];  // unrolled, so that the 16 sums stay in registers
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        __m512 sum = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int c = 0; c < CHUNKS; ++c) sum = _mm512_dpbf16_ps(sum, bf16_pairs<DIM>(keys[j] + 32 * c), q[c]);
+        part[j] = sum;
+      }
+      const __mmask16 m = seen(mask_row(task, g), task.mask_key_step, t0, live);
+      _mm512_storeu_ps(w.scores.data() + g * w.stride + t0,
+                       _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), m, sum16(part), scale));
+    }
   }
-  if (top == NEG_INF) return false;
-  const __m512 vtop = _mm512_set1_ps(top);
+}
+
+// Scores without AVX512-BF16: keys widened to float32 a block at a time, dotted with the scaled float32 queries.
+template <int DIM>
+void scores_f32(const Task& task, int64_t live, Scratch& w) {
+  constexpr int CHUNKS = DIM / 16;
+  float* q = w.q.data();
+  float* keys = w.widened.data();
+  for (int64_t i = 0; i < task.queries * DIM; ++i) q[i] = bf16_to_float(task.query[i]) * task.scale;
+  for (int64_t t0 = 0; t0 < live; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, live - t0);
+    for (int64_t j = 0; j < 16; ++j)
+      for (int c = 0; c < CHUNKS; ++c)
+        _mm512_storeu_ps(keys + j * DIM + 16 * c,
+                         j < n ? load_bf16(task.key + (t0 + j) * task.key_step + 16 * c) : _mm512_setzero_ps());
+    for (int64_t g = 0; g < task.queries; ++g) {
+      const float* qg = q + g * DIM;
+      __m512 part[16];
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(keys + j * DIM), _mm512_loadu_ps(qg));
+#pragma GCC unroll 16
+        for (int c = 1; c < CHUNKS; ++c)
+          sum = _mm512_fmadd_ps(_mm512_loadu_ps(keys + j * DIM + 16 * c), _mm512_loadu_ps(qg + 16 * c), sum);
+        part[j] = sum;
+      }
+      const __mmask16 m = seen(mask_row(task, g), task.mask_key_step, t0, live);
+      _mm512_storeu_ps(w.scores.data() + g * w.stride + t0, _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), m, sum16(part)));
+    }
+  }
+}
+
+// A query's scores over [0, live) to e^(s - max) in place; returns 1 / their sum, or 0 where it sees no key.
+float softmax(float* s, int64_t live) {
+  __m512 vtop = _mm512_set1_ps(NEG_INF);
+  for (int64_t t = 0; t < live; t += 16) vtop = _mm512_max_ps(vtop, _mm512_loadu_ps(s + t));  // padded: -inf past live
+  const float top = _mm512_reduce_max_ps(vtop);
+  if (top == NEG_INF) return 0.f;
+  vtop = _mm512_set1_ps(top);
   __m512 vsum = _mm512_setzero_ps();
-  int64_t t = 0;
-  for (; t + 16 <= live; t += 16) {
+  for (int64_t t = 0; t < live; t += 16) {
     const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), vtop));
     _mm512_storeu_ps(s + t, e);
     vsum = _mm512_add_ps(vsum, e);
   }
-  if (t < live) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (live - t)) - 1);
-    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), vtop));
-    _mm512_mask_storeu_ps(s + t, m, e);
-    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
-  }
-  const float inv = 1.f / _mm512_reduce_add_ps(vsum);
-  for (t = 0; t < live; ++t) s[t] *= inv;
-  return true;
+  return 1.f / _mm512_reduce_add_ps(vsum);
 }
 
 template <int DIM>
-void attend(const Task& task, int64_t live, float* q, float* scores, float* acc, float* widened) {
+void attend(const Task& task, int64_t live, bool bf16_dot, Scratch& w) {
   constexpr int CHUNKS = DIM / 16;
   const int64_t queries = task.queries;
-  for (int64_t i = 0; i < queries * DIM; ++i) q[i] = bf16_to_float(task.query[i]) * task.scale;
-  for (int64_t t = 0; t < live; ++t) {  // each key once, dotted with every query
-    __m512 k[CHUNKS];
-    for (int c = 0; c < CHUNKS; ++c) k[c] = load_bf16(task.key + t * task.key_step + 16 * c);
-    for (int64_t g = 0; g < queries; ++g) {
-      const float* qg = q + g * DIM;
-      __m512 s = _mm512_mul_ps(k[0], _mm512_loadu_ps(qg));
-      for (int c = 1; c < CHUNKS; ++c) s = _mm512_fmadd_ps(k[c], _mm512_loadu_ps(qg + 16 * c), s);
-      scores[g * task.length + t] = _mm512_reduce_add_ps(s);
-    }
-  }
-  std::vector<bool> sees(queries);
-  for (int64_t g = 0; g < queries; ++g) {
-    const bool* mg = task.mask ? task.mask + (task.mask_rows == 1 ? 0 : g) * task.mask_row_step : nullptr;
-    sees[g] = softmax(scores + g * task.length, mg, task.mask_key_step, live);
-  }
+  if (bf16_dot) scores_bf16<DIM>(task, live, w);
+  else scores_f32<DIM>(task, live, w);
+  for (int64_t g = 0; g < queries; ++g) w.inv[g] = softmax(w.scores.data() + g * w.stride, live);
+  float* acc = w.acc.data();
+  float* widened = w.widened.data();
   std::fill(acc, acc + queries * DIM, 0.f);
   for (int64_t t0 = 0; t0 < live; t0 += BLOCK) {  // each value once, widened, then weighed for every query
     const int64_t n = std::min(BLOCK, live - t0);
@@ -126,9 +215,9 @@ void attend(const Task& task, int64_t live, float* q, float* scores, float* acc,
       for (int c = 0; c < CHUNKS; ++c)
         _mm512_storeu_ps(widened + j * DIM + 16 * c, load_bf16(task.value + (t0 + j) * task.value_step + 16 * c));
     for (int64_t g = 0; g < queries; ++g) {
-      if (!sees[g]) continue;
+      if (w.inv[g] == 0.f) continue;
       float* ag = acc + g * DIM;
-      const float* sg = scores + g * task.length + t0;
+      const float* sg = w.scores.data() + g * w.stride + t0;
       __m512 a[CHUNKS];
       for (int c = 0; c < CHUNKS; ++c) a[c] = _mm512_loadu_ps(ag + 16 * c);
       for (int64_t j = 0; j < n; ++j) {
@@ -138,7 +227,8 @@ void attend(const Task& task, int64_t live, float* q, float* scores, float* acc,
       for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(ag + 16 * c, a[c]);
     }
   }
-  for (int64_t i = 0; i < queries * DIM; ++i) task.out[i] = float_to_bf16(acc[i]);
+  for (int64_t g = 0; g < queries; ++g)
+    for (int64_t i = 0; i < DIM; ++i) task.out[g * DIM + i] = float_to_bf16(acc[g * DIM + i] * w.inv[g]);
 }
 
 // One past the last key any of the row's queries sees.
@@ -156,7 +246,7 @@ int64_t last_seen(const bool* mask, int64_t rows, int64_t row_step, int64_t key_
 }  // namespace
 
 at::Tensor decode_attention(const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
-                            const std::optional<at::Tensor>& mask, double scale) {
+                            const std::optional<at::Tensor>& mask, double scale, bool bf16_dot) {
   at::Tensor query = query_in, key = key_in, value = value_in;
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
               value.scalar_type() == at::kBFloat16, "bf16 query, key and value");
@@ -182,8 +272,9 @@ at::Tensor decode_attention(const at::Tensor& query_in, const at::Tensor& key_in
   const auto* vp = reinterpret_cast<const uint16_t*>(value.data_ptr());
   const bool* mp = masked ? m.data_ptr<bool>() : nullptr;
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  TORCH_CHECK(!bf16_dot || __builtin_cpu_supports("avx512bf16"), "bf16_dot on a CPU without AVX512-BF16");
   at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(queries * dim), scores(queries * length), acc(queries * dim), widened(BLOCK * dim);
+    Scratch scratch(queries, length, dim);
     for (int64_t index = begin; index < end; ++index) {
       const int64_t b = index / heads, h = index % heads;
       Task task{qp + index * queries * dim,
@@ -196,11 +287,11 @@ at::Tensor decode_attention(const at::Tensor& query_in, const at::Tensor& key_in
       const int64_t live =
           masked ? last_seen(task.mask, task.mask_rows, task.mask_row_step, task.mask_key_step, length) : length;
       switch (dim) {
-        case 16: attend<16>(task, live, q.data(), scores.data(), acc.data(), widened.data()); break;
-        case 32: attend<32>(task, live, q.data(), scores.data(), acc.data(), widened.data()); break;
-        case 64: attend<64>(task, live, q.data(), scores.data(), acc.data(), widened.data()); break;
-        case 128: attend<128>(task, live, q.data(), scores.data(), acc.data(), widened.data()); break;
-        default: attend<256>(task, live, q.data(), scores.data(), acc.data(), widened.data());
+        case 16: attend<16>(task, live, bf16_dot, scratch); break;
+        case 32: attend<32>(task, live, bf16_dot, scratch); break;
+        case 64: attend<64>(task, live, bf16_dot, scratch); break;
+        case 128: attend<128>(task, live, bf16_dot, scratch); break;
+        default: attend<256>(task, live, bf16_dot, scratch);
       }
     }
   });
