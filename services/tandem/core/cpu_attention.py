@@ -35,8 +35,8 @@ MAX_QUERIES = 64
 HEAD_DIMS = (16, 32, 64, 128, 256)
 # The instruction sets every AVX-512 CPU torch dispatches to has (AVX512-BF16 is asked per function, where used).
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-fopenmp"]
-# Whether the CPU has AVX512-BF16: the kernel then computes its scores by bf16 dot products (vdpbf16ps), half the
-# instructions of float32 multiply-adds and no widening of the keys.
+# Whether the CPU has AVX512-BF16: the kernel then computes by bf16 dot products (vdpbf16ps), half the instructions
+# of float32 multiply-adds, with no widening of keys and values.
 BF16_DOT = torch.cpu._is_avx512_bf16_supported()
 _built: list[bool] = []  # once asked: whether the kernel was built and registered
 
@@ -101,8 +101,9 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """softmax(query key^T * scale) value per row and key/value head, `mask` [rows, 1, 1 or queries, length] bool
     (true: seen) or None; query [rows, kv_heads, queries, dim], key and value [rows, kv_heads, length, dim], bf16.
     The op `tandem::decode_attention`, whose CPU kernel the built library registers (`ready`). `bf16_dot`: the scores
-    by AVX512-BF16 dot products (exact products of the bf16 query and key, float32 sums; the default where the CPU
-    has them, BF16_DOT) or by float32 multiply-adds of the widened values."""
+    and the weighted values by AVX512-BF16 dot products (exact products of bf16 inputs, the softmax weights rounded
+    to bf16 as sdpa rounds them, float32 sums; the default where the CPU has them, BF16_DOT) or by float32
+    multiply-adds of the widened keys and values."""
     return torch.ops.tandem.decode_attention(query, key, value, mask, scale, BF16_DOT if bf16_dot is None else bf16_dot)
 
 

@@ -6,9 +6,10 @@
 // Returns [rows, kv_heads, queries, dim] bf16: softmax(q k^T * scale) v, accumulated in float32.
 //
 // One task per (row, kv head): every key and value it reads once from memory, for all its queries; keys after the
-// last one any query sees are not read. Scores come a block of 16 keys at a time: each query's 16 dot products are
-// summed together (sum16) instead of one horizontal sum per key, by AVX512-BF16 dot products where the CPU has them
-// (bf16_dot), else by float32 multiply-adds. A query that sees no key gets zeros. A query's result does not depend on
+// last one any query sees are not read. Where the CPU has AVX512-BF16 (bf16_dot), dot products compute the scores, a
+// block of 16 keys at a time (each query's 16 dot products summed together, sum16, not one horizontal sum per key),
+// and the weighted values, with the weights rounded to bf16 as PyTorch's bf16 sdpa rounds them; else float32
+// multiply-adds on widened keys and values. A query that sees no key gets zeros. A query's result does not depend on
 // the other queries of its call (its row's width, its batch mates): the keys it does not see add exact zeros.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -78,10 +79,12 @@ struct Task {
 // A thread's working memory, sized once per call.
 struct Scratch {
   std::vector<float> q, scores, acc, widened, inv;
+  std::vector<uint16_t> weights;
   int64_t stride;  // scores per query: the length rounded up to whole blocks of 16
   Scratch(int64_t queries, int64_t length, int64_t dim)
       : q(queries * dim), scores(queries * ((length + 15) / 16 * 16)), acc(queries * dim),
-        widened(std::max<int64_t>(BLOCK, 16) * dim), inv(queries), stride((length + 15) / 16 * 16) {}
+        widened(BLOCK * dim), inv(queries), weights(queries * ((length + 15) / 16 * 16)),
+        stride((length + 15) / 16 * 16) {}
 };
 
 // Lane j of the result: the sum of part[j]'s 16 lanes, by one tree for every j (so a key's score does not depend on
@@ -153,34 +156,31 @@ void scores_bf16(const Task& task, int64_t live, Scratch& w) {
   }
 }
 
-// Scores without AVX512-BF16: keys widened to float32 a block at a time, dotted with the scaled float32 queries.
+// Scores without AVX512-BF16: each key widened to float32 once, in registers, dotted with every scaled float32
+// query (one horizontal sum per key and query: with float32 products, summing 16 keys together measured slower);
+// then -inf where a query does not see the key.
 template <int DIM>
 void scores_f32(const Task& task, int64_t live, Scratch& w) {
   constexpr int CHUNKS = DIM / 16;
   float* q = w.q.data();
-  float* keys = w.widened.data();
+  float* scores = w.scores.data();
   for (int64_t i = 0; i < task.queries * DIM; ++i) q[i] = bf16_to_float(task.query[i]) * task.scale;
-  for (int64_t t0 = 0; t0 < live; t0 += 16) {
-    const int64_t n = std::min<int64_t>(16, live - t0);
-    for (int64_t j = 0; j < 16; ++j)
-      for (int c = 0; c < CHUNKS; ++c)
-        _mm512_storeu_ps(keys + j * DIM + 16 * c,
-                         j < n ? load_bf16(task.key + (t0 + j) * task.key_step + 16 * c) : _mm512_setzero_ps());
+  for (int64_t t = 0; t < live; ++t) {
+    __m512 k[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) k[c] = load_bf16(task.key + t * task.key_step + 16 * c);
     for (int64_t g = 0; g < task.queries; ++g) {
       const float* qg = q + g * DIM;
-      __m512 part[16];
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) {
-        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(keys + j * DIM), _mm512_loadu_ps(qg));
-#pragma GCC unroll 16
-        for (int c = 1; c < CHUNKS; ++c)
-          sum = _mm512_fmadd_ps(_mm512_loadu_ps(keys + j * DIM + 16 * c), _mm512_loadu_ps(qg + 16 * c), sum);
-        part[j] = sum;
-      }
-      const __mmask16 m = seen(mask_row(task, g), task.mask_key_step, t0, live);
-      _mm512_storeu_ps(w.scores.data() + g * w.stride + t0, _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), m, sum16(part)));
+      __m512 sum = _mm512_mul_ps(k[0], _mm512_loadu_ps(qg));
+      for (int c = 1; c < CHUNKS; ++c) sum = _mm512_fmadd_ps(k[c], _mm512_loadu_ps(qg + 16 * c), sum);
+      scores[g * w.stride + t] = _mm512_reduce_add_ps(sum);
     }
   }
+  for (int64_t g = 0; g < task.queries; ++g)
+    for (int64_t t0 = 0; t0 < live; t0 += 16) {
+      const __mmask16 m = seen(mask_row(task, g), task.mask_key_step, t0, live);
+      float* s = scores + g * w.stride + t0;
+      _mm512_storeu_ps(s, _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), m, _mm512_loadu_ps(s)));
+    }
 }
 
 // A query's scores over [0, live) to e^(s - max) in place; returns 1 / their sum, or 0 where it sees no key.
@@ -199,6 +199,57 @@ float softmax(float* s, int64_t live) {
   return 1.f / _mm512_reduce_add_ps(vsum);
 }
 
+// The weighted values, the AVX512-BF16 way, for a head dim of 32 or more: each pair of positions' values interleaved
+// once per block, dotted with a query's two weights rounded to bf16 (as PyTorch's bf16 sdpa rounds them before its
+// product with the values), float32 sums. The sums hold their dims in unpack order (per 32: 0-3, 8-11, 16-19, 24-27,
+// then 4-7, 12-15, 20-23, 28-31), put back in order as they are written out.
+template <int DIM>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+void values_bf16(const Task& task, int64_t live, Scratch& w) {
+  constexpr int CHUNKS = DIM / 32;
+  const int64_t queries = task.queries;
+  uint16_t* weights = w.weights.data();  // each query's e^(s - max) in bf16, [queries, stride]
+  for (int64_t g = 0; g < queries; ++g)
+    for (int64_t t = 0; t < live; t += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + g * w.stride + t),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w.scores.data() + g * w.stride + t)));
+  auto* paired = reinterpret_cast<uint16_t*>(w.widened.data());  // [BLOCK / 2 pairs, 2 * DIM]
+  float* acc = w.acc.data();
+  std::fill(acc, acc + queries * DIM, 0.f);
+  for (int64_t t0 = 0; t0 < live; t0 += BLOCK) {
+    const int64_t n = std::min(BLOCK, live - t0), pairs = (n + 1) / 2;
+    for (int64_t i = 0; i < pairs; ++i) {
+      const uint16_t* a = task.value + (t0 + 2 * i) * task.value_step;
+      const uint16_t* b = 2 * i + 1 < n ? a + task.value_step : ZEROS;
+      for (int c = 0; c < CHUNKS; ++c) {
+        const __m512i va = _mm512_loadu_si512(a + 32 * c), vb = _mm512_loadu_si512(b + 32 * c);
+        _mm512_storeu_si512(paired + i * 2 * DIM + 64 * c, _mm512_unpacklo_epi16(va, vb));
+        _mm512_storeu_si512(paired + i * 2 * DIM + 64 * c + 32, _mm512_unpackhi_epi16(va, vb));
+      }
+    }
+    for (int64_t g = 0; g < queries; ++g) {
+      if (w.inv[g] == 0.f) continue;
+      float* ag = acc + g * DIM;
+      const auto* pg = reinterpret_cast<const uint32_t*>(weights + g * w.stride + t0);  // (p_t, p_t+1) pairs
+      __m512 sums[2 * CHUNKS];
+      for (int c = 0; c < 2 * CHUNKS; ++c) sums[c] = _mm512_loadu_ps(ag + 16 * c);
+      for (int64_t i = 0; i < pairs; ++i) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pg[i]));
+#pragma GCC unroll 16
+        for (int c = 0; c < 2 * CHUNKS; ++c)
+          sums[c] = _mm512_dpbf16_ps(sums[c], (__m512bh)_mm512_loadu_si512(paired + i * 2 * DIM + 32 * c), p);
+      }
+      for (int c = 0; c < 2 * CHUNKS; ++c) _mm512_storeu_ps(ag + 16 * c, sums[c]);
+    }
+  }
+  for (int64_t g = 0; g < queries; ++g)
+    for (int64_t c = 0; c < CHUNKS; ++c)
+      for (int64_t half = 0; half < 2; ++half)
+        for (int64_t lane = 0; lane < 16; ++lane)  // sums[2c + half] lane: dim 32c + 8 (lane / 4) + 4 half + lane % 4
+          task.out[g * DIM + 32 * c + 8 * (lane / 4) + 4 * half + lane % 4] =
+              float_to_bf16(acc[g * DIM + 32 * c + 16 * half + lane] * w.inv[g]);
+}
+
 template <int DIM>
 void attend(const Task& task, int64_t live, bool bf16_dot, Scratch& w) {
   constexpr int CHUNKS = DIM / 16;
@@ -206,6 +257,9 @@ void attend(const Task& task, int64_t live, bool bf16_dot, Scratch& w) {
   if (bf16_dot) scores_bf16<DIM>(task, live, w);
   else scores_f32<DIM>(task, live, w);
   for (int64_t g = 0; g < queries; ++g) w.inv[g] = softmax(w.scores.data() + g * w.stride, live);
+  if constexpr (DIM >= 32) {
+    if (bf16_dot) return values_bf16<DIM>(task, live, w);
+  }
   float* acc = w.acc.data();
   float* widened = w.widened.data();
   std::fill(acc, acc + queries * DIM, 0.f);
