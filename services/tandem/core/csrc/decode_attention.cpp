@@ -78,13 +78,12 @@ struct Task {
 
 // A thread's working memory, sized once per call.
 struct Scratch {
-  std::vector<float> q, scores, acc, widened, inv;
-  std::vector<uint16_t> weights;
   int64_t stride;  // scores per query: the length rounded up to whole blocks of 16
+  std::vector<float> q, scores, acc, widened, inv;
+  std::vector<uint16_t> weights;  // the softmax weights in bf16 (bf16_dot), [queries, stride]
   Scratch(int64_t queries, int64_t length, int64_t dim)
-      : q(queries * dim), scores(queries * ((length + 15) / 16 * 16)), acc(queries * dim),
-        widened(BLOCK * dim), inv(queries), weights(queries * ((length + 15) / 16 * 16)),
-        stride((length + 15) / 16 * 16) {}
+      : stride((length + 15) / 16 * 16), q(queries * dim), scores(queries * stride), acc(queries * dim),
+        widened(BLOCK * dim), inv(queries), weights(queries * stride) {}
 };
 
 // Lane j of the result: the sum of part[j]'s 16 lanes, by one tree for every j (so a key's score does not depend on
