@@ -45,7 +45,7 @@ def reference(query, key, value, mask, scale) -> torch.Tensor:
                                                             scale=scale)
 
 
-DOTS = [True, False] if cpu_attention.BF16_DOT else [False]  # the scores by AVX512-BF16 dot products, or in float32
+DOTS = [True, False] if cpu_attention.BF16_DOT else [False]  # the AVX512-BF16 path, or the float32 one
 
 
 @pytest.mark.parametrize("bf16_dot", DOTS)
@@ -68,6 +68,21 @@ def test_the_kernel_gives_sdpas_attention_within_bf16_rounding(shape, rows, widt
     if masked:  # a mask whose keys are not adjacent in memory reads the same
         strided = mask.transpose(-1, -2).contiguous().transpose(-1, -2)
         assert torch.equal(cpu_attention.decode_attention(query, key, value, strided, scale, bf16_dot), got)
+
+
+@pytest.mark.parametrize("bf16_dot", DOTS)
+@pytest.mark.parametrize("length", [16, 31, 32, 33, 64])
+def test_keys_filling_whole_blocks_or_one_past_them(length, bf16_dot) -> None:
+    """Rows whose last key ends a block of 16 scores or 32 values, or one short of or past it."""
+    heads, kv_heads, dim = SHAPES["target"]
+    query, key, value, _ = stacked(1, heads, kv_heads, dim, width=2, length=length)
+    mask = causal_mask([length], 2, heads // kv_heads, length)
+    scale = 1 / math.sqrt(dim)
+    want = reference(query, key, value, mask, scale)
+    sdpa_error = (torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+                  .float() - want).abs().max().item()
+    got = cpu_attention.decode_attention(query, key, value, mask, scale, bf16_dot).float()
+    assert (got - want).abs().max().item() <= max(2 * sdpa_error, 4e-3)
 
 
 @pytest.mark.parametrize("bf16_dot", DOTS)
