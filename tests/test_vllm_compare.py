@@ -135,3 +135,21 @@ def test_vllm_gets_bound_threads_and_its_kv_space(monkeypatch: pytest.MonkeyPatc
     env = compare.vllm_env(compare.parse_args(["--threads", "2", "--kv-space", "4", "--vllm-python", sys.executable]))
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert "PYTHONPATH" not in env
+
+
+def test_tandem_gets_vllms_preload_unless_asked_not_to(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    python = str(venv / "bin" / "python")
+    monkeypatch.setenv("LD_PRELOAD", "/elsewhere/libfoo.so")
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    args = compare.parse_args(["--vllm-python", python])
+    iomp = str(venv / "lib" / "libiomp5.so")
+    assert compare.preload(args).split(":")[-1] == iomp
+    assert compare.tandem_env(args)["LD_PRELOAD"] == compare.vllm_env(args)["LD_PRELOAD"] == compare.preload(args)
+    assert compare.tandem_env(args)["PYTHONPATH"] == "/somewhere"  # tandem's side imports tandem from it
+    (venv / "lib" / "libiomp5.so").unlink()
+    assert iomp not in compare.preload(args)
+    assert "LD_PRELOAD" not in compare.tandem_env(compare.parse_args(["--vllm-python", python, "--tandem-no-preload"]))

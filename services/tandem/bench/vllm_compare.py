@@ -9,8 +9,9 @@ vLLM runs from its own virtual environment (--vllm-python, default $VLLM_PYTHON 
 of torchvision, torchaudio and torchcodec cannot load beside torch 2.13.0+cpu, `pip uninstall torchvision torchaudio
 torchcodec` there (vLLM runs text models without them). Its workers get VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)
 (auto binding would reserve one of two cores for the scheduler), VLLM_CPU_KVCACHE_SPACE and LD_PRELOAD of tcmalloc
-(apt libtcmalloc-minimal4) and the venv's libiomp5 where present, as vLLM's CPU guide asks. vLLM's side is
-vllm_compare_vllm.py beside this file, run by path; tandem's is tandem.bench.vllm_compare_tandem.
+(apt libtcmalloc-minimal4) and the venv's libiomp5 where present, as vLLM's CPU guide asks; tandem's get the same
+LD_PRELOAD (on torch's own libgomp with --tandem-no-preload). vLLM's side is vllm_compare_vllm.py beside this file,
+run by path; tandem's is tandem.bench.vllm_compare_tandem.
 
 What runs: tandem loaded once and kept resident (tandem.bench.resident: one process, a plain and an AUTO engine),
 and one vLLM engine at a time beside it (both of vLLM's do not fit in 24 GiB with tandem's): a plain phase, then a
@@ -100,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft-vocab", type=int, default=0,
                         help="tandem's drafter scores only the first N token ids, as `--draft-vocab` (0: all; "
                              "vLLM's draft scores all)")
+    parser.add_argument("--tandem-no-preload", action="store_true",
+                        help="tandem's workers without vLLM's LD_PRELOAD (tcmalloc, libiomp5): on torch's libgomp")
     add_json_option(parser, "the report (its workers' output goes to a .log beside a file)")
     parser.set_defaults(json=DEFAULT_REPORT)
     args = parser.parse_args(argv)
@@ -139,13 +142,25 @@ def schedule(repeats: int, prompts: int, batch: int, systems: list[str],
     return [step for step in order if step[2] in systems]
 
 
+def preload(args: argparse.Namespace) -> str:
+    """LD_PRELOAD as vLLM's CPU guide asks: tcmalloc and Intel's OpenMP runtime (vLLM's venv's libiomp5, which PyPI's
+    intel-openmp installs), those of them present."""
+    iomp = Path(args.vllm_python).parent.parent / "lib" / "libiomp5.so"
+    return ":".join(p for p in (*TCMALLOC[:1], str(iomp)) if Path(p).is_file())
+
+
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    iomp = Path(args.vllm_python).parent.parent / "lib" / "libiomp5.so"
-    preload = [p for p in (*TCMALLOC[:1], str(iomp)) if Path(p).is_file()]
     env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space),
-            "LD_PRELOAD": ":".join(preload)}
+            "LD_PRELOAD": preload(args)}
     return env
+
+
+def tandem_env(args: argparse.Namespace) -> dict[str, str]:
+    """tandem's workers run with the same preload as vLLM's (docs/performance.md, "Intel's OpenMP runtime"), unless
+    --tandem-no-preload leaves them on torch's own libgomp and glibc's malloc."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    return env if args.tandem_no_preload else env | {"LD_PRELOAD": preload(args)}
 
 
 def hf_dir(name: str) -> str:
@@ -174,7 +189,7 @@ def tandem_worker(args: argparse.Namespace, jobs: list[str], log: Path) -> Resid
     return Resident("tandem", TANDEM_SIDE, {
         "target": args.target, "draft": args.draft, "texts": jobs, "max_tokens": args.max_tokens,
         "threads": args.threads, "dtype": args.dtype, "compile": args.compile,
-        "draft_quantization": args.draft_quantization, "draft_vocab": args.draft_vocab}, log,
+        "draft_quantization": args.draft_quantization, "draft_vocab": args.draft_vocab}, log, tandem_env(args),
         echo=("tandem ", "vllm "), say=say)
 
 
@@ -259,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                                        for r in range(args.repeats)] for s in args.systems}
     if "tandem" in loaded and not args.no_served and not errors:
         for repeat in range(args.repeats):
-            runs["tandem"][repeat] |= run_served(args, texts, repeat, log, say, compile=args.compile)
+            runs["tandem"][repeat] |= run_served(args, texts, repeat, log, say, env=tandem_env(args),
+                                                    compile=args.compile)
     summary = {s: {m: pool([r[m] for r in reps if m in r]) for m in dict.fromkeys(k for r in reps for k in r)}
                for s, reps in runs.items()}
     report = {"summary": summary, "ratios": ratios(summary, args.batch), "within": within(summary, args.batch),
@@ -279,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                                                            runs["vllm"][0][mode]["outputs"])
     if "vllm" in args.systems:
         report["config"]["vllm_env"] = {k: v for k, v in vllm_env(args).items() if k.startswith(("VLLM_", "LD_"))}
+    if "tandem" in args.systems:
+        report["config"]["tandem_env"] = {"LD_PRELOAD": tandem_env(args).get("LD_PRELOAD", "")}
     write_json(args.json, report)
     for name, r in report["ratios"].items():
         say(f"{name}: tandem {r['tandem_mode']} / vllm {r['vllm_mode']} = {r['ratio']} (target {r['target']}, "
