@@ -14,11 +14,12 @@ ratio to libgomp's (over_gomp), and `paired`, the median over cycles of each cyc
 process (the machine's speed drifts by up to 1.3x within minutes; a cycle's processes run back to back).
 
     PYTHONPATH=services .venv/bin/python docs/bench/openmp-ab-v1.py --kind products --cycles 20 --rounds 9 \
-        --layers 8 --json docs/bench/openmp-products-v1.json                                     # 8 min
+        --layers 8 --json docs/bench/openmp-products-v2.json                                     # 8 min
     PYTHONPATH=services .venv/bin/python docs/bench/openmp-ab-v1.py --kind forward --cycles 8 --rounds 10 \
-        --json docs/bench/openmp-forward-v1.json                                                 # 15 min
+        --json forward.json                               # about 7 min a cycle (compiling from the cache)
 
---iomp defaults to /work/vllm-venv/lib/libiomp5.so (vLLM's venv; PyPI's intel-openmp ships the same library).
+--iomp defaults to /work/vllm-venv/lib/libiomp5.so (vLLM's venv: intel-openmp
+2024.2.1, the version tandem's `cpu` extra pins).
 """
 
 from __future__ import annotations

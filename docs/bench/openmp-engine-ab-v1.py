@@ -9,7 +9,8 @@ each repeat's ratio.
 
     PYTHONPATH=services .venv/bin/python docs/bench/openmp-engine-ab-v1.py REPEATS OUT.json [IOMP]  # 6 + 2 min a repeat
 
-IOMP defaults to /work/vllm-venv/lib/libiomp5.so (vLLM's venv; PyPI's intel-openmp ships the same library).
+IOMP defaults to /work/vllm-venv/lib/libiomp5.so (vLLM's venv: intel-openmp
+2024.2.1, the version tandem's `cpu` extra pins).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tandem.core import cpu_runtime
 from tandem.core.config import QUANTIZATIONS, check_model_mode, compiles
 from tandem.core.fused_linear import stack_on_gpu
 from tandem.core.int8_linear import quantize_int8
@@ -175,6 +176,8 @@ def load_model(
     # that copies the whole transposed head weight, 1.3-2.7 s against 25-40 ms for the real pair's heads.
     tokenizer = AutoTokenizer.from_pretrained(source.path, **common)
     path = str(Path(source.path) / source.gguf_file) if source.gguf_file else source.path
+    if device.type == "cpu":
+        cpu_runtime.advise()  # once per process, after a model loaded: what to preload for a faster torch on a CPU
     return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer, eager=eager, compile=compile,
                        quantization=quantization)
 

@@ -1,0 +1,61 @@
+"""Which OpenMP runtime and allocator torch runs on, and the LD_PRELOAD that runs it faster on a CPU.
+
+torch's PyPI wheels run their CPU thread pool on libgomp (GNU OpenMP) and allocate with glibc's malloc. Preloading
+Intel's OpenMP runtime (libiomp5, from PyPI's intel-openmp: `pip install tandem[cpu]` puts it in the environment's
+lib/) and tcmalloc (Debian's libtcmalloc-minimal4) makes torch run on them instead: libiomp5 answers the GOMP_* calls
+that torch, oneDNN, inductor's kernels and core.cpu_attention make. vLLM's CPU guide asks for the same two. On CPU-A
+it ran tandem's engines at 8 requests at once 1.04-1.06x faster (docs/performance.md, "Intel's OpenMP runtime and
+tcmalloc"). Only a preload can do it: a library loaded after torch is too late, so this module only reports what
+the process runs on and says what to set.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
+MAPS = Path("/proc/self/maps")
+
+
+def loaded(maps: str | None = None) -> dict[str, bool]:
+    """Whether this process has mapped Intel's OpenMP runtime and tcmalloc (from /proc/self/maps unless given)."""
+    if maps is None:
+        try:
+            maps = MAPS.read_text()
+        except OSError:  # not Linux: nothing to say
+            maps = ""
+    return {"libiomp5": "libiomp5" in maps, "tcmalloc": "libtcmalloc" in maps}
+
+
+def iomp_path() -> Path:
+    """Where PyPI's intel-openmp puts libiomp5 in this environment (its wheel installs into the prefix's lib/)."""
+    return Path(sys.prefix) / "lib" / "libiomp5.so"
+
+
+def suggested_preload() -> str:
+    """LD_PRELOAD for this machine: tcmalloc and libiomp5, those of them installed, in the order vLLM's guide gives."""
+    tcmalloc = next((p for p in TCMALLOC if Path(p).is_file()), None)
+    return ":".join(str(p) for p in (tcmalloc, iomp_path()) if p is not None and Path(p).is_file())
+
+
+@functools.cache
+def advise() -> bool:
+    """Once per process, on x86-64 Linux: a warning naming what is missing and how to preload it. True when both
+    are loaded."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return True
+    missing = [name for name, present in loaded().items() if not present]
+    if not missing:
+        return True
+    preload = suggested_preload()
+    how = (f"start tandem with LD_PRELOAD={preload}" if preload else
+           "install them (`pip install tandem[cpu]`, `apt-get install libtcmalloc-minimal4`) and preload them")
+    log.warning("this CPU process runs without %s: %s (about 1.05x faster at 8 requests at once on CPU-A; "
+                "docs/operations.md, 'On a CPU')", " and ".join(missing), how)
+    return False

@@ -1,0 +1,89 @@
+"""core.cpu_runtime: what a CPU process runs torch on, and the LD_PRELOAD it suggests. The preloaded runs are real
+processes with Intel's OpenMP runtime (the dev extra installs intel-openmp) and tcmalloc (CI installs Debian's
+libtcmalloc-minimal4) preloaded, doing torch's parallel work and the CPU attention kernel's there."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.core import cpu_runtime
+
+x86_linux = pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64",
+                               reason="intel-openmp and the advice are for x86-64 Linux")
+PROBE = """
+import json, logging, torch
+logging.basicConfig(level=logging.WARNING)
+from tandem.core import cpu_attention, cpu_runtime
+torch.set_num_threads(2)
+torch.manual_seed(0)
+a, b = torch.randn(512, 384), torch.randn(384, 256)
+result = {"loaded": cpu_runtime.loaded(), "advised_ok": cpu_runtime.advise(), "threads": torch.get_num_threads(),
+          "matmul": (a @ b)[:4].flatten().tolist(), "sum": torch.arange(1 << 20, dtype=torch.float64).sum().item()}
+if cpu_attention.ready():  # its OpenMP loop runs on whichever runtime answers GOMP_parallel
+    q = torch.randn(8, 2, 6, 64).bfloat16()  # 8 rows, 2 key/value heads, 6 queries each: 16 tasks for 2 threads
+    k, v = torch.randn(8, 2, 40, 64).bfloat16(), torch.randn(8, 2, 40, 64).bfloat16()
+    result["attention"] = cpu_attention.decode_attention(q, k, v, None, 0.125).float().flatten().tolist()
+print(json.dumps(result))
+"""
+
+
+def probe(preload: str | None) -> tuple[dict, str]:
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    if preload:
+        env["LD_PRELOAD"] = preload
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_what_a_process_has_mapped_is_read_from_its_maps() -> None:
+    maps = ("7f00-7f10 r-xp 00000000 08:01 12 /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4.5.16\n"
+            "7f20-7f30 r-xp 00000000 08:01 13 /venv/lib/libiomp5.so\n")
+    assert cpu_runtime.loaded(maps) == {"libiomp5": True, "tcmalloc": True}
+    assert cpu_runtime.loaded("7f00-7f10 r-xp 0 08:01 9 /venv/lib/python3.11/site-packages/torch/lib/libgomp.so.1\n") \
+        == {"libiomp5": False, "tcmalloc": False}
+    assert cpu_runtime.loaded() == {"libiomp5": False, "tcmalloc": False}  # pytest runs on torch's own
+
+
+def test_the_suggested_preload_names_only_installed_libraries(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_runtime.sys, "prefix", str(tmp_path))
+    monkeypatch.setattr(cpu_runtime, "TCMALLOC", (str(tmp_path / "missing.so"),))
+    assert cpu_runtime.suggested_preload() == ""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    (tmp_path / "tcmalloc.so").write_bytes(b"")
+    monkeypatch.setattr(cpu_runtime, "TCMALLOC", (str(tmp_path / "missing.so"), str(tmp_path / "tcmalloc.so")))
+    assert cpu_runtime.suggested_preload() == f"{tmp_path / 'tcmalloc.so'}:{tmp_path / 'lib' / 'libiomp5.so'}"
+
+
+@x86_linux
+def test_without_a_preload_a_process_is_told_what_to_preload() -> None:
+    result, stderr = probe(None)
+    assert result["loaded"] == {"libiomp5": False, "tcmalloc": False} and not result["advised_ok"]
+    (line,) = [line for line in stderr.splitlines() if "without libiomp5 and tcmalloc" in line]
+    preload = cpu_runtime.suggested_preload()
+    assert line.startswith("WARNING:tandem.core.cpu_runtime") and (f"LD_PRELOAD={preload}" in line if preload
+                                                                    else "pip install tandem[cpu]" in line)
+
+
+@x86_linux
+def test_preloaded_torch_runs_on_intels_openmp_and_tcmalloc_with_the_same_results() -> None:
+    if not cpu_runtime.iomp_path().is_file():
+        pytest.fail(f"no {cpu_runtime.iomp_path()}: install the dev extra (intel-openmp)")
+    preload = cpu_runtime.suggested_preload()
+    if "tcmalloc" not in preload:
+        pytest.fail("no tcmalloc: apt-get install libtcmalloc-minimal4 (.ci/run does)")
+    plain, _ = probe(None)
+    preloaded, stderr = probe(preload)
+    assert preloaded["loaded"] == {"libiomp5": True, "tcmalloc": True} and preloaded["advised_ok"]
+    assert "cpu_runtime" not in stderr and preloaded["threads"] == 2
+    assert preloaded["sum"] == plain["sum"] == float((1 << 20) * ((1 << 20) - 1) // 2)
+    assert preloaded["matmul"] == pytest.approx(plain["matmul"], rel=1e-5, abs=1e-5)
+    assert preloaded.get("attention") == plain.get("attention")  # each task alone: the same bits on either runtime
