@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
 MAPS = Path("/proc/self/maps")
+INSTALL = {"libiomp5": "`pip install tandem[cpu]` (intel-openmp)", "tcmalloc": "`apt-get install libtcmalloc-minimal4`"}
 
 
 def loaded(maps: str | None = None) -> dict[str, bool]:
@@ -54,8 +55,10 @@ def advise() -> bool:
     if not missing:
         return True
     preload = suggested_preload()
-    how = (f"start tandem with LD_PRELOAD={preload}" if preload else
-           "install them (`pip install tandem[cpu]`, `apt-get install libtcmalloc-minimal4`) and preload them")
+    how = [f"start tandem with LD_PRELOAD={preload}"] if preload else []
+    absent = [INSTALL[name] for name in missing if name not in preload.replace("libtcmalloc", "tcmalloc")]
+    if absent:
+        how.append(f"install {' and '.join(absent)} and preload {'them' if len(absent) > 1 else 'it'}")
     log.warning("this CPU process runs without %s: %s (about 1.05x faster at 8 requests at once on CPU-A; "
-                "docs/operations.md, 'On a CPU')", " and ".join(missing), how)
+                "docs/operations.md, 'On a CPU')", " and ".join(missing), "; ".join(how))
     return False
