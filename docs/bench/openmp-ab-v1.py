@@ -31,11 +31,13 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+from tandem.core.cpu_runtime import suggested_preload
 
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]  # out, in features of each layer's products
 HEAD = (151936, 1536)
 ROWS = (1, 8)
-TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
 def timed(call, rounds: int, warmup: int = 1) -> float:
@@ -106,7 +108,9 @@ def runtime() -> str:
 
 
 def main(args: argparse.Namespace) -> None:
-    arms = {"gomp": [], "iomp": [args.iomp], "iomp_tcmalloc": [TCMALLOC, args.iomp]}
+    if not Path(args.iomp).is_file():
+        sys.exit(f"no {args.iomp}: give --iomp (intel-openmp's libiomp5.so)")
+    arms = {"gomp": [], "iomp": [args.iomp], "iomp_tcmalloc": [suggested_preload(Path(args.iomp))]}
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     command = [sys.executable, __file__, "--child", "--kind", args.kind, "--rounds", str(args.rounds),
                "--layers", str(args.layers)]

@@ -23,19 +23,22 @@ from pathlib import Path
 
 from tandem.bench.prompts import load_prompts
 from tandem.bench.resident import Resident
-from tandem.bench.vllm_compare import SETTLE_SECONDS, TANDEM_SIDE, TCMALLOC
+from tandem.bench.vllm_compare import SETTLE_SECONDS, TANDEM_SIDE
 from tandem.bench.vllm_compare_tandem import sitting_job
+from tandem.core.cpu_runtime import suggested_preload
 
 MODES = ("plain_b8", "auto_b8")
 
 
 def main(repeats: int, out: str, iomp: str) -> None:
+    if not Path(iomp).is_file():
+        sys.exit(f"no {iomp}: give IOMP (intel-openmp's libiomp5.so)")
     texts = load_prompts(None)[:8]
     job = sitting_job(texts)
     log = Path(out).with_suffix(".log")
     log.write_text("")
     plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    envs = {"gomp": plain, "iomp_tcmalloc": plain | {"LD_PRELOAD": f"{TCMALLOC[0]}:{iomp}"}}
+    envs = {"gomp": plain, "iomp_tcmalloc": plain | {"LD_PRELOAD": suggested_preload(Path(iomp))}}
     workers = {}
     try:
         for arm, env in envs.items():

@@ -47,13 +47,13 @@ from tandem.bench.resident import Resident
 from tandem.bench.vllm_compare_report import agreement, guest, merge, pool, ratios, within
 from tandem.cli.options import STDOUT, DefaultsHelpFormatter, add_json_option, add_prompts_option, write_json
 from tandem.core.config import QUANTIZATIONS
+from tandem.core.cpu_runtime import suggested_preload
 
 TANDEM_SIDE = [sys.executable, "-m", "tandem.bench.vllm_compare_tandem"]
 VLLM_SIDE = Path(__file__).resolve().with_name("vllm_compare_vllm.py")  # run by path with vLLM's own Python
 DEFAULT_REPORT = "bench-results/vllm-compare.json"
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 DTYPES = ("bfloat16", "float32")
-TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
 STARTED = time.perf_counter()
 # A pause before each timed run: vLLM's worker busy-polls its message queue for a second after each step it reads
 # (vllm.distributed shm_broadcast, busy_loop_s 1), which would take a core from a tandem run started right after.
@@ -145,8 +145,7 @@ def schedule(repeats: int, prompts: int, batch: int, systems: list[str],
 def preload(args: argparse.Namespace) -> str:
     """LD_PRELOAD as vLLM's CPU guide asks: tcmalloc and Intel's OpenMP runtime (vLLM's venv's libiomp5, which PyPI's
     intel-openmp installs), those of them present."""
-    iomp = Path(args.vllm_python).parent.parent / "lib" / "libiomp5.so"
-    return ":".join(p for p in (*TCMALLOC[:1], str(iomp)) if Path(p).is_file())
+    return suggested_preload(Path(args.vllm_python).parent.parent / "lib" / "libiomp5.so")
 
 
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
