@@ -7,7 +7,8 @@
 #   scripts/lock_deps.sh                  deploy/requirements.lock, the default (CUDA 13.0) image, from PyPI alone
 #   scripts/lock_deps.sh --variant cpu    deploy/requirements-cpu.lock (also cu126, ...), torch from PyTorch's index
 #
-# What is locked: pyproject.toml's dependencies and `server` extra, ray[default] (the dashboard agent KubeRay's probes
+# What is locked: pyproject.toml's dependencies, its `server` extra and its `cpu` extra (Intel's OpenMP runtime, which
+# the chart preloads on CPU pools), ray[default] (the dashboard agent KubeRay's probes
 # and Ray's Prometheus export need) and pyproject's build requirements (the image builds tandem itself with
 # --no-build-isolation, so that setuptools and wheel come from the lock too). Resolved for the image's interpreter and
 # platform: CPython 3.11 (FROM python:3.11-slim) on Linux x86_64 (glibc). PyPI's torch for Linux x86_64 is the CUDA
@@ -64,7 +65,7 @@ fi
 
 printf '%s\n' "$RAY_IMAGE_REQUIREMENT" "$torch_requirement" "$build_requires" > "$work/image.in"
 # From standard input, so that the lock's "# via" notes name no temporary file.
-"$uv" pip compile pyproject.toml - --extra server \
+"$uv" pip compile pyproject.toml - --extra server --extra cpu \
     --generate-hashes --only-binary :all: \
     --python-version "$PYTHON_VERSION" --python-platform "$PLATFORM" \
     "${indexes[@]}" --no-config \

@@ -44,7 +44,7 @@ def test_every_line_of_the_lock_is_an_exact_pin_with_hashes() -> None:
 
 @pytest.mark.parametrize("requirement", requirements(
     PYPROJECT["project"]["dependencies"], PYPROJECT["project"]["optional-dependencies"]["server"],
-    PYPROJECT["build-system"]["requires"], ["ray[default]"],
+    PYPROJECT["project"]["optional-dependencies"]["cpu"], PYPROJECT["build-system"]["requires"], ["ray[default]"],
 ), ids=str)
 def test_pyproject_requirement_is_pinned_and_hashed(requirement: Requirement) -> None:
     entries = locked()

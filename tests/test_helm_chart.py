@@ -434,6 +434,37 @@ def test_workers_load_on_cuda_exactly_when_their_pods_request_gpus(values, sets,
     assert pod_gpus(groups["head"]) == 0
 
 
+@pytest.mark.parametrize("values, sets", [
+    (None, ()),                                    # both pools on GPUs: no pod preloads
+    ("cpu-only-values.yaml", ()),
+    ("cpu-only-values.yaml", (EMBEDDED,)),
+    (None, ("ray.draftPool.gpusPerPod=0",)),       # CPU drafts beside GPU targets: the draft pool's pods alone
+    ("cpu-only-values.yaml", ("ray.cpuPreload=",)),  # "": none
+])
+def test_pods_that_decode_on_their_cpu_preload_tcmalloc_and_intel_openmp(values, sets):
+    objs = render(values, *sets)
+    preload = yaml.safe_load((CHART / "values.yaml").read_text())["ray"]["cpuPreload"]
+    if "ray.cpuPreload=" in sets:
+        preload = ""
+    for name, group in ray_groups(objs).items():
+        env = env_of(group["template"]["spec"]["containers"][0])
+        on_cpu = name != "head" and pod_gpus(group) == 0
+        assert env.get("LD_PRELOAD") == (preload if on_cpu and preload else None), name
+
+
+def test_cpu_preload_names_what_the_image_installs_where_cpu_runtime_looks():
+    from tandem.core.cpu_runtime import TCMALLOC
+
+    preload = yaml.safe_load((CHART / "values.yaml").read_text())["ray"]["cpuPreload"]
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    # The image checks the chart's paths at build time, installs Debian's tcmalloc and the lock's intel-openmp
+    # (tandem[cpu]), whose libiomp5 pip puts in the prefix's lib/: /usr/local for python:3.11-slim.
+    assert dict(re.findall(r"^ARG (\w+)=(.*)$", dockerfile, re.M))["CPU_PRELOAD"] == preload
+    assert 'test -f "${lib}"' in dockerfile and "libtcmalloc-minimal4" in dockerfile
+    assert preload.split(":") == [TCMALLOC[0], "/usr/local/lib/libiomp5.so"]
+    assert "--extra cpu" in (ROOT / "scripts" / "lock_deps.sh").read_text()
+
+
 @pytest.mark.parametrize("sets", [("pools.extraArgs={--device=auto}",),
                                   (EMBEDDED, "serving.extraArgs={--device=auto}")])
 def test_extra_args_can_override_the_device(sets):

@@ -634,6 +634,12 @@ spec:
         - name: TANDEM_RAY_SPEC
           value: {{ . | quote }}
         {{- end }}
+        {{- if and .workers (eq (int .gpus) 0) $v.ray.cpuPreload }}
+        # A pool that decodes on its CPU: tcmalloc and Intel's OpenMP runtime for torch (ray.cpuPreload). Ray's
+        # worker processes inherit it from `ray start`.
+        - name: LD_PRELOAD
+          value: {{ $v.ray.cpuPreload | quote }}
+        {{- end }}
       ports:
         {{- if eq .group "head" }}
         # No dashboard port: the dashboard listens on the head's 127.0.0.1 only (KubeRay's head Service exposes the
