@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -105,3 +107,47 @@ def test_preloaded_torch_runs_on_intels_openmp_and_tcmalloc_with_the_same_result
     assert preloaded["sum"] == plain["sum"] == float((1 << 20) * ((1 << 20) - 1) // 2)
     assert preloaded["matmul"] == pytest.approx(plain["matmul"], rel=1e-5, abs=1e-5)
     assert preloaded.get("attention") == plain.get("attention")  # each task alone: the same bits on either runtime
+
+
+ACTOR_PROBE = """
+import json, os, ray
+ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+
+@ray.remote(num_cpus=1)
+def maps():
+    import torch
+    from tandem.core import cpu_runtime
+    torch.set_num_threads(1)
+    (torch.randn(64, 64) @ torch.randn(64, 64)).sum().item()
+    return {"loaded": cpu_runtime.loaded(), "preload": os.environ.get("LD_PRELOAD")}
+
+from tandem.core import cpu_runtime
+print(json.dumps({"driver": cpu_runtime.loaded(), "actor": ray.get(maps.remote(), timeout=180)}))
+"""
+
+
+@x86_linux
+def test_ray_workers_of_a_node_started_with_the_preload_run_on_it() -> None:
+    """What the chart's CPU pods do (ray.cpuPreload): LD_PRELOAD on the node's `ray start`, none in the driver."""
+    pytest.importorskip("ray")
+    from pools_harness import head_env
+    from tandem.bench.local_cluster import start_ray_head
+
+    preload = cpu_runtime.suggested_preload()
+    if "tcmalloc" not in preload or "libiomp5" not in preload:
+        pytest.fail("needs tcmalloc and intel-openmp: apt-get install libtcmalloc-minimal4; the dev extra")
+    temp = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must fit in 107 bytes
+    head, address = start_ray_head(temp, lambda a: head_env(a) | {"LD_PRELOAD": preload}, cpus=1)
+    try:
+        env = {k: v for k, v in head_env(address).items() if k != "LD_PRELOAD"} | {
+            "PYTHONPATH": os.pathsep.join(sys.path)}
+        done = subprocess.run([sys.executable, "-c", ACTOR_PROBE], capture_output=True, text=True, env=env,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        head.terminate()
+        head.wait(timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+    assert result["driver"] == {"libiomp5": False, "tcmalloc": False}
+    assert result["actor"] == {"loaded": {"libiomp5": True, "tcmalloc": True}, "preload": preload}

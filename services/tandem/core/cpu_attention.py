@@ -35,6 +35,7 @@ MAX_QUERIES = 64
 HEAD_DIMS = (16, 32, 64, 128, 256)
 # The instruction sets every AVX-512 CPU torch dispatches to has (AVX512-BF16 is asked per function, where used).
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 # Whether the CPU has AVX512-BF16: the kernel then computes by bf16 dot products (vdpbf16ps), half the instructions
 # of float32 multiply-adds, with no widening of keys and values.
 BF16_DOT = torch.cpu._is_avx512_bf16_supported()
@@ -76,7 +77,7 @@ def _build() -> bool:
     try:  # OpenMP: at::parallel_for spreads the (row, head) tasks over torch's threads only in code built with it
         # (its libgomp is the one torch has loaded); without, they ran on one thread, 1.23x sdpa's time in a forward.
         load("tandem_decode_attention", [str(SOURCE)], build_directory=str(directory), is_python_module=False,
-             extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+             extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
     except (RuntimeError, OSError, ImportError) as error:  # a broken toolchain, no ninja: run as without the kernel
         log.warning("CPU decode attention: the kernel did not build (%s), sdpa runs", error)
         return False
