@@ -1,6 +1,7 @@
-"""Where the preload's gain at 8 at once comes from: the engines of the vLLM comparison (as openmp-engine-ab-v1.py
-loads them: resident workers of tandem.bench.vllm_compare_tandem, the pair compiled, w4 draft, head of 65536 ids)
-under several thread-pool and allocator settings, side by side, asked in turn. Arms (pick any, comma-separated):
+"""tandem's engines of the vLLM comparison under several thread-pool and allocator settings: resident workers of
+tandem.bench.vllm_compare_tandem (the sitting's job: the pair compiled, w4 draft, the draft's head cut to 65536 ids,
+calibrated and warmed up), one per arm, loaded one after the other and kept side by side (each holds about 8.5 GB
+while it compiles: two fit in 24 GiB), then asked in turn. Arms (pick any, comma-separated; the first is the base):
 
     gomp                torch's libgomp and glibc's malloc (no preload)
     gomp_tcmalloc       libgomp, tcmalloc preloaded: the allocator alone

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tandem.bench.prompts import load_prompts
 from tandem.bench.serving import run_level
-from tandem.bench.vllm_compare_tandem import sitting_job
+from tandem.bench.vllm_compare_tandem import sitting_job, wait_serving
 from tandem.core.cpu_runtime import suggested_preload
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -52,7 +52,7 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | {"LD_PRELOAD": suggested_preload()}
     server, address = served.start_server(sitting_job(texts), env, Path("served-threads.log"))
     try:
-        served.wait_ready(server, address)
+        wait_serving(server, address, Path("served-threads.log"))
         for speculation in ("off", "auto"):  # untimed: the server's first batches of 8
             asyncio.run(run_level(address, texts, 8, 16, speculation, -1))
         for repeat in range(2):

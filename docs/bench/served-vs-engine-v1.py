@@ -27,8 +27,7 @@ from tandem.bench.prompts import load_prompts
 from tandem.bench.resident import Resident
 from tandem.bench.serving import run_level
 from tandem.bench.vllm_compare import SETTLE_SECONDS, TANDEM_SIDE
-from tandem.bench.vllm_compare_tandem import sitting_job
-from tandem.client import TandemClient
+from tandem.bench.vllm_compare_tandem import sitting_job, wait_serving
 from tandem.core.cpu_runtime import suggested_preload
 
 PAIRS = {"plain_b8": ("off", 8, 8), "auto_b8": ("auto", 8, 8), "auto_b1": ("auto", 1, 4)}  # speculation, flight, n
@@ -48,19 +47,6 @@ def start_server(job: dict, env: dict, log: Path) -> tuple[subprocess.Popen, str
         return subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env), f"127.0.0.1:{port}"
 
 
-def wait_ready(server: subprocess.Popen, address: str) -> None:
-    with TandemClient(address, timeout=5) as client:
-        while True:
-            if server.poll() is not None:
-                sys.exit(f"tandem serve exited {server.returncode}")
-            try:
-                if client.health_status("tandem.v1.GenerationService") == 1:
-                    return
-            except Exception:  # not listening yet
-                pass
-            time.sleep(2)
-
-
 def main(repeats: int, out: str) -> None:
     texts = load_prompts(None)[:8]
     job = sitting_job(texts)
@@ -72,7 +58,7 @@ def main(repeats: int, out: str) -> None:
     runs: dict[str, dict[str, list[dict]]] = {pair: {"served": [], "engine": []} for pair in PAIRS}
     try:
         engine = Resident("engine", TANDEM_SIDE, job, log, env, say=print)
-        wait_ready(server, address)
+        wait_serving(server, address, log)
         print("both loaded", flush=True)
         for speculation in ("off", "auto"):  # untimed: the server's first batches of 8
             asyncio.run(run_level(address, texts, 8, 16, speculation, -1))

@@ -103,6 +103,23 @@ def load(job: dict) -> tuple[dict, Callable[[dict], dict]]:
     return loaded, answer
 
 
+def wait_serving(server: subprocess.Popen, address: str, log: Path) -> None:
+    """Until `tandem serve` at `address` reports readiness (SERVING once its models are loaded); RuntimeError if the
+    process exits first."""
+    from tandem.client import TandemClient
+
+    with TandemClient(address, timeout=5) as client:
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"tandem serve exited {server.returncode}; see {log}")
+            try:
+                if client.health_status("tandem.v1.GenerationService") == 1:
+                    return
+            except Exception:  # not listening yet
+                pass
+            time.sleep(2)
+
+
 def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: Path,
                say: Callable[[str], None], started: Callable[[int], None] | None = None,
                env: dict[str, str] | None = None, compile: str = "none") -> dict[str, dict]:
@@ -112,7 +129,6 @@ def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: P
     `--compile` ("all") or `--compile-draft` ("draft"; readiness waits for its compiling); the draft is held as
     `args.draft_quantization` asks, if set."""
     from tandem.bench.serving import run_level
-    from tandem.client import TandemClient
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -130,16 +146,7 @@ def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: P
         if started is not None:
             started(server.pid)
         try:
-            with TandemClient(address, timeout=5) as client:
-                while True:  # readiness: SERVING (1) once the models are loaded
-                    if server.poll() is not None:
-                        raise RuntimeError(f"tandem serve exited {server.returncode}; see {log}")
-                    try:
-                        if client.health_status("tandem.v1.GenerationService") == 1:
-                            break
-                    except Exception:  # not listening yet
-                        pass
-                    time.sleep(2)
+            wait_serving(server, address, log)
             for mode in ("off", "auto") if repeat % 2 == 0 else ("auto", "off"):
                 result = asyncio.run(run_level(address, prompts, args.batch, args.max_tokens, mode, repeat))
                 result["loadavg_1m"] = round(os.getloadavg()[0], 2)  # well above --threads: something else ran
