@@ -8,8 +8,8 @@
 #   scripts/lock_deps.sh --variant cpu    deploy/requirements-cpu.lock (also cu126, ...), torch from PyTorch's index
 #
 # What is locked: pyproject.toml's dependencies, its `server` extra and its `cpu` extra (Intel's OpenMP runtime, which
-# the chart preloads on CPU pools), ray[default] (the dashboard agent KubeRay's probes
-# and Ray's Prometheus export need) and pyproject's build requirements (the image builds tandem itself with
+# the chart preloads on CPU pools), ray[default] (the dashboard agent KubeRay's probes and Ray's Prometheus export
+# need) and pyproject's build requirements (the image builds tandem itself with
 # --no-build-isolation, so that setuptools and wheel come from the lock too). Resolved for the image's interpreter and
 # platform: CPython 3.11 (FROM python:3.11-slim) on Linux x86_64 (glibc). PyPI's torch for Linux x86_64 is the CUDA
 # 13.0 build, which is the default image's cu130; other variants resolve torch==<version>+<variant> from
@@ -29,7 +29,7 @@ variant=cu130
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --variant) variant="${2:?--variant needs a value: cu130, cu126, cpu, ...}"; shift 2 ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;  # the comment above
         *) echo "lock_deps.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
