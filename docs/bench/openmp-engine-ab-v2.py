@@ -31,12 +31,12 @@ from tandem.bench.prompts import load_prompts
 from tandem.bench.resident import Resident
 from tandem.bench.vllm_compare import SETTLE_SECONDS, TANDEM_SIDE
 from tandem.bench.vllm_compare_tandem import sitting_job
-from tandem.core.cpu_runtime import TCMALLOC, suggested_preload
+from tandem.core.cpu_runtime import suggested_preload, tcmalloc_path
 
 
 def arm_envs(names: list[str], iomp: Path) -> dict[str, dict[str, str]]:
     base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "KMP_BLOCKTIME", "OMP_WAIT_POLICY")}
-    tcmalloc = next((p for p in TCMALLOC if Path(p).is_file()), None)
+    tcmalloc = tcmalloc_path()
     if tcmalloc is None:
         sys.exit("no tcmalloc: apt-get install libtcmalloc-minimal4")
     table = {

@@ -39,11 +39,15 @@ def iomp_path() -> Path:
     return Path(sys.prefix) / "lib" / "libiomp5.so"
 
 
+def tcmalloc_path() -> str | None:
+    """The first of TCMALLOC installed here."""
+    return next((p for p in TCMALLOC if Path(p).is_file()), None)
+
+
 def suggested_preload(iomp: Path | None = None) -> str:
     """LD_PRELOAD for this machine: tcmalloc and libiomp5 (`iomp`, by default this environment's), those of them
     installed, in the order vLLM's guide gives."""
-    tcmalloc = next((p for p in TCMALLOC if Path(p).is_file()), None)
-    return ":".join(str(p) for p in (tcmalloc, iomp or iomp_path()) if p is not None and Path(p).is_file())
+    return ":".join(str(p) for p in (tcmalloc_path(), iomp or iomp_path()) if p is not None and Path(p).is_file())
 
 
 @functools.cache
