@@ -61,7 +61,8 @@ def advise() -> bool:
         return True
     preload = suggested_preload()
     how = [f"start tandem with LD_PRELOAD={preload}"] if preload else []
-    absent = [INSTALL[name] for name in missing if name not in preload.replace("libtcmalloc", "tcmalloc")]
+    installed = {"libiomp5": iomp_path().is_file(), "tcmalloc": tcmalloc_path() is not None}
+    absent = [INSTALL[name] for name in missing if not installed[name]]
     if absent:
         how.append(f"install {' and '.join(absent)} and preload {'them' if len(absent) > 1 else 'it'}")
     log.warning("this CPU process runs without %s: %s (about 1.05x faster at 8 requests at once on CPU-A; "
