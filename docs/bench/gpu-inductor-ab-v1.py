@@ -1,0 +1,194 @@
+"""Compiled decode forwards on a GPU with inductor's coordinate-descent tuning against without, on the real pair's
+shapes (random weights), batch 1; one JSON out.
+
+With `coordinate_descent_tuning`, inductor rewrites a matrix product with one row (a batch-1 decode step's
+projections) into a Triton reduction and tunes its launch; the norm, activation and residual work around it can
+then fuse into that kernel, where cuBLAS is a separate kernel per product. Each variant is a runner compiled under
+its options (core.cuda_graphs.GPU_INDUCTOR_OPTIONS), optionally attending through core.flex_decode. Measured, the
+variants interleaved, the starting one alternating:
+- one 1-token forward of the target at 256 cached tokens, logits on the device (median of `--reps`), per round;
+- a profile of 20 such forwards: kernels launched and GPU kernel time per forward, the rest being gaps and host;
+- plain decoding at batch 1 through the engine (tok/s end to end), against the weight-bandwidth limit;
+- the draft's 1-token step, where there is time left (`--deadline-s`).
+
+    PYTHONPATH=services python3 docs/bench/gpu-inductor-ab-v1.py --json gpu-inductor-ab.json   # about 5 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "services"))
+
+from tandem.bench.gpu_measures import prompts, timed
+from tandem.bench.gpu_probe import HBM_BYTES_PER_S, build
+from tandem.core import attention, cuda_graphs
+from tandem.core.config import EngineConfig, SamplingParams
+from tandem.core.engine import SpeculativeEngine
+from tandem.core.fused_linear import stack_on_gpu
+from tandem.core.local import LocalVerifier
+from tandem.core.runner import ModelRunner
+
+VARIANTS = {  # name: (GPU inductor options, attend with flex_decode)
+    "cublas": ({"coordinate_descent_tuning": False}, False),
+    "cdt": ({"coordinate_descent_tuning": True}, False),
+    "cdt_flex": ({"coordinate_descent_tuning": True}, True),
+}
+CONTEXT = 256
+
+
+class Variant:
+    """One runner compiled under a variant's options; every call runs with its attention setting."""
+
+    def __init__(self, name: str, model) -> None:
+        self.name = name
+        self.options, self.flex = VARIANTS[name]
+        saved = cuda_graphs.GPU_INDUCTOR_OPTIONS
+        cuda_graphs.GPU_INDUCTOR_OPTIONS = self.options
+        try:
+            self.runner = ModelRunner(model, compile=True)
+        finally:
+            cuda_graphs.GPU_INDUCTOR_OPTIONS = saved
+        ids = prompts(1, seed=7, vocab=150000)[0] * 8
+        self.ids = ids
+        self.state = self.runner.state("probe")
+        self.state.sync(0, ids[:CONTEXT])
+        self.call(lambda: self.runner.prefill(self.state, CONTEXT))
+
+    def call(self, fn):
+        attention.FLEX[0] = self.flex
+        try:
+            return fn()
+        finally:
+            attention.FLEX[0] = False
+
+    def forward(self) -> None:
+        """One 1-token forward at CONTEXT cached tokens, logits left on the device."""
+        self.state.truncate_cache(CONTEXT)
+        self.state.sync(CONTEXT, self.ids[CONTEXT : CONTEXT + 1])
+        self.call(lambda: self.runner.forward_on_device([self.state], [1]))
+
+    def median_forward(self, reps: int) -> float:
+        return sorted(timed(self.forward) for _ in range(reps))[reps // 2]
+
+    def profile(self, forwards: int = 20) -> dict:
+        from torch.profiler import ProfilerActivity, profile
+
+        wall = timed(lambda: [self.forward() for _ in range(forwards)])
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(forwards):
+                self.forward()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:15]
+        return {"wall_per_forward_s": wall / forwards,
+                "kernel_s_per_forward": sum(e.self_device_time_total for e in kernels) / 1e6 / forwards,
+                "launches_per_forward": sum(e.count for e in kernels) / forwards,
+                "top_kernels": [{"name": e.key[:100], "launches_per_forward": e.count / forwards,
+                                 "us_per_forward": e.self_device_time_total / forwards} for e in top]}
+
+    def plain_b1(self, work: list[list[int]], tokens: int) -> dict:
+        self.runner.release("probe")
+        eng = SpeculativeEngine(LocalVerifier(self.runner), None, EngineConfig(max_batch=1, calibrate=False))
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        seconds = sum(timed(lambda p=p: self.call(lambda: eng.generate([p], params))) for p in work)
+        self.state = self.runner.state("probe")
+        self.state.sync(0, self.ids[:CONTEXT])
+        self.call(lambda: self.runner.prefill(self.state, CONTEXT))
+        return {"tok_s": len(work) * tokens / seconds, "seconds": seconds}
+
+    def status(self) -> dict:
+        graphs = self.runner.graphs
+        return {"compiled": graphs.compiled, "compile_error": graphs.compile_error, "captures": graphs.captures,
+                "failed": sorted(graphs.failed)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default="gpu-inductor-ab.json")
+    parser.add_argument("--variants", default="cublas,cdt,cdt_flex")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--deadline-s", type=float, default=300.0, help="skip later stages past this")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    name = torch.cuda.get_device_name()
+    report: dict = {"device": name, "torch": torch.__version__, "dtype": "bfloat16", "context": CONTEXT,
+                    "command": "PYTHONPATH=services python3 docs/bench/gpu-inductor-ab-v1.py " + " ".join(sys.argv[1:]),
+                    "results": {}}
+    res = report["results"]
+
+    def log(key, value) -> None:
+        res[key] = value
+        report["wall_seconds"] = time.perf_counter() - started
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"[{time.perf_counter() - started:6.1f}s] {key}: {json.dumps(value)}", flush=True)
+
+    def time_left() -> float:
+        return args.deadline_s - (time.perf_counter() - started)
+
+    target = build("target", device, dtype)
+    report["target_weight_bytes"] = weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    report["stacked_linears"] = stack_on_gpu(target)
+    hbm = next((v for key, v in HBM_BYTES_PER_S.items() if key in name), None)
+    variants = {}
+    for vname in args.variants.split(","):
+        if variants and time_left() < 90:
+            log(f"skipped_{vname}", "deadline")
+            continue
+        t0 = time.perf_counter()
+        try:
+            variant = Variant(vname, target)
+            variant.median_forward(5)  # compiles and captures
+        except Exception as exc:  # a variant that fails to build is reported, the others still run
+            log(f"error_{vname}", f"{type(exc).__name__}: {exc}"[:800])
+            continue
+        variants[vname] = variant
+        log(f"build_{vname}", {"seconds": time.perf_counter() - t0, **variant.status()})
+    order = list(variants)
+    rounds: dict[str, list[float]] = {v: [] for v in order}
+    for r in range(args.rounds):
+        for vname in order if r % 2 == 0 else order[::-1]:
+            rounds[vname].append(variants[vname].median_forward(args.reps))
+    log("forward_s_rounds", rounds)
+    medians = {v: sorted(xs)[len(xs) // 2] for v, xs in rounds.items()}
+    log("forward_s", {v: {"median_of_rounds": s, "weight_bytes_s": weight_bytes / s,
+                          "share_of_limit": weight_bytes / s / hbm if hbm else None} for v, s in medians.items()})
+    for vname in order:
+        log(f"profile_{vname}", variants[vname].profile())
+    work = [p[:128] for p in prompts(4, seed=3)]
+    if time_left() > 30:
+        runs: dict[str, list[dict]] = {v: [] for v in order}
+        for r in range(2):
+            for vname in order if r % 2 == 0 else order[::-1]:
+                runs[vname].append(variants[vname].plain_b1(work[2 * r : 2 * r + 2], args.tokens))
+        pooled = {v: 2 * 2 * args.tokens / sum(x["seconds"] for x in xs) for v, xs in runs.items()}
+        log("plain_b1_end_to_end", {v: {"tok_s": t, "share_of_limit": weight_bytes * t / hbm if hbm else None,
+                                         "runs": runs[v]} for v, t in pooled.items()})
+    if time_left() > 120:
+        draft = build("draft", device, dtype)
+        stack_on_gpu(draft)
+        costs: dict[str, list[float]] = {}
+        drafts = {}
+        for vname in ("cublas", "cdt"):
+            if vname in variants and time_left() > 60:
+                drafts[vname] = Variant(vname, draft)
+        for r in range(args.rounds):
+            for vname in list(drafts) if r % 2 == 0 else list(drafts)[::-1]:
+                costs.setdefault(vname, []).append(drafts[vname].median_forward(args.reps))
+        log("draft_step_s_rounds", costs)
+    report["wall_seconds"] = time.perf_counter() - started
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.json}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
