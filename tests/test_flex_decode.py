@@ -4,6 +4,10 @@ attending with it runs on a GPU only (tests/test_cuda_graphs.py): inductor's CPU
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -97,3 +101,15 @@ def test_attention_turns_to_flex_only_when_set_compiled_and_on_its_devices(flex,
     expected, _ = sdpa_attention_forward(Attention(), query, key, value, mask, scaling=0.3)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert bool(called) == used
+
+
+@pytest.mark.parametrize(("env", "flex"), [(None, False), ("sdpa", False), ("flex", True)])
+def test_the_environment_turns_flex_attention_on(env: str | None, flex: bool) -> None:
+    """TANDEM_GPU_ATTENTION=flex sets core.attention.FLEX when tandem is imported (a fresh interpreter: the cell is
+    read once); anything else, or nothing, leaves sdpa."""
+    environ = {k: v for k, v in os.environ.items() if k != "TANDEM_GPU_ATTENTION"}
+    if env is not None:
+        environ["TANDEM_GPU_ATTENTION"] = env
+    out = subprocess.run([sys.executable, "-c", "from tandem.core import attention; print(attention.FLEX[0])"],
+                         env=environ, capture_output=True, text=True, check=True, timeout=120).stdout
+    assert out.strip() == str(flex)

@@ -1,17 +1,24 @@
-"""Compiled decode forwards on a GPU with inductor's coordinate-descent tuning against without, on the real pair's
-shapes (random weights), batch 1; one JSON out.
+"""Compiled decode forwards on a GPU under other inductor options or attention, on the real pair's shapes (random
+weights), batch 1; one JSON out.
 
-With `coordinate_descent_tuning`, inductor rewrites a matrix product with one row (a batch-1 decode step's
-projections) into a Triton reduction and tunes its launch; the norm, activation and residual work around it can
-then fuse into that kernel, where cuBLAS is a separate kernel per product. Each variant is a runner compiled under
-its options (core.cuda_graphs.GPU_INDUCTOR_OPTIONS), optionally attending through core.flex_decode. Measured, the
-variants interleaved, the starting one alternating:
+Variants (VARIANTS): cuBLAS products and sdpa attention (the runner's default); inductor's coordinate-descent tuning,
+which also rewrites a product with one row (every projection of a batch-1 decode step) as a Triton reduction tuned
+per shape, so the norm, activation and residual work around it can fuse into it (as gpt-fast compiles); and either
+attending through core.flex_decode (core.attention.FLEX). Each variant is a runner compiled under its options
+(added to core.cuda_graphs.INDUCTOR_OPTIONS), all of them side by side. Measured, the variants interleaved, the
+starting one alternating:
 - one 1-token forward of the target at 256 cached tokens, logits on the device (median of `--reps`), per round;
 - a profile of 20 such forwards: kernels launched and GPU kernel time per forward, the rest being gaps and host;
-- plain decoding at batch 1 through the engine (tok/s end to end), against the weight-bandwidth limit;
+- plain decoding at batch 1 through the engine (tok/s end to end, `--rounds` runs of 2 prompts x `--tokens`);
 - the draft's 1-token step, where there is time left (`--deadline-s`).
 
-    PYTHONPATH=services python3 docs/bench/gpu-inductor-ab-v1.py --json gpu-inductor-ab.json   # about 5 minutes
+The H200 sitting of 2026-11-30 (docs/performance.md, "On a GPU") ran, each a fresh process:
+
+    PYTHONPATH=services python3 docs/bench/gpu-inductor-ab-v1.py --deadline-s 290 --json gpu-inductor-ab-v1.json
+    PYTHONPATH=services python3 docs/bench/gpu-inductor-ab-v1.py --variants cublas,cublas_flex --deadline-s 160 \
+        --json gpu-flex-ab-v1.json
+    PYTHONPATH=services python3 docs/bench/gpu-inductor-ab-v1.py --variants cublas_flex,cublas --rounds 8 \
+        --deadline-s 140 --json gpu-flex-ab-v2.json
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ VARIANTS = {  # name: (GPU inductor options, attend with flex_decode)
     "cublas": ({"coordinate_descent_tuning": False}, False),
     "cdt": ({"coordinate_descent_tuning": True}, False),
     "cdt_flex": ({"coordinate_descent_tuning": True}, True),
+    "cublas_flex": ({"coordinate_descent_tuning": False}, True),
 }
 CONTEXT = 256
 
@@ -49,12 +57,12 @@ class Variant:
     def __init__(self, name: str, model) -> None:
         self.name = name
         self.options, self.flex = VARIANTS[name]
-        saved = cuda_graphs.GPU_INDUCTOR_OPTIONS
-        cuda_graphs.GPU_INDUCTOR_OPTIONS = self.options
+        saved = cuda_graphs.INDUCTOR_OPTIONS
+        cuda_graphs.INDUCTOR_OPTIONS = saved | self.options  # read when the runner's forward is compiled
         try:
             self.runner = ModelRunner(model, compile=True)
         finally:
-            cuda_graphs.GPU_INDUCTOR_OPTIONS = saved
+            cuda_graphs.INDUCTOR_OPTIONS = saved
         ids = prompts(1, seed=7, vocab=150000)[0] * 8
         self.ids = ids
         self.state = self.runner.state("probe")
@@ -62,11 +70,11 @@ class Variant:
         self.call(lambda: self.runner.prefill(self.state, CONTEXT))
 
     def call(self, fn):
-        attention.FLEX[0] = self.flex
+        saved, attention.FLEX[0] = attention.FLEX[0], self.flex
         try:
             return fn()
         finally:
-            attention.FLEX[0] = False
+            attention.FLEX[0] = saved
 
     def forward(self) -> None:
         """One 1-token forward at CONTEXT cached tokens, logits left on the device."""
@@ -167,10 +175,10 @@ def main() -> None:
     work = [p[:128] for p in prompts(4, seed=3)]
     if time_left() > 30:
         runs: dict[str, list[dict]] = {v: [] for v in order}
-        for r in range(2):
+        for r in range(args.rounds):
             for vname in order if r % 2 == 0 else order[::-1]:
-                runs[vname].append(variants[vname].plain_b1(work[2 * r : 2 * r + 2], args.tokens))
-        pooled = {v: 2 * 2 * args.tokens / sum(x["seconds"] for x in xs) for v, xs in runs.items()}
+                runs[vname].append(variants[vname].plain_b1(work[2 * (r % 2) : 2 * (r % 2) + 2], args.tokens))
+        pooled = {v: 2 * args.rounds * args.tokens / sum(x["seconds"] for x in xs) for v, xs in runs.items()}
         log("plain_b1_end_to_end", {v: {"tok_s": t, "share_of_limit": weight_bytes * t / hbm if hbm else None,
                                          "runs": runs[v]} for v, t in pooled.items()})
     if time_left() > 120:

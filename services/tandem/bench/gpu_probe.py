@@ -187,16 +187,15 @@ ATTENTION_BACKENDS = {"default": None, "efficient": (SDPBackend.EFFICIENT_ATTENT
 
 def run_with_backends(backends: tuple | str | None, *args, **kwargs) -> dict:
     """run_tandem with the runner's attention restricted to `backends` (core.attention.BACKENDS), or with FLEX
-    attending through core.flex_decode (core.attention.FLEX)."""
-    if backends == FLEX:
-        attention.FLEX[0] = True
-    else:
-        attention.BACKENDS[0] = backends
+    attending through core.flex_decode (core.attention.FLEX); either way the other setting off, whatever the
+    environment set (TANDEM_GPU_ATTENTION), and both restored after."""
+    saved = attention.BACKENDS[0], attention.FLEX[0]
+    attention.FLEX[0] = backends == FLEX
+    attention.BACKENDS[0] = None if backends == FLEX else backends
     try:
         return run_tandem(*args, **kwargs)
     finally:
-        attention.BACKENDS[0] = None
-        attention.FLEX[0] = False
+        attention.BACKENDS[0], attention.FLEX[0] = saved
 
 
 def attention_ab(target, work: list[list[int]], tokens: int, warm_seconds: float, log, pairs: int = 1,

@@ -31,12 +31,14 @@ widths), sdpa elsewhere.
 
 `FLEX[0]`, when True, makes compiled forwards attend with core.flex_decode instead: each row's live keys only, split
 across thread blocks, where sdpa walks the whole buffer under the mask (the cost that grows with the cache's
-capacity on a GPU), on a GPU only (FLEX_DEVICES). It stays off until a GPU sitting measures it (`gpu_probe
---only-attention flex`).
+capacity on a GPU), on a GPU only (FLEX_DEVICES). `TANDEM_GPU_ATTENTION=flex` in the environment turns it on. It is
+off by default: on an H200 it made one batch-1 forward 1.05x faster and passed its equality tests, but its end-to-end
+gain and batch 8 are not settled (docs/performance.md, "On a GPU").
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -53,7 +55,7 @@ NAME = "tandem_packed_sdpa"
 VARLEN = "tandem_varlen_sdpa"
 SEGMENTS = "tandem_segments"  # the keyword that carries a packed forward's rows to varlen_sdpa_forward
 BACKENDS: list[tuple[SDPBackend, ...] | None] = [None]  # a cell: compiled code guards on its content
-FLEX: list[bool] = [False]  # a cell, as BACKENDS: compiled forwards attend with core.flex_decode when True
+FLEX: list[bool] = [os.environ.get("TANDEM_GPU_ATTENTION", "sdpa") == "flex"]  # a cell, as BACKENDS
 # Inductor's C++ template for flex_attention (torch 2.13) fails inside a compiled decoder on a CPU (no epilogue
 # fusion; a C++ compile error with two layers); GPUs run its Triton template.
 FLEX_DEVICES = ("cuda",)

@@ -62,10 +62,6 @@ _LIMIT = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "ca
 # shape class (core.guardless; the tests check that against dynamo's guards), so the checks can only fail where the
 # guards would have; vLLM's CPU platform turns them off too.
 INDUCTOR_OPTIONS = {"size_asserts": False}
-# On a GPU, coordinate-descent tuning also makes inductor write a product with one row (every projection of a batch-1
-# decode step) as a Triton reduction, tuned per shape, in place of a cuBLAS call; the norms, activation and residual
-# work around it can then fuse into it (as gpt-fast compiles). Timed against cuBLAS by docs/bench/gpu-inductor-ab-v1.py.
-GPU_INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True}
 
 
 class _Graph:
@@ -133,8 +129,7 @@ class GraphedForward:
         if compile:
             packed_linear.lower_to_onednn()
             w8a8_linear.lower_to_onednn()
-            options = INDUCTOR_OPTIONS | (GPU_INDUCTOR_OPTIONS if capture else {})
-            self.forward = torch.compile(forward, dynamic=True, fullgraph=True, options=options)
+            self.forward = torch.compile(forward, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.buffers_seen: tuple | None = None
         self.pool = torch.cuda.graph_pool_handle() if capture else None

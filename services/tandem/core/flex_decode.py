@@ -10,8 +10,9 @@ blocks, and the block mask is built here from tensors whose shapes are the step'
 for any lengths.
 
 flex_attention is fast only when compiled (uncompiled it computes the full score matrix), so core.attention routes
-to it only inside compiled forwards, and only when `core.attention.FLEX` is set: it is not the default until a GPU
-sitting measures it against sdpa (`python -m tandem.bench.gpu_probe --only-attention flex`).
+to it only inside compiled forwards, and only when `core.attention.FLEX` is set (`TANDEM_GPU_ATTENTION=flex`). It is
+not the default: on an H200 one batch-1 forward ran 1.05x faster with it, but end to end and at batch 8 it is not
+yet settled against sdpa (docs/performance.md, "On a GPU"; `python -m tandem.bench.gpu_probe --only-attention flex`).
 """
 
 from __future__ import annotations
