@@ -11,6 +11,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Triton kernels (tests/test_triton_decode.py) run under Triton's interpreter where Triton is installed without a
+    # GPU. Triton reads this when it defines a kernel, its own library's too: before any test imports it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Tiny models gain nothing from intra-op threads, and two threads on two busy cores thrash.
 torch.set_num_threads(1)
 

@@ -143,3 +143,19 @@ def test_graphs_attending_with_flex_give_the_hf_greedy_tokens_in_float32(cuda_mo
     assert all(r.cache.capacity >= 700 for r in runners)
     assert grown == [hf_greedy(target, p, 8) for p in (long, *PROMPTS[:2])]
     assert all(r.graphs.compiled and r.graphs.compile_error is None and not r.graphs.failed for r in runners)
+
+
+@pytest.mark.parametrize("k", [None, 4])
+def test_graphs_attending_with_the_triton_kernel_give_the_hf_greedy_tokens_in_float32(cuda_models, k,
+                                                                                      monkeypatch) -> None:
+    """core.triton_decode in the compiled graphs (core.attention.TRITON), after a long sequence left the cache a
+    capacity far past the rows' lengths, so most splits of most rows are past their reach."""
+    from tandem.core import attention
+
+    target, draft = cuda_models[torch.float32]
+    monkeypatch.setattr(attention, "TRITON", [True])
+    long = [3 + i % 40 for i in range(700)]
+    grown, runners = run(target, draft, True, [long, *PROMPTS[:2]], k, max_tokens=8)
+    assert all(r.cache.capacity >= 700 for r in runners)
+    assert grown == [hf_greedy(target, p, 8) for p in (long, *PROMPTS[:2])]
+    assert all(r.graphs.compiled and r.graphs.compile_error is None and not r.graphs.failed for r in runners)

@@ -103,13 +103,15 @@ def test_attention_turns_to_flex_only_when_set_compiled_and_on_its_devices(flex,
     assert bool(called) == used
 
 
-@pytest.mark.parametrize(("env", "flex"), [(None, False), ("sdpa", False), ("flex", True)])
-def test_the_environment_turns_flex_attention_on(env: str | None, flex: bool) -> None:
-    """TANDEM_GPU_ATTENTION=flex sets core.attention.FLEX when tandem is imported (a fresh interpreter: the cell is
-    read once); anything else, or nothing, leaves sdpa."""
+@pytest.mark.parametrize(("env", "cells"), [(None, "False False"), ("sdpa", "False False"), ("flex", "True False"),
+                                             ("triton", "False True")])
+def test_the_environment_picks_the_gpu_attention(env: str | None, cells: str) -> None:
+    """TANDEM_GPU_ATTENTION=flex sets core.attention.FLEX, =triton TRITON, when tandem is imported (a fresh
+    interpreter: the cells are read once); anything else, or nothing, leaves sdpa."""
     environ = {k: v for k, v in os.environ.items() if k != "TANDEM_GPU_ATTENTION"}
     if env is not None:
         environ["TANDEM_GPU_ATTENTION"] = env
-    out = subprocess.run([sys.executable, "-c", "from tandem.core import attention; print(attention.FLEX[0])"],
-                         env=environ, capture_output=True, text=True, check=True, timeout=120).stdout
-    assert out.strip() == str(flex)
+    code = "from tandem.core import attention; print(attention.FLEX[0], attention.TRITON[0])"
+    out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True,
+                         timeout=120).stdout
+    assert out.strip() == cells

@@ -4,8 +4,9 @@ weights), batch 1; one JSON out.
 Variants (VARIANTS): cuBLAS products and sdpa attention (the runner's default); inductor's coordinate-descent tuning,
 which also rewrites a product with one row (every projection of a batch-1 decode step) as a Triton reduction tuned
 per shape, so the norm, activation and residual work around it can fuse into it (as gpt-fast compiles); and either
-attending through core.flex_decode (core.attention.FLEX). Each variant is a runner compiled under its options
-(added to core.cuda_graphs.INDUCTOR_OPTIONS), all of them side by side. Measured, the variants interleaved, the
+attending through core.flex_decode (core.attention.FLEX) or core.triton_decode (TRITON; not yet run on a GPU).
+Each variant is a runner compiled under its options (added to core.cuda_graphs.INDUCTOR_OPTIONS), all of them side
+by side. Measured, the variants interleaved, the
 starting one alternating:
 - one 1-token forward of the target at 256 cached tokens, logits on the device (median of `--reps`), per round;
 - a profile of 20 such forwards: kernels launched and GPU kernel time per forward, the rest being gaps and host;
@@ -42,11 +43,12 @@ from tandem.core.fused_linear import stack_on_gpu
 from tandem.core.local import LocalVerifier
 from tandem.core.runner import ModelRunner
 
-VARIANTS = {  # name: (GPU inductor options, attend with flex_decode)
-    "cublas": ({"coordinate_descent_tuning": False}, False),
-    "cdt": ({"coordinate_descent_tuning": True}, False),
-    "cdt_flex": ({"coordinate_descent_tuning": True}, True),
-    "cublas_flex": ({"coordinate_descent_tuning": False}, True),
+VARIANTS = {  # name: (inductor options added, attention: sdpa, flex (core.flex_decode) or triton (core.triton_decode))
+    "cublas": ({"coordinate_descent_tuning": False}, "sdpa"),
+    "cdt": ({"coordinate_descent_tuning": True}, "sdpa"),
+    "cdt_flex": ({"coordinate_descent_tuning": True}, "flex"),
+    "cublas_flex": ({"coordinate_descent_tuning": False}, "flex"),
+    "cublas_triton": ({"coordinate_descent_tuning": False}, "triton"),
 }
 CONTEXT = 256
 
@@ -56,7 +58,7 @@ class Variant:
 
     def __init__(self, name: str, model) -> None:
         self.name = name
-        self.options, self.flex = VARIANTS[name]
+        self.options, self.attention = VARIANTS[name]
         saved = cuda_graphs.INDUCTOR_OPTIONS
         cuda_graphs.INDUCTOR_OPTIONS = saved | self.options  # read when the runner's forward is compiled
         try:
@@ -70,11 +72,12 @@ class Variant:
         self.call(lambda: self.runner.prefill(self.state, CONTEXT))
 
     def call(self, fn):
-        saved, attention.FLEX[0] = attention.FLEX[0], self.flex
+        saved = attention.FLEX[0], attention.TRITON[0]
+        attention.FLEX[0], attention.TRITON[0] = self.attention == "flex", self.attention == "triton"
         try:
             return fn()
         finally:
-            attention.FLEX[0] = saved
+            attention.FLEX[0], attention.TRITON[0] = saved
 
     def forward(self) -> None:
         """One 1-token forward at CONTEXT cached tokens, logits left on the device."""

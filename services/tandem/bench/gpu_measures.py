@@ -114,6 +114,7 @@ def allocated_per_step(eng_factory, work: list[list[int]], contexts: tuple[int, 
 
 
 FLEX = "flex"  # attention_costs' name for core.flex_decode among sets of sdpa kernels
+TRITON = "triton"  # and for core.triton_decode (imported only when asked for: Triton is there on a GPU machine)
 TOLERANCE = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float32: dict(rtol=1e-5, atol=1e-5)}
 
 
@@ -123,13 +124,19 @@ def attention_costs(device: torch.device, backends: dict[str, tuple | str | None
                     dim: int = 128) -> dict[str, dict]:
     """Median seconds of one attention call as the runner's static forwards make it (core.attention: query heads
     stacked per key/value head, the whole `cap`-key buffer under a boolean mask, 60% of it live), per named set of
-    sdpa kernels (None: PyTorch's pick; FLEX: core.flex_decode compiled, over the heads unstacked), bf16 on a GPU; a
-    set that cannot run a shape, or gives another result than PyTorch's pick, records the error instead."""
+    sdpa kernels (None: PyTorch's pick; FLEX: core.flex_decode compiled, TRITON: core.triton_decode's split_decode
+    compiled, both over the heads unstacked), bf16 on a GPU; a set that cannot run a shape, or gives another result
+    than PyTorch's pick, records the error instead."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out: dict[str, dict] = {name: {} for name in backends}
     # Compiled on a GPU, as the runner's forwards run it; uncompiled elsewhere (inductor's CPU template for it is not
     # reliable: core.attention.FLEX_DEVICES), which checks the call, not the kernel.
-    flex = torch.compile(flex_decode, dynamic=True) if device.type == "cuda" else flex_decode
+    kernels = {FLEX: flex_decode}
+    if TRITON in backends.values():
+        from tandem.core.triton_decode import split_decode
+
+        kernels[TRITON] = split_decode
+    kernels = {name: torch.compile(fn, dynamic=True) if device.type == "cuda" else fn for name, fn in kernels.items()}
     for cap in caps:
         for row in rows:
             for width in widths:
@@ -141,9 +148,9 @@ def attention_costs(device: torch.device, backends: dict[str, tuple | str | None
                 expected = _attend(None, q, k, v, mask)
                 for name, chosen in backends.items():
                     try:
-                        if chosen == FLEX:  # the same keys and mask, the query heads unstacked
+                        if chosen in (FLEX, TRITON):  # the same keys and mask, the query heads unstacked
                             heads = q.reshape(row, kv_heads, groups, width, dim).flatten(1, 2)
-                            call = partial(_stacked, flex, heads, k, v, mask[:, :, :width])
+                            call = partial(_stacked, kernels[chosen], heads, k, v, mask[:, :, :width])
                         else:
                             call = partial(_attend, chosen, q, k, v, mask)
                         torch.testing.assert_close(call(), expected, **TOLERANCE[dtype])
@@ -163,9 +170,10 @@ def _attend(chosen: tuple | None, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def _stacked(flex, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """flex's [rows, heads, width, dim] as the stacked call's [rows, kv_heads, groups * width, dim]."""
-    out = flex(query, key, value, mask)
+def _stacked(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             mask: torch.Tensor) -> torch.Tensor:
+    """`kernel`'s [rows, heads, width, dim] as the stacked call's [rows, kv_heads, groups * width, dim]."""
+    out = kernel(query, key, value, mask)
     rows, heads, width, dim = out.shape
     return out.reshape(rows, key.shape[1], heads // key.shape[1] * width, dim)
 

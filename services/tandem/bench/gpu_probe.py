@@ -43,6 +43,7 @@ from torch.nn.attention import SDPBackend  # noqa: E402
 
 from tandem.bench.gpu_measures import (  # noqa: E402
     FLEX,
+    TRITON,
     allocated_per_step,
     attention_costs,
     forward_costs,
@@ -182,20 +183,21 @@ def plain_pairs(sides: list[tuple[str, Callable[..., dict]]], work: list[list[in
 
 
 ATTENTION_BACKENDS = {"default": None, "efficient": (SDPBackend.EFFICIENT_ATTENTION,),
-                      "cudnn": (SDPBackend.CUDNN_ATTENTION,), "math": (SDPBackend.MATH,), "flex": FLEX}
+                      "cudnn": (SDPBackend.CUDNN_ATTENTION,), "math": (SDPBackend.MATH,), "flex": FLEX,
+                      "triton": TRITON}
 
 
 def run_with_backends(backends: tuple | str | None, *args, **kwargs) -> dict:
-    """run_tandem with the runner's attention restricted to `backends` (core.attention.BACKENDS), or with FLEX
-    attending through core.flex_decode (core.attention.FLEX); either way the other setting off, whatever the
-    environment set (TANDEM_GPU_ATTENTION), and both restored after."""
-    saved = attention.BACKENDS[0], attention.FLEX[0]
-    attention.FLEX[0] = backends == FLEX
-    attention.BACKENDS[0] = None if backends == FLEX else backends
+    """run_tandem with the runner's attention restricted to `backends` (core.attention.BACKENDS), or attending
+    through core.flex_decode (FLEX) or core.triton_decode (TRITON); the other settings off whatever the environment
+    set (TANDEM_GPU_ATTENTION), and all restored after."""
+    saved = attention.BACKENDS[0], attention.FLEX[0], attention.TRITON[0]
+    attention.FLEX[0], attention.TRITON[0] = backends == FLEX, backends == TRITON
+    attention.BACKENDS[0] = None if backends in (FLEX, TRITON) else backends
     try:
         return run_tandem(*args, **kwargs)
     finally:
-        attention.BACKENDS[0], attention.FLEX[0] = saved
+        attention.BACKENDS[0], attention.FLEX[0], attention.TRITON[0] = saved
 
 
 def attention_ab(target, work: list[list[int]], tokens: int, warm_seconds: float, log, pairs: int = 1,

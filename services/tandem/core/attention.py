@@ -33,7 +33,8 @@ widths), sdpa elsewhere.
 across thread blocks, where sdpa walks the whole buffer under the mask (the cost that grows with the cache's
 capacity on a GPU), on a GPU only (FLEX_DEVICES). `TANDEM_GPU_ATTENTION=flex` in the environment turns it on. It is
 off by default: on an H200 it made one batch-1 forward 1.05x faster and passed its equality tests, but its end-to-end
-gain and batch 8 are not settled (docs/performance.md, "On a GPU").
+gain and batch 8 are not settled (docs/performance.md, "On a GPU"). `TRITON[0]` (`TANDEM_GPU_ATTENTION=triton`)
+likewise attends with core.triton_decode, one Triton kernel over splits of the keys; not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -55,16 +56,18 @@ NAME = "tandem_packed_sdpa"
 VARLEN = "tandem_varlen_sdpa"
 SEGMENTS = "tandem_segments"  # the keyword that carries a packed forward's rows to varlen_sdpa_forward
 BACKENDS: list[tuple[SDPBackend, ...] | None] = [None]  # a cell: compiled code guards on its content
-FLEX: list[bool] = [os.environ.get("TANDEM_GPU_ATTENTION", "sdpa") == "flex"]  # a cell, as BACKENDS
+GPU_ATTENTION = os.environ.get("TANDEM_GPU_ATTENTION", "sdpa")  # sdpa, flex or triton
+FLEX: list[bool] = [GPU_ATTENTION == "flex"]  # a cell, as BACKENDS
+TRITON: list[bool] = [GPU_ATTENTION == "triton"]  # a cell: compiled forwards attend with core.triton_decode
 # Inductor's C++ template for flex_attention (torch 2.13) fails inside a compiled decoder on a CPU (no epilogue
 # fusion; a C++ compile error with two layers); GPUs run its Triton template.
 FLEX_DEVICES = ("cuda",)
 
 
 def traced_settings() -> tuple:
-    """The cells compiled forwards read as they are traced (BACKENDS, FLEX, core.cpu_attention.ENABLED): a graph
-    serves only the settings it was traced under, so core.cuda_graphs keys its guard-free calls by them too."""
-    return BACKENDS[0], FLEX[0], cpu_attention.ENABLED[0]
+    """The cells compiled forwards read as they are traced (BACKENDS, FLEX, TRITON, core.cpu_attention.ENABLED): a
+    graph serves only the settings it was traced under, so core.cuda_graphs keys its guard-free calls by them too."""
+    return BACKENDS[0], FLEX[0], TRITON[0], cpu_attention.ENABLED[0]
 
 
 def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -80,7 +83,11 @@ def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
                              and attention_mask.shape[1] == 1))
             and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
             and not (module.training and dropout))
-    if fits and FLEX[0] and query.device.type in FLEX_DEVICES and torch.compiler.is_compiling():
+    if fits and (FLEX[0] or TRITON[0]) and query.device.type in FLEX_DEVICES and torch.compiler.is_compiling():
+        if TRITON[0]:  # imported here: Triton is there only on a GPU machine
+            from tandem.core.triton_decode import split_decode
+
+            return split_decode(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
         return flex_decode(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
     if groups == 1 or not fits:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -1,0 +1,118 @@
+"""Decode attention as one Triton kernel over splits of the keys, for the compiled forwards on a GPU.
+
+Why: on an H200 one attention call of a batch-1 decode step took 16.5 µs a layer (cuDNN's flash kernel and
+flex_attention alike) for a quarter of a megabyte of keys and values: a quarter of the forward's kernel time
+(docs/performance.md, "On a GPU"). Those kernels give one thread block a (row, head) pair and walk its keys one tile
+after another, so a step's latency is that walk. Here each block takes one (row, key/value head) pair and one split of
+`SPLIT` keys, for all the query heads that share that key/value head (GQA) and all the row's queries at once, so the
+walk is at most SPLIT // BLOCK_N tiles; the splits' partial results are then merged by their softmax statistics (as
+flash-decoding does), in plain torch ops that inductor fuses.
+
+The keys a query sees are a prefix of the buffer: [0, limit] for that query's limit. The runner's static forwards
+build such masks (core.cuda_graphs: each row's cached length plus the query's column), and `limits` reads them back
+as the count of allowed keys. Used only where core.attention says (TANDEM_GPU_ATTENTION=triton), on a GPU, inside
+compiled forwards; the tests run the kernel under Triton's interpreter on a CPU where Triton is installed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from tandem.core.cuda_graphs import MAX_WIDTH  # the widest static forward
+
+BLOCK_N = 64  # keys per tile
+SPLIT = 128  # keys per split: one thread block's share of a row's keys
+
+
+@triton.jit
+def _split_attention(Q, K, V, LIMITS, REACH, ACC, MAX, SUM, scale, width, queries,
+                     sq_r, sq_h, sq_w, sk_r, sk_h, sk_l, sv_r, sv_h, sv_l,
+                     KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SPLIT: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr):
+    """One (row, key/value head) pair's queries (`queries` = GROUPS x width of them, query head kv x GROUPS + g and
+    column j as row g x width + j) over one split of the keys: the unnormalised output, the running max and the sum
+    of exponentials, for the merge."""
+    pair, split = tl.program_id(0), tl.program_id(1)
+    splits = tl.num_programs(1)
+    row, kv = pair // KV_HEADS, pair % KV_HEADS
+    i = tl.arange(0, BLOCK_M)
+    valid = i < queries
+    head = kv * GROUPS + i // width
+    column = i % width
+    d = tl.arange(0, D)
+    q = tl.load(Q + row * sq_r + head[:, None] * sq_h + column[:, None] * sq_w + d[None, :], mask=valid[:, None],
+                other=0.0)
+    limit = tl.load(LIMITS + row * width + column, mask=valid, other=-1)
+    end = tl.minimum(split * SPLIT + SPLIT, tl.load(REACH + row))
+    top = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    for start in range(0, SPLIT, BLOCK_N):  # a fixed count: tiles past the row's reach load nothing and add 0
+        n = split * SPLIT + start + tl.arange(0, BLOCK_N)
+        inside = n < end
+        k = tl.load(K + row * sk_r + kv * sk_h + n[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        scores = tl.where((n[None, :] <= limit[:, None]) & inside[None, :], scores, float("-inf"))
+        new_top = tl.maximum(top, tl.max(scores, 1))
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # a query that has seen no key yet stays at 0
+        p = tl.exp(scores - shift[:, None])
+        alpha = tl.exp(top - shift)
+        total = total * alpha + tl.sum(p, 1)
+        v = tl.load(V + row * sv_r + kv * sv_h + n[:, None] * sv_l + d[None, :], mask=inside[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        top = new_top
+    slot = (pair * splits + split) * queries + i
+    tl.store(ACC + slot[:, None] * D + d[None, :], acc, mask=valid[:, None])
+    tl.store(MAX + slot, top, mask=valid)
+    tl.store(SUM + slot, total, mask=valid)
+
+
+@triton_op("tandem::split_attention", mutates_args=())
+def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, limits: torch.Tensor,
+                    reach: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per split: the unnormalised outputs [rows, kv_heads, splits, groups x width, dim] (float32), their max scores
+    and sums of exponentials [rows, kv_heads, splits, groups x width]. limits [rows, width] (int32): the last key
+    each query sees; reach [rows] (int32): one past a row's furthest key."""
+    rows, heads, width, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    splits = triton.cdiv(length, SPLIT)
+    queries = groups * width
+    acc = query.new_empty((rows, kv_heads, splits, queries, dim), dtype=torch.float32)
+    top = query.new_empty((rows, kv_heads, splits, queries), dtype=torch.float32)
+    total = torch.empty_like(top)
+    block_m = max(16, triton.next_power_of_2(groups * (1 if width == 1 else MAX_WIDTH)))
+    wrap_triton(_split_attention)[(rows * kv_heads, splits)](
+        query, key, value, limits, reach, acc, top, total, scale, width, queries,
+        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        KV_HEADS=kv_heads, GROUPS=groups, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLIT=SPLIT, D=dim,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=4 if block_m <= 32 else 8)
+    return acc, top, total
+
+
+def split_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                 scale: float | None = None) -> torch.Tensor:
+    """query [rows, heads, width, dim]; key and value [rows, kv_heads, length, dim] (last dimension contiguous),
+    query head h reading key/value head h // (heads // kv_heads); mask [rows, 1, width, length] booleans, each
+    query's a prefix of the keys, or None (every key). Returns [rows, heads, width, dim] in the query's dtype."""
+    rows, heads, width, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    if mask is None:
+        limits = torch.full((rows, width), length - 1, dtype=torch.int32, device=query.device)
+    else:
+        limits = (mask[:, 0].sum(-1) - 1).to(torch.int32)
+    reach = (limits.amax(-1) + 1).to(torch.int32)
+    acc, top, total = split_attention(query, key.contiguous() if key.stride(-1) != 1 else key,
+                                      value.contiguous() if value.stride(-1) != 1 else value, limits.contiguous(),
+                                      reach, dim**-0.5 if scale is None else scale)
+    # Merge the splits: each split's sums rescaled to the largest max; splits that saw no key weigh 0.
+    best = top.amax(2, keepdim=True).clamp_min(-1e30)
+    weight = torch.exp(top - best)
+    # A query that sees no key at all (none does in the runner's masks) gets zeros rather than sdpa's NaN.
+    out = (acc * weight[..., None]).sum(2) / (total * weight).sum(2).clamp_min(1e-30)[..., None]
+    groups = heads // kv_heads
+    return out.view(rows, kv_heads, groups, width, dim).reshape(rows, heads, width, dim).to(query.dtype)
