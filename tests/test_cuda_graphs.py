@@ -130,30 +130,16 @@ def test_sampling_on_the_gpu_keeps_seeded_tokens_whatever_k(cuda_models) -> None
     assert all(len(r.token_ids) == 24 for r in results) and sum(r.stats["drafted"] for r in results) > 0
 
 
+@pytest.mark.parametrize("kernel", ["FLEX", "TRITON"])
 @pytest.mark.parametrize("k", [None, 4])
-def test_graphs_attending_with_flex_give_the_hf_greedy_tokens_in_float32(cuda_models, k, monkeypatch) -> None:
-    """core.flex_decode in the compiled graphs (core.attention.FLEX), after a long sequence left the cache a capacity
-    far past the rows' lengths, so each row reads only its own live blocks."""
+def test_graphs_attending_with_flex_or_triton_give_the_hf_greedy_tokens_in_float32(cuda_models, k, kernel,
+                                                                                   monkeypatch) -> None:
+    """core.flex_decode (core.attention.FLEX) or core.triton_decode (TRITON) in the compiled graphs, after a long
+    sequence left the cache a capacity far past the rows' lengths, so each row reads only its own live keys."""
     from tandem.core import attention
 
     target, draft = cuda_models[torch.float32]
-    monkeypatch.setattr(attention, "FLEX", [True])
-    long = [3 + i % 40 for i in range(700)]
-    grown, runners = run(target, draft, True, [long, *PROMPTS[:2]], k, max_tokens=8)
-    assert all(r.cache.capacity >= 700 for r in runners)
-    assert grown == [hf_greedy(target, p, 8) for p in (long, *PROMPTS[:2])]
-    assert all(r.graphs.compiled and r.graphs.compile_error is None and not r.graphs.failed for r in runners)
-
-
-@pytest.mark.parametrize("k", [None, 4])
-def test_graphs_attending_with_the_triton_kernel_give_the_hf_greedy_tokens_in_float32(cuda_models, k,
-                                                                                      monkeypatch) -> None:
-    """core.triton_decode in the compiled graphs (core.attention.TRITON), after a long sequence left the cache a
-    capacity far past the rows' lengths, so most splits of most rows are past their reach."""
-    from tandem.core import attention
-
-    target, draft = cuda_models[torch.float32]
-    monkeypatch.setattr(attention, "TRITON", [True])
+    monkeypatch.setattr(attention, kernel, [True])
     long = [3 + i % 40 for i in range(700)]
     grown, runners = run(target, draft, True, [long, *PROMPTS[:2]], k, max_tokens=8)
     assert all(r.cache.capacity >= 700 for r in runners)

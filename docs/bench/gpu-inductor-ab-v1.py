@@ -72,12 +72,8 @@ class Variant:
         self.call(lambda: self.runner.prefill(self.state, CONTEXT))
 
     def call(self, fn):
-        saved = attention.FLEX[0], attention.TRITON[0]
-        attention.FLEX[0], attention.TRITON[0] = self.attention == "flex", self.attention == "triton"
-        try:
+        with attention.gpu_attention(self.attention):
             return fn()
-        finally:
-            attention.FLEX[0], attention.TRITON[0] = saved
 
     def forward(self) -> None:
         """One 1-token forward at CONTEXT cached tokens, logits left on the device."""

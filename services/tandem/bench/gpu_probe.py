@@ -191,13 +191,9 @@ def run_with_backends(backends: tuple | str | None, *args, **kwargs) -> dict:
     """run_tandem with the runner's attention restricted to `backends` (core.attention.BACKENDS), or attending
     through core.flex_decode (FLEX) or core.triton_decode (TRITON); the other settings off whatever the environment
     set (TANDEM_GPU_ATTENTION), and all restored after."""
-    saved = attention.BACKENDS[0], attention.FLEX[0], attention.TRITON[0]
-    attention.FLEX[0], attention.TRITON[0] = backends == FLEX, backends == TRITON
-    attention.BACKENDS[0] = None if backends in (FLEX, TRITON) else backends
-    try:
+    kernel = backends if backends in (FLEX, TRITON) else "sdpa"
+    with attention.gpu_attention(kernel, backends if kernel == "sdpa" else None):
         return run_tandem(*args, **kwargs)
-    finally:
-        attention.BACKENDS[0], attention.FLEX[0], attention.TRITON[0] = saved
 
 
 def attention_ab(target, work: list[list[int]], tokens: int, warm_seconds: float, log, pairs: int = 1,

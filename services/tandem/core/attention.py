@@ -127,6 +127,19 @@ AttentionInterface.register(VARLEN, varlen_sdpa_forward)  # and no mask function
 
 
 @contextmanager
+def gpu_attention(kernel: str, backends: tuple[SDPBackend, ...] | None = None) -> Iterator[None]:
+    """Inside the block, forwards traced for a GPU attend with `kernel`: "sdpa" (restricted to `backends`, None:
+    PyTorch picks), "flex" or "triton", whatever TANDEM_GPU_ATTENTION set; the cells are restored after. Benchmarks
+    A/B the kernels with it."""
+    saved = BACKENDS[0], FLEX[0], TRITON[0]
+    BACKENDS[0], FLEX[0], TRITON[0] = backends, kernel == "flex", kernel == "triton"
+    try:
+        yield
+    finally:
+        BACKENDS[0], FLEX[0], TRITON[0] = saved
+
+
+@contextmanager
 def packed(config, varlen: bool = False) -> Iterator[None]:
     """Run sdpa models through packed_sdpa_forward inside the block (with `varlen`, varlen_sdpa_forward); other
     implementations are left alone."""

@@ -1,12 +1,12 @@
 """Decode attention as one Triton kernel over splits of the keys, for the compiled forwards on a GPU.
 
 Why: on an H200 one attention call of a batch-1 decode step took 16.5 µs a layer (cuDNN's flash kernel and
-flex_attention alike) for a quarter of a megabyte of keys and values: a quarter of the forward's kernel time
-(docs/performance.md, "On a GPU"). Those kernels give one thread block a (row, head) pair and walk its keys one tile
-after another, so a step's latency is that walk. Here each block takes one (row, key/value head) pair and one split of
-`SPLIT` keys, for all the query heads that share that key/value head (GQA) and all the row's queries at once, so the
-walk is at most SPLIT // BLOCK_N tiles; the splits' partial results are then merged by their softmax statistics (as
-flash-decoding does), in plain torch ops that inductor fuses.
+flex_attention alike) for half a megabyte of keys and values: a quarter of the forward's kernel time
+(docs/performance.md, "On a GPU"). That is what kernels that give one thread block a (row, head) pair and walk its
+keys one tile after another would show (an inference from the times; no counters were read). Here each block takes
+one (row, key/value head) pair and one split of `SPLIT` keys, for all the query heads that share that key/value head
+(GQA) and all the row's queries at once, so the walk is at most SPLIT // BLOCK_N tiles; the splits' partial results
+are then merged by their softmax statistics (as flash-decoding does), in plain torch ops that inductor fuses.
 
 The keys a query sees are a prefix of the buffer: [0, limit] for that query's limit. The runner's static forwards
 build such masks (core.cuda_graphs: each row's cached length plus the query's column), and `limits` reads them back
