@@ -104,14 +104,16 @@ def test_attention_turns_to_flex_only_when_set_compiled_and_on_its_devices(flex,
 
 
 @pytest.mark.parametrize(("env", "cells"), [(None, "False False"), ("sdpa", "False False"), ("flex", "True False"),
-                                             ("triton", "False True")])
+                                             ("triton", "False True"), ("flash", "error")])
 def test_the_environment_picks_the_gpu_attention(env: str | None, cells: str) -> None:
     """TANDEM_GPU_ATTENTION=flex sets core.attention.FLEX, =triton TRITON, when tandem is imported (a fresh
-    interpreter: the cells are read once); anything else, or nothing, leaves sdpa."""
+    interpreter: the cells are read once); sdpa, or nothing, leaves sdpa; anything else stops with the choices."""
     environ = {k: v for k, v in os.environ.items() if k != "TANDEM_GPU_ATTENTION"}
     if env is not None:
         environ["TANDEM_GPU_ATTENTION"] = env
     code = "from tandem.core import attention; print(attention.FLEX[0], attention.TRITON[0])"
-    out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True,
-                         timeout=120).stdout
-    assert out.strip() == cells
+    done = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=120)
+    if cells == "error":
+        assert done.returncode != 0 and "TANDEM_GPU_ATTENTION: one of sdpa, flex, triton, got 'flash'" in done.stderr
+    else:
+        assert done.returncode == 0 and done.stdout.strip() == cells, done.stderr

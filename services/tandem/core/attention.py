@@ -56,7 +56,10 @@ NAME = "tandem_packed_sdpa"
 VARLEN = "tandem_varlen_sdpa"
 SEGMENTS = "tandem_segments"  # the keyword that carries a packed forward's rows to varlen_sdpa_forward
 BACKENDS: list[tuple[SDPBackend, ...] | None] = [None]  # a cell: compiled code guards on its content
-GPU_ATTENTION = os.environ.get("TANDEM_GPU_ATTENTION", "sdpa")  # sdpa, flex or triton
+GPU_KERNELS = ("sdpa", "flex", "triton")
+GPU_ATTENTION = os.environ.get("TANDEM_GPU_ATTENTION", "sdpa")
+if GPU_ATTENTION not in GPU_KERNELS:
+    raise ValueError(f"TANDEM_GPU_ATTENTION: one of {', '.join(GPU_KERNELS)}, got {GPU_ATTENTION!r}")
 FLEX: list[bool] = [GPU_ATTENTION == "flex"]  # a cell, as BACKENDS
 TRITON: list[bool] = [GPU_ATTENTION == "triton"]  # a cell: compiled forwards attend with core.triton_decode
 # Inductor's C++ template for flex_attention (torch 2.13) fails inside a compiled decoder on a CPU (no epilogue
