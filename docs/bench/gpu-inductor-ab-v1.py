@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "services"))
 
-from tandem.bench.gpu_measures import prompts, timed
+from tandem.bench.gpu_measures import kernel_share, prompts, timed
 from tandem.bench.gpu_probe import HBM_BYTES_PER_S, build
 from tandem.core import attention, cuda_graphs
 from tandem.core.config import EngineConfig, SamplingParams
@@ -65,10 +65,13 @@ class Variant:
             self.runner = ModelRunner(model, compile=True)
         finally:
             cuda_graphs.INDUCTOR_OPTIONS = saved
-        ids = prompts(1, seed=7, vocab=150000)[0] * 8
-        self.ids = ids
+        self.ids = prompts(1, seed=7, vocab=150000)[0] * 8
+        self.prime()
+
+    def prime(self) -> None:
+        """The probe sequence, CONTEXT tokens cached, that forward() extends by one token."""
         self.state = self.runner.state("probe")
-        self.state.sync(0, ids[:CONTEXT])
+        self.state.sync(0, self.ids[:CONTEXT])
         self.call(lambda: self.runner.prefill(self.state, CONTEXT))
 
     def call(self, fn):
@@ -85,29 +88,19 @@ class Variant:
         return sorted(timed(self.forward) for _ in range(reps))[reps // 2]
 
     def profile(self, forwards: int = 20) -> dict:
-        from torch.profiler import ProfilerActivity, profile
-
-        wall = timed(lambda: [self.forward() for _ in range(forwards)])
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(forwards):
-                self.forward()
-            torch.cuda.synchronize()
-        kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-        top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:15]
-        return {"wall_per_forward_s": wall / forwards,
-                "kernel_s_per_forward": sum(e.self_device_time_total for e in kernels) / 1e6 / forwards,
-                "launches_per_forward": sum(e.count for e in kernels) / forwards,
-                "top_kernels": [{"name": e.key[:100], "launches_per_forward": e.count / forwards,
-                                 "us_per_forward": e.self_device_time_total / forwards} for e in top]}
+        share = kernel_share(lambda: [self.forward() for _ in range(forwards)], top=15)
+        return {"wall_per_forward_s": share["wall_s"] / forwards,
+                "kernel_s_per_forward": share["kernel_s"] / forwards,
+                "launches_per_forward": share["launches"] / forwards,
+                "top_kernels": [{"name": k["name"][:100], "launches_per_forward": k["launches"] / forwards,
+                                 "us_per_forward": k["seconds"] * 1e6 / forwards} for k in share["top_kernels"]]}
 
     def plain_b1(self, work: list[list[int]], tokens: int) -> dict:
         self.runner.release("probe")
         eng = SpeculativeEngine(LocalVerifier(self.runner), None, EngineConfig(max_batch=1, calibrate=False))
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         seconds = sum(timed(lambda p=p: self.call(lambda: eng.generate([p], params))) for p in work)
-        self.state = self.runner.state("probe")
-        self.state.sync(0, self.ids[:CONTEXT])
-        self.call(lambda: self.runner.prefill(self.state, CONTEXT))
+        self.prime()
         return {"tok_s": len(work) * tokens / seconds, "seconds": seconds}
 
     def status(self) -> dict:

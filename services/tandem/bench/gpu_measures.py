@@ -71,7 +71,8 @@ def forward_costs(runner: ModelRunner, widths: list[int], context: int, reps: in
 
 def kernel_share(call, top: int = 12) -> dict:
     """GPU kernel time over wall time for `call` (kernel time from the profiler, wall time from an unprofiled run),
-    and the `top` kernels by time: name, launches, seconds (where a step's time goes, kernel by kernel)."""
+    the kernels launched, and the `top` kernels by time: name, launches, seconds (where a step's time goes, kernel by
+    kernel)."""
     wall = timed(call)
     from torch.profiler import ProfilerActivity, profile
 
@@ -82,6 +83,7 @@ def kernel_share(call, top: int = 12) -> dict:
     device_us = sum(e.self_device_time_total for e in events)
     kernels = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
     return {"wall_s": wall, "kernel_s": device_us / 1e6, "share": device_us / 1e6 / wall,
+            "launches": sum(e.count for e in events),
             "top_kernels": [{"name": e.key[:120], "launches": e.count, "seconds": e.self_device_time_total / 1e6}
                             for e in kernels]}
 
