@@ -23,9 +23,10 @@ pytestmark = pytest.mark.skipif(not supported(), reason="oneDNN's int8 GEMM does
 
 
 def _expected(layer: W8A8Linear, x: torch.Tensor) -> torch.Tensor:
-    """The product the layer stands for, computed in float64: each row quantized to 255 levels of its own scale."""
+    """The product the layer stands for, computed in float64: each row quantized to the levels -top..top of its own
+    scale (top 127, or 63 where the CPU's kernel would saturate: activation_levels)."""
     rows = x.reshape(-1, x.shape[-1]).double()
-    row_scale = rows.abs().amax(dim=-1, keepdim=True) / 127
+    row_scale = rows.abs().amax(dim=-1, keepdim=True) / layer.top
     levels = torch.round(rows / row_scale)
     y = (levels * row_scale) @ layer.dequantized().double().t()
     if layer.bias is not None:
@@ -59,6 +60,18 @@ def test_w8a8_linear_is_the_int8_product_with_per_row_scales(dtype: torch.dtype,
         head = layer.first_rows(30)
         assert torch.equal(head(x), layer(x)[..., :30])
         assert head.weight_bytes < layer.weight_bytes
+
+
+def test_the_largest_levels_multiply_exactly_on_this_cpu() -> None:
+    """Every activation and weight at its largest level, with the signs matched so that no product cancels another:
+    the sums a kernel that adds pairs of products in saturating int16 clips (AVX2 without VNNI, where the sums came
+    out 4e4 short). The levels the layer quantizes its activations to must be ones this CPU's kernel sums exactly."""
+    signs = torch.where(torch.arange(64) % 3 == 0, -1.0, 1.0)
+    layer = W8A8Linear(signs.expand(96, -1) * 0.5, None)
+    x = (signs * 3.0).expand(4, -1)
+    with torch.no_grad():
+        assert torch.allclose(layer(x), torch.full((4, 96), 64 * 1.5), rtol=1e-6, atol=0)
+        assert torch.allclose(layer(x[:1]), torch.full((1, 96), 64 * 1.5), rtol=1e-6, atol=0)
 
 
 def test_the_product_runs_on_a_onednn_jit_kernel_not_its_reference_one() -> None:

@@ -8,9 +8,10 @@ rate bf16 weights stream, so the 0.5B draft's products take about 0.55 of their 
 forward stays as it was: a whole draft forward of one token runs 1.25x on a 2-core AMX Xeon and 1.26x on an
 AVX-512 EPYC (docs/performance.md).
 
-The activations are quantized at each call, one scale per row (its largest magnitude over 127), so a row's product
-does not depend on the step's other rows and an outlier token of a prefill coarsens only its own row. The int32
-products are exact; the row and weight scales are applied in float32 afterwards.
+The activations are quantized at each call, one scale per row (its largest magnitude over 127, or over 63 on a CPU
+without VNNI: activation_levels), so a row's product does not depend on the step's other rows and an outlier token of
+a prefill coarsens only its own row. The int32 products are exact; the row and weight scales are applied in float32
+afterwards.
 
 Only drafts are quantized: the target's verification decides every emitted token, so the coarser draft can lower
 the acceptance rate but never changes the output (lossless, and seeded requests give plain decoding's tokens).
@@ -29,31 +30,52 @@ from tandem.core.packed_linear import fixed_size, replace_linears
 # five): such rows run as two.
 NARROW = 1024
 _ONE = torch.tensor(1.0)
-# Activations go to oneDNN as uint8 levels + 128 with zero point 128, the layout its x86 int8 kernels take (VNNI
-# multiplies uint8 by int8). As int8, a CPU with VNNI but no AMX ran oneDNN's reference kernel: 92 ms for 8 rows of
-# a [1152 x 896] product, against 0.16 ms as uint8 (a 2-core AVX-512 EPYC).
-OFFSET = 128
-_OFFSET = torch.tensor(OFFSET, dtype=torch.int64)
+# Activations go to oneDNN as uint8 levels + offset with the offset as zero point, the layout its x86 int8 kernels
+# take (VNNI multiplies uint8 by int8). As int8, a CPU with VNNI but no AMX ran oneDNN's reference kernel: 92 ms for
+# 8 rows of a [1152 x 896] product, against 0.16 ms as uint8 (a 2-core AVX-512 EPYC).
+#
+# A CPU without VNNI (AVX2 only) multiplies with vpmaddubsw, which adds each pair of uint8 x int8 products into a
+# saturating int16: levels up to 255 against weights up to 127 overflow it (sums off by 4e4 on an AVX2 EPYC). There
+# the activations take 7 bits, uint8 levels up to 127 (pairs stay under 2^15), as fbgemm's reduce_range does.
+FULL_LEVELS, REDUCED_LEVELS = 127, 63
 
 
-def _gemm(levels: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor) -> torch.Tensor:
-    # x scale 1 and zero point OFFSET: the int32 products of the signed levels times the weight's row scales, in
+def _gemm(levels: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor,
+          offset: int) -> torch.Tensor:
+    # x scale 1 and zero point `offset`: the int32 products of the signed levels times the weight's row scales, in
     # float32.
-    return torch.ops.onednn.qlinear_pointwise.tensor(levels, _ONE, _OFFSET, packed, scale, zero_points, None, 1.0, 0,
-                                                     torch.float32, "none", [None], "")
+    return torch.ops.onednn.qlinear_pointwise.tensor(levels, _ONE, _offset_tensor(offset), packed, scale,
+                                                     zero_points, None, 1.0, 0, torch.float32, "none", [None], "")
+
+
+@functools.cache
+def _offset_tensor(offset: int) -> torch.Tensor:
+    return torch.tensor(offset, dtype=torch.int64)
+
+
+@functools.cache
+def activation_levels() -> int:
+    """The largest activation level (in magnitude) whose products oneDNN's int8 GEMM sums exactly on this CPU: 127,
+    or 63 where its kernel saturates pairs in int16 (see REDUCED_LEVELS). Asked of the kernel, once, with the worst
+    case: every activation and weight at its largest level."""
+    columns = 64
+    packed = torch.ops.onednn.qlinear_prepack(torch.full((1, columns), 127, dtype=torch.int8), [1, columns])
+    top = torch.full((2, columns), FULL_LEVELS + FULL_LEVELS + 1, dtype=torch.uint8)
+    y = _gemm(top, packed, torch.ones(1), torch.zeros(1, dtype=torch.int64), FULL_LEVELS + 1)
+    return FULL_LEVELS if bool((y == FULL_LEVELS * 127 * columns).all()) else REDUCED_LEVELS
 
 
 @torch.library.custom_op("tandem::onednn_int8_gemm", mutates_args=())
 def onednn_int8_gemm(levels: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                     zero_points: torch.Tensor) -> torch.Tensor:
+                     zero_points: torch.Tensor, offset: int) -> torch.Tensor:
     """oneDNN's int8 GEMM as one opaque op for torch.compile, which fuses the quantizing and scaling around it (as
     core.packed_linear's onednn_linear); eager forwards call it directly."""
-    return _gemm(levels, packed, scale, zero_points)
+    return _gemm(levels, packed, scale, zero_points, offset)
 
 
 @onednn_int8_gemm.register_fake
 def _onednn_int8_gemm_shape(levels: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                            zero_points: torch.Tensor) -> torch.Tensor:
+                            zero_points: torch.Tensor, offset: int) -> torch.Tensor:
     return levels.new_empty((levels.shape[0], scale.shape[0]), dtype=torch.float32)
 
 
@@ -69,19 +91,19 @@ def lower_to_onednn() -> None:
     direct = fallback_handler(torch.ops.onednn.qlinear_pointwise.default, add_to_fallback_set=False)
 
     @register_lowering(torch.ops.tandem.onednn_int8_gemm.default, type_promotion_kind=None)
-    def _lowered(levels, packed, scale, zero_points):
-        return direct(levels, 1.0, OFFSET, packed, scale, zero_points, None, 1.0, 0, torch.float32, "none", [None], "")
+    def _lowered(levels, packed, scale, zero_points, offset):
+        return direct(levels, 1.0, offset, packed, scale, zero_points, None, 1.0, 0, torch.float32, "none", [None], "")
 
 
 def _product(x: torch.Tensor, gemm, packed: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor,
-             bias: torch.Tensor | None) -> torch.Tensor:
+             bias: torch.Tensor | None, top: int) -> torch.Tensor:
     out_features = scale.shape[0]
     rows = x.reshape(-1, x.shape[-1]).float()
     lone = rows.shape[0] == 1 and out_features < NARROW
     if lone:
         rows = rows.expand(2, -1)
-    row_scale = rows.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
-    y = gemm((torch.round(rows / row_scale) + OFFSET).to(torch.uint8), packed, scale, zero_points)
+    row_scale = rows.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / top
+    y = gemm((torch.round(rows / row_scale) + (top + 1)).to(torch.uint8), packed, scale, zero_points, top + 1)
     y = y * row_scale if bias is None else torch.addcmul(bias, y, row_scale)
     if lone:
         y = y[:1]
@@ -103,6 +125,8 @@ class W8A8Linear(torch.nn.Module):
         self.bias = None if bias is None else bias.detach().float()
         fixed_size(self.packed, self.scale, self.zero_points, self.bias)
         self.weight_bytes = levels.numel() + self.scale.numel() * self.scale.element_size()
+        # Each row's activations are quantized to the levels -top..top (activation_levels).
+        self.top = activation_levels()
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Module) -> W8A8Linear:
@@ -111,8 +135,8 @@ class W8A8Linear(torch.nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weight this layer multiplies by, in float32, recovered through the product itself (the packed layout
         is oneDNN's business): the identity's rows, which quantize exactly, pick out the weight's columns."""
-        identity = (torch.eye(self.in_features) + OFFSET).to(torch.uint8)
-        return _gemm(identity, self.packed, self.scale, self.zero_points).t().contiguous()
+        identity = (torch.eye(self.in_features) + (self.top + 1)).to(torch.uint8)
+        return _gemm(identity, self.packed, self.scale, self.zero_points, self.top + 1).t().contiguous()
 
     def first_rows(self, rows: int) -> W8A8Linear:
         """The projection onto the first `rows` outputs only (a drafter scoring part of the vocabulary); the levels
@@ -121,7 +145,7 @@ class W8A8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gemm = onednn_int8_gemm if torch.compiler.is_compiling() else _gemm
-        return _product(x, gemm, self.packed, self.scale, self.zero_points, self.bias)
+        return _product(x, gemm, self.packed, self.scale, self.zero_points, self.bias, self.top)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
