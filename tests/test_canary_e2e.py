@@ -12,6 +12,7 @@ import pytest
 
 from canary_router import OfflineArmRouter, engine_reference
 from tandem.canary import CanaryController, GreedyChecker, RedisCanaryStore, Thresholds, parse_arms
+from tandem.canary.secret import CanarySecret
 from tandem.canary.state import PROMOTED, ROLLED_BACK
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.engines.local import build_engine
@@ -28,6 +29,9 @@ STEPS = (10, 25, 50, 100)
 THRESHOLDS = Thresholds(min_sessions=12, max_acceptance_drop=0.2, max_tpot_p50_ratio=2.0, max_tpot_p99_ratio=20.0,
                         min_greedy_checks=3)
 MAX_REQUESTS = 600
+# Sessions are placed by an HMAC keyed with this (without one, each process draws a random key, and each run takes
+# another path through the trial).
+SECRET = CanarySecret(b"tandem canary e2e test secret", "test")
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +42,12 @@ def server():
 
 def run_trial(url: str, deployment: str, target, stable_draft, canary_engine, checks: float = 0.5):
     """Drive requests (one new session each) until the canary is decided; returns (state, controller, routed).
-    Arms and checks are chosen by hashes of the deployment and session names: every run takes the same path."""
+    Arms and checks are chosen by hashes of the deployment and session names keyed by SECRET: every run takes the
+    same path."""
     greedy = GreedyChecker(engine_reference(build_engine(target, None, CONFIG)), rate=checks, max_tokens=16,
                            inline=True)
     controller = CanaryController(RedisCanaryStore(url), deployment, arms=ARMS, thresholds=THRESHOLDS,
-                                  steps=STEPS, decide_every=4, greedy=greedy)
+                                  steps=STEPS, decide_every=4, greedy=greedy, secret=SECRET)
     router = OfflineArmRouter(controller, {"stable": build_engine(target, stable_draft, CONFIG),
                                            "canary": canary_engine})
     rng = random.Random(7)
