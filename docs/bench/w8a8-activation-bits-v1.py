@@ -27,17 +27,17 @@ cpu = torch.device("cpu")
 
 
 def emulate(model: torch.nn.Module, top: int) -> None:
-    """Each W8A8Linear of `model` computes in float32: rows quantized to -top..top, times its dequantized weight."""
+    """Each W8A8Linear of `model` computes in float32 at levels -top..top: the layer's own quantizing
+    (w8a8_linear._product) around a float product of the levels by its dequantized weight, in place of oneDNN's."""
     for layer in model.modules():
         if isinstance(layer, w8a8_linear.W8A8Linear):
             weight = layer.dequantized()
 
-            def forward(x, weight=weight, bias=layer.bias):
-                rows = x.reshape(-1, x.shape[-1]).float()
-                scale = rows.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / top
-                y = (torch.round(rows / scale) * scale) @ weight.t()
-                y = y if bias is None else y + bias
-                return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+            def gemm(levels, packed, scale, zero_points, offset, weight=weight):
+                return (levels.float() - offset) @ weight.t()
+
+            def forward(x, layer=layer, gemm=gemm):
+                return w8a8_linear._product(x, gemm, None, layer.scale, layer.zero_points, layer.bias, top)
             layer.forward = forward
 
 
