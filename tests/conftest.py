@@ -28,6 +28,16 @@ def guards_checked(monkeypatch):
     monkeypatch.setattr(GuardlessForward, "check_guards", True)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """A benchmark's main, called in a test, sets torch's threads for the process (its --threads); the next tests
+    keep the one thread set above, which is also what inductor's compiled code and its cache are keyed by."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray on loopback for the whole run: starting Ray twice in a process is slow and flaky."""

@@ -9,6 +9,9 @@ from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.costs import CostModel
 from tandem.engines.local import build_engine
 
+# One worker for the module: its references (Hugging Face's generate of every prompt, about a minute on two cores)
+# are a module fixture, which each worker that ran some of its tests would compute again.
+pytestmark = pytest.mark.xdist_group("engine_greedy")
 NEW_TOKENS = 64
 
 

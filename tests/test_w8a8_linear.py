@@ -139,7 +139,8 @@ def test_draft_weights_benchmark_runs_every_draft_and_keeps_the_output(tiny_dirs
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "dw.json"
     prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "hello"}\n')
     assert draft_weights.main(["--target", str(tiny_dirs.target), "--draft", str(tiny_dirs.draft), "--dtype",
-                               "float32", "--prompts", str(prompts), "--max-tokens", "8", "--json", str(out)]) == 0
+                               "float32", "--prompts", str(prompts), "--max-tokens", "8", "--threads", "1",
+                               "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["linear_ms"]["w8a8_onednn"]["1"] > 0
     for method in draft_weights.METHODS:

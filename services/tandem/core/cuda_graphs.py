@@ -99,17 +99,23 @@ def with_trace_settings(compiled: Callable[..., torch.Tensor]) -> Callable[..., 
     - Duck sizing off: sizes that happen to be equal when a graph compiles (2 rows over 2 slots, say) get symbols of
       their own, so the graph neither recompiles when they differ nor, called without its guards (core.guardless),
       runs where they do. Inductor's CPU template for flex attention needs it on (tests/test_flex_decode.py).
-    - Dynamo's recompile limit at least RECOMPILE_LIMIT: past PyTorch's 8 it runs further classes eagerly."""
+    - Dynamo's recompile limit at least RECOMPILE_LIMIT: past PyTorch's 8 it runs further classes eagerly.
+    - Floats specialised: the model's are constants (norm epsilons, attention scales, the embedding's norm type).
+      Left symbolic, as dynamic shapes have them, each became an input of the graph, and one that inductor cannot
+      take as a tensor (F.embedding's norm type) made dynamo trace and compile the whole forward again: five of the
+      tiny target's six classes were traced twice (tests/test_compiled_forward.py)."""
 
     def call(*args: torch.Tensor) -> torch.Tensor:
-        duck, limit = fx_config.use_duck_shape, getattr(dynamo_config, _LIMIT)
+        duck, limit, floats = fx_config.use_duck_shape, getattr(dynamo_config, _LIMIT), dynamo_config.specialize_float
         fx_config.use_duck_shape = False
         setattr(dynamo_config, _LIMIT, max(limit, RECOMPILE_LIMIT))
+        dynamo_config.specialize_float = True
         try:
             return compiled(*args)
         finally:
             fx_config.use_duck_shape = duck
             setattr(dynamo_config, _LIMIT, limit)
+            dynamo_config.specialize_float = floats
     return call
 
 
