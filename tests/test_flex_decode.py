@@ -4,7 +4,7 @@ attending with it runs on a GPU only (tests/test_cuda_graphs.py): inductor's CPU
 
 from __future__ import annotations
 
-import os
+import json
 import subprocess
 import sys
 
@@ -103,17 +103,34 @@ def test_attention_turns_to_flex_only_when_set_compiled_and_on_its_devices(flex,
     assert bool(called) == used
 
 
-@pytest.mark.parametrize(("env", "cells"), [(None, "False False"), ("sdpa", "False False"), ("flex", "True False"),
-                                             ("triton", "False True"), ("flash", "error")])
-def test_the_environment_picks_the_gpu_attention(env: str | None, cells: str) -> None:
-    """TANDEM_GPU_ATTENTION=flex sets core.attention.FLEX, =triton TRITON, when tandem is imported (a fresh
-    interpreter: the cells are read once); sdpa, or nothing, leaves sdpa; anything else stops with the choices."""
-    environ = {k: v for k, v in os.environ.items() if k != "TANDEM_GPU_ATTENTION"}
+# Each TANDEM_GPU_ATTENTION value against the cells it sets (None: unset), or "error".
+GPU_ATTENTION_CHOICES = {None: "False False", "sdpa": "False False", "flex": "True False", "triton": "False True",
+                         "flash": "error"}
+
+
+def test_the_environment_picks_the_gpu_attention() -> None:
+    """TANDEM_GPU_ATTENTION=flex sets core.attention.FLEX, =triton TRITON, when tandem is imported (the cells are read
+    once: one fresh interpreter reloads the module under each value); sdpa, or nothing, leaves sdpa; anything else
+    stops with the choices."""
+    code = """
+import importlib, json, os, sys
+os.environ.pop("TANDEM_GPU_ATTENTION", None)
+from tandem.core import attention
+seen = {}
+for env in json.loads(sys.argv[1]):
+    os.environ.pop("TANDEM_GPU_ATTENTION", None)
     if env is not None:
-        environ["TANDEM_GPU_ATTENTION"] = env
-    code = "from tandem.core import attention; print(attention.FLEX[0], attention.TRITON[0])"
-    done = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=120)
-    if cells == "error":
-        assert done.returncode != 0 and "TANDEM_GPU_ATTENTION: one of sdpa, flex, triton, got 'flash'" in done.stderr
-    else:
-        assert done.returncode == 0 and done.stdout.strip() == cells, done.stderr
+        os.environ["TANDEM_GPU_ATTENTION"] = env
+    try:
+        importlib.reload(attention)
+        seen[str(env)] = f"{attention.FLEX[0]} {attention.TRITON[0]}"
+    except ValueError as exc:
+        seen[str(env)] = f"error: {exc}"
+print(json.dumps(seen))
+"""
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(list(GPU_ATTENTION_CHOICES))], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen.pop("flash") == "error: TANDEM_GPU_ATTENTION: one of sdpa, flex, triton, got 'flash'"
+    assert seen == {str(env): cells for env, cells in GPU_ATTENTION_CHOICES.items() if cells != "error"}
