@@ -101,9 +101,10 @@ def with_trace_settings(compiled: Callable[..., torch.Tensor]) -> Callable[..., 
       runs where they do. Inductor's CPU template for flex attention needs it on (tests/test_flex_decode.py).
     - Dynamo's recompile limit at least RECOMPILE_LIMIT: past PyTorch's 8 it runs further classes eagerly.
     - Floats specialised: the model's are constants (norm epsilons, attention scales, the embedding's norm type).
-      Left symbolic, as dynamic shapes have them, each is an input of the graph, and one that inductor cannot take
-      as a tensor (F.embedding's norm type) makes dynamo trace and compile the whole forward a second time (five of
-      the tiny target's six classes)."""
+      Left symbolic, as dynamic shapes have them, each is an input of the graph, and one that AOT autograd cannot
+      turn into a tensor (F.embedding's norm type) restarts the analysis: dynamo and AOT autograd trace the whole
+      forward a second time before inductor compiles it (five of the tiny target's six classes), and a warm-up from
+      a kept cache pays that too (docs/performance.md, "Start-up: a kept compile cache")."""
 
     def call(*args: torch.Tensor) -> torch.Tensor:
         duck, limit, floats = fx_config.use_duck_shape, getattr(dynamo_config, _LIMIT), dynamo_config.specialize_float
