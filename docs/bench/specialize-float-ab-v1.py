@@ -10,7 +10,7 @@ settings, around the compiled call, and changes nothing else. The report is rewr
 
     PYTHONPATH=services python docs/bench/specialize-float-ab-v1.py --model tiny-target --rounds 2 --json ...
     PYTHONPATH=services python docs/bench/specialize-float-ab-v1.py --model qwen2.5-coder-0.5b-instruct \
-        --quantization w4 --dtype bfloat16 --rounds 1 --json ...      # 45 min on CPU-B
+        --quantization w4 --dtype bfloat16 --rounds 1 --json ...      # 47 min on CPU-B
 """
 
 from __future__ import annotations
