@@ -59,6 +59,19 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "memory free at start: the GPU's, or the host's available memory)")
 
 
+def add_pool_options(parser: argparse.ArgumentParser) -> None:
+    """How many workers of each pool, and where they land: `tandem serve` and `tandem pools start`."""
+    parser.add_argument("--draft-workers", type=int, default=1, help="draft-worker actors (default: %(default)s)")
+    parser.add_argument("--target-replicas", type=int, default=1, help="target replicas (default: %(default)s)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per target replica")
+    parser.add_argument("--draft-gpus", type=float, default=0.0, help="GPUs per draft worker (default: 0)")
+    parser.add_argument("--target-gpus", type=float, default=0.0, help="GPUs per target rank (default: 0)")
+    parser.add_argument("--draft-resources", default=None, metavar="JSON",
+                        help='custom Ray resources per draft worker, e.g. \'{"draft_pool": 1}\' (a worker group\'s)')
+    parser.add_argument("--target-resources", default=None, metavar="JSON",
+                        help='custom Ray resources per target rank, e.g. \'{"target_pool": 1}\'')
+
+
 def add_bench_model_options(parser: argparse.ArgumentParser, dtype: str,
                             dtype_help: str = "both models' dtype") -> None:
     """--target, --draft, --dtype and --threads of a benchmark that loads the pair in its own process (2 threads by

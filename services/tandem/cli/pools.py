@@ -11,6 +11,7 @@ import socket
 
 from tandem.cli.common import (
     add_model_options,
+    add_pool_options,
     add_ray_token_option,
     announce_compile,
     engine_config,
@@ -18,7 +19,6 @@ from tandem.cli.common import (
     pin_model_args,
 )
 from tandem.cli.options import add_json_option, wants_text, write_json
-from tandem.cli.serve import add_pool_options
 from tandem.core.config import compiles
 from tandem.errors import InvalidArgument, TandemError
 
@@ -34,7 +34,7 @@ def connect(args: argparse.Namespace) -> None:
     import ray
 
     from tandem import ray_auth
-    from tandem.workers.worker_base import NAMESPACE
+    from tandem.pools.names import NAMESPACE
 
     if not args.ray_address:
         raise InvalidArgument("ray_address: shared pools live on a running Ray cluster: pass --ray-address or set "
@@ -138,17 +138,9 @@ def run_start(args: argparse.Namespace) -> int:
 
 
 def _managers(args: argparse.Namespace) -> list:
-    import ray
+    from tandem.pools.names import all_managers, find_manager
 
-    from tandem.pools.manager import find_manager
-    from tandem.workers.worker_base import NAMESPACE
-
-    if args.name:
-        return [find_manager(args.name)]
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == NAMESPACE and a["name"].startswith("tandem-pools-")]
-    managers = [n for n in names if not any(n.startswith(m + "-") for m in names if m != n)]
-    return [ray.get_actor(n, namespace=NAMESPACE) for n in managers]
+    return [find_manager(args.name)] if args.name else all_managers()
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -183,7 +175,7 @@ def run_scale(args: argparse.Namespace) -> int:
 
 
 def run_stop(args: argparse.Namespace) -> int:
-    from tandem.pools.manager import stop_pools
+    from tandem.pools.names import stop_pools
 
     connect(args)
     stop_pools(_managers(args)[0])

@@ -15,6 +15,7 @@ from tandem import engines
 from tandem.cli.canary import add_serve_canary_options, serve_canary_options
 from tandem.cli.common import (
     add_model_options,
+    add_pool_options,
     add_ray_token_option,
     announce_compile,
     engine_config,
@@ -51,19 +52,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                         f"{DEFAULT_WORKER_METRICS_PORT}; taken: the next free one; 0: a free port; -1: off)")
     add_serve_canary_options(parser)
     parser.set_defaults(handler=run_serve)
-
-
-def add_pool_options(parser: argparse.ArgumentParser) -> None:
-    """How many workers of each pool, and where they land: `tandem serve` and `tandem pools start`."""
-    parser.add_argument("--draft-workers", type=int, default=1, help="draft-worker actors (default: %(default)s)")
-    parser.add_argument("--target-replicas", type=int, default=1, help="target replicas (default: %(default)s)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per target replica")
-    parser.add_argument("--draft-gpus", type=float, default=0.0, help="GPUs per draft worker (default: 0)")
-    parser.add_argument("--target-gpus", type=float, default=0.0, help="GPUs per target rank (default: 0)")
-    parser.add_argument("--draft-resources", default=None, metavar="JSON",
-                        help='custom Ray resources per draft worker, e.g. \'{"draft_pool": 1}\' (a worker group\'s)')
-    parser.add_argument("--target-resources", default=None, metavar="JSON",
-                        help='custom Ray resources per target rank, e.g. \'{"target_pool": 1}\'')
 
 
 def cluster_options(args: argparse.Namespace) -> ClusterOptions:

@@ -182,3 +182,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _require(1 <= self.max_batch <= 1024, "max_batch", "must be between 1 and 1024")
         _require(self.prefill_chunk >= 0, "prefill_chunk", "must be non-negative (0 prefills a prompt at once)")
+
+
+def draft_vocab_limit(draft_vocab: int, target_vocab: int) -> int:
+    """The ids the drafter scores: never beyond the target's vocabulary, fewer if `draft_vocab` asks."""
+    return min(draft_vocab, target_vocab) if draft_vocab else target_vocab

@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import os
 
-from tandem.core.config import EngineConfig, compiles
+from tandem.core.config import EngineConfig, compiles, draft_vocab_limit
 from tandem.engines.backend import Backend, engine_lanes
-from tandem.engines.local import decoder, draft_vocab_limit
+from tandem.engines.local import decoder
 from tandem.engines.options import Arm, ClusterOptions
 from tandem.errors import TandemError
 from tandem.workers.draft_pool import RayDrafter, start_draft_workers

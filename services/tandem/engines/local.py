@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tandem.core.config import EngineConfig, compiles
+from tandem.core.config import EngineConfig, compiles, draft_vocab_limit
 from tandem.core.costs import CostModel
 from tandem.core.engine import SpeculativeEngine
 from tandem.core.local import LocalDrafter, LocalVerifier
@@ -32,11 +32,6 @@ def decoder(tokenizer) -> Callable[[list[int]], str]:
         return tokenizer.decode(token_ids, skip_special_tokens=True)
 
     return decode
-
-
-def draft_vocab_limit(draft_vocab: int, target_vocab: int) -> int:
-    """The ids the drafter scores: never beyond the target's vocabulary, fewer if `draft_vocab` asks."""
-    return min(draft_vocab, target_vocab) if draft_vocab else target_vocab
 
 
 def build_engine(target, draft=None, config: EngineConfig | None = None, kv_tokens: int = 0,

@@ -24,12 +24,12 @@ from tandem.engines.backend import Backend, engine_lanes
 from tandem.engines.cluster import load_tokenizer
 from tandem.engines.local import decoder
 from tandem.errors import TandemError
-from tandem.pools.manager import IMAGE_ENV, find_manager
+from tandem.pools.manager import IMAGE_ENV
+from tandem.pools.names import NAMESPACE, find_manager
 from tandem.workers.draft_pool import RayDrafter
 from tandem.workers.fanout import RayPoolClient
 from tandem.workers.orphans import owner_tag
 from tandem.workers.target_pool import RayVerifier
-from tandem.workers.worker_base import NAMESPACE
 
 log = logging.getLogger(__name__)
 

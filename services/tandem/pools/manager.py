@@ -7,6 +7,10 @@ sessions, but every call still passes the router). The per-call overhead of both
 tandem.bench.pool_overhead (docs/bench/pool-overhead-v1.json: 1.19 ms median per actor call, 4.08 ms through
 Serve). Scaling, health and restarts are the manager's and Ray's (max_restarts) job; the Ray autoscaler grows nodes
 from the workers' resource requests.
+
+The model stack (the workers' modules, torch) is imported inside the methods that start and stop workers: a process
+that only asks a manager (`tandem pools status`) gets its handle, and Ray loads an actor's class by reference to make
+one, so this module must import in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -17,18 +21,19 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ray
 
-from tandem.core.config import EngineConfig
+from tandem.core.config import EngineConfig, draft_vocab_limit
 from tandem.core.costs import CostModel
-from tandem.engines.local import draft_vocab_limit
-from tandem.engines.options import ClusterOptions
 from tandem.errors import InvalidArgument, TandemError
-from tandem.workers.draft_pool import start_draft_workers
-from tandem.workers.target_pool import start_target_replicas
-from tandem.workers.tp_replica import TensorParallelReplica, find_tp_replica, start_tp_replica, stop_tp_replica
-from tandem.workers.worker_base import NAMESPACE, WorkerConfig, ray_failures
+from tandem.pools.names import NAMESPACE, find_manager, manager_name, stop_pools
+
+if TYPE_CHECKING:
+    from tandem.engines.options import ClusterOptions
+    from tandem.workers.tp_replica import TensorParallelReplica
+    from tandem.workers.worker_base import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +60,7 @@ class PoolSpec:
 
     @property
     def actor_prefix(self) -> str:
-        return f"tandem-pools-{self.name}-"
-
-
-def manager_name(pool: str) -> str:
-    return f"tandem-pools-{pool}"
+        return f"{manager_name(self.name)}-"
 
 
 class PoolManager:
@@ -96,6 +97,8 @@ class PoolManager:
         for role, index, name in sorted(found):
             worker = f"{role}-{index}"
             if role == "target" and tp > 1:
+                from tandem.workers.tp_replica import find_tp_replica
+
                 self.groups[worker] = find_tp_replica(prefix, worker, tp)
             self.workers[role][worker] = ray.get_actor(name, namespace=NAMESPACE)
             self.next_index[role] = max(self.next_index[role], index + 1)
@@ -193,7 +196,7 @@ class PoolManager:
                 continue
             try:
                 info = ray.get(ref)
-            except ray_failures():
+            except ray.exceptions.RayError:  # dead, restarting or raising: unhealthy
                 continue
             worker.update({key: info[key] for key in STATUS_FIELDS}, healthy=True,
                           rows_per_forward=round(info["rows_per_forward"], 3),
@@ -216,11 +219,17 @@ class PoolManager:
 
     def _remove(self, role: str, name: str, handle) -> None:
         if name in self.groups:
+            from tandem.workers.tp_replica import stop_tp_replica
+
             stop_tp_replica(self.groups.pop(name))
         else:
             ray.kill(handle, no_restart=True)
 
     def _add(self, role: str, count: int) -> None:
+        from tandem.workers.draft_pool import start_draft_workers
+        from tandem.workers.target_pool import start_target_replicas
+        from tandem.workers.tp_replica import start_tp_replica
+
         options, first = self.spec.options, self.next_index[role]
         naming = {"first": first, "detached_prefix": self.spec.actor_prefix}
         if role == "target" and options.tensor_parallel > 1:
@@ -255,14 +264,6 @@ def _actor_state(handle) -> str:
         return ""
 
 
-def find_manager(pool: str):
-    """The running pool's manager actor; a clear error when there is none."""
-    try:
-        return ray.get_actor(manager_name(pool), namespace=NAMESPACE)
-    except ValueError as exc:
-        raise TandemError(f"no pools named {pool!r} on this Ray cluster (`tandem pools start --name {pool}`)") from exc
-
-
 def start_pools(spec: PoolSpec) -> dict:
     """Start the pool's manager and its workers as detached actors; returns its description once they are ready."""
     try:
@@ -278,11 +279,4 @@ def start_pools(spec: PoolSpec) -> dict:
     except Exception:
         stop_pools(manager)
         raise
-
-
-def stop_pools(manager) -> None:
-    try:
-        ray.get(manager.stop.remote(), timeout=60)
-    finally:
-        ray.kill(manager, no_restart=True)
 

@@ -26,10 +26,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.core.local import LocalVerifier
+from tandem.pools.names import NAMESPACE
 from tandem.workers.target_worker import TargetWorker
 from tandem.workers.worker_base import (
     MAX_CONCURRENT_CALLS,
-    NAMESPACE,
     WorkerBase,
     WorkerConfig,
     WorkerReply,

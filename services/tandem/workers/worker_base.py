@@ -10,6 +10,7 @@ import torch
 
 from tandem.core.protocol import KVUsage
 from tandem.core.runner import ModelRunner
+from tandem.pools.names import NAMESPACE
 from tandem.telemetry.worker import WorkerTelemetry
 from tandem.workers.orphans import release_orphans_forever
 
@@ -123,7 +124,6 @@ class WorkerBase:
                 "calls_per_forward": self.batcher.stats.calls_per_forward()}
 
 
-NAMESPACE = "tandem"  # the Ray namespace of shared pools' named actors
 MAX_CONCURRENT_CALLS = 64  # calls a worker holds at once (from every gateway and lane); they merge into forwards
 
 

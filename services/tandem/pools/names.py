@@ -1,0 +1,46 @@
+"""Where shared pools live on a Ray cluster: the namespace of their named detached actors, each pool's manager, and
+the calls that only ask a manager (find, list, stop).
+
+Ray alone, no model stack: `tandem pools status|scale|stop` and the gateways look pools up through this module, and a
+command that only asks a manager should not import torch and transformers first (seconds of every call).
+"""
+
+from __future__ import annotations
+
+import ray
+
+from tandem.errors import TandemError
+
+NAMESPACE = "tandem"  # the Ray namespace of shared pools' named actors
+MANAGER_PREFIX = "tandem-pools-"
+STOP_TIMEOUT_S = 60.0
+
+
+def manager_name(pool: str) -> str:
+    """The pool manager's actor name; its workers are named `{manager_name(pool)}-{role}-{index}`."""
+    return f"{MANAGER_PREFIX}{pool}"
+
+
+def find_manager(pool: str):
+    """The running pool's manager actor; a clear error when there is none."""
+    try:
+        return ray.get_actor(manager_name(pool), namespace=NAMESPACE)
+    except ValueError as exc:
+        raise TandemError(f"no pools named {pool!r} on this Ray cluster (`tandem pools start --name {pool}`)") from exc
+
+
+def all_managers() -> list:
+    """Every pool manager on the cluster. Workers' names start with their manager's name and a dash, so a name that
+    extends another one so is a worker, not a manager."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == NAMESPACE and a["name"].startswith(MANAGER_PREFIX)]
+    managers = [n for n in names if not any(n.startswith(m + "-") for m in names if m != n)]
+    return [ray.get_actor(n, namespace=NAMESPACE) for n in managers]
+
+
+def stop_pools(manager) -> None:
+    """Stop the pool's workers, then its manager (killed even when stopping the workers fails)."""
+    try:
+        ray.get(manager.stop.remote(), timeout=STOP_TIMEOUT_S)
+    finally:
+        ray.kill(manager, no_restart=True)
