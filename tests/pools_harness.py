@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -106,6 +107,19 @@ class Gateway:
     def stop(self, sig: int = signal.SIGTERM) -> None:
         self.process.send_signal(sig)
         self.process.wait(timeout=60)
+
+
+def start_gateways(address: str, redis_url: str, count: int, pool: str = "t") -> list[Gateway]:
+    """`count` gateways started side by side (each spends seconds importing the engine and joining Ray). When one
+    fails to start, those that did are stopped before the error is raised."""
+    with ThreadPoolExecutor(count) as executor:
+        futures = [executor.submit(Gateway, address, redis_url, pool=pool) for _ in range(count)]
+    started = [f.result() for f in futures if f.exception() is None]
+    if len(started) < count:
+        for gateway in started:
+            gateway.stop()
+        next(f for f in futures if f.exception() is not None).result()
+    return started
 
 
 def generate_greedy(address: str, prompt: list[int], out: dict, key, request_id: str, tokens: int = TOKENS) -> None:

@@ -29,6 +29,7 @@ from pools_harness import (
     named_actors,
     plain_greedy,
     ray_head,
+    start_gateways,
     tandem_cli,
     wait_health,
 )
@@ -55,7 +56,7 @@ def pools(cluster, tiny_dirs):
 def gateways(pools):
     """Two gateway processes sharing the pools and one Redis (the session store every gateway of a deployment uses)."""
     with EmbeddedRedis() as redis:
-        started = [Gateway(pools, redis.url), Gateway(pools, redis.url)]
+        started = start_gateways(pools, redis.url, 2)
         yield started
         for gateway in started:
             if gateway.process.poll() is None:

@@ -13,12 +13,12 @@ pytest.importorskip("ray")
 from pools_harness import (
     PROMPTS,
     SERVING,
-    Gateway,
     at_once,
     kill_for_good,
     named_actors,
     plain_greedy,
     ray_head,
+    start_gateways,
     tandem_cli,
     wait_health,
 )
@@ -50,7 +50,7 @@ def test_two_gateways_share_a_tensor_parallel_replica_and_a_broken_group_is_repl
     assert names == ["tandem-pools-tp", "tandem-pools-tp-draft-0", "tandem-pools-tp-target-0",
                      "tandem-pools-tp-target-0-rank1"]
     with EmbeddedRedis() as redis:
-        gateways = [Gateway(tp_pools, redis.url, pool="tp") for _ in range(2)]
+        gateways = start_gateways(tp_pools, redis.url, 2, pool="tp")
         try:
             out = at_once([(gateways[0].address, 0), (gateways[1].address, 1)] * 2)
             assert out == {(n, i): expected[i] for n, i in [(0, 0), (1, 1), (2, 0), (3, 1)]}
