@@ -11,6 +11,7 @@ settings, around the compiled call, and changes nothing else. The report is rewr
     PYTHONPATH=services python docs/bench/specialize-float-ab-v1.py --model tiny-target --rounds 2 --json ...
     PYTHONPATH=services python docs/bench/specialize-float-ab-v1.py --model qwen2.5-coder-0.5b-instruct \
         --quantization w4 --dtype bfloat16 --rounds 1 --json ...      # 47 min on CPU-B
+    # a second sitting: the same command with --append (its rounds join the report, the order alternating on)
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ def main() -> None:
                         help="the first round runs the symbolic variant first (a second sitting of one round)")
     parser.add_argument("--calls", type=int, default=60, help="timed one-row forwards per runner and run")
     parser.add_argument("--json", help="where the report goes (required)")
+    parser.add_argument("--append", action="store_true",
+                        help="add this sitting's rounds to the report at --json, its runs kept; the order alternates "
+                             "on from its rounds")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -126,7 +130,12 @@ def main() -> None:
     if not args.json:
         parser.error("--json is required")
     runs: dict[str, dict[str, list[dict]]] = {v: {"cold": [], "warm": []} for v in VARIANTS}
-    for round_ in range(args.rounds):
+    sittings = [{k: v for k, v in vars(args).items() if k != "child"}]
+    if args.append:
+        earlier = json.loads(Path(args.json).read_text())
+        runs, sittings = earlier["runs"], earlier.get("sittings", [earlier["args"]]) + sittings
+    done_before = min(len(runs[v][kind]) for v in VARIANTS for kind in ("cold", "warm"))
+    for round_ in range(done_before, done_before + args.rounds):
         for variant in (VARIANTS if (round_ + args.symbolic_first) % 2 == 0 else VARIANTS[::-1]):
             with tempfile.TemporaryDirectory(prefix="tandem-float-ab-") as cache_dir:
                 for kind in ("cold", "warm"):
@@ -135,10 +144,10 @@ def main() -> None:
                     print(f"round {round_ + 1} {variant} {kind}: {result['seconds']:.1f} s, "
                           f"{result['restarts']} restarts, forward {result['forward_ms_median']:.2f} ms, "
                           f"eager over compiled {result['eager_over_compiled']:.3f}", flush=True)
-                    write_report(args, runs)  # after every run: a sitting cut short keeps what it measured
+                    write_report(args, sittings, runs)  # after every run: a sitting cut short keeps its runs
 
 
-def write_report(args: argparse.Namespace, runs: dict[str, dict[str, list[dict]]]) -> None:
+def write_report(args: argparse.Namespace, sittings: list[dict], runs: dict[str, dict[str, list[dict]]]) -> None:
     """The runs so far, and the ratios over the rounds where both variants ran."""
     rounds = min(len(runs[v][kind]) for v in VARIANTS for kind in ("cold", "warm"))
 
@@ -150,14 +159,14 @@ def write_report(args: argparse.Namespace, runs: dict[str, dict[str, list[dict]]
         return statistics.median(r["eager_over_compiled"] for kind in ("cold", "warm")
                                  for r in runs[variant][kind][:rounds])
 
-    report = {"what": __doc__.split("\n\n")[0], "args": {k: v for k, v in vars(args).items() if k != "child"},
-              "complete_rounds": rounds, "runs": runs}
+    report = {"what": __doc__.split("\n\n")[0], "args": sittings[0], "sittings": sittings, "complete_rounds": rounds,
+              "runs": runs}
     if rounds:
         report |= {"symbolic_over_specialised": {kind: total("symbolic", kind) / total("specialised", kind)
                                                  for kind in ("cold", "warm")},
                    "eager_over_compiled": {v: forward(v) for v in VARIANTS},
                    "compiled_forward_specialised_over_symbolic": forward("specialised") / forward("symbolic")}
-        if rounds == args.rounds:
+        if all(len(runs[v][kind]) == rounds for v in VARIANTS for kind in ("cold", "warm")):
             print(json.dumps({k: report[k] for k in ("symbolic_over_specialised", "eager_over_compiled",
                                                      "compiled_forward_specialised_over_symbolic")}))
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
