@@ -279,4 +279,3 @@ def start_pools(spec: PoolSpec) -> dict:
     except Exception:
         stop_pools(manager)
         raise
-

@@ -30,8 +30,8 @@ def find_manager(pool: str):
 
 
 def all_managers() -> list:
-    """Every pool manager on the cluster. Workers' names start with their manager's name and a dash, so a name that
-    extends another one so is a worker, not a manager."""
+    """Every pool manager on the cluster. A worker's name is its manager's name, a dash and more: a name that another
+    one starts so is a worker's, not a manager's."""
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == NAMESPACE and a["name"].startswith(MANAGER_PREFIX)]
     managers = [n for n in names if not any(n.startswith(m + "-") for m in names if m != n)]
