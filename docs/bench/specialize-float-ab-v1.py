@@ -134,7 +134,7 @@ def main() -> None:
     if args.append:
         earlier = json.loads(Path(args.json).read_text())
         runs, sittings = earlier["runs"], earlier.get("sittings", [earlier["args"]]) + sittings
-    done_before = min(len(runs[v][kind]) for v in VARIANTS for kind in ("cold", "warm"))
+    done_before = complete_rounds(runs)
     for round_ in range(done_before, done_before + args.rounds):
         for variant in (VARIANTS if (round_ + args.symbolic_first) % 2 == 0 else VARIANTS[::-1]):
             with tempfile.TemporaryDirectory(prefix="tandem-float-ab-") as cache_dir:
@@ -147,9 +147,18 @@ def main() -> None:
                     write_report(args, sittings, runs)  # after every run: a sitting cut short keeps its runs
 
 
+def run_counts(runs: dict[str, dict[str, list[dict]]]) -> list[int]:
+    return [len(runs[v][kind]) for v in VARIANTS for kind in ("cold", "warm")]
+
+
+def complete_rounds(runs: dict[str, dict[str, list[dict]]]) -> int:
+    """Rounds in which both variants ran cold and warm."""
+    return min(run_counts(runs))
+
+
 def write_report(args: argparse.Namespace, sittings: list[dict], runs: dict[str, dict[str, list[dict]]]) -> None:
     """The runs so far, and the ratios over the rounds where both variants ran."""
-    rounds = min(len(runs[v][kind]) for v in VARIANTS for kind in ("cold", "warm"))
+    rounds = complete_rounds(runs)
 
     def total(variant: str, kind: str) -> float:
         return sum(r["seconds"] for r in runs[variant][kind][:rounds])
@@ -166,7 +175,7 @@ def write_report(args: argparse.Namespace, sittings: list[dict], runs: dict[str,
                                                  for kind in ("cold", "warm")},
                    "eager_over_compiled": {v: forward(v) for v in VARIANTS},
                    "compiled_forward_specialised_over_symbolic": forward("specialised") / forward("symbolic")}
-        if all(len(runs[v][kind]) == rounds for v in VARIANTS for kind in ("cold", "warm")):
+        if max(run_counts(runs)) == rounds:  # no round half run: the sitting's summary line
             print(json.dumps({k: report[k] for k in ("symbolic_over_specialised", "eager_over_compiled",
                                                      "compiled_forward_specialised_over_symbolic")}))
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
