@@ -86,11 +86,15 @@ def ray_head(temp: Path, cpus: int = 8) -> Iterator[str]:
 
 
 class Gateway:
-    def __init__(self, address: str, redis_url: str, *flags: str, pool: str = "t") -> None:
-        self.process = subprocess.Popen([str(BIN / "tandem"), "gateway", "--pools", pool, "--port", "0",
+    """`tandem gateway --pools POOL` in a process of its own, ready once constructed. `program`: the command that
+    runs `tandem` (a Python wrapper, say), `env`: variables to add."""
+
+    def __init__(self, address: str, redis_url: str, *flags: str, pool: str = "t",
+                 program: tuple[str, ...] = (str(BIN / "tandem"),), env: dict | None = None) -> None:
+        self.process = subprocess.Popen([*program, "gateway", "--pools", pool, "--port", "0",
                                          "--metrics-port", "-1", "--redis-url", redis_url, *flags],
-                                        env=head_env(address), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                        text=True)
+                                        env=head_env(address) | (env or {}), stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, text=True)
         for line in self.process.stdout:
             if "serving tandem.v1.GenerationService on" in line:
                 self.address = line.split(" on ")[1].split()[0]

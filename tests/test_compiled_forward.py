@@ -312,7 +312,7 @@ def test_the_compile_option_reaches_every_runner(tiny_dirs) -> None:
     assert engine.drafter.runner.graphs is not None and engine.drafter.runner.graphs.compiled
     assert engine.verifier.runner.graphs is None
     worker = load_runner(WorkerConfig(model=str(tiny_dirs.draft), device="cpu", dtype="float32", kv_tokens=4096,
-                                      compile=True))
+                                      compile=True)).runner
     assert worker.graphs is not None and worker.graphs.compiled and worker.graphs.compile_error is None
     with pytest.raises(InvalidArgument, match="eager and compile"):
         load_model(str(tiny_dirs.target), device=torch.device("cpu"), dtype=torch.float32, eager=True, compile=True)

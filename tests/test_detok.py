@@ -7,9 +7,8 @@ import random
 
 from bpe_vocab import LONG_STOP, RARE, SPECIAL, WORDS, bpe_decode, bpe_tokenizer
 from tandem.core.config import SamplingParams
-from tandem.core.detok import MAX_STALL, REPLACEMENT, IncrementalDecoder, IncrementalDetokenizer
+from tandem.core.detok import MAX_STALL, REPLACEMENT, IncrementalDecoder, IncrementalDetokenizer, decoder
 from tandem.core.stops import StopChecker
-from tandem.engines.local import decoder
 from tandem.models.tiny import build_byte_tokenizer
 
 

@@ -81,7 +81,7 @@ def test_a_draft_runner_scores_a_limited_vocabulary_with_int8_weights(int8_draft
 
 
 def test_a_draft_worker_loads_int8_weights_when_configured(tiny_dirs) -> None:
-    runner = load_runner(WorkerConfig(model=str(tiny_dirs.draft), dtype="float32", quantization="int8"))
+    runner = load_runner(WorkerConfig(model=str(tiny_dirs.draft), dtype="float32", quantization="int8")).runner
     assert any(isinstance(m, Int8Linear) for m in runner.model.modules())
 
 

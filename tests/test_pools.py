@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("ray")
 
 import grpc
+import httpx
 
 from pools_harness import (
     BIN,
@@ -33,6 +34,7 @@ from pools_harness import (
     tandem_cli,
     wait_health,
 )
+from tandem.bench.local_cluster import free_port
 from tandem.client import TandemClient
 from tandem.sessions import EmbeddedRedis
 
@@ -117,6 +119,44 @@ def test_commands_that_only_ask_the_manager_import_no_model_stack(pools) -> None
         out[command[0]] = json.loads(done.stdout)
     assert sorted(w["name"] for w in out["status"]["workers"]) == ["draft-0", "target-0"]
     assert out["scale"]["workers"] == {"draft": ["draft-0"], "target": ["target-0"]}
+
+
+# `tandem` in a fresh interpreter that writes, at exit, the top-level packages it imported to $IMPORTS_FILE.
+REPORT_IMPORTS = """
+import atexit, json, os, sys
+from tandem.cli.main import main
+
+atexit.register(lambda: open(os.environ["IMPORTS_FILE"], "w").write(json.dumps(sorted(
+    {name.split(".")[0] for name in sys.modules}))))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_gateway_takes_the_tokenizer_from_the_pools_and_imports_no_torch(pools, tiny_models, tmp_path) -> None:
+    """A gateway tokenizes with the target worker's tokenizer (it needs no model files: a gateway pod pulled the
+    whole target for it before) and never imports torch: not to start, nor to pass sampled drafts' distributions
+    from the draft worker to the target (numpy arrays, core.protocol.DraftDist)."""
+    imports, http = tmp_path / "imports.json", f"http://127.0.0.1:{free_port()}"
+    with EmbeddedRedis() as redis:
+        gateway = Gateway(pools, redis.url, "--http-port", http.rsplit(":", 1)[1],
+                          program=(sys.executable, "-c", REPORT_IMPORTS), env={"IMPORTS_FILE": str(imports)})
+        try:
+            with TandemClient(gateway.address, timeout=120) as client:
+                text = "the quick brown fox"
+                assert client.tokenize(text) == tiny_models[0].tokenizer.encode(text)
+                for options in ({"temperature": 0.0}, {"temperature": 0.8}, {"temperature": 0.8, "seed": 7}):
+                    result = client.generate_result(text, max_tokens=12, ignore_eos=True, **options).choices[0]
+                    assert len(result.token_ids) == 12, options
+                    assert result.speculation.drafted_tokens > 0, options  # fixed k: every round drafts
+            model = httpx.get(f"{http}/v1/models", timeout=30).json()["data"][0]["id"]
+            chat = httpx.post(f"{http}/v1/chat/completions", timeout=120, json={
+                "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 6, "temperature": 0.9})
+            assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] > 0, chat.text
+        finally:
+            gateway.stop()
+    assert gateway.process.returncode == 0
+    imported = json.loads(imports.read_text())
+    assert "torch" not in imported and "ray" in imported and "transformers" in imported
 
 
 def test_scaling_under_load_fails_nothing(pools, gateways, expected) -> None:

@@ -8,9 +8,8 @@ import pytest
 
 from bpe_vocab import LONG_STOP, RARE, WORDS, bpe_decode, bpe_tokenizer, longest_token_chars
 from tandem.core.config import SamplingParams
-from tandem.core.detok import REPLACEMENT
+from tandem.core.detok import REPLACEMENT, decoder
 from tandem.core.stops import FINISH_LENGTH, FINISH_STOP, StopChecker
-from tandem.engines.local import decoder
 from tandem.models.tiny import build_byte_tokenizer
 
 

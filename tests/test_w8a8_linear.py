@@ -109,7 +109,7 @@ def test_quantize_refuses_a_device_without_the_kernel() -> None:
 
 
 def test_a_draft_worker_loads_w8a8_weights_when_configured(tiny_dirs) -> None:
-    runner = load_runner(WorkerConfig(model=str(tiny_dirs.draft), dtype="float32", quantization="w8a8"))
+    runner = load_runner(WorkerConfig(model=str(tiny_dirs.draft), dtype="float32", quantization="w8a8")).runner
     assert any(isinstance(m, W8A8Linear) for m in runner.model.modules())
 
 

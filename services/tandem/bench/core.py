@@ -102,7 +102,7 @@ def hf_description(target, draft) -> dict:
 
 
 def engine_eos(loaded) -> frozenset[int]:
-    from tandem.engines.local import eos_token_ids
+    from tandem.models.loader import eos_token_ids
 
     return eos_token_ids(loaded.model, loaded.tokenizer)
 

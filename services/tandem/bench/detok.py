@@ -26,9 +26,8 @@ from transformers import PreTrainedTokenizerFast
 
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
 from tandem.core.config import SamplingParams
-from tandem.core.detok import IncrementalDetokenizer
+from tandem.core.detok import IncrementalDetokenizer, decoder
 from tandem.core.stops import StopChecker
-from tandem.engines.local import decoder
 from tandem.models.tiny import QWEN2_PRETOKENIZE_REGEX, build_byte_tokenizer
 
 STOPS = ("</answer>", "\n\nUser:")

@@ -196,7 +196,8 @@ def vllm_job(args: argparse.Namespace, jobs: list[str]) -> dict:
     """What vLLM's side loads and sends: Hugging Face directories, and the prompts chat-templated as tandem does."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from tandem.engines.local import encode_prompt, eos_token_ids
+    from tandem.engines.local import encode_prompt
+    from tandem.models.loader import eos_token_ids
 
     target_dir, draft_dir = hf_dir(args.target), hf_dir(args.draft)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)

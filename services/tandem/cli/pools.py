@@ -112,18 +112,18 @@ def run_start(args: argparse.Namespace) -> int:
     announce_compile(args)
     # The pools' stack (Ray, torch), once the arguments are known good.
     from tandem.cli.serve import cluster_options
-    from tandem.engines.cluster import load_tokenizer
+    from tandem.models.loader import resolve
     from tandem.pools.manager import IMAGE_ENV, PoolSpec, start_pools
     from tandem.workers.worker_base import WorkerConfig
 
     options = cluster_options(args)
-    load_tokenizer(args.target)  # pulls a registry model once, before the workers would race for it
+    resolve(args.target)  # pulls a registry model once, before the workers would race for it
     common = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "eager": args.eager,
               "kv_tokens": args.kv_tokens, "batch_window_s": args.batch_window_ms / 1000}
     target = WorkerConfig(model=args.target, compile=compiles(args.compile, draft=False), **common)
     draft = None
     if speculate and args.draft_workers:
-        load_tokenizer(args.draft)  # pulls a registry model once, before several workers would race for it
+        resolve(args.draft)  # pulls a registry model once, before several workers would race for it
         draft = WorkerConfig(model=args.draft, top_m=config.spec.draft_top_m, confidence=config.spec.stop_confidence,
                              draft_vocab=config.spec.draft_vocab, quantization=args.draft_quantization,
                              compile=compiles(args.compile, draft=True), **common)

@@ -12,6 +12,15 @@ REPLACEMENT = "\ufffd"
 
 Decode = Callable[[list[int]], str]
 
+
+def decoder(tokenizer) -> Decode:
+    """The text of token ids as the engine and the gateway show it: special tokens left out."""
+
+    def decode(token_ids: list[int]) -> str:
+        return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    return decode
+
 # A character's bytes span at most 4 tokens (every token but a skipped special carries a byte), so text waiting on
 # more than that has a token boundary ending in a whole character to commit up to, unless the tokens are invalid
 # bytes or skipped specials: once MAX_STALL of them wait, all but the last 3 (which may begin a character) commit.

@@ -7,6 +7,7 @@ import torch
 from tandem.core.costs import CATCH_UP_ALONE_ABOVE
 from tandem.core.logprobs import TokenLogprob
 from tandem.core.protocol import (
+    DraftDist,
     DraftProposal,
     DraftRequest,
     InProcessSide,
@@ -100,8 +101,8 @@ class LocalDrafter(InProcessSide):
             self._stop_unsure(rows, [top for _, top in picked], budget, step)
         for proposal, row_dists in zip(proposals, dists, strict=True):
             if row_dists:  # to the host once per proposal: it may travel to a verifier elsewhere
-                proposal.dist = SparseDist(torch.cat([d.ids for d in row_dists]),
-                                           torch.cat([d.probs for d in row_dists])).to("cpu")
+                proposal.dist = DraftDist(torch.cat([d.ids for d in row_dists]).cpu().numpy(),
+                                          torch.cat([d.probs for d in row_dists]).cpu().numpy())
         return proposals
 
     def _stop_unsure(self, rows: list[int], tops: list[float], budget: list[int], step: int) -> None:
@@ -232,7 +233,7 @@ class LocalVerifier(InProcessSide):
         device, dist = probs.device, request.draft.dist
         accepted, next_token = accept_sampled(
             torch.tensor([tokens], dtype=torch.long, device=device),
-            SparseDist(dist.ids.unsqueeze(0), dist.probs.unsqueeze(0)).to(device),
+            SparseDist(torch.tensor(dist.ids, device=device)[None], torch.tensor(dist.probs, device=device)[None]),
             probs.unsqueeze(0),
             keyed_uniforms(seed, range(position, position + k), ACCEPT_STREAM).unsqueeze(0).to(device),
             resample.unsqueeze(0).to(device),

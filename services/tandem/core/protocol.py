@@ -9,12 +9,14 @@ carry no distribution; sampled ones carry the exact truncated distribution each 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tandem.core.config import SamplingParams
 from tandem.core.logprobs import TokenLogprob
 from tandem.core.row_layout import RowLayout
-from tandem.core.sampling import SparseDist
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class StateLost(RuntimeError):
@@ -72,9 +74,20 @@ class DraftRequest:
 
 
 @dataclass(slots=True)
+class DraftDist:
+    """The truncated draft distributions a proposal's tokens were drawn from, on the host as numpy arrays: `ids`
+    [k, m] int64 and `probs` [k, m] float32, each row summing to 1. numpy rather than torch: a proposal passes
+    through the gateway from a draft worker to a target worker, and a gateway over shared pools imports no torch. The
+    verifier turns them back into a core.sampling.SparseDist on its device."""
+
+    ids: np.ndarray
+    probs: np.ndarray
+
+
+@dataclass(slots=True)
 class DraftProposal:
     tokens: list[int]
-    dist: SparseDist | None = None
+    dist: DraftDist | None = None
     failed: bool = False  # the worker for this sequence failed: an empty proposal, decoded plainly this round
 
 

@@ -31,7 +31,8 @@ from tandem.core.attention import SEGMENTS, packed
 from tandem.core.cuda_graphs import MAX_WIDTH, ROW_BUCKETS, GraphedForward
 from tandem.core.kv_cache import SlotCache, Step, cache_keyword, default_kv_tokens
 from tandem.core.protocol import KVCacheFull
-from tandem.core.row_layout import RowLayout, packed_inputs, padded_inputs
+from tandem.core.row_inputs import packed_inputs, padded_inputs
+from tandem.core.row_layout import RowLayout
 from tandem.core.sequence import SequenceState
 
 log = logging.getLogger(__name__)

@@ -12,12 +12,12 @@ import logging
 import os
 
 from tandem.core.config import EngineConfig, compiles, draft_vocab_limit
+from tandem.core.detok import decoder
 from tandem.engines.backend import Backend, engine_lanes
-from tandem.engines.local import decoder
 from tandem.engines.options import Arm, ClusterOptions
 from tandem.errors import TandemError
 from tandem.workers.draft_pool import RayDrafter, start_draft_workers
-from tandem.workers.target_pool import RayVerifier, start_target_replicas
+from tandem.workers.target_pool import RayVerifier, start_target_replicas, target_tokenizer
 from tandem.workers.tp_replica import start_tp_replica
 from tandem.workers.worker_base import WorkerConfig
 
@@ -50,38 +50,24 @@ def start_ray(options: ClusterOptions) -> None:
     ray.init(num_cpus=cpus, include_dashboard=False, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
              runtime_env=env, log_to_driver=False, configure_logging=False)
 
-def load_tokenizer(spec: str):
-    """(tokenizer, EOS ids) of a model whose weights live elsewhere (the workers load them)."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    from tandem.models.loader import resolve
-
-    source = resolve(spec)
-    kwargs = source.hub_kwargs()  # a pinned hub id's revision too: the tokenizer of the weights the workers load
-    tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
-    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    try:
-        generation_eos = GenerationConfig.from_pretrained(source.path, **kwargs).eos_token_id
-    except OSError:
-        generation_eos = None
-    eos |= set(generation_eos if isinstance(generation_eos, list) else [generation_eos] if generation_eos else [])
-    return tokenizer, frozenset(eos)
-
 def build_cluster_backends(target: str, arms: tuple[Arm, ...], options: ClusterOptions,
                            lanes: int = 1) -> dict[str, Backend]:
     """Pull the models once here, start Ray and the workers, and return one backend per arm over one shared target
     pool; arms with the same draft model share its draft pool. With tensor-parallel replicas each arm gets replicas
     of its own: a failed replica is rebuilt by the one pool client that holds it."""
-    tokenizer, eos = load_tokenizer(target)
+    from tandem.models.loader import resolve
+
     drafts = {arm.draft for arm in arms if arm.draft and arm.config.spec.speculating}
-    for draft in sorted(drafts):
-        load_tokenizer(draft)  # pulls a registry draft once, before several workers would race for it
+    for spec in (target, *sorted(drafts)):
+        resolve(spec)  # pulls a registry model once, before several workers would race for it
     start_ray(options)
     shared = _start_target_pool(target, options) if options.tensor_parallel == 1 else None
     draft_pools: dict[str, list] = {}
     backends = {}
     for arm in arms:
         replicas = shared if shared is not None else _start_target_pool(target, options)
+        if arm is arms[0]:  # every arm serves the one target model
+            tokenizer, eos = target_tokenizer(replicas, "this server's target pool")
         speculating = bool(arm.draft) and arm.config.spec.speculating and options.draft_workers > 0
         if speculating and arm.draft not in draft_pools:
             draft_pools[arm.draft] = _start_draft_pool(arm.draft, arm.config, options, RayVerifier(replicas).vocab_size)

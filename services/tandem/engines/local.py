@@ -3,35 +3,16 @@ builds (the target loaded once, each distinct draft model once, one engine per a
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from tandem.core.config import EngineConfig, compiles, draft_vocab_limit
 from tandem.core.costs import CostModel
+from tandem.core.detok import decoder
 from tandem.core.engine import SpeculativeEngine
 from tandem.core.local import LocalDrafter, LocalVerifier
 from tandem.core.runner import DEFAULT_RETAIN_TOKENS, ModelRunner
 from tandem.engines.backend import Backend
 from tandem.engines.options import Arm, LocalOptions
 from tandem.errors import InvalidArgument
-from tandem.models.loader import runner_mode
-
-
-def eos_token_ids(model, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for value in (generation_eos, tokenizer.eos_token_id):
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(int(v) for v in value)
-    return frozenset(ids)
-
-
-def decoder(tokenizer) -> Callable[[list[int]], str]:
-    def decode(token_ids: list[int]) -> str:
-        return tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    return decode
+from tandem.models.loader import eos_token_ids, runner_mode
 
 
 def build_engine(target, draft=None, config: EngineConfig | None = None, kv_tokens: int = 0,

@@ -20,16 +20,15 @@ import ray
 
 from tandem.core.config import EngineConfig
 from tandem.core.costs import CostModel
+from tandem.core.detok import decoder
 from tandem.engines.backend import Backend, engine_lanes
-from tandem.engines.cluster import load_tokenizer
-from tandem.engines.local import decoder
 from tandem.errors import TandemError
 from tandem.pools.manager import IMAGE_ENV
 from tandem.pools.names import NAMESPACE, find_manager
 from tandem.workers.draft_pool import RayDrafter
 from tandem.workers.fanout import RayPoolClient
 from tandem.workers.orphans import owner_tag
-from tandem.workers.target_pool import RayVerifier
+from tandem.workers.target_pool import RayVerifier, target_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +48,11 @@ def attach_backend(pool: str, max_batch: int | None = None, prefill_chunk: int |
     manager = find_manager(pool)
     description = ray.get(manager.describe.remote())
     check_image(pool, description.get("image", ""), os.environ.get(IMAGE_ENV, ""))
-    tokenizer, eos = load_tokenizer(description["target"])
     tag = f"{owner_tag()}{uuid.uuid4().hex[:12]}/"  # the job first: workers release a dead gateway's sequences
     config: EngineConfig = description["engine"]
     speculating = bool(description["draft"]) and config.spec.speculating
     targets, drafts = _handles(description, "target"), _handles(description, "draft") if speculating else []
+    tokenizer, eos = target_tokenizer(targets, f"pools {pool!r}")
     clients: list[RayPoolClient] = []
 
     def sides(lane: int) -> tuple[RayVerifier, RayDrafter | None]:

@@ -55,6 +55,18 @@ def runner_mode(loaded) -> dict:
             "compile": True if getattr(loaded, "compile", False) else None}
 
 
+def eos_token_ids(model, tokenizer) -> frozenset[int]:
+    """The ids a model's output ends at: its generation config's and its tokenizer's end-of-sequence tokens."""
+    ids: set[int] = set()
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (generation_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
 @dataclass(frozen=True, slots=True)
 class _Source:
     path: str

@@ -1,11 +1,11 @@
 """A draft worker: one draft model and the draft caches of the sessions routed to it.
 
-Plain Python so it can be tested in-process; `ray.remote(DraftWorker)` turns it into an actor.
+Plain Python so it can be tested in-process; `ray.remote(DraftWorker)` turns it into an actor. The model stack is
+imported where the worker is built, not here (gateways import this module: see workers.worker_base).
 """
 
 from __future__ import annotations
 
-from tandem.core.local import LocalDrafter
 from tandem.core.protocol import DraftRequest, KVCacheFull, StateLost
 from tandem.workers.worker_base import WorkerBase, WorkerConfig, WorkerReply, load_runner
 
@@ -14,8 +14,10 @@ class DraftWorker(WorkerBase):
     role = "draft"
 
     def __init__(self, config: WorkerConfig, name: str = "draft") -> None:
+        from tandem.core.local import LocalDrafter
+
         super().__init__(name, config.batch_window_s)
-        self.runner = self.batcher.on_model_thread(load_runner, config, config.draft_vocab)
+        self.runner = self.batcher.on_model_thread(load_runner, config, config.draft_vocab).runner
         self.drafter = LocalDrafter(self.runner, top_m=config.top_m, confidence=config.confidence)
 
     def propose(self, requests: list[DraftRequest], trace: dict | None = None) -> WorkerReply:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
 
 import ray
 
@@ -22,6 +23,7 @@ from tandem.workers.tp_replica import TensorParallelReplica
 from tandem.workers.worker_base import start_workers
 
 log = logging.getLogger(__name__)
+TOKENIZER_TIMEOUT_S = 60.0  # how long one target replica may take to hand over its tokenizer
 
 
 class TargetUnavailable(BackendUnavailable):
@@ -94,3 +96,15 @@ def start_target_replicas(config, count: int, num_gpus: float = 0.0, num_cpus: f
     from tandem.workers.target_worker import TargetWorker
 
     return start_workers(TargetWorker, config, count, "target", num_gpus, num_cpus, resources, **naming)
+
+
+def target_tokenizer(replicas: list, where: str) -> tuple[Any, frozenset[int]]:
+    """The target's tokenizer and end-of-sequence ids (`TargetWorker.tokenizer`), from the first replica that
+    answers: the process that serves needs no model files of its own, nor the model stack (unpickled, a tokenizer
+    imports transformers' tokenization code alone). `where` names the pools in the error."""
+    for replica in replicas:
+        try:
+            return ray.get(replica.tokenizer.remote(), timeout=TOKENIZER_TIMEOUT_S)
+        except ray.exceptions.RayError as exc:  # died, restarting, or timed out
+            log.warning("%s: a target replica did not hand over its tokenizer: %s", where, exc)
+    raise TargetUnavailable(f"{where}: no target replica handed over its tokenizer (of {len(replicas)})")

@@ -1,10 +1,15 @@
-"""A target worker: the target model, verifying the draft blocks of every session routed to it in one forward."""
+"""A target worker: the target model, verifying the draft blocks of every session routed to it in one forward.
+
+The model stack is imported where the worker is built, not here (gateways import this module: see
+workers.worker_base).
+"""
 
 from __future__ import annotations
 
-from tandem.core.local import LocalVerifier
+from typing import Any
+
 from tandem.core.protocol import KVCacheFull, StateLost, VerifyRequest
-from tandem.workers.worker_base import WorkerBase, WorkerConfig, WorkerReply, load_runner
+from tandem.workers.worker_base import LoadedRunner, WorkerBase, WorkerConfig, WorkerReply, load_runner
 
 
 class TargetWorker(WorkerBase):
@@ -12,8 +17,19 @@ class TargetWorker(WorkerBase):
 
     def __init__(self, config: WorkerConfig, name: str = "target") -> None:
         super().__init__(name, config.batch_window_s)
-        self.runner = self.batcher.on_model_thread(load_runner, config)
-        self.verifier = LocalVerifier(self.runner)
+        self._take(self.batcher.on_model_thread(load_runner, config))
+
+    def _take(self, loaded: LoadedRunner) -> None:
+        from tandem.core.local import LocalVerifier
+
+        self.runner, self.verifier = loaded.runner, LocalVerifier(loaded.runner)
+        self._tokenizer = (loaded.tokenizer, loaded.eos_token_ids)
+
+    def tokenizer(self) -> tuple[Any, frozenset[int]]:
+        """The target's tokenizer and end-of-sequence ids, for the gateways: they tokenize with the model's own
+        tokenizer without holding its files (unpickled, a tokenizer imports transformers' tokenization code, not
+        torch)."""
+        return self._tokenizer
 
     def verify(self, requests: list[VerifyRequest], trace: dict | None = None) -> WorkerReply:
         """`trace`: {sequence id: W3C carrier} for traced rows (see tandem.telemetry.worker)."""

@@ -25,7 +25,6 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tandem.core.local import LocalVerifier
 from tandem.pools.names import NAMESPACE
 from tandem.workers.target_worker import TargetWorker
 from tandem.workers.worker_base import (
@@ -66,9 +65,8 @@ class TensorParallelRank(TargetWorker):
                           WORLD_SIZE=str(self.world), LOCAL_RANK="0")
         backend = "nccl" if self.config.device.startswith("cuda") and torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, rank=self.rank, world_size=self.world, timeout=timedelta(seconds=timeout_s))
-        self.runner = self.batcher.on_model_thread(load_runner, self.config, 0,
-                                                   {"tp_plan": "auto"} if self.world > 1 else None)
-        self.verifier = LocalVerifier(self.runner)
+        self._take(self.batcher.on_model_thread(load_runner, self.config, 0,
+                                                {"tp_plan": "auto"} if self.world > 1 else None))
         if self.lead and self.world > 1:
             self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
             if self.rank:

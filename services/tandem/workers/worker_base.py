@@ -1,18 +1,24 @@
-"""What draft and target workers share: loading a model into a runner, and telling lost sequences apart."""
+"""What draft and target workers share: loading a model into a runner, and telling lost sequences apart.
+
+Ray imports a worker's module wherever a handle to the worker is made (it loads the actor's class by reference to
+learn its methods), and every gateway over shared pools makes handles. So this module and the workers' own import
+torch and the model stack only where a worker loads its model (`load_runner`): a gateway imports none of it.
+"""
 
 from __future__ import annotations
 
 import os
 import threading
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tandem.core.protocol import KVUsage
-from tandem.core.runner import ModelRunner
 from tandem.pools.names import NAMESPACE
 from tandem.telemetry.worker import WorkerTelemetry
 from tandem.workers.orphans import release_orphans_forever
+
+if TYPE_CHECKING:
+    from tandem.core.runner import ModelRunner
 
 
 def ray_failures() -> tuple[type[BaseException], ...]:
@@ -49,9 +55,22 @@ class WorkerReply:
     spans: list[dict] | None = None  # finished spans of traced rows, for the gateway to export (telemetry.worker)
 
 
-def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None = None) -> ModelRunner:
+@dataclass(slots=True, frozen=True)
+class LoadedRunner:
+    """A worker's model in its runner, with the model's tokenizer and end-of-sequence ids: a target worker hands
+    those to the gateways (`TargetWorker.tokenizer`), which then need no model files of their own."""
+
+    runner: ModelRunner
+    tokenizer: Any  # transformers' PreTrainedTokenizerBase
+    eos_token_ids: frozenset[int]
+
+
+def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None = None) -> LoadedRunner:
+    import torch
+
     from tandem.core.device import select_device, select_dtype
-    from tandem.models.loader import load_model, runner_mode
+    from tandem.core.runner import ModelRunner
+    from tandem.models.loader import eos_token_ids, load_model, runner_mode
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -61,7 +80,7 @@ def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None =
     runner = ModelRunner(loaded.model, pad_token_id=loaded.tokenizer.pad_token_id or 0, vocab_limit=vocab_limit,
                          kv_tokens=config.kv_tokens, **runner_mode(loaded))
     runner.warm_up()  # compiles at start, not in the first requests (a GPU's default)
-    return runner
+    return LoadedRunner(runner, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer))
 
 
 class WorkerBase:
