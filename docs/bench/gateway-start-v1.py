@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from tandem.bench.local_cluster import ray_env, start_ray_head
+from tandem.bench.local_cluster import ray_env, start_checkout_head
 from tandem.client import TandemClient
 
 SERVING = 1  # grpc.health.v1
@@ -115,10 +115,8 @@ def main() -> None:
     report: dict = {"what": __doc__.split("\n\n")[0], "args": vars(args), "checkouts": {}}
     heads: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
-        for services in checkouts:  # a head per checkout: its workers import that checkout's tandem
-            temp = tempfile.mkdtemp(prefix="gws-")
-            heads[services] = start_ray_head(temp, env=lambda address, s=services: ray_env(address) | {
-                "PYTHONPATH": s}, cpus=4)
+        for services in checkouts:
+            heads[services] = start_checkout_head(services)
             report["checkouts"][services] = {"pools_start_s": start_pools(services, heads[services][1], "p", args),
                                              "starts": []}
         for round_ in range(args.rounds):

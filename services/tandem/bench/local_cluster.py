@@ -11,6 +11,7 @@ import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -85,6 +86,15 @@ def start_ray_head(temp_dir: str, env: Callable[[str], dict[str, str]] = ray_env
         head.terminate()
         head.wait(timeout=120)
     raise RuntimeError(f"no Ray head started in {tries} tries (see {log})")
+
+
+def start_checkout_head(services: str, cpus: int = 4) -> tuple[subprocess.Popen, str]:
+    """A Ray head of our own (start_ray_head) whose workers import the tandem in `services`, a checkout's services/
+    directory. Benchmarks that compare checkouts start one per checkout: a worker imports whichever tandem its head's
+    environment finds first, and that is this environment's (an editable install) unless PYTHONPATH says otherwise."""
+    services = os.path.abspath(services)
+    return start_ray_head(tempfile.mkdtemp(prefix="tandem-head-"), cpus=cpus,
+                          env=lambda address: ray_env(address) | {"PYTHONPATH": services})
 
 
 def start_gateway(address: str, pools: str, extra: Sequence[str] = (), log: Path | None = None,

@@ -112,12 +112,12 @@ def run_start(args: argparse.Namespace) -> int:
     announce_compile(args)
     # The pools' stack (Ray, torch), once the arguments are known good.
     from tandem.cli.serve import cluster_options
-    from tandem.models.loader import resolve
+    from tandem.models.loader import resolve, vocab_size
     from tandem.pools.manager import IMAGE_ENV, PoolSpec, start_pools
     from tandem.workers.worker_base import WorkerConfig
 
     options = cluster_options(args)
-    resolve(args.target)  # pulls a registry model once, before the workers would race for it
+    target_vocab = vocab_size(args.target)  # pulls a registry model once, before the workers would race for it
     common = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "eager": args.eager,
               "kv_tokens": args.kv_tokens, "batch_window_s": args.batch_window_ms / 1000}
     target = WorkerConfig(model=args.target, compile=compiles(args.compile, draft=False), **common)
@@ -129,7 +129,7 @@ def run_start(args: argparse.Namespace) -> int:
                              compile=compiles(args.compile, draft=True), **common)
     engine = dataclasses.replace(config, spec=dataclasses.replace(config.spec, enabled=draft is not None))
     spec = PoolSpec(name=args.name, target=target, draft=draft, options=options, engine=engine,
-                    image=os.environ.get(IMAGE_ENV, ""))
+                    image=os.environ.get(IMAGE_ENV, ""), target_vocab=target_vocab)
     connect(args)
     described = start_pools(spec)
     print(json.dumps({"started": described["name"], "target": described["target"], "draft": described["draft"],

@@ -129,6 +129,15 @@ def resolve(spec: str, *, progress: bool = True, pip_args: list[str] | None = No
     return _Source(ref.repo_id, local_files_only=local_only, revision=ref.revision)
 
 
+def vocab_size(spec: str) -> int:
+    """The output vocabulary of the model `spec` names, from its config alone (no weights loaded): what a runner of
+    it reports as `vocab_size`. Pulls a registry model first."""
+    from transformers import AutoConfig
+
+    source = resolve(spec)
+    return int(AutoConfig.from_pretrained(source.path, **source.hub_kwargs()).vocab_size)
+
+
 def load_model(
     spec: str,
     *,

@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,10 +54,16 @@ class PoolSpec:
     options: ClusterOptions
     engine: EngineConfig  # what gateways attached to this pool run (they may change batching only)
     image: str = ""  # $TANDEM_IMAGE of whoever started the pools: gateways of another image refuse to attach
+    # The target's output vocabulary (models.loader.vocab_size): draft workers never score ids beyond it. Known
+    # before any worker starts, so draft and target workers start (load, compile) at once.
+    target_vocab: int = 0
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").isalnum():
             raise InvalidArgument(f"name: letters, digits and dashes only, got {self.name!r}")
+        if self.draft is not None and self.target_vocab < 1:
+            raise InvalidArgument(f"target_vocab: the target's vocabulary size, needed with a draft, got "
+                                  f"{self.target_vocab}")
 
     @property
     def actor_prefix(self) -> str:
@@ -73,7 +80,9 @@ class PoolManager:
         self.groups: dict[str, TensorParallelReplica] = {}
         self.calibrations: dict[int, CostModel] = {}  # the first gateway's measured costs, by its --max-batch
         self.generation = 0
-        self.draft_config = spec.draft
+        # Draft workers never score ids the target lacks: their vocabulary is cut to the target's.
+        self.draft_config = spec.draft and dataclasses.replace(
+            spec.draft, draft_vocab=draft_vocab_limit(spec.draft.draft_vocab, spec.target_vocab))
         self._lock = threading.Lock()  # the manager serves several calls at once (status, scale, the pruner)
         self._stopped = threading.Event()
         # Gateways compare (incarnation, generation): a restarted manager, or pools stopped and started anew, is a
@@ -102,17 +111,18 @@ class PoolManager:
                 self.groups[worker] = find_tp_replica(prefix, worker, tp)
             self.workers[role][worker] = ray.get_actor(name, namespace=NAMESPACE)
             self.next_index[role] = max(self.next_index[role], index + 1)
-        if self.spec.draft is not None and self.workers["target"]:
-            self._limit_draft_vocab()
         log.warning("pools %s: manager restarted, adopted %s", self.spec.name,
                     {role: list(workers) for role, workers in self.workers.items()})
 
     def start(self) -> dict:
+        """Start the workers, draft and target at once (each role waits for its own to load), and return the pools'
+        description once all are ready."""
         options = self.spec.options
-        self._add("target", options.target_replicas)
-        if self.spec.draft is not None:
-            self._limit_draft_vocab()
-            self._add("draft", options.draft_workers)
+        roles = [("target", options.target_replicas)] + ([("draft", options.draft_workers)] if self.spec.draft else [])
+        with ThreadPoolExecutor(len(roles), thread_name_prefix="tandem-pools-start") as starting:
+            started = [starting.submit(self._add, role, count) for role, count in roles]
+        for future in started:
+            future.result()  # the first failure; the pools' starter then stops whatever did start
         threading.Thread(target=self._prune_dead, name="tandem-pools-prune", daemon=True).start()
         return self.describe()
 
@@ -123,13 +133,6 @@ class PoolManager:
     def record_calibration(self, max_batch: int, costs: CostModel) -> None:
         with self._lock:
             self.calibrations.setdefault(max_batch, costs)
-
-    def _limit_draft_vocab(self) -> None:
-        """Draft workers never score ids the target lacks: their vocabulary is cut to the target's."""
-        first = next(iter(self.workers["target"].values()))
-        vocab = ray.get(first.info.remote())["vocab_size"]
-        self.draft_config = dataclasses.replace(self.spec.draft,
-                                                draft_vocab=draft_vocab_limit(self.spec.draft.draft_vocab, vocab))
 
     def _prune_dead(self) -> None:
         """Drop workers that died for good (killed without restart, their node gone for good): gateways follow the
