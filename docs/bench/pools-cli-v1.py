@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tandem.bench.local_cluster import ray_env, start_ray_head
+from tandem.bench.local_cluster import ray_env, start_checkout_head
 from tandem.models.tiny import make_tiny
 
 # Runs the command, then says on stderr what of the model stack it imported (stdout carries the command's output).
@@ -48,8 +48,7 @@ def tandem(services: str, address: str, args: list[str]) -> tuple[float, list[st
 
 
 def sitting(services: str, tiny, calls: int) -> dict:
-    temp = tempfile.mkdtemp(prefix="pcli-")
-    head, address = start_ray_head(temp, cpus=4)
+    head, address = start_checkout_head(services)  # the pools' manager and workers run this checkout too
     try:
         began = time.monotonic()
         tandem(services, address, ["pools", "start", "--name", "b", "--target", str(tiny.target), "--draft",
