@@ -17,16 +17,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import grpc
+from tandem.bench.local_cluster import ray_env, start_checkout_head, wait_serving
 
-from tandem.bench.local_cluster import ray_env, start_checkout_head
-from tandem.client import TandemClient
-
-SERVING = 1  # grpc.health.v1
 # `tandem ARGV` that writes, at exit, the top-level packages it imported to $IMPORTS_FILE.
 TANDEM = """
 import atexit, json, os, sys
@@ -45,14 +40,6 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
-def health(client: TandemClient) -> int | None:
-    """The readiness status, or None while the gRPC port does not answer yet."""
-    try:
-        return client.health_status("tandem.v1.GenerationService")
-    except grpc.RpcError:
-        return None
-
-
 def gateway_start(services: str, address: str, pool: str, temp: str) -> dict:
     """One gateway in a fresh interpreter: seconds until ready, its RSS then, what it imported (after a SIGTERM)."""
     run = os.path.join(temp, f"gateway-{pool}-{time.monotonic_ns()}")
@@ -63,19 +50,7 @@ def gateway_start(services: str, address: str, pool: str, temp: str) -> dict:
                                     "--metrics-port", "-1", "--http-port", "-1"], env=env, stdout=subprocess.PIPE,
                                    stderr=errors, text=True)
     try:
-        for line in process.stdout:
-            if "serving tandem.v1.GenerationService on" in line:
-                listening = line.split(" on ")[1].split()[0]
-                break
-        else:
-            raise SystemExit(f"a gateway of {services} exited before listening: {Path(f'{run}.err').read_text()}")
-        threading.Thread(target=process.stdout.read, daemon=True).start()
-        with TandemClient(listening, timeout=10) as client:
-            while (status := health(client)) != SERVING:
-                if time.monotonic() - began > 600 or process.poll() is not None:
-                    raise SystemExit(f"a gateway of {services} never turned ready (health {status}): "
-                                     f"{Path(f'{run}.err').read_text()[-3000:]}")
-                time.sleep(0.05)
+        wait_serving(process, Path(f"{run}.err"), timeout_s=600, poll_s=0.05)
         ready_s = time.monotonic() - began
         rss = rss_mib(process.pid)
     finally:

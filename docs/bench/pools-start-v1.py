@@ -1,12 +1,15 @@
 """How long `tandem pools start` takes, from the command's start until it returns with every worker ready, for each
 checkout (`--services`: this one and a worktree of an older commit) on a Ray head of its own whose workers import
 that checkout; the checkouts take turns, their order alternating round by round, and each round's pools are stopped
-before the next starts.
+before the next starts. `--serve`: `tandem serve` instead (Ray, its pools and a gateway in one command, no head of
+ours), from its start until its readiness says SERVING.
 
     git worktree add /tmp/old e3291a9
     PYTHONPATH=services python docs/bench/pools-start-v1.py --services /tmp/old/services services --json start.json
     PYTHONPATH=services python docs/bench/pools-start-v1.py --services /tmp/old/services services \\
         --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --json start-real.json
+    PYTHONPATH=services python docs/bench/pools-start-v1.py --services /tmp/old/services services --serve \\
+        --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --json serve-real.json
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tandem.bench.local_cluster import ray_env, start_checkout_head
+from tandem.bench.local_cluster import ray_env, start_checkout_head, wait_serving
 
 
 def tandem(services: str, address: str, *args: str) -> float:
@@ -35,6 +38,23 @@ def tandem(services: str, address: str, *args: str) -> float:
     return round(time.monotonic() - began, 2)
 
 
+def serve(services: str, flags: list[str]) -> float:
+    """`tandem serve FLAGS` in a fresh interpreter on `services`: wall seconds until it is ready, then SIGTERM."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"PYTHONPATH": services,
+                                                                                "HF_HUB_OFFLINE": "1"}
+    errors = Path(tempfile.mkdtemp(prefix="pst-serve-")) / "serve.err"
+    began = time.monotonic()
+    with errors.open("w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "tandem", "serve", *flags, "--port", "0", "--metrics-port",
+                                    "-1", "--http-port", "-1"], env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        wait_serving(process, errors, timeout_s=3600)
+        return round(time.monotonic() - began, 2)
+    finally:
+        process.terminate()
+        process.wait(timeout=300)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--services", nargs="+", default=["services"], help="tandem checkouts' services/ directories")
@@ -42,6 +62,7 @@ def main() -> None:
     parser.add_argument("--draft", default="", help="their draft (default: the tiny draft)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=3, help="pool starts per checkout")
+    parser.add_argument("--serve", action="store_true", help="time `tandem serve` instead of `tandem pools start`")
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     if not args.target:
@@ -55,10 +76,13 @@ def main() -> None:
                     "checkouts": {services: {"start_s": []} for services in checkouts}}
     heads = {}
     try:
-        for services in checkouts:
+        for services in [] if args.serve else checkouts:
             heads[services] = start_checkout_head(services)
         for round_ in range(args.rounds):
             for services in checkouts if round_ % 2 == 0 else checkouts[::-1]:
+                if args.serve:
+                    report["checkouts"][services]["start_s"].append(serve(services, flags))
+                    continue
                 address = heads[services][1]
                 report["checkouts"][services]["start_s"].append(
                     tandem(services, address, "pools", "start", "--name", f"p{round_}", *flags))

@@ -108,6 +108,13 @@ def start_gateway(address: str, pools: str, extra: Sequence[str] = (), log: Path
                                stderr=log.open("w") if log else subprocess.DEVNULL, text=True)
     if started is not None:
         started.append(process)
+    return Gateway(wait_serving(process, log, timeout_s), process)
+
+
+def wait_serving(process: subprocess.Popen, log: Path | None = None, timeout_s: float = 300,
+                 poll_s: float = 0.2) -> str:
+    """The gRPC address of a `tandem gateway` or `tandem serve` process (its stdout a text pipe), once its readiness
+    says SERVING. RuntimeError when it exits first or `timeout_s` passes; `log`: where its stderr went."""
     where = f" (see {log})" if log else ""
     lines: queue.Queue[str] = queue.Queue()  # read on a thread so that the wait has a deadline; "" marks EOF
     threading.Thread(target=lambda: [*map(lines.put, process.stdout), lines.put("")], daemon=True).start()
@@ -115,14 +122,14 @@ def start_gateway(address: str, pools: str, extra: Sequence[str] = (), log: Path
     while line and LISTENING not in line:
         line = lines.get(timeout=max(0.01, deadline - time.monotonic()))  # queue.Empty at the deadline
     if not line:
-        raise RuntimeError(f"the gateway exited before listening{where}")
+        raise RuntimeError(f"the server exited before listening{where}")
     target = line.split(" on ")[1].split()[0]
     with TandemClient(target, timeout=10) as client:
         while client.health_status("tandem.v1.GenerationService") != SERVING:
             if time.monotonic() > deadline or process.poll() is not None:
-                raise RuntimeError(f"the gateway never turned ready{where}")
-            time.sleep(0.2)
-    return Gateway(target, process)
+                raise RuntimeError(f"the server never turned ready{where}")
+            time.sleep(poll_s)
+    return target
 
 
 def greedy_streams(addresses: Sequence[str], prompts: Sequence, max_tokens: int) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 from tandem.core.config import EngineConfig, compiles, draft_vocab_limit
 from tandem.core.detok import decoder
@@ -55,23 +56,29 @@ def build_cluster_backends(target: str, arms: tuple[Arm, ...], options: ClusterO
     """Pull the models once here, start Ray and the workers, and return one backend per arm over one shared target
     pool; arms with the same draft model share its draft pool. With tensor-parallel replicas each arm gets replicas
     of its own: a failed replica is rebuilt by the one pool client that holds it."""
-    from tandem.models.loader import resolve
+    from tandem.models.loader import resolve, vocab_size
 
-    drafts = {arm.draft for arm in arms if arm.draft and arm.config.spec.speculating}
-    for spec in (target, *sorted(drafts)):
-        resolve(spec)  # pulls a registry model once, before several workers would race for it
-    start_ray(options)
-    shared = _start_target_pool(target, options) if options.tensor_parallel == 1 else None
-    draft_pools: dict[str, list] = {}
-    backends = {}
+    drafting = {arm.name for arm in arms if arm.draft and arm.config.spec.speculating and options.draft_workers > 0}
+    target_vocab = vocab_size(target)  # pulls a registry model once, before several workers would race for it
+    first_arms: dict[str, Arm] = {}  # draft model -> the first arm drafting with it: its config makes the workers
     for arm in arms:
-        replicas = shared if shared is not None else _start_target_pool(target, options)
-        if arm is arms[0]:  # every arm serves the one target model
-            tokenizer, eos = target_tokenizer(replicas, "this server's target pool")
-        speculating = bool(arm.draft) and arm.config.spec.speculating and options.draft_workers > 0
-        if speculating and arm.draft not in draft_pools:
-            draft_pools[arm.draft] = _start_draft_pool(arm.draft, arm.config, options, RayVerifier(replicas).vocab_size)
-        workers = draft_pools[arm.draft] if speculating else []
+        if arm.name in drafting and arm.draft not in first_arms:
+            resolve(arm.draft)  # likewise
+            first_arms[arm.draft] = arm
+    start_ray(options)
+    # Every pool starts at once (loads, compiles): a draft's vocabulary cap, the target's, came from its config.
+    with ThreadPoolExecutor(thread_name_prefix="tandem-start") as starting:
+        targets = [starting.submit(_start_target_pool, target, options)
+                   for _ in (arms if options.tensor_parallel > 1 else arms[:1])]
+        drafts = {draft: starting.submit(_start_draft_pool, draft, arm.config, options, target_vocab)
+                  for draft, arm in first_arms.items()}
+    target_pools = [future.result() for future in targets]
+    draft_pools = {draft: future.result() for draft, future in drafts.items()}
+    tokenizer, eos = target_tokenizer(target_pools[0], "this server's target pool")
+    backends = {}
+    for n, arm in enumerate(arms):
+        replicas = target_pools[n if options.tensor_parallel > 1 else 0]
+        workers = draft_pools[arm.draft] if arm.name in drafting else []
 
         def sides(lane: int, replicas: list = replicas, workers: list = workers,
                   name: str = arm.name) -> tuple[RayVerifier, RayDrafter | None]:
