@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tandem.bench.local_cluster import ray_env, start_checkout_head, wait_serving
+from tandem.bench.local_cluster import checkout_heads, ray_env, wait_serving
 
 # `tandem ARGV` that writes, at exit, the top-level packages it imported to $IMPORTS_FILE.
 TANDEM = """
@@ -88,23 +88,17 @@ def main() -> None:
         args.target, args.draft, args.dtype = str(tiny.target), str(tiny.draft), "float32"
     checkouts = [os.path.abspath(services) for services in args.services]
     report: dict = {"what": __doc__.split("\n\n")[0], "args": vars(args), "checkouts": {}}
-    heads: dict[str, tuple[subprocess.Popen, str]] = {}
-    try:
+    with checkout_heads(checkouts) as heads:
         for services in checkouts:
-            heads[services] = start_checkout_head(services)
-            report["checkouts"][services] = {"pools_start_s": start_pools(services, heads[services][1], "p", args),
+            report["checkouts"][services] = {"pools_start_s": start_pools(services, heads[services], "p", args),
                                              "starts": []}
         for round_ in range(args.rounds):
             for services in checkouts if round_ % 2 == 0 else checkouts[::-1]:
                 report["checkouts"][services]["starts"].append(
-                    gateway_start(services, heads[services][1], "p", tempfile.mkdtemp(prefix="gws-run-")))
-        for entry in report["checkouts"].values():
-            entry["median_ready_s"] = statistics.median(s["ready_s"] for s in entry["starts"])
-            entry["median_rss_mib"] = statistics.median(s["rss_mib"] for s in entry["starts"])
-    finally:
-        for head, _ in heads.values():
-            head.terminate()
-            head.wait(timeout=120)
+                    gateway_start(services, heads[services], "p", tempfile.mkdtemp(prefix="gws-run-")))
+    for entry in report["checkouts"].values():
+        entry["median_ready_s"] = statistics.median(s["ready_s"] for s in entry["starts"])
+        entry["median_rss_mib"] = statistics.median(s["rss_mib"] for s in entry["starts"])
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report["checkouts"], indent=1))
 

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tandem.bench.local_cluster import ray_env, start_checkout_head, wait_serving
+from tandem.bench.local_cluster import checkout_heads, ray_env, wait_serving
 
 
 def tandem(services: str, address: str, *args: str) -> float:
@@ -74,25 +74,17 @@ def main() -> None:
     checkouts = [os.path.abspath(services) for services in args.services]
     report: dict = {"what": __doc__.split("\n\n")[0], "args": vars(args),
                     "checkouts": {services: {"start_s": []} for services in checkouts}}
-    heads = {}
-    try:
-        for services in [] if args.serve else checkouts:
-            heads[services] = start_checkout_head(services)
+    with checkout_heads([] if args.serve else checkouts) as heads:
         for round_ in range(args.rounds):
             for services in checkouts if round_ % 2 == 0 else checkouts[::-1]:
                 if args.serve:
                     report["checkouts"][services]["start_s"].append(serve(services, flags))
                     continue
-                address = heads[services][1]
                 report["checkouts"][services]["start_s"].append(
-                    tandem(services, address, "pools", "start", "--name", f"p{round_}", *flags))
-                tandem(services, address, "pools", "stop", "--name", f"p{round_}")
-        for entry in report["checkouts"].values():
-            entry["median_start_s"] = statistics.median(entry["start_s"])
-    finally:
-        for head, _ in heads.values():
-            head.terminate()
-            head.wait(timeout=120)
+                    tandem(services, heads[services], "pools", "start", "--name", f"p{round_}", *flags))
+                tandem(services, heads[services], "pools", "stop", "--name", f"p{round_}")
+    for entry in report["checkouts"].values():
+        entry["median_start_s"] = statistics.median(entry["start_s"])
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report["checkouts"], indent=1))
 

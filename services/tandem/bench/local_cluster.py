@@ -6,6 +6,7 @@ Each is a separate process, as in a deployment, started with this Python's own `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -14,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -95,6 +96,20 @@ def start_checkout_head(services: str, cpus: int = 4) -> tuple[subprocess.Popen,
     services = os.path.abspath(services)
     return start_ray_head(tempfile.mkdtemp(prefix="tandem-head-"), cpus=cpus,
                           env=lambda address: ray_env(address) | {"PYTHONPATH": services})
+
+
+@contextlib.contextmanager
+def checkout_heads(checkouts: Sequence[str], cpus: int = 4) -> Iterator[dict[str, str]]:
+    """{checkout: its head's address}: a head per checkout (start_checkout_head), every one stopped on exit."""
+    heads: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        for services in checkouts:
+            heads[services] = start_checkout_head(services, cpus)
+        yield {services: address for services, (_, address) in heads.items()}
+    finally:
+        for head, _ in heads.values():
+            head.terminate()
+            head.wait(timeout=120)
 
 
 def start_gateway(address: str, pools: str, extra: Sequence[str] = (), log: Path | None = None,
