@@ -12,6 +12,12 @@ REPLACEMENT = "\ufffd"
 
 Decode = Callable[[list[int]], str]
 
+# A character's bytes span at most 4 tokens (every token but a skipped special carries a byte), so text waiting on
+# more than that has a token boundary ending in a whole character to commit up to, unless the tokens are invalid
+# bytes or skipped specials: once MAX_STALL of them wait, all but the last 3 (which may begin a character) commit.
+MAX_CHAR_TOKENS = 4
+MAX_STALL = 16
+
 
 def decoder(tokenizer) -> Decode:
     """The text of token ids as the engine and the gateway show it: special tokens left out."""
@@ -20,12 +26,6 @@ def decoder(tokenizer) -> Decode:
         return tokenizer.decode(token_ids, skip_special_tokens=True)
 
     return decode
-
-# A character's bytes span at most 4 tokens (every token but a skipped special carries a byte), so text waiting on
-# more than that has a token boundary ending in a whole character to commit up to, unless the tokens are invalid
-# bytes or skipped specials: once MAX_STALL of them wait, all but the last 3 (which may begin a character) commit.
-MAX_CHAR_TOKENS = 4
-MAX_STALL = 16
 
 
 class IncrementalDecoder:
