@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tandem.bench.local_cluster import start_ray_head
+from tandem.bench.local_cluster import start_ray_head, wait_serving
 from tandem.client import TandemClient
 from tandem.core.config import SamplingParams
 from tandem.engines.local import build_engine
@@ -95,18 +95,7 @@ class Gateway:
                                          "--metrics-port", "-1", "--redis-url", redis_url, *flags],
                                         env=head_env(address) | (env or {}), stdout=subprocess.PIPE,
                                         stderr=subprocess.DEVNULL, text=True)
-        for line in self.process.stdout:
-            if "serving tandem.v1.GenerationService on" in line:
-                self.address = line.split(" on ")[1].split()[0]
-                break
-        else:
-            raise AssertionError("the gateway exited before listening")
-        threading.Thread(target=self.process.stdout.read, daemon=True).start()
-        deadline = time.monotonic() + 120
-        with TandemClient(self.address, timeout=10) as client:
-            while client.health_status("tandem.v1.GenerationService") != SERVING:
-                assert time.monotonic() < deadline, "the gateway never turned ready"
-                time.sleep(0.2)
+        self.address = wait_serving(self.process, timeout_s=180)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         self.process.send_signal(sig)

@@ -96,31 +96,6 @@ def test_worker_actors_are_the_pools_alone(pools, gateways) -> None:
     assert cpus_used == 2
 
 
-# A `tandem` command in a fresh interpreter; then what of the model stack it imported (to stderr: stdout carries its
-# JSON).
-ASK_THE_MANAGER = """
-import sys
-from tandem.cli.main import main
-
-code = main(sys.argv[1:])
-print(sorted({"torch", "transformers"} & {name.split(".")[0] for name in sys.modules}), code, file=sys.stderr)
-"""
-
-
-def test_commands_that_only_ask_the_manager_import_no_model_stack(pools) -> None:
-    """status and scale (as stop) ask the pool's manager and nothing else: they join Ray and get the manager's handle
-    without importing torch or transformers, which took most of each call's ten seconds here."""
-    out = {}
-    for command in (["status", "--name", "t", "--json"], ["scale", "--name", "t", "draft", "1"]):
-        done = subprocess.run([sys.executable, "-c", ASK_THE_MANAGER, "pools", *command], env=head_env(pools),
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert done.stderr.splitlines()[-1] == "[] 0", done.stderr[-2000:]
-        out[command[0]] = json.loads(done.stdout)
-    assert sorted(w["name"] for w in out["status"]["workers"]) == ["draft-0", "target-0"]
-    assert out["scale"]["workers"] == {"draft": ["draft-0"], "target": ["target-0"]}
-
-
 # `tandem` in a fresh interpreter that writes, at exit, the top-level packages it imported to $IMPORTS_FILE.
 REPORT_IMPORTS = """
 import atexit, json, os, sys
@@ -130,6 +105,21 @@ atexit.register(lambda: open(os.environ["IMPORTS_FILE"], "w").write(json.dumps(s
     {name.split(".")[0] for name in sys.modules}))))
 sys.exit(main(sys.argv[1:]))
 """
+
+
+def test_commands_that_only_ask_the_manager_import_no_model_stack(pools, tmp_path) -> None:
+    """status and scale (as stop) ask the pool's manager and nothing else: they join Ray and get the manager's handle
+    without importing torch or transformers, which took most of each call's ten seconds here."""
+    out, imports = {}, tmp_path / "imports.json"
+    for command in (["status", "--name", "t", "--json"], ["scale", "--name", "t", "draft", "1"]):
+        done = subprocess.run([sys.executable, "-c", REPORT_IMPORTS, "pools", *command],
+                              env=head_env(pools) | {"IMPORTS_FILE": str(imports)}, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert {"torch", "transformers"} & set(json.loads(imports.read_text())) == set(), command
+        out[command[0]] = json.loads(done.stdout)
+    assert sorted(w["name"] for w in out["status"]["workers"]) == ["draft-0", "target-0"]
+    assert out["scale"]["workers"] == {"draft": ["draft-0"], "target": ["target-0"]}
 
 
 def test_a_gateway_takes_the_tokenizer_from_the_pools_and_imports_no_torch(pools, tiny_models, tmp_path) -> None:
