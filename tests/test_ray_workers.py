@@ -149,6 +149,67 @@ def test_stalled_worker_misses_deadline_and_stream_goes_on(tiny_models, pool, ex
         os.kill(stalled, signal.SIGCONT)
 
 
+def test_a_slow_target_replica_keeps_its_rows_and_a_hung_one_is_benched(ray_cluster) -> None:
+    """The target's deadline grows with the tokens a call carries: a replica that takes its time over a long prefill
+    (16 prompts in bf16 on one AVX2 core: minutes) is slow, not hung. A fixed deadline benched the only replica
+    during `tandem serve`'s calibration and the server exited."""
+    from tandem.core.protocol import VerifyRequest, VerifyResult
+    from tandem.workers.target_pool import TargetUnavailable
+    from tandem.workers.worker_base import WorkerReply
+
+    @ray_cluster.remote(num_cpus=0)
+    class SlowReplica:
+        """Takes `per_token_s` a token of the call, or forever once told to hang."""
+
+        def __init__(self, per_token_s: float) -> None:
+            self.per_token_s, self.hung = per_token_s, False
+
+        def info(self) -> dict:
+            return {"vocab_size": 320, "context_window": 4096}
+
+        def hang(self) -> None:
+            self.hung = True
+
+        def verify(self, requests: list[VerifyRequest]) -> WorkerReply:
+            tokens = sum(len(r.append) + (len(r.draft.tokens) if r.draft else 0) for r in requests)
+            time.sleep(3600 if self.hung else self.per_token_s * tokens)
+            return WorkerReply(results=[VerifyResult(accepted=0, next_token=7) for _ in requests])
+
+    replica = SlowReplica.remote(0.02)
+    prefill = [VerifyRequest(f"slow-{i}", 0, list(range(1, 41)), None, GREEDY) for i in range(2)]  # 80 tokens: 1.6 s
+    started = time.monotonic()
+    assert RayVerifier([replica], timeout_s=0.5, per_token_s=0.05).verify(prefill) == [VerifyResult(0, 7)] * 2
+    assert time.monotonic() - started > 1.5  # longer than the base deadline: it waited for the tokens' share
+    fixed = RayVerifier([replica], timeout_s=0.5, per_token_s=0.0, cooldown_s=30)  # the deadline as it was
+    with pytest.raises(TargetUnavailable):
+        fixed.verify(prefill)
+    assert not fixed.router.healthy(0)
+    ray.get(replica.hang.remote())
+    hung = RayVerifier([replica], timeout_s=0.5, per_token_s=0.05, cooldown_s=30)
+    started = time.monotonic()
+    with pytest.raises(TargetUnavailable):
+        hung.verify([VerifyRequest("hung", 0, [1, 2, 3, 4], None, GREEDY)])
+    assert time.monotonic() - started < 5 and not hung.router.healthy(0)
+    ray.kill(replica)
+
+
+def test_calibration_leaves_out_draft_calls_that_failed(tiny_models, pool) -> None:
+    """A draft worker that misses its deadline during calibration (it happened in bf16 on one AVX2 core) gives empty
+    proposals at once; timed, they priced a draft step at the cost of doing nothing, and AUTO would then draft as if
+    drafting were free. Here every draft call misses its deadline: no draft timing counts, so AUTO is left
+    uncalibrated (it drafts at k_init) while the target's forwards are timed."""
+    from tandem.core.calibration import calibrate
+
+    local = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
+    drafter = RayDrafter(pool, timeout_s=0.0, per_token_s=0.0, cooldown_s=60)
+    costs = calibrate(local.verifier, drafter, k_max=3, k_init=2, max_batch=2)
+    assert drafter.stats.timeouts >= 1 and costs.draft_step == 0.0 and not costs.draft_rows
+    assert not costs.draft_forward and not costs.calibrated
+    assert set(costs.verify) >= {1, 2, 3, 4} and all(seconds > 0 for seconds in costs.verify.values())
+    for seq_id in [f"__tandem_calibration__-{i}" for i in range(2)]:
+        drafter.release(seq_id)
+
+
 @pytest.fixture(scope="module")
 def replicas(ray_cluster, tiny_dirs):
     yield from _actors(start_target_replicas, tiny_dirs.target)

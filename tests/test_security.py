@@ -373,6 +373,8 @@ def test_tandem_serve_with_tls_and_keys(tiny_dirs, pki, keys) -> None:
             while client.health_status("tandem.v1.GenerationService") != SERVING:
                 assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
                 time.sleep(0.25)
+            ready = proc.stdout.readline()  # the line after the addresses says when it turned ready
+            assert ready.startswith(f"tandem: ready: {tiny_dirs.target} loaded, readiness SERVING ("), ready
             assert len(client.generate_result(token_ids=PROMPT, max_tokens=3, **GREEDY).token_ids) == 3
         with _http(pki, keys["bob"]) as client:
             assert client.get(f"{url}/v1/models").status_code == 200

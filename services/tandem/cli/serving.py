@@ -155,6 +155,9 @@ def serve_gateway(args: argparse.Namespace, load: Loader, options: GatewayOption
     def announce_http(url: str) -> None:
         print(f"tandem: serving the OpenAI-compatible HTTP API on {url}/v1", flush=True)
 
+    def announce_ready(seconds: float) -> None:
+        print(f"tandem: ready: {model} loaded, readiness SERVING ({seconds:.0f} s after start)", flush=True)
+
     with contextlib.ExitStack() as stack:
         sessions = session_store(session_store_url(args), stack)
         stack.callback(tracing.shutdown)  # flushes the last spans
@@ -167,7 +170,7 @@ def serve_gateway(args: argparse.Namespace, load: Loader, options: GatewayOption
                 print(f"tandem: canary arms {', '.join(f'{arm.name}={arm.weight:g}' for arm in canary.arms)} "
                       f"(deployment {canary.deployment}; `tandem canary status`)", flush=True)
             asyncio.run(serve(load, options, sessions=sessions, on_listening=announce, on_metrics=announce_metrics,
-                              on_http=announce_http, arm_routers=arm_routers))
+                              on_http=announce_http, on_ready=announce_ready, arm_routers=arm_routers))
         except OSError as exc:
             raise TandemError(str(exc)) from exc
     return 0

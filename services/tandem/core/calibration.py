@@ -8,21 +8,34 @@ them, for the batch plan.
 Each shape runs several times and the fastest counts: first calls of a shape pay one-off kernel setup, and other
 processes on the machine only ever make a call slower. For the same reason a forward is never priced above a wider
 one with as many rows (nor a draft step above one over more rows): the lower timing is the less disturbed one.
+
+It takes a few seconds on a GPU and minutes on a CPU (the real pair's pools on 2 AVX2 cores: 4-6 min in float32), so
+a terminal shows a progress bar and the log says how long it took.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+
+from tqdm.auto import tqdm
 
 from tandem.core.config import SamplingParams
 from tandem.core.costs import CostModel
 from tandem.core.protocol import Drafter, DraftProposal, DraftRequest, Verifier, VerifyRequest
+
+log = logging.getLogger(__name__)
 
 CALIBRATION_ID = "__tandem_calibration__"
 WIDE_SIZES = (12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 BATCH_ROWS = (2, 4, 8, 16)
 BATCH_WIDTHS = (1, 2, 3, 5)
 CATCH_UP_WIDTHS = (4, 8, 16, 32)
+
+
+class _Failed(Exception):
+    """A calibration call that did no work: a pool worker failed or missed its deadline (its rows got empty
+    proposals). Timed, it would price a draft step at the cost of doing nothing."""
 
 
 def _timed(call) -> float:
@@ -32,17 +45,28 @@ def _timed(call) -> float:
     return (time.perf_counter() - started) / (units or 1)
 
 
-def _fastest_each(calls: dict, passes: int) -> dict:
+def _fastest_each(calls: dict, passes: int, bar: tqdm) -> dict:
     """The fastest of `passes` timings per call (per unit, `_timed`), the passes interleaved so a slow spell does
     not hit one shape, after one untimed call of each (a shape's first call sets up its kernels: it would leave one
     timing that counts, and one slow spell would then price that shape at twice its cost for as long as the plan
-    avoids it)."""
+    avoids it). A call that failed counts no timing; a shape with none is left out (the cost model extrapolates it;
+    with no draft step timed it is not calibrated, and AUTO drafts at its initial k)."""
     for call in calls.values():
-        call()
+        try:
+            call()
+        except _Failed:
+            pass
+        bar.update()
     best: dict = {}
     for _ in range(passes):
         for key, call in calls.items():
-            seconds = _timed(call)
+            try:
+                seconds = _timed(call)
+            except _Failed:
+                log.warning("calibration: a draft call failed (see the pool's warning); its timing is left out")
+                continue
+            finally:
+                bar.update()
             best[key] = min(best.get(key, seconds), seconds)
     return best
 
@@ -63,33 +87,43 @@ def calibrate(verifier: Verifier, drafter: Drafter, k_max: int, k_init: int, max
         """Steps the drafter took: a confidence stop may end a block before `steps`."""
         proposals = drafter.propose([DraftRequest(seq_id, context - width, prompt[-width:], steps, greedy)
                                      for seq_id in ids[:n]])
+        if any(p.failed for p in proposals):
+            raise _Failed
         return max((len(p.tokens) for p in proposals), default=0)
 
     costs = CostModel()
-    verifier.verify([VerifyRequest(seq_id, 0, prompt, None, greedy) for seq_id in ids])
     widest = max_batch * (k_max + 1)
     wide = sorted({n for n in WIDE_SIZES if k_max + 1 < n < widest} | ({min(widest, 256)} if max_batch > 1 else set()))
-    single = _fastest_each({w: lambda w=w: verify(1, w) for w in range(1, k_max + 2)}, passes)
-    single |= _fastest_each({w: lambda w=w: verify(1, w) for w in wide}, 2)
-    for width, seconds in single.items():
-        costs.observe_verify(width, seconds)
     shapes = [(n, w) for n in rows for w in BATCH_WIDTHS if w <= k_max + 1]
-    for (n, width), seconds in _fastest_each({s: lambda s=s: verify(*s) for s in shapes}, passes).items():
-        costs.observe_verify(width, seconds, rows=n)
-    for seq_id in ids:
-        verifier.release(seq_id)
+    draft_rows = [1, *rows]
+    catch_up = [w for w in CATCH_UP_WIDTHS if w <= context] if max_batch > 1 else []
+    calls = 2 + (k_max + 1 + len(shapes) + len(draft_rows)) * (1 + passes) + (len(wide) + len(catch_up)) * 3
+    started = time.perf_counter()
+    with tqdm(total=calls, desc="calibrating", unit="call", disable=None, leave=False) as bar:
+        verifier.verify([VerifyRequest(seq_id, 0, prompt, None, greedy) for seq_id in ids])
+        bar.update()
+        single = _fastest_each({w: lambda w=w: verify(1, w) for w in range(1, k_max + 2)}, passes, bar)
+        single |= _fastest_each({w: lambda w=w: verify(1, w) for w in wide}, 2, bar)
+        for width, seconds in single.items():
+            costs.observe_verify(width, seconds)
+        for (n, width), seconds in _fastest_each({s: lambda s=s: verify(*s) for s in shapes}, passes, bar).items():
+            costs.observe_verify(width, seconds, rows=n)
+        for seq_id in ids:
+            verifier.release(seq_id)
 
-    drafter.propose([DraftRequest(seq_id, 0, prompt, 1, greedy) for seq_id in ids])
-    # One row and every row count in the same passes, each per step of a block as rounds draft it: timed apart, a
-    # slow spell over one block once priced every batched step at twice the single one (0.08-0.12 s against 0.05).
-    steps = max(k_init, 2)
-    for n, seconds in _fastest_each({n: lambda n=n: draft(n, steps) for n in [1, *rows]}, passes).items():
-        costs.observe_draft_step(seconds, rows=n)
-    if max_batch > 1:
-        widths = [w for w in CATCH_UP_WIDTHS if w <= context]
-        costs.draft_forward = _fastest_each({w: lambda w=w: draft(1, 1, w) for w in widths}, 2)
-    for seq_id in ids:
-        drafter.release(seq_id)
+        drafter.propose([DraftRequest(seq_id, 0, prompt, 1, greedy) for seq_id in ids])
+        bar.update()
+        # One row and every row count in the same passes, each per step of a block as rounds draft it: timed apart,
+        # a slow spell over one block once priced every batched step at twice the single one (0.08-0.12 s against
+        # 0.05).
+        steps = max(k_init, 2)
+        for n, seconds in _fastest_each({n: lambda n=n: draft(n, steps) for n in draft_rows}, passes, bar).items():
+            costs.observe_draft_step(seconds, rows=n)
+        if catch_up:
+            costs.draft_forward = _fastest_each({w: lambda w=w: draft(1, 1, w) for w in catch_up}, 2, bar)
+        for seq_id in ids:
+            drafter.release(seq_id)
+    log.info("calibrated in %.1f s (%d target and draft calls)", time.perf_counter() - started, calls)
     _cap_by_larger(costs)
     return costs
 

@@ -268,8 +268,11 @@ async def start_gateway(load: Loader, options: GatewayOptions | None = None, ses
 
 async def serve(load: Loader, options: GatewayOptions, sessions: SessionStore | None = None,
                 on_listening: Callable[[str], None] | None = None, on_metrics: Callable[[str], None] | None = None,
-                arm_routers: ArmRouterFactory | None = None, on_http: Callable[[str], None] | None = None) -> None:
-    """Run until SIGTERM or SIGINT, then drain gracefully. on_http: told the HTTP API's base URL when it is on."""
+                arm_routers: ArmRouterFactory | None = None, on_http: Callable[[str], None] | None = None,
+                on_ready: Callable[[float], None] | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then drain gracefully. on_http: told the HTTP API's base URL when it is on;
+    on_ready: told the seconds from the start until readiness turned SERVING (loading, calibrating)."""
+    started = time.monotonic()
     gateway = await start_gateway(load, options, sessions, arm_routers)
     if on_metrics is not None and gateway.metrics_url is not None:
         on_metrics(gateway.metrics_url)
@@ -289,8 +292,10 @@ async def serve(load: Loader, options: GatewayOptions, sessions: SessionStore | 
     for signum in (signal.SIGTERM, signal.SIGINT):
         event_loop.add_signal_handler(signum, on_signal)
     try:
-        await gateway.ready()
+        serving = await gateway.ready()
     except Exception:
         await gateway.drain(0)
         raise
+    if serving and on_ready is not None:
+        on_ready(time.monotonic() - started)
     await gateway.wait_closed()

@@ -15,6 +15,11 @@ from tandem.workers.fanout import RayPoolClient, fan_out
 from tandem.workers.routing import AffinityRouter
 from tandem.workers.worker_base import start_workers
 
+# Seconds a draft call may take per token it must first catch up on, beyond timeout_s: enough for the slowest prefill
+# measured (the 0.5B draft in bf16 on one AVX2 core without bf16 FMA, 0.12 s a token), so that a slow worker still
+# drafts after long prompts; a round's drafts carry a token or a few, whose deadline stays near timeout_s.
+PER_TOKEN_S = 0.15
+
 
 @dataclass(slots=True)
 class PoolStats:
@@ -25,7 +30,7 @@ class PoolStats:
 
 class RayDrafter(RayPoolClient):
     def __init__(self, workers: list, timeout_s: float = 5.0, cooldown_s: float = 10.0,
-                 per_token_s: float = 0.025, names: list[str] | None = None, prefix: str = "") -> None:
+                 per_token_s: float = PER_TOKEN_S, names: list[str] | None = None, prefix: str = "") -> None:
         super().__init__(workers, AffinityRouter(len(workers), cooldown_s, "draft", names=names), prefix)
         self.timeout_s, self.per_token_s = timeout_s, per_token_s
         self.stats = PoolStats()

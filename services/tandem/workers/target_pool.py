@@ -1,9 +1,11 @@
 """Target replicas as a Verifier: each session verified on the replica holding its cache, replicas batching.
 
-A replica that fails is benched and its sessions move to another replica, which is sent their history (the engine
-resends it on StateLost). A tensor-parallel replica that fails (one dead rank breaks the whole group) is rebuilt in
-the background and returns to service when its model is loaded. With no healthy replica, the round waits for a
-rebuild in progress (up to `rebuild_timeout_s`), else fails with TargetUnavailable.
+A replica that fails or misses the deadline is benched and its sessions move to another replica, which is sent their
+history (the engine resends it on StateLost). The deadline grows with the tokens a call carries: it is there to catch
+a hung replica, not a slow one (16 prompts' prefill in bf16 on one AVX2 core takes minutes). A tensor-parallel replica
+that fails (one dead rank breaks the whole group) is rebuilt in the background and returns to service when its model
+is loaded. With no healthy replica, the round waits for a rebuild in progress (up to `rebuild_timeout_s`), else fails
+with TargetUnavailable.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from tandem.workers.worker_base import start_workers
 
 log = logging.getLogger(__name__)
 TOKENIZER_TIMEOUT_S = 60.0  # how long one target replica may take to hand over its tokenizer
+# Seconds a verify call may take per token it carries (prompt, resent history, drafts), beyond timeout_s. The slowest
+# forward measured: the 1.5B target in bf16 on one AVX2 core without bf16 FMA, 0.34 s a token of prefill.
+PER_TOKEN_S = 0.5
 
 
 class TargetUnavailable(BackendUnavailable):
@@ -33,12 +38,13 @@ class TargetUnavailable(BackendUnavailable):
 class RayVerifier(RayPoolClient):
     def __init__(self, replicas: list, timeout_s: float = 120.0, cooldown_s: float = 10.0,
                  rebuild_timeout_s: float = 600.0, names: list[str] | None = None, prefix: str = "",
-                 tensor_parallel: int = 1) -> None:
-        """`tensor_parallel`: ranks behind each replica a shared pool's rank 0 leads (replicas given here as
-        TensorParallelReplica count their own ranks)."""
+                 tensor_parallel: int = 1, per_token_s: float = PER_TOKEN_S) -> None:
+        """A call's deadline: `timeout_s` plus `per_token_s` for each token it carries. `tensor_parallel`: ranks
+        behind each replica a shared pool's rank 0 leads (replicas given here as TensorParallelReplica count their
+        own ranks)."""
         super().__init__(replicas, AffinityRouter(len(replicas), cooldown_s, "target", names=names), prefix,
                          ranks_per_worker=tensor_parallel)
-        self.timeout_s, self.rebuild_timeout_s = timeout_s, rebuild_timeout_s
+        self.timeout_s, self.per_token_s, self.rebuild_timeout_s = timeout_s, per_token_s, rebuild_timeout_s
         info = ray.get(replicas[0].info.remote())
         self.vocab_size, self.context_window = info["vocab_size"], info.get("context_window")
         self.row_layout = RowLayout.from_info(info)
@@ -48,7 +54,8 @@ class RayVerifier(RayPoolClient):
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         self._take_offer()
-        out = fan_out(self.workers, self.router, self.ids, "verify", requests, self.timeout_s, self.trace_carriers)
+        deadline_s = self.timeout_s + self.per_token_s * sum(_tokens(r) for r in requests)
+        out = fan_out(self.workers, self.router, self.ids, "verify", requests, deadline_s, self.trace_carriers)
         for index in out.benched:
             self._rebuild(index)
         if out.full is not None:
@@ -88,6 +95,12 @@ class RayVerifier(RayPoolClient):
             log.warning("target replica %d: rebuilt", index)
 
         self.rebuilds[index] = self._executor.submit(rebuild)
+
+
+def _tokens(request: VerifyRequest) -> int:
+    """Tokens a verify call's forward runs for this row: its uncached ones (capped by its prefill limit) and drafts."""
+    append = min(len(request.append), request.prefill_limit) if request.prefill_limit else len(request.append)
+    return append + (len(request.draft.tokens) if request.draft else 0)
 
 
 def start_target_replicas(config, count: int, num_gpus: float = 0.0, num_cpus: float = 1.0,
