@@ -332,7 +332,7 @@ def test_compile_scopes_say_which_model_of_a_pair_compiles(tiny_dirs) -> None:
                                   dtype=torch.float32, progress=False, compile=scope)
         assert (draft.compile, target.compile) == (draft_compiles, target_compiles)
         options = ClusterOptions(compile=scope)
-        assert [_worker_common(options, draft=d)["compile"] for d in (True, False)] == [draft_compiles,
+        assert [_worker_common(options, draft=d, threads=None)["compile"] for d in (True, False)] == [draft_compiles,
                                                                                       target_compiles]
     assert LocalOptions(compile=True).compile == "all" and ClusterOptions(compile=False).compile == "none"
     with pytest.raises(InvalidArgument, match="compile: one of none, draft, all"):

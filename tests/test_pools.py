@@ -82,7 +82,7 @@ def test_two_gateways_share_one_pool_and_batch_across_gateways(pools, gateways, 
                                                                                         (3, 1)]}
     status = _status(pools)
     assert sorted(w["role"] for w in status["workers"]) == ["draft", "target"]
-    assert all(w["healthy"] for w in status["workers"])
+    assert all(w["healthy"] for w in status["workers"]) and {w["threads"] for w in status["workers"]} == {1}
     target = next(w for w in status["workers"] if w["role"] == "target")
     assert target["merged_forwards"] > before["target-0"], "no verify forward served both gateways"
     assert status["rows_per_verify_call"] > 1

@@ -149,6 +149,25 @@ def test_stalled_worker_misses_deadline_and_stream_goes_on(tiny_models, pool, ex
         os.kill(stalled, signal.SIGCONT)
 
 
+def test_a_worker_runs_its_forwards_on_the_threads_it_was_given(ray_cluster, tiny_dirs) -> None:
+    """Ray sets an actor's OpenMP threads to the CPUs it reserves (one; this session's Ray says 1 as well), and
+    `tandem serve` on its own host asks for every core (engines.cluster.worker_threads): a worker reports the threads
+    of its model thread, where its forwards run, not those of the call thread that answers info()."""
+    from tandem.engines.cluster import worker_threads
+    from tandem.engines.options import ClusterOptions
+
+    [worker] = start_draft_workers(WorkerConfig(model=str(tiny_dirs.draft), dtype="float32", threads=2), count=1)
+    try:
+        assert ray.get(worker.info.remote())["threads"] == 2
+    finally:
+        ray.kill(worker)
+    cores = len(os.sched_getaffinity(0))
+    assert worker_threads(ClusterOptions(), joined=False) == (cores, cores)
+    assert worker_threads(ClusterOptions(tensor_parallel=2), joined=False) == (cores, max(1, cores // 2))
+    assert worker_threads(ClusterOptions(), joined=True) == (None, None)
+    assert worker_threads(ClusterOptions(threads=3), joined=False) == (3, 3)
+
+
 def test_a_slow_target_replica_keeps_its_rows_and_a_hung_one_is_benched(ray_cluster) -> None:
     """The target's deadline grows with the tokens a call carries: a replica that takes its time over a long prefill
     (16 prompts in bf16 on one AVX2 core: minutes) is slow, not hung. A fixed deadline benched the only replica

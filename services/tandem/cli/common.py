@@ -27,7 +27,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "is resolved to the commit the hub serves now, once at start, and logged")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32 (default: auto)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch in each process that runs a model (default: all cores; a Ray "
+                             "worker of `tandem pools start` or of a cluster joined with --ray-address: the CPUs Ray "
+                             "gives it, one)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--eager", action="store_true",
                       help="run the models as Hugging Face builds them, without the device's fast path "

@@ -159,9 +159,9 @@ def run_status(args: argparse.Namespace) -> int:
             if not w["healthy"]:
                 print(f"  {w['role']:6} {w['name']:10} UNHEALTHY")
                 continue
-            print(f"  {w['role']:6} {w['name']:10} healthy  sequences {w['sequences']:3}  sessions "
-                  f"{w['retained_sessions']:3}  kv {w['kv_tokens_used']}/{w['kv_tokens_capacity']}  rows/forward "
-                  f"{w['rows_per_forward']:.2f}  calls/forward {w['calls_per_forward']:.2f}")
+            print(f"  {w['role']:6} {w['name']:10} healthy  threads {w['threads']}  sequences {w['sequences']:3}  "
+                  f"sessions {w['retained_sessions']:3}  kv {w['kv_tokens_used']}/{w['kv_tokens_capacity']}  "
+                  f"rows/forward {w['rows_per_forward']:.2f}  calls/forward {w['calls_per_forward']:.2f}")
     return 0
 
 

@@ -15,6 +15,7 @@ a terminal shows a progress bar and the log says how long it took.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -52,10 +53,8 @@ def _fastest_each(calls: dict, passes: int, bar: tqdm) -> dict:
     avoids it). A call that failed counts no timing; a shape with none is left out (the cost model extrapolates it;
     with no draft step timed it is not calibrated, and AUTO drafts at its initial k)."""
     for call in calls.values():
-        try:
+        with contextlib.suppress(_Failed):
             call()
-        except _Failed:
-            pass
         bar.update()
     best: dict = {}
     for _ in range(passes):

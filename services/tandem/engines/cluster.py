@@ -51,13 +51,29 @@ def start_ray(options: ClusterOptions) -> None:
     ray.init(num_cpus=cpus, include_dashboard=False, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
              runtime_env=env, log_to_driver=False, configure_logging=False)
 
+def worker_threads(options: ClusterOptions, joined: bool) -> tuple[int | None, int | None]:
+    """Torch threads of each draft worker and each target rank: --threads; else, on a Ray this server starts on its
+    own host, all of the host's cores (a tensor-parallel replica's ranks, which run at once, split them); else
+    (`joined`: a cluster) None: Ray sets an actor's OpenMP threads to the CPUs it reserves, one. On one host draft
+    and target forwards mostly take turns, so each may use every core: with one thread each, `tandem serve` with the
+    real pair on CPU-B decoded 1.4-1.7x slower and started 1.5x slower (docs/operations.md)."""
+    if options.threads is not None or joined:
+        return options.threads, options.threads
+    cores = len(os.sched_getaffinity(0))
+    return cores, max(1, cores // options.tensor_parallel)
+
+
 def build_cluster_backends(target: str, arms: tuple[Arm, ...], options: ClusterOptions,
                            lanes: int = 1) -> dict[str, Backend]:
     """Pull the models once here, start Ray and the workers, and return one backend per arm over one shared target
     pool; arms with the same draft model share its draft pool. With tensor-parallel replicas each arm gets replicas
     of its own: a failed replica is rebuilt by the one pool client that holds it."""
+    import ray
+
     from tandem.models.loader import resolve, vocab_size
 
+    joined = bool(options.ray_address or os.environ.get("RAY_ADDRESS")) or ray.is_initialized()
+    draft_threads, target_threads = worker_threads(options, joined)
     drafting = {arm.name for arm in arms if arm.draft and arm.config.spec.speculating and options.draft_workers > 0}
     target_vocab = vocab_size(target)  # pulls a registry model once, before several workers would race for it
     first_arms: dict[str, Arm] = {}  # draft model -> the first arm drafting with it: its config makes the workers
@@ -68,9 +84,9 @@ def build_cluster_backends(target: str, arms: tuple[Arm, ...], options: ClusterO
     start_ray(options)
     # Every pool starts at once (loads, compiles): a draft's vocabulary cap, the target's, came from its config.
     with ThreadPoolExecutor(thread_name_prefix="tandem-start") as starting:
-        targets = [starting.submit(_start_target_pool, target, options)
+        targets = [starting.submit(_start_target_pool, target, options, target_threads)
                    for _ in (arms if options.tensor_parallel > 1 else arms[:1])]
-        drafts = {draft: starting.submit(_start_draft_pool, draft, arm.config, options, target_vocab)
+        drafts = {draft: starting.submit(_start_draft_pool, draft, arm.config, options, target_vocab, draft_threads)
                   for draft, arm in first_arms.items()}
     target_pools = [future.result() for future in targets]
     draft_pools = {draft: future.result() for draft, future in drafts.items()}
@@ -95,8 +111,8 @@ def build_cluster_backends(target: str, arms: tuple[Arm, ...], options: ClusterO
                  options.tensor_parallel, lanes)
     return backends
 
-def _start_target_pool(target: str, options: ClusterOptions) -> list:
-    config = WorkerConfig(model=target, **_worker_common(options, draft=False))
+def _start_target_pool(target: str, options: ClusterOptions, threads: int | None) -> list:
+    config = WorkerConfig(model=target, **_worker_common(options, draft=False, threads=threads))
     if options.tensor_parallel > 1:
         return [start_tp_replica(config, options.tensor_parallel, name=f"target-{i}",
                                  gpus_per_rank=options.target_gpus_per_rank, cpus_per_rank=options.cpus_per_worker,
@@ -105,14 +121,16 @@ def _start_target_pool(target: str, options: ClusterOptions) -> list:
     return start_target_replicas(config, options.target_replicas, num_gpus=options.target_gpus_per_rank,
                                  num_cpus=options.cpus_per_worker, resources=options.target_resources)
 
-def _start_draft_pool(draft: str, config: EngineConfig, options: ClusterOptions, vocab: int) -> list:
+def _start_draft_pool(draft: str, config: EngineConfig, options: ClusterOptions, vocab: int,
+                      threads: int | None) -> list:
     spec = config.spec
     worker = WorkerConfig(model=draft, top_m=spec.draft_top_m, confidence=spec.stop_confidence,
                           draft_vocab=draft_vocab_limit(spec.draft_vocab, vocab),
-                          quantization=options.draft_quantization, **_worker_common(options, draft=True))
+                          quantization=options.draft_quantization,
+                          **_worker_common(options, draft=True, threads=threads))
     return start_draft_workers(worker, options.draft_workers, num_gpus=options.draft_gpus,
                                num_cpus=options.cpus_per_worker, resources=options.draft_resources)
 
-def _worker_common(options: ClusterOptions, draft: bool) -> dict:
-    return {"device": options.device, "dtype": options.dtype, "threads": options.threads, "eager": options.eager,
+def _worker_common(options: ClusterOptions, draft: bool, threads: int | None) -> dict:
+    return {"device": options.device, "dtype": options.dtype, "threads": threads, "eager": options.eager,
             "compile": compiles(options.compile, draft), "kv_tokens": options.kv_tokens}

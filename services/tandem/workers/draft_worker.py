@@ -17,7 +17,8 @@ class DraftWorker(WorkerBase):
         from tandem.core.local import LocalDrafter
 
         super().__init__(name, config.batch_window_s)
-        self.runner = self.batcher.on_model_thread(load_runner, config, config.draft_vocab).runner
+        loaded = self.batcher.on_model_thread(load_runner, config, config.draft_vocab)
+        self.runner, self.threads = loaded.runner, loaded.threads
         self.drafter = LocalDrafter(self.runner, top_m=config.top_m, confidence=config.confidence)
 
     def propose(self, requests: list[DraftRequest], trace: dict | None = None) -> WorkerReply:

@@ -22,7 +22,7 @@ class TargetWorker(WorkerBase):
     def _take(self, loaded: LoadedRunner) -> None:
         from tandem.core.local import LocalVerifier
 
-        self.runner, self.verifier = loaded.runner, LocalVerifier(loaded.runner)
+        self.runner, self.verifier, self.threads = loaded.runner, LocalVerifier(loaded.runner), loaded.threads
         self._tokenizer = (loaded.tokenizer, loaded.eos_token_ids)
 
     def tokenizer(self) -> tuple[Any, frozenset[int]]:

@@ -63,6 +63,7 @@ class LoadedRunner:
     runner: ModelRunner
     tokenizer: Any  # transformers' PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
+    threads: int  # torch's CPU threads on the model thread, where the worker's forwards run
 
 
 def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None = None) -> LoadedRunner:
@@ -80,7 +81,8 @@ def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None =
     runner = ModelRunner(loaded.model, pad_token_id=loaded.tokenizer.pad_token_id or 0, vocab_limit=vocab_limit,
                          kv_tokens=config.kv_tokens, **runner_mode(loaded))
     runner.warm_up()  # compiles at start, not in the first requests (a GPU's default)
-    return LoadedRunner(runner, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer))
+    return LoadedRunner(runner, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
+                        torch.get_num_threads())
 
 
 class WorkerBase:
@@ -91,6 +93,7 @@ class WorkerBase:
 
         self.name = name
         self.runner: ModelRunner
+        self.threads = 0  # torch's threads for the forwards, once the model is loaded (LoadedRunner.threads)
         self.batcher = CallBatcher(self._run, batch_window_s)
         self.telemetry = WorkerTelemetry(name, self.role, kv_usage=self.kv_usage)
         self.telemetry.serve_metrics_from_env()
@@ -130,7 +133,7 @@ class WorkerBase:
         return KVUsage.of(runner) if runner is not None else None
 
     def info(self) -> dict:
-        return {"name": self.name, "pid": os.getpid(), "sequences": self.cached_sequences(),
+        return {"name": self.name, "pid": os.getpid(), "threads": self.threads, "sequences": self.cached_sequences(),
                 "vocab_size": self.runner.vocab_size,
                 "context_window": self.runner.context_window, "retained_sessions": len(self.runner.retained),
                 **self.runner.layout.to_info(),
