@@ -9,8 +9,9 @@ Each shape runs several times and the fastest counts: first calls of a shape pay
 processes on the machine only ever make a call slower. For the same reason a forward is never priced above a wider
 one with as many rows (nor a draft step above one over more rows): the lower timing is the less disturbed one.
 
-It takes a few seconds on a GPU and minutes on a CPU (the real pair's pools on 2 AVX2 cores: 4-6 min in float32), so
-a terminal shows a progress bar and the log says how long it took.
+It takes a few seconds on a GPU and minutes on a CPU (`tandem serve` with the real pair on 2 AVX2 cores, --max-batch
+8: 3-5 min in float32; 21 min in bf16 on one thread each), so a terminal shows a progress bar and the log says how
+long it took.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def worker_threads(options: ClusterOptions, joined: bool) -> tuple[int | None, i
     own host, all of the host's cores (a tensor-parallel replica's ranks, which run at once, split them); else
     (`joined`: a cluster) None: Ray sets an actor's OpenMP threads to the CPUs it reserves, one. On one host draft
     and target forwards mostly take turns, so each may use every core: with one thread each, `tandem serve` with the
-    real pair on CPU-B decoded 1.4-1.7x slower and started 1.5x slower (docs/operations.md)."""
+    real pair on CPU-B decoded 1.43-1.58x slower and started 1.41x slower (docs/performance.md)."""
     if options.threads is not None or joined:
         return options.threads, options.threads
     cores = len(os.sched_getaffinity(0))
