@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tandem.bench.local_cluster import checkout_heads, ray_env, wait_serving
+from tandem.bench.local_cluster import checkout_heads, ray_env, serve_process
 
 
 def tandem(services: str, address: str, *args: str) -> float:
@@ -40,19 +40,8 @@ def tandem(services: str, address: str, *args: str) -> float:
 
 def serve(services: str, flags: list[str]) -> float:
     """`tandem serve FLAGS` in a fresh interpreter on `services`: wall seconds until it is ready, then SIGTERM."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"PYTHONPATH": services,
-                                                                                "HF_HUB_OFFLINE": "1"}
-    errors = Path(tempfile.mkdtemp(prefix="pst-serve-")) / "serve.err"
-    began = time.monotonic()
-    with errors.open("w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "tandem", "serve", *flags, "--port", "0", "--metrics-port",
-                                    "-1", "--http-port", "-1"], env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        wait_serving(process, errors, timeout_s=3600)
-        return round(time.monotonic() - began, 2)
-    finally:
-        process.terminate()
-        process.wait(timeout=300)
+    with serve_process(flags, Path(tempfile.mkdtemp(prefix="pst-serve-")) / "serve.err", services) as (_, start_s):
+        return start_s
 
 
 def main() -> None:

@@ -16,28 +16,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from tandem.bench.local_cluster import wait_serving
+from tandem.bench.local_cluster import serve_process
 
 
 def serve_and_measure(flags: list[str], bench: list[str]) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HF_HUB_OFFLINE": "1"}
     out = Path(tempfile.mkdtemp(prefix="wt-"))
-    began = time.monotonic()
-    with (out / "serve.err").open("w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "tandem", "serve", *flags, "--port", "0", "--metrics-port",
-                                    "-1", "--http-port", "-1"], env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        address = wait_serving(process, out / "serve.err", timeout_s=3600)
-        start_s = round(time.monotonic() - began, 2)
+    with serve_process(flags, out / "serve.err") as (address, start_s):
         subprocess.run([sys.executable, "-m", "tandem.bench.serving", "--address", address, *bench, "--json",
-                        str(out / "serving.json")], check=True, env=env, timeout=3600)
+                        str(out / "serving.json")], check=True, timeout=3600,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("RAY_")})
         return {"start_s": start_s, "serving": json.loads((out / "serving.json").read_text())}
-    finally:
-        process.terminate()
-        process.wait(timeout=300)
 
 
 def main() -> None:

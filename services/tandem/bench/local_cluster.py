@@ -147,6 +147,28 @@ def wait_serving(process: subprocess.Popen, log: Path | None = None, timeout_s: 
     return target
 
 
+@contextlib.contextmanager
+def serve_process(flags: Sequence[str], log: Path, pythonpath: str | None = None,
+                  timeout_s: float = 3600) -> Iterator[tuple[str, float]]:
+    """`tandem serve FLAGS` (Ray, its pools and a gateway on a free port; no metrics or HTTP API) in a fresh
+    interpreter, on `pythonpath`'s checkout if given, its stderr in `log`: yields its address and the seconds from
+    its start until its readiness said SERVING, and stops it (SIGTERM) on leaving."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HF_HUB_OFFLINE": "1"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    began = time.monotonic()
+    with log.open("w") as errors:
+        process = subprocess.Popen([sys.executable, "-m", "tandem", "serve", *flags, "--port", "0", "--metrics-port",
+                                    "-1", "--http-port", "-1"], env=env, stdout=subprocess.PIPE, stderr=errors,
+                                   text=True)
+    try:
+        address = wait_serving(process, log, timeout_s=timeout_s)
+        yield address, round(time.monotonic() - began, 2)
+    finally:
+        process.terminate()
+        process.wait(timeout=300)
+
+
 def greedy_streams(addresses: Sequence[str], prompts: Sequence, max_tokens: int) -> dict:
     """Every prompt as its own greedy stream at once, prompt i through gateway i mod len(addresses): wall seconds,
     tokens, tokens/s, the speculation totals and each stream's token ids (to compare outputs across configurations)."""
