@@ -41,9 +41,8 @@ class RayDrafter(RayPoolClient):
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         self._take_offer()
-        catch_up = sum(len(r.append) for r in requests)
         out = fan_out(self.workers, self.router, self.ids, "propose", requests,
-                      self.timeout_s + self.per_token_s * catch_up, self.trace_carriers)
+                      self.deadline_s(sum(len(r.append) for r in requests)), self.trace_carriers)
         self.stats.calls += 1
         self.stats.failures += out.failed
         self.stats.timeouts += out.timed_out

@@ -144,12 +144,19 @@ class RayPoolClient:
     that keeps this gateway's sequence ids apart from other gateways' on shared workers. Implements the PoolSide
     part of the Drafter and Verifier protocols (core.protocol)."""
 
+    timeout_s: float  # a call's deadline: timeout_s plus per_token_s for each token it carries (each pool sets both)
+    per_token_s: float
+
     def __init__(self, workers: list, router: AffinityRouter, prefix: str = "", ranks_per_worker: int = 1) -> None:
         """`ranks_per_worker`: a shared pool's tensor-parallel replica's ranks behind the rank 0 this client calls."""
         self.workers, self.router, self.ids = workers, router, WireIds(prefix)
         self.trace_carriers: TraceCarriers | None = None  # given by the gateway's engine loop (carry_trace)
         self._offered: tuple[list, list[str]] | None = None
         self.ranks_per_worker = ranks_per_worker
+
+    def deadline_s(self, tokens: int) -> float:
+        """A call's deadline: long enough for a slow worker's long prefill, short for a hung one."""
+        return self.timeout_s + self.per_token_s * tokens
 
     def offer_workers(self, workers: list, names: list[str]) -> None:
         """The pool now has these workers (scaled): taken up at the next call, on the engine's thread."""

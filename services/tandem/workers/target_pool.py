@@ -54,8 +54,8 @@ class RayVerifier(RayPoolClient):
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         self._take_offer()
-        deadline_s = self.timeout_s + self.per_token_s * sum(_tokens(r) for r in requests)
-        out = fan_out(self.workers, self.router, self.ids, "verify", requests, deadline_s, self.trace_carriers)
+        out = fan_out(self.workers, self.router, self.ids, "verify", requests,
+                      self.deadline_s(sum(_tokens(r) for r in requests)), self.trace_carriers)
         for index in out.benched:
             self._rebuild(index)
         if out.full is not None:
