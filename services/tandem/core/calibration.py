@@ -1,17 +1,21 @@
 """Seed an engine's cost model by timing the forwards its rounds are made of, before serving.
 
-Single sequence: target forwards over every k + 1 tokens (k = 0..k_max) plus wider ones (prompt-sized), the draft
-step, and draft forwards over several tokens (a drafter catching up). Batches: target forwards over n rows of w
-tokens each and draft steps over n rows, with n real sequences in the runners' KV slots, as batched rounds run
-them, for the batch plan.
+Single sequence: target forwards over every k + 1 tokens (k = 0..k_max), the draft step, and draft forwards over
+several tokens (a drafter catching up). Batches: target forwards over n rows of w tokens each and draft steps over n
+rows, with n real sequences in the runners' KV slots, as batched rounds run them, for the batch plan. A batched
+forward is recorded under the rows it computes (the target's RowLayout: a compiled runner runs 6 rows as its 8-row
+forward), the rows the batch plan prices it as; so every row count a batch can have lies within the measured ones,
+and no price reads a single-sequence forward wider than k_max + 1 (the batch plan's only such read is for row
+counts above every measured one).
 
 Each shape runs several times and the fastest counts: first calls of a shape pay one-off kernel setup, and other
 processes on the machine only ever make a call slower. For the same reason a forward is never priced above a wider
 one with as many rows (nor a draft step above one over more rows): the lower timing is the less disturbed one.
 
-It takes a few seconds on a GPU and minutes on a CPU (`tandem serve` with the real pair on 2 AVX2 cores, --max-batch
-8: 3-5 min in float32; 21 min in bf16 on one thread each), so a terminal shows a progress bar and the log says how
-long it took.
+It takes a few seconds on a GPU and minutes on a CPU (the real pair in one process on 2 AVX2 cores, --max-batch 8:
+about 100 s in float32; `tandem serve` in bf16 on one thread per worker took 21 min, with the wider forwards this no
+longer times), so a terminal shows a progress bar, the log says how long it took, and `tandem serve
+--calibration-file` keeps the costs for the next start (engines.calibration_file).
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from tandem.core.protocol import Drafter, DraftProposal, DraftRequest, Verifier,
 log = logging.getLogger(__name__)
 
 CALIBRATION_ID = "__tandem_calibration__"
-WIDE_SIZES = (12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 BATCH_ROWS = (2, 4, 8, 16)
 BATCH_WIDTHS = (1, 2, 3, 5)
 CATCH_UP_WIDTHS = (4, 8, 16, 32)
@@ -91,19 +94,16 @@ def calibrate(verifier: Verifier, drafter: Drafter, k_max: int, k_init: int, max
             raise _Failed
         return max((len(p.tokens) for p in proposals), default=0)
 
-    costs = CostModel()
-    widest = max_batch * (k_max + 1)
-    wide = sorted({n for n in WIDE_SIZES if k_max + 1 < n < widest} | ({min(widest, 256)} if max_batch > 1 else set()))
+    costs = CostModel(layout=verifier.row_layout)
     shapes = [(n, w) for n in rows for w in BATCH_WIDTHS if w <= k_max + 1]
     draft_rows = [1, *rows]
     catch_up = [w for w in CATCH_UP_WIDTHS if w <= context] if max_batch > 1 else []
-    calls = 2 + (k_max + 1 + len(shapes) + len(draft_rows)) * (1 + passes) + (len(wide) + len(catch_up)) * 3
+    calls = 2 + (k_max + 1 + len(shapes) + len(draft_rows)) * (1 + passes) + len(catch_up) * 3
     started = time.perf_counter()
     with tqdm(total=calls, desc="calibrating", unit="call", disable=None, leave=False) as bar:
         verifier.verify([VerifyRequest(seq_id, 0, prompt, None, greedy) for seq_id in ids])
         bar.update()
         single = _fastest_each({w: lambda w=w: verify(1, w) for w in range(1, k_max + 2)}, passes, bar)
-        single |= _fastest_each({w: lambda w=w: verify(1, w) for w in wide}, 2, bar)
         for width, seconds in single.items():
             costs.observe_verify(width, seconds)
         for (n, width), seconds in _fastest_each({s: lambda s=s: verify(*s) for s in shapes}, passes, bar).items():
