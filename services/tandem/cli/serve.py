@@ -46,6 +46,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     add_ray_token_option(parser)
     parser.add_argument("--in-process", action="store_true", help="load both models in the gateway, no Ray")
     parser.add_argument("--no-spec", action="store_true", help="serve plain target decoding (no draft model)")
+    parser.add_argument("--calibration-file", default="", metavar="PATH",
+                        help="keep the costs calibration measures in PATH: a restart with the same models, options, "
+                        "host and tandem reuses them instead of calibrating (minutes on a CPU); otherwise it "
+                        "calibrates and stores them there")
     add_gateway_options(parser)
     parser.add_argument("--worker-metrics-port", type=int, default=None,
                         help=f"first /metrics port of each Ray worker (default: ${METRICS_PORT_ENV} or "
@@ -96,7 +100,9 @@ def build_options(args: argparse.Namespace, config: EngineConfig, canary: Canary
     placement = LocalOptions(device=args.device, dtype=args.dtype, threads=args.threads, eager=args.eager,
                              compile=args.compile, kv_tokens=args.kv_tokens, draft_quantization=args.draft_quantization,
                              ) if args.in_process else cluster_options(args)
-    return BuildOptions(args.target, arms, placement, lanes=args.lanes)
+    if args.calibration_file and os.path.isdir(args.calibration_file):
+        raise InvalidArgument(f"calibration_file: {args.calibration_file} is a directory; name a file in it")
+    return BuildOptions(args.target, arms, placement, lanes=args.lanes, calibration_file=args.calibration_file)
 
 
 def _check_arms(args: argparse.Namespace, canary: CanaryOptions | None) -> None:

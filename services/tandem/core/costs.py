@@ -223,3 +223,13 @@ class CostModel:
                 "draft_rows": {str(n): t for n, t in sorted(self.draft_rows.items())},
                 "batched": {f"{r}x{w}": t for (r, w), t in sorted(self.batched.items())},
                 "draft_forward": {str(n): t for n, t in sorted(self.draft_forward.items())}}
+
+    @classmethod
+    def from_dict(cls, measured: dict) -> CostModel:
+        """The measured costs `to_dict` wrote (a stored calibration)."""
+        def sizes(name: str) -> dict[int, float]:
+            return {int(n): float(t) for n, t in measured.get(name, {}).items()}
+
+        batched = {tuple(int(x) for x in key.split("x")): float(t) for key, t in measured.get("batched", {}).items()}
+        return cls(draft_step=float(measured.get("draft_step", 0.0)), verify=sizes("verify"),
+                   draft_rows=sizes("draft_rows"), batched=batched, draft_forward=sizes("draft_forward"))

@@ -18,7 +18,16 @@ __all__ = ["Arm", "Backend", "BuildOptions", "ClusterOptions", "LocalOptions", "
 def build(options: BuildOptions) -> dict[str, Backend]:
     """{arm name: Backend} in the order of options.arms (the first the baseline). Blocking: models load and
     workers start here, so a server runs it off its event loop. Over Ray pools, start Ray first (engines.cluster.
-    start_ray) on the main thread: started from another thread, Ray's own SIGTERM handler would take over."""
+    start_ray) on the main thread: started from another thread, Ray's own SIGTERM handler would take over. With a
+    calibration file, arms whose costs it holds skip calibration (engines.calibration_file)."""
+    if options.calibration_file:
+        from tandem.engines.calibration_file import build_reusing
+
+        return build_reusing(options, _build)
+    return _build(options)
+
+
+def _build(options: BuildOptions) -> dict[str, Backend]:
     if isinstance(options.placement, ClusterOptions):
         from tandem.engines.cluster import build_cluster_backends  # Ray: imported only where pools are built
 

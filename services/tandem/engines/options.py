@@ -94,12 +94,14 @@ class Arm:
 @dataclass(slots=True, frozen=True)
 class BuildOptions:
     """Backends over one target model: one per arm (in order, the first the baseline), the models in this process or
-    in Ray pools; `lanes`: engines per backend over the same workers (engines.lanes)."""
+    in Ray pools; `lanes`: engines per backend over the same workers (engines.lanes); `calibration_file`: where
+    measured costs are kept across restarts ("" for none; engines.calibration_file)."""
 
     target: str
     arms: tuple[Arm, ...] = (Arm(),)
     placement: LocalOptions | ClusterOptions = field(default_factory=LocalOptions)
     lanes: int = 1
+    calibration_file: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "arms", tuple(self.arms))

@@ -1,0 +1,98 @@
+"""`tandem serve --calibration-file`: measured costs kept across restarts, reused only for the same setup."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+
+from tandem.core.config import EngineConfig, SpecConfig
+from tandem.engines import Arm, BuildOptions, ClusterOptions, LocalOptions, build
+from tandem.engines import calibration_file as stored
+
+CALIBRATED = "calibrated in"  # core.calibration's log line: calibration ran
+REUSING = "calibration: reusing"
+
+
+def _options(tiny_dirs, path, max_batch: int = 2, placement=None, **spec) -> BuildOptions:
+    config = EngineConfig(spec=SpecConfig(k_max=3, k_init=2, **spec), max_batch=max_batch)
+    return BuildOptions(str(tiny_dirs.target), (Arm("", str(tiny_dirs.draft), config),),
+                        placement or LocalOptions(threads=1, dtype="float32"), calibration_file=str(path))
+
+
+def _build(options: BuildOptions, caplog) -> tuple[object, str]:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tandem"):
+        engine = build(options)[""].engine
+    return engine, caplog.text
+
+
+def test_a_restart_reuses_the_stored_costs_and_a_changed_setup_calibrates(tiny_dirs, tmp_path, caplog) -> None:
+    path = tmp_path / "costs" / "calibration.json"
+    first, log = _build(_options(tiny_dirs, path), caplog)
+    assert CALIBRATED in log and first.costs.calibrated
+    entries = json.loads(path.read_text())["entries"]
+    assert len(entries) == 1 and entries[0]["costs"] == first.costs.to_dict()
+
+    again, log = _build(_options(tiny_dirs, path), caplog)
+    assert REUSING in log and CALIBRATED not in log
+    assert again.costs.to_dict() == first.costs.to_dict() and again.costs.calibrated
+    assert again.costs.layout == again.verifier.row_layout  # priced as this engine's target lays out rows
+
+    wider, log = _build(_options(tiny_dirs, path, max_batch=4), caplog)
+    assert CALIBRATED in log and "engine.max_batch" in log and (4, 1) in wider.costs.batched
+    assert len(json.loads(path.read_text())["entries"]) == 2
+    _, log = _build(_options(tiny_dirs, path, max_batch=4), caplog)
+    assert REUSING in log and CALIBRATED not in log
+
+
+def test_a_fixed_k_keeps_nothing_and_a_damaged_file_is_rewritten(tiny_dirs, tmp_path, caplog) -> None:
+    path = tmp_path / "calibration.json"
+    _, log = _build(_options(tiny_dirs, path, adaptive=False), caplog)
+    assert CALIBRATED not in log and not path.exists()  # a fixed k never calibrates: nothing to keep
+
+    path.write_text('{"format": 1, "entries": [')
+    _, log = _build(_options(tiny_dirs, path), caplog)
+    assert "ignoring" in log and CALIBRATED in log
+    assert len(json.loads(path.read_text())["entries"]) == 1
+
+
+def test_the_key_follows_the_models_files_host_and_options(tiny_dirs, tmp_path) -> None:
+    options = _options(tiny_dirs, tmp_path / "c.json")
+    arm = options.arms[0]
+    key = stored.key(options, arm)
+    assert key == stored.key(options, arm) and key["host"]["cores"] == len(os.sched_getaffinity(0))
+    assert key["versions"]["tandem_code"] and key["target_identity"].startswith("files:")
+    config = tiny_dirs.draft / "config.json"
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 1))
+    assert stored.key(options, arm)["draft_identity"] != key["draft_identity"]
+    threads = _options(tiny_dirs, tmp_path / "c.json", placement=LocalOptions(threads=2, dtype="float32"))
+    assert stored.key(threads, threads.arms[0])["placement"]["threads"] == 2
+    secret = BuildOptions(options.target, options.arms, ClusterOptions(ray_token_file="/secret/token"))
+    assert "ray_token_file" not in stored.key(secret, arm)["placement"]
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_pools_over_ray_reuse_the_stored_costs(tiny_dirs, tmp_path, caplog) -> None:
+    ray = pytest.importorskip("ray")
+    path = tmp_path / "calibration.json"
+    placement = ClusterOptions(draft_workers=1, target_replicas=1, threads=1, dtype="float32")
+    first, log = _build(_options(tiny_dirs, path, placement=placement), caplog)
+    again, log_again = _build(_options(tiny_dirs, path, placement=placement), caplog)
+    try:
+        assert CALIBRATED in log and REUSING in log_again and CALIBRATED not in log_again
+        assert again.costs.to_dict() == first.costs.to_dict()
+    finally:
+        for engine in (first, again):
+            for worker in engine.drafter.workers + engine.verifier.workers:
+                ray.kill(worker)
+
+
+def test_serve_refuses_a_directory_as_its_calibration_file(tiny_dirs, tmp_path, capsys) -> None:
+    from tandem.cli.main import main
+
+    code = main(["serve", "--in-process", "--target", str(tiny_dirs.target), "--draft", str(tiny_dirs.draft),
+                 "--calibration-file", str(tmp_path)])
+    assert code == 2 and f"--calibration-file: {tmp_path} is a directory" in capsys.readouterr().err
