@@ -23,20 +23,21 @@ from tandem.bench.local_cluster import greedy_streams, serve_process
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--serve-flags", default="--max-batch 8 --dtype float32", help="every server's flags")
+    parser.add_argument("--order", default="fresh,reused,reused,fresh", help="the starts, in order")
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="calfile-"))
     costs_file = out / "calibration.json"
     prompts = load_set("chat")[:2]
     runs = []
-    for n, arm in enumerate(("fresh", "reused", "reused", "fresh")):
+    for n, arm in enumerate(args.order.split(",")):
         if arm == "fresh":
             costs_file.unlink(missing_ok=True)
         flags = [*shlex.split(args.serve_flags), "--calibration-file", str(costs_file)]
         with serve_process(flags, out / f"serve-{n}.err") as (address, start_s):
             streams = greedy_streams([address], prompts, 16)
         entries = json.loads(costs_file.read_text())["entries"]
-        runs.append({"arm": arm, "start_s": start_s, "outputs": streams["outputs"],
+        runs.append({"arm": arm, "start_s": start_s, "outputs": streams["outputs"], "tok_s": streams["tok_s"],
                      "measured": [entry["measured"] for entry in entries]})
         print(arm, start_s, file=sys.stderr, flush=True)
     starts = {arm: [run["start_s"] for run in runs if run["arm"] == arm] for arm in ("fresh", "reused")}
