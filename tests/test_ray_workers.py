@@ -173,6 +173,7 @@ def test_a_slow_target_replica_keeps_its_rows_and_a_hung_one_is_benched(ray_clus
     (16 prompts in bf16 on one AVX2 core: minutes) is slow, not hung. A fixed deadline benched the only replica
     during `tandem serve`'s calibration and the server exited."""
     from tandem.core.protocol import VerifyRequest, VerifyResult
+    from tandem.workers.pace import MARGIN
     from tandem.workers.target_pool import TargetUnavailable
     from tandem.workers.worker_base import WorkerReply
 
@@ -189,6 +190,9 @@ def test_a_slow_target_replica_keeps_its_rows_and_a_hung_one_is_benched(ray_clus
         def hang(self) -> None:
             self.hung = True
 
+        def slow_down(self, factor: float) -> None:
+            self.per_token_s *= factor
+
         def verify(self, requests: list[VerifyRequest]) -> WorkerReply:
             tokens = sum(len(r.append) + (len(r.draft.tokens) if r.draft else 0) for r in requests)
             time.sleep(3600 if self.hung else self.per_token_s * tokens)
@@ -203,13 +207,39 @@ def test_a_slow_target_replica_keeps_its_rows_and_a_hung_one_is_benched(ray_clus
     with pytest.raises(TargetUnavailable):
         fixed.verify(prefill)
     assert not fixed.router.healthy(0)
+    # A pace learned from answered calls tightens the allowance per token; a replica at twice that pace still answers.
+    paced = RayVerifier([replica], timeout_s=0.5, per_token_s=1.0, cooldown_s=30)
+    paced.verify(prefill)
+    assert 0.02 <= paced.pace.per_token < 0.05 and paced.deadline_s(prefill) < 0.5 + 80 * 0.2
+    ray.get(replica.slow_down.remote(2.0))
+    assert paced.verify(prefill) == [VerifyResult(0, 7)] * 2 and paced.router.healthy(0)
+    hung = RayVerifier([replica], timeout_s=0.5, per_token_s=0.05, cooldown_s=30)  # (asks the replica's info)
     ray.get(replica.hang.remote())
-    hung = RayVerifier([replica], timeout_s=0.5, per_token_s=0.05, cooldown_s=30)
     started = time.monotonic()
     with pytest.raises(TargetUnavailable):
         hung.verify([VerifyRequest("hung", 0, [1, 2, 3, 4], None, GREEDY)])
     assert time.monotonic() - started < 5 and not hung.router.healthy(0)
+    long_prompt = [VerifyRequest("hung", 0, list(range(1, 101)), None, GREEDY)]  # fixed allowance: 100.5 s
+    started = time.monotonic()
+    with pytest.raises(TargetUnavailable):
+        paced.verify(long_prompt)
+    assert time.monotonic() - started < 0.5 + 100 * MARGIN * 0.05 and not paced.router.healthy(0)
     ray.kill(replica)
+
+
+def test_a_pools_pace_is_the_slowest_recent_one_over_calls_with_many_tokens() -> None:
+    from tandem.workers.pace import DECAY, MARGIN, MIN_TOKENS, Pace
+
+    pace = Pace(len)
+    assert pace.allowance(0.5) == 0.5  # nothing learned: the fixed allowance
+    pace.observe(3.0, ["x"] * (MIN_TOKENS - 1))  # a few tokens: mostly fixed costs, no pace
+    assert pace.per_token == 0.0
+    pace.observe(1.6, ["x"] * 80)
+    assert pace.per_token == 0.02 and pace.allowance(0.5) == MARGIN * 0.02
+    pace.observe(0.8, ["x"] * 80)  # faster: the slower pace decays rather than drops
+    assert pace.per_token == 0.02 * DECAY
+    pace.observe(8.0, ["x"] * 80)  # slower: taken at once, and never above the fixed allowance
+    assert pace.per_token == 0.1 and pace.allowance(0.3) == 0.3
 
 
 def test_calibration_leaves_out_draft_calls_that_failed(tiny_models, pool) -> None:

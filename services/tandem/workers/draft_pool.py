@@ -12,12 +12,14 @@ from dataclasses import dataclass
 
 from tandem.core.protocol import DraftProposal, DraftRequest, StateLost
 from tandem.workers.fanout import RayPoolClient, fan_out
+from tandem.workers.pace import Pace
 from tandem.workers.routing import AffinityRouter
 from tandem.workers.worker_base import start_workers
 
-# Seconds a draft call may take per token it must first catch up on, beyond timeout_s: enough for the slowest prefill
-# measured (the 0.5B draft in bf16 on one AVX2 core without bf16 FMA, 0.12 s a token), so that a slow worker still
-# drafts after long prompts; a round's drafts carry a token or a few, whose deadline stays near timeout_s.
+# Seconds a draft call may take per token it must first catch up on, beyond timeout_s, until the pool shows a faster
+# pace (workers.pace): enough for the slowest prefill measured (the 0.5B draft in bf16 on one AVX2 core without bf16
+# FMA, 0.12 s a token), so that a slow worker still drafts after long prompts; a round's drafts carry a token or a
+# few, whose deadline stays near timeout_s.
 PER_TOKEN_S = 0.15
 
 
@@ -33,6 +35,7 @@ class RayDrafter(RayPoolClient):
                  per_token_s: float = PER_TOKEN_S, names: list[str] | None = None, prefix: str = "") -> None:
         super().__init__(workers, AffinityRouter(len(workers), cooldown_s, "draft", names=names), prefix)
         self.timeout_s, self.per_token_s = timeout_s, per_token_s
+        self.pace = Pace(_catch_up_tokens)
         self.stats = PoolStats()
 
     @property
@@ -41,14 +44,18 @@ class RayDrafter(RayPoolClient):
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         self._take_offer()
-        out = fan_out(self.workers, self.router, self.ids, "propose", requests,
-                      self.deadline_s(sum(len(r.append) for r in requests)), self.trace_carriers)
+        out = fan_out(self.workers, self.router, self.ids, "propose", requests, self.deadline_s(requests),
+                      self.trace_carriers, self.pace)
         self.stats.calls += 1
         self.stats.failures += out.failed
         self.stats.timeouts += out.timed_out
         if out.lost:
             raise StateLost(out.lost)
         return [result or DraftProposal(tokens=[], failed=True) for result in out.results]
+
+
+def _catch_up_tokens(request: DraftRequest) -> int:
+    return len(request.append)
 
 
 def start_draft_workers(config, count: int, num_gpus: float = 0.0, num_cpus: float = 1.0,

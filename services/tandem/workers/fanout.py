@@ -12,6 +12,7 @@ import ray
 
 from tandem.core.protocol import KVCacheFull, KVUsage, TraceCarriers, WorkerHealth
 from tandem.telemetry import tracing
+from tandem.workers.pace import Pace
 from tandem.workers.routing import AffinityRouter
 from tandem.workers.tp_replica import TensorParallelReplica
 from tandem.workers.worker_base import ray_failures
@@ -58,16 +59,18 @@ class WireIds:
 
 
 def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, requests: list, timeout_s: float,
-            carriers: dict[str, dict[str, str]] | None = None) -> FanoutResult:
+            carriers: dict[str, dict[str, str]] | None = None, pace: Pace | None = None) -> FanoutResult:
     """`carriers`: W3C trace context per sequence id for the traced ones (tandem.telemetry.rounds); each worker gets
-    those of its rows, and the spans it returns are exported here. `ids`: the sequence ids workers see."""
+    those of its rows, and the spans it returns are exported here. `ids`: the sequence ids workers see. `pace`
+    learns from every worker that answers in time."""
     out = FanoutResult(results=[None] * len(requests))
     groups = router.group([(r.seq_id, r.session) for r in requests])
     carriers = {ids.to_wire(seq_id): carrier for seq_id, carrier in carriers.items()} if carriers else carriers
     requests = [dataclasses.replace(r, seq_id=ids.to_wire(r.seq_id)) for r in requests]
+    sent = time.monotonic()
     futures = {index: _submit(workers[index], method, [requests[row] for row in rows], carriers)
                for index, rows in groups.items() if index is not None}
-    deadline = time.monotonic() + timeout_s
+    deadline = sent + timeout_s
     for index, refs in futures.items():
         try:
             reply = _first_reply(refs, deadline)
@@ -81,6 +84,8 @@ def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, re
             out.benched.append(index)
             router.bench(index, f"failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]})")
             continue
+        if pace is not None:
+            pace.observe(time.monotonic() - sent, [requests[row] for row in groups[index]])
         if reply.spans:
             tracing.relay(reply.spans)
         if reply.lost:
@@ -144,8 +149,9 @@ class RayPoolClient:
     that keeps this gateway's sequence ids apart from other gateways' on shared workers. Implements the PoolSide
     part of the Drafter and Verifier protocols (core.protocol)."""
 
-    timeout_s: float  # a call's deadline: timeout_s plus per_token_s for each token it carries (each pool sets both)
+    timeout_s: float  # a call's deadline: timeout_s plus, per token it carries, per_token_s or less (deadline_s)
     per_token_s: float
+    pace: Pace  # each pool sets all three
 
     def __init__(self, workers: list, router: AffinityRouter, prefix: str = "", ranks_per_worker: int = 1) -> None:
         """`ranks_per_worker`: a shared pool's tensor-parallel replica's ranks behind the rank 0 this client calls."""
@@ -154,9 +160,9 @@ class RayPoolClient:
         self._offered: tuple[list, list[str]] | None = None
         self.ranks_per_worker = ranks_per_worker
 
-    def deadline_s(self, tokens: int) -> float:
-        """A call's deadline: long enough for a slow worker's long prefill, short for a hung one."""
-        return self.timeout_s + self.per_token_s * tokens
+    def deadline_s(self, requests: list) -> float:
+        """A call's deadline: long enough for a slow worker's long prefill, short for a hung one (workers.pace)."""
+        return self.timeout_s + self.pace.allowance(self.per_token_s) * sum(self.pace.count(r) for r in requests)
 
     def offer_workers(self, workers: list, names: list[str]) -> None:
         """The pool now has these workers (scaled): taken up at the next call, on the engine's thread."""

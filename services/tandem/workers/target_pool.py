@@ -20,14 +20,16 @@ from tandem.core.protocol import StateLost, VerifyRequest, VerifyResult
 from tandem.core.row_layout import RowLayout
 from tandem.errors import BackendUnavailable
 from tandem.workers.fanout import RayPoolClient, fan_out
+from tandem.workers.pace import Pace
 from tandem.workers.routing import AffinityRouter
 from tandem.workers.tp_replica import TensorParallelReplica
 from tandem.workers.worker_base import start_workers
 
 log = logging.getLogger(__name__)
 TOKENIZER_TIMEOUT_S = 60.0  # how long one target replica may take to hand over its tokenizer
-# Seconds a verify call may take per token it carries (prompt, resent history, drafts), beyond timeout_s. The slowest
-# forward measured: the 1.5B target in bf16 on one AVX2 core without bf16 FMA, 0.34 s a token of prefill.
+# Seconds a verify call may take per token it carries (prompt, resent history, drafts), beyond timeout_s, until the
+# pool shows a faster pace (workers.pace). The slowest forward measured: the 1.5B target in bf16 on one AVX2 core
+# without bf16 FMA, 0.34 s a token of prefill.
 PER_TOKEN_S = 0.5
 
 
@@ -45,6 +47,7 @@ class RayVerifier(RayPoolClient):
         super().__init__(replicas, AffinityRouter(len(replicas), cooldown_s, "target", names=names), prefix,
                          ranks_per_worker=tensor_parallel)
         self.timeout_s, self.per_token_s, self.rebuild_timeout_s = timeout_s, per_token_s, rebuild_timeout_s
+        self.pace = Pace(_tokens)
         info = ray.get(replicas[0].info.remote())
         self.vocab_size, self.context_window = info["vocab_size"], info.get("context_window")
         self.row_layout = RowLayout.from_info(info)
@@ -54,8 +57,8 @@ class RayVerifier(RayPoolClient):
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         self._take_offer()
-        out = fan_out(self.workers, self.router, self.ids, "verify", requests,
-                      self.deadline_s(sum(_tokens(r) for r in requests)), self.trace_carriers)
+        out = fan_out(self.workers, self.router, self.ids, "verify", requests, self.deadline_s(requests),
+                      self.trace_carriers, self.pace)
         for index in out.benched:
             self._rebuild(index)
         if out.full is not None:
