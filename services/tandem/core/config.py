@@ -183,6 +183,12 @@ class EngineConfig:
         _require(1 <= self.max_batch <= 1024, "max_batch", "must be between 1 and 1024")
         _require(self.prefill_chunk >= 0, "prefill_chunk", "must be non-negative (0 prefills a prompt at once)")
 
+    @property
+    def calibrates(self) -> bool:
+        """Whether an engine with a drafter times its forwards before serving: costs steer only an adaptive k (the
+        policy, the batch plan); a fixed k drafts as given, so it starts at once."""
+        return self.calibrate and self.spec.speculating and self.spec.adaptive
+
 
 def draft_vocab_limit(draft_vocab: int, target_vocab: int) -> int:
     """The ids the drafter scores: never beyond the target's vocabulary, fewer if `draft_vocab` asks."""

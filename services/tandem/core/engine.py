@@ -58,9 +58,7 @@ class SpeculativeEngine:
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._kv_full = False  # the verifier was full: sequences it does not hold wait until one finishes
-        # Costs only steer an adaptive k (policy, batch plan): a fixed k drafts as given, so it starts at once.
-        if self.drafter is not None and self.config.spec.speculating and self.config.spec.adaptive \
-                and self.config.calibrate:
+        if self.drafter is not None and self.config.calibrates:
             self.calibrate()
 
     @property

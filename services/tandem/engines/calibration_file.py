@@ -1,7 +1,8 @@
 """Measured costs kept in a file across restarts (`tandem serve --calibration-file`), keyed by what they depend on.
 
 Calibration times the pair's forwards before a server turns ready (core.calibration): seconds on a GPU, minutes on a
-CPU (the real pair on 2 AVX2 cores at --max-batch 8: about 2 min in float32, far longer in bf16). Those timings
+CPU (the real pair on CPU-B's 2 AVX2 cores: `tandem serve` ready after 198-221 s in float32 at --max-batch 8, 821 s
+in bf16 at 16; 63-68 and 33 s reusing the file's costs). Those timings
 depend on the machine, the models, how they run and the engine's settings, not on the traffic, so a restart with all
 of these unchanged reuses them. The key holds every build option and engine setting (a changed one only costs a
 calibration), the models' identities, this host's CPU, cores and GPUs, the versions of torch and transformers and a
@@ -61,9 +62,8 @@ def build_reusing(options: BuildOptions,
 
 
 def calibrates(arm: Arm) -> bool:
-    """Whether building `arm` runs calibration (core.engine: an adaptive k over a draft)."""
-    spec = arm.config.spec
-    return bool(arm.draft) and spec.speculating and spec.adaptive and arm.config.calibrate
+    """Whether building `arm` runs calibration (its engine has a drafter: EngineConfig.calibrates)."""
+    return bool(arm.draft) and arm.config.calibrates
 
 
 def key(options: BuildOptions, arm: Arm) -> dict:
