@@ -59,19 +59,23 @@ def test_a_fixed_k_keeps_nothing_and_a_damaged_file_is_rewritten(tiny_dirs, tmp_
     assert len(json.loads(path.read_text())["entries"]) == 1
 
 
-def test_the_key_follows_the_models_files_host_and_options(tiny_dirs, tmp_path) -> None:
+def test_the_key_follows_the_models_files_workers_and_options(tiny_dirs, tmp_path) -> None:
+    from tandem.hostinfo import host_facts
+
     options = _options(tiny_dirs, tmp_path / "c.json")
     arm = options.arms[0]
-    key = stored.key(options, arm)
-    assert key == stored.key(options, arm) and key["host"]["cores"] == len(os.sched_getaffinity(0))
+    here = [{"host": host_facts(), "threads": None}]
+    key = stored.key(options, arm, here)
+    assert key == stored.key(options, arm, here) and key["workers"][0]["host"]["cores"] == len(os.sched_getaffinity(0))
     assert key["versions"]["tandem_code"] and key["target_identity"].startswith("files:")
+    assert stored.key(options, arm, [{**here[0], "threads": 2}]) != key
     config = tiny_dirs.draft / "config.json"
     os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 1))
-    assert stored.key(options, arm)["draft_identity"] != key["draft_identity"]
+    assert stored.key(options, arm, here)["draft_identity"] != key["draft_identity"]
     threads = _options(tiny_dirs, tmp_path / "c.json", placement=LocalOptions(threads=2, dtype="float32"))
-    assert stored.key(threads, threads.arms[0])["placement"]["threads"] == 2
+    assert stored.key(threads, threads.arms[0], here)["placement"]["threads"] == 2
     secret = BuildOptions(options.target, options.arms, ClusterOptions(ray_token_file="/secret/token"))
-    assert "ray_token_file" not in stored.key(secret, arm)["placement"]
+    assert "ray_token_file" not in stored.key(secret, arm, here)["placement"]
 
 
 @pytest.mark.usefixtures("ray_session")
@@ -84,6 +88,10 @@ def test_pools_over_ray_reuse_the_stored_costs(tiny_dirs, tmp_path, caplog) -> N
     try:
         assert CALIBRATED in log and REUSING in log_again and CALIBRATED not in log_again
         assert again.costs.to_dict() == first.costs.to_dict()
+        from tandem.hostinfo import host_facts
+
+        entry, = json.loads(path.read_text())["entries"]  # keyed by what the workers report: this host, 1 thread
+        assert entry["key"]["workers"] == [{"host": host_facts(), "threads": 1}]
     finally:
         for engine in (first, again):
             for worker in engine.drafter.workers + engine.verifier.workers:

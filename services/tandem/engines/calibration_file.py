@@ -5,12 +5,10 @@ CPU (the real pair on CPU-B's 2 AVX2 cores: `tandem serve` ready after 198-221 s
 in bf16 at 16; 63-68 and 33 s reusing the file's costs). Those timings
 depend on the machine, the models, how they run and the engine's settings, not on the traffic, so a restart with all
 of these unchanged reuses them. The key holds every build option and engine setting (a changed one only costs a
-calibration), the models' identities, this host's CPU, cores and GPUs, the versions of torch and transformers and a
-digest of tandem's own code (a new runner prices differently). In service the cost model keeps adapting to the
-forwards it times, as it does after a fresh calibration.
-
-The key describes the host this process runs on: over a joined Ray cluster (--ray-address) the workers' hosts may
-differ, and a file kept there goes stale when they change without the address or options changing.
+calibration), the models' identities, the hosts the models run on (each pool worker's CPU, cores, GPUs and torch
+threads, as it reports them once started; this process's for models loaded here), the versions of torch and
+transformers and a digest of tandem's own code (a new runner prices differently). In service the cost model keeps
+adapting to the forwards it times, as it does after a fresh calibration.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import tempfile
 from collections.abc import Callable
 from functools import cache
@@ -30,7 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tandem.core.costs import CostModel
-from tandem.engines.options import Arm, BuildOptions, ClusterOptions
+from tandem.engines.options import Arm, BuildOptions
+from tandem.hostinfo import host_facts
 
 if TYPE_CHECKING:
     from tandem.engines.backend import Backend
@@ -40,25 +38,47 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 KEPT = 16  # entries a file holds (one per setup), the least recently measured dropped first
 SECRET_OPTIONS = ("ray_token_file",)  # where a secret lives says nothing about costs
+INFO_TIMEOUT_S = 60.0  # how long the workers, just started and idle, may take to say what they run on
 
 
 def build_reusing(options: BuildOptions,
                   build: Callable[[BuildOptions], dict[str, Backend]]) -> dict[str, Backend]:
-    """`build(options)`, where every arm whose costs options.calibration_file holds starts from them instead of
-    calibrating, and every arm that calibrated has its costs stored there."""
-    keys = {arm.name: key(options, arm) for arm in options.arms if calibrates(arm)}
-    reused = {name: costs for name, wanted in keys.items()
-              if (costs := load(options.calibration_file, wanted)) is not None}
+    """`build(options)` without calibrating; then each arm that would have calibrated starts from the costs
+    options.calibration_file holds for it, or calibrates and stores its costs there. The key is built once the
+    workers are up, from what they report of their hosts."""
+    calibrating = {arm.name for arm in options.arms if calibrates(arm)}
     arms = tuple(dataclasses.replace(arm, config=dataclasses.replace(arm.config, calibrate=False))
-                 if arm.name in reused else arm for arm in options.arms)
+                 if arm.name in calibrating else arm for arm in options.arms)
     backends = build(dataclasses.replace(options, arms=arms))
-    for name, wanted in keys.items():
-        costs = backends[name].engine.costs  # an arm's lanes share it (engines.backend.engine_lanes)
-        if name in reused:
-            costs.adopt(reused[name])
-        elif costs.calibrated:
-            save(options.calibration_file, wanted, costs)
+    for arm in options.arms:
+        engine = backends[arm.name].engine  # an arm's lanes share its costs (engines.backend.engine_lanes)
+        if arm.name not in calibrating or engine.drafter is None:
+            continue
+        wanted = key(options, arm, worker_facts(engine))
+        stored = load(options.calibration_file, wanted)
+        if stored is not None:
+            engine.costs.adopt(stored)
+            continue
+        engine.calibrate()
+        if engine.costs.calibrated:
+            save(options.calibration_file, wanted, engine.costs)
     return backends
+
+
+def worker_facts(engine) -> list[dict]:
+    """The hosts and torch threads the engine's models run on: each pool worker's (the distinct ones), or this
+    process's for models loaded here."""
+    from tandem.workers.fanout import RayPoolClient
+
+    actors = [actor for side in (engine.verifier, engine.drafter) if isinstance(side, RayPoolClient)
+              for actor in side.actors()]
+    if not actors:
+        return [{"host": host_facts(), "threads": None}]
+    import ray
+
+    infos = ray.get([actor.info.remote() for actor in actors], timeout=INFO_TIMEOUT_S)
+    seen = {json.dumps({"host": info.get("host"), "threads": info.get("threads")}, sort_keys=True) for info in infos}
+    return [json.loads(worker) for worker in sorted(seen)]
 
 
 def calibrates(arm: Arm) -> bool:
@@ -66,16 +86,14 @@ def calibrates(arm: Arm) -> bool:
     return bool(arm.draft) and arm.config.calibrates
 
 
-def key(options: BuildOptions, arm: Arm) -> dict:
-    """What `arm`'s measured costs depend on, as JSON values."""
+def key(options: BuildOptions, arm: Arm, machines: list[dict]) -> dict:
+    """What `arm`'s measured costs depend on, as JSON values; `machines`: what its models run on (worker_facts)."""
     placement = {name: value for name, value in dataclasses.asdict(options.placement).items()
                  if name not in SECRET_OPTIONS}
-    if isinstance(options.placement, ClusterOptions) and not placement["ray_address"]:
-        placement["ray_address"] = os.environ.get("RAY_ADDRESS", "")
     facts = {"target": options.target, "target_identity": model_identity(options.target), "draft": arm.draft,
              "draft_identity": model_identity(arm.draft), "engine": dataclasses.asdict(arm.config),
              "placement": {"kind": type(options.placement).__name__, **placement}, "lanes": options.lanes,
-             "host": host_facts(), "versions": versions()}
+             "workers": machines, "versions": versions()}
     return json.loads(json.dumps(facts, sort_keys=True, default=str))
 
 
@@ -90,17 +108,6 @@ def model_identity(spec: str) -> str:
         stat = file.stat()
         digest.update(f"{file.relative_to(path.parent)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
     return f"files:{digest.hexdigest()[:32]}"
-
-
-@cache
-def host_facts() -> dict:
-    """This host's CPU model, the cores this process may use, and its NVIDIA GPUs (read from the driver's /proc
-    files: asking torch would create a CUDA context in the gateway)."""
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), platform.processor())
-    gpus = sorted(line.split(":", 1)[1].strip() for info in Path("/proc/driver/nvidia/gpus").glob("*/information")
-                  for line in _read(info).splitlines() if line.startswith("Model:"))
-    return {"machine": platform.machine(), "cpu": cpu, "cores": len(os.sched_getaffinity(0)), "gpus": gpus}
 
 
 @cache
@@ -166,13 +173,6 @@ def _entries(path: str) -> list[dict]:
     except (OSError, ValueError, AttributeError) as exc:
         log.warning("calibration: ignoring %s (%s); it is rewritten after calibrating", path, exc)
         return []
-
-
-def _read(path: str | Path) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
 
 
 def _version(name: str) -> str:

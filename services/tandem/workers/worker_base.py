@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tandem.core.protocol import KVUsage
+from tandem.hostinfo import host_facts
 from tandem.pools.names import NAMESPACE
 from tandem.telemetry.worker import WorkerTelemetry
 from tandem.workers.orphans import release_orphans_forever
@@ -133,7 +134,8 @@ class WorkerBase:
         return KVUsage.of(runner) if runner is not None else None
 
     def info(self) -> dict:
-        return {"name": self.name, "pid": os.getpid(), "threads": self.threads, "sequences": self.cached_sequences(),
+        return {"name": self.name, "pid": os.getpid(), "host": host_facts(), "threads": self.threads,
+                "sequences": self.cached_sequences(),
                 "vocab_size": self.runner.vocab_size,
                 "context_window": self.runner.context_window, "retained_sessions": len(self.runner.retained),
                 **self.runner.layout.to_info(),
