@@ -104,3 +104,19 @@ def test_serve_refuses_a_directory_as_its_calibration_file(tiny_dirs, tmp_path, 
     code = main(["serve", "--in-process", "--target", str(tiny_dirs.target), "--draft", str(tiny_dirs.draft),
                  "--calibration-file", str(tmp_path)])
     assert code == 2 and f"--calibration-file: {tmp_path} is a directory" in capsys.readouterr().err
+
+
+def test_tandem_serve_on_its_own_ray_runs_every_worker_on_every_core(tiny_dirs, tmp_path) -> None:
+    """`tandem serve` starts its local Ray before building the pools (engines.cluster.start_ray); that Ray is its own,
+    so each worker gets every core (engines.cluster.worker_threads). Taken for a joined one, the workers ran Ray's
+    one thread. The file's key holds what the workers report."""
+    from tandem.bench.local_cluster import serve_process
+
+    path = tmp_path / "calibration.json"
+    flags = ["--target", str(tiny_dirs.target), "--draft", str(tiny_dirs.draft), "--dtype", "float32",
+             "--max-batch", "2", "--calibration-file", str(path)]
+    with serve_process(flags, tmp_path / "serve.err", timeout_s=600):
+        pass
+    entry, = json.loads(path.read_text())["entries"]
+    cores = len(os.sched_getaffinity(0))
+    assert [worker["threads"] for worker in entry["key"]["workers"]] == [cores]

@@ -1,6 +1,7 @@
 """The pace both pools learn (workers.pace) while calibration runs over them: Ray pools for the pair started here
-(the float32 default of `tandem serve`, every core per worker), then each pool's learned seconds per token, its
-allowance per token against the fixed one, and the deadline of a call carrying 2000 tokens under each.
+(`tandem serve`'s float32 defaults; run on a9b1155, where they gave each worker one thread), then each pool's learned
+seconds per token, its allowance per token against the fixed one, and the deadline of a call carrying 2000 tokens
+under each.
 
     PYTHONPATH=services python docs/bench/pool-pace-v1.py --json pace.json
 """

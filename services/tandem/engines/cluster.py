@@ -23,6 +23,7 @@ from tandem.workers.tp_replica import start_tp_replica
 from tandem.workers.worker_base import WorkerConfig
 
 log = logging.getLogger(__name__)
+_own_ray = False  # start_ray started a local Ray in this process (rather than joining one)
 
 def start_ray(options: ClusterOptions) -> None:
     """Join RAY_ADDRESS (or options.ray_address), else start a local Ray on loopback sized for our actors, with
@@ -50,6 +51,17 @@ def start_ray(options: ClusterOptions) -> None:
     # No dashboard (its job API runs code for anyone who reaches it); were it ever turned on, loopback only.
     ray.init(num_cpus=cpus, include_dashboard=False, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
              runtime_env=env, log_to_driver=False, configure_logging=False)
+    global _own_ray
+    _own_ray = True
+
+
+def joined_ray(options: ClusterOptions) -> bool:
+    """Whether the workers run on a Ray this process did not start on its own host: an address given, or one already
+    initialised by someone else (a test's, an embedding program's). `tandem serve` starts its local Ray before
+    building (start_ray), so an initialised Ray alone does not say it was joined."""
+    import ray
+
+    return bool(options.ray_address or os.environ.get("RAY_ADDRESS")) or (ray.is_initialized() and not _own_ray)
 
 def worker_threads(options: ClusterOptions, joined: bool) -> tuple[int | None, int | None]:
     """Torch threads of each draft worker and each target rank: --threads; else, on a Ray this server starts on its
@@ -68,12 +80,9 @@ def build_cluster_backends(target: str, arms: tuple[Arm, ...], options: ClusterO
     """Pull the models once here, start Ray and the workers, and return one backend per arm over one shared target
     pool; arms with the same draft model share its draft pool. With tensor-parallel replicas each arm gets replicas
     of its own: a failed replica is rebuilt by the one pool client that holds it."""
-    import ray
-
     from tandem.models.loader import resolve, vocab_size
 
-    joined = bool(options.ray_address or os.environ.get("RAY_ADDRESS")) or ray.is_initialized()
-    draft_threads, target_threads = worker_threads(options, joined)
+    draft_threads, target_threads = worker_threads(options, joined_ray(options))
     drafting = {arm.name for arm in arms if arm.draft and arm.config.spec.speculating and options.draft_workers > 0}
     target_vocab = vocab_size(target)  # pulls a registry model once, before several workers would race for it
     first_arms: dict[str, Arm] = {}  # draft model -> the first arm drafting with it: its config makes the workers
