@@ -67,9 +67,9 @@ def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, re
     groups = router.group([(r.seq_id, r.session) for r in requests])
     carriers = {ids.to_wire(seq_id): carrier for seq_id, carrier in carriers.items()} if carriers else carriers
     requests = [dataclasses.replace(r, seq_id=ids.to_wire(r.seq_id)) for r in requests]
+    batches = {index: [requests[row] for row in rows] for index, rows in groups.items() if index is not None}
     sent = time.monotonic()
-    futures = {index: _submit(workers[index], method, [requests[row] for row in rows], carriers)
-               for index, rows in groups.items() if index is not None}
+    futures = {index: _submit(workers[index], method, batch, carriers) for index, batch in batches.items()}
     deadline = sent + timeout_s
     for index, refs in futures.items():
         try:
@@ -85,7 +85,7 @@ def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, re
             router.bench(index, f"failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]})")
             continue
         if pace is not None:
-            pace.observe(time.monotonic() - sent, [requests[row] for row in groups[index]])
+            pace.observe(time.monotonic() - sent, batches[index])
         if reply.spans:
             tracing.relay(reply.spans)
         if reply.lost:
