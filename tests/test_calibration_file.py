@@ -6,8 +6,6 @@ import json
 import logging
 import os
 
-import pytest
-
 from tandem.core.config import EngineConfig, SpecConfig
 from tandem.engines import Arm, BuildOptions, ClusterOptions, LocalOptions, build
 from tandem.engines import calibration_file as stored
@@ -78,26 +76,6 @@ def test_the_key_follows_the_models_files_workers_and_options(tiny_dirs, tmp_pat
     assert "ray_token_file" not in stored.key(secret, arm, here)["placement"]
 
 
-@pytest.mark.usefixtures("ray_session")
-def test_pools_over_ray_reuse_the_stored_costs(tiny_dirs, tmp_path, caplog) -> None:
-    ray = pytest.importorskip("ray")
-    path = tmp_path / "calibration.json"
-    placement = ClusterOptions(draft_workers=1, target_replicas=1, threads=1, dtype="float32")
-    first, log = _build(_options(tiny_dirs, path, placement=placement), caplog)
-    again, log_again = _build(_options(tiny_dirs, path, placement=placement), caplog)
-    try:
-        assert CALIBRATED in log and REUSING in log_again and CALIBRATED not in log_again
-        assert again.costs.to_dict() == first.costs.to_dict()
-        from tandem.hostinfo import host_facts
-
-        entry, = json.loads(path.read_text())["entries"]  # keyed by what the workers report: this host, 1 thread
-        assert entry["key"]["workers"] == [{"host": host_facts(), "threads": 1}]
-    finally:
-        for engine in (first, again):
-            for worker in engine.drafter.workers + engine.verifier.workers:
-                ray.kill(worker)
-
-
 def test_serve_refuses_a_directory_as_its_calibration_file(tiny_dirs, tmp_path, capsys) -> None:
     from tandem.cli.main import main
 
@@ -106,10 +84,12 @@ def test_serve_refuses_a_directory_as_its_calibration_file(tiny_dirs, tmp_path, 
     assert code == 2 and f"--calibration-file: {tmp_path} is a directory" in capsys.readouterr().err
 
 
-def test_tandem_serve_on_its_own_ray_runs_every_worker_on_every_core(tiny_dirs, tmp_path) -> None:
+def test_tandem_serve_on_its_own_ray_gives_workers_every_core_and_a_restart_reuses_the_costs(tiny_dirs,
+                                                                                               tmp_path) -> None:
     """`tandem serve` starts its local Ray before building the pools (engines.cluster.start_ray); that Ray is its own,
     so each worker gets every core (engines.cluster.worker_threads). Taken for a joined one, the workers ran Ray's
-    one thread. The file's key holds what the workers report."""
+    one thread. The file's key holds what the workers report, and a second start with the same flags finds it: it
+    reuses the costs and leaves the file as it was (calibrating again would store a new entry)."""
     from tandem.bench.local_cluster import serve_process
 
     path = tmp_path / "calibration.json"
@@ -117,6 +97,11 @@ def test_tandem_serve_on_its_own_ray_runs_every_worker_on_every_core(tiny_dirs, 
              "--max-batch", "2", "--calibration-file", str(path)]
     with serve_process(flags, tmp_path / "serve.err", timeout_s=600):
         pass
-    entry, = json.loads(path.read_text())["entries"]
+    stored = path.read_text()
+    entry, = json.loads(stored)["entries"]
     cores = len(os.sched_getaffinity(0))
     assert [worker["threads"] for worker in entry["key"]["workers"]] == [cores]
+    written = path.stat().st_mtime_ns
+    with serve_process(flags, tmp_path / "again.err", timeout_s=600):
+        pass
+    assert path.read_text() == stored and path.stat().st_mtime_ns == written

@@ -216,23 +216,6 @@ def _forwards_of_three_shapes(runners: dict[str, ModelRunner]) -> None:
 
 
 @pytest.mark.slow
-def test_cache_growth_and_new_runners_compile_nothing_new(tiny_models) -> None:
-    """Dynamic shapes: once both models' runners have warmed up (every class of bucket compiled, whatever ran
-    before in this process), a run whose cache reallocates twice (so the buffers change shape) and whose runners are
-    new objects reuses the compiled graphs. (A short run instead of the warm-up left which classes it had compiled
-    to its draft acceptance: one CI run saw a fifth graph.)"""
-    target, draft, _ = tiny_models
-    for model in (target, draft):
-        ModelRunner(model.model, kv_tokens=4096, compile=True).warm_up()
-    graphs = counters["stats"]["unique_graphs"]
-    compiled, runners = run(tiny_models, True, [PROMPTS[0]], 4, kv_tokens=2048,
-                            params=SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True))
-    assert runners[0].cache.capacity >= 600 > 256  # grew from the first allocation
-    assert counters["stats"]["unique_graphs"] == graphs
-    assert compiled == [hf_greedy(tiny_models, PROMPTS[0], 600)]
-
-
-@pytest.mark.slow
 def test_attention_reads_only_the_positions_the_rows_reach(tiny_models, monkeypatch) -> None:
     """Without CUDA graphs a compiled forward's attention reads the buffers up to the furthest position its rows
     reach, rounded up to WINDOW_ALIGN, not the capacity a long sequence holds (a retained session's, so the cache
@@ -372,8 +355,8 @@ def test_warm_up_compiles_every_class_of_bucket_before_the_first_request(tiny_mo
     thread than the one that serves, as the gateway's loader does: twelve graphs of the runners' shared forward
     (six classes each), past PyTorch's recompile limit of 8, which the runner raises around its own forwards on
     whichever thread they trace (core.cuda_graphs.with_trace_settings). Serving afterwards (lone and batched rows,
-    plain and speculative) compiles nothing more. PyTorch's duck sizing and recompile limit stay as they were on both
-    threads. Eager runners have nothing to warm."""
+    plain and speculative) compiles nothing more, nor do new runners whose cache reallocates. PyTorch's duck sizing
+    and recompile limit stay as they were on both threads. Eager runners have nothing to warm."""
     from torch._dynamo import config as dynamo_config
 
     target, draft, _ = tiny_models
@@ -396,6 +379,12 @@ def test_warm_up_compiles_every_class_of_bucket_before_the_first_request(tiny_mo
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     assert len(engine.generate(PROMPTS, greedy)) == len(engine.generate(PROMPTS[:1], greedy)) + 3
     assert counters["stats"]["unique_graphs"] == graphs
+    # New runners whose cache reallocates twice (so its buffers change shape) reuse the same graphs.
+    params = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
+    compiled, grown = run(tiny_models, True, [PROMPTS[0]], 4, params=params, kv_tokens=2048)
+    assert grown[0].cache.capacity >= 600 > 256  # grew from the first allocation
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert compiled == [hf_greedy(tiny_models, PROMPTS[0], 600)]
     assert fx_config.use_duck_shape and dynamo_config.recompile_limit == 8
     assert ModelRunner(target.model, compile=False).warm_up() == 0
 
