@@ -1,8 +1,8 @@
 """Measured costs kept in a file across restarts (`tandem serve --calibration-file`), keyed by what they depend on.
 
 Calibration times the pair's forwards before a server turns ready (core.calibration): seconds on a GPU, minutes on a
-CPU (the real pair on CPU-B's 2 AVX2 cores, one thread per worker: `tandem serve` ready after 198-221 s in float32
-at --max-batch 8, 821 s in bf16 at 16; 63-68 and 33 s reusing the file's costs). Those timings depend on the
+CPU (the real pair on CPU-B's 2 AVX2 cores: `tandem serve` ready after 155-166 s in float32 at --max-batch 8, 54-57 s
+reusing the file's costs; docs/performance.md, "Start-up: calibration"). Those timings depend on the
 machine, the models, how they run and the engine's settings, not on the traffic, so a restart with all of these
 unchanged reuses them. The key holds every build option and engine setting (a changed one only costs a
 calibration), the models' identities, the hosts the models run on (each pool worker's CPU, cores, GPUs and torch
