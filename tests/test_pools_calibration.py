@@ -1,10 +1,14 @@
 """Gateways on shared pools time the pools' forwards once: the first gateway calibrates (adaptive k), the pool manager
 keeps its costs, and later gateways with the same --max-batch adopt them instead of running calibration forwards on
-workers that serve traffic."""
+workers that serve traffic. A restarted manager (it keeps them in memory) has them back from the gateways
+attached to it within their next membership poll."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import pytest
 
@@ -50,6 +54,26 @@ def test_the_first_gateway_calibrates_and_the_next_adopts_its_costs(adaptive_poo
             started.append(Gateway(adaptive_pools, redis.url, "--max-batch", "4", pool="c"))
             status = _status(adaptive_pools)
             assert status["calibrated_batches"] == [4, 16] and _forwards(status) > before
+
+            os.kill(status["manager_pid"], signal.SIGKILL)  # Ray restarts it: it adopts the workers, not the costs
+            _restarted_and_reseeded(adaptive_pools, status["manager_pid"], [4, 16])
+            calibrated = _forwards(_status(adaptive_pools))
+            started.append(Gateway(adaptive_pools, redis.url, pool="c"))
+            assert _forwards(_status(adaptive_pools)) == calibrated, "a gateway calibrated after the restart"
         finally:
             for gateway in started:
                 gateway.stop()
+
+
+def _restarted_and_reseeded(address: str, killed_pid: int, batches: list[int]) -> None:
+    """Wait until a new manager answers and the gateways' costs are back in it (they poll every 2 s)."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            status = _status(address)
+            if status["manager_pid"] != killed_pid and status["calibrated_batches"] == batches:
+                return
+        except AssertionError:
+            status = {}  # still restarting
+        assert time.monotonic() < deadline, f"the costs did not come back: {status.get('calibrated_batches')}"
+        time.sleep(0.5)

@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import uuid
+from collections.abc import Callable
 
 import ray
 
@@ -76,8 +77,17 @@ def attach_backend(pool: str, max_batch: int | None = None, prefill_chunk: int |
         log.info("adopted the pools' calibration (batches up to %d)", config.max_batch)
     elif engines[0].costs.calibrated:
         ray.get(manager.record_calibration.remote(config.max_batch, engines[0].costs))
+
+    def reseed(new_manager) -> None:
+        """A restarted manager has lost the costs it kept in memory: give it back the ones this gateway serves with
+        (the first gateway to do so sets them), so that a gateway attaching later adopts them instead of timing
+        forwards on workers that serve traffic. The engine's thread keeps adapting its own: a copy goes."""
+        if speculating and engines[0].costs.calibrated:
+            ray.get(new_manager.record_calibration.remote(config.max_batch,
+                                                          CostModel.from_dict(engines[0].costs.to_dict())))
+
     watcher = threading.Thread(target=_follow_membership, name="tandem-pool-members", daemon=True,
-                               args=(pool, manager, description, clients, stop or threading.Event()))
+                               args=(pool, manager, description, clients, stop or threading.Event(), reseed))
     watcher.start()
     log.info("attached to pools %r: %d target replica(s), %d draft worker(s), %d lane(s)", pool, len(targets),
              len(drafts), lanes)
@@ -94,10 +104,11 @@ def check_image(pool: str, pools_image: str, own_image: str) -> None:
 
 
 def _follow_membership(pool: str, manager, description: dict, clients: list[RayPoolClient],
-                       stop: threading.Event) -> None:
+                       stop: threading.Event, reseed: Callable[[object], None]) -> None:
     """Follow the pools' membership (scaling, dead workers dropped, a restarted manager, pools started anew) until
-    `stop`. Pools that came back with other models cannot be served with this gateway's tokenizer: the gateway then
-    drains and exits (SIGTERM to itself), and its supervisor starts a fresh one that attaches to them."""
+    `stop`; `reseed(manager)` gives a new manager incarnation this gateway's costs. Pools that came back with other
+    models cannot be served with this gateway's tokenizer: the gateway then drains and exits (SIGTERM to itself), and
+    its supervisor starts a fresh one that attaches to them."""
     seen = (description["incarnation"], description["generation"])
     models = (description["target"], description["draft"])
     while not stop.wait(MEMBERSHIP_POLL_S):
@@ -114,6 +125,8 @@ def _follow_membership(pool: str, manager, description: dict, clients: list[RayP
                           "fresh gateway attaches", pool, description["target"], description["draft"] or "-", *models)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
+            if description["incarnation"] != seen[0]:
+                reseed(manager)
             handles = {role: _handles(description, role) for role in ("target", "draft")}
             for client in clients:
                 role = "target" if isinstance(client, RayVerifier) else "draft"

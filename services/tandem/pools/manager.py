@@ -78,7 +78,9 @@ class PoolManager:
         # Tensor-parallel target replicas by name: gateways call rank 0 (in `workers`), which leads the others. One
         # dead rank breaks its group, so the manager replaces the whole group.
         self.groups: dict[str, TensorParallelReplica] = {}
-        self.calibrations: dict[int, CostModel] = {}  # the first gateway's measured costs, by its --max-batch
+        # The first gateway's measured costs, by its --max-batch; a restarted manager has them back from the gateways
+        # attached to it (engines.shared_pools), which follow its incarnation.
+        self.calibrations: dict[int, CostModel] = {}
         self.generation = 0
         # Draft workers never score ids the target lacks: their vocabulary is cut to the target's.
         self.draft_config = spec.draft and dataclasses.replace(
