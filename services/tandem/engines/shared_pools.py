@@ -72,22 +72,23 @@ def attach_backend(pool: str, max_batch: int | None = None, prefill_chunk: int |
     measured: CostModel | None = ray.get(manager.calibration.remote(config.max_batch)) if speculating else None
     engines = engine_lanes(sides, lanes, dataclasses.replace(config, calibrate=config.calibrate and measured is None),
                            eos, decoder(tokenizer))
+
+    def record(to_manager) -> None:
+        """Give a manager the costs this gateway serves with (the first gateway to do so sets them): after its own
+        calibration, and again to a restarted manager, which lost those it kept in memory, so that a gateway
+        attaching later adopts them instead of timing forwards on workers that serve traffic. The engine's thread
+        keeps adapting its own: a copy goes."""
+        if speculating and engines[0].costs.calibrated:
+            ray.get(to_manager.record_calibration.remote(config.max_batch,
+                                                         CostModel.from_dict(engines[0].costs.to_dict())))
+
     if measured is not None:
         engines[0].costs.adopt(measured)  # the lanes share the first lane's cost model
         log.info("adopted the pools' calibration (batches up to %d)", config.max_batch)
-    elif engines[0].costs.calibrated:
-        ray.get(manager.record_calibration.remote(config.max_batch, engines[0].costs))
-
-    def reseed(new_manager) -> None:
-        """A restarted manager has lost the costs it kept in memory: give it back the ones this gateway serves with
-        (the first gateway to do so sets them), so that a gateway attaching later adopts them instead of timing
-        forwards on workers that serve traffic. The engine's thread keeps adapting its own: a copy goes."""
-        if speculating and engines[0].costs.calibrated:
-            ray.get(new_manager.record_calibration.remote(config.max_batch,
-                                                          CostModel.from_dict(engines[0].costs.to_dict())))
-
+    else:
+        record(manager)
     watcher = threading.Thread(target=_follow_membership, name="tandem-pool-members", daemon=True,
-                               args=(pool, manager, description, clients, stop or threading.Event(), reseed))
+                               args=(pool, manager, description, clients, stop or threading.Event(), record))
     watcher.start()
     log.info("attached to pools %r: %d target replica(s), %d draft worker(s), %d lane(s)", pool, len(targets),
              len(drafts), lanes)
@@ -104,9 +105,9 @@ def check_image(pool: str, pools_image: str, own_image: str) -> None:
 
 
 def _follow_membership(pool: str, manager, description: dict, clients: list[RayPoolClient],
-                       stop: threading.Event, reseed: Callable[[object], None]) -> None:
+                       stop: threading.Event, record: Callable[[object], None]) -> None:
     """Follow the pools' membership (scaling, dead workers dropped, a restarted manager, pools started anew) until
-    `stop`; `reseed(manager)` gives a new manager incarnation this gateway's costs. Pools that came back with other
+    `stop`; `record(manager)` gives a new manager incarnation this gateway's costs. Pools that came back with other
     models cannot be served with this gateway's tokenizer: the gateway then drains and exits (SIGTERM to itself), and
     its supervisor starts a fresh one that attaches to them."""
     seen = (description["incarnation"], description["generation"])
@@ -126,7 +127,7 @@ def _follow_membership(pool: str, manager, description: dict, clients: list[RayP
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             if description["incarnation"] != seen[0]:
-                reseed(manager)
+                record(manager)
             handles = {role: _handles(description, role) for role in ("target", "draft")}
             for client in clients:
                 role = "target" if isinstance(client, RayVerifier) else "draft"
