@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -55,6 +58,39 @@ def tiny_dirs(tmp_path_factory):
     from tandem.models.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@dataclass(frozen=True)
+class ChangedModel:
+    """A pulled model directory (with its manifest) whose weights file changed after the pull."""
+
+    path: Path
+    recorded: str  # model.safetensors' sha256 in the manifest
+    actual: str  # its sha256 now
+
+    @property
+    def refusal(self) -> str:
+        """How the loader refuses it (tandem.models.verify)."""
+        return (f"model 'tiny-pulled': model.safetensors does not match its manifest (sha256 {self.actual}, "
+                f"recorded {self.recorded}); it changed after it was pulled, so it is not loaded")
+
+
+@pytest.fixture(scope="session")
+def changed_model(tiny_dirs, tmp_path_factory) -> ChangedModel:
+    """The tiny target as a pulled model (a manifest of its files' hashes), then one byte of its weights flipped."""
+    from tandem.models.store import MANIFEST_NAME, Manifest
+    from tandem.models.verify import digest_files
+
+    path = tmp_path_factory.mktemp("changed") / "tiny-pulled"
+    shutil.copytree(tiny_dirs.target, path)
+    files = digest_files(path)
+    manifest = Manifest(name="tiny-pulled", sha256="0" * 64, packages=(), version="0", size_bytes=0, files=files,
+                        created=datetime.now(UTC).isoformat())
+    (path / MANIFEST_NAME).write_text(manifest.to_json())
+    weights = bytearray((path / "model.safetensors").read_bytes())
+    weights[-1] ^= 0x01
+    (path / "model.safetensors").write_bytes(bytes(weights))
+    return ChangedModel(path, files["model.safetensors"].sha256, digest_files(path)["model.safetensors"].sha256)
 
 
 @pytest.fixture(scope="session")

@@ -256,13 +256,22 @@ def test_a_restarted_manager_adopts_its_workers_and_gateways_keep_serving(pools,
     tandem_cli(pools, "pools", "scale", "--name", "t", "draft", "1")
 
 
-def test_pool_commands_need_a_cluster_and_refuse_duplicates(pools, tiny_dirs) -> None:
+def test_pool_commands_need_a_cluster_and_refuse_duplicates_and_models_that_fail_their_checks(
+        pools, tiny_dirs, changed_model) -> None:
     done = subprocess.run([str(BIN / "tandem"), "pools", "status"], capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in head_env(pools).items() if k != "RAY_ADDRESS"})
     assert done.returncode == 2 and "--ray-address" in done.stderr
     done = subprocess.run([str(BIN / "tandem"), "pools", "start", "--name", "t", "--target", str(tiny_dirs.target),
                            "--no-spec"], env=head_env(pools), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "already running" in done.stderr
+    # A model changed after its pull: the worker that loads it refuses it, and the command says why in one line.
+    done = subprocess.run([str(BIN / "tandem"), "pools", "start", "--name", "changed", "--target",
+                           str(changed_model.path), "--no-spec"], env=head_env(pools), capture_output=True, text=True,
+                          timeout=180)
+    error = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and error.startswith("error: a target worker on ")
+    assert changed_model.refusal in error and "Traceback" not in done.stderr
+    assert not [name for name in named_actors(pools)[0] if "changed" in name]  # nor its manager nor a worker left
     done = subprocess.run([str(BIN / "tandem"), "gateway", "--pools", "nope", "--port", "0"], env=head_env(pools),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "no pools named 'nope'" in done.stderr + done.stdout

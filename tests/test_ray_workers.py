@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import signal
 import time
 
@@ -371,3 +373,22 @@ def test_tensor_parallel_two_ranks_equal_one_and_a_dead_rank_rebuilds_the_group(
     for rank in replica.ranks:
         ray.kill(rank)
     ray.util.remove_placement_group(replica.group)
+
+
+def test_a_tensor_parallel_rank_whose_model_fails_its_checks_stops_the_start_with_that_message(changed_model,
+                                                                                                ray_cluster) -> None:
+    """The serving process leaves the model's hash to the workers, which check what they load: a file changed after
+    the pull stops a replica's start with the check's own message and the rank's host, not Ray's remote traceback,
+    and leaves no rank or bundle behind. (A worker's constructor refusing its model: test_pools.py, through
+    `tandem pools start`.)"""
+    from tandem.errors import WorkerStartFailed
+    from tandem.workers.tp_replica import start_tp_replica
+
+    free = ray.available_resources().get("CPU", 0)
+    with pytest.raises(WorkerStartFailed) as refused:
+        start_tp_replica(WorkerConfig(model=str(changed_model.path), dtype="float32", threads=1), size=2)
+    host, rest = re.fullmatch(r"a tensor-parallel target worker on (\S+) could not start: (.*)",
+                              str(refused.value)).groups()
+    ipaddress.ip_address(host)  # where Ray says the rank ran
+    assert rest.startswith(changed_model.refusal) and "Traceback" not in rest
+    assert _eventually(lambda: ray.available_resources().get("CPU", 0) == free)

@@ -25,6 +25,10 @@ class IntegrityError(TandemError):
     """An assembled file does not match its pinned checksum."""
 
 
+class WorkerStartFailed(TandemError):
+    """A worker raised a user-facing error while it started (its model failed its checks, an argument was bad)."""
+
+
 class BackendUnavailable(TandemError):
     """No worker of a pool can serve now (all failed, restarting or stopped): retry later."""
 

@@ -117,13 +117,14 @@ def run_start(args: argparse.Namespace) -> int:
     from tandem.workers.worker_base import WorkerConfig
 
     options = cluster_options(args)
-    target_vocab = vocab_size(args.target)  # pulls a registry model once, before the workers would race for it
+    # Pulls a registry model once, before several workers would race for it; each worker verifies what it loads.
+    target_vocab = vocab_size(args.target)
     common = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "eager": args.eager,
               "kv_tokens": args.kv_tokens, "batch_window_s": args.batch_window_ms / 1000}
     target = WorkerConfig(model=args.target, compile=compiles(args.compile, draft=False), **common)
     draft = None
     if speculate and args.draft_workers:
-        resolve(args.draft)  # pulls a registry model once, before several workers would race for it
+        resolve(args.draft, verify=False)  # likewise
         draft = WorkerConfig(model=args.draft, top_m=config.spec.draft_top_m, confidence=config.spec.stop_confidence,
                              draft_vocab=config.spec.draft_vocab, quantization=args.draft_quantization,
                              compile=compiles(args.compile, draft=True), **common)

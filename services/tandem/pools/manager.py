@@ -281,6 +281,10 @@ def start_pools(spec: PoolSpec) -> dict:
                                               num_cpus=0, max_restarts=-1, max_concurrency=8).remote(spec)
     try:
         return ray.get(manager.start.remote())
-    except Exception:
+    except Exception as exc:
+        from tandem.workers.worker_base import user_error
+
         stop_pools(manager)
+        if (failed := user_error(exc)) is not None:  # its message alone, not the manager's remote traceback
+            raise failed from None
         raise

@@ -32,6 +32,7 @@ from tandem.workers.worker_base import (
     WorkerBase,
     WorkerConfig,
     WorkerReply,
+    get_started,
     load_runner,
 )
 
@@ -152,11 +153,16 @@ def start_tp_replica(config: WorkerConfig, size: int, name: str = "target", gpus
                            scheduling_strategy=
                            PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i))
              .remote(config, rank=i, world=size, name=name, lead=shared) for i in range(size)]
-    address, port = ray.get(ranks[0].rendezvous_address.remote())
-    ray.get([rank.setup.remote(address, port) for rank in ranks])
     start = {"config": config, "size": size, "name": name, "gpus_per_rank": gpus_per_rank,
              "cpus_per_rank": cpus_per_rank, "resources": resources, "detached_prefix": detached_prefix}
-    return TensorParallelReplica(ranks, group, start)
+    replica = TensorParallelReplica(ranks, group, start)
+    try:
+        address, port = ray.get(ranks[0].rendezvous_address.remote())
+        get_started([rank.setup.remote(address, port) for rank in ranks], "tensor-parallel target")
+    except BaseException:
+        stop_tp_replica(replica)  # no rank or reserved bundle outlives a start that failed
+        raise
+    return replica
 
 
 def _rank_name(prefix: str | None, name: str, rank: int) -> dict:

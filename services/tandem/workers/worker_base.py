@@ -8,11 +8,13 @@ torch and the model stack only where a worker loads its model (`load_runner`): a
 from __future__ import annotations
 
 import os
+import re
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tandem.core.protocol import KVUsage
+from tandem.errors import TandemError, WorkerStartFailed
 from tandem.hostinfo import host_facts
 from tandem.pools.names import NAMESPACE
 from tandem.telemetry.worker import WorkerTelemetry
@@ -27,6 +29,48 @@ def ray_failures() -> tuple[type[BaseException], ...]:
     import ray
 
     return (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.ActorUnavailableError)
+
+
+# The exception line that ends a remote traceback, where the exception is one of tandem's own user-facing errors.
+_TANDEM_ERROR_LINE = re.compile(r"^tandem\.errors\.\w+: ", re.MULTILINE)
+_HOST = re.compile(r"\bip=([^,)\s]+)")
+
+
+def user_error(exc: BaseException) -> TandemError | None:
+    """The tandem error (meant for users) a remote call raised, if that is what `exc` carries."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, TandemError):
+        return exc.cause
+    return None
+
+
+def get_started(refs, role: str):
+    """`ray.get` over calls that say `role` workers have started. A worker whose start raised a tandem error (its
+    model failed its checks, a bad argument) stops the start with that message and the worker's host, not Ray's
+    remote traceback; any other failure propagates as Ray raised it, traceback and all (that is what finds a bug).
+    A constructor's error reaches here only as the text of Ray's ActorDiedError, which keeps no exception object."""
+    import ray
+
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as exc:  # raised in a method (a tensor-parallel rank loads in `setup`)
+        if (cause := user_error(exc)) is None:
+            raise
+        failed = cause if isinstance(cause, WorkerStartFailed) else WorkerStartFailed(
+            f"a {role} worker on {_host(str(exc))} could not start: {cause}")
+    except ray.exceptions.RayActorError as exc:  # raised in the constructor
+        text = str(exc)
+        if not exc.actor_init_failed or not (lines := list(_TANDEM_ERROR_LINE.finditer(text))):
+            raise
+        message = text[lines[-1].end():].strip()  # the last exception raised, to the end of its message
+        failed = WorkerStartFailed(f"a {role} worker on {_host(text)} could not start: {message}")
+    raise failed
+
+
+def _host(remote_error: str) -> str:
+    """The worker's address as Ray's text of a remote error gives it: `(pid=..., ip=...)`."""
+    return found.group(1) if (found := _HOST.search(remote_error)) else "an unknown host"
 
 
 @dataclass(slots=True, frozen=True)
@@ -167,5 +211,10 @@ def start_workers(worker_class: type, config: WorkerConfig, count: int, name: st
         extra = ({"name": f"{detached_prefix}{name}-{i}", "lifetime": "detached", "namespace": NAMESPACE}
                  if detached_prefix else {})
         workers.append(actor.options(**options, **extra).remote(config, name=f"{name}-{i}"))
-    ray.get([w.info.remote() for w in workers])
+    try:
+        get_started([w.info.remote() for w in workers], name)
+    except BaseException:
+        for worker in workers:  # those that did start would otherwise hold their CPUs (or, detached, outlive us)
+            ray.kill(worker, no_restart=True)
+        raise
     return workers
