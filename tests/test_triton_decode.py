@@ -1,8 +1,8 @@
 """core.triton_decode: the split-key decode attention gives sdpa's result over the runner's prefix masks, in float32,
 for one and several queries per row, GQA groups of 6 and 7, keys over many splits or few, and the runner's attention
-turns to it only where core.attention.TRITON says. Needs Triton (a GPU machine has it; CI does not, so these skip
-there); without a GPU the kernel runs under Triton's interpreter. The compiled decoder attending with it runs in
-tests/test_cuda_graphs.py, on a GPU."""
+turns to it only where core.attention.TRITON says. Needs Triton (a GPU machine has it; the dev extra installs it,
+so CI runs these); without a GPU the kernel runs under Triton's interpreter. The compiled decoder attending with it
+runs in tests/test_cuda_graphs.py, on a GPU."""
 
 from __future__ import annotations
 
