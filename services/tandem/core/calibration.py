@@ -13,7 +13,7 @@ processes on the machine only ever make a call slower. For the same reason a for
 one with as many rows (nor a draft step above one over more rows): the lower timing is the less disturbed one.
 
 It takes a few seconds on a GPU and minutes on a CPU (the real pair in one process on 2 AVX2 cores, --max-batch 8:
-about 100 s in float32; `tandem serve` in bf16, --max-batch 16, was ready after 13.7 min), so a terminal shows a
+about 100 s in float32; `tandem serve` in bf16, --max-batch 16, was ready after 8.3 min), so a terminal shows a
 progress bar, the log says how long it took, and `tandem serve --calibration-file` keeps the costs for the next start
 (engines.calibration_file).
 """

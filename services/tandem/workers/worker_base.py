@@ -57,8 +57,7 @@ def get_started(refs, role: str):
     except ray.exceptions.RayTaskError as exc:  # raised in a method (a tensor-parallel rank loads in `setup`)
         if (cause := user_error(exc)) is None:
             raise
-        failed = cause if isinstance(cause, WorkerStartFailed) else WorkerStartFailed(
-            f"a {role} worker on {_host(str(exc))} could not start: {cause}")
+        failed = WorkerStartFailed(f"a {role} worker on {_host(str(exc))} could not start: {cause}")
     except ray.exceptions.RayActorError as exc:  # raised in the constructor
         text = str(exc)
         if not exc.actor_init_failed or not (lines := list(_TANDEM_ERROR_LINE.finditer(text))):
