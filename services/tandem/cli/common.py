@@ -160,12 +160,15 @@ def setup_torch(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
 
 
 def pin_model_args(args: argparse.Namespace) -> None:
-    """Check --target and --draft before anything loads: a hub id must be pinned to a commit, or with
-    --allow-unpinned is replaced by its current commit here, once, so that every process loads that same commit."""
+    """Check --target and --draft before anything starts: each must be a form a load can use (a mistyped path fails
+    here, not after Ray and the gateway are up), and a hub id must be pinned to a commit, or with --allow-unpinned
+    is replaced by its current commit here, once, so that every process loads that same commit."""
     from tandem.models.hub import pin_spec
+    from tandem.models.loader import check_spec
 
     for attr in ("target", "draft"):
         if getattr(args, attr, None):
+            check_spec(getattr(args, attr))
             setattr(args, attr, pin_spec(getattr(args, attr), allow_unpinned=args.allow_unpinned))
 
 

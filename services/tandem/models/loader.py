@@ -100,26 +100,12 @@ def resolve(spec: str, *, progress: bool = True, pip_args: list[str] | None = No
         if verify:
             verify_model_dir(hf_dir, name=spec, progress=progress)
         return _Source(str(hf_dir))
-    if spec in PAIRS:
-        draft, target = PAIRS[spec]
-        raise _not_found(spec, f"this names a draft/target pair; use {draft!r} or {target!r}")
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            if verify:  # only a pulled model's directory has something to check
-                verify_model_dir(path, progress=progress)
-            return _Source(str(path))
-        raise _not_found(spec, f"directory {path} has no config.json")
-    if path.is_file():
-        if path.suffix == ".gguf":
-            return _Source(str(path.parent), gguf_file=path.name)
-        raise _not_found(spec, f"{path} is a file but not a .gguf file")
-    if looks_local(spec):
-        raise _not_found(spec, "no such file or directory")
-
+    local = _local_source(spec)
+    if local is not None:
+        if verify and local.gguf_file is None:  # only a pulled model's directory has something to check
+            verify_model_dir(Path(local.path), progress=progress)
+        return local
     ref = hub_ref(spec)
-    if ref is None:
-        raise _not_found(spec, "not a registry name, a local path or a hub id")
     require_pinned(spec, ref, allow_unpinned)  # before any network access
 
     from transformers import AutoConfig
@@ -131,6 +117,36 @@ def resolve(spec: str, *, progress: bool = True, pip_args: list[str] | None = No
     except Exception as exc:  # hub errors come as OSError, ValueError, HTTP errors and more
         raise _not_found(spec, hub_not_found(local_only)) from exc
     return _Source(ref.repo_id, local_files_only=local_only, revision=ref.revision)
+
+
+def check_spec(spec: str) -> None:
+    """Refuse (ModelNotFound) a model argument that no load could use, as resolve would, but without pulling,
+    hashing or asking a hub: a pair's alias, a path that is not a model, a name of no accepted form. Commands call it
+    before they start anything, so a mistyped path fails at once rather than after Ray and the gateway are up."""
+    if spec not in REGISTRY:
+        _local_source(spec)
+
+
+def _local_source(spec: str) -> _Source | None:
+    """A local model directory or GGUF file; None for a hub id; ModelNotFound for anything else (not a registry
+    name: the caller has looked)."""
+    if spec in PAIRS:
+        draft, target = PAIRS[spec]
+        raise _not_found(spec, f"this names a draft/target pair; use {draft!r} or {target!r}")
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return _Source(str(path))
+        raise _not_found(spec, f"directory {path} has no config.json")
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return _Source(str(path.parent), gguf_file=path.name)
+        raise _not_found(spec, f"{path} is a file but not a .gguf file")
+    if looks_local(spec):
+        raise _not_found(spec, "no such file or directory")
+    if hub_ref(spec) is None:
+        raise _not_found(spec, "not a registry name, a local path or a hub id")
+    return None
 
 
 def vocab_size(spec: str) -> int:
