@@ -54,10 +54,10 @@ def test_unknown_names_and_cpu() -> None:
 
 
 @no_gpu
-def test_cli_reports_an_unusable_cuda_device_before_loading_models(capsys, tmp_path) -> None:
+def test_cli_reports_an_unusable_cuda_device_before_loading_models(capsys, tiny_dirs) -> None:
     from tandem.cli.main import main
 
-    code = main(["generate", "x", "--target", str(tmp_path / "none"), "--no-spec", "--device", "cuda:5"])
+    code = main(["generate", "x", "--target", str(tiny_dirs.target), "--no-spec", "--device", "cuda:5"])
     assert code == 2
     err = capsys.readouterr().err
     assert "error: --device: 'cuda:5' requested, but " in err and "Traceback" not in err
