@@ -54,6 +54,28 @@ def test_help_and_models_list_import_no_server_stack(tmp_path) -> None:
     assert "cache: " in proc.stdout  # `tandem models list` ran
 
 
+# Each command that loads models, given a model path that does not exist: its exit code, and what of the model stack
+# it had imported by then (all in one interpreter, so the set only grows).
+BAD_MODEL_COMMANDS = """
+import sys
+from tandem.cli.main import main
+
+for argv in (["generate", "x"], ["bench"], ["serve", "--port", "0"], ["pools", "start", "--name", "p"]):
+    code = main(argv + ["--target", sys.argv[1], "--draft", "qwen2.5-coder-0.5b-instruct"])
+    print(argv[0], code, sorted({name.split(".")[0] for name in sys.modules} & {"torch", "transformers", "ray"}))
+"""
+
+
+def test_a_model_path_no_load_could_use_fails_before_the_model_stack_is_imported(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-c", BAD_MODEL_COMMANDS, str(tmp_path / "nope")], capture_output=True,
+                          text=True, timeout=120, env=os.environ | {"TANDEM_HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["generate 2 []", "bench 2 []", "serve 2 []", "pools 2 []"]
+    errors = proc.stderr.splitlines()
+    assert len(errors) == 4 and all(line.startswith(f"error: model '{tmp_path / 'nope'}': no such file or directory")
+                                    for line in errors), errors
+
+
 def _every_parser() -> list[tuple[str, argparse.ArgumentParser]]:
     """(`tandem ...`, parser) for `tandem` and every command and sub-command under it."""
     found, pending = [], [("tandem", build_parser())]

@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from tandem.errors import IncompatibleModels, ModelNotFound
 from tandem.models.loader import LoadedModel, check_compatible, load_model, load_pair
+from tandem.models.source import check_spec
 
 CPU = torch.device("cpu")
 
@@ -90,6 +91,24 @@ def test_missing_path_and_pair_alias_are_not_models(tmp_path: Path) -> None:
         load_model(str(tmp_path / "empty"), device=CPU, dtype=torch.float32)
     with pytest.raises(ModelNotFound, match="pair"):
         load_model("qwen2.5-coder", device=CPU, dtype=torch.float32)
+
+
+def test_check_spec_refuses_what_a_load_would_without_reading_a_model(tmp_path: Path) -> None:
+    """check_spec: the same refusals as load_model above, and every accepted form passes, none of them loaded (an empty
+    config.json and an empty .gguf file pass: only a load reads them; a hub id is left to the hub)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("")
+    (tmp_path / "weights.gguf").write_bytes(b"")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    (tmp_path / "empty").mkdir()
+    for accepted in ("qwen2.5-coder-1.5b-instruct", str(tmp_path / "model"), str(tmp_path / "weights.gguf"),
+                     "org/name@" + "0" * 40, "org/name"):  # an unpinned id is refused later, by pin_spec
+        check_spec(accepted)
+    for refused, reason in ((str(tmp_path / "absent"), "no such file"), (str(tmp_path / "empty"), r"no config\.json"),
+                            (str(tmp_path / "weights.bin"), r"not a \.gguf file"), ("qwen2.5-coder", "pair"),
+                            ("no spaces allowed here", "not a registry name, a local path or a hub id")):
+        with pytest.raises(ModelNotFound, match=reason):
+            check_spec(refused)
 
 
 def test_pair_sharing_a_tokenizer_loads(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS
-from tandem.cli.common import add_model_options, engine_config, kv_tokens, load_models
+from tandem.cli.common import add_model_options, engine_config, kv_tokens, load_models, pin_model_args
 from tandem.cli.options import add_json_option, add_prompts_option, wants_text, write_json
 from tandem.errors import InvalidArgument
 
@@ -45,6 +45,7 @@ def _standard_models(args: argparse.Namespace, target, draft, methods: tuple[str
 
 
 def run(args: argparse.Namespace) -> int:
+    pin_model_args(args)  # a mistyped model path fails before the imports below (seconds)
     from tandem.bench.core import run_bench
     from tandem.bench.prompts import load_prompts
 

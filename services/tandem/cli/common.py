@@ -164,7 +164,7 @@ def pin_model_args(args: argparse.Namespace) -> None:
     here, not after Ray and the gateway are up), and a hub id must be pinned to a commit, or with --allow-unpinned
     is replaced by its current commit here, once, so that every process loads that same commit."""
     from tandem.models.hub import pin_spec
-    from tandem.models.loader import check_spec
+    from tandem.models.source import check_spec
 
     for attr in ("target", "draft"):
         if getattr(args, attr, None):
@@ -183,10 +183,10 @@ def announce_compile(args: argparse.Namespace) -> None:
 
 
 def load_models(args: argparse.Namespace, speculate: bool):
-    """(target, draft or None), loaded and checked for a shared tokenizer."""
+    """(target, draft or None), loaded and checked for a shared tokenizer. The caller has run pin_model_args first,
+    before its heavy imports."""
     from tandem.models.loader import load_model, load_pair
 
-    pin_model_args(args)
     device, dtype = setup_torch(args)
     announce_compile(args)
     if not speculate:

@@ -12,6 +12,7 @@ from tandem.cli.common import (
     engine_config,
     kv_tokens,
     load_models,
+    pin_model_args,
     print_outcome,
     sampling_params,
 )
@@ -36,6 +37,7 @@ def run_generate(args: argparse.Namespace) -> int:
         from tandem.cli.remote import run_remote_generate
 
         return run_remote_generate(args)
+    pin_model_args(args)  # a mistyped model path fails before the imports below (seconds)
     # Imported here: --address needs only the client install, these need the server stack (torch).
     from tandem.core.detok import IncrementalDetokenizer
     from tandem.engines.local import build_engine, encode_prompt

