@@ -4,6 +4,7 @@ the flag at fault."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -105,7 +106,9 @@ def test_kv_tokens_sets_the_runners_budget(capsys, cli_models) -> None:
     code = main(["generate", "x", "--target", str(cli_models / "target"), "--draft", str(cli_models / "draft"),
                  "--kv-tokens", "8"])
     assert code == 2  # not even calibration fits: a clear error, not a traceback
-    assert "--kv-tokens: a KV budget of 8 tokens cannot hold" in capsys.readouterr().err
+    error = capsys.readouterr().err  # one stream: no --max-batch to lower (generate has none)
+    assert "--kv-tokens: a KV budget of 8 tokens cannot hold the sequence calibration times" in error
+    assert error.rstrip().endswith("raise --kv-tokens"), error
 
 
 def test_unknown_model_fails_without_traceback(tmp_path) -> None:
@@ -151,6 +154,16 @@ def test_bench_reports_all_methods(capsys, cli_models, tmp_path) -> None:
     assert tandem["draft_failures"] == 0 and tandem["fallback_round_share"] == 0.0, tandem
     assert report["bound"] > 0 and report["ratio_to_bound"] > 0
     assert report["greedy_identical_to_plain"] == "2/2" and report["config"]["prompts"] == 2
+
+
+def test_generate_and_bench_calibrate_single_sequences_alone(capsys, cli_models, caplog) -> None:
+    """Both run one sequence at a time, so their calibration times no batch: with the real pair on CPU-B, 42 calls
+    in 7.4 s where the default --max-batch of 16 made 134 in 32.5 s (docs/performance.md, "Start-up: calibration")."""
+    with caplog.at_level(logging.INFO, logger="tandem"):
+        _generate(capsys, cli_models)
+        assert _bench(cli_models, "--methods", "plain", "tandem", "--json") == 0
+    calibrated = [record.getMessage() for record in caplog.records if record.getMessage().startswith("calibrated in")]
+    assert len(calibrated) == 2 and all(line.endswith("; rows 1)") for line in calibrated), calibrated
 
 
 def test_bench_methods_are_space_separated_and_json_alone_prints(capsys, cli_models) -> None:

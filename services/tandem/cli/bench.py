@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     budget = kv_tokens(args)
     prompts = load_prompts(args.prompts)[: args.num_prompts]
     target, draft = load_models(args, speculate=True)
-    report = run_bench(target, draft, prompts, args.max_tokens, methods, engine_config(args),
+    report = run_bench(target, draft, prompts, args.max_tokens, methods, engine_config(args, max_batch=1),
                        hf_models=_standard_models(args, target, draft, methods), kv_tokens=budget)
     report["config"] |= {"target": args.target, "draft": args.draft}
     # The report is the command's output: printed as text would be, and also written where --json PATH says.

@@ -130,13 +130,15 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
                           ignore_eos=args.ignore_eos)
 
 
-def engine_config(args: argparse.Namespace, speculate: bool = True) -> EngineConfig:
+def engine_config(args: argparse.Namespace, speculate: bool = True, max_batch: int | None = None) -> EngineConfig:
+    """The engine settings the model options give. `max_batch` 1 for the commands that run one stream at a time
+    (generate, bench): calibration then times single-sequence forwards alone, not batches no request will form."""
     draft = {"draft_confidence": args.draft_confidence, "draft_vocab": args.draft_vocab}
     if args.fixed_k is not None:
         spec = SpecConfig(enabled=speculate, k_max=args.fixed_k, k_init=args.fixed_k, adaptive=False, **draft)
     else:
         spec = SpecConfig(enabled=speculate, k_max=args.k_max, k_init=min(SpecConfig().k_init, args.k_max), **draft)
-    return EngineConfig(spec=spec)
+    return EngineConfig(spec=spec) if max_batch is None else EngineConfig(spec=spec, max_batch=max_batch)
 
 
 def kv_tokens(args: argparse.Namespace) -> int:

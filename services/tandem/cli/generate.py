@@ -44,7 +44,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     params = sampling_params(args)
     speculate = not args.no_spec
-    config = engine_config(args, speculate)
+    config = engine_config(args, speculate, max_batch=1)
     budget = kv_tokens(args)
     target, draft = load_models(args, speculate)
     engine = build_engine(target, draft, config, kv_tokens=budget)

@@ -14,8 +14,9 @@ one with as many rows (nor a draft step above one over more rows): the lower tim
 
 It takes a few seconds on a GPU and minutes on a CPU (the real pair in one process on 2 AVX2 cores, --max-batch 8:
 about 100 s in float32; `tandem serve` in bf16, --max-batch 16, was ready after 8.3 min), so a terminal shows a
-progress bar, the log says how long it took, and `tandem serve --calibration-file` keeps the costs for the next start
-(engines.calibration_file).
+progress bar, the log says how long it took and which row counts it timed, and `tandem serve --calibration-file`
+keeps the costs for the next start (engines.calibration_file). Commands that run one stream (`tandem generate`,
+`tandem bench`) calibrate with max_batch 1: single sequences alone, 7 s for that pair in float32.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def calibrate(verifier: Verifier, drafter: Drafter, k_max: int, k_init: int, max
             costs.draft_forward = _fastest_each({w: lambda w=w: draft(1, 1, w) for w in catch_up}, 2, bar)
         for seq_id in ids:
             drafter.release(seq_id)
-    log.info("calibrated in %.1f s (%d target and draft calls)", time.perf_counter() - started, calls)
+    log.info("calibrated in %.1f s (%d target and draft calls; rows %s)", time.perf_counter() - started, calls,
+             ", ".join(map(str, draft_rows)))
     _cap_by_larger(costs)
     return costs
 

@@ -306,9 +306,11 @@ class SpeculativeEngine:
         try:
             measured = calibrate(self.verifier, self.drafter, spec.k_max, spec.k_init, self.config.max_batch)
         except KVCacheFull as full:
-            raise InvalidArgument(
-                f"kv_tokens: a KV budget of {full.capacity} tokens cannot hold the {self.config.max_batch} sequences "
-                f"calibration times (needs {full.needed}); raise --kv-tokens or lower --max-batch") from full
+            rows = self.config.max_batch
+            held, remedy = (("the sequence", "raise --kv-tokens") if rows == 1 else
+                            (f"the {rows} sequences", "raise --kv-tokens or lower --max-batch"))
+            raise InvalidArgument(f"kv_tokens: a KV budget of {full.capacity} tokens cannot hold {held} calibration "
+                                  f"times (needs {full.needed}); {remedy}") from full
         self.costs.adopt(measured)
         return self.costs
 
