@@ -304,10 +304,11 @@ def test_client_and_remote_generate_need_no_server_stack(server) -> None:
                                  "--max-tokens", "6", "--ignore-eos", "--json")
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)["token_ids"]) == 6
-    for command in (["serve", "--port", "0"], ["generate", "hi"]):
+    for command, extra in ((["serve", "--port", "0"], "server"), (["generate", "hi"], "server"),
+                           (["gateway", "--pools", "p"], "gateway")):
         proc = _without_server_stack(*command)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr
-        assert "pip install 'tandem[server]'" in proc.stderr
+        assert f"needs the {extra} stack" in proc.stderr and f"pip install 'tandem[{extra}]'" in proc.stderr, command
 
 
 def test_base_dependencies_are_the_client_alone() -> None:
@@ -316,4 +317,6 @@ def test_base_dependencies_are_the_client_alone() -> None:
     assert names == {"grpcio", "grpcio-health-checking", "protobuf"}
     extras = project["optional-dependencies"]
     assert any(dep.startswith("torch==") for dep in extras["server"])
+    # A gateway over shared pools installs without torch (`.ci/run` runs one from such an install: test_pools.py).
+    assert "tandem[gateway]" in extras["server"] and not any(dep.startswith("torch") for dep in extras["gateway"])
     assert any(dep.startswith("tandem[") and "server" in dep for dep in extras["dev"])

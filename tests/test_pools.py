@@ -122,14 +122,19 @@ def test_commands_that_only_ask_the_manager_import_no_model_stack(pools, tmp_pat
     assert out["scale"]["workers"] == {"draft": ["draft-0"], "target": ["target-0"]}
 
 
+# The interpreter of a `tandem[gateway]` install, which has no torch at all: `.ci/run` makes one and names it here.
+GATEWAY_PYTHON = os.environ.get("TANDEM_GATEWAY_PYTHON", sys.executable)
+
+
 def test_a_gateway_takes_the_tokenizer_from_the_pools_and_imports_no_torch(pools, tiny_models, tmp_path) -> None:
     """A gateway tokenizes with the target worker's tokenizer (it needs no model files: a gateway pod pulled the
     whole target for it before) and never imports torch: not to start, nor to pass sampled drafts' distributions
-    from the draft worker to the target (numpy arrays, core.protocol.DraftDist)."""
+    from the draft worker to the target (numpy arrays, core.protocol.DraftDist). In CI it runs from the gateway
+    install (GATEWAY_PYTHON), where torch could not be imported."""
     imports, http = tmp_path / "imports.json", f"http://127.0.0.1:{free_port()}"
     with EmbeddedRedis() as redis:
         gateway = Gateway(pools, redis.url, "--http-port", http.rsplit(":", 1)[1],
-                          program=(sys.executable, "-c", REPORT_IMPORTS), env={"IMPORTS_FILE": str(imports)})
+                          program=(GATEWAY_PYTHON, "-c", REPORT_IMPORTS), env={"IMPORTS_FILE": str(imports)})
         try:
             with TandemClient(gateway.address, timeout=120) as client:
                 text = "the quick brown fox"

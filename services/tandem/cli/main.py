@@ -19,8 +19,6 @@ from tandem import __version__
 from tandem.cli.options import DefaultsHelpFormatter, flag_names, name_flags
 from tandem.errors import InvalidArgument, TandemError
 
-SERVER_INSTALL = "pip install 'tandem[server]'"
-
 
 @dataclass(frozen=True, slots=True)
 class Command:
@@ -28,6 +26,7 @@ class Command:
     module: str  # tandem.cli.<module>
     adder: str  # the module's function that adds the command's parser to the sub-command action
     help: str  # its line in `tandem --help`, and the description atop `tandem <name> --help`
+    extra: str = "server"  # the install it needs: pyproject.toml's extra of that name
 
 
 COMMANDS = (
@@ -36,7 +35,8 @@ COMMANDS = (
     Command("bench", "bench", "add_bench_parser", "benchmark plain, HF assisted and tandem decoding"),
     Command("serve", "serve", "add_serve_parser", "serve the gRPC API: gateway, Ray draft and target workers, Redis"),
     Command("pools", "pools", "add_pools_parser", "shared draft and target worker pools on a Ray cluster"),
-    Command("gateway", "gateway", "add_gateway_parser", "serve the gRPC API over shared pools (`tandem pools start`)"),
+    Command("gateway", "gateway", "add_gateway_parser", "serve the gRPC API over shared pools (`tandem pools start`)",
+            extra="gateway"),
     Command("canary", "canary", "add_canary_parser", "show and steer the canary arms shared by the gateways"),
     Command("keys", "keys", "add_keys_parser", "manage the API keys a gateway accepts (--api-keys)"),
 )
@@ -92,11 +92,11 @@ class LazyCommands(argparse._SubParsersAction):
 
     def _add_missing_stack_parser(self, command: Command, exc: ModuleNotFoundError) -> None:
         """On the client install (no torch, Ray, ...): a parser that takes any arguments and says what to install."""
-        parser = self.add_parser(command.name, help=f"(needs {SERVER_INSTALL})", add_help=False)
+        parser = self.add_parser(command.name, help=f"(needs {install(command.extra)})", add_help=False)
         parser.add_argument("rest", nargs=argparse.REMAINDER)
 
         def refuse(args: argparse.Namespace) -> int:
-            raise TandemError(f"tandem {command.name}: {needs_server_stack(exc)}")
+            raise TandemError(f"tandem {command.name}: {needs_stack(exc, command.extra)}")
 
         parser.set_defaults(handler=refuse, missing_stack=True)
 
@@ -106,9 +106,13 @@ class LazyCommands(argparse._SubParsersAction):
         super().__call__(parser, namespace, values, option_string)
 
 
-def needs_server_stack(exc: ModuleNotFoundError) -> str:
-    return (f"this command needs the server stack, which is not installed (no module {exc.name!r}): "
-            f"{SERVER_INSTALL}")
+def install(extra: str) -> str:
+    return f"pip install 'tandem[{extra}]'"
+
+
+def needs_stack(exc: ModuleNotFoundError, extra: str) -> str:
+    return (f"this command needs the {extra} stack, which is not installed (no module {exc.name!r}): "
+            f"{install(extra)}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as exc:  # e.g. local `tandem generate` (no --address) on the client install
         if exc.name is None or exc.name.split(".")[0] == "tandem":
             raise
-        print(f"error: {needs_server_stack(exc)}", file=sys.stderr)
+        extra = next((c.extra for c in COMMANDS if c.name == args.command), "server")
+        print(f"error: {needs_stack(exc, extra)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
