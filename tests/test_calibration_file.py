@@ -84,24 +84,55 @@ def test_serve_refuses_a_directory_as_its_calibration_file(tiny_dirs, tmp_path, 
     assert code == 2 and f"--calibration-file: {tmp_path} is a directory" in capsys.readouterr().err
 
 
+def test_serve_keeps_costs_under_tandem_home_unless_told_otherwise(tmp_path, monkeypatch) -> None:
+    from tandem.cli.main import build_parser
+    from tandem.cli.serve import build_options
+    from tandem.models.store import CALIBRATION_ENV
+
+    def kept_in(*flags: str) -> str:
+        args = build_parser().parse_args(["serve", "--in-process", *flags])
+        return build_options(args, EngineConfig(), None).calibration_file
+
+    monkeypatch.delenv(CALIBRATION_ENV)
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    assert kept_in() == str(tmp_path / "home" / "calibration.json")
+    assert kept_in("--calibration-file", str(tmp_path / "c.json")) == str(tmp_path / "c.json")
+    assert kept_in("--calibration-file", "") == ""  # calibrate at every start
+    monkeypatch.setenv(CALIBRATION_ENV, str(tmp_path / "env.json"))
+    assert kept_in() == str(tmp_path / "env.json")
+    monkeypatch.setenv(CALIBRATION_ENV, "")
+    assert kept_in() == ""
+
+
+def test_a_file_that_cannot_be_written_costs_a_warning_not_the_start(tiny_dirs, tmp_path, caplog) -> None:
+    """The calibration ran and its costs serve; only the next start calibrates again."""
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    engine, log = _build(_options(tiny_dirs, blocked / "calibration.json"), caplog)
+    assert CALIBRATED in log and engine.costs.calibrated
+    assert f"could not store the costs in {blocked / 'calibration.json'}" in log
+
+
 def test_tandem_serve_on_its_own_ray_gives_workers_every_core_and_a_restart_reuses_the_costs(tiny_dirs,
                                                                                                tmp_path) -> None:
     """`tandem serve` starts its local Ray before building the pools (engines.cluster.start_ray); that Ray is its own,
     so each worker gets every core (engines.cluster.worker_threads). Taken for a joined one, the workers ran Ray's
-    one thread. The file's key holds what the workers report, and a second start with the same flags finds it: it
-    reuses the costs and leaves the file as it was (calibrating again would store a new entry)."""
+    one thread. With no --calibration-file it keeps its costs in its default file (here $TANDEM_CALIBRATION_FILE's;
+    calibration.json under $TANDEM_HOME without it). The file's key holds what the workers report, and a second
+    start with the same flags finds it: it reuses the costs and leaves the file as it was (calibrating again would
+    store a new entry)."""
     from tandem.bench.local_cluster import serve_process
 
     path = tmp_path / "calibration.json"
     flags = ["--target", str(tiny_dirs.target), "--draft", str(tiny_dirs.draft), "--dtype", "float32",
-             "--max-batch", "2", "--calibration-file", str(path)]
-    with serve_process(flags, tmp_path / "serve.err", timeout_s=600):
+             "--max-batch", "2"]
+    with serve_process(flags, tmp_path / "serve.err", timeout_s=600, costs_file=str(path)):
         pass
     stored = path.read_text()
     entry, = json.loads(stored)["entries"]
     cores = len(os.sched_getaffinity(0))
     assert [worker["threads"] for worker in entry["key"]["workers"]] == [cores]
     written = path.stat().st_mtime_ns
-    with serve_process(flags, tmp_path / "again.err", timeout_s=600):
+    with serve_process(flags, tmp_path / "again.err", timeout_s=600, costs_file=str(path)):
         pass
     assert path.read_text() == stored and path.stat().st_mtime_ns == written

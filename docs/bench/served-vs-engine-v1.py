@@ -40,7 +40,7 @@ def start_server(job: dict, env: dict, log: Path) -> tuple[subprocess.Popen, str
     cmd = [sys.executable, "-m", "tandem", "serve", "--in-process", "--target", job["target"], "--draft", job["draft"],
            "--device", "cpu", "--dtype", job["dtype"], "--threads", str(job["threads"]), "--port", str(port),
            "--no-metrics", "--draft-quantization", job["draft_quantization"], "--draft-vocab", str(job["draft_vocab"]),
-           "--compile"]
+           "--compile", "--calibration-file", ""]  # the sitting's own calibration
     with log.open("a") as sink:
         sink.write(f"\n==== {' '.join(cmd)}\n")
         sink.flush()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tandem.client import TandemClient
+from tandem.models.store import CALIBRATION_ENV
 from tandem.sessions.embedded import free_port
 
 BIN = Path(sys.executable).parent
@@ -148,12 +149,15 @@ def wait_serving(process: subprocess.Popen, log: Path | None = None, timeout_s: 
 
 
 @contextlib.contextmanager
-def serve_process(flags: Sequence[str], log: Path, pythonpath: str | None = None,
-                  timeout_s: float = 3600) -> Iterator[tuple[str, float]]:
+def serve_process(flags: Sequence[str], log: Path, pythonpath: str | None = None, timeout_s: float = 3600,
+                  costs_file: str = "") -> Iterator[tuple[str, float]]:
     """`tandem serve FLAGS` (Ray, its pools and a gateway on a free port; no metrics or HTTP API) in a fresh
     interpreter, on `pythonpath`'s checkout if given, its stderr in `log`: yields its address and the seconds from
-    its start until its readiness said SERVING, and stops it (SIGTERM) on leaving."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HF_HUB_OFFLINE": "1"}
+    its start until its readiness said SERVING, and stops it (SIGTERM) on leaving. `costs_file`: its default
+    calibration file ($TANDEM_CALIBRATION_FILE), used where FLAGS name none; '' (the default): it calibrates at
+    every start, as a measured start should."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HF_HUB_OFFLINE": "1",
+                                                                              CALIBRATION_ENV: costs_file}
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     began = time.monotonic()

