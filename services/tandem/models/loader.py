@@ -30,6 +30,7 @@ from tandem.models.verify import verify_model_dir
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+
 @dataclass(slots=True)
 class LoadedModel:
     spec: str
