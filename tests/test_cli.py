@@ -166,6 +166,26 @@ def test_generate_and_bench_calibrate_single_sequences_alone(capsys, cli_models,
     assert len(calibrated) == 2 and all(line.endswith("; rows 1)") for line in calibrated), calibrated
 
 
+def test_generate_keeps_its_costs_for_the_next_run_as_serve_does(capsys, cli_models, caplog, tmp_path,
+                                                                   monkeypatch) -> None:
+    """The default file ($TANDEM_CALIBRATION_FILE here; calibration.json under $TANDEM_HOME without it): the first
+    run calibrates and stores, the next reuses and gives the same tokens; `--calibration-file ''` calibrates."""
+    costs = tmp_path / "calibration.json"
+    monkeypatch.setenv("TANDEM_CALIBRATION_FILE", str(costs))
+    runs = []
+    for flags in ((), (), ("--calibration-file", "")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tandem"):
+            runs.append((_generate(capsys, cli_models, *flags)["token_ids"], caplog.text))
+        if not flags:
+            assert costs.exists()
+    (first, calibrated), (second, reused), (third, again) = runs
+    assert "calibrated in" in calibrated and "costs stored in" in calibrated
+    assert "calibration: reusing" in reused and "calibrated in" not in reused
+    assert "calibrated in" in again and "reusing" not in again
+    assert first == second == third
+
+
 def test_bench_methods_are_space_separated_and_json_alone_prints(capsys, cli_models) -> None:
     assert _bench(cli_models, "--methods", "plain", "tandem", "--json") == 0
     lines = capsys.readouterr().out.splitlines()

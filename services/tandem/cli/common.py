@@ -130,6 +130,32 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
                           ignore_eos=args.ignore_eos)
 
 
+def local_options(args: argparse.Namespace):
+    """How the model options place models in this process (engines.LocalOptions)."""
+    from tandem.engines.options import LocalOptions
+
+    return LocalOptions(device=args.device, dtype=args.dtype, threads=args.threads, eager=args.eager,
+                        compile=args.compile, kv_tokens=args.kv_tokens, draft_quantization=args.draft_quantization)
+
+
+def add_calibration_file_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--calibration-file", default=None, metavar="PATH",
+                        help="keep the costs calibration measures in PATH: a restart with the same models, options, "
+                        "host and tandem reuses them instead of calibrating (minutes on a CPU); otherwise it "
+                        "calibrates and stores them there ('': calibrate at every start; default: "
+                        "$TANDEM_CALIBRATION_FILE, else calibration.json under $TANDEM_HOME)")
+
+
+def calibration_file(args: argparse.Namespace) -> str:
+    """--calibration-file, or its default (models.store.default_calibration_file); '' for none. Not a directory."""
+    from tandem.models.store import default_calibration_file
+
+    path = default_calibration_file() if args.calibration_file is None else args.calibration_file
+    if path and os.path.isdir(path):
+        raise InvalidArgument(f"calibration_file: {path} is a directory; name a file in it")
+    return path
+
+
 def engine_config(args: argparse.Namespace, speculate: bool = True, max_batch: int | None = None) -> EngineConfig:
     """The engine settings the model options give. `max_batch` 1 for the commands that run one stream at a time
     (generate, bench): calibration then times single-sequence forwards alone, not batches no request will form."""

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
 from tandem.cli.common import (
+    add_calibration_file_option,
     add_model_options,
     add_sampling_options,
+    calibration_file,
     engine_config,
     kv_tokens,
     load_models,
+    local_options,
     pin_model_args,
     print_outcome,
     sampling_params,
@@ -27,6 +31,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     add_sampling_options(parser)
     parser.add_argument("--no-spec", action="store_true", help="plain target decoding through the same engine")
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    add_calibration_file_option(parser)
     add_json_option(parser, "the text, token ids and statistics")
     add_address_option(parser)
     parser.set_defaults(handler=run_generate)
@@ -46,8 +51,15 @@ def run_generate(args: argparse.Namespace) -> int:
     speculate = not args.no_spec
     config = engine_config(args, speculate, max_batch=1)
     budget = kv_tokens(args)
+    costs_file = calibration_file(args) if config.calibrates else ""
     target, draft = load_models(args, speculate)
-    engine = build_engine(target, draft, config, kv_tokens=budget)
+    engine = build_engine(target, draft, dataclasses.replace(config, calibrate=not costs_file), kv_tokens=budget)
+    if costs_file:  # costs kept from an earlier run of this setup, as `tandem serve` keeps them
+        from tandem.engines import Arm, BuildOptions
+        from tandem.engines.calibration_file import reuse_or_calibrate
+
+        arm = Arm("", args.draft, config)
+        reuse_or_calibrate(costs_file, BuildOptions(args.target, (arm,), local_options(args)), arm, engine)
     prompt_ids = encode_prompt(target.tokenizer, args.prompt, args.chat)
     started = time.perf_counter()
     first_token_at = None

@@ -14,20 +14,22 @@ from typing import TYPE_CHECKING
 from tandem import engines
 from tandem.cli.canary import add_serve_canary_options, serve_canary_options
 from tandem.cli.common import (
+    add_calibration_file_option,
     add_model_options,
     add_pool_options,
     add_ray_token_option,
     announce_compile,
+    calibration_file,
     engine_config,
     kv_tokens,
+    local_options,
     pin_model_args,
     session_store_url,
 )
 from tandem.cli.serving import add_gateway_options, gateway_options, serve_gateway
 from tandem.core.config import EngineConfig
-from tandem.engines import Arm, Backend, BuildOptions, ClusterOptions, LocalOptions
+from tandem.engines import Arm, Backend, BuildOptions, ClusterOptions
 from tandem.errors import InvalidArgument
-from tandem.models.store import default_calibration_file
 from tandem.telemetry import tracing
 from tandem.telemetry.worker import DEFAULT_WORKER_METRICS_PORT, METRICS_PORT_ENV
 
@@ -47,11 +49,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     add_ray_token_option(parser)
     parser.add_argument("--in-process", action="store_true", help="load both models in the gateway, no Ray")
     parser.add_argument("--no-spec", action="store_true", help="serve plain target decoding (no draft model)")
-    parser.add_argument("--calibration-file", default=None, metavar="PATH",
-                        help="keep the costs calibration measures in PATH: a restart with the same models, options, "
-                        "host and tandem reuses them instead of calibrating (minutes on a CPU); otherwise it "
-                        "calibrates and stores them there ('': calibrate at every start; default: "
-                        "$TANDEM_CALIBRATION_FILE, else calibration.json under $TANDEM_HOME)")
+    add_calibration_file_option(parser)
     add_gateway_options(parser)
     parser.add_argument("--worker-metrics-port", type=int, default=None,
                         help=f"first /metrics port of each Ray worker (default: ${METRICS_PORT_ENV} or "
@@ -99,13 +97,8 @@ def build_options(args: argparse.Namespace, config: EngineConfig, canary: Canary
         arms = (Arm("", args.draft if config.spec.speculating else "", config),)
     else:
         arms = tuple(_arm(args, config, arm) for arm in canary.arms)
-    placement = LocalOptions(device=args.device, dtype=args.dtype, threads=args.threads, eager=args.eager,
-                             compile=args.compile, kv_tokens=args.kv_tokens, draft_quantization=args.draft_quantization,
-                             ) if args.in_process else cluster_options(args)
-    calibration_file = default_calibration_file() if args.calibration_file is None else args.calibration_file
-    if calibration_file and os.path.isdir(calibration_file):
-        raise InvalidArgument(f"calibration_file: {calibration_file} is a directory; name a file in it")
-    return BuildOptions(args.target, arms, placement, lanes=args.lanes, calibration_file=calibration_file)
+    placement = local_options(args) if args.in_process else cluster_options(args)
+    return BuildOptions(args.target, arms, placement, lanes=args.lanes, calibration_file=calibration_file(args))
 
 
 def _check_arms(args: argparse.Namespace, canary: CanaryOptions | None) -> None:

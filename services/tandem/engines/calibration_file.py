@@ -53,17 +53,22 @@ def build_reusing(options: BuildOptions,
     backends = build(dataclasses.replace(options, arms=arms))
     for arm in options.arms:
         engine = backends[arm.name].engine  # an arm's lanes share its costs (engines.backend.engine_lanes)
-        if arm.name not in calibrating or engine.drafter is None:
-            continue
-        wanted = key(options, arm, worker_facts(engine))
-        stored = load(options.calibration_file, wanted)
-        if stored is not None:
-            engine.costs.adopt(stored)
-            continue
-        engine.calibrate()
-        if engine.costs.calibrated:
-            save(options.calibration_file, wanted, engine.costs)
+        if arm.name in calibrating and engine.drafter is not None:
+            reuse_or_calibrate(options.calibration_file, options, arm, engine)
     return backends
+
+
+def reuse_or_calibrate(path: str, options: BuildOptions, arm: Arm, engine) -> None:
+    """Start `engine`, built for `arm` without calibrating, from the costs `path` holds for that setup, or calibrate
+    it and store its costs there."""
+    wanted = key(options, arm, worker_facts(engine))
+    stored = load(path, wanted)
+    if stored is not None:
+        engine.costs.adopt(stored)
+        return
+    engine.calibrate()
+    if engine.costs.calibrated:
+        save(path, wanted, engine.costs)
 
 
 def worker_facts(engine) -> list[dict]:
