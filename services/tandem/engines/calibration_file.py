@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from functools import cache
@@ -74,9 +75,8 @@ def reuse_or_calibrate(path: str, options: BuildOptions, arm: Arm, engine) -> No
 def worker_facts(engine) -> list[dict]:
     """The hosts and torch threads the engine's models run on: each pool worker's (the distinct ones), or this
     process's for models loaded here."""
-    from tandem.workers.fanout import RayPoolClient
-
-    actors = [actor for side in (engine.verifier, engine.drafter) if isinstance(side, RayPoolClient)
+    fanout = sys.modules.get("tandem.workers.fanout")  # unimported, no side is a pool client: no need to import Ray
+    actors = [actor for side in (engine.verifier, engine.drafter) if fanout and isinstance(side, fanout.RayPoolClient)
               for actor in side.actors()]
     if not actors:
         return [{"host": host_facts(), "threads": None}]
