@@ -143,7 +143,8 @@ def test_ray_workers_of_a_node_started_with_the_preload_run_on_it() -> None:
             "PYTHONPATH": os.pathsep.join(sys.path)}
         done = subprocess.run([sys.executable, "-c", ACTOR_PROBE], capture_output=True, text=True, env=env,
                               timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
+        # Ray's own abort puts its reason first and a long native stack after it: keep both ends.
+        assert done.returncode == 0, done.stderr[:2000] + "\n...\n" + done.stderr[-1500:]
         result = json.loads(done.stdout.strip().splitlines()[-1])
     finally:
         head.terminate()
