@@ -67,13 +67,18 @@ def test_build_request_maps_typed_parameters() -> None:
         build_request("x", token_ids=[1])
     with pytest.raises(InvalidArgument, match="speculation:"):
         build_request("x", speculation="sometimes")
-    # The convenience methods' typed **options are build_request's keywords, nothing more or less.
+    shaped = build_request("x", repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-0.25,
+                           logit_bias={7: -100.0, 3: 2.5})
+    assert shaped.sampling.repetition_penalty == pytest.approx(1.1) and shaped.sampling.presence_penalty == 0.5
+    assert shaped.sampling.frequency_penalty == -0.25 and dict(shaped.sampling.logit_bias) == {7: -100.0, 3: 2.5}
+    assert not plain.sampling.HasField("repetition_penalty") and not plain.sampling.logit_bias
+    # The methods' typed **options are build_request's keywords, nothing more or less.
     keywords = [name for name in inspect.signature(build_request).parameters if name != "prompt"]
     assert list(GenerateOptions.__annotations__) == keywords
-    generate = [name for name in inspect.signature(TandemClient.generate).parameters if name not in ("self", "timeout")]
-    assert generate == ["prompt", *keywords]
-    assert inspect.signature(AsyncTandemClient.generate).parameters.keys() == \
-        inspect.signature(TandemClient.generate).parameters.keys()
+    for method in (TandemClient.generate, AsyncTandemClient.generate, TandemClient.generate_result):
+        parameters = inspect.signature(method).parameters
+        assert list(parameters) == ["self", "prompt", "timeout", "options"]
+        assert parameters["options"].annotation == "Unpack[GenerateOptions]"
 
 
 # --- against the gateway ------------------------------------------------------------------------------------------

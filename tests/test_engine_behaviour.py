@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
+from marginals import assert_second_tokens_follow
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.costs import CostModel
 from tandem.core.runner import ModelRunner
@@ -261,17 +261,7 @@ def test_sampled_output_follows_target_distribution(tiny_models, seeded: bool, t
         support = p_first.nonzero().flatten()
         batch = torch.tensor([PROMPT + [int(t)] for t in support])
         p_second = processed_probs(target.model(batch).logits[:, -1], params[0])
-    expected = (p_first[support].unsqueeze(-1) * p_second).sum(0).double()
-    expected /= expected.sum()  # float32 probabilities sum to 1 within ~1e-7
-    counts = torch.bincount(torch.tensor([r.token_ids[1] for r in results]), minlength=expected.shape[0]).double()
-    assert counts[expected == 0].sum() == 0
-    keep = expected * len(results) >= 5
-    observed = torch.cat([counts[keep], counts[~keep].sum().reshape(1)])
-    wanted = torch.cat([expected[keep], expected[~keep].sum().reshape(1)]) * len(results)
-    _, p_value = chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item())
-    assert p_value > 1e-4
-    tv = 0.5 * (counts / counts.sum() - expected).abs().sum()
-    assert tv < 0.06
+    assert_second_tokens_follow(results, p_first, support.tolist(), p_second)
 
 
 def test_seeded_sampling_is_reproducible(tiny_models) -> None:

@@ -208,6 +208,12 @@ def _error(call) -> openai.APIStatusError:
     ({"max_k": 99}, "max_k"),
     ({"speculation": "sometimes"}, "speculation"),
     ({"max_tokens": "many"}, "max_tokens"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"five": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
 ])
 def test_bad_fields_are_400_naming_the_param(server, body, param) -> None:
     request = {"model": MODEL, "messages": CHAT, "max_tokens": 4} | body
@@ -245,6 +251,23 @@ def test_newer_and_extra_fields(server) -> None:
     assert response.id == "mine-1" and response.choices[0].message.content == text
     assert response.usage.completion_tokens == 5
     assert response.choices[0].model_extra["tandem"]["speculation"]["drafted"] == 0
+
+
+def test_penalties_and_bias_mean_the_same_on_both_apis(server) -> None:
+    """OpenAI's presence and frequency penalties and logit_bias, with vLLM's repetition_penalty, give the gRPC
+    request's tokens; a bias of -100 on the token greedy decoding picks first takes it away."""
+    sdk = _sdk(server)
+    _, plain_ids, _ = _grpc(server, chat=CHAT, ignore_eos=True, **GREEDY)
+    shaped = {"presence_penalty": 0.5, "frequency_penalty": 1.0, "repetition_penalty": 1.2}
+    bias = {plain_ids[0]: -100.0, plain_ids[2]: 3.0}
+    _, ids, _ = _grpc(server, chat=CHAT, ignore_eos=True, logit_bias=bias, **shaped, **GREEDY)
+    assert ids[0] != plain_ids[0] and ids != plain_ids
+    response = sdk.chat.completions.create(
+        model=MODEL, messages=CHAT, presence_penalty=0.5, frequency_penalty=1.0,
+        logit_bias={str(token): value for token, value in bias.items()},
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.2, "return_token_ids": True}, **GREEDY)
+    assert response.choices[0].model_extra["token_ids"] == ids
+    assert _idle(server)
 
 
 def test_stream_disconnect_frees_caches(server) -> None:

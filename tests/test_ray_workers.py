@@ -103,6 +103,20 @@ def test_pooled_sampled_drafting_matches_in_process(tiny_models, pool) -> None:
     assert sum(r.stats["accepted"] for r in results) > 0
 
 
+def test_pooled_drafting_under_penalties_matches_in_process(tiny_models, pool) -> None:
+    """Penalties and a bias reach the draft workers with where each request's output begins: greedy and seeded rows
+    give plain decoding's tokens, and the workers' drafts are accepted exactly as often as in-process ones."""
+    shaped = {"repetition_penalty": 1.3, "frequency_penalty": 0.8, "presence_penalty": 0.4, "logit_bias": ((5, 2.0),)}
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **shaped),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True, **shaped)] * 2
+    results = _engine(tiny_models, pool).generate(PROMPTS, params)
+    assert [r.token_ids for r in results] == _plain(tiny_models, params)
+    in_process = build_engine(tiny_models[0], tiny_models[1],
+                              EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False))
+    local = in_process.generate(PROMPTS, params)
+    assert [r.stats["accepted"] for r in results] == [r.stats["accepted"] for r in local]
+
+
 def _worker_of(engine: SpeculativeEngine, request_id: str):
     return engine.drafter.workers[engine.drafter.affinity[request_id]]
 

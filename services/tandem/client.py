@@ -67,6 +67,10 @@ class GenerateOptions(TypedDict, total=False):
     request_id: str
     n: int
     logprobs: int | None
+    repetition_penalty: float | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    logit_bias: Mapping[int, float] | None
 
 
 def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None,
@@ -74,18 +78,24 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                   seed: int | None = None, stop: str | Sequence[str] = (), stop_token_ids: Iterable[int] = (),
                   ignore_eos: bool = False, speculation: Speculation = "auto", max_k: int | None = None,
-                  session_id: str = "", request_id: str = "", n: int = 1,
-                  logprobs: int | None = None) -> pb.GenerateRequest:
+                  session_id: str = "", request_id: str = "", n: int = 1, logprobs: int | None = None,
+                  repetition_penalty: float | None = None, presence_penalty: float | None = None,
+                  frequency_penalty: float | None = None,
+                  logit_bias: Mapping[int, float] | None = None) -> pb.GenerateRequest:
     """A GenerateRequest. Exactly one input: prompt (raw text), chat (the model's chat template is applied:
     {"role", "content"} mappings or (role, content) pairs) or token_ids. None leaves a sampling field unset (the
-    server's default: temperature 1, top_p 1, top_k off, max_tokens 128). n: choices for this prompt. logprobs: the
-    number (0-20) of most likely alternatives each chunk reports beside the target's log-probability of every
-    emitted token; None for none."""
+    server's default: temperature 1, top_p 1, top_k off, max_tokens 128, no penalties). n: choices for this prompt.
+    logprobs: the number (0-20) of most likely alternatives each chunk reports beside the target's log-probability of
+    every emitted token; None for none. repetition_penalty (> 1 discourages tokens already in the context),
+    presence_penalty and frequency_penalty (-2 to 2, over the output) and logit_bias ({token id: -100 to 100}) reshape
+    the logits before sampling, as in vLLM and OpenAI."""
     if sum(x is not None for x in (prompt, token_ids, chat)) != 1:
         raise InvalidArgument("input: pass exactly one of prompt, token_ids or chat")
     if speculation not in SPECULATION_MODES:
         raise InvalidArgument(f"speculation: must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
-    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "max_tokens": max_tokens}
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "max_tokens": max_tokens,
+                "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
+                "frequency_penalty": frequency_penalty, "logit_bias": dict(logit_bias) if logit_bias else None}
     request = pb.GenerateRequest(
         request_id=request_id, session_id=session_id,
         stop=[stop] if isinstance(stop, str) else list(stop),  # a lone string is one stop, not its characters
@@ -308,20 +318,12 @@ class TandemClient:
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
 
-    def generate(self, prompt: str | None = None, *, chat: ChatMessages | None = None,
-                 token_ids: Iterable[int] | None = None, max_tokens: int | None = None,
-                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                 seed: int | None = None, stop: str | Sequence[str] = (), stop_token_ids: Iterable[int] = (),
-                 ignore_eos: bool = False, speculation: Speculation = "auto", max_k: int | None = None,
-                 session_id: str = "", request_id: str = "", n: int = 1, logprobs: int | None = None,
-                 timeout: float | None = None) -> Iterator[pb.Chunk | pb.Complete]:
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                 **options: Unpack[GenerateOptions]) -> Iterator[pb.Chunk | pb.Complete]:
         """Stream Chunk messages and, for each of the n choices, a Complete (Chunk.index and Complete.index say
         which choice). Closing the iterator early cancels the request. The request is built (and checked) at once,
         before the first next(); the current OpenTelemetry span, if any, travels as W3C trace context."""
-        request = build_request(prompt, chat=chat, token_ids=token_ids, max_tokens=max_tokens,
-                                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                                stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, speculation=speculation,
-                                max_k=max_k, session_id=session_id, request_id=request_id, n=n, logprobs=logprobs)
+        request = build_request(prompt, **options)
         return self._stream(request, timeout)
 
     def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> Iterator[pb.Chunk | pb.Complete]:
@@ -396,18 +398,10 @@ class AsyncTandemClient:
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
 
-    def generate(self, prompt: str | None = None, *, chat: ChatMessages | None = None,
-                 token_ids: Iterable[int] | None = None, max_tokens: int | None = None,
-                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                 seed: int | None = None, stop: str | Sequence[str] = (), stop_token_ids: Iterable[int] = (),
-                 ignore_eos: bool = False, speculation: Speculation = "auto", max_k: int | None = None,
-                 session_id: str = "", request_id: str = "", n: int = 1, logprobs: int | None = None,
-                 timeout: float | None = None) -> AsyncIterator[pb.Chunk | pb.Complete]:
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                 **options: Unpack[GenerateOptions]) -> AsyncIterator[pb.Chunk | pb.Complete]:
         """As TandemClient.generate; leaving the `async for` early (or cancelling its task) cancels the request."""
-        request = build_request(prompt, chat=chat, token_ids=token_ids, max_tokens=max_tokens,
-                                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                                stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, speculation=speculation,
-                                max_k=max_k, session_id=session_id, request_id=request_id, n=n, logprobs=logprobs)
+        request = build_request(prompt, **options)
         return self._stream(request, timeout)
 
     async def _stream(self, request: pb.GenerateRequest,

@@ -118,6 +118,12 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128)
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     parser.add_argument("--top-k", type=int, default=0, help="0 disables (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="above 1 discourages every token already in the context (default: %(default)s, none)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="-2 to 2, subtracted once from each token the output holds (default: %(default)s)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="-2 to 2, subtracted per time the output holds the token (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
@@ -127,7 +133,8 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128)
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                           max_tokens=args.max_tokens, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id),
-                          ignore_eos=args.ignore_eos)
+                          ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
 
 
 def local_options(args: argparse.Namespace):

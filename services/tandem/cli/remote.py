@@ -74,6 +74,9 @@ def run_remote_generate(args: argparse.Namespace) -> int:
                                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                         seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
                                         stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
+                                        repetition_penalty=args.repetition_penalty,
+                                        presence_penalty=args.presence_penalty,
+                                        frequency_penalty=args.frequency_penalty,
                                         speculation="off" if args.no_spec else "auto"):
                 collector.add(item)
                 if isinstance(item, pb.Complete):

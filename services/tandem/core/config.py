@@ -41,6 +41,11 @@ def check_model_mode(eager: bool, compile: bool | str) -> None:
         raise InvalidArgument("eager and compile exclude each other: compiling is part of the fast path eager skips")
 
 
+# The most token ids one request's logit_bias may name: a bound keeps what a request sends, and what each worker
+# scatters into its logits every step, small next to a vocabulary.
+MAX_LOGIT_BIAS = 1024
+
+
 def _require(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise InvalidArgument(f"{field_name}: {message}")
@@ -55,6 +60,8 @@ class SamplingParams:
     gives exactly the tokens plain decoding gives with that seed, whether speculation is on or off, whatever k.
     engine_seed: chosen by the engine for a sampled request without a seed and sent to every worker and rank, so
     they all draw the same random numbers (keyed by position); such a request keeps the min(1, p/q) acceptance rule.
+    repetition_penalty, presence_penalty, frequency_penalty, logit_bias: reshape the logits before temperature, top-k
+    and top-p, on draft and target alike (core.penalties); neutral at 1, 0, 0 and none.
     """
 
     temperature: float = 1.0
@@ -67,6 +74,10 @@ class SamplingParams:
     ignore_eos: bool = False
     engine_seed: int | None = None
     logprobs: int | None = None  # report the target's logprob of each emitted token and this many alternatives
+    repetition_penalty: float = 1.0  # a token already in the context: positive logits divided by it, negative times
+    presence_penalty: float = 0.0  # subtracted from the logit of each token the output holds at least once
+    frequency_penalty: float = 0.0  # subtracted once per time the output holds the token
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids ascending
 
     def __post_init__(self) -> None:
         _require(isinstance(self.temperature, int | float) and 0.0 <= self.temperature <= 100.0,
@@ -87,6 +98,21 @@ class SamplingParams:
                  "stop", "stop strings must be non-empty strings")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids", "stop token ids must be non-negative integers")
+        _require(isinstance(self.repetition_penalty, int | float) and 0.0 < self.repetition_penalty <= 10.0,
+                 "repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(isinstance(value, int | float) and -2.0 <= value <= 2.0,
+                     name, f"must be between -2 and 2, got {value!r}")
+        _require(len(self.logit_bias) <= MAX_LOGIT_BIAS,
+                 "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            _require(isinstance(token, int) and token >= 0, "logit_bias", f"token ids must be non-negative integers, "
+                     f"got {token!r}")
+            _require(isinstance(bias, int | float) and -100.0 <= bias <= 100.0,
+                     "logit_bias", f"biases must be between -100 and 100, got {bias!r} for token {token}")
+        _require(len({token for token, _ in self.logit_bias}) == len(self.logit_bias),
+                 "logit_bias", "each token id at most once")
 
     @property
     def greedy(self) -> bool:
@@ -96,6 +122,13 @@ class SamplingParams:
     def reproducible(self) -> bool:
         """Sampled with a client's seed: drafter-invariant sampling applies."""
         return self.seed is not None and not self.greedy
+
+    @property
+    def reshapes_logits(self) -> bool:
+        """Whether penalties or a logit bias apply (core.penalties): the logits depend on the context, not only on
+        the model."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
 
     @property
     def key_seed(self) -> int | None:

@@ -73,6 +73,8 @@ class SpeculativeEngine:
         vocab = self.verifier.vocab_size
         if bad := [t for t in prompt if not 0 <= t < vocab]:
             raise InvalidArgument(f"prompt: token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+        if bad := [t for t, _ in params.logit_bias if t >= vocab]:
+            raise InvalidArgument(f"logit_bias: token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.sequences:
             raise InvalidArgument(f"request_id: {request_id!r} is already running")
@@ -169,7 +171,7 @@ class SpeculativeEngine:
         def verify() -> list[VerifyResult]:
             return self.verifier.verify([
                 VerifyRequest(seq.request_id, seq.verify_synced, seq.context[seq.verify_synced :], proposal, seq.params,
-                              seq.session_id, limit)
+                              seq.session_id, limit, len(seq.prompt))
                 for seq, proposal, limit in zip(batch, proposals, limits, strict=True)
             ])
 
@@ -200,7 +202,7 @@ class SpeculativeEngine:
 
         def requests() -> list[DraftRequest]:
             return [DraftRequest(batch[i].request_id, batch[i].draft_synced, batch[i].backlog(ks[i], catch_up[i]),
-                                 ks[i], batch[i].params, batch[i].session_id) for i in rows]
+                                 ks[i], batch[i].params, batch[i].session_id, len(batch[i].prompt)) for i in rows]
 
         def forget(lost: list[str]) -> None:
             for i in rows:

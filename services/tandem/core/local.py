@@ -6,6 +6,7 @@ import torch
 
 from tandem.core.costs import CATCH_UP_ALONE_ABOVE
 from tandem.core.logprobs import TokenLogprob
+from tandem.core.penalties import draft_step_logits, verification_logits
 from tandem.core.protocol import (
     DraftDist,
     DraftProposal,
@@ -90,7 +91,8 @@ class LocalDrafter(InProcessSide):
                 break
             fed = rows if step else sorted(rows + [i for i, rider in enumerate(riders) if rider])
             wants = [int(i in rows) for i in fed]
-            logits = self.runner.forward_on_device([states[i] for i in fed], wants)
+            logits = draft_step_logits(self.runner.forward_on_device([states[i] for i in fed], wants),
+                                     [requests[i] for i in rows], [states[i] for i in rows])
             picked, step_dists = self._choose(logits, [requests[i] for i in rows],
                                               [len(states[i].tokens) for i in rows])
             for i, (token, _), dist in zip(rows, picked, step_dists, strict=True):
@@ -189,8 +191,9 @@ class LocalVerifier(InProcessSide):
         for state, tokens in zip(states, drafts, strict=True):
             state.tokens.extend(tokens)
         wants = [len(tokens) + 1 for tokens in drafts]
-        logits = self.runner.forward_on_device(states, wants)
+        raw = self.runner.forward_on_device(states, wants)
         # Every row's outcome is computed on the device; the host receives them in one transfer.
+        logits = verification_logits(raw, wants, requests, states, committed, drafts)
         row_logits = logits.split(wants)
         # Greedy rows' choices in one reduction over the step's logits: one per row took twice as long (0.72 against
         # 0.36 ms for 8 rows of 152k bf16 logits on 2 cores, docs/bench/greedy-choice-v1.py).
@@ -199,7 +202,8 @@ class LocalVerifier(InProcessSide):
                     for index, (request, rows, tokens, length)
                     in enumerate(zip(requests, row_logits, drafts, committed, strict=True))]
         # Queued before the outcomes' transfer, so that its own transfer (rows that asked only) finds it done.
-        scores = _score_logprobs(requests, row_logits, drafts, outcomes)
+        # Logprobs are the model's own: from the logits before any penalty or bias.
+        scores = _score_logprobs(requests, raw.split(wants), drafts, outcomes)
         host = torch.cat(outcomes).tolist() if outcomes else []
         results, at = [], 0
         for index, (request, state, tokens, length, outcome) in enumerate(

@@ -71,6 +71,7 @@ class DraftRequest:
     k: int
     params: SamplingParams
     session: str = ""  # a new sequence may start from this session's retained cache
+    output_start: int = 0  # where the request's output begins in the sequence: its penalties count from there
 
 
 @dataclass(slots=True)
@@ -100,6 +101,7 @@ class VerifyRequest:
     params: SamplingParams
     session: str = ""
     prefill_limit: int = 0  # cache at most this many uncached tokens this call; score only if none are left (0: no cap)
+    output_start: int = 0  # where the request's output begins in the sequence: its penalties count from there
 
 
 @dataclass(slots=True, frozen=True)

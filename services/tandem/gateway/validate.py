@@ -100,11 +100,17 @@ def sampling_params(request: pb.GenerateRequest, limits: GatewayLimits, model: M
     logprobs = request.logprobs if request.HasField("logprobs") else None
     _require(logprobs is None or 0 <= logprobs <= MAX_TOP_LOGPROBS,
              f"logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
-    # SamplingParams checks the remaining ranges (temperature, top_p, top_k, seed) with field-named messages.
+    bad_bias = sorted(t for t in sampling.logit_bias if not 0 <= t < model.vocab_size)
+    _require(not bad_bias, f"logit_bias: {bad_bias[:5]} are outside the vocabulary (0..{model.vocab_size - 1})")
+    # SamplingParams checks the remaining ranges (temperature, top_p, top_k, seed, penalties, biases) with
+    # field-named messages.
     return SamplingParams(temperature=value("temperature", 1.0), top_p=value("top_p", 1.0), top_k=value("top_k", 0),
                           seed=value("seed", None), max_tokens=max_tokens, stop=tuple(request.stop),
                           stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos,
-                          logprobs=logprobs)
+                          logprobs=logprobs, repetition_penalty=value("repetition_penalty", 1.0),
+                          presence_penalty=value("presence_penalty", 0.0),
+                          frequency_penalty=value("frequency_penalty", 0.0),
+                          logit_bias=tuple(sorted(sampling.logit_bias.items())))
 
 
 def speculation_max_k(options: pb.SpeculationOptions, model: ModelLimits) -> int | None:

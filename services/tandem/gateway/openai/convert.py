@@ -38,6 +38,18 @@ def _choices(n: int | None) -> int:
     return _int32("n", n) or 0
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias, keyed by token ids written as strings, as the wire's map of ids."""
+    ids = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias: keys must be token ids, got {key!r}", "logit_bias") from None
+        ids[_int32("logit_bias", token)] = value
+    return ids
+
+
 def _refuse_unsupported(body: _Generate) -> None:
     if fields := body.unsupported():
         raise bad_request(f"{fields[0]}: not supported by this server", fields[0])
@@ -48,7 +60,9 @@ def _common(body: _Generate, request_id: str, max_tokens: int | None, logprobs: 
     if body.seed is not None and not 0 <= body.seed < SEED_LIMIT:
         raise bad_request(f"seed: must be between 0 and {SEED_LIMIT - 1}, got {body.seed}", "seed")
     sampling = pb.SamplingParams(max_tokens=_int32("max_tokens", max_tokens), top_k=_int32("top_k", body.top_k),
-                                 seed=body.seed, temperature=body.temperature, top_p=body.top_p)
+                                 seed=body.seed, temperature=body.temperature, top_p=body.top_p,
+                                 repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                                 frequency_penalty=body.frequency_penalty, logit_bias=_logit_bias(body.logit_bias))
     speculation = pb.SpeculationOptions(mode=SPECULATION_MODES[body.speculation or "auto"],
                                         max_k=_int32("max_k", body.max_k))
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])

@@ -45,12 +45,12 @@ class _Generate(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Accepted at their neutral values only (see `unsupported`).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias
     # tandem's extras, like vLLM's extra sampling fields.
     top_k: StrictInt | None = None
+    repetition_penalty: float | None = None
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
     speculation: Literal["auto", "off"] | None = None
@@ -61,8 +61,7 @@ class _Generate(_Body):
 
     def unsupported(self) -> list[str]:
         """Fields set to something tandem cannot honour."""
-        bad = [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name)]
-        return bad + (["logit_bias"] if self.logit_bias else [])
+        return []
 
     @property
     def include_usage(self) -> bool:

@@ -1,0 +1,24 @@
+"""A sampled engine's second tokens against the distribution they must follow: the check that a speculative step
+leaves the target's distribution exact, shared by the engine's tests."""
+
+from __future__ import annotations
+
+import torch
+from scipy.stats import chisquare
+
+
+def assert_second_tokens_follow(results, p_first: torch.Tensor, support: list[int], p_second: torch.Tensor) -> None:
+    """The second token of each result (GenerationResult) against sum_t p(t) p(. | t): `p_first` [V] the first
+    token's probabilities, `support` the ids where it is above zero, `p_second` [len(support), V] the second token's
+    given each of them. Chi-square (bins expecting under 5 pooled) p > 1e-4, total variation < 0.06, nothing outside
+    the support."""
+    expected = (p_first[support].unsqueeze(-1) * p_second).sum(0).double()
+    expected /= expected.sum()  # float32 probabilities sum to 1 within ~1e-7
+    counts = torch.bincount(torch.tensor([r.token_ids[1] for r in results]), minlength=expected.shape[0]).double()
+    assert counts[expected == 0].sum() == 0
+    keep = expected * len(results) >= 5
+    observed = torch.cat([counts[keep], counts[~keep].sum().reshape(1)])
+    wanted = torch.cat([expected[keep], expected[~keep].sum().reshape(1)]) * len(results)
+    _, p_value = chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item())
+    assert p_value > 1e-4
+    assert 0.5 * (counts / counts.sum() - expected).abs().sum() < 0.06
