@@ -68,7 +68,8 @@ def test_build_request_maps_typed_parameters() -> None:
     with pytest.raises(InvalidArgument, match="speculation:"):
         build_request("x", speculation="sometimes")
     shaped = build_request("x", repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-0.25,
-                           logit_bias={7: -100.0, 3: 2.5})
+                           logit_bias={7: -100.0, 3: 2.5}, min_p=0.05)
+    assert shaped.sampling.min_p == pytest.approx(0.05) and not plain.sampling.HasField("min_p")
     assert shaped.sampling.repetition_penalty == pytest.approx(1.1) and shaped.sampling.presence_penalty == 0.5
     assert shaped.sampling.frequency_penalty == -0.25 and dict(shaped.sampling.logit_bias) == {7: -100.0, 3: 2.5}
     assert not plain.sampling.HasField("repetition_penalty") and not plain.sampling.logit_bias

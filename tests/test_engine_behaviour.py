@@ -241,15 +241,18 @@ def test_measured_costs_put_random_draft_into_fallback(tiny_models) -> None:
     assert result.stats["fallback"] and result.stats["fallback_rounds"] > result.stats["rounds"] // 2
 
 
-@pytest.mark.parametrize(("seeded", "top_m"), [(True, 64), (False, 64), (False, 2)],
-                         ids=["client-seeded-gumbel", "engine-seeded-min-p-over-q", "draft-truncated-to-top-2"])
-def test_sampled_output_follows_target_distribution(tiny_models, seeded: bool, top_m: int) -> None:
+@pytest.mark.parametrize(("seeded", "top_m", "min_p"), [(True, 64, 0.0), (False, 64, 0.0), (False, 2, 0.0),
+                                                        (False, 64, 0.05)],
+                         ids=["client-seeded-gumbel", "engine-seeded-min-p-over-q", "draft-truncated-to-top-2",
+                              "min-p-filter"])
+def test_sampled_output_follows_target_distribution(tiny_models, seeded: bool, top_m: int, min_p: float) -> None:
     """Second-token marginal over 3000 runs equals sum_t p(t) p(. | t) computed from the target, under both rules:
     clients' seeds (drafter-invariant Gumbel-max) and seeds the engine picks (min(1, p/q) acceptance), also with
-    drafts truncated to their top 2 tokens (the drafter must report the truncated q it sampled from)."""
+    drafts truncated to their top 2 tokens (the drafter must report the truncated q it sampled from) and with a
+    min-p filter."""
     target, draft, _ = tiny_models
-    params = [SamplingParams(temperature=0.9, top_k=12, top_p=0.95, seed=s if seeded else None, max_tokens=2,
-                             ignore_eos=True) for s in range(3000)]
+    params = [SamplingParams(temperature=0.9, top_k=12, top_p=0.95, min_p=min_p, seed=s if seeded else None,
+                             max_tokens=2, ignore_eos=True) for s in range(3000)]
     engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(adaptive=False, k_init=2, draft_top_m=top_m),
                                                       max_batch=500, calibrate=False))
     results = engine.generate([PROMPT] * len(params), params)

@@ -108,6 +108,27 @@ def test_processing_matches_reference_top_k_top_p() -> None:
     torch.testing.assert_close(probs[0].double(), expected)
 
 
+def test_min_p_drops_what_is_far_below_the_top_token_before_top_p() -> None:
+    """vLLM's order: temperature, then min-p on the scaled distribution, then top-k and top-p on what is left."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]])  # at temperature 0.5: 4, 2, 1, 0, -2, 6
+    scaled = torch.softmax(logits[0].double() / 0.5, -1)
+    kept = scaled >= 0.01 * scaled.max()
+    assert kept.nonzero().flatten().tolist() == [0, 1, 5]  # e^(x - 6) >= 0.01 for x = 4, 2, 6
+
+    def expected(ids: list[int]) -> torch.Tensor:
+        out = torch.zeros(6, dtype=torch.float64)
+        out[ids] = scaled[ids] / scaled[ids].sum()
+        return out
+
+    alone = processed_probs(logits, SamplingParams(temperature=0.5, min_p=0.01))
+    torch.testing.assert_close(alone[0].double(), expected([0, 1, 5]))
+    # top-p 0.9 over the survivors {6: 0.867, 4: 0.117, 2: 0.016}: the third is past the nucleus.
+    with_top_p = processed_probs(logits, SamplingParams(temperature=0.5, min_p=0.01, top_p=0.9))
+    torch.testing.assert_close(with_top_p[0].double(), expected([0, 5]))
+    greedy = processed_probs(logits, SamplingParams(temperature=0.0, min_p=0.5))
+    assert greedy[0].tolist() == [0, 0, 0, 0, 0, 1]
+
+
 def test_greedy_accepts_matching_prefix_then_corrects() -> None:
     assert accept_greedy(torch.tensor([4, 5, 6]), torch.tensor([4, 5, 9, 1])) == (2, 9)
     assert accept_greedy(torch.tensor([4, 5, 6]), torch.tensor([4, 5, 6, 1])) == (3, 1)

@@ -57,6 +57,7 @@ class GenerateOptions(TypedDict, total=False):
     temperature: float | None
     top_p: float | None
     top_k: int | None
+    min_p: float | None
     seed: int | None
     stop: str | Sequence[str]
     stop_token_ids: Iterable[int]
@@ -76,7 +77,8 @@ class GenerateOptions(TypedDict, total=False):
 def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None,
                   token_ids: Iterable[int] | None = None, max_tokens: int | None = None,
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                  seed: int | None = None, stop: str | Sequence[str] = (), stop_token_ids: Iterable[int] = (),
+                  min_p: float | None = None, seed: int | None = None, stop: str | Sequence[str] = (),
+                  stop_token_ids: Iterable[int] = (),
                   ignore_eos: bool = False, speculation: Speculation = "auto", max_k: int | None = None,
                   session_id: str = "", request_id: str = "", n: int = 1, logprobs: int | None = None,
                   repetition_penalty: float | None = None, presence_penalty: float | None = None,
@@ -84,18 +86,19 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
                   logit_bias: Mapping[int, float] | None = None) -> pb.GenerateRequest:
     """A GenerateRequest. Exactly one input: prompt (raw text), chat (the model's chat template is applied:
     {"role", "content"} mappings or (role, content) pairs) or token_ids. None leaves a sampling field unset (the
-    server's default: temperature 1, top_p 1, top_k off, max_tokens 128, no penalties). n: choices for this prompt.
-    logprobs: the number (0-20) of most likely alternatives each chunk reports beside the target's log-probability of
-    every emitted token; None for none. repetition_penalty (> 1 discourages tokens already in the context),
-    presence_penalty and frequency_penalty (-2 to 2, over the output) and logit_bias ({token id: -100 to 100}) reshape
-    the logits before sampling, as in vLLM and OpenAI."""
+    server's default: temperature 1, top_p 1, top_k and min_p off, max_tokens 128, no penalties). n: choices for
+    this prompt. logprobs: the number (0-20) of most likely alternatives each chunk reports beside the target's
+    log-probability of every emitted token; None for none. repetition_penalty (> 1 discourages tokens already in
+    the context), presence_penalty and frequency_penalty (-2 to 2, over the output) and logit_bias ({token id: -100
+    to 100}) reshape the logits before sampling, as in vLLM and OpenAI."""
     if sum(x is not None for x in (prompt, token_ids, chat)) != 1:
         raise InvalidArgument("input: pass exactly one of prompt, token_ids or chat")
     if speculation not in SPECULATION_MODES:
         raise InvalidArgument(f"speculation: must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
-    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "max_tokens": max_tokens,
-                "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
-                "frequency_penalty": frequency_penalty, "logit_bias": dict(logit_bias) if logit_bias else None}
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p, "seed": seed,
+                "max_tokens": max_tokens, "repetition_penalty": repetition_penalty,
+                "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+                "logit_bias": dict(logit_bias) if logit_bias else None}
     request = pb.GenerateRequest(
         request_id=request_id, session_id=session_id,
         stop=[stop] if isinstance(stop, str) else list(stop),  # a lone string is one stop, not its characters

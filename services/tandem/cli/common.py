@@ -117,6 +117,9 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default: %(default)s)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     parser.add_argument("--top-k", type=int, default=0, help="0 disables (default: %(default)s)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens less likely than this times the most likely one; 0 disables (default: "
+                             "%(default)s)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="above 1 discourages every token already in the context (default: %(default)s, none)")
@@ -131,8 +134,9 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                          max_tokens=args.max_tokens, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id),
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                          stop_token_ids=tuple(args.stop_token_id),
                           ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
 

@@ -72,6 +72,7 @@ def run_remote_generate(args: argparse.Namespace) -> int:
             for item in client.generate(None if args.chat else args.prompt,
                                         chat=[("user", args.prompt)] if args.chat else None,
                                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                        min_p=args.min_p,
                                         seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
                                         stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
                                         repetition_penalty=args.repetition_penalty,

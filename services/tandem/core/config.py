@@ -55,7 +55,7 @@ def _require(ok: bool, field_name: str, message: str) -> None:
 class SamplingParams:
     """How tokens are chosen; applied identically to draft and target so verification stays lossless.
 
-    temperature 0 means greedy. top_k 0 and top_p 1 disable those filters.
+    temperature 0 means greedy. top_k 0, top_p 1 and min_p 0 disable those filters.
     seed: the client's. A seeded request is reproducible: drafter-invariant sampling (Gumbel-max, core.sampling)
     gives exactly the tokens plain decoding gives with that seed, whether speculation is on or off, whatever k.
     engine_seed: chosen by the engine for a sampled request without a seed and sent to every worker and rank, so
@@ -67,6 +67,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # after temperature: drop tokens less likely than min_p times the most likely one
     seed: int | None = None
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
@@ -84,6 +85,8 @@ class SamplingParams:
                  "temperature", f"must be between 0 and 100, got {self.temperature!r}")
         _require(isinstance(self.top_p, int | float) and 0.0 < self.top_p <= 1.0,
                  "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _require(isinstance(self.min_p, int | float) and 0.0 <= self.min_p <= 1.0,
+                 "min_p", f"must be in [0, 1], got {self.min_p!r}")
         _require(isinstance(self.top_k, int) and self.top_k >= 0,
                  "top_k", f"must be a non-negative integer (0 disables), got {self.top_k!r}")
         _require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),

@@ -1,6 +1,6 @@
 """Turning logits into the distributions that drafting and verification sample from.
 
-The same `processed_probs` runs on draft and target logits, so both sides see temperature, top-k and top-p
+The same `processed_probs` runs on draft and target logits, so both sides see temperature, min-p, top-k and top-p
 applied identically; verification then makes the output follow the target's processed distribution exactly.
 """
 
@@ -31,13 +31,16 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[n, V] logits -> [n, V] float32 probabilities after temperature, top-k and top-p (one-hot if greedy), on the
-    logits' device."""
+    """[n, V] logits -> [n, V] float32 probabilities after temperature, min-p, top-k and top-p, in vLLM's order
+    (one-hot if greedy), on the logits' device."""
     logits = logits.to(torch.float32)
     if params.greedy:
         probs = torch.zeros_like(logits)
         return probs.scatter_(1, greedy_tokens(logits).unsqueeze(-1), 1.0)
     logits = logits / params.temperature
+    if params.min_p > 0.0:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]

@@ -102,9 +102,10 @@ def sampling_params(request: pb.GenerateRequest, limits: GatewayLimits, model: M
              f"logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
     bad_bias = sorted(t for t in sampling.logit_bias if not 0 <= t < model.vocab_size)
     _require(not bad_bias, f"logit_bias: {bad_bias[:5]} are outside the vocabulary (0..{model.vocab_size - 1})")
-    # SamplingParams checks the remaining ranges (temperature, top_p, top_k, seed, penalties, biases) with
+    # SamplingParams checks the remaining ranges (temperature, top_p, top_k, min_p, seed, penalties, biases) with
     # field-named messages.
     return SamplingParams(temperature=value("temperature", 1.0), top_p=value("top_p", 1.0), top_k=value("top_k", 0),
+                          min_p=value("min_p", 0.0),
                           seed=value("seed", None), max_tokens=max_tokens, stop=tuple(request.stop),
                           stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos,
                           logprobs=logprobs, repetition_penalty=value("repetition_penalty", 1.0),

@@ -60,7 +60,7 @@ def _common(body: _Generate, request_id: str, max_tokens: int | None, logprobs: 
     if body.seed is not None and not 0 <= body.seed < SEED_LIMIT:
         raise bad_request(f"seed: must be between 0 and {SEED_LIMIT - 1}, got {body.seed}", "seed")
     sampling = pb.SamplingParams(max_tokens=_int32("max_tokens", max_tokens), top_k=_int32("top_k", body.top_k),
-                                 seed=body.seed, temperature=body.temperature, top_p=body.top_p,
+                                 seed=body.seed, temperature=body.temperature, top_p=body.top_p, min_p=body.min_p,
                                  repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                                  frequency_penalty=body.frequency_penalty, logit_bias=_logit_bias(body.logit_bias))
     speculation = pb.SpeculationOptions(mode=SPECULATION_MODES[body.speculation or "auto"],

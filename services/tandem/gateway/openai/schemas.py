@@ -50,6 +50,7 @@ class _Generate(_Body):
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias
     # tandem's extras, like vLLM's extra sampling fields.
     top_k: StrictInt | None = None
+    min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
