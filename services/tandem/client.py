@@ -17,6 +17,7 @@ certificate without tls=True) raises tandem.errors.InvalidArgument before anythi
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,14 +37,14 @@ except ImportError:  # pragma: no cover - exercised by the torch-free install ch
         return None
 
 Speculation = Literal["auto", "off"]
-FinishReason = Literal["stop", "length", "abort", "unspecified"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls", "unspecified"]
 ChatMessages = Iterable[tuple[str, str] | Mapping[str, str]]
 PemSource = bytes | str | os.PathLike[str]  # PEM bytes, PEM text, or the path of a PEM file
 
 SPECULATION_MODES = {"auto": pb.SpeculationOptions.MODE_AUTO, "off": pb.SpeculationOptions.MODE_OFF}
 FINISH_REASONS: dict[int, FinishReason] = {
     pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort",
-    pb.FINISH_REASON_UNSPECIFIED: "unspecified",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls", pb.FINISH_REASON_UNSPECIFIED: "unspecified",
 }
 READINESS_SERVICE = "tandem.v1.GenerationService"
 
@@ -72,6 +73,8 @@ class GenerateOptions(TypedDict, total=False):
     presence_penalty: float | None
     frequency_penalty: float | None
     logit_bias: Mapping[int, float] | None
+    tools: Iterable[Mapping[str, Any]] | None
+    tool_choice: str
 
 
 def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None,
@@ -83,14 +86,17 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
                   session_id: str = "", request_id: str = "", n: int = 1, logprobs: int | None = None,
                   repetition_penalty: float | None = None, presence_penalty: float | None = None,
                   frequency_penalty: float | None = None,
-                  logit_bias: Mapping[int, float] | None = None) -> pb.GenerateRequest:
+                  logit_bias: Mapping[int, float] | None = None, tools: Iterable[Mapping[str, Any]] | None = None,
+                  tool_choice: str = "") -> pb.GenerateRequest:
     """A GenerateRequest. Exactly one input: prompt (raw text), chat (the model's chat template is applied:
     {"role", "content"} mappings or (role, content) pairs) or token_ids. None leaves a sampling field unset (the
     server's default: temperature 1, top_p 1, top_k and min_p off, max_tokens 128, no penalties). n: choices for
     this prompt. logprobs: the number (0-20) of most likely alternatives each chunk reports beside the target's
     log-probability of every emitted token; None for none. repetition_penalty (> 1 discourages tokens already in
     the context), presence_penalty and frequency_penalty (-2 to 2, over the output) and logit_bias ({token id: -100
-    to 100}) reshape the logits before sampling, as in vLLM and OpenAI."""
+    to 100}) reshape the logits before sampling, as in vLLM and OpenAI. tools (a chat's, OpenAI-shaped) are shown
+    to the model by its chat template, and with tool_choice "" or "auto" the calls it makes come back parsed in the
+    chunks' tool_calls ("none": not shown)."""
     if sum(x is not None for x in (prompt, token_ids, chat)) != 1:
         raise InvalidArgument("input: pass exactly one of prompt, token_ids or chat")
     if speculation not in SPECULATION_MODES:
@@ -112,22 +118,44 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
     elif token_ids is not None:
         request.token_ids.ids.extend(token_ids)
     else:
-        request.chat.CopyFrom(_chat(chat))
+        request.chat.CopyFrom(_chat(chat, tools or (), tool_choice))
+    if tools and chat is None:
+        raise InvalidArgument("tools: only a chat can offer tools")
     return request
 
 
-def _chat(messages: ChatMessages) -> pb.Chat:
-    chat = pb.Chat()
+def _chat(messages: ChatMessages, tools: Iterable[Mapping[str, Any]] = (), tool_choice: str = "") -> pb.Chat:
+    """Messages are (role, content) pairs or OpenAI-shaped mappings (an assistant's `tool_calls`, a tool turn's
+    `tool_call_id` and `name`); tools are OpenAI-shaped ({"type": "function", "function": {...}}) or the function
+    mappings alone."""
+    chat = pb.Chat(tool_choice=tool_choice)
     for message in messages:
-        role, content = (message["role"], message["content"]) if isinstance(message, Mapping) else message
-        chat.messages.add(role=role, content=content)
+        if not isinstance(message, Mapping):
+            role, content = message
+            chat.messages.add(role=role, content=content)
+            continue
+        calls = [pb.ToolCall(id=call.get("id", ""), name=call["function"]["name"],
+                             arguments_json=_json_text(call["function"].get("arguments", {})))
+                 for call in message.get("tool_calls") or ()]
+        chat.messages.add(role=message["role"], content=message.get("content") or "", tool_calls=calls,
+                          tool_call_id=message.get("tool_call_id", ""), name=message.get("name", ""))
+    for tool in tools:
+        function = tool.get("function", tool)
+        chat.tools.add(name=function["name"], description=function.get("description", ""),
+                       parameters_json=_json_text(function.get("parameters", {})))
     return chat
 
 
-def build_tokenize_request(prompt: str | None = None, *, chat: ChatMessages | None = None) -> pb.TokenizeRequest:
+def _json_text(value: Any) -> str:
+    """JSON text as the wire carries it: a string is taken as JSON text already."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def build_tokenize_request(prompt: str | None = None, *, chat: ChatMessages | None = None,
+                           tools: Iterable[Mapping[str, Any]] = ()) -> pb.TokenizeRequest:
     if (prompt is None) == (chat is None):
         raise InvalidArgument("input: pass exactly one of prompt or chat")
-    return pb.TokenizeRequest(prompt=prompt) if prompt is not None else pb.TokenizeRequest(chat=_chat(chat))
+    return pb.TokenizeRequest(prompt=prompt) if prompt is not None else pb.TokenizeRequest(chat=_chat(chat, tools))
 
 
 # --- results ------------------------------------------------------------------------------------------------------
@@ -176,6 +204,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # None unless the request set logprobs
+    tool_calls: list[pb.ToolCall] = field(default_factory=list)  # the calls the model made (a chat offered tools)
     finish_reason: FinishReason = "unspecified"
     usage: Usage = field(default_factory=Usage)
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
@@ -231,6 +260,7 @@ class Collector:
         if isinstance(item, pb.Chunk):
             choice.text += item.text
             choice.token_ids.extend(item.token_ids)
+            choice.tool_calls.extend(item.tool_calls)
             if choice.logprobs is not None:
                 choice.logprobs.extend(TokenLogprob.from_proto(x) for x in item.logprobs)
             return
@@ -351,10 +381,11 @@ class TandemClient:
         return _first_choice(self.generate(prompt, timeout=timeout, **options))
 
     def tokenize(self, prompt: str | None = None, *, chat: ChatMessages | None = None,
-                 timeout: float | None = None) -> list[int]:
-        """The target tokenizer's ids for a raw prompt, or for a chat with the chat template applied."""
-        response = self.stub.Tokenize(build_tokenize_request(prompt, chat=chat), timeout=self._timeout(timeout),
-                                      metadata=self.settings.metadata())
+                 tools: Iterable[Mapping[str, Any]] = (), timeout: float | None = None) -> list[int]:
+        """The target tokenizer's ids for a raw prompt, or for a chat with the chat template applied (and its
+        tools shown, as generate shows them)."""
+        response = self.stub.Tokenize(build_tokenize_request(prompt, chat=chat, tools=tools),
+                                      timeout=self._timeout(timeout), metadata=self.settings.metadata())
         return list(response.token_ids)
 
     def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
@@ -428,8 +459,8 @@ class AsyncTandemClient:
         return _first_choice([item async for item in self.generate(prompt, timeout=timeout, **options)])
 
     async def tokenize(self, prompt: str | None = None, *, chat: ChatMessages | None = None,
-                       timeout: float | None = None) -> list[int]:
-        response = await self.stub.Tokenize(build_tokenize_request(prompt, chat=chat),
+                       tools: Iterable[Mapping[str, Any]] = (), timeout: float | None = None) -> list[int]:
+        response = await self.stub.Tokenize(build_tokenize_request(prompt, chat=chat, tools=tools),
                                             timeout=self._timeout(timeout), metadata=self.settings.metadata())
         return list(response.token_ids)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from tandem.core.logprobs import TokenLogprob
 from tandem.errors import BackendUnavailable, InvalidArgument, TandemError
+from tandem.gateway.tools import ToolCall
 
 NOT_LOADED = "not ready: the engine is still loading"
 DRAINING = "draining: this server is shutting down"
@@ -24,6 +25,7 @@ class ChoiceDelta:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
+    tool_calls: tuple[ToolCall, ...] = ()  # calls completed here (a chat offered tools); `text` leaves them out
 
 
 @dataclass(slots=True, frozen=True)
@@ -31,7 +33,7 @@ class ChoiceEnd:
     """The last event of one choice."""
 
     index: int
-    finish_reason: str  # tandem.core.stops FINISH_*: "stop", "length" or "abort"
+    finish_reason: str  # tandem.core.stops FINISH_*: "stop", "length" or "abort"; or "tool_calls" (gateway.tools)
     prompt_tokens: int
     completion_tokens: int
     stats: dict  # speculation: rounds, drafted, accepted, acceptance_rate, mean_accepted_length, fallback_rounds, ...

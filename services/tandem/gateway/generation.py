@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 
 from tandem.core.detok import IncrementalDetokenizer
+from tandem.core.stops import FINISH_STOP
 from tandem.engines import Backend
 from tandem.errors import BackendUnavailable, InvalidArgument
 from tandem.gateway.arms import ArmOutcome, ArmRoute, ArmRouter
@@ -32,6 +33,7 @@ from tandem.gateway.events import (
 )
 from tandem.gateway.handles import Finished
 from tandem.gateway.lanes import ServingLoop
+from tandem.gateway.tools import FINISH_TOOL_CALLS, ToolCallParser
 from tandem.gateway.validate import GatewayLimits, PreparedRequest, chat_ids, encode_prompt, prepare
 from tandem.telemetry.gateway import RequestObserver
 from tandem.telemetry.metrics import GatewayMetrics
@@ -212,6 +214,7 @@ class Generations:
                 observed.failed(error_code(exc), str(exc))
                 raise
             detok = IncrementalDetokenizer(backend.engine.decode, prepared.params.stop)
+            calls = ToolCallParser() if prepared.tool_calls else None
             finished: Finished | None = None
             token_ids: list[int] = []
             first_token_at: float | None = None
@@ -225,8 +228,11 @@ class Generations:
                     observed.tokens(len(update.token_ids))
                     text = detok.push(update.token_ids, final=finished is not None,
                                       cut=finished.text_cut if finished else None)
-                    if text or update.token_ids:
-                        yield ChoiceDelta(index, text, update.token_ids, update.logprobs)
+                    made = ()
+                    if calls is not None:
+                        text, made = calls.push(text, final=finished is not None)
+                    if text or made or update.token_ids:
+                        yield ChoiceDelta(index, text, update.token_ids, update.logprobs, tuple(made))
             except (InvalidArgument, EngineUnavailable, EngineFailed, BackendUnavailable) as exc:
                 # An engine failure or stall counts against the arm; a shutdown (draining) does not.
                 if route is not None and not isinstance(exc, InvalidArgument) \
@@ -242,8 +248,10 @@ class Generations:
                                finished.stats)
             if route is not None:
                 self._record(route, prepared, finished, first_token_at, token_ids)
-            yield ChoiceEnd(index, finished.finish_reason, handle.prompt_tokens, finished.completion_tokens,
-                            finished.stats, request_id)
+            # OpenAI's reason for an output that ends in calls; one cut by max_tokens stays "length".
+            reason = FINISH_TOOL_CALLS if calls is not None and calls.called and finished.finish_reason == FINISH_STOP \
+                else finished.finish_reason
+            yield ChoiceEnd(index, reason, handle.prompt_tokens, finished.completion_tokens, finished.stats, request_id)
         finally:
             observed.end()  # a no-op unless the client went away (cancelled, deadline) mid-stream
 

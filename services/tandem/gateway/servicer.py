@@ -16,13 +16,14 @@ from tandem.gateway.auth import ApiKeys
 from tandem.gateway.events import FAILURES, ChoiceDelta, ChoiceEnd, EngineFailed, EngineUnavailable, error_code
 from tandem.gateway.generation import GenerationsSource
 from tandem.gateway.registration import UNAUTHENTICATED_MESSAGE
+from tandem.gateway.tools import FINISH_TOOL_CALLS
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 FINISH_REASONS = {FINISH_STOP: pb.FINISH_REASON_STOP, FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
-                  FINISH_ABORT: pb.FINISH_REASON_ABORT}
+                  FINISH_ABORT: pb.FINISH_REASON_ABORT, FINISH_TOOL_CALLS: pb.FINISH_REASON_TOOL_CALLS}
 
 
 def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
@@ -49,7 +50,8 @@ def speculation_stats(stats: dict) -> pb.SpeculationStats:
 
 def chunk_message(delta: ChoiceDelta) -> pb.GenerateResponse:
     return pb.GenerateResponse(chunk=pb.Chunk(text=delta.text, token_ids=delta.token_ids, index=delta.index,
-                                              logprobs=_logprobs(delta.logprobs)))
+                                              logprobs=_logprobs(delta.logprobs),
+                                              tool_calls=[call.to_pb() for call in delta.tool_calls]))
 
 
 def _logprobs(logprobs: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:

@@ -12,6 +12,7 @@ from tandem.core.config import SamplingParams
 from tandem.core.logprobs import MAX_TOP_LOGPROBS
 from tandem.engines import ModelLimits
 from tandem.errors import InvalidArgument
+from tandem.gateway.tools import offers_tools, template_message, template_tools
 from tandem.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class PreparedRequest:
     params: SamplingParams
     max_k: int | None  # None: the policy decides up to the server's k_max; 0: plain decoding
     n: int = 1  # choices: each runs as its own sequence (gateway.generation)
+    tool_calls: bool = False  # a chat offered tools: calls are read out of the output (gateway.tools)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -156,19 +158,21 @@ def chat_ids(chat: pb.Chat, tokenizer, limits: GatewayLimits) -> list[int]:
     _require(len(messages) > 0, "chat: needs at least one message")
     _require(len(messages) <= limits.max_chat_messages,
              f"chat: at most {limits.max_chat_messages} messages, got {len(messages)}")
-    size = 0
+    size = sum(_utf8_size(t.name + t.description + t.parameters_json, limits) for t in chat.tools)
     for index, message in enumerate(messages):
         _require(message.role in CHAT_ROLES,
                  f"chat.messages[{index}].role: must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}")
         size += _utf8_size(message.content, limits)
+        size += sum(_utf8_size(c.name + c.arguments_json, limits) for c in message.tool_calls)
         if size > limits.max_prompt_bytes:  # before templating: bounded work
             _check_bytes("chat.messages", size, limits)
     _require(bool(getattr(tokenizer, "chat_template", None)), "chat: this model's tokenizer has no chat template")
-    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    conversation = [template_message(index, message) for index, message in enumerate(messages)]
+    tools = template_tools(chat)
     try:
         # sanitize_control_tokens: a special token's text inside a message ("<|im_end|>") is encoded as plain text;
         # only the template's own control tokens are control tokens (no forged turns).
-        ids = tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True,
+        ids = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=True, add_generation_prompt=True,
                                             sanitize_control_tokens=True, return_dict=False)
     except TemplateError as exc:  # the template itself rejects the conversation (e.g. roles must alternate)
         raise InvalidArgument(f"chat: the chat template rejected these messages: {exc}") from exc
@@ -194,4 +198,5 @@ def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model
                  f"max_tokens: the prompt's {len(ids)} tokens plus max_tokens {params.max_tokens} exceed the "
                  f"model's context window of {model.context_window}")
     request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-    return PreparedRequest(request_id, request.session_id, ids, params, max_k, n)
+    tool_calls = request.WhichOneof("input") == "chat" and offers_tools(request.chat)
+    return PreparedRequest(request_id, request.session_id, ids, params, max_k, n, tool_calls)

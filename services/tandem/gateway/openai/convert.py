@@ -6,9 +6,11 @@ whose messages name gRPC fields: RENAMES_* map those names back to the body's fi
 
 from __future__ import annotations
 
+import json
+
 from tandem.engines import display_name
 from tandem.gateway.openai.errors import bad_request, model_not_found
-from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, _Generate
+from tandem.gateway.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Generate
 from tandem.v1 import generation_pb2 as pb
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -18,8 +20,8 @@ ROLE_ALIASES = {"developer": "system"}
 SPECULATION_MODES = {"auto": pb.SpeculationOptions.MODE_AUTO, "off": pb.SpeculationOptions.MODE_OFF}
 
 _COMMON_RENAMES = {"speculation.max_k": "max_k", "speculation.mode": "speculation"}
-CHAT_RENAMES = {**_COMMON_RENAMES, "chat.messages": "messages", "chat": "messages", "input": "messages",
-                "logprobs": "top_logprobs"}
+CHAT_RENAMES = {**_COMMON_RENAMES, "chat.messages": "messages", "chat.tools": "tools",
+                "chat.tool_choice": "tool_choice", "chat": "messages", "input": "messages", "logprobs": "top_logprobs"}
 COMPLETION_RENAMES = {**_COMMON_RENAMES, "token_ids": "prompt", "input": "prompt"}
 
 
@@ -80,10 +82,18 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateReq
     # max_completion_tokens is OpenAI's newer name for max_tokens; it wins when both are sent.
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     request = _common(body, request_id, max_tokens, logprobs)
-    messages = [pb.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=_content(i, m.content))
-                for i, m in enumerate(body.messages)]
-    request.chat.CopyFrom(pb.Chat(messages=messages))
+    messages = [_message(i, m) for i, m in enumerate(body.messages)]
+    tools = [pb.Tool(name=t.function.name, description=t.function.description or "",
+                     parameters_json=json.dumps(t.function.parameters or {})) for t in body.tools or ()]
+    request.chat.CopyFrom(pb.Chat(messages=messages, tools=tools, tool_choice=body.tool_choice or ""))
     return request
+
+
+def _message(index: int, message: ChatMessage) -> pb.ChatMessage:
+    calls = [pb.ToolCall(id=call.id, name=call.function.name, arguments_json=call.function.arguments)
+             for call in message.tool_calls or ()]
+    return pb.ChatMessage(role=ROLE_ALIASES.get(message.role, message.role), content=_content(index, message.content),
+                          tool_calls=calls, tool_call_id=message.tool_call_id or "", name=message.name or "")
 
 
 def _content(index: int, content) -> str:

@@ -15,6 +15,7 @@ from typing import Literal
 from tandem.core.logprobs import TokenLogprob
 from tandem.gateway.events import ChoiceDelta, ChoiceEnd
 from tandem.gateway.openai.tokens import CompletionLogprobs, TokenTexts, chat_logprobs
+from tandem.gateway.tools import ToolCall
 
 Kind = Literal["chat", "completion"]
 
@@ -37,6 +38,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
     end: ChoiceEnd | None = None
 
 
@@ -81,6 +83,10 @@ class Responder:
             return self._chunk([{"index": event.index, **body, "logprobs": None,
                                  "finish_reason": event.finish_reason, "tandem": tandem_extra(event)}])
         body = {"delta": {"content": event.text}} if self.kind == "chat" else {"text": event.text}
+        if event.tool_calls:  # only a chat offers tools
+            calls = self.choices[event.index].calls
+            body["delta"]["tool_calls"] = [call.to_openai(len(calls) + i) for i, call in enumerate(event.tool_calls)]
+            calls.extend(event.tool_calls)
         if self.token_ids:
             body["token_ids"] = event.token_ids
         return self._chunk([{"index": event.index, **body, "logprobs": self._logprobs(event.index, event.logprobs),
@@ -105,6 +111,7 @@ class Responder:
             return
         choice.text.append(event.text)
         choice.token_ids.extend(event.token_ids)
+        choice.calls.extend(event.tool_calls)
         if event.logprobs:
             choice.logprobs.extend(event.logprobs)
 
@@ -113,6 +120,9 @@ class Responder:
         for index, choice in enumerate(self.choices):
             text = "".join(choice.text)
             body = {"message": {"role": "assistant", "content": text}} if self.kind == "chat" else {"text": text}
+            if choice.calls:  # OpenAI's shape: no content beside the calls unless the model wrote some
+                body["message"] |= {"content": text if text.strip() else None,
+                                    "tool_calls": [call.to_openai() for call in choice.calls]}
             if self.token_ids:
                 body["token_ids"] = choice.token_ids
             end = choice.end

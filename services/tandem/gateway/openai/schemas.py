@@ -26,10 +26,36 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str = "{}"  # a JSON object, in JSON text
+
+
+class ToolCallIn(_Body):
+    """A call an earlier assistant turn made, sent back with the conversation."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's
+    tool_call_id: str | None = None  # a tool turn's: the call it answers
+
+
+class FunctionSpec(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema object
+
+
+class ToolSpec(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
 
 
 class _Generate(_Body):
@@ -74,14 +100,14 @@ class ChatCompletionRequest(_Generate):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Any = None  # "auto" (the default with tools) or "none"; "required" and a named function are not
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
-        bad = super().unsupported() + [name for name in ("tools", "functions") if getattr(self, name)]
-        if self.tool_choice not in (None, "none"):
+        bad = super().unsupported() + (["functions"] if self.functions else [])
+        if self.tool_choice not in (None, "auto", "none"):  # forcing a call would need constrained decoding
             bad.append("tool_choice")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             bad.append("response_format")

@@ -1,0 +1,141 @@
+"""Tool calls: tools shown to the model through its chat template on both APIs, calls read out of streamed text,
+and their OpenAI and gRPC shapes."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from gateway_harness import ServerThread, tiny_backend
+from tandem.client import Collector, TandemClient
+from tandem.gateway.events import ChoiceDelta, ChoiceEnd
+from tandem.gateway.openai.responses import Responder
+from tandem.gateway.openai.tokens import TokenTexts
+from tandem.gateway.servicer import chunk_message, complete_message
+from tandem.gateway.tools import ToolCall, ToolCallParser
+from tandem.gateway.validate import GatewayLimits
+from tandem.v1 import generation_pb2 as pb
+
+MODEL = "tiny-target"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+HISTORY = [{"role": "user", "content": "Weather in Paris?"},
+           {"role": "assistant", "content": "", "tool_calls": [
+               {"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+           {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18 C, sunny"}]
+
+
+def _parse(pieces: list[str]) -> tuple[str, list[ToolCall]]:
+    parser = ToolCallParser()
+    text, calls = [], []
+    for index, piece in enumerate(pieces):
+        out, made = parser.push(piece, final=index == len(pieces) - 1)
+        text.append(out)
+        calls += made
+    return "".join(text), calls
+
+
+@pytest.mark.parametrize("split", ["whole", "characters"])
+def test_calls_come_out_of_the_text_however_it_is_split(split: str) -> None:
+    """Text around calls streams on; a block that is not a call's JSON stays text; a tag arriving in pieces is held
+    until it is known; a block the output ends inside still counts when it holds a whole call."""
+    output = ("Let me check." + CALL + "\n<tool_call>not json</tool_call> and <tool"
+              + '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}')
+    text, calls = _parse([output] if split == "whole" else list(output) + [""])
+    assert text == "Let me check.\n<tool_call>not json</tool_call> and <tool"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                    ("get_time", {"zone": "UTC"})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+
+
+def test_a_held_tag_start_is_given_out_when_no_tag_follows() -> None:
+    parser = ToolCallParser()
+    assert parser.push("a <tool") == ("a ", [])
+    assert parser.push("box> b") == ("<toolbox> b", [])
+    assert parser.push("<tool_call>[1, 2]", final=True) == ("<tool_call>[1, 2]", [])
+    assert not parser.called
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    target, draft, _ = tiny_models
+    running = ServerThread(tiny_backend(target, draft), http_port=0, limits=GatewayLimits(max_prompt_tokens=2048))
+    yield running
+    running.stop()
+
+
+def test_tools_and_earlier_calls_reach_the_chat_template_on_both_apis(server, tiny_models) -> None:
+    tokenizer = tiny_models[0].tokenizer
+    with TandemClient(server.address, timeout=60) as client:
+        shown = client.tokenize(chat=HISTORY, tools=[WEATHER])
+        plain = client.tokenize(chat=HISTORY)
+        prompt = tokenizer.decode(shown)
+        assert json.dumps(WEATHER) in prompt and '"arguments": {"city": "Paris"}' in prompt
+        assert "18 C, sunny" in prompt and json.dumps(WEATHER) not in tokenizer.decode(plain)
+        result = client.generate_result(chat=HISTORY, tools=[WEATHER], max_tokens=4, temperature=0, ignore_eos=True)
+        assert result.usage.prompt_tokens == len(shown) and result.finish_reason == "length"
+        assert result.choices[0].tool_calls == []  # random weights write no call
+        hidden = client.generate_result(chat=HISTORY, tools=[WEATHER], tool_choice="none", max_tokens=1)
+        assert hidden.usage.prompt_tokens == len(plain)
+    response = openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0).chat.completions \
+        .create(model=MODEL, messages=HISTORY, tools=[WEATHER], tool_choice="auto", max_tokens=4, temperature=0,
+                extra_body={"ignore_eos": True})
+    assert response.usage.prompt_tokens == len(shown) and response.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize(("change", "param"), [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].name"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
+     "messages[0].tool_calls[0].arguments"),
+])
+def test_tool_requests_it_cannot_honour_are_400_naming_the_field(server, change: dict, param: str) -> None:
+    body = {"model": MODEL, "messages": HISTORY, "tools": [WEATHER], "max_tokens": 2} | change
+    response = httpx.post(f"{server.gateway.http_url}/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: ")
+
+
+def test_grpc_refuses_a_tool_choice_it_cannot_honour(server) -> None:
+    with TandemClient(server.address, timeout=60) as client, pytest.raises(grpc.RpcError) as caught:
+        client.generate_result(chat=HISTORY, tools=[WEATHER], tool_choice="required", max_tokens=2)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("chat.tool_choice:")
+
+
+def test_calls_take_openai_and_grpc_shapes(tiny_models) -> None:
+    """A choice whose text held a call, as the generate path hands it on: OpenAI's streamed delta (the call's index
+    among the choice's calls), whole message (no content beside the calls) and finish reason; gRPC's chunk and
+    Complete, and the Python client's result."""
+    first, second = ToolCall("call_a", "get_weather", '{"city": "Paris"}'), ToolCall("call_b", "get_time", "{}")
+    events = [ChoiceDelta(0, "\n", [1, 2], None, (first,)), ChoiceDelta(0, "", [3], None, (second,)),
+              ChoiceEnd(0, "tool_calls", 5, 3, {}, "r1")]
+    streamed = Responder("chat", "id", MODEL, TokenTexts(tiny_models[0].tokenizer), n=1)
+    deltas = [streamed.chunk(event)["choices"][0] for event in events]
+    assert deltas[0]["delta"]["tool_calls"] == [{"index": 0, "id": "call_a", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    assert deltas[1]["delta"]["tool_calls"][0]["index"] == 1 and deltas[2]["finish_reason"] == "tool_calls"
+    whole = Responder("chat", "id", MODEL, TokenTexts(tiny_models[0].tokenizer), n=1)
+    for event in events:
+        whole.collect(event)
+    message = whole.response()["choices"][0]["message"]
+    assert message["content"] is None and [c["id"] for c in message["tool_calls"]] == ["call_a", "call_b"]
+    collector = Collector()
+    for event in events:
+        item = chunk_message(event) if isinstance(event, ChoiceDelta) else complete_message(event)
+        collector.add(item.chunk if item.HasField("chunk") else item.complete)
+    result = collector.result()
+    assert result.finish_reason == "tool_calls"
+    assert [(c.name, c.arguments_json) for c in result.choices[0].tool_calls] == [
+        ("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    assert complete_message(events[2]).complete.finish_reason == pb.FINISH_REASON_TOOL_CALLS
