@@ -32,8 +32,8 @@ HISTORY = [{"role": "user", "content": "Weather in Paris?"},
            {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18 C, sunny"}]
 
 
-def _parse(pieces: list[str]) -> tuple[str, list[ToolCall]]:
-    parser = ToolCallParser()
+def _parse(pieces: list[str], names: tuple[str, ...] = ("get_weather", "get_time")) -> tuple[str, list[ToolCall]]:
+    parser = ToolCallParser(names)
     text, calls = [], []
     for index, piece in enumerate(pieces):
         out, made = parser.push(piece, final=index == len(pieces) - 1)
@@ -53,6 +53,31 @@ def test_calls_come_out_of_the_text_however_it_is_split(split: str) -> None:
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
                                                                     ("get_time", {"zone": "UTC"})]
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+
+
+FENCED = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Osaka"}\n}\n```'
+
+
+@pytest.mark.parametrize("split", ["whole", "characters"])
+def test_a_code_block_that_calls_an_offered_tool_is_a_call_and_other_code_blocks_are_text(split: str) -> None:
+    """Small models write calls as JSON code blocks (Qwen2.5-Coder-1.5B does): such a block calling an offered tool
+    is a call; code in another language, JSON that is no call, and a call of a tool not offered stay text."""
+    code = "```python\nprint({'name': 1})\n```\n"
+    other = '```json\n{"a": 1}\n```\n'
+    unknown = '```\n{"name": "rm_rf", "arguments": {}}\n```\n'
+    output = "Checking.\n" + code + other + unknown + FENCED + "\nDone ```"
+    text, calls = _parse([output] if split == "whole" else list(output) + [""])
+    assert text == "Checking.\n" + code + other + unknown + "\nDone ```"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Osaka"})]
+
+
+def test_ordinary_code_streams_on_once_its_first_line_shows_it_is_no_call() -> None:
+    parser = ToolCallParser(["get_weather"])
+    assert parser.push("Here:\n```") == ("Here:\n", [])
+    assert parser.push("py") == ("```py", [])  # not json, not a newline: an ordinary block
+    assert parser.push("thon\nx = 1\n") == ("thon\nx = 1\n", [])
+    assert parser.push("```json\n{") == ("", [])  # may still be a call
+    assert parser.push('"a": 1}') == ('```json\n{"a": 1}', [])
 
 
 def test_a_held_tag_start_is_given_out_when_no_tag_follows() -> None:

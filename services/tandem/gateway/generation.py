@@ -214,7 +214,7 @@ class Generations:
                 observed.failed(error_code(exc), str(exc))
                 raise
             detok = IncrementalDetokenizer(backend.engine.decode, prepared.params.stop)
-            calls = ToolCallParser() if prepared.tool_calls else None
+            calls = ToolCallParser(prepared.tool_names) if prepared.tool_names else None
             finished: Finished | None = None
             token_ids: list[int] = []
             first_token_at: float | None = None

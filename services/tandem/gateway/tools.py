@@ -2,22 +2,26 @@
 out of its output.
 
 Qwen2.5's chat template (and the other Hermes-style ones vLLM's `hermes` parser reads) shows the model the
-functions as JSON and asks it to answer a call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
-ToolCallParser takes such blocks out of the text as it streams: text outside them streams on at once, a block is
-held until it closes and then comes out as one ToolCall, and a block that is not a call's JSON comes out as the text
-it was, so nothing the model wrote is lost.
+functions as JSON and asks it to answer a call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. Small
+models often write the call's JSON in a Markdown code block instead (Qwen2.5-Coder-1.5B did in every chat measured,
+docs/performance.md); such a block counts as a call when it calls one of the offered tools. ToolCallParser takes
+these blocks out of the text as it streams: text outside them streams on at once, a block that may be a call is held
+until it closes (an ordinary code block only until its first line shows it is not one) and then comes out as one
+ToolCall, and a block that is not a call comes out as the text it was, so nothing the model wrote is lost.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from tandem.errors import InvalidArgument
 from tandem.v1 import generation_pb2 as pb
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+FENCE, NAME_KEY = "```", '"name"'  # a Markdown code block whose JSON object starts with the call's name
 FINISH_TOOL_CALLS = "tool_calls"  # a choice's finish reason when its output ends in calls (OpenAI's)
 TOOL_CHOICES = ("", "auto", "none")  # "required" and a named function would need constrained decoding
 
@@ -38,41 +42,93 @@ class ToolCall:
 
 
 class ToolCallParser:
-    """Splits a choice's streamed text into text and tool calls."""
+    """Splits a choice's streamed text into text and tool calls. `names`: the offered tools', which a fenced block
+    must call to count as a call."""
 
-    def __init__(self) -> None:
-        self._held = ""  # text not given out yet: a block still open, or what may be the start of OPEN
-        self._inside = False
+    def __init__(self, names: Collection[str] = ()) -> None:
+        self.names = frozenset(names)
+        self._held = ""  # text not given out yet: a block that may be a call (from its opener on), or an opener's start
         self.called = False  # whether any call came out
 
     def push(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         """The text that can go out now and the calls completed by `text`; `final` gives out everything held."""
         held, out, calls = self._held + text, [], []
-        while True:
-            if not self._inside:
-                start = held.find(OPEN)
-                if start < 0:
-                    keep = 0 if final else _partial_tag(held, OPEN)
-                    out.append(held[: len(held) - keep])
-                    held = held[len(held) - keep :]
-                    break
-                out.append(held[:start])
-                held, self._inside = held[start + len(OPEN) :], True
-            end = held.find(CLOSE)
-            if end < 0 and not final:
+        while held:
+            start = min((i for i in (held.find(OPEN), held.find(FENCE)) if i >= 0), default=-1)
+            if start < 0:
+                keep = 0 if final else max(_partial_tag(held, OPEN), _partial_tag(held, FENCE))
+                out.append(held[: len(held) - keep])
+                held = held[len(held) - keep :]
                 break
-            body = held if end < 0 else held[:end]
-            call = _call(body)
+            out.append(held[:start])
+            held = held[start:]
+            block = _tagged(held, final) if held.startswith(OPEN) else self._fenced(held, final)
+            if block is None:  # undecided until more text comes
+                break
+            length, call = block
             if call is None:
-                out.append(OPEN + body + ("" if end < 0 else CLOSE))
+                out.append(held[:length])  # not a call: what the model wrote goes out as it was
             else:
                 calls.append(call)
-            held, self._inside = ("" if end < 0 else held[end + len(CLOSE) :]), False
-            if end < 0:
-                break
+            held = held[length:]
         self._held = held
         self.called = self.called or bool(calls)
         return "".join(out), calls
+
+    def _fenced(self, held: str, final: bool) -> tuple[int, ToolCall | None] | None:
+        """A Markdown code block at the start of `held`: a call when it holds one of the offered tools' call JSON
+        (small models often write calls so, rather than in tags: llama.cpp's Hermes parser reads them too)."""
+        state, body = _fence_start(held)
+        if state == "no":
+            return len(FENCE), None  # an ordinary code block: its fence goes out, and what follows is read on
+        if state == "maybe":
+            return (len(held), None) if final else None
+        end = held.find(FENCE, body)
+        if end < 0 and not final:
+            return None
+        call = _call(held[body:] if end < 0 else held[body:end])
+        if call is not None and call.name not in self.names:
+            call = None
+        return (len(held) if end < 0 else end + len(FENCE)), call
+
+
+def _tagged(held: str, final: bool) -> tuple[int, ToolCall | None] | None:
+    """A `<tool_call>` block at the start of `held`: its length and call (None: not a call's JSON), or None while
+    it is still open."""
+    end = held.find(CLOSE, len(OPEN))
+    if end < 0:
+        return (len(held), _call(held[len(OPEN) :])) if final else None
+    return end + len(CLOSE), _call(held[len(OPEN) : end])
+
+
+def _fence_start(text: str) -> tuple[str, int]:
+    """Whether the code block `text` opens (it starts with ```, a language of json or none) begins with a call's
+    JSON object: ("yes", where the object begins), ("no", 0), or ("maybe", 0) while too little has come to tell."""
+    at = len(FENCE)
+    language = text[at : at + 4]
+    if len(language) < 4 and "json".startswith(language):
+        return "maybe", 0
+    at += 4 if language == "json" else 0
+    while at < len(text) and text[at] in " \t":
+        at += 1
+    if at == len(text):
+        return "maybe", 0
+    if text[at] != "\n":
+        return "no", 0
+    at += 1
+    while at < len(text) and text[at].isspace():
+        at += 1
+    if at == len(text):
+        return "maybe", 0
+    if text[at] != "{":
+        return "no", 0
+    body, at = at, at + 1
+    while at < len(text) and text[at].isspace():
+        at += 1
+    head = text[at : at + len(NAME_KEY)]
+    if len(head) < len(NAME_KEY):
+        return ("maybe", 0) if NAME_KEY.startswith(head) else ("no", 0)
+    return ("yes", body) if head == NAME_KEY else ("no", 0)
 
 
 def _partial_tag(text: str, tag: str) -> int:

@@ -56,7 +56,7 @@ class PreparedRequest:
     params: SamplingParams
     max_k: int | None  # None: the policy decides up to the server's k_max; 0: plain decoding
     n: int = 1  # choices: each runs as its own sequence (gateway.generation)
-    tool_calls: bool = False  # a chat offered tools: calls are read out of the output (gateway.tools)
+    tool_names: tuple[str, ...] = ()  # a chat's offered tools: calls are read out of the output (gateway.tools)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -198,5 +198,6 @@ def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model
                  f"max_tokens: the prompt's {len(ids)} tokens plus max_tokens {params.max_tokens} exceed the "
                  f"model's context window of {model.context_window}")
     request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-    tool_calls = request.WhichOneof("input") == "chat" and offers_tools(request.chat)
-    return PreparedRequest(request_id, request.session_id, ids, params, max_k, n, tool_calls)
+    offered = request.WhichOneof("input") == "chat" and offers_tools(request.chat)
+    tool_names = tuple(tool.name for tool in request.chat.tools) if offered else ()
+    return PreparedRequest(request_id, request.session_id, ids, params, max_k, n, tool_names)
