@@ -109,9 +109,9 @@ def test_tools_and_earlier_calls_reach_the_chat_template_on_both_apis(server, ti
         assert result.choices[0].tool_calls == []  # random weights write no call
         hidden = client.generate_result(chat=HISTORY, tools=[WEATHER], tool_choice="none", max_tokens=1)
         assert hidden.usage.prompt_tokens == len(plain)
-    response = openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0).chat.completions \
-        .create(model=MODEL, messages=HISTORY, tools=[WEATHER], tool_choice="auto", max_tokens=4, temperature=0,
-                extra_body={"ignore_eos": True})
+    sdk = openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0)
+    response = sdk.chat.completions.create(model=MODEL, messages=HISTORY, tools=[WEATHER], tool_choice="auto",
+                                           max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
     assert response.usage.prompt_tokens == len(shown) and response.choices[0].message.tool_calls is None
 
 
