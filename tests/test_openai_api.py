@@ -109,6 +109,28 @@ def test_completions_equal_the_grpc_stream(server, tiny_models) -> None:
     assert _idle(server)
 
 
+def test_a_batch_of_prompts_is_choices_prompt_by_prompt(server, tiny_models) -> None:
+    """prompt as a list (strings or token ids): prompt i's choice j is choice i * n + j, each the text its prompt
+    alone gives; usage counts every prompt once; streamed too. Closing a stream early cancels every prompt's work."""
+    tokenizer = tiny_models[0].tokenizer
+    prompts = ["def add(a, b):", "import os\n", "class A:"]
+    alone = [_grpc(server, prompt=p, ignore_eos=True, **GREEDY) for p in prompts]
+    sdk = _sdk(server)
+    whole = sdk.completions.create(model=MODEL, prompt=prompts, n=2, extra_body=IGNORE_EOS, **GREEDY)
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert [c.text for c in whole.choices] == [text for text, _, _ in alone for _ in range(2)]
+    assert whole.usage.prompt_tokens == sum(complete.usage.prompt_tokens for _, _, complete in alone)
+    assert whole.usage.completion_tokens == 6 * NEW_TOKENS
+    ids = [tokenizer.encode(p) for p in prompts]
+    streamed = list(sdk.completions.create(model=MODEL, prompt=ids, stream=True, extra_body=IGNORE_EOS, **GREEDY))
+    texts = ["".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert texts == [text for text, _, _ in alone]
+    with httpx.stream("POST", f"{server.gateway.http_url}/v1/completions", timeout=60,
+                      json={"prompt": prompts, "max_tokens": 200, "ignore_eos": True, "stream": True}) as response:
+        next(response.iter_lines())
+    assert _idle(server)
+
+
 def test_return_token_ids(server) -> None:
     """vLLM's return_token_ids: the ids of each streamed chunk and of a whole choice are the gRPC stream's."""
     _, ids, _ = _grpc(server, chat=[(m["role"], m["content"]) for m in CHAT], ignore_eos=True, **GREEDY)
@@ -227,8 +249,9 @@ def test_bad_fields_are_400_naming_the_param(server, body, param) -> None:
 
 def test_request_errors(server) -> None:
     sdk, url = _sdk(server), server.gateway.http_url
-    error = _error(lambda: sdk.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=4))
+    error = _error(lambda: sdk.completions.create(model=MODEL, prompt=["a"] * 17, max_tokens=4))
     assert error.status_code == 400 and error.body["param"] == "prompt"
+    assert "at most 16 prompts" in error.body["message"]
     error = _error(lambda: sdk.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=4))
     assert error.status_code == 404 and error.body["code"] == "model_not_found" and error.body["param"] == "model"
     for response in (httpx.post(f"{url}/v1/embeddings", json={}), httpx.get(f"{url}/v1/chat/completions")):

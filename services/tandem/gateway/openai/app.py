@@ -27,9 +27,9 @@ from tandem.gateway.generation import GenerationsSource
 from tandem.gateway.openai.convert import (
     CHAT_RENAMES,
     COMPLETION_RENAMES,
-    chat_request,
+    chat_requests,
     check_model,
-    completion_request,
+    completion_requests,
 )
 from tandem.gateway.openai.errors import (
     OpenAIError,
@@ -41,7 +41,7 @@ from tandem.gateway.openai.errors import (
 )
 from tandem.gateway.openai.responses import SSE_DONE, Kind, Responder, sse
 from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
-from tandem.gateway.openai.streaming import ClientGone, EventStream, until_disconnected
+from tandem.gateway.openai.streaming import ClientGone, EventStream, merged, until_disconnected
 from tandem.gateway.openai.tokens import TokenTexts
 from tandem.gateway.validate import GatewayLimits
 
@@ -63,8 +63,8 @@ class _Endpoint:
     id_prefix: str
 
 
-CHAT = _Endpoint("chat", ChatCompletionRequest, chat_request, CHAT_RENAMES, "chatcmpl")
-COMPLETION = _Endpoint("completion", CompletionRequest, completion_request, COMPLETION_RENAMES, "cmpl")
+CHAT = _Endpoint("chat", ChatCompletionRequest, chat_requests, CHAT_RENAMES, "chatcmpl")
+COMPLETION = _Endpoint("completion", CompletionRequest, completion_requests, COMPLETION_RENAMES, "cmpl")
 
 
 def create_app(generations: GenerationsSource, limits: GatewayLimits, status: Status,
@@ -164,12 +164,17 @@ class _Api:
         model = generations.target_name
         check_model(body, model)
         request_id = body.request_id or f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
-        message = endpoint.convert(body, request_id)
-        responder = Responder(endpoint.kind, request_id, model, self._token_texts(), n=max(message.n, 1),
-                              logprobs=message.HasField("logprobs"), include_usage=body.stream and body.include_usage,
-                              token_ids=body.return_token_ids)
+        messages = endpoint.convert(body, request_id)  # one per prompt
+        if len(messages) > self.limits.max_choices:
+            raise bad_request(f"prompt: at most {self.limits.max_choices} prompts a request, got {len(messages)}",
+                              "prompt")
+        per_prompt = max(messages[0].n, 1)
+        responder = Responder(endpoint.kind, request_id, model, self._token_texts(), n=per_prompt * len(messages),
+                              logprobs=messages[0].HasField("logprobs"), per_prompt=per_prompt,
+                              include_usage=body.stream and body.include_usage, token_ids=body.return_token_ids)
         # headers: a W3C trace context
-        events = generations.stream(message, list(request.headers.items()), tenant=tenant)
+        streams = [generations.stream(message, list(request.headers.items()), tenant=tenant) for message in messages]
+        events = streams[0] if len(streams) == 1 else merged(streams, per_prompt)
         if not body.stream:
             await until_disconnected(request, _collect(events, responder))
             return JSONResponse(responder.response())

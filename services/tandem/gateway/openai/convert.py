@@ -109,21 +109,32 @@ def _content(index: int, content) -> str:
     return "\n".join(texts)
 
 
-def completion_request(body: CompletionRequest, request_id: str) -> pb.GenerateRequest:
-    request = _common(body, request_id, body.max_tokens, body.logprobs)
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:  # a batch of prompts: one request per prompt keeps each stream's choices simple
-            raise bad_request(f"prompt: one prompt per request, got {len(prompt)}", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        request.prompt = prompt
-    else:
-        for i, token in enumerate(prompt):
-            if not 0 <= token <= INT32_MAX:
-                raise bad_request(f"prompt[{i}]: token id {token} is out of range", "prompt")
-        request.token_ids.CopyFrom(pb.TokenIds(ids=prompt))
-    return request
+def completion_requests(body: CompletionRequest, request_id: str) -> list[pb.GenerateRequest]:
+    """One request per prompt of the body (a string, token ids, or a batch of either). A batch's prompt i runs as
+    `<request_id>/p<i>`, and only the first keeps the session (a session's cache serves one sequence at a time)."""
+    prompts = body.prompt
+    batch = isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], str | list)
+    prompts = prompts if batch else [prompts]
+    requests = []
+    for index, prompt in enumerate(prompts):
+        request = _common(body, request_id if len(prompts) == 1 else f"{request_id}/p{index}", body.max_tokens,
+                          body.logprobs)
+        if index:
+            request.session_id = ""
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            name = f"prompt[{index}]" if batch else "prompt"
+            for i, token in enumerate(prompt):
+                if not isinstance(token, int) or not 0 <= token <= INT32_MAX:
+                    raise bad_request(f"{name}[{i}]: token id {token!r} is out of range", "prompt")
+            request.token_ids.CopyFrom(pb.TokenIds(ids=prompt))
+        requests.append(request)
+    return requests
+
+
+def chat_requests(body: ChatCompletionRequest, request_id: str) -> list[pb.GenerateRequest]:
+    return [chat_request(body, request_id)]
 
 
 def check_model(body: _Generate, served: str) -> None:

@@ -1,7 +1,7 @@
 """Generation events -> OpenAI response bodies: chat.completion(.chunk) and text_completion, streamed or whole.
 
 One `Responder` per HTTP request turns the gateway's events (ChoiceDelta, ChoiceEnd) into chunks as they come, or
-collects them into one response. Usage sums completion tokens over the choices (the prompt counts once). Each
+collects them into one response. Usage sums completion tokens over the choices (each prompt counts once). Each
 choice's speculation statistics ride along under "tandem", next to its engine request id.
 """
 
@@ -44,8 +44,11 @@ class _Choice:
 
 class Responder:
     def __init__(self, kind: Kind, response_id: str, model: str, texts: TokenTexts, n: int,
-                 logprobs: bool = False, include_usage: bool = False, token_ids: bool = False) -> None:
+                 logprobs: bool = False, include_usage: bool = False, token_ids: bool = False,
+                 per_prompt: int | None = None) -> None:
+        """n: choices in all; per_prompt: how many of them each prompt has (a batch of prompts), n when None."""
         self.kind, self.id, self.model, self.texts = kind, response_id, model, texts
+        self.per_prompt = per_prompt or n
         self.logprobs, self.include_usage, self.token_ids = logprobs, include_usage, token_ids
         self.created = int(time.time())
         self.choices = [_Choice() for _ in range(n)]
@@ -56,7 +59,10 @@ class Responder:
 
     def usage(self) -> dict:
         ends = [choice.end for choice in self.choices if choice.end is not None]
-        prompt = ends[0].prompt_tokens if ends else 0
+        prompts: dict[int, int] = {}  # each prompt counts once, however many choices it has
+        for end in ends:
+            prompts.setdefault(end.index // self.per_prompt, end.prompt_tokens)
+        prompt = sum(prompts.values())
         completion = sum(end.completion_tokens for end in ends)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
