@@ -16,7 +16,7 @@ from tandem.gateway.events import ChoiceDelta, ChoiceEnd
 from tandem.gateway.openai.responses import Responder
 from tandem.gateway.openai.tokens import TokenTexts
 from tandem.gateway.servicer import chunk_message, complete_message
-from tandem.gateway.tools import ToolCall, ToolCallParser
+from tandem.gateway.tools import ToolCall, ToolCallParser, forced_call_start
 from tandem.gateway.validate import GatewayLimits
 from tandem.v1 import generation_pb2 as pb
 
@@ -115,9 +115,45 @@ def test_tools_and_earlier_calls_reach_the_chat_template_on_both_apis(server, ti
     assert response.usage.prompt_tokens == len(shown) and response.choices[0].message.tool_calls is None
 
 
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_required_or_named_call_is_begun_in_the_prompt_and_read_from_inside_it(choice: str) -> None:
+    """The prompt ends with the call's start; the parser, primed with it, reads the model's continuation as the
+    rest of the call; a continuation that is no call's JSON comes out as text, the start included."""
+    chat = pb.Chat(tools=[pb.Tool(name="get_weather")],
+                   tool_choice="required" if choice == "required" else "function:get_weather")
+    start = forced_call_start(chat)
+    rest = ('get_weather", "arguments": {"city": "Paris"}}' if choice == "required" else '{"city": "Paris"}}')
+    parser = ToolCallParser(["get_weather"])
+    assert parser.push(start) == ("", [])
+    text, calls = parser.push(rest + "\n</tool_call>", final=True)
+    assert text == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    failed = ToolCallParser(["get_weather"])
+    failed.push(start)
+    assert failed.push("oops", final=True) == (start + "oops", [])
+
+
+def test_a_required_or_named_tool_choice_is_served_on_both_apis(server, tiny_models) -> None:
+    tokenizer = tiny_models[0].tokenizer
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    sdk = openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0)
+    usage = {}
+    for name, choice in (("auto", "auto"), ("required", "required"), ("named", named)):
+        response = sdk.chat.completions.create(model=MODEL, messages=HISTORY, tools=[WEATHER], tool_choice=choice,
+                                               max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+        usage[name] = response.usage.prompt_tokens
+    for name, choice in (("required", "required"), ("named", "function:get_weather")):
+        start = forced_call_start(pb.Chat(tools=[pb.Tool(name="get_weather")], tool_choice=choice))
+        assert usage[name] == usage["auto"] + len(tokenizer.encode(start, add_special_tokens=False))
+    with TandemClient(server.address, timeout=60) as client:
+        result = client.generate_result(chat=HISTORY, tools=[WEATHER], tool_choice="function:get_weather",
+                                        max_tokens=3, temperature=0, ignore_eos=True)
+        assert result.usage.prompt_tokens == usage["named"]
+
+
 @pytest.mark.parametrize(("change", "param"), [
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+    ({"tools": [], "tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].name"),
     ({"messages": [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
@@ -133,7 +169,7 @@ def test_tool_requests_it_cannot_honour_are_400_naming_the_field(server, change:
 
 def test_grpc_refuses_a_tool_choice_it_cannot_honour(server) -> None:
     with TandemClient(server.address, timeout=60) as client, pytest.raises(grpc.RpcError) as caught:
-        client.generate_result(chat=HISTORY, tools=[WEATHER], tool_choice="required", max_tokens=2)
+        client.generate_result(chat=HISTORY, tools=[WEATHER], tool_choice="any", max_tokens=2)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details().startswith("chat.tool_choice:")
 

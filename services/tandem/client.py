@@ -95,8 +95,9 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
     log-probability of every emitted token; None for none. repetition_penalty (> 1 discourages tokens already in
     the context), presence_penalty and frequency_penalty (-2 to 2, over the output) and logit_bias ({token id: -100
     to 100}) reshape the logits before sampling, as in vLLM and OpenAI. tools (a chat's, OpenAI-shaped) are shown
-    to the model by its chat template, and with tool_choice "" or "auto" the calls it makes come back parsed in the
-    chunks' tool_calls ("none": not shown)."""
+    to the model by its chat template, and the calls it makes come back parsed in the chunks' tool_calls;
+    tool_choice: "" or "auto" (the model decides), "none" (not shown), "required" or "function:NAME" (the output
+    begins with a call, of that tool if named)."""
     if sum(x is not None for x in (prompt, token_ids, chat)) != 1:
         raise InvalidArgument("input: pass exactly one of prompt, token_ids or chat")
     if speculation not in SPECULATION_MODES:

@@ -215,6 +215,8 @@ class Generations:
                 raise
             detok = IncrementalDetokenizer(backend.engine.decode, prepared.params.stop)
             calls = ToolCallParser(prepared.tool_names) if prepared.tool_names else None
+            if calls is not None and prepared.call_start:
+                calls.push(prepared.call_start)  # in the prompt already: the output goes on from inside the call
             finished: Finished | None = None
             token_ids: list[int] = []
             first_token_at: float | None = None

@@ -23,7 +23,10 @@ from tandem.v1 import generation_pb2 as pb
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FENCE, NAME_KEY = "```", '"name"'  # a Markdown code block whose JSON object starts with the call's name
 FINISH_TOOL_CALLS = "tool_calls"  # a choice's finish reason when its output ends in calls (OpenAI's)
-TOOL_CHOICES = ("", "auto", "none")  # "required" and a named function would need constrained decoding
+# tool_choice: "" or "auto" (the model decides), "none" (no tools shown), "required" (a call of any offered tool), or
+# "function:NAME" (a call of that tool).
+TOOL_CHOICES = ("", "auto", "none", "required")
+NAMED = "function:"
 
 
 @dataclass(slots=True, frozen=True)
@@ -163,10 +166,27 @@ def offers_tools(chat: pb.Chat) -> bool:
     return bool(chat.tools) and chat.tool_choice != "none"
 
 
+def forced_call_start(chat: pb.Chat) -> str:
+    """The start of the call a "required" or named tool_choice asks for, or "". The gateway appends it to the
+    prompt, after the template's opening of the assistant's turn, so the model writes the rest of the call: of its
+    own choosing (required) or with that tool's name already written (named). It leads the model into the call's
+    JSON rather than constraining what it writes: a continuation that is not a call's JSON stays text."""
+    if chat.tool_choice == "required":
+        return OPEN + '\n{"name": "'
+    if chat.tool_choice.startswith(NAMED):
+        return OPEN + '\n{"name": ' + json.dumps(chat.tool_choice[len(NAMED) :]) + ', "arguments": '
+    return ""
+
+
 def template_tools(chat: pb.Chat) -> list[dict] | None:
     """The chat's tools as chat templates take them (OpenAI's shape), or None when none are offered."""
-    if chat.tool_choice not in TOOL_CHOICES:
-        raise InvalidArgument(f"chat.tool_choice: {chat.tool_choice!r} is not supported (one of auto, none)")
+    choice = chat.tool_choice
+    if choice not in TOOL_CHOICES and not choice.startswith(NAMED):
+        raise InvalidArgument(f"chat.tool_choice: {choice!r} is not one of auto, none, required or function:NAME")
+    if (choice == "required" or choice.startswith(NAMED)) and not chat.tools:
+        raise InvalidArgument(f"chat.tool_choice: {choice!r} needs tools")
+    if choice.startswith(NAMED) and choice[len(NAMED) :] not in {tool.name for tool in chat.tools}:
+        raise InvalidArgument(f"chat.tool_choice: {choice[len(NAMED):]!r} is none of the tools' names")
     if not offers_tools(chat):
         return None
     tools = []

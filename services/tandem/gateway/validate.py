@@ -12,7 +12,7 @@ from tandem.core.config import SamplingParams
 from tandem.core.logprobs import MAX_TOP_LOGPROBS
 from tandem.engines import ModelLimits
 from tandem.errors import InvalidArgument
-from tandem.gateway.tools import offers_tools, template_message, template_tools
+from tandem.gateway.tools import forced_call_start, offers_tools, template_message, template_tools
 from tandem.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class PreparedRequest:
     max_k: int | None  # None: the policy decides up to the server's k_max; 0: plain decoding
     n: int = 1  # choices: each runs as its own sequence (gateway.generation)
     tool_names: tuple[str, ...] = ()  # a chat's offered tools: calls are read out of the output (gateway.tools)
+    call_start: str = ""  # the start of a call the prompt ends with (a required or named tool_choice)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -181,6 +182,8 @@ def chat_ids(chat: pb.Chat, tokenizer, limits: GatewayLimits) -> list[int]:
         raise InvalidArgument("chat: the chat template could not be applied to these messages") from exc
     if ids and isinstance(ids[0], list):  # a batch of one
         ids = ids[0]
+    if start := forced_call_start(chat):  # the call a required or named tool_choice asks for, begun
+        ids = list(ids) + list(tokenizer.encode(start, add_special_tokens=False))
     return list(ids)
 
 
@@ -200,4 +203,5 @@ def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model
     request_id = request.request_id or f"req-{uuid.uuid4().hex}"
     offered = request.WhichOneof("input") == "chat" and offers_tools(request.chat)
     tool_names = tuple(tool.name for tool in request.chat.tools) if offered else ()
-    return PreparedRequest(request_id, request.session_id, ids, params, max_k, n, tool_names)
+    call_start = forced_call_start(request.chat) if offered else ""
+    return PreparedRequest(request_id, request.session_id, ids, params, max_k, n, tool_names, call_start)

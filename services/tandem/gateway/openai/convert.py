@@ -11,6 +11,7 @@ import json
 from tandem.engines import display_name
 from tandem.gateway.openai.errors import bad_request, model_not_found
 from tandem.gateway.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Generate
+from tandem.gateway.tools import NAMED
 from tandem.v1 import generation_pb2 as pb
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -85,7 +86,9 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateReq
     messages = [_message(i, m) for i, m in enumerate(body.messages)]
     tools = [pb.Tool(name=t.function.name, description=t.function.description or "",
                      parameters_json=json.dumps(t.function.parameters or {})) for t in body.tools or ()]
-    request.chat.CopyFrom(pb.Chat(messages=messages, tools=tools, tool_choice=body.tool_choice or ""))
+    named = body.named_tool()
+    choice = f"{NAMED}{named}" if named is not None else body.tool_choice or ""
+    request.chat.CopyFrom(pb.Chat(messages=messages, tools=tools, tool_choice=choice))
     return request
 
 

@@ -101,17 +101,26 @@ class ChatCompletionRequest(_Generate):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     tools: list[ToolSpec] | None = None
-    tool_choice: Any = None  # "auto" (the default with tools) or "none"; "required" and a named function are not
+    tool_choice: Any = None  # "auto" (the default with tools), "none", "required" or {"type": "function", ...}
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported() + (["functions"] if self.functions else [])
-        if self.tool_choice not in (None, "auto", "none"):  # forcing a call would need constrained decoding
+        if self.tool_choice not in (None, "auto", "none", "required") and self.named_tool() is None:
             bad.append("tool_choice")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             bad.append("response_format")
         return bad
+
+
+    def named_tool(self) -> str | None:
+        """The function a tool_choice of OpenAI's {"type": "function", "function": {"name": ...}} names."""
+        choice = self.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+            name = choice["function"].get("name")
+            return name if isinstance(name, str) else None
+        return None
 
 
 class CompletionRequest(_Generate):
