@@ -44,12 +44,14 @@ def _parse(pieces: list[str], names: tuple[str, ...] = ("get_weather", "get_time
 
 @pytest.mark.parametrize("split", ["whole", "characters"])
 def test_calls_come_out_of_the_text_however_it_is_split(split: str) -> None:
-    """Text around calls streams on; a block that is not a call's JSON stays text; a tag arriving in pieces is held
-    until it is known; a block the output ends inside still counts when it holds a whole call."""
-    output = ("Let me check." + CALL + "\n<tool_call>not json</tool_call> and <tool"
+    """Text around calls streams on; a block that is not a call's JSON, or calls a tool not offered, stays text; a
+    tag arriving in pieces is held until it is known; a block the output ends inside still counts when it holds a
+    whole call."""
+    unknown = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    output = ("Let me check." + CALL + "\n<tool_call>not json</tool_call>" + unknown + " and <tool"
               + '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}')
     text, calls = _parse([output] if split == "whole" else list(output) + [""])
-    assert text == "Let me check.\n<tool_call>not json</tool_call> and <tool"
+    assert text == "Let me check.\n<tool_call>not json</tool_call>" + unknown + " and <tool"
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
                                                                     ("get_time", {"zone": "UTC"})]
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)

@@ -4,7 +4,7 @@ out of its output.
 Qwen2.5's chat template (and the other Hermes-style ones vLLM's `hermes` parser reads) shows the model the
 functions as JSON and asks it to answer a call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. Small
 models often write the call's JSON in a Markdown code block instead (Qwen2.5-Coder-1.5B did in every chat measured,
-docs/performance.md); such a block counts as a call when it calls one of the offered tools. ToolCallParser takes
+docs/performance.md). Either counts as a call when it calls one of the offered tools. ToolCallParser takes
 these blocks out of the text as it streams: text outside them streams on at once, a block that may be a call is held
 until it closes (an ordinary code block only until its first line shows it is not one) and then comes out as one
 ToolCall, and a block that is not a call comes out as the text it was, so nothing the model wrote is lost.
@@ -45,7 +45,7 @@ class ToolCall:
 
 
 class ToolCallParser:
-    """Splits a choice's streamed text into text and tool calls. `names`: the offered tools', which a fenced block
+    """Splits a choice's streamed text into text and tool calls. `names`: the offered tools', one of which a block
     must call to count as a call."""
 
     def __init__(self, names: Collection[str] = ()) -> None:
@@ -65,7 +65,7 @@ class ToolCallParser:
                 break
             out.append(held[:start])
             held = held[start:]
-            block = _tagged(held, final) if held.startswith(OPEN) else self._fenced(held, final)
+            block = self._tagged(held, final) if held.startswith(OPEN) else self._fenced(held, final)
             if block is None:  # undecided until more text comes
                 break
             length, call = block
@@ -89,19 +89,20 @@ class ToolCallParser:
         end = held.find(FENCE, body)
         if end < 0 and not final:
             return None
-        call = _call(held[body:] if end < 0 else held[body:end])
-        if call is not None and call.name not in self.names:
-            call = None
-        return (len(held) if end < 0 else end + len(FENCE)), call
+        return (len(held) if end < 0 else end + len(FENCE)), self._offered(held[body:] if end < 0 else held[body:end])
 
+    def _tagged(self, held: str, final: bool) -> tuple[int, ToolCall | None] | None:
+        """A `<tool_call>` block at the start of `held`: its length and call, or None while it is still open."""
+        end = held.find(CLOSE, len(OPEN))
+        if end < 0:
+            return (len(held), self._offered(held[len(OPEN) :])) if final else None
+        return end + len(CLOSE), self._offered(held[len(OPEN) : end])
 
-def _tagged(held: str, final: bool) -> tuple[int, ToolCall | None] | None:
-    """A `<tool_call>` block at the start of `held`: its length and call (None: not a call's JSON), or None while
-    it is still open."""
-    end = held.find(CLOSE, len(OPEN))
-    if end < 0:
-        return (len(held), _call(held[len(OPEN) :])) if final else None
-    return end + len(CLOSE), _call(held[len(OPEN) : end])
+    def _offered(self, body: str) -> ToolCall | None:
+        """The call a block's JSON makes, if it calls one of the offered tools: a call of anything else (a model
+        will name tools it was not offered) would fail the client that runs it, so it stays text."""
+        call = _call(body)
+        return call if call is not None and call.name in self.names else None
 
 
 def _fence_start(text: str) -> tuple[str, int]:
