@@ -226,7 +226,7 @@ def _error(call) -> openai.APIStatusError:
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ({"max_completion_tokens": 2**40}, "max_tokens"),
     ({"stop": [""]}, "stop[0]"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # with no tools to call
     ({"max_k": 99}, "max_k"),
     ({"speculation": "sometimes"}, "speculation"),
     ({"max_tokens": "many"}, "max_tokens"),
