@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 
 from tandem.core.config import EngineConfig, SpecConfig
 from tandem.engines import Backend
@@ -14,6 +14,7 @@ from tandem.gateway.arms import ArmRouterFactory
 from tandem.gateway.handles import SessionStore
 from tandem.gateway.options import GatewayOptions
 from tandem.gateway.server import Gateway, start_gateway
+from tandem.gateway.validate import GatewayLimits
 
 CALL_TIMEOUT = 60.0
 
@@ -79,3 +80,12 @@ class ServerThread:
         finally:
             self.event_loop.call_soon_threadsafe(self.event_loop.stop)
             self.thread.join(10)
+
+
+def tiny_http_server(tiny_models, max_prompt_tokens: int) -> Iterator[ServerThread]:
+    """A module fixture's body: a gateway over the tiny pair in this process, gRPC and HTTP on free ports."""
+    target, draft, _ = tiny_models
+    running = ServerThread(tiny_backend(target, draft), http_port=0,
+                           limits=GatewayLimits(max_prompt_tokens=max_prompt_tokens))
+    yield running
+    running.stop()

@@ -16,11 +16,10 @@ import httpx
 import openai
 import pytest
 
-from gateway_harness import ServerThread, tiny_backend
+from gateway_harness import ServerThread, tiny_backend, tiny_http_server
 from tandem.client import TandemClient
 from tandem.gateway.options import GatewayOptions
 from tandem.gateway.server import start_gateway
-from tandem.gateway.validate import GatewayLimits
 from tandem.v1 import generation_pb2 as pb
 
 SERVICES = Path(__file__).resolve().parent.parent / "services"
@@ -33,10 +32,7 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    target, draft, _ = tiny_models
-    running = ServerThread(tiny_backend(target, draft), http_port=0, limits=GatewayLimits(max_prompt_tokens=512))
-    yield running
-    running.stop()
+    yield from tiny_http_server(tiny_models, max_prompt_tokens=512)
 
 
 def _sdk(server: ServerThread) -> openai.OpenAI:

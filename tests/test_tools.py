@@ -10,14 +10,13 @@ import httpx
 import openai
 import pytest
 
-from gateway_harness import ServerThread, tiny_backend
+from gateway_harness import tiny_http_server
 from tandem.client import Collector, TandemClient
 from tandem.gateway.events import ChoiceDelta, ChoiceEnd
 from tandem.gateway.openai.responses import Responder
 from tandem.gateway.openai.tokens import TokenTexts
 from tandem.gateway.servicer import chunk_message, complete_message
 from tandem.gateway.tools import ToolCall, ToolCallParser, forced_call_start
-from tandem.gateway.validate import GatewayLimits
 from tandem.v1 import generation_pb2 as pb
 
 MODEL = "tiny-target"
@@ -92,10 +91,7 @@ def test_a_held_tag_start_is_given_out_when_no_tag_follows() -> None:
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    target, draft, _ = tiny_models
-    running = ServerThread(tiny_backend(target, draft), http_port=0, limits=GatewayLimits(max_prompt_tokens=2048))
-    yield running
-    running.stop()
+    yield from tiny_http_server(tiny_models, max_prompt_tokens=2048)
 
 
 def test_tools_and_earlier_calls_reach_the_chat_template_on_both_apis(server, tiny_models) -> None:
