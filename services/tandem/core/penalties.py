@@ -78,21 +78,17 @@ def reshape_(logits: torch.Tensor, params: SamplingParams, context: Sequence[int
 
 
 def draft_step_logits(logits: torch.Tensor, requests: list[DraftRequest], states: list[SequenceState]) -> torch.Tensor:
-    """A draft step's logits (one row per request) with each request's penalties and bias applied (reshape_); the
-    same tensor where no request has any. Each state's tokens already end with the row's drafts so far."""
-    if not any(request.params.reshapes_logits for request in requests):
-        return logits
-    logits = logits.to(torch.float32, copy=True)
-    for row, (request, state) in enumerate(zip(requests, states, strict=True)):
-        if request.params.reshapes_logits:
-            reshape_(logits[row : row + 1], request.params, state.tokens, request.output_start)
-    return logits
+    """A draft step's logits (one row per request) with each request's penalties and bias applied: a verification's
+    rows one position wide, each state's tokens (which already end with the row's drafts so far) its context."""
+    return verification_logits(logits, [1] * len(requests), requests, states, [len(state.tokens) for state in states],
+                               [[] for _ in requests])
 
 
-def verification_logits(logits: torch.Tensor, wants: list[int], requests: list[VerifyRequest],
+def verification_logits(logits: torch.Tensor, wants: list[int], requests: list[VerifyRequest | DraftRequest],
                         states: list[SequenceState], committed: list[int], drafts: list[list[int]]) -> torch.Tensor:
     """A verification's logits (`wants` positions a row) with each request's penalties and bias applied, position i
-    of a row counting its context and first i drafts; the same tensor where no request has any."""
+    of a row counting its context (its state's first `committed` tokens) and first i drafts; the same tensor where
+    no request has any."""
     if not any(request.params.reshapes_logits for request in requests):
         return logits
     logits = logits.to(torch.float32, copy=True)
