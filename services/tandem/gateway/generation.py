@@ -10,6 +10,7 @@ own status codes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -32,6 +33,7 @@ from tandem.gateway.events import (
     error_code,
 )
 from tandem.gateway.handles import Finished
+from tandem.gateway.interleave import interleave
 from tandem.gateway.lanes import ServingLoop
 from tandem.gateway.tools import FINISH_TOOL_CALLS, ToolCallParser
 from tandem.gateway.validate import GatewayLimits, PreparedRequest, chat_ids, encode_prompt, prepare
@@ -173,32 +175,17 @@ class Generations:
                 yield event
             return
         self._choices[prepared.request_id] = [choice.request_id for choice in choices]
-        events: asyncio.Queue = asyncio.Queue()
-
-        async def run(index: int, choice: PreparedRequest) -> None:
-            # Each choice is a generation of its own to telemetry: its own span and duration.
-            choice_observed = observed if index == 0 else RequestObserver(self.metrics, request, metadata,
-                                                                          backend.target_name)
-            try:
-                async for event in self._choice(index, choice, client_id, choice_observed, backend, loop, tenant):
-                    events.put_nowait(event)
-            except Exception as exc:
-                events.put_nowait(exc)
-
-        tasks = [asyncio.create_task(run(index, choice)) for index, choice in enumerate(choices)]
+        # Each choice is a generation of its own to telemetry: its own span and duration.
+        observers = [observed] + [RequestObserver(self.metrics, request, metadata, backend.target_name)
+                                  for _ in choices[1:]]
+        streams = [self._choice(index, choice, client_id, observers[index], backend, loop, tenant)
+                   for index, choice in enumerate(choices)]
         try:
-            ended = 0
-            while ended < len(tasks):
-                event = await events.get()
-                if isinstance(event, Exception):
-                    raise event
-                ended += isinstance(event, ChoiceEnd)
-                yield event
+            # A failed choice or a client gone stops the others (each frees its caches as it unwinds).
+            async with contextlib.aclosing(interleave(streams)) as events:
+                async for event in events:
+                    yield event
         finally:
-            # A failed choice or a client gone: stop the others (each frees its caches as it unwinds).
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             self._choices.pop(prepared.request_id, None)
 
     async def _choice(self, index: int, prepared: PreparedRequest, request_id: str, observed: RequestObserver,

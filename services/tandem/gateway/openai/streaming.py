@@ -21,6 +21,8 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from tandem.gateway.interleave import interleave
+
 T = TypeVar("T")
 
 
@@ -70,35 +72,14 @@ class EventStream(StreamingResponse):
             await self._events.aclose()
 
 
-async def merged(streams: list[AsyncGenerator], stride: int) -> AsyncGenerator:
+async def _renumbered(stream: AsyncGenerator, offset: int) -> AsyncGenerator:
+    async with contextlib.aclosing(stream):
+        async for event in stream:
+            yield dataclasses.replace(event, index=event.index + offset)
+
+
+def merged(streams: list[AsyncGenerator], stride: int) -> AsyncGenerator:
     """Several prompts' generation streams (a completions request's batch of prompts) as one, their events as they
     come, prompt i's choice j renumbered i * stride + j (OpenAI's numbering; stride: the choices per prompt). The
     first failure ends it; closing it closes every stream, which cancels their choices and frees their caches."""
-    queue: asyncio.Queue = asyncio.Queue()
-    ended = object()
-
-    async def pump(offset: int, stream: AsyncGenerator) -> None:
-        try:
-            async with contextlib.aclosing(stream):
-                async for event in stream:
-                    queue.put_nowait(dataclasses.replace(event, index=event.index + offset))
-        except Exception as exc:
-            queue.put_nowait(exc)
-        finally:
-            queue.put_nowait(ended)
-
-    tasks = [asyncio.create_task(pump(index * stride, stream)) for index, stream in enumerate(streams)]
-    try:
-        left = len(tasks)
-        while left:
-            item = await queue.get()
-            if item is ended:
-                left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    return interleave([_renumbered(stream, index * stride) for index, stream in enumerate(streams)])
