@@ -22,7 +22,7 @@ set -euo pipefail
 
 UV_VERSION=0.13.9
 PYTHON_VERSION=3.11
-PLATFORM=x86_64-manylinux_2_28
+PLATFORM=x86_64-manylinux_2_31  # python:3.11-slim is Debian 12 (glibc 2.36); llguidance ships 2_31 wheels only
 RAY_IMAGE_REQUIREMENT='ray[default]'  # its version range is the server extra's
 
 variant=cu130

@@ -12,7 +12,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from tandem.core.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
+from tandem.core.config import EngineConfig, OutputFormat, SamplingParams, SpecConfig  # noqa: E402
 from tandem.core.engine import SpeculativeEngine  # noqa: E402
 from tandem.core.protocol import KVUsage  # noqa: E402
 from tandem.core.row_layout import RowLayout  # noqa: E402
@@ -115,6 +115,27 @@ def test_pooled_drafting_under_penalties_matches_in_process(tiny_models, pool) -
                               EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False))
     local = in_process.generate(PROMPTS, params)
     assert [r.stats["accepted"] for r in results] == [r.stats["accepted"] for r in local]
+
+
+FORMAT_REGEX = "[a-f]{3}( [0-9]{2}){1,4}"
+FORMATTED = [SamplingParams(temperature=0.0, max_tokens=24, output_format=OutputFormat("regex", FORMAT_REGEX)),
+             SamplingParams(temperature=0.8, seed=7, max_tokens=24,
+                            output_format=OutputFormat("regex", FORMAT_REGEX))] * 2
+
+
+def test_pooled_drafting_under_a_format_matches_in_process(tiny_models, pool) -> None:
+    """A response format reaches the draft workers, which mask their drafts by it: greedy and seeded rows give plain
+    decoding's tokens, and the workers' drafts are accepted exactly as often as in-process ones."""
+    params = FORMATTED
+    results = _engine(tiny_models, pool).generate(PROMPTS, params)
+    assert [r.token_ids for r in results] == _plain(tiny_models, params)
+    in_process = build_engine(tiny_models[0], tiny_models[1],
+                              EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False))
+    local = in_process.generate(PROMPTS, params)
+    assert [r.stats["accepted"] for r in results] == [r.stats["accepted"] for r in local]
+    assert sum(r.stats["accepted"] for r in results) > 0
+    decode = tiny_models[0].tokenizer.decode
+    assert all(re.fullmatch(FORMAT_REGEX, decode(r.token_ids, skip_special_tokens=True)) for r in results)
 
 
 def _worker_of(engine: SpeculativeEngine, request_id: str):
@@ -326,6 +347,16 @@ def test_pools_report_kv_usage_summed_over_their_workers_leaving_out_a_stalled_o
         os.kill(infos[0]["pid"], signal.SIGCONT)
 
 
+def test_target_replicas_follow_a_format(tiny_models, pool, replicas) -> None:
+    """Formatted rows through target replicas and draft workers both: plain decoding's tokens."""
+    local = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
+    engine = SpeculativeEngine(RayVerifier(replicas), RayDrafter(pool), EngineConfig(
+        spec=SpecConfig(adaptive=False, k_init=3), calibrate=False), local.eos_token_ids, local.decode)
+    results = engine.generate(PROMPTS, FORMATTED)
+    assert [r.token_ids for r in results] == _plain(tiny_models, FORMATTED)
+    assert sum(r.stats["accepted"] for r in results) > 0
+
+
 def test_target_replicas_batch_and_survive_a_killed_replica(tiny_models, pool, replicas, expected) -> None:
     local = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
     verifier = RayVerifier(replicas, cooldown_s=0.5)
@@ -370,6 +401,8 @@ def test_tensor_parallel_two_ranks_equal_one_and_a_dead_rank_rebuilds_the_group(
     in_process = build_engine(tiny_models[0], tiny_models[1],
                               EngineConfig(spec=SpecConfig(adaptive=False, k_init=3), calibrate=False))
     assert [s.output for s in seqs] == [r.token_ids for r in in_process.generate(PROMPTS, [s.params for s in seqs])]
+    # A response format reaches every rank: each masks alike, so they stay in step.
+    assert [r.token_ids for r in engine.generate(PROMPTS, FORMATTED)] == _plain(tiny_models, FORMATTED)
     shards = ray.get([rank.info.remote() for rank in replica.ranks])
     assert [s["sequences"] for s in shards] == [0, 0]
     assert verifier.kv_usage() == KVUsage.from_info(shards[0])  # the replica counts once, by rank 0

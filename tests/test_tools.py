@@ -7,6 +7,7 @@ import json
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -137,21 +138,63 @@ def test_a_required_or_named_tool_choice_is_served_on_both_apis(server, tiny_mod
     usage = {}
     for name, choice in (("auto", "auto"), ("required", "required"), ("named", named)):
         response = sdk.chat.completions.create(model=MODEL, messages=HISTORY, tools=[WEATHER], tool_choice=choice,
-                                               max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+                                               max_tokens=3, temperature=0)
         usage[name] = response.usage.prompt_tokens
     for name, choice in (("required", "required"), ("named", "function:get_weather")):
         start = forced_call_start(pb.Chat(tools=[pb.Tool(name="get_weather")], tool_choice=choice))
         assert usage[name] == usage["auto"] + len(tokenizer.encode(start, add_special_tokens=False))
     with TandemClient(server.address, timeout=60) as client:
         result = client.generate_result(chat=HISTORY, tools=[WEATHER], tool_choice="function:get_weather",
-                                        max_tokens=3, temperature=0, ignore_eos=True)
+                                        max_tokens=3, temperature=0)
         assert result.usage.prompt_tokens == usage["named"]
+
+
+# Bounded arguments: a random-weight model fills whatever room a schema leaves.
+CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city"],
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Lima"]}}}}}
+ZONE = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone", "hours"],
+    "properties": {"zone": {"type": "string", "maxLength": 5, "pattern": "^[A-Z]+$"},
+                   "hours": {"type": "integer", "minimum": 0, "maximum": 23}}}}}
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_required_or_named_call_is_always_a_call_with_arguments_its_schema_accepts(server, choice: str) -> None:
+    """The random-weight model writes no call of its own accord (auto: no choice is one); with the call's format
+    masking its output after the begun call, every choice is a call of an offered tool (the named one), its
+    arguments valid under that tool's parameters. Speculation stays on."""
+    sdk = openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "Weather or time?"}]
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_time"}}
+    asked = {"model": MODEL, "messages": messages, "tools": [CITY, ZONE], "n": 6, "max_tokens": 160,
+             "temperature": 1.0, "seed": 5}
+    free = sdk.chat.completions.create(**asked, tool_choice="auto")
+    assert not any(c.message.tool_calls for c in free.choices)
+    response = sdk.chat.completions.create(**asked, tool_choice=tool_choice)
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (CITY, ZONE)}
+    names = set()
+    for c in response.choices:
+        assert c.finish_reason == "tool_calls" and not c.message.content and len(c.message.tool_calls) == 1
+        call = c.message.tool_calls[0].function
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+        names.add(call.name)
+    assert names == {"get_time"} if choice == "named" else names <= {"get_weather", "get_time"}
+    with TandemClient(server.address, timeout=60) as client:
+        result = client.generate_result(chat=messages, tools=[CITY, ZONE], tool_choice="function:get_weather",
+                                        max_tokens=160, temperature=1.0, seed=9)
+    calls = result.choices[0].tool_calls
+    assert result.finish_reason == "tool_calls" and [c.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].arguments_json)["city"] in {"Paris", "Rome", "Lima"}
 
 
 @pytest.mark.parametrize(("change", "param"), [
     ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
     ({"tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
     ({"tools": [], "tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required", "ignore_eos": True}, "ignore_eos"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "wat"}}}}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].name"),
     ({"messages": [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},

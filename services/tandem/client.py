@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.errors import InvalidArgument
+from tandem.response_format import wire_format
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc
 
@@ -75,6 +76,7 @@ class GenerateOptions(TypedDict, total=False):
     logit_bias: Mapping[int, float] | None
     tools: Iterable[Mapping[str, Any]] | None
     tool_choice: str
+    response_format: Mapping[str, Any] | None
 
 
 def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None,
@@ -87,7 +89,7 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
                   repetition_penalty: float | None = None, presence_penalty: float | None = None,
                   frequency_penalty: float | None = None,
                   logit_bias: Mapping[int, float] | None = None, tools: Iterable[Mapping[str, Any]] | None = None,
-                  tool_choice: str = "") -> pb.GenerateRequest:
+                  tool_choice: str = "", response_format: Mapping[str, Any] | None = None) -> pb.GenerateRequest:
     """A GenerateRequest. Exactly one input: prompt (raw text), chat (the model's chat template is applied:
     {"role", "content"} mappings or (role, content) pairs) or token_ids. None leaves a sampling field unset (the
     server's default: temperature 1, top_p 1, top_k and min_p off, max_tokens 128, no penalties). n: choices for
@@ -97,7 +99,11 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
     to 100}) reshape the logits before sampling, as in vLLM and OpenAI. tools (a chat's, OpenAI-shaped) are shown
     to the model by its chat template, and the calls it makes come back parsed in the chunks' tool_calls;
     tool_choice: "" or "auto" (the model decides), "none" (not shown), "required" or "function:NAME" (the output
-    begins with a call, of that tool if named)."""
+    begins with a call, of that tool if named). response_format: a structure the output follows, in OpenAI's shapes
+    ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}, or
+    {"type": "text"} for free text) or tandem's {"type": "regex", "regex": "..."} (the whole output matches it): the
+    output is sampled from the target's distribution restricted to the format and ends at a whole match, or at
+    max_tokens (finish reason "length"); the server refuses a format it cannot compile (INVALID_ARGUMENT)."""
     if sum(x is not None for x in (prompt, token_ids, chat)) != 1:
         raise InvalidArgument("input: pass exactly one of prompt, token_ids or chat")
     if speculation not in SPECULATION_MODES:
@@ -110,7 +116,8 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
         request_id=request_id, session_id=session_id,
         stop=[stop] if isinstance(stop, str) else list(stop),  # a lone string is one stop, not its characters
         stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-        sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
+        sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None},
+                                   response_format=wire_format(response_format)),
         speculation=pb.SpeculationOptions(mode=SPECULATION_MODES[speculation], max_k=max_k),
         n=n, logprobs=logprobs,
     )

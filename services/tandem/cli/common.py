@@ -7,6 +7,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from tandem.cli.formats import output_format
 from tandem.cli.options import STDOUT, write_json
 from tandem.core.config import QUANTIZATIONS, EngineConfig, SamplingParams, SpecConfig, compile_scope, compiles
 from tandem.errors import InvalidArgument
@@ -138,7 +139,8 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
                           seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
                           stop_token_ids=tuple(args.stop_token_id),
                           ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          output_format=output_format(args))
 
 
 def local_options(args: argparse.Namespace):

@@ -20,6 +20,7 @@ from tandem.cli.common import (
     print_outcome,
     sampling_params,
 )
+from tandem.cli.formats import add_format_options, check_compiles
 from tandem.cli.options import add_json_option, wants_text
 from tandem.cli.remote import add_address_option
 
@@ -29,6 +30,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("prompt", help="prompt text")
     add_model_options(parser)
     add_sampling_options(parser)
+    add_format_options(parser)
     parser.add_argument("--no-spec", action="store_true", help="plain target decoding through the same engine")
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
     add_calibration_file_option(parser)
@@ -46,6 +48,7 @@ def run_generate(args: argparse.Namespace) -> int:
     # Imported here: --address needs only the client install, these need the server stack (torch).
     from tandem.core.detok import IncrementalDetokenizer
     from tandem.engines.local import build_engine, encode_prompt
+    from tandem.models.loader import eos_token_ids
 
     params = sampling_params(args)
     speculate = not args.no_spec
@@ -53,6 +56,8 @@ def run_generate(args: argparse.Namespace) -> int:
     budget = kv_tokens(args)
     costs_file = calibration_file(args) if config.calibrates else ""
     target, draft = load_models(args, speculate)
+    if params.output_format is not None:  # before the engine is built and calibrated
+        check_compiles(args, params.output_format, target.tokenizer, eos_token_ids(target.model, target.tokenizer))
     engine = build_engine(target, draft, dataclasses.replace(config, calibrate=not costs_file), kv_tokens=budget)
     if costs_file:  # costs kept from an earlier run of this setup, as `tandem serve` keeps them
         from tandem.engines import Arm, BuildOptions

@@ -61,9 +61,11 @@ def client_for(args: argparse.Namespace) -> TandemClient:
 def run_remote_generate(args: argparse.Namespace) -> int:
     import grpc
 
+    from tandem.cli.formats import response_format
     from tandem.client import Collector
     from tandem.v1 import generation_pb2 as pb
 
+    wanted = response_format(args)  # a schema that is not JSON fails before connecting
     collector = Collector()
     started = time.perf_counter()
     first_token_at = None
@@ -78,6 +80,7 @@ def run_remote_generate(args: argparse.Namespace) -> int:
                                         repetition_penalty=args.repetition_penalty,
                                         presence_penalty=args.presence_penalty,
                                         frequency_penalty=args.frequency_penalty,
+                                        response_format=wanted,
                                         speculation="off" if args.no_spec else "auto"):
                 collector.add(item)
                 if isinstance(item, pb.Complete):

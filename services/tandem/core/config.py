@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from tandem.core.logprobs import MAX_TOP_LOGPROBS
@@ -51,6 +52,40 @@ def _require(ok: bool, field_name: str, message: str) -> None:
         raise InvalidArgument(f"{field_name}: {message}")
 
 
+# What an output format may be (core.formats): a JSON schema ('{"type": "object"}' for any JSON object), a regular
+# expression the whole output matches, or a grammar in llguidance's Lark dialect (the gateway's own, for the call a
+# required or named tool_choice asks for: gateway.tools).
+OUTPUT_FORMAT_KINDS = ("json_schema", "regex", "lark")
+MAX_OUTPUT_FORMAT_CHARS = 64 * 1024  # a schema or expression: compiled on every worker that serves the request
+
+
+@dataclass(slots=True, frozen=True)
+class OutputFormat:
+    """A structure the output must follow (structured outputs, core.format_masks): every token of draft and target is
+    sampled from the tokens that keep the output a prefix of a match, and the output ends (EOS) only where it is a
+    whole match. `spec` is the JSON schema's text, the expression, or the grammar."""
+
+    kind: str
+    spec: str
+
+    def __post_init__(self) -> None:
+        _require(self.kind in OUTPUT_FORMAT_KINDS, "response_format",
+                 f"kind must be one of {', '.join(OUTPUT_FORMAT_KINDS)}, got {self.kind!r}")
+        _require(isinstance(self.spec, str) and 0 < len(self.spec) <= MAX_OUTPUT_FORMAT_CHARS, "response_format",
+                 f"the {self.kind} must be non-empty text of at most {MAX_OUTPUT_FORMAT_CHARS} characters")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.spec)
+            except ValueError as exc:
+                raise InvalidArgument(f"response_format: the JSON schema does not parse: {exc}") from None
+            _require(isinstance(schema, dict), "response_format", "a JSON schema is a JSON object")
+
+    @classmethod
+    def json_object(cls) -> OutputFormat:
+        """Any JSON object (OpenAI's response_format {"type": "json_object"})."""
+        return cls("json_schema", '{"type": "object"}')
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How tokens are chosen; applied identically to draft and target so verification stays lossless.
@@ -62,6 +97,8 @@ class SamplingParams:
     they all draw the same random numbers (keyed by position); such a request keeps the min(1, p/q) acceptance rule.
     repetition_penalty, presence_penalty, frequency_penalty, logit_bias: reshape the logits before temperature, top-k
     and top-p, on draft and target alike (core.penalties); neutral at 1, 0, 0 and none.
+    output_format: a structure the output must follow (core.format_masks), masking draft and target logits alike after
+    the penalties; None leaves the output free.
     """
 
     temperature: float = 1.0
@@ -79,6 +116,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of each token the output holds at least once
     frequency_penalty: float = 0.0  # subtracted once per time the output holds the token
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids ascending
+    output_format: OutputFormat | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.temperature, int | float) and 0.0 <= self.temperature <= 100.0,
@@ -116,6 +154,11 @@ class SamplingParams:
                      "logit_bias", f"biases must be between -100 and 100, got {bias!r} for token {token}")
         _require(len({token for token, _ in self.logit_bias}) == len(self.logit_bias),
                  "logit_bias", "each token id at most once")
+        _require(self.output_format is None or isinstance(self.output_format, OutputFormat),
+                 "response_format", f"must be an OutputFormat, got {self.output_format!r}")
+        # A format ends the output where a match is whole: past its EOS the structure allows nothing more.
+        _require(self.output_format is None or not self.ignore_eos,
+                 "ignore_eos", "cannot combine with a response format, which ends the output at a whole match")
 
     @property
     def greedy(self) -> bool:

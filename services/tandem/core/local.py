@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from tandem.core.costs import CATCH_UP_ALONE_ABOVE
@@ -32,6 +34,10 @@ from tandem.core.sampling import (
     truncate_top_m,
 )
 from tandem.core.sequence import SequenceState
+from tandem.errors import InvalidArgument
+
+if TYPE_CHECKING:  # core.format_masks needs llguidance, which a runner alone (the GPU probe's) does without
+    from tandem.core.format_masks import FormatMasks
 
 
 def _key_seed(params) -> int:
@@ -59,14 +65,35 @@ def _sync_all(runner: ModelRunner, requests: list) -> list[SequenceState]:
     return states
 
 
+def _formatted(formats: FormatMasks | None, runner: ModelRunner, logits: torch.Tensor, wants: list[int],
+               requests: list, states: list[SequenceState], committed: list[int], drafts: list[list[int]],
+               ) -> torch.Tensor:
+    """Logits with each request's response format applied (core.format_masks); the same tensor where none has one."""
+    if not any(request.params.output_format for request in requests):
+        return logits
+    if formats is None:
+        raise InvalidArgument("response_format: this worker was built without its tokenizer, so it cannot follow "
+                              "a response format")
+    if len(formats) > len(runner.states) + 32:
+        formats.keep_only(runner.states.keys())
+    return formats.apply(logits, wants, requests, states, committed, drafts)
+
+
 class LocalDrafter(InProcessSide):
-    def __init__(self, runner: ModelRunner, top_m: int = 64, confidence: float = 0.0) -> None:
+    """formats: the drafter's matchers for requests with a response format; without them such a request's drafts
+    are proposed unconstrained (still exact: the verifier masks), and fewer of them are accepted."""
+
+    def __init__(self, runner: ModelRunner, top_m: int = 64, confidence: float = 0.0,
+                 formats: FormatMasks | None = None) -> None:
         self.runner = runner
         self.top_m = top_m
         self.confidence = confidence
+        self.formats = formats
 
     def release(self, seq_id: str, retain: bool = False) -> None:
         self.runner.release(seq_id, retain)
+        if self.formats is not None:
+            self.formats.release(seq_id)
 
     def kv_usage(self) -> KVUsage:
         return KVUsage.of(self.runner)
@@ -91,8 +118,12 @@ class LocalDrafter(InProcessSide):
                 break
             fed = rows if step else sorted(rows + [i for i, rider in enumerate(riders) if rider])
             wants = [int(i in rows) for i in fed]
+            step_requests, step_states = [requests[i] for i in rows], [states[i] for i in rows]
             logits = draft_step_logits(self.runner.forward_on_device([states[i] for i in fed], wants),
-                                     [requests[i] for i in rows], [states[i] for i in rows])
+                                       step_requests, step_states)
+            if self.formats is not None:
+                logits = _formatted(self.formats, self.runner, logits, [1] * len(rows), step_requests, step_states,
+                                    [len(state.tokens) for state in step_states], [[] for _ in rows])
             picked, step_dists = self._choose(logits, [requests[i] for i in rows],
                                               [len(states[i].tokens) for i in rows])
             for i, (token, _), dist in zip(rows, picked, step_dists, strict=True):
@@ -152,14 +183,20 @@ class LocalDrafter(InProcessSide):
 
 
 class LocalVerifier(InProcessSide):
-    def __init__(self, runner: ModelRunner) -> None:
+    """formats: the verifier's matchers for requests with a response format (core.format_masks); a verifier without them
+    refuses such requests."""
+
+    def __init__(self, runner: ModelRunner, formats: FormatMasks | None = None) -> None:
         self.runner = runner
+        self.formats = formats
         self.vocab_size = runner.vocab_size
         self.context_window = runner.context_window
         self.row_layout = runner.layout
 
     def release(self, seq_id: str, retain: bool = False) -> None:
         self.runner.release(seq_id, retain)
+        if self.formats is not None:
+            self.formats.release(seq_id)
 
     def kv_usage(self) -> KVUsage:
         return KVUsage.of(self.runner)
@@ -193,7 +230,8 @@ class LocalVerifier(InProcessSide):
         wants = [len(tokens) + 1 for tokens in drafts]
         raw = self.runner.forward_on_device(states, wants)
         # Every row's outcome is computed on the device; the host receives them in one transfer.
-        logits = verification_logits(raw, wants, requests, states, committed, drafts)
+        shaped = verification_logits(raw, wants, requests, states, committed, drafts)
+        logits = _formatted(self.formats, self.runner, shaped, wants, requests, states, committed, drafts)
         row_logits = logits.split(wants)
         # Greedy rows' choices in one reduction over the step's logits: one per row took twice as long (0.72 against
         # 0.36 ms for 8 rows of 152k bf16 logits on 2 cores, docs/bench/greedy-choice-v1.py).

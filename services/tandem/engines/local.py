@@ -7,6 +7,7 @@ from tandem.core.config import EngineConfig, compiles, draft_vocab_limit
 from tandem.core.costs import CostModel
 from tandem.core.detok import decoder
 from tandem.core.engine import SpeculativeEngine
+from tandem.core.format_masks import FormatMasks
 from tandem.core.local import LocalDrafter, LocalVerifier
 from tandem.core.runner import DEFAULT_RETAIN_TOKENS, ModelRunner
 from tandem.engines.backend import Backend
@@ -23,19 +24,21 @@ def build_engine(target, draft=None, config: EngineConfig | None = None, kv_toke
     `retain_tokens`: how many tokens of finished sessions' caches the target's runner keeps for their next turn."""
     config = config or EngineConfig()
     pad = target.tokenizer.pad_token_id or 0
+    eos = eos_token_ids(target.model, target.tokenizer)
     verifier = LocalVerifier(ModelRunner(target.model, pad_token_id=pad, kv_tokens=kv_tokens,
-                                         retain_tokens=retain_tokens, **runner_mode(target)))
+                                         retain_tokens=retain_tokens, **runner_mode(target)),
+                             FormatMasks(target.tokenizer, eos))
     drafter = None
     if draft is not None and config.spec.speculating:
         runner = ModelRunner(draft.model, pad_token_id=pad,
                              vocab_limit=draft_vocab_limit(config.spec.draft_vocab, verifier.vocab_size),
                              kv_tokens=kv_tokens, **runner_mode(draft))
-        drafter = LocalDrafter(runner, top_m=config.spec.draft_top_m, confidence=config.spec.stop_confidence)
+        drafter = LocalDrafter(runner, top_m=config.spec.draft_top_m, confidence=config.spec.stop_confidence,
+                               formats=FormatMasks(target.tokenizer, eos))
     for compiling in (verifier.runner, drafter and drafter.runner):
         if compiling is not None:
             compiling.warm_up()  # compiles at start, not in the first requests (a GPU's default)
-    return SpeculativeEngine(verifier, drafter, config, eos_token_ids(target.model, target.tokenizer),
-                             decoder(target.tokenizer), costs=costs)
+    return SpeculativeEngine(verifier, drafter, config, eos, decoder(target.tokenizer), costs=costs)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:

@@ -110,7 +110,8 @@ class Generations:
     async def prepare(self, request: pb.GenerateRequest) -> PreparedRequest:
         """Validate and tokenize in a worker thread; raises InvalidArgument naming the field."""
         backend, _ = self._serving()
-        return await asyncio.to_thread(prepare, request, backend.tokenizer, self.limits, self.model_limits)
+        return await asyncio.to_thread(prepare, request, backend.tokenizer, self.limits, self.model_limits,
+                                       backend.engine.eos_token_ids)
 
     async def tokenize(self, prompt: str | None = None, chat: pb.Chat | None = None, tenant: str = "") -> list[int]:
         """The token ids of a prompt (no template) or a chat (template applied), in a worker thread. `tenant` is

@@ -16,7 +16,10 @@ import json
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
+from tandem.core.config import OutputFormat
+from tandem.core.formats import JSON_OPTIONS
 from tandem.errors import InvalidArgument
 from tandem.v1 import generation_pb2 as pb
 
@@ -27,6 +30,7 @@ FINISH_TOOL_CALLS = "tool_calls"  # a choice's finish reason when its output end
 # "function:NAME" (a call of that tool).
 TOOL_CHOICES = ("", "auto", "none", "required")
 NAMED = "function:"
+AFTER_NAME = ', "arguments": '  # between a call's name (a JSON string) and its arguments, as Qwen2.5's template has it
 
 
 @dataclass(slots=True, frozen=True)
@@ -170,13 +174,46 @@ def offers_tools(chat: pb.Chat) -> bool:
 def forced_call_start(chat: pb.Chat) -> str:
     """The start of the call a "required" or named tool_choice asks for, or "". The gateway appends it to the
     prompt, after the template's opening of the assistant's turn, so the model writes the rest of the call: of its
-    own choosing (required) or with that tool's name already written (named). It leads the model into the call's
-    JSON rather than constraining what it writes: a continuation that is not a call's JSON stays text."""
+    own choosing (required) or with that tool's name already written (named), under call_format."""
     if chat.tool_choice == "required":
         return OPEN + '\n{"name": "'
     if chat.tool_choice.startswith(NAMED):
-        return OPEN + '\n{"name": ' + json.dumps(chat.tool_choice[len(NAMED) :]) + ', "arguments": '
+        return OPEN + '\n{"name": ' + json.dumps(chat.tool_choice[len(NAMED) :]) + AFTER_NAME
     return ""
+
+
+def call_format(chat: pb.Chat, tokenizer: Any) -> OutputFormat:
+    """The format of what follows forced_call_start: an offered tool's name (required), then `", "arguments": `, its
+    arguments as a JSON object its parameters' schema allows, the call's closing brace, then the closing tag or
+    nothing (the output ends there). Masked so, even a model that would have written something else calls a tool,
+    and one it was offered, with arguments its schema accepts."""
+    tail = '"}" ("\\n" ' + _close_tag(tokenizer) + ")?"
+    named = chat.tool_choice[len(NAMED) :] if chat.tool_choice.startswith(NAMED) else None
+    tools = [tool for tool in chat.tools if named is None or tool.name == named]
+    rules = [f"args_{index}: %json {json.dumps(_arguments_schema(tool, index))}" for index, tool in enumerate(tools)]
+    if named is not None:
+        return OutputFormat("lark", "\n".join([f"start: args_0 {tail}", *rules]))
+    # The prompt ends inside the name's string: the rest of it is json.dumps(name) past its opening quote.
+    calls = " | ".join(f"{_literal(json.dumps(tool.name)[1:] + AFTER_NAME)} args_{index} {tail}"
+                       for index, tool in enumerate(tools))
+    return OutputFormat("lark", "\n".join([f"start: {calls}", *rules]))
+
+
+def _arguments_schema(tool: pb.Tool, index: int) -> dict:
+    schema = _json_object(tool.parameters_json or "{}", f"chat.tools[{index}].parameters") or {"type": "object"}
+    # Whitespace inside the arguments as in any JSON format (core.formats), unless the schema says otherwise.
+    return schema if "x-guidance" in schema else schema | {"x-guidance": JSON_OPTIONS}
+
+
+def _close_tag(tokenizer: Any) -> str:
+    """The closing tag as the grammar names it: a token of its own where the tokenizer has one (Qwen2.5's
+    vocabulary does, and llguidance matches such a token only by its id), else its text."""
+    token = tokenizer.get_added_vocab().get(CLOSE)
+    return f"<[{token}]>" if token is not None else _literal(CLOSE)
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)  # a Lark string: a JSON string's escapes
 
 
 def template_tools(chat: pb.Chat) -> list[dict] | None:

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, replace
 
 from jinja2.exceptions import TemplateError
 
-from tandem.core.config import SamplingParams
+from tandem.core.config import OutputFormat, SamplingParams
+from tandem.core.formats import check_format, format_tokenizer
 from tandem.core.logprobs import MAX_TOP_LOGPROBS
 from tandem.engines import ModelLimits
 from tandem.errors import InvalidArgument
-from tandem.gateway.tools import forced_call_start, offers_tools, template_message, template_tools
+from tandem.gateway.tools import call_format, forced_call_start, offers_tools, template_message, template_tools
 from tandem.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -114,7 +116,24 @@ def sampling_params(request: pb.GenerateRequest, limits: GatewayLimits, model: M
                           logprobs=logprobs, repetition_penalty=value("repetition_penalty", 1.0),
                           presence_penalty=value("presence_penalty", 0.0),
                           frequency_penalty=value("frequency_penalty", 0.0),
-                          logit_bias=tuple(sorted(sampling.logit_bias.items())))
+                          logit_bias=tuple(sorted(sampling.logit_bias.items())),
+                          output_format=output_format(sampling))
+
+
+def output_format(sampling: pb.SamplingParams) -> OutputFormat | None:
+    """The structure the request asks its output to follow; None for free text (no ResponseFormat, or one with no
+    case set). Whether it compiles is checked in `prepare`, which has the tokenizer."""
+    if not sampling.HasField("response_format"):
+        return None
+    wanted = sampling.response_format
+    kind = wanted.WhichOneof("format")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        _require(wanted.json_object, "response_format.json_object: must be true when set (leave response_format "
+                 "unset for free text)")
+        return OutputFormat.json_object()
+    return OutputFormat(kind, getattr(wanted, kind))
 
 
 def speculation_max_k(options: pb.SpeculationOptions, model: ModelLimits) -> int | None:
@@ -187,8 +206,10 @@ def chat_ids(chat: pb.Chat, tokenizer, limits: GatewayLimits) -> list[int]:
     return list(ids)
 
 
-def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model: ModelLimits) -> PreparedRequest:
-    """Validate and tokenize; raises InvalidArgument whose message starts with the bad field's name."""
+def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model: ModelLimits,
+            eos_token_ids: Collection[int]) -> PreparedRequest:
+    """Validate and tokenize; raises InvalidArgument whose message starts with the bad field's name.
+    `eos_token_ids`: the ids the engine ends outputs at, which a response format is compiled with."""
     _check_id("request_id", request.request_id, limits)
     _check_id("session_id", request.session_id, limits)
     n = request.n or 1
@@ -204,4 +225,21 @@ def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model
     offered = request.WhichOneof("input") == "chat" and offers_tools(request.chat)
     tool_names = tuple(tool.name for tool in request.chat.tools) if offered else ()
     call_start = forced_call_start(request.chat) if offered else ""
+    field = "response_format"
+    if call_start:
+        # A required or named tool_choice begins the call's JSON in the prompt, and the call's own format
+        # (gateway.tools.call_format) masks the rest of it: no other format can apply, and the call ends the output.
+        _require(params.output_format is None, "response_format: cannot combine with a tool_choice that requires a "
+                                               "call")
+        _require(not params.ignore_eos, "ignore_eos: cannot combine with a tool_choice that requires a call, which "
+                                        "ends the output")
+        params = replace(params, output_format=call_format(request.chat, tokenizer))
+        field = "chat.tools"
+    if params.output_format is not None:
+        # Compiled here, before any worker sees it, with the llguidance tokenizer the in-process workers share
+        # (core.formats keeps one per tokenizer object and EOS ids).
+        try:
+            check_format(params.output_format, format_tokenizer(tokenizer, eos_token_ids))
+        except InvalidArgument as exc:
+            raise InvalidArgument(str(exc).replace("response_format:", f"{field}:", 1)) from None
     return PreparedRequest(request_id, request.session_id, ids, params, max_k, n, tool_names, call_start)

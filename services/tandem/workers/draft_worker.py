@@ -14,12 +14,14 @@ class DraftWorker(WorkerBase):
     role = "draft"
 
     def __init__(self, config: WorkerConfig, name: str = "draft") -> None:
+        from tandem.core.format_masks import FormatMasks
         from tandem.core.local import LocalDrafter
 
         super().__init__(name, config.batch_window_s)
         loaded = self.batcher.on_model_thread(load_runner, config, config.draft_vocab)
         self.runner, self.threads = loaded.runner, loaded.threads
-        self.drafter = LocalDrafter(self.runner, top_m=config.top_m, confidence=config.confidence)
+        self.drafter = LocalDrafter(self.runner, top_m=config.top_m, confidence=config.confidence,
+                                    formats=FormatMasks(loaded.tokenizer, loaded.eos_token_ids))
 
     def propose(self, requests: list[DraftRequest], trace: dict | None = None) -> WorkerReply:
         """`trace`: {sequence id: W3C carrier} for traced rows (see tandem.telemetry.worker)."""

@@ -20,9 +20,11 @@ class TargetWorker(WorkerBase):
         self._take(self.batcher.on_model_thread(load_runner, config))
 
     def _take(self, loaded: LoadedRunner) -> None:
+        from tandem.core.format_masks import FormatMasks
         from tandem.core.local import LocalVerifier
 
-        self.runner, self.verifier, self.threads = loaded.runner, LocalVerifier(loaded.runner), loaded.threads
+        formats = FormatMasks(loaded.tokenizer, loaded.eos_token_ids)
+        self.runner, self.verifier, self.threads = loaded.runner, LocalVerifier(loaded.runner, formats), loaded.threads
         self._tokenizer = (loaded.tokenizer, loaded.eos_token_ids)
 
     def tokenizer(self) -> tuple[Any, frozenset[int]]:

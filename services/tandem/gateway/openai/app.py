@@ -39,8 +39,9 @@ from tandem.gateway.openai.errors import (
     unauthorized,
     validation_error,
 )
+from tandem.gateway.openai.formats import renames as format_renames
 from tandem.gateway.openai.responses import SSE_DONE, Kind, Responder, sse
-from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
+from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, _Generate
 from tandem.gateway.openai.streaming import ClientGone, EventStream, merged, until_disconnected
 from tandem.gateway.openai.tokens import TokenTexts
 from tandem.gateway.validate import GatewayLimits
@@ -149,16 +150,19 @@ class _Api:
         return await self._generate(request, COMPLETION)
 
     async def _generate(self, request: Request, endpoint: _Endpoint) -> Response:
+        renames = endpoint.renames
         try:
-            return await self._serve(request, endpoint)
+            tenant = self._tenant(request)  # before the body: an unauthenticated client gets nothing parsed
+            body = await _read_body(request, endpoint.schema, self.limits.max_request_bytes)
+            renames = format_renames(body, renames)
+            return await self._serve(request, endpoint, tenant, body, renames)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as exc:
-            return _error(exc, endpoint.renames)
+            return _error(exc, renames)
 
-    async def _serve(self, request: Request, endpoint: _Endpoint) -> Response:
-        tenant = self._tenant(request)  # before the body: an unauthenticated client gets nothing parsed
-        body = await _read_body(request, endpoint.schema, self.limits.max_request_bytes)
+    async def _serve(self, request: Request, endpoint: _Endpoint, tenant: str, body: _Generate,
+                     renames: dict[str, str]) -> Response:
         self._check_ready()
         generations = self.generations()
         model = generations.target_name
@@ -184,7 +188,7 @@ class _Api:
         except BaseException:
             await events.aclose()
             raise
-        return EventStream(_sse(events, first, responder, endpoint.renames), events)
+        return EventStream(_sse(events, first, responder, renames), events)
 
 
 def _error(exc: Exception, renames: dict[str, str]) -> JSONResponse:

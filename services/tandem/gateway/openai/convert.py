@@ -10,6 +10,7 @@ import json
 
 from tandem.engines import display_name
 from tandem.gateway.openai.errors import bad_request, model_not_found
+from tandem.gateway.openai.formats import response_format
 from tandem.gateway.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Generate
 from tandem.gateway.tools import NAMED
 from tandem.v1 import generation_pb2 as pb
@@ -65,7 +66,8 @@ def _common(body: _Generate, request_id: str, max_tokens: int | None, logprobs: 
     sampling = pb.SamplingParams(max_tokens=_int32("max_tokens", max_tokens), top_k=_int32("top_k", body.top_k),
                                  seed=body.seed, temperature=body.temperature, top_p=body.top_p, min_p=body.min_p,
                                  repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-                                 frequency_penalty=body.frequency_penalty, logit_bias=_logit_bias(body.logit_bias))
+                                 frequency_penalty=body.frequency_penalty, logit_bias=_logit_bias(body.logit_bias),
+                                 response_format=response_format(body))
     speculation = pb.SpeculationOptions(mode=SPECULATION_MODES[body.speculation or "auto"],
                                         max_k=_int32("max_k", body.max_k))
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])

@@ -85,6 +85,14 @@ class _Generate(_Body):
     session_id: str | None = None
     request_id: str | None = None
     return_token_ids: StrictBool = False  # vLLM's field: each choice (and streamed chunk) carries its token ids
+    # Structured outputs (gateway.openai.formats): OpenAI's response_format, or vLLM's structured_outputs.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    # vLLM's fields before structured_outputs replaced them: refused by name, never silently ignored.
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     def unsupported(self) -> list[str]:
         """Fields set to something tandem cannot honour."""
@@ -103,16 +111,12 @@ class ChatCompletionRequest(_Generate):
     tools: list[ToolSpec] | None = None
     tool_choice: Any = None  # "auto" (the default with tools), "none", "required" or {"type": "function", ...}
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported() + (["functions"] if self.functions else [])
         if self.tool_choice not in (None, "auto", "none", "required") and self.named_tool() is None:
             bad.append("tool_choice")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            bad.append("response_format")
         return bad
-
 
     def named_tool(self) -> str | None:
         """The function a tool_choice of OpenAI's {"type": "function", "function": {"name": ...}} names."""

@@ -1,0 +1,86 @@
+"""`tandem generate`'s structured outputs: --json-object, --json-schema SCHEMA and --regex EXPR (one at most).
+
+A remote run sends them as the Python client's response_format mapping; a local one gives the engine the same format
+as an OutputFormat, checked to compile before generating. Errors name the flag: a schema that is not JSON is
+"--json-schema: ...". Imported by the client-install path (`--address`): tandem.core is imported only by the
+functions a local run calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Collection
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tandem.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from tandem.core.config import OutputFormat
+
+
+def add_format_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    group.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                       help="the output is JSON that follows this JSON schema: its text, or @PATH to read it from a "
+                            "file")
+    group.add_argument("--regex", default=None, metavar="EXPR",
+                       help="the whole output matches this regular expression")
+
+
+def response_format(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The format the flags ask for, in the shape TandemClient takes; None for free text."""
+    if args.json_object:
+        return {"type": "json_object"}
+    if args.json_schema is not None:
+        return {"type": "json_schema", "json_schema": {"name": "tandem-generate", "schema": _schema(args.json_schema)}}
+    if args.regex is not None:
+        if not args.regex:
+            raise InvalidArgument("regex: must be a non-empty expression")
+        return {"type": "regex", "regex": args.regex}
+    return None
+
+
+def output_format(args: argparse.Namespace) -> OutputFormat | None:
+    """The format the flags ask for, as the engine takes it."""
+    from tandem.core.config import OutputFormat
+
+    wanted = response_format(args)
+    if wanted is None:
+        return None
+    if wanted["type"] == "json_object":
+        return OutputFormat.json_object()
+    if wanted["type"] == "json_schema":
+        return OutputFormat("json_schema", json.dumps(wanted["json_schema"]["schema"]))
+    return OutputFormat("regex", wanted["regex"])
+
+
+def check_compiles(args: argparse.Namespace, output_format: OutputFormat, tokenizer: Any,
+                   eos_token_ids: Collection[int]) -> None:
+    """Refuse a format the model's tokenizer cannot follow before any token is generated, naming the flag."""
+    from tandem.core.formats import check_format, format_tokenizer
+
+    try:
+        check_format(output_format, format_tokenizer(tokenizer, eos_token_ids))
+    except InvalidArgument as exc:
+        flag = "json_schema" if args.json_schema is not None else "regex" if args.regex is not None else "json_object"
+        raise InvalidArgument(str(exc).replace("response_format", flag, 1)) from None
+
+
+def _schema(value: str) -> dict[str, Any]:
+    """--json-schema's schema: JSON text, or @PATH naming a file that holds it."""
+    text = value
+    if value.startswith("@"):
+        try:
+            text = Path(value[1:]).read_text()
+        except OSError as exc:
+            raise InvalidArgument(f"json_schema: cannot read {value[1:]}: {exc.strerror}") from None
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise InvalidArgument(f"json_schema: not JSON text (or @PATH of a file holding it): {exc}") from None
+    if not isinstance(schema, dict):
+        raise InvalidArgument(f"json_schema: a JSON schema is a JSON object, got {type(schema).__name__}")
+    return schema

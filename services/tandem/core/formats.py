@@ -1,0 +1,53 @@
+"""Response formats compiled for llguidance, with no torch: the gateways check a request's format with these before
+any worker sees it, and the workers' masks (core.format_masks) compile it the same way."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Collection
+from typing import Any
+
+from llguidance import LLMatcher, LLTokenizer
+
+from tandem.core.config import OutputFormat
+from tandem.errors import InvalidArgument
+
+_built: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], LLTokenizer]] = weakref.WeakKeyDictionary()
+_building = threading.Lock()
+
+
+def format_tokenizer(tokenizer: Any, eos_token_ids: Collection[int]) -> LLTokenizer:
+    """llguidance's view of a Hugging Face fast tokenizer, ending outputs at `eos_token_ids` (the ids the engine
+    stops at). Built once per tokenizer object and kept: it takes about 1.4 s for a 152k vocabulary."""
+    import llguidance.hf  # imports transformers, which a gateway's front end leaves until its models load
+
+    eos = tuple(sorted(eos_token_ids))
+    with _building:
+        known = _built.setdefault(tokenizer, {})
+        if eos not in known:
+            known[eos] = llguidance.hf.from_tokenizer(tokenizer, eos_token=list(eos))
+        return known[eos]
+
+
+# Whitespace between JSON tokens: any, as models write pretty-printed JSON, but at most 32 characters in one place. With
+# llguidance's default (unbounded) a weak model can spend every token left on newlines inside a valid prefix, as a
+# random-weight model does at once. A schema's own "x-guidance" options override this (llguidance's JSON options).
+JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,32}"}
+
+
+def grammar_of(output_format: OutputFormat) -> str:
+    """The llguidance grammar of a format."""
+    if output_format.kind == "json_schema":
+        return LLMatcher.grammar_from_json_schema(output_format.spec, defaults=JSON_OPTIONS)
+    if output_format.kind == "lark":
+        return LLMatcher.grammar_from_lark(output_format.spec)
+    return LLMatcher.grammar_from_regex(output_format.spec)
+
+
+def check_format(output_format: OutputFormat, tokenizer: LLTokenizer) -> None:
+    """Raise InvalidArgument with llguidance's reason where the format does not compile (a schema keyword it does
+    not implement, an expression that does not parse)."""
+    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar_of(output_format), tokenizer)
+    if failed:
+        raise InvalidArgument(f"response_format: {messages[0] if messages else 'does not compile'}")

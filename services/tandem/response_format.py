@@ -1,0 +1,79 @@
+"""OpenAI's response_format shapes as the wire's ResponseFormat (protos/tandem/v1/generation.proto).
+
+The Python client and the OpenAI-compatible HTTP API take the same shapes and refuse the same mistakes, each message
+starting with the field it names ("response_format: ..."). Whether a schema or an expression compiles is the
+gateway's to say (tandem.gateway.validate), with the model's tokenizer. Imports only the generated protobuf code and
+the standard library: the client install (grpcio, protobuf) has everything this needs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from tandem.errors import InvalidArgument
+from tandem.v1 import generation_pb2 as pb
+
+FIELD = "response_format"
+TYPES = ("text", "json_object", "json_schema", "regex")  # "regex" is tandem's own, beside OpenAI's three
+
+
+def wire_format(value: Mapping[str, Any] | None, field: str = FIELD) -> pb.ResponseFormat | None:
+    """The ResponseFormat a response_format mapping asks for; None for free text. The shapes:
+
+        {"type": "text"}                                          free text (as None)
+        {"type": "json_object"}                                   any JSON object
+        {"type": "json_schema", "json_schema": {"name": "...", "schema": {...}, "strict": true, "description": ""}}
+        {"type": "regex", "regex": "..."}                         text the expression matches whole
+
+    A schema may be a mapping or its JSON text; "name", "strict" and "description" are checked for type only (every
+    schema is followed strictly)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(f"{field}: must be an object with a \"type\", got {type(value).__name__}")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return pb.ResponseFormat(json_object=True)
+    if kind == "json_schema":
+        return pb.ResponseFormat(json_schema=_json_schema(value.get("json_schema"), field))
+    if kind == "regex":
+        regex = value.get("regex")
+        if not isinstance(regex, str) or not regex:
+            raise InvalidArgument(f"{field}: a regex format needs \"regex\", a non-empty expression")
+        return pb.ResponseFormat(regex=regex)
+    raise InvalidArgument(f"{field}: \"type\" must be one of {', '.join(TYPES)}, got {kind!r}")
+
+
+def _json_schema(spec: Any, field: str) -> str:
+    if not isinstance(spec, Mapping):
+        raise InvalidArgument(f"{field}: a json_schema format needs \"json_schema\", an object holding the schema "
+                              "under \"schema\"")
+    for key, kind in (("name", str), ("description", str), ("strict", bool)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            raise InvalidArgument(f"{field}: json_schema.{key} must be a {kind.__name__}, got "
+                                  f"{type(spec[key]).__name__}")
+    if spec.get("schema") is None:
+        raise InvalidArgument(f"{field}: json_schema.schema is required (the JSON schema the output follows)")
+    return schema_text(spec["schema"], field, "json_schema.schema")
+
+
+def schema_text(schema: Any, field: str, where: str) -> str:
+    """A JSON schema given as a mapping or as JSON text, as JSON text; it must be a JSON object."""
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except ValueError as exc:
+            raise InvalidArgument(f"{field}: {where} is not JSON: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise InvalidArgument(f"{field}: {where} must be a JSON object, got {type(parsed).__name__}")
+        return schema
+    if isinstance(schema, Mapping):
+        try:
+            return json.dumps(dict(schema))
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"{field}: {where} is not JSON: {exc}") from None
+    raise InvalidArgument(f"{field}: {where} must be a JSON object (or its JSON text), got {type(schema).__name__}")
