@@ -103,18 +103,24 @@ def test_pooled_sampled_drafting_matches_in_process(tiny_models, pool) -> None:
     assert sum(r.stats["accepted"] for r in results) > 0
 
 
-def test_pooled_drafting_under_penalties_matches_in_process(tiny_models, pool) -> None:
-    """Penalties and a bias reach the draft workers with where each request's output begins: greedy and seeded rows
-    give plain decoding's tokens, and the workers' drafts are accepted exactly as often as in-process ones."""
-    shaped = {"repetition_penalty": 1.3, "frequency_penalty": 0.8, "presence_penalty": 0.4, "logit_bias": ((5, 2.0),)}
-    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **shaped),
-              SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True, **shaped)] * 2
+def _pooled_as_in_process(tiny_models, pool, params: list[SamplingParams]) -> list:
+    """Pooled drafting's results, checked against plain decoding's tokens and in-process drafting's acceptance."""
     results = _engine(tiny_models, pool).generate(PROMPTS, params)
     assert [r.token_ids for r in results] == _plain(tiny_models, params)
     in_process = build_engine(tiny_models[0], tiny_models[1],
                               EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False))
     local = in_process.generate(PROMPTS, params)
     assert [r.stats["accepted"] for r in results] == [r.stats["accepted"] for r in local]
+    return results
+
+
+def test_pooled_drafting_under_penalties_matches_in_process(tiny_models, pool) -> None:
+    """Penalties and a bias reach the draft workers with where each request's output begins: greedy and seeded rows
+    give plain decoding's tokens, and the workers' drafts are accepted exactly as often as in-process ones."""
+    shaped = {"repetition_penalty": 1.3, "frequency_penalty": 0.8, "presence_penalty": 0.4, "logit_bias": ((5, 2.0),)}
+    _pooled_as_in_process(tiny_models, pool, [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **shaped),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True, **shaped)] * 2)
 
 
 FORMAT_REGEX = "[a-f]{3}( [0-9]{2}){1,4}"
@@ -126,13 +132,7 @@ FORMATTED = [SamplingParams(temperature=0.0, max_tokens=24, output_format=Output
 def test_pooled_drafting_under_a_format_matches_in_process(tiny_models, pool) -> None:
     """A response format reaches the draft workers, which mask their drafts by it: greedy and seeded rows give plain
     decoding's tokens, and the workers' drafts are accepted exactly as often as in-process ones."""
-    params = FORMATTED
-    results = _engine(tiny_models, pool).generate(PROMPTS, params)
-    assert [r.token_ids for r in results] == _plain(tiny_models, params)
-    in_process = build_engine(tiny_models[0], tiny_models[1],
-                              EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False))
-    local = in_process.generate(PROMPTS, params)
-    assert [r.stats["accepted"] for r in results] == [r.stats["accepted"] for r in local]
+    results = _pooled_as_in_process(tiny_models, pool, FORMATTED)
     assert sum(r.stats["accepted"] for r in results) > 0
     decode = tiny_models[0].tokenizer.decode
     assert all(re.fullmatch(FORMAT_REGEX, decode(r.token_ids, skip_special_tokens=True)) for r in results)

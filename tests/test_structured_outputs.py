@@ -224,12 +224,13 @@ def test_cli_generate_locally_and_through_a_gateway(server, tiny_dirs, tmp_path,
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--json-schema", "{nope"], "error: --json-schema: not JSON"),
+    (["--json-schema", "{nope"], "error: --json-schema: the schema is not JSON"),
+    (["--json-schema", "[1]"], "error: --json-schema: the schema must be a JSON object"),
     (["--json-schema", "@/nonexistent/schema.json"], "error: --json-schema: cannot read"),
     (["--json-schema", '{"type": "wat"}'], "error: --json-schema: Invalid type: wat"),
     (["--regex", "(("], "error: --regex:"),
     (["--json-object", "--ignore-eos"], "error: --ignore-eos: cannot combine"),
-], ids=["not-json", "no-file", "wat", "bad-regex", "ignore-eos"])
+], ids=["not-json", "not-an-object", "no-file", "wat", "bad-regex", "ignore-eos"])
 def test_cli_errors_name_the_flag(tiny_dirs, capsys, flags: list[str], message: str) -> None:
     code = main(["generate", "x", "--target", str(tiny_dirs.target), "--no-spec", "--dtype", "float32", *flags])
     assert code == 2 and message in capsys.readouterr().err

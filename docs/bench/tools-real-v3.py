@@ -1,11 +1,11 @@
-"""Tool calls with the real pair: `tandem serve --in-process` (float32 on an AVX2 CPU), 4 chats that call for a
-tool, each offered the same 3 tools over gRPC, greedy, 128 tokens, with speculation (AUTO) and without; what the
-gateway parsed out of each output (the calls, their arguments, the finish reason, the text left) and whether the
-token ids agree between the two. Then the forced choices, with speculation: tool_choice "required" on 2 chats that
-need no tool, and a named tool ("function:NAME") on 2 chats: since the call's format masks what follows the begun
-call (gateway.tools.call_format), each of these must come back as a call of an offered tool.
+"""Tool calls with the real pair: `tandem serve --in-process` (`--dtype auto`: bf16 on a CPU with AVX512-BF16), 4 chats
+that call for a tool, each offered the same 3 tools over gRPC, greedy, 128 tokens, with speculation (AUTO) and
+without; what the gateway parsed out of each output (the calls, their arguments, the finish reason, the text left)
+and whether the token ids agree between the two. Then the forced choices, with speculation: tool_choice "required" on
+2 chats that need no tool, and a named tool ("function:NAME") on 2 chats: since the call's format masks what follows
+the begun call (gateway.tools.call_format), each of these must come back as a call of an offered tool.
 
-    PYTHONPATH=services python docs/bench/tools-real-v3.py tools.json     # about 5 min on CPU-B
+    PYTHONPATH=services python docs/bench/tools-real-v3.py tools.json     # about 5 min on CPU-A
 """
 import json
 import sys

@@ -9,12 +9,12 @@ functions a local run calls.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandem.errors import InvalidArgument
+from tandem.response_format import schema_text
 
 if TYPE_CHECKING:
     from tandem.core.config import OutputFormat
@@ -53,7 +53,7 @@ def output_format(args: argparse.Namespace) -> OutputFormat | None:
     if wanted["type"] == "json_object":
         return OutputFormat.json_object()
     if wanted["type"] == "json_schema":
-        return OutputFormat("json_schema", json.dumps(wanted["json_schema"]["schema"]))
+        return OutputFormat("json_schema", wanted["json_schema"]["schema"])  # its text (_schema)
     return OutputFormat("regex", wanted["regex"])
 
 
@@ -69,18 +69,12 @@ def check_compiles(args: argparse.Namespace, output_format: OutputFormat, tokeni
         raise InvalidArgument(str(exc).replace("response_format", flag, 1)) from None
 
 
-def _schema(value: str) -> dict[str, Any]:
-    """--json-schema's schema: JSON text, or @PATH naming a file that holds it."""
+def _schema(value: str) -> str:
+    """--json-schema's schema as JSON text: given, or read from the file @PATH names."""
     text = value
     if value.startswith("@"):
         try:
             text = Path(value[1:]).read_text()
         except OSError as exc:
             raise InvalidArgument(f"json_schema: cannot read {value[1:]}: {exc.strerror}") from None
-    try:
-        schema = json.loads(text)
-    except ValueError as exc:
-        raise InvalidArgument(f"json_schema: not JSON text (or @PATH of a file holding it): {exc}") from None
-    if not isinstance(schema, dict):
-        raise InvalidArgument(f"json_schema: a JSON schema is a JSON object, got {type(schema).__name__}")
-    return schema
+    return schema_text(text, "json_schema", "the schema")
