@@ -321,6 +321,15 @@ def test_target_replicas_prefill_a_newcomer_in_chunks_while_another_decodes(tiny
     assert [decoding.output, newcomer.output] == [expected[0], expected[2]]
 
 
+def _releases_landed(workers: list, within_s: float = 10.0) -> None:
+    """Wait until the workers hold no active sequence: a pool sends releases without waiting for them, and a
+    release moves a session's cache from the active sequences to the retained ones on the worker's model thread."""
+    deadline = time.monotonic() + within_s
+    while any(ray.get([w.sequence_ids.remote() for w in workers])):
+        assert time.monotonic() < deadline, "releases did not land"
+        time.sleep(0.05)
+
+
 def test_pools_report_kv_usage_summed_over_their_workers_leaving_out_a_stalled_one(tiny_models, pool,
                                                                                  replicas) -> None:
     local = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
@@ -332,6 +341,7 @@ def test_pools_report_kv_usage_summed_over_their_workers_leaving_out_a_stalled_o
     while engine.has_unfinished():
         engine.step()
     for ray_pool, workers in ((verifier, replicas), (drafter, pool)):
+        _releases_landed(workers)
         infos = ray.get([w.info.remote() for w in workers])
         usage = ray_pool.kv_usage()
         assert usage == sum((KVUsage.from_info(info) for info in infos), KVUsage())
