@@ -10,10 +10,13 @@ import pytest
 import torch
 from jsonschema import validate
 
+from gateway_harness import ServerThread, tiny_backend
 from marginals import assert_second_tokens_follow
+from tandem.core import formats
 from tandem.core.config import EngineConfig, OutputFormat, SamplingParams, SpecConfig
 from tandem.core.engine import SpeculativeEngine
 from tandem.core.format_masks import FormatMasks
+from tandem.core.formats import build_in_background
 from tandem.core.local import LocalDrafter, LocalVerifier
 from tandem.core.protocol import DraftRequest
 from tandem.core.runner import ModelRunner
@@ -183,3 +186,21 @@ def test_sampled_formatted_output_follows_the_target_distribution(tiny_models, s
         last = target.model(torch.tensor([prompt + [t] for t in support])).logits[:, -1]
         p_second = torch.stack([restricted(last[i], seconds[_text(target, [t])]) for i, t in enumerate(support)])
     assert_second_tokens_follow(results, p_first, support, p_second)
+
+
+def test_a_starting_gateway_builds_the_format_tokenizer_before_any_formatted_request(tiny_models) -> None:
+    """A server builds llguidance's tokenizer as it starts (core.formats.build_in_background), so its first formatted
+    request does not wait for it: here, with the cached one dropped first, it is built with no request at all."""
+    target, draft, _ = tiny_models
+    formats._built.pop(target.tokenizer, None)  # built by earlier tests of this process
+    server = ServerThread(tiny_backend(target, draft))
+    try:
+        eos = tuple(sorted(server.engine.eos_token_ids))
+        assert server.wait_for(lambda: eos in formats._built.get(target.tokenizer, {}), timeout=30)
+    finally:
+        server.stop()
+
+
+def test_a_failed_build_ahead_is_logged_and_left_to_the_first_request(caplog) -> None:
+    build_in_background(object(), [0]).join(timeout=30)  # not a tokenizer llguidance can read
+    assert "building llguidance's tokenizer ahead of requests failed" in caplog.text

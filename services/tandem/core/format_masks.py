@@ -45,7 +45,8 @@ class _Tracked:
 
 class FormatMasks:
     """One side's matchers (a drafter's or a verifier's), a matcher per sequence whose request has a format.
-    `tokenizer` (Hugging Face's) becomes llguidance's on the first such request, not when a worker starts.
+    `tokenizer` (Hugging Face's) becomes llguidance's on the first such request, unless the server built it ahead
+    (core.formats.build_in_background: workers and gateways do as they start).
     `parallel`: compute a step's rows on llguidance's threads; None decides by the logits' device (not on a CPU)."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: Collection[int], parallel: bool | None = None) -> None:

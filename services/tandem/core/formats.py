@@ -3,6 +3,7 @@ any worker sees it, and the workers' masks (core.format_masks) compile it the sa
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Collection
@@ -13,6 +14,7 @@ from llguidance import LLMatcher, LLTokenizer
 from tandem.core.config import OutputFormat
 from tandem.errors import InvalidArgument
 
+log = logging.getLogger(__name__)
 _built: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], LLTokenizer]] = weakref.WeakKeyDictionary()
 _building = threading.Lock()
 
@@ -28,6 +30,21 @@ def format_tokenizer(tokenizer: Any, eos_token_ids: Collection[int]) -> LLTokeni
         if eos not in known:
             known[eos] = llguidance.hf.from_tokenizer(tokenizer, eos_token=list(eos))
         return known[eos]
+
+
+def build_in_background(tokenizer: Any, eos_token_ids: Collection[int]) -> threading.Thread:
+    """Start building `format_tokenizer(tokenizer, eos_token_ids)` on a daemon thread, so that a server's first
+    formatted request does not wait for it (a request that comes sooner waits for this build, not a second one). A
+    failure is only logged: the first formatted request builds it again and reports why."""
+    def build() -> None:
+        try:
+            format_tokenizer(tokenizer, eos_token_ids)
+        except Exception:  # a request that needs it raises the same error with its own context
+            log.warning("building llguidance's tokenizer ahead of requests failed", exc_info=True)
+
+    thread = threading.Thread(target=build, name="format-tokenizer", daemon=True)
+    thread.start()
+    return thread
 
 
 # Whitespace between JSON tokens: any, as models write pretty-printed JSON, but at most 32 characters in one place. With

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
+from tandem.core.formats import build_in_background
 from tandem.engines import Backend
 from tandem.errors import TandemError
 from tandem.gateway.arms import ArmRouter, ArmRouterFactory, plain_decoder
@@ -41,6 +42,8 @@ async def load_generations(load: Callable[[], Backend | Mapping[str, Backend]], 
             loops[name] = serving_loop(backend, options, metrics, sessions)
             await loops[name].start()
         baseline = next(iter(backends))
+        for backend in backends.values():  # llguidance's tokenizer (1-2 s), before the first formatted request
+            build_in_background(backend.tokenizer, backend.engine.eos_token_ids)
         if metrics is not None:
             metrics.attach(loops[baseline], backends[baseline].target_name, backends[baseline].draft_name)
         if arm_routers is not None:

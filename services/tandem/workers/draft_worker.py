@@ -15,6 +15,7 @@ class DraftWorker(WorkerBase):
 
     def __init__(self, config: WorkerConfig, name: str = "draft") -> None:
         from tandem.core.format_masks import FormatMasks
+        from tandem.core.formats import build_in_background
         from tandem.core.local import LocalDrafter
 
         super().__init__(name, config.batch_window_s)
@@ -22,6 +23,7 @@ class DraftWorker(WorkerBase):
         self.runner, self.threads = loaded.runner, loaded.threads
         self.drafter = LocalDrafter(self.runner, top_m=config.top_m, confidence=config.confidence,
                                     formats=FormatMasks(loaded.tokenizer, loaded.eos_token_ids))
+        build_in_background(loaded.tokenizer, loaded.eos_token_ids)  # its masks' tokenizer, before a request needs it
 
     def propose(self, requests: list[DraftRequest], trace: dict | None = None) -> WorkerReply:
         """`trace`: {sequence id: W3C carrier} for traced rows (see tandem.telemetry.worker)."""

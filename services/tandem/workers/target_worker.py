@@ -21,9 +21,11 @@ class TargetWorker(WorkerBase):
 
     def _take(self, loaded: LoadedRunner) -> None:
         from tandem.core.format_masks import FormatMasks
+        from tandem.core.formats import build_in_background
         from tandem.core.local import LocalVerifier
 
         formats = FormatMasks(loaded.tokenizer, loaded.eos_token_ids)
+        build_in_background(loaded.tokenizer, loaded.eos_token_ids)  # its masks' tokenizer, before a request needs it
         self.runner, self.verifier, self.threads = loaded.runner, LocalVerifier(loaded.runner, formats), loaded.threads
         self._tokenizer = (loaded.tokenizer, loaded.eos_token_ids)
 
