@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import pickle
+import threading
 import warnings
 
 import psutil
@@ -396,3 +397,32 @@ def test_a_cpu_runners_default_budget_is_a_share_of_the_available_memory(tiny_mo
     available = psutil.virtual_memory().available * CPU_SHARE / kv_bytes_per_token(model)
     assert default_kv_tokens(model) == pytest.approx(available, rel=0.05)
     assert ModelRunner(model).kv_tokens_capacity == pytest.approx(available, rel=0.05)
+
+
+def test_kv_usage_read_from_another_thread_counts_a_moving_session_once(tiny_models) -> None:
+    """Metrics and info() read kv_tokens_used from their own threads while the model thread releases sequences into
+    their sessions' retained caches and resumes them: a state on the move is counted once, never missed."""
+    runner = ModelRunner(tiny_models[0].model, kv_tokens=4096)
+    for name in "abc":
+        state = runner.state(name, session=f"chat-{name}")
+        state.sync(0, _tokens(ord(name), 20))
+        runner.prefill(state, 19)
+    held = runner.kv_tokens_used
+    readings: list[int] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            readings.append(runner.kv_tokens_used)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for turn in range(300):  # each move swaps slots (tensor copies, which let the reader run mid-move)
+            name = "abc"[turn % 3]
+            runner.release(f"{name}{turn // 3}" if turn >= 3 else name, retain=True)
+            runner.state(f"{name}{turn // 3 + 1}", session=f"chat-{name}")
+    finally:
+        done.set()
+        reader.join()
+    assert len(readings) > 100 and set(readings) == {held}

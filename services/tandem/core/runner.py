@@ -19,6 +19,7 @@ held, and shrinks again once the sequences that needed it are gone (SHRINK_ABOVE
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from functools import partial
@@ -89,6 +90,9 @@ class ModelRunner:
         self.states: dict[str, SequenceState] = {}  # the active sequences, in slots [0, len(states))
         self.retain_tokens = retain_tokens
         self.retained: OrderedDict[str, SequenceState] = OrderedDict()  # session -> its last finished sequence
+        # Held while a session's state moves between `states` and `retained`, and while kv_tokens_used reads them
+        # from another thread (metrics, info()): a state on the move would be counted in neither, or in both.
+        self._moving = threading.Lock()
         self.reused_tokens = 0
         sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
         graphed = cuda_graphs and self.device.type == "cuda" and not sharded
@@ -105,28 +109,34 @@ class ModelRunner:
     def state(self, seq_id: str, session: str = "") -> SequenceState:
         """The state of `seq_id`; a new one starts from its session's retained cache when there is one."""
         if seq_id not in self.states:
-            state = self.retained.pop(session, None) if session else None
-            if state is None:
+            if session and session in self.retained:
+                with self._moving:
+                    state = self.retained.pop(session)
+                    self.states[seq_id] = state
+            else:
                 self._fit(extra_slots=1, length=0)
                 state = SequenceState(session=session, slot=self.occupants.index(None))
                 self.occupants[state.slot] = state
-            self._exchange(state.slot, len(self.states))  # the next active slot
-            self.states[seq_id] = state
+                self.states[seq_id] = state
+            self._exchange(state.slot, len(self.states) - 1)  # the next active slot
         return self.states[seq_id]
 
     def release(self, seq_id: str, retain: bool = False) -> None:
         """Drop a sequence; with `retain`, keep its cache for its session's next request."""
-        state = self.states.pop(seq_id, None)
+        state = self.states.get(seq_id)
         if state is None:
             return
         keep = retain and state.session and state.cached
-        self._exchange(state.slot, len(self.states), keep_a=bool(keep))  # the highest active fills the hole
+        self._exchange(state.slot, len(self.states) - 1, keep_a=bool(keep))  # the highest active fills the hole
         if not keep:
+            del self.states[seq_id]
             self._free(state)
             return
         if (replaced := self.retained.pop(state.session, None)) is not None:
             self._free(replaced)
-        self.retained[state.session] = state
+        with self._moving:
+            del self.states[seq_id]
+            self.retained[state.session] = state
         while sum(s.cached for s in self.retained.values()) > self.retain_tokens:
             self._free(self.retained.popitem(last=False)[1])
 
@@ -134,7 +144,9 @@ class ModelRunner:
     def kv_tokens_used(self) -> int:
         """Tokens whose keys and values are held: the active sequences' and the retained sessions'. Safe to read
         from another thread (metrics) while the runner works: the dicts are copied at once, not iterated."""
-        return sum(state.cached for state in [*self.states.values(), *self.retained.values()])
+        with self._moving:
+            held = [*self.states.values(), *self.retained.values()]
+        return sum(state.cached for state in held)
 
     @property
     def kv_tokens_reserved(self) -> int:
