@@ -156,19 +156,28 @@ def test_killed_worker_mid_stream_keeps_output_identical(tiny_models, pool, expe
     assert engine.drafter.stats.failures >= 1 and seq.stats.draft_failures >= 1
     # Ray restarts the actor; after the cool-down it drafts again, from the history the engine resends.
     time.sleep(0.6)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            ray.get(victim.info.remote(), timeout=5)
-            break
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            time.sleep(0.5)
+    _answering([victim])
     results = engine.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in results] == expected
     assert sum(r.stats["accepted"] for r in results) > 0
 
 
+def _answering(workers: list, within_s: float = 180.0) -> None:
+    """Wait until every worker answers: a killed actor is back once Ray has restarted it and its model has loaded
+    again, which takes longer on a busy machine."""
+    deadline = time.monotonic() + within_s
+    for worker in workers:
+        while True:
+            try:
+                ray.get(worker.info.remote(), timeout=5)
+                break
+            except ray.exceptions.RayError:  # restarting, or not answering yet
+                assert time.monotonic() < deadline, f"{worker} did not answer within {within_s} s"
+                time.sleep(0.5)
+
+
 def test_stalled_worker_misses_deadline_and_stream_goes_on(tiny_models, pool, expected) -> None:
+    _answering(pool)  # the worker killed in the test before is back
     engine = _engine(tiny_models, pool, timeout_s=0.5, cooldown_s=30.0)
     request_id = engine.add_request(PROMPTS[2], GREEDY)
     engine.step()
@@ -321,12 +330,17 @@ def test_target_replicas_prefill_a_newcomer_in_chunks_while_another_decodes(tiny
     assert [decoding.output, newcomer.output] == [expected[0], expected[2]]
 
 
-def _releases_landed(workers: list, within_s: float = 10.0) -> None:
-    """Wait until the workers hold no active sequence: a pool sends releases without waiting for them, and a
-    release moves a session's cache from the active sequences to the retained ones on the worker's model thread."""
+def _steady_infos(ray_pool, workers: list, within_s: float = 10.0) -> tuple[KVUsage, list[dict]]:
+    """The pool's KV usage and its workers' infos, read while neither changed: a pool sends releases without waiting
+    for them, and a release moves a session's cache to the retained ones while the reads run."""
     deadline = time.monotonic() + within_s
-    while any(ray.get([w.sequence_ids.remote() for w in workers])):
-        assert time.monotonic() < deadline, "releases did not land"
+    while True:
+        before = ray.get([w.info.remote() for w in workers])
+        usage = ray_pool.kv_usage()
+        infos = ray.get([w.info.remote() for w in workers])
+        if [KVUsage.from_info(i) for i in before] == [KVUsage.from_info(i) for i in infos]:
+            return usage, infos
+        assert time.monotonic() < deadline, "the workers' KV usage kept changing"
         time.sleep(0.05)
 
 
@@ -341,9 +355,7 @@ def test_pools_report_kv_usage_summed_over_their_workers_leaving_out_a_stalled_o
     while engine.has_unfinished():
         engine.step()
     for ray_pool, workers in ((verifier, replicas), (drafter, pool)):
-        _releases_landed(workers)
-        infos = ray.get([w.info.remote() for w in workers])
-        usage = ray_pool.kv_usage()
+        usage, infos = _steady_infos(ray_pool, workers)
         assert usage == sum((KVUsage.from_info(info) for info in infos), KVUsage())
         assert 0 < usage.used <= usage.reserved <= usage.capacity
         assert usage.capacity == sum(info["kv_tokens_capacity"] for info in infos) > infos[0]["kv_tokens_capacity"]
