@@ -20,6 +20,7 @@ from tandem.engines.local import build_engine  # noqa: E402
 from tandem.workers.draft_pool import RayDrafter, start_draft_workers  # noqa: E402
 from tandem.workers.target_pool import RayVerifier, start_target_replicas  # noqa: E402
 from tandem.workers.worker_base import WorkerConfig  # noqa: E402
+from test_logprobs import _assert_matches  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=24, ignore_eos=True) for s in range(4)]
@@ -425,6 +426,10 @@ def test_tensor_parallel_two_ranks_equal_one_and_a_dead_rank_rebuilds_the_group(
     assert [s.output for s in seqs] == [r.token_ids for r in in_process.generate(PROMPTS, [s.params for s in seqs])]
     # A response format reaches every rank: each masks alike, so they stay in step.
     assert [r.token_ids for r in engine.generate(PROMPTS, FORMATTED)] == _plain(tiny_models, FORMATTED)
+    # Prompt logprobs from the sharded forward: a plain forward's over the prompt.
+    scored = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=2))
+    for prompt, result in zip(PROMPTS, scored, strict=True):
+        _assert_matches(tiny_models[0], prompt[:1], prompt[1:], result.prompt_logprobs, 2)
     shards = ray.get([rank.info.remote() for rank in replica.ranks])
     assert [s["sequences"] for s in shards] == [0, 0]
     assert verifier.kv_usage() == KVUsage.from_info(shards[0])  # the replica counts once, by rank 0

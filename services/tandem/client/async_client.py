@@ -52,7 +52,8 @@ class AsyncTandemClient:
 
     async def generate_result(self, prompt: str | None = None, *, timeout: float | None = None,
                               **options: Unpack[GenerateOptions]) -> GenerateResult:
-        collector = Collector(logprobs=options.get("logprobs") is not None)
+        collector = Collector(logprobs=options.get("logprobs") is not None,
+                              prompt_logprobs=options.get("prompt_logprobs") is not None)
         async for item in self.generate(prompt, timeout=timeout, **options):
             collector.add(item)
         return collector.result()

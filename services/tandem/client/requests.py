@@ -39,6 +39,7 @@ class GenerateOptions(TypedDict, total=False):
     request_id: str
     n: int
     logprobs: int | None
+    prompt_logprobs: int | None
     repetition_penalty: float | None
     presence_penalty: float | None
     frequency_penalty: float | None
@@ -55,24 +56,26 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
                   stop_token_ids: Iterable[int] = (),
                   ignore_eos: bool = False, speculation: Speculation = "auto", max_k: int | None = None,
                   session_id: str = "", request_id: str = "", n: int = 1, logprobs: int | None = None,
-                  repetition_penalty: float | None = None, presence_penalty: float | None = None,
-                  frequency_penalty: float | None = None,
+                  prompt_logprobs: int | None = None, repetition_penalty: float | None = None,
+                  presence_penalty: float | None = None, frequency_penalty: float | None = None,
                   logit_bias: Mapping[int, float] | None = None, tools: Iterable[Mapping[str, Any]] | None = None,
                   tool_choice: str = "", response_format: Mapping[str, Any] | None = None) -> pb.GenerateRequest:
-    """A GenerateRequest. Exactly one input: prompt (raw text), chat (the model's chat template is applied:
-    {"role", "content"} mappings or (role, content) pairs) or token_ids. None leaves a sampling field unset (the
-    server's default: temperature 1, top_p 1, top_k and min_p off, max_tokens 128, no penalties). n: choices for
-    this prompt. logprobs: the number (0-20) of most likely alternatives each chunk reports beside the target's
-    log-probability of every emitted token; None for none. repetition_penalty (> 1 discourages tokens already in
-    the context), presence_penalty and frequency_penalty (-2 to 2, over the output) and logit_bias ({token id: -100
-    to 100}) reshape the logits before sampling, as in vLLM and OpenAI. tools (a chat's, OpenAI-shaped) are shown
-    to the model by its chat template, and the calls it makes come back parsed in the chunks' tool_calls;
-    tool_choice: "" or "auto" (the model decides), "none" (not shown), "required" or "function:NAME" (the output
-    begins with a call, of that tool if named). response_format: a structure the output follows, in OpenAI's shapes
-    ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}, or
-    {"type": "text"} for free text) or tandem's {"type": "regex", "regex": "..."} (the whole output matches it): the
-    output is sampled from the target's distribution restricted to the format and ends at a whole match, or at
-    max_tokens (finish reason "length"); the server refuses a format it cannot compile (INVALID_ARGUMENT)."""
+    """A GenerateRequest. Exactly one input: prompt (raw text), chat (the model's chat template is applied: {"role",
+    "content"} mappings or (role, content) pairs) or token_ids. None leaves a sampling field unset (the server's
+    default: temperature 1, top_p 1, top_k and min_p off, max_tokens 128, no penalties). n: choices for this prompt.
+    logprobs: the number (0-20) of most likely alternatives each chunk reports beside the target's log-probability
+    of every emitted token; None for none. prompt_logprobs: the same for every prompt token after the first, in each
+    choice's first chunk (the prompt is scored whole, not from a session's cache). repetition_penalty (> 1
+    discourages tokens already in the context), presence_penalty and frequency_penalty (-2 to 2, over the output)
+    and logit_bias ({token id: -100 to 100}) reshape the logits before sampling, as in vLLM and OpenAI. tools (a
+    chat's, OpenAI-shaped) are shown to the model by its chat template, and the calls it makes come back parsed in
+    the chunks' tool_calls; tool_choice: "" or "auto" (the model decides), "none" (not shown), "required" or
+    "function:NAME" (the output begins with a call, of that tool if named). response_format: a structure the output
+    follows, in OpenAI's shapes ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": ...,
+    "schema": {...}}}, or {"type": "text"} for free text) or tandem's {"type": "regex", "regex": "..."} (the whole
+    output matches it): the output is sampled from the target's distribution restricted to the format and ends at a
+    whole match, or at max_tokens (finish reason "length"); the server refuses a format it cannot compile
+    (INVALID_ARGUMENT)."""
     if sum(x is not None for x in (prompt, token_ids, chat)) != 1:
         raise InvalidArgument("input: pass exactly one of prompt, token_ids or chat")
     if speculation not in SPECULATION_MODES:
@@ -88,7 +91,7 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
         sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None},
                                    response_format=wire_format(response_format)),
         speculation=pb.SpeculationOptions(mode=SPECULATION_MODES[speculation], max_k=max_k),
-        n=n, logprobs=logprobs,
+        n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
     )
     if prompt is not None:
         request.prompt = prompt

@@ -58,6 +58,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # None unless the request set logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens after the first, if the request asked
     tool_calls: list[pb.ToolCall] = field(default_factory=list)  # the calls the model made (a chat offered tools)
     finish_reason: FinishReason = "unspecified"
     usage: Usage = field(default_factory=Usage)
@@ -98,15 +99,16 @@ class Collector:
     """Assembles a GenerateResult from streamed items; feed it while streaming (as `tandem generate` does, printing
     text as it comes) or let generate_result do it."""
 
-    def __init__(self, logprobs: bool = False) -> None:
-        self.logprobs = logprobs
+    def __init__(self, logprobs: bool = False, prompt_logprobs: bool = False) -> None:
+        self.logprobs, self.prompt_logprobs = logprobs, prompt_logprobs
         self.choices: dict[int, Choice] = {}
         self.completes: dict[int, pb.Complete] = {}
         self.request_id = ""
 
     def _choice(self, index: int) -> Choice:
         if index not in self.choices:
-            self.choices[index] = Choice(index, logprobs=[] if self.logprobs else None)
+            self.choices[index] = Choice(index, logprobs=[] if self.logprobs else None,
+                                         prompt_logprobs=[] if self.prompt_logprobs else None)
         return self.choices[index]
 
     def add(self, item: pb.Chunk | pb.Complete) -> None:
@@ -117,6 +119,8 @@ class Collector:
             choice.tool_calls.extend(item.tool_calls)
             if choice.logprobs is not None:
                 choice.logprobs.extend(TokenLogprob.from_proto(x) for x in item.logprobs)
+            if choice.prompt_logprobs is not None:
+                choice.prompt_logprobs.extend(TokenLogprob.from_proto(x) for x in item.prompt_logprobs)
             return
         self.completes[item.index] = item
         self.request_id = self.request_id or item.request_id

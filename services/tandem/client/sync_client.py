@@ -55,7 +55,8 @@ class TandemClient:
     def generate_result(self, prompt: str | None = None, *, timeout: float | None = None,
                         **options: Unpack[GenerateOptions]) -> GenerateResult:
         """The whole stream collected: text, token ids, finish reason, usage and speculation stats per choice."""
-        collector = Collector(logprobs=options.get("logprobs") is not None)
+        collector = Collector(logprobs=options.get("logprobs") is not None,
+                              prompt_logprobs=options.get("prompt_logprobs") is not None)
         for item in self.generate(prompt, timeout=timeout, **options):
             collector.add(item)
         return collector.result()

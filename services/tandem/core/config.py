@@ -112,6 +112,7 @@ class SamplingParams:
     ignore_eos: bool = False
     engine_seed: int | None = None
     logprobs: int | None = None  # report the target's logprob of each emitted token and this many alternatives
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (scored in the prefill)
     repetition_penalty: float = 1.0  # a token already in the context: positive logits divided by it, negative times
     presence_penalty: float = 0.0  # subtracted from the logit of each token the output holds at least once
     frequency_penalty: float = 0.0  # subtracted once per time the output holds the token
@@ -135,6 +136,9 @@ class SamplingParams:
                  "max_tokens", f"must be between 1 and 1000000, got {self.max_tokens!r}")
         _require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
                  "logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
+        _require(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                  and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+                 "prompt_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.prompt_logprobs!r}")
         _require(all(isinstance(s, str) and s for s in self.stop),
                  "stop", "stop strings must be non-empty strings")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

@@ -138,7 +138,7 @@ class SpeculativeEngine:
         sequence is decoding (its next token waits for this step) is a new prompt cut into chunks."""
         chunk = self.config.prefill_chunk
         decoding = chunk > 0 and any(seq.output for seq in batch)
-        return [chunk if decoding and seq.prefilling(chunk) else 0 for seq in batch]
+        return [chunk if decoding and seq.prefilling(chunk) and not seq.scores_prompt else 0 for seq in batch]
 
     @staticmethod
     def _row_view(seq: Sequence, prefill_limit: int) -> RowView:
@@ -171,7 +171,7 @@ class SpeculativeEngine:
         def verify() -> list[VerifyResult]:
             return self.verifier.verify([
                 VerifyRequest(seq.request_id, seq.verify_synced, seq.context[seq.verify_synced :], proposal, seq.params,
-                              seq.session_id, limit, len(seq.prompt))
+                              seq.session_id, limit, len(seq.prompt), seq.scores_prompt)
                 for seq, proposal, limit in zip(batch, proposals, limits, strict=True)
             ])
 
@@ -241,6 +241,12 @@ class SpeculativeEngine:
         if k > 0:  # a failed proposal is empty: k 0
             self.prior.observe(k, accepted)
         before = len(seq.output)
+        prompt_logprobs = None
+        if seq.scores_prompt:
+            if result.prompt_logprobs is None or len(result.prompt_logprobs) != len(seq.prompt) - 1:
+                raise RuntimeError(f"the verifier scored {len(result.prompt_logprobs or ())} prompt tokens of "
+                                   f"{len(seq.prompt) - 1}")
+            seq.prompt_logprobs = prompt_logprobs = list(result.prompt_logprobs)
         seq.finish_reason, seq.text_cut = seq.stop.extend(seq.output, new_tokens)
         if seq.finish_reason is not None:
             self._release(seq)
@@ -253,7 +259,7 @@ class SpeculativeEngine:
             if len(logprobs) != len(emitted):
                 raise RuntimeError(f"the verifier sent {len(logprobs)} logprobs for {len(emitted)} emitted tokens")
             seq.logprobs.extend(logprobs)
-        return StepOutput(seq.request_id, emitted, seq.finish_reason, logprobs)
+        return StepOutput(seq.request_id, emitted, seq.finish_reason, logprobs, prompt_logprobs)
 
     def _release(self, seq: Sequence) -> None:
         self.sequences.pop(seq.request_id, None)
@@ -287,7 +293,7 @@ class SpeculativeEngine:
                 text = text[: seq.text_cut]
         stats = seq.stats.to_dict() | {"fallback": seq.policy.fallback, "final_k": seq.policy.k}
         return GenerationResult(seq.request_id, list(seq.output), text, seq.finish_reason or FINISH_ABORT, stats,
-                                None if seq.logprobs is None else list(seq.logprobs))
+                                None if seq.logprobs is None else list(seq.logprobs), seq.prompt_logprobs)
 
     def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[StepOutput]:
         request_id = self.add_request(prompt, params)

@@ -9,6 +9,7 @@ import torch
 from tandem.core.costs import CATCH_UP_ALONE_ABOVE
 from tandem.core.logprobs import TokenLogprob
 from tandem.core.penalties import draft_step_logits, verification_logits
+from tandem.core.prompt_logprobs import split_prompt_rows
 from tandem.core.protocol import (
     DraftDist,
     DraftProposal,
@@ -206,6 +207,11 @@ class LocalVerifier(InProcessSide):
         results = [VerifyResult.prefill_goes_on()] * len(requests)  # the rows scored below replace theirs
         scoring, uptos = [], []
         for index, (request, state) in enumerate(zip(requests, states, strict=True)):
+            if request.score_prompt:  # the whole prompt goes into the scoring forward (core.prompt_logprobs)
+                state.truncate_cache(0)
+                uptos.append(0)
+                scoring.append(index)
+                continue
             uncached = len(state.pending) - 1  # everything but the last token is cached before scoring
             if 0 < request.prefill_limit < uncached:
                 uptos.append(state.cached + request.prefill_limit)
@@ -228,7 +234,10 @@ class LocalVerifier(InProcessSide):
         for state, tokens in zip(states, drafts, strict=True):
             state.tokens.extend(tokens)
         wants = [len(tokens) + 1 for tokens in drafts]
-        raw = self.runner.forward_on_device(states, wants)
+        # A row scoring its prompt feeds it whole: its positions before the last committed token come first.
+        before = [length - 1 if r.score_prompt else 0 for r, length in zip(requests, committed, strict=True)]
+        raw = self.runner.forward_on_device(states, [w + b for w, b in zip(wants, before, strict=True)])
+        raw, prompts = split_prompt_rows(raw, wants, before, requests, states)
         # Every row's outcome is computed on the device; the host receives them in one transfer.
         shaped = verification_logits(raw, wants, requests, states, committed, drafts)
         logits = _formatted(self.formats, self.runner, shaped, wants, requests, states, committed, drafts)
@@ -253,7 +262,8 @@ class LocalVerifier(InProcessSide):
             accepted, next_token = accept_greedy(tokens, row) if compares else (int(row[0]), int(row[1]))
             state.sync(length + accepted, [next_token])
             logprobs = scores.emitted(index, accepted + 1) if index in scores.rows else None
-            results.append(VerifyResult(accepted=accepted, next_token=next_token, logprobs=logprobs))
+            results.append(VerifyResult(accepted=accepted, next_token=next_token, logprobs=logprobs,
+                                        prompt_logprobs=prompts.get(index)))
         return results
 
     @staticmethod

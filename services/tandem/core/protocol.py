@@ -102,6 +102,9 @@ class VerifyRequest:
     session: str = ""
     prefill_limit: int = 0  # cache at most this many uncached tokens this call; score only if none are left (0: no cap)
     output_start: int = 0  # where the request's output begins in the sequence: its penalties count from there
+    # Score every prompt token after the first too (params.prompt_logprobs alternatives): the sequence is new to the
+    # verifier (keep 0, no session), and its prompt goes whole into the forward that scores its first round.
+    score_prompt: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -114,6 +117,8 @@ class VerifyResult:
     # When the request asked (SamplingParams.logprobs): one per emitted token, the accepted drafts then next_token.
     logprobs: list[TokenLogprob] | None = None
     prefilling: bool = False
+    # When the request had score_prompt: one per prompt token after the first, in order.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def __post_init__(self) -> None:
         if self.prefilling != (self.next_token is None):

@@ -29,6 +29,12 @@ class Sequence:
     session_id: str = ""  # workers keep a finished sequence's cache for the session's next request
     prefill_started: bool = False  # the verifier holds part of the prompt uncached (a chunked prefill goes on)
     logprobs: list[TokenLogprob] | None = None  # aligned with output when the request asked (params.logprobs)
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens after the first, once scored
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its next verification scores the prompt (asked for, not received yet)."""
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
 
     @property
     def context(self) -> list[int]:
@@ -57,6 +63,7 @@ class StepOutput:
     new_token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None  # aligned with new_token_ids when the request asked, else None
+    prompt_logprobs: list[TokenLogprob] | None = None  # in the request's first output, when it asked
 
 
 @dataclass(slots=True)
@@ -67,3 +74,4 @@ class GenerationResult:
     finish_reason: str
     stats: dict
     logprobs: list[TokenLogprob] | None = None  # aligned with token_ids when the request asked, else None
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens after the first, when it asked

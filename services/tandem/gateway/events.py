@@ -26,6 +26,8 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
     tool_calls: tuple[ToolCall, ...] = ()  # calls completed here (a chat offered tools); `text` leaves them out
+    prompt_logprobs: list[TokenLogprob] | None = None  # in a choice's first delta, when the request asked for them
+    prompt_token_ids: list[int] | None = None  # in a choice's first delta: the prompt as the model read it
 
 
 @dataclass(slots=True, frozen=True)

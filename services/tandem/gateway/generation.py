@@ -208,6 +208,7 @@ class Generations:
             finished: Finished | None = None
             token_ids: list[int] = []
             first_token_at: float | None = None
+            delivered = False  # a delta has gone out (the first carries the prompt's ids)
             try:
                 async for update in handle:
                     finished = update.finished
@@ -221,8 +222,10 @@ class Generations:
                     made = ()
                     if calls is not None:
                         text, made = calls.push(text, final=finished is not None)
-                    if text or made or update.token_ids:
-                        yield ChoiceDelta(index, text, update.token_ids, update.logprobs, tuple(made))
+                    if text or made or update.token_ids or update.prompt_logprobs is not None:
+                        yield ChoiceDelta(index, text, update.token_ids, update.logprobs, tuple(made),
+                                          update.prompt_logprobs, None if delivered else list(prepared.prompt_ids))
+                        delivered = True
             except (InvalidArgument, EngineUnavailable, EngineFailed, BackendUnavailable) as exc:
                 # An engine failure or stall counts against the arm; a shutdown (draining) does not.
                 if route is not None and not isinstance(exc, InvalidArgument) \

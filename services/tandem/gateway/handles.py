@@ -35,6 +35,7 @@ class Update:
     token_ids: list[int]
     finished: Finished | None = None
     logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # in the first update, when the request asked for them
 
 
 @dataclass(slots=True)

@@ -253,7 +253,7 @@ class EngineLoop:
         if handle.trace is not None:
             self._rounds.on_output(out.request_id, len(out.new_token_ids), out.finish_reason)
         if out.finish_reason is None:
-            return handle, Update(out.new_token_ids, logprobs=logprobs)
+            return handle, Update(out.new_token_ids, logprobs=logprobs, prompt_logprobs=out.prompt_logprobs)
         del self._running[out.request_id]
         if self.metrics is not None:
             self.metrics.record_request(seq)
@@ -263,7 +263,7 @@ class EngineLoop:
                 state = seq.policy.to_dict() | self.engine.session_affinity(handle.session_id)
                 self._saver.submit(self._save_session, handle.session_id, state)
         finished = Finished(result.finish_reason, seq.text_cut, len(result.token_ids), result.stats)
-        return handle, Update(out.new_token_ids, finished, logprobs)
+        return handle, Update(out.new_token_ids, finished, logprobs, out.prompt_logprobs)
 
     def _save_session(self, session_id: str, state: dict) -> None:
         try:

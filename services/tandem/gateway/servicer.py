@@ -51,6 +51,7 @@ def speculation_stats(stats: dict) -> pb.SpeculationStats:
 def chunk_message(delta: ChoiceDelta) -> pb.GenerateResponse:
     return pb.GenerateResponse(chunk=pb.Chunk(text=delta.text, token_ids=delta.token_ids, index=delta.index,
                                               logprobs=_logprobs(delta.logprobs),
+                                              prompt_logprobs=_logprobs(delta.prompt_logprobs),
                                               tool_calls=[call.to_pb() for call in delta.tool_calls]))
 
 

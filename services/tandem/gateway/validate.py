@@ -105,6 +105,9 @@ def sampling_params(request: pb.GenerateRequest, limits: GatewayLimits, model: M
     logprobs = request.logprobs if request.HasField("logprobs") else None
     _require(logprobs is None or 0 <= logprobs <= MAX_TOP_LOGPROBS,
              f"logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
+    prompt_logprobs = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
+    _require(prompt_logprobs is None or 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS,
+             f"prompt_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {prompt_logprobs}")
     bad_bias = sorted(t for t in sampling.logit_bias if not 0 <= t < model.vocab_size)
     _require(not bad_bias, f"logit_bias: {bad_bias[:5]} are outside the vocabulary (0..{model.vocab_size - 1})")
     # SamplingParams checks the remaining ranges (temperature, top_p, top_k, min_p, seed, penalties, biases) with
@@ -113,7 +116,8 @@ def sampling_params(request: pb.GenerateRequest, limits: GatewayLimits, model: M
                           min_p=value("min_p", 0.0),
                           seed=value("seed", None), max_tokens=max_tokens, stop=tuple(request.stop),
                           stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos,
-                          logprobs=logprobs, repetition_penalty=value("repetition_penalty", 1.0),
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                          repetition_penalty=value("repetition_penalty", 1.0),
                           presence_penalty=value("presence_penalty", 0.0),
                           frequency_penalty=value("frequency_penalty", 0.0),
                           logit_bias=tuple(sorted(sampling.logit_bias.items())),

@@ -126,6 +126,8 @@ def completion_requests(body: CompletionRequest, request_id: str) -> list[pb.Gen
                           body.logprobs)
         if index:
             request.session_id = ""
+        if body.echo and body.logprobs is not None:  # the echoed prompt's tokens get theirs too
+            request.prompt_logprobs = request.logprobs
         if isinstance(prompt, str):
             request.prompt = prompt
         else:

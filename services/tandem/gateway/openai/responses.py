@@ -40,14 +40,17 @@ class _Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
     end: ChoiceEnd | None = None
+    prompt: ChoiceDelta | None = None  # the delta that carried the prompt (echo)
 
 
 class Responder:
     def __init__(self, kind: Kind, response_id: str, model: str, texts: TokenTexts, n: int,
                  logprobs: bool = False, include_usage: bool = False, token_ids: bool = False,
-                 per_prompt: int | None = None) -> None:
-        """n: choices in all; per_prompt: how many of them each prompt has (a batch of prompts), n when None."""
+                 per_prompt: int | None = None, echo: bool = False) -> None:
+        """n: choices in all; per_prompt: how many of them each prompt has (a batch of prompts), n when None;
+        echo: each completion choice begins with its prompt (and its logprobs, when they are asked for)."""
         self.kind, self.id, self.model, self.texts = kind, response_id, model, texts
+        self.echo = echo and kind == "completion"
         self.per_prompt = per_prompt or n
         self.logprobs, self.include_usage, self.token_ids = logprobs, include_usage, token_ids
         self.created = int(time.time())
@@ -88,18 +91,29 @@ class Responder:
             body = {"delta": {}} if self.kind == "chat" else {"text": ""}
             return self._chunk([{"index": event.index, **body, "logprobs": None,
                                  "finish_reason": event.finish_reason, "tandem": tandem_extra(event)}])
-        body = {"delta": {"content": event.text}} if self.kind == "chat" else {"text": event.text}
+        echoed, prompt_logprobs = self._echo(event)
+        body = {"delta": {"content": event.text}} if self.kind == "chat" else {"text": echoed + event.text}
         if event.tool_calls:  # only a chat offers tools
             calls = self.choices[event.index].calls
             body["delta"]["tool_calls"] = [call.to_openai(len(calls) + i) for i, call in enumerate(event.tool_calls)]
             calls.extend(event.tool_calls)
         if self.token_ids:
             body["token_ids"] = event.token_ids
-        return self._chunk([{"index": event.index, **body, "logprobs": self._logprobs(event.index, event.logprobs),
-                             "finish_reason": None}])
+        logprobs = _joined(prompt_logprobs, self._logprobs(event.index, event.logprobs))
+        return self._chunk([{"index": event.index, **body, "logprobs": logprobs, "finish_reason": None}])
 
     def usage_chunk(self) -> dict:
         return self._chunk([]) | {"usage": self.usage()}
+
+    def _echo(self, event: ChoiceDelta) -> tuple[str, dict | None]:
+        """The prompt's text and logprobs where `event` carries the prompt of an echoing choice; else "", None."""
+        if not self.echo or event.prompt_token_ids is None:
+            return "", None
+        text = self.texts.tokenizer.decode(event.prompt_token_ids, skip_special_tokens=True)
+        if not self.logprobs:
+            return text, None
+        return text, self._completion_logprobs[event.index].format_prompt(event.prompt_token_ids,
+                                                                          event.prompt_logprobs)
 
     def _logprobs(self, index: int, logprobs: list[TokenLogprob] | None) -> dict | None:
         if not self.logprobs or logprobs is None:
@@ -115,6 +129,8 @@ class Responder:
         if isinstance(event, ChoiceEnd):
             choice.end = event
             return
+        if event.prompt_token_ids is not None:
+            choice.prompt = event
         choice.text.append(event.text)
         choice.token_ids.extend(event.token_ids)
         choice.calls.extend(event.tool_calls)
@@ -124,7 +140,8 @@ class Responder:
     def response(self) -> dict:
         choices = []
         for index, choice in enumerate(self.choices):
-            text = "".join(choice.text)
+            echoed, prompt_logprobs = self._echo(choice.prompt) if choice.prompt is not None else ("", None)
+            text = echoed + "".join(choice.text)
             body = {"message": {"role": "assistant", "content": text}} if self.kind == "chat" else {"text": text}
             if choice.calls:  # OpenAI's shape: no content beside the calls unless the model wrote some
                 body["message"] |= {"content": text if text.strip() else None,
@@ -132,8 +149,16 @@ class Responder:
             if self.token_ids:
                 body["token_ids"] = choice.token_ids
             end = choice.end
-            choices.append({"index": index, **body, "logprobs": self._logprobs(index, choice.logprobs),
+            logprobs = _joined(prompt_logprobs, self._logprobs(index, choice.logprobs))
+            choices.append({"index": index, **body, "logprobs": logprobs,
                             "finish_reason": end.finish_reason if end else None,
                             "tandem": tandem_extra(end) if end else None})
         return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+
+
+def _joined(first: dict | None, second: dict | None) -> dict | None:
+    """Completion logprobs of an echoed prompt, then of the tokens after it."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}

@@ -135,5 +135,5 @@ class CompletionRequest(_Generate):
     best_of: StrictInt | None = None
 
     def unsupported(self) -> list[str]:
-        bad = super().unsupported() + (["echo"] if self.echo else []) + (["suffix"] if self.suffix else [])
+        bad = super().unsupported() + (["suffix"] if self.suffix else [])
         return bad + (["best_of"] if self.best_of not in (None, 1) else [])

@@ -93,11 +93,24 @@ class CompletionLogprobs:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._chars = 0
 
-    def format(self, logprobs: list[TokenLogprob]) -> dict:
+    def format_prompt(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> dict:
+        """The echoed prompt's part (`echo`): its first token has no logprob (null, as OpenAI reports it), each
+        other token the one the target gave it (`logprobs`: core.prompt_logprobs); text_offset counts on into the
+        completion's tokens."""
+        scored = [lp.logprob for lp in logprobs or ()]
+        tops = [{self.texts.get(tid)[0]: finite(value) for tid, value in lp.top} for lp in logprobs or ()]
+        return {"tokens": [self.texts.get(t)[0] for t in token_ids], "token_logprobs": [None, *map(finite, scored)],
+                "top_logprobs": [None, *tops], "text_offset": self._offsets(token_ids)}
+
+    def _offsets(self, token_ids: list[int]) -> list[int]:
         offsets = []
-        for lp in logprobs:
+        for token_id in token_ids:
             offsets.append(self._chars)
-            self._chars += len(self._decoder.decode(self.texts.shown_bytes(lp.token_id)))
+            self._chars += len(self._decoder.decode(self.texts.shown_bytes(token_id)))
+        return offsets
+
+    def format(self, logprobs: list[TokenLogprob]) -> dict:
+        offsets = self._offsets([lp.token_id for lp in logprobs])
         return {"tokens": [self.texts.get(lp.token_id)[0] for lp in logprobs],
                 "token_logprobs": [finite(lp.logprob) for lp in logprobs],
                 "top_logprobs": [{self.texts.get(tid)[0]: finite(value) for tid, value in lp.top} for lp in logprobs],
