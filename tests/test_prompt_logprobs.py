@@ -102,3 +102,13 @@ def test_prompt_logprobs_travel_through_ray_target_workers(tiny_models, tiny_dir
     _assert_prompt_scored(target, PROMPTS[0], results[0], 4)
     assert results[1].prompt_logprobs is None
     _assert_prompt_scored(target, PROMPTS[2], results[2], 0)
+
+
+def test_a_prompt_longer_than_one_part_is_scored_part_by_part(tiny_models, monkeypatch) -> None:
+    """Logits are made a part of the prompt at a time: parts of 4 positions give what one part gives."""
+    from tandem.core import prompt_logprobs
+
+    monkeypatch.setattr(prompt_logprobs, "ROWS_AT_ONCE", 4)
+    results = _engine(tiny_models, 3).generate(PROMPTS, [_greedy(prompt_logprobs=2)] * 3)
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        _assert_prompt_scored(tiny_models[0], prompt, result, 2)

@@ -1,6 +1,6 @@
 """Prompt logprobs on the real pair, in process: each of the 8 shipped prompts (chat template applied) followed by
 the target's own greedy answer of 96 tokens, scored with prompt_logprobs (5 alternatives) through the speculative
-engine (AUTO), against a plain Hugging Face forward over the same ids with the same weights: the largest difference
+engine (AUTO), against a plain forward of the same loaded model over each prompt alone: the largest difference
 of a token's log-probability, and how often the most likely token agrees. Then what scoring costs: the 8 prompts
 at once and one at a time, max_tokens 1, with and without prompt_logprobs, in the order without, with, with,
 without (seconds per pass, the ratio of the means).

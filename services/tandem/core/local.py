@@ -236,8 +236,13 @@ class LocalVerifier(InProcessSide):
         wants = [len(tokens) + 1 for tokens in drafts]
         # A row scoring its prompt feeds it whole: its positions before the last committed token come first.
         before = [length - 1 if r.score_prompt else 0 for r, length in zip(requests, committed, strict=True)]
-        raw = self.runner.forward_on_device(states, [w + b for w, b in zip(wants, before, strict=True)])
-        raw, prompts = split_prompt_rows(raw, wants, before, requests, states)
+        scores_prompts = any(r.score_prompt for r in requests)  # then the logits come a part at a time
+        raw = self.runner.forward_on_device(states, [w + b for w, b in zip(wants, before, strict=True)],
+                                            head=not scores_prompts)
+        if scores_prompts:
+            raw, prompts = split_prompt_rows(raw, self.runner.logits, wants, before, requests, states)
+        else:
+            prompts = {}
         # Every row's outcome is computed on the device; the host receives them in one transfer.
         shaped = verification_logits(raw, wants, requests, states, committed, drafts)
         logits = _formatted(self.formats, self.runner, shaped, wants, requests, states, committed, drafts)

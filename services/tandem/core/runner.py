@@ -228,12 +228,19 @@ class ModelRunner:
         return list(logits.float().cpu().split(wants))
 
     @torch.inference_mode()
-    def forward_on_device(self, states: list[SequenceState], wants: list[int]) -> torch.Tensor:
+    def forward_on_device(self, states: list[SequenceState], wants: list[int], head: bool = True) -> torch.Tensor:
         """Feed every state's pending tokens; the logits [sum(wants), V] of each row's last want_i tokens, rows in
-        order, on the model's device in its dtype."""
-        return self._forward(states, [state.pending for state in states], wants)
+        order, on the model's device in its dtype; with `head` False their last hidden states [sum(wants), H], for
+        `logits` to turn into logits a part at a time (a prompt's every position: core.prompt_logprobs)."""
+        return self._forward(states, [state.pending for state in states], wants, head)
 
-    def _forward(self, states: list[SequenceState], news: list[list[int]], wants: list[int]) -> torch.Tensor:
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits [N, V] of last hidden states [N, H] from forward_on_device(head=False)."""
+        return self.head(hidden.unsqueeze(0))[0]
+
+    def _forward(self, states: list[SequenceState], news: list[list[int]], wants: list[int],
+                 head: bool = True) -> torch.Tensor:
         self._fit(0, max(state.cached + len(new) for state, new in zip(states, news, strict=True)), shrink=True)
         fed = {state.slot: new for state, new in zip(states, news, strict=True)}
         lo, hi = min(fed), max(fed) + 1
@@ -264,13 +271,13 @@ class ModelRunner:
         for state, new in zip(states, news, strict=True):
             state.cached += len(new)
         if not any(wants):
-            return torch.empty(0, self.vocab_size, device=self.device)
+            return torch.empty(0, self.vocab_size if head else hidden.shape[-1], device=self.device)
         # Logits only where asked: each row's last `want` real tokens, gathered into one dense batch.
         picks = [first[state.slot] + col for state, new, want in zip(states, news, wants, strict=True)
                  for col in range(len(new) - want, len(new))]
         hidden = hidden.reshape(-1, hidden.shape[-1])
         hidden = hidden.index_select(0, torch.tensor(picks, device=self.device)).unsqueeze(0)
-        return self.head(hidden)[0]
+        return self.head(hidden)[0] if head else hidden[0]
 
     def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                 segments: list | None = None) -> torch.Tensor:
