@@ -40,8 +40,9 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
-def gateway_start(services: str, address: str, pool: str, temp: str) -> dict:
-    """One gateway in a fresh interpreter: seconds until ready, its RSS then, what it imported (after a SIGTERM)."""
+def gateway_start(services: str, address: str, pool: str, temp: str, settle_s: float = 0.0) -> dict:
+    """One gateway in a fresh interpreter: seconds until ready, its RSS then (and `settle_s` later, where given:
+    what it builds in the background once ready counts there), what it imported (after a SIGTERM)."""
     run = os.path.join(temp, f"gateway-{pool}-{time.monotonic_ns()}")
     env = ray_env(address) | {"PYTHONPATH": services, "HF_HUB_OFFLINE": "1", "IMPORTS_FILE": f"{run}.json"}
     began = time.monotonic()
@@ -53,10 +54,15 @@ def gateway_start(services: str, address: str, pool: str, temp: str) -> dict:
         wait_serving(process, Path(f"{run}.err"), timeout_s=600, poll_s=0.05)
         ready_s = time.monotonic() - began
         rss = rss_mib(process.pid)
+        settled = {}
+        if settle_s:
+            time.sleep(settle_s)
+            settled = {"rss_settled_mib": rss_mib(process.pid)}
     finally:
         process.terminate()
         process.wait(timeout=120)
-    return {"ready_s": round(ready_s, 2), "rss_mib": rss, "imported": json.loads(Path(f"{run}.json").read_text())}
+    return {"ready_s": round(ready_s, 2), "rss_mib": rss, **settled,
+            "imported": json.loads(Path(f"{run}.json").read_text())}
 
 
 def start_pools(services: str, address: str, pool: str, args: argparse.Namespace) -> float:
@@ -79,6 +85,8 @@ def main() -> None:
                                                     "else none: plain pools)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=3, help="gateway starts per checkout")
+    parser.add_argument("--settle", type=float, default=0.0, help="also read each gateway's RSS this many seconds "
+                                                                  "after it is ready")
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     if not args.target:
@@ -95,10 +103,12 @@ def main() -> None:
         for round_ in range(args.rounds):
             for services in checkouts if round_ % 2 == 0 else checkouts[::-1]:
                 report["checkouts"][services]["starts"].append(
-                    gateway_start(services, heads[services], "p", tempfile.mkdtemp(prefix="gws-run-")))
+                    gateway_start(services, heads[services], "p", tempfile.mkdtemp(prefix="gws-run-"), args.settle))
     for entry in report["checkouts"].values():
         entry["median_ready_s"] = statistics.median(s["ready_s"] for s in entry["starts"])
         entry["median_rss_mib"] = statistics.median(s["rss_mib"] for s in entry["starts"])
+        if args.settle:
+            entry["median_rss_settled_mib"] = statistics.median(s["rss_settled_mib"] for s in entry["starts"])
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report["checkouts"], indent=1))
 

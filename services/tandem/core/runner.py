@@ -143,7 +143,8 @@ class ModelRunner:
     @property
     def kv_tokens_used(self) -> int:
         """Tokens whose keys and values are held: the active sequences' and the retained sessions'. Safe to read
-        from another thread (metrics) while the runner works: the dicts are copied at once, not iterated."""
+        from another thread (metrics, info()) while the runner works: both dicts are copied under the lock a
+        session's move between them holds."""
         with self._moving:
             held = [*self.states.values(), *self.retained.values()]
         return sum(state.cached for state in held)
