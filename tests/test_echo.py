@@ -100,3 +100,32 @@ def test_the_client_collects_each_choices_prompt_logprobs(server) -> None:
         assert all(len(lp.top) == 1 for lp in choice.prompt_logprobs)
     assert result.choices[0].prompt_logprobs == result.choices[1].prompt_logprobs
     assert plain.choices[0].prompt_logprobs is None and result.token_ids == plain.token_ids
+
+
+def test_vllms_prompt_logprobs_field_on_both_endpoints(server, tiny_models) -> None:
+    """vLLM's shape: None for the first token, then {token id: {logprob, rank, decoded_token}} holding the prompt's
+    token (its rank among the vocabulary) and the most likely ones (ranks 1, 2, ...)."""
+    reference = _plain_forward(tiny_models[0], PROMPTS[1])
+    body = _post(server, {"prompt": PROMPTS[1], "prompt_logprobs": 2, "max_tokens": 2, "temperature": 0})
+    scored = body["choices"][0]["prompt_logprobs"]
+    assert len(scored) == len(PROMPTS[1]) and scored[0] is None
+    for i, position in enumerate(scored[1:], 1):
+        mine = position[str(PROMPTS[1][i])]
+        assert mine["logprob"] == pytest.approx(float(reference[i - 1, PROMPTS[1][i]]), abs=1e-4)
+        assert mine["rank"] == int((reference[i - 1] > reference[i - 1, PROMPTS[1][i]] + 1e-4).sum()) + 1
+        assert sorted(e["rank"] for e in position.values())[:2] == [1, 2] and len(position) in (2, 3)
+    chat = httpx.post(f"{server.gateway.http_url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0, "max_tokens": 2})
+    assert chat.status_code == 200, chat.text
+    assert len(chat.json()["prompt_logprobs"]) == chat.json()["usage"]["prompt_tokens"]
+    # With echo's logprobs beside, each keeps its own number of alternatives.
+    both = _post(server, {"prompt": PROMPTS[1], "echo": True, "logprobs": 1, "prompt_logprobs": 3, "max_tokens": 1})
+    choice = both["choices"][0]
+    assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:])
+    assert all(len(position) >= 3 for position in choice["prompt_logprobs"][1:])
+    streamed = httpx.post(f"{server.gateway.http_url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "x", "prompt_logprobs": 1, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+    bad = httpx.post(f"{server.gateway.http_url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "x", "prompt_logprobs": 21})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"

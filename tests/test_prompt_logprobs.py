@@ -12,12 +12,17 @@ from tandem.core.local import LocalDrafter
 from tandem.core.runner import ModelRunner
 from tandem.engines.local import build_engine
 from tandem.errors import InvalidArgument
-from test_logprobs import PROMPTS, _assert_matches, _engine, _fixed, _greedy, _sampled
+from test_logprobs import PROMPTS, _assert_matches, _engine, _fixed, _greedy, _reference, _sampled
 
 
 def _assert_prompt_scored(target, prompt: list[int], result, top: int) -> None:
-    """Position i of the prompt scores token i + 1: the reference is a plain forward over the prompt."""
+    """Position i of the prompt scores token i + 1: the reference is a plain forward over the prompt; each token's
+    rank is its place in the reference's row (up to rounding between near ties)."""
     _assert_matches(target, prompt[:1], prompt[1:], result.prompt_logprobs, top)
+    reference = _reference(target, prompt[:1], prompt[1:])
+    for entry, row in zip(result.prompt_logprobs, reference, strict=True):
+        value = float(row[entry.token_id])
+        assert int((row > value + 1e-4).sum()) + 1 <= entry.rank <= int((row > value - 1e-4).sum())  # counts itself
 
 
 @pytest.mark.parametrize("k", [0, 3])

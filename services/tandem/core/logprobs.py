@@ -19,3 +19,4 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob) of the most likely tokens, most likely first
+    rank: int = 0  # the token's place among the vocabulary, most likely first (1 is the top); 0: not computed

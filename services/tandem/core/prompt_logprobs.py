@@ -26,8 +26,8 @@ Logits = Callable[[torch.Tensor], torch.Tensor]  # last hidden states [N, H] -> 
 
 def score_prompt(hidden: torch.Tensor, logits: Logits, tokens: list[int], top: int) -> list[TokenLogprob]:
     """`hidden` [n - 1, H]: the last hidden states at a prompt's positions 0..n-2 (on the model's device); `tokens`
-    the prompt's tokens 1..n-1; the logprob of each and its `top` most likely alternatives, brought to the host at
-    once. The logits are made and reduced ROWS_AT_ONCE positions at a time."""
+    the prompt's tokens 1..n-1; the logprob of each, its rank (vLLM reports it) and its `top` most likely
+    alternatives, brought to the host at once. The logits are made and reduced ROWS_AT_ONCE positions at a time."""
     if not tokens:
         return []
     ids = torch.tensor(tokens, device=hidden.device)
@@ -37,11 +37,13 @@ def score_prompt(hidden: torch.Tensor, logits: Logits, tokens: list[int], top: i
         log_probs = torch.log_softmax(logits(hidden[start : start + ROWS_AT_ONCE]).float(), dim=-1)
         width = min(top, log_probs.shape[-1])
         chosen = log_probs.gather(1, ids[start : start + ROWS_AT_ONCE, None])
+        rank = (log_probs > chosen).sum(dim=-1, keepdim=True) + 1
         best = log_probs.topk(width, dim=-1) if width else None
-        parts.append(torch.cat([chosen.double()] + ([best.values.double(), best.indices.double()] if best else []),
-                               dim=1))
+        parts.append(torch.cat([chosen.double(), rank.double()]
+                               + ([best.values.double(), best.indices.double()] if best else []), dim=1))
     host = torch.cat(parts).tolist()
-    return [TokenLogprob(token, row[0], tuple((int(row[1 + width + j]), row[1 + j]) for j in range(width)))
+    return [TokenLogprob(token, row[0], tuple((int(row[2 + width + j]), row[2 + j]) for j in range(width)),
+                         int(row[1]))
             for token, row in zip(tokens, host, strict=True)]
 
 

@@ -176,7 +176,8 @@ class _Api:
         responder = Responder(endpoint.kind, request_id, model, self._token_texts(), n=per_prompt * len(messages),
                               logprobs=messages[0].HasField("logprobs"), per_prompt=per_prompt,
                               include_usage=body.stream and body.include_usage, token_ids=body.return_token_ids,
-                              echo=getattr(body, "echo", False))
+                              echo=getattr(body, "echo", False), top_logprobs=messages[0].logprobs,
+                              prompt_logprobs=body.prompt_logprobs)
         # headers: a W3C trace context
         streams = [generations.stream(message, list(request.headers.items()), tenant=tenant) for message in messages]
         events = streams[0] if len(streams) == 1 else merged(streams, per_prompt)

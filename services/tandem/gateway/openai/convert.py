@@ -72,10 +72,13 @@ def _common(body: _Generate, request_id: str, max_tokens: int | None, logprobs: 
                                         max_k=_int32("max_k", body.max_k))
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     stop_token_ids = [_int32(f"stop_token_ids[{i}]", t) for i, t in enumerate(body.stop_token_ids or [])]
+    if body.prompt_logprobs is not None and body.stream:
+        raise bad_request("prompt_logprobs: not supported with stream", "prompt_logprobs")
     return pb.GenerateRequest(request_id=request_id, session_id=body.session_id or "", sampling=sampling,
                               stop=stop, stop_token_ids=stop_token_ids, speculation=speculation,
                               ignore_eos=body.ignore_eos, n=_choices(body.n),
-                              logprobs=_int32("logprobs", logprobs))
+                              logprobs=_int32("logprobs", logprobs),
+                              prompt_logprobs=_int32("prompt_logprobs", body.prompt_logprobs))
 
 
 def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
@@ -127,7 +130,7 @@ def completion_requests(body: CompletionRequest, request_id: str) -> list[pb.Gen
         if index:
             request.session_id = ""
         if body.echo and body.logprobs is not None:  # the echoed prompt's tokens get theirs too
-            request.prompt_logprobs = request.logprobs
+            request.prompt_logprobs = max(request.logprobs, request.prompt_logprobs)
         if isinstance(prompt, str):
             request.prompt = prompt
         else:

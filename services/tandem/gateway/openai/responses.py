@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from tandem.core.logprobs import TokenLogprob
 from tandem.gateway.events import ChoiceDelta, ChoiceEnd
-from tandem.gateway.openai.tokens import CompletionLogprobs, TokenTexts, chat_logprobs
+from tandem.gateway.openai.tokens import CompletionLogprobs, TokenTexts, chat_logprobs, vllm_prompt_logprobs
 from tandem.gateway.tools import ToolCall
 
 Kind = Literal["chat", "completion"]
@@ -46,11 +46,15 @@ class _Choice:
 class Responder:
     def __init__(self, kind: Kind, response_id: str, model: str, texts: TokenTexts, n: int,
                  logprobs: bool = False, include_usage: bool = False, token_ids: bool = False,
-                 per_prompt: int | None = None, echo: bool = False) -> None:
+                 per_prompt: int | None = None, echo: bool = False, top_logprobs: int = 0,
+                 prompt_logprobs: int | None = None) -> None:
         """n: choices in all; per_prompt: how many of them each prompt has (a batch of prompts), n when None;
-        echo: each completion choice begins with its prompt (and its logprobs, when they are asked for)."""
+        echo: each completion choice begins with its prompt (and its logprobs, with top_logprobs alternatives, when
+        they are asked for); prompt_logprobs: vLLM's field of that name, with this many alternatives (whole
+        responses: a completion's choices carry it, a chat's response)."""
         self.kind, self.id, self.model, self.texts = kind, response_id, model, texts
         self.echo = echo and kind == "completion"
+        self.top_logprobs, self.prompt_logprobs = top_logprobs, prompt_logprobs
         self.per_prompt = per_prompt or n
         self.logprobs, self.include_usage, self.token_ids = logprobs, include_usage, token_ids
         self.created = int(time.time())
@@ -112,8 +116,8 @@ class Responder:
         text = self.texts.tokenizer.decode(event.prompt_token_ids, skip_special_tokens=True)
         if not self.logprobs:
             return text, None
-        return text, self._completion_logprobs[event.index].format_prompt(event.prompt_token_ids,
-                                                                          event.prompt_logprobs)
+        return text, self._completion_logprobs[event.index].format_prompt(
+            event.prompt_token_ids, _top(event.prompt_logprobs, self.top_logprobs))
 
     def _logprobs(self, index: int, logprobs: list[TokenLogprob] | None) -> dict | None:
         if not self.logprobs or logprobs is None:
@@ -152,9 +156,19 @@ class Responder:
             logprobs = _joined(prompt_logprobs, self._logprobs(index, choice.logprobs))
             choices.append({"index": index, **body, "logprobs": logprobs,
                             "finish_reason": end.finish_reason if end else None,
-                            "tandem": tandem_extra(end) if end else None})
-        return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+                            "tandem": tandem_extra(end) if end else None}
+                           | ({"prompt_logprobs": self._vllm_prompt_logprobs(choice)} if self.kind == "completion"
+                              and self.prompt_logprobs is not None else {}))
+        response = {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
+                    "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+        if self.kind == "chat" and self.prompt_logprobs is not None:  # vLLM's place for a chat's (one prompt)
+            response["prompt_logprobs"] = self._vllm_prompt_logprobs(self.choices[0])
+        return response
+
+    def _vllm_prompt_logprobs(self, choice: _Choice) -> list[dict | None] | None:
+        if choice.prompt is None or choice.prompt.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.texts, _top(choice.prompt.prompt_logprobs, self.prompt_logprobs or 0))
 
 
 def _joined(first: dict | None, second: dict | None) -> dict | None:
@@ -162,3 +176,9 @@ def _joined(first: dict | None, second: dict | None) -> dict | None:
     if first is None or second is None:
         return first or second
     return {key: first[key] + second[key] for key in first}
+
+
+def _top(logprobs: list[TokenLogprob] | None, top: int) -> list[TokenLogprob] | None:
+    """Each entry with its first `top` alternatives: the engine scored as many as the larger of echo's logprobs and
+    prompt_logprobs asked."""
+    return None if logprobs is None else [replace(lp, top=lp.top[:top]) for lp in logprobs]

@@ -88,6 +88,7 @@ class _Generate(_Body):
     # Structured outputs (gateway.openai.formats): OpenAI's response_format, or vLLM's structured_outputs.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    prompt_logprobs: StrictInt | None = None  # vLLM's: the prompt's tokens' logprobs, whole responses only
     # vLLM's fields before structured_outputs replaced them: refused by name, never silently ignored.
     guided_json: Any = None
     guided_regex: Any = None

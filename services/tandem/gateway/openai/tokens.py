@@ -85,6 +85,16 @@ def chat_logprobs(texts: TokenTexts, logprobs: list[TokenLogprob]) -> dict:
                         for lp in logprobs]}
 
 
+def vllm_prompt_logprobs(texts: TokenTexts, logprobs: list[TokenLogprob]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then per token {token id: {"logprob", "rank",
+    "decoded_token"}} holding the token itself and its most likely alternatives (ranks 1, 2, ...)."""
+    def entry(token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": finite(logprob), "rank": rank, "decoded_token": texts.get(token_id)[0]}
+
+    return [None] + [{str(tid): entry(tid, value, place) for place, (tid, value) in enumerate(lp.top, 1)}
+                     | {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)} for lp in logprobs]
+
+
 class CompletionLogprobs:
     """The completions API's logprobs of one choice: `text_offset` counts characters across all its chunks."""
 
