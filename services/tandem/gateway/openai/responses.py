@@ -117,7 +117,7 @@ class Responder:
         if not self.logprobs:
             return text, None
         return text, self._completion_logprobs[event.index].format_prompt(
-            event.prompt_token_ids, _top(event.prompt_logprobs, self.top_logprobs))
+            event.prompt_token_ids[0], _top(event.prompt_logprobs or [], self.top_logprobs))
 
     def _logprobs(self, index: int, logprobs: list[TokenLogprob] | None) -> dict | None:
         if not self.logprobs or logprobs is None:

@@ -103,14 +103,14 @@ class CompletionLogprobs:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._chars = 0
 
-    def format_prompt(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> dict:
+    def format_prompt(self, first_token: int, logprobs: list[TokenLogprob]) -> dict:
         """The echoed prompt's part (`echo`): its first token has no logprob (null, as OpenAI reports it), each
-        other token the one the target gave it (`logprobs`: core.prompt_logprobs); text_offset counts on into the
-        completion's tokens."""
-        scored = [lp.logprob for lp in logprobs or ()]
-        tops = [{self.texts.get(tid)[0]: finite(value) for tid, value in lp.top} for lp in logprobs or ()]
-        return {"tokens": [self.texts.get(t)[0] for t in token_ids], "token_logprobs": [None, *map(finite, scored)],
-                "top_logprobs": [None, *tops], "text_offset": self._offsets(token_ids)}
+        other token is reported as any token is, with the logprob the target gave it (core.prompt_logprobs);
+        text_offset counts on into the completion's tokens."""
+        first = {"tokens": [self.texts.get(first_token)[0]], "token_logprobs": [None], "top_logprobs": [None],
+                 "text_offset": self._offsets([first_token])}
+        rest = self.format(logprobs)
+        return {key: first[key] + rest[key] for key in first}
 
     def _offsets(self, token_ids: list[int]) -> list[int]:
         offsets = []
