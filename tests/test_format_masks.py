@@ -34,6 +34,9 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n
 JSON_FORMAT = OutputFormat("json_schema", json.dumps(SCHEMA))
 REGEX = "(a[0-3]|b[4-7]|c[89])x(yz)?"
 REGEX_FORMAT = OutputFormat("regex", REGEX)
+# REGEX's language as a client's grammar, in llama.cpp's GBNF and in llguidance's Lark.
+GBNF_FORMAT = OutputFormat("grammar", 'root ::= ("a" [0-3] | "b" [4-7] | "c" [89]) "x" ("yz")?')
+LARK_FORMAT = OutputFormat("grammar", 'start: head "x" "yz"?\nhead: "a" /[0-3]/ | "b" /[4-7]/ | "c" /[89]/')
 
 
 def _prompts(count: int) -> list[list[int]]:
@@ -109,7 +112,8 @@ def test_a_format_cannot_ignore_the_eos() -> None:
         SamplingParams(ignore_eos=True, output_format=REGEX_FORMAT)
 
 
-@pytest.mark.parametrize("output_format", [JSON_FORMAT, REGEX_FORMAT], ids=["json-schema", "regex"])
+@pytest.mark.parametrize("output_format", [JSON_FORMAT, REGEX_FORMAT, GBNF_FORMAT, LARK_FORMAT],
+                         ids=["json-schema", "regex", "gbnf", "lark"])
 def test_greedy_formatted_outputs_match_and_equal_plain_decoding(tiny_models, output_format) -> None:
     """Greedy, float32: speculation (k 3, batched with rows that have no format) gives plain decoding's tokens, and
     every output is a whole match ending at the EOS (the random model alone never writes one)."""

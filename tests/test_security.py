@@ -184,7 +184,8 @@ def test_http_needs_a_key(server, pki, keys) -> None:
     for key in (None, "tk-wrong"):
         with _http(pki, key) as client:
             for response in (client.get(f"{url}/v1/models"), client.post(f"{url}/v1/completions", json=body),
-                             client.post(f"{url}/v1/chat/completions", content=b"not json")):
+                             client.post(f"{url}/v1/chat/completions", content=b"not json"),
+                             client.post(f"{url}/v1/responses", json={"input": "hi"})):
                 assert response.status_code == 401, response.text
                 error = response.json()["error"]
                 assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"

@@ -98,6 +98,18 @@ def test_regex_and_choice_match_whole(server, endpoint: str) -> None:
     assert all(reason == "stop" and text in CHOICES for text, reason in picked), picked
 
 
+GBNF = 'root ::= word "=" [0-9] [0-9]?\nword ::= [a-z] [a-z] [a-z]?'
+LARK = 'start: WORD "=" NUM\nWORD: /[a-z]{2,3}/\nNUM: /[0-9]{1,2}/'
+GRAMMAR_TEXT = r"[a-z]{2,3}=[0-9]{1,2}"  # what both grammars match
+
+
+@pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])
+@pytest.mark.parametrize("grammar", [GBNF, LARK], ids=["gbnf", "lark"])
+def test_a_grammar_matches_whole(server, endpoint: str, grammar: str) -> None:
+    texts = _texts(_post(server, endpoint, {"structured_outputs": {"grammar": grammar}, "n": 4, **SAMPLED}))
+    assert all(reason == "stop" and re.fullmatch(GRAMMAR_TEXT, text) for text, reason in texts), texts
+
+
 def test_streamed_chunks_join_to_the_whole_response(server) -> None:
     request = {"model": MODEL, "messages": CHAT, "response_format": JSON_SCHEMA, "temperature": 0,
                "max_tokens": MAX_TOKENS}
@@ -124,7 +136,8 @@ def test_streamed_chunks_join_to_the_whole_response(server) -> None:
      "cannot combine"),
     ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
-    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs", "grammar"),
+    ({"structured_outputs": {"grammar": "root ::= (("}}, "structured_outputs", "neither Lark nor GBNF"),
+    ({"structured_outputs": {"grammar": "start: (("}}, "structured_outputs", "structured_outputs: "),
     ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
     ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs", "choice"),
     ({"guided_json": SCHEMA}, "guided_json", "structured_outputs"),
@@ -134,7 +147,8 @@ def test_streamed_chunks_join_to_the_whole_response(server) -> None:
      "response_format", "tool_choice"),
 ], ids=["schema-wat", "structured-json-wat", "structured-regex", "no-json-schema", "no-schema", "schema-text",
         "schema-list", "type-xml", "not-an-object", "both-fields", "structured-empty", "structured-two",
-        "structured-grammar", "choice-empty", "choice-number", "guided-json", "ignore-eos", "required-call"])
+        "structured-grammar", "structured-lark", "choice-empty", "choice-number", "guided-json", "ignore-eos",
+        "required-call"])
 def test_bad_formats_are_400_naming_the_field(server, body: dict, param: str, says: str) -> None:
     response = _post(server, "chat/completions", {"max_tokens": 4} | body)
     assert response.status_code == 400, response.text
@@ -173,6 +187,9 @@ def test_each_wire_case_through_the_client(server) -> None:
         assert all(_valid(c.text) for c in schema.choices)
         regex = client.generate_result("Code:", response_format={"type": "regex", "regex": REGEX}, n=4, **SAMPLED)
         assert all(c.finish_reason == "stop" and re.fullmatch(REGEX, c.text) for c in regex.choices)
+        grammar = client.generate_result("Code:", response_format={"type": "grammar", "grammar": GBNF}, n=4,
+                                         **SAMPLED)
+        assert all(c.finish_reason == "stop" and re.fullmatch(GRAMMAR_TEXT, c.text) for c in grammar.choices)
         anything = client.generate_result(chat=CHAT, response_format={"type": "json_object"}, n=4, **SAMPLED)
         stopped = [c.text for c in anything.choices if c.finish_reason == "stop"]
         assert stopped and all(isinstance(json.loads(text), dict) for text in stopped)
@@ -190,7 +207,10 @@ def test_each_wire_case_through_the_client(server) -> None:
     (pb.ResponseFormat(json_schema="x" * (64 * 1024 + 1)), grpc.StatusCode.INVALID_ARGUMENT, "response_format: "),
     (pb.ResponseFormat(), grpc.StatusCode.OK, ""),  # no case set: free text
     (pb.ResponseFormat(regex="(ab)+"), grpc.StatusCode.OK, ""),
-], ids=["json-object-false", "bad-regex", "schema-not-object", "schema-too-long", "no-case", "regex"])
+    (pb.ResponseFormat(grammar="hello world"), grpc.StatusCode.INVALID_ARGUMENT, "response_format: the grammar"),
+    (pb.ResponseFormat(grammar='root ::= "ab" [0-9]'), grpc.StatusCode.OK, ""),
+], ids=["json-object-false", "bad-regex", "schema-not-object", "schema-too-long", "no-case", "regex", "bad-grammar",
+        "grammar"])
 def test_the_raw_stub(server, wanted: pb.ResponseFormat, code: grpc.StatusCode, details: str) -> None:
     request = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                                                         response_format=wanted))
@@ -202,9 +222,10 @@ def test_the_raw_stub(server, wanted: pb.ResponseFormat, code: grpc.StatusCode, 
             assert exc.code() == code and exc.details().startswith(details), exc.details()
             return
     assert code == grpc.StatusCode.OK
-    if wanted.regex:
+    if wanted.regex or wanted.grammar:
         text = "".join(item.chunk.text for item in items if item.HasField("chunk"))
-        assert re.fullmatch(wanted.regex, text) and items[-1].complete.finish_reason == pb.FINISH_REASON_STOP
+        assert re.fullmatch(wanted.regex or "ab[0-9]", text)
+        assert items[-1].complete.finish_reason == pb.FINISH_REASON_STOP
 
 
 def test_cli_generate_locally_and_through_a_gateway(server, tiny_dirs, tmp_path, capsys) -> None:
@@ -221,6 +242,12 @@ def test_cli_generate_locally_and_through_a_gateway(server, tiny_dirs, tmp_path,
     assert out["finish_reason"] == "stop" and re.fullmatch(REGEX, out["text"])
     assert main([*remote, "--json-schema", json.dumps(SCHEMA), "--json"]) == 0
     assert _valid(json.loads(capsys.readouterr().out)["text"])
+    grammar_file = tmp_path / "grammar.gbnf"
+    grammar_file.write_text(GBNF)
+    for where in (local, remote):
+        assert main([*where, "--grammar", f"@{grammar_file}", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["finish_reason"] == "stop" and re.fullmatch(GRAMMAR_TEXT, out["text"])
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -229,8 +256,9 @@ def test_cli_generate_locally_and_through_a_gateway(server, tiny_dirs, tmp_path,
     (["--json-schema", "@/nonexistent/schema.json"], "error: --json-schema: cannot read"),
     (["--json-schema", '{"type": "wat"}'], "error: --json-schema: Invalid type: wat"),
     (["--regex", "(("], "error: --regex:"),
+    (["--grammar", "root ::= (("], "error: --grammar: the grammar is neither Lark nor GBNF"),
     (["--json-object", "--ignore-eos"], "error: --ignore-eos: cannot combine"),
-], ids=["not-json", "not-an-object", "no-file", "wat", "bad-regex", "ignore-eos"])
+], ids=["not-json", "not-an-object", "no-file", "wat", "bad-regex", "bad-grammar", "ignore-eos"])
 def test_cli_errors_name_the_flag(tiny_dirs, capsys, flags: list[str], message: str) -> None:
     code = main(["generate", "x", "--target", str(tiny_dirs.target), "--no-spec", "--dtype", "float32", *flags])
     assert code == 2 and message in capsys.readouterr().err

@@ -16,7 +16,7 @@ from tandem.errors import InvalidArgument
 from tandem.v1 import generation_pb2 as pb
 
 FIELD = "response_format"
-TYPES = ("text", "json_object", "json_schema", "regex")  # "regex" is tandem's own, beside OpenAI's three
+TYPES = ("text", "json_object", "json_schema", "regex", "grammar")  # regex and grammar: tandem's, beside OpenAI's
 
 
 def wire_format(value: Mapping[str, Any] | None, field: str = FIELD) -> pb.ResponseFormat | None:
@@ -26,6 +26,7 @@ def wire_format(value: Mapping[str, Any] | None, field: str = FIELD) -> pb.Respo
         {"type": "json_object"}                                   any JSON object
         {"type": "json_schema", "json_schema": {"name": "...", "schema": {...}, "strict": true, "description": ""}}
         {"type": "regex", "regex": "..."}                         text the expression matches whole
+        {"type": "grammar", "grammar": "..."}                     text the grammar (Lark or GBNF) matches whole
 
     A schema may be a mapping or its JSON text; "name", "strict" and "description" are checked for type only (every
     schema is followed strictly)."""
@@ -45,6 +46,11 @@ def wire_format(value: Mapping[str, Any] | None, field: str = FIELD) -> pb.Respo
         if not isinstance(regex, str) or not regex:
             raise InvalidArgument(f"{field}: a regex format needs \"regex\", a non-empty expression")
         return pb.ResponseFormat(regex=regex)
+    if kind == "grammar":
+        grammar = value.get("grammar")
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise InvalidArgument(f"{field}: a grammar format needs \"grammar\", a non-empty Lark or GBNF grammar")
+        return pb.ResponseFormat(grammar=grammar)
     raise InvalidArgument(f"{field}: \"type\" must be one of {', '.join(TYPES)}, got {kind!r}")
 
 

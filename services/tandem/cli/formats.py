@@ -1,4 +1,5 @@
-"""`tandem generate`'s structured outputs: --json-object, --json-schema SCHEMA and --regex EXPR (one at most).
+"""`tandem generate`'s structured outputs: --json-object, --json-schema SCHEMA, --regex EXPR and --grammar GRAMMAR (one
+at most).
 
 A remote run sends them as the Python client's response_format mapping; a local one gives the engine the same format
 as an OutputFormat, checked to compile before generating. Errors name the flag: a schema that is not JSON is
@@ -28,6 +29,9 @@ def add_format_options(parser: argparse.ArgumentParser) -> None:
                             "file")
     group.add_argument("--regex", default=None, metavar="EXPR",
                        help="the whole output matches this regular expression")
+    group.add_argument("--grammar", default=None, metavar="GRAMMAR",
+                       help="the whole output matches this grammar, Lark (llguidance's) or GBNF (llama.cpp's): its "
+                            "text, or @PATH to read it from a file")
 
 
 def response_format(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -40,6 +44,11 @@ def response_format(args: argparse.Namespace) -> dict[str, Any] | None:
         if not args.regex:
             raise InvalidArgument("regex: must be a non-empty expression")
         return {"type": "regex", "regex": args.regex}
+    if args.grammar is not None:
+        grammar = _read("grammar", args.grammar)
+        if not grammar.strip():
+            raise InvalidArgument("grammar: must be a non-empty grammar")
+        return {"type": "grammar", "grammar": grammar}
     return None
 
 
@@ -54,6 +63,8 @@ def output_format(args: argparse.Namespace) -> OutputFormat | None:
         return OutputFormat.json_object()
     if wanted["type"] == "json_schema":
         return OutputFormat("json_schema", wanted["json_schema"]["schema"])  # its text (_schema)
+    if wanted["type"] == "grammar":
+        return OutputFormat("grammar", wanted["grammar"])
     return OutputFormat("regex", wanted["regex"])
 
 
@@ -65,16 +76,21 @@ def check_compiles(args: argparse.Namespace, output_format: OutputFormat, tokeni
     try:
         check_format(output_format, format_tokenizer(tokenizer, eos_token_ids))
     except InvalidArgument as exc:
-        flag = "json_schema" if args.json_schema is not None else "regex" if args.regex is not None else "json_object"
+        flag = next((name for name in ("json_schema", "regex", "grammar") if getattr(args, name) is not None),
+                    "json_object")
         raise InvalidArgument(str(exc).replace("response_format", flag, 1)) from None
 
 
 def _schema(value: str) -> str:
     """--json-schema's schema as JSON text: given, or read from the file @PATH names."""
-    text = value
-    if value.startswith("@"):
-        try:
-            text = Path(value[1:]).read_text()
-        except OSError as exc:
-            raise InvalidArgument(f"json_schema: cannot read {value[1:]}: {exc.strerror}") from None
-    return schema_text(text, "json_schema", "the schema")
+    return schema_text(_read("json_schema", value), "json_schema", "the schema")
+
+
+def _read(flag: str, value: str) -> str:
+    """A flag's text: given, or read from the file @PATH names."""
+    if not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as exc:
+        raise InvalidArgument(f"{flag}: cannot read {value[1:]}: {exc.strerror}") from None

@@ -72,10 +72,10 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
     the chunks' tool_calls; tool_choice: "" or "auto" (the model decides), "none" (not shown), "required" or
     "function:NAME" (the output begins with a call, of that tool if named). response_format: a structure the output
     follows, in OpenAI's shapes ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": ...,
-    "schema": {...}}}, or {"type": "text"} for free text) or tandem's {"type": "regex", "regex": "..."} (the whole
-    output matches it): the output is sampled from the target's distribution restricted to the format and ends at a
-    whole match, or at max_tokens (finish reason "length"); the server refuses a format it cannot compile
-    (INVALID_ARGUMENT)."""
+    "schema": {...}}}, or {"type": "text"} for free text) or tandem's {"type": "regex", "regex": "..."} and
+    {"type": "grammar", "grammar": "..."} (Lark or GBNF; the whole output matches it): the output is sampled from
+    the target's distribution restricted to the format and ends at a whole match, or at max_tokens (finish reason
+    "length"); the server refuses a format it cannot compile (INVALID_ARGUMENT)."""
     if sum(x is not None for x in (prompt, token_ids, chat)) != 1:
         raise InvalidArgument("input: pass exactly one of prompt, token_ids or chat")
     if speculation not in SPECULATION_MODES:

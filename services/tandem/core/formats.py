@@ -10,6 +10,7 @@ from collections.abc import Collection
 from typing import Any
 
 from llguidance import LLMatcher, LLTokenizer
+from llguidance.gbnf_to_lark import any_to_lark
 
 from tandem.core.config import OutputFormat
 from tandem.errors import InvalidArgument
@@ -59,6 +60,12 @@ def grammar_of(output_format: OutputFormat) -> str:
         return LLMatcher.grammar_from_json_schema(output_format.spec, defaults=JSON_OPTIONS)
     if output_format.kind == "lark":
         return LLMatcher.grammar_from_lark(output_format.spec)
+    if output_format.kind == "grammar":  # a client's: llguidance's Lark, or llama.cpp's GBNF converted to it
+        try:
+            lark = any_to_lark(output_format.spec)
+        except Exception as exc:  # GbnfToLarkError, or a bare Exception for a GBNF grammar without a root rule
+            raise InvalidArgument(f"response_format: the grammar is neither Lark nor GBNF: {exc}") from None
+        return LLMatcher.grammar_from_lark(lark)
     return LLMatcher.grammar_from_regex(output_format.spec)
 
 

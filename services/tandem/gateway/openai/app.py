@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/models, /health.
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/responses, /v1/models,
+/health.
 
 Requests go through the gateway's own generation path (tandem.gateway.generation.Generations), the one the gRPC
 API uses: the same validation, engine loop, arm routing and cancellation. Bodies are parsed here rather than by
@@ -22,11 +23,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from tandem.gateway.auth import ApiKeys
-from tandem.gateway.events import ChoiceDelta, ChoiceEnd
+from tandem.gateway.events import ChoiceDelta, ChoiceEnd, Event
 from tandem.gateway.generation import GenerationsSource
 from tandem.gateway.openai.convert import (
     CHAT_RENAMES,
     COMPLETION_RENAMES,
+    chat_request,
     chat_requests,
     check_model,
     completion_requests,
@@ -41,7 +43,10 @@ from tandem.gateway.openai.errors import (
 )
 from tandem.gateway.openai.formats import renames as format_renames
 from tandem.gateway.openai.responses import SSE_DONE, Kind, Responder, sse
-from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, _Generate
+from tandem.gateway.openai.responses_input import RENAMES as RESPONSES_RENAMES
+from tandem.gateway.openai.responses_input import chat_body
+from tandem.gateway.openai.responses_output import ResponseWriter, response_events
+from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, ResponsesRequest, _Generate
 from tandem.gateway.openai.streaming import ClientGone, EventStream, merged, until_disconnected
 from tandem.gateway.openai.tokens import TokenTexts
 from tandem.gateway.validate import GatewayLimits
@@ -77,6 +82,7 @@ def create_app(generations: GenerationsSource, limits: GatewayLimits, status: St
     api = _Api(generations, limits, status, keys)
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/responses", api.responses, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
 
@@ -149,6 +155,31 @@ class _Api:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, COMPLETION)
 
+    async def responses(self, request: Request) -> Response:
+        renames = RESPONSES_RENAMES
+        try:
+            tenant = self._tenant(request)
+            body = await _read_body(request, ResponsesRequest, self.limits.max_request_bytes)
+            chat, renames = chat_body(body)
+            renames = format_renames(body, renames)
+            return await self._respond(request, tenant, body, chat, renames)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        except Exception as exc:
+            return _error(exc, renames)
+
+    async def _respond(self, request: Request, tenant: str, body: ResponsesRequest, chat: ChatCompletionRequest,
+                       renames: dict[str, str]) -> Response:
+        """The Responses API over the chat path (gateway.openai.responses_input): one output, whole or streamed."""
+        self._check_ready()
+        generations = self.generations()
+        check_model(body, generations.target_name)
+        response_id = body.request_id or f"resp_{uuid.uuid4().hex}"
+        writer = ResponseWriter(response_id, generations.target_name, self._token_texts(), body, chat.logprobs)
+        events = generations.stream(chat_request(chat, response_id), list(request.headers.items()), tenant=tenant)
+        return await _deliver(request, events, body.stream, writer.add, writer.finished,
+                              lambda first: response_events(events, first, writer, renames))
+
     async def _generate(self, request: Request, endpoint: _Endpoint) -> Response:
         renames = endpoint.renames
         try:
@@ -181,16 +212,23 @@ class _Api:
         # headers: a W3C trace context
         streams = [generations.stream(message, list(request.headers.items()), tenant=tenant) for message in messages]
         events = streams[0] if len(streams) == 1 else merged(streams, per_prompt)
-        if not body.stream:
-            await until_disconnected(request, _collect(events, responder))
-            return JSONResponse(responder.response())
-        try:
-            # The first event before any byte is sent: a refused request (400, 429, 503) gets its own status.
-            first = await until_disconnected(request, _first(events))
-        except BaseException:
-            await events.aclose()
-            raise
-        return EventStream(_sse(events, first, responder, renames), events)
+        return await _deliver(request, events, body.stream, responder.collect, responder.response,
+                              lambda first: _sse(events, first, responder, renames))
+
+
+async def _deliver(request: Request, events: AsyncGenerator, stream: bool, collect: Callable[[Event], object],
+                   whole: Callable[[], dict], body: Callable[[Event], AsyncGenerator[bytes, None]]) -> Response:
+    """A generation's response: `whole()` once `collect` has taken every event, or an SSE stream of `body(first)`."""
+    if not stream:
+        await until_disconnected(request, _collect(events, collect))
+        return JSONResponse(whole())
+    try:
+        # The first event before any byte is sent: a refused request (400, 429, 503) gets its own status.
+        first = await until_disconnected(request, _first(events))
+    except BaseException:
+        await events.aclose()
+        raise
+    return EventStream(body(first), events)
 
 
 def _error(exc: Exception, renames: dict[str, str]) -> JSONResponse:
@@ -234,10 +272,10 @@ def _parse_body(body: bytes, schema: type[BaseModel]):
         raise validation_error(exc.errors()) from exc
 
 
-async def _collect(events: AsyncGenerator, responder: Responder) -> None:
+async def _collect(events: AsyncGenerator, collect: Callable[[Event], object]) -> None:
     async with contextlib.aclosing(events):
         async for event in events:
-            responder.collect(event)
+            collect(event)
 
 
 async def _first(events: AsyncGenerator) -> ChoiceDelta | ChoiceEnd:

@@ -17,7 +17,7 @@ from tandem.response_format import schema_text, wire_format
 from tandem.v1 import generation_pb2 as pb
 
 STRUCTURED = "structured_outputs"
-STRUCTURED_KEYS = ("json", "regex", "choice", "json_object")
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM's per-field names, removed in its 0.12 for structured_outputs' keys.
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -39,8 +39,9 @@ def response_format(body: _Generate) -> pb.ResponseFormat | None:
 
 def structured_format(value: dict[str, Any]) -> pb.ResponseFormat:
     """vLLM's structured_outputs: exactly one of {"json": a schema or its JSON text}, {"regex": an expression},
-    {"choice": [strings]} (the output is one of them) or {"json_object": true}. Keys set to null or false count as
-    unset (clients send vLLM's flags at their defaults); any other key is refused by name."""
+    {"choice": [strings]} (the output is one of them), {"grammar": a Lark or GBNF grammar} or {"json_object": true}.
+    Keys set to null or false count as unset (clients send vLLM's flags at their defaults); any other key is refused
+    by name."""
     given = {key: item for key, item in value.items() if item is not None and item is not False}
     others = sorted(set(given) - set(STRUCTURED_KEYS))
     if others:
@@ -56,10 +57,10 @@ def structured_format(value: dict[str, Any]) -> pb.ResponseFormat:
         if item is not True:
             raise InvalidArgument(f"{STRUCTURED}: json_object must be true, got {item!r}")
         return pb.ResponseFormat(json_object=True)
-    if key == "regex":
-        if not isinstance(item, str) or not item:
-            raise InvalidArgument(f"{STRUCTURED}: regex must be a non-empty expression")
-        return pb.ResponseFormat(regex=item)
+    if key in ("regex", "grammar"):
+        if not isinstance(item, str) or not item.strip():
+            raise InvalidArgument(f"{STRUCTURED}: {key} must be non-empty text")
+        return pb.ResponseFormat(**{key: item})
     if not isinstance(item, list) or not item or not all(isinstance(choice, str) for choice in item):
         raise InvalidArgument(f"{STRUCTURED}: choice must be a non-empty list of strings")
     # The choices as literal text: re.escape's escapes are ones llguidance's regular expressions read the same way.

@@ -138,3 +138,34 @@ class CompletionRequest(_Generate):
     def unsupported(self) -> list[str]:
         bad = super().unsupported() + (["suffix"] if self.suffix else [])
         return bad + (["best_of"] if self.best_of not in (None, 1) else [])
+
+
+class ResponsesRequest(_Generate):
+    """OpenAI's Responses API (POST /v1/responses), served statelessly: the conversation comes whole in `input`
+    (gateway.openai.responses_input turns it into a chat)."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: StrictInt | None = None
+    tools: list[dict[str, Any]] | None = None  # flat function tools: {"type": "function", "name", "parameters"}
+    tool_choice: Any = None  # "auto", "none", "required" or {"type": "function", "name": ...}
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    top_logprobs: StrictInt | None = None
+    include: list[str] | None = None
+    store: StrictBool | None = None
+    parallel_tool_calls: StrictBool | None = None
+    metadata: dict[str, Any] | None = None
+    truncation: str | None = None
+    # What a stateless server without hosted tools or reasoning cannot honour: refused by name when used.
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: StrictBool | None = None
+    prompt: Any = None
+    reasoning: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = [name for name in ("previous_response_id", "conversation", "prompt") if getattr(self, name)]
+        bad += ["background"] if self.background else []
+        bad += ["truncation"] if self.truncation not in (None, "disabled") else []
+        bad += ["reasoning"] if self.reasoning and any(v is not None for v in self.reasoning.values()) else []
+        return bad + (["n"] if self.n not in (None, 1) else [])

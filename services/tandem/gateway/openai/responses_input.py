@@ -1,0 +1,136 @@
+"""A Responses API body (POST /v1/responses) as the chat completion it asks for.
+
+The Responses API carries a conversation as `input`: a string (one user turn) or items (messages; the function calls
+an earlier turn made; their outputs), with `instructions` as its system turn. Its tools are flat (`{"type":
+"function", "name", "parameters"}`), a named tool_choice is `{"type": "function", "name"}`, and the output format
+sits in `text.format`. Each maps one to one onto a chat completion's field, so the body becomes a
+ChatCompletionRequest and takes the chat path from there: the same validation, chat template and tool-call parsing.
+A chat's messages do not line up with the input's items (instructions come first; an assistant turn's function
+calls are one message), so `renames` names each message by the item it came from in the gateway's messages.
+
+Served statelessly: nothing is stored, so `previous_response_id` and conversations are refused with a message saying
+to send the conversation whole (what `store: false` clients do anyway).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from tandem.gateway.openai.convert import CHAT_RENAMES
+from tandem.gateway.openai.errors import bad_request, validation_error
+from tandem.gateway.openai.schemas import ChatCompletionRequest, ResponsesRequest, _Generate
+
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` entry with a meaning here
+ROLES = ("user", "assistant", "system", "developer")
+TEXT_PARTS = ("input_text", "output_text", "text")
+STATELESS = {"previous_response_id": "this server stores no responses; send the whole conversation in input",
+             "conversation": "this server stores no conversations; send the whole conversation in input"}
+RENAMES = {**CHAT_RENAMES, "chat.messages": "input", "chat": "input", "input": "input",
+           "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def chat_body(body: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, str]]:
+    """The chat completion `body` asks for, and the renames that point the gateway's messages at its fields."""
+    for name in body.unsupported():
+        raise bad_request(f"{name}: {STATELESS.get(name, 'not supported by this server')}", name)
+    for index, entry in enumerate(body.include or ()):
+        if entry != OUTPUT_LOGPROBS:
+            raise bad_request(f"include[{index}]: only {OUTPUT_LOGPROBS!r} is supported, got {entry!r}",
+                              f"include[{index}]")
+    messages, origins = _messages(body)
+    logprobs = OUTPUT_LOGPROBS in (body.include or ())
+    chat = body.model_dump(include=set(_Generate.model_fields)) | {
+        "messages": messages, "max_completion_tokens": body.max_output_tokens, "logprobs": logprobs,
+        "top_logprobs": (body.top_logprobs or 0) if logprobs else None,
+        "tools": [_tool(index, tool) for index, tool in enumerate(body.tools or ())] or None,
+        "tool_choice": _tool_choice(body.tool_choice), "response_format": _format(body.text)}
+    try:
+        return ChatCompletionRequest.model_validate(chat), RENAMES | origins
+    except ValidationError as exc:  # a tool's description or parameters of the wrong type
+        raise validation_error(exc.errors()) from exc
+
+
+def _messages(body: ResponsesRequest) -> tuple[list[dict], dict[str, str]]:
+    """The chat's messages, and for each the input item (or instructions) it came from."""
+    messages: list[dict] = []
+    origins: dict[str, str] = {}
+
+    def add(message: dict, origin: str) -> None:
+        origins[f"chat.messages[{len(messages)}]"] = origin
+        messages.append(message)
+
+    if body.instructions:
+        add({"role": "system", "content": body.instructions}, "instructions")
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    for index, item in enumerate(items):
+        where = f"input[{index}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ROLES:
+                raise bad_request(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
+            add({"role": role, "content": _text(item.get("content"), f"{where}.content")}, where)
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", where), "type": "function",
+                    "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant":  # calls after the turn's text join that turn
+                add(last := {"role": "assistant", "content": "", "tool_calls": []}, where)
+            last.setdefault("tool_calls", [])
+            origins[f"chat.messages[{len(messages) - 1}].tool_calls[{len(last['tool_calls'])}]"] = where
+            last["tool_calls"].append(call)
+        elif kind == "function_call_output":
+            add({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                 "content": _text(item.get("output"), f"{where}.output")}, where)
+        else:
+            raise bad_request(f"{where}.type: only message, function_call and function_call_output items are "
+                              f"supported, got {kind!r}", f"{where}.type")
+    return messages, origins
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's text: a string, or its text parts joined by newlines (as the chat API joins them)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where}: must be a string or a list of text parts", where)
+    texts = []
+    for index, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad_request(f"{where}[{index}]: only text parts are supported, got {kind!r}", f"{where}[{index}]")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise bad_request(f"{where}.{key}: must be a string, got {type(value).__name__}", f"{where}.{key}")
+    return value
+
+
+def _tool(index: int, tool: dict) -> dict:
+    """A flat function tool as the chat API's {"type": "function", "function": {...}}."""
+    if tool.get("type") != "function":
+        raise bad_request(f"tools[{index}].type: only function tools are supported, got {tool.get('type')!r}",
+                          f"tools[{index}].type")
+    _string(tool, "name", f"tools[{index}]")
+    return {"type": "function", "function": {key: tool.get(key) for key in ("name", "description", "parameters")}}
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice  # the chat path refuses the forms it does not take, naming tool_choice
+
+
+def _format(text: dict | None) -> dict | None:
+    """text.format as the chat API's response_format (a schema moves under "json_schema")."""
+    found = (text or {}).get("format")
+    if not isinstance(found, dict) or found.get("type") != "json_schema":
+        return found
+    return {"type": "json_schema", "json_schema": {key: found.get(key) for key in ("name", "schema", "strict",
+                                                                                    "description")}}
