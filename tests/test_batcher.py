@@ -48,6 +48,30 @@ def test_a_merged_call_with_lost_rows_is_rerun_call_by_call() -> None:
     assert replies["lost-1"].lost == ["lost-1"] and replies["lost-1"].results is None
 
 
+def test_a_refused_row_is_answered_to_its_own_call_and_the_calls_merged_with_it_run_again() -> None:
+    runs: list[list[str]] = []
+
+    def run(requests: list[str]) -> WorkerReply:
+        runs.append(list(requests))
+        time.sleep(0.05)
+        refused = next((r for r in requests if r.startswith("bad")), None)
+        return WorkerReply(refused=(refused, f"{refused}: no")) if refused else WorkerReply(
+            results=[r.upper() for r in requests])
+
+    batcher = CallBatcher(run, window_s=0.05)
+    replies: dict[str, WorkerReply] = {}
+    threads = [threading.Thread(target=lambda r=r: replies.__setitem__(r[0], batcher.submit(r)))
+               for r in (["ok", "fine"], ["bad", "mate"], ["also"])]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert replies["ok"].results == ["OK", "FINE"] and replies["also"].results == ["ALSO"]
+    assert replies["bad"].refused == ("bad", "bad: no") and replies["bad"].results is None
+    # One merged forward, then the calls beside the refused one, each alone; the refused call is not run again.
+    assert len(runs[0]) == 5 and sorted(runs[1:]) == [["also"], ["ok", "fine"]]
+
+
 def test_a_failing_forward_raises_in_every_caller_it_served() -> None:
     def run(requests: list[int]) -> WorkerReply:
         time.sleep(0.02)

@@ -22,7 +22,7 @@ from tandem.core.protocol import DraftRequest
 from tandem.core.runner import ModelRunner
 from tandem.core.sequence import SequenceState
 from tandem.engines.local import build_engine
-from tandem.errors import InvalidArgument
+from tandem.errors import InvalidArgument, RequestRefused
 
 pytestmark = pytest.mark.xdist_group("format_masks")
 FIXED_K = EngineConfig(spec=SpecConfig(adaptive=False, k_init=3), calibrate=False)
@@ -95,9 +95,42 @@ def test_each_position_is_masked_after_the_drafts_before_it(tiny_models, paralle
 
 def test_a_verifier_without_masks_refuses_a_format(tiny_models) -> None:
     engine = SpeculativeEngine(LocalVerifier(ModelRunner(tiny_models[0].model)), None, FIXED_K)
-    engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, output_format=REGEX_FORMAT))
-    with pytest.raises(InvalidArgument, match="cannot follow a response format"):
+    engine.add_request([4, 5, 6], SamplingParams(temperature=0.0))
+    formatted = engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, output_format=REGEX_FORMAT))
+    with pytest.raises(RequestRefused, match="cannot follow a response format") as refused:
         engine.step()
+    assert refused.value.request_id == formatted
+
+
+# Ambiguous: its parse costs more with every "a" (86 ms a token after 160 on CPU-A, measured with the real vocabulary).
+SLOW_GRAMMAR = OutputFormat("grammar", 'start: e "!"\ne: e e | e e e | "a"')
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-row-after-another", "llguidance-threads"])
+def test_a_format_that_costs_too_much_or_fails_refuses_its_own_row(tiny_models, parallel: bool) -> None:
+    """A row whose masks take longer than the budget, or whose parser hits its limits, is refused by name (its
+    matcher dropped); a row with a cheap format beside it is masked as ever."""
+    target = tiny_models[0]
+    eos = target.tokenizer.eos_token_id
+    (a,) = _ids(target, "a")
+    slow = DraftRequest("slow", keep=0, append=[], k=0, params=SamplingParams(output_format=SLOW_GRAMMAR),
+                        output_start=1)
+    cheap = DraftRequest("cheap", keep=0, append=[], k=0, params=SamplingParams(output_format=REGEX_FORMAT),
+                         output_start=1)
+    states = [SequenceState(tokens=[7] + [a] * 40), SequenceState(tokens=[9])]
+    masks = FormatMasks(target.tokenizer, {eos}, parallel=parallel, row_budget_s=0.0, token_budget_s=0.0)
+    with pytest.raises(RequestRefused, match=r"^response_format: following the format took") as refused:
+        masks.apply(torch.randn(2, 320), [1, 1], [slow, cheap], states, [41, 1], [[], []])
+    assert refused.value.request_id == "slow" and len(masks) == 1  # the cheap row's matcher stays
+    generous = FormatMasks(target.tokenizer, {eos}, parallel=parallel)
+    logits = generous.apply(torch.randn(2, 320), [1, 1], [slow, cheap], states, [41, 1], [[], []])
+    assert _allowed(logits[0]) == {a, _ids(target, "!")[0]} and _allowed(logits[1]) == set(_ids(target, "abc"))
+    # An output that has left the format (a token it refuses: never emitted, only a drafter's row holds one) is no
+    # failure: its positions are left as they are.
+    left = DraftRequest("left", keep=0, append=[], k=0, params=SamplingParams(output_format=REGEX_FORMAT),
+                        output_start=1)
+    logits = generous.apply(torch.randn(1, 320), [1], [left], [SequenceState(tokens=[7, a, a])], [3], [[]])
+    assert torch.isfinite(logits).all()
 
 
 @pytest.mark.parametrize("fields", [{"kind": "xml", "spec": "x"}, {"kind": "regex", "spec": ""},

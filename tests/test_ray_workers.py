@@ -6,6 +6,7 @@ import ipaddress
 import os
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -14,9 +15,10 @@ ray = pytest.importorskip("ray")
 
 from tandem.core.config import EngineConfig, OutputFormat, SamplingParams, SpecConfig  # noqa: E402
 from tandem.core.engine import SpeculativeEngine  # noqa: E402
-from tandem.core.protocol import KVUsage  # noqa: E402
+from tandem.core.protocol import KVUsage, VerifyRequest  # noqa: E402
 from tandem.core.row_layout import RowLayout  # noqa: E402
 from tandem.engines.local import build_engine  # noqa: E402
+from tandem.errors import RequestRefused  # noqa: E402
 from tandem.workers.draft_pool import RayDrafter, start_draft_workers  # noqa: E402
 from tandem.workers.target_pool import RayVerifier, start_target_replicas  # noqa: E402
 from tandem.workers.worker_base import WorkerConfig  # noqa: E402
@@ -378,6 +380,50 @@ def test_target_replicas_follow_a_format(tiny_models, pool, replicas) -> None:
     results = engine.generate(PROMPTS, FORMATTED)
     assert [r.token_ids for r in results] == _plain(tiny_models, FORMATTED)
     assert sum(r.stats["accepted"] for r in results) > 0
+
+
+def test_a_refused_row_fails_its_own_caller_and_a_call_merged_with_it_is_answered(tiny_models, replicas) -> None:
+    """Two gateways' clients on one replica. A row whose format costs too much to follow is refused, by its own id,
+    to its caller alone: a call the worker merged into the same forward is rerun and answered, and the replica stays
+    in service."""
+    tokenizer = tiny_models[0].tokenizer
+    (a,) = tokenizer.encode("a", add_special_tokens=False)
+    slow = SamplingParams(temperature=0.0, max_tokens=400, output_format=OutputFormat(
+        "grammar", 'start: e "!"\ne: e e | e e e | "a"'))  # ambiguous: each "a" costs more to parse
+    gateways = [RayVerifier([replicas[0]], prefix=f"gw{i}-") for i in range(3)]  # a client is one gateway's
+
+    def formatted(seq_id: str, length: int) -> VerifyRequest:  # an output of `length` "a"s, sent whole
+        return VerifyRequest(seq_id, 0, [7] + [a] * length, None, slow, output_start=1)
+
+    outcomes: dict[str, object] = {}
+    merged = ray.get(replicas[0].info.remote())["merged_forwards"]
+
+    def call(name: str, client: RayVerifier, request: VerifyRequest) -> None:
+        try:
+            outcomes[name] = client.verify([request])
+        except RequestRefused as refused:
+            outcomes[name] = refused
+
+    blocker = threading.Thread(target=call, args=("blocker", gateways[1], formatted("blocker", 300)))
+    blocker.start()
+    time.sleep(0.3)  # the blocker's forward is running: the next two calls queue behind it and merge
+    plain = VerifyRequest("plain", 0, PROMPTS[0], None, GREEDY)
+    pair = [threading.Thread(target=call, args=("plain", gateways[0], plain)),
+            threading.Thread(target=call, args=("refused", gateways[2], formatted("refused", 240)))]
+    for thread in pair:
+        thread.start()
+    for thread in [blocker, *pair]:
+        thread.join(timeout=120)
+    assert isinstance(outcomes["blocker"], RequestRefused) and outcomes["blocker"].request_id == "blocker"
+    assert isinstance(outcomes["refused"], RequestRefused) and outcomes["refused"].request_id == "refused"
+    assert str(outcomes["refused"]).startswith("response_format: ")
+    plain_result = outcomes["plain"]
+    assert isinstance(plain_result, list) and plain_result[0].next_token is not None
+    assert all(client.router.healthy(0) for client in gateways)
+    assert ray.get(replicas[0].info.remote())["merged_forwards"] == merged + 1  # the plain and the refused call
+    for client, seq_id in zip(gateways, ("plain", "blocker", "refused"), strict=True):
+        client.release(seq_id)
+    assert _eventually(lambda: ray.get(replicas[0].cached_sequences.remote()) == 0)
 
 
 def test_target_replicas_batch_and_survive_a_killed_replica(tiny_models, pool, replicas, expected) -> None:

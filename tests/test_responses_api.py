@@ -198,7 +198,8 @@ def test_a_stream_the_client_leaves_is_cancelled(server) -> None:
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 4000, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", f"{server.gateway.http_url}/v1/responses", json=body, timeout=60) as response:
-        assert next(line for line in response.iter_lines() if '"response.output_text.delta"' in line)
+        lines = response.iter_lines()  # held: a dropped line iterator closes the response, and the client has left
+        assert next(line for line in lines if '"response.output_text.delta"' in line)
         assert server.gateway.loop.active == 1
     assert _idle(server)
 

@@ -180,6 +180,30 @@ def test_a_bad_format_is_refused_before_the_engine_and_leaves_running_requests_a
     assert server.wait_for(lambda: server.gateway.loop.active == 0 and server.caches_empty())
 
 
+# Ambiguous: its parse costs more with every "a" (86 ms a token after 160 on CPU-A). No EOS before the "!" it ends with.
+SLOW_GRAMMAR = 'start: e "!"\ne: e e | e e e | "a"'
+
+
+def test_a_grammar_too_costly_to_follow_fails_its_request_alone(server, tiny_models) -> None:
+    """The format compiles, so the gateway admits it; its masks grow costlier with every token, until the workers
+    refuse that request (a 400 naming the field) while a request running beside it goes on to its last token."""
+    url = server.gateway.http_url
+    (bang,) = tiny_models[0].tokenizer.encode("!", add_special_tokens=False)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as running:
+        lines = running.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # generating now
+        slow = _post(server, "completions", {"structured_outputs": {"grammar": SLOW_GRAMMAR}, "max_tokens": 1000,
+                                             "temperature": 0, "logit_bias": {str(bang): -100}})
+        assert slow.status_code == 400, slow.text
+        error = slow.json()["error"]
+        assert error["param"] == "structured_outputs" and error["message"].startswith("structured_outputs: ")
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert "error" not in events[-1] and events[-1]["usage"]["completion_tokens"] == 2000
+    assert server.wait_for(lambda: server.gateway.loop.active == 0 and server.caches_empty())
+
+
 def test_each_wire_case_through_the_client(server) -> None:
     with TandemClient(server.address, timeout=120) as client:
         schema = client.generate_result("Colour:", response_format=JSON_SCHEMA, n=4, **SAMPLED)

@@ -12,18 +12,16 @@
     PYTHONPATH=services python docs/bench/responses-api-v1.py float32 responses.json     # about 10 min on CPU-A
 """
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import openai
 
+from tandem.bench.local_cluster import serve_process
 from tandem.bench.prompts import load_prompts
+from tandem.sessions.embedded import free_port
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 TOOLS = [
@@ -42,12 +40,6 @@ AGENT = [("What is the weather in Lisbon right now?", "Lisbon: 17 C, light rain"
          ("Is it raining in Osaka? Check, then tell me whether to take an umbrella.", "Osaka: 22 C, heavy rain",
           "umbrella")]
 dtype, out = sys.argv[1], sys.argv[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def timed(call):
@@ -115,39 +107,23 @@ def agent_turn(sdk: openai.OpenAI, request: str, tool_output: str, word: str) ->
                       for c in chat.choices[0].message.tool_calls or ()] == again}
 
 
-with tempfile.TemporaryDirectory() as scratch, open(Path(scratch) / "serve.log", "w") as log:
-    port = free_port()
-    env = os.environ | {"HF_HUB_OFFLINE": "1"}
-    started = time.monotonic()
-    server = subprocess.Popen([sys.executable, "-m", "tandem", "serve", "--target", TARGET, "--draft", DRAFT,
-                               "--in-process", "--dtype", dtype, "--port", "0", "--http-port", str(port),
-                               "--metrics-port", "-1"], env=env, stderr=log)
-    try:
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.poll() is None and time.monotonic() - started < 1800, \
-                (Path(scratch) / "serve.log").read_text()[-3000:]
-            time.sleep(2)
-        report = {"dtype": dtype, "max_tokens": 96, "ready_s": round(time.monotonic() - started, 1), "prompts": []}
-        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
-        ways = ["chat", "responses", "stream"]
-        for index, prompt in enumerate(load_prompts()):
-            order = ways[index % 3:] + ways[: index % 3]
-            row = three_ways(sdk, prompt, order) | {"order": order}
-            row["same_text"] = row["chat"]["text"] == row["responses"]["text"] == row["stream"]["text"]
-            report["prompts"].append(row)
-            print(json.dumps({k: row[k] for k in ("order", "same_text")} | {
-                w: {k: v for k, v in row[w].items() if k not in ("text", "speculation")} for w in ways}), flush=True)
-        report["agent"] = [agent_turn(sdk, *case) for case in AGENT]
-        for row in report["agent"]:
-            print(json.dumps(row), flush=True)
-    finally:
-        server.terminate()
-        server.wait(timeout=120)
+port = free_port()
+flags = ["--target", TARGET, "--draft", DRAFT, "--in-process", "--dtype", dtype]
+with tempfile.TemporaryDirectory() as scratch, serve_process(flags, Path(scratch) / "serve.log", timeout_s=1800,
+                                                             http_port=port) as (_, ready_s):
+    report = {"dtype": dtype, "max_tokens": 96, "ready_s": ready_s, "prompts": []}
+    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
+    ways = ["chat", "responses", "stream"]
+    for index, prompt in enumerate(load_prompts()):
+        order = ways[index % 3:] + ways[: index % 3]
+        row = three_ways(sdk, prompt, order) | {"order": order}
+        row["same_text"] = row["chat"]["text"] == row["responses"]["text"] == row["stream"]["text"]
+        report["prompts"].append(row)
+        print(json.dumps({k: row[k] for k in ("order", "same_text")} | {
+            w: {k: v for k, v in row[w].items() if k not in ("text", "speculation")} for w in ways}), flush=True)
+    report["agent"] = [agent_turn(sdk, *case) for case in AGENT]
+    for row in report["agent"]:
+        print(json.dumps(row), flush=True)
 
 rows = report["prompts"]
 seconds = {way: sum(row[way]["s"] for row in rows) for way in ("chat", "responses", "stream")}

@@ -33,10 +33,25 @@ class BackendUnavailable(TandemError):
     """No worker of a pool can serve now (all failed, restarting or stopped): retry later."""
 
 
-class KVBudgetExceeded(InvalidArgument):
+class RequestRefused(InvalidArgument):
+    """One request cannot go on, for a reason of its own (its response format failed on a worker, its sequence
+    outgrew the KV budget): that request fails, and the requests batched with it go on without it."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+    def __reduce__(self):  # rebuilt from both arguments wherever it is unpickled (Exception's keeps the message only)
+        return type(self), (self.request_id, str(self))
+
+
+class KVBudgetExceeded(RequestRefused):
     """One request's sequence needs more KV cache than a worker's whole budget: it can never run, alone or not."""
 
     def __init__(self, request_id: str, needed: int, capacity: int) -> None:
-        super().__init__(f"request {request_id}: its sequence needs {needed} KV cache tokens, more than this "
-                         f"server's budget of {capacity} (--kv-tokens); shorten the prompt or max_tokens")
-        self.request_id = request_id
+        super().__init__(request_id, f"request {request_id}: its sequence needs {needed} KV cache tokens, more than "
+                         f"this server's budget of {capacity} (--kv-tokens); shorten the prompt or max_tokens")
+        self.needed, self.capacity = needed, capacity
+
+    def __reduce__(self):
+        return type(self), (self.request_id, self.needed, self.capacity)

@@ -150,12 +150,12 @@ def wait_serving(process: subprocess.Popen, log: Path | None = None, timeout_s: 
 
 @contextlib.contextmanager
 def serve_process(flags: Sequence[str], log: Path, pythonpath: str | None = None, timeout_s: float = 3600,
-                  costs_file: str = "") -> Iterator[tuple[str, float]]:
-    """`tandem serve FLAGS` (Ray, its pools and a gateway on a free port; no metrics or HTTP API) in a fresh
-    interpreter, on `pythonpath`'s checkout if given, its stderr in `log`: yields its address and the seconds from
-    its start until its readiness said SERVING, and stops it (SIGTERM) on leaving. `costs_file`: its default
-    calibration file ($TANDEM_CALIBRATION_FILE), used where FLAGS name none; '' (the default): it calibrates at
-    every start, as a measured start should."""
+                  costs_file: str = "", http_port: int = -1) -> Iterator[tuple[str, float]]:
+    """`tandem serve FLAGS` (Ray, its pools and a gateway on a free port; no metrics, and the HTTP API on `http_port`
+    where one is given) in a fresh interpreter, on `pythonpath`'s checkout if given, its stderr in `log`: yields its
+    address and the seconds from its start until its readiness said SERVING (both APIs' readiness), and stops it
+    (SIGTERM) on leaving. `costs_file`: its default calibration file ($TANDEM_CALIBRATION_FILE), used where FLAGS
+    name none; '' (the default): it calibrates at every start, as a measured start should."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HF_HUB_OFFLINE": "1",
                                                                               CALIBRATION_ENV: costs_file}
     if pythonpath:
@@ -163,8 +163,8 @@ def serve_process(flags: Sequence[str], log: Path, pythonpath: str | None = None
     began = time.monotonic()
     with log.open("w") as errors:
         process = subprocess.Popen([sys.executable, "-m", "tandem", "serve", *flags, "--port", "0", "--metrics-port",
-                                    "-1", "--http-port", "-1"], env=env, stdout=subprocess.PIPE, stderr=errors,
-                                   text=True)
+                                    "-1", "--http-port", str(http_port)], env=env, stdout=subprocess.PIPE,
+                                   stderr=errors, text=True)
     try:
         address = wait_serving(process, log, timeout_s=timeout_s)
         yield address, round(time.monotonic() - began, 2)

@@ -11,10 +11,16 @@ position is read. The draft masks its own steps the same way, so its proposals a
 
 Each side keeps one matcher per sequence and moves it with the sequence: forward by the tokens the output gained,
 back (llguidance's rollback) by the drafts a verification rejected.
+
+A format that fails on its output refuses that request alone (RequestRefused; its step's other rows run again
+without it): llguidance's parser stops at its limits, and a client's ambiguous grammar can cost more with every
+token before it gets there (`start: e` / `e: e e | "a"` took 76 ms a token after 400 characters, 1 s after 1,000,
+stalling every row batched with it), so a row whose masks take longer than `row_budget_s` in one call is refused too.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,9 +37,15 @@ from tandem.core.config import OutputFormat
 from tandem.core.formats import format_tokenizer, grammar_of
 from tandem.core.protocol import DraftRequest, VerifyRequest
 from tandem.core.sequence import SequenceState
-from tandem.errors import InvalidArgument
+from tandem.errors import RequestRefused
 
 _BITS = 32  # token ids per bitmask word
+# A row's masks for one call (its output's new tokens consumed, then k + 1 positions): a JSON schema's take 1-3 ms on
+# a loaded 2-core CPU (docs/performance.md, Structured outputs); past this, plus TOKEN_BUDGET_S for each output token
+# the call moves its matcher through (a resend carries a whole output: JSON's cost 2 us a token on CPU-A), the
+# format is refused.
+ROW_BUDGET_S = 0.1
+TOKEN_BUDGET_S = 1e-4
 
 
 @dataclass(slots=True)
@@ -47,10 +59,14 @@ class FormatMasks:
     """One side's matchers (a drafter's or a verifier's), a matcher per sequence whose request has a format.
     `tokenizer` (Hugging Face's) becomes llguidance's on the first such request, unless the server built it ahead
     (core.formats.build_in_background: workers and gateways do as they start).
-    `parallel`: compute a step's rows on llguidance's threads; None decides by the logits' device (not on a CPU)."""
+    `parallel`: compute a step's rows on llguidance's threads; None decides by the logits' device (not on a CPU).
+    `row_budget_s`: the seconds a row's masks may take in one call before its request is refused, plus
+    `token_budget_s` per output token the call moves the row's matcher through (None: no limit, for ranks of a
+    tensor-parallel group that must all refuse alike)."""
 
-    def __init__(self, tokenizer: Any, eos_token_ids: Collection[int], parallel: bool | None = None) -> None:
-        self.parallel = parallel
+    def __init__(self, tokenizer: Any, eos_token_ids: Collection[int], parallel: bool | None = None,
+                 row_budget_s: float | None = ROW_BUDGET_S, token_budget_s: float = TOKEN_BUDGET_S) -> None:
+        self.parallel, self.row_budget_s, self.token_budget_s = parallel, row_budget_s, token_budget_s
         self._source = (tokenizer, frozenset(eos_token_ids))
         self._eos = frozenset(eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
@@ -84,15 +100,23 @@ class FormatMasks:
         masks = torch.full((sum(wants), self._words), -1, dtype=torch.int32)  # all -1: left as it is
         walks: list[tuple[LLMatcher, int, list[int]]] = []
         alone: list[tuple[LLMatcher, int]] = []
+        rows: list[tuple[str, LLMatcher, int, list[int], float]] = []  # seq id, matcher, row, drafts, seconds so far
         at = 0
         for request, state, length, tokens, width in zip(requests, states, committed, drafts, wants, strict=True):
             if request.params.output_format is not None:
+                started = time.perf_counter()
+                before = len(self._tracked[request.seq_id].consumed) if request.seq_id in self._tracked else 0
                 tracked = self._sync(request.seq_id, request.params.output_format,
                                      state.tokens[request.output_start : length])
-                if tracked is not None and width > 1:
-                    walks.append((tracked.matcher, at, list(tokens[: width - 1])))
-                elif tracked is not None:
-                    alone.append((tracked.matcher, at))
+                if tracked is not None:
+                    walk = list(tokens[: width - 1])
+                    # Time spent beyond what moving through the output's new tokens is allowed.
+                    spent = time.perf_counter() - started - self.token_budget_s * max(0, len(tracked.consumed) - before)
+                    rows.append((request.seq_id, tracked.matcher, at, walk, spent))
+                    if walk:
+                        walks.append((tracked.matcher, at, walk))
+                    else:
+                        alone.append((tracked.matcher, at))
             at += width
         # Within a row, position i + 1's mask follows draft i, up to the first draft the format refuses or an EOS
         # (the masks after it are not written), and the matcher is rolled back to the output afterwards.
@@ -100,15 +124,17 @@ class FormatMasks:
             # One row after another: llguidance's threads, spinning beside the model's own on the same cores, made
             # plain decoding under a schema 0.80x as fast at batch 1 (5.29 against 6.61 tok/s on 2 cores,
             # docs/bench/format-masks-threads-v1.json).
-            for matcher, at, tokens in walks:
-                self._walk(matcher, masks, at, tokens)
-            for matcher, at in alone:
-                fill_next_token_bitmask(matcher, masks, at)
-        else:  # rows in parallel, on cores the model's forwards leave idle
+            for seq_id, matcher, at, walk, spent in rows:
+                started = time.perf_counter()
+                self._walk(matcher, masks, at, walk)
+                self._check(seq_id, matcher, spent + time.perf_counter() - started)
+        else:  # rows in parallel, on cores the model's forwards leave idle (timed in _sync only)
             if walks:
                 fill_next_token_bitmask_par_with_draft_tokens(_executor(), walks, masks)
             if alone:
                 fill_next_token_bitmask_par(_executor(), alone, masks)
+            for seq_id, matcher, _, _, spent in rows:
+                self._check(seq_id, matcher, spent)
         written = (masks != -1).any(dim=1).nonzero().flatten()  # a written mask leaves ids past the vocabulary out
         part = _unpack(masks[written].to(logits.device), logits.shape[-1])
         part |= ~part.any(dim=-1, keepdim=True)  # nothing of the scored vocabulary: left as it is
@@ -118,6 +144,18 @@ class FormatMasks:
         # much (17.6 against 12.2 ms for 40 positions of a 152k vocabulary on 2 cores, format-masks-unpack-v1.json).
         logits = torch.where(allowed, logits.to(torch.float32), float("-inf"))
         return logits
+
+    def _check(self, seq_id: str, matcher: LLMatcher, seconds: float) -> None:
+        """Refuse the sequence's request where its format failed (llguidance's parser hit a limit) or its masks took
+        longer than the budget; its matcher is dropped with it."""
+        if matcher.is_error():
+            self.release(seq_id)
+            raise RequestRefused(seq_id, f"response_format: the format failed on this output: {matcher.get_error()}")
+        if self.row_budget_s is not None and seconds > self.row_budget_s:
+            self.release(seq_id)
+            raise RequestRefused(seq_id, f"response_format: following the format took {1e3 * seconds:.0f} ms for one "
+                                 f"step of this output, past this server's limit of {1e3 * self.row_budget_s:.0f} ms; "
+                                 "an ambiguous grammar's parse grows with the output: make it unambiguous")
 
     def _walk(self, matcher: LLMatcher, masks: torch.Tensor, at: int, drafts: list[int]) -> None:
         """What fill_next_token_bitmask_par_with_draft_tokens does for one row, on this thread."""
@@ -144,7 +182,7 @@ class FormatMasks:
         if tracked is None or tracked.output_format != output_format:
             matcher = LLMatcher(self.tokenizer, grammar_of(output_format))
             if matcher.is_error():
-                raise InvalidArgument(f"response_format: {matcher.get_error()}")
+                raise RequestRefused(seq_id, f"response_format: {matcher.get_error()}")
             tracked = self._tracked[seq_id] = _Tracked(output_format, matcher)
         consumed = tracked.consumed
         same = _common_prefix(consumed, output)
@@ -156,6 +194,7 @@ class FormatMasks:
         # Never through an EOS: llguidance's rollback would not count it.
         moved = tracked.matcher.try_consume_tokens(gained[:ended]) if ended else 0
         consumed.extend(gained[:moved])
+        self._check(seq_id, tracked.matcher, 0.0)  # a parser limit hit on the way
         return tracked if moved == len(gained) else None
 
 

@@ -35,7 +35,7 @@ from tandem.core.sampling import (
     truncate_top_m,
 )
 from tandem.core.sequence import SequenceState
-from tandem.errors import InvalidArgument
+from tandem.errors import RequestRefused
 
 if TYPE_CHECKING:  # core.format_masks needs llguidance, which a runner alone (the GPU probe's) does without
     from tandem.core.format_masks import FormatMasks
@@ -73,8 +73,9 @@ def _formatted(formats: FormatMasks | None, runner: ModelRunner, logits: torch.T
     if not any(request.params.output_format for request in requests):
         return logits
     if formats is None:
-        raise InvalidArgument("response_format: this worker was built without its tokenizer, so it cannot follow "
-                              "a response format")
+        refused = next(request.seq_id for request in requests if request.params.output_format)
+        raise RequestRefused(refused, "response_format: this worker was built without its tokenizer, so it cannot "
+                             "follow a response format")
     if len(formats) > len(runner.states) + 32:
         formats.keep_only(runner.states.keys())
     return formats.apply(logits, wants, requests, states, committed, drafts)

@@ -21,7 +21,7 @@ from tandem.core.engine import SpeculativeEngine
 from tandem.core.policy import PolicyState
 from tandem.core.requests import Sequence, StepOutput
 from tandem.core.stops import FINISH_ABORT
-from tandem.errors import BackendUnavailable, InvalidArgument, KVBudgetExceeded, TandemError
+from tandem.errors import BackendUnavailable, InvalidArgument, RequestRefused, TandemError
 from tandem.gateway.events import EngineFailed, EngineUnavailable, QueueFull
 from tandem.gateway.handles import Delivery, Finished, RequestHandle, SessionStore, Update
 from tandem.sessions import MemorySessionStore
@@ -193,7 +193,7 @@ class EngineLoop:
                 self._rounds.before_step()
             try:
                 outputs = self.engine.step()
-            except KVBudgetExceeded as exc:  # that request alone can never run; the others go on
+            except RequestRefused as exc:  # that request alone cannot go on; the others run again without it
                 self._fail_one(exc.request_id, exc)
                 continue
             except BackendUnavailable as exc:

@@ -5,7 +5,10 @@ threads; the first caller to find the worker idle becomes the leader: it waits t
 join, takes every call queued by then, runs them as one batch and hands each caller its own rows. Calls that arrive
 during that forward queue for the next one, so rows join and leave per step and the window bounds the wait. A merged
 call that reports lost sequences or a full cache is rerun call by call, so each caller gets the answer to its own
-rows (both are raised before the forward writes anything, so the rerun is safe).
+rows (both are raised before the forward writes anything, so the rerun is safe). One that reports a refused row
+(a request that cannot go on: another gateway's, as often as not) gives the refusal to the call holding that row and
+reruns the others: a call's rows resend what they keep and append (core.protocol), so a forward that wrote part of
+their caches before the refusal is rerun from the same point.
 
 Whichever thread leads, the model itself only ever runs on one thread of the worker's (`on_model_thread`): loading,
 forwards and cache releases alike. torch's CPU thread pool is OpenMP's, which keeps a team of threads for every
@@ -117,14 +120,17 @@ class CallBatcher:
         for call in calls:
             end = start + len(call.requests)
             call.reply = WorkerReply(results=reply.results[start:end] if reply.results is not None else None,
-                                     lost=reply.lost, full=reply.full)
+                                     lost=reply.lost, full=reply.full, refused=reply.refused)
             start = end
 
     def _forward(self, calls: list[_Call], merged: list) -> WorkerReply | None:
-        """The merged forward; where it reports lost sequences or a full cache, each call's own (None then)."""
+        """The merged forward; where it reports lost sequences, a full cache or a refused row, each call's own (None
+        then)."""
         reply = self.run(merged)
         if len(calls) > 1 and reply.results is None:
             for call in calls:
-                call.reply = self.run(call.requests)
+                refused = reply.refused is not None and any(
+                    getattr(request, "seq_id", request) == reply.refused[0] for request in call.requests)
+                call.reply = reply if refused else self.run(call.requests)
             return None
         return reply

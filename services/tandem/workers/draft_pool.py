@@ -49,6 +49,8 @@ class RayDrafter(RayPoolClient):
         self.stats.calls += 1
         self.stats.failures += out.failed
         self.stats.timeouts += out.timed_out
+        if out.refused is not None:
+            raise out.refused
         if out.lost:
             raise StateLost(out.lost)
         return [result or DraftProposal(tokens=[], failed=True) for result in out.results]

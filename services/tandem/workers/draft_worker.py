@@ -7,6 +7,7 @@ imported where the worker is built, not here (gateways import this module: see w
 from __future__ import annotations
 
 from tandem.core.protocol import DraftRequest, KVCacheFull, StateLost
+from tandem.errors import RequestRefused
 from tandem.workers.worker_base import WorkerBase, WorkerConfig, WorkerReply, load_runner
 
 
@@ -36,3 +37,5 @@ class DraftWorker(WorkerBase):
             return WorkerReply(lost=lost.seq_ids)
         except KVCacheFull as full:
             return WorkerReply(full=(full.needed, full.capacity))
+        except RequestRefused as refused:
+            return WorkerReply(refused=(refused.request_id, str(refused)))

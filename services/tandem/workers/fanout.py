@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import ray
 
 from tandem.core.protocol import KVCacheFull, KVUsage, TraceCarriers, WorkerHealth
+from tandem.errors import RequestRefused
 from tandem.telemetry import tracing
 from tandem.workers.pace import Pace
 from tandem.workers.routing import AffinityRouter
@@ -28,6 +29,7 @@ class FanoutResult:
     timed_out: int = 0
     benched: list[int] = field(default_factory=list)  # workers that failed or missed the deadline this round
     full: KVCacheFull | None = None  # a worker's KV cache could not hold its rows (their results stay None)
+    refused: RequestRefused | None = None  # one row's own request cannot go on (its worker's rows: results None)
 
 
 class WireIds:
@@ -93,6 +95,9 @@ def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, re
             continue
         if reply.full:
             out.full = KVCacheFull(*reply.full)
+            continue
+        if reply.refused:
+            out.refused = RequestRefused(ids.from_wire(reply.refused[0]), reply.refused[1])
             continue
         for row, result in zip(groups[index], reply.results, strict=True):
             out.results[row] = result

@@ -63,6 +63,8 @@ class RayVerifier(RayPoolClient):
             self._rebuild(index)
         if out.full is not None:
             raise out.full
+        if out.refused is not None:
+            raise out.refused
         unresolved = [r.seq_id for r, result in zip(requests, out.results, strict=True) if result is None]
         if unresolved and not self._any_healthy():
             raise TargetUnavailable(f"no healthy target replica for {len(unresolved)} sequence(s)")

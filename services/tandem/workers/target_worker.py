@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.core.protocol import KVCacheFull, StateLost, VerifyRequest
+from tandem.errors import RequestRefused
 from tandem.workers.worker_base import LoadedRunner, WorkerBase, WorkerConfig, WorkerReply, load_runner
 
 
@@ -19,12 +20,16 @@ class TargetWorker(WorkerBase):
         super().__init__(name, config.batch_window_s)
         self._take(self.batcher.on_model_thread(load_runner, config))
 
-    def _take(self, loaded: LoadedRunner) -> None:
-        from tandem.core.format_masks import FormatMasks
+    def _take(self, loaded: LoadedRunner, timed_formats: bool = True) -> None:
+        """timed_formats: refuse a request whose format's masks take too long (core.format_masks), which only a
+        worker that decides for itself may do: the ranks of a replica that each take the gateways' calls must refuse
+        alike, and a time differs between them."""
+        from tandem.core.format_masks import ROW_BUDGET_S, FormatMasks
         from tandem.core.formats import build_in_background
         from tandem.core.local import LocalVerifier
 
-        formats = FormatMasks(loaded.tokenizer, loaded.eos_token_ids)
+        formats = FormatMasks(loaded.tokenizer, loaded.eos_token_ids,
+                              row_budget_s=ROW_BUDGET_S if timed_formats else None)
         build_in_background(loaded.tokenizer, loaded.eos_token_ids)  # its masks' tokenizer, before a request needs it
         self.runner, self.verifier, self.threads = loaded.runner, LocalVerifier(loaded.runner, formats), loaded.threads
         self._tokenizer = (loaded.tokenizer, loaded.eos_token_ids)
@@ -46,3 +51,5 @@ class TargetWorker(WorkerBase):
             return WorkerReply(lost=lost.seq_ids)
         except KVCacheFull as full:
             return WorkerReply(full=(full.needed, full.capacity))
+        except RequestRefused as refused:
+            return WorkerReply(refused=(refused.request_id, str(refused)))

@@ -66,8 +66,10 @@ class TensorParallelRank(TargetWorker):
                           WORLD_SIZE=str(self.world), LOCAL_RANK="0")
         backend = "nccl" if self.config.device.startswith("cuda") and torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, rank=self.rank, world_size=self.world, timeout=timedelta(seconds=timeout_s))
+        # A shared replica's rank 0 decides for every rank (it broadcasts each forward, reruns included).
         self._take(self.batcher.on_model_thread(load_runner, self.config, 0,
-                                                {"tp_plan": "auto"} if self.world > 1 else None))
+                                                {"tp_plan": "auto"} if self.world > 1 else None),
+                   timed_formats=self.lead or self.world == 1)
         if self.lead and self.world > 1:
             self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
             if self.rank:

@@ -91,11 +91,13 @@ class WorkerConfig:
 @dataclass(slots=True)
 class WorkerReply:
     """Either results, or the ids this worker no longer holds (it restarted, or never saw them), or that its KV
-    cache is full (KVCacheFull's needed and capacity tokens)."""
+    cache is full (KVCacheFull's needed and capacity tokens), or that one row's own request cannot go on
+    (RequestRefused's sequence id and message: the caller fails that request and sends the others again)."""
 
     results: list | None = None
     lost: list[str] | None = None
     full: tuple[int, int] | None = None
+    refused: tuple[str, str] | None = None
     spans: list[dict] | None = None  # finished spans of traced rows, for the gateway to export (telemetry.worker)
 
 
