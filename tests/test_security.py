@@ -185,7 +185,8 @@ def test_http_needs_a_key(server, pki, keys) -> None:
         with _http(pki, key) as client:
             for response in (client.get(f"{url}/v1/models"), client.post(f"{url}/v1/completions", json=body),
                              client.post(f"{url}/v1/chat/completions", content=b"not json"),
-                             client.post(f"{url}/v1/responses", json={"input": "hi"})):
+                             client.post(f"{url}/v1/responses", json={"input": "hi"}),
+                             client.post(f"{url}/tokenize", json={"prompt": "hi"})):
                 assert response.status_code == 401, response.text
                 error = response.json()["error"]
                 assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/responses, /v1/models,
-/health.
+/health, and vLLM's /tokenize and /detokenize.
 
 Requests go through the gateway's own generation path (tandem.gateway.generation.Generations), the one the gRPC
 API uses: the same validation, engine loop, arm routing and cancellation. Bodies are parsed here rather than by
@@ -8,9 +8,7 @@ FastAPI's parameter binding so that every refusal, a bad JSON body included, is 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -19,12 +17,13 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from tandem.gateway.auth import ApiKeys
 from tandem.gateway.events import ChoiceDelta, ChoiceEnd, Event
 from tandem.gateway.generation import GenerationsSource
+from tandem.gateway.openai.bodies import read_body
 from tandem.gateway.openai.convert import (
     CHAT_RENAMES,
     COMPLETION_RENAMES,
@@ -48,10 +47,11 @@ from tandem.gateway.openai.responses_input import chat_body
 from tandem.gateway.openai.responses_output import ResponseWriter, response_events
 from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, ResponsesRequest, _Generate
 from tandem.gateway.openai.streaming import ClientGone, EventStream, merged, until_disconnected
+from tandem.gateway.openai.tokenize import RENAMES as TOKENIZE_RENAMES
+from tandem.gateway.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from tandem.gateway.openai.tokens import TokenTexts
 from tandem.gateway.validate import GatewayLimits
 
-LARGE_BODY_BYTES = 64 * 1024  # bodies past this are parsed in a worker thread (other streams go on meanwhile)
 CLIENT_CLOSED = 499  # never seen by the client (it left); what access logs conventionally record
 # Why the server cannot take requests now ("loading", "draining", "unavailable"), or None when it can.
 Status = Callable[[], str | None]
@@ -85,6 +85,8 @@ def create_app(generations: GenerationsSource, limits: GatewayLimits, status: St
     app.add_api_route("/v1/responses", api.responses, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -149,6 +151,24 @@ class _Api:
             model["max_model_len"] = limits.context_window  # vLLM's name for it; clients size prompts by it
         return JSONResponse({"object": "list", "data": [model]})
 
+    async def tokenize(self, request: Request) -> Response:
+        return await self._tokens(request, TokenizeRequest, tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._tokens(request, DetokenizeRequest, detokenize)
+
+    async def _tokens(self, request: Request, schema: type[BaseModel], answer: Callable) -> Response:
+        """vLLM's /tokenize and /detokenize (gateway.openai.tokenize): API keys and readiness as on /v1."""
+        try:
+            tenant = self._tenant(request)
+            body = await read_body(request, schema, self.limits.max_request_bytes)
+            self._check_ready()
+            generations = self.generations()
+            check_model(body, generations.target_name)
+            return JSONResponse(await answer(generations, body, tenant))
+        except Exception as exc:
+            return _error(exc, TOKENIZE_RENAMES)
+
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, CHAT)
 
@@ -159,7 +179,7 @@ class _Api:
         renames = RESPONSES_RENAMES
         try:
             tenant = self._tenant(request)
-            body = await _read_body(request, ResponsesRequest, self.limits.max_request_bytes)
+            body = await read_body(request, ResponsesRequest, self.limits.max_request_bytes)
             chat, renames = chat_body(body)
             renames = format_renames(body, renames)
             return await self._respond(request, tenant, body, chat, renames)
@@ -184,7 +204,7 @@ class _Api:
         renames = endpoint.renames
         try:
             tenant = self._tenant(request)  # before the body: an unauthenticated client gets nothing parsed
-            body = await _read_body(request, endpoint.schema, self.limits.max_request_bytes)
+            body = await read_body(request, endpoint.schema, self.limits.max_request_bytes)
             renames = format_renames(body, renames)
             return await self._serve(request, endpoint, tenant, body, renames)
         except ClientGone:
@@ -234,42 +254,6 @@ async def _deliver(request: Request, events: AsyncGenerator, stream: bool, colle
 def _error(exc: Exception, renames: dict[str, str]) -> JSONResponse:
     error = exc if isinstance(exc, OpenAIError) else from_exception(exc, renames)
     return error.response()
-
-
-def _too_large(size: int, limit: int) -> OpenAIError:
-    return OpenAIError(413, f"the body is {size} bytes or more, past the limit of {limit} bytes",
-                       code="request_too_large")
-
-
-async def _read_body(request: Request, schema: type[BaseModel], limit: int):
-    """The body parsed and validated. One past `limit` bytes is refused (413) unread when its Content-Length says
-    so, else as soon as that much has arrived; a large one is parsed off the event loop."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    if len(body) > LARGE_BODY_BYTES:
-        return await asyncio.to_thread(_parse_body, body, schema)
-    return _parse_body(body, schema)
-
-
-def _parse_body(body: bytes, schema: type[BaseModel]):
-    try:
-        data = json.loads(body)
-    except ValueError as exc:
-        raise bad_request(f"the body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise bad_request("the body must be a JSON object")
-    try:
-        return schema.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc.errors()) from exc
 
 
 async def _collect(events: AsyncGenerator, collect: Callable[[Event], object]) -> None:

@@ -1,0 +1,63 @@
+"""vLLM's /tokenize and /detokenize beside the OpenAI API: the target tokenizer's ids for a prompt or a chat, and the
+text of ids, so that clients written for vLLM count and build prompts against tandem unchanged.
+
+/tokenize gives the ids a request would be given: a prompt's as /v1/completions encodes it, a chat's with its
+template applied and the assistant's turn opened (the tools shown, as /v1/chat/completions shows them), through the
+gateway's own tokenize path (gRPC's Tokenize). vLLM's `add_generation_prompt: false` and
+`add_special_tokens: false` would ask for other ids than a request gets, so they are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import StrictBool, StrictInt
+
+from tandem.gateway.generation import Generations
+from tandem.gateway.openai.convert import chat_request
+from tandem.gateway.openai.errors import bad_request
+from tandem.gateway.openai.schemas import ChatCompletionRequest, ChatMessage, ToolSpec, _Body
+
+RENAMES = {"chat.messages": "messages", "chat.tools": "tools", "chat": "messages", "input": "prompt"}
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolSpec] | None = None
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+async def tokenize(generations: Generations, body: TokenizeRequest, tenant: str) -> dict[str, Any]:
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("prompt: send exactly one of prompt or messages", "prompt")
+    for name in ("add_generation_prompt", "add_special_tokens"):
+        if getattr(body, name) is False:
+            raise bad_request(f"{name}: only true is supported (the ids a request is given)", name)
+    if body.messages is not None:
+        chat = ChatCompletionRequest(messages=body.messages, tools=body.tools)
+        ids = await generations.tokenize(chat=chat_request(chat, "tokenize").chat, tenant=tenant)
+    else:
+        ids = await generations.tokenize(prompt=body.prompt, tenant=tenant)
+    texts = None
+    if body.return_token_strs:
+        texts = generations.tokenizer.convert_ids_to_tokens(ids)
+    return {"count": len(ids), "max_model_len": generations.model_limits.context_window, "tokens": ids,
+            "token_strs": texts}
+
+
+async def detokenize(generations: Generations, body: DetokenizeRequest, tenant: str) -> dict[str, Any]:
+    """`tenant` is taken for symmetry with tokenize: decoding touches no per-tenant state."""
+    vocab = generations.model_limits.vocab_size
+    for index, token in enumerate(body.tokens):
+        if not 0 <= token < vocab:
+            raise bad_request(f"tokens[{index}]: {token} is outside the vocabulary (0..{vocab - 1})", "tokens")
+    return {"prompt": generations.tokenizer.decode(body.tokens)}

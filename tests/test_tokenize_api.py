@@ -1,0 +1,58 @@
+"""vLLM's /tokenize and /detokenize on a real gateway over the tiny pair: the ids a request is given (as gRPC's
+Tokenize and the usage of a real request count them), their texts, and refusals naming the field."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from gateway_harness import tiny_http_server
+from tandem.client import TandemClient
+
+MODEL = "tiny-target"
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    yield from tiny_http_server(tiny_models, max_prompt_tokens=2048)
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.gateway.http_url}/{path}", json=body, timeout=60)
+
+
+def test_tokenize_gives_the_ids_a_request_is_given(server, tiny_models) -> None:
+    sdk = openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0)
+    with TandemClient(server.address, timeout=60) as client:
+        prompt = _post(server, "tokenize", {"model": MODEL, "prompt": "def add(a, b):", "return_token_strs": True})
+        assert prompt.status_code == 200, prompt.text
+        body = prompt.json()
+        assert body["tokens"] == client.tokenize("def add(a, b):") and body["count"] == len(body["tokens"])
+        assert body["max_model_len"] == server.gateway.generations.model_limits.context_window
+        assert body["token_strs"] == tiny_models[0].tokenizer.convert_ids_to_tokens(body["tokens"])
+        chat = _post(server, "tokenize", {"messages": CHAT, "tools": [WEATHER]}).json()
+        assert chat["tokens"] == client.tokenize(chat=CHAT, tools=[WEATHER]) and chat["token_strs"] is None
+    asked = sdk.chat.completions.create(model=MODEL, messages=CHAT, tools=[WEATHER], max_tokens=1)
+    assert asked.usage.prompt_tokens == chat["count"]
+    text = _post(server, "detokenize", {"model": MODEL, "tokens": body["tokens"]})
+    assert text.status_code == 200 and text.json() == {"prompt": "def add(a, b):"}
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("tokenize", {}, "prompt"),
+    ("tokenize", {"prompt": "x", "messages": CHAT}, "prompt"),
+    ("tokenize", {"messages": CHAT, "add_generation_prompt": False}, "add_generation_prompt"),
+    ("tokenize", {"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
+    ("tokenize", {"prompt": "x", "model": "gpt-9"}, "model"),
+    ("tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ("detokenize", {"tokens": [1, 10**9]}, "tokens"),
+    ("detokenize", {"tokens": "abc"}, "tokens"),
+])
+def test_refusals_name_the_field(server, path: str, body: dict, param: str) -> None:
+    response = _post(server, path, body)
+    assert response.status_code in (400, 404), response.text
+    assert response.json()["error"]["param"] == param
