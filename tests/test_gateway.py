@@ -17,6 +17,7 @@ from tandem.client import AsyncTandemClient, TandemClient
 from tandem.core.config import SamplingParams
 from tandem.core.detok import REPLACEMENT
 from tandem.engines.local import build_engine
+from tandem.errors import RequestRefused
 from tandem.gateway.server import READINESS_SERVICE, SERVING
 from tandem.gateway.validate import GatewayLimits
 from tandem.sessions import MemorySessionStore
@@ -255,6 +256,26 @@ def test_a_request_past_the_kv_budget_fails_alone_with_invalid_argument(tiny_mod
     assert isinstance(failure, grpc.aio.AioRpcError) and failure.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "budget of 96" in failure.details() and "--kv-tokens" in failure.details()
     assert short == expected[0][:8]
+
+
+def test_a_refusal_naming_no_running_request_fails_the_step_instead_of_repeating_it(tiny_models) -> None:
+    """A refusal is raised before anything is committed, so the step runs again without the request it names; one
+    that names none of the running requests would be raised at every step: the step's requests fail instead."""
+    def load():
+        backend = tiny_backend(tiny_models[0], None)()
+
+        def refuse(requests):
+            raise RequestRefused("nobody", "response_format: refused a row it was not sent")
+        backend.engine.verifier.verify = refuse
+        return backend
+
+    running = ServerThread(load)
+    try:
+        with TandemClient(running.address, timeout=30) as client, pytest.raises(grpc.RpcError) as failed:
+            client.generate_result(token_ids=[3, 4, 5], max_tokens=4, temperature=0.0)
+    finally:
+        running.stop()
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not sent" in failed.value.details()
 
 
 def test_request_id_is_reusable_after_cancel(server, references) -> None:

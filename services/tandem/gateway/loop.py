@@ -194,7 +194,11 @@ class EngineLoop:
             try:
                 outputs = self.engine.step()
             except RequestRefused as exc:  # that request alone cannot go on; the others run again without it
-                self._fail_one(exc.request_id, exc)
+                if exc.request_id in self._running:
+                    self._fail_one(exc.request_id, exc)
+                else:  # naming none of them, it would be raised again at every step
+                    log.error("a refusal named no running request (%s): failing the step's requests", exc.request_id)
+                    self._fail_running(exc)
                 continue
             except BackendUnavailable as exc:
                 log.warning("no target replica available: failing %d request(s) UNAVAILABLE", len(self._running))
