@@ -115,7 +115,7 @@ def test_a_prompt_is_fed_in_the_forward_that_scores_it_unless_that_would_pad_its
     a forward of its own, so theirs stays one token wide. Same tokens either way (float32)."""
     from tandem.core.row_layout import RowLayout
 
-    runner = ModelRunner(tiny_models[0].model)
+    runner = ModelRunner(tiny_models[0].model, prefix_cache=False)  # the prompts share prefixes: all are computed
     verifier = LocalVerifier(runner)
     widths: list[tuple[int, int]] = []
     hidden = runner._hidden

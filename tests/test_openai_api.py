@@ -290,6 +290,31 @@ def test_penalties_and_bias_mean_the_same_on_both_apis(server) -> None:
     assert _idle(server)
 
 
+def test_usage_counts_the_prompt_tokens_a_cached_prefix_served(server) -> None:
+    """A request whose system prompt a finished one had: its usage says how many prompt tokens were not computed
+    (prefix caching), through the chat API, the Responses API and gRPC."""
+    system = "You review Python code. " * 12  # long enough to share (core.runner.MIN_SHARED_PREFIX)
+    sdk = _sdk(server)
+
+    def chat(question: str):
+        return sdk.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": system},
+                                                                  {"role": "user", "content": question}], **GREEDY)
+
+    chat("def add(a, b):")
+    assert _idle(server)
+    second = chat("def sub(a, b):")
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < second.usage.prompt_tokens
+    response = sdk.responses.create(model=MODEL, instructions=system, input="def mul(a, b):", max_output_tokens=4,
+                                    temperature=0)
+    assert 16 <= response.usage.input_tokens_details.cached_tokens < response.usage.input_tokens
+    ids = list(range(100, 140))
+    _, _, first = _grpc(server, token_ids=ids + [1], **GREEDY)
+    _, _, again = _grpc(server, token_ids=ids + [2], **GREEDY)
+    assert first.usage.cached_prompt_tokens < len(ids) <= again.usage.cached_prompt_tokens
+    assert _idle(server)
+
+
 def test_stream_disconnect_frees_caches(server) -> None:
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.gateway.http_url}/v1/chat/completions", json=body, timeout=60) as response:

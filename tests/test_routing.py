@@ -76,3 +76,29 @@ def test_an_overloaded_worker_spills_new_sequences_to_the_next_in_rank() -> None
     router = AffinityRouter(2, 10.0, "target", max_imbalance=1)
     picks = [router.route(f"seq-{i}", "one-busy-session") for i in range(10)]
     assert min(picks.count(0), picks.count(1)) >= 4, picks
+
+
+def test_new_sequences_sharing_a_long_prompt_prefix_meet_on_one_worker() -> None:
+    """Without a session, a prompt longer than PREFIX_ROUTE_TOKENS is placed by its first tokens and its scope, so
+    requests sharing a system prompt find it in one worker's prefix cache; every router ranks alike."""
+    from tandem.core.protocol import VerifyRequest
+    from tandem.workers.routing import PREFIX_ROUTE_TOKENS, routing_key
+
+    system = list(range(1000, 1000 + PREFIX_ROUTE_TOKENS))
+
+    def request(seq_id: str, tail: list[int], scope: str = "", keep: int = 0, session: str = "") -> VerifyRequest:
+        return VerifyRequest(seq_id, keep, system + tail, None, None, session=session, cache_scope=scope)
+
+    assert routing_key(request("a", [1])) == routing_key(request("b", [2, 3])) != ""
+    assert routing_key(request("a", [1], scope="alice")) != routing_key(request("a", [1], scope="bob"))
+    assert routing_key(request("a", [1], session="chat")) == "chat"  # a session's worker comes first
+    assert routing_key(request("a", [], keep=4)) == ""  # a running sequence sticks to its worker anyway
+    short = VerifyRequest("s", 0, system[:PREFIX_ROUTE_TOKENS], None, None)
+    assert routing_key(short) == ""  # no longer than the routed head: the least loaded worker
+
+    placed = set()
+    for gateway in range(3):  # three gateways' routers, each with other sequences running
+        router = AffinityRouter(4, cooldown_s=60, role="target", names=[f"w{i}" for i in range(4)])
+        router.affinity.update({f"other-{i}": i % 4 for i in range(gateway)})
+        placed |= {router.route(f"q{n}", routing_key(request(f"q{n}", [n]))) for n in range(2)}
+    assert len(placed) == 1

@@ -267,6 +267,19 @@ def test_same_session_id_in_two_tenants_is_two_sessions(server, pki, keys) -> No
         assert runner.reused_tokens > reused  # alice's own session does reuse its cache
 
 
+def test_a_tenants_prompt_prefix_serves_its_own_requests_only(server, pki, keys) -> None:
+    runner = server.engine.verifier.runner
+    system = list(range(200, 240))  # a 40-token system prompt: long enough to share (core.runner)
+    with _client(server, pki, keys["alice"]) as alice, _client(server, pki, keys["bob"]) as bob:
+        alice.generate_result(token_ids=system + [1, 2], max_tokens=4, **GREEDY)
+        assert server.wait_for(lambda: not runner.states)
+        shared = runner.shared_tokens
+        bob.generate_result(token_ids=system + [3, 4], max_tokens=4, **GREEDY)
+        assert runner.shared_tokens == shared  # alice's cached prompt is not bob's to time
+        alice.generate_result(token_ids=system + [5, 6], max_tokens=4, **GREEDY)
+        assert runner.shared_tokens >= shared + len(system)
+
+
 def test_per_tenant_concurrency_cap(server, pki, keys) -> None:
     url = server.gateway.http_url
     with _client(server, pki, keys["capped"]) as capped, _client(server, pki, keys["alice"]) as alice:

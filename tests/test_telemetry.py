@@ -105,6 +105,21 @@ def test_metrics_carry_the_in_process_models_kv_tokens(server) -> None:
     assert series == {(role, state) for role in ("draft", "target") for state in ("used", "reserved", "capacity")}
 
 
+def test_metrics_count_prompt_tokens_copied_from_cached_prefixes(server) -> None:
+    system = list(range(100, 140))  # long enough to share (core.runner.MIN_SHARED_PREFIX)
+    before = {role: pool.kv_usage().shared for role, pool in (("target", server.engine.verifier),
+                                                              ("draft", server.engine.drafter))}
+    with TandemClient(server.address, timeout=60) as client:
+        for tail in ([1], [2]):
+            _complete(client, token_ids=system + tail, **GREEDY)
+    assert server.wait_for(lambda: server.gateway.loop.active == 0)
+    families = scrape(server.gateway.metrics_url)
+    for role, pool in (("target", server.engine.verifier), ("draft", server.engine.drafter)):
+        shared = pool.kv_usage().shared
+        assert shared >= before[role] + len(system)  # the second request copied the first's system prompt
+        assert value(families, "tandem_kv_shared_tokens_total", tandem_worker_role=role) == shared, role
+
+
 def test_trace_context_from_client_metadata_parents_the_genai_server_span(server) -> None:
     with in_memory_tracing() as (exporter, tests_tracer), TandemClient(server.address, timeout=60) as client:
         with tests_tracer.start_as_current_span("client") as client_span:

@@ -85,6 +85,8 @@ def test_gateway_and_worker_metrics_endpoints(cluster) -> None:
         assert kv == {"used": info["kv_tokens_used"], "reserved": info["kv_tokens_reserved"],
                       "capacity": KV_TOKENS}, role
         assert 0 < kv["used"] <= kv["reserved"] <= KV_TOKENS
+        assert value(families, "tandem_kv_shared_tokens_total", tandem_worker_role=role,
+                     tandem_worker_name=info["name"]) == info["shared_tokens"], role
     gateway = scrape(server.gateway.metrics_url)
     assert value(gateway, "tandem_worker_healthy", tandem_worker_role="draft", tandem_worker_index=0) == 1
     assert value(gateway, "tandem_worker_healthy", tandem_worker_role="target", tandem_worker_index=0) == 1

@@ -144,11 +144,12 @@ def run_bench(target, draft, prompts: list[str], max_tokens: int, methods: tuple
               kv_tokens: int = 0) -> dict:
     """`hf_models`: (target, draft) loaded the standard way for the hf_* methods, when tandem's own are prepared
     for its fast path (core.packed_linear); None runs Hugging Face on tandem's models. `kv_tokens`: the KV token
-    budget of each of tandem's runners (0: a share of the memory free when it starts)."""
+    budget of each of tandem's runners (0: a share of the memory free when it starts). Prefix caching is off: the
+    chat prompts share the template's system prompt, which Hugging Face computes for every prompt."""
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     hf_target, hf_draft = hf_models or (target, draft)
-    plain_engine = build_engine(target, None, EngineConfig(calibrate=False), kv_tokens=kv_tokens)
-    tandem_engine = build_engine(target, draft, config or EngineConfig(), kv_tokens=kv_tokens)
+    plain_engine = build_engine(target, None, EngineConfig(calibrate=False), kv_tokens=kv_tokens, prefix_cache=False)
+    tandem_engine = build_engine(target, draft, config or EngineConfig(), kv_tokens=kv_tokens, prefix_cache=False)
     encoded = [encode_prompt(target.tokenizer, p, chat=True) for p in prompts]
     runners = {
         "plain": lambda ids: plain_engine.generate([ids], greedy)[0].token_ids,

@@ -74,9 +74,11 @@ def build_engines(job: dict) -> tuple[dict, dict, list[list[int]]]:
     # A KV budget for these requests and for calibration (max_batch sequences, forwards up to ~1k tokens wide), not a
     # share of free memory: the other system is loaded beside this one.
     kv_tokens = max(len(ids), EngineConfig().max_batch) * max(1024, max(map(len, ids)) + job["max_tokens"] + 64)
-    engines = {"plain": build_engine(target, None, EngineConfig(calibrate=False), kv_tokens=kv_tokens),
+    # Prefix caching off, as vLLM's is here: the warm-up below sends the same prompts as the measured runs.
+    engines = {"plain": build_engine(target, None, EngineConfig(calibrate=False), kv_tokens=kv_tokens,
+                                     prefix_cache=False),
                "auto": build_engine(target, draft, EngineConfig(spec=SpecConfig(draft_vocab=job.get("draft_vocab", 0))),
-                                    kv_tokens=kv_tokens)}
+                                    kv_tokens=kv_tokens, prefix_cache=False)}
     for engine in engines.values():  # a short lone request and a short batch: compiling, calibrating, first calls
         engine.generate([ids[0][:8]], SamplingParams(temperature=0.0, max_tokens=job["max_tokens"]))
         engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=4))
@@ -136,6 +138,7 @@ def run_served(args: argparse.Namespace, prompts: list[str], repeat: int, log: P
     cmd = [sys.executable, "-m", "tandem", "serve", "--in-process", "--target", args.target, "--draft", args.draft,
            "--device", "cpu", "--dtype", args.dtype, "--threads", str(args.threads), "--port", address.split(":")[1],
            "--no-metrics", "--calibration-file", "",  # the sitting's own calibration, not costs kept from another
+           "--no-prefix-cache",  # as vLLM's is off: every level sends the same prompts again
            "--draft-quantization", getattr(args, "draft_quantization", "none"),
            "--draft-vocab", str(getattr(args, "draft_vocab", 0)),
            *({"all": ["--compile"], "draft": ["--compile-draft"]}.get(compile, []))]

@@ -61,6 +61,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="KV cache budget of each model (the target's and the draft's, in every worker), in "
                              "tokens counted as sequences x the longest one's length (default 0: a share of the "
                              "memory free at start: the GPU's, or the host's available memory)")
+    parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                        help="compute every prompt whole: by default a new request copies the keys and values of the "
+                             "longest prefix of its prompt that a running or recently finished request of the same "
+                             "tenant has cached (a shared system prompt, tools, few-shot examples) instead of "
+                             "computing them; benchmarks that repeat prompts turn it off")
 
 
 def add_pool_options(parser: argparse.ArgumentParser) -> None:
@@ -148,7 +153,8 @@ def local_options(args: argparse.Namespace):
     from tandem.engines.options import LocalOptions
 
     return LocalOptions(device=args.device, dtype=args.dtype, threads=args.threads, eager=args.eager,
-                        compile=args.compile, kv_tokens=args.kv_tokens, draft_quantization=args.draft_quantization)
+                        compile=args.compile, kv_tokens=args.kv_tokens, draft_quantization=args.draft_quantization,
+                        prefix_cache=args.prefix_cache)
 
 
 def add_calibration_file_option(parser: argparse.ArgumentParser) -> None:

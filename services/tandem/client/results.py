@@ -19,6 +19,7 @@ FINISH_REASONS: dict[int, FinishReason] = {
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of the prompt's, those the server held cached rather than computed
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +93,9 @@ class GenerateResult:
 
     @property
     def usage(self) -> Usage:
-        return Usage(self.choices[0].usage.prompt_tokens, sum(c.usage.completion_tokens for c in self.choices))
+        first = self.choices[0].usage
+        return Usage(first.prompt_tokens, sum(c.usage.completion_tokens for c in self.choices),
+                     first.cached_prompt_tokens)
 
 
 class Collector:
@@ -125,7 +128,7 @@ class Collector:
         self.completes[item.index] = item
         self.request_id = self.request_id or item.request_id
         choice.finish_reason = FINISH_REASONS.get(item.finish_reason, "unspecified")
-        choice.usage = Usage(item.usage.prompt_tokens, item.usage.completion_tokens)
+        choice.usage = Usage(item.usage.prompt_tokens, item.usage.completion_tokens, item.usage.cached_prompt_tokens)
         choice.speculation = SpeculationStats.from_proto(item.speculation)
 
     def result(self) -> GenerateResult:

@@ -67,7 +67,8 @@ class SpeculativeEngine:
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                     policy_state: policy.PolicyState | None = None, max_k: int | None = None,
-                    session_id: str = "") -> str:
+                    session_id: str = "", cache_scope: str = "") -> str:
+        """`cache_scope`: the requests that may share cached prompt prefixes with this one (a tenant's)."""
         if not prompt:
             raise InvalidArgument("prompt: must contain at least one token")
         vocab = self.verifier.vocab_size
@@ -87,7 +88,7 @@ class SpeculativeEngine:
         state = policy_state or policy.PolicyState(k=self.config.spec.k_init)
         stop = StopChecker(params, self.eos_token_ids, self.decode)
         self.sequences[request_id] = Sequence(request_id, list(prompt), params, stop, state, max_k=max_k,
-                                              session_id=session_id,
+                                              session_id=session_id, cache_scope=cache_scope,
                                               logprobs=None if params.logprobs is None else [])
         return request_id
 
@@ -156,6 +157,8 @@ class SpeculativeEngine:
                 policy.apply(seq.policy, decision)
         outputs: list[StepOutput | None] = []
         for seq, k, proposal, result in zip(batch, ks, proposals, results, strict=True):
+            if result.cached_prompt and not seq.output:  # new to the verifier: what of its prompt it found cached
+                seq.stats.cached_prompt_tokens = min(result.cached_prompt, len(seq.prompt))
             if result.prefilling:
                 seq.verify_synced = len(seq.context)  # the verifier holds the whole prompt, part of it cached
                 seq.prefill_started = True
@@ -171,7 +174,7 @@ class SpeculativeEngine:
         def verify() -> list[VerifyResult]:
             return self.verifier.verify([
                 VerifyRequest(seq.request_id, seq.verify_synced, seq.context[seq.verify_synced :], proposal, seq.params,
-                              seq.session_id, limit, len(seq.prompt), seq.scores_prompt)
+                              seq.session_id, limit, len(seq.prompt), seq.scores_prompt, seq.cache_scope)
                 for seq, proposal, limit in zip(batch, proposals, limits, strict=True)
             ])
 
@@ -202,7 +205,8 @@ class SpeculativeEngine:
 
         def requests() -> list[DraftRequest]:
             return [DraftRequest(batch[i].request_id, batch[i].draft_synced, batch[i].backlog(ks[i], catch_up[i]),
-                                 ks[i], batch[i].params, batch[i].session_id, len(batch[i].prompt)) for i in rows]
+                                 ks[i], batch[i].params, batch[i].session_id, len(batch[i].prompt),
+                                 batch[i].cache_scope) for i in rows]
 
         def forget(lost: list[str]) -> None:
             for i in rows:

@@ -190,6 +190,13 @@ class SlotCache(Cache):
                 if saved is not None:
                     buffer[b, :, :length_a].copy_(saved)
 
+    @torch.inference_mode()
+    def copy(self, source: int, target: int, length: int) -> None:
+        """Copy the first `length` tokens of slot `source` into slot `target` (a shared prefix: core.runner)."""
+        for layer in self._allocated():
+            for buffer in (layer.keys, layer.values):
+                buffer[target, :, :length].copy_(buffer[source, :, :length])
+
 
 CUDA_SHARE = 0.4  # of the device memory free when a runner starts: a drafter may share the GPU, activations need room
 CPU_SHARE = 0.25  # of the host memory available (free plus what the kernel can reclaim, such as the page cache)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,22 +49,26 @@ def _key_seed(params) -> int:
     return seed
 
 
-def _sync_all(runner: ModelRunner, requests: list) -> list[SequenceState]:
+def _sync_all(runner: ModelRunner, requests: list) -> tuple[list[SequenceState], list[int]]:
+    """Each request's state, synced; and for each, the tokens a sequence new to this runner found cached."""
     known = {r.seq_id: len(runner.states[r.seq_id].tokens) for r in requests if r.seq_id in runner.states}
     lost = [r.seq_id for r in requests if r.keep > known.get(r.seq_id, 0)]
     if lost:
         raise StateLost(lost)
-    states = []
+    states, reused = [], []
     for request in requests:
-        state = runner.state(request.seq_id, request.session)
+        # A new sequence (its whole history sent) may start from a prefix another holds; one whose prompt is
+        # scored needs every prompt token in its scoring forward.
+        whole = request.keep == 0 and not getattr(request, "score_prompt", False)
+        state = runner.state(request.seq_id, request.session, request.append if whole else None, request.cache_scope)
         state.sync(request.keep, request.append)
-        if request.seq_id not in known:
-            runner.reused_tokens += min(state.cached, len(state.tokens) - 1)
+        reused.append(0 if request.seq_id in known else min(state.cached, len(state.tokens) - 1))
+        runner.reused_tokens += reused[-1]
         if state.cached >= len(state.tokens):
             # Scores come from feeding the last known token, so it must not be cached (happens on a retried call).
             state.truncate_cache(len(state.tokens) - 1)
         states.append(state)
-    return states
+    return states, reused
 
 
 def _formatted(formats: FormatMasks | None, runner: ModelRunner, logits: torch.Tensor, wants: list[int],
@@ -101,7 +106,7 @@ class LocalDrafter(InProcessSide):
         return KVUsage.of(self.runner)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
-        states = _sync_all(self.runner, requests)
+        states, _ = _sync_all(self.runner, requests)
         # Catch-ups (prompts, tokens decoded while not drafting, rows that only catch up: k 0) run before the
         # drafting, batched among themselves, so the draft steps' rows stay one or two tokens wide. A row that only
         # catches up on a token or two (a rider) is fed in the first draft step instead, its logits not computed.
@@ -204,7 +209,7 @@ class LocalVerifier(InProcessSide):
         return KVUsage.of(self.runner)
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
-        states = _sync_all(self.runner, requests)
+        states, reused = _sync_all(self.runner, requests)
         results = [VerifyResult.prefill_goes_on()] * len(requests)  # the rows scored below replace theirs
         scoring, uptos = [], []
         for index, (request, state) in enumerate(zip(requests, states, strict=True)):
@@ -227,7 +232,7 @@ class LocalVerifier(InProcessSide):
             for index, result in zip(scoring, self._score([requests[i] for i in scoring], [states[i] for i in scoring]),
                                      strict=True):
                 results[index] = result
-        return results
+        return [dataclasses.replace(r, cached_prompt=n) if n else r for r, n in zip(results, reused, strict=True)]
 
     def _score(self, requests: list[VerifyRequest], states: list[SequenceState]) -> list[VerifyResult]:
         drafts = [r.draft.tokens if r.draft else [] for r in requests]

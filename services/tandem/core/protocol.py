@@ -43,24 +43,28 @@ class KVCacheFull(RuntimeError):
 class KVUsage:
     """KV cache tokens of a runner, or summed over a pool's workers: `used` hold keys and values (running sequences
     and retained sessions), `reserved` is what the caches have room for (slots x capacity, allocated or about to
-    be), `capacity` the budget."""
+    be), `capacity` the budget; `shared`: prompt tokens new sequences copied from cached prefixes since the start
+    (prefix caching: core.runner)."""
 
     used: int = 0
     reserved: int = 0
     capacity: int = 0
+    shared: int = 0
 
     def __add__(self, other: KVUsage) -> KVUsage:
-        return KVUsage(self.used + other.used, self.reserved + other.reserved, self.capacity + other.capacity)
+        return KVUsage(self.used + other.used, self.reserved + other.reserved, self.capacity + other.capacity,
+                       self.shared + other.shared)
 
     @classmethod
     def of(cls, runner) -> KVUsage:
         """A ModelRunner's figures (core.runner)."""
-        return cls(runner.kv_tokens_used, runner.kv_tokens_reserved, runner.kv_tokens_capacity)
+        return cls(runner.kv_tokens_used, runner.kv_tokens_reserved, runner.kv_tokens_capacity, runner.shared_tokens)
 
     @classmethod
     def from_info(cls, info: dict) -> KVUsage:
         """From a worker's info() (workers.worker_base)."""
-        return cls(info["kv_tokens_used"], info["kv_tokens_reserved"], info["kv_tokens_capacity"])
+        return cls(info["kv_tokens_used"], info["kv_tokens_reserved"], info["kv_tokens_capacity"],
+                   info.get("shared_tokens", 0))
 
 
 @dataclass(slots=True)
@@ -72,6 +76,7 @@ class DraftRequest:
     params: SamplingParams
     session: str = ""  # a new sequence may start from this session's retained cache
     output_start: int = 0  # where the request's output begins in the sequence: its penalties count from there
+    cache_scope: str = ""  # only sequences of the same scope (a tenant) share cached prefixes
 
 
 @dataclass(slots=True)
@@ -105,6 +110,7 @@ class VerifyRequest:
     # Score every prompt token after the first too (params.prompt_logprobs alternatives): the sequence is new to the
     # verifier (keep 0, no session), and its prompt goes whole into the forward that scores its first round.
     score_prompt: bool = False
+    cache_scope: str = ""  # only sequences of the same scope (a tenant) share cached prefixes
 
 
 @dataclass(slots=True, frozen=True)
@@ -119,6 +125,9 @@ class VerifyResult:
     prefilling: bool = False
     # When the request had score_prompt: one per prompt token after the first, in order.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # The sequence was new to the verifier: how many of its tokens it found cached (its session's or a prefix another
+    # sequence shares), computed by no forward of this request.
+    cached_prompt: int = 0
 
     def __post_init__(self) -> None:
         if self.prefilling != (self.next_token is None):

@@ -10,6 +10,9 @@ A finished sequence of a session may be retained (bounded by tokens, least recen
 next request reuses the cache of their common prefix: a chat's next turn starts with the whole previous conversation.
 It keeps its keys and values in a slot at or above `active`, and is moved back below when its session returns.
 
+With prefix caching (`prefix_cache`, core.prefixes) a finished sequence of no session is retained the same way, for
+its prefix, and a new sequence starts from a copy of the longest prefix of its prompt held here.
+
 Memory is bounded by a KV token budget counted as slots x capacity (each slot reserves the longest sequence's
 length). A sequence or a forward that would not fit evicts retained sessions, least recently used first, and then
 raises KVCacheFull before anything of that call is written. Capacity grows geometrically with the longest sequence
@@ -31,6 +34,7 @@ from tandem.core import cpu_attention
 from tandem.core.attention import SEGMENTS, packed
 from tandem.core.cuda_graphs import MAX_WIDTH, ROW_BUCKETS, GraphedForward
 from tandem.core.kv_cache import SlotCache, Step, cache_keyword, default_kv_tokens
+from tandem.core.prefixes import MIN_SHARED_PREFIX, PREFIX, Key, best_source, redundant
 from tandem.core.protocol import KVCacheFull
 from tandem.core.row_inputs import packed_inputs, padded_inputs
 from tandem.core.row_layout import RowLayout
@@ -53,11 +57,12 @@ class ModelRunner:
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int = 0, vocab_limit: int = 0,
                  retain_tokens: int = DEFAULT_RETAIN_TOKENS, kv_tokens: int = 0, cuda_graphs: bool = True,
-                 compile: bool | None = None) -> None:
+                 compile: bool | None = None, prefix_cache: bool = True) -> None:
         """`kv_tokens`: the KV token budget (slots x capacity); 0 takes a share of the memory free now.
         `cuda_graphs`: replay decode forwards as CUDA graphs (core.cuda_graphs) on a GPU, outside tensor parallel.
         `compile`: those forwards compiled by torch.compile first (None: wherever CUDA graphs run); on a CPU, True
-        runs the same compiled static forwards without graphs."""
+        runs the same compiled static forwards without graphs. `prefix_cache`: new sequences copy the cache of a
+        prefix they share with one held here rather than compute it."""
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -89,11 +94,14 @@ class ModelRunner:
         self.occupants: list[SequenceState | None] = []  # by slot
         self.states: dict[str, SequenceState] = {}  # the active sequences, in slots [0, len(states))
         self.retain_tokens = retain_tokens
-        self.retained: OrderedDict[str, SequenceState] = OrderedDict()  # session -> its last finished sequence
+        self.prefix_cache = prefix_cache
+        # session -> its last finished sequence; (PREFIX, seq_id) -> a finished sequence kept for its prefix
+        self.retained: OrderedDict[Key, SequenceState] = OrderedDict()
         # Held while a session's state moves between `states` and `retained`, and while kv_tokens_used reads them
         # from another thread (metrics, info()): a state on the move would be counted in neither, or in both.
         self._moving = threading.Lock()
-        self.reused_tokens = 0
+        self.reused_tokens = 0  # cached tokens new sequences started with (a session's or a shared prefix)
+        self.shared_tokens = 0  # of those, the ones copied from another sequence's prefix
         sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
         graphed = cuda_graphs and self.device.type == "cuda" and not sharded
         compiled = graphed if compile is None else compile and not sharded and (graphed or self.device.type == "cpu")
@@ -106,8 +114,11 @@ class ModelRunner:
         self.cache_keyword = cache_keyword(model.base_model)
         self.graphs = GraphedForward(self.cache, self._hidden, compile=compiled, capture=graphed) if static else None
 
-    def state(self, seq_id: str, session: str = "") -> SequenceState:
-        """The state of `seq_id`; a new one starts from its session's retained cache when there is one."""
+    def state(self, seq_id: str, session: str = "", prompt: list[int] | None = None, scope: str = ""
+              ) -> SequenceState:
+        """The state of `seq_id`; a new one starts from its session's retained cache when there is one, else (given
+        its `prompt`, with prefix caching on) from a copy of the longest cached prefix of that prompt held here by a
+        sequence of the same `scope`."""
         if seq_id not in self.states:
             if session and session in self.retained:
                 with self._moving:
@@ -115,30 +126,61 @@ class ModelRunner:
                     self.states[seq_id] = state
             else:
                 self._fit(extra_slots=1, length=0)
-                state = SequenceState(session=session, slot=self.occupants.index(None))
+                state = SequenceState(session=session, slot=self.occupants.index(None), scope=scope,
+                                      shareable=prompt is not None)
                 self.occupants[state.slot] = state
                 self.states[seq_id] = state
             self._exchange(state.slot, len(self.states) - 1)  # the next active slot
+            if prompt is not None and self.prefix_cache and not state.cached:
+                self._share_prefix(state, prompt)
         return self.states[seq_id]
 
     def release(self, seq_id: str, retain: bool = False) -> None:
-        """Drop a sequence; with `retain`, keep its cache for its session's next request."""
+        """Drop a sequence; with `retain`, keep its cache for its session's next request. With prefix caching a
+        request's sequence is kept for its prefix otherwise (unless another kept one holds all of it)."""
         state = self.states.get(seq_id)
         if state is None:
             return
-        keep = retain and state.session and state.cached
-        self._exchange(state.slot, len(self.states) - 1, keep_a=bool(keep))  # the highest active fills the hole
-        if not keep:
+        key: Key = None
+        if retain and state.session and state.cached:
+            key = state.session
+        elif self.prefix_cache and state.shareable and state.cached >= MIN_SHARED_PREFIX:
+            key = (PREFIX, seq_id)
+        self._exchange(state.slot, len(self.states) - 1, keep_a=key is not None)  # the highest active fills the hole
+        if key is None:
             del self.states[seq_id]
             self._free(state)
             return
-        if (replaced := self.retained.pop(state.session, None)) is not None:
+        if (replaced := self.retained.pop(key, None)) is not None:
             self._free(replaced)
+        for other in redundant(self.retained, state):  # kept prefixes this one holds whole
+            self._free(self.retained.pop(other))
         with self._moving:
             del self.states[seq_id]
-            self.retained[state.session] = state
+            self.retained[key] = state
         while sum(s.cached for s in self.retained.values()) > self.retain_tokens:
             self._free(self.retained.popitem(last=False)[1])
+
+    @property
+    def retained_sessions(self) -> int:
+        return sum(isinstance(key, str) for key in self.retained)
+
+    @property
+    def retained_prefixes(self) -> int:
+        return len(self.retained) - self.retained_sessions
+
+    def _share_prefix(self, state: SequenceState, prompt: list[int]) -> None:
+        """Start `state` from a copy of the longest cached prefix of `prompt` held by a sequence of its scope."""
+        best_key, best, length = best_source([*self.retained.items(), *((None, s) for s in self.states.values())],
+                                             state, prompt)
+        if best is None:
+            return
+        self.cache.copy(best.slot, state.slot, length)
+        state.tokens[:] = prompt[:length]
+        state.cached = length
+        self.shared_tokens += length
+        if best_key is not None:
+            self.retained.move_to_end(best_key)  # used: the last to be evicted
 
     @property
     def kv_tokens_used(self) -> int:

@@ -17,6 +17,8 @@ class SequenceState:
     cached: int = 0
     session: str = ""
     slot: int = -1
+    scope: str = ""  # whose sequences may share this one's cached prefix (a tenant): only those of the same scope
+    shareable: bool = False  # a request's sequence (not a warm-up's): once finished, its prefix may serve others
 
     def sync(self, keep: int, append: list[int]) -> None:
         """Truncate to the first `keep` tokens, then append new ones; cached tokens past `keep` that `append`

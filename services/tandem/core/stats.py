@@ -19,6 +19,7 @@ class RequestStats:
     verify_seconds: float = 0.0
     draft_failures: int = 0
     rounds_by_k: dict[int, int] = field(default_factory=dict)
+    cached_prompt_tokens: int = 0  # prompt tokens the target found cached (a session's or a shared prefix)
 
     def record_round(self, k: int, accepted: int, fallback: bool) -> None:
         self.rounds += 1
@@ -62,4 +63,5 @@ class RequestStats:
             "verify_seconds": round(self.verify_seconds, 6),
             "draft_failures": self.draft_failures,
             "rounds_by_k": {str(k): n for k, n in sorted(self.rounds_by_k.items())},
+            "cached_prompt_tokens": self.cached_prompt_tokens,
         }

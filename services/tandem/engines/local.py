@@ -17,22 +17,26 @@ from tandem.models.loader import eos_token_ids, runner_mode
 
 
 def build_engine(target, draft=None, config: EngineConfig | None = None, kv_tokens: int = 0,
-                 costs: CostModel | None = None, retain_tokens: int = DEFAULT_RETAIN_TOKENS) -> SpeculativeEngine:
+                 costs: CostModel | None = None, retain_tokens: int = DEFAULT_RETAIN_TOKENS,
+                 prefix_cache: bool = True) -> SpeculativeEngine:
     """target and draft are LoadedModel-like objects with .model and .tokenizer; draft None means plain decoding.
     `kv_tokens`: each model's KV token budget (0: a share of the memory free when its runner starts). `costs`: a cost
     model to start from (shared with other engines, or fixed), else a fresh one that calibration fills.
-    `retain_tokens`: how many tokens of finished sessions' caches the target's runner keeps for their next turn."""
+    `retain_tokens`: how many tokens of finished sequences' caches the target's runner keeps for a session's next turn
+    or a prefix shared with later requests. `prefix_cache`: new requests start from a copy of a cached prefix of their
+    prompt (core.runner)."""
     config = config or EngineConfig()
     pad = target.tokenizer.pad_token_id or 0
     eos = eos_token_ids(target.model, target.tokenizer)
     verifier = LocalVerifier(ModelRunner(target.model, pad_token_id=pad, kv_tokens=kv_tokens,
-                                         retain_tokens=retain_tokens, **runner_mode(target)),
+                                         retain_tokens=retain_tokens, prefix_cache=prefix_cache,
+                                         **runner_mode(target)),
                              FormatMasks(target.tokenizer, eos))
     drafter = None
     if draft is not None and config.spec.speculating:
         runner = ModelRunner(draft.model, pad_token_id=pad,
                              vocab_limit=draft_vocab_limit(config.spec.draft_vocab, verifier.vocab_size),
-                             kv_tokens=kv_tokens, **runner_mode(draft))
+                             kv_tokens=kv_tokens, prefix_cache=prefix_cache, **runner_mode(draft))
         drafter = LocalDrafter(runner, top_m=config.spec.draft_top_m, confidence=config.spec.stop_confidence,
                                formats=FormatMasks(target.tokenizer, eos))
     for compiling in (verifier.runner, drafter and drafter.runner):
@@ -67,7 +71,8 @@ def build_local_backends(target: str, arms: tuple[Arm, ...], options: LocalOptio
             drafts[draft] = load_model(draft, quantization=options.draft_quantization,
                                        compile=compiles(options.compile, draft=True), **common)
             check_compatible(drafts[draft], target_model)
-        engine = build_engine(target_model, drafts[draft] if draft else None, arm.config, kv_tokens=options.kv_tokens)
+        engine = build_engine(target_model, drafts[draft] if draft else None, arm.config, kv_tokens=options.kv_tokens,
+                              prefix_cache=options.prefix_cache)
         backends[arm.name] = Backend(engine, target_model.tokenizer, target, draft)
     return backends
 

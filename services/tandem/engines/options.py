@@ -28,6 +28,7 @@ class LocalOptions:
     compile: str = "none"  # whose decode forwards torch.compile compiles on a CPU too (core.config.COMPILE_SCOPES)
     kv_tokens: int = 0  # each model's KV token budget (0: a share of the memory free when its runner starts)
     draft_quantization: str = "none"  # "int8", "w8a8" or "w4": quantized draft weights (core.config; output unchanged)
+    prefix_cache: bool = True  # new requests start from a copy of a cached prefix of their prompt (core.runner)
 
     def __post_init__(self) -> None:
         _check_models(self)
@@ -59,6 +60,7 @@ class ClusterOptions:
     compile: str = "none"  # whose decode forwards torch.compile compiles on a CPU too (core.config.COMPILE_SCOPES)
     kv_tokens: int = 0  # every worker's KV token budget (0: a share of the memory free when it starts)
     draft_quantization: str = "none"  # "int8", "w8a8" or "w4": draft workers' quantized weights (core.config)
+    prefix_cache: bool = True  # new requests start from a copy of a cached prefix of their prompt (core.runner)
 
     def __post_init__(self) -> None:
         _check_models(self)

@@ -197,7 +197,8 @@ class Generations:
             route, loop = self._route(prepared, loop, observed, tenant)
             try:
                 handle = await loop.submit(prepared.prompt_ids, prepared.params, prepared.request_id,
-                                           prepared.session_id, prepared.max_k, trace=observed.span)
+                                           prepared.session_id, prepared.max_k, trace=observed.span,
+                                           cache_scope=tenant)
             except FAILURES as exc:
                 observed.failed(error_code(exc), str(exc))
                 raise

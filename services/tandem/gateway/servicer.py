@@ -64,7 +64,8 @@ def _logprobs(logprobs: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
 def complete_message(end: ChoiceEnd) -> pb.GenerateResponse:
     return pb.GenerateResponse(complete=pb.Complete(
         finish_reason=FINISH_REASONS.get(end.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-        usage=pb.Usage(prompt_tokens=end.prompt_tokens, completion_tokens=end.completion_tokens),
+        usage=pb.Usage(prompt_tokens=end.prompt_tokens, completion_tokens=end.completion_tokens,
+                       cached_prompt_tokens=end.stats.get("cached_prompt_tokens", 0)),
         speculation=speculation_stats(end.stats),
         request_id=end.request_id,
         index=end.index,

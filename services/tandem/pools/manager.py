@@ -42,7 +42,8 @@ ROLES = ("draft", "target")
 STATUS_TIMEOUT_S = 2.0
 IMAGE_ENV = "TANDEM_IMAGE"  # the image a process runs (the Helm chart sets it): pools and gateways must agree
 PRUNE_EVERY_S = 2.0  # how often the manager looks for workers that died for good
-STATUS_FIELDS = ("sequences", "retained_sessions", "kv_tokens_used", "kv_tokens_capacity", "reused_tokens", "forwards",
+STATUS_FIELDS = ("sequences", "retained_sessions", "retained_prefixes", "kv_tokens_used", "kv_tokens_capacity",
+                 "reused_tokens", "shared_tokens", "forwards",
                  "rows", "merged_forwards", "busy_s", "pid", "threads", "metrics")  # copied from each worker's info()
 
 

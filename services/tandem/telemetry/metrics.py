@@ -89,6 +89,13 @@ def _gauge(callback: Callable[[], Iterator[tuple[float, dict]]]):
     return [observe]
 
 
+def observe_shared_tokens(meter, callback: Callable[[], Iterator[tuple[float, dict]]], where: str) -> None:
+    """The counter of prompt tokens copied from cached prefixes (KVUsage.shared), by the runners `where` says."""
+    meter.create_observable_counter("tandem.kv.shared_tokens", _gauge(callback), unit="{token}",
+                                    description=f"Prompt tokens whose keys and values {where} copied from a cached "
+                                    "prefix (prefix caching) instead of computing them.")
+
+
 def kv_observations(usage: KVUsage, attributes: dict) -> Iterator[tuple[float, dict]]:
     """One observation per tandem.kv.state."""
     for state in KV_STATES:
@@ -131,6 +138,7 @@ class GatewayMetrics:
                                       description="KV cache tokens of the models in this process, by role and state: "
                                       "used (held by running sequences and retained sessions), reserved (slots x "
                                       "capacity), capacity (the budget). Ray workers report on their own endpoints.")
+        observe_shared_tokens(meter, self._shared_tokens, "the models in this process (by role)")
         self.base: dict[str, str] = {"gen_ai.provider.name": PROVIDER}
         self._spec_base: dict[str, str] = {}
         self._positions: dict[int, list[int]] = {}  # draft position -> [drafted, accepted]
@@ -207,6 +215,16 @@ class GatewayMetrics:
         for role, pool in (("draft", engine.drafter), ("target", engine.verifier)):
             if isinstance(pool, LocalDrafter | LocalVerifier):  # a cheap local read; never a remote call
                 yield from kv_observations(pool.kv_usage(), {"tandem.worker.role": role})
+
+    def _shared_tokens(self) -> Iterator[tuple[float, dict]]:
+        from tandem.core.local import LocalDrafter, LocalVerifier
+
+        engine = self._engine
+        if engine is None:
+            return
+        for role, pool in (("draft", engine.drafter), ("target", engine.verifier)):
+            if isinstance(pool, LocalDrafter | LocalVerifier):
+                yield pool.kv_usage().shared, {"tandem.worker.role": role}
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

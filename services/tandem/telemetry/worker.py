@@ -30,7 +30,13 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from tandem.core.protocol import KVUsage
 from tandem.telemetry import tracing
-from tandem.telemetry.metrics import TIME_TO_FIRST_TOKEN_BUCKETS, Endpoint, _gauge, kv_observations
+from tandem.telemetry.metrics import (
+    TIME_TO_FIRST_TOKEN_BUCKETS,
+    Endpoint,
+    _gauge,
+    kv_observations,
+    observe_shared_tokens,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +98,12 @@ class WorkerMetrics:
                                       description="KV cache tokens of this worker's model, by state: used (held by "
                                       "running sequences and retained sessions), reserved (slots x capacity), "
                                       "capacity (the budget).")
+        observe_shared_tokens(meter, self._shared_tokens, "this worker's model")
+
+    def _shared_tokens(self) -> Iterator[tuple[float, dict]]:
+        usage = self._kv_usage() if self._kv_usage is not None else None
+        if usage is not None:
+            yield usage.shared, self.base
 
     def _kv_tokens(self) -> Iterator[tuple[float, dict]]:
         usage = self._kv_usage() if self._kv_usage is not None else None

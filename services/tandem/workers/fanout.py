@@ -14,7 +14,7 @@ from tandem.core.protocol import KVCacheFull, KVUsage, TraceCarriers, WorkerHeal
 from tandem.errors import RequestRefused
 from tandem.telemetry import tracing
 from tandem.workers.pace import Pace
-from tandem.workers.routing import AffinityRouter
+from tandem.workers.routing import AffinityRouter, routing_key
 from tandem.workers.tp_replica import TensorParallelReplica
 from tandem.workers.worker_base import ray_failures
 
@@ -66,7 +66,7 @@ def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, re
     those of its rows, and the spans it returns are exported here. `ids`: the sequence ids workers see. `pace`
     learns from every worker that answers in time."""
     out = FanoutResult(results=[None] * len(requests))
-    groups = router.group([(r.seq_id, r.session) for r in requests])
+    groups = router.group([(r.seq_id, routing_key(r)) for r in requests])
     carriers = {ids.to_wire(seq_id): carrier for seq_id, carrier in carriers.items()} if carriers else carriers
     requests = [dataclasses.replace(r, seq_id=ids.to_wire(r.seq_id)) for r in requests]
     batches = {index: [requests[row] for row in rows] for index, rows in groups.items() if index is not None}

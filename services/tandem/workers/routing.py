@@ -6,8 +6,11 @@ one by more than `max_imbalance` sequences. A session's other new sequences go t
 for the session by rendezvous hashing over the workers' names, so every gateway sharing a pool sends a session to
 the same worker without talking to the others, and a change in the set of workers moves only the sessions of the
 workers that came or went; a worker more than `max_imbalance` busier than the least loaded one spills the session
-to the next in rank. Sequences without a session go to the least loaded healthy worker. A worker that fails is
-benched for a cool-down and its sequences and sessions are routed afresh.
+to the next in rank. A new sequence without a session whose prompt is longer than PREFIX_ROUTE_TOKENS is placed the
+same way under a key made of its scope and its prompt's first PREFIX_ROUTE_TOKENS tokens (`routing_key`), so requests
+sharing a system prompt meet on the worker whose prefix cache holds it (core.runner); shorter ones go to the least
+loaded healthy worker. A worker that fails is benched for a cool-down and its sequences and sessions are routed
+afresh.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from collections import Counter, OrderedDict
 log = logging.getLogger(__name__)
 
 MAX_SESSIONS = 100_000
+# A new sequence without a session whose prompt is longer than this many tokens is routed by them: a shared system
+# prompt or tool list is usually longer; a prompt whose first tokens are a chat template's alone is shorter.
+PREFIX_ROUTE_TOKENS = 128
 
 
 class AffinityRouter:
@@ -108,6 +114,17 @@ class AffinityRouter:
         self.sessions[session] = index
         while len(self.sessions) > MAX_SESSIONS:
             self.sessions.popitem(last=False)
+
+
+def routing_key(request) -> str:
+    """What places a call's row (a DraftRequest or VerifyRequest): its session; for a new sequence without one, its
+    scope and its prompt's first PREFIX_ROUTE_TOKENS tokens when it has more; else nothing (the least loaded)."""
+    if request.session:
+        return request.session
+    if request.keep or len(request.append) <= PREFIX_ROUTE_TOKENS:
+        return ""
+    head = b"".join(token.to_bytes(4, "little") for token in request.append[:PREFIX_ROUTE_TOKENS])
+    return f"\0prefix\0{request.cache_scope}\0{hashlib.blake2b(head, digest_size=8).hexdigest()}"
 
 
 def rendezvous_score(key: str, worker: str) -> int:

@@ -86,6 +86,7 @@ class WorkerConfig:
     compile: bool = False  # decode forwards compiled by torch.compile on a CPU too (a GPU's default)
     quantization: str = "none"  # "int8", "w8a8" or "w4": quantized weights (draft workers only, core.config)
     batch_window_s: float = 0.0  # how long a call waits for other gateways' calls to join its forward (shared pools)
+    prefix_cache: bool = True  # new sequences start from a copy of a cached prefix of their prompt (core.runner)
 
 
 @dataclass(slots=True)
@@ -125,7 +126,7 @@ def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None =
     loaded = load_model(config.model, device=device, dtype=select_dtype(config.dtype, device), progress=False,
                         extra=extra, eager=config.eager, compile=config.compile, quantization=config.quantization)
     runner = ModelRunner(loaded.model, pad_token_id=loaded.tokenizer.pad_token_id or 0, vocab_limit=vocab_limit,
-                         kv_tokens=config.kv_tokens, **runner_mode(loaded))
+                         kv_tokens=config.kv_tokens, prefix_cache=config.prefix_cache, **runner_mode(loaded))
     runner.warm_up()  # compiles at start, not in the first requests (a GPU's default)
     return LoadedRunner(runner, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
                         torch.get_num_threads())
@@ -182,7 +183,8 @@ class WorkerBase:
         return {"name": self.name, "pid": os.getpid(), "host": host_facts(), "threads": self.threads,
                 "sequences": self.cached_sequences(),
                 "vocab_size": self.runner.vocab_size,
-                "context_window": self.runner.context_window, "retained_sessions": len(self.runner.retained),
+                "context_window": self.runner.context_window, "retained_sessions": self.runner.retained_sessions,
+                "retained_prefixes": self.runner.retained_prefixes, "shared_tokens": self.runner.shared_tokens,
                 **self.runner.layout.to_info(),
                 "reused_tokens": self.runner.reused_tokens, "metrics": self.telemetry.metrics_url,
                 "kv_tokens_used": self.runner.kv_tokens_used, "kv_tokens_reserved": self.runner.kv_tokens_reserved,

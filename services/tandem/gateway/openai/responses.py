@@ -66,12 +66,14 @@ class Responder:
 
     def usage(self) -> dict:
         ends = [choice.end for choice in self.choices if choice.end is not None]
-        prompts: dict[int, int] = {}  # each prompt counts once, however many choices it has
+        prompts: dict[int, tuple[int, int]] = {}  # each prompt counts once, however many choices it has
         for end in ends:
-            prompts.setdefault(end.index // self.per_prompt, end.prompt_tokens)
-        prompt = sum(prompts.values())
+            prompts.setdefault(end.index // self.per_prompt,
+                               (end.prompt_tokens, end.stats.get("cached_prompt_tokens", 0)))
+        prompt = sum(tokens for tokens, _ in prompts.values())
         completion = sum(end.completion_tokens for end in ends)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(cached for _, cached in prompts.values())}}
 
     # --- streaming ---
 
