@@ -16,6 +16,8 @@ A format that fails on its output refuses that request alone (RequestRefused; it
 without it): llguidance's parser stops at its limits, and a client's ambiguous grammar can cost more with every
 token before it gets there (`start: e` / `e: e e | "a"` took 76 ms a token after 400 characters, 1 s after 1,000,
 stalling every row batched with it), so a row whose masks take longer than `row_budget_s` in one call is refused too.
+The budget counts the CPU time of the thread that computes them (`time.thread_time`), not the wall time: on a loaded
+machine a row waiting for a core is not a costly format, and a new request's matcher, built once, is not counted.
 """
 
 from __future__ import annotations
@@ -104,14 +106,16 @@ class FormatMasks:
         at = 0
         for request, state, length, tokens, width in zip(requests, states, committed, drafts, wants, strict=True):
             if request.params.output_format is not None:
-                started = time.perf_counter()
+                started = time.thread_time()
                 before = len(self._tracked[request.seq_id].consumed) if request.seq_id in self._tracked else 0
-                tracked = self._sync(request.seq_id, request.params.output_format,
-                                     state.tokens[request.output_start : length])
+                tracked, built = self._sync(request.seq_id, request.params.output_format,
+                                            state.tokens[request.output_start : length])
                 if tracked is not None:
                     walk = list(tokens[: width - 1])
-                    # Time spent beyond what moving through the output's new tokens is allowed.
-                    spent = time.perf_counter() - started - self.token_budget_s * max(0, len(tracked.consumed) - before)
+                    # Time spent beyond building the matcher and what moving through the output's new tokens is
+                    # allowed.
+                    spent = (time.thread_time() - started - built
+                             - self.token_budget_s * max(0, len(tracked.consumed) - before))
                     rows.append((request.seq_id, tracked.matcher, at, walk, spent))
                     if walk:
                         walks.append((tracked.matcher, at, walk))
@@ -125,9 +129,9 @@ class FormatMasks:
             # plain decoding under a schema 0.80x as fast at batch 1 (5.29 against 6.61 tok/s on 2 cores,
             # docs/bench/format-masks-threads-v1.json).
             for seq_id, matcher, at, walk, spent in rows:
-                started = time.perf_counter()
+                started = time.thread_time()
                 self._walk(matcher, masks, at, walk)
-                self._check(seq_id, matcher, spent + time.perf_counter() - started)
+                self._check(seq_id, matcher, spent + time.thread_time() - started)
         else:  # rows in parallel, on cores the model's forwards leave idle (timed in _sync only)
             if walks:
                 fill_next_token_bitmask_par_with_draft_tokens(_executor(), walks, masks)
@@ -174,13 +178,15 @@ class FormatMasks:
     def _words(self) -> int:
         return (self.tokenizer.vocab_size + _BITS - 1) // _BITS
 
-    def _sync(self, seq_id: str, output_format: OutputFormat, output: list[int]) -> _Tracked | None:
+    def _sync(self, seq_id: str, output_format: OutputFormat, output: list[int]) -> tuple[_Tracked | None, float]:
         """The sequence's matcher, moved to the end of `output`: back past what the output no longer holds (rejected
         drafts), then forward through what it gained; None where the output has left the format (an EOS, a token
-        it refuses)."""
-        tracked = self._tracked.get(seq_id)
+        it refuses). And the thread's CPU seconds spent building the matcher (0 where it was built before)."""
+        tracked, built = self._tracked.get(seq_id), 0.0
         if tracked is None or tracked.output_format != output_format:
+            started = time.thread_time()
             matcher = LLMatcher(self.tokenizer, grammar_of(output_format))
+            built = time.thread_time() - started
             if matcher.is_error():
                 raise RequestRefused(seq_id, f"response_format: {matcher.get_error()}")
             tracked = self._tracked[seq_id] = _Tracked(output_format, matcher)
@@ -195,7 +201,7 @@ class FormatMasks:
         moved = tracked.matcher.try_consume_tokens(gained[:ended]) if ended else 0
         consumed.extend(gained[:moved])
         self._check(seq_id, tracked.matcher, 0.0)  # a parser limit hit on the way
-        return tracked if moved == len(gained) else None
+        return (tracked if moved == len(gained) else None), built
 
 
 _executors: list[LLExecutor] = []
