@@ -62,6 +62,21 @@ def test_a_running_request_shares_its_prefix_with_one_that_arrives_later(tiny_mo
     assert engine.verifier.runner.shared_tokens >= 40 and engine.drafter.runner.shared_tokens >= 40
 
 
+@pytest.mark.parametrize("same", [False, True], ids=["one-system-prompt", "one-prompt"])
+def test_requests_arriving_together_compute_their_shared_prefix_once(tiny_models, prompts, expected, same) -> None:
+    """Nothing held the prefix: the first request of the step computes it and the others copy it (a burst with one
+    system prompt; the same prompt, as a request's n choices are)."""
+    target, draft, _ = tiny_models
+    engine = build_engine(target, draft, FIXED_K)
+    batch = [prompts[0]] * 3 if same else prompts
+    results = engine.generate(batch, GREEDY)
+    assert [r.token_ids for r in results] == ([expected["greedy"][0]] * 3 if same else expected["greedy"])
+    copied = [r.stats["cached_prompt_tokens"] for r in results]
+    assert copied[0] == 0 and all(n >= (len(prompts[0]) - 1 if same else 40) for n in copied[1:]), copied
+    for runner in (engine.verifier.runner, engine.drafter.runner):
+        assert runner.shared_tokens >= 40 * (len(batch) - 1)
+
+
 def test_only_requests_of_the_same_scope_share(tiny_models, prompts, expected) -> None:
     engine = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
     runner = engine.verifier.runner

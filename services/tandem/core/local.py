@@ -68,6 +68,15 @@ def _sync_all(runner: ModelRunner, requests: list) -> tuple[list[SequenceState],
             # Scores come from feeding the last known token, so it must not be cached (happens on a retried call).
             state.truncate_cache(len(state.tokens) - 1)
         states.append(state)
+    # New sequences arriving together with a prefix nothing held had: one computes it, the others copy it. Not the
+    # rows whose prefill is capped this call (decoding batch mates wait for it) or whose prompt is scored.
+    fresh = [i for i, request in enumerate(requests) if request.seq_id not in known and request.keep == 0
+             and not getattr(request, "score_prompt", False) and not getattr(request, "prefill_limit", 0)]
+    if len(fresh) > 1:
+        for i in (fresh[position] for position in runner.share_among([states[i] for i in fresh])):
+            runner.reused_tokens -= reused[i]
+            reused[i] = min(states[i].cached, len(states[i].tokens) - 1)
+            runner.reused_tokens += reused[i]
     return states, reused
 
 

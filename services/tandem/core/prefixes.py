@@ -23,9 +23,10 @@ PREFIX = "prefix"  # a runner's retained key (PREFIX, seq_id): a finished sequen
 Key = str | tuple[str, str] | None
 
 
-def common_prefix(held: SequenceState, tokens: list[int]) -> int:
-    """How many of `held`'s cached tokens `tokens` begins with."""
-    limit = min(held.cached, len(tokens))
+def common_prefix(held: SequenceState, tokens: list[int], reach: int | None = None) -> int:
+    """How many of `held`'s cached tokens (its first `reach` tokens, cached or not, where given) `tokens` begins
+    with."""
+    limit = min(held.cached if reach is None else reach, len(held.tokens), len(tokens))
     if not limit or held.tokens[0] != tokens[0]:  # most held sequences, told apart at the cost of one token
         return 0
     if held.tokens[:limit] == tokens[:limit]:

@@ -34,7 +34,7 @@ from tandem.core import cpu_attention
 from tandem.core.attention import SEGMENTS, packed
 from tandem.core.cuda_graphs import MAX_WIDTH, ROW_BUCKETS, GraphedForward
 from tandem.core.kv_cache import SlotCache, Step, cache_keyword, default_kv_tokens
-from tandem.core.prefixes import MIN_SHARED_PREFIX, PREFIX, Key, best_source, redundant
+from tandem.core.prefixes import MIN_SHARED_PREFIX, PREFIX, Key, best_source, common_prefix, redundant
 from tandem.core.protocol import KVCacheFull
 from tandem.core.row_inputs import packed_inputs, padded_inputs
 from tandem.core.row_layout import RowLayout
@@ -160,6 +160,31 @@ class ModelRunner:
             self.retained[key] = state
         while sum(s.cached for s in self.retained.values()) > self.retain_tokens:
             self._free(self.retained.popitem(last=False)[1])
+
+    def share_among(self, fresh: list[SequenceState]) -> list[int]:
+        """Sequences new in one call (in this order) whose tokens share a prefix nothing held had: the first of them
+        computes it, in a forward of its own, and the later ones copy it, where it is at least MIN_SHARED_PREFIX
+        tokens longer than what they found cached (a burst of requests with one system prompt, a request's n
+        choices). Returns the positions in `fresh` of those that copied."""
+        copied: list[int] = []
+        if not self.prefix_cache:
+            return copied
+        for index, state in enumerate(fresh):
+            leader, length = None, 0
+            for other in fresh[:index]:
+                if other.scope == state.scope:
+                    reach = min(len(state.tokens), len(other.tokens)) - 1
+                    if (common := common_prefix(other, state.tokens, reach)) > length:
+                        leader, length = other, common
+            if leader is None or length < state.cached + MIN_SHARED_PREFIX:
+                continue
+            if leader.cached < length:
+                self.prefill(leader, length)
+            self.cache.copy(leader.slot, state.slot, length)
+            self.shared_tokens += length - state.cached
+            state.cached = length
+            copied.append(index)
+        return copied
 
     @property
     def retained_sessions(self) -> int:
