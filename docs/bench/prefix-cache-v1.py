@@ -19,12 +19,12 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 from transformers import AutoTokenizer
 
 from tandem.bench.agent_prompts import agent_prompt_ids
 from tandem.bench.local_cluster import serve_process
 from tandem.bench.prompts import load_prompts
+from tandem.bench.sse import streamed
 from tandem.models.loader import resolve
 from tandem.sessions.embedded import free_port
 
@@ -45,21 +45,7 @@ def chat(url: str, question: str) -> dict:
     """One streamed request: its time to first token, seconds, text and prompt tokens."""
     body = {"prompt": prompt_ids(question), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    started, first, text, usage = time.perf_counter(), None, [], {}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=1800) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices", []):
-                if first is None:
-                    first = time.perf_counter() - started
-                text.append(choice.get("text") or "")
-    return {"ttft_s": round(first or 0.0, 3), "seconds": round(time.perf_counter() - started, 3),
-            "text": "".join(text), "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+    return streamed(f"{url}/v1/completions", body, lambda choice: choice.get("text") or "")
 
 
 def at_once(url: str, questions: list[str]) -> tuple[float, list[dict]]:

@@ -12,13 +12,11 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import httpx
 
 from tandem.bench.local_cluster import serve_process
 from tandem.bench.prompts import load_prompts
+from tandem.bench.sse import streamed
 from tandem.sessions.embedded import free_port
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
@@ -30,21 +28,8 @@ QUESTIONS = load_prompts()
 def chat(url: str, messages: list[dict]) -> dict:
     body = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    started, first, text, usage = time.perf_counter(), None, [], {}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=1800) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices", []):
-                if first is None and choice.get("delta", {}).get("content"):
-                    first = time.perf_counter() - started
-                text.append(choice.get("delta", {}).get("content") or "")
-    return {"ttft_s": round(first or 0.0, 3), "seconds": round(time.perf_counter() - started, 3),
-            "text": "".join(text), "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+    return streamed(f"{url}/v1/chat/completions", body, lambda choice: choice.get("delta", {}).get("content") or "",
+                    first_needs_text=True)
 
 
 def sitting(mode: str, costs: str) -> dict:
