@@ -55,28 +55,27 @@ def _sync_all(runner: ModelRunner, requests: list) -> tuple[list[SequenceState],
     lost = [r.seq_id for r in requests if r.keep > known.get(r.seq_id, 0)]
     if lost:
         raise StateLost(lost)
-    states, reused = [], []
-    for request in requests:
+    states, fresh = [], []
+    for index, request in enumerate(requests):
         # A new sequence (its whole history sent) may start from a prefix another holds; one whose prompt is
         # scored needs every prompt token in its scoring forward.
         whole = request.keep == 0 and not getattr(request, "score_prompt", False)
         state = runner.state(request.seq_id, request.session, request.append if whole else None, request.cache_scope)
         state.sync(request.keep, request.append)
-        reused.append(0 if request.seq_id in known else min(state.cached, len(state.tokens) - 1))
-        runner.reused_tokens += reused[-1]
         if state.cached >= len(state.tokens):
             # Scores come from feeding the last known token, so it must not be cached (happens on a retried call).
             state.truncate_cache(len(state.tokens) - 1)
         states.append(state)
-    # New sequences arriving together with a prefix nothing held had: one computes it, the others copy it. Not the
-    # rows whose prefill is capped this call (decoding batch mates wait for it) or whose prompt is scored.
-    fresh = [i for i, request in enumerate(requests) if request.seq_id not in known and request.keep == 0
-             and not getattr(request, "score_prompt", False) and not getattr(request, "prefill_limit", 0)]
+        # Not a row whose prefill is capped this call: its decoding batch mates would wait for a whole prefix.
+        if whole and request.seq_id not in known and not getattr(request, "prefill_limit", 0):
+            fresh.append(index)
+    reused = [0 if r.seq_id in known else s.cached for r, s in zip(requests, states, strict=True)]
+    # New sequences arriving together with a prefix nothing held had: one computes it (still counted uncached), the
+    # others copy it.
     if len(fresh) > 1:
-        for i in (fresh[position] for position in runner.share_among([states[i] for i in fresh])):
-            runner.reused_tokens -= reused[i]
-            reused[i] = min(states[i].cached, len(states[i].tokens) - 1)
-            runner.reused_tokens += reused[i]
+        for position in runner.share_among([states[i] for i in fresh]):
+            reused[fresh[position]] = states[fresh[position]].cached
+    runner.reused_tokens += sum(reused)
     return states, reused
 
 

@@ -180,9 +180,7 @@ class ModelRunner:
                 continue
             if leader.cached < length:
                 self.prefill(leader, length)
-            self.cache.copy(leader.slot, state.slot, length)
-            self.shared_tokens += length - state.cached
-            state.cached = length
+            self._copy_prefix(leader, state, length)
             copied.append(index)
         return copied
 
@@ -200,12 +198,16 @@ class ModelRunner:
                                              state, prompt)
         if best is None:
             return
-        self.cache.copy(best.slot, state.slot, length)
         state.tokens[:] = prompt[:length]
-        state.cached = length
-        self.shared_tokens += length
+        self._copy_prefix(best, state, length)
         if best_key is not None:
             self.retained.move_to_end(best_key)  # used: the last to be evicted
+
+    def _copy_prefix(self, source: SequenceState, state: SequenceState, length: int) -> None:
+        """`state`'s first `length` tokens, the same as `source`'s, take `source`'s keys and values."""
+        self.cache.copy(source.slot, state.slot, length)
+        self.shared_tokens += length - state.cached
+        state.cached = length
 
     @property
     def kv_tokens_used(self) -> int:

@@ -206,17 +206,8 @@ class GatewayMetrics:
             for index, worker in enumerate(side.worker_health()):
                 yield int(worker.healthy), {"tandem.worker.role": role, "tandem.worker.index": index}
 
-    def _kv_tokens(self) -> Iterator[tuple[float, dict]]:
-        from tandem.core.local import LocalDrafter, LocalVerifier
-
-        engine = self._engine
-        if engine is None:
-            return
-        for role, pool in (("draft", engine.drafter), ("target", engine.verifier)):
-            if isinstance(pool, LocalDrafter | LocalVerifier):  # a cheap local read; never a remote call
-                yield from kv_observations(pool.kv_usage(), {"tandem.worker.role": role})
-
-    def _shared_tokens(self) -> Iterator[tuple[float, dict]]:
+    def _local_kv_usage(self) -> Iterator[tuple[str, KVUsage]]:
+        """(role, KV usage) of each model in this process: a cheap local read; never a remote call."""
         from tandem.core.local import LocalDrafter, LocalVerifier
 
         engine = self._engine
@@ -224,7 +215,15 @@ class GatewayMetrics:
             return
         for role, pool in (("draft", engine.drafter), ("target", engine.verifier)):
             if isinstance(pool, LocalDrafter | LocalVerifier):
-                yield pool.kv_usage().shared, {"tandem.worker.role": role}
+                yield role, pool.kv_usage()
+
+    def _kv_tokens(self) -> Iterator[tuple[float, dict]]:
+        for role, usage in self._local_kv_usage():
+            yield from kv_observations(usage, {"tandem.worker.role": role})
+
+    def _shared_tokens(self) -> Iterator[tuple[float, dict]]:
+        for role, usage in self._local_kv_usage():
+            yield usage.shared, {"tandem.worker.role": role}
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
