@@ -186,6 +186,7 @@ def test_http_needs_a_key(server, pki, keys) -> None:
             for response in (client.get(f"{url}/v1/models"), client.post(f"{url}/v1/completions", json=body),
                              client.post(f"{url}/v1/chat/completions", content=b"not json"),
                              client.post(f"{url}/v1/responses", json={"input": "hi"}),
+                             client.get(f"{url}/v1/responses/resp_x"), client.delete(f"{url}/v1/responses/resp_x"),
                              client.post(f"{url}/tokenize", json={"prompt": "hi"})):
                 assert response.status_code == 401, response.text
                 error = response.json()["error"]
@@ -278,6 +279,23 @@ def test_a_tenants_prompt_prefix_serves_its_own_requests_only(server, pki, keys)
         assert runner.shared_tokens == shared  # alice's cached prompt is not bob's to time
         alice.generate_result(token_ids=system + [5, 6], max_tokens=4, **GREEDY)
         assert runner.shared_tokens >= shared + len(system)
+
+
+def test_a_tenants_stored_responses_are_its_own(server, pki, keys) -> None:
+    """Another API key cannot read, list, continue or delete a stored response, whatever id it sends."""
+    url = f"{server.gateway.http_url}/v1/responses"
+    with _http(pki, keys["alice"]) as alice, _http(pki, keys["bob"]) as bob:
+        stored = alice.post(url, json={"model": "tiny-target", "input": "hi", "max_output_tokens": 2, **GREEDY})
+        response_id = stored.json()["id"]
+        for refused in (bob.get(f"{url}/{response_id}"), bob.get(f"{url}/{response_id}/input_items"),
+                        bob.delete(f"{url}/{response_id}"),
+                        bob.post(url, json={"model": "tiny-target", "input": "and?", "max_output_tokens": 2,
+                                            "previous_response_id": response_id})):
+            assert refused.status_code == 404, refused.text
+        assert alice.get(f"{url}/{response_id}").json() == stored.json()
+        continued = alice.post(url, json={"model": "tiny-target", "input": "and?", "max_output_tokens": 2,
+                                          "previous_response_id": response_id, **GREEDY})
+        assert continued.status_code == 200 and continued.json()["previous_response_id"] == response_id
 
 
 def test_per_tenant_concurrency_cap(server, pki, keys) -> None:

@@ -70,6 +70,10 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenant-queue-share", type=float, default=GatewayOptions().tenant_queue_share,
                         help="with --api-keys: the most of --max-queue one tenant may hold queued or running, so one "
                              "client cannot fill the queue (1: no cap; default: %(default)s)")
+    parser.add_argument("--response-ttl", type=float, default=GatewayOptions().response_ttl_s, metavar="SECONDS",
+                        help="how long a Responses API response stays stored, for GET /v1/responses/{id} and "
+                             "previous_response_id (in the session store's Redis, else in memory; 0: store none; "
+                             "default: %(default)s)")
 
 
 def is_loopback(host: str) -> bool:
@@ -114,7 +118,8 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
                              http_port=None if http_port == -1 else http_port,
                              http_port_fallback=args.http_port is None,
                              tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                             api_keys=keys, tenant_queue_share=args.tenant_queue_share)
+                             api_keys=keys, tenant_queue_share=args.tenant_queue_share,
+                             response_ttl_s=args.response_ttl)
     if options.tls:
         check_tls_files(options)  # now, before Ray or the models start
     return options

@@ -33,8 +33,13 @@ class GatewayOptions:
     # With API keys: the most of max_requests one tenant may hold queued or running, so one client cannot fill the
     # queue for the others (1.0: no cap beyond each key's max_concurrency).
     tenant_queue_share: float = 0.5
+    # How long a stored Responses API response can be read or continued (previous_response_id); 0: none stored.
+    response_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
+        if self.response_ttl_s < 0:
+            raise InvalidArgument(f"response_ttl: must be >= 0 seconds (0: store no responses), got "
+                                  f"{self.response_ttl_s}")
         if not 0.0 < self.tenant_queue_share <= 1.0:
             raise InvalidArgument(f"tenant_queue_share: must be in (0, 1], got {self.tenant_queue_share}")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/responses, /v1/models,
-/health, and vLLM's /tokenize and /detokenize.
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/responses (and its stored
+responses), /v1/models, /health, and vLLM's /tokenize and /detokenize.
 
 Requests go through the gateway's own generation path (tandem.gateway.generation.Generations), the one the gRPC
 API uses: the same validation, engine loop, arm routing and cancellation. Bodies are parsed here rather than by
@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -43,9 +43,11 @@ from tandem.gateway.openai.errors import (
 from tandem.gateway.openai.formats import renames as format_renames
 from tandem.gateway.openai.responses import SSE_DONE, Kind, Responder, sse
 from tandem.gateway.openai.responses_input import RENAMES as RESPONSES_RENAMES
-from tandem.gateway.openai.responses_input import chat_body
+from tandem.gateway.openai.responses_input import ResponsesTurn, chat_body
 from tandem.gateway.openai.responses_output import ResponseWriter, response_events
 from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, ResponsesRequest, _Generate
+from tandem.gateway.openai.stored import ResponseStore, StoredResponse
+from tandem.gateway.openai.stored_routes import add_stored_routes
 from tandem.gateway.openai.streaming import ClientGone, EventStream, merged, until_disconnected
 from tandem.gateway.openai.tokenize import RENAMES as TOKENIZE_RENAMES
 from tandem.gateway.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -74,15 +76,16 @@ COMPLETION = _Endpoint("completion", CompletionRequest, completion_requests, COM
 
 
 def create_app(generations: GenerationsSource, limits: GatewayLimits, status: Status,
-               keys: ApiKeys | None = None) -> FastAPI:
+               keys: ApiKeys | None = None, stored: ResponseStore | None = None) -> FastAPI:
     """The API over the generate path `generations()` returns once the engines have loaded; `limits` bound bodies
     before that; `status` says why it cannot serve; `keys`: the API keys /v1/* asks for (`Authorization: Bearer
-    <key>`, else 401), None for none (/health is always open)."""
+    <key>`, else 401), None for none (/health is always open); `stored`: where responses are stored (None: none)."""
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
-    api = _Api(generations, limits, status, keys)
+    api = _Api(generations, limits, status, keys, stored)
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/responses", api.responses, methods=["POST"])
+    add_stored_routes(app, stored, api.tenant)
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
@@ -104,11 +107,12 @@ def create_app(generations: GenerationsSource, limits: GatewayLimits, status: St
 
 class _Api:
     def __init__(self, generations: GenerationsSource, limits: GatewayLimits, status: Status,
-                 keys: ApiKeys | None = None) -> None:
+                 keys: ApiKeys | None = None, stored: ResponseStore | None = None) -> None:
         self.generations = generations
         self.limits = limits
         self.status = status
         self.keys = keys
+        self.stored = stored
         self.created = int(time.time())
         self._texts: TokenTexts | None = None
 
@@ -118,7 +122,7 @@ class _Api:
             self._texts = TokenTexts(tokenizer)
         return self._texts
 
-    def _tenant(self, request: Request) -> str:
+    def tenant(self, request: Request) -> str:
         """The caller's tenant ("" without API keys); a missing or unknown key is a 401."""
         if self.keys is None:
             return ""
@@ -139,7 +143,7 @@ class _Api:
 
     async def models(self, request: Request) -> JSONResponse:
         try:
-            self._tenant(request)
+            self.tenant(request)
             self._check_ready()
             generations = self.generations()
             name = generations.target_name
@@ -160,7 +164,7 @@ class _Api:
     async def _tokens(self, request: Request, schema: type[BaseModel], answer: Callable) -> Response:
         """vLLM's /tokenize and /detokenize (gateway.openai.tokenize): API keys and readiness as on /v1."""
         try:
-            tenant = self._tenant(request)
+            tenant = self.tenant(request)
             body = await read_body(request, schema, self.limits.max_request_bytes)
             self._check_ready()
             generations = self.generations()
@@ -178,32 +182,56 @@ class _Api:
     async def responses(self, request: Request) -> Response:
         renames = RESPONSES_RENAMES
         try:
-            tenant = self._tenant(request)
+            tenant = self.tenant(request)
             body = await read_body(request, ResponsesRequest, self.limits.max_request_bytes)
-            chat, renames = chat_body(body)
-            renames = format_renames(body, renames)
-            return await self._respond(request, tenant, body, chat, renames)
+            history = await self._history(tenant, body.previous_response_id)
+            turn = chat_body(body, history)
+            renames = format_renames(body, turn.renames)
+            return await self._respond(request, tenant, body, turn, renames)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as exc:
             return _error(exc, renames)
 
-    async def _respond(self, request: Request, tenant: str, body: ResponsesRequest, chat: ChatCompletionRequest,
+    async def _history(self, tenant: str, previous: str | None) -> list[dict]:
+        """The items a response continuing `previous` starts from (none without one)."""
+        if previous is None:
+            return []
+        if self.stored is None:
+            raise bad_request("previous_response_id: this server stores no responses (--response-ttl 0); send the "
+                              "whole conversation in input", "previous_response_id")
+        return await self.stored.history(tenant, previous)
+
+    async def _respond(self, request: Request, tenant: str, body: ResponsesRequest, turn: ResponsesTurn,
                        renames: dict[str, str]) -> Response:
-        """The Responses API over the chat path (gateway.openai.responses_input): one output, whole or streamed."""
+        """The Responses API over the chat path (gateway.openai.responses_input): one output, whole or streamed,
+        stored once finished unless the body says `store: false`."""
         self._check_ready()
         generations = self.generations()
         check_model(body, generations.target_name)
         response_id = body.request_id or f"resp_{uuid.uuid4().hex}"
-        writer = ResponseWriter(response_id, generations.target_name, self._token_texts(), body, chat.logprobs)
-        events = generations.stream(chat_request(chat, response_id), list(request.headers.items()), tenant=tenant)
-        return await _deliver(request, events, body.stream, writer.add, writer.finished,
-                              lambda first: response_events(events, first, writer, renames))
+        stored = self.stored if body.store is not False else None
+        writer = ResponseWriter(response_id, generations.target_name, self._token_texts(), body, turn.chat.logprobs,
+                                store=stored is not None)
+
+        async def keep(response: dict) -> None:
+            if stored is not None:
+                await stored.put(tenant, StoredResponse(response, turn.items))
+
+        async def whole() -> dict:
+            response = writer.finished()
+            await keep(response)
+            return response
+
+        events = generations.stream(chat_request(turn.chat, response_id), list(request.headers.items()),
+                                    tenant=tenant)
+        return await _deliver(request, events, body.stream, writer.add, whole,
+                              lambda first: response_events(events, first, writer, renames, keep))
 
     async def _generate(self, request: Request, endpoint: _Endpoint) -> Response:
         renames = endpoint.renames
         try:
-            tenant = self._tenant(request)  # before the body: an unauthenticated client gets nothing parsed
+            tenant = self.tenant(request)  # before the body: an unauthenticated client gets nothing parsed
             body = await read_body(request, endpoint.schema, self.limits.max_request_bytes)
             renames = format_renames(body, renames)
             return await self._serve(request, endpoint, tenant, body, renames)
@@ -232,16 +260,22 @@ class _Api:
         # headers: a W3C trace context
         streams = [generations.stream(message, list(request.headers.items()), tenant=tenant) for message in messages]
         events = streams[0] if len(streams) == 1 else merged(streams, per_prompt)
-        return await _deliver(request, events, body.stream, responder.collect, responder.response,
+
+        async def whole() -> dict:
+            return responder.response()
+
+        return await _deliver(request, events, body.stream, responder.collect, whole,
                               lambda first: _sse(events, first, responder, renames))
 
 
 async def _deliver(request: Request, events: AsyncGenerator, stream: bool, collect: Callable[[Event], object],
-                   whole: Callable[[], dict], body: Callable[[Event], AsyncGenerator[bytes, None]]) -> Response:
-    """A generation's response: `whole()` once `collect` has taken every event, or an SSE stream of `body(first)`."""
+                   whole: Callable[[], Awaitable[dict]], body: Callable[[Event], AsyncGenerator[bytes, None]]
+                   ) -> Response:
+    """A generation's response: `await whole()` once `collect` has taken every event, or an SSE stream of
+    `body(first)`."""
     if not stream:
         await until_disconnected(request, _collect(events, collect))
-        return JSONResponse(whole())
+        return JSONResponse(await whole())
     try:
         # The first event before any byte is sent: a refused request (400, 429, 503) gets its own status.
         first = await until_disconnected(request, _first(events))

@@ -8,12 +8,15 @@ ChatCompletionRequest and takes the chat path from there: the same validation, c
 A chat's messages do not line up with the input's items (instructions come first; an assistant turn's function
 calls are one message), so `renames` names each message by the item it came from in the gateway's messages.
 
-Served statelessly: nothing is stored, so `previous_response_id` and conversations are refused with a message saying
-to send the conversation whole (what `store: false` clients do anyway).
+Each input item is also kept in the API's own item shape (an id, one text part; `input_items`), so that a stored
+response (gateway.openai.stored) can be continued: `previous_response_id` puts that response's conversation and
+output before the new input.
 """
 
 from __future__ import annotations
 
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -25,21 +28,33 @@ from tandem.gateway.openai.schemas import ChatCompletionRequest, ResponsesReques
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` entry with a meaning here
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")
-STATELESS = {"previous_response_id": "this server stores no responses; send the whole conversation in input",
-             "conversation": "this server stores no conversations; send the whole conversation in input"}
+STATELESS = {"conversation": "this server stores no conversations; send the whole conversation in input, or "
+                             "continue a stored response with previous_response_id"}
+HISTORY = "previous_response_id"  # where the messages of a continued response came from
 RENAMES = {**CHAT_RENAMES, "chat.messages": "input", "chat": "input", "input": "input",
            "max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
-def chat_body(body: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, str]]:
-    """The chat completion `body` asks for, and the renames that point the gateway's messages at its fields."""
+@dataclass(slots=True, frozen=True)
+class ResponsesTurn:
+    chat: ChatCompletionRequest  # what the body asks for, as a chat completion
+    renames: dict[str, str]  # the gateway's names for its messages -> the body's fields
+    items: list[dict]  # the conversation the response answers (earlier turns', then this input), as stored
+
+
+def chat_body(body: ResponsesRequest, history: list[dict] | None = None) -> ResponsesTurn:
+    """The chat completion `body` asks for; history: the items of the response it continues (previous_response_id),
+    its conversation and output."""
     for name in body.unsupported():
         raise bad_request(f"{name}: {STATELESS.get(name, 'not supported by this server')}", name)
     for index, entry in enumerate(body.include or ()):
         if entry != OUTPUT_LOGPROBS:
             raise bad_request(f"include[{index}]: only {OUTPUT_LOGPROBS!r} is supported, got {entry!r}",
                               f"include[{index}]")
-    messages, origins = _messages(body)
+    history = history or []
+    items = input_items(body.input)
+    messages, origins = _messages(body.instructions, [(item, HISTORY) for item in history]
+                                  + [(item, f"input[{index}]") for index, item in enumerate(items)])
     logprobs = OUTPUT_LOGPROBS in (body.include or ())
     chat = body.model_dump(include=set(_Generate.model_fields)) | {
         "messages": messages, "max_completion_tokens": body.max_output_tokens, "logprobs": logprobs,
@@ -47,13 +62,48 @@ def chat_body(body: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, 
         "tools": [_tool(index, tool) for index, tool in enumerate(body.tools or ())] or None,
         "tool_choice": _tool_choice(body.tool_choice), "response_format": _format(body.text)}
     try:
-        return ChatCompletionRequest.model_validate(chat), RENAMES | origins
+        chat_request = ChatCompletionRequest.model_validate(chat)
     except ValidationError as exc:  # a tool's description or parameters of the wrong type
         raise validation_error(exc.errors()) from exc
+    return ResponsesTurn(chat_request, RENAMES | origins, history + items)
 
 
-def _messages(body: ResponsesRequest) -> tuple[list[dict], dict[str, str]]:
-    """The chat's messages, and for each the input item (or instructions) it came from."""
+def input_items(value: str | list[dict[str, Any]]) -> list[dict]:
+    """`input` as items in the API's shape (what input_items lists), each checked: a 400 names the one it cannot
+    take. A string is one user message."""
+    if isinstance(value, str):
+        return [_item({"role": "user", "content": value}, "input")]
+    return [_item(item, f"input[{index}]") for index, item in enumerate(value)]
+
+
+def _item(item: dict, where: str) -> dict:
+    kind = item.get("type", "message")
+    given = item.get("id")
+    if kind == "message":
+        role = item.get("role")
+        if role not in ROLES:
+            raise bad_request(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
+        text = _text(item.get("content"), f"{where}.content")
+        part = {"type": "output_text", "text": text, "annotations": []} if role == "assistant" \
+            else {"type": "input_text", "text": text}
+        return {"id": _id(given, "msg"), "type": "message", "role": role, "status": "completed", "content": [part]}
+    if kind == "function_call":
+        return {"id": _id(given, "fc"), "type": "function_call", "status": "completed",
+                "call_id": _string(item, "call_id", where), "name": _string(item, "name", where),
+                "arguments": _string(item, "arguments", where)}
+    if kind == "function_call_output":
+        return {"id": _id(given, "fco"), "type": "function_call_output", "status": "completed",
+                "call_id": _string(item, "call_id", where), "output": _text(item.get("output"), f"{where}.output")}
+    raise bad_request(f"{where}.type: only message, function_call and function_call_output items are supported, "
+                      f"got {kind!r}", f"{where}.type")
+
+
+def _id(given: Any, prefix: str) -> str:
+    return given if isinstance(given, str) and given else f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _messages(instructions: str | None, items: list[tuple[dict, str]]) -> tuple[list[dict], dict[str, str]]:
+    """The chat's messages from checked items, and for each the field (or instructions) it came from."""
     messages: list[dict] = []
     origins: dict[str, str] = {}
 
@@ -61,32 +111,23 @@ def _messages(body: ResponsesRequest) -> tuple[list[dict], dict[str, str]]:
         origins[f"chat.messages[{len(messages)}]"] = origin
         messages.append(message)
 
-    if body.instructions:
-        add({"role": "system", "content": body.instructions}, "instructions")
-    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
-    for index, item in enumerate(items):
-        where = f"input[{index}]"
-        kind = item.get("type", "message")
+    if instructions:
+        add({"role": "system", "content": instructions}, "instructions")
+    for item, where in items:
+        kind = item["type"]
         if kind == "message":
-            role = item.get("role")
-            if role not in ROLES:
-                raise bad_request(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
-            add({"role": role, "content": _text(item.get("content"), f"{where}.content")}, where)
+            add({"role": item["role"], "content": _text(item["content"], f"{where}.content")}, where)
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", where), "type": "function",
-                    "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":  # calls after the turn's text join that turn
                 add(last := {"role": "assistant", "content": "", "tool_calls": []}, where)
             last.setdefault("tool_calls", [])
             origins[f"chat.messages[{len(messages) - 1}].tool_calls[{len(last['tool_calls'])}]"] = where
             last["tool_calls"].append(call)
-        elif kind == "function_call_output":
-            add({"role": "tool", "tool_call_id": _string(item, "call_id", where),
-                 "content": _text(item.get("output"), f"{where}.output")}, where)
-        else:
-            raise bad_request(f"{where}.type: only message, function_call and function_call_output items are "
-                              f"supported, got {kind!r}", f"{where}.type")
+        else:  # function_call_output
+            add({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}, where)
     return messages, origins
 
 

@@ -15,7 +15,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from tandem.core.logprobs import TokenLogprob
 from tandem.gateway.events import ChoiceDelta, ChoiceEnd
@@ -35,8 +35,10 @@ def sse_event(event: dict) -> bytes:
 
 class ResponseWriter:
     def __init__(self, response_id: str, model: str, texts: TokenTexts, body: ResponsesRequest,
-                 logprobs: bool) -> None:
+                 logprobs: bool, store: bool = False) -> None:
+        """store: the finished response will be stored (what its `store` field says)."""
         self.id, self.model, self.texts, self.body, self.logprobs = response_id, model, texts, body, logprobs
+        self.store = store
         self.created_at = int(time.time())
         self.output: list[dict] = []
         self.end: ChoiceEnd | None = None
@@ -154,8 +156,9 @@ class ResponseWriter:
             "background": False, "error": self.error, "model": self.model, "output": _copy(self.output),
             "incomplete_details": {"reason": "max_output_tokens"} if self.status() == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None}, "store": False, "temperature": body.temperature,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": None, "summary": None}, "store": self.store, "temperature": body.temperature,
             "text": {"format": text_format}, "tool_choice": body.tool_choice or "auto", "tools": tools,
             "top_p": body.top_p, "top_logprobs": body.top_logprobs, "truncation": "disabled", "user": body.user,
             "metadata": body.metadata or {}, "usage": None}
@@ -179,8 +182,10 @@ def _copy(value):
 
 
 async def response_events(events: AsyncGenerator, first: ChoiceDelta | ChoiceEnd, writer: ResponseWriter,
-                          renames: dict[str, str]) -> AsyncGenerator[bytes, None]:
-    """The SSE body of a streamed response; `first`: the generation's first event, read before the headers went."""
+                          renames: dict[str, str], keep: Callable[[dict], Awaitable[None]]
+                          ) -> AsyncGenerator[bytes, None]:
+    """The SSE body of a streamed response; `first`: the generation's first event, read before the headers went;
+    `keep`: given the finished response before its last event goes, so a client that continues it at once finds it."""
     async with contextlib.aclosing(events):
         for event in writer.opening() + writer.add(first):
             yield sse_event(event)
@@ -192,5 +197,7 @@ async def response_events(events: AsyncGenerator, first: ChoiceDelta | ChoiceEnd
             for out in writer.failed(from_exception(exc, renames)):
                 yield sse_event(out)
             return
-        for out in writer.closing():
+        closing = writer.closing()
+        await keep(writer.response())
+        for out in closing:
             yield sse_event(out)

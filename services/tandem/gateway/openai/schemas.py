@@ -141,8 +141,8 @@ class CompletionRequest(_Generate):
 
 
 class ResponsesRequest(_Generate):
-    """OpenAI's Responses API (POST /v1/responses), served statelessly: the conversation comes whole in `input`
-    (gateway.openai.responses_input turns it into a chat)."""
+    """OpenAI's Responses API (POST /v1/responses): the conversation comes in `input`, after the stored response
+    `previous_response_id` names, if any (gateway.openai.responses_input turns it into a chat)."""
 
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -156,15 +156,15 @@ class ResponsesRequest(_Generate):
     parallel_tool_calls: StrictBool | None = None
     metadata: dict[str, Any] | None = None
     truncation: str | None = None
-    # What a stateless server without hosted tools or reasoning cannot honour: refused by name when used.
     previous_response_id: str | None = None
+    # What a server without conversations, hosted tools or reasoning cannot honour: refused by name when used.
     conversation: Any = None
     background: StrictBool | None = None
     prompt: Any = None
     reasoning: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
-        bad = [name for name in ("previous_response_id", "conversation", "prompt") if getattr(self, name)]
+        bad = [name for name in ("conversation", "prompt") if getattr(self, name)]
         bad += ["background"] if self.background else []
         bad += ["truncation"] if self.truncation not in (None, "disabled") else []
         bad += ["reasoning"] if self.reasoning and any(v is not None for v in self.reasoning.values()) else []

@@ -1,0 +1,85 @@
+"""Stored responses (the Responses API's `store`): kept per tenant so that a later request can continue one
+(`previous_response_id`), read it back (GET /v1/responses/{id} and its input_items) or delete it.
+
+A stored response is the response object and the conversation it answered: the items of every earlier turn, then
+its own input. Continuing it is that conversation, its output, then the new input; the earlier `instructions` are not
+carried over (OpenAI's rule: each request gives its own). Records live in the gateway's session store backend under
+their own key prefix: Redis when the gateway has one (every gateway replica reads what another stored; a TTL bounds
+them), else process memory (LRU-bounded). The key is a digest of the tenant and the id, so an API key never reaches
+another's responses, whatever id it sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass
+
+from tandem.gateway.openai.errors import OpenAIError
+from tandem.sessions import MemorySessionStore, RedisSessionStore, SessionStore
+
+RESPONSE_PREFIX = "tandem:response:"
+DEFAULT_RESPONSE_TTL_S = 3600.0
+# Responses held in this process (all of them without Redis, a write-through copy with it); the oldest-used go first.
+MAX_IN_MEMORY = 2048
+
+
+@dataclass(slots=True, frozen=True)
+class StoredResponse:
+    response: dict  # the response object as GET returns it
+    items: list[dict]  # the conversation it answered: earlier turns' items, then its own input, each with an id
+
+    def conversation(self) -> list[dict]:
+        """The items a response continuing this one starts from: its conversation, then its output."""
+        return self.items + self.response["output"]
+
+
+class ResponseStore:
+    """Stored responses over a key-value store with a TTL (a session store); its calls run off the event loop."""
+
+    def __init__(self, store: SessionStore) -> None:
+        self._store = store
+
+    @staticmethod
+    def _key(tenant: str, response_id: str) -> str:
+        return hashlib.sha256(f"{tenant}\0{response_id}".encode()).hexdigest()
+
+    async def put(self, tenant: str, stored: StoredResponse) -> None:
+        record = {"response": stored.response, "items": stored.items}
+        await asyncio.to_thread(self._store.put, self._key(tenant, stored.response["id"]), record)
+
+    async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
+        record = await asyncio.to_thread(self._store.get, self._key(tenant, response_id))
+        if not isinstance(record, dict) or "response" not in record or "items" not in record:
+            return None
+        return StoredResponse(record["response"], record["items"])
+
+    async def history(self, tenant: str, previous: str) -> list[dict]:
+        """The items a response continuing `previous` starts from; a 404 naming previous_response_id without it."""
+        found = await self.get(tenant, previous)
+        if found is None:
+            raise OpenAIError(404, f"Previous response with id '{previous}' not found.", param="previous_response_id",
+                              code="previous_response_not_found")
+        return found.conversation()
+
+    async def delete(self, tenant: str, response_id: str) -> bool:
+        """True when there was such a response."""
+        if await self.get(tenant, response_id) is None:
+            return False
+        await asyncio.to_thread(self._store.delete, self._key(tenant, response_id))
+        return True
+
+    def close(self) -> None:
+        self._store.close()
+
+
+def open_response_store(sessions: object, ttl_s: float) -> ResponseStore | None:
+    """Stored responses beside `sessions`: in the same Redis when it is one, else in memory; None when ttl_s is 0
+    (nothing stored: `store` is answered false and previous_response_id refused)."""
+    if ttl_s <= 0:
+        return None
+    if isinstance(sessions, RedisSessionStore):
+        return ResponseStore(RedisSessionStore(sessions.url, ttl_s, prefix=RESPONSE_PREFIX,
+                                               max_sessions=MAX_IN_MEMORY))
+    return ResponseStore(MemorySessionStore(ttl_s, MAX_IN_MEMORY))
+

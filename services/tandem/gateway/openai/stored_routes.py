@@ -1,0 +1,89 @@
+"""The stored responses' own routes: GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items.
+
+They read the store only (gateway.openai.stored), never the engines, so they answer while the models load. A response
+another tenant stored, an expired or deleted one, or any id where nothing is stored, is the same 404.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable, Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from tandem.gateway.openai.errors import OpenAIError, bad_request, from_exception
+from tandem.gateway.openai.stored import ResponseStore, StoredResponse
+
+DEFAULT_PAGE, MAX_PAGE = 20, 100  # input_items: OpenAI's default and largest `limit`
+
+
+def add_stored_routes(app: FastAPI, stored: ResponseStore | None, tenant_of: Callable[[Request], str]) -> None:
+    """The routes over `stored` (None: nothing stored, every id a 404); `tenant_of`: the caller's tenant, or a 401."""
+
+    async def found(request: Request, response_id: str) -> StoredResponse:
+        tenant = tenant_of(request)
+        response = await stored.get(tenant, response_id) if stored is not None else None
+        if response is None:
+            raise not_found(response_id)
+        return response
+
+    @_errors_in_openai_shape
+    async def retrieve(request: Request, response_id: str) -> JSONResponse:
+        return JSONResponse((await found(request, response_id)).response)
+
+    @_errors_in_openai_shape
+    async def delete(request: Request, response_id: str) -> JSONResponse:
+        tenant = tenant_of(request)
+        if stored is None or not await stored.delete(tenant, response_id):
+            raise not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    @_errors_in_openai_shape
+    async def input_items(request: Request, response_id: str) -> JSONResponse:
+        response = await found(request, response_id)
+        return JSONResponse(input_items_page(response.items, request.query_params))
+
+    app.add_api_route("/v1/responses/{response_id}", retrieve, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", delete, methods=["DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"])
+
+
+def not_found(response_id: str) -> OpenAIError:
+    return OpenAIError(404, f"Response with id '{response_id}' not found.")
+
+
+def _errors_in_openai_shape(handler: Callable[[Request, str], Awaitable[JSONResponse]]
+                            ) -> Callable[[Request, str], Awaitable[JSONResponse]]:
+    @functools.wraps(handler)  # (FastAPI reads the parameters through it)
+    async def answered(request: Request, response_id: str) -> JSONResponse:
+        try:
+            return await handler(request, response_id)
+        except Exception as exc:
+            return (exc if isinstance(exc, OpenAIError) else from_exception(exc, {})).response()
+
+    return answered
+
+
+def input_items_page(items: list[dict], query: Mapping[str, str]) -> dict:
+    """A page of `items` as OpenAI lists them: `order` "desc" (newest first, the default) or "asc", `limit` items
+    (1-100, default 20) after the item whose id is `after`."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order: must be 'asc' or 'desc', got {order!r}", "order")
+    try:
+        limit = int(query.get("limit", DEFAULT_PAGE))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_PAGE:
+        raise bad_request(f"limit: must be an integer from 1 to {MAX_PAGE}, got {query.get('limit')!r}", "limit")
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if (after := query.get("after")) is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise bad_request(f"after: no input item has the id {after!r}", "after")
+        start = ids.index(after) + 1
+    page = ordered[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(ordered)}
