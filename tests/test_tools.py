@@ -82,6 +82,59 @@ def test_ordinary_code_streams_on_once_its_first_line_shows_it_is_no_call() -> N
     assert parser.push('"a": 1}') == ('```json\n{"a": 1}', [])
 
 
+@pytest.mark.parametrize("split", ["whole", "characters"])
+def test_a_single_call_parser_ends_the_output_at_its_first_call(split: str) -> None:
+    """parallel_tool_calls false: the text before the first call and the call come out; nothing after it does."""
+    output = f"Checking. {CALL} then {CALL.replace('Paris', 'Rome')} and more"
+    parser = ToolCallParser(("get_weather",), single=True)
+    pieces = [output] if split == "whole" else list(output)
+    text, calls = [], []
+    for index, piece in enumerate(pieces):
+        out, made = parser.push(piece, final=index == len(pieces) - 1)
+        text.append(out)
+        calls += made
+    assert "".join(text) == "Checking. " and [json.loads(call.arguments) for call in calls] == [{"city": "Paris"}]
+    assert parser.ended and parser.called
+
+
+# Two tagged calls, forced by a format: the random-weight model writes no call of its own accord.
+TWO_CALLS = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}\n</tool_call>'
+             r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Rome"\}\}\n</tool_call>')
+
+
+def test_parallel_tool_calls_false_ends_the_output_at_its_first_call_on_every_api(server) -> None:
+    """The same forced output gives two calls by default and one with parallel_tool_calls false (the request
+    stopped there: fewer tokens, finish reason tool_calls, its caches freed), through chat completions, the Responses
+    API and gRPC."""
+    sdk = openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0)
+    asked = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris and Rome?"}],
+             "tools": [WEATHER], "max_tokens": 200, "temperature": 0,
+             "extra_body": {"structured_outputs": {"regex": TWO_CALLS}}}
+    both = sdk.chat.completions.create(**asked)
+    assert [json.loads(c.function.arguments)["city"] for c in both.choices[0].message.tool_calls] == ["Paris", "Rome"]
+    one = sdk.chat.completions.create(**asked, parallel_tool_calls=False)
+    assert [json.loads(c.function.arguments)["city"] for c in one.choices[0].message.tool_calls] == ["Paris"]
+    assert one.choices[0].finish_reason == "tool_calls"
+    assert one.usage.completion_tokens < both.usage.completion_tokens
+    streamed = sdk.chat.completions.create(**asked, parallel_tool_calls=False, stream=True)
+    chunks = list(streamed)
+    calls = [call for chunk in chunks for choice in chunk.choices for call in choice.delta.tool_calls or ()]
+    assert [json.loads(c.function.arguments)["city"] for c in calls] == ["Paris"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    response = sdk.responses.create(model=MODEL, input="Weather in Paris and Rome?", max_output_tokens=200,
+                                    temperature=0, parallel_tool_calls=False, extra_body={
+                                        "structured_outputs": {"regex": TWO_CALLS}},
+                                    tools=[{"type": "function", **WEATHER["function"]}])
+    assert [item.type for item in response.output] == ["function_call"] and response.status == "completed"
+    with TandemClient(server.address, timeout=60) as client:
+        result = client.generate_result(chat=[("user", "Weather in Paris and Rome?")], tools=[WEATHER],
+                                        max_tokens=200, temperature=0, parallel_tool_calls=False,
+                                        response_format={"type": "regex", "regex": TWO_CALLS})
+        assert [c.name for c in result.choices[0].tool_calls] == ["get_weather"]
+        assert result.choices[0].finish_reason == "tool_calls"
+    assert server.wait_for(lambda: server.gateway.loop.active == 0 and server.caches_empty())
+
+
 def test_a_held_tag_start_is_given_out_when_no_tag_follows() -> None:
     parser = ToolCallParser()
     assert parser.push("a <tool") == ("a ", [])

@@ -46,6 +46,7 @@ class GenerateOptions(TypedDict, total=False):
     logit_bias: Mapping[int, float] | None
     tools: Iterable[Mapping[str, Any]] | None
     tool_choice: str
+    parallel_tool_calls: bool
     response_format: Mapping[str, Any] | None
 
 
@@ -59,7 +60,8 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
                   prompt_logprobs: int | None = None, repetition_penalty: float | None = None,
                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
                   logit_bias: Mapping[int, float] | None = None, tools: Iterable[Mapping[str, Any]] | None = None,
-                  tool_choice: str = "", response_format: Mapping[str, Any] | None = None) -> pb.GenerateRequest:
+                  tool_choice: str = "", parallel_tool_calls: bool = True,
+                  response_format: Mapping[str, Any] | None = None) -> pb.GenerateRequest:
     """A GenerateRequest. Exactly one input: prompt (raw text), chat (the model's chat template is applied: {"role",
     "content"} mappings or (role, content) pairs) or token_ids. None leaves a sampling field unset (the server's
     default: temperature 1, top_p 1, top_k and min_p off, max_tokens 128, no penalties). n: choices for this prompt.
@@ -70,7 +72,8 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
     and logit_bias ({token id: -100 to 100}) reshape the logits before sampling, as in vLLM and OpenAI. tools (a
     chat's, OpenAI-shaped) are shown to the model by its chat template, and the calls it makes come back parsed in
     the chunks' tool_calls; tool_choice: "" or "auto" (the model decides), "none" (not shown), "required" or
-    "function:NAME" (the output begins with a call, of that tool if named). response_format: a structure the output
+    "function:NAME" (the output begins with a call, of that tool if named); parallel_tool_calls False: at most one
+    call, the output ends as it closes. response_format: a structure the output
     follows, in OpenAI's shapes ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": ...,
     "schema": {...}}}, or {"type": "text"} for free text) or tandem's {"type": "regex", "regex": "..."} and
     {"type": "grammar", "grammar": "..."} (Lark or GBNF; the whole output matches it): the output is sampled from
@@ -99,6 +102,7 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
         request.token_ids.ids.extend(token_ids)
     else:
         request.chat.CopyFrom(_chat(chat, tools or (), tool_choice))
+        request.chat.single_tool_call = not parallel_tool_calls
     if tools and chat is None:
         raise InvalidArgument("tools: only a chat can offer tools")
     return request

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 
 from tandem.core.detok import IncrementalDetokenizer
-from tandem.core.stops import FINISH_STOP
+from tandem.core.stops import FINISH_ABORT, FINISH_STOP
 from tandem.engines import Backend
 from tandem.errors import BackendUnavailable, InvalidArgument
 from tandem.gateway.arms import ArmOutcome, ArmRoute, ArmRouter
@@ -203,13 +203,14 @@ class Generations:
                 observed.failed(error_code(exc), str(exc))
                 raise
             detok = IncrementalDetokenizer(backend.engine.decode, prepared.params.stop)
-            calls = ToolCallParser(prepared.tool_names) if prepared.tool_names else None
+            calls = ToolCallParser(prepared.tool_names, prepared.single_tool_call) if prepared.tool_names else None
             if calls is not None and prepared.call_start:
                 calls.push(prepared.call_start)  # in the prompt already: the output goes on from inside the call
             finished: Finished | None = None
             token_ids: list[int] = []
             first_token_at: float | None = None
             delivered = False  # a delta has gone out (the first carries the prompt's ids)
+            cut_at_call = False  # the first call ended the output (single_tool_call): the request was stopped
             try:
                 async for update in handle:
                     finished = update.finished
@@ -223,6 +224,10 @@ class Generations:
                     made = ()
                     if calls is not None:
                         text, made = calls.push(text, final=finished is not None)
+                        if calls.ended and not made:
+                            continue  # after the one call: nothing more goes out
+                        if calls.ended and finished is None:
+                            cut_at_call = loop.cancel(handle.request_id)  # its last update then says "abort"
                     if text or made or update.token_ids or update.prompt_logprobs is not None:
                         yield ChoiceDelta(index, text, update.token_ids, update.logprobs, tuple(made),
                                           update.prompt_logprobs, None if delivered else list(prepared.prompt_ids))
@@ -238,6 +243,8 @@ class Generations:
                 if finished is None:
                     # The client went away (cancelled, deadline) or the engine failed: free the request's caches.
                     loop.cancel(handle.request_id, detach=True)
+            if cut_at_call and finished.finish_reason == FINISH_ABORT:
+                finished = replace(finished, finish_reason=FINISH_STOP)
             observed.completed(handle.prompt_tokens, finished.completion_tokens, finished.finish_reason,
                                finished.stats)
             if route is not None:

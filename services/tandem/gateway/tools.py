@@ -52,13 +52,18 @@ class ToolCallParser:
     """Splits a choice's streamed text into text and tool calls. `names`: the offered tools', one of which a block
     must call to count as a call."""
 
-    def __init__(self, names: Collection[str] = ()) -> None:
+    def __init__(self, names: Collection[str] = (), single: bool = False) -> None:
+        """single: the first call ends the output (parallel_tool_calls false): nothing after it comes out."""
         self.names = frozenset(names)
+        self.single = single
         self._held = ""  # text not given out yet: a block that may be a call (from its opener on), or an opener's start
         self.called = False  # whether any call came out
+        self.ended = False  # single, and its call came out
 
     def push(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         """The text that can go out now and the calls completed by `text`; `final` gives out everything held."""
+        if self.ended:
+            return "", []
         held, out, calls = self._held + text, [], []
         while held:
             start = min((i for i in (held.find(OPEN), held.find(FENCE)) if i >= 0), default=-1)
@@ -77,6 +82,9 @@ class ToolCallParser:
                 out.append(held[:length])  # not a call: what the model wrote goes out as it was
             else:
                 calls.append(call)
+                if self.single:
+                    self.ended, held = True, ""
+                    break
             held = held[length:]
         self._held = held
         self.called = self.called or bool(calls)

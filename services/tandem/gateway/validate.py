@@ -60,6 +60,7 @@ class PreparedRequest:
     n: int = 1  # choices: each runs as its own sequence (gateway.generation)
     tool_names: tuple[str, ...] = ()  # a chat's offered tools: calls are read out of the output (gateway.tools)
     call_start: str = ""  # the start of a call the prompt ends with (a required or named tool_choice)
+    single_tool_call: bool = False  # the output ends as its first call closes (parallel_tool_calls false)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -246,4 +247,5 @@ def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model
             check_format(params.output_format, format_tokenizer(tokenizer, eos_token_ids))
         except InvalidArgument as exc:
             raise InvalidArgument(str(exc).replace("response_format:", f"{field}:", 1)) from None
-    return PreparedRequest(request_id, request.session_id, ids, params, max_k, n, tool_names, call_start)
+    return PreparedRequest(request_id, request.session_id, ids, params, max_k, n, tool_names, call_start,
+                           offered and request.chat.single_tool_call)

@@ -93,7 +93,8 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateReq
                      parameters_json=json.dumps(t.function.parameters or {})) for t in body.tools or ()]
     named = body.named_tool()
     choice = f"{NAMED}{named}" if named is not None else body.tool_choice or ""
-    request.chat.CopyFrom(pb.Chat(messages=messages, tools=tools, tool_choice=choice))
+    request.chat.CopyFrom(pb.Chat(messages=messages, tools=tools, tool_choice=choice,
+                                  single_tool_call=body.parallel_tool_calls is False))
     return request
 
 

@@ -60,7 +60,8 @@ def chat_body(body: ResponsesRequest, history: list[dict] | None = None) -> Resp
         "messages": messages, "max_completion_tokens": body.max_output_tokens, "logprobs": logprobs,
         "top_logprobs": (body.top_logprobs or 0) if logprobs else None,
         "tools": [_tool(index, tool) for index, tool in enumerate(body.tools or ())] or None,
-        "tool_choice": _tool_choice(body.tool_choice), "response_format": _format(body.text)}
+        "tool_choice": _tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
+        "response_format": _format(body.text)}
     try:
         chat_request = ChatCompletionRequest.model_validate(chat)
     except ValidationError as exc:  # a tool's description or parameters of the wrong type

@@ -111,6 +111,7 @@ class ChatCompletionRequest(_Generate):
     top_logprobs: StrictInt | None = None
     tools: list[ToolSpec] | None = None
     tool_choice: Any = None  # "auto" (the default with tools), "none", "required" or {"type": "function", ...}
+    parallel_tool_calls: StrictBool | None = None  # false: at most one call, the output ends as it closes
     functions: list[Any] | None = None
 
     def unsupported(self) -> list[str]:
