@@ -24,9 +24,11 @@ ARMS = parse_arms('[{"name": "stable", "draftModel": "tiny-draft", "weight": 90}
                   '{"name": "canary", "draftModel": "candidate", "weight": 10}]')
 STEPS = (10, 25, 50, 100)
 # The same thresholds judge the good and the bad canary. Acceptance is deterministic here (greedy, float32); TPOT
-# is measured on a shared 2-core machine with sub-millisecond tokens, so its limits are wide: the p99 of a
-# few-session window is nearly its maximum, which one scheduler stall can multiply.
-THRESHOLDS = Thresholds(min_sessions=12, max_acceptance_drop=0.2, max_tpot_p50_ratio=2.0, max_tpot_p99_ratio=20.0,
+# is measured on a shared 2-core machine with millisecond tokens, so its limits are wide: the good canary runs the
+# stable arm's very models, yet a loaded CI host once put its few-session p50 at 3.2x the stable arm's, and the p99 of
+# such a window is nearly its maximum, which one scheduler stall can multiply. (The TPOT rules themselves are
+# checked with exact figures in test_canary_analysis.)
+THRESHOLDS = Thresholds(min_sessions=12, max_acceptance_drop=0.2, max_tpot_p50_ratio=10.0, max_tpot_p99_ratio=20.0,
                         min_greedy_checks=3)
 MAX_REQUESTS = 600
 # Sessions are placed by an HMAC keyed with this (without one, each process draws a random key, and each run takes
