@@ -144,15 +144,20 @@ class PoolManager:
         their histories resent)."""
         while not self._stopped.wait(PRUNE_EVERY_S):
             with self._lock:
-                dead = [(role, name) for role in ROLES for name, handle in self.workers[role].items()
-                        if any(_actor_state(actor) == "DEAD" for actor in self._actors(name, handle))]
-                for role, name in dead:
-                    log.warning("pools %s: %s worker %s died; removed from the pool", self.spec.name, role, name)
-                    handle = self.workers[role].pop(name)
-                    if name in self.groups:
-                        self._replace_group(role, name, handle)
-                if dead:
+                if self._drop_dead():
                     self.generation += 1
+
+    def _drop_dead(self) -> bool:
+        """Drop (or replace, for a tensor-parallel group) the workers that died for good; True when there were any.
+        Under the lock."""
+        dead = [(role, name) for role in ROLES for name, handle in self.workers[role].items()
+                if any(_actor_state(actor) == "DEAD" for actor in self._actors(name, handle))]
+        for role, name in dead:
+            log.warning("pools %s: %s worker %s died; removed from the pool", self.spec.name, role, name)
+            handle = self.workers[role].pop(name)
+            if name in self.groups:
+                self._replace_group(role, name, handle)
+        return bool(dead)
 
     def _replace_group(self, role: str, name: str, handle) -> None:
         try:
@@ -182,6 +187,9 @@ class PoolManager:
         if role == "draft" and self.spec.draft is None:
             raise InvalidArgument("draft: this pool has no draft model")
         with self._lock:
+            # A worker that died since the last prune does not count: scaling to 1 right after the last one died
+            # must start one, not find the dead one still listed.
+            self._drop_dead()
             current = self.workers[role]
             if count > len(current):
                 self._add(role, count - len(current))
