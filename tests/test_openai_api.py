@@ -55,6 +55,10 @@ def test_models_and_health(server) -> None:
     models = _sdk(server).models.list()
     assert [m.id for m in models.data] == [MODEL] and models.data[0].owned_by == "tandem"
     assert models.data[0].model_extra["max_model_len"] == server.gateway.generations.model_limits.context_window
+    assert _sdk(server).models.retrieve(MODEL) == models.data[0]
+    with pytest.raises(openai.NotFoundError) as missing:
+        _sdk(server).models.retrieve("org/other-model")  # a model id may hold a slash
+    assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
     health = httpx.get(f"{server.gateway.http_url}/health")
     assert health.status_code == 200 and health.json() == {"status": "ok"}
 

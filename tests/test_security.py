@@ -187,6 +187,7 @@ def test_http_needs_a_key(server, pki, keys) -> None:
                              client.post(f"{url}/v1/chat/completions", content=b"not json"),
                              client.post(f"{url}/v1/responses", json={"input": "hi"}),
                              client.get(f"{url}/v1/responses/resp_x"), client.delete(f"{url}/v1/responses/resp_x"),
+                             client.get(f"{url}/v1/models/tiny-target"),
                              client.post(f"{url}/tokenize", json={"prompt": "hi"})):
                 assert response.status_code == 401, response.text
                 error = response.json()["error"]

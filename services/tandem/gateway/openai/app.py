@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/responses (and its stored
-responses), /v1/models, /health, and vLLM's /tokenize and /detokenize.
+responses), /v1/models (and /v1/models/{model}), /health, and vLLM's /tokenize and /detokenize.
 
 Requests go through the gateway's own generation path (tandem.gateway.generation.Generations), the one the gRPC
 API uses: the same validation, engine loop, arm routing and cancellation. Bodies are parsed here rather than by
@@ -36,6 +36,7 @@ from tandem.gateway.openai.errors import (
     OpenAIError,
     bad_request,
     from_exception,
+    model_not_found,
     not_ready,
     unauthorized,
     validation_error,
@@ -87,6 +88,7 @@ def create_app(generations: GenerationsSource, limits: GatewayLimits, status: St
     app.add_api_route("/v1/responses", api.responses, methods=["POST"])
     add_stored_routes(app, stored, api.tenant)
     app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
@@ -143,17 +145,28 @@ class _Api:
 
     async def models(self, request: Request) -> JSONResponse:
         try:
-            self.tenant(request)
-            self._check_ready()
-            generations = self.generations()
-            name = generations.target_name
+            return JSONResponse({"object": "list", "data": [self._model(request)]})
         except Exception as exc:
             return _error(exc, {})
-        model = {"id": name, "object": "model", "created": self.created, "owned_by": "tandem"}
-        limits = generations.model_limits
-        if limits.context_window:
-            model["max_model_len"] = limits.context_window  # vLLM's name for it; clients size prompts by it
-        return JSONResponse({"object": "list", "data": [model]})
+
+    async def model(self, request: Request, model_id: str) -> JSONResponse:
+        """GET /v1/models/{model} (the SDKs' models.retrieve): the served model, else a 404."""
+        try:
+            model = self._model(request)
+            if model_id != model["id"]:
+                raise model_not_found(model_id)
+            return JSONResponse(model)
+        except Exception as exc:
+            return _error(exc, {})
+
+    def _model(self, request: Request) -> dict:
+        self.tenant(request)
+        self._check_ready()
+        generations = self.generations()
+        model = {"id": generations.target_name, "object": "model", "created": self.created, "owned_by": "tandem"}
+        if context_window := generations.model_limits.context_window:
+            model["max_model_len"] = context_window  # vLLM's name for it; clients size prompts by it
+        return model
 
     async def tokenize(self, request: Request) -> Response:
         return await self._tokens(request, TokenizeRequest, tokenize)
