@@ -283,9 +283,10 @@ def test_a_tenants_prompt_prefix_serves_its_own_requests_only(server, pki, keys)
 
 
 def test_a_tenants_stored_responses_are_its_own(server, pki, keys) -> None:
-    """Another API key cannot read, list, continue or delete a stored response, whatever id it sends."""
+    """Another API key cannot read, list, continue, delete, cancel or stream a stored response, whatever id it
+    sends."""
     url = f"{server.gateway.http_url}/v1/responses"
-    with _http(pki, keys["alice"]) as alice, _http(pki, keys["bob"]) as bob:
+    with _http(pki, keys["alice"]) as alice, _http(pki, keys["bob"]) as bob, _http(pki) as nobody:
         stored = alice.post(url, json={"model": "tiny-target", "input": "hi", "max_output_tokens": 2, **GREEDY})
         response_id = stored.json()["id"]
         for refused in (bob.get(f"{url}/{response_id}"), bob.get(f"{url}/{response_id}/input_items"),
@@ -297,6 +298,12 @@ def test_a_tenants_stored_responses_are_its_own(server, pki, keys) -> None:
         continued = alice.post(url, json={"model": "tiny-target", "input": "and?", "max_output_tokens": 2,
                                           "previous_response_id": response_id, **GREEDY})
         assert continued.status_code == 200 and continued.json()["previous_response_id"] == response_id
+        running = alice.post(url, json={"model": "tiny-target", "input": "hi", "max_output_tokens": LONG,
+                                        "background": True, **GREEDY}).json()["id"]
+        for refused in (bob.post(f"{url}/{running}/cancel"), bob.get(f"{url}/{running}", params={"stream": "true"}),
+                        nobody.post(f"{url}/{running}/cancel")):
+            assert refused.status_code in (401, 404), refused.text
+        assert alice.post(f"{url}/{running}/cancel").json()["status"] == "cancelled"
 
 
 def test_per_tenant_concurrency_cap(server, pki, keys) -> None:

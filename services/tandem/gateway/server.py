@@ -35,6 +35,7 @@ from tandem.telemetry.metrics import GatewayMetrics
 from tandem.v1 import generation_pb2
 
 if TYPE_CHECKING:
+    from tandem.gateway.openai.background import BackgroundResponses
     from tandem.gateway.openai.server import HttpServer
     from tandem.gateway.openai.stored import ResponseStore
 
@@ -82,6 +83,7 @@ class Gateway:
             raise OSError(f"cannot listen on {address}: {exc}") from exc
         self.http: HttpServer | None = None  # the OpenAI-compatible HTTP API, while it is on
         self.stored: ResponseStore | None = None  # the HTTP API's stored responses
+        self.background: BackgroundResponses | None = None  # and the background ones it runs
         self.loading: asyncio.Task | None = None
         self._drain: asyncio.Task | None = None
         self._backend_watch: asyncio.Task | None = None
@@ -155,13 +157,19 @@ class Gateway:
 
     async def _start_http(self) -> None:
         from tandem.gateway.openai.app import create_app
+        from tandem.gateway.openai.background import BackgroundResponses
+        from tandem.gateway.openai.response_log import open_response_log
         from tandem.gateway.openai.server import start_http_server
         from tandem.gateway.openai.stored import open_response_store
 
         options = self.options
         ports = [options.http_port, 0] if options.http_port_fallback else [options.http_port]
         self.stored = open_response_store(self.sessions, options.response_ttl_s)
-        app = create_app(self.serving, options.limits, self.http_status, options.api_keys, self.stored)
+        if self.stored is not None:
+            self.background = BackgroundResponses(self.stored, open_response_log(self.sessions,
+                                                                                 options.response_ttl_s))
+        app = create_app(self.serving, options.limits, self.http_status, options.api_keys, self.stored,
+                         self.background)
         tls = {"certfile": options.tls_cert, "keyfile": options.tls_key, "client_ca": options.tls_client_ca} \
             if options.tls else None
         for index, port in enumerate(ports):
@@ -241,6 +249,8 @@ class Gateway:
             await loop.close()
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.close)
+        if self.background is not None:  # (before the store: what still runs is stored as failed)
+            await self.background.close()
         if self.stored is not None:
             await asyncio.to_thread(self.stored.close)
         log.info("stopped %s", self.address)

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from tandem.gateway.auth import ApiKeys
 from tandem.gateway.events import ChoiceDelta, ChoiceEnd, Event
 from tandem.gateway.generation import GenerationsSource
+from tandem.gateway.openai.background import BackgroundResponses
 from tandem.gateway.openai.bodies import read_body
 from tandem.gateway.openai.convert import (
     CHAT_RENAMES,
@@ -48,7 +49,7 @@ from tandem.gateway.openai.responses_input import ResponsesTurn, chat_body
 from tandem.gateway.openai.responses_output import ResponseWriter, response_events
 from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, ResponsesRequest, _Generate
 from tandem.gateway.openai.stored import ResponseStore, StoredResponse
-from tandem.gateway.openai.stored_routes import add_stored_routes
+from tandem.gateway.openai.stored_routes import add_stored_routes, replay
 from tandem.gateway.openai.streaming import ClientGone, EventStream, merged, until_disconnected
 from tandem.gateway.openai.tokenize import RENAMES as TOKENIZE_RENAMES
 from tandem.gateway.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -77,16 +78,18 @@ COMPLETION = _Endpoint("completion", CompletionRequest, completion_requests, COM
 
 
 def create_app(generations: GenerationsSource, limits: GatewayLimits, status: Status,
-               keys: ApiKeys | None = None, stored: ResponseStore | None = None) -> FastAPI:
+               keys: ApiKeys | None = None, stored: ResponseStore | None = None,
+               background: BackgroundResponses | None = None) -> FastAPI:
     """The API over the generate path `generations()` returns once the engines have loaded; `limits` bound bodies
     before that; `status` says why it cannot serve; `keys`: the API keys /v1/* asks for (`Authorization: Bearer
-    <key>`, else 401), None for none (/health is always open); `stored`: where responses are stored (None: none)."""
+    <key>`, else 401), None for none (/health is always open); `stored`: where responses are stored (None: none);
+    `background`: what runs background responses (None: `background` refused)."""
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
-    api = _Api(generations, limits, status, keys, stored)
+    api = _Api(generations, limits, status, keys, stored, background)
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/responses", api.responses, methods=["POST"])
-    add_stored_routes(app, stored, api.tenant)
+    add_stored_routes(app, stored, background, api.tenant)
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
@@ -109,12 +112,14 @@ def create_app(generations: GenerationsSource, limits: GatewayLimits, status: St
 
 class _Api:
     def __init__(self, generations: GenerationsSource, limits: GatewayLimits, status: Status,
-                 keys: ApiKeys | None = None, stored: ResponseStore | None = None) -> None:
+                 keys: ApiKeys | None = None, stored: ResponseStore | None = None,
+                 background: BackgroundResponses | None = None) -> None:
         self.generations = generations
         self.limits = limits
         self.status = status
         self.keys = keys
         self.stored = stored
+        self.background = background
         self.created = int(time.time())
         self._texts: TokenTexts | None = None
 
@@ -218,14 +223,18 @@ class _Api:
     async def _respond(self, request: Request, tenant: str, body: ResponsesRequest, turn: ResponsesTurn,
                        renames: dict[str, str]) -> Response:
         """The Responses API over the chat path (gateway.openai.responses_input): one output, whole or streamed,
-        stored once finished unless the body says `store: false`."""
+        stored once finished unless the body says `store: false`; or run in the background."""
         self._check_ready()
         generations = self.generations()
         check_model(body, generations.target_name)
+        if body.background:
+            self._check_background(body)
         response_id = body.request_id or f"resp_{uuid.uuid4().hex}"
         stored = self.stored if body.store is not False else None
         writer = ResponseWriter(response_id, generations.target_name, self._token_texts(), body, turn.chat.logprobs,
-                                store=stored is not None)
+                                store=stored is not None, background=bool(body.background))
+        if body.background:
+            return await self._in_background(request, tenant, writer, turn, renames)
 
         async def keep(response: dict) -> None:
             if stored is not None:
@@ -240,6 +249,25 @@ class _Api:
                                     tenant=tenant)
         return await _deliver(request, events, body.stream, writer.add, whole,
                               lambda first: response_events(events, first, writer, renames, keep))
+
+    def _check_background(self, body: ResponsesRequest) -> None:
+        if self.background is None:
+            raise bad_request("background: this server stores no responses (--response-ttl 0), so it runs none in "
+                              "the background", "background")
+        if body.store is False:
+            raise bad_request("background: a background response is stored to be read; it cannot have store "
+                              "false", "background")
+
+    async def _in_background(self, request: Request, tenant: str, writer: ResponseWriter, turn: ResponsesTurn,
+                             renames: dict[str, str]) -> Response:
+        """Start a background response: answered with it queued, or with its events as they come (a client that
+        leaves stops reading, not generating)."""
+        events = self.generations().stream(chat_request(turn.chat, writer.id), list(request.headers.items()),
+                                           tenant=tenant)
+        queued = await self.background.start(tenant, writer, turn.items, events, renames)
+        if not writer.body.stream:
+            return JSONResponse(queued)
+        return replay(await self.background.stream(tenant, writer.id, -1))
 
     async def _generate(self, request: Request, endpoint: _Endpoint) -> Response:
         renames = endpoint.renames

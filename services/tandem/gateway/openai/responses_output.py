@@ -35,10 +35,13 @@ def sse_event(event: dict) -> bytes:
 
 class ResponseWriter:
     def __init__(self, response_id: str, model: str, texts: TokenTexts, body: ResponsesRequest,
-                 logprobs: bool, store: bool = False) -> None:
-        """store: the finished response will be stored (what its `store` field says)."""
+                 logprobs: bool, store: bool = False, background: bool = False) -> None:
+        """store: the finished response will be stored (what its `store` field says); background: it runs in the
+        background (gateway.openai.background), `queued` until `start`."""
         self.id, self.model, self.texts, self.body, self.logprobs = response_id, model, texts, body, logprobs
-        self.store = store
+        self.store, self.background = store, background
+        self.started = not background
+        self.cancelled = False
         self.created_at = int(time.time())
         self.output: list[dict] = []
         self.end: ChoiceEnd | None = None
@@ -53,9 +56,15 @@ class ResponseWriter:
         return event
 
     def opening(self) -> list[dict]:
-        snapshot = self.response()
-        return [self._event("response.created", response=snapshot),
-                self._event("response.in_progress", response=snapshot)]
+        """The first events: response.created, then response.in_progress (response.queued in the background)."""
+        created = self._event("response.created", response=self.response())
+        return [created, self._event("response.in_progress" if self.started else "response.queued",
+                                     response=self.response())]
+
+    def start(self) -> list[dict]:
+        """A background response's generation began: response.in_progress."""
+        self.started = True
+        return [self._event("response.in_progress", response=self.response())]
 
     def add(self, event: ChoiceDelta | ChoiceEnd) -> list[dict]:
         """The stream's events for one generation event (the whole response keeps the same state)."""
@@ -81,6 +90,12 @@ class ResponseWriter:
         self.closing()
         return self.response()
 
+    def cancel(self) -> list[dict]:
+        """A background response stopped by POST .../cancel: its open message closed, its status cancelled (the
+        API has no event for it: the stream just ends)."""
+        self.cancelled = True
+        return self._close_message()
+
     def failed(self, error: OpenAIError) -> list[dict]:
         body = error.body()["error"]
         # A failed response's code is one of OpenAI's few (the error event before it keeps the API's own code).
@@ -93,8 +108,10 @@ class ResponseWriter:
     def status(self) -> str:
         if self.error is not None:
             return "failed"
+        if self.cancelled:
+            return "cancelled"
         if self.end is None:
-            return "in_progress"
+            return "in_progress" if self.started else "queued"
         return "incomplete" if self.end.finish_reason == "length" else "completed"
 
     # --- items ---
@@ -120,8 +137,8 @@ class ResponseWriter:
         message, self._message = self._message, None
         if message is None:
             return []
-        message["status"] = "incomplete" if self.end is not None and self.end.finish_reason == "length" \
-            else "completed"
+        cut = self.cancelled or (self.end is not None and self.end.finish_reason == "length")
+        message["status"] = "incomplete" if cut else "completed"
         part, place = message["content"][0], self._place(message)
         return [self._event("response.output_text.done", **place, text=part["text"], logprobs=part["logprobs"]),
                 self._event("response.content_part.done", **place, part=_copy(part)),
@@ -153,7 +170,7 @@ class ResponseWriter:
                   "parameters": tool.get("parameters"), "strict": tool.get("strict")} for tool in body.tools or ()]
         response = {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": self.status(),
-            "background": False, "error": self.error, "model": self.model, "output": _copy(self.output),
+            "background": self.background, "error": self.error, "model": self.model, "output": _copy(self.output),
             "incomplete_details": {"reason": "max_output_tokens"} if self.status() == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": body.parallel_tool_calls is not False,

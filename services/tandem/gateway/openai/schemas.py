@@ -159,14 +159,13 @@ class ResponsesRequest(_Generate):
     truncation: str | None = None
     previous_response_id: str | None = None
     # What a server without conversations, hosted tools or reasoning cannot honour: refused by name when used.
+    background: StrictBool | None = None  # run on after the answer (gateway.openai.background); needs `store`
     conversation: Any = None
-    background: StrictBool | None = None
     prompt: Any = None
     reasoning: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         bad = [name for name in ("conversation", "prompt") if getattr(self, name)]
-        bad += ["background"] if self.background else []
         bad += ["truncation"] if self.truncation not in (None, "disabled") else []
         bad += ["reasoning"] if self.reasoning and any(v is not None for v in self.reasoning.values()) else []
         return bad + (["n"] if self.n not in (None, 1) else [])

@@ -41,15 +41,15 @@ class ResponseStore:
         self._store = store
 
     @staticmethod
-    def _key(tenant: str, response_id: str) -> str:
+    def key(tenant: str, response_id: str) -> str:
         return hashlib.sha256(f"{tenant}\0{response_id}".encode()).hexdigest()
 
     async def put(self, tenant: str, stored: StoredResponse) -> None:
         record = {"response": stored.response, "items": stored.items}
-        await asyncio.to_thread(self._store.put, self._key(tenant, stored.response["id"]), record)
+        await asyncio.to_thread(self._store.put, self.key(tenant, stored.response["id"]), record)
 
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
-        record = await asyncio.to_thread(self._store.get, self._key(tenant, response_id))
+        record = await asyncio.to_thread(self._store.get, self.key(tenant, response_id))
         if not isinstance(record, dict) or "response" not in record or "items" not in record:
             return None
         return StoredResponse(record["response"], record["items"])
@@ -66,7 +66,7 @@ class ResponseStore:
         """True when there was such a response."""
         if await self.get(tenant, response_id) is None:
             return False
-        await asyncio.to_thread(self._store.delete, self._key(tenant, response_id))
+        await asyncio.to_thread(self._store.delete, self.key(tenant, response_id))
         return True
 
     def close(self) -> None:

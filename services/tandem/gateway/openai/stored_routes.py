@@ -1,25 +1,32 @@
-"""The stored responses' own routes: GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items.
+"""The stored responses' own routes: GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, and for
+background responses POST /v1/responses/{id}/cancel and GET /v1/responses/{id}?stream=true&starting_after=N.
 
-They read the store only (gateway.openai.stored), never the engines, so they answer while the models load. A response
-another tenant stored, an expired or deleted one, or any id where nothing is stored, is the same 404.
+They read the store only (gateway.openai.stored) and the background responses' logs, never the engines, so they
+answer while the models load. A response another tenant stored, an expired or deleted one, or any id where nothing is
+stored, is the same 404.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
+from tandem.gateway.openai.background import BackgroundResponses
 from tandem.gateway.openai.errors import OpenAIError, bad_request, from_exception
+from tandem.gateway.openai.responses_output import sse_event
 from tandem.gateway.openai.stored import ResponseStore, StoredResponse
+from tandem.gateway.openai.streaming import EventStream
 
 DEFAULT_PAGE, MAX_PAGE = 20, 100  # input_items: OpenAI's default and largest `limit`
 
 
-def add_stored_routes(app: FastAPI, stored: ResponseStore | None, tenant_of: Callable[[Request], str]) -> None:
-    """The routes over `stored` (None: nothing stored, every id a 404); `tenant_of`: the caller's tenant, or a 401."""
+def add_stored_routes(app: FastAPI, stored: ResponseStore | None, background: BackgroundResponses | None,
+                      tenant_of: Callable[[Request], str]) -> None:
+    """The routes over `stored` (None: nothing stored, every id a 404) and `background` (what runs background
+    responses); `tenant_of`: the caller's tenant, or a 401."""
 
     async def found(request: Request, response_id: str) -> StoredResponse:
         tenant = tenant_of(request)
@@ -29,8 +36,24 @@ def add_stored_routes(app: FastAPI, stored: ResponseStore | None, tenant_of: Cal
         return response
 
     @_errors_in_openai_shape
-    async def retrieve(request: Request, response_id: str) -> JSONResponse:
-        return JSONResponse((await found(request, response_id)).response)
+    async def retrieve(request: Request, response_id: str) -> Response:
+        query = request.query_params
+        if query.get("stream", "false").lower() != "true":
+            return JSONResponse((await found(request, response_id)).response)
+        try:
+            after = int(query.get("starting_after", -1))
+        except ValueError:
+            raise bad_request(f"starting_after: must be an integer, got {query.get('starting_after')!r}",
+                              "starting_after") from None
+        if background is None:
+            raise not_found(response_id)
+        return replay(await background.stream(tenant_of(request), response_id, after))
+
+    @_errors_in_openai_shape
+    async def cancel(request: Request, response_id: str) -> JSONResponse:
+        if background is None:
+            raise not_found(response_id)
+        return JSONResponse(await background.cancel(tenant_of(request), response_id))
 
     @_errors_in_openai_shape
     async def delete(request: Request, response_id: str) -> JSONResponse:
@@ -47,16 +70,26 @@ def add_stored_routes(app: FastAPI, stored: ResponseStore | None, tenant_of: Cal
     app.add_api_route("/v1/responses/{response_id}", retrieve, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", delete, methods=["DELETE"])
     app.add_api_route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"])
+
+
+def replay(events: AsyncGenerator[dict, None]) -> Response:
+    """A background response's events (from its log) as an SSE stream; a client that leaves stops only its read."""
+    async def body() -> AsyncGenerator[bytes, None]:
+        async for event in events:
+            yield sse_event(event)
+
+    return EventStream(body(), events)
 
 
 def not_found(response_id: str) -> OpenAIError:
     return OpenAIError(404, f"Response with id '{response_id}' not found.")
 
 
-def _errors_in_openai_shape(handler: Callable[[Request, str], Awaitable[JSONResponse]]
-                            ) -> Callable[[Request, str], Awaitable[JSONResponse]]:
+def _errors_in_openai_shape(handler: Callable[[Request, str], Awaitable[Response]]
+                            ) -> Callable[[Request, str], Awaitable[Response]]:
     @functools.wraps(handler)  # (FastAPI reads the parameters through it)
-    async def answered(request: Request, response_id: str) -> JSONResponse:
+    async def answered(request: Request, response_id: str) -> Response:
         try:
             return await handler(request, response_id)
         except Exception as exc:

@@ -1,0 +1,156 @@
+"""Background responses (the Responses API's `background: true`): the request is answered at once with the response
+`queued`, and the generation runs on here, whoever is connected. Its state is stored as it changes (queued, then
+in_progress, then completed, incomplete, failed or cancelled; GET /v1/responses/{id} reads it on any gateway replica),
+every event goes to its log (gateway.openai.response_log: a stream that `GET ...?stream=true&starting_after=N` reads
+from any sequence number), and POST /v1/responses/{id}/cancel stops it: directly on this replica, through the log's
+cancel flag from another, which the runner looks at every CANCEL_POLL_S.
+
+A background response still counts against its tenant's concurrency cap and the queue while it runs, and a gateway
+that drains lets it finish within the grace period like any request; one still running when the gateway stops is
+stored as failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+from tandem.gateway.openai.errors import OpenAIError, bad_request, from_exception
+from tandem.gateway.openai.response_log import ResponseLog
+from tandem.gateway.openai.responses_output import ResponseWriter
+from tandem.gateway.openai.stored import ResponseStore, StoredResponse
+
+log = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 0.25  # how often a runner asks the log whether another replica cancelled it
+CANCEL_WAIT_S = 5.0  # how long a cancel sent to another replica's response waits for that replica to stop it
+TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
+SHUT_DOWN = OpenAIError(503, "the server shut down before this background response finished; create it again",
+                        "server_error")
+
+
+@dataclass(slots=True)
+class _Run:
+    task: asyncio.Task
+    writer: ResponseWriter
+    shutting_down: bool = False
+
+
+class BackgroundResponses:
+    """The background responses this replica runs, over the shared store and log."""
+
+    def __init__(self, stored: ResponseStore, events: ResponseLog) -> None:
+        self.stored, self.events = stored, events
+        self._runs: dict[str, _Run] = {}  # store key -> its run, while it runs here
+
+    async def start(self, tenant: str, writer: ResponseWriter, items: list[dict], generation: AsyncGenerator,
+                    renames: dict[str, str]) -> dict:
+        """Store the response queued, start generating it, and return it as stored."""
+        key = self.stored.key(tenant, writer.id)
+        opening = writer.opening()
+        queued = writer.response()
+        await self.stored.put(tenant, StoredResponse(queued, items))
+        await self.events.append(key, opening)
+        task = asyncio.create_task(self._run(tenant, key, writer, items, generation, renames),
+                                   name=f"background-{writer.id}")
+        self._runs[key] = _Run(task, writer)
+        task.add_done_callback(lambda _: self._runs.pop(key, None))
+        return queued
+
+    async def _run(self, tenant: str, key: str, writer: ResponseWriter, items: list[dict],
+                   generation: AsyncGenerator, renames: dict[str, str]) -> None:
+        async def keep() -> None:
+            await self.stored.put(tenant, StoredResponse(writer.response(), items))
+
+        watcher = asyncio.create_task(self._watch_cancel(key, asyncio.current_task()))
+        try:
+            async with contextlib.aclosing(generation):
+                async for event in generation:
+                    if not writer.started:
+                        started = writer.start()
+                        await keep()
+                        await self.events.append(key, started)
+                    await self.events.append(key, writer.add(event))
+            closing = writer.closing()
+        except asyncio.CancelledError:
+            run = self._runs.get(key)
+            closing = writer.failed(SHUT_DOWN) if run is not None and run.shutting_down else writer.cancel()
+        except Exception as exc:  # any failure is the response's: stored as failed, never raised
+            closing = writer.failed(from_exception(exc, renames))
+        finally:
+            watcher.cancel()
+        try:
+            await keep()  # before the last event: a client that continues it at once finds it
+            await self.events.append(key, closing)
+        finally:
+            await self.events.end(key)
+
+    async def _watch_cancel(self, key: str, runner: asyncio.Task | None) -> None:
+        while runner is not None and not runner.done():
+            await asyncio.sleep(CANCEL_POLL_S)
+            if await self.events.cancel_requested(key):
+                runner.cancel()
+                return
+
+    async def cancel(self, tenant: str, response_id: str) -> dict:
+        """POST /v1/responses/{id}/cancel: the response once stopped (a finished one as it is); 404 unknown, 400 not
+        a background one."""
+        found = await self._found(tenant, response_id)
+        response = found.response
+        if not response.get("background"):
+            raise bad_request("Cannot cancel a synchronous response: only responses created with background true can "
+                              "be cancelled.")
+        if response["status"] in TERMINAL:
+            return response
+        key = self.stored.key(tenant, response_id)
+        if (run := self._runs.get(key)) is not None:
+            run.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(run.task)
+            return (await self._found(tenant, response_id)).response
+        await self.events.request_cancel(key)  # running on another replica: its runner sees the flag
+        deadline = asyncio.get_running_loop().time() + CANCEL_WAIT_S
+        while asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(CANCEL_POLL_S / 2)
+            found = await self._found(tenant, response_id)
+            if found.response["status"] in TERMINAL:
+                return found.response
+        # No runner stopped it: the replica running it is gone (it died without storing a last state).
+        found.response.update(status="cancelled")
+        await self.stored.put(tenant, found)
+        await self.events.end(key)
+        return found.response
+
+    async def stream(self, tenant: str, response_id: str, after: int) -> AsyncGenerator[dict, None]:
+        """The events of a background response with a sequence number above `after`, to its last; 404 unknown, 400
+        not a background one."""
+        found = await self._found(tenant, response_id)
+        if not found.response.get("background"):
+            raise bad_request("Only a response created with background true can be streamed again.", "stream")
+        return self.events.read(self.stored.key(tenant, response_id), after)
+
+    async def _found(self, tenant: str, response_id: str) -> StoredResponse:
+        found = await self.stored.get(tenant, response_id)
+        if found is None:
+            raise OpenAIError(404, f"Response with id '{response_id}' not found.")
+        return found
+
+    @property
+    def running(self) -> int:
+        return len(self._runs)
+
+    async def close(self) -> None:
+        """At shutdown, after the drain: what still runs is stored as failed (its clients may create it again)."""
+        runs = list(self._runs.values())
+        for run in runs:
+            run.shutting_down = True
+            run.task.cancel()
+        for run in runs:
+            with contextlib.suppress(asyncio.CancelledError):
+                await run.task
+        if runs:
+            log.warning("%d background response(s) still running at shutdown were stored as failed", len(runs))
+        await self.events.close()

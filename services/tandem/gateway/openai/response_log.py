@@ -1,0 +1,196 @@
+"""The event logs of background responses: every streamed event of one, kept so that a client can read (or read
+again, after a dropped connection) its stream from any sequence number, and the flag that asks it to stop.
+
+A background response runs on the gateway replica that took it; its events and its cancel flag go where every replica
+can reach them: a Redis stream per response (XADD by the runner, XREAD BLOCK by each reader) and a key, in the Redis
+the stored responses use; else process memory, where only this replica runs and reads them. An end mark closes a log:
+readers stop there. Logs expire with the stored responses (the same TTL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import redis.asyncio
+
+from tandem.sessions import RedisSessionStore
+
+log = logging.getLogger(__name__)
+
+EVENTS_PREFIX = "tandem:response-events:"
+CANCEL_PREFIX = "tandem:response-cancel:"
+MAX_ENDED_IN_MEMORY = 256  # ended logs held in this process without Redis; the oldest go first
+READ_BLOCK_MS = 1000  # a Redis reader's wait for new events before it looks again
+
+
+class ResponseLog(Protocol):
+    async def append(self, key: str, events: list[dict]) -> None: ...
+    async def end(self, key: str) -> None: ...
+    def read(self, key: str, after: int) -> AsyncGenerator[dict, None]: ...
+    async def request_cancel(self, key: str) -> None: ...
+    async def cancel_requested(self, key: str) -> bool: ...
+    async def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class _Events:
+    expires: float
+    events: list[dict] = field(default_factory=list)
+    ended: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def wake(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+class MemoryResponseLog:
+    """Logs in this process (one gateway replica: it runs every background response it is asked about)."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._logs: OrderedDict[str, _Events] = OrderedDict()
+        self._cancelled: set[str] = set()
+
+    def _log(self, key: str) -> _Events:
+        now = time.monotonic()
+        for old in [old for old, events in self._logs.items() if events.expires < now]:
+            del self._logs[old]
+        if key not in self._logs:
+            self._logs[key] = _Events(now + self.ttl_s)
+        return self._logs[key]
+
+    async def append(self, key: str, events: list[dict]) -> None:
+        entry = self._log(key)
+        entry.events += events
+        entry.wake()
+
+    async def end(self, key: str) -> None:
+        entry = self._log(key)
+        entry.ended = True
+        entry.wake()
+        self._cancelled.discard(key)
+        self._logs.move_to_end(key)
+        ended = [old for old, events in self._logs.items() if events.ended]
+        for old in ended[:max(0, len(ended) - MAX_ENDED_IN_MEMORY)]:
+            del self._logs[old]
+
+    async def read(self, key: str, after: int) -> AsyncGenerator[dict, None]:
+        """The events with a sequence number above `after`, as they come, until the end mark (none if no log)."""
+        entry = self._logs.get(key)
+        if entry is None:
+            return
+        sent = 0
+        while True:
+            changed = entry.changed
+            for event in entry.events[sent:]:
+                if event["sequence_number"] > after:
+                    yield event
+            sent = len(entry.events)
+            if entry.ended:
+                return
+            await changed.wait()
+
+    async def request_cancel(self, key: str) -> None:
+        self._cancelled.add(key)
+
+    async def cancel_requested(self, key: str) -> bool:
+        return key in self._cancelled
+
+    async def close(self) -> None:
+        self._logs.clear()
+
+
+class RedisResponseLog:
+    """Logs in Redis (every gateway replica reads what another runs): a stream of JSON events and an end mark.
+
+    An append does not wait for Redis: one writer task per log sends what has piled up since its last round trip in
+    one pipeline, so the runner never waits a round trip per token and a busy log costs fewer of them."""
+
+    def __init__(self, url: str, ttl_s: float) -> None:
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        # Readers block up to READ_BLOCK_MS on XREAD: the socket timeout must be well past it.
+        self._client = redis.asyncio.Redis.from_url(url, decode_responses=True, socket_timeout=READ_BLOCK_MS / 200,
+                                                    socket_connect_timeout=1.0)
+        self._pending: dict[str, list[dict[str, str]]] = {}
+        self._writers: dict[str, asyncio.Task] = {}
+        self.round_trips = 0
+        self._failures = 0
+
+    def _queue(self, key: str, entries: list[dict[str, str]]) -> asyncio.Task:
+        self._pending.setdefault(key, []).extend(entries)
+        if key not in self._writers:
+            self._writers[key] = asyncio.create_task(self._write(key))
+        return self._writers[key]
+
+    async def _write(self, key: str) -> None:
+        try:
+            while entries := self._pending.pop(key, None):  # (no await between the last pop and the finally)
+                await self._send(key, entries)
+        finally:
+            del self._writers[key]
+
+    async def _send(self, key: str, entries: list[dict[str, str]]) -> None:
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for entry in entries:
+                    pipe.xadd(EVENTS_PREFIX + key, entry)
+                pipe.pexpire(EVENTS_PREFIX + key, self.ttl_ms)
+                await pipe.execute()
+            self.round_trips += 1
+        except redis.RedisError as error:  # the response itself is still stored: only its replay is short
+            self._failures += 1
+            if self._failures == 1 or self._failures % 100 == 0:
+                log.warning("background response events not written to Redis (%d so far): %s", self._failures, error)
+
+    async def append(self, key: str, events: list[dict]) -> None:
+        if events:
+            self._queue(key, [{"e": json.dumps(event, ensure_ascii=False, separators=(",", ":"))}
+                              for event in events])
+
+    async def end(self, key: str) -> None:
+        """Written once every event before it is: a reader that meets it has seen them all."""
+        await asyncio.shield(self._queue(key, [{"end": "1"}]))
+
+    async def read(self, key: str, after: int) -> AsyncGenerator[dict, None]:
+        last = "0-0"
+        while True:
+            found = await self._client.xread({EVENTS_PREFIX + key: last}, count=512, block=READ_BLOCK_MS)
+            if not found:
+                if not await self._client.exists(EVENTS_PREFIX + key):
+                    return  # expired, or never written
+                continue
+            for entry_id, fields in found[0][1]:
+                last = entry_id
+                if "end" in fields:
+                    return
+                event = json.loads(fields["e"])
+                if event["sequence_number"] > after:
+                    yield event
+
+    async def request_cancel(self, key: str) -> None:
+        await self._client.set(CANCEL_PREFIX + key, "1", px=self.ttl_ms)
+
+    async def cancel_requested(self, key: str) -> bool:
+        try:
+            return bool(await self._client.exists(CANCEL_PREFIX + key))
+        except redis.RedisError:
+            return False  # asked again at the next look
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._writers.values(), return_exceptions=True)
+        await self._client.aclose()
+
+
+def open_response_log(sessions: object, ttl_s: float) -> ResponseLog:
+    """Background responses' logs beside the stored responses: in the sessions' Redis when they have one."""
+    if isinstance(sessions, RedisSessionStore):
+        return RedisResponseLog(sessions.url, ttl_s)
+    return MemoryResponseLog(ttl_s)

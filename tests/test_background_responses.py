@@ -1,0 +1,176 @@
+"""Background responses (`background: true`): answered queued at once and generated on; polled with GET, streamed
+again from any sequence number (`?stream=true&starting_after=N`), cancelled with POST .../cancel. Through the openai
+SDK against a real gateway over the tiny pair (float32, greedy), and across two gateways over one real Redis: one runs
+it, the other reads, streams and cancels it."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from gateway_harness import ServerThread, tiny_backend, tiny_http_server
+from tandem.sessions import EmbeddedRedis, open_session_store
+
+MODEL = "tiny-target"
+EVENTS = TypeAdapter(ResponseStreamEvent)
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+LONG = 3000  # output tokens of a response that is still running when the test cancels it
+TERMINAL = ("completed", "incomplete", "failed", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    yield from tiny_http_server(tiny_models, max_prompt_tokens=2048)
+
+
+def _sdk(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0)
+
+
+def _finished(sdk: openai.OpenAI, response_id: str, timeout_s: float = 60) -> Response:
+    deadline = time.monotonic() + timeout_s
+    while (response := sdk.responses.retrieve(response_id)).status not in TERMINAL:
+        assert time.monotonic() < deadline, f"{response_id} still {response.status}"
+        time.sleep(0.05)
+    return response
+
+
+def _events(lines, until: int | None = None) -> list[dict]:
+    """The data of an SSE body's events (the first `until` of them)."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            events.append(json.loads(line.removeprefix("data: ")))
+            if until is not None and len(events) == until:
+                break
+    return events
+
+
+def _idle(server: ServerThread, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while server.gateway.loop.active and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return server.gateway.loop.active == 0
+
+
+def test_a_background_response_is_queued_at_once_and_finishes_as_the_same_response(server) -> None:
+    sdk = _sdk(server)
+    started = sdk.responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=12, background=True,
+                                   **GREEDY)
+    assert started.background is True and started.status in ("queued", "in_progress") and started.output == []
+    done = _finished(sdk, started.id)
+    plain = sdk.responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=12, store=False, **GREEDY)
+    assert done.status == plain.status == "incomplete" and done.background is True
+    assert done.output_text == plain.output_text and done.usage.output_tokens == 12
+    assert done.usage.input_tokens == plain.usage.input_tokens
+    Response.model_validate(done.model_dump(), strict=True)
+    continued = sdk.responses.create(model=MODEL, previous_response_id=done.id, input="Again.", max_output_tokens=2,
+                                     **GREEDY)
+    assert continued.usage.input_tokens > done.usage.input_tokens + done.usage.output_tokens
+
+
+def test_a_background_stream_is_read_again_from_any_sequence_number(server) -> None:
+    """A client that drops the stream after a few events reads the rest with starting_after: together, every event
+    once, in order, ending with response.incomplete; the SDK reads the same replay as its own event types."""
+    url = f"{server.gateway.http_url}/v1/responses"
+    body = {"model": MODEL, "input": "def add(a, b):", "max_output_tokens": 10, "temperature": 0,
+            "ignore_eos": True, "background": True, "stream": True}
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
+        assert response.status_code == 200
+        head = _events(response.iter_lines(), until=4)
+    assert [event["type"] for event in head[:2]] == ["response.created", "response.queued"]
+    response_id = head[0]["response"]["id"]
+    with httpx.stream("GET", f"{url}/{response_id}", params={"stream": "true", "starting_after": 3},
+                      timeout=60) as rest:
+        assert rest.status_code == 200 and rest.headers["content-type"].startswith("text/event-stream")
+        tail = _events(rest.iter_lines())
+    events = head + tail
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["background"] is True
+    text = "".join(event["delta"] for event in events if event["type"] == "response.output_text.delta")
+    assert text == events[-1]["response"]["output"][0]["content"][0]["text"]
+    sdk = _sdk(server)
+    replayed = list(sdk.responses.retrieve(response_id, stream=True, starting_after=len(events) - 3))
+    assert [event.sequence_number for event in replayed] == list(range(len(events) - 2, len(events)))
+    assert replayed[-1].response.model_dump() == _finished(sdk, response_id).model_dump()
+    for event in events:
+        EVENTS.validate_python(event)
+
+
+def test_cancel_stops_a_background_response_and_frees_its_caches(server) -> None:
+    sdk = _sdk(server)
+    started = sdk.responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=LONG, background=True,
+                                   **GREEDY)
+    time.sleep(0.3)
+    cancelled = sdk.responses.cancel(started.id)
+    assert cancelled.status == "cancelled" and cancelled.background is True
+    assert sum(len(part.text) for item in cancelled.output for part in item.content) > 0 and cancelled.usage is None
+    assert all(item.status == "incomplete" for item in cancelled.output)
+    assert _idle(server)
+    assert sdk.responses.cancel(started.id).model_dump() == cancelled.model_dump()  # idempotent
+    assert sdk.responses.retrieve(started.id).model_dump() == cancelled.model_dump()
+    replay = list(sdk.responses.retrieve(started.id, stream=True))  # the stream just ends (no event says cancelled)
+    assert replay[0].type == "response.created" and replay[-1].type != "response.completed"
+    done = sdk.responses.create(model=MODEL, input="hi", max_output_tokens=2, background=True, **GREEDY)
+    assert sdk.responses.cancel(_finished(sdk, done.id).id).status == "incomplete"  # finished: as it is
+
+
+def test_what_cannot_run_in_the_background_is_refused(server) -> None:
+    sdk = _sdk(server)
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.responses.create(model=MODEL, input="hi", max_output_tokens=2, background=True, store=False)
+    assert refused.value.body["param"] == "background"
+    synchronous = sdk.responses.create(model=MODEL, input="hi", max_output_tokens=2, **GREEDY)
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
+        sdk.responses.cancel(synchronous.id)
+    with pytest.raises(openai.BadRequestError):
+        list(sdk.responses.retrieve(synchronous.id, stream=True))
+    for unknown in (lambda: sdk.responses.cancel("resp_nothing"),
+                    lambda: list(sdk.responses.retrieve("resp_nothing", stream=True))):
+        with pytest.raises(openai.NotFoundError):
+            unknown()
+    failed = sdk.responses.create(model=MODEL, input="x " * 3000, max_output_tokens=2, background=True)
+    failed = _finished(sdk, failed.id)  # past max_prompt_tokens: known only once it runs
+    assert failed.status == "failed" and failed.error.code == "invalid_prompt"
+
+
+def test_another_gateway_reads_streams_and_cancels_a_background_response(tiny_models) -> None:
+    """Over one real Redis: gateway `other` polls, streams again and cancels what `runner` runs (its runner sees the
+    cancel flag); a response still running when its gateway stops is stored as failed."""
+    target, draft, _ = tiny_models
+    with EmbeddedRedis() as redis:
+        runner, other = (ServerThread(tiny_backend(target, draft), http_port=0, sessions=open_session_store(redis.url))
+                         for _ in range(2))
+        try:
+            ran, read = _sdk(runner), _sdk(other)
+            short = ran.responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=8, background=True,
+                                         **GREEDY)
+            done = _finished(read, short.id)
+            replay = list(read.responses.retrieve(short.id, stream=True, starting_after=1))
+            assert replay[0].sequence_number == 2 and replay[-1].response.model_dump() == done.model_dump()
+            assert done.output_text == "".join(e.delta for e in replay if e.type == "response.output_text.delta")
+
+            long = ran.responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=LONG,
+                                        background=True, **GREEDY)
+            time.sleep(0.3)
+            sent = time.monotonic()
+            cancelled = read.responses.cancel(long.id)
+            assert cancelled.status == "cancelled" and time.monotonic() - sent < 2.0  # the runner stopped it
+            assert ran.responses.retrieve(long.id).status == "cancelled" and _idle(runner)
+
+            orphan = ran.responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=LONG,
+                                          background=True, **GREEDY)
+            time.sleep(0.3)
+            runner.stop()
+            failed = read.responses.retrieve(orphan.id)
+            assert failed.status == "failed" and failed.error.code == "server_error"
+        finally:
+            for gateway in (runner, other):
+                if gateway.thread.is_alive():  # (runner stopped already when the test got that far)
+                    gateway.stop()
