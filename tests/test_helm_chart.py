@@ -225,7 +225,7 @@ def test_pools_gateway_attaches_to_the_release_pools():
     assert gateway["args"][0] == "gateway"
     args = flags(gateway["args"])
     assert args == {"pools": FULLNAME, "host": "0.0.0.0", "port": "50051", "http-port": "8000", "metrics-port": "9464",
-                    "ray-address": head, "grace": "30"}
+                    "ray-address": head, "grace": "30", "response-ttl": "3600"}
     env = env_of(pools_container(objs))
     assert env["TANDEM_POOLS"] == args["pools"]
     # A stateless gateway loads no worker: no serve-only flags.
@@ -617,6 +617,7 @@ def test_gateways_serve_the_openai_http_api_beside_grpc(values, sets, service_po
     for deployment in deployments:
         gateway = gateway_container(deployment)
         assert flags(gateway["args"])["http-port"] == "8000"
+        assert flags(gateway["args"])["response-ttl"] == "3600"  # kept in the release's Redis, which they share
         assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in gateway["ports"]
     services = [s for s in find(objs, "Service") if s["metadata"]["name"].startswith(f"{FULLNAME}-gateway")]
     assert len(services) == len(deployments) + (1 if len(deployments) > 1 else 0)  # the arms' and the shared one
@@ -626,10 +627,10 @@ def test_gateways_serve_the_openai_http_api_beside_grpc(values, sets, service_po
                                  "appProtocol": "http"}
         assert ports["grpc"]["port"] == 50051 and ports["grpc"]["appProtocol"] == "kubernetes.io/h2c"
     # A port of another number reaches the flag, the container and (by default) the Service alike.
-    moved = render(values, *sets, "gateway.httpPort=8080")
+    moved = render(values, *sets, "gateway.httpPort=8080", "gateway.http.responseTtlSeconds=0")
     for deployment in gateways(moved):
         gateway = gateway_container(deployment)
-        assert flags(gateway["args"])["http-port"] == "8080"
+        assert flags(gateway["args"])["http-port"] == "8080" and flags(gateway["args"])["response-ttl"] == "0"
         assert {p["name"]: p["containerPort"] for p in gateway["ports"]}["http"] == 8080
     assert service_ports(one(moved, "Service", f"{FULLNAME}-gateway"))["http"]["port"] == (
         8080 if service_port == 8000 else service_port)
@@ -650,6 +651,7 @@ def test_http_api_off_passes_minus_one_and_exposes_no_http_port(values, sets):
     for deployment in gateways(objs):
         gateway = gateway_container(deployment)
         assert [a for a in gateway["args"] if a.startswith("--http-port")] == ["--http-port=-1"]
+        assert not [a for a in gateway["args"] if a.startswith("--response-ttl")]
         assert [p["name"] for p in gateway["ports"]] == ["grpc", "metrics"]
     for service in find(objs, "Service"):
         assert "http" not in service_ports(service)

@@ -503,7 +503,8 @@ or CUDA_VISIBLE_DEVICES="" (quietly cpu), and warns when its GPU is unusable.
     (printf "--grace=%v" $v.gateway.grace)
     (printf "--device=%s" (include "tandem.workerDevice" .ctx)) }}
 {{- toYaml (concat $args (include "tandem.gatewayAuthArgs" .ctx | fromYamlArray)
-    (include "tandem.gatewayTLSArgs" .ctx | fromYamlArray) $s.extraArgs $v.gateway.extraArgs .arm.extraArgs) }}
+    (include "tandem.responseTtlArgs" .ctx | fromYamlArray) (include "tandem.gatewayTLSArgs" .ctx | fromYamlArray)
+    $s.extraArgs $v.gateway.extraArgs .arm.extraArgs) }}
 {{- end }}
 
 {{/* --api-keys from gateway.apiKeys.secretName (mounted at tandem.apiKeysDir), else --insecure: the gateway listens on
@@ -514,6 +515,16 @@ or CUDA_VISIBLE_DEVICES="" (quietly cpu), and warns when its GPU is unusable.
 {{- toYaml (list (printf "--api-keys=%s/%s" (include "tandem.apiKeysDir" .) $keys.key)) }}
 {{- else }}
 {{- toYaml (list "--insecure") }}
+{{- end }}
+{{- end }}
+
+{{/* --response-ttl from gateway.http.responseTtlSeconds, while the HTTP API is on (it is the API's alone). */}}
+{{- define "tandem.responseTtlArgs" -}}
+{{- $ttl := dig "http" "responseTtlSeconds" nil .Values.gateway }}
+{{- if and (include "tandem.httpPort" .) (not (kindIs "invalid" $ttl)) }}
+{{- toYaml (list (printf "--response-ttl=%v" $ttl)) }}
+{{- else }}
+{{- toYaml list }}
 {{- end }}
 {{- end }}
 
@@ -531,7 +542,8 @@ or CUDA_VISIBLE_DEVICES="" (quietly cpu), and warns when its GPU is unusable.
     (printf "--ray-address=%s" (include "tandem.rayAddress" .ctx))
     (printf "--grace=%v" $v.gateway.grace) }}
 {{- toYaml (concat $args (include "tandem.gatewayAuthArgs" .ctx | fromYamlArray)
-    (include "tandem.gatewayTLSArgs" .ctx | fromYamlArray) $v.gateway.extraArgs .arm.extraArgs) }}
+    (include "tandem.responseTtlArgs" .ctx | fromYamlArray) (include "tandem.gatewayTLSArgs" .ctx | fromYamlArray)
+    $v.gateway.extraArgs .arm.extraArgs) }}
 {{- end }}
 
 {{/*
