@@ -6,6 +6,7 @@ it, the other reads, streams and cancels it."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -15,7 +16,9 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from gateway_harness import ServerThread, tiny_backend, tiny_http_server
+from tandem.gateway.openai import background
 from tandem.sessions import EmbeddedRedis, open_session_store
+from telemetry_helpers import scrape, value
 
 MODEL = "tiny-target"
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -174,3 +177,56 @@ def test_another_gateway_reads_streams_and_cancels_a_background_response(tiny_mo
             for gateway in (runner, other):
                 if gateway.thread.is_alive():  # (runner stopped already when the test got that far)
                     gateway.stop()
+
+
+def test_a_response_whose_replica_stalled_past_its_lease_is_failed_and_stays_so(tiny_models, monkeypatch) -> None:
+    """A replica whose event loop stops (as one that died) renews no lease: the other gateway then reports its
+    response failed, and ends a reader's stream, instead of in_progress forever; when the stalled replica comes back
+    its runner finds its lease gone and writes nothing over that."""
+    monkeypatch.setattr(background, "HEARTBEAT_S", 0.25)
+    monkeypatch.setattr(background, "LEASE_S", 2.0)
+    target, draft, _ = tiny_models
+    with EmbeddedRedis() as redis:
+        runner, other = (ServerThread(tiny_backend(target, draft), http_port=0, sessions=open_session_store(redis.url))
+                         for _ in range(2))
+        try:
+            started = _sdk(runner).responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=LONG,
+                                                    background=True, **GREEDY)
+            time.sleep(0.5)
+            runner.event_loop.call_soon_threadsafe(runner.event_loop.stop)
+            runner.thread.join(10)
+            read = _sdk(other)
+            assert read.responses.retrieve(started.id).status == "in_progress"  # its lease still runs
+            began = time.monotonic()
+            replay = list(read.responses.retrieve(started.id, stream=True))  # ends once the lease is gone
+            assert time.monotonic() - began < 6 and replay[0].type == "response.created"
+            lost = _finished(read, started.id)
+            assert lost.status == "failed" and lost.error.code == "server_error" and "stopped" in lost.error.message
+            runner.thread = threading.Thread(target=runner.event_loop.run_forever, daemon=True)
+            runner.thread.start()  # back: its runner's next renewal finds the lease gone, and it stops
+            assert _idle(runner)
+            time.sleep(0.5)
+            assert read.responses.retrieve(started.id).model_dump() == lost.model_dump()
+        finally:
+            for gateway in (runner, other):
+                if gateway.thread.is_alive():
+                    gateway.stop()
+
+
+def test_metrics_count_background_responses_running_and_ended(tiny_models) -> None:
+    target, draft, _ = tiny_models
+    gateway = ServerThread(tiny_backend(target, draft), http_port=0, metrics_port=0)
+    try:
+        sdk, url = _sdk(gateway), gateway.gateway.metrics_url
+        running = sdk.responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=LONG, background=True,
+                                       **GREEDY)
+        assert value(scrape(url), "tandem_responses_background_running") == 1
+        sdk.responses.cancel(running.id)
+        _finished(sdk, sdk.responses.create(model=MODEL, input="hi", max_output_tokens=2, background=True,
+                                            **GREEDY).id)
+        families = scrape(url)
+        assert value(families, "tandem_responses_background_running") == 0
+        assert value(families, "tandem_responses_background_ended_total", status="cancelled") == 1
+        assert value(families, "tandem_responses_background_ended_total", status="incomplete") == 1
+    finally:
+        gateway.stop()

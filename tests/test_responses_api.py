@@ -171,7 +171,7 @@ def test_logprobs_are_the_chat_apis_for_the_same_tokens(server, sdk) -> None:
 
 
 @pytest.mark.parametrize(("change", "param"), [
-    ({"conversation": "conv_1"}, "conversation"),
+    ({"conversation": 7}, "conversation"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),

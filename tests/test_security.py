@@ -283,8 +283,8 @@ def test_a_tenants_prompt_prefix_serves_its_own_requests_only(server, pki, keys)
 
 
 def test_a_tenants_stored_responses_are_its_own(server, pki, keys) -> None:
-    """Another API key cannot read, list, continue, delete, cancel or stream a stored response, whatever id it
-    sends."""
+    """Another API key cannot read, list, continue, delete, cancel or stream a stored response, nor read, extend or
+    use a conversation, whatever id it sends."""
     url = f"{server.gateway.http_url}/v1/responses"
     with _http(pki, keys["alice"]) as alice, _http(pki, keys["bob"]) as bob, _http(pki) as nobody:
         stored = alice.post(url, json={"model": "tiny-target", "input": "hi", "max_output_tokens": 2, **GREEDY})
@@ -304,6 +304,17 @@ def test_a_tenants_stored_responses_are_its_own(server, pki, keys) -> None:
                         nobody.post(f"{url}/{running}/cancel")):
             assert refused.status_code in (401, 404), refused.text
         assert alice.post(f"{url}/{running}/cancel").json()["status"] == "cancelled"
+        conversations = f"{server.gateway.http_url}/v1/conversations"
+        conversation = alice.post(conversations, json={"items": [{"role": "user", "content": "hi"}]}).json()["id"]
+        for refused in (bob.get(f"{conversations}/{conversation}"), bob.get(f"{conversations}/{conversation}/items"),
+                        bob.delete(f"{conversations}/{conversation}"),
+                        bob.post(f"{conversations}/{conversation}/items", json={"items": [{"role": "user",
+                                                                                             "content": "x"}]}),
+                        bob.post(url, json={"model": "tiny-target", "input": "and?", "max_output_tokens": 2,
+                                            "conversation": conversation}),
+                        nobody.get(f"{conversations}/{conversation}")):
+            assert refused.status_code in (401, 404), refused.text
+        assert len(alice.get(f"{conversations}/{conversation}/items").json()["data"]) == 1
 
 
 def test_per_tenant_concurrency_cap(server, pki, keys) -> None:

@@ -179,3 +179,50 @@ def test_a_server_storing_nothing_says_so(tiny_models) -> None:
         assert refused.value.body["param"] == "previous_response_id" and "--response-ttl 0" in str(refused.value)
     finally:
         gateway.stop()
+
+
+def test_input_tokens_counts_what_a_response_would_be_given(sdk) -> None:
+    """responses.input_tokens.count: the usage.input_tokens of the response the same body gets, instructions, tools
+    and a continued conversation included, without generating; an unknown previous response is a 404 as on create."""
+    asked = {"model": MODEL, "instructions": "Be brief.", "tools": [CITY], "input": "Weather in Paris?"}
+    counted = sdk.responses.input_tokens.count(**asked)
+    first = sdk.responses.create(**asked, max_output_tokens=3, **GREEDY)
+    assert counted.object == "response.input_tokens" and counted.input_tokens == first.usage.input_tokens
+    assert sdk.responses.input_tokens.count(model=MODEL, input="Weather in Paris?").input_tokens < counted.input_tokens
+    more = {"previous_response_id": first.id, "input": "And in Rome?"}
+    later = sdk.responses.create(model=MODEL, **more, max_output_tokens=2, **GREEDY)
+    assert sdk.responses.input_tokens.count(model=MODEL, **more).input_tokens == later.usage.input_tokens
+    alone = sdk.responses.input_tokens.count(model=MODEL, previous_response_id=first.id).input_tokens
+    asked_alone = sdk.responses.input_tokens.count(model=MODEL, input="Weather in Paris?").input_tokens
+    assert asked_alone < alone < later.usage.input_tokens  # the conversation and its output (no tools carried over)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.input_tokens.count(model=MODEL, input="hi", previous_response_id="resp_nothing")
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.responses.input_tokens.count(model=MODEL, input=[{"type": "message", "role": "wizard", "content": "x"}])
+    assert refused.value.body["param"].startswith("input[0]")
+
+
+def _assistant(text: str) -> dict:
+    return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+
+
+def test_truncation_auto_drops_the_fewest_oldest_turns_that_let_the_prompt_fit(sdk) -> None:
+    """Three turns of ~900 tokens are past the server's 2048: refused by default; with truncation "auto" the first
+    turn is dropped (only it: the prompt is then that of the last two turns sent alone, token for token, and so is
+    the output), input_tokens.count agrees, and a last turn too long by itself is still refused."""
+    long = [f"Turn {turn}: " + "lorem ipsum " * 75 for turn in range(3)]  # ~900 tokens each (12 a repeat)
+    turns = [_user(long[0]), _assistant("ok"), _user(long[1]), _assistant("ok"), _user(long[2] + " Sum up.")]
+    asked = {"model": MODEL, "max_output_tokens": 4, **GREEDY}
+    with pytest.raises(openai.BadRequestError, match="more than the limit of 2048"):
+        sdk.responses.create(input=turns, **asked)
+    fitted = sdk.responses.create(input=turns, truncation="auto", **asked)
+    last_two = sdk.responses.create(input=turns[2:], store=False, **asked)
+    assert fitted.truncation == "auto" and fitted.status == "incomplete"
+    assert fitted.usage.input_tokens == last_two.usage.input_tokens <= 2048
+    assert fitted.output_text == last_two.output_text
+    assert sdk.responses.input_tokens.count(model=MODEL, input=turns, truncation="auto").input_tokens \
+        == fitted.usage.input_tokens
+    continued = sdk.responses.create(previous_response_id=fitted.id, input="And?", truncation="auto", **asked)
+    assert continued.usage.input_tokens > fitted.usage.input_tokens  # what it kept, then the new turn: it fits
+    with pytest.raises(openai.BadRequestError, match="more than the limit of 2048"):
+        sdk.responses.create(input=[_user("lorem ipsum " * 200)], truncation="auto", **asked)

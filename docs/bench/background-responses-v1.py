@@ -2,14 +2,16 @@
 --in-process` (real pair, bf16, AUTO; its embedded Redis holds the stored responses and the background events).
 
 Per shipped prompt, 128 tokens greedy, three ways in an order rotated per prompt: synchronous streamed; background
-streamed (the events read from the Redis stream as the runner writes them); background polled (GET every 50 ms until
-it is finished). Each: seconds to the finished response, time to the first text (streamed ways), the text. The
-background stream is also dropped after 12 events and read again from there (`starting_after`): every event once.
+streamed (the events read from the Redis stream as the runner writes them); background polled (GET every 0.2 s on one
+kept-alive connection until it is finished). Each: seconds to the finished response, time to the first text
+(streamed ways), the text. The background stream is also dropped after 12 events and read again after the 6th
+(`starting_after`, as a client that lost the last 6 it was sent): the events once each, in order, and the time to the
+first one read again (beside a plain GET's round trip meanwhile).
 Then cancel: a 1024-token background response cancelled after 2 s (the cancel's round trip, the tokens it had), and a
-16-token request right after it against the same request on the idle server (were the cancelled one still running,
-it would share the steps). Last, the event log's own cost: one delta event appended to a Redis stream of the bench's
-own (500 events back to back, and 5 ms apart as a fast stream writes them): the runner's wait per append, the
-Redis round trips they took, beside the in-memory log.
+16-token request right after it and again a second later, against the same request on the idle server, run twice
+before (were the cancelled one still running, it would share the steps). Last, the event log's own cost: delta events
+appended to a Redis stream of the bench's own (500 back to back, and 5 ms apart as a fast stream writes them): the
+runner's wait per append, the Redis round trips they took, beside the in-memory log.
 
     PYTHONPATH=services python docs/bench/background-responses-v1.py docs/bench/background-responses-v1.json  # ~12 min
 """
@@ -34,6 +36,8 @@ MAX_TOKENS = 128
 WAYS = ("sync_stream", "background_stream", "background_poll")
 QUESTIONS = load_prompts()
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")
+POLL_S = 0.2
+RESUME_AFTER = 5  # a dropped stream is read again after its 6th event: the client lost the 6 after it
 
 
 def body(question: str, **extra) -> dict:
@@ -45,13 +49,18 @@ def text_of(response: dict) -> str:
                    for part in item["content"])
 
 
-def events(lines, until: int | None = None) -> list[dict]:
-    out = []
+def each_event(lines):
     for line in lines:
         if line.startswith("data: "):
-            out.append(json.loads(line[6:]))
-            if until is not None and len(out) == until:
-                break
+            yield json.loads(line[6:])
+
+
+def events(lines, until: int | None = None) -> list[dict]:
+    out = []
+    for event in each_event(lines):
+        out.append(event)
+        if until is not None and len(out) == until:
+            break
     return out
 
 
@@ -59,7 +68,7 @@ def streamed(url: str, payload: dict) -> dict:
     started, first, final = time.perf_counter(), None, None
     with httpx.stream("POST", f"{url}/v1/responses", json=payload, timeout=1800) as response:
         assert response.status_code == 200, response.read()
-        for event in events(response.iter_lines()):
+        for event in each_event(response.iter_lines()):  # as they come
             if first is None and event["type"] == "response.output_text.delta":
                 first = time.perf_counter() - started
             final = event.get("response", final)
@@ -70,11 +79,12 @@ def streamed(url: str, payload: dict) -> dict:
 
 def polled(url: str, payload: dict) -> dict:
     started = time.perf_counter()
-    response = httpx.post(f"{url}/v1/responses", json=payload, timeout=60).json()
-    answered = time.perf_counter() - started
-    while response["status"] not in TERMINAL:
-        time.sleep(0.05)
-        response = httpx.get(f"{url}/v1/responses/{response['id']}", timeout=60).json()
+    with httpx.Client(timeout=60) as client:  # one connection, kept alive, as a polling client would
+        response = client.post(f"{url}/v1/responses", json=payload).json()
+        answered = time.perf_counter() - started
+        while response["status"] not in TERMINAL:
+            time.sleep(POLL_S)
+            response = client.get(f"{url}/v1/responses/{response['id']}").json()
     return {"seconds": round(time.perf_counter() - started, 3), "answered_s": round(answered, 4),
             "text": text_of(response), "tokens": response["usage"]["output_tokens"], "id": response["id"]}
 
@@ -93,17 +103,21 @@ def resumed(url: str, question: str) -> dict:
                       timeout=1800) as response:
         head = events(response.iter_lines(), until=12)
     response_id = head[0]["response"]["id"]
+    began = time.perf_counter()
+    assert httpx.get(f"{url}/v1/responses/{response_id}", timeout=60).json()["status"] == "in_progress"
+    plain_get = time.perf_counter() - began
     started = time.perf_counter()
     with httpx.stream("GET", f"{url}/v1/responses/{response_id}",
-                      params={"stream": "true", "starting_after": head[-1]["sequence_number"]},
+                      params={"stream": "true", "starting_after": head[RESUME_AFTER]["sequence_number"]},
                       timeout=1800) as response:
         lines = response.iter_lines()
         tail = events(lines, until=1)
         first_again = time.perf_counter() - started
         tail += events(lines)
-    numbers = [event["sequence_number"] for event in head + tail]
+    numbers = [event["sequence_number"] for event in head[:RESUME_AFTER + 1] + tail]
     return {"events": len(numbers), "every_event_once_in_order": numbers == list(range(len(numbers))),
-            "last": tail[-1]["type"], "first_event_again_s": round(first_again, 4)}
+            "last": tail[-1]["type"], "first_event_again_s": round(first_again, 4),
+            "plain_get_while_running_s": round(plain_get, 4)}
 
 
 def short(url: str) -> float:
@@ -115,6 +129,7 @@ def short(url: str) -> float:
 
 
 def cancelled(url: str) -> dict:
+    before = short(url)
     alone = short(url)
     started = httpx.post(f"{url}/v1/responses", json=body(QUESTIONS[0], background=True, max_output_tokens=1024,
                                                           ignore_eos=True), timeout=60).json()
@@ -123,9 +138,13 @@ def cancelled(url: str) -> dict:
     response = httpx.post(f"{url}/v1/responses/{started['id']}/cancel", timeout=60).json()
     cancel_s = time.perf_counter() - began
     after = short(url)
+    time.sleep(1.0)
+    later = short(url)
     return {"status": response["status"], "cancel_round_trip_s": round(cancel_s, 4),
-            "text_chars_when_cancelled": len(text_of(response)), "short_alone_s": round(alone, 3),
-            "short_after_cancel_s": round(after, 3), "after_over_alone": round(after / alone, 3)}
+            "text_chars_when_cancelled": len(text_of(response)), "short_alone_s": [round(before, 3), round(alone, 3)],
+            "short_after_cancel_s": round(after, 3), "after_over_alone": round(after / alone, 3),
+            "alone_second_over_first": round(alone / before, 3), "short_a_second_later_s": round(later, 3),
+            "a_second_later_over_alone": round(later / alone, 3)}
 
 
 def log_cost() -> dict:
@@ -190,6 +209,9 @@ summary["resumed_every_event_once"] = f"{sum(r['every_event_once_in_order'] for 
 summary["resumed_first_event_again_s"] = mean(r["first_event_again_s"] for r in resumes)
 summary["cancel_round_trip_s"] = mean(c["cancel_round_trip_s"] for c in cancels)
 summary["short_after_cancel_over_alone"] = mean(c["after_over_alone"] for c in cancels)
+summary["short_alone_second_over_first"] = mean(c["alone_second_over_first"] for c in cancels)
+summary["short_a_second_after_cancel_over_alone"] = mean(c["a_second_later_over_alone"] for c in cancels)
+summary["plain_get_while_running_s"] = mean(r["plain_get_while_running_s"] for r in resumes)
 summary["log"] = cost
 Path(sys.argv[1]).write_text(json.dumps({"rows": rows, "resumes": resumes, "cancels": cancels, "summary": summary},
                                         indent=1) + "\n")

@@ -71,9 +71,9 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                         help="with --api-keys: the most of --max-queue one tenant may hold queued or running, so one "
                              "client cannot fill the queue (1: no cap; default: %(default)s)")
     parser.add_argument("--response-ttl", type=float, default=GatewayOptions().response_ttl_s, metavar="SECONDS",
-                        help="how long a Responses API response stays stored, for GET /v1/responses/{id} and "
-                             "previous_response_id (in the session store's Redis, else in memory; 0: store none; "
-                             "default: %(default)s)")
+                        help="how long a Responses API response (for GET /v1/responses/{id}, previous_response_id "
+                             "and background responses) or a conversation stays stored after its last write (in the "
+                             "session store's Redis, else in memory; 0: store none; default: %(default)s)")
 
 
 def is_loopback(host: str) -> bool:

@@ -36,6 +36,7 @@ from tandem.v1 import generation_pb2
 
 if TYPE_CHECKING:
     from tandem.gateway.openai.background import BackgroundResponses
+    from tandem.gateway.openai.conversations import ConversationStore
     from tandem.gateway.openai.server import HttpServer
     from tandem.gateway.openai.stored import ResponseStore
 
@@ -84,6 +85,7 @@ class Gateway:
         self.http: HttpServer | None = None  # the OpenAI-compatible HTTP API, while it is on
         self.stored: ResponseStore | None = None  # the HTTP API's stored responses
         self.background: BackgroundResponses | None = None  # and the background ones it runs
+        self.conversations: ConversationStore | None = None  # and its conversations
         self.loading: asyncio.Task | None = None
         self._drain: asyncio.Task | None = None
         self._backend_watch: asyncio.Task | None = None
@@ -158,6 +160,7 @@ class Gateway:
     async def _start_http(self) -> None:
         from tandem.gateway.openai.app import create_app
         from tandem.gateway.openai.background import BackgroundResponses
+        from tandem.gateway.openai.conversations import open_conversation_store
         from tandem.gateway.openai.response_log import open_response_log
         from tandem.gateway.openai.server import start_http_server
         from tandem.gateway.openai.stored import open_response_store
@@ -165,11 +168,15 @@ class Gateway:
         options = self.options
         ports = [options.http_port, 0] if options.http_port_fallback else [options.http_port]
         self.stored = open_response_store(self.sessions, options.response_ttl_s)
+        self.conversations = open_conversation_store(self.sessions, options.response_ttl_s)
         if self.stored is not None:
-            self.background = BackgroundResponses(self.stored, open_response_log(self.sessions,
-                                                                                 options.response_ttl_s))
+            self.background = BackgroundResponses(
+                self.stored, open_response_log(self.sessions, options.response_ttl_s),
+                self.metrics.background_end if self.metrics is not None else None)
+            if self.metrics is not None:
+                self.metrics.attach_background(lambda: self.background.running)
         app = create_app(self.serving, options.limits, self.http_status, options.api_keys, self.stored,
-                         self.background)
+                         self.background, self.conversations)
         tls = {"certfile": options.tls_cert, "keyfile": options.tls_key, "client_ca": options.tls_client_ca} \
             if options.tls else None
         for index, port in enumerate(ports):
@@ -253,6 +260,8 @@ class Gateway:
             await self.background.close()
         if self.stored is not None:
             await asyncio.to_thread(self.stored.close)
+        if self.conversations is not None:
+            await asyncio.to_thread(self.conversations.close)
         log.info("stopped %s", self.address)
 
     async def wait_closed(self) -> None:

@@ -139,6 +139,12 @@ class GatewayMetrics:
                                       "used (held by running sequences and retained sessions), reserved (slots x "
                                       "capacity), capacity (the budget). Ray workers report on their own endpoints.")
         observe_shared_tokens(meter, self._shared_tokens, "the models in this process (by role)")
+        self.background_ended = meter.create_counter(
+            "tandem.responses.background_ended", unit="{response}",
+            description="Background responses (Responses API) this gateway ran to an end, by status.")
+        meter.create_observable_gauge("tandem.responses.background_running", _gauge(self._background_running),
+                                      unit="{response}", description="Background responses running on this gateway.")
+        self._background: Callable[[], int] | None = None
         self.base: dict[str, str] = {"gen_ai.provider.name": PROVIDER}
         self._spec_base: dict[str, str] = {}
         self._positions: dict[int, list[int]] = {}  # draft position -> [drafted, accepted]
@@ -154,6 +160,17 @@ class GatewayMetrics:
         self._loop, self._engine = loop, loop.engine
         self.base = {"gen_ai.provider.name": PROVIDER, "gen_ai.request.model": target_model}
         self._spec_base = {"gen_ai.request.model": target_model, "tandem.draft.model": draft_model}
+
+    def attach_background(self, running: Callable[[], int]) -> None:
+        """The count of background responses running here, for its gauge."""
+        self._background = running
+
+    def background_end(self, status: str) -> None:
+        self.background_ended.add(1, {"status": status})
+
+    def _background_running(self) -> Iterator[tuple[float, dict]]:
+        if self._background is not None:
+            yield self._background(), {}
 
     def record_request(self, seq: Sequence) -> None:
         """A request finished (engine thread): add its rounds and per-position draft counts."""

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/responses (and its stored
-responses), /v1/models (and /v1/models/{model}), /health, and vLLM's /tokenize and /detokenize.
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/responses (gateway.openai.
+responses_api; its stored and background responses, its input token counts), /v1/conversations, /v1/models (and
+/v1/models/{model}), /health, and vLLM's /tokenize and /detokenize.
 
 Requests go through the gateway's own generation path (tandem.gateway.generation.Generations), the one the gRPC
 API uses: the same validation, engine loop, arm routing and cancellation. Bodies are parsed here rather than by
@@ -11,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -21,18 +22,20 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from tandem.gateway.auth import ApiKeys
-from tandem.gateway.events import ChoiceDelta, ChoiceEnd, Event
+from tandem.gateway.events import ChoiceDelta, ChoiceEnd
 from tandem.gateway.generation import GenerationsSource
 from tandem.gateway.openai.background import BackgroundResponses
 from tandem.gateway.openai.bodies import read_body
+from tandem.gateway.openai.conversation_routes import add_conversation_routes
+from tandem.gateway.openai.conversations import ConversationStore
 from tandem.gateway.openai.convert import (
     CHAT_RENAMES,
     COMPLETION_RENAMES,
-    chat_request,
     chat_requests,
     check_model,
     completion_requests,
 )
+from tandem.gateway.openai.delivery import CLIENT_CLOSED, deliver, error_response
 from tandem.gateway.openai.errors import (
     OpenAIError,
     bad_request,
@@ -44,19 +47,16 @@ from tandem.gateway.openai.errors import (
 )
 from tandem.gateway.openai.formats import renames as format_renames
 from tandem.gateway.openai.responses import SSE_DONE, Kind, Responder, sse
-from tandem.gateway.openai.responses_input import RENAMES as RESPONSES_RENAMES
-from tandem.gateway.openai.responses_input import ResponsesTurn, chat_body
-from tandem.gateway.openai.responses_output import ResponseWriter, response_events
-from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, ResponsesRequest, _Generate
-from tandem.gateway.openai.stored import ResponseStore, StoredResponse
-from tandem.gateway.openai.stored_routes import add_stored_routes, replay
-from tandem.gateway.openai.streaming import ClientGone, EventStream, merged, until_disconnected
+from tandem.gateway.openai.responses_api import ResponsesApi
+from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, _Generate
+from tandem.gateway.openai.stored import ResponseStore
+from tandem.gateway.openai.stored_routes import add_stored_routes
+from tandem.gateway.openai.streaming import ClientGone, merged
 from tandem.gateway.openai.tokenize import RENAMES as TOKENIZE_RENAMES
 from tandem.gateway.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from tandem.gateway.openai.tokens import TokenTexts
 from tandem.gateway.validate import GatewayLimits
 
-CLIENT_CLOSED = 499  # never seen by the client (it left); what access logs conventionally record
 # Why the server cannot take requests now ("loading", "draining", "unavailable"), or None when it can.
 Status = Callable[[], str | None]
 NOT_READY = {"loading": "not ready: the engine is still loading",
@@ -79,17 +79,22 @@ COMPLETION = _Endpoint("completion", CompletionRequest, completion_requests, COM
 
 def create_app(generations: GenerationsSource, limits: GatewayLimits, status: Status,
                keys: ApiKeys | None = None, stored: ResponseStore | None = None,
-               background: BackgroundResponses | None = None) -> FastAPI:
+               background: BackgroundResponses | None = None,
+               conversations: ConversationStore | None = None) -> FastAPI:
     """The API over the generate path `generations()` returns once the engines have loaded; `limits` bound bodies
     before that; `status` says why it cannot serve; `keys`: the API keys /v1/* asks for (`Authorization: Bearer
     <key>`, else 401), None for none (/health is always open); `stored`: where responses are stored (None: none);
-    `background`: what runs background responses (None: `background` refused)."""
+    `background`: what runs background responses (None: `background` refused); `conversations`: where conversations
+    are kept (None: none)."""
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
-    api = _Api(generations, limits, status, keys, stored, background)
+    api = Api(generations, limits, status, keys)
+    responses = ResponsesApi(api, stored, background, conversations)
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
-    app.add_api_route("/v1/responses", api.responses, methods=["POST"])
+    app.add_api_route("/v1/responses", responses.responses, methods=["POST"])
+    app.add_api_route("/v1/responses/input_tokens", responses.input_tokens, methods=["POST"])
     add_stored_routes(app, stored, background, api.tenant)
+    add_conversation_routes(app, conversations, api.tenant, limits.max_request_bytes)
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
@@ -110,20 +115,19 @@ def create_app(generations: GenerationsSource, limits: GatewayLimits, status: St
     return app
 
 
-class _Api:
+class Api:
+    """What every route shares: the caller's tenant, readiness, the generate path and its token texts."""
+
     def __init__(self, generations: GenerationsSource, limits: GatewayLimits, status: Status,
-                 keys: ApiKeys | None = None, stored: ResponseStore | None = None,
-                 background: BackgroundResponses | None = None) -> None:
+                 keys: ApiKeys | None = None) -> None:
         self.generations = generations
         self.limits = limits
         self.status = status
         self.keys = keys
-        self.stored = stored
-        self.background = background
         self.created = int(time.time())
         self._texts: TokenTexts | None = None
 
-    def _token_texts(self) -> TokenTexts:
+    def token_texts(self) -> TokenTexts:
         tokenizer = self.generations().tokenizer
         if self._texts is None or self._texts.tokenizer is not tokenizer:
             self._texts = TokenTexts(tokenizer)
@@ -140,7 +144,7 @@ class _Api:
             raise unauthorized()
         return tenant.name
 
-    def _check_ready(self) -> None:
+    def check_ready(self) -> None:
         if (reason := self.status()) is not None:
             raise not_ready(NOT_READY.get(reason, reason))
 
@@ -152,7 +156,7 @@ class _Api:
         try:
             return JSONResponse({"object": "list", "data": [self._model(request)]})
         except Exception as exc:
-            return _error(exc, {})
+            return error_response(exc, {})
 
     async def model(self, request: Request, model_id: str) -> JSONResponse:
         """GET /v1/models/{model} (the SDKs' models.retrieve): the served model, else a 404."""
@@ -162,11 +166,11 @@ class _Api:
                 raise model_not_found(model_id)
             return JSONResponse(model)
         except Exception as exc:
-            return _error(exc, {})
+            return error_response(exc, {})
 
     def _model(self, request: Request) -> dict:
         self.tenant(request)
-        self._check_ready()
+        self.check_ready()
         generations = self.generations()
         model = {"id": generations.target_name, "object": "model", "created": self.created, "owned_by": "tandem"}
         if context_window := generations.model_limits.context_window:
@@ -184,90 +188,18 @@ class _Api:
         try:
             tenant = self.tenant(request)
             body = await read_body(request, schema, self.limits.max_request_bytes)
-            self._check_ready()
+            self.check_ready()
             generations = self.generations()
             check_model(body, generations.target_name)
             return JSONResponse(await answer(generations, body, tenant))
         except Exception as exc:
-            return _error(exc, TOKENIZE_RENAMES)
+            return error_response(exc, TOKENIZE_RENAMES)
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, CHAT)
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, COMPLETION)
-
-    async def responses(self, request: Request) -> Response:
-        renames = RESPONSES_RENAMES
-        try:
-            tenant = self.tenant(request)
-            body = await read_body(request, ResponsesRequest, self.limits.max_request_bytes)
-            history = await self._history(tenant, body.previous_response_id)
-            turn = chat_body(body, history)
-            renames = format_renames(body, turn.renames)
-            return await self._respond(request, tenant, body, turn, renames)
-        except ClientGone:
-            return Response(status_code=CLIENT_CLOSED)
-        except Exception as exc:
-            return _error(exc, renames)
-
-    async def _history(self, tenant: str, previous: str | None) -> list[dict]:
-        """The items a response continuing `previous` starts from (none without one)."""
-        if previous is None:
-            return []
-        if self.stored is None:
-            raise bad_request("previous_response_id: this server stores no responses (--response-ttl 0); send the "
-                              "whole conversation in input", "previous_response_id")
-        return await self.stored.history(tenant, previous)
-
-    async def _respond(self, request: Request, tenant: str, body: ResponsesRequest, turn: ResponsesTurn,
-                       renames: dict[str, str]) -> Response:
-        """The Responses API over the chat path (gateway.openai.responses_input): one output, whole or streamed,
-        stored once finished unless the body says `store: false`; or run in the background."""
-        self._check_ready()
-        generations = self.generations()
-        check_model(body, generations.target_name)
-        if body.background:
-            self._check_background(body)
-        response_id = body.request_id or f"resp_{uuid.uuid4().hex}"
-        stored = self.stored if body.store is not False else None
-        writer = ResponseWriter(response_id, generations.target_name, self._token_texts(), body, turn.chat.logprobs,
-                                store=stored is not None, background=bool(body.background))
-        if body.background:
-            return await self._in_background(request, tenant, writer, turn, renames)
-
-        async def keep(response: dict) -> None:
-            if stored is not None:
-                await stored.put(tenant, StoredResponse(response, turn.items))
-
-        async def whole() -> dict:
-            response = writer.finished()
-            await keep(response)
-            return response
-
-        events = generations.stream(chat_request(turn.chat, response_id), list(request.headers.items()),
-                                    tenant=tenant)
-        return await _deliver(request, events, body.stream, writer.add, whole,
-                              lambda first: response_events(events, first, writer, renames, keep))
-
-    def _check_background(self, body: ResponsesRequest) -> None:
-        if self.background is None:
-            raise bad_request("background: this server stores no responses (--response-ttl 0), so it runs none in "
-                              "the background", "background")
-        if body.store is False:
-            raise bad_request("background: a background response is stored to be read; it cannot have store "
-                              "false", "background")
-
-    async def _in_background(self, request: Request, tenant: str, writer: ResponseWriter, turn: ResponsesTurn,
-                             renames: dict[str, str]) -> Response:
-        """Start a background response: answered with it queued, or with its events as they come (a client that
-        leaves stops reading, not generating)."""
-        events = self.generations().stream(chat_request(turn.chat, writer.id), list(request.headers.items()),
-                                           tenant=tenant)
-        queued = await self.background.start(tenant, writer, turn.items, events, renames)
-        if not writer.body.stream:
-            return JSONResponse(queued)
-        return replay(await self.background.stream(tenant, writer.id, -1))
 
     async def _generate(self, request: Request, endpoint: _Endpoint) -> Response:
         renames = endpoint.renames
@@ -279,11 +211,11 @@ class _Api:
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as exc:
-            return _error(exc, renames)
+            return error_response(exc, renames)
 
     async def _serve(self, request: Request, endpoint: _Endpoint, tenant: str, body: _Generate,
                      renames: dict[str, str]) -> Response:
-        self._check_ready()
+        self.check_ready()
         generations = self.generations()
         model = generations.target_name
         check_model(body, model)
@@ -293,7 +225,7 @@ class _Api:
             raise bad_request(f"prompt: at most {self.limits.max_choices} prompts a request, got {len(messages)}",
                               "prompt")
         per_prompt = max(messages[0].n, 1)
-        responder = Responder(endpoint.kind, request_id, model, self._token_texts(), n=per_prompt * len(messages),
+        responder = Responder(endpoint.kind, request_id, model, self.token_texts(), n=per_prompt * len(messages),
                               logprobs=messages[0].HasField("logprobs"), per_prompt=per_prompt,
                               include_usage=body.stream and body.include_usage, token_ids=body.return_token_ids,
                               echo=getattr(body, "echo", False), top_logprobs=messages[0].logprobs,
@@ -305,42 +237,8 @@ class _Api:
         async def whole() -> dict:
             return responder.response()
 
-        return await _deliver(request, events, body.stream, responder.collect, whole,
+        return await deliver(request, events, body.stream, responder.collect, whole,
                               lambda first: _sse(events, first, responder, renames))
-
-
-async def _deliver(request: Request, events: AsyncGenerator, stream: bool, collect: Callable[[Event], object],
-                   whole: Callable[[], Awaitable[dict]], body: Callable[[Event], AsyncGenerator[bytes, None]]
-                   ) -> Response:
-    """A generation's response: `await whole()` once `collect` has taken every event, or an SSE stream of
-    `body(first)`."""
-    if not stream:
-        await until_disconnected(request, _collect(events, collect))
-        return JSONResponse(await whole())
-    try:
-        # The first event before any byte is sent: a refused request (400, 429, 503) gets its own status.
-        first = await until_disconnected(request, _first(events))
-    except BaseException:
-        await events.aclose()
-        raise
-    return EventStream(body(first), events)
-
-
-def _error(exc: Exception, renames: dict[str, str]) -> JSONResponse:
-    error = exc if isinstance(exc, OpenAIError) else from_exception(exc, renames)
-    return error.response()
-
-
-async def _collect(events: AsyncGenerator, collect: Callable[[Event], object]) -> None:
-    async with contextlib.aclosing(events):
-        async for event in events:
-            collect(event)
-
-
-async def _first(events: AsyncGenerator) -> ChoiceDelta | ChoiceEnd:
-    async for event in events:
-        return event
-    raise RuntimeError("the generation stream ended without an event")
 
 
 async def _sse(events: AsyncGenerator, first: ChoiceDelta | ChoiceEnd, responder: Responder,

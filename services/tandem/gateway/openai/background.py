@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
 from tandem.gateway.openai.errors import OpenAIError, bad_request, from_exception
@@ -25,11 +26,16 @@ from tandem.gateway.openai.stored import ResponseStore, StoredResponse
 
 log = logging.getLogger(__name__)
 
+Finished = Callable[[dict], Awaitable[None]]  # given a response that ended
+
 CANCEL_POLL_S = 0.25  # how often a runner asks the log whether another replica cancelled it
 CANCEL_WAIT_S = 5.0  # how long a cancel sent to another replica's response waits for that replica to stop it
+HEARTBEAT_S, LEASE_S = 2.0, 10.0  # a runner renews its lease every HEARTBEAT_S; LEASE_S without one: it died
 TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
 SHUT_DOWN = OpenAIError(503, "the server shut down before this background response finished; create it again",
                         "server_error")
+LOST = {"code": "server_error", "message": "the gateway replica running this background response stopped before it "
+                                          "finished; create it again"}
 
 
 @dataclass(slots=True)
@@ -37,35 +43,40 @@ class _Run:
     task: asyncio.Task
     writer: ResponseWriter
     shutting_down: bool = False
+    lost: bool = False  # its lease ran out and another replica stored it failed: nothing more of it is written
 
 
 class BackgroundResponses:
     """The background responses this replica runs, over the shared store and log."""
 
-    def __init__(self, stored: ResponseStore, events: ResponseLog) -> None:
-        self.stored, self.events = stored, events
+    def __init__(self, stored: ResponseStore, events: ResponseLog,
+                 ended: Callable[[str], None] | None = None) -> None:
+        """ended: told the status of each response that ends here (the gateway's metrics)."""
+        self.stored, self.events, self.ended = stored, events, ended
         self._runs: dict[str, _Run] = {}  # store key -> its run, while it runs here
 
     async def start(self, tenant: str, writer: ResponseWriter, items: list[dict], generation: AsyncGenerator,
-                    renames: dict[str, str]) -> dict:
-        """Store the response queued, start generating it, and return it as stored."""
+                    renames: dict[str, str], finished: Finished | None = None) -> dict:
+        """Store the response queued, start generating it, and return it as stored; `finished` is given it once it
+        has ended, before it is stored so (a conversation takes its output then)."""
         key = self.stored.key(tenant, writer.id)
         opening = writer.opening()
         queued = writer.response()
+        await self.events.renew_lease(key, LEASE_S, new=True)
         await self.stored.put(tenant, StoredResponse(queued, items))
         await self.events.append(key, opening)
-        task = asyncio.create_task(self._run(tenant, key, writer, items, generation, renames),
+        task = asyncio.create_task(self._run(tenant, key, writer, items, generation, renames, finished),
                                    name=f"background-{writer.id}")
         self._runs[key] = _Run(task, writer)
         task.add_done_callback(lambda _: self._runs.pop(key, None))
         return queued
 
     async def _run(self, tenant: str, key: str, writer: ResponseWriter, items: list[dict],
-                   generation: AsyncGenerator, renames: dict[str, str]) -> None:
+                   generation: AsyncGenerator, renames: dict[str, str], finished: Finished | None) -> None:
         async def keep() -> None:
             await self.stored.put(tenant, StoredResponse(writer.response(), items))
 
-        watcher = asyncio.create_task(self._watch_cancel(key, asyncio.current_task()))
+        watcher = asyncio.create_task(self._watch(key, asyncio.current_task()))
         try:
             async with contextlib.aclosing(generation):
                 async for event in generation:
@@ -77,23 +88,56 @@ class BackgroundResponses:
             closing = writer.closing()
         except asyncio.CancelledError:
             run = self._runs.get(key)
+            if run is not None and run.lost:
+                return
             closing = writer.failed(SHUT_DOWN) if run is not None and run.shutting_down else writer.cancel()
         except Exception as exc:  # any failure is the response's: stored as failed, never raised
             closing = writer.failed(from_exception(exc, renames))
         finally:
             watcher.cancel()
+        if self.ended is not None:  # (counted before it is seen ended)
+            self.ended(writer.status())
         try:
+            if finished is not None:
+                await finished(writer.response())
             await keep()  # before the last event: a client that continues it at once finds it
             await self.events.append(key, closing)
         finally:
             await self.events.end(key)
 
-    async def _watch_cancel(self, key: str, runner: asyncio.Task | None) -> None:
+    async def _watch(self, key: str, runner: asyncio.Task | None) -> None:
+        """Beside a run: cancel it when another replica asks, and renew its lease."""
+        renewed = time.monotonic()
         while runner is not None and not runner.done():
             await asyncio.sleep(CANCEL_POLL_S)
             if await self.events.cancel_requested(key):
                 runner.cancel()
                 return
+            if time.monotonic() - renewed >= HEARTBEAT_S:
+                if not await self.events.renew_lease(key, LEASE_S):  # this replica stalled past its lease
+                    if (run := self._runs.get(key)) is not None:
+                        run.lost = True
+                    runner.cancel()
+                    return
+                renewed = time.monotonic()
+
+    async def current(self, tenant: str, response_id: str) -> StoredResponse | None:
+        """The stored response; one its replica left unfinished (its lease ran out) stored failed first."""
+        found = await self.stored.get(tenant, response_id)
+        if found is None or not found.response.get("background") or found.response["status"] in TERMINAL:
+            return found
+        key = self.stored.key(tenant, response_id)
+        if key in self._runs or await self.events.lease_held(key):
+            return found
+        return await self._ended(tenant, found, "failed", LOST)
+
+    async def _ended(self, tenant: str, found: StoredResponse, status: str, error: dict | None = None
+                     ) -> StoredResponse:
+        """A response no runner will finish, stored as `status` by this replica."""
+        found.response.update(status=status, error=error)
+        await self.stored.put(tenant, found)
+        await self.events.end(self.stored.key(tenant, found.response["id"]))
+        return found
 
     async def cancel(self, tenant: str, response_id: str) -> dict:
         """POST /v1/responses/{id}/cancel: the response once stopped (a finished one as it is); 404 unknown, 400 not
@@ -112,17 +156,14 @@ class BackgroundResponses:
                 await asyncio.shield(run.task)
             return (await self._found(tenant, response_id)).response
         await self.events.request_cancel(key)  # running on another replica: its runner sees the flag
-        deadline = asyncio.get_running_loop().time() + CANCEL_WAIT_S
-        while asyncio.get_running_loop().time() < deadline:
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while time.monotonic() < deadline and await self.events.lease_held(key):
             await asyncio.sleep(CANCEL_POLL_S / 2)
             found = await self._found(tenant, response_id)
             if found.response["status"] in TERMINAL:
                 return found.response
         # No runner stopped it: the replica running it is gone (it died without storing a last state).
-        found.response.update(status="cancelled")
-        await self.stored.put(tenant, found)
-        await self.events.end(key)
-        return found.response
+        return (await self._ended(tenant, found, "cancelled")).response
 
     async def stream(self, tenant: str, response_id: str, after: int) -> AsyncGenerator[dict, None]:
         """The events of a background response with a sequence number above `after`, to its last; 404 unknown, 400
@@ -133,7 +174,7 @@ class BackgroundResponses:
         return self.events.read(self.stored.key(tenant, response_id), after)
 
     async def _found(self, tenant: str, response_id: str) -> StoredResponse:
-        found = await self.stored.get(tenant, response_id)
+        found = await self.current(tenant, response_id)
         if found is None:
             raise OpenAIError(404, f"Response with id '{response_id}' not found.")
         return found

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 EVENTS_PREFIX = "tandem:response-events:"
 CANCEL_PREFIX = "tandem:response-cancel:"
+LEASE_PREFIX = "tandem:response-lease:"  # held by the replica running a response while it runs
 MAX_ENDED_IN_MEMORY = 256  # ended logs held in this process without Redis; the oldest go first
 READ_BLOCK_MS = 1000  # a Redis reader's wait for new events before it looks again
 
@@ -36,6 +37,8 @@ class ResponseLog(Protocol):
     def read(self, key: str, after: int) -> AsyncGenerator[dict, None]: ...
     async def request_cancel(self, key: str) -> None: ...
     async def cancel_requested(self, key: str) -> bool: ...
+    async def renew_lease(self, key: str, seconds: float, new: bool = False) -> bool: ...
+    async def lease_held(self, key: str) -> bool: ...
     async def close(self) -> None: ...
 
 
@@ -104,6 +107,12 @@ class MemoryResponseLog:
     async def cancel_requested(self, key: str) -> bool:
         return key in self._cancelled
 
+    async def renew_lease(self, key: str, seconds: float, new: bool = False) -> bool:
+        return True  # one process: a runner that died took every reader with it
+
+    async def lease_held(self, key: str) -> bool:
+        return True
+
     async def close(self) -> None:
         self._logs.clear()
 
@@ -164,8 +173,8 @@ class RedisResponseLog:
         while True:
             found = await self._client.xread({EVENTS_PREFIX + key: last}, count=512, block=READ_BLOCK_MS)
             if not found:
-                if not await self._client.exists(EVENTS_PREFIX + key):
-                    return  # expired, or never written
+                if not await self._client.exists(EVENTS_PREFIX + key) or not await self.lease_held(key):
+                    return  # expired or never written, or no replica runs it any more (no end mark is coming)
                 continue
             for entry_id, fields in found[0][1]:
                 last = entry_id
@@ -183,6 +192,19 @@ class RedisResponseLog:
             return bool(await self._client.exists(CANCEL_PREFIX + key))
         except redis.RedisError:
             return False  # asked again at the next look
+
+    async def renew_lease(self, key: str, seconds: float, new: bool = False) -> bool:
+        """Take (`new`) or renew the lease: False when it had run out (another replica may have ended the response)."""
+        try:
+            return bool(await self._client.set(LEASE_PREFIX + key, "1", px=max(1, int(seconds * 1000)), xx=not new))
+        except redis.RedisError:
+            return True  # retried at the next beat; a lease lost to an outage longer than it reads as a dead runner
+
+    async def lease_held(self, key: str) -> bool:
+        try:
+            return bool(await self._client.exists(LEASE_PREFIX + key))
+        except redis.RedisError:
+            return True  # unknown: not declared dead on an outage
 
     async def close(self) -> None:
         await asyncio.gather(*self._writers.values(), return_exceptions=True)

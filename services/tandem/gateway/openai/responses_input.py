@@ -28,8 +28,6 @@ from tandem.gateway.openai.schemas import ChatCompletionRequest, ResponsesReques
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` entry with a meaning here
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")
-STATELESS = {"conversation": "this server stores no conversations; send the whole conversation in input, or "
-                             "continue a stored response with previous_response_id"}
 HISTORY = "previous_response_id"  # where the messages of a continued response came from
 RENAMES = {**CHAT_RENAMES, "chat.messages": "input", "chat": "input", "input": "input",
            "max_tokens": "max_output_tokens", "response_format": "text.format"}
@@ -40,13 +38,19 @@ class ResponsesTurn:
     chat: ChatCompletionRequest  # what the body asks for, as a chat completion
     renames: dict[str, str]  # the gateway's names for its messages -> the body's fields
     items: list[dict]  # the conversation the response answers (earlier turns', then this input), as stored
+    added: int = 0  # how many of the items, the last ones, are this request's input
+
+    @property
+    def inputs(self) -> list[dict]:
+        """This request's own input items (what a conversation gains before the response's output)."""
+        return self.items[len(self.items) - self.added:]
 
 
 def chat_body(body: ResponsesRequest, history: list[dict] | None = None) -> ResponsesTurn:
     """The chat completion `body` asks for; history: the items of the response it continues (previous_response_id),
     its conversation and output."""
     for name in body.unsupported():
-        raise bad_request(f"{name}: {STATELESS.get(name, 'not supported by this server')}", name)
+        raise bad_request(f"{name}: not supported by this server", name)
     for index, entry in enumerate(body.include or ()):
         if entry != OUTPUT_LOGPROBS:
             raise bad_request(f"include[{index}]: only {OUTPUT_LOGPROBS!r} is supported, got {entry!r}",
@@ -66,15 +70,18 @@ def chat_body(body: ResponsesRequest, history: list[dict] | None = None) -> Resp
         chat_request = ChatCompletionRequest.model_validate(chat)
     except ValidationError as exc:  # a tool's description or parameters of the wrong type
         raise validation_error(exc.errors()) from exc
-    return ResponsesTurn(chat_request, RENAMES | origins, history + items)
+    return ResponsesTurn(chat_request, RENAMES | origins, history + items, len(items))
 
 
-def input_items(value: str | list[dict[str, Any]]) -> list[dict]:
-    """`input` as items in the API's shape (what input_items lists), each checked: a 400 names the one it cannot
-    take. A string is one user message."""
+def input_items(value: str | list[dict[str, Any]] | None, field: str = "input") -> list[dict]:
+    """`input` (or a conversation's `items`: `field`) as items in the API's shape (what input_items lists), each
+    checked: a 400 names the one it cannot take. A string is one user message; None (a count of a stored conversation
+    alone) none."""
+    if value is None:
+        return []
     if isinstance(value, str):
-        return [_item({"role": "user", "content": value}, "input")]
-    return [_item(item, f"input[{index}]") for index, item in enumerate(value)]
+        return [_item({"role": "user", "content": value}, field)]
+    return [_item(item, f"{field}[{index}]") for index, item in enumerate(value)]
 
 
 def _item(item: dict, where: str) -> dict:

@@ -177,8 +177,10 @@ class ResponseWriter:
             "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": None, "summary": None}, "store": self.store, "temperature": body.temperature,
             "text": {"format": text_format}, "tool_choice": body.tool_choice or "auto", "tools": tools,
-            "top_p": body.top_p, "top_logprobs": body.top_logprobs, "truncation": "disabled", "user": body.user,
-            "metadata": body.metadata or {}, "usage": None}
+            "top_p": body.top_p, "top_logprobs": body.top_logprobs, "truncation": body.truncation or "disabled",
+            "user": body.user, "metadata": body.metadata or {}, "usage": None}
+        if (conversation := body.conversation_id()) is not None:
+            response["conversation"] = {"id": conversation}
         if end is not None:
             response["usage"] = {"input_tokens": end.prompt_tokens, "output_tokens": end.completion_tokens,
                                  "total_tokens": end.prompt_tokens + end.completion_tokens,

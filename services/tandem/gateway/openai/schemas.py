@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
+from tandem.gateway.openai.errors import bad_request
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -160,12 +162,28 @@ class ResponsesRequest(_Generate):
     previous_response_id: str | None = None
     # What a server without conversations, hosted tools or reasoning cannot honour: refused by name when used.
     background: StrictBool | None = None  # run on after the answer (gateway.openai.background); needs `store`
-    conversation: Any = None
+    conversation: Any = None  # a conversation's id, or {"id": ...} (gateway.openai.conversations)
     prompt: Any = None
     reasoning: dict[str, Any] | None = None
 
+    def conversation_id(self) -> str | None:
+        """The conversation `conversation` names: its id, or {"id": ...}; None without one."""
+        given = self.conversation
+        if isinstance(given, dict):
+            given = given.get("id")
+        if given is not None and not (isinstance(given, str) and given):
+            raise bad_request("conversation: a conversation's id, or {\"id\": ...}", "conversation")
+        return given
+
     def unsupported(self) -> list[str]:
-        bad = [name for name in ("conversation", "prompt") if getattr(self, name)]
-        bad += ["truncation"] if self.truncation not in (None, "disabled") else []
+        bad = [name for name in ("prompt",) if getattr(self, name)]
+        bad += ["truncation"] if self.truncation not in (None, "disabled", "auto") else []
         bad += ["reasoning"] if self.reasoning and any(v is not None for v in self.reasoning.values()) else []
         return bad + (["n"] if self.n not in (None, 1) else [])
+
+
+class InputTokensRequest(ResponsesRequest):
+    """POST /v1/responses/input_tokens: a response's body, its input counted rather than answered; `input` may be left
+    out where previous_response_id gives the conversation."""
+
+    input: str | list[dict[str, Any]] | None = None

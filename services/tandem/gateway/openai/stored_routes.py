@@ -30,7 +30,10 @@ def add_stored_routes(app: FastAPI, stored: ResponseStore | None, background: Ba
 
     async def found(request: Request, response_id: str) -> StoredResponse:
         tenant = tenant_of(request)
-        response = await stored.get(tenant, response_id) if stored is not None else None
+        if background is not None:  # (which also ends a background response its replica left unfinished)
+            response = await background.current(tenant, response_id)
+        else:
+            response = await stored.get(tenant, response_id) if stored is not None else None
         if response is None:
             raise not_found(response_id)
         return response

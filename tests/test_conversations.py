@@ -1,0 +1,154 @@
+"""The Conversations API through the openai SDK against a real gateway over the tiny pair (float32, greedy): a
+conversation's items and metadata, and responses created in it, which read its items as their history and add their
+input and output once finished; the same prompt, token for token, as the whole conversation sent at once."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+from openai.types.conversations import Conversation, ConversationItem
+from pydantic import TypeAdapter
+
+from gateway_harness import ServerThread, tiny_backend, tiny_http_server
+from tandem.sessions import EmbeddedRedis, open_session_store
+
+MODEL = "tiny-target"
+ITEMS = TypeAdapter(ConversationItem)
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    yield from tiny_http_server(tiny_models, max_prompt_tokens=2048)
+
+
+def _sdk(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def sdk(server):
+    return _sdk(server)
+
+
+def _user(text: str) -> dict:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+def _texts(items) -> list[tuple[str, str]]:
+    return [(item.role, item.content[0].text) for item in items]
+
+
+def test_a_conversations_items_and_metadata(sdk) -> None:
+    conversation = sdk.conversations.create(items=[_user("one"), {"role": "assistant", "content": "two"}],
+                                            metadata={"topic": "count"})
+    Conversation.model_validate(conversation.model_dump(), strict=True)
+    assert conversation.id.startswith("conv_") and conversation.metadata == {"topic": "count"}
+    assert sdk.conversations.retrieve(conversation.id).model_dump() == conversation.model_dump()
+    added = sdk.conversations.items.create(conversation.id, items=[_user("three")])
+    assert _texts(added.data) == [("user", "three")]
+    listed = sdk.conversations.items.list(conversation.id, order="asc")
+    assert _texts(listed.data) == [("user", "one"), ("assistant", "two"), ("user", "three")]
+    for item in listed.data:
+        ITEMS.validate_python(item.model_dump(), strict=True)
+    newest = sdk.conversations.items.list(conversation.id, limit=1)
+    assert _texts(newest.data) == [("user", "three")] and newest.has_more is True
+    second = listed.data[1]
+    assert sdk.conversations.items.retrieve(second.id, conversation_id=conversation.id).model_dump() \
+        == second.model_dump()
+    sdk.conversations.items.delete(second.id, conversation_id=conversation.id)
+    assert _texts(sdk.conversations.items.list(conversation.id, order="asc").data) == [("user", "one"),
+                                                                                     ("user", "three")]
+    with pytest.raises(openai.NotFoundError):
+        sdk.conversations.items.retrieve(second.id, conversation_id=conversation.id)
+    updated = sdk.conversations.update(conversation.id, metadata={"topic": "numbers"})
+    assert updated.metadata == {"topic": "numbers"} and updated.created_at == conversation.created_at
+    deleted = sdk.conversations.delete(conversation.id)
+    assert deleted.deleted is True and deleted.id == conversation.id
+    for gone in (lambda: sdk.conversations.retrieve(conversation.id),
+                 lambda: sdk.conversations.items.list(conversation.id)):
+        with pytest.raises(openai.NotFoundError):
+            gone()
+
+
+def test_responses_in_a_conversation_read_and_extend_it(sdk) -> None:
+    """Two turns in a conversation: each sees the conversation so far (the same input tokens and text as the whole
+    conversation sent at once), and the conversation then holds each turn's input and output, in order."""
+    conversation = sdk.conversations.create(items=[_user("def add(a, b):")])
+    asked = {"model": MODEL, "max_output_tokens": 5, **GREEDY}
+    first = sdk.responses.create(conversation=conversation.id, input="Now in C.", **asked)
+    assert first.conversation.id == conversation.id
+    whole = sdk.responses.create(input=[_user("def add(a, b):"), _user("Now in C.")], store=False, **asked)
+    assert first.usage.input_tokens == whole.usage.input_tokens and first.output_text == whole.output_text
+    second = sdk.responses.create(conversation={"id": conversation.id}, input="And in Go?", stream=False, **asked)
+    items = sdk.conversations.items.list(conversation.id, order="asc").data
+    assert [(item.role, item.content[0].text) for item in items] == [
+        ("user", "def add(a, b):"), ("user", "Now in C."), ("assistant", first.output_text), ("user", "And in Go?"),
+        ("assistant", second.output_text)]
+    assert items[2].id == first.output[0].id
+    whole = sdk.responses.create(store=False, **asked, input=[
+        _user("def add(a, b):"), _user("Now in C."),
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": first.output_text}]},
+        _user("And in Go?")])
+    assert second.usage.input_tokens == whole.usage.input_tokens and second.output_text == whole.output_text
+    counted = sdk.responses.input_tokens.count(model=MODEL, conversation=conversation.id, input="More?")
+    assert counted.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+
+
+def test_a_streamed_and_a_background_response_extend_the_conversation_once_finished(sdk) -> None:
+    conversation = sdk.conversations.create()
+    asked = {"model": MODEL, "max_output_tokens": 4, **GREEDY}
+    with sdk.responses.stream(conversation=conversation.id, input="hi", **asked) as stream:
+        events = list(stream)
+    streamed = events[-1].response
+    started = sdk.responses.create(conversation=conversation.id, input="again", background=True, **asked)
+    assert started.conversation.id == conversation.id
+    deadline = time.monotonic() + 60
+    while (done := sdk.responses.retrieve(started.id)).status not in ("completed", "incomplete", "failed"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    items = sdk.conversations.items.list(conversation.id, order="asc").data
+    assert [item.content[0].text for item in items] == ["hi", streamed.output_text, "again", done.output_text]
+
+
+def test_what_a_conversation_refuses(sdk, server) -> None:
+    conversation = sdk.conversations.create()
+    first = sdk.responses.create(model=MODEL, input="hi", max_output_tokens=2, **GREEDY)
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.responses.create(model=MODEL, input="hi", conversation=conversation.id, previous_response_id=first.id)
+    assert refused.value.body["param"] == "conversation"
+    with pytest.raises(openai.NotFoundError) as unknown:
+        sdk.responses.create(model=MODEL, input="hi", conversation="conv_nothing")
+    assert unknown.value.body["param"] == "conversation"
+    with pytest.raises(openai.BadRequestError) as bad_item:
+        sdk.conversations.items.create(conversation.id, items=[{"type": "message", "role": "wizard", "content": "x"}])
+    assert bad_item.value.body["param"] == "items[0].role"
+    with pytest.raises(openai.BadRequestError):
+        sdk.conversations.create(items=[_user(str(index)) for index in range(21)])
+    with pytest.raises(openai.BadRequestError) as metadata:
+        sdk.conversations.create(metadata={"k": 1})
+    assert metadata.value.body["param"] == "metadata"
+    failed = httpx.post(f"{server.gateway.http_url}/v1/responses", timeout=60, json={
+        "model": MODEL, "input": "x " * 3000, "conversation": conversation.id, "max_output_tokens": 2})
+    assert failed.status_code == 400
+    assert sdk.conversations.items.list(conversation.id).data == []  # a refused response adds nothing
+
+
+def test_another_gateway_reads_and_extends_a_conversation_through_redis(tiny_models) -> None:
+    target, draft, _ = tiny_models
+    with EmbeddedRedis() as redis:
+        gateways = [ServerThread(tiny_backend(target, draft), http_port=0, sessions=open_session_store(redis.url))
+                    for _ in range(2)]
+        try:
+            one, other = (_sdk(gateway) for gateway in gateways)
+            conversation = one.conversations.create(items=[_user("def add(a, b):")])
+            response = other.responses.create(model=MODEL, conversation=conversation.id, input="Now in C.",
+                                              max_output_tokens=3, **GREEDY)
+            items = one.conversations.items.list(conversation.id, order="asc").data
+            assert [item.content[0].text for item in items] == ["def add(a, b):", "Now in C.", response.output_text]
+        finally:
+            for gateway in gateways:
+                gateway.stop()
