@@ -17,11 +17,15 @@ without it): llguidance's parser stops at its limits, and a client's ambiguous g
 token before it gets there (`start: e` / `e: e e | "a"` took 76 ms a token after 400 characters, 1 s after 1,000,
 stalling every row batched with it), so a row whose masks take longer than `row_budget_s` in one call is refused too.
 The budget counts the CPU time of the thread that computes them (`time.thread_time`), not the wall time: on a loaded
-machine a row waiting for a core is not a costly format, and a new request's matcher, built once, is not counted.
+machine a row waiting for a core is not a costly format, and a new request's matcher, built once, is not counted, nor
+is Python's garbage collector running in that thread meanwhile (a full collection among thousands of live sequences
+took up to 0.4 s of a test's thread: a row it fell in was refused for it).
 """
 
 from __future__ import annotations
 
+import gc
+import threading
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +52,29 @@ _BITS = 32  # token ids per bitmask word
 # format is refused.
 ROW_BUDGET_S = 0.1
 TOKEN_BUDGET_S = 1e-4
+
+
+class _CpuClock:
+    """The calling thread's CPU seconds outside Python's garbage collector (whose passes run in whichever thread
+    allocated last, and are that thread's time, not the format's)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        local = self._local
+        if phase == "start":
+            local.started = time.thread_time()
+        elif (started := getattr(local, "started", None)) is not None:
+            local.collected = getattr(local, "collected", 0.0) + time.thread_time() - started
+            local.started = None
+
+    def __call__(self) -> float:
+        return time.thread_time() - getattr(self._local, "collected", 0.0)
+
+
+_cpu = _CpuClock()
 
 
 @dataclass(slots=True)
@@ -106,7 +133,7 @@ class FormatMasks:
         at = 0
         for request, state, length, tokens, width in zip(requests, states, committed, drafts, wants, strict=True):
             if request.params.output_format is not None:
-                started = time.thread_time()
+                started = _cpu()
                 before = len(self._tracked[request.seq_id].consumed) if request.seq_id in self._tracked else 0
                 tracked, built = self._sync(request.seq_id, request.params.output_format,
                                             state.tokens[request.output_start : length])
@@ -114,7 +141,7 @@ class FormatMasks:
                     walk = list(tokens[: width - 1])
                     # Time spent beyond building the matcher and what moving through the output's new tokens is
                     # allowed.
-                    spent = (time.thread_time() - started - built
+                    spent = (_cpu() - started - built
                              - self.token_budget_s * max(0, len(tracked.consumed) - before))
                     rows.append((request.seq_id, tracked.matcher, at, walk, spent))
                     if walk:
@@ -129,9 +156,9 @@ class FormatMasks:
             # plain decoding under a schema 0.80x as fast at batch 1 (5.29 against 6.61 tok/s on 2 cores,
             # docs/bench/format-masks-threads-v1.json).
             for seq_id, matcher, at, walk, spent in rows:
-                started = time.thread_time()
+                started = _cpu()
                 self._walk(matcher, masks, at, walk)
-                self._check(seq_id, matcher, spent + time.thread_time() - started)
+                self._check(seq_id, matcher, spent + _cpu() - started)
         else:  # rows in parallel, on cores the model's forwards leave idle (timed in _sync only)
             if walks:
                 fill_next_token_bitmask_par_with_draft_tokens(_executor(), walks, masks)
@@ -184,9 +211,9 @@ class FormatMasks:
         it refuses). And the thread's CPU seconds spent building the matcher (0 where it was built before)."""
         tracked, built = self._tracked.get(seq_id), 0.0
         if tracked is None or tracked.output_format != output_format:
-            started = time.thread_time()
+            started = _cpu()
             matcher = LLMatcher(self.tokenizer, grammar_of(output_format))
-            built = time.thread_time() - started
+            built = _cpu() - started
             if matcher.is_error():
                 raise RequestRefused(seq_id, f"response_format: {matcher.get_error()}")
             tracked = self._tracked[seq_id] = _Tracked(output_format, matcher)
