@@ -89,3 +89,15 @@ def tiny_http_server(tiny_models, max_prompt_tokens: int) -> Iterator[ServerThre
                            limits=GatewayLimits(max_prompt_tokens=max_prompt_tokens))
     yield running
     running.stop()
+
+
+def openai_sdk(server: ServerThread):
+    """The openai SDK's client of a server's HTTP API (no retries: a test sees every answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0)
+
+
+def user_message(text: str) -> dict:
+    """A Responses API input item: a user message of one text part."""
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}

@@ -15,7 +15,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from gateway_harness import ServerThread, tiny_backend, tiny_http_server
+from gateway_harness import ServerThread, openai_sdk, tiny_backend, tiny_http_server
 from tandem.gateway.openai import background
 from tandem.sessions import EmbeddedRedis, open_session_store
 from telemetry_helpers import scrape, value
@@ -31,9 +31,6 @@ TERMINAL = ("completed", "incomplete", "failed", "cancelled")
 def server(tiny_models):
     yield from tiny_http_server(tiny_models, max_prompt_tokens=2048)
 
-
-def _sdk(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0)
 
 
 def _finished(sdk: openai.OpenAI, response_id: str, timeout_s: float = 60) -> Response:
@@ -63,7 +60,7 @@ def _idle(server: ServerThread, timeout_s: float = 10) -> bool:
 
 
 def test_a_background_response_is_queued_at_once_and_finishes_as_the_same_response(server) -> None:
-    sdk = _sdk(server)
+    sdk = openai_sdk(server)
     started = sdk.responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=12, background=True,
                                    **GREEDY)
     assert started.background is True and started.status in ("queued", "in_progress") and started.output == []
@@ -98,7 +95,7 @@ def test_a_background_stream_is_read_again_from_any_sequence_number(server) -> N
     assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["background"] is True
     text = "".join(event["delta"] for event in events if event["type"] == "response.output_text.delta")
     assert text == events[-1]["response"]["output"][0]["content"][0]["text"]
-    sdk = _sdk(server)
+    sdk = openai_sdk(server)
     replayed = list(sdk.responses.retrieve(response_id, stream=True, starting_after=len(events) - 3))
     assert [event.sequence_number for event in replayed] == list(range(len(events) - 2, len(events)))
     assert replayed[-1].response.model_dump() == _finished(sdk, response_id).model_dump()
@@ -107,7 +104,7 @@ def test_a_background_stream_is_read_again_from_any_sequence_number(server) -> N
 
 
 def test_cancel_stops_a_background_response_and_frees_its_caches(server) -> None:
-    sdk = _sdk(server)
+    sdk = openai_sdk(server)
     started = sdk.responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=LONG, background=True,
                                    **GREEDY)
     time.sleep(0.3)
@@ -125,7 +122,7 @@ def test_cancel_stops_a_background_response_and_frees_its_caches(server) -> None
 
 
 def test_what_cannot_run_in_the_background_is_refused(server) -> None:
-    sdk = _sdk(server)
+    sdk = openai_sdk(server)
     with pytest.raises(openai.BadRequestError) as refused:
         sdk.responses.create(model=MODEL, input="hi", max_output_tokens=2, background=True, store=False)
     assert refused.value.body["param"] == "background"
@@ -151,7 +148,7 @@ def test_another_gateway_reads_streams_and_cancels_a_background_response(tiny_mo
         runner, other = (ServerThread(tiny_backend(target, draft), http_port=0, sessions=open_session_store(redis.url))
                          for _ in range(2))
         try:
-            ran, read = _sdk(runner), _sdk(other)
+            ran, read = openai_sdk(runner), openai_sdk(other)
             short = ran.responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=8, background=True,
                                          **GREEDY)
             done = _finished(read, short.id)
@@ -190,12 +187,12 @@ def test_a_response_whose_replica_stalled_past_its_lease_is_failed_and_stays_so(
         runner, other = (ServerThread(tiny_backend(target, draft), http_port=0, sessions=open_session_store(redis.url))
                          for _ in range(2))
         try:
-            started = _sdk(runner).responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=LONG,
+            started = openai_sdk(runner).responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=LONG,
                                                     background=True, **GREEDY)
             time.sleep(0.5)
             runner.event_loop.call_soon_threadsafe(runner.event_loop.stop)
             runner.thread.join(10)
-            read = _sdk(other)
+            read = openai_sdk(other)
             assert read.responses.retrieve(started.id).status == "in_progress"  # its lease still runs
             began = time.monotonic()
             replay = list(read.responses.retrieve(started.id, stream=True))  # ends once the lease is gone
@@ -217,7 +214,7 @@ def test_metrics_count_background_responses_running_and_ended(tiny_models) -> No
     target, draft, _ = tiny_models
     gateway = ServerThread(tiny_backend(target, draft), http_port=0, metrics_port=0)
     try:
-        sdk, url = _sdk(gateway), gateway.gateway.metrics_url
+        sdk, url = openai_sdk(gateway), gateway.gateway.metrics_url
         running = sdk.responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=LONG, background=True,
                                        **GREEDY)
         assert value(scrape(url), "tandem_responses_background_running") == 1

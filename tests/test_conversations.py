@@ -12,7 +12,7 @@ import pytest
 from openai.types.conversations import Conversation, ConversationItem
 from pydantic import TypeAdapter
 
-from gateway_harness import ServerThread, tiny_backend, tiny_http_server
+from gateway_harness import ServerThread, openai_sdk, tiny_backend, tiny_http_server, user_message
 from tandem.sessions import EmbeddedRedis, open_session_store
 
 MODEL = "tiny-target"
@@ -25,17 +25,11 @@ def server(tiny_models):
     yield from tiny_http_server(tiny_models, max_prompt_tokens=2048)
 
 
-def _sdk(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0)
-
 
 @pytest.fixture(scope="module")
 def sdk(server):
-    return _sdk(server)
+    return openai_sdk(server)
 
-
-def _user(text: str) -> dict:
-    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
 
 
 def _texts(items) -> list[tuple[str, str]]:
@@ -43,12 +37,12 @@ def _texts(items) -> list[tuple[str, str]]:
 
 
 def test_a_conversations_items_and_metadata(sdk) -> None:
-    conversation = sdk.conversations.create(items=[_user("one"), {"role": "assistant", "content": "two"}],
+    conversation = sdk.conversations.create(items=[user_message("one"), {"role": "assistant", "content": "two"}],
                                             metadata={"topic": "count"})
     Conversation.model_validate(conversation.model_dump(), strict=True)
     assert conversation.id.startswith("conv_") and conversation.metadata == {"topic": "count"}
     assert sdk.conversations.retrieve(conversation.id).model_dump() == conversation.model_dump()
-    added = sdk.conversations.items.create(conversation.id, items=[_user("three")])
+    added = sdk.conversations.items.create(conversation.id, items=[user_message("three")])
     assert _texts(added.data) == [("user", "three")]
     listed = sdk.conversations.items.list(conversation.id, order="asc")
     assert _texts(listed.data) == [("user", "one"), ("assistant", "two"), ("user", "three")]
@@ -77,11 +71,12 @@ def test_a_conversations_items_and_metadata(sdk) -> None:
 def test_responses_in_a_conversation_read_and_extend_it(sdk) -> None:
     """Two turns in a conversation: each sees the conversation so far (the same input tokens and text as the whole
     conversation sent at once), and the conversation then holds each turn's input and output, in order."""
-    conversation = sdk.conversations.create(items=[_user("def add(a, b):")])
+    conversation = sdk.conversations.create(items=[user_message("def add(a, b):")])
     asked = {"model": MODEL, "max_output_tokens": 5, **GREEDY}
     first = sdk.responses.create(conversation=conversation.id, input="Now in C.", **asked)
     assert first.conversation.id == conversation.id
-    whole = sdk.responses.create(input=[_user("def add(a, b):"), _user("Now in C.")], store=False, **asked)
+    whole = sdk.responses.create(input=[user_message("def add(a, b):"), user_message("Now in C.")], store=False,
+                                 **asked)
     assert first.usage.input_tokens == whole.usage.input_tokens and first.output_text == whole.output_text
     second = sdk.responses.create(conversation={"id": conversation.id}, input="And in Go?", stream=False, **asked)
     items = sdk.conversations.items.list(conversation.id, order="asc").data
@@ -90,9 +85,9 @@ def test_responses_in_a_conversation_read_and_extend_it(sdk) -> None:
         ("assistant", second.output_text)]
     assert items[2].id == first.output[0].id
     whole = sdk.responses.create(store=False, **asked, input=[
-        _user("def add(a, b):"), _user("Now in C."),
+        user_message("def add(a, b):"), user_message("Now in C."),
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": first.output_text}]},
-        _user("And in Go?")])
+        user_message("And in Go?")])
     assert second.usage.input_tokens == whole.usage.input_tokens and second.output_text == whole.output_text
     counted = sdk.responses.input_tokens.count(model=MODEL, conversation=conversation.id, input="More?")
     assert counted.input_tokens > second.usage.input_tokens + second.usage.output_tokens
@@ -127,7 +122,7 @@ def test_what_a_conversation_refuses(sdk, server) -> None:
         sdk.conversations.items.create(conversation.id, items=[{"type": "message", "role": "wizard", "content": "x"}])
     assert bad_item.value.body["param"] == "items[0].role"
     with pytest.raises(openai.BadRequestError):
-        sdk.conversations.create(items=[_user(str(index)) for index in range(21)])
+        sdk.conversations.create(items=[user_message(str(index)) for index in range(21)])
     with pytest.raises(openai.BadRequestError) as metadata:
         sdk.conversations.create(metadata={"k": 1})
     assert metadata.value.body["param"] == "metadata"
@@ -143,8 +138,8 @@ def test_another_gateway_reads_and_extends_a_conversation_through_redis(tiny_mod
         gateways = [ServerThread(tiny_backend(target, draft), http_port=0, sessions=open_session_store(redis.url))
                     for _ in range(2)]
         try:
-            one, other = (_sdk(gateway) for gateway in gateways)
-            conversation = one.conversations.create(items=[_user("def add(a, b):")])
+            one, other = (openai_sdk(gateway) for gateway in gateways)
+            conversation = one.conversations.create(items=[user_message("def add(a, b):")])
             response = other.responses.create(model=MODEL, conversation=conversation.id, input="Now in C.",
                                               max_output_tokens=3, **GREEDY)
             items = one.conversations.items.list(conversation.id, order="asc").data
@@ -152,3 +147,17 @@ def test_another_gateway_reads_and_extends_a_conversation_through_redis(tiny_mod
         finally:
             for gateway in gateways:
                 gateway.stop()
+
+
+def test_a_conversation_deleted_while_its_response_runs_leaves_the_response_whole(sdk) -> None:
+    conversation = sdk.conversations.create()
+    started = sdk.responses.create(model=MODEL, conversation=conversation.id, input="hi", max_output_tokens=300,
+                                   background=True, **GREEDY)
+    sdk.conversations.delete(conversation.id)
+    deadline = time.monotonic() + 60
+    while (done := sdk.responses.retrieve(started.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert done.status == "incomplete" and done.usage.output_tokens == 300
+    with pytest.raises(openai.NotFoundError):
+        sdk.conversations.retrieve(conversation.id)

@@ -14,7 +14,7 @@ import pytest
 from openai.types.responses import Response, ResponseItem
 from pydantic import TypeAdapter
 
-from gateway_harness import ServerThread, tiny_backend, tiny_http_server
+from gateway_harness import ServerThread, openai_sdk, tiny_backend, tiny_http_server, user_message
 from tandem.sessions import EmbeddedRedis, open_session_store
 
 MODEL = "tiny-target"
@@ -30,17 +30,11 @@ def server(tiny_models):
     yield from tiny_http_server(tiny_models, max_prompt_tokens=2048)
 
 
-def _sdk(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0)
-
 
 @pytest.fixture(scope="module")
 def sdk(server):
-    return _sdk(server)
+    return openai_sdk(server)
 
-
-def _user(text: str) -> dict:
-    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
 
 
 def test_a_continued_response_is_the_whole_conversation_sent_at_once(sdk) -> None:
@@ -53,9 +47,9 @@ def test_a_continued_response_is_the_whole_conversation_sent_at_once(sdk) -> Non
     second = sdk.responses.create(model=MODEL, previous_response_id=first.id, input="Now in C.",
                                   max_output_tokens=6, **GREEDY)
     whole = sdk.responses.create(model=MODEL, max_output_tokens=6, store=False, **GREEDY, input=[
-        _user("def add(a, b):"),
+        user_message("def add(a, b):"),
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": first.output_text}]},
-        _user("Now in C.")])
+        user_message("Now in C.")])
     assert second.previous_response_id == first.id and second.instructions is None
     assert second.usage.input_tokens == whole.usage.input_tokens > first.usage.input_tokens
     assert second.output_text == whole.output_text
@@ -78,7 +72,7 @@ def test_a_function_calls_output_continues_the_response_that_made_the_call(sdk) 
     output = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}
     continued = sdk.responses.create(model=MODEL, previous_response_id=call_turn.id, input=[output], **asked)
     whole = sdk.responses.create(model=MODEL, store=False, **asked, input=[
-        _user("Weather in Paris?"),
+        user_message("Weather in Paris?"),
         *({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": item.content[0].text}]}
           if item.type == "message" else
           {"type": "function_call", "call_id": item.call_id, "name": item.name, "arguments": item.arguments}
@@ -123,8 +117,9 @@ def test_a_streamed_response_is_stored_before_its_last_event(server) -> None:
 
 
 def test_input_items_are_listed_a_page_at_a_time(sdk, server) -> None:
-    first = sdk.responses.create(model=MODEL, input=[_user("one"), _user("two")], max_output_tokens=2, **GREEDY)
-    second = sdk.responses.create(model=MODEL, previous_response_id=first.id, input=[_user("three")],
+    first = sdk.responses.create(model=MODEL, input=[user_message("one"), user_message("two")], max_output_tokens=2,
+                                 **GREEDY)
+    second = sdk.responses.create(model=MODEL, previous_response_id=first.id, input=[user_message("three")],
                                   max_output_tokens=2, **GREEDY)
     url = f"{server.gateway.http_url}/v1/responses/{second.id}/input_items"
     newest = httpx.get(url, params={"limit": 2}, timeout=10).json()
@@ -147,7 +142,7 @@ def test_another_gateway_continues_a_response_through_redis_until_its_ttl(tiny_m
         gateways = [ServerThread(tiny_backend(target, draft), http_port=0, sessions=open_session_store(redis.url),
                                  response_ttl_s=ttl) for ttl in (60.0, 2.0)]
         try:
-            one, other = (_sdk(gateway) for gateway in gateways)
+            one, other = (openai_sdk(gateway) for gateway in gateways)
             first = one.responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=4, **GREEDY)
             assert other.responses.retrieve(first.id).model_dump() == first.model_dump()
             second = other.responses.create(model=MODEL, previous_response_id=first.id, input="Again.",
@@ -169,7 +164,7 @@ def test_a_server_storing_nothing_says_so(tiny_models) -> None:
     target, draft, _ = tiny_models
     gateway = ServerThread(tiny_backend(target, draft), http_port=0, response_ttl_s=0)
     try:
-        sdk = _sdk(gateway)
+        sdk = openai_sdk(gateway)
         response = sdk.responses.create(model=MODEL, input="hi", max_output_tokens=2, **GREEDY)
         assert response.store is False
         with pytest.raises(openai.NotFoundError):
@@ -211,7 +206,8 @@ def test_truncation_auto_drops_the_fewest_oldest_turns_that_let_the_prompt_fit(s
     turn is dropped (only it: the prompt is then that of the last two turns sent alone, token for token, and so is
     the output), input_tokens.count agrees, and a last turn too long by itself is still refused."""
     long = [f"Turn {turn}: " + "lorem ipsum " * 75 for turn in range(3)]  # ~900 tokens each (12 a repeat)
-    turns = [_user(long[0]), _assistant("ok"), _user(long[1]), _assistant("ok"), _user(long[2] + " Sum up.")]
+    turns = [user_message(long[0]), _assistant("ok"), user_message(long[1]), _assistant("ok"),
+             user_message(long[2] + " Sum up.")]
     asked = {"model": MODEL, "max_output_tokens": 4, **GREEDY}
     with pytest.raises(openai.BadRequestError, match="more than the limit of 2048"):
         sdk.responses.create(input=turns, **asked)
@@ -225,4 +221,4 @@ def test_truncation_auto_drops_the_fewest_oldest_turns_that_let_the_prompt_fit(s
     continued = sdk.responses.create(previous_response_id=fitted.id, input="And?", truncation="auto", **asked)
     assert continued.usage.input_tokens > fitted.usage.input_tokens  # what it kept, then the new turn: it fits
     with pytest.raises(openai.BadRequestError, match="more than the limit of 2048"):
-        sdk.responses.create(input=[_user("lorem ipsum " * 200)], truncation="auto", **asked)
+        sdk.responses.create(input=[user_message("lorem ipsum " * 200)], truncation="auto", **asked)

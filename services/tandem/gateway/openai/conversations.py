@@ -18,7 +18,8 @@ import weakref
 from collections.abc import Callable
 
 from tandem.gateway.openai.errors import OpenAIError, bad_request
-from tandem.sessions import MemorySessionStore, RedisSessionStore, SessionStore
+from tandem.gateway.openai.stored import store_beside
+from tandem.sessions import SessionStore
 
 CONVERSATION_PREFIX = "tandem:conversation:"
 MAX_IN_MEMORY = 2048
@@ -89,10 +90,5 @@ class ConversationStore:
 
 
 def open_conversation_store(sessions: object, ttl_s: float) -> ConversationStore | None:
-    """Conversations beside `sessions`: in the same Redis when it is one, else in memory; None when ttl_s is 0."""
-    if ttl_s <= 0:
-        return None
-    if isinstance(sessions, RedisSessionStore):
-        return ConversationStore(RedisSessionStore(sessions.url, ttl_s, prefix=CONVERSATION_PREFIX,
-                                                   max_sessions=MAX_IN_MEMORY))
-    return ConversationStore(MemorySessionStore(ttl_s, MAX_IN_MEMORY))
+    """Conversations beside `sessions` (in its Redis when it is one); None when ttl_s is 0."""
+    return ConversationStore(store_beside(sessions, ttl_s, CONVERSATION_PREFIX, MAX_IN_MEMORY)) if ttl_s > 0 else None

@@ -3,6 +3,7 @@ truncated to fit) and POST /v1/responses/input_tokens."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -15,7 +16,7 @@ from tandem.gateway.openai.bodies import read_body
 from tandem.gateway.openai.conversations import ConversationStore
 from tandem.gateway.openai.convert import chat_request, check_model
 from tandem.gateway.openai.delivery import CLIENT_CLOSED, deliver, error_response
-from tandem.gateway.openai.errors import bad_request
+from tandem.gateway.openai.errors import OpenAIError, bad_request
 from tandem.gateway.openai.formats import renames as format_renames
 from tandem.gateway.openai.responses_input import RENAMES as RESPONSES_RENAMES
 from tandem.gateway.openai.responses_input import ResponsesTurn, chat_body
@@ -28,6 +29,8 @@ from tandem.gateway.openai.truncation import fitted
 
 if TYPE_CHECKING:
     from tandem.gateway.openai.app import Api
+
+log = logging.getLogger(__name__)
 
 
 class ResponsesApi:
@@ -107,10 +110,16 @@ class ResponsesApi:
                                 store=stored is not None, background=bool(body.background))
 
         async def extend(response: dict) -> None:
-            """A conversation the response is in gains its input and output once it has ended well."""
-            if (conversation := body.conversation_id()) is not None and response["status"] in ("completed",
-                                                                                                  "incomplete"):
+            """A conversation the response is in gains its input and output once it has ended well (one deleted
+            meanwhile gains nothing: the response itself is still answered and stored)."""
+            conversation = body.conversation_id()
+            if conversation is None or response["status"] not in ("completed", "incomplete"):
+                return
+            try:
                 await self.conversations.extend(tenant, conversation, turn.inputs + response["output"])
+            except OpenAIError as exc:
+                log.warning("response %s: conversation %s not extended: %s", response["id"], conversation,
+                            exc.message)
 
         async def keep(response: dict) -> None:
             await extend(response)

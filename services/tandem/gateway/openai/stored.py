@@ -73,13 +73,15 @@ class ResponseStore:
         self._store.close()
 
 
-def open_response_store(sessions: object, ttl_s: float) -> ResponseStore | None:
-    """Stored responses beside `sessions`: in the same Redis when it is one, else in memory; None when ttl_s is 0
-    (nothing stored: `store` is answered false and previous_response_id refused)."""
-    if ttl_s <= 0:
-        return None
+def store_beside(sessions: object, ttl_s: float, prefix: str, max_in_memory: int) -> SessionStore:
+    """A key-value store with a TTL beside `sessions`: the same Redis under `prefix` when it is one, else memory."""
     if isinstance(sessions, RedisSessionStore):
-        return ResponseStore(RedisSessionStore(sessions.url, ttl_s, prefix=RESPONSE_PREFIX,
-                                               max_sessions=MAX_IN_MEMORY))
-    return ResponseStore(MemorySessionStore(ttl_s, MAX_IN_MEMORY))
+        return RedisSessionStore(sessions.url, ttl_s, prefix=prefix, max_sessions=max_in_memory)
+    return MemorySessionStore(ttl_s, max_in_memory)
+
+
+def open_response_store(sessions: object, ttl_s: float) -> ResponseStore | None:
+    """Stored responses beside `sessions`; None when ttl_s is 0 (nothing stored: `store` is answered false and
+    previous_response_id refused)."""
+    return ResponseStore(store_beside(sessions, ttl_s, RESPONSE_PREFIX, MAX_IN_MEMORY)) if ttl_s > 0 else None
 
