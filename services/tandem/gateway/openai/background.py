@@ -41,7 +41,6 @@ LOST = {"code": "server_error", "message": "the gateway replica running this bac
 @dataclass(slots=True)
 class _Run:
     task: asyncio.Task
-    writer: ResponseWriter
     shutting_down: bool = False
     lost: bool = False  # its lease ran out and another replica stored it failed: nothing more of it is written
 
@@ -67,7 +66,7 @@ class BackgroundResponses:
         await self.events.append(key, opening)
         task = asyncio.create_task(self._run(tenant, key, writer, items, generation, renames, finished),
                                    name=f"background-{writer.id}")
-        self._runs[key] = _Run(task, writer)
+        self._runs[key] = _Run(task)
         task.add_done_callback(lambda _: self._runs.pop(key, None))
         return queued
 

@@ -63,12 +63,13 @@ class MemoryResponseLog:
         self._cancelled: set[str] = set()
 
     def _log(self, key: str) -> _Events:
-        now = time.monotonic()
+        if (entry := self._logs.get(key)) is not None:
+            return entry
+        now = time.monotonic()  # a new log: the expired ones go (not on every append: it runs once a token)
         for old in [old for old, events in self._logs.items() if events.expires < now]:
             del self._logs[old]
-        if key not in self._logs:
-            self._logs[key] = _Events(now + self.ttl_s)
-        return self._logs[key]
+        entry = self._logs[key] = _Events(now + self.ttl_s)
+        return entry
 
     async def append(self, key: str, events: list[dict]) -> None:
         entry = self._log(key)
