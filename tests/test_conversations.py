@@ -5,6 +5,7 @@ input and output once finished; the same prompt, token for token, as the whole c
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -144,6 +145,13 @@ def test_another_gateway_reads_and_extends_a_conversation_through_redis(tiny_mod
                                               max_output_tokens=3, **GREEDY)
             items = one.conversations.items.list(conversation.id, order="asc").data
             assert [item.content[0].text for item in items] == ["def add(a, b):", "Now in C.", response.output_text]
+            with ThreadPoolExecutor(4) as pool:  # both replicas adding to it at once: every item lands
+                added = [f"{i}-{n}" for i in range(4) for n in range(5)]
+                list(pool.map(lambda text, sdk: sdk.conversations.items.create(conversation.id,
+                                                                               items=[user_message(text)]),
+                              added, [one, other] * 10))
+            items = other.conversations.items.list(conversation.id, order="asc", limit=100).data
+            assert sorted(item.content[0].text for item in items[3:]) == sorted(added)
         finally:
             for gateway in gateways:
                 gateway.stop()

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 
@@ -17,6 +18,7 @@ from tandem.sessions import (
     EmbeddedRedis,
     MemorySessionStore,
     RedisSessionStore,
+    UpdateConflict,
     find_redis_server,
     open_session_store,
 )
@@ -89,6 +91,73 @@ def test_replicas_share_state(server):
     assert gateway_a.get(session)["draft_worker"] == "draft-0"
     gateway_a.delete(session)
     assert gateway_b.get(session) is None
+
+
+def _appended(name: str):
+    def change(state: dict | None) -> dict:
+        state = state or {"names": []}
+        state["names"].append(name)
+        return state
+
+    return change
+
+
+def _hammer(stores, per_thread: int) -> None:
+    """Each store (a replica) appends `per_thread` names from two threads at once, all threads released together."""
+    start = threading.Barrier(2 * len(stores))
+
+    def append(store, tag: str) -> None:
+        start.wait()
+        for n in range(per_thread):
+            store.update("shared", _appended(f"{tag}-{n}"))
+
+    threads = [threading.Thread(target=append, args=(store, f"{i}{j}")) for i, store in enumerate(stores)
+               for j in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def test_updates_from_replicas_at_once_each_land(own_server):
+    """Read-modify-write from two replicas (two threads each): every change is there, none written over."""
+    replicas = [RedisSessionStore(own_server.url, ttl_s=60) for _ in range(2)]
+    _hammer(replicas, per_thread=50)
+    names = replicas[0].get("shared")["names"]
+    assert sorted(names) == sorted(f"{i}{j}-{n}" for i in range(2) for j in range(2) for n in range(50))
+    assert 0 < redis.Redis.from_url(own_server.url).pttl("tandem:session:shared") <= 60_000
+    assert replicas[1].update("shared", lambda state: None) is None  # None: deleted
+    assert replicas[0].get("shared") is None and replicas[0].counters.redis_errors == 0
+    with pytest.raises(KeyError):  # what the change raises leaves the state as it was
+        replicas[0].update("other", lambda state: {}["missing"])
+    assert replicas[0].get("other") is None and replicas[0].healthy
+
+
+def test_an_update_that_always_meets_another_writer_gives_up(server):
+    store, other = RedisSessionStore(server.url), redis.Redis.from_url(server.url)
+    session, calls = sid(), []
+
+    def change(state):
+        calls.append(state)
+        other.set(f"tandem:session:{session}", '{"by": "other"}')  # another writer between the read and the write
+        return {"by": "this"}
+
+    with pytest.raises(UpdateConflict):
+        store.update(session, change)
+    assert len(calls) == 32 and store.get(session) == {"by": "other"} and store.healthy
+
+
+def test_updates_while_redis_is_down_use_memory_and_are_written_back(own_server):
+    store = RedisSessionStore(own_server.url, retry_initial_s=0.05, retry_max_s=0.1)
+    store.update("s", _appended("before"))
+    own_server.stop()
+    assert store.update("s", _appended("during"))["names"] == ["before", "during"] and not store.healthy
+    own_server.start()  # empty: only the write-back brings it back
+    deadline = time.monotonic() + 3
+    while not store.healthy and time.monotonic() < deadline:
+        store.get("nothing")
+        time.sleep(0.02)
+    assert RedisSessionStore(own_server.url).get("s") == {"names": ["before", "during"]}
 
 
 @pytest.mark.alone
@@ -169,6 +238,10 @@ def test_memory_store_and_factory():
     assert bounded.get("a") is None and bounded.get("c") == {}
     with pytest.raises(ValueError, match="unsupported"):
         open_session_store("http://localhost:6379")
+    shared = MemorySessionStore(ttl_s=60)
+    _hammer([shared, shared], per_thread=200)
+    assert len(shared.get("shared")["names"]) == 800
+    assert shared.update("shared", lambda state: None) is None and shared.get("shared") is None
 
 
 def test_missing_redis_server_says_how_to_install(monkeypatch):

@@ -9,6 +9,7 @@ from tandem.sessions.store import (
     RedisSessionStore,
     SessionStore,
     StoreCounters,
+    UpdateConflict,
     open_session_store,
 )
 
@@ -21,6 +22,7 @@ __all__ = [
     "RedisSetupError",
     "SessionStore",
     "StoreCounters",
+    "UpdateConflict",
     "configured_password",
     "find_redis_server",
     "open_session_store",

@@ -33,7 +33,15 @@ KEY_PREFIX = "tandem:session:"
 # Sessions kept in the in-memory copy; the oldest-used go first (Redis still has them when it is up).
 DEFAULT_MAX_SESSIONS = 100_000
 _FLUSH_BATCH = 500
+# Optimistic transactions on one key (update) tried this many times before giving up: each retry means another
+# writer changed the key between this one's read and write, so hitting the bound takes a storm of writers on one key.
+MAX_UPDATE_TRIES = 32
 T = TypeVar("T")
+Change = Callable[[dict | None], dict | None]  # a state (None: none) -> the state to store (None: delete)
+
+
+class UpdateConflict(RuntimeError):
+    """Other writers changed a key on every one of MAX_UPDATE_TRIES tries of an update."""
 
 
 @dataclass(slots=True)
@@ -48,6 +56,7 @@ class StoreCounters:
 class SessionStore(Protocol):
     def get(self, session_id: str) -> dict | None: ...
     def put(self, session_id: str, state: dict) -> None: ...
+    def update(self, session_id: str, change: Change) -> dict | None: ...
     def delete(self, session_id: str) -> None: ...
     def stats(self) -> dict: ...
     def close(self) -> None: ...
@@ -91,6 +100,23 @@ class MemorySessionStore:
             self._items.move_to_end(session_id)
             while len(self._items) > self.max_sessions:
                 self._items.popitem(last=False)
+
+    def update(self, session_id: str, change: Change) -> dict | None:
+        """Read, change and write one state atomically (no other put or update between): `change` gets the state
+        (None: none) and returns the one to store (None: delete it); what it raises leaves the state as it was.
+        Returns the state stored."""
+        with self._lock:
+            item = self._items.get(session_id)
+            state = None if item is None or item[0] <= time.monotonic() else json.loads(item[1])
+            changed = change(state)
+            if changed is None:
+                self._items.pop(session_id, None)
+                return None
+            self._items[session_id] = (time.monotonic() + self.ttl_s, json.dumps(changed, separators=(",", ":")))
+            self._items.move_to_end(session_id)
+            while len(self._items) > self.max_sessions:
+                self._items.popitem(last=False)
+            return changed
 
     def get_raw(self, session_id: str) -> tuple[str, float] | None:
         """(JSON, seconds left to live) or None."""
@@ -277,6 +303,39 @@ class RedisSessionStore:
         ok, _ = self._redis(lambda client: client.set(self._key(session_id), value, px=max(1, int(self.ttl_s * 1000))))
         if not ok:
             self._fallback(session_id)
+
+    def update(self, session_id: str, change: Change) -> dict | None:
+        """As MemorySessionStore.update, across every replica: an optimistic transaction (WATCH the key, read it,
+        write it in MULTI/EXEC, again from the read when another writer came between), so two replicas changing one
+        state at once both have their change. `change` may run more than once. From memory while Redis is down."""
+        ok, changed = self._redis(lambda client: self._transaction(client, session_id, change))
+        if not ok:
+            self._fallback(session_id)
+            return self._memory.update(session_id, change)
+        if changed is None:
+            self._memory.delete(session_id)
+        else:
+            self._memory.put_raw(session_id, json.dumps(changed, separators=(",", ":")))
+        return changed
+
+    def _transaction(self, client: redis.Redis, session_id: str, change: Change) -> dict | None:
+        key = self._key(session_id)
+        for _ in range(MAX_UPDATE_TRIES):
+            with client.pipeline() as pipe:
+                try:
+                    pipe.watch(key)
+                    value = pipe.get(key)
+                    changed = change(None if value is None else json.loads(value))
+                    pipe.multi()
+                    if changed is None:
+                        pipe.delete(key)
+                    else:
+                        pipe.set(key, json.dumps(changed, separators=(",", ":")), px=max(1, int(self.ttl_s * 1000)))
+                    pipe.execute()
+                    return changed
+                except redis.WatchError:
+                    continue
+        raise UpdateConflict(f"{session_id}: changed by other writers on each of {MAX_UPDATE_TRIES} tries")
 
     def delete(self, session_id: str) -> None:
         self._memory.delete(session_id)

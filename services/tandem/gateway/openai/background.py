@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from tandem.gateway.openai.errors import OpenAIError, bad_request, from_exception
 from tandem.gateway.openai.response_log import ResponseLog
 from tandem.gateway.openai.responses_output import ResponseWriter
-from tandem.gateway.openai.stored import ResponseStore, StoredResponse
+from tandem.gateway.openai.stored import ResponseStore, StoredResponse, tenant_key
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class BackgroundResponses:
                     renames: dict[str, str], finished: Finished | None = None) -> dict:
         """Store the response queued, start generating it, and return it as stored; `finished` is given it once it
         has ended, before it is stored so (a conversation takes its output then)."""
-        key = self.stored.key(tenant, writer.id)
+        key = tenant_key(tenant, writer.id)
         opening = writer.opening()
         queued = writer.response()
         await self.events.renew_lease(key, LEASE_S, new=True)
@@ -125,7 +125,7 @@ class BackgroundResponses:
         found = await self.stored.get(tenant, response_id)
         if found is None or not found.response.get("background") or found.response["status"] in TERMINAL:
             return found
-        key = self.stored.key(tenant, response_id)
+        key = tenant_key(tenant, response_id)
         if key in self._runs or await self.events.lease_held(key):
             return found
         return await self._ended(tenant, found, "failed", LOST)
@@ -135,7 +135,7 @@ class BackgroundResponses:
         """A response no runner will finish, stored as `status` by this replica."""
         found.response.update(status=status, error=error)
         await self.stored.put(tenant, found)
-        await self.events.end(self.stored.key(tenant, found.response["id"]))
+        await self.events.end(tenant_key(tenant, found.response["id"]))
         return found
 
     async def cancel(self, tenant: str, response_id: str) -> dict:
@@ -148,7 +148,7 @@ class BackgroundResponses:
                               "be cancelled.")
         if response["status"] in TERMINAL:
             return response
-        key = self.stored.key(tenant, response_id)
+        key = tenant_key(tenant, response_id)
         if (run := self._runs.get(key)) is not None:
             run.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -170,7 +170,7 @@ class BackgroundResponses:
         found = await self._found(tenant, response_id)
         if not found.response.get("background"):
             raise bad_request("Only a response created with background true can be streamed again.", "stream")
-        return self.events.read(self.stored.key(tenant, response_id), after)
+        return self.events.read(tenant_key(tenant, response_id), after)
 
     async def _found(self, tenant: str, response_id: str) -> StoredResponse:
         found = await self.current(tenant, response_id)

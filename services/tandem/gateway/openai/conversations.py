@@ -3,22 +3,20 @@ read as their history and extend with their input and output once they finish.
 
 A conversation is one record (its object and its items) in the session store's backend under its own key prefix,
 beside the stored responses: Redis when the gateway has one (every replica reads and extends it; each write renews
-its TTL, --response-ttl), else memory. The key is a digest of the tenant and the id, as for stored responses. Writes
-to one conversation are serialized within a replica; two replicas extending the same conversation at the same instant
-may lose one write (the last one stands): a conversation is meant to be driven by one client at a time.
+its TTL, --response-ttl), else memory. The key is a digest of the tenant and the id, as for stored responses. A change
+(items added or deleted, metadata) is a read-modify-write the store makes atomic (in Redis an optimistic transaction),
+so replicas changing one conversation at once each keep their change.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 import uuid
-import weakref
 from collections.abc import Callable
 
 from tandem.gateway.openai.errors import OpenAIError, bad_request
-from tandem.gateway.openai.stored import store_beside
+from tandem.gateway.openai.stored import store_beside, tenant_key
 from tandem.sessions import SessionStore
 
 CONVERSATION_PREFIX = "tandem:conversation:"
@@ -46,11 +44,6 @@ class ConversationStore:
 
     def __init__(self, store: SessionStore) -> None:
         self._store = store
-        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
-
-    @staticmethod
-    def _key(tenant: str, conversation_id: str) -> str:
-        return hashlib.sha256(f"{tenant}\0{conversation_id}".encode()).hexdigest()
 
     async def create(self, tenant: str, items: list[dict], metadata: dict[str, str]) -> dict:
         conversation = {"id": f"conv_{uuid.uuid4().hex}", "object": "conversation", "created_at": int(time.time()),
@@ -59,34 +52,37 @@ class ConversationStore:
         return conversation
 
     async def _put(self, tenant: str, record: dict) -> None:
-        await asyncio.to_thread(self._store.put, self._key(tenant, record["conversation"]["id"]), record)
+        await asyncio.to_thread(self._store.put, tenant_key(tenant, record["conversation"]["id"]), record)
 
     async def get(self, tenant: str, conversation_id: str, param: str | None = None) -> dict:
         """The record ({"conversation", "items"}); a 404 (naming `param`) without it."""
-        record = await asyncio.to_thread(self._store.get, self._key(tenant, conversation_id))
-        if not isinstance(record, dict) or "conversation" not in record or "items" not in record:
-            raise not_found(conversation_id, param)
-        return record
+        return _found(await asyncio.to_thread(self._store.get, tenant_key(tenant, conversation_id)), conversation_id,
+                      param)
 
     async def update(self, tenant: str, conversation_id: str, change: Callable[[dict], object]) -> dict:
-        """Apply `change` to the record (in place) and store it, one writer at a time here; the record after."""
-        key = self._key(tenant, conversation_id)
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            record = await self.get(tenant, conversation_id)
-            change(record)
-            await self._put(tenant, record)
+        """Apply `change` to the record (in place; it may run more than once, each time on a fresh read) and store
+        it atomically; the record after. What `change` raises leaves the record as it was."""
+        def changed(record: dict | None) -> dict:
+            change(record := _found(record, conversation_id))
             return record
+
+        return await asyncio.to_thread(self._store.update, tenant_key(tenant, conversation_id), changed)
 
     async def extend(self, tenant: str, conversation_id: str, items: list[dict]) -> dict:
         return await self.update(tenant, conversation_id, lambda record: record["items"].extend(items))
 
     async def delete(self, tenant: str, conversation_id: str) -> None:
         await self.get(tenant, conversation_id)  # a 404 where there is none
-        await asyncio.to_thread(self._store.delete, self._key(tenant, conversation_id))
+        await asyncio.to_thread(self._store.delete, tenant_key(tenant, conversation_id))
 
     def close(self) -> None:
         self._store.close()
+
+
+def _found(record: object, conversation_id: str, param: str | None = None) -> dict:
+    if not isinstance(record, dict) or "conversation" not in record or "items" not in record:
+        raise not_found(conversation_id, param)
+    return record
 
 
 def open_conversation_store(sessions: object, ttl_s: float) -> ConversationStore | None:

@@ -34,22 +34,24 @@ class StoredResponse:
         return self.items + self.response["output"]
 
 
+def tenant_key(tenant: str, record_id: str) -> str:
+    """The store key of a tenant's record (a response, a conversation): another tenant sending the same id finds
+    nothing."""
+    return hashlib.sha256(f"{tenant}\0{record_id}".encode()).hexdigest()
+
+
 class ResponseStore:
     """Stored responses over a key-value store with a TTL (a session store); its calls run off the event loop."""
 
     def __init__(self, store: SessionStore) -> None:
         self._store = store
 
-    @staticmethod
-    def key(tenant: str, response_id: str) -> str:
-        return hashlib.sha256(f"{tenant}\0{response_id}".encode()).hexdigest()
-
     async def put(self, tenant: str, stored: StoredResponse) -> None:
         record = {"response": stored.response, "items": stored.items}
-        await asyncio.to_thread(self._store.put, self.key(tenant, stored.response["id"]), record)
+        await asyncio.to_thread(self._store.put, tenant_key(tenant, stored.response["id"]), record)
 
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
-        record = await asyncio.to_thread(self._store.get, self.key(tenant, response_id))
+        record = await asyncio.to_thread(self._store.get, tenant_key(tenant, response_id))
         if not isinstance(record, dict) or "response" not in record or "items" not in record:
             return None
         return StoredResponse(record["response"], record["items"])
@@ -66,7 +68,7 @@ class ResponseStore:
         """True when there was such a response."""
         if await self.get(tenant, response_id) is None:
             return False
-        await asyncio.to_thread(self._store.delete, self.key(tenant, response_id))
+        await asyncio.to_thread(self._store.delete, tenant_key(tenant, response_id))
         return True
 
     def close(self) -> None:
