@@ -50,6 +50,7 @@ def test_generate_streams_text(capsys, cli_models) -> None:
     (["--k-max", "99"], "error: --k-max:"),
     (["--device", "quantum"], "error: --device:"),
     (["--kv-tokens", "-5"], "error: --kv-tokens: must be non-negative"),
+    (["--retain-tokens", "-1"], "error: --retain-tokens: must be non-negative"),
 ])
 def test_bad_arguments_give_clear_errors(capsys, cli_models, args: list[str], message: str) -> None:
     code = main(["generate", "x", "--target", str(cli_models / "target"), "--draft", str(cli_models / "draft"), *args])

@@ -138,3 +138,33 @@ def test_a_copied_prefix_scores_what_the_whole_prompt_does(tiny_models, prompts)
         if runner is shared:
             copied = logits
     torch.testing.assert_close(copied, logits[-len(copied):])
+
+
+def test_retain_tokens_bounds_what_every_placements_runners_keep(tiny_models, tiny_dirs, prompts, expected) -> None:
+    """--retain-tokens reaches the runners of an in-process engine, of Ray workers (their WorkerConfig) and of
+    `tandem pools` (the same); 0 keeps nothing, so a repeated prompt is computed whole (and gives the same tokens)."""
+    from tandem.cli.common import local_options
+    from tandem.cli.main import build_parser
+    from tandem.cli.serve import cluster_options
+    from tandem.engines.cluster import _worker_common
+    from tandem.engines.options import ClusterOptions
+    from tandem.workers.worker_base import WorkerConfig, load_runner
+
+    target, draft, _ = tiny_models
+    engine = build_engine(target, draft, FIXED_K, retain_tokens=0)
+    results = [engine.generate([prompts[0]], GREEDY)[0] for _ in range(2)]
+    assert [result.token_ids for result in results] == [expected["greedy"][0]] * 2
+    assert results[1].stats["cached_prompt_tokens"] == 0
+    assert all(not runner.retained and runner.retain_tokens == 0
+               for runner in (engine.verifier.runner, engine.drafter.runner))
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--target", "t", "--retain-tokens", "5"])
+    assert local_options(args).retain_tokens == cluster_options(args).retain_tokens == 5
+    assert parser.parse_args(["pools", "start", "--name", "p", "--target", "t"]).retain_tokens == 32768
+    assert _worker_common(ClusterOptions(retain_tokens=5), draft=True, threads=None)["retain_tokens"] == 5
+    worker = load_runner(WorkerConfig(model=str(tiny_dirs.target), device="cpu", dtype="float32", kv_tokens=4096,
+                                      retain_tokens=5))
+    assert worker.runner.retain_tokens == 5
+    with pytest.raises(Exception, match="retain_tokens: must be non-negative"):
+        ClusterOptions(retain_tokens=-1)

@@ -9,7 +9,16 @@ from typing import TYPE_CHECKING
 
 from tandem.cli.formats import output_format
 from tandem.cli.options import STDOUT, write_json
-from tandem.core.config import QUANTIZATIONS, EngineConfig, SamplingParams, SpecConfig, compile_scope, compiles
+from tandem.core.config import (
+    DEFAULT_RETAIN_TOKENS,
+    QUANTIZATIONS,
+    EngineConfig,
+    SamplingParams,
+    SpecConfig,
+    check_retain_tokens,
+    compile_scope,
+    compiles,
+)
 from tandem.errors import InvalidArgument
 
 if TYPE_CHECKING:  # torch is imported where models load: `tandem generate --address` runs on the client install
@@ -61,6 +70,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="KV cache budget of each model (the target's and the draft's, in every worker), in "
                              "tokens counted as sequences x the longest one's length (default 0: a share of the "
                              "memory free at start: the GPU's, or the host's available memory)")
+    parser.add_argument("--retain-tokens", type=int, default=DEFAULT_RETAIN_TOKENS, metavar="N",
+                        help="tokens of finished requests' keys and values each model keeps, within --kv-tokens, for "
+                             "a session's next turn and for prefixes later requests share; the least recently used "
+                             "go first, and any of them when a running request needs the room (default "
+                             f"{DEFAULT_RETAIN_TOKENS}; 0: none kept)")
     parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                         help="compute every prompt whole: by default a new request copies the keys and values of the "
                              "longest prefix of its prompt that a running or recently finished request of the same "
@@ -154,7 +168,7 @@ def local_options(args: argparse.Namespace):
 
     return LocalOptions(device=args.device, dtype=args.dtype, threads=args.threads, eager=args.eager,
                         compile=args.compile, kv_tokens=args.kv_tokens, draft_quantization=args.draft_quantization,
-                        prefix_cache=args.prefix_cache)
+                        retain_tokens=args.retain_tokens, prefix_cache=args.prefix_cache)
 
 
 def add_calibration_file_option(parser: argparse.ArgumentParser) -> None:
@@ -187,9 +201,11 @@ def engine_config(args: argparse.Namespace, speculate: bool = True, max_batch: i
 
 
 def kv_tokens(args: argparse.Namespace) -> int:
-    """--kv-tokens, checked: each runner's KV token budget (0: a share of the memory free at start)."""
+    """--kv-tokens, checked: each runner's KV token budget (0: a share of the memory free at start); --retain-tokens
+    checked with it."""
     if args.kv_tokens < 0:
         raise InvalidArgument(f"kv_tokens: must be non-negative (0: a share of free memory), got {args.kv_tokens}")
+    check_retain_tokens(args.retain_tokens)
     return args.kv_tokens
 
 

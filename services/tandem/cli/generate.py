@@ -59,7 +59,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if params.output_format is not None:  # before the engine is built and calibrated
         check_compiles(args, params.output_format, target.tokenizer, eos_token_ids(target.model, target.tokenizer))
     engine = build_engine(target, draft, dataclasses.replace(config, calibrate=not costs_file), kv_tokens=budget,
-                          prefix_cache=args.prefix_cache)
+                          retain_tokens=args.retain_tokens, prefix_cache=args.prefix_cache)
     if costs_file:  # costs kept from an earlier run of this setup, as `tandem serve` keeps them
         from tandem.engines import Arm, BuildOptions
         from tandem.engines.calibration_file import reuse_or_calibrate

@@ -121,7 +121,7 @@ def run_start(args: argparse.Namespace) -> int:
     target_vocab = vocab_size(args.target)
     common = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "eager": args.eager,
               "kv_tokens": args.kv_tokens, "batch_window_s": args.batch_window_ms / 1000,
-              "prefix_cache": args.prefix_cache}
+              "retain_tokens": args.retain_tokens, "prefix_cache": args.prefix_cache}
     target = WorkerConfig(model=args.target, compile=compiles(args.compile, draft=False), **common)
     draft = None
     if speculate and args.draft_workers:

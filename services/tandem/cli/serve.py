@@ -65,7 +65,7 @@ def cluster_options(args: argparse.Namespace) -> ClusterOptions:
                           target_resources=_json_flag("target_resources", args.target_resources),
                           ray_address=args.ray_address, ray_token_file=args.ray_token_file, threads=args.threads,
                           device=args.device, dtype=args.dtype, eager=args.eager, compile=args.compile,
-                          kv_tokens=args.kv_tokens, prefix_cache=args.prefix_cache,
+                          kv_tokens=args.kv_tokens, retain_tokens=args.retain_tokens, prefix_cache=args.prefix_cache,
                           draft_quantization=args.draft_quantization)
 
 

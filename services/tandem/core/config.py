@@ -42,6 +42,15 @@ def check_model_mode(eager: bool, compile: bool | str) -> None:
         raise InvalidArgument("eager and compile exclude each other: compiling is part of the fast path eager skips")
 
 
+# Tokens of finished sequences' caches a runner keeps (core.runner) for a session's next turn and shared prefixes.
+DEFAULT_RETAIN_TOKENS = 32768
+
+
+def check_retain_tokens(retain_tokens: int) -> None:
+    if retain_tokens < 0:
+        raise InvalidArgument(f"retain_tokens: must be non-negative (0: none kept), got {retain_tokens}")
+
+
 # The most token ids one request's logit_bias may name: a bound keeps what a request sends, and what each worker
 # scatters into its logits every step, small next to a vocabulary.
 MAX_LOGIT_BIAS = 1024

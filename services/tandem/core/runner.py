@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 
 from tandem.core import cpu_attention
 from tandem.core.attention import SEGMENTS, packed
+from tandem.core.config import DEFAULT_RETAIN_TOKENS
 from tandem.core.cuda_graphs import MAX_WIDTH, ROW_BUCKETS, GraphedForward
 from tandem.core.kv_cache import SlotCache, Step, cache_keyword, default_kv_tokens
 from tandem.core.prefixes import MIN_SHARED_PREFIX, PREFIX, Key, best_source, common_prefix, redundant
@@ -41,7 +42,6 @@ from tandem.core.row_layout import RowLayout
 from tandem.core.sequence import SequenceState
 
 log = logging.getLogger(__name__)
-DEFAULT_RETAIN_TOKENS = 32768
 MIN_SLOTS = 1
 MIN_CAPACITY = 256
 CAPACITY_ALIGN = 64

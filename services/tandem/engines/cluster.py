@@ -144,4 +144,4 @@ def _start_draft_pool(draft: str, config: EngineConfig, options: ClusterOptions,
 def _worker_common(options: ClusterOptions, draft: bool, threads: int | None) -> dict:
     return {"device": options.device, "dtype": options.dtype, "threads": threads, "eager": options.eager,
             "compile": compiles(options.compile, draft), "kv_tokens": options.kv_tokens,
-            "prefix_cache": options.prefix_cache}
+            "retain_tokens": options.retain_tokens, "prefix_cache": options.prefix_cache}

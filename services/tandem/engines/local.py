@@ -3,13 +3,13 @@ builds (the target loaded once, each distinct draft model once, one engine per a
 
 from __future__ import annotations
 
-from tandem.core.config import EngineConfig, compiles, draft_vocab_limit
+from tandem.core.config import DEFAULT_RETAIN_TOKENS, EngineConfig, compiles, draft_vocab_limit
 from tandem.core.costs import CostModel
 from tandem.core.detok import decoder
 from tandem.core.engine import SpeculativeEngine
 from tandem.core.format_masks import FormatMasks
 from tandem.core.local import LocalDrafter, LocalVerifier
-from tandem.core.runner import DEFAULT_RETAIN_TOKENS, ModelRunner
+from tandem.core.runner import ModelRunner
 from tandem.engines.backend import Backend
 from tandem.engines.options import Arm, LocalOptions
 from tandem.errors import InvalidArgument
@@ -22,8 +22,8 @@ def build_engine(target, draft=None, config: EngineConfig | None = None, kv_toke
     """target and draft are LoadedModel-like objects with .model and .tokenizer; draft None means plain decoding.
     `kv_tokens`: each model's KV token budget (0: a share of the memory free when its runner starts). `costs`: a cost
     model to start from (shared with other engines, or fixed), else a fresh one that calibration fills.
-    `retain_tokens`: how many tokens of finished sequences' caches the target's runner keeps for a session's next turn
-    or a prefix shared with later requests. `prefix_cache`: new requests start from a copy of a cached prefix of their
+    `retain_tokens`: how many tokens of finished sequences' caches each runner keeps for a session's next turn or a
+    prefix shared with later requests. `prefix_cache`: new requests start from a copy of a cached prefix of their
     prompt (core.runner)."""
     config = config or EngineConfig()
     pad = target.tokenizer.pad_token_id or 0
@@ -36,7 +36,8 @@ def build_engine(target, draft=None, config: EngineConfig | None = None, kv_toke
     if draft is not None and config.spec.speculating:
         runner = ModelRunner(draft.model, pad_token_id=pad,
                              vocab_limit=draft_vocab_limit(config.spec.draft_vocab, verifier.vocab_size),
-                             kv_tokens=kv_tokens, prefix_cache=prefix_cache, **runner_mode(draft))
+                             kv_tokens=kv_tokens, retain_tokens=retain_tokens, prefix_cache=prefix_cache,
+                             **runner_mode(draft))
         drafter = LocalDrafter(runner, top_m=config.spec.draft_top_m, confidence=config.spec.stop_confidence,
                                formats=FormatMasks(target.tokenizer, eos))
     for compiling in (verifier.runner, drafter and drafter.runner):
@@ -72,7 +73,7 @@ def build_local_backends(target: str, arms: tuple[Arm, ...], options: LocalOptio
                                        compile=compiles(options.compile, draft=True), **common)
             check_compatible(drafts[draft], target_model)
         engine = build_engine(target_model, drafts[draft] if draft else None, arm.config, kv_tokens=options.kv_tokens,
-                              prefix_cache=options.prefix_cache)
+                              retain_tokens=options.retain_tokens, prefix_cache=options.prefix_cache)
         backends[arm.name] = Backend(engine, target_model.tokenizer, target, draft)
     return backends
 

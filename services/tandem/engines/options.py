@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.core.config import QUANTIZATIONS, EngineConfig, check_model_mode, compile_scope
+from tandem.core.config import (
+    DEFAULT_RETAIN_TOKENS,
+    QUANTIZATIONS,
+    EngineConfig,
+    check_model_mode,
+    check_retain_tokens,
+    compile_scope,
+)
 from tandem.errors import InvalidArgument
 
 
@@ -14,6 +21,7 @@ def _check_models(options: LocalOptions | ClusterOptions) -> None:
         raise InvalidArgument(f"draft_quantization: one of {', '.join(QUANTIZATIONS)}, "
                               f"got {options.draft_quantization!r}")
     check_model_mode(options.eager, options.compile)
+    check_retain_tokens(options.retain_tokens)
     object.__setattr__(options, "compile", compile_scope(options.compile))  # True/False given: "all"/"none"
 
 
@@ -28,6 +36,7 @@ class LocalOptions:
     compile: str = "none"  # whose decode forwards torch.compile compiles on a CPU too (core.config.COMPILE_SCOPES)
     kv_tokens: int = 0  # each model's KV token budget (0: a share of the memory free when its runner starts)
     draft_quantization: str = "none"  # "int8", "w8a8" or "w4": quantized draft weights (core.config; output unchanged)
+    retain_tokens: int = DEFAULT_RETAIN_TOKENS  # finished requests' cache tokens each model keeps (core.runner)
     prefix_cache: bool = True  # new requests start from a copy of a cached prefix of their prompt (core.runner)
 
     def __post_init__(self) -> None:
@@ -60,6 +69,7 @@ class ClusterOptions:
     compile: str = "none"  # whose decode forwards torch.compile compiles on a CPU too (core.config.COMPILE_SCOPES)
     kv_tokens: int = 0  # every worker's KV token budget (0: a share of the memory free when it starts)
     draft_quantization: str = "none"  # "int8", "w8a8" or "w4": draft workers' quantized weights (core.config)
+    retain_tokens: int = DEFAULT_RETAIN_TOKENS  # finished requests' cache tokens each model keeps (core.runner)
     prefix_cache: bool = True  # new requests start from a copy of a cached prefix of their prompt (core.runner)
 
     def __post_init__(self) -> None:

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tandem.core.config import DEFAULT_RETAIN_TOKENS
 from tandem.core.protocol import KVUsage
 from tandem.errors import TandemError, WorkerStartFailed
 from tandem.hostinfo import host_facts
@@ -86,6 +87,7 @@ class WorkerConfig:
     compile: bool = False  # decode forwards compiled by torch.compile on a CPU too (a GPU's default)
     quantization: str = "none"  # "int8", "w8a8" or "w4": quantized weights (draft workers only, core.config)
     batch_window_s: float = 0.0  # how long a call waits for other gateways' calls to join its forward (shared pools)
+    retain_tokens: int = DEFAULT_RETAIN_TOKENS  # finished sequences' cache tokens the runner keeps (core.runner)
     prefix_cache: bool = True  # new sequences start from a copy of a cached prefix of their prompt (core.runner)
 
 
@@ -126,7 +128,8 @@ def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None =
     loaded = load_model(config.model, device=device, dtype=select_dtype(config.dtype, device), progress=False,
                         extra=extra, eager=config.eager, compile=config.compile, quantization=config.quantization)
     runner = ModelRunner(loaded.model, pad_token_id=loaded.tokenizer.pad_token_id or 0, vocab_limit=vocab_limit,
-                         kv_tokens=config.kv_tokens, prefix_cache=config.prefix_cache, **runner_mode(loaded))
+                         kv_tokens=config.kv_tokens, retain_tokens=config.retain_tokens,
+                         prefix_cache=config.prefix_cache, **runner_mode(loaded))
     runner.warm_up()  # compiles at start, not in the first requests (a GPU's default)
     return LoadedRunner(runner, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
                         torch.get_num_threads())
