@@ -317,6 +317,32 @@ def test_a_tenants_stored_responses_are_its_own(server, pki, keys) -> None:
         assert len(alice.get(f"{conversations}/{conversation}/items").json()["data"]) == 1
 
 
+def test_a_tenants_files_and_batches_are_its_own(server, pki, keys) -> None:
+    """Another API key cannot read, list, delete or batch a tenant's file, nor read, list or cancel its batch; the
+    batch's requests run with its creator's key."""
+    base = server.gateway.http_url
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "tiny-target", "prompt": "hi", "max_tokens": 2, **GREEDY}}
+    with _http(pki, keys["alice"]) as alice, _http(pki, keys["bob"]) as bob, _http(pki) as nobody:
+        uploaded = alice.post(f"{base}/v1/files", data={"purpose": "batch"},
+                              files={"file": ("in.jsonl", json.dumps(line).encode())}).json()
+        batch = {"input_file_id": uploaded["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+        created = alice.post(f"{base}/v1/batches", json=batch).json()
+        file = f"{base}/v1/files/{uploaded['id']}"
+        for refused in (bob.get(file), bob.get(f"{file}/content"), bob.delete(file),
+                        bob.post(f"{base}/v1/batches", json=batch),
+                        bob.get(f"{base}/v1/batches/{created['id']}"),
+                        bob.post(f"{base}/v1/batches/{created['id']}/cancel"), nobody.get(f"{base}/v1/files"),
+                        nobody.get(f"{base}/v1/batches/{created['id']}")):
+            assert refused.status_code in (401, 404), refused.text
+        assert bob.get(f"{base}/v1/files").json()["data"] == bob.get(f"{base}/v1/batches").json()["data"] == []
+        deadline = time.monotonic() + 60
+        while (done := alice.get(f"{base}/v1/batches/{created['id']}").json())["status"] != "completed":
+            assert time.monotonic() < deadline, done
+            time.sleep(0.05)
+        assert done["request_counts"] == {"total": 1, "completed": 1, "failed": 0}  # run with alice's key
+
+
 def test_per_tenant_concurrency_cap(server, pki, keys) -> None:
     url = server.gateway.http_url
     with _client(server, pki, keys["capped"]) as capped, _client(server, pki, keys["alice"]) as alice:

@@ -36,7 +36,9 @@ from tandem.v1 import generation_pb2
 
 if TYPE_CHECKING:
     from tandem.gateway.openai.background import BackgroundResponses
+    from tandem.gateway.openai.batches import Batches
     from tandem.gateway.openai.conversations import ConversationStore
+    from tandem.gateway.openai.files import FileStore
     from tandem.gateway.openai.server import HttpServer
     from tandem.gateway.openai.stored import ResponseStore
 
@@ -85,6 +87,8 @@ class Gateway:
         self.http: HttpServer | None = None  # the OpenAI-compatible HTTP API, while it is on
         self.stored: ResponseStore | None = None  # the HTTP API's stored responses
         self.background: BackgroundResponses | None = None  # and the background ones it runs
+        self.files: FileStore | None = None  # the Batch API's files
+        self.batches: Batches | None = None  # and its batches (those running here run on this replica)
         self.conversations: ConversationStore | None = None  # and its conversations
         self.loading: asyncio.Task | None = None
         self._drain: asyncio.Task | None = None
@@ -160,7 +164,9 @@ class Gateway:
     async def _start_http(self) -> None:
         from tandem.gateway.openai.app import create_app
         from tandem.gateway.openai.background import BackgroundResponses
+        from tandem.gateway.openai.batches import open_batches
         from tandem.gateway.openai.conversations import open_conversation_store
+        from tandem.gateway.openai.files import open_file_store
         from tandem.gateway.openai.response_log import open_response_log
         from tandem.gateway.openai.server import start_http_server
         from tandem.gateway.openai.stored import open_response_store
@@ -175,8 +181,14 @@ class Gateway:
                 self.metrics.background_end if self.metrics is not None else None)
             if self.metrics is not None:
                 self.metrics.attach_background(lambda: self.background.running)
+        self.files = open_file_store(self.sessions, options.response_ttl_s)
+        if self.files is not None:
+            self.batches = open_batches(self.sessions, options.response_ttl_s, self.files,
+                                        self.metrics.batch_end if self.metrics is not None else None)
+            if self.metrics is not None:
+                self.metrics.attach_batches(lambda: self.batches.running)
         app = create_app(self.serving, options.limits, self.http_status, options.api_keys, self.stored,
-                         self.background, self.conversations)
+                         self.background, self.conversations, self.files, self.batches)
         tls = {"certfile": options.tls_cert, "keyfile": options.tls_key, "client_ca": options.tls_client_ca} \
             if options.tls else None
         for index, port in enumerate(ports):
@@ -258,6 +270,11 @@ class Gateway:
             await asyncio.to_thread(self.metrics.close)
         if self.background is not None:  # (before the store: what still runs is stored as failed)
             await self.background.close()
+        if self.batches is not None:  # (before the files: what finished is written to them)
+            await self.batches.close()
+            await asyncio.to_thread(self.batches.records.close)
+        if self.files is not None:
+            await asyncio.to_thread(self.files.close)
         if self.stored is not None:
             await asyncio.to_thread(self.stored.close)
         if self.conversations is not None:

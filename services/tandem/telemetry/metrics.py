@@ -145,6 +145,12 @@ class GatewayMetrics:
         meter.create_observable_gauge("tandem.responses.background_running", _gauge(self._background_running),
                                       unit="{response}", description="Background responses running on this gateway.")
         self._background: Callable[[], int] | None = None
+        self.batches_ended = meter.create_counter(
+            "tandem.batches.ended", unit="{batch}",
+            description="Batches (Batch API) this gateway ran to an end, by status.")
+        meter.create_observable_gauge("tandem.batches.running", _gauge(self._batches_running), unit="{batch}",
+                                      description="Batches running on this gateway.")
+        self._batches: Callable[[], int] | None = None
         self.base: dict[str, str] = {"gen_ai.provider.name": PROVIDER}
         self._spec_base: dict[str, str] = {}
         self._positions: dict[int, list[int]] = {}  # draft position -> [drafted, accepted]
@@ -167,6 +173,17 @@ class GatewayMetrics:
 
     def background_end(self, status: str) -> None:
         self.background_ended.add(1, {"status": status})
+
+    def attach_batches(self, running: Callable[[], int]) -> None:
+        """The count of batches running here, for its gauge."""
+        self._batches = running
+
+    def batch_end(self, status: str) -> None:
+        self.batches_ended.add(1, {"status": status})
+
+    def _batches_running(self) -> Iterator[tuple[float, dict]]:
+        if self._batches is not None:
+            yield self._batches(), {}
 
     def _background_running(self) -> Iterator[tuple[float, dict]]:
         if self._background is not None:

@@ -25,6 +25,8 @@ from tandem.gateway.auth import ApiKeys
 from tandem.gateway.events import ChoiceDelta, ChoiceEnd
 from tandem.gateway.generation import GenerationsSource
 from tandem.gateway.openai.background import BackgroundResponses
+from tandem.gateway.openai.batch_routes import add_batch_routes
+from tandem.gateway.openai.batches import Batches
 from tandem.gateway.openai.bodies import read_body
 from tandem.gateway.openai.conversation_routes import add_conversation_routes
 from tandem.gateway.openai.conversations import ConversationStore
@@ -45,6 +47,7 @@ from tandem.gateway.openai.errors import (
     unauthorized,
     validation_error,
 )
+from tandem.gateway.openai.files import FileStore, add_file_routes
 from tandem.gateway.openai.formats import renames as format_renames
 from tandem.gateway.openai.responses import SSE_DONE, Kind, Responder, sse
 from tandem.gateway.openai.responses_api import ResponsesApi
@@ -80,12 +83,13 @@ COMPLETION = _Endpoint("completion", CompletionRequest, completion_requests, COM
 def create_app(generations: GenerationsSource, limits: GatewayLimits, status: Status,
                keys: ApiKeys | None = None, stored: ResponseStore | None = None,
                background: BackgroundResponses | None = None,
-               conversations: ConversationStore | None = None) -> FastAPI:
+               conversations: ConversationStore | None = None, files: FileStore | None = None,
+               batches: Batches | None = None) -> FastAPI:
     """The API over the generate path `generations()` returns once the engines have loaded; `limits` bound bodies
     before that; `status` says why it cannot serve; `keys`: the API keys /v1/* asks for (`Authorization: Bearer
     <key>`, else 401), None for none (/health is always open); `stored`: where responses are stored (None: none);
     `background`: what runs background responses (None: `background` refused); `conversations`: where conversations
-    are kept (None: none)."""
+    are kept (None: none); `files` and `batches`: the Batch API's files and batches (None: none)."""
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
     api = Api(generations, limits, status, keys)
     responses = ResponsesApi(api, stored, background, conversations)
@@ -95,6 +99,8 @@ def create_app(generations: GenerationsSource, limits: GatewayLimits, status: St
     app.add_api_route("/v1/responses/input_tokens", responses.input_tokens, methods=["POST"])
     add_stored_routes(app, stored, background, api.tenant)
     add_conversation_routes(app, conversations, api.tenant, limits.max_request_bytes)
+    add_file_routes(app, files, api.tenant)
+    add_batch_routes(app, batches, api.tenant, limits.max_request_bytes)
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])

@@ -9,21 +9,18 @@ the same 404.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 
 from tandem.gateway.openai.bodies import read_body
 from tandem.gateway.openai.conversations import MAX_NEW_ITEMS, ConversationStore, check_metadata
-from tandem.gateway.openai.errors import OpenAIError, bad_request, from_exception
+from tandem.gateway.openai.errors import OpenAIError, bad_request, in_openai_shape
 from tandem.gateway.openai.responses_input import input_items
 from tandem.gateway.openai.schemas import _Body
 from tandem.gateway.openai.stored_routes import input_items_page
-
-Handler = Callable[..., Awaitable[Response]]
 
 
 class ConversationBody(_Body):
@@ -54,18 +51,18 @@ def add_conversation_routes(app: FastAPI, conversations: ConversationStore | Non
             raise bad_request(f"items: a list of 1 to {MAX_NEW_ITEMS} items", "items")
         return input_items(body.items, "items")  # (a 400 names the item it cannot take)
 
-    @_in_openai_shape
+    @in_openai_shape
     async def create(request: Request) -> JSONResponse:
         tenant = tenant_of(request)
         body = await body_of(request)
         return JSONResponse(await store().create(tenant, new_items(body, required=False),
                                                  check_metadata(body.metadata)))
 
-    @_in_openai_shape
+    @in_openai_shape
     async def retrieve(request: Request, conversation_id: str) -> JSONResponse:
         return JSONResponse((await store().get(tenant_of(request), conversation_id))["conversation"])
 
-    @_in_openai_shape
+    @in_openai_shape
     async def update(request: Request, conversation_id: str) -> JSONResponse:
         tenant = tenant_of(request)
         metadata = check_metadata((await body_of(request)).metadata)
@@ -73,12 +70,12 @@ def add_conversation_routes(app: FastAPI, conversations: ConversationStore | Non
                                       lambda record: record["conversation"].update(metadata=metadata))
         return JSONResponse(record["conversation"])
 
-    @_in_openai_shape
+    @in_openai_shape
     async def delete(request: Request, conversation_id: str) -> JSONResponse:
         await store().delete(tenant_of(request), conversation_id)
         return JSONResponse({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
 
-    @_in_openai_shape
+    @in_openai_shape
     async def add_items(request: Request, conversation_id: str) -> JSONResponse:
         tenant = tenant_of(request)
         items = new_items(await body_of(request), required=True)
@@ -86,12 +83,12 @@ def add_conversation_routes(app: FastAPI, conversations: ConversationStore | Non
         return JSONResponse({"object": "list", "data": items, "first_id": items[0]["id"],
                              "last_id": items[-1]["id"], "has_more": False})
 
-    @_in_openai_shape
+    @in_openai_shape
     async def list_items(request: Request, conversation_id: str) -> JSONResponse:
         record = await store().get(tenant_of(request), conversation_id)
         return JSONResponse(input_items_page(record["items"], request.query_params))
 
-    @_in_openai_shape
+    @in_openai_shape
     async def item(request: Request, conversation_id: str, item_id: str) -> JSONResponse:
         record = await store().get(tenant_of(request), conversation_id)
         for entry in record["items"]:
@@ -99,7 +96,7 @@ def add_conversation_routes(app: FastAPI, conversations: ConversationStore | Non
                 return JSONResponse(entry)
         raise OpenAIError(404, f"Item with id '{item_id}' not found.")
 
-    @_in_openai_shape
+    @in_openai_shape
     async def delete_item(request: Request, conversation_id: str, item_id: str) -> JSONResponse:
         def remove(record: dict) -> None:
             kept = [entry for entry in record["items"] if entry.get("id") != item_id]
@@ -119,13 +116,3 @@ def add_conversation_routes(app: FastAPI, conversations: ConversationStore | Non
     app.add_api_route("/v1/conversations/{conversation_id}/items/{item_id}", item, methods=["GET"])
     app.add_api_route("/v1/conversations/{conversation_id}/items/{item_id}", delete_item, methods=["DELETE"])
 
-
-def _in_openai_shape(handler: Handler) -> Handler:
-    @functools.wraps(handler)  # (FastAPI reads the parameters through it)
-    async def answered(*args, **kwargs) -> Response:
-        try:
-            return await handler(*args, **kwargs)
-        except Exception as exc:
-            return (exc if isinstance(exc, OpenAIError) else from_exception(exc, {})).response()
-
-    return answered

@@ -7,11 +7,13 @@ client sees `param` and the message name the same field it sent.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from tandem.errors import BackendUnavailable, InvalidArgument
 from tandem.gateway.events import EngineFailed, EngineUnavailable, QueueFull, TenantBusy
@@ -111,3 +113,18 @@ def _loc_param(loc: tuple) -> str | None:
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+Handler = Callable[..., Awaitable[Response]]
+
+
+def in_openai_shape(handler: Handler) -> Handler:
+    """A route whose errors are answered in OpenAI's shape (an unexpected one as a 500 without internal text)."""
+    @functools.wraps(handler)  # (FastAPI reads the parameters through it)
+    async def answered(*args, **kwargs) -> Response:
+        try:
+            return await handler(*args, **kwargs)
+        except Exception as exc:
+            return (exc if isinstance(exc, OpenAIError) else from_exception(exc, {})).response()
+
+    return answered

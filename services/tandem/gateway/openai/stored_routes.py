@@ -8,14 +8,13 @@ stored, is the same 404.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tandem.gateway.openai.background import BackgroundResponses
-from tandem.gateway.openai.errors import OpenAIError, bad_request, from_exception
+from tandem.gateway.openai.errors import OpenAIError, bad_request, in_openai_shape
 from tandem.gateway.openai.responses_output import sse_event
 from tandem.gateway.openai.stored import ResponseStore, StoredResponse
 from tandem.gateway.openai.streaming import EventStream
@@ -38,7 +37,7 @@ def add_stored_routes(app: FastAPI, stored: ResponseStore | None, background: Ba
             raise not_found(response_id)
         return response
 
-    @_errors_in_openai_shape
+    @in_openai_shape
     async def retrieve(request: Request, response_id: str) -> Response:
         query = request.query_params
         if query.get("stream", "false").lower() != "true":
@@ -52,20 +51,20 @@ def add_stored_routes(app: FastAPI, stored: ResponseStore | None, background: Ba
             raise not_found(response_id)
         return replay(await background.stream(tenant_of(request), response_id, after))
 
-    @_errors_in_openai_shape
+    @in_openai_shape
     async def cancel(request: Request, response_id: str) -> JSONResponse:
         if background is None:
             raise not_found(response_id)
         return JSONResponse(await background.cancel(tenant_of(request), response_id))
 
-    @_errors_in_openai_shape
+    @in_openai_shape
     async def delete(request: Request, response_id: str) -> JSONResponse:
         tenant = tenant_of(request)
         if stored is None or not await stored.delete(tenant, response_id):
             raise not_found(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
-    @_errors_in_openai_shape
+    @in_openai_shape
     async def input_items(request: Request, response_id: str) -> JSONResponse:
         response = await found(request, response_id)
         return JSONResponse(input_items_page(response.items, request.query_params))
@@ -89,18 +88,6 @@ def not_found(response_id: str) -> OpenAIError:
     return OpenAIError(404, f"Response with id '{response_id}' not found.")
 
 
-def _errors_in_openai_shape(handler: Callable[[Request, str], Awaitable[Response]]
-                            ) -> Callable[[Request, str], Awaitable[Response]]:
-    @functools.wraps(handler)  # (FastAPI reads the parameters through it)
-    async def answered(request: Request, response_id: str) -> Response:
-        try:
-            return await handler(request, response_id)
-        except Exception as exc:
-            return (exc if isinstance(exc, OpenAIError) else from_exception(exc, {})).response()
-
-    return answered
-
-
 def input_items_page(items: list[dict], query: Mapping[str, str]) -> dict:
     """A page of `items` as OpenAI lists them: `order` "desc" (newest first, the default) or "asc", `limit` items
     (1-100, default 20) after the item whose id is `after`."""
@@ -118,7 +105,7 @@ def input_items_page(items: list[dict], query: Mapping[str, str]) -> dict:
     if (after := query.get("after")) is not None:
         ids = [item.get("id") for item in ordered]
         if after not in ids:
-            raise bad_request(f"after: no input item has the id {after!r}", "after")
+            raise bad_request(f"after: nothing listed has the id {after!r}", "after")
         start = ids.index(after) + 1
     page = ordered[start:start + limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,

@@ -1,0 +1,135 @@
+"""Files (OpenAI's Files API, for the Batch API): POST /v1/files (a multipart upload), GET /v1/files, GET and DELETE
+/v1/files/{id}, GET /v1/files/{id}/content.
+
+A file is a batch's input (purpose "batch", uploaded) or its output and errors (purpose "batch_output", written by
+gateway.openai.batches): JSON lines of UTF-8 text, up to MAX_FILE_BYTES. Its object and its content are two records of
+the tenant (gateway.openai.records), so listing reads no content; both expire --response-ttl seconds after they were
+written (`expires_at`). Another tenant's file, an expired or deleted one, or an unknown id is the same 404.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from tandem.gateway.openai.errors import OpenAIError, bad_request, in_openai_shape
+from tandem.gateway.openai.records import TenantRecords
+from tandem.gateway.openai.stored import store_beside
+from tandem.gateway.openai.stored_routes import input_items_page
+
+FILE_PREFIX = "tandem:file:"
+MAX_FILE_BYTES = 32 * 1024 * 1024
+MAX_IN_MEMORY = 1024
+UPLOAD_PURPOSES = ("batch",)  # what a client may upload: a batch's input (other purposes serve OpenAI's other APIs)
+
+
+def not_found(file_id: str) -> OpenAIError:
+    return OpenAIError(404, f"No such File object: {file_id}", param="id")
+
+
+class FileStore:
+    def __init__(self, records: TenantRecords, ttl_s: float) -> None:
+        self.records, self.ttl_s = records, ttl_s
+
+    async def create(self, tenant: str, filename: str, purpose: str, content: bytes) -> dict:
+        created = int(time.time())
+        file = {"id": f"file-{uuid.uuid4().hex}", "object": "file", "bytes": len(content), "created_at": created,
+                "expires_at": created + int(self.ttl_s), "filename": filename, "purpose": purpose,
+                "status": "processed", "status_details": None}
+        await self.records.put(tenant, _content_id(file["id"]), {"text": content.decode()})
+        await self.records.add(tenant, file["id"], file)
+        return file
+
+    async def get(self, tenant: str, file_id: str) -> dict:
+        if (file := await self.records.get(tenant, file_id)) is None:
+            raise not_found(file_id)
+        return file
+
+    async def content(self, tenant: str, file_id: str) -> str:
+        await self.get(tenant, file_id)
+        if (record := await self.records.get(tenant, _content_id(file_id))) is None:
+            raise not_found(file_id)
+        return record["text"]
+
+    async def delete(self, tenant: str, file_id: str) -> None:
+        if not await self.records.delete(tenant, file_id):
+            raise not_found(file_id)
+        await self.records.delete(tenant, _content_id(file_id))
+
+    def close(self) -> None:
+        self.records.close()
+
+
+def _content_id(file_id: str) -> str:
+    return f"{file_id}/content"
+
+
+def open_file_store(sessions: object, ttl_s: float) -> FileStore | None:
+    """Files beside `sessions` (in its Redis when it is one); None when ttl_s is 0."""
+    if ttl_s <= 0:
+        return None
+    return FileStore(TenantRecords(store_beside(sessions, ttl_s, FILE_PREFIX, MAX_IN_MEMORY), "file"), ttl_s)
+
+
+def add_file_routes(app: FastAPI, files: FileStore | None, tenant_of: Callable[[Request], str]) -> None:
+    def store() -> FileStore:
+        if files is None:
+            raise bad_request("this server stores no files (--response-ttl 0)")
+        return files
+
+    @in_openai_shape
+    async def upload(request: Request) -> JSONResponse:
+        tenant = tenant_of(request)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_FILE_BYTES + 64 * 1024:
+            raise OpenAIError(413, f"a file may hold up to {MAX_FILE_BYTES} bytes", code="file_too_large")
+        async with request.form(max_files=1, max_fields=4) as form:
+            purpose, upload = form.get("purpose"), form.get("file")
+            if purpose not in UPLOAD_PURPOSES:
+                raise bad_request(f"purpose: must be one of {', '.join(UPLOAD_PURPOSES)} (this server keeps files "
+                                  f"for its Batch API), got {purpose!r}", "purpose")
+            if any(key.startswith("expires_after") for key in form):
+                raise bad_request("expires_after: not supported; files expire --response-ttl seconds after upload",
+                                  "expires_after")
+            if upload is None or isinstance(upload, str):
+                raise bad_request("file: a file is required (multipart/form-data)", "file")
+            content = await upload.read(MAX_FILE_BYTES + 1)
+            filename = upload.filename or "upload.jsonl"
+        if len(content) > MAX_FILE_BYTES:
+            raise OpenAIError(413, f"a file may hold up to {MAX_FILE_BYTES} bytes", code="file_too_large")
+        try:
+            content.decode()
+        except UnicodeDecodeError:
+            raise bad_request("file: must be UTF-8 text (JSON lines)", "file") from None
+        return JSONResponse(await store().create(tenant, filename, purpose, content))
+
+    @in_openai_shape
+    async def listing(request: Request) -> JSONResponse:
+        tenant = tenant_of(request)
+        found = await store().records.all(tenant) if files is not None else []
+        if (purpose := request.query_params.get("purpose")) is not None:
+            found = [file for file in found if file["purpose"] == purpose]
+        return JSONResponse(input_items_page(found, request.query_params))
+
+    @in_openai_shape
+    async def retrieve(request: Request, file_id: str) -> JSONResponse:
+        return JSONResponse(await store().get(tenant_of(request), file_id))
+
+    @in_openai_shape
+    async def content(request: Request, file_id: str) -> Response:
+        return Response(await store().content(tenant_of(request), file_id), media_type="application/jsonl")
+
+    @in_openai_shape
+    async def delete(request: Request, file_id: str) -> JSONResponse:
+        await store().delete(tenant_of(request), file_id)
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+    app.add_api_route("/v1/files", upload, methods=["POST"])
+    app.add_api_route("/v1/files", listing, methods=["GET"])
+    app.add_api_route("/v1/files/{file_id}", retrieve, methods=["GET"])
+    app.add_api_route("/v1/files/{file_id}", delete, methods=["DELETE"])
+    app.add_api_route("/v1/files/{file_id}/content", content, methods=["GET"])

@@ -1,0 +1,214 @@
+"""The Batch API (/v1/files, /v1/batches) through the openai SDK against a real gateway over the tiny pair (float32,
+greedy): a batch's answers are the ones the same requests get sent one by one; bad files are refused with their lines
+named; cancel keeps what finished; and across two gateways over one real Redis, one runs a batch while the other
+reads, lists and cancels it, and a batch whose replica stopped ends failed."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import openai
+import pytest
+
+from gateway_harness import ServerThread, openai_sdk, tiny_backend, tiny_http_server
+from tandem.gateway.openai import batches as batches_module
+from tandem.sessions import EmbeddedRedis, open_session_store
+from telemetry_helpers import scrape, value
+
+MODEL = "tiny-target"
+GREEDY = {"temperature": 0, "ignore_eos": True}
+ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    yield from tiny_http_server(tiny_models, max_prompt_tokens=2048)
+
+
+@pytest.fixture(scope="module")
+def sdk(server):
+    return openai_sdk(server)
+
+
+def _chat(custom_id: str, text: str, max_tokens: int = 4, **extra) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                     **GREEDY, **extra}}
+
+
+def _upload(sdk: openai.OpenAI, lines: list[dict | str]) -> str:
+    text = "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
+    return sdk.files.create(file=("requests.jsonl", text.encode()), purpose="batch").id
+
+
+def _ended(sdk: openai.OpenAI, batch_id: str, timeout_s: float = 120):
+    deadline = time.monotonic() + timeout_s
+    while (batch := sdk.batches.retrieve(batch_id)).status not in ENDED:
+        assert time.monotonic() < deadline, f"{batch_id} still {batch.status}"
+        time.sleep(0.05)
+    return batch
+
+
+def _lines(sdk: openai.OpenAI, file_id: str | None) -> dict[str, dict]:
+    if file_id is None:
+        return {}
+    return {line["custom_id"]: line for line in map(json.loads, sdk.files.content(file_id).text.splitlines())}
+
+
+def test_a_batch_answers_each_request_as_it_is_answered_alone(sdk) -> None:
+    prompts = [f"def f{n}(x):" for n in range(6)]
+    lines = [_chat(f"req-{n}", text) for n, text in enumerate(prompts)]
+    lines.append(_chat("bad", "hi", temperature=-1))  # a request the API refuses: the error file has its answer
+    lines.append({"custom_id": "text", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                           "n": 2, **GREEDY}})
+    input_id = _upload(sdk, lines)
+    batch = sdk.batches.create(input_file_id=input_id, endpoint="/v1/chat/completions", completion_window="24h",
+                               metadata={"job": "nightly"})
+    assert batch.status == "in_progress" and batch.request_counts.total == 8 and batch.metadata == {"job": "nightly"}
+    done = _ended(sdk, batch.id)
+    assert done.status == "completed" and done.completed_at and done.finalizing_at
+    assert (done.request_counts.completed, done.request_counts.failed) == (7, 1)
+    outputs, errors = _lines(sdk, done.output_file_id), _lines(sdk, done.error_file_id)
+    assert sorted(outputs) == sorted([f"req-{n}" for n in range(6)] + ["text"]) and list(errors) == ["bad"]
+    for n, text in enumerate(prompts):
+        alone = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=4,
+                                            temperature=0, extra_body={"ignore_eos": True})
+        answer = outputs[f"req-{n}"]["response"]
+        assert answer["status_code"] == 200 and answer["request_id"]
+        assert answer["body"]["choices"][0]["message"]["content"] == alone.choices[0].message.content
+        usage = answer["body"]["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (alone.usage.prompt_tokens, 4)
+    assert len(outputs["text"]["response"]["body"]["choices"]) == 2
+    refused = errors["bad"]["response"]
+    assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "temperature"
+
+    files = {file.id: file for file in sdk.files.list()}
+    assert files[input_id].purpose == "batch" and files[done.output_file_id].purpose == "batch_output"
+    assert files[input_id].bytes == len(sdk.files.content(input_id).content)
+    assert done.id in [listed.id for listed in sdk.batches.list()]
+    sdk.files.delete(done.error_file_id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.retrieve(done.error_file_id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.content(done.error_file_id)
+    with pytest.raises(openai.BadRequestError):  # a finished batch cannot be cancelled
+        sdk.batches.cancel(done.id)
+
+
+def test_what_the_batch_api_refuses(sdk, server) -> None:
+    bad = _upload(sdk, [_chat("a", "x"), "not json", _chat("a", "y"), {**_chat("c", "z"), "url": "/v1/completions"},
+                        {**_chat("d", "z"), "body": {"stream": True}}, {"method": "POST"}])
+    failed = sdk.batches.create(input_file_id=bad, endpoint="/v1/chat/completions", completion_window="24h")
+    assert failed.status == "failed" and failed.output_file_id is None
+    assert [(e.line, e.code) for e in failed.errors.data] == [
+        (2, "invalid_json_line"), (3, "duplicate_custom_id"), (4, "mismatched_url"), (5, "invalid_body"),
+        (6, "missing_required_parameter")]
+    good = _upload(sdk, [_chat("a", "x")])
+    for fields, param in (({"endpoint": "/v1/embeddings"}, "endpoint"), ({"completion_window": "1h"},
+                                                                         "completion_window")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.batches.create(**({"input_file_id": good, "endpoint": "/v1/chat/completions",
+                                   "completion_window": "24h"} | fields))
+        assert refused.value.body["param"] == param
+    with pytest.raises(openai.NotFoundError) as unknown:
+        sdk.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+    assert unknown.value.body["param"] == "input_file_id"
+    with pytest.raises(openai.BadRequestError) as purpose:
+        sdk.files.create(file=("x.jsonl", b"{}\n"), purpose="assistants")
+    assert purpose.value.body["param"] == "purpose"
+    with pytest.raises(openai.BadRequestError):
+        sdk.files.create(file=("x.bin", b"\xff\xfe"), purpose="batch")
+    with pytest.raises(openai.NotFoundError):
+        sdk.batches.retrieve("batch_nope")
+
+
+def test_cancel_keeps_what_finished_and_stops_the_rest(sdk, server) -> None:
+    lines = [_chat(f"long-{n}", "def add(a, b):", max_tokens=400) for n in range(24)]
+    batch = sdk.batches.create(input_file_id=_upload(sdk, lines), endpoint="/v1/chat/completions",
+                               completion_window="24h")
+    deadline = time.monotonic() + 60
+    while sdk.batches.retrieve(batch.id).request_counts.completed < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert sdk.batches.cancel(batch.id).status == "cancelling"
+    done = _ended(sdk, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at and done.cancelling_at
+    finished = _lines(sdk, done.output_file_id)
+    assert 1 <= len(finished) == done.request_counts.completed < 24 and done.request_counts.failed == 0
+    assert all(len(line["response"]["body"]["choices"][0]["message"]["content"]) for line in finished.values())
+    deadline = time.monotonic() + 10
+    while server.gateway.loop.active and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.gateway.loop.active == 0 and server.caches_empty()
+
+
+def test_another_gateway_reads_and_cancels_a_batch_and_one_whose_replica_stopped_ends_failed(
+        tiny_models, monkeypatch) -> None:
+    monkeypatch.setattr(batches_module, "HEARTBEAT_S", 0.2)
+    target, draft, _ = tiny_models
+    with EmbeddedRedis() as redis:
+        runner, other = (ServerThread(tiny_backend(target, draft), http_port=0, sessions=open_session_store(redis.url),
+                                      metrics_port=0) for _ in range(2))
+        try:
+            ran, read = openai_sdk(runner), openai_sdk(other)
+            input_id = _upload(read, [_chat(f"r{n}", f"x = {n}") for n in range(3)])  # uploaded to the other
+            batch = ran.batches.create(input_file_id=input_id, endpoint="/v1/chat/completions",
+                                       completion_window="24h")
+            done = _ended(read, batch.id)
+            assert done.status == "completed" and sorted(_lines(read, done.output_file_id)) == ["r0", "r1", "r2"]
+            assert [b.id for b in read.batches.list()] == [batch.id]
+
+            long = ran.batches.create(input_file_id=_upload(ran, [_chat(f"l{n}", "x", 400) for n in range(16)]),
+                                      endpoint="/v1/chat/completions", completion_window="24h")
+            time.sleep(0.5)
+            assert read.batches.cancel(long.id).status == "cancelling"
+            assert _ended(read, long.id, timeout_s=10).status == "cancelled"  # its runner saw it at a heartbeat
+            assert value(scrape(runner.gateway.metrics_url), "tandem_batches_ended_total", status="cancelled") == 1
+
+            orphan = ran.batches.create(input_file_id=_upload(ran, [_chat(f"o{n}", "x", 400) for n in range(16)]),
+                                        endpoint="/v1/chat/completions", completion_window="24h")
+            time.sleep(0.5)
+            runner.stop()  # shut down mid-batch: failed, what finished in its files
+            stopped = read.batches.retrieve(orphan.id)
+            assert stopped.status == "failed" and stopped.errors.data[0].code == "server_shutdown"
+            assert len(_lines(read, stopped.output_file_id)) == stopped.request_counts.completed
+        finally:
+            for gateway in (runner, other):
+                if gateway.thread.is_alive():
+                    gateway.stop()
+
+
+def test_a_batch_whose_replica_died_is_found_failed(tiny_models, monkeypatch) -> None:
+    """A replica whose event loop stops (as one that died) renews no lease: the other gateway reads the batch failed
+    once the lease has run out, instead of in_progress forever."""
+    monkeypatch.setattr(batches_module, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(batches_module, "LEASE_S", 1.5)
+    target, draft, _ = tiny_models
+    with EmbeddedRedis() as redis:
+        runner, other = (ServerThread(tiny_backend(target, draft), http_port=0, sessions=open_session_store(redis.url))
+                         for _ in range(2))
+        try:
+            ran, read = openai_sdk(runner), openai_sdk(other)
+            batch = ran.batches.create(input_file_id=_upload(ran, [_chat(f"d{n}", "x", 400) for n in range(16)]),
+                                       endpoint="/v1/chat/completions", completion_window="24h")
+            time.sleep(0.3)
+            runner.event_loop.call_soon_threadsafe(runner.event_loop.stop)
+            runner.thread.join(10)
+            assert read.batches.retrieve(batch.id).status == "in_progress"  # its lease still runs
+            time.sleep(1.6)
+            lost = read.batches.retrieve(batch.id)
+            assert lost.status == "failed" and lost.errors.data[0].code == "server_error"
+            runner.thread = threading.Thread(target=runner.event_loop.run_forever, daemon=True)
+            runner.thread.start()  # back: its runner's next heartbeat finds the batch failed, and it stops
+            deadline = time.monotonic() + 10
+            while runner.gateway.batches.running and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert runner.gateway.batches.running == 0
+            assert read.batches.retrieve(batch.id).model_dump() == lost.model_dump()  # nothing written over it
+        finally:
+            for gateway in (runner, other):
+                if gateway.thread.is_alive():
+                    gateway.stop()
