@@ -164,7 +164,7 @@ class Gateway:
     async def _start_http(self) -> None:
         from tandem.gateway.openai.app import create_app
         from tandem.gateway.openai.background import BackgroundResponses
-        from tandem.gateway.openai.batches import open_batches
+        from tandem.gateway.openai.batches import batch_ttl, open_batches
         from tandem.gateway.openai.conversations import open_conversation_store
         from tandem.gateway.openai.files import open_file_store
         from tandem.gateway.openai.response_log import open_response_log
@@ -181,7 +181,7 @@ class Gateway:
                 self.metrics.background_end if self.metrics is not None else None)
             if self.metrics is not None:
                 self.metrics.attach_background(lambda: self.background.running)
-        self.files = open_file_store(self.sessions, options.response_ttl_s)
+        self.files = open_file_store(self.sessions, batch_ttl(options.response_ttl_s))
         if self.files is not None:
             self.batches = open_batches(self.sessions, options.response_ttl_s, self.files,
                                         self.metrics.batch_end if self.metrics is not None else None)
@@ -189,6 +189,8 @@ class Gateway:
                 self.metrics.attach_batches(lambda: self.batches.running)
         app = create_app(self.serving, options.limits, self.http_status, options.api_keys, self.stored,
                          self.background, self.conversations, self.files, self.batches)
+        if self.batches is not None:
+            self.batches.start()  # (goes on with batches a stopped replica left)
         tls = {"certfile": options.tls_cert, "keyfile": options.tls_key, "client_ca": options.tls_client_ca} \
             if options.tls else None
         for index, port in enumerate(ports):

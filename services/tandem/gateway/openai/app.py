@@ -25,6 +25,7 @@ from tandem.gateway.auth import ApiKeys
 from tandem.gateway.events import ChoiceDelta, ChoiceEnd
 from tandem.gateway.generation import GenerationsSource
 from tandem.gateway.openai.background import BackgroundResponses
+from tandem.gateway.openai.batch_input import BATCH_TENANT
 from tandem.gateway.openai.batch_routes import add_batch_routes
 from tandem.gateway.openai.batches import Batches
 from tandem.gateway.openai.bodies import read_body
@@ -140,7 +141,13 @@ class Api:
         return self._texts
 
     def tenant(self, request: Request) -> str:
-        """The caller's tenant ("" without API keys); a missing or unknown key is a 401."""
+        """The caller's tenant ("" without API keys); a missing or unknown key is a 401. A batch's request (the
+        scope key only this process sets) runs as its batch's tenant while that tenant has a key."""
+        if (batch_tenant := request.scope.get(BATCH_TENANT)) is not None:
+            if (self.keys is None and batch_tenant == "") or (self.keys is not None and batch_tenant in
+                                                                self.keys.tenants):
+                return batch_tenant
+            raise unauthorized("The API key that created this batch is no longer accepted.")
         if self.keys is None:
             return ""
         if not request.headers.get("authorization"):

@@ -12,6 +12,9 @@ import json
 import uuid
 from dataclasses import dataclass
 
+# The ASGI scope key naming the tenant a batch's request runs as (gateway.openai.batch_run): set in process only, so
+# no client's request carries it, and checked against the API keys of the moment (app.Api.tenant).
+BATCH_TENANT = "tandem.batch_tenant"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_REQUESTS = 50_000  # OpenAI's limit on the requests of one batch
 MAX_ERRORS = 20  # the validation errors a failed batch lists

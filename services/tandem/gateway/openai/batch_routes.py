@@ -53,8 +53,8 @@ def add_batch_routes(app: FastAPI, batches: Batches | None, tenant_of: Callable[
         if body.output_expires_after is not None:
             raise bad_request("output_expires_after: not supported; output files expire --response-ttl seconds "
                               "after they are written", "output_expires_after")
-        return JSONResponse(await runner().create(tenant, request.headers.get("authorization"), body.input_file_id,
-                                                  body.endpoint, check_metadata(body.metadata)))
+        return JSONResponse(await runner().create(tenant, body.input_file_id, body.endpoint,
+                                                  check_metadata(body.metadata)))
 
     @in_openai_shape
     async def listing(request: Request) -> JSONResponse:

@@ -3,8 +3,9 @@
 
 A file is a batch's input (purpose "batch", uploaded) or its output and errors (purpose "batch_output", written by
 gateway.openai.batches): JSON lines of UTF-8 text, up to MAX_FILE_BYTES. Its object and its content are two records of
-the tenant (gateway.openai.records), so listing reads no content; both expire --response-ttl seconds after they were
-written (`expires_at`). Another tenant's file, an expired or deleted one, or an unknown id is the same 404.
+the tenant (gateway.openai.records), so listing reads no content; both expire after --response-ttl seconds plus the
+24-hour window a batch may run (gateway.openai.batches.batch_ttl), from when they were written (`expires_at`).
+Another tenant's file, an expired or deleted one, or an unknown id is the same 404.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def add_file_routes(app: FastAPI, files: FileStore | None, tenant_of: Callable[[
                 raise bad_request(f"purpose: must be one of {', '.join(UPLOAD_PURPOSES)} (this server keeps files "
                                   f"for its Batch API), got {purpose!r}", "purpose")
             if any(key.startswith("expires_after") for key in form):
-                raise bad_request("expires_after: not supported; files expire --response-ttl seconds after upload",
+                raise bad_request("expires_after: not supported; files expire at their expires_at (--response-ttl "
+                                  "past a batch's 24-hour window)",
                                   "expires_after")
             if upload is None or isinstance(upload, str):
                 raise bad_request("file: a file is required (multipart/form-data)", "file")

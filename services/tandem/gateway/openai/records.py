@@ -71,6 +71,14 @@ class TenantRecords:
             await self._reindex(tenant, lambda kept: [other for other in kept if other not in gone])
         return [record for record in records if record is not None]
 
+    async def get_shared(self, name: str) -> dict | None:
+        """A record of this kind that belongs to no tenant (what every replica looks at: the batches running)."""
+        record = await asyncio.to_thread(self._store.get, tenant_key("\0shared", f"{self.kind}-{name}"))
+        return record if isinstance(record, dict) else None
+
+    async def update_shared(self, name: str, change: Callable[[dict | None], dict | None]) -> None:
+        await asyncio.to_thread(self._store.update, tenant_key("\0shared", f"{self.kind}-{name}"), change)
+
     async def _reindex(self, tenant: str, change: Callable[[list[str]], list[str]]) -> None:
         def changed(index: dict | None) -> dict | None:
             ids = change(index["ids"] if isinstance(index, dict) else [])
