@@ -146,10 +146,11 @@ def test_cancel_keeps_what_finished_and_stops_the_rest(sdk, server) -> None:
     assert server.gateway.loop.active == 0 and server.caches_empty()
 
 
-def _two_gateways(tiny_models, redis) -> list[ServerThread]:
+def _two_gateways(tiny_models, redis, **first) -> list[ServerThread]:
+    """Two gateways over one Redis; `first`: the first one's other options."""
     target, draft, _ = tiny_models
     return [ServerThread(tiny_backend(target, draft), http_port=0, sessions=open_session_store(redis.url),
-                         metrics_port=0) for _ in range(2)]
+                         metrics_port=0, **(first if index == 0 else {})) for index in range(2)]
 
 
 def _stop(*gateways: ServerThread) -> None:
@@ -239,3 +240,18 @@ def test_a_batch_whose_replica_died_is_taken_on_and_the_dead_one_writes_nothing_
             assert _answered_once(read, read.batches.retrieve(batch.id), "d")
         finally:
             _stop(runner, other)
+
+
+def test_a_gateway_that_runs_no_batches_leaves_them_to_one_that_does(tiny_models, monkeypatch) -> None:
+    monkeypatch.setattr(batches, "SWEEP_S", 0.3)
+    with EmbeddedRedis() as redis:
+        taker, runner = _two_gateways(tiny_models, redis, batch_concurrency=0)
+        try:
+            took = openai_sdk(taker)
+            batch = _long_batch(took, "t", count=4)
+            assert batch.status == "in_progress" and taker.gateway.batches.running == 0
+            finished = _ended(took, batch.id)
+            assert finished.status == "completed" and _answered_once(took, finished, "t", count=4)
+            assert value(scrape(runner.gateway.metrics_url), "tandem_batches_ended_total", status="completed") == 1
+        finally:
+            _stop(taker, runner)

@@ -6,10 +6,10 @@ in an order alternated per round, 4 rounds: a batch (upload the JSONL file, crea
 download its output file; the gateway runs up to 8 of its requests at once) and a client sending the 8 requests at once
 itself (8 threads). Each: wall seconds, and per prompt the text, compared across the ways. Then the cost of a large
 file: 10,000 one-token requests uploaded (seconds, bytes), the batch created (seconds: the file read and validated),
-and cancelled at once (seconds until cancelled). Last, a restart: a batch of the 8 prompts twice, the server stopped
-(SIGTERM: it drains, then lets the batch go) once 8 are answered, and a second server over the same Redis started:
-the batch's counts when the first stopped, the seconds from the second's readiness to the batch completed, every
-request in the output once, and its texts against the client's.
+and cancelled at once (seconds until cancelled). Last, a restart: a batch of the 8 prompts three times, the server
+stopped (SIGTERM: it drains, then lets the batch go) once 8 are answered, and a second server over the same Redis
+started: the batch's counts when the first stopped, the seconds from the second's readiness to the batch completed,
+the requests the second answered, every request in the output once, and its texts against the client's.
 
     PYTHONPATH=services python docs/bench/batches-v1.py docs/bench/batches-v1.json   # ~12 min on CPU-A
 """
@@ -31,6 +31,7 @@ from tandem.sessions.embedded import free_port
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 MAX_TOKENS = 128
 ROUNDS = 4
+COPIES = 3  # the restart's batch: the prompts this many times
 QUESTIONS = load_prompts()
 ENDED = ("completed", "failed", "expired", "cancelled")
 
@@ -101,9 +102,10 @@ def large_file(client: httpx.Client) -> dict:
 
 
 def restart(client: httpx.Client) -> dict:
-    """A batch of the 8 prompts twice (16 requests) created, and the server stopped (SIGTERM) once 8 are answered."""
+    """A batch of the 8 prompts three times (24 requests) created, and the server stopped (SIGTERM) once 8 are
+    answered: the 8 in flight then finish in its drain, the last 8 are left to the next server."""
     lines = [{"custom_id": f"{copy}-{n}", "method": "POST", "url": "/v1/chat/completions", "body": chat(question)}
-             for copy in range(2) for n, question in enumerate(QUESTIONS)]
+             for copy in range(COPIES) for n, question in enumerate(QUESTIONS)]
     file_id, _ = upload(client, lines)
     created = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
                                                "completion_window": "24h"}).json()
@@ -113,7 +115,7 @@ def restart(client: httpx.Client) -> dict:
 
 
 def resumed(client: httpx.Client, batch_id: str, texts: list[str]) -> dict:
-    began = time.perf_counter()
+    began, began_at = time.perf_counter(), int(time.time())
     kept = client.get(f"/v1/batches/{batch_id}").json()
     batch = wait_ended(client, batch_id, 0.5)
     seconds = time.perf_counter() - began
@@ -121,8 +123,10 @@ def resumed(client: httpx.Client, batch_id: str, texts: list[str]) -> dict:
     ids = sorted(line["custom_id"] for line in output)
     same = sum(line["response"]["body"]["choices"][0]["message"]["content"] == texts[int(line["custom_id"][2:])]
                for line in output)
+    created = [line["response"]["body"]["created"] for line in output]
     return {"status": batch["status"], "kept_at_restart": kept["request_counts"], "final": batch["request_counts"],
-            "every_request_once": ids == sorted(f"{c}-{n}" for c in range(2) for n in range(len(QUESTIONS))),
+            "every_request_once": ids == sorted(f"{c}-{n}" for c in range(COPIES) for n in range(len(QUESTIONS))),
+            "answered_by_the_second_server": sum(stamp >= began_at for stamp in created),
             "seconds_after_second_server_ready": round(seconds, 3),
             "same_text_as_client": f"{same}/{len(output)}"}
 

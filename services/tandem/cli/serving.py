@@ -73,7 +73,11 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--response-ttl", type=float, default=GatewayOptions().response_ttl_s, metavar="SECONDS",
                         help="how long a Responses API response (for GET /v1/responses/{id}, previous_response_id "
                              "and background responses) or a conversation stays stored after its last write (in the "
-                             "session store's Redis, else in memory; 0: store none; default: %(default)s)")
+                             "session store's Redis, else in memory; the Batch API's files and batches: this past "
+                             "their 24-hour window; 0: store none; default: %(default)s)")
+    parser.add_argument("--batch-concurrency", type=int, default=GatewayOptions().batch_concurrency, metavar="N",
+                        help="requests of the Batch API's batches this gateway runs at once, beside its clients' "
+                             "(0: it takes batches and leaves them to gateways that run them; default: %(default)s)")
 
 
 def is_loopback(host: str) -> bool:
@@ -119,7 +123,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
                              http_port_fallback=args.http_port is None,
                              tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                              api_keys=keys, tenant_queue_share=args.tenant_queue_share,
-                             response_ttl_s=args.response_ttl)
+                             response_ttl_s=args.response_ttl, batch_concurrency=args.batch_concurrency)
     if options.tls:
         check_tls_files(options)  # now, before Ray or the models start
     return options

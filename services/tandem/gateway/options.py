@@ -35,8 +35,13 @@ class GatewayOptions:
     tenant_queue_share: float = 0.5
     # How long a stored Responses API response can be read or continued (previous_response_id); 0: none stored.
     response_ttl_s: float = 3600.0
+    # Requests of the Batch API's batches this gateway runs at once (0: it stores batches and leaves them to others).
+    batch_concurrency: int = 8
 
     def __post_init__(self) -> None:
+        if self.batch_concurrency < 0:
+            raise InvalidArgument(f"batch_concurrency: must be >= 0 (0: run no batches here), got "
+                                  f"{self.batch_concurrency}")
         if self.response_ttl_s < 0:
             raise InvalidArgument(f"response_ttl: must be >= 0 seconds (0: store no responses), got "
                                   f"{self.response_ttl_s}")

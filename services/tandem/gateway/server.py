@@ -184,7 +184,8 @@ class Gateway:
         self.files = open_file_store(self.sessions, batch_ttl(options.response_ttl_s))
         if self.files is not None:
             self.batches = open_batches(self.sessions, options.response_ttl_s, self.files,
-                                        self.metrics.batch_end if self.metrics is not None else None)
+                                        self.metrics.batch_end if self.metrics is not None else None,
+                                        options.batch_concurrency)
             if self.metrics is not None:
                 self.metrics.attach_batches(lambda: self.batches.running)
         app = create_app(self.serving, options.limits, self.http_status, options.api_keys, self.stored,

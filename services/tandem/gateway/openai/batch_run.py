@@ -80,7 +80,10 @@ class BatchRun:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.wake.wait(), HEARTBEAT_S)
                     self.wake.clear()
-                    await self.beat()
+                    try:
+                        await self.beat()
+                    except Exception:  # (the store failed this once: what was answered waits for the next beat)
+                        log.exception("batch %s: keeping what was answered failed", self.batch_id)
             except asyncio.CancelledError:
                 self.stop = self.stop or "shutdown"
             finally:
@@ -115,11 +118,18 @@ class BatchRun:
         """Keep what was answered since the last beat and renew the lease (`release`: give it up instead); False,
         and `stop` "lost", when the batch is no longer this run's. Notices a cancel and the window's end."""
         fresh, self.fresh = self.fresh, []
+        try:
+            return await self._keep(fresh, release)
+        except BaseException:
+            self.fresh[:0] = fresh  # (kept by the next beat, in a chunk of another name)
+            raise
+
+    async def _keep(self, fresh: list[Result], release: bool) -> bool:
         chunk = None
         if fresh:
             chunk = chunk_id(self.batch_id, self.run_id, self.chunks_written)
-            await self.records.put(self.tenant, chunk, {"results": fresh})
             self.chunks_written += 1
+            await self.records.put(self.tenant, chunk, {"results": fresh})
         state = {}
 
         def change(record: dict) -> None:

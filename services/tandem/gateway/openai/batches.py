@@ -3,8 +3,9 @@ output file and an error file (gateway.openai.batch_input for the lines, gateway
 
 Each request goes through the gateway's own HTTP API in process, as the tenant that created the batch (a scope key no
 client can send; the tenant's key must still be accepted), so it is validated, admitted, counted and answered exactly
-as the same request sent by a client; a 429 or 503 is sent again after a backoff. A replica runs up to CONCURRENCY
-requests of its batches at once, beside its clients' requests (with no priority below them).
+as the same request sent by a client; a 429 or 503 is sent again after a backoff. A replica runs up to `concurrency`
+requests of its batches at once (--batch-concurrency), beside its clients' requests (with no priority below them);
+one given 0 stores the batches it is sent and leaves them to the replicas that run batches.
 
 A batch is claimed by one replica at a time, under a lease its run renews (gateway.openai.batch_run, which keeps what
 is answered as it goes). A replica that shuts down lets its batches go; one that dies lets its lease run out. Every
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 
 BATCH_PREFIX = "tandem:batch:"
 MAX_IN_MEMORY = 1024
-CONCURRENCY = 8  # requests of this replica's batches in flight at once, all batches together
+CONCURRENCY = 8  # the default of requests of a replica's batches in flight at once, all batches together
 SWEEP_S = 2.0  # how often a replica looks for batches nobody holds
 CLAIMABLE = frozenset({"in_progress", "cancelling", "finalizing"})
 COMPLETION_WINDOW_S = 24 * 3600  # "24h", the one window OpenAI offers
@@ -50,11 +51,14 @@ def not_found(batch_id: str) -> OpenAIError:
 class Batches:
     """The batches of every replica (in `records`), and the runs of those this replica holds."""
 
-    def __init__(self, records: TenantRecords, files: FileStore, ended: Callable[[str], None] | None = None) -> None:
-        """ended: told the status of each batch that ends here (the gateway's metrics)."""
+    def __init__(self, records: TenantRecords, files: FileStore, ended: Callable[[str], None] | None = None,
+                 concurrency: int = CONCURRENCY) -> None:
+        """ended: told the status of each batch that ends here (the gateway's metrics); concurrency: requests of
+        batches this replica runs at once (0: it runs none)."""
         self.records, self.files, self.ended = records, files, ended
+        self.concurrency = concurrency
         self._runs: dict[tuple[str, str], BatchRun] = {}
-        self._slots = asyncio.Semaphore(CONCURRENCY)
+        self._slots = asyncio.Semaphore(max(1, concurrency))
         self._app = None
         self._sweeper: asyncio.Task | None = None
 
@@ -63,8 +67,10 @@ class Batches:
         self._app = app
 
     def start(self) -> None:
-        """Begin looking for batches nobody holds (on the event loop, once the app is bound)."""
-        self._sweeper = asyncio.create_task(self._sweep(), name="batch-sweeper")
+        """Begin looking for batches nobody holds (on the event loop, once the app is bound), unless this replica
+        runs none."""
+        if self.concurrency > 0:
+            self._sweeper = asyncio.create_task(self._sweep(), name="batch-sweeper")
 
     async def create(self, tenant: str, input_file_id: str, endpoint: str, metadata: dict[str, str]) -> dict:
         try:
@@ -87,10 +93,12 @@ class Batches:
             self._ended("failed")
             return batch
         run = self._run_of(tenant, record, requests)
-        record.update(owner=run.run_id, lease_until=time.time() + batch_run.LEASE_S)
+        if self.concurrency > 0:
+            record.update(owner=run.run_id, lease_until=time.time() + batch_run.LEASE_S)
         await self.records.add(tenant, batch["id"], record)
         await self.records.update_shared(RUNNING_INDEX, lambda index: _indexed(index, [tenant, batch["id"]]))
-        self._go(run)
+        if self.concurrency > 0:  # (else it waits, unowned, for a replica that runs batches)
+            self._go(run)
         return batch
 
     def _run_of(self, tenant: str, record: dict, requests: list, run_id: str | None = None) -> BatchRun:
@@ -104,7 +112,7 @@ class Batches:
     def _go(self, run: BatchRun) -> None:
         key = (run.tenant, run.batch_id)
         self._runs[key] = run
-        workers = min(CONCURRENCY, len(run.requests) - len(run.done)) or 1
+        workers = min(self.concurrency, len(run.requests) - len(run.done)) or 1
         run.task = asyncio.create_task(run.go(self._app, self._slots, workers, self._finish),
                                        name=f"batch-{run.batch_id}")
         run.task.add_done_callback(lambda _: self._runs.pop(key, None))
@@ -261,7 +269,7 @@ def batch_ttl(response_ttl_s: float) -> float:
 
 
 def open_batches(sessions: object, response_ttl_s: float, files: FileStore,
-                 ended: Callable[[str], None] | None = None) -> Batches:
+                 ended: Callable[[str], None] | None = None, concurrency: int = CONCURRENCY) -> Batches:
     """Batches beside `sessions` (in its Redis when it is one), their files in `files`."""
     store = store_beside(sessions, batch_ttl(response_ttl_s), BATCH_PREFIX, MAX_IN_MEMORY)
-    return Batches(TenantRecords(store, "batch"), files, ended)
+    return Batches(TenantRecords(store, "batch"), files, ended, concurrency)
