@@ -146,3 +146,20 @@ def _alone_when_marked(request, tmp_path_factory):
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    """A gateway over the tiny pair in this process, gRPC and the HTTP API on free ports, prompts up to 2048 tokens:
+    the one the OpenAI API test modules share (a module that needs another defines its own `server`)."""
+    from gateway_harness import tiny_http_server
+
+    yield from tiny_http_server(tiny_models, max_prompt_tokens=2048)
+
+
+@pytest.fixture(scope="module")
+def sdk(server):
+    """The openai SDK's client of `server` (no retries)."""
+    from gateway_harness import openai_sdk
+
+    return openai_sdk(server)

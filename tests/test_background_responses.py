@@ -15,7 +15,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from gateway_harness import ServerThread, openai_sdk, tiny_backend, tiny_http_server
+from gateway_harness import ServerThread, openai_sdk, tiny_backend
 from tandem.gateway.openai import background
 from tandem.sessions import EmbeddedRedis, open_session_store
 from telemetry_helpers import scrape, value
@@ -25,12 +25,6 @@ EVENTS = TypeAdapter(ResponseStreamEvent)
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 LONG = 3000  # output tokens of a response that is still running when the test cancels it
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_models):
-    yield from tiny_http_server(tiny_models, max_prompt_tokens=2048)
-
 
 
 def _finished(sdk: openai.OpenAI, response_id: str, timeout_s: float = 60) -> Response:

@@ -13,7 +13,7 @@ import time
 import openai
 import pytest
 
-from gateway_harness import ServerThread, openai_sdk, tiny_backend, tiny_http_server
+from gateway_harness import ServerThread, openai_sdk, tiny_backend
 from tandem.gateway.openai import batch_run, batches
 from tandem.sessions import EmbeddedRedis, open_session_store
 from telemetry_helpers import scrape, value
@@ -21,16 +21,6 @@ from telemetry_helpers import scrape, value
 MODEL = "tiny-target"
 GREEDY = {"temperature": 0, "ignore_eos": True}
 ENDED = ("completed", "failed", "expired", "cancelled")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_models):
-    yield from tiny_http_server(tiny_models, max_prompt_tokens=2048)
-
-
-@pytest.fixture(scope="module")
-def sdk(server):
-    return openai_sdk(server)
 
 
 def _chat(custom_id: str, text: str, max_tokens: int = 4, **extra) -> dict:

@@ -13,24 +13,12 @@ import pytest
 from openai.types.conversations import Conversation, ConversationItem
 from pydantic import TypeAdapter
 
-from gateway_harness import ServerThread, openai_sdk, tiny_backend, tiny_http_server, user_message
+from gateway_harness import ServerThread, openai_sdk, tiny_backend, user_message
 from tandem.sessions import EmbeddedRedis, open_session_store
 
 MODEL = "tiny-target"
 ITEMS = TypeAdapter(ConversationItem)
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_models):
-    yield from tiny_http_server(tiny_models, max_prompt_tokens=2048)
-
-
-
-@pytest.fixture(scope="module")
-def sdk(server):
-    return openai_sdk(server)
-
 
 
 def _texts(items) -> list[tuple[str, str]]:

@@ -8,12 +8,11 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from gateway_harness import ServerThread, tiny_backend, tiny_http_server
+from gateway_harness import ServerThread, tiny_backend
 
 MODEL = "tiny-target"
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -28,16 +27,6 @@ CHAT_TOOL = {"type": "function", "function": {key: CITY[key] for key in ("name",
 def _call(call_id: str, city: str) -> dict:
     return {"id": call_id, "type": "function",
             "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_models):
-    yield from tiny_http_server(tiny_models, max_prompt_tokens=2048)
-
-
-@pytest.fixture(scope="module")
-def sdk(server):
-    return openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0)
 
 
 def _post(server, body: dict) -> httpx.Response:

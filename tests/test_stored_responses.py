@@ -14,7 +14,7 @@ import pytest
 from openai.types.responses import Response, ResponseItem
 from pydantic import TypeAdapter
 
-from gateway_harness import ServerThread, openai_sdk, tiny_backend, tiny_http_server, user_message
+from gateway_harness import ServerThread, openai_sdk, tiny_backend, user_message
 from tandem.sessions import EmbeddedRedis, open_session_store
 
 MODEL = "tiny-target"
@@ -23,18 +23,6 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 CITY = {"type": "function", "name": "get_weather", "description": "The weather in a city now", "parameters": {
     "type": "object", "additionalProperties": False, "required": ["city"],
     "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Lima"]}}}}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_models):
-    yield from tiny_http_server(tiny_models, max_prompt_tokens=2048)
-
-
-
-@pytest.fixture(scope="module")
-def sdk(server):
-    return openai_sdk(server)
-
 
 
 def test_a_continued_response_is_the_whole_conversation_sent_at_once(sdk) -> None:
