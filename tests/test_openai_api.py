@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import httpx
@@ -292,6 +293,22 @@ def test_penalties_and_bias_mean_the_same_on_both_apis(server) -> None:
         extra_body={"ignore_eos": True, "repetition_penalty": 1.2, "return_token_ids": True}, **GREEDY)
     assert response.choices[0].model_extra["token_ids"] == ids
     assert _idle(server)
+
+
+def test_usage_of_n_choices_counts_what_was_cached_before_the_request(server) -> None:
+    """n choices of one prompt compute it once and copy it (prefix caching): their usage says the prompt was not
+    cached before the request, whichever choice finished first; a repeat of it then finds it cached."""
+    sdk = _sdk(server)
+    question = "Review this code for bugs and style, then rewrite it: " + " ".join(f"x{n} = {n}" for n in range(30))
+    for _ in range(3):
+        fresh = f"{uuid.uuid4().hex} {question}"
+        first = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": fresh}], n=3,
+                                            max_tokens=4, temperature=0.9, seed=1)
+        assert first.usage.prompt_tokens_details.cached_tokens < 16, first.usage
+        assert _idle(server)
+        again = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": fresh}], n=3,
+                                            max_tokens=4, temperature=0.9, seed=1)
+        assert again.usage.prompt_tokens_details.cached_tokens >= 16
 
 
 def test_usage_counts_the_prompt_tokens_a_cached_prefix_served(server) -> None:

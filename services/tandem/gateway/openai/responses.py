@@ -66,10 +66,13 @@ class Responder:
 
     def usage(self) -> dict:
         ends = [choice.end for choice in self.choices if choice.end is not None]
-        prompts: dict[int, tuple[int, int]] = {}  # each prompt counts once, however many choices it has
+        # Each prompt counts once, however many choices it has; its cached tokens are what it had cached before the
+        # request (the fewest of its choices': one computes the prompt, the others copy it from that one).
+        prompts: dict[int, tuple[int, int]] = {}
         for end in ends:
-            prompts.setdefault(end.index // self.per_prompt,
-                               (end.prompt_tokens, end.stats.get("cached_prompt_tokens", 0)))
+            cached = end.stats.get("cached_prompt_tokens", 0)
+            tokens, fewest = prompts.get(end.index // self.per_prompt, (end.prompt_tokens, cached))
+            prompts[end.index // self.per_prompt] = (tokens, min(fewest, cached))
         prompt = sum(tokens for tokens, _ in prompts.values())
         completion = sum(end.completion_tokens for end in ends)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
