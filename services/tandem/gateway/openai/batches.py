@@ -166,7 +166,11 @@ class Batches:
             try:
                 index = await self.records.get_shared(RUNNING_INDEX)
                 for tenant, batch_id in (index or {}).get("running", []):
-                    if (tenant, batch_id) not in self._runs:
+                    if (tenant, batch_id) in self._runs:
+                        continue
+                    record = await self.records.get(tenant, batch_id)  # (a read: no transaction while it is held)
+                    if record is None or record["batch"]["status"] not in CLAIMABLE \
+                            or record["lease_until"] <= time.time():
                         await self._claim(tenant, batch_id)
             except Exception:  # (a Redis outage: the next sweep tries again)
                 log.exception("looking for batches to go on with failed")
