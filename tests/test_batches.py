@@ -245,3 +245,18 @@ def test_a_gateway_that_runs_no_batches_leaves_them_to_one_that_does(tiny_models
             assert value(scrape(runner.gateway.metrics_url), "tandem_batches_ended_total", status="completed") == 1
         finally:
             _stop(taker, runner)
+
+
+def test_a_tenants_files_are_bounded_in_bytes(tiny_models) -> None:
+    target, draft, _ = tiny_models
+    gateway = ServerThread(tiny_backend(target, draft), http_port=0, file_storage_bytes=1000)
+    try:
+        sdk = openai_sdk(gateway)
+        kept = sdk.files.create(file=("a.jsonl", b"x" * 600), purpose="batch")
+        with pytest.raises(openai.APIStatusError) as full:
+            sdk.files.create(file=("b.jsonl", b"y" * 600), purpose="batch")
+        assert full.value.status_code == 413 and full.value.body["code"] == "file_storage_full"
+        sdk.files.delete(kept.id)
+        assert sdk.files.create(file=("b.jsonl", b"y" * 600), purpose="batch").bytes == 600
+    finally:
+        gateway.stop()

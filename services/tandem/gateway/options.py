@@ -37,8 +37,12 @@ class GatewayOptions:
     response_ttl_s: float = 3600.0
     # Requests of the Batch API's batches this gateway runs at once (0: it stores batches and leaves them to others).
     batch_concurrency: int = 8
+    # What one tenant's uploaded files (the Batch API's) may hold in the shared store, all together.
+    file_storage_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
+        if self.file_storage_bytes < 1:
+            raise InvalidArgument(f"file_storage_bytes: must be positive, got {self.file_storage_bytes}")
         if self.batch_concurrency < 0:
             raise InvalidArgument(f"batch_concurrency: must be >= 0 (0: run no batches here), got "
                                   f"{self.batch_concurrency}")

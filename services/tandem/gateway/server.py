@@ -181,7 +181,7 @@ class Gateway:
                 self.metrics.background_end if self.metrics is not None else None)
             if self.metrics is not None:
                 self.metrics.attach_background(lambda: self.background.running)
-        self.files = open_file_store(self.sessions, batch_ttl(options.response_ttl_s))
+        self.files = open_file_store(self.sessions, batch_ttl(options.response_ttl_s), options.file_storage_bytes)
         if self.files is not None:
             self.batches = open_batches(self.sessions, options.response_ttl_s, self.files,
                                         self.metrics.batch_end if self.metrics is not None else None,

@@ -33,8 +33,17 @@ def not_found(file_id: str) -> OpenAIError:
 
 
 class FileStore:
-    def __init__(self, records: TenantRecords, ttl_s: float) -> None:
-        self.records, self.ttl_s = records, ttl_s
+    def __init__(self, records: TenantRecords, ttl_s: float, tenant_bytes: int) -> None:
+        """tenant_bytes: the most bytes of files one tenant may hold; an upload past it is refused (a batch's
+        output files are written whatever it holds: they are bounded by its input)."""
+        self.records, self.ttl_s, self.tenant_bytes = records, ttl_s, tenant_bytes
+
+    async def check_room(self, tenant: str, size: int) -> None:
+        """A 413 when `size` more bytes would take the tenant past tenant_bytes."""
+        held = sum(file["bytes"] for file in await self.records.all(tenant))
+        if held + size > self.tenant_bytes:
+            raise OpenAIError(413, f"this upload ({size} bytes) would take your files past {self.tenant_bytes} bytes "
+                                   f"(you hold {held}); delete files you no longer need", code="file_storage_full")
 
     async def create(self, tenant: str, filename: str, purpose: str, content: bytes) -> dict:
         created = int(time.time())
@@ -69,11 +78,13 @@ def _content_id(file_id: str) -> str:
     return f"{file_id}/content"
 
 
-def open_file_store(sessions: object, ttl_s: float) -> FileStore | None:
-    """Files beside `sessions` (in its Redis when it is one); None when ttl_s is 0."""
+def open_file_store(sessions: object, ttl_s: float, tenant_bytes: int) -> FileStore | None:
+    """Files beside `sessions` (in its Redis when it is one), up to `tenant_bytes` a tenant (--file-storage-bytes);
+    None when ttl_s is 0."""
     if ttl_s <= 0:
         return None
-    return FileStore(TenantRecords(store_beside(sessions, ttl_s, FILE_PREFIX, MAX_IN_MEMORY), "file"), ttl_s)
+    records = TenantRecords(store_beside(sessions, ttl_s, FILE_PREFIX, MAX_IN_MEMORY), "file")
+    return FileStore(records, ttl_s, tenant_bytes)
 
 
 def add_file_routes(app: FastAPI, files: FileStore | None, tenant_of: Callable[[Request], str]) -> None:
@@ -107,6 +118,7 @@ def add_file_routes(app: FastAPI, files: FileStore | None, tenant_of: Callable[[
             content.decode()
         except UnicodeDecodeError:
             raise bad_request("file: must be UTF-8 text (JSON lines)", "file") from None
+        await store().check_room(tenant, len(content))
         return JSONResponse(await store().create(tenant, filename, purpose, content))
 
     @in_openai_shape
