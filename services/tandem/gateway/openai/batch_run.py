@@ -117,14 +117,16 @@ class BatchRun:
     async def beat(self, release: bool = False) -> bool:
         """Keep what was answered since the last beat and renew the lease (`release`: give it up instead); False,
         and `stop` "lost", when the batch is no longer this run's. Notices a cancel and the window's end."""
-        fresh, self.fresh = self.fresh, []
+        # The counts of just these results: one a worker adds while this beat waits is kept by the next beat, so
+        # counts and done indices always agree (a run going on from them counts no request twice).
+        fresh, self.fresh, counts = self.fresh, [], dict(self.counts)
         try:
-            return await self._keep(fresh, release)
+            return await self._keep(fresh, counts, release)
         except BaseException:
             self.fresh[:0] = fresh  # (kept by the next beat, in a chunk of another name)
             raise
 
-    async def _keep(self, fresh: list[Result], release: bool) -> bool:
+    async def _keep(self, fresh: list[Result], counts: dict, release: bool) -> bool:
         chunk = None
         if fresh:
             chunk = chunk_id(self.batch_id, self.run_id, self.chunks_written)
@@ -139,7 +141,7 @@ class BatchRun:
             if chunk is not None:
                 record["chunks"].append(chunk)
                 record["done"].extend(index for index, _, _ in fresh)
-            record["batch"]["request_counts"] = dict(self.counts)
+            record["batch"]["request_counts"] = counts
             record["lease_until"] = 0.0 if release else time.time() + LEASE_S
             record["owner"] = "" if release else self.run_id
             state["status"] = record["batch"]["status"]
