@@ -58,7 +58,7 @@ def add_batch_routes(app: FastAPI, batches: Batches | None, tenant_of: Callable[
 
     @in_openai_shape
     async def listing(request: Request) -> JSONResponse:
-        found = await runner().listing(tenant_of(request)) if batches is not None else []
+        found = await runner().listing(tenant_of(request))
         return JSONResponse(input_items_page(found, request.query_params))
 
     @in_openai_shape

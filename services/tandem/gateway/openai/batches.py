@@ -143,7 +143,7 @@ class Batches:
         if await self._change(run, status=status, **{f"{status}_at": int(time.time())}, **files) is None:
             return
         for chunk in record["chunks"]:
-            await self.records.delete(tenant, chunk)
+            await self.records.discard(tenant, chunk)
         await self.records.update_shared(RUNNING_INDEX, lambda index: _unindexed(index, [tenant, batch_id]))
         self._ended(status)
 

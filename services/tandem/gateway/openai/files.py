@@ -40,7 +40,7 @@ class FileStore:
 
     async def check_room(self, tenant: str, size: int) -> None:
         """A 413 when `size` more bytes would take the tenant past tenant_bytes."""
-        held = sum(file["bytes"] for file in await self.records.all(tenant))
+        held = sum(file["bytes"] for file in await self.listing(tenant))
         if held + size > self.tenant_bytes:
             raise OpenAIError(413, f"this upload ({size} bytes) would take your files past {self.tenant_bytes} bytes "
                                    f"(you hold {held}); delete files you no longer need", code="file_storage_full")
@@ -68,7 +68,11 @@ class FileStore:
     async def delete(self, tenant: str, file_id: str) -> None:
         if not await self.records.delete(tenant, file_id):
             raise not_found(file_id)
-        await self.records.delete(tenant, _content_id(file_id))
+        await self.records.discard(tenant, _content_id(file_id))
+
+    async def listing(self, tenant: str) -> list[dict]:
+        """The tenant's files, oldest first."""
+        return await self.records.all(tenant)
 
     def close(self) -> None:
         self.records.close()
@@ -124,7 +128,7 @@ def add_file_routes(app: FastAPI, files: FileStore | None, tenant_of: Callable[[
     @in_openai_shape
     async def listing(request: Request) -> JSONResponse:
         tenant = tenant_of(request)
-        found = await store().records.all(tenant) if files is not None else []
+        found = await store().listing(tenant)
         if (purpose := request.query_params.get("purpose")) is not None:
             found = [file for file in found if file["purpose"] == purpose]
         return JSONResponse(input_items_page(found, request.query_params))

@@ -59,6 +59,10 @@ class TenantRecords:
         await self._reindex(tenant, lambda ids: [other for other in ids if other != record_id])
         return True
 
+    async def discard(self, tenant: str, record_id: str) -> None:
+        """Delete a record that is not listed (one `put` stored), without reading it or touching the index."""
+        await asyncio.to_thread(self._store.delete, tenant_key(tenant, record_id))
+
     async def all(self, tenant: str) -> list[dict]:
         """The tenant's listed records, oldest first."""
         def read() -> tuple[list[str], list[dict | None]]:
