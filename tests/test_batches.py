@@ -137,10 +137,17 @@ def test_cancel_keeps_what_finished_and_stops_the_rest(sdk, server) -> None:
 
 
 def _two_gateways(tiny_models, redis, **first) -> list[ServerThread]:
-    """Two gateways over one Redis; `first`: the first one's other options."""
+    """Two gateways over one Redis; `first`: the first one's other options. Each has models of its own, as two
+    replicas do: their engines run forwards at the same time (one model's forward is not safe to run twice at once)."""
+    import torch
+
+    from tandem.models.loader import load_model
+
     target, draft, _ = tiny_models
-    return [ServerThread(tiny_backend(target, draft), http_port=0, sessions=open_session_store(redis.url),
-                         metrics_port=0, **(first if index == 0 else {})) for index in range(2)]
+    own = [load_model(str(model.path), device=torch.device("cpu"), dtype=torch.float32, progress=False)
+           for model in (target, draft)]
+    return [ServerThread(tiny_backend(*pair), http_port=0, sessions=open_session_store(redis.url), metrics_port=0,
+                         **(first if index == 0 else {})) for index, pair in enumerate([(target, draft), own])]
 
 
 def _stop(*gateways: ServerThread) -> None:
