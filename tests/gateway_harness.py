@@ -19,10 +19,11 @@ from tandem.gateway.validate import GatewayLimits
 CALL_TIMEOUT = 60.0
 
 
-def tiny_backend(target, draft=None, kv_tokens: int = 0, **spec) -> Callable[[], Backend]:
+def tiny_backend(target, draft=None, kv_tokens: int = 0, max_batch: int = 16, **spec) -> Callable[[], Backend]:
     """A loader for build_engine on the tiny models (fixed k, no calibration, so runs are repeatable); `kv_tokens`:
     each runner's KV token budget (0: a share of free memory)."""
-    config = EngineConfig(spec=SpecConfig(**({"adaptive": False, "k_init": 4} | spec)), calibrate=False)
+    config = EngineConfig(spec=SpecConfig(**({"adaptive": False, "k_init": 4} | spec)), calibrate=False,
+                          max_batch=max_batch)
 
     def load() -> Backend:
         return Backend(build_engine(target, draft, config, kv_tokens=kv_tokens), target.tokenizer, "tiny-target",

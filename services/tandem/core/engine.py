@@ -5,8 +5,13 @@ k + 1 positions in one forward and accepts a prefix, and stops cut the block; th
 round. The drafter and verifier are protocols, so the same loop drives in-process models and remote workers. A prompt
 that arrives while others decode is prefilled in chunks, one per step, and joins the rounds once the rest of it fits
 in one (EngineConfig.prefill_chunk). When the verifier's KV cache cannot hold the step's sequences (KVCacheFull), the
-newest of them waits in the queue until one finishes: its workers drop its caches, and it is sent its whole history
+last of them waits in the queue until one finishes: its workers drop its caches, and it is sent its whole history
 again when it resumes (same tokens: greedy choices and seeded random numbers depend only on the context).
+
+Which sequences a step runs: the first --max-batch in priority order (lower first; equal ones in arrival order), so
+a request of a lower value takes the place of one of a higher value at the next step, which waits with its caches
+kept; while the verifier is full, a waiting request runs only if it comes before one the verifier holds, and the
+last of the step (the lowest priority, newest) gives its caches up to make room.
 """
 
 from __future__ import annotations
@@ -67,8 +72,9 @@ class SpeculativeEngine:
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                     policy_state: policy.PolicyState | None = None, max_k: int | None = None,
-                    session_id: str = "", cache_scope: str = "") -> str:
-        """`cache_scope`: the requests that may share cached prompt prefixes with this one (a tenant's)."""
+                    session_id: str = "", cache_scope: str = "", priority: int = 0) -> str:
+        """`cache_scope`: the requests that may share cached prompt prefixes with this one (a tenant's); `priority`:
+        lower runs first (module docstring)."""
         if not prompt:
             raise InvalidArgument("prompt: must contain at least one token")
         vocab = self.verifier.vocab_size
@@ -88,7 +94,7 @@ class SpeculativeEngine:
         state = policy_state or policy.PolicyState(k=self.config.spec.k_init)
         stop = StopChecker(params, self.eos_token_ids, self.decode)
         self.sequences[request_id] = Sequence(request_id, list(prompt), params, stop, state, max_k=max_k,
-                                              session_id=session_id, cache_scope=cache_scope,
+                                              session_id=session_id, cache_scope=cache_scope, priority=priority,
                                               logprobs=None if params.logprobs is None else [])
         return request_id
 
@@ -102,9 +108,9 @@ class SpeculativeEngine:
         return bool(self.sequences)
 
     def step(self) -> list[StepOutput]:
-        waiting = list(self.sequences.values())
+        waiting = sorted(self.sequences.values(), key=_priority)  # stable: equal priorities in arrival order
         if self._kv_full:
-            waiting = [seq for seq in waiting if seq.admitted] or waiting[:1]
+            waiting = _while_full(waiting)
         batch = waiting[: self.config.max_batch]
         while True:
             limits = self._prefill_limits(batch)
@@ -114,25 +120,32 @@ class SpeculativeEngine:
                 outputs = self._round(batch, plan, limits)
                 break
             except KVCacheFull as full:
-                batch = self._defer_newest(batch, full)
+                batch = self._make_room(batch, waiting, full)
         # A sequence whose prefill is still going on was only prefilling a chunk: it has nothing to report yet.
         return [out for out in outputs if out is not None]
 
-    def _defer_newest(self, batch: list[Sequence], full: KVCacheFull) -> list[Sequence]:
-        """Take the newest sequence out of this step and back to waiting: its workers drop its caches (a session's
-        stay retained, so resuming may reuse them) and it is resent from scratch. A sequence alone that does not fit
-        never will: KVBudgetExceeded names it (the caller fails that request, not the others)."""
+    def _make_room(self, batch: list[Sequence], waiting: list[Sequence], full: KVCacheFull) -> list[Sequence]:
+        """Free the caches of the last sequence the verifier holds (the lowest priority, newest): one the step left
+        out (a higher priority took its place), else the step's own last, which goes back to waiting. Its workers
+        drop its caches (a session's stay retained, so resuming may reuse them) and it is resent from scratch. A
+        sequence alone that does not fit, nothing else held, never will: KVBudgetExceeded names it (the caller fails
+        that request, not the others)."""
+        self._kv_full = True
+        if left_out := [seq for seq in waiting[len(batch):] if seq.admitted]:
+            self._drop_caches(left_out[-1])
+            return batch
         if len(batch) == 1:
             raise KVBudgetExceeded(batch[0].request_id, full.needed, full.capacity) from full
-        newest = batch[-1]
-        self._kv_full = True
-        retain = bool(newest.session_id)
-        self.verifier.release(newest.request_id, retain)
-        if self.drafter is not None:
-            self.drafter.release(newest.request_id, retain)
-        newest.verify_synced = newest.draft_synced = 0
-        newest.prefill_started = False
+        self._drop_caches(batch[-1])
         return batch[:-1]
+
+    def _drop_caches(self, seq: Sequence) -> None:
+        retain = bool(seq.session_id)
+        self.verifier.release(seq.request_id, retain)
+        if self.drafter is not None:
+            self.drafter.release(seq.request_id, retain)
+        seq.verify_synced = seq.draft_synced = 0
+        seq.prefill_started = False
 
     def _prefill_limits(self, batch: list[Sequence]) -> list[int]:
         """Per sequence, the most uncached tokens its verifier may prefill this step (0: all). Only while another
@@ -325,6 +338,20 @@ class SpeculativeEngine:
                                   f"times (needs {full.needed}); {remedy}") from full
         self.costs.adopt(measured)
         return self.costs
+
+
+def _priority(seq: Sequence) -> int:
+    return seq.priority
+
+
+def _while_full(waiting: list[Sequence]) -> list[Sequence]:
+    """The sequences a full verifier may run: those it holds, and those waiting before the last of them by priority
+    (the step makes room for them by deferring its last); none held: the first waiting alone."""
+    held = [seq.priority for seq in waiting if seq.admitted]
+    if not held:
+        return waiting[:1]
+    last = max(held)
+    return [seq for seq in waiting if seq.admitted or seq.priority < last]
 
 
 def _retry_lost(call, forget):

@@ -28,6 +28,7 @@ class Sequence:
     max_k: int | None = None  # per-request cap on drafted tokens per round; 0 is plain decoding
     session_id: str = ""  # workers keep a finished sequence's cache for the session's next request
     cache_scope: str = ""  # whose sequences' cached prefixes this one may start from (a tenant)
+    priority: int = 0  # lower runs first (the engine's step order); equal ones in arrival order
     prefill_started: bool = False  # the verifier holds part of the prompt uncached (a chunked prefill goes on)
     logprobs: list[TokenLogprob] | None = None  # aligned with output when the request asked (params.logprobs)
     prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens after the first, once scored

@@ -43,6 +43,7 @@ from tandem.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+BACKGROUND_PRIORITY = 2**31  # added to background work's priorities (the Batch API's): behind any a client can send
 SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i > 0 of a seeded request samples with a seed derived from the client's
 
 
@@ -123,14 +124,15 @@ class Generations:
             raise InvalidArgument("input: set one of prompt or chat")
         return await asyncio.to_thread(encode_prompt, prompt, backend.tokenizer, self.limits)
 
-    async def stream(self, request: pb.GenerateRequest, metadata: Sequence = (),
-                     tenant: str = "") -> AsyncIterator[Event]:
+    async def stream(self, request: pb.GenerateRequest, metadata: Sequence = (), tenant: str = "",
+                     background: bool = False) -> AsyncIterator[Event]:
         """Every choice's events, interleaved as they come; a choice's ChoiceEnd is its last event. `tenant`: the
-        authenticated caller's (the transport's to say; "" without API keys), which namespaces its ids."""
+        authenticated caller's (the transport's to say; "" without API keys), which namespaces its ids;
+        `background`: the request runs behind every client's request (BACKGROUND_PRIORITY)."""
         _, loop = self._serving()
         cap = self.tenant_cap(tenant, loop.max_requests)
         if cap is None:
-            async for event in self._stream(request, metadata, tenant):
+            async for event in self._stream(request, metadata, tenant, background):
                 yield event
             return
         active = self._tenant_active.get(tenant, 0)
@@ -139,7 +141,7 @@ class Generations:
                              "retry later")
         self._tenant_active[tenant] = active + 1
         try:
-            async for event in self._stream(request, metadata, tenant):
+            async for event in self._stream(request, metadata, tenant, background):
                 yield event
         finally:
             if (left := self._tenant_active[tenant] - 1) > 0:
@@ -159,7 +161,8 @@ class Generations:
             cap = share if cap is None else min(cap, share)
         return cap
 
-    async def _stream(self, request: pb.GenerateRequest, metadata: Sequence, tenant: str) -> AsyncIterator[Event]:
+    async def _stream(self, request: pb.GenerateRequest, metadata: Sequence, tenant: str,
+                      background: bool) -> AsyncIterator[Event]:
         backend, loop = self._serving()
         observed = RequestObserver(self.metrics, request, metadata, backend.target_name)
         try:
@@ -169,7 +172,8 @@ class Generations:
             raise
         client_id = prepared.request_id  # what the client sees back; the engine sees the scoped one
         prepared = replace(prepared, request_id=scoped_id(tenant, prepared.request_id),
-                           session_id=scoped_id(tenant, prepared.session_id))
+                           session_id=scoped_id(tenant, prepared.session_id),
+                           priority=prepared.priority + (BACKGROUND_PRIORITY if background else 0))
         choices = [choice_request(prepared, index) for index in range(prepared.n)]
         if len(choices) == 1:
             async for event in self._choice(0, choices[0], client_id, observed, backend, loop, tenant):
@@ -198,7 +202,7 @@ class Generations:
             try:
                 handle = await loop.submit(prepared.prompt_ids, prepared.params, prepared.request_id,
                                            prepared.session_id, prepared.max_k, trace=observed.span,
-                                           cache_scope=tenant)
+                                           cache_scope=tenant, priority=prepared.priority)
             except FAILURES as exc:
                 observed.failed(error_code(exc), str(exc))
                 raise

@@ -42,6 +42,7 @@ class _Add:
     max_k: int | None
     affinity: dict
     cache_scope: str = ""
+    priority: int = 0
 
 
 class EngineLoop:
@@ -118,8 +119,10 @@ class EngineLoop:
         return (started := self._step_started) is not None and time.monotonic() - started > self.stall_timeout
 
     async def submit(self, prompt: list[int], params: SamplingParams, request_id: str, session_id: str = "",
-                     max_k: int | None = None, trace: object | None = None, cache_scope: str = "") -> RequestHandle:
-        """`cache_scope`: the requests that may share cached prompt prefixes with this one (its tenant's)."""
+                     max_k: int | None = None, trace: object | None = None, cache_scope: str = "",
+                     priority: int = 0) -> RequestHandle:
+        """`cache_scope`: the requests that may share cached prompt prefixes with this one (its tenant's);
+        `priority`: lower runs first (core.engine)."""
         if self._thread is None or self._closed.is_set() or self.draining:
             raise EngineUnavailable("not accepting requests: the server is draining or stopped")
         if self.stalled:
@@ -142,7 +145,7 @@ class EngineLoop:
                 raise
             if self._active.get(request_id) is not handle:
                 return handle  # detached while the session state loaded
-        self._commands.put(_Add(handle, list(prompt), params, state, max_k, affinity, cache_scope))
+        self._commands.put(_Add(handle, list(prompt), params, state, max_k, affinity, cache_scope, priority))
         return handle
 
     def cancel(self, request_id: str, detach: bool = False) -> bool:
@@ -242,7 +245,8 @@ class EngineLoop:
             if handle.session_id:
                 self.engine.pin_session(handle.session_id, command.affinity)
             self.engine.add_request(command.prompt, command.params, handle.request_id, command.policy, command.max_k,
-                                    session_id=handle.session_id, cache_scope=command.cache_scope)
+                                    session_id=handle.session_id, cache_scope=command.cache_scope,
+                                    priority=command.priority)
         except Exception as exc:
             return [(handle, exc if isinstance(exc, TandemError) else EngineFailed(f"add failed: {exc}"))]
         self._running[handle.request_id] = (self.engine.sequences[handle.request_id], handle)

@@ -61,6 +61,7 @@ class PreparedRequest:
     tool_names: tuple[str, ...] = ()  # a chat's offered tools: calls are read out of the output (gateway.tools)
     call_start: str = ""  # the start of a call the prompt ends with (a required or named tool_choice)
     single_tool_call: bool = False  # the output ends as its first call closes (parallel_tool_calls false)
+    priority: int = 0  # lower runs first (core.engine); a client's are 0 or more, background work's beyond them
 
 
 def _require(ok: bool, message: str) -> None:
@@ -221,6 +222,8 @@ def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model
     _require(1 <= n <= limits.max_choices, f"n: must be between 1 and {limits.max_choices}, got {request.n}")
     params = sampling_params(request, limits, model)
     max_k = speculation_max_k(request.speculation, model)
+    _require(request.priority >= 0, f"priority: must be 0 or more (lower runs first, 0 is the default), got "
+                                    f"{request.priority}")
     ids = prompt_ids(request, tokenizer, limits, model)
     if model.context_window is not None:
         _require(len(ids) + params.max_tokens <= model.context_window,
@@ -248,4 +251,4 @@ def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model
         except InvalidArgument as exc:
             raise InvalidArgument(str(exc).replace("response_format:", f"{field}:", 1)) from None
     return PreparedRequest(request_id, request.session_id, ids, params, max_k, n, tool_names, call_start,
-                           offered and request.chat.single_tool_call)
+                           offered and request.chat.single_tool_call, request.priority)

@@ -157,6 +157,11 @@ class Api:
             raise unauthorized()
         return tenant.name
 
+    @staticmethod
+    def from_batch(request: Request) -> bool:
+        """Whether this is a batch's request (run behind every client's: gateway.generation.BACKGROUND_PRIORITY)."""
+        return request.scope.get(BATCH_TENANT) is not None
+
     def check_ready(self) -> None:
         if (reason := self.status()) is not None:
             raise not_ready(NOT_READY.get(reason, reason))
@@ -244,7 +249,8 @@ class Api:
                               echo=getattr(body, "echo", False), top_logprobs=messages[0].logprobs,
                               prompt_logprobs=body.prompt_logprobs)
         # headers: a W3C trace context
-        streams = [generations.stream(message, list(request.headers.items()), tenant=tenant) for message in messages]
+        streams = [generations.stream(message, list(request.headers.items()), tenant=tenant,
+                                      background=self.from_batch(request)) for message in messages]
         events = streams[0] if len(streams) == 1 else merged(streams, per_prompt)
 
         async def whole() -> dict:

@@ -78,7 +78,8 @@ def _common(body: _Generate, request_id: str, max_tokens: int | None, logprobs: 
                               stop=stop, stop_token_ids=stop_token_ids, speculation=speculation,
                               ignore_eos=body.ignore_eos, n=_choices(body.n),
                               logprobs=_int32("logprobs", logprobs),
-                              prompt_logprobs=_int32("prompt_logprobs", body.prompt_logprobs))
+                              prompt_logprobs=_int32("prompt_logprobs", body.prompt_logprobs),
+                              priority=_int32("priority", body.priority))
 
 
 def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:

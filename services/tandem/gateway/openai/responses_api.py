@@ -135,7 +135,7 @@ class ResponsesApi:
             return response
 
         events = generations.stream(chat_request(turn.chat, response_id), list(request.headers.items()),
-                                    tenant=tenant)
+                                    tenant=tenant, background=self.api.from_batch(request))
         return await deliver(request, events, body.stream, writer.add, whole,
                               lambda first: response_events(events, first, writer, renames, keep))
 
@@ -152,7 +152,7 @@ class ResponsesApi:
         """Start a background response: answered with it queued, or with its events as they come (a client that
         leaves stops reading, not generating)."""
         events = self.api.generations().stream(chat_request(turn.chat, writer.id), list(request.headers.items()),
-                                           tenant=tenant)
+                                               tenant=tenant, background=self.api.from_batch(request))
         queued = await self.background.start(tenant, writer, turn.items, events, renames, finished)
         if not writer.body.stream:
             return JSONResponse(queued)

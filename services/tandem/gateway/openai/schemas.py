@@ -91,6 +91,7 @@ class _Generate(_Body):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     prompt_logprobs: StrictInt | None = None  # vLLM's: the prompt's tokens' logprobs, whole responses only
+    priority: StrictInt | None = None  # vLLM's: lower runs first; here 0 (the default) or more
     # vLLM's fields before structured_outputs replaced them: refused by name, never silently ignored.
     guided_json: Any = None
     guided_regex: Any = None
