@@ -52,7 +52,8 @@ def server(tiny_models):
 def test_build_request_maps_typed_parameters() -> None:
     request = build_request(chat=[{"role": "system", "content": "s"}, ("user", "hi")], max_tokens=7, temperature=0.5,
                             top_p=0.9, top_k=4, seed=3, stop="\n", stop_token_ids=[2], ignore_eos=True,
-                            speculation="off", max_k=2, session_id="s1", request_id="r1", n=3, logprobs=0)
+                            speculation="off", max_k=2, session_id="s1", request_id="r1", n=3, logprobs=0, priority=2)
+    assert request.priority == 2
     assert [(m.role, m.content) for m in request.chat.messages] == [("system", "s"), ("user", "hi")]
     assert (request.sampling.max_tokens, request.sampling.top_k, request.sampling.seed) == (7, 4, 3)
     assert request.sampling.temperature == pytest.approx(0.5) and request.sampling.top_p == pytest.approx(0.9)

@@ -7,7 +7,8 @@ ways, in an order rotated per round: `fcfs` (8 client streams of the default pri
 9th, waits for a place in arrival order), `priority` (the same 8 with `priority` 1) and `batch` (the Batch API, 8
 lines; the gateway runs up to 8 at once, behind every client's request). INTERACTIVE_AFTER_S after the background is
 sent, one interactive request (64 tokens, greedy, streamed) goes in: its first-token seconds, whole seconds and
-tokens/s after the first; then the background's wall seconds. Each round also times the interactive request alone
+tokens/s after the first; then the background's wall seconds (until both it and the interactive request ended) and,
+for client streams, when each background request ended. Each round also times the interactive request alone
 (`idle`), the floor. 3 rounds.
 
     PYTHONPATH=services python docs/bench/priority-v1.py docs/bench/priority-v1.json   # ~12 min on CPU-A
@@ -61,11 +62,14 @@ def interactive(client: httpx.Client) -> dict:
             "tokens_per_s_after_first": round((tokens - 1) / (whole - first), 2)}
 
 
-def client_background(url: str, priority: int) -> threading.Thread:
+def client_background(url: str, priority: int, ends: list[float]) -> threading.Thread:
+    began = time.perf_counter()
+
     def one(question: str) -> None:
         answer = httpx.post(f"{url}/v1/chat/completions", json=chat(question, BACKGROUND_TOKENS, priority=priority),
                             timeout=1800)
         assert answer.status_code == 200, answer.text
+        ends.append(round(time.perf_counter() - began, 2))
 
     threads = [threading.Thread(target=one, args=(question,)) for question in QUESTIONS]
     for thread in threads:
@@ -100,14 +104,16 @@ def batch_background(client: httpx.Client) -> threading.Thread:
 
 def under_background(way: str, url: str, client: httpx.Client) -> dict:
     began = time.perf_counter()
+    ends: list[float] = []  # each background client request's end, seconds from the start
     if way == "batch":
         background = batch_background(client)
     else:
-        background = client_background(url, priority=1 if way == "priority" else 0)
+        background = client_background(url, 1 if way == "priority" else 0, ends)
     time.sleep(INTERACTIVE_AFTER_S)
     row = interactive(client)
+    row["interactive_end_s"] = round(time.perf_counter() - began, 2)
     background.join()
-    return row | {"background_s": round(time.perf_counter() - began, 3)}
+    return row | {"background_s": round(time.perf_counter() - began, 3), "background_ends_s": sorted(ends)}
 
 
 WAYS = ("fcfs", "priority", "batch")

@@ -48,6 +48,7 @@ class GenerateOptions(TypedDict, total=False):
     tool_choice: str
     parallel_tool_calls: bool
     response_format: Mapping[str, Any] | None
+    priority: int
 
 
 def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None,
@@ -61,7 +62,7 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
                   logit_bias: Mapping[int, float] | None = None, tools: Iterable[Mapping[str, Any]] | None = None,
                   tool_choice: str = "", parallel_tool_calls: bool = True,
-                  response_format: Mapping[str, Any] | None = None) -> pb.GenerateRequest:
+                  response_format: Mapping[str, Any] | None = None, priority: int = 0) -> pb.GenerateRequest:
     """A GenerateRequest. Exactly one input: prompt (raw text), chat (the model's chat template is applied: {"role",
     "content"} mappings or (role, content) pairs) or token_ids. None leaves a sampling field unset (the server's
     default: temperature 1, top_p 1, top_k and min_p off, max_tokens 128, no penalties). n: choices for this prompt.
@@ -78,7 +79,8 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
     "schema": {...}}}, or {"type": "text"} for free text) or tandem's {"type": "regex", "regex": "..."} and
     {"type": "grammar", "grammar": "..."} (Lark or GBNF; the whole output matches it): the output is sampled from
     the target's distribution restricted to the format and ends at a whole match, or at max_tokens (finish reason
-    "length"); the server refuses a format it cannot compile (INVALID_ARGUMENT)."""
+    "length"); the server refuses a format it cannot compile (INVALID_ARGUMENT). priority: 0 (the default) or more;
+    the gateway runs lower values first, equal ones in arrival order."""
     if sum(x is not None for x in (prompt, token_ids, chat)) != 1:
         raise InvalidArgument("input: pass exactly one of prompt, token_ids or chat")
     if speculation not in SPECULATION_MODES:
@@ -94,7 +96,7 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
         sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None},
                                    response_format=wire_format(response_format)),
         speculation=pb.SpeculationOptions(mode=SPECULATION_MODES[speculation], max_k=max_k),
-        n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs, priority=priority,
     )
     if prompt is not None:
         request.prompt = prompt

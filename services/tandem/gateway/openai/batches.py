@@ -5,7 +5,8 @@ Each request goes through the gateway's own HTTP API in process, as the tenant t
 client can send; the tenant's key must still be accepted), so it is validated, admitted, counted and answered exactly
 as the same request sent by a client; a 429 or 503 is sent again after a backoff. A replica runs up to `concurrency`
 requests of its batches at once (--batch-concurrency), behind its clients' requests (gateway.generation's
-BACKGROUND_PRIORITY: a client's request takes a batch request's place in the engine's next step); one given 0 stores the batches it is sent and leaves them to the replicas that run batches.
+BACKGROUND_PRIORITY: a client's request takes a batch request's place in the engine's next step); one given 0 stores
+the batches it is sent and leaves them to the replicas that run batches.
 
 A batch is claimed by one replica at a time, under a lease its run renews (gateway.openai.batch_run, which keeps what
 is answered as it goes). A replica that shuts down lets its batches go; one that dies lets its lease run out. Every
