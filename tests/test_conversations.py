@@ -14,7 +14,7 @@ from openai.types.conversations import Conversation, ConversationItem
 from pydantic import TypeAdapter
 
 from gateway_harness import ServerThread, openai_sdk, tiny_backend, user_message
-from tandem.sessions import EmbeddedRedis, open_session_store
+from tandem.sessions import EmbeddedRedis, open_session_store, store
 
 MODEL = "tiny-target"
 ITEMS = TypeAdapter(ConversationItem)
@@ -121,7 +121,7 @@ def test_what_a_conversation_refuses(sdk, server) -> None:
     assert sdk.conversations.items.list(conversation.id).data == []  # a refused response adds nothing
 
 
-def test_another_gateway_reads_and_extends_a_conversation_through_redis(tiny_models) -> None:
+def test_another_gateway_reads_and_extends_a_conversation_through_redis(tiny_models, monkeypatch) -> None:
     target, draft, _ = tiny_models
     with EmbeddedRedis() as redis:
         gateways = [ServerThread(tiny_backend(target, draft), http_port=0, sessions=open_session_store(redis.url))
@@ -140,6 +140,12 @@ def test_another_gateway_reads_and_extends_a_conversation_through_redis(tiny_mod
                               added, [one, other] * 10))
             items = other.conversations.items.list(conversation.id, order="asc", limit=100).data
             assert sorted(item.content[0].text for item in items[3:]) == sorted(added)
+            # A change other writers beat on every try is a 409 (the SDKs retry it), and changes nothing.
+            monkeypatch.setattr(store, "MAX_UPDATE_TRIES", 0)
+            with pytest.raises(openai.ConflictError, match="nothing was changed, retry"):
+                one.conversations.items.create(conversation.id, items=[user_message("lost")])
+            monkeypatch.undo()
+            assert len(one.conversations.items.list(conversation.id, limit=100).data) == len(items)
         finally:
             for gateway in gateways:
                 gateway.stop()
