@@ -1,7 +1,8 @@
 """Request priority: a step runs the first --max-batch sequences by priority (lower first, equal ones in arrival
 order). A request of a lower value takes a later one's place at once, which waits with its caches and goes on with
 the same tokens; on a full verifier the lowest priority gives its caches up instead; through the gateway, a client's
-`priority` orders its requests, and the Batch API's run behind every client's."""
+`priority` orders its requests, and the gateway's own work (the Batch API's requests, canary checks' plain
+decoding) runs behind every client's."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.engine import SpeculativeEngine
 from tandem.core.local import LocalDrafter, LocalVerifier
 from tandem.core.runner import ModelRunner
-from tandem.gateway.generation import BACKGROUND_PRIORITY
+from tandem.gateway.arms import plain_decoder
+from tandem.gateway.validate import BACKGROUND_PRIORITY
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -154,3 +156,23 @@ def test_a_batchs_requests_run_behind_every_clients_request(one_row) -> None:
     while sdk.batches.retrieve(batch.id).status != "completed":
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_a_canary_checks_plain_decoding_waits_behind_a_clients_request(one_row) -> None:
+    url = f"{one_row.gateway.http_url}/v1/chat/completions"
+    client = threading.Thread(target=httpx.post, args=(url,), kwargs={"json": _chat("a long one", 600), "timeout": 60})
+    client.start()
+    assert one_row.wait_for(lambda: any(seq.output for seq in list(one_row.engine.sequences.values())))
+    checked: list[list[int]] = []
+    check = threading.Thread(target=lambda: checked.append(plain_decoder(one_row.gateway.loop,
+                                                                         one_row.event_loop)([5, 6, 7], 8)))
+    check.start()
+
+    def waiting_check() -> list:
+        return [seq for seq in list(one_row.engine.sequences.values()) if seq.request_id.startswith("plain-check-")]
+
+    assert one_row.wait_for(lambda: bool(waiting_check()))
+    assert waiting_check()[0].priority >= BACKGROUND_PRIORITY and not waiting_check()[0].output
+    client.join(60)
+    check.join(60)
+    assert len(checked[0]) == 8

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from tandem.core.config import SamplingParams
 from tandem.gateway.lanes import ServingLoop
+from tandem.gateway.validate import BACKGROUND_PRIORITY
 
 PlainDecoder = Callable[[list[int], int], list[int]]  # (prompt ids, n) -> the first n tokens of plain greedy decoding
 
@@ -64,12 +65,14 @@ def plain_params(max_tokens: int) -> SamplingParams:
 
 def plain_decoder(serving_loop: ServingLoop, event_loop: asyncio.AbstractEventLoop,
                   timeout_s: float = 120.0) -> PlainDecoder:
-    """Plain greedy decoding through a serving loop (a request with max_k=0, no stops, EOS ignored), callable from
-    any thread but the event loop's own (a plug-in's background thread)."""
+    """Plain greedy decoding through a serving loop (a request with max_k=0, no stops, EOS ignored, behind every
+    client's request: a check never takes a client's place), callable from any thread but the event loop's own (a
+    plug-in's background thread)."""
 
     async def run(prompt_ids: list[int], n: int) -> list[int]:
         request_id = f"plain-check-{uuid.uuid4().hex}"
-        handle = await serving_loop.submit(prompt_ids, plain_params(n), request_id, session_id="", max_k=0)
+        handle = await serving_loop.submit(prompt_ids, plain_params(n), request_id, session_id="", max_k=0,
+                                           priority=BACKGROUND_PRIORITY)
         tokens: list[int] = []
         finished = False
         try:

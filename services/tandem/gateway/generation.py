@@ -36,14 +36,20 @@ from tandem.gateway.handles import Finished
 from tandem.gateway.interleave import interleave
 from tandem.gateway.lanes import ServingLoop
 from tandem.gateway.tools import FINISH_TOOL_CALLS, ToolCallParser
-from tandem.gateway.validate import GatewayLimits, PreparedRequest, chat_ids, encode_prompt, prepare
+from tandem.gateway.validate import (
+    BACKGROUND_PRIORITY,
+    GatewayLimits,
+    PreparedRequest,
+    chat_ids,
+    encode_prompt,
+    prepare,
+)
 from tandem.telemetry.gateway import RequestObserver
 from tandem.telemetry.metrics import GatewayMetrics
 from tandem.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-BACKGROUND_PRIORITY = 2**31  # added to background work's priorities (the Batch API's): behind any a client can send
 SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i > 0 of a seeded request samples with a seed derived from the client's
 
 

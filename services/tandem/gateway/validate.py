@@ -50,6 +50,10 @@ class GatewayLimits:
                 raise InvalidArgument(f"{name}: must be at least 1, got {getattr(self, name)}")
 
 
+# Added to the priority of the gateway's own background work (the Batch API's requests, canary checks' plain
+# decoding): it runs behind every request a client can send (int32 priorities, 0 the least).
+BACKGROUND_PRIORITY = 2**31
+
 @dataclass(slots=True, frozen=True)
 class PreparedRequest:
     request_id: str

@@ -159,7 +159,7 @@ class Api:
 
     @staticmethod
     def from_batch(request: Request) -> bool:
-        """Whether this is a batch's request (run behind every client's: gateway.generation.BACKGROUND_PRIORITY)."""
+        """Whether this is a batch's request (run behind every client's: gateway.validate.BACKGROUND_PRIORITY)."""
         return request.scope.get(BATCH_TENANT) is not None
 
     def check_ready(self) -> None:

@@ -4,7 +4,7 @@ output file and an error file (gateway.openai.batch_input for the lines, gateway
 Each request goes through the gateway's own HTTP API in process, as the tenant that created the batch (a scope key no
 client can send; the tenant's key must still be accepted), so it is validated, admitted, counted and answered exactly
 as the same request sent by a client; a 429 or 503 is sent again after a backoff. A replica runs up to `concurrency`
-requests of its batches at once (--batch-concurrency), behind its clients' requests (gateway.generation's
+requests of its batches at once (--batch-concurrency), behind its clients' requests (gateway.validate's
 BACKGROUND_PRIORITY: a client's request takes a batch request's place in the engine's next step); one given 0 stores
 the batches it is sent and leaves them to the replicas that run batches.
 
