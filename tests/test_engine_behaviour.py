@@ -363,3 +363,37 @@ def test_only_rounds_whose_rows_drafted_alike_price_the_padded_forward(tiny_mode
         engine.step()
     assert all(seq.stats.drafted > 0 for seq in seqs[1:])
     assert observed and all(tokens == 1 for tokens, rows in observed if rows > 1)
+
+
+def test_in_process_arms_sharing_the_target_step_at_once_and_each_gets_its_own_tokens(tiny_dirs) -> None:
+    """`serve --in-process` with canary arms loads the target once and runs an engine per arm, each on its own
+    thread: their forwards on the one model object take turns (core.attention.forward_lock), where they once
+    switched its attention implementation under each other (KeyError 'tandem_segments', or rows attended as one)."""
+    import threading
+
+    from tandem.engines.local import build_local_backends
+    from tandem.engines.options import Arm, LocalOptions
+
+    arms = (Arm("baseline", str(tiny_dirs.draft), FIXED_K), Arm("canary", str(tiny_dirs.draft_random), FIXED_K))
+    backends = build_local_backends(str(tiny_dirs.target), arms, LocalOptions(device="cpu", dtype="float32"))
+    engines = [backends[arm.name].engine for arm in arms]
+    assert engines[0].verifier.runner.model is engines[1].verifier.runner.model
+    prompts = [[(i * 31 + j * 7) % 250 + 3 for j in range(5 + 9 * i)] for i in range(6)]  # widths that pack
+    alone = [[r.token_ids for r in engine.generate(prompts, _greedy(40))] for engine in engines]
+    together: dict[tuple[int, int], list[list[int]]] = {}
+    failures: list[BaseException] = []
+
+    def run(arm: int) -> None:
+        try:
+            for repeat in range(4):
+                together[arm, repeat] = [r.token_ids for r in engines[arm].generate(prompts, _greedy(40))]
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(arm,)) for arm in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not failures, failures
+    assert all(together[arm, repeat] == alone[arm] for arm in range(2) for repeat in range(4))

@@ -10,7 +10,10 @@ prepacked decode step. Here the query heads that share a key/value head are stac
 (n_rep rows of booleans, not keys). Each query row still attends over the same keys with the same weights.
 
 The runner switches a model to this implementation only for the duration of its own forwards (`packed`), so the
-model object stays plain sdpa for anything else that calls it.
+model object stays plain sdpa for anything else that calls it. That switch is the model's own (its config's), so
+runners over one model object (in-process canary arms share the target) run their forwards one at a time, under
+the model's `forward_lock`: another runner's forward would otherwise start or end inside it (a KeyError for the
+varlen call's rows, or rows attended as one).
 
 Forwards over rows of different widths (prompts arriving together, drafts of different lengths) can instead feed
 every row's tokens one after another in a single row (`packed(config, varlen=True)`, a kv_cache Step with `packed`;
@@ -40,6 +43,8 @@ likewise attends with core.triton_decode, one Triton kernel over splits of the k
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -140,6 +145,20 @@ def gpu_attention(kernel: str, backends: tuple[SDPBackend, ...] | None = None) -
         yield
     finally:
         BACKENDS[0], FLEX[0], TRITON[0] = saved
+
+
+_FORWARD_LOCKS: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_FORWARD_LOCKS_GUARD = threading.Lock()
+
+
+def forward_lock(model: torch.nn.Module) -> threading.RLock:
+    """The lock every runner over `model` holds while it runs the model (one per model object). Taken outside the
+    compiled forward (dynamo does not trace locks): the runner holds it around its whole model call."""
+    with _FORWARD_LOCKS_GUARD:
+        lock = _FORWARD_LOCKS.get(model)
+        if lock is None:
+            lock = _FORWARD_LOCKS[model] = threading.RLock()
+        return lock
 
 
 @contextmanager

@@ -31,7 +31,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tandem.core import cpu_attention
-from tandem.core.attention import SEGMENTS, packed
+from tandem.core.attention import SEGMENTS, forward_lock, packed
 from tandem.core.config import DEFAULT_RETAIN_TOKENS
 from tandem.core.cuda_graphs import MAX_WIDTH, ROW_BUCKETS, GraphedForward
 from tandem.core.kv_cache import SlotCache, Step, cache_keyword, default_kv_tokens
@@ -113,6 +113,7 @@ class ModelRunner:
         self.cache = SlotCache(text_config.num_hidden_layers, margin=MAX_WIDTH if static else 0)
         self.cache_keyword = cache_keyword(model.base_model)
         self.graphs = GraphedForward(self.cache, self._hidden, compile=compiled, capture=graphed) if static else None
+        self._model_lock = forward_lock(model)  # other runners over this model object wait while it runs (attention)
 
     def state(self, seq_id: str, session: str = "", prompt: list[int] | None = None, scope: str = ""
               ) -> SequenceState:
@@ -315,6 +316,22 @@ class ModelRunner:
         fed = {state.slot: new for state, new in zip(states, news, strict=True)}
         lo, hi = min(fed), max(fed) + 1
         width = max(len(new) for new in news)
+        with self._model_lock:
+            hidden, first = self._run_model(fed, lo, hi, width)
+        for state, new in zip(states, news, strict=True):
+            state.cached += len(new)
+        if not any(wants):
+            return torch.empty(0, self.vocab_size if head else hidden.shape[-1], device=self.device)
+        # Logits only where asked: each row's last `want` real tokens, gathered into one dense batch.
+        picks = [first[state.slot] + col for state, new, want in zip(states, news, wants, strict=True)
+                 for col in range(len(new) - want, len(new))]
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        hidden = hidden.index_select(0, torch.tensor(picks, device=self.device)).unsqueeze(0)
+        return self.head(hidden)[0] if head else hidden[0]
+
+    def _run_model(self, fed: dict[int, list[int]], lo: int, hi: int, width: int) -> tuple[torch.Tensor, dict]:
+        """The model's last hidden states for `fed` (new tokens by slot): a static forward where one applies, else an
+        eager one, padded or packed as the layout says; and where each slot's first new token lies in them."""
         hidden = None
         if self.graphs is not None and self.mask_dtype == torch.bool:
             every_start = [s.cached if s is not None else 0 for s in self.occupants]
@@ -338,16 +355,7 @@ class ModelRunner:
                 hidden = self._hidden(ids.to(self.device), positions.to(self.device), mask, segments)
             finally:
                 self.cache.step = None
-        for state, new in zip(states, news, strict=True):
-            state.cached += len(new)
-        if not any(wants):
-            return torch.empty(0, self.vocab_size if head else hidden.shape[-1], device=self.device)
-        # Logits only where asked: each row's last `want` real tokens, gathered into one dense batch.
-        picks = [first[state.slot] + col for state, new, want in zip(states, news, wants, strict=True)
-                 for col in range(len(new) - want, len(new))]
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        hidden = hidden.index_select(0, torch.tensor(picks, device=self.device)).unsqueeze(0)
-        return self.head(hidden)[0] if head else hidden[0]
+        return hidden, first
 
     def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                 segments: list | None = None) -> torch.Tensor:
