@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import openai
 import pytest
 
 from gateway_harness import ServerThread, openai_sdk, tiny_backend
-from tandem.gateway.openai import batch_run, batches
+from tandem.gateway.openai import batch_run, batches, files
 from tandem.sessions import EmbeddedRedis, open_session_store
 from telemetry_helpers import scrape, value
 
@@ -114,6 +115,35 @@ def test_what_the_batch_api_refuses(sdk, server) -> None:
         sdk.files.create(file=("x.bin", b"\xff\xfe"), purpose="batch")
     with pytest.raises(openai.NotFoundError):
         sdk.batches.retrieve("batch_nope")
+
+
+def test_files_and_a_batchs_output_expire_when_the_client_asks(sdk, monkeypatch) -> None:
+    def after(seconds: int) -> dict:
+        return {"anchor": "created_at", "seconds": seconds}
+
+    kept = sdk.files.create(file=("a.jsonl", b'{"x": 1}\n'), purpose="batch", expires_after=after(7200))
+    assert kept.expires_at == kept.created_at + 7200
+    for seconds, words in ((60, "between 3600 and"), (30 * 24 * 3600, "this server keeps files")):
+        with pytest.raises(openai.BadRequestError, match=words):
+            sdk.files.create(file=("b.jsonl", b'{"x": 1}\n'), purpose="batch", expires_after=after(seconds))
+    file_id = _upload(sdk, [_chat("one", "2 + 2 =")])
+    with pytest.raises(openai.BadRequestError, match=r"output_expires_after\.seconds"):
+        sdk.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
+                           output_expires_after=after(10))
+    batch = sdk.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
+                               output_expires_after=after(3600))
+    output = sdk.files.retrieve(_ended(sdk, batch.id).output_file_id)
+    assert output.expires_at == output.created_at + 3600
+    # Past its expires_at a file is gone: not read, not listed, its content a 404 too.
+    later = time.time() + 7201
+    monkeypatch.setattr(files, "time", SimpleNamespace(time=lambda: later))
+    for gone in (kept.id, output.id):
+        with pytest.raises(openai.NotFoundError):
+            sdk.files.retrieve(gone)
+        with pytest.raises(openai.NotFoundError):
+            sdk.files.content(gone)
+    listed = [file.id for file in sdk.files.list(limit=100)]
+    assert kept.id not in listed and output.id not in listed and file_id in listed
 
 
 def test_cancel_keeps_what_finished_and_stops_the_rest(sdk, server) -> None:

@@ -112,28 +112,44 @@ def _chat(text: str, max_tokens: int, **extra) -> dict:
             "temperature": 0, "ignore_eos": True, **extra}
 
 
-def test_a_clients_priority_orders_its_requests_and_a_negative_one_is_refused(one_row) -> None:
+def test_what_a_clients_priority_and_service_tier_refuse(one_row) -> None:
     url = f"{one_row.gateway.http_url}/v1/chat/completions"
-    refused = httpx.post(url, json=_chat("hi", 4, priority=-1), timeout=30)
-    assert refused.status_code == 400
-    assert refused.json()["error"]["param"] == "priority" and "0 or more" in refused.json()["error"]["message"]
+    for extra, param, words in (({"priority": -1}, "priority", "0 or more"),
+                                ({"service_tier": "fastest"}, "service_tier", "must be one of"),
+                                ({"service_tier": "flex", "priority": 3}, "priority", "cannot combine")):
+        refused = httpx.post(url, json=_chat("hi", 4, **extra), timeout=30)
+        assert refused.status_code == 400, extra
+        assert refused.json()["error"]["param"] == param and words in refused.json()["error"]["message"]
+    for tier, reported in ((None, "default"), ("auto", "default"), ("priority", "default"), ("flex", "flex")):
+        answer = httpx.post(url, json=_chat("hi", 2, **({"service_tier": tier} if tier else {})), timeout=30)
+        assert answer.json()["service_tier"] == reported
+    response = openai_sdk(one_row).responses.create(model="tiny-target", input="hi", max_output_tokens=2,
+                                                    service_tier="flex")
+    assert response.service_tier == "flex"
+
+
+@pytest.mark.parametrize(("behind", "ahead"), [({"priority": 1}, {}),
+                                               ({"service_tier": "flex"}, {"priority": 1000})],
+                         ids=["priority", "flex"])
+def test_a_request_sent_later_goes_first_by_its_priority_or_tier(one_row, behind: dict, ahead: dict) -> None:
+    """One sequence a step: the long request sent first waits while the short one sent after it runs."""
+    url = f"{one_row.gateway.http_url}/v1/chat/completions"
     ended: dict[str, float] = {}
 
     def background() -> None:
-        with httpx.stream("POST", url, json=_chat("a long one", 600, priority=1, stream=True), timeout=60) as response:
+        with httpx.stream("POST", url, json=_chat("a long one", 600, stream=True, **behind), timeout=60) as response:
             for _ in response.iter_lines():
                 pass
-        ended["low"] = time.monotonic()
+        ended["behind"] = time.monotonic()
 
     thread = threading.Thread(target=background)
     thread.start()
-    assert one_row.wait_for(lambda: any(seq.priority == 1 and seq.output for seq in
-                                        list(one_row.engine.sequences.values())))
-    urgent = httpx.post(url, json=_chat("a short one", 8), timeout=30)
-    ended["urgent"] = time.monotonic()
+    assert one_row.wait_for(lambda: any(seq.output for seq in list(one_row.engine.sequences.values())))
+    urgent = httpx.post(url, json=_chat("a short one", 8, **ahead), timeout=30)
+    ended["ahead"] = time.monotonic()
     thread.join(60)
     assert urgent.status_code == 200 and urgent.json()["usage"]["completion_tokens"] == 8
-    assert ended["urgent"] < ended["low"]
+    assert ended["ahead"] < ended["behind"]
 
 
 def test_a_batchs_requests_run_behind_every_clients_request(one_row) -> None:

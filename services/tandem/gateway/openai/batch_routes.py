@@ -17,6 +17,7 @@ from tandem.gateway.openai.batches import Batches
 from tandem.gateway.openai.bodies import read_body
 from tandem.gateway.openai.conversations import check_metadata
 from tandem.gateway.openai.errors import bad_request, in_openai_shape
+from tandem.gateway.openai.files import expires_after
 from tandem.gateway.openai.schemas import _Body
 from tandem.gateway.openai.stored_routes import input_items_page
 
@@ -50,11 +51,9 @@ def add_batch_routes(app: FastAPI, batches: Batches | None, tenant_of: Callable[
         if body.completion_window != "24h":
             raise bad_request(f"completion_window: must be '24h', got {body.completion_window!r}",
                               "completion_window")
-        if body.output_expires_after is not None:
-            raise bad_request("output_expires_after: not supported; output files expire --response-ttl seconds "
-                              "after they are written", "output_expires_after")
+        output_expires_in = expires_after(body.output_expires_after, "output_expires_after", runner().files.ttl_s)
         return JSONResponse(await runner().create(tenant, body.input_file_id, body.endpoint,
-                                                  check_metadata(body.metadata)))
+                                                  check_metadata(body.metadata), output_expires_in))
 
     @in_openai_shape
     async def listing(request: Request) -> JSONResponse:

@@ -73,7 +73,9 @@ class Batches:
         if self.concurrency > 0:
             self._sweeper = asyncio.create_task(self._sweep(), name="batch-sweeper")
 
-    async def create(self, tenant: str, input_file_id: str, endpoint: str, metadata: dict[str, str]) -> dict:
+    async def create(self, tenant: str, input_file_id: str, endpoint: str, metadata: dict[str, str],
+                     output_expires_in: int | None = None) -> dict:
+        """output_expires_in: seconds its output and error files live (output_expires_after; None: as files do)."""
         try:
             content = await self.files.content(tenant, input_file_id)
         except OpenAIError:
@@ -86,7 +88,8 @@ class Batches:
                  "expires_at": now + COMPLETION_WINDOW_S, "finalizing_at": None, "completed_at": None,
                  "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                  "request_counts": {"total": len(requests), "completed": 0, "failed": 0}, "metadata": metadata}
-        record = {"batch": batch, "lease_until": 0.0, "owner": "", "chunks": [], "done": []}
+        record = {"batch": batch, "lease_until": 0.0, "owner": "", "chunks": [], "done": [],
+                  "output_expires_in": output_expires_in}
         if errors:  # refused whole, as OpenAI's validation does
             batch.update(status="failed", in_progress_at=None, failed_at=now, errors={"object": "list", "data": errors},
                          request_counts={"total": 0, "completed": 0, "failed": 0})
@@ -139,7 +142,8 @@ class Batches:
             if lines:
                 content = await asyncio.to_thread(jsonl, lines)
                 files[f"{name}_file_id"] = (await self.files.create(tenant, f"{batch_id}_{name}.jsonl",
-                                                                    "batch_output", content))["id"]
+                                                                    "batch_output", content,
+                                                                    record.get("output_expires_in")))["id"]
         status = ENDED[run.stop]
         if await self._change(run, status=status, **{f"{status}_at": int(time.time())}, **files) is None:
             return

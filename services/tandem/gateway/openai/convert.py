@@ -17,6 +17,26 @@ from tandem.v1 import generation_pb2 as pb
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 SEED_LIMIT = 2**63  # SamplingParams' range; the wire field is uint64
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")  # OpenAI's; only flex runs differently here
+FLEX_PRIORITY = INT32_MAX  # flex processing: the largest priority a client may send (behind any other, or level)
+
+
+def served_tier(body: _Generate) -> str:
+    """The service tier a request runs in, as its response reports it: flex where it asked for flex, else default
+    (tandem has no faster tier to give "priority" or "scale")."""
+    return "flex" if body.service_tier == "flex" else "default"
+
+
+def _priority(body: _Generate) -> int | None:
+    if body.service_tier is not None and body.service_tier not in SERVICE_TIERS:
+        raise bad_request(f"service_tier: must be one of {', '.join(SERVICE_TIERS)}, got {body.service_tier!r}",
+                          "service_tier")
+    if body.service_tier != "flex":
+        return _int32("priority", body.priority)
+    if body.priority is not None:
+        raise bad_request(f"priority: cannot combine with service_tier flex, which runs the request at priority "
+                          f"{FLEX_PRIORITY}", "priority")
+    return FLEX_PRIORITY
 # The developer role is OpenAI's newer name for system instructions; chat templates know only "system".
 ROLE_ALIASES = {"developer": "system"}
 SPECULATION_MODES = {"auto": pb.SpeculationOptions.MODE_AUTO, "off": pb.SpeculationOptions.MODE_OFF}
@@ -79,7 +99,7 @@ def _common(body: _Generate, request_id: str, max_tokens: int | None, logprobs: 
                               ignore_eos=body.ignore_eos, n=_choices(body.n),
                               logprobs=_int32("logprobs", logprobs),
                               prompt_logprobs=_int32("prompt_logprobs", body.prompt_logprobs),
-                              priority=_int32("priority", body.priority))
+                              priority=_priority(body))
 
 
 def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:

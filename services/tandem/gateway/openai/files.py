@@ -4,8 +4,10 @@
 A file is a batch's input (purpose "batch", uploaded) or its output and errors (purpose "batch_output", written by
 gateway.openai.batches): JSON lines of UTF-8 text, up to MAX_FILE_BYTES. Its object and its content are two records of
 the tenant (gateway.openai.records), so listing reads no content; both expire after --response-ttl seconds plus the
-24-hour window a batch may run (gateway.openai.batches.batch_ttl), from when they were written (`expires_at`).
-Another tenant's file, an expired or deleted one, or an unknown id is the same 404.
+24-hour window a batch may run (gateway.openai.batches.batch_ttl), from when they were written (`expires_at`), or
+sooner where the client asked (OpenAI's `expires_after`, a batch's `output_expires_after`): such a file is gone once
+its expires_at has passed, and its records are deleted when next read. Another tenant's file, an expired or deleted
+one, or an unknown id is the same 404.
 """
 
 from __future__ import annotations
@@ -26,6 +28,27 @@ FILE_PREFIX = "tandem:file:"
 MAX_FILE_BYTES = 32 * 1024 * 1024
 MAX_IN_MEMORY = 1024
 UPLOAD_PURPOSES = ("batch",)  # what a client may upload: a batch's input (other purposes serve OpenAI's other APIs)
+EXPIRES_AFTER_S = (3600, 30 * 24 * 3600)  # OpenAI's bounds on expires_after.seconds
+
+
+def expires_after(value: object, field: str, kept_s: float) -> int | None:
+    """The seconds after its creation a file expires, from OpenAI's {"anchor": "created_at", "seconds": N} in
+    `field` (None: unset); a 400 beyond OpenAI's bounds or the `kept_s` seconds this server keeps files."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("anchor") != "created_at":
+        raise bad_request(f"{field}.anchor: must be 'created_at'", f"{field}.anchor")
+    seconds = value.get("seconds")
+    if isinstance(seconds, str) and seconds.isdigit():  # a multipart form's fields are text
+        seconds = int(seconds)
+    low, high = EXPIRES_AFTER_S
+    if not isinstance(seconds, int) or isinstance(seconds, bool) or not low <= seconds <= high:
+        raise bad_request(f"{field}.seconds: must be an integer between {low} and {high}, got {seconds!r}",
+                          f"{field}.seconds")
+    if seconds > kept_s:
+        raise bad_request(f"{field}.seconds: this server keeps files {int(kept_s)} seconds (--response-ttl past a "
+                          f"batch's 24-hour window), so at most that, got {seconds}", f"{field}.seconds")
+    return seconds
 
 
 def not_found(file_id: str) -> OpenAIError:
@@ -45,17 +68,20 @@ class FileStore:
             raise OpenAIError(413, f"this upload ({size} bytes) would take your files past {self.tenant_bytes} bytes "
                                    f"(you hold {held}); delete files you no longer need", code="file_storage_full")
 
-    async def create(self, tenant: str, filename: str, purpose: str, content: bytes) -> dict:
+    async def create(self, tenant: str, filename: str, purpose: str, content: bytes,
+                     expires_in: int | None = None) -> dict:
+        """expires_in: seconds the file lives (expires_after, checked), at most ttl_s; None: ttl_s."""
         created = int(time.time())
+        lives = int(self.ttl_s) if expires_in is None else min(expires_in, int(self.ttl_s))
         file = {"id": f"file-{uuid.uuid4().hex}", "object": "file", "bytes": len(content), "created_at": created,
-                "expires_at": created + int(self.ttl_s), "filename": filename, "purpose": purpose,
+                "expires_at": created + lives, "filename": filename, "purpose": purpose,
                 "status": "processed", "status_details": None}
         await self.records.put(tenant, _content_id(file["id"]), {"text": content.decode()})
         await self.records.add(tenant, file["id"], file)
         return file
 
     async def get(self, tenant: str, file_id: str) -> dict:
-        if (file := await self.records.get(tenant, file_id)) is None:
+        if (file := await self.records.get(tenant, file_id)) is None or await self._expired(tenant, file):
             raise not_found(file_id)
         return file
 
@@ -72,7 +98,15 @@ class FileStore:
 
     async def listing(self, tenant: str) -> list[dict]:
         """The tenant's files, oldest first."""
-        return await self.records.all(tenant)
+        return [file for file in await self.records.all(tenant) if not await self._expired(tenant, file)]
+
+    async def _expired(self, tenant: str, file: dict) -> bool:
+        """Whether `file` is past its expires_at (sooner than its records' TTL: expires_after): its records go."""
+        if file["expires_at"] > time.time():
+            return False
+        await self.records.delete(tenant, file["id"])
+        await self.records.discard(tenant, _content_id(file["id"]))
+        return True
 
     def close(self) -> None:
         self.records.close()
@@ -108,10 +142,9 @@ def add_file_routes(app: FastAPI, files: FileStore | None, tenant_of: Callable[[
             if purpose not in UPLOAD_PURPOSES:
                 raise bad_request(f"purpose: must be one of {', '.join(UPLOAD_PURPOSES)} (this server keeps files "
                                   f"for its Batch API), got {purpose!r}", "purpose")
-            if any(key.startswith("expires_after") for key in form):
-                raise bad_request("expires_after: not supported; files expire at their expires_at (--response-ttl "
-                                  "past a batch's 24-hour window)",
-                                  "expires_after")
+            asked = {key[len("expires_after["):-1]: value for key, value in form.items()
+                     if key.startswith("expires_after[") and key.endswith("]")}
+            expires_in = expires_after(asked or None, "expires_after", store().ttl_s)
             if upload is None or isinstance(upload, str):
                 raise bad_request("file: a file is required (multipart/form-data)", "file")
             content = await upload.read(MAX_FILE_BYTES + 1)
@@ -123,7 +156,7 @@ def add_file_routes(app: FastAPI, files: FileStore | None, tenant_of: Callable[[
         except UnicodeDecodeError:
             raise bad_request("file: must be UTF-8 text (JSON lines)", "file") from None
         await store().check_room(tenant, len(content))
-        return JSONResponse(await store().create(tenant, filename, purpose, content))
+        return JSONResponse(await store().create(tenant, filename, purpose, content, expires_in))
 
     @in_openai_shape
     async def listing(request: Request) -> JSONResponse:

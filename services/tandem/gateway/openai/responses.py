@@ -47,12 +47,14 @@ class Responder:
     def __init__(self, kind: Kind, response_id: str, model: str, texts: TokenTexts, n: int,
                  logprobs: bool = False, include_usage: bool = False, token_ids: bool = False,
                  per_prompt: int | None = None, echo: bool = False, top_logprobs: int = 0,
-                 prompt_logprobs: int | None = None) -> None:
+                 prompt_logprobs: int | None = None, service_tier: str = "default") -> None:
         """n: choices in all; per_prompt: how many of them each prompt has (a batch of prompts), n when None;
         echo: each completion choice begins with its prompt (and its logprobs, with top_logprobs alternatives, when
         they are asked for); prompt_logprobs: vLLM's field of that name, with this many alternatives (whole
-        responses: a completion's choices carry it, a chat's response)."""
+        responses: a completion's choices carry it, a chat's response); service_tier: the tier it ran in, which a
+        chat's chunks and response report."""
         self.kind, self.id, self.model, self.texts = kind, response_id, model, texts
+        self.service_tier = service_tier
         self.echo = echo and kind == "completion"
         self.top_logprobs, self.prompt_logprobs = top_logprobs, prompt_logprobs
         self.per_prompt = per_prompt or n
@@ -82,10 +84,14 @@ class Responder:
 
     def _chunk(self, choices: list[dict]) -> dict:
         chunk = {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
-                 "created": self.created, "model": self.model, "choices": choices}
+                 "created": self.created, "model": self.model, **self._tier(), "choices": choices}
         if self.include_usage:
             chunk["usage"] = None  # OpenAI's shape: null on every chunk but the last
         return chunk
+
+    def _tier(self) -> dict:
+        """OpenAI's chat objects say the service tier a request ran in; its completion objects have no such field."""
+        return {"service_tier": self.service_tier} if self.kind == "chat" else {}
 
     def first_chunks(self) -> list[dict]:
         """Chat streams open each choice with the assistant role, before any text."""
@@ -165,7 +171,8 @@ class Responder:
                            | ({"prompt_logprobs": self._vllm_prompt_logprobs(choice)} if self.kind == "completion"
                               and self.prompt_logprobs is not None else {}))
         response = {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
-                    "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+                    "created": self.created, "model": self.model, **self._tier(), "choices": choices,
+                    "usage": self.usage()}
         if self.kind == "chat" and self.prompt_logprobs is not None:  # vLLM's place for a chat's (one prompt)
             response["prompt_logprobs"] = self._vllm_prompt_logprobs(self.choices[0])
         return response

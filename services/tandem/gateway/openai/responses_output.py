@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from tandem.core.logprobs import TokenLogprob
 from tandem.gateway.events import ChoiceDelta, ChoiceEnd
+from tandem.gateway.openai.convert import served_tier
 from tandem.gateway.openai.errors import OpenAIError, from_exception
 from tandem.gateway.openai.responses import tandem_extra
 from tandem.gateway.openai.schemas import ResponsesRequest
@@ -175,7 +176,8 @@ class ResponseWriter:
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "store": self.store, "temperature": body.temperature,
+            "reasoning": {"effort": None, "summary": None}, "service_tier": served_tier(body), "store": self.store,
+            "temperature": body.temperature,
             "text": {"format": text_format}, "tool_choice": body.tool_choice or "auto", "tools": tools,
             "top_p": body.top_p, "top_logprobs": body.top_logprobs, "truncation": body.truncation or "disabled",
             "user": body.user, "metadata": body.metadata or {}, "usage": None}

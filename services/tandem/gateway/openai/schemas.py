@@ -73,6 +73,7 @@ class _Generate(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    service_tier: str | None = None  # "flex" runs at the largest priority (gateway.openai.convert)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias
