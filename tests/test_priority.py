@@ -20,6 +20,7 @@ from tandem.core.local import LocalDrafter, LocalVerifier
 from tandem.core.runner import ModelRunner
 from tandem.gateway.arms import plain_decoder
 from tandem.gateway.validate import BACKGROUND_PRIORITY
+from telemetry_helpers import scrape, value
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -59,6 +60,7 @@ def test_a_lower_value_takes_a_full_batchs_place_and_the_one_it_displaced_goes_o
     while engine.has_unfinished():
         engine.step()
     assert [engine.result(later).token_ids, engine.result(first).token_ids] == _alone(tiny_models, prompts)
+    assert engine.preemptions == {"priority": 1, "kv": 0}
 
 
 def test_equal_priorities_run_in_arrival_order(tiny_models) -> None:
@@ -89,6 +91,7 @@ def test_on_a_full_verifier_the_lowest_priority_gives_its_caches_up_for_a_lower_
     urgent = engine.sequences[engine.add_request(prompts[2], GREEDY, priority=0)]
     engine.step()
     assert urgent.admitted and not low[1].admitted and low[0].admitted
+    assert engine.preemptions["kv"] == 1
     assert runner.kv_tokens_reserved <= 100
     finished = []
     while engine.has_unfinished():
@@ -102,7 +105,7 @@ def test_on_a_full_verifier_the_lowest_priority_gives_its_caches_up_for_a_lower_
 def one_row(tiny_models):
     """A gateway whose engine steps one sequence at a time, running batches one request at a time."""
     target, draft, _ = tiny_models
-    running = ServerThread(tiny_backend(target, draft, max_batch=1), http_port=0, batch_concurrency=1)
+    running = ServerThread(tiny_backend(target, draft, max_batch=1), http_port=0, batch_concurrency=1, metrics_port=0)
     yield running
     running.stop()
 
@@ -150,6 +153,7 @@ def test_a_request_sent_later_goes_first_by_its_priority_or_tier(one_row, behind
     thread.join(60)
     assert urgent.status_code == 200 and urgent.json()["usage"]["completion_tokens"] == 8
     assert ended["ahead"] < ended["behind"]
+    assert value(scrape(one_row.gateway.metrics_url), "tandem_engine_preemptions_total", kind="priority") >= 1
 
 
 def test_a_batchs_requests_run_behind_every_clients_request(one_row) -> None:

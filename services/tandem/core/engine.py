@@ -63,6 +63,11 @@ class SpeculativeEngine:
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._kv_full = False  # the verifier was full: sequences it does not hold wait until one finishes
+        # Sequences taken out of the steps they ran in: "priority" (left out for a lower value, their caches kept),
+        # "kv" (their caches given up to a full verifier: recomputed when they resume). Fixed keys: read from other
+        # threads (metrics).
+        self.preemptions = {"priority": 0, "kv": 0}
+        self._stepped: set[str] = set()  # the last step's sequences
         if self.drafter is not None and self.config.calibrates:
             self.calibrate()
 
@@ -121,6 +126,10 @@ class SpeculativeEngine:
                 break
             except KVCacheFull as full:
                 batch = self._make_room(batch, waiting, full)
+        stepped = {seq.request_id for seq in batch}
+        self.preemptions["priority"] += sum(seq.admitted for seq in waiting[len(batch):] if seq.request_id in
+                                            self._stepped)
+        self._stepped = stepped
         # A sequence whose prefill is still going on was only prefilling a chunk: it has nothing to report yet.
         return [out for out in outputs if out is not None]
 
@@ -140,6 +149,7 @@ class SpeculativeEngine:
         return batch[:-1]
 
     def _drop_caches(self, seq: Sequence) -> None:
+        self.preemptions["kv"] += seq.admitted
         retain = bool(seq.session_id)
         self.verifier.release(seq.request_id, retain)
         if self.drafter is not None:

@@ -71,6 +71,10 @@ class LanedLoop:
     def sessions_in_fallback(self) -> int:
         return sum(lane.sessions_in_fallback() for lane in self.lanes)
 
+    def preemptions(self) -> dict[str, int]:
+        counts = [lane.preemptions() for lane in self.lanes]
+        return {kind: sum(count[kind] for count in counts) for kind in counts[0]}
+
     async def start(self) -> None:
         for lane in self.lanes:
             await lane.start()

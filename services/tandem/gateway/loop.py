@@ -110,6 +110,11 @@ class EngineLoop:
             self.unavailable = False
         return not self.unavailable
 
+    def preemptions(self) -> dict[str, int]:
+        """Sequences the engine took out of a step it ran them in, by kind (core.engine; read by the metrics scrape
+        thread: the engine keeps fixed keys)."""
+        return dict(self.engine.preemptions)
+
     def sessions_in_fallback(self) -> int:
         """Running requests whose policy is in plain-decoding fallback (read by the metrics scrape thread)."""
         return sum(seq.policy.fallback for seq, _ in list(self._running.values()))

@@ -132,6 +132,10 @@ class GatewayMetrics:
                                       description="Requests admitted but waiting for a batch slot.")
         meter.create_observable_gauge("tandem.gateway.active_requests", _gauge(self._active), unit="{request}",
                                       description="Requests queued or running.")
+        meter.create_observable_counter("tandem.engine.preemptions", _gauge(self._preemptions), unit="{sequence}",
+                                        description="Sequences taken out of a step they ran in, by kind: priority "
+                                        "(a lower priority value took the place; caches kept), kv (caches given up "
+                                        "to a full KV budget; recomputed on resuming).")
         meter.create_observable_gauge("tandem.worker.healthy", _gauge(self._healthy), unit="1",
                                       description="1 while a draft worker / target replica is in service, else 0.")
         meter.create_observable_gauge("tandem.kv_tokens", _gauge(self._kv_tokens), unit="{token}",
@@ -225,6 +229,11 @@ class GatewayMetrics:
     def _queued(self) -> Iterator[tuple[float, dict]]:
         if self._loop is not None:
             yield max(0, self._loop.active - self._loop.batch_capacity), {}
+
+    def _preemptions(self) -> Iterator[tuple[float, dict]]:
+        if self._loop is not None:
+            for kind, count in self._loop.preemptions().items():
+                yield count, {"kind": kind}
 
     def _active(self) -> Iterator[tuple[float, dict]]:
         if self._loop is not None:
