@@ -25,6 +25,7 @@ import httpx
 
 from tandem.bench.local_cluster import serve_process
 from tandem.bench.prompts import load_prompts
+from tandem.bench.sse import streamed
 from tandem.sessions import EmbeddedRedis
 from tandem.sessions.embedded import free_port
 
@@ -42,23 +43,12 @@ def chat(question: str, max_tokens: int, **extra) -> dict:
             "ignore_eos": True, **extra}
 
 
-def interactive(client: httpx.Client) -> dict:
-    began = time.perf_counter()
-    first = None
-    tokens = 0
+def interactive(url: str) -> dict:
     body = chat(INTERACTIVE, INTERACTIVE_TOKENS, stream=True, stream_options={"include_usage": True})
-    with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content") and first is None:
-                first = time.perf_counter() - began
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    whole = time.perf_counter() - began
-    return {"first_token_s": round(first, 3), "whole_s": round(whole, 3), "tokens": tokens,
+    got = streamed(f"{url}/v1/chat/completions", body, lambda choice: choice["delta"].get("content") or "",
+                   first_needs_text=True)
+    first, whole, tokens = got["ttft_s"], got["seconds"], got["completion_tokens"]
+    return {"first_token_s": first, "whole_s": whole, "tokens": tokens,
             "tokens_per_s_after_first": round((tokens - 1) / (whole - first), 2)}
 
 
@@ -110,7 +100,7 @@ def under_background(way: str, url: str, client: httpx.Client) -> dict:
     else:
         background = client_background(url, 1 if way == "priority" else 0, ends)
     time.sleep(INTERACTIVE_AFTER_S)
-    row = interactive(client)
+    row = interactive(url)
     row["interactive_end_s"] = round(time.perf_counter() - began, 2)
     background.join()
     return row | {"background_s": round(time.perf_counter() - began, 3), "background_ends_s": sorted(ends)}
@@ -126,11 +116,11 @@ with tempfile.TemporaryDirectory() as scratch, EmbeddedRedis() as redis:
                        http_port=port):
         url = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=url, timeout=1800) as client:
-            interactive(client)  # warm-up
+            interactive(url)  # warm-up
             under_background("priority", url, client)
             for index in range(ROUNDS):
                 order = WAYS[index:] + WAYS[:index]
-                row = {"order": list(order), "idle": interactive(client)}
+                row = {"order": list(order), "idle": interactive(url)}
                 for way in order:
                     row[way] = under_background(way, url, client)
                 rounds.append(row)

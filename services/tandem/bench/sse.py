@@ -13,7 +13,7 @@ import httpx
 def streamed(url: str, body: dict, text_of: Callable[[dict], str], first_needs_text: bool = False) -> dict:
     """POST `body` to `url` (streamed, usage included by the caller's `stream_options`) and read it whole: time to
     the first choice (with `first_needs_text`, the first whose `text_of` is not empty), seconds, the text, and the
-    prompt tokens and cached prompt tokens its usage reports."""
+    prompt, cached prompt and completion tokens its usage reports."""
     started, first, text, usage = time.perf_counter(), None, [], {}
     with httpx.stream("POST", url, json=body, timeout=1800) as response:
         assert response.status_code == 200, response.read()
@@ -29,4 +29,5 @@ def streamed(url: str, body: dict, text_of: Callable[[dict], str], first_needs_t
                 text.append(piece)
     return {"ttft_s": round(first or 0.0, 3), "seconds": round(time.perf_counter() - started, 3),
             "text": "".join(text), "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "completion_tokens": usage.get("completion_tokens")}
