@@ -10,10 +10,12 @@ import json
 import threading
 import time
 
+import grpc
 import httpx
 import pytest
 
 from gateway_harness import ServerThread, openai_sdk, tiny_backend
+from tandem.client import TandemClient
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.engine import SpeculativeEngine
 from tandem.core.local import LocalDrafter, LocalVerifier
@@ -116,6 +118,12 @@ def _chat(text: str, max_tokens: int, **extra) -> dict:
 
 
 def test_what_a_clients_priority_and_service_tier_refuse(one_row) -> None:
+    with TandemClient(one_row.address, timeout=30) as client, pytest.raises(grpc.RpcError) as refused:
+        client.generate_text("hi", max_tokens=2, priority=-1)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "priority: must be 0 or more" in \
+        refused.value.details()
+    with TandemClient(one_row.address, timeout=30) as client:
+        assert client.generate_text("hi", max_tokens=2, temperature=0, priority=5)  # over gRPC as over HTTP
     url = f"{one_row.gateway.http_url}/v1/chat/completions"
     for extra, param, words in (({"priority": -1}, "priority", "0 or more"),
                                 ({"service_tier": "fastest"}, "service_tier", "must be one of"),
