@@ -204,3 +204,39 @@ def test_a_canary_checks_plain_decoding_waits_behind_a_clients_request(one_row) 
     client.join(60)
     check.join(60)
     assert len(checked[0]) == 8
+
+
+def test_a_keys_priority_puts_its_tenants_requests_behind_other_tenants(tiny_models, tmp_path) -> None:
+    from tandem.errors import InvalidArgument
+    from tandem.gateway.auth import ApiKeys, create_key
+
+    path = tmp_path / "keys.jsonl"
+    free, paid = create_key(path, "free", priority=10), create_key(path, "paid")
+    assert ApiKeys.load(path).tenants["free"].priority == 10 and ApiKeys.load(path).tenants["paid"].priority == 0
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"sha256": "0" * 64, "tenant": "t", "priority": -1}) + "\n")
+    with pytest.raises(InvalidArgument, match="line 1: priority: must be an integer from 0"):
+        ApiKeys.load(tmp_path / "bad.jsonl")
+    target, draft, _ = tiny_models
+    gateway = ServerThread(tiny_backend(target, draft, max_batch=1), http_port=0, api_keys=ApiKeys.load(path))
+    try:
+        url = f"{gateway.gateway.http_url}/v1/chat/completions"
+        ended: dict[str, float] = {}
+
+        def free_tier() -> None:
+            with httpx.stream("POST", url, json=_chat("a long one", 600, stream=True), timeout=60,
+                              headers={"authorization": f"Bearer {free}"}) as response:
+                for _ in response.iter_lines():
+                    pass
+            ended["free"] = time.monotonic()
+
+        thread = threading.Thread(target=free_tier)
+        thread.start()
+        assert gateway.wait_for(lambda: any(seq.priority == 10 and seq.output
+                                            for seq in list(gateway.engine.sequences.values())))
+        answer = httpx.post(url, json=_chat("a short one", 8), headers={"authorization": f"Bearer {paid}"},
+                            timeout=30)
+        ended["paid"] = time.monotonic()
+        thread.join(60)
+        assert answer.status_code == 200 and ended["paid"] < ended["free"]
+    finally:
+        gateway.stop()

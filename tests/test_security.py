@@ -202,14 +202,15 @@ def test_http_needs_a_key(server, pki, keys) -> None:
 
 def test_keys_file_and_cli(tmp_path, capsys) -> None:
     path = tmp_path / "keys.jsonl"
-    assert main(["keys", "create", "--tenant", "team-1", "--file", str(path), "--max-concurrency", "3"]) == 0
+    assert main(["keys", "create", "--tenant", "team-1", "--file", str(path), "--max-concurrency", "3",
+                 "--priority", "7"]) == 0
     key = capsys.readouterr().out.strip()
     assert key.startswith("tk-") and key not in path.read_text()  # only the hash is stored
     assert (path.stat().st_mode & 0o777) == 0o600
     assert json.loads(path.read_text())["tenant"] == "team-1"
     keys = ApiKeys.load(path)
     tenant = keys.from_authorization(f"Bearer {key}")
-    assert tenant is not None and (tenant.name, tenant.max_concurrency) == ("team-1", 3)
+    assert tenant is not None and (tenant.name, tenant.max_concurrency, tenant.priority) == ("team-1", 3, 7)
     assert keys.from_authorization(f"Basic {key}") is None and keys.authenticate(key + "x") is None
     assert main(["keys", "create", "--tenant", "a:b", "--file", str(path)]) == 2  # ':' would blur the namespaces
     path.write_text("{not json\n")

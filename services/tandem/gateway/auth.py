@@ -1,13 +1,14 @@
 """API keys and tenants: who may call the gateway, and whose requests are whose.
 
-The keys file holds one JSON object per line, {"sha256": "<hex of sha256(key)>", "tenant": NAME,
-"max_concurrency": N (optional)}; the keys themselves are never stored (`tandem keys create` prints a new one once).
-A presented key is hashed and the hash looked up in a dict: what the lookup costs does not depend on how much of a
-key matched, so timing tells an attacker nothing about a stored key's text; the found entry's hash is compared once
-more with hmac.compare_digest so the check does not rest on dict equality alone.
+The keys file holds one JSON object per line, {"sha256": "<hex of sha256(key)>", "tenant": NAME, "max_concurrency": N
+(optional), "priority": P (optional)}; the keys themselves are never stored (`tandem keys create` prints a new one
+once). A presented key is hashed and the hash looked up in a dict: what the lookup costs does not depend on how much
+of a key matched, so timing tells an attacker nothing about a stored key's text; the found entry's hash is compared
+once more with hmac.compare_digest so the check does not rest on dict equality alone.
 
-The tenant a key maps to namespaces request and session ids inside the gateway (tandem.gateway.generation), and
-max_concurrency caps that tenant's requests in flight.
+The tenant a key maps to namespaces request and session ids inside the gateway (tandem.gateway.generation),
+max_concurrency caps that tenant's requests in flight, and priority is added to each of its requests' own (a tier:
+a free tier's keys run behind a paid one's).
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ BEARER = "bearer "
 # A tenant name becomes an id prefix ("<tenant>:<id>"): no ":" (which would let one tenant's ids spell another's).
 TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 KEY_BYTES = 32  # secrets.token_urlsafe(32): 43 characters, 256 bits
+MAX_PRIORITY = 2**31 - 1  # a client's priorities are int32s (the gateway's own work runs beyond them)
 
 
 @dataclass(slots=True, frozen=True)
 class Tenant:
     name: str
     max_concurrency: int | None = None  # requests in flight at once; None: no cap beyond the gateway's queue
+    priority: int = 0  # added to each of its requests' priority (lower runs first: core.engine)
 
 
 def key_hash(key: str) -> str:
@@ -78,7 +81,7 @@ class ApiKeys:
 
     @property
     def tenants(self) -> dict[str, Tenant]:
-        """Tenant name -> Tenant (a tenant with several keys: the last entry's cap)."""
+        """Tenant name -> Tenant (a tenant with several keys: the last entry's cap and priority)."""
         return {tenant.name: tenant for _, tenant in self._entries.values()}
 
     def authenticate(self, key: str) -> Tenant | None:
@@ -117,18 +120,25 @@ def _parse_entry(data: object) -> tuple[str, Tenant]:
     cap = data.get("max_concurrency")
     if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
         raise InvalidArgument("max_concurrency: must be a positive integer")
-    return digest, Tenant(name, cap)
+    priority = data.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= MAX_PRIORITY:
+        raise InvalidArgument(f"priority: must be an integer from 0 to {MAX_PRIORITY}")
+    return digest, Tenant(name, cap, priority)
 
 
-def create_key(path: str | os.PathLike, tenant: str, max_concurrency: int | None = None) -> str:
+def create_key(path: str | os.PathLike, tenant: str, max_concurrency: int | None = None, priority: int = 0) -> str:
     """Append a new key's hash for `tenant` to the keys file (created 0600 if missing) and return the key."""
     check_tenant_name(tenant)
     if max_concurrency is not None and max_concurrency < 1:
         raise InvalidArgument(f"max_concurrency: must be at least 1, got {max_concurrency}")
+    if not 0 <= priority <= MAX_PRIORITY:
+        raise InvalidArgument(f"priority: must be from 0 to {MAX_PRIORITY}, got {priority}")
     key = "tk-" + secrets.token_urlsafe(KEY_BYTES)
     entry: dict = {"sha256": key_hash(key), "tenant": tenant}
     if max_concurrency is not None:
         entry["max_concurrency"] = max_concurrency
+    if priority:
+        entry["priority"] = priority
     try:
         # O_APPEND: concurrent creations never overwrite each other's lines; 0600: hashes are not secrets, but the
         # file says which tenants exist.

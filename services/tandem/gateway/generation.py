@@ -21,6 +21,7 @@ from tandem.core.stops import FINISH_ABORT, FINISH_STOP
 from tandem.engines import Backend
 from tandem.errors import BackendUnavailable, InvalidArgument
 from tandem.gateway.arms import ArmOutcome, ArmRoute, ArmRouter
+from tandem.gateway.auth import MAX_PRIORITY
 from tandem.gateway.events import (
     DRAINING,
     FAILURES,
@@ -82,11 +83,13 @@ class Generations:
 
     def __init__(self, backend: Backend, loops: Mapping[str, ServingLoop], limits: GatewayLimits | None = None,
                  metrics: GatewayMetrics | None = None, tenant_limits: Mapping[str, int] | None = None,
-                 tenant_queue_share: float = 1.0, arm_router: ArmRouter | None = None) -> None:
+                 tenant_queue_share: float = 1.0, arm_router: ArmRouter | None = None,
+                 tenant_priorities: Mapping[str, int] | None = None) -> None:
         """backend: the baseline arm's; loops: every arm's, the baseline's first. tenant_limits: tenant -> most
         requests in flight at once (absent: no cap). tenant_queue_share: the most of the queue (max_requests) one
         named tenant may hold, so one client cannot fill it for the rest (1.0: no share cap; requests without a
-        tenant, as without API keys, are one caller and take the whole queue)."""
+        tenant, as without API keys, are one caller and take the whole queue). tenant_priorities: tenant -> what
+        is added to each of its requests' priority (its key's; absent: 0)."""
         if not loops:
             raise InvalidArgument("loops: the generate path needs at least one serving loop")
         self.backend = backend
@@ -97,6 +100,7 @@ class Generations:
         self.metrics = metrics
         self.tenant_limits = dict(tenant_limits or {})
         self.tenant_queue_share = tenant_queue_share
+        self.tenant_priorities = dict(tenant_priorities or {})
         self.arm_router = arm_router
         self._choices: dict[str, list[str]] = {}  # scoped request id -> its choices' engine ids, while n > 1 runs
         self._tenant_active: dict[str, int] = {}  # tenant -> requests in flight, for the tenants with a cap
@@ -177,9 +181,11 @@ class Generations:
             observed.failed(error_code(exc), str(exc))
             raise
         client_id = prepared.request_id  # what the client sees back; the engine sees the scoped one
+        # The tenant's own priority first (its key's, capped at a client's largest), then the gateway's background.
+        priority = min(prepared.priority + self.tenant_priorities.get(tenant, 0), MAX_PRIORITY)
         prepared = replace(prepared, request_id=scoped_id(tenant, prepared.request_id),
                            session_id=scoped_id(tenant, prepared.session_id),
-                           priority=prepared.priority + (BACKGROUND_PRIORITY if background else 0))
+                           priority=priority + (BACKGROUND_PRIORITY if background else 0))
         choices = [choice_request(prepared, index) for index in range(prepared.n)]
         if len(choices) == 1:
             async for event in self._choice(0, choices[0], client_id, observed, backend, loop, tenant):

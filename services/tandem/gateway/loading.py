@@ -59,10 +59,12 @@ async def load_generations(load: Callable[[], Backend | Mapping[str, Backend]], 
             log.exception("loading the engine failed")
         raise
     keys = options.api_keys
-    tenant_limits = {name: tenant.max_concurrency for name, tenant in keys.tenants.items()
-                     if tenant.max_concurrency is not None} if keys is not None else {}
+    tenants = keys.tenants if keys is not None else {}
+    tenant_limits = {name: tenant.max_concurrency for name, tenant in tenants.items()
+                     if tenant.max_concurrency is not None}
+    tenant_priorities = {name: tenant.priority for name, tenant in tenants.items() if tenant.priority}
     return Generations(backends[baseline], loops, options.limits, metrics, tenant_limits,
-                       options.tenant_queue_share if keys is not None else 1.0, router)
+                       options.tenant_queue_share if keys is not None else 1.0, router, tenant_priorities)
 
 
 async def in_own_thread(call: Callable[[], T]) -> T:
