@@ -27,8 +27,8 @@ from tandem.cli.options import DefaultsHelpFormatter, add_prompts_option, flag_n
 
 # Options copied as they are from the command line into RunConfig (the rest are converted).
 CONFIG_ARGS = ("address", "backend", "url", "openai_token_counts", "allow_remote", "requests", "burstiness",
-               "max_concurrency", "seed", "duration", "grace", "timeout", "warmup", "max_k", "prompts", "max_tokens",
-               "temperature", "ignore_eos", "sessions", "connect_timeout", "tls", "ca", "api_key")
+               "max_concurrency", "seed", "duration", "grace", "timeout", "warmup", "max_k", "priority", "prompts",
+               "max_tokens", "temperature", "ignore_eos", "sessions", "connect_timeout", "tls", "ca", "api_key")
 
 
 class UsageError(ValueError):
@@ -67,6 +67,9 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request deadline in seconds")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up requests, excluded from the metrics")
     parser.add_argument("--max-k", type=int, default=None, help="cap on draft tokens per round")
+    parser.add_argument("--priority", type=int, default=0,
+                        help="every request's priority (lower runs first): a second run at a higher value is "
+                             "background load beside this one")
     add_prompts_option(parser, SETS, "mixed")
     parser.add_argument("--lengths", nargs="+", choices=LENGTHS, default=list(LENGTHS),
                         help="the prompt lengths to draw from (a file's rows without a length are always drawn)")

@@ -41,6 +41,7 @@ class RequestSpec:
     ignore_eos: bool
     speculation: str
     max_k: int | None
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -132,7 +133,8 @@ class GrpcBackend(Backend):
         call = self.stub.Generate(build_request(
             **request.prompt.request_input(), request_id=request.request_id, session_id=request.session_id,
             max_tokens=request.max_tokens, temperature=request.temperature, seed=request.seed,
-            ignore_eos=request.ignore_eos, speculation=request.speculation, max_k=request.max_k),
+            ignore_eos=request.ignore_eos, speculation=request.speculation, max_k=request.max_k,
+            priority=request.priority),
             timeout=self.config.timeout, metadata=self.metadata)
         try:
             async for response in call:
@@ -156,7 +158,7 @@ class GrpcBackend(Backend):
 class OpenAIBackend(Backend):
     """POST /v1/completions (code prompts: raw text) or /v1/chat/completions (chat prompts: the server applies the
     chat template), `stream: true` with `stream_options.include_usage`, tandem's extra fields (ignore_eos,
-    speculation, max_k, session_id, request_id) at the top level of the body.
+    speculation, max_k, priority, session_id, request_id) at the top level of the body.
 
     Tokens per SSE chunk: OpenAI's chunks carry text, not token ids, and a speculative round's chunk holds several
     tokens. With `openai_token_counts="token_ids"` (the default) each request sets vLLM's `return_token_ids: true`
@@ -209,6 +211,8 @@ class OpenAIBackend(Backend):
             body["seed"] = request.seed
         if request.max_k is not None:
             body["max_k"] = request.max_k
+        if request.priority:
+            body["priority"] = request.priority
         if counts == "token_ids":
             body["return_token_ids"] = True
         if request.prompt.kind == "chat":

@@ -54,7 +54,8 @@ class Driver:
                            session_id=f"{self.run_id}{tag}-s{session}", max_tokens=config.max_tokens,
                            temperature=config.temperature,
                            seed=config.seed * 1_000_003 + index if config.temperature > 0 else None,
-                           ignore_eos=config.ignore_eos, speculation=config.speculation, max_k=config.max_k)
+                           ignore_eos=config.ignore_eos, speculation=config.speculation, max_k=config.max_k,
+                           priority=config.priority)
 
     async def send(self, backend: Backend, request: RequestSpec, trace: RequestTrace) -> RequestTrace:
         """One streamed request, recorded into trace; never raises except CancelledError."""

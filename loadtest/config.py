@@ -30,6 +30,7 @@ class RunConfig:
     warmup: int = 1  # requests sent (one at a time) before the benchmark starts, excluded from the metrics
     speculation: str = "auto"
     max_k: int | None = None
+    priority: int = 0  # sent with every request: lower runs first (two runs at once: background and interactive)
     prompts: str = "mixed"  # a shipped set (SETS) or the path of a JSONL file (load_prompt_file)
     lengths: tuple[str, ...] = LENGTHS
     max_tokens: int = 128
@@ -80,6 +81,7 @@ class RunConfig:
             ("warmup", self.warmup >= 0, "must not be negative"),
             ("speculation", self.speculation in MODES, f"must be one of {', '.join(MODES)}"),
             ("max_k", self.max_k is None or self.max_k >= 0, "must not be negative"),
+            ("priority", 0 <= self.priority < 2**31, "must be from 0 to 2^31 - 1"),
             ("prompts", self.prompts in SETS or Path(self.prompts).is_file(),
              f"must be one of {', '.join(SETS)} or a JSONL file"),
             ("lengths", bool(self.lengths) and all(x in LENGTHS for x in self.lengths),

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -392,6 +393,30 @@ def test_openai_backend_measures_what_the_grpc_backend_does(server) -> None:
         assert 0 < http_results[key]["p50"] <= http_results[key]["p99"]
     assert http_trace.config["server"]["target_model"] == "tiny-target"
     assert server.wait_for(server.caches_empty)
+
+
+@pytest.mark.parametrize("backend", ["grpc", "openai"])
+def test_every_request_carries_the_runs_priority(server, backend: str) -> None:
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def watch() -> None:  # the engine's view of what arrives, while the run goes on
+        while not done.is_set():
+            seen.update(seq.priority for seq in list(server.engine.sequences.values()))
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        config = (_openai if backend == "openai" else _config)(server, concurrency=2, requests=4, priority=7,
+                                                               max_tokens=24, warmup=0)
+        trace, _ = _run(config)
+    finally:
+        done.set()
+        watcher.join()
+    assert [r.status for r in trace.requests] == [OK] * 4 and seen == {7}
+    with pytest.raises(ValueError, match="priority"):
+        RunConfig(address=server.address, requests=1, priority=-1)
 
 
 def test_openai_backend_counting_chunks_and_the_cli(server, tmp_path) -> None:
