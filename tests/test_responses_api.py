@@ -195,7 +195,7 @@ def test_a_stream_the_client_leaves_is_cancelled(server) -> None:
 
 def test_a_refusal_mid_generation_fails_the_response(tiny_models) -> None:
     """A sequence that outgrows the whole KV budget: a whole response is a 400 with the reason; a stream already
-    under way ends with an error event and response.failed carrying it."""
+    under way ends with an error event and response.failed carrying it, and the failed response is stored."""
     small = ServerThread(tiny_backend(tiny_models[0], None, kv_tokens=96), http_port=0)
     body = {"input": "x" * 60, "max_output_tokens": 80, "ignore_eos": True, "temperature": 0}
     try:
@@ -207,6 +207,9 @@ def test_a_refusal_mid_generation_fails_the_response(tiny_models) -> None:
         failed = events[-1]["response"]
         assert failed["status"] == "failed" and "budget of 96" in failed["error"]["message"]
         assert events[-2]["code"] == "invalid_request_error" and "budget of 96" in events[-2]["message"]
+        kept = httpx.get(f"{small.gateway.http_url}/v1/responses/{failed['id']}", timeout=60)  # stored, as OpenAI's are
+        assert kept.status_code == 200, kept.text
+        assert kept.json()["status"] == "failed" and kept.json()["error"] == failed["error"]
         assert _idle(small)
     finally:
         small.stop()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -25,6 +26,8 @@ from tandem.gateway.openai.responses import tandem_extra
 from tandem.gateway.openai.schemas import ResponsesRequest
 from tandem.gateway.openai.tokens import TokenTexts, chat_logprobs
 from tandem.gateway.tools import ToolCall
+
+log = logging.getLogger(__name__)
 
 FAILED_CODES = {400: "invalid_prompt", 429: "rate_limit_exceeded"}
 
@@ -206,7 +209,8 @@ async def response_events(events: AsyncGenerator, first: ChoiceDelta | ChoiceEnd
                           renames: dict[str, str], keep: Callable[[dict], Awaitable[None]]
                           ) -> AsyncGenerator[bytes, None]:
     """The SSE body of a streamed response; `first`: the generation's first event, read before the headers went;
-    `keep`: given the finished response before its last event goes, so a client that continues it at once finds it."""
+    `keep`: given the finished response before its last event goes, so a client that continues it at once finds it
+    (a failed one too: the id its response.failed event names can be read back, as OpenAI's can)."""
     async with contextlib.aclosing(events):
         for event in writer.opening() + writer.add(first):
             yield sse_event(event)
@@ -215,10 +219,20 @@ async def response_events(events: AsyncGenerator, first: ChoiceDelta | ChoiceEnd
                 for out in writer.add(event):
                     yield sse_event(out)
         except Exception as exc:  # after the headers: the failure travels as events
-            for out in writer.failed(from_exception(exc, renames)):
+            failure = writer.failed(from_exception(exc, renames))
+            await _keep_failed(keep, writer.response())
+            for out in failure:
                 yield sse_event(out)
             return
         closing = writer.closing()
         await keep(writer.response())
         for out in closing:
             yield sse_event(out)
+
+
+async def _keep_failed(keep: Callable[[dict], Awaitable[None]], response: dict) -> None:
+    """Store a failed response; a store that fails too is logged, so the client still gets the events that say why."""
+    try:
+        await keep(response)
+    except Exception:
+        log.exception("response %s: storing the failed response failed", response["id"])
