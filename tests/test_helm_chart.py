@@ -36,8 +36,9 @@ EMBEDDED = "topology=embedded"
 # kubernetes-validate has schemas for core kinds only. These CRD kinds are checked by the assertions below (the
 # RayCluster's pod templates are validated as Pods); any other kind must validate.
 CRD_KINDS = {("ray.io/v1", "RayCluster"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
-             ("monitoring.coreos.com/v1", "PodMonitor"), ("gateway.networking.k8s.io/v1", "GRPCRoute"),
-             ("gateway.networking.k8s.io/v1", "HTTPRoute"), ("cert-manager.io/v1", "Certificate")}
+             ("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule"),
+             ("gateway.networking.k8s.io/v1", "GRPCRoute"), ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+             ("cert-manager.io/v1", "Certificate")}
 K8S_VERSIONS = ("1.27.0", kv.latest_version())  # the chart's kubeVersion floor, and the newest schemas known
 
 
