@@ -1,19 +1,24 @@
-"""The Helm chart's alerting rules (templates/prometheusrule.yaml): rendered only when asked, checked and unit-tested
-by Prometheus's own promtool (each alert fires on the series it is about and stays quiet on healthy ones and on
-another release's), and every metric and label they read is one a real gateway exports."""
+"""The Helm chart's monitoring: its alerting rules (templates/prometheusrule.yaml) and Grafana dashboard
+(files/grafana-dashboard.json), each rendered only when asked. Prometheus' own promtool checks every expression and
+unit-tests the alerts (each fires on the series it is about, stays quiet on healthy ones and on another release's);
+every metric and label either reads is one a real gateway or pool worker exports."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from gateway_harness import ServerThread, tiny_backend
 from tandem.client import TandemClient
+from tandem.core.protocol import KVUsage
+from tandem.telemetry.worker import WorkerMetrics
 from telemetry_helpers import scrape
 from test_helm_chart import CHART, RELEASE, find, helm, one, render
 
@@ -126,25 +131,84 @@ def _read(expr: str) -> tuple[set[str], set[str]]:
     return metrics, labels - SCRAPE_LABELS
 
 
-def test_every_series_the_rules_read_is_one_a_real_gateway_exports(tiny_models) -> None:
+@pytest.fixture(scope="module")
+def exported(tiny_models) -> dict[str, set[str]]:
+    """Sample name -> the label names it carries, from a real gateway (after a request and a failed one, so the
+    error_type label exists) and a pool worker's own endpoint (after a call)."""
     target, draft, _ = tiny_models
-    server = ServerThread(tiny_backend(target, draft), metrics_port=0)
+    server = ServerThread(tiny_backend(target, draft), http_port=0, metrics_port=0)  # HTTP: background, batches
     try:
         with TandemClient(server.address, timeout=60) as client:
             client.generate_text(token_ids=[5, 17, 99], max_tokens=8, temperature=0.0)
             with pytest.raises(Exception, match="temperature"):
-                client.generate_text(token_ids=[1], temperature=-1.0)  # a failed request: its error_type label
+                client.generate_text(token_ids=[1], temperature=-1.0)
         assert server.wait_for(lambda: server.gateway.loop.active == 0)
-        families = scrape(server.gateway.metrics_url)
+        families = [scrape(server.gateway.metrics_url)]
     finally:
         server.stop()
-    exported: dict[str, set[str]] = {}
-    for family in families.values():
-        for name, labels, _ in family:
-            exported.setdefault(name, set()).update(labels)
+    worker = WorkerMetrics("draft", "draft-0", "127.0.0.1", 0, lambda: KVUsage(8, 64, 256, 0))
+    try:
+        worker.record("propose", [SimpleNamespace(append=[1, 2])], 0.01, lost=False)
+        families.append(scrape(worker.endpoint.url))
+    finally:
+        worker.endpoint.close()
+    names: dict[str, set[str]] = {}
+    for scraped in families:
+        for family in scraped.values():
+            for name, labels, _ in family:
+                names.setdefault(name, set()).update(labels)
+    return names
+
+
+def _check_exported(exported: dict[str, set[str]], where: str, expr: str) -> None:
+    metrics, labels = _read(expr)
+    assert metrics, where
+    for metric in metrics:
+        assert metric in exported, (where, metric)
+    assert labels <= set().union(*(exported[m] for m in metrics)), (where, labels)
+
+
+def test_every_series_the_rules_read_is_one_a_real_gateway_exports(exported) -> None:
     for name, alert in rules().items():
-        metrics, labels = _read(alert["expr"])
-        assert metrics, name
-        for metric in metrics:
-            assert metric in exported, (name, metric)
-        assert labels <= set().union(*(exported[m] for m in metrics)), (name, labels)
+        _check_exported(exported, name, alert["expr"])
+
+
+RATE_INTERVAL, PICKED_NAMESPACE = "5m", NAMESPACE  # what Grafana puts for $__rate_interval and $namespace
+
+
+def dashboard() -> dict:
+    config = one(render(None, "metrics.grafanaDashboard.enabled=true"), "ConfigMap", f"{RELEASE}-tandem-dashboard")
+    assert config["metadata"]["labels"]["grafana_dashboard"] == "1"
+    return json.loads(config["data"]["tandem.json"])
+
+
+def _queries(board: dict) -> list[tuple[str, str]]:
+    """(panel title, expression with Grafana's variables filled in) for every query of the dashboard."""
+    queries = [(panel["title"], target["expr"]) for panel in board["panels"] for target in panel["targets"]]
+    queries += [(f"${v['name']}", re.sub(r"label_values\((\w+), *(\w+)\)", r"group by (\2) (\1{})", v["definition"]))
+                for v in board["templating"]["list"] if v["type"] == "query"]
+    return [(title, expr.replace("$__rate_interval", RATE_INTERVAL).replace("$namespace", PICKED_NAMESPACE))
+            for title, expr in queries]
+
+
+def test_the_dashboard_renders_when_asked_and_every_query_parses(promtool, tmp_path: Path) -> None:
+    assert not find(render(), "ConfigMap", f"{RELEASE}-tandem-dashboard")
+    board = dashboard()
+    assert board["uid"] and len({panel["id"] for panel in board["panels"]}) == len(board["panels"])
+    for panel in board["panels"]:
+        assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
+    # promtool parses PromQL only in rule files: each query as a recording rule.
+    records = [{"record": f"tandem:dashboard_query_{i}", "expr": expr} for i, (_, expr) in enumerate(_queries(board))]
+    (tmp_path / "queries.yaml").write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": records}]}))
+    checked = subprocess.run([promtool, "check", "rules", str(tmp_path / "queries.yaml")], capture_output=True,
+                             text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    annotated = one(render(None, "metrics.grafanaDashboard.enabled=true",
+                           "metrics.grafanaDashboard.annotations.grafana_folder=LLM"), "ConfigMap",
+                    f"{RELEASE}-tandem-dashboard")
+    assert annotated["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+
+
+def test_every_series_the_dashboard_reads_is_one_tandem_exports(exported) -> None:
+    for title, expr in _queries(dashboard()):
+        _check_exported(exported, title, expr)
