@@ -27,9 +27,13 @@ NAMESPACE, JOB = "default", f"{RELEASE}-tandem-metrics"  # helm template's names
 SCRAPE_LABELS = {"namespace", "job", "pod", "le"}  # added by Prometheus or the histogram, not by tandem
 
 
-def rules(*sets: str) -> dict[str, dict]:
+def rule_object(*sets: str) -> dict:
     rule = one(render(None, *ENABLED, *sets), "PrometheusRule")
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    return rule
+
+
+def alerts_of(rule: dict) -> dict[str, dict]:
     return {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
 
 
@@ -37,13 +41,13 @@ def test_rules_render_when_asked_with_the_values_thresholds() -> None:
     assert not find(render(None, ENABLED[0]), "PrometheusRule")
     refused = helm("template", RELEASE, str(CHART), "--set", ENABLED[1])
     assert refused.returncode != 0 and "needs metrics.serviceMonitor.enabled" in refused.stderr
-    alerts = rules("metrics.prometheusRule.queueDepth=40", "metrics.prometheusRule.labels.release=kps")
+    rule = rule_object("metrics.prometheusRule.queueDepth=40", "metrics.prometheusRule.labels.release=kps")
+    alerts = alerts_of(rule)
     assert set(alerts) == {"TandemRequestErrors", "TandemRequestsRefused", "TandemSlowFirstToken",
                            "TandemQueueBacklog", "TandemWorkerDown", "TandemKVPreemptions",
                            "TandemSpeculationFallback"}
     assert alerts["TandemQueueBacklog"]["expr"].endswith("> 40")
-    assert one(render(None, *ENABLED, "metrics.prometheusRule.labels.release=kps"),
-               "PrometheusRule")["metadata"]["labels"]["release"] == "kps"
+    assert rule["metadata"]["labels"]["release"] == "kps"
     for alert in alerts.values():
         assert f'namespace="{NAMESPACE}"' in alert["expr"] and alert["labels"]["severity"] in {"critical", "warning",
                                                                                                 "info"}
@@ -104,9 +108,9 @@ def promtool() -> str:
 
 
 def test_promtool_checks_the_rules_and_each_alert_fires_only_where_it_should(promtool, tmp_path: Path) -> None:
-    alerts = rules()
-    spec = one(render(None, *ENABLED), "PrometheusRule")["spec"]
-    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(spec))
+    rule = rule_object()
+    alerts = alerts_of(rule)
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rule["spec"]))
     checked = subprocess.run([promtool, "check", "rules", str(tmp_path / "rules.yaml")], capture_output=True,
                              text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
@@ -169,7 +173,7 @@ def _check_exported(exported: dict[str, set[str]], where: str, expr: str) -> Non
 
 
 def test_every_series_the_rules_read_is_one_a_real_gateway_exports(exported) -> None:
-    for name, alert in rules().items():
+    for name, alert in alerts_of(rule_object()).items():
         _check_exported(exported, name, alert["expr"])
 
 
