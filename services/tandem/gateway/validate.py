@@ -14,6 +14,7 @@ from tandem.core.formats import check_format, format_tokenizer
 from tandem.core.logprobs import MAX_TOP_LOGPROBS
 from tandem.engines import ModelLimits
 from tandem.errors import InvalidArgument
+from tandem.gateway.auth import MAX_PRIORITY
 from tandem.gateway.tools import call_format, forced_call_start, offers_tools, template_message, template_tools
 from tandem.v1 import generation_pb2 as pb
 
@@ -52,7 +53,8 @@ class GatewayLimits:
 
 # Added to the priority of the gateway's own background work (the Batch API's requests, canary checks' plain
 # decoding): it runs behind every request a client can send (int32 priorities, 0 the least).
-BACKGROUND_PRIORITY = 2**31
+BACKGROUND_PRIORITY = MAX_PRIORITY + 1
+
 
 @dataclass(slots=True, frozen=True)
 class PreparedRequest:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 from tandem.engines import display_name
+from tandem.gateway.auth import MAX_PRIORITY
 from tandem.gateway.openai.errors import bad_request, model_not_found
 from tandem.gateway.openai.formats import response_format
 from tandem.gateway.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Generate
@@ -18,7 +19,7 @@ from tandem.v1 import generation_pb2 as pb
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 SEED_LIMIT = 2**63  # SamplingParams' range; the wire field is uint64
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")  # OpenAI's; only flex runs differently here
-FLEX_PRIORITY = INT32_MAX  # flex processing: the largest priority a client may send (behind any other, or level)
+FLEX_PRIORITY = MAX_PRIORITY  # flex processing: the largest priority a client may send (behind any other, or level)
 
 
 def served_tier(body: _Generate) -> str:
