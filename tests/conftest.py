@@ -116,7 +116,7 @@ def tiny_models(tiny_dirs):
 RAY_GROUPS = {
     "ray": ("test_calibration_file", "test_canary_e2e", "test_cli_conventions", "test_gateway_cli", "test_hardening",
             "test_logprobs", "test_openai_api", "test_prompt_logprobs", "test_ray_workers", "test_security",
-            "test_serve_cluster", "test_telemetry_cli", "test_telemetry_cluster"),
+            "test_serve_cluster", "test_shared_kv", "test_telemetry_cli", "test_telemetry_cluster"),
     "pools": ("test_pools",),
     "pools-tp-chaos": ("test_pools_tp", "test_pools_chaos"),
     "pools-auth": ("test_pools_calibration", "test_ray_auth"),

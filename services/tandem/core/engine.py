@@ -11,7 +11,9 @@ again when it resumes (same tokens: greedy choices and seeded random numbers dep
 Which sequences a step runs: the first --max-batch in priority order (lower first; equal ones in arrival order), so
 a request of a lower value takes the place of one of a higher value at the next step, which waits with its caches
 kept; while the verifier is full, a waiting request runs only if it comes before one the verifier holds, and the
-last of the step (the lowest priority, newest) gives its caches up to make room.
+last of the step (the lowest priority, newest) gives its caches up to make room. A worker shared with other
+gateways or lanes frees their sequences that come after every row of a call in that same order (workers.kv_order);
+a step's one row that other callers' sequences ahead of it keep out waits for them (KVCacheFull.ahead), retrying.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ from tandem.core.round_plan import RoundPlan, RowView, plan_round
 from tandem.core.stops import FINISH_ABORT, StopChecker
 from tandem.errors import InvalidArgument, KVBudgetExceeded
 
+# A step whose one row waits for other callers' sequences at a full worker sleeps before the next try: from 5 ms,
+# doubling, to a quarter second (each try is one call that the worker refuses before running anything).
+FIRST_WAIT_S, MAX_WAIT_S = 0.005, 0.25
+
 
 class SpeculativeEngine:
     def __init__(
@@ -68,6 +74,7 @@ class SpeculativeEngine:
         # threads (metrics).
         self.preemptions = {"priority": 0, "kv": 0}
         self._stepped: set[str] = set()  # the last step's sequences
+        self._waits = 0  # steps in a row that waited for other callers' sequences to leave a full worker
         if self.drafter is not None and self.config.calibrates:
             self.calibrate()
 
@@ -126,6 +133,11 @@ class SpeculativeEngine:
                 break
             except KVCacheFull as full:
                 batch = self._make_room(batch, waiting, full)
+                if not batch:  # others' sequences ahead of its one row fill the workers: wait for them to finish
+                    self._waits += 1
+                    time.sleep(min(MAX_WAIT_S, FIRST_WAIT_S * 2 ** min(self._waits, 8)))
+                    return []
+        self._waits = 0
         stepped = {seq.request_id for seq in batch}
         self.preemptions["priority"] += sum(seq.admitted for seq in waiting[len(batch):] if seq.request_id in
                                             self._stepped)
@@ -138,12 +150,14 @@ class SpeculativeEngine:
         out (a higher priority took its place), else the step's own last, which goes back to waiting. Its workers
         drop its caches (a session's stay retained, so resuming may reuse them) and it is resent from scratch. A
         sequence alone that does not fit, nothing else held, never will: KVBudgetExceeded names it (the caller fails
-        that request, not the others)."""
+        that request, not the others); one that other callers' sequences ahead of it keep out waits (no batch)."""
         self._kv_full = True
         if left_out := [seq for seq in waiting[len(batch):] if seq.admitted]:
             self._drop_caches(left_out[-1])
             return batch
         if len(batch) == 1:
+            if full.ahead:  # a shared worker's other callers hold the rest, ahead of this row (workers.kv_order)
+                return []
             raise KVBudgetExceeded(batch[0].request_id, full.needed, full.capacity) from full
         self._drop_caches(batch[-1])
         return batch[:-1]
@@ -197,7 +211,7 @@ class SpeculativeEngine:
         def verify() -> list[VerifyResult]:
             return self.verifier.verify([
                 VerifyRequest(seq.request_id, seq.verify_synced, seq.context[seq.verify_synced :], proposal, seq.params,
-                              seq.session_id, limit, len(seq.prompt), seq.scores_prompt, seq.cache_scope)
+                              seq.session_id, limit, len(seq.prompt), seq.scores_prompt, seq.cache_scope, seq.order)
                 for seq, proposal, limit in zip(batch, proposals, limits, strict=True)
             ])
 
@@ -229,7 +243,7 @@ class SpeculativeEngine:
         def requests() -> list[DraftRequest]:
             return [DraftRequest(batch[i].request_id, batch[i].draft_synced, batch[i].backlog(ks[i], catch_up[i]),
                                  ks[i], batch[i].params, batch[i].session_id, len(batch[i].prompt),
-                                 batch[i].cache_scope) for i in rows]
+                                 batch[i].cache_scope, batch[i].order) for i in rows]
 
         def forget(lost: list[str]) -> None:
             for i in rows:

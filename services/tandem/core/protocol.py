@@ -8,7 +8,8 @@ carry no distribution; sampled ones carry the exact truncated distribution each 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from tandem.core.config import SamplingParams
@@ -29,14 +30,16 @@ class StateLost(RuntimeError):
 
 class KVCacheFull(RuntimeError):
     """A worker's KV token budget cannot hold these sequences, even after dropping every retained session. Raised
-    before the forward that would not fit writes anything: the call can be repeated once others have finished."""
+    before the forward that would not fit writes anything: the call can be repeated once others have finished.
+    `ahead`: sequences of other callers (gateways, engine lanes) that come before this call's rows hold part of the
+    budget (workers.kv_order), so the call may fit once they finish, though nothing of its caller's would free room."""
 
-    def __init__(self, needed: int, capacity: int) -> None:
+    def __init__(self, needed: int, capacity: int, ahead: bool = False) -> None:
         super().__init__(f"KV cache full: needs {needed} tokens of a budget of {capacity}")
-        self.needed, self.capacity = needed, capacity
+        self.needed, self.capacity, self.ahead = needed, capacity, ahead
 
-    def __reduce__(self):  # Ray and multiprocessing pickle it back with both fields
-        return type(self), (self.needed, self.capacity)
+    def __reduce__(self):  # Ray and multiprocessing pickle it back with every field
+        return type(self), (self.needed, self.capacity, self.ahead)
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,6 +70,20 @@ class KVUsage:
                    info.get("shared_tokens", 0))
 
 
+@dataclass(slots=True, frozen=True, order=True)
+class RowOrder:
+    """Where a sequence stands at a worker whose KV cache is full (workers.kv_order): lower priority values first
+    (the engine's step order), then earlier arrivals (wall-clock seconds: comparable across gateways)."""
+
+    priority: int = 0
+    arrival: float = 0.0
+
+    @classmethod
+    def now(cls) -> RowOrder:
+        """A row of priority 0 that arrived now (calibration's, a probe's): behind every earlier one."""
+        return cls(0, time.time())
+
+
 @dataclass(slots=True)
 class DraftRequest:
     seq_id: str
@@ -77,6 +94,7 @@ class DraftRequest:
     session: str = ""  # a new sequence may start from this session's retained cache
     output_start: int = 0  # where the request's output begins in the sequence: its penalties count from there
     cache_scope: str = ""  # only sequences of the same scope (a tenant) share cached prefixes
+    order: RowOrder = field(default_factory=RowOrder.now)  # which sequences a full worker frees first
 
 
 @dataclass(slots=True)
@@ -111,6 +129,7 @@ class VerifyRequest:
     # verifier (keep 0, no session), and its prompt goes whole into the forward that scores its first round.
     score_prompt: bool = False
     cache_scope: str = ""  # only sequences of the same scope (a tenant) share cached prefixes
+    order: RowOrder = field(default_factory=RowOrder.now)  # which sequences a full worker frees first
 
 
 @dataclass(slots=True, frozen=True)

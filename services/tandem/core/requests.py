@@ -3,11 +3,13 @@ what it hands back: a step's new tokens per request (StepOutput) and a finished 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from tandem.core import policy
 from tandem.core.config import SamplingParams
 from tandem.core.logprobs import TokenLogprob
+from tandem.core.protocol import RowOrder
 from tandem.core.stats import RequestStats
 from tandem.core.stops import StopChecker
 
@@ -29,9 +31,15 @@ class Sequence:
     session_id: str = ""  # workers keep a finished sequence's cache for the session's next request
     cache_scope: str = ""  # whose sequences' cached prefixes this one may start from (a tenant)
     priority: int = 0  # lower runs first (the engine's step order); equal ones in arrival order
+    arrival: float = field(default_factory=time.time)  # wall clock: workers order every gateway's rows by it
     prefill_started: bool = False  # the verifier holds part of the prompt uncached (a chunked prefill goes on)
     logprobs: list[TokenLogprob] | None = None  # aligned with output when the request asked (params.logprobs)
     prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens after the first, once scored
+
+    @property
+    def order(self) -> RowOrder:
+        """Its place among the sequences of every caller of a worker whose cache is full (workers.kv_order)."""
+        return RowOrder(self.priority, self.arrival)
 
     @property
     def scores_prompt(self) -> bool:

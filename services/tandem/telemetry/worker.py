@@ -90,6 +90,9 @@ class WorkerMetrics:
                                              description="Committed tokens fed to the model (prefill, catch-up).")
         self.lost = meter.create_counter("tandem.worker.state_lost", unit="{call}",
                                          description="Calls answered with lost sequences (resent by the gateway).")
+        self.evicted = meter.create_counter("tandem.worker.kv_evictions", unit="{sequence}",
+                                            description="Sequences whose caches were freed for a call of another "
+                                            "gateway or lane that came before them (priority, then arrival).")
         self.duration = meter.create_histogram("tandem.worker.call.duration", unit="s",
                                                description="Time to serve one batched call.",
                                                explicit_bucket_boundaries_advisory=TIME_TO_FIRST_TOKEN_BUCKETS)
@@ -144,6 +147,11 @@ class WorkerTelemetry:
                 self.serve_metrics(int(setting))
         except (ValueError, OSError) as exc:
             log.warning("%s: no metrics endpoint (%s=%r: %s)", self.name, METRICS_PORT_ENV, setting, exc)
+
+    def evicted(self) -> None:
+        """One held sequence freed for a call that came before it (workers.kv_order)."""
+        if self.metrics is not None:
+            self.metrics.evicted.add(1, self.metrics.base)
 
     @property
     def metrics_url(self) -> str | None:

@@ -6,8 +6,7 @@ imported where the worker is built, not here (gateways import this module: see w
 
 from __future__ import annotations
 
-from tandem.core.protocol import DraftRequest, KVCacheFull, StateLost
-from tandem.errors import RequestRefused
+from tandem.core.protocol import DraftRequest
 from tandem.workers.worker_base import WorkerBase, WorkerConfig, WorkerReply, load_runner
 
 
@@ -31,11 +30,4 @@ class DraftWorker(WorkerBase):
         return self.telemetry.call("propose", requests, trace, lambda: self.batcher.submit(requests))
 
     def _run(self, requests: list[DraftRequest]) -> WorkerReply:
-        try:
-            return WorkerReply(results=self.drafter.propose(requests))
-        except StateLost as lost:
-            return WorkerReply(lost=lost.seq_ids)
-        except KVCacheFull as full:
-            return WorkerReply(full=(full.needed, full.capacity))
-        except RequestRefused as refused:
-            return WorkerReply(refused=(refused.request_id, str(refused)))
+        return self._serve(requests, self.drafter.propose, self.drafter.release)

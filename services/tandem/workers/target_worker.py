@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.core.protocol import KVCacheFull, StateLost, VerifyRequest
-from tandem.errors import RequestRefused
+from tandem.core.protocol import VerifyRequest
 from tandem.workers.worker_base import LoadedRunner, WorkerBase, WorkerConfig, WorkerReply, load_runner
 
 
@@ -45,11 +44,4 @@ class TargetWorker(WorkerBase):
         return self.telemetry.call("verify", requests, trace, lambda: self.batcher.submit(requests))
 
     def _run(self, requests: list[VerifyRequest]) -> WorkerReply:
-        try:
-            return WorkerReply(results=self.verifier.verify(requests))
-        except StateLost as lost:
-            return WorkerReply(lost=lost.seq_ids)
-        except KVCacheFull as full:
-            return WorkerReply(full=(full.needed, full.capacity))
-        except RequestRefused as refused:
-            return WorkerReply(refused=(refused.request_id, str(refused)))
+        return self._serve(requests, self.verifier.verify, self.verifier.release)

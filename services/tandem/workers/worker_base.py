@@ -10,15 +10,17 @@ from __future__ import annotations
 import os
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tandem.core.config import DEFAULT_RETAIN_TOKENS
-from tandem.core.protocol import KVUsage
-from tandem.errors import TandemError, WorkerStartFailed
+from tandem.core.protocol import KVCacheFull, KVUsage, StateLost
+from tandem.errors import RequestRefused, TandemError, WorkerStartFailed
 from tandem.hostinfo import host_facts
 from tandem.pools.names import NAMESPACE
 from tandem.telemetry.worker import WorkerTelemetry
+from tandem.workers.kv_order import HeldOrder
 from tandem.workers.orphans import release_orphans_forever
 
 if TYPE_CHECKING:
@@ -94,12 +96,13 @@ class WorkerConfig:
 @dataclass(slots=True)
 class WorkerReply:
     """Either results, or the ids this worker no longer holds (it restarted, or never saw them), or that its KV
-    cache is full (KVCacheFull's needed and capacity tokens), or that one row's own request cannot go on
-    (RequestRefused's sequence id and message: the caller fails that request and sends the others again)."""
+    cache is full (KVCacheFull's fields: needed and capacity tokens, others' sequences ahead), or that one row's own
+    request cannot go on (RequestRefused's sequence id and message: the caller fails that request and sends the
+    others again)."""
 
     results: list | None = None
     lost: list[str] | None = None
-    full: tuple[int, int] | None = None
+    full: tuple[int, int, bool] | None = None
     refused: tuple[str, str] | None = None
     spans: list[dict] | None = None  # finished spans of traced rows, for the gateway to export (telemetry.worker)
 
@@ -144,6 +147,8 @@ class WorkerBase:
         self.name = name
         self.runner: ModelRunner
         self.threads = 0  # torch's threads for the forwards, once the model is loaded (LoadedRunner.threads)
+        self.order = HeldOrder()  # which held sequences a call that does not fit may free (workers.kv_order)
+        self.evicted = 0  # sequences freed for calls that came before them
         self.batcher = CallBatcher(self._run, batch_window_s)
         self.telemetry = WorkerTelemetry(name, self.role, kv_usage=self.kv_usage)
         self.telemetry.serve_metrics_from_env()
@@ -156,6 +161,26 @@ class WorkerBase:
     def _run(self, requests: list) -> WorkerReply:
         """One forward over `requests` (the calls the batcher merged)."""
         raise NotImplementedError
+
+    def _serve(self, requests: list, run: Callable[[list], list], free: Callable[[str], None]) -> WorkerReply:
+        """`run(requests)` as a reply; while the cache cannot hold the call, `free` the held sequences of other calls
+        that come after every row of it, the last first (workers.kv_order)."""
+        self.order.note(requests, self.runner.states)
+        while True:
+            try:
+                return WorkerReply(results=run(requests))
+            except StateLost as lost:
+                return WorkerReply(lost=lost.seq_ids)
+            except KVCacheFull as full:
+                held = list(self.runner.states)
+                if (victim := self.order.victim(requests, held)) is None:
+                    return WorkerReply(full=(full.needed, full.capacity, self.order.others_held(requests, held)))
+                free(victim)
+                self.order.forget(victim)
+                self.evicted += 1
+                self.telemetry.evicted()
+            except RequestRefused as refused:
+                return WorkerReply(refused=(refused.request_id, str(refused)))
 
     def release(self, seq_ids: list[str], retain: bool = False) -> None:
         self.batcher.on_model_thread(self._release, seq_ids, retain)
@@ -195,7 +220,7 @@ class WorkerBase:
                 "rows": self.batcher.stats.rows, "merged_forwards": self.batcher.stats.merged,
                 "busy_s": round(self.batcher.stats.busy_s, 3),
                 "rows_per_forward": self.batcher.stats.rows_per_forward(),
-                "calls_per_forward": self.batcher.stats.calls_per_forward()}
+                "calls_per_forward": self.batcher.stats.calls_per_forward(), "evicted": self.evicted}
 
 
 MAX_CONCURRENT_CALLS = 64  # calls a worker holds at once (from every gateway and lane); they merge into forwards

@@ -1,0 +1,145 @@
+"""One KV budget shared by every caller of a pool worker (workers.kv_order): a call that does not fit frees the held
+sequences of other callers that come after all of its rows (priority, then arrival), never one ahead of them; a
+caller whose one row others keep out waits for them instead of failing; freed sequences resend and end with the
+tokens they would have had alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tandem.core.config import EngineConfig, SamplingParams
+from tandem.core.engine import SpeculativeEngine
+from tandem.core.protocol import DraftRequest, RowOrder, VerifyRequest
+from tandem.engines.local import build_engine
+from tandem.workers.worker_base import WorkerConfig
+from telemetry_helpers import scrape, value
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+BUDGET = 96  # KV tokens: one sequence of a 50-token prompt (and its 24 new tokens) fits, two do not
+PROMPT = 50
+
+
+def _prompt(seed: int, count: int = PROMPT) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 290 + 3 for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dirs):
+    from tandem.workers.target_worker import TargetWorker
+
+    return TargetWorker(WorkerConfig(model=str(tiny_dirs.target), device="cpu", dtype="float32", kv_tokens=BUDGET))
+
+
+def _verify(worker, seq_id: str, order: RowOrder, keep: int = 0, append: list[int] | None = None):
+    append = _prompt(len(seq_id)) if append is None else append
+    return worker.verify([VerifyRequest(seq_id, keep, append, None, GREEDY, order=order)])
+
+
+def test_a_full_target_frees_later_rows_of_other_callers_and_only_those(target) -> None:
+    background, interactive, newcomer = RowOrder(5, 1.0), RowOrder(0, 2.0), RowOrder(0, 3.0)
+    evicted = target.evicted
+    metrics = target.serve_metrics(0, "127.0.0.1")
+    assert _verify(target, "gw0/background", background).results is not None
+    # A request of a lower priority value, from another gateway, that fits only without the background row.
+    assert _verify(target, "gw1/interactive", interactive).results is not None
+    assert target.evicted == evicted + 1 and set(target.runner.states) == {"gw1/interactive"}
+    # The background row's gateway finds it lost, and resent whole it waits: the interactive row is ahead of it.
+    assert _verify(target, "gw0/background", background, keep=PROMPT, append=[7]).lost == ["gw0/background"]
+    reply = _verify(target, "gw0/background", background)
+    assert reply.full is not None and reply.full[2] is True  # ahead: others hold the rest
+    # A later arrival of the same priority does not push out an earlier one either.
+    reply = _verify(target, "gw2/newcomer", newcomer)
+    assert reply.full is not None and reply.full[2] is True and "gw1/interactive" in target.runner.states
+    # The earlier one goes on growing.
+    assert _verify(target, "gw1/interactive", interactive, keep=PROMPT, append=[9] * 20).results is not None
+    assert "gw1/interactive" in target.runner.states and target.evicted == evicted + 1
+    families = scrape(metrics)
+    assert value(families, "tandem_worker_kv_evictions_total") == target.evicted
+    assert value(families, "tandem_worker_state_lost_total") == 1  # the background row's call
+    target.release(["gw1/interactive", "gw0/background", "gw2/newcomer"])
+    assert target.runner.states == {}
+
+
+def test_a_row_that_does_not_fit_alone_is_told_nothing_is_ahead(target) -> None:
+    reply = _verify(target, "gw0/long", RowOrder(0, 1.0), append=_prompt(1, BUDGET + 10))
+    assert reply.full is not None and reply.full[2] is False  # the engine fails it: KVBudgetExceeded
+    target.release(["gw0/long"])
+
+
+def test_a_full_draft_worker_frees_a_later_row_of_another_caller(tiny_dirs) -> None:
+    from tandem.workers.draft_worker import DraftWorker
+
+    drafter = DraftWorker(WorkerConfig(model=str(tiny_dirs.draft), device="cpu", dtype="float32", kv_tokens=BUDGET))
+    assert drafter.propose([DraftRequest("gw0/late", 0, _prompt(1), 2, GREEDY, order=RowOrder(1, 2.0))]).results
+    early = drafter.propose([DraftRequest("gw1/early", 0, _prompt(2), 2, GREEDY, order=RowOrder(1, 1.0))])
+    assert early.results is not None and set(drafter.runner.states) == {"gw1/early"} and drafter.info()["evicted"] == 1
+
+
+@pytest.fixture(scope="module")
+def shared_replica(ray_session, tiny_dirs):
+    from tandem.workers.target_pool import start_target_replicas
+
+    (replica,) = start_target_replicas(WorkerConfig(model=str(tiny_dirs.target), dtype="float32", threads=1,
+                                                    kv_tokens=BUDGET), count=1)
+    yield replica
+    ray_session.kill(replica)
+
+
+def _gateway(tiny_models, replica, name: str) -> SpeculativeEngine:
+    """A plain-decoding engine over the shared replica, as one gateway's: its own wire-id prefix."""
+    from tandem.workers.target_pool import RayVerifier
+
+    local = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
+    return SpeculativeEngine(RayVerifier([replica], prefix=f"{name}-"), None, EngineConfig(calibrate=False),
+                             local.eos_token_ids, local.decode)
+
+
+def _evicted(replica) -> int:
+    import ray
+
+    return ray.get(replica.info.remote())["evicted"]
+
+
+@pytest.mark.parametrize("background_priority", [7, 0], ids=["lower-priority", "same-priority"])
+def test_two_gateways_on_one_full_replica_both_finish_with_their_tokens_alone(tiny_models, shared_replica,
+                                                                             background_priority) -> None:
+    """A gateway's request that holds the replica's whole budget, and another gateway's that arrives later. Of a
+    lower priority, the first is freed for the second and resumes when it is done; of the same, the second waits. No
+    request fails (before, the second failed as if it could never fit), and each ends with its tokens alone."""
+    alone = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
+    prompts = {"background": _prompt(3), "interactive": _prompt(4)}
+    expected = {name: result.token_ids for name, result in
+                zip(prompts, alone.generate(list(prompts.values()), GREEDY), strict=True)}
+    gateways = {name: _gateway(tiny_models, shared_replica, name) for name in prompts}
+    tokens: dict[str, list[int]] = {name: [] for name in prompts}
+    finished: dict[str, object] = {}
+
+    def run(name: str) -> None:
+        engine = gateways[name]
+        try:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    tokens[name] += out.new_token_ids
+            finished[name] = time.perf_counter()
+        except Exception as exc:  # the assertion below names what stopped a gateway
+            finished[name] = exc
+
+    gateways["background"].add_request(prompts["background"], GREEDY, "background", priority=background_priority)
+    for _ in range(3):  # the background request holds its prompt and a few tokens
+        tokens["background"] += [t for out in gateways["background"].step() for t in out.new_token_ids]
+    gateways["interactive"].add_request(prompts["interactive"], GREEDY, "interactive")
+    evicted = _evicted(shared_replica)
+    threads = [threading.Thread(target=run, args=(name,)) for name in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert all(isinstance(at, float) for at in finished.values()) and len(finished) == 2, finished
+    assert tokens == expected
+    if background_priority:  # freed for the interactive request, which finished first
+        assert finished["interactive"] < finished["background"] and _evicted(shared_replica) > evicted
+    else:  # the interactive request arrived later: it waited
+        assert finished["background"] < finished["interactive"] and _evicted(shared_replica) == evicted
