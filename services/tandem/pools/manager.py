@@ -214,7 +214,8 @@ class PoolManager:
                 continue
             worker.update({key: info[key] for key in STATUS_FIELDS}, healthy=True,
                           rows_per_forward=round(info["rows_per_forward"], 3),
-                          calls_per_forward=round(info["calls_per_forward"], 3))
+                          calls_per_forward=round(info["calls_per_forward"], 3),
+                          evicted=info.get("evicted", 0))  # sequences freed for other callers' (workers.kv_order)
         targets = [w for w in workers if w["role"] == "target" and w["healthy"] and w["forwards"]]
         rows = sum(w["rows_per_forward"] for w in targets) / len(targets) if targets else 0.0
         return {"name": self.spec.name, "target": self.spec.target.model,
