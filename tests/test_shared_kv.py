@@ -26,6 +26,35 @@ def _prompt(seed: int, count: int = PROMPT) -> list[int]:
     return [(seed * 7919 + i * 104729) % 290 + 3 for i in range(count)]
 
 
+def test_the_order_frees_the_last_of_the_rows_after_every_row_of_the_call() -> None:
+    from tandem.workers.kv_order import HeldOrder
+
+    def row(seq_id: str, priority: int, arrival: float) -> VerifyRequest:
+        return VerifyRequest(seq_id, 0, [1], None, GREEDY, order=RowOrder(priority, arrival))
+
+    order = HeldOrder()
+    held = [row("a", 0, 1.0), row("b", 3, 2.0), row("c", 3, 0.5), row("d", 1, 9.0)]
+    order.note(held, [])
+    names = [r.seq_id for r in held] + ["unknown"]  # a sequence no call of this worker's sent: never freed
+    call = [row("e", 1, 5.0)]
+    order.note(call, names)
+    assert order.victim(call, names) == "b"  # priority 3, the later of the two
+    assert order.victim(call, ["a", "c", "d", "unknown"]) == "c"
+    assert order.victim(call, ["a", "unknown"]) is None and order.others_held(call, ["a", "unknown"])
+    assert not order.others_held(call, ["e"])
+    mixed = [row("f", 0, 0.1), row("g", 2, 0.1)]  # a call's latest row decides: only what comes after it goes
+    order.note(mixed, names)
+    assert order.victim(mixed, names) == "b" and order.victim(mixed, ["a", "d"]) is None
+    tie = [row("c2", 3, 0.5)]  # same priority and arrival: the id decides
+    order.note(tie, names)
+    assert order.victim(tie, ["c", "c3"]) is None
+    for index in range(200):  # many finished sequences: forgotten, but never the held ones or the call's rows
+        fresh = [row(f"new-{index}", 0, 10.0)]
+        order.note(fresh, ["b"])
+        assert order.victim(fresh, ["b", "new-3"]) == "b"
+    assert len(order._ranks) < 100
+
+
 @pytest.fixture(scope="module")
 def target(tiny_dirs):
     from tandem.workers.target_worker import TargetWorker

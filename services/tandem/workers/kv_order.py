@@ -35,9 +35,9 @@ class HeldOrder:
         """Record each request's place; forgets sequences no longer held once those outnumber the held ones."""
         for request in requests:
             self._ranks[request.seq_id] = (request.order, request.seq_id)
-        held = set(held)
-        if len(self._ranks) > 2 * len(held) + 64:
-            self._ranks = {seq_id: rank for seq_id, rank in self._ranks.items() if seq_id in held}
+        keep = set(held) | {request.seq_id for request in requests}
+        if len(self._ranks) > 2 * len(keep) + 64:
+            self._ranks = {seq_id: rank for seq_id, rank in self._ranks.items() if seq_id in keep}
 
     def forget(self, seq_id: str) -> None:
         self._ranks.pop(seq_id, None)
