@@ -172,3 +172,37 @@ def test_two_gateways_on_one_full_replica_both_finish_with_their_tokens_alone(ti
         assert finished["interactive"] < finished["background"] and _evicted(shared_replica) > evicted
     else:  # the interactive request arrived later: it waited
         assert finished["background"] < finished["interactive"] and _evicted(shared_replica) == evicted
+
+
+def test_a_gateway_tries_its_waiting_request_again_once_another_gateways_leave_room(tiny_models, tiny_dirs,
+                                                                                 ray_session) -> None:
+    """Gateway B runs x and y beside gateway A's earlier request on one replica; when the budget fills, y waits. Once
+    A's request ends there is room for y beside x, which B's engine learns only by trying again (nothing of its own
+    finished): y then runs and ends long before x does. Each ends with its tokens alone. The gateways step in turn on
+    one thread, so the order is the same every run."""
+    from tandem.workers.target_pool import start_target_replicas
+
+    (replica,) = start_target_replicas(WorkerConfig(model=str(tiny_dirs.target), dtype="float32", threads=1,
+                                                    kv_tokens=200), count=1)
+    try:
+        long, short = (SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (100, 8))
+        requests = {"a": (_prompt(5, 60), GREEDY), "x": (_prompt(6, 10), long), "y": (_prompt(7, 10), short)}
+        alone = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
+        expected = {name: alone.generate([prompt], params)[0].token_ids for name, (prompt, params) in requests.items()}
+        gateways = {"A": _gateway(tiny_models, replica, "A"), "B": _gateway(tiny_models, replica, "B")}
+        for name, (prompt, params) in requests.items():
+            gateways["A" if name == "a" else "B"].add_request(prompt, params, name)
+        tokens: dict[str, list[int]] = {name: [] for name in requests}
+        ended: list[str] = []
+        for _ in range(2000):
+            if not any(engine.has_unfinished() for engine in gateways.values()):
+                break
+            for engine in gateways.values():
+                for out in engine.step() if engine.has_unfinished() else ():
+                    tokens[out.request_id] += out.new_token_ids
+                    if out.finish_reason is not None:
+                        ended.append(out.request_id)
+        assert tokens == expected
+        assert ended == ["a", "y", "x"] and gateways["B"].preemptions["kv"] + _evicted(replica) > 0  # y did wait
+    finally:
+        ray_session.kill(replica)

@@ -13,7 +13,8 @@ a request of a lower value takes the place of one of a higher value at the next 
 kept; while the verifier is full, a waiting request runs only if it comes before one the verifier holds, and the
 last of the step (the lowest priority, newest) gives its caches up to make room. A worker shared with other
 gateways or lanes frees their sequences that come after every row of a call in that same order (workers.kv_order);
-a step's one row that other callers' sequences ahead of it keep out waits for them (KVCacheFull.ahead), retrying.
+a step's one row that other callers' sequences ahead of it keep out waits for them (KVCacheFull.ahead), retrying,
+and sequences left waiting by such a worker try again every few steps (the others finishing tell this engine nothing).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ from tandem.errors import InvalidArgument, KVBudgetExceeded
 # A step whose one row waits for other callers' sequences at a full worker sleeps before the next try: from 5 ms,
 # doubling, to a quarter second (each try is one call that the worker refuses before running anything).
 FIRST_WAIT_S, MAX_WAIT_S = 0.005, 0.25
+# Steps after which sequences a shared worker's full cache left waiting try again: a retry that still does not fit
+# costs a call the worker refuses before any forward.
+RETRY_SHARED_FULL_STEPS = 16
 
 
 class SpeculativeEngine:
@@ -69,6 +73,9 @@ class SpeculativeEngine:
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._kv_full = False  # the verifier was full: sequences it does not hold wait until one finishes
+        # ...or, where other callers' sequences filled it too (KVCacheFull.ahead), until they may have left: every
+        # RETRY_SHARED_FULL_STEPS steps the waiting ones try again (others finishing tell this engine nothing).
+        self._shared_full_steps: int | None = None
         # Sequences taken out of the steps they ran in: "priority" (left out for a lower value, their caches kept),
         # "kv" (their caches given up to a full verifier: recomputed when they resume). Fixed keys: read from other
         # threads (metrics).
@@ -121,6 +128,9 @@ class SpeculativeEngine:
 
     def step(self) -> list[StepOutput]:
         waiting = sorted(self.sequences.values(), key=_priority)  # stable: equal priorities in arrival order
+        if self._kv_full and self._shared_full_steps is not None:
+            self._shared_full_steps += 1
+            self._kv_full = self._shared_full_steps < RETRY_SHARED_FULL_STEPS
         if self._kv_full:
             waiting = _while_full(waiting)
         batch = waiting[: self.config.max_batch]
@@ -152,6 +162,7 @@ class SpeculativeEngine:
         sequence alone that does not fit, nothing else held, never will: KVBudgetExceeded names it (the caller fails
         that request, not the others); one that other callers' sequences ahead of it keep out waits (no batch)."""
         self._kv_full = True
+        self._shared_full_steps = 0 if full.ahead else None
         if left_out := [seq for seq in waiting[len(batch):] if seq.admitted]:
             self._drop_caches(left_out[-1])
             return batch
