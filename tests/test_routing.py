@@ -102,3 +102,18 @@ def test_new_sequences_sharing_a_long_prompt_prefix_meet_on_one_worker() -> None
         router.affinity.update({f"other-{i}": i % 4 for i in range(gateway)})
         placed |= {router.route(f"q{n}", routing_key(request(f"q{n}", [n]))) for n in range(2)}
     assert len(placed) == 1
+
+
+def test_a_worker_other_callers_filled_gives_up_its_new_rows_and_new_ones_avoid_it_a_while() -> None:
+    router = AffinityRouter(2, cooldown_s=60, role="target")
+    assert router.route("held") == 0 and router.route("new") == 1
+    router.mark_full(1, ["new"])
+    assert "new" not in router.affinity
+    # Routed afresh, and every new sequence, sessions' included, goes to the other worker while the mark lasts...
+    assert [router.route(seq_id) for seq_id in ("new", "b", "c")] == [0, 0, 0]
+    router.pin("chat", 1)
+    assert router.route("turn", "chat") == 0 and router.route("held") == 0  # a running one stays where it is
+    router.mark_full(0, [])
+    assert router.route("d") in (0, 1)  # both full: routed as usual
+    router.full_until = [0.0, 0.0]  # the marks lapse (FULL_AVOID_S)
+    assert router.route("e") == 1  # the least loaded again

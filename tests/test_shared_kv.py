@@ -117,12 +117,13 @@ def shared_replica(ray_session, tiny_dirs):
     ray_session.kill(replica)
 
 
-def _gateway(tiny_models, replica, name: str) -> SpeculativeEngine:
-    """A plain-decoding engine over the shared replica, as one gateway's: its own wire-id prefix."""
+def _gateway(tiny_models, replicas, name: str) -> SpeculativeEngine:
+    """A plain-decoding engine over the shared replica(s), as one gateway's: its own wire-id prefix."""
     from tandem.workers.target_pool import RayVerifier
 
     local = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
-    return SpeculativeEngine(RayVerifier([replica], prefix=f"{name}-"), None, EngineConfig(calibrate=False),
+    replicas = replicas if isinstance(replicas, list) else [replicas]
+    return SpeculativeEngine(RayVerifier(replicas, prefix=f"{name}-"), None, EngineConfig(calibrate=False),
                              local.eos_token_ids, local.decode)
 
 
@@ -206,3 +207,38 @@ def test_a_gateway_tries_its_waiting_request_again_once_another_gateways_leave_r
         assert ended == ["a", "y", "x"] and gateways["B"].preemptions["kv"] + _evicted(replica) > 0  # y did wait
     finally:
         ray_session.kill(replica)
+
+
+def test_a_new_request_that_a_full_replica_keeps_out_runs_on_another_with_room(tiny_models, tiny_dirs,
+                                                                             shared_replica, ray_session) -> None:
+    """Gateway A's request fills replica 0; gateway B's, of the same priority and later, goes there first (to B both
+    replicas look idle). Replica 0 says others fill it, so B's client routes the request to replica 1 at its next
+    try, where it runs at once and ends before A's (without the spill it waited on replica 0 for A's to end)."""
+    from tandem.workers.target_pool import start_target_replicas
+
+    (other,) = start_target_replicas(WorkerConfig(model=str(tiny_dirs.target), dtype="float32", threads=1,
+                                                  kv_tokens=BUDGET), count=1)
+    try:
+        short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        requests = {"a": (_prompt(8), GREEDY), "b": (_prompt(9), short)}
+        alone = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
+        expected = {name: alone.generate([prompt], params)[0].token_ids for name, (prompt, params) in requests.items()}
+        gateways = {name: _gateway(tiny_models, [shared_replica, other], name.upper()) for name in requests}
+        tokens: dict[str, list[int]] = {name: [] for name in requests}
+        ended: list[str] = []
+        gateways["a"].add_request(*requests["a"], "a")
+        for _ in range(3):
+            tokens["a"] += [t for out in gateways["a"].step() for t in out.new_token_ids]
+        gateways["b"].add_request(*requests["b"], "b")
+        for _ in range(200):
+            for engine in gateways.values():
+                for out in engine.step() if engine.has_unfinished() else ():
+                    tokens[out.request_id] += out.new_token_ids
+                    if out.finish_reason is not None:
+                        ended.append(out.request_id)
+            if not any(engine.has_unfinished() for engine in gateways.values()):
+                break
+        assert tokens == expected and ended == ["b", "a"]
+        assert gateways["b"].verifier.router.affinity == {}  # b ended; its last replica was 1
+    finally:
+        ray_session.kill(other)

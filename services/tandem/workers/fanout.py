@@ -67,6 +67,7 @@ def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, re
     learns from every worker that answers in time."""
     out = FanoutResult(results=[None] * len(requests))
     groups = router.group([(r.seq_id, routing_key(r)) for r in requests])
+    seq_ids = [r.seq_id for r in requests]
     carriers = {ids.to_wire(seq_id): carrier for seq_id, carrier in carriers.items()} if carriers else carriers
     requests = [dataclasses.replace(r, seq_id=ids.to_wire(r.seq_id)) for r in requests]
     batches = {index: [requests[row] for row in rows] for index, rows in groups.items() if index is not None}
@@ -95,6 +96,11 @@ def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, re
             continue
         if reply.full:
             out.full = KVCacheFull(*reply.full)
+            if out.full.ahead:  # others fill it: its new rows try another worker (one they may have started freed)
+                fresh = [row for row in groups[index] if not requests[row].keep]
+                router.mark_full(index, [seq_ids[row] for row in fresh])
+                if fresh:
+                    workers[index].release.remote([requests[row].seq_id for row in fresh])
             continue
         if reply.refused:
             out.refused = RequestRefused(ids.from_wire(reply.refused[0]), reply.refused[1])

@@ -10,7 +10,8 @@ to the next in rank. A new sequence without a session whose prompt is longer tha
 same way under a key made of its scope and its prompt's first PREFIX_ROUTE_TOKENS tokens (`routing_key`), so requests
 sharing a system prompt meet on the worker whose prefix cache holds it (core.runner); shorter ones go to the least
 loaded healthy worker. A worker that fails is benched for a cool-down and its sequences and sessions are routed
-afresh.
+afresh. A worker whose KV cache other callers' sequences fill (a call's new rows did not fit: KVCacheFull.ahead)
+gives those rows up and takes no new sequence for FULL_AVOID_S while another healthy worker may have room.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ MAX_SESSIONS = 100_000
 # A new sequence without a session whose prompt is longer than this many tokens is routed by them: a shared system
 # prompt or tool list is usually longer; a prompt whose first tokens are a chat template's alone is shorter.
 PREFIX_ROUTE_TOKENS = 128
+FULL_AVOID_S = 1.0  # how long new sequences avoid a worker that other callers' sequences filled
 
 
 class AffinityRouter:
@@ -40,6 +42,7 @@ class AffinityRouter:
         self.session_of: dict[str, str] = {}  # running sequence -> its session
         self.sessions: OrderedDict[str, int] = OrderedDict()  # session -> worker that retained its last sequence
         self.benched_until = [0.0] * size
+        self.full_until = [0.0] * size  # new sequences go elsewhere until then (mark_full)
         self.session_hits = 0
 
     def healthy(self, index: int) -> bool:
@@ -52,6 +55,8 @@ class AffinityRouter:
         candidates = [i for i in range(self.size) if self.healthy(i)]
         if not candidates:
             return None
+        now = time.monotonic()
+        candidates = [i for i in candidates if now >= self.full_until[i]] or candidates
         load = Counter(self.affinity.values())
         if session:
             least = min(load[i] for i in candidates)
@@ -60,7 +65,8 @@ class AffinityRouter:
         else:
             choice = min(candidates, key=lambda i: (load[i], i))
         preferred = self.sessions.get(session) if session and index is None else None
-        if preferred is not None and self.healthy(preferred) and load[preferred] <= load[choice] + self.max_imbalance:
+        if (preferred is not None and preferred in candidates
+                and load[preferred] <= load[choice] + self.max_imbalance):
             choice = preferred
             self.session_hits += 1
         self.affinity[seq_id] = choice
@@ -86,6 +92,15 @@ class AffinityRouter:
             del self.sessions[session]
         return held
 
+    def mark_full(self, index: int, seq_ids: list[str]) -> None:
+        """Other callers' sequences fill `index`'s cache: these new sequences leave it (routed afresh at their next
+        call), and new sequences go to other healthy workers for FULL_AVOID_S (to it still where none is left)."""
+        self.full_until[index] = time.monotonic() + FULL_AVOID_S
+        for seq_id in seq_ids:
+            if self.affinity.get(seq_id) == index:
+                del self.affinity[seq_id]
+                self.session_of.pop(seq_id, None)
+
     def forget(self, seq_id: str, retained: bool = False) -> int | None:
         """A sequence ended; with `retained`, its worker keeps the cache for the session's next sequence."""
         index = self.affinity.pop(seq_id, None)
@@ -105,6 +120,7 @@ class AffinityRouter:
         benched = dict(zip(self.names, self.benched_until, strict=True))
         self.names, self.size = list(names), len(names)
         self.benched_until = [benched.get(name, 0.0) for name in names]
+        self.full_until = [0.0] * self.size
 
     def pin(self, session: str, index: int) -> None:
         """Route the session's next sequence to `index` (its cache, or state loaded from the session store)."""
