@@ -67,7 +67,6 @@ def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, re
     learns from every worker that answers in time."""
     out = FanoutResult(results=[None] * len(requests))
     groups = router.group([(r.seq_id, routing_key(r)) for r in requests])
-    seq_ids = [r.seq_id for r in requests]
     carriers = {ids.to_wire(seq_id): carrier for seq_id, carrier in carriers.items()} if carriers else carriers
     requests = [dataclasses.replace(r, seq_id=ids.to_wire(r.seq_id)) for r in requests]
     batches = {index: [requests[row] for row in rows] for index, rows in groups.items() if index is not None}
@@ -97,10 +96,10 @@ def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, re
         if reply.full:
             out.full = KVCacheFull(*reply.full)
             if out.full.ahead:  # others fill it: its new rows try another worker (one they may have started freed)
-                fresh = [row for row in groups[index] if not requests[row].keep]
-                router.mark_full(index, [seq_ids[row] for row in fresh])
+                fresh = [requests[row].seq_id for row in groups[index] if not requests[row].keep]  # wire ids
+                router.mark_full(index, [ids.from_wire(wire) for wire in fresh])
                 if fresh:
-                    workers[index].release.remote([requests[row].seq_id for row in fresh])
+                    workers[index].release.remote(fresh)
             continue
         if reply.refused:
             out.refused = RequestRefused(ids.from_wire(reply.refused[0]), reply.refused[1])
