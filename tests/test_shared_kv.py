@@ -1,7 +1,7 @@
 """One KV budget shared by every caller of a pool worker (workers.kv_order): a call that does not fit frees the held
 sequences of other callers that come after all of its rows (priority, then arrival), never one ahead of them; a
-caller whose one row others keep out waits for them instead of failing; freed sequences resend and end with the
-tokens they would have had alone."""
+caller whose one row others keep out waits for them instead of failing, or runs on another replica with room;
+freed sequences resend and end with the tokens they would have had alone."""
 
 from __future__ import annotations
 
