@@ -75,12 +75,20 @@ def _status(address: str) -> dict:
 
 
 def test_two_gateways_share_one_pool_and_batch_across_gateways(pools, gateways, expected) -> None:
+    # A gateway's first request pays for joining the workers (handles, connections); under load one gateway's whole
+    # stream could end before the other's first call arrived, so each serves one alone first.
+    for n, gateway in enumerate(gateways):
+        assert at_once([(gateway.address, n)], pair_ids=False)[(0, n)] == expected[n]
     before = {w["name"]: w["merged_forwards"] for w in _status(pools)["workers"]}
-    # The same request id on both gateways at once: each gateway's ids are kept apart on the shared workers.
-    out = at_once([(gateways[0].address, 0), (gateways[1].address, 1)] * 2)
-    assert {key: ids for key, ids in out.items()} == {(n, i): expected[i] for n, i in [(0, 0), (1, 1), (2, 0),
-                                                                                        (3, 1)]}
-    status = _status(pools)
+    # The same request id on both gateways at once: each gateway's ids are kept apart on the shared workers. Calls
+    # meeting in one window is up to the scheduler of a loaded machine: up to three bursts for one shared forward.
+    for _ in range(3):
+        out = at_once([(gateways[0].address, 0), (gateways[1].address, 1)] * 2)
+        assert {key: ids for key, ids in out.items()} == {(n, i): expected[i] for n, i in [(0, 0), (1, 1), (2, 0),
+                                                                                            (3, 1)]}
+        status = _status(pools)
+        if next(w for w in status["workers"] if w["role"] == "target")["merged_forwards"] > before["target-0"]:
+            break
     assert sorted(w["role"] for w in status["workers"]) == ["draft", "target"]
     assert all(w["healthy"] for w in status["workers"]) and {w["threads"] for w in status["workers"]} == {1}
     target = next(w for w in status["workers"] if w["role"] == "target")
