@@ -117,3 +117,21 @@ def test_a_worker_other_callers_filled_gives_up_its_new_rows_and_new_ones_avoid_
     assert router.route("d") in (0, 1)  # both full: routed as usual
     router.full_until = [0.0, 0.0]  # the marks lapse (FULL_AVOID_S)
     assert router.route("e") == 1  # the least loaded again
+
+
+def test_other_callers_sequences_count_in_a_workers_load_as_it_last_said() -> None:
+    router = AffinityRouter(3, cooldown_s=60, role="target", names=["w0", "w1", "w2"])
+    assert router.unheard() == [0, 1, 2] and router.unheard() == []  # asked: not asked again at once
+    assert router.route("mine") == 0
+    router.observe(0, held=3)  # mine and two of other gateways'
+    router.observe(1, held=1)
+    assert router.others == [2, 1, 0]
+    assert [router.route(f"n{i}") for i in range(3)] == [2, 1, 2]  # by every caller's load: 3, 1, 0 to begin
+    router.observe(2, held=1)  # only my two, as it says: none of others' (never below 0)
+    assert router.others[2] == 0
+    # A session's home is still its rank's first worker unless that one is busier by more than the imbalance.
+    router.observe(0, held=1 + 5)
+    assert router.route("turn", "s") != 0
+    router.resize(["w2", "w0"])  # others' counts follow the names; a changed pool is heard afresh
+    assert router.others == [0, 5] and sorted(router.unheard()) == [0, 1]
+    assert AffinityRouter(1, cooldown_s=60, role="draft").unheard() == []  # one worker: nothing to choose

@@ -209,36 +209,85 @@ def test_a_gateway_tries_its_waiting_request_again_once_another_gateways_leave_r
         ray_session.kill(replica)
 
 
-def test_a_new_request_that_a_full_replica_keeps_out_runs_on_another_with_room(tiny_models, tiny_dirs,
-                                                                             shared_replica, ray_session) -> None:
-    """Gateway A's request fills replica 0; gateway B's, of the same priority and later, goes there first (to B both
-    replicas look idle). Replica 0 says others fill it, so B's client routes the request to replica 1 at its next
-    try, where it runs at once and ends before A's (without the spill it waited on replica 0 for A's to end)."""
+@pytest.fixture(scope="module")
+def second_replica(ray_session, tiny_dirs):
     from tandem.workers.target_pool import start_target_replicas
 
-    (other,) = start_target_replicas(WorkerConfig(model=str(tiny_dirs.target), dtype="float32", threads=1,
-                                                  kv_tokens=BUDGET), count=1)
-    try:
-        short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        requests = {"a": (_prompt(8), GREEDY), "b": (_prompt(9), short)}
-        alone = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
-        expected = {name: alone.generate([prompt], params)[0].token_ids for name, (prompt, params) in requests.items()}
-        gateways = {name: _gateway(tiny_models, [shared_replica, other], name.upper()) for name in requests}
-        tokens: dict[str, list[int]] = {name: [] for name in requests}
-        ended: list[str] = []
-        gateways["a"].add_request(*requests["a"], "a")
-        for _ in range(3):
-            tokens["a"] += [t for out in gateways["a"].step() for t in out.new_token_ids]
-        gateways["b"].add_request(*requests["b"], "b")
-        for _ in range(200):
-            for engine in gateways.values():
-                for out in engine.step() if engine.has_unfinished() else ():
-                    tokens[out.request_id] += out.new_token_ids
-                    if out.finish_reason is not None:
-                        ended.append(out.request_id)
-            if not any(engine.has_unfinished() for engine in gateways.values()):
-                break
-        assert tokens == expected and ended == ["b", "a"]
-        assert gateways["b"].verifier.router.affinity == {}  # b ended; its last replica was 1
-    finally:
-        ray_session.kill(other)
+    (replica,) = start_target_replicas(WorkerConfig(model=str(tiny_dirs.target), dtype="float32", threads=1,
+                                                    kv_tokens=BUDGET), count=1)
+    yield replica
+    ray_session.kill(replica)
+
+
+def _home_on_first_replica() -> str:
+    """A session whose rendezvous rank puts replica 0 first (the pool names its replicas target-0, target-1)."""
+    from tandem.workers.routing import rendezvous_score
+
+    return next(session for session in (f"chat-{n}" for n in range(100))
+                if rendezvous_score(session, "target-0") > rendezvous_score(session, "target-1"))
+
+
+def _run_in_turn(gateways: dict, tokens: dict, ended: list) -> None:
+    for _ in range(200):
+        for engine in gateways.values():
+            for out in engine.step() if engine.has_unfinished() else ():
+                tokens[out.request_id] += out.new_token_ids
+                if out.finish_reason is not None:
+                    ended.append(out.request_id)
+        if not any(engine.has_unfinished() for engine in gateways.values()):
+            break
+
+
+def test_a_new_request_that_a_full_replica_keeps_out_runs_on_another_with_room(tiny_models, shared_replica,
+                                                                             second_replica) -> None:
+    """Gateway A's request fills replica 0; gateway B's, of the same priority and later, belongs there (its
+    session's home). Replica 0 says others fill it, so B's client routes the request to replica 1 at its next try,
+    where it runs at once and ends before A's (without the spill it waited on replica 0 for A's to end)."""
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    requests = {"a": (_prompt(8), GREEDY), "b": (_prompt(9), short)}
+    alone = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
+    expected = {name: alone.generate([prompt], params)[0].token_ids for name, (prompt, params) in requests.items()}
+    gateways = {name: _gateway(tiny_models, [shared_replica, second_replica], name.upper()) for name in requests}
+    tokens: dict[str, list[int]] = {name: [] for name in requests}
+    ended: list[str] = []
+    gateways["a"].add_request(*requests["a"], "a")
+    for _ in range(3):
+        tokens["a"] += [t for out in gateways["a"].step() for t in out.new_token_ids]
+    assert gateways["a"].verifier.router.affinity == {"a": 0}
+    gateways["b"].add_request(*requests["b"], "b", session_id=_home_on_first_replica())
+    _run_in_turn(gateways, tokens, ended)
+    assert tokens == expected and ended == ["b", "a"]
+    assert gateways["b"].verifier.router.full_until[0] > 0  # replica 0 did turn it away
+
+
+def _wait_idle(replicas: list) -> None:
+    """Until the replicas hold no sequence (earlier tests' releases are asynchronous)."""
+    import ray
+
+    deadline = time.monotonic() + 30
+    while any(ray.get([r.cached_sequences.remote() for r in replicas])):
+        assert time.monotonic() < deadline, "the replicas still hold sequences"
+        time.sleep(0.05)
+
+
+def test_gateways_sharing_replicas_place_new_requests_by_every_gateways_load(tiny_models, shared_replica,
+                                                                             second_replica) -> None:
+    """Gateway A runs a short request on replica 0 (both replicas idle, the first wins the tie). Gateway B, with no
+    sequence of its own, asks the replicas what they hold before placing its request, and places it on replica 1;
+    before, each gateway counted its own sequences alone and B's went to replica 0 as well, beside A's, while
+    replica 1 idled. Both end with their tokens alone."""
+    replicas = [shared_replica, second_replica]
+    _wait_idle(replicas)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = {"a": _prompt(10, 20), "b": _prompt(11, 20)}
+    alone = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
+    expected = {name: alone.generate([prompt], params)[0].token_ids for name, prompt in prompts.items()}
+    gateways = {name: _gateway(tiny_models, replicas, name.upper()) for name in prompts}
+    tokens: dict[str, list[int]] = {name: [] for name in prompts}
+    for name, engine in gateways.items():
+        engine.add_request(prompts[name], params, name)
+        tokens[name] += [t for out in engine.step() for t in out.new_token_ids]
+    assert gateways["a"].verifier.router.affinity == {"a": 0}
+    assert gateways["b"].verifier.router.affinity == {"b": 1}
+    _run_in_turn(gateways, tokens, [])
+    assert tokens == expected

@@ -19,6 +19,9 @@ from tandem.workers.tp_replica import TensorParallelReplica
 from tandem.workers.worker_base import ray_failures
 
 KV_USAGE_TIMEOUT_S = 2.0
+# How long placing new sequences waits for workers to say how many they hold: a worker's threads answer at once,
+# even mid-forward; one that does not is placed by what it said last.
+LOAD_PROBE_TIMEOUT_S = 0.05
 
 
 @dataclass(slots=True)
@@ -66,6 +69,8 @@ def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, re
     those of its rows, and the spans it returns are exported here. `ids`: the sequence ids workers see. `pace`
     learns from every worker that answers in time."""
     out = FanoutResult(results=[None] * len(requests))
+    if any(r.seq_id not in router.affinity for r in requests):
+        hear_loads(workers, router)
     groups = router.group([(r.seq_id, routing_key(r)) for r in requests])
     carriers = {ids.to_wire(seq_id): carrier for seq_id, carrier in carriers.items()} if carriers else carriers
     requests = [dataclasses.replace(r, seq_id=ids.to_wire(r.seq_id)) for r in requests]
@@ -88,6 +93,8 @@ def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, re
             continue
         if pace is not None:
             pace.observe(time.monotonic() - sent, batches[index])
+        if reply.held is not None:
+            router.observe(index, reply.held)
         if reply.spans:
             tracing.relay(reply.spans)
         if reply.lost:
@@ -107,6 +114,24 @@ def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, re
         for row, result in zip(groups[index], reply.results, strict=True):
             out.results[row] = result
     return out
+
+
+def hear_loads(workers: list, router: AffinityRouter, timeout_s: float = LOAD_PROBE_TIMEOUT_S) -> None:
+    """Ask the workers the router has not heard from lately how many sequences they hold (rank 0 of a
+    tensor-parallel replica), waiting `timeout_s` at most: new sequences are then placed by every caller's load."""
+    asked = {_first_rank(workers[i]).cached_sequences.remote(): i for i in router.unheard()}
+    if not asked:
+        return
+    ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=timeout_s)
+    for ref in ready:
+        try:
+            router.observe(asked[ref], ray.get(ref))
+        except ray_failures():
+            continue
+
+
+def _first_rank(worker):
+    return worker.ranks[0] if isinstance(worker, TensorParallelReplica) else worker
 
 
 def _submit(worker, method: str, batch: list, carriers: dict[str, dict[str, str]] | None) -> list:
@@ -143,7 +168,7 @@ def kv_usage(workers: list, timeout_s: float = KV_USAGE_TIMEOUT_S) -> KVUsage:
     (every rank holds its shard of the same sequences under the same budget). A worker that fails, or does not
     answer within `timeout_s` (dead, restarting, or busy with a long call: an actor serves one call at a time), is
     left out."""
-    refs = [(w.ranks[0] if isinstance(w, TensorParallelReplica) else w).info.remote() for w in workers]
+    refs = [_first_rank(w).info.remote() for w in workers]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
     total = KVUsage()
     for ref in ready:
@@ -220,7 +245,7 @@ class RayPoolClient:
         rather than after its cool-down (a tensor-parallel replica being rebuilt stays out until the rebuild ends)."""
         offered = self._offered  # workers the pool has now, not yet taken up (the engine thread does that)
         workers = list(offered[0] if offered is not None and offered[1] else self.workers)
-        refs = [(w.ranks[0] if isinstance(w, TensorParallelReplica) else w).info.remote() for w in workers]
+        refs = [_first_rank(w).info.remote() for w in workers]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
         answered = 0
         for index, ref in enumerate(refs):

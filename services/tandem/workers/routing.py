@@ -1,17 +1,21 @@
 """Session-to-worker routing shared by the draft pool and the target replicas.
 
-A running sequence sticks to the worker that holds its KV cache. A new sequence of a known session goes back to the
-worker that retained the session's cache (its previous turn), unless that worker is busier than the least loaded
-one by more than `max_imbalance` sequences. A session's other new sequences go to the healthy worker ranked first
-for the session by rendezvous hashing over the workers' names, so every gateway sharing a pool sends a session to
-the same worker without talking to the others, and a change in the set of workers moves only the sessions of the
-workers that came or went; a worker more than `max_imbalance` busier than the least loaded one spills the session
-to the next in rank. A new sequence without a session whose prompt is longer than PREFIX_ROUTE_TOKENS is placed the
-same way under a key made of its scope and its prompt's first PREFIX_ROUTE_TOKENS tokens (`routing_key`), so requests
-sharing a system prompt meet on the worker whose prefix cache holds it (core.runner); shorter ones go to the least
-loaded healthy worker. A worker that fails is benched for a cool-down and its sequences and sessions are routed
-afresh. A worker whose KV cache other callers' sequences fill (a call's new rows did not fit: KVCacheFull.ahead)
-gives those rows up and takes no new sequence for FULL_AVOID_S while another healthy worker may have room.
+A running sequence sticks to the worker that holds its KV cache. A worker's load is the sequences it holds for every
+caller: this gateway's own, counted here, and other gateways' (or lanes'), as its last reply or answer to a probe
+said (`observe`; fanout asks workers not heard from for LOAD_FRESH_S before placing new sequences), so gateways that
+share a pool spread their sequences over its workers instead of each filling the first. A new sequence of a known
+session goes back to the worker that retained the session's cache (its previous turn), unless that worker is busier
+than the least loaded one by more than `max_imbalance` sequences. A session's other new sequences go to the healthy
+worker ranked first for the session by rendezvous hashing over the workers' names, so every gateway sharing a pool
+sends a session to the same worker without talking to the others, and a change in the set of workers moves only the
+sessions of the workers that came or went; a worker more than `max_imbalance` busier than the least loaded one
+spills the session to the next in rank. A new sequence without a session whose prompt is longer than
+PREFIX_ROUTE_TOKENS is placed the same way under a key made of its scope and its prompt's first PREFIX_ROUTE_TOKENS
+tokens (`routing_key`), so requests sharing a system prompt meet on the worker whose prefix cache holds it
+(core.runner); shorter ones go to the least loaded healthy worker. A worker that fails is benched for a cool-down
+and its sequences and sessions are routed afresh. A worker whose KV cache other callers' sequences fill (a call's
+new rows did not fit: KVCacheFull.ahead) gives those rows up and takes no new sequence for FULL_AVOID_S while
+another healthy worker may have room.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ MAX_SESSIONS = 100_000
 # prompt or tool list is usually longer; a prompt whose first tokens are a chat template's alone is shorter.
 PREFIX_ROUTE_TOKENS = 128
 FULL_AVOID_S = 1.0  # how long new sequences avoid a worker that other callers' sequences filled
+LOAD_FRESH_S = 0.5  # a worker's word on its load older than this is asked again before new sequences are placed
 
 
 class AffinityRouter:
@@ -43,6 +48,8 @@ class AffinityRouter:
         self.sessions: OrderedDict[str, int] = OrderedDict()  # session -> worker that retained its last sequence
         self.benched_until = [0.0] * size
         self.full_until = [0.0] * size  # new sequences go elsewhere until then (mark_full)
+        self.others = [0] * size  # sequences other callers hold on each worker, as it last said (observe)
+        self.heard_at = [float("-inf")] * size  # when each worker last said (or was last asked)
         self.session_hits = 0
 
     def healthy(self, index: int) -> bool:
@@ -58,6 +65,8 @@ class AffinityRouter:
         now = time.monotonic()
         candidates = [i for i in candidates if now >= self.full_until[i]] or candidates
         load = Counter(self.affinity.values())
+        for i in candidates:
+            load[i] += self.others[i]
         if session:
             least = min(load[i] for i in candidates)
             ranked = sorted(candidates, key=lambda i: rendezvous_score(session, self.names[i]), reverse=True)
@@ -101,6 +110,23 @@ class AffinityRouter:
                 del self.affinity[seq_id]
                 self.session_of.pop(seq_id, None)
 
+    def observe(self, index: int, held: int) -> None:
+        """Worker `index` holds `held` sequences, every caller's: those beyond this gateway's own are others'."""
+        own = sum(1 for i in self.affinity.values() if i == index)
+        self.others[index] = max(0, held - own)
+        self.heard_at[index] = time.monotonic()
+
+    def unheard(self) -> list[int]:
+        """Healthy workers not heard from (nor asked) for LOAD_FRESH_S: their load is worth asking before new
+        sequences are placed. Marks them asked, so one that does not answer is not asked again at once."""
+        if self.size == 1:
+            return []
+        now = time.monotonic()
+        stale = [i for i in range(self.size) if now - self.heard_at[i] > LOAD_FRESH_S and self.healthy(i)]
+        for i in stale:
+            self.heard_at[i] = now
+        return stale
+
     def forget(self, seq_id: str, retained: bool = False) -> int | None:
         """A sequence ended; with `retained`, its worker keeps the cache for the session's next sequence."""
         index = self.affinity.pop(seq_id, None)
@@ -118,9 +144,12 @@ class AffinityRouter:
         self.session_of = {s: v for s, v in self.session_of.items() if s in self.affinity}
         self.sessions = OrderedDict((s, moved[i]) for s, i in self.sessions.items() if moved.get(i) is not None)
         benched = dict(zip(self.names, self.benched_until, strict=True))
+        others = dict(zip(self.names, self.others, strict=True))
         self.names, self.size = list(names), len(names)
         self.benched_until = [benched.get(name, 0.0) for name in names]
         self.full_until = [0.0] * self.size
+        self.others = [others.get(name, 0) for name in names]
+        self.heard_at = [float("-inf")] * self.size
 
     def pin(self, session: str, index: int) -> None:
         """Route the session's next sequence to `index` (its cache, or state loaded from the session store)."""

@@ -105,6 +105,7 @@ class WorkerReply:
     full: tuple[int, int, bool] | None = None
     refused: tuple[str, str] | None = None
     spans: list[dict] | None = None  # finished spans of traced rows, for the gateway to export (telemetry.worker)
+    held: int | None = None  # sequences the worker holds after the call, every caller's (routing.observe)
 
 
 @dataclass(slots=True, frozen=True)
@@ -166,6 +167,11 @@ class WorkerBase:
         """`run(requests)` as a reply; while the cache cannot hold the call, `free` the held sequences of other calls
         that come after every row of it, the last first (workers.kv_order)."""
         self.order.note(requests, self.runner.states)
+        reply = self._fit(requests, run, free)
+        reply.held = len(self.runner.states)
+        return reply
+
+    def _fit(self, requests: list, run: Callable[[list], list], free: Callable[[str], None]) -> WorkerReply:
         while True:
             try:
                 return WorkerReply(results=run(requests))
@@ -200,7 +206,10 @@ class WorkerBase:
         return True
 
     def cached_sequences(self) -> int:
-        return len(self.runner.states)
+        """Sequences this worker holds for every caller (0 while a tensor-parallel rank waits for `setup`): what
+        gateways route new sequences by (routing.observe)."""
+        runner = getattr(self, "runner", None)
+        return len(runner.states) if runner is not None else 0
 
     def kv_usage(self) -> KVUsage | None:
         """This worker's KV tokens; None while its model is loading (a tensor-parallel rank before `setup`)."""
