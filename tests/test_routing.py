@@ -135,3 +135,18 @@ def test_other_callers_sequences_count_in_a_workers_load_as_it_last_said() -> No
     router.resize(["w2", "w0"])  # others' counts follow the names; a changed pool is heard afresh
     assert router.others == [0, 5] and sorted(router.unheard()) == [0, 1]
     assert AffinityRouter(1, cooldown_s=60, role="draft").unheard() == []  # one worker: nothing to choose
+
+
+def test_each_gateway_breaks_ties_in_an_order_of_its_own() -> None:
+    """Requests arriving at many gateways in the same instant, every worker idle: each gateway's first pick follows
+    its own key (its wire-id prefix), so they spread instead of all taking the first worker."""
+    names = [f"target-{i}" for i in range(4)]
+    firsts = set()
+    for gateway in range(16):
+        router = AffinityRouter(4, cooldown_s=60, role="target", names=names)
+        router.break_ties(f"gateway-{gateway}/")
+        firsts.add(router.route("r0"))
+        assert sorted(router.route(f"r{i}") for i in range(1, 4)) == sorted({0, 1, 2, 3} - {router.affinity["r0"]})
+    assert len(firsts) >= 3
+    router.resize(names[:2])  # the order is kept for the workers that stayed
+    assert router.tie_key == "gateway-15/" and len(router._tie_rank) == 2

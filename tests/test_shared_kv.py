@@ -219,12 +219,12 @@ def second_replica(ray_session, tiny_dirs):
     ray_session.kill(replica)
 
 
-def _home_on_first_replica() -> str:
-    """A session whose rendezvous rank puts replica 0 first (the pool names its replicas target-0, target-1)."""
+def _home_on(replica: int) -> str:
+    """A session whose rendezvous rank puts `replica` first (the pool names its replicas target-0, target-1)."""
     from tandem.workers.routing import rendezvous_score
 
     return next(session for session in (f"chat-{n}" for n in range(100))
-                if rendezvous_score(session, "target-0") > rendezvous_score(session, "target-1"))
+                if rendezvous_score(session, f"target-{replica}") > rendezvous_score(session, f"target-{1 - replica}"))
 
 
 def _run_in_turn(gateways: dict, tokens: dict, ended: list) -> None:
@@ -240,9 +240,9 @@ def _run_in_turn(gateways: dict, tokens: dict, ended: list) -> None:
 
 def test_a_new_request_that_a_full_replica_keeps_out_runs_on_another_with_room(tiny_models, shared_replica,
                                                                              second_replica) -> None:
-    """Gateway A's request fills replica 0; gateway B's, of the same priority and later, belongs there (its
-    session's home). Replica 0 says others fill it, so B's client routes the request to replica 1 at its next try,
-    where it runs at once and ends before A's (without the spill it waited on replica 0 for A's to end)."""
+    """Gateway A's request fills a replica; gateway B's, of the same priority and later, belongs there (its
+    session's home). That replica says others fill it, so B's client routes the request to the other at its next
+    try, where it runs at once and ends before A's (without the spill it waited for A's to end)."""
     short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     requests = {"a": (_prompt(8), GREEDY), "b": (_prompt(9), short)}
     alone = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
@@ -253,11 +253,11 @@ def test_a_new_request_that_a_full_replica_keeps_out_runs_on_another_with_room(t
     gateways["a"].add_request(*requests["a"], "a")
     for _ in range(3):
         tokens["a"] += [t for out in gateways["a"].step() for t in out.new_token_ids]
-    assert gateways["a"].verifier.router.affinity == {"a": 0}
-    gateways["b"].add_request(*requests["b"], "b", session_id=_home_on_first_replica())
+    full = gateways["a"].verifier.router.affinity["a"]
+    gateways["b"].add_request(*requests["b"], "b", session_id=_home_on(full))
     _run_in_turn(gateways, tokens, ended)
     assert tokens == expected and ended == ["b", "a"]
-    assert gateways["b"].verifier.router.full_until[0] > 0  # replica 0 did turn it away
+    assert gateways["b"].verifier.router.full_until[full] > 0  # the full replica did turn it away
 
 
 def _wait_idle(replicas: list) -> None:
@@ -272,10 +272,10 @@ def _wait_idle(replicas: list) -> None:
 
 def test_gateways_sharing_replicas_place_new_requests_by_every_gateways_load(tiny_models, shared_replica,
                                                                              second_replica) -> None:
-    """Gateway A runs a short request on replica 0 (both replicas idle, the first wins the tie). Gateway B, with no
-    sequence of its own, asks the replicas what they hold before placing its request, and places it on replica 1;
-    before, each gateway counted its own sequences alone and B's went to replica 0 as well, beside A's, while
-    replica 1 idled. Both end with their tokens alone."""
+    """Gateway A runs a short request on one replica (both idle: its own order breaks the tie). Gateway B, with no
+    sequence of its own, asks the replicas what they hold before placing its request, and places it on the other;
+    before, each gateway counted its own sequences alone, and B's went beside A's whenever B's order put that
+    replica first, while the other idled. Both end with their tokens alone."""
     replicas = [shared_replica, second_replica]
     _wait_idle(replicas)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -287,7 +287,7 @@ def test_gateways_sharing_replicas_place_new_requests_by_every_gateways_load(tin
     for name, engine in gateways.items():
         engine.add_request(prompts[name], params, name)
         tokens[name] += [t for out in engine.step() for t in out.new_token_ids]
-    assert gateways["a"].verifier.router.affinity == {"a": 0}
-    assert gateways["b"].verifier.router.affinity == {"b": 1}
+    placed = gateways["a"].verifier.router.affinity["a"]
+    assert gateways["b"].verifier.router.affinity == {"b": 1 - placed}
     _run_in_turn(gateways, tokens, [])
     assert tokens == expected

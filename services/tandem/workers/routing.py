@@ -12,10 +12,11 @@ sessions of the workers that came or went; a worker more than `max_imbalance` bu
 spills the session to the next in rank. A new sequence without a session whose prompt is longer than
 PREFIX_ROUTE_TOKENS is placed the same way under a key made of its scope and its prompt's first PREFIX_ROUTE_TOKENS
 tokens (`routing_key`), so requests sharing a system prompt meet on the worker whose prefix cache holds it
-(core.runner); shorter ones go to the least loaded healthy worker. A worker that fails is benched for a cool-down
-and its sequences and sessions are routed afresh. A worker whose KV cache other callers' sequences fill (a call's
-new rows did not fit: KVCacheFull.ahead) gives those rows up and takes no new sequence for FULL_AVOID_S while
-another healthy worker may have room.
+(core.runner); shorter ones go to the least loaded healthy worker, ties broken in an order of the gateway's own
+(`break_ties`), so requests arriving at two gateways in the same instant do not both pick the first. A worker that
+fails is benched for a cool-down and its sequences and sessions are routed afresh. A worker whose KV cache other
+callers' sequences fill (a call's new rows did not fit: KVCacheFull.ahead) gives those rows up and takes no new
+sequence for FULL_AVOID_S while another healthy worker may have room.
 """
 
 from __future__ import annotations
@@ -51,6 +52,14 @@ class AffinityRouter:
         self.others = [0] * size  # sequences other callers hold on each worker, as it last said (observe)
         self.heard_at = [float("-inf")] * size  # when each worker last said (or was last asked)
         self.session_hits = 0
+        self.tie_key = ""
+        self._tie_rank = list(range(size))  # among equally loaded workers the lowest goes first
+
+    def break_ties(self, key: str) -> None:
+        """Order equally loaded workers by rendezvous rank for `key` (a gateway's own; "" keeps index order)."""
+        self.tie_key = key
+        self._tie_rank = (list(range(self.size)) if not key else
+                          [-rendezvous_score(key, name) for name in self.names])
 
     def healthy(self, index: int) -> bool:
         return time.monotonic() >= self.benched_until[index]
@@ -72,7 +81,7 @@ class AffinityRouter:
             ranked = sorted(candidates, key=lambda i: rendezvous_score(session, self.names[i]), reverse=True)
             choice = next(i for i in ranked if load[i] <= least + self.max_imbalance)
         else:
-            choice = min(candidates, key=lambda i: (load[i], i))
+            choice = min(candidates, key=lambda i: (load[i], self._tie_rank[i]))
         preferred = self.sessions.get(session) if session and index is None else None
         if (preferred is not None and preferred in candidates
                 and load[preferred] <= load[choice] + self.max_imbalance):
@@ -150,6 +159,7 @@ class AffinityRouter:
         self.full_until = [0.0] * self.size
         self.others = [others.get(name, 0) for name in names]
         self.heard_at = [float("-inf")] * self.size
+        self.break_ties(self.tie_key)
 
     def pin(self, session: str, index: int) -> None:
         """Route the session's next sequence to `index` (its cache, or state loaded from the session store)."""
