@@ -92,6 +92,12 @@ CASES = [
     ([_series("tandem_engine_preemptions_total", "0x40", kind="kv"),
       _series("tandem_engine_preemptions_total", "0+50x40", kind="priority")],
      20, "TandemKVPreemptions", []),
+    ([_series("tandem_engine_preemptions_total", "0x40", kind="kv"),  # a shared worker freeing others' caches
+      _series("tandem_worker_kv_evictions_total", "0+1x40", job=f"{NAMESPACE}/{RELEASE}-tandem-workers",
+              pod="tandem-pools-target-0", tandem_worker_role="target")],
+     20, "TandemKVPreemptions", [{"namespace": NAMESPACE}]),
+    ([_series("tandem_worker_kv_evictions_total", "0+1x40", "other", job=f"{NAMESPACE}/{RELEASE}-tandem-workers")],
+     20, "TandemKVPreemptions", []),  # another namespace's workers
     ([_series("tandem_spec_sessions_in_fallback", "6x40"), _series("tandem_gateway_active_requests", "8x40")],
      35, "TandemSpeculationFallback", [{"namespace": NAMESPACE}]),
     ([_series("tandem_spec_sessions_in_fallback", "2x40"), _series("tandem_gateway_active_requests", "8x40")],
@@ -153,6 +159,7 @@ def exported(tiny_models) -> dict[str, set[str]]:
     worker = WorkerMetrics("draft", "draft-0", "127.0.0.1", 0, lambda: KVUsage(8, 64, 256, 0))
     try:
         worker.record("propose", [SimpleNamespace(append=[1, 2])], 0.01, lost=False)
+        worker.evicted.add(1, worker.base)
         families.append(scrape(worker.endpoint.url))
     finally:
         worker.endpoint.close()
