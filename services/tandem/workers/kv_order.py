@@ -18,7 +18,7 @@ The ranks of a tensor-parallel replica run the same calls in the same order, so 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from tandem.core.protocol import RowOrder
 
@@ -31,12 +31,13 @@ class HeldOrder:
     def __init__(self) -> None:
         self._ranks: dict[str, Rank] = {}
 
-    def note(self, requests: Sequence, held: Iterable[str]) -> None:
-        """Record each request's place; forgets sequences no longer held once those outnumber the held ones."""
+    def note(self, requests: Sequence, held: Collection[str]) -> None:
+        """Record each request's place; forgets sequences no longer held once those outnumber the held ones (the
+        sizes are compared first: most calls build no set)."""
         for request in requests:
             self._ranks[request.seq_id] = (request.order, request.seq_id)
-        keep = set(held) | {request.seq_id for request in requests}
-        if len(self._ranks) > 2 * len(keep) + 64:
+        if len(self._ranks) > 2 * (len(held) + len(requests)) + 64:
+            keep = set(held) | {request.seq_id for request in requests}
             self._ranks = {seq_id: rank for seq_id, rank in self._ranks.items() if seq_id in keep}
 
     def forget(self, seq_id: str) -> None:
