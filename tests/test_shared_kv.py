@@ -107,14 +107,24 @@ def test_a_full_draft_worker_frees_a_later_row_of_another_caller(tiny_dirs) -> N
     assert early.results is not None and set(drafter.runner.states) == {"gw1/early"} and drafter.info()["evicted"] == 1
 
 
-@pytest.fixture(scope="module")
-def shared_replica(ray_session, tiny_dirs):
+def _start_replica(tiny_dirs, kv_tokens: int = BUDGET):
+    """One tiny target replica as a Ray actor, with a KV budget of `kv_tokens`."""
     from tandem.workers.target_pool import start_target_replicas
 
     (replica,) = start_target_replicas(WorkerConfig(model=str(tiny_dirs.target), dtype="float32", threads=1,
-                                                    kv_tokens=BUDGET), count=1)
+                                                    kv_tokens=kv_tokens), count=1)
+    return replica
+
+
+def _module_replica(ray_session, tiny_dirs):
+    replica = _start_replica(tiny_dirs)
     yield replica
     ray_session.kill(replica)
+
+
+@pytest.fixture(scope="module")
+def shared_replica(ray_session, tiny_dirs):
+    yield from _module_replica(ray_session, tiny_dirs)
 
 
 def _gateway(tiny_models, replicas, name: str) -> SpeculativeEngine:
@@ -181,10 +191,7 @@ def test_a_gateway_tries_its_waiting_request_again_once_another_gateways_leave_r
     A's request ends there is room for y beside x, which B's engine learns only by trying again (nothing of its own
     finished): y then runs and ends long before x does. Each ends with its tokens alone. The gateways step in turn on
     one thread, so the order is the same every run."""
-    from tandem.workers.target_pool import start_target_replicas
-
-    (replica,) = start_target_replicas(WorkerConfig(model=str(tiny_dirs.target), dtype="float32", threads=1,
-                                                    kv_tokens=200), count=1)
+    replica = _start_replica(tiny_dirs, kv_tokens=200)
     try:
         long, short = (SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (100, 8))
         requests = {"a": (_prompt(5, 60), GREEDY), "x": (_prompt(6, 10), long), "y": (_prompt(7, 10), short)}
@@ -211,12 +218,7 @@ def test_a_gateway_tries_its_waiting_request_again_once_another_gateways_leave_r
 
 @pytest.fixture(scope="module")
 def second_replica(ray_session, tiny_dirs):
-    from tandem.workers.target_pool import start_target_replicas
-
-    (replica,) = start_target_replicas(WorkerConfig(model=str(tiny_dirs.target), dtype="float32", threads=1,
-                                                    kv_tokens=BUDGET), count=1)
-    yield replica
-    ray_session.kill(replica)
+    yield from _module_replica(ray_session, tiny_dirs)
 
 
 def _home_on(replica: int) -> str:
