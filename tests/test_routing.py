@@ -121,7 +121,7 @@ def test_a_worker_other_callers_filled_gives_up_its_new_rows_and_new_ones_avoid_
 
 def test_other_callers_sequences_count_in_a_workers_load_as_it_last_said() -> None:
     router = AffinityRouter(3, cooldown_s=60, role="target", names=["w0", "w1", "w2"])
-    assert router.unheard() == [0, 1, 2] and router.unheard() == []  # asked: not asked again at once
+    assert router.unheard() == []  # a private pool's one caller: nobody else's load to ask
     assert router.route("mine") == 0
     router.observe(0, held=3)  # mine and two of other gateways'
     router.observe(1, held=1)
@@ -132,9 +132,14 @@ def test_other_callers_sequences_count_in_a_workers_load_as_it_last_said() -> No
     # A session's home is still its rank's first worker unless that one is busier by more than the imbalance.
     router.observe(0, held=1 + 5)
     assert router.route("turn", "s") != 0
+    router.share("gw/")  # other gateways call these workers: those not heard from lately are asked
+    assert router.unheard() == []  # all three said just now
     router.resize(["w2", "w0"])  # others' counts follow the names; a changed pool is heard afresh
     assert router.others == [0, 5] and sorted(router.unheard()) == [0, 1]
-    assert AffinityRouter(1, cooldown_s=60, role="draft").unheard() == []  # one worker: nothing to choose
+    assert router.unheard() == []  # asked: not asked again at once
+    lone = AffinityRouter(1, cooldown_s=60, role="draft")
+    lone.share("gw/")
+    assert lone.unheard() == []  # one worker: nothing to choose
 
 
 def test_each_gateway_breaks_ties_in_an_order_of_its_own() -> None:
@@ -144,9 +149,9 @@ def test_each_gateway_breaks_ties_in_an_order_of_its_own() -> None:
     firsts = set()
     for gateway in range(16):
         router = AffinityRouter(4, cooldown_s=60, role="target", names=names)
-        router.break_ties(f"gateway-{gateway}/")
+        router.share(f"gateway-{gateway}/")
         firsts.add(router.route("r0"))
         assert sorted(router.route(f"r{i}") for i in range(1, 4)) == sorted({0, 1, 2, 3} - {router.affinity["r0"]})
     assert len(firsts) >= 3
     router.resize(names[:2])  # the order is kept for the workers that stayed
-    assert router.tie_key == "gateway-15/" and len(router._tie_rank) == 2
+    assert router.shared_as == "gateway-15/" and len(router._tie_rank) == 2

@@ -191,7 +191,7 @@ class RayPoolClient:
     def __init__(self, workers: list, router: AffinityRouter, prefix: str = "", ranks_per_worker: int = 1) -> None:
         """`ranks_per_worker`: a shared pool's tensor-parallel replica's ranks behind the rank 0 this client calls."""
         self.workers, self.router, self.ids = workers, router, WireIds(prefix)
-        router.break_ties(prefix)  # each gateway's own order among equally loaded workers
+        router.share(prefix)  # a prefix: other gateways or lanes call these workers too
         self.trace_carriers: TraceCarriers | None = None  # given by the gateway's engine loop (carry_trace)
         self._offered: tuple[list, list[str]] | None = None
         self.ranks_per_worker = ranks_per_worker

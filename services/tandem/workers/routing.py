@@ -1,22 +1,22 @@
 """Session-to-worker routing shared by the draft pool and the target replicas.
 
 A running sequence sticks to the worker that holds its KV cache. A worker's load is the sequences it holds for every
-caller: this gateway's own, counted here, and other gateways' (or lanes'), as its last reply or answer to a probe
-said (`observe`; fanout asks workers not heard from for LOAD_FRESH_S before placing new sequences), so gateways that
-share a pool spread their sequences over its workers instead of each filling the first. A new sequence of a known
-session goes back to the worker that retained the session's cache (its previous turn), unless that worker is busier
-than the least loaded one by more than `max_imbalance` sequences. A session's other new sequences go to the healthy
-worker ranked first for the session by rendezvous hashing over the workers' names, so every gateway sharing a pool
-sends a session to the same worker without talking to the others, and a change in the set of workers moves only the
-sessions of the workers that came or went; a worker more than `max_imbalance` busier than the least loaded one
-spills the session to the next in rank. A new sequence without a session whose prompt is longer than
-PREFIX_ROUTE_TOKENS is placed the same way under a key made of its scope and its prompt's first PREFIX_ROUTE_TOKENS
-tokens (`routing_key`), so requests sharing a system prompt meet on the worker whose prefix cache holds it
-(core.runner); shorter ones go to the least loaded healthy worker, ties broken in an order of the gateway's own
-(`break_ties`), so requests arriving at two gateways in the same instant do not both pick the first. A worker that
-fails is benched for a cool-down and its sequences and sessions are routed afresh. A worker whose KV cache other
-callers' sequences fill (a call's new rows did not fit: KVCacheFull.ahead) gives those rows up and takes no new
-sequence for FULL_AVOID_S while another healthy worker may have room.
+caller: this gateway's own, counted here, and, where other callers share the workers (`share`), theirs as its last
+reply or answer to a probe said (`observe`; fanout asks workers not heard from for LOAD_FRESH_S before placing new
+sequences), so gateways that share a pool spread their sequences over its workers instead of each filling the first.
+A new sequence of a known session goes back to the worker that retained the session's cache (its previous turn),
+unless that worker is busier than the least loaded one by more than `max_imbalance` sequences. A session's other new
+sequences go to the healthy worker ranked first for the session by rendezvous hashing over the workers' names, so
+every gateway sharing a pool sends a session to the same worker without talking to the others, and a change in the
+set of workers moves only the sessions of the workers that came or went; a worker more than `max_imbalance` busier
+than the least loaded one spills the session to the next in rank. A new sequence without a session whose prompt is
+longer than PREFIX_ROUTE_TOKENS is placed the same way under a key made of its scope and its prompt's first
+PREFIX_ROUTE_TOKENS tokens (`routing_key`), so requests sharing a system prompt meet on the worker whose prefix
+cache holds it (core.runner); shorter ones go to the least loaded healthy worker, ties broken in an order of the
+gateway's own (`share`), so requests arriving at two gateways in the same instant do not both pick the first. A
+worker that fails is benched for a cool-down and its sequences and sessions are routed afresh. A worker whose KV
+cache other callers' sequences fill (a call's new rows did not fit: KVCacheFull.ahead) gives those rows up and takes
+no new sequence for FULL_AVOID_S while another healthy worker may have room.
 """
 
 from __future__ import annotations
@@ -52,12 +52,14 @@ class AffinityRouter:
         self.others = [0] * size  # sequences other callers hold on each worker, as it last said (observe)
         self.heard_at = [float("-inf")] * size  # when each worker last said (or was last asked)
         self.session_hits = 0
-        self.tie_key = ""
+        self.shared_as = ""  # this caller's key where others call the same workers (share)
         self._tie_rank = list(range(size))  # among equally loaded workers the lowest goes first
 
-    def break_ties(self, key: str) -> None:
-        """Order equally loaded workers by rendezvous rank for `key` (a gateway's own; "" keeps index order)."""
-        self.tie_key = key
+    def share(self, key: str) -> None:
+        """Other callers (gateways, lanes, canary arms) use these workers too, and `key` is this one's own (its
+        wire-id prefix): workers are asked for their load (`unheard`), and equally loaded ones are taken in rendezvous
+        rank for `key`, so callers differ. "" (a private pool's one caller): neither."""
+        self.shared_as = key
         self._tie_rank = (list(range(self.size)) if not key else
                           [-rendezvous_score(key, name) for name in self.names])
 
@@ -128,7 +130,7 @@ class AffinityRouter:
     def unheard(self) -> list[int]:
         """Healthy workers not heard from (nor asked) for LOAD_FRESH_S: their load is worth asking before new
         sequences are placed. Marks them asked, so one that does not answer is not asked again at once."""
-        if self.size == 1:
+        if self.size == 1 or not self.shared_as:
             return []
         now = time.monotonic()
         stale = [i for i in range(self.size) if now - self.heard_at[i] > LOAD_FRESH_S and self.healthy(i)]
@@ -159,7 +161,7 @@ class AffinityRouter:
         self.full_until = [0.0] * self.size
         self.others = [others.get(name, 0) for name in names]
         self.heard_at = [float("-inf")] * self.size
-        self.break_ties(self.tie_key)
+        self.share(self.shared_as)
 
     def pin(self, session: str, index: int) -> None:
         """Route the session's next sequence to `index` (its cache, or state loaded from the session store)."""
