@@ -3,14 +3,16 @@ too busy, benched workers lose their sequences and sessions."""
 
 from __future__ import annotations
 
-from tandem.workers.routing import AffinityRouter
+from tandem.core.config import SamplingParams
+from tandem.core.protocol import DraftProposal, DraftRequest, VerifyRequest, WorkerLoad
+from tandem.workers.routing import AffinityRouter, routing_tokens
 
 
 def test_new_sequences_go_to_the_least_loaded_worker_and_stick() -> None:
     router = AffinityRouter(3, cooldown_s=60, role="draft")
     assert [router.route(f"r{i}") for i in range(4)] == [0, 1, 2, 0]
     assert router.route("r1") == 1
-    assert router.group([("r0", ""), ("r1", ""), ("r5", "")]) == {0: [0], 1: [1, 2]}
+    assert router.group([("r0", "", 0), ("r1", "", 0), ("r5", "", 0)]) == {0: [0], 1: [1, 2]}
 
 
 def test_a_sessions_next_sequence_returns_to_its_worker_within_the_imbalance() -> None:
@@ -123,14 +125,14 @@ def test_other_callers_sequences_count_in_a_workers_load_as_it_last_said() -> No
     router = AffinityRouter(3, cooldown_s=60, role="target", names=["w0", "w1", "w2"])
     assert router.unheard() == []  # a private pool's one caller: nobody else's load to ask
     assert router.route("mine") == 0
-    router.observe(0, held=3)  # mine and two of other gateways'
-    router.observe(1, held=1)
+    router.observe(0, WorkerLoad(3))  # mine and two of other gateways'
+    router.observe(1, WorkerLoad(1))
     assert router.others == [2, 1, 0]
     assert [router.route(f"n{i}") for i in range(3)] == [2, 1, 2]  # by every caller's load: 3, 1, 0 to begin
-    router.observe(2, held=1)  # only my two, as it says: none of others' (never below 0)
+    router.observe(2, WorkerLoad(1))  # only my two, as it says: none of others' (never below 0)
     assert router.others[2] == 0
     # A session's home is still its rank's first worker unless that one is busier by more than the imbalance.
-    router.observe(0, held=1 + 5)
+    router.observe(0, WorkerLoad(1 + 5))
     assert router.route("turn", "s") != 0
     router.share("gw/")  # other gateways call these workers: those not heard from lately are asked
     assert router.unheard() == []  # all three said just now
@@ -155,3 +157,27 @@ def test_each_gateway_breaks_ties_in_an_order_of_its_own() -> None:
     assert len(firsts) >= 3
     router.resize(names[:2])  # the order is kept for the workers that stayed
     assert router.shared_as == "gateway-15/" and len(router._tie_rank) == 2
+
+
+def test_a_new_sequence_goes_where_its_length_fits_the_kv_budget_as_the_worker_said() -> None:
+    """Worker 0 runs one long sequence, worker 1 two short ones (every caller's), both under a budget of 96 tokens,
+    a slot per sequence as long as the longest. By sequences worker 0 is the least loaded, but a 20-token sequence
+    fits only beside worker 1's; a short one, or one of unknown length, goes by load as before."""
+    router = AffinityRouter(2, cooldown_s=60, role="target", names=["w0", "w1"])
+    router.share("gw/")
+    router.observe(0, WorkerLoad(1, longest=53, capacity=96))
+    router.observe(1, WorkerLoad(2, longest=11, capacity=96))
+    assert router.route("long", tokens=21) == 1  # 2 x 53 > 96 on worker 0; 3 x 21 <= 96 on worker 1
+    assert router.route("short", tokens=0) == 0  # length not judged: the least loaded (1 against 3)
+    assert router.route("next", tokens=40) == 0  # fits nowhere (4 x 40 on worker 1): by load, as before
+    assert router.route("turn", "chat", tokens=21) == 1  # a session's rank gives way too
+    router.observe(0, WorkerLoad(0, capacity=96))  # worker 0's long sequence ended
+    router.loads[1] = None  # a worker not heard from: its room is not judged
+    assert router.route("again", tokens=60) in (0, 1)
+
+
+def test_a_rows_routing_tokens_are_its_sequence_as_long_as_the_row_makes_it() -> None:
+    greedy = SamplingParams(temperature=0.0)
+    assert routing_tokens(DraftRequest("d", 4, [1, 2], 3, greedy)) == 4 + 2 + 1 + 3
+    assert routing_tokens(VerifyRequest("v", 0, [1, 2, 3], DraftProposal([5, 6]), greedy)) == 3 + 1 + 2
+    assert routing_tokens(VerifyRequest("v", 2, [1], None, greedy)) == 2 + 1 + 1

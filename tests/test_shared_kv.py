@@ -12,7 +12,7 @@ import pytest
 
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.engine import SpeculativeEngine
-from tandem.core.protocol import DraftRequest, RowOrder, VerifyRequest
+from tandem.core.protocol import DraftRequest, RowOrder, VerifyRequest, WorkerLoad
 from tandem.engines.local import build_engine
 from tandem.workers.worker_base import WorkerConfig
 from telemetry_helpers import scrape, value
@@ -221,12 +221,14 @@ def second_replica(ray_session, tiny_dirs):
     yield from _module_replica(ray_session, tiny_dirs)
 
 
-def _home_on(replica: int) -> str:
-    """A session whose rendezvous rank puts `replica` first (the pool names its replicas target-0, target-1)."""
+def _home_on(replica: int, nth: int = 0) -> str:
+    """The `nth` session whose rendezvous rank puts `replica` first (the pool names its replicas target-0,
+    target-1)."""
     from tandem.workers.routing import rendezvous_score
 
-    return next(session for session in (f"chat-{n}" for n in range(100))
-                if rendezvous_score(session, f"target-{replica}") > rendezvous_score(session, f"target-{1 - replica}"))
+    homed = (session for session in (f"chat-{n}" for n in range(100))
+             if rendezvous_score(session, f"target-{replica}") > rendezvous_score(session, f"target-{1 - replica}"))
+    return [next(homed) for _ in range(nth + 1)][-1]
 
 
 def _run_in_turn(gateways: dict, tokens: dict, ended: list) -> None:
@@ -241,10 +243,15 @@ def _run_in_turn(gateways: dict, tokens: dict, ended: list) -> None:
 
 
 def test_a_new_request_that_a_full_replica_keeps_out_runs_on_another_with_room(tiny_models, shared_replica,
-                                                                             second_replica) -> None:
+                                                                             second_replica, monkeypatch) -> None:
     """Gateway A's request fills a replica; gateway B's, of the same priority and later, belongs there (its
-    session's home). That replica says others fill it, so B's client routes the request to the other at its next
-    try, where it runs at once and ends before A's (without the spill it waited for A's to end)."""
+    session's home), and B last heard both replicas idle (just before A's request came: what it heard stays fresh
+    here, so B does not ask again and places by it). That replica says others fill it, so B's client routes the
+    request to the other at its next try, where it runs at once and ends before A's (without the spill it waited
+    for A's to end)."""
+    from tandem.workers import routing
+
+    monkeypatch.setattr(routing, "LOAD_FRESH_S", 3600.0)
     short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     requests = {"a": (_prompt(8), GREEDY), "b": (_prompt(9), short)}
     alone = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
@@ -256,6 +263,8 @@ def test_a_new_request_that_a_full_replica_keeps_out_runs_on_another_with_room(t
     for _ in range(3):
         tokens["a"] += [t for out in gateways["a"].step() for t in out.new_token_ids]
     full = gateways["a"].verifier.router.affinity["a"]
+    for index in range(2):
+        gateways["b"].verifier.router.observe(index, WorkerLoad(0, capacity=BUDGET))
     gateways["b"].add_request(*requests["b"], "b", session_id=_home_on(full))
     _run_in_turn(gateways, tokens, ended)
     assert tokens == expected and ended == ["b", "a"]
@@ -291,5 +300,36 @@ def test_gateways_sharing_replicas_place_new_requests_by_every_gateways_load(tin
         tokens[name] += [t for out in engine.step() for t in out.new_token_ids]
     placed = gateways["a"].verifier.router.affinity["a"]
     assert gateways["b"].verifier.router.affinity == {"b": 1 - placed}
+    _run_in_turn(gateways, tokens, [])
+    assert tokens == expected
+
+
+def test_a_new_request_goes_to_the_replica_whose_kv_budget_holds_it(tiny_models, shared_replica,
+                                                                    second_replica) -> None:
+    """Gateway A runs a long request on one replica and two short ones on the other (their sessions' home). Gateway
+    B's request of 20 tokens fits only beside the short ones (a slot per sequence, as long as the longest): what the
+    replicas say they hold (their longest sequence, their budget) places it there at once, and it has its first
+    token from its first step. Counting sequences alone, B sent it to the replica that holds one, was turned away
+    there (A's request is ahead of it) and tried the other a step later. All end with their tokens alone."""
+    replicas = [shared_replica, second_replica]
+    _wait_idle(replicas)
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    requests = {"a": (_prompt(12), GREEDY, _home_on(0)), "c1": (_prompt(13, 10), short, _home_on(1)),
+                "c2": (_prompt(14, 10), short, _home_on(1, 1)), "b": (_prompt(15, 20), short, "")}
+    alone = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
+    expected = {name: alone.generate([prompt], params)[0].token_ids for name, (prompt, params, _) in requests.items()}
+    gateways = {name: _gateway(tiny_models, replicas, name) for name in ("A", "B")}
+    tokens: dict[str, list[int]] = {name: [] for name in requests}
+    for name, (prompt, params, session) in requests.items():
+        if name != "b":
+            gateways["A"].add_request(prompt, params, name, session_id=session)
+    for _ in range(3):  # the long request holds its prompt and a few tokens, the short ones their prompts
+        for out in gateways["A"].step():
+            tokens[out.request_id] += out.new_token_ids
+    assert gateways["A"].verifier.router.affinity == {"a": 0, "c1": 1, "c2": 1}
+    gateways["B"].add_request(*requests["b"][:2], "b")
+    tokens["b"] += [t for out in gateways["B"].step() for t in out.new_token_ids]
+    router = gateways["B"].verifier.router
+    assert router.affinity == {"b": 1} and tokens["b"] and router.full_until == [0.0, 0.0]
     _run_in_turn(gateways, tokens, [])
     assert tokens == expected

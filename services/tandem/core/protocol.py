@@ -43,6 +43,21 @@ class KVCacheFull(RuntimeError):
 
 
 @dataclass(slots=True, frozen=True)
+class WorkerLoad:
+    """What a worker holds for every caller, as gateways place new sequences by it (workers.routing): its running
+    sequences, the cached tokens of the longest, and its KV token budget (0: not known yet). The cache gives every
+    sequence a slot as long as the longest (core.runner `_fit`); retained sessions' caches make way for new ones."""
+
+    sequences: int
+    longest: int = 0
+    capacity: int = 0
+
+    def fits(self, sequences: int, tokens: int) -> bool:
+        """Whether `sequences` running sequences, one of them `tokens` long, fit the budget."""
+        return not self.capacity or sequences * max(tokens, self.longest) <= self.capacity
+
+
+@dataclass(slots=True, frozen=True)
 class KVUsage:
     """KV cache tokens of a runner, or summed over a pool's workers: `used` hold keys and values (running sequences
     and retained sessions), `reserved` is what the caches have room for (slots x capacity, allocated or about to

@@ -219,6 +219,12 @@ class ModelRunner:
             held = [*self.states.values(), *self.retained.values()]
         return sum(state.cached for state in held)
 
+    def running_load(self) -> tuple[int, int]:
+        """The active sequences and the cached tokens of the longest; safe from another thread, as kv_tokens_used."""
+        with self._moving:
+            running = [*self.states.values()]
+        return len(running), max((state.cached for state in running), default=0)
+
     @property
     def kv_tokens_reserved(self) -> int:
         """Tokens the cache has room for (slots x capacity), allocated or about to be; within kv_tokens_capacity."""

@@ -120,7 +120,7 @@ class CallBatcher:
         for call in calls:
             end = start + len(call.requests)
             call.reply = WorkerReply(results=reply.results[start:end] if reply.results is not None else None,
-                                     lost=reply.lost, full=reply.full, refused=reply.refused, held=reply.held)
+                                     lost=reply.lost, full=reply.full, refused=reply.refused, load=reply.load)
             start = end
 
     def _forward(self, calls: list[_Call], merged: list) -> WorkerReply | None:

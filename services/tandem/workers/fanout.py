@@ -14,7 +14,7 @@ from tandem.core.protocol import KVCacheFull, KVUsage, TraceCarriers, WorkerHeal
 from tandem.errors import RequestRefused
 from tandem.telemetry import tracing
 from tandem.workers.pace import Pace
-from tandem.workers.routing import AffinityRouter, routing_key
+from tandem.workers.routing import AffinityRouter, routing_key, routing_tokens
 from tandem.workers.tp_replica import TensorParallelReplica
 from tandem.workers.worker_base import ray_failures
 
@@ -71,7 +71,7 @@ def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, re
     out = FanoutResult(results=[None] * len(requests))
     if any(r.seq_id not in router.affinity for r in requests):
         hear_loads(workers, router)
-    groups = router.group([(r.seq_id, routing_key(r)) for r in requests])
+    groups = router.group([(r.seq_id, routing_key(r), routing_tokens(r)) for r in requests])
     carriers = {ids.to_wire(seq_id): carrier for seq_id, carrier in carriers.items()} if carriers else carriers
     requests = [dataclasses.replace(r, seq_id=ids.to_wire(r.seq_id)) for r in requests]
     batches = {index: [requests[row] for row in rows] for index, rows in groups.items() if index is not None}
@@ -93,8 +93,8 @@ def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, re
             continue
         if pace is not None:
             pace.observe(time.monotonic() - sent, batches[index])
-        if reply.held is not None:
-            router.observe(index, reply.held)
+        if reply.load is not None:
+            router.observe(index, reply.load)
         if reply.spans:
             tracing.relay(reply.spans)
         if reply.lost:
@@ -117,17 +117,19 @@ def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, re
 
 
 def hear_loads(workers: list, router: AffinityRouter, timeout_s: float = LOAD_PROBE_TIMEOUT_S) -> None:
-    """Ask the workers the router has not heard from lately how many sequences they hold (rank 0 of a
-    tensor-parallel replica), waiting `timeout_s` at most: new sequences are then placed by every caller's load."""
-    asked = {_first_rank(workers[i]).cached_sequences.remote(): i for i in router.unheard()}
+    """Ask the workers the router has not heard from lately what they hold (rank 0 of a tensor-parallel replica),
+    waiting `timeout_s` at most: new sequences are then placed by every caller's load."""
+    asked = {_first_rank(workers[i]).load.remote(): i for i in router.unheard()}
     if not asked:
         return
     ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=timeout_s)
     for ref in ready:
         try:
-            router.observe(asked[ref], ray.get(ref))
+            load = ray.get(ref)
         except ray_failures():
             continue
+        if load is not None:
+            router.observe(asked[ref], load)
 
 
 def _first_rank(worker):

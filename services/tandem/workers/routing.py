@@ -4,6 +4,10 @@ A running sequence sticks to the worker that holds its KV cache. A worker's load
 caller: this gateway's own, counted here, and, where other callers share the workers (`share`), theirs as its last
 reply or answer to a probe said (`observe`; fanout asks workers not heard from for LOAD_FRESH_S before placing new
 sequences), so gateways that share a pool spread their sequences over its workers instead of each filling the first.
+A new sequence goes to a worker whose KV budget, as it last said, holds it beside the sequences running there (every
+caller's, and those this gateway placed since), where one does (`WorkerLoad.fits`): a long prompt is not sent to the
+least loaded worker when that one's cache cannot take it while another's can (it would be refused, or free a
+sequence of a lower priority there, for nothing).
 A new sequence of a known session goes back to the worker that retained the session's cache (its previous turn),
 unless that worker is busier than the least loaded one by more than `max_imbalance` sequences. A session's other new
 sequences go to the healthy worker ranked first for the session by rendezvous hashing over the workers' names, so
@@ -25,6 +29,8 @@ import hashlib
 import logging
 import time
 from collections import Counter, OrderedDict
+
+from tandem.core.protocol import WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +56,7 @@ class AffinityRouter:
         self.benched_until = [0.0] * size
         self.full_until = [0.0] * size  # new sequences go elsewhere until then (mark_full)
         self.others = [0] * size  # sequences other callers hold on each worker, as it last said (observe)
+        self.loads: list[WorkerLoad | None] = [None] * size  # each worker's last word on what it holds (observe)
         self.heard_at = [float("-inf")] * size  # when each worker last said (or was last asked)
         self.session_hits = 0
         self.shared_as = ""  # this caller's key where others call the same workers (share)
@@ -66,7 +73,8 @@ class AffinityRouter:
     def healthy(self, index: int) -> bool:
         return time.monotonic() >= self.benched_until[index]
 
-    def route(self, seq_id: str, session: str = "") -> int | None:
+    def route(self, seq_id: str, session: str = "", tokens: int = 0) -> int | None:
+        """The worker of a sequence (None: no healthy one); a new one's `tokens`: how long it is (0: not judged)."""
         index = self.affinity.get(seq_id)
         if index is not None and self.healthy(index):
             return index
@@ -78,6 +86,7 @@ class AffinityRouter:
         load = Counter(self.affinity.values())
         for i in candidates:
             load[i] += self.others[i]
+        candidates = [i for i in candidates if self._fits(i, load[i] + 1, tokens)] or candidates
         if session:
             least = min(load[i] for i in candidates)
             ranked = sorted(candidates, key=lambda i: rendezvous_score(session, self.names[i]), reverse=True)
@@ -94,11 +103,17 @@ class AffinityRouter:
             self.session_of[seq_id] = session
         return choice
 
-    def group(self, keys: list[tuple[str, str]]) -> dict[int | None, list[int]]:
-        """Row numbers per worker index (None: no healthy worker), for (sequence, session) pairs."""
+    def _fits(self, index: int, sequences: int, tokens: int) -> bool:
+        """Whether worker `index` has room for `sequences` running sequences, one `tokens` long, as it last said
+        (a worker not heard from yet, or a sequence of unknown length: yes; the worker itself has the last word)."""
+        said = self.loads[index]
+        return said is None or not tokens or said.fits(sequences, tokens)
+
+    def group(self, keys: list[tuple[str, str, int]]) -> dict[int | None, list[int]]:
+        """Row numbers per worker index (None: no healthy worker), for (sequence, session, tokens) triples."""
         groups: dict[int | None, list[int]] = {}
-        for row, (seq_id, session) in enumerate(keys):
-            groups.setdefault(self.route(seq_id, session), []).append(row)
+        for row, (seq_id, session, tokens) in enumerate(keys):
+            groups.setdefault(self.route(seq_id, session, tokens), []).append(row)
         return groups
 
     def bench(self, index: int, why: str) -> list[str]:
@@ -121,10 +136,12 @@ class AffinityRouter:
                 del self.affinity[seq_id]
                 self.session_of.pop(seq_id, None)
 
-    def observe(self, index: int, held: int) -> None:
-        """Worker `index` holds `held` sequences, every caller's: those beyond this gateway's own are others'."""
+    def observe(self, index: int, load: WorkerLoad) -> None:
+        """Worker `index` holds what `load` says, for every caller: its sequences beyond this gateway's own are
+        others'."""
         own = sum(1 for i in self.affinity.values() if i == index)
-        self.others[index] = max(0, held - own)
+        self.others[index] = max(0, load.sequences - own)
+        self.loads[index] = load
         self.heard_at[index] = time.monotonic()
 
     def unheard(self) -> list[int]:
@@ -156,10 +173,12 @@ class AffinityRouter:
         self.sessions = OrderedDict((s, moved[i]) for s, i in self.sessions.items() if moved.get(i) is not None)
         benched = dict(zip(self.names, self.benched_until, strict=True))
         others = dict(zip(self.names, self.others, strict=True))
+        loads = dict(zip(self.names, self.loads, strict=True))
         self.names, self.size = list(names), len(names)
         self.benched_until = [benched.get(name, 0.0) for name in names]
         self.full_until = [0.0] * self.size
         self.others = [others.get(name, 0) for name in names]
+        self.loads = [loads.get(name) for name in names]
         self.heard_at = [float("-inf")] * self.size
         self.share(self.shared_as)
 
@@ -182,6 +201,13 @@ def routing_key(request) -> str:
         return ""
     head = b"".join(token.to_bytes(4, "little") for token in request.append[:PREFIX_ROUTE_TOKENS])
     return f"\0prefix\0{request.cache_scope}\0{hashlib.blake2b(head, digest_size=8).hexdigest()}"
+
+
+def routing_tokens(request) -> int:
+    """How long a call's row makes its sequence (a DraftRequest or VerifyRequest): what a new one needs of a KV
+    budget (`AffinityRouter.route`)."""
+    drafted = request.k if hasattr(request, "k") else len(request.draft.tokens) if request.draft else 0
+    return request.keep + len(request.append) + 1 + drafted
 
 
 def rendezvous_score(key: str, worker: str) -> int:

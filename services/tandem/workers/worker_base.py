@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tandem.core.config import DEFAULT_RETAIN_TOKENS
-from tandem.core.protocol import KVCacheFull, KVUsage, StateLost
+from tandem.core.protocol import KVCacheFull, KVUsage, StateLost, WorkerLoad
 from tandem.errors import RequestRefused, TandemError, WorkerStartFailed
 from tandem.hostinfo import host_facts
 from tandem.pools.names import NAMESPACE
@@ -105,7 +105,7 @@ class WorkerReply:
     full: tuple[int, int, bool] | None = None
     refused: tuple[str, str] | None = None
     spans: list[dict] | None = None  # finished spans of traced rows, for the gateway to export (telemetry.worker)
-    held: int | None = None  # sequences the worker holds after the call, every caller's (routing.observe)
+    load: WorkerLoad | None = None  # what the worker holds after the call, for every caller (routing.observe)
 
 
 @dataclass(slots=True, frozen=True)
@@ -168,7 +168,7 @@ class WorkerBase:
         that come after every row of it, the last first (workers.kv_order)."""
         self.order.note(requests, self.runner.states)
         reply = self._fit(requests, run, free)
-        reply.held = len(self.runner.states)
+        reply.load = self.load()
         return reply
 
     def _fit(self, requests: list, run: Callable[[list], list], free: Callable[[str], None]) -> WorkerReply:
@@ -206,10 +206,18 @@ class WorkerBase:
         return True
 
     def cached_sequences(self) -> int:
-        """Sequences this worker holds for every caller (0 while a tensor-parallel rank waits for `setup`): what
-        gateways route new sequences by (routing.observe)."""
+        """Sequences this worker holds for every caller (0 while a tensor-parallel rank waits for `setup`)."""
         runner = getattr(self, "runner", None)
         return len(runner.states) if runner is not None else 0
+
+    def load(self) -> WorkerLoad | None:
+        """What this worker holds for every caller, as gateways place new sequences by it (routing.observe); None
+        while a tensor-parallel rank waits for `setup`. Answered on the actor's call threads, even mid-forward."""
+        runner = getattr(self, "runner", None)
+        if runner is None:
+            return None
+        sequences, longest = runner.running_load()
+        return WorkerLoad(sequences, longest, runner.kv_tokens_capacity)
 
     def kv_usage(self) -> KVUsage | None:
         """This worker's KV tokens; None while its model is loading (a tensor-parallel rank before `setup`)."""
