@@ -162,14 +162,15 @@ def test_each_gateway_breaks_ties_in_an_order_of_its_own() -> None:
 def test_a_new_sequence_goes_where_its_length_fits_the_kv_budget_as_the_worker_said() -> None:
     """Worker 0 runs one long sequence, worker 1 two short ones (every caller's), both under a budget of 96 tokens,
     a slot per sequence as long as the longest. By sequences worker 0 is the least loaded, but a 20-token sequence
-    fits only beside worker 1's; a short one, or one of unknown length, goes by load as before."""
+    fits only beside worker 1's. Among workers it fits (or where none does) a sequence goes where it would fill the
+    smallest share of the budget: beside sequences of its own length rather than in a slot as long as another's."""
     router = AffinityRouter(2, cooldown_s=60, role="target", names=["w0", "w1"])
     router.share("gw/")
     router.observe(0, WorkerLoad(1, longest=53, capacity=96))
     router.observe(1, WorkerLoad(2, longest=11, capacity=96))
     assert router.route("long", tokens=21) == 1  # 2 x 53 > 96 on worker 0; 3 x 21 <= 96 on worker 1
-    assert router.route("short", tokens=0) == 0  # length not judged: the least loaded (1 against 3)
-    assert router.route("next", tokens=40) == 0  # fits nowhere (4 x 40 on worker 1): by load, as before
+    assert router.route("short", tokens=0) == 1  # with the short ones: 4 x 11 of 96 against 2 x 53
+    assert router.route("next", tokens=40) == 0  # fits nowhere: where it fills the least (2 x 53 against 5 x 40)
     assert router.route("turn", "chat", tokens=21) == 1  # a session's rank gives way too
     router.observe(0, WorkerLoad(0, capacity=96))  # worker 0's long sequence ended
     router.loads[1] = None  # a worker not heard from: its room is not judged

@@ -16,7 +16,9 @@ set of workers moves only the sessions of the workers that came or went; a worke
 than the least loaded one spills the session to the next in rank. A new sequence without a session whose prompt is
 longer than PREFIX_ROUTE_TOKENS is placed the same way under a key made of its scope and its prompt's first
 PREFIX_ROUTE_TOKENS tokens (`routing_key`), so requests sharing a system prompt meet on the worker whose prefix
-cache holds it (core.runner); shorter ones go to the least loaded healthy worker, ties broken in an order of the
+cache holds it (core.runner); shorter ones go to the healthy worker whose KV budget they would fill the least (a
+slot per sequence as long as the longest: a long prompt beside long sequences, a short one beside short ones; a
+worker that has not said its budget counts as empty), then to the least loaded, ties broken in an order of the
 gateway's own (`share`), so requests arriving at two gateways in the same instant do not both pick the first. A
 worker that fails is benched for a cool-down and its sequences and sessions are routed afresh. A worker whose KV
 cache other callers' sequences fill (a call's new rows did not fit: KVCacheFull.ahead) gives those rows up and takes
@@ -92,7 +94,7 @@ class AffinityRouter:
             ranked = sorted(candidates, key=lambda i: rendezvous_score(session, self.names[i]), reverse=True)
             choice = next(i for i in ranked if load[i] <= least + self.max_imbalance)
         else:
-            choice = min(candidates, key=lambda i: (load[i], self._tie_rank[i]))
+            choice = min(candidates, key=lambda i: (self._fill(i, load[i] + 1, tokens), load[i], self._tie_rank[i]))
         preferred = self.sessions.get(session) if session and index is None else None
         if (preferred is not None and preferred in candidates
                 and load[preferred] <= load[choice] + self.max_imbalance):
@@ -108,6 +110,15 @@ class AffinityRouter:
         (a worker not heard from yet, or a sequence of unknown length: yes; the worker itself has the last word)."""
         said = self.loads[index]
         return said is None or not tokens or said.fits(sequences, tokens)
+
+    def _fill(self, index: int, sequences: int, tokens: int) -> float:
+        """The share of worker `index`'s KV budget that `sequences` running sequences, one `tokens` long, would take,
+        as it last said (0: not known): a long prompt goes where the slots are long already, a short one where they
+        are short, and KV is left for the sequences to grow."""
+        said = self.loads[index]
+        if said is None or not said.capacity:
+            return 0.0
+        return sequences * max(tokens, said.longest) / said.capacity
 
     def group(self, keys: list[tuple[str, str, int]]) -> dict[int | None, list[int]]:
         """Row numbers per worker index (None: no healthy worker), for (sequence, session, tokens) triples."""
