@@ -247,8 +247,8 @@ def test_a_new_request_that_a_full_replica_keeps_out_runs_on_another_with_room(t
     """Gateway A's request fills a replica; gateway B's, of the same priority and later, belongs there (its
     session's home), and B last heard both replicas idle (just before A's request came: what it heard stays fresh
     here, so B does not ask again and places by it). That replica says others fill it, so B's client routes the
-    request to the other at its next try, where it runs at once and ends before A's (without the spill it waited
-    for A's to end)."""
+    request to the other at its next try, under a new wire id, where it runs at once and ends before A's (without the
+    spill it waited for A's to end)."""
     from tandem.workers import routing
 
     monkeypatch.setattr(routing, "LOAD_FRESH_S", 3600.0)
@@ -266,9 +266,18 @@ def test_a_new_request_that_a_full_replica_keeps_out_runs_on_another_with_room(t
     for index in range(2):
         gateways["b"].verifier.router.observe(index, WorkerLoad(0, capacity=BUDGET))
     gateways["b"].add_request(*requests["b"], "b", session_id=_home_on(full))
+    ids, wires = gateways["b"].verifier.ids, []
+
+    def to_wire(seq_id: str, named=ids.to_wire) -> str:  # the wire ids B's calls name
+        wires.append(named(seq_id))
+        return wires[-1]
+
+    monkeypatch.setattr(ids, "to_wire", to_wire)
     _run_in_turn(gateways, tokens, ended)
     assert tokens == expected and ended == ["b", "a"]
     assert gateways["b"].verifier.router.full_until[full] > 0  # the full replica did turn it away
+    # The spilled request runs elsewhere under a new wire id: the release sent to the full replica names the old one.
+    assert len(dict.fromkeys(wires)) == 2, wires
 
 
 def _wait_idle(replicas: list) -> None:

@@ -104,9 +104,12 @@ def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, re
             out.full = KVCacheFull(*reply.full)
             if out.full.ahead:  # others fill it: its new rows try another worker (one they may have started freed)
                 fresh = [requests[row].seq_id for row in groups[index] if not requests[row].keep]  # wire ids
-                router.mark_full(index, [ids.from_wire(wire) for wire in fresh])
+                spilled = [ids.from_wire(wire) for wire in fresh]
+                router.mark_full(index, spilled)
                 if fresh:
                     workers[index].release.remote(fresh)
+                for seq_id in spilled:  # its next call, wherever it goes, under a new wire id: this release, still
+                    ids.drop(seq_id)    # in flight, cannot drop what that call starts (even back on this worker)
             continue
         if reply.refused:
             out.refused = RequestRefused(ids.from_wire(reply.refused[0]), reply.refused[1])
