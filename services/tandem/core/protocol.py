@@ -52,9 +52,17 @@ class WorkerLoad:
     longest: int = 0
     capacity: int = 0
 
+    def reserved(self, sequences: int, tokens: int) -> int:
+        """The KV tokens `sequences` running sequences, one of them `tokens` long, take here."""
+        return sequences * max(tokens, self.longest)
+
     def fits(self, sequences: int, tokens: int) -> bool:
         """Whether `sequences` running sequences, one of them `tokens` long, fit the budget."""
-        return not self.capacity or sequences * max(tokens, self.longest) <= self.capacity
+        return not self.capacity or self.reserved(sequences, tokens) <= self.capacity
+
+    def fill(self, sequences: int, tokens: int) -> float:
+        """The share of the budget they take (0.0 while the budget is not known)."""
+        return self.reserved(sequences, tokens) / self.capacity if self.capacity else 0.0
 
 
 @dataclass(slots=True, frozen=True)

@@ -116,9 +116,7 @@ class AffinityRouter:
         as it last said (0: not known): a long prompt goes where the slots are long already, a short one where they
         are short, and KV is left for the sequences to grow."""
         said = self.loads[index]
-        if said is None or not said.capacity:
-            return 0.0
-        return sequences * max(tokens, said.longest) / said.capacity
+        return said.fill(sequences, tokens) if said is not None else 0.0
 
     def group(self, keys: list[tuple[str, str, int]]) -> dict[int | None, list[int]]:
         """Row numbers per worker index (None: no healthy worker), for (sequence, session, tokens) triples."""
