@@ -16,9 +16,9 @@ its own, alternately, ROUNDS times:
     PYTHONPATH=services python docs/bench/kv-placement-v1.py docs/bench/kv-placement-v1.json \
         now=services before=/tmp/before/services
 
-A round of the three gateways' steps takes 30-40 ms here, so the half second a gateway trusts a worker's word on its
-load (routing.LOAD_FRESH_S) spans 10-15 rounds, about as many as on a GPU; on the real pair on these CPUs it spans one
-or two. `--load-fresh-s=0.02` sets it in both variants (both have it) to about one round.
+A round of the three gateways' steps took 30-40 ms on CPU-B, so the half second a gateway trusts a worker's word on
+its load (routing.LOAD_FRESH_S) spans 10-15 rounds (on a GPU, by estimate, as many steps or more; on the real pair on
+these CPUs one or two). `--load-fresh-s=0.02` sets it in every variant (all have it) to about one round.
 """
 
 from __future__ import annotations
