@@ -50,6 +50,28 @@ def test_split_decode_equals_sdpa_over_prefix_masks(rows, heads, kv_heads, width
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("split", [64, 256])
+def test_other_splits_of_the_keys_give_the_same_result(split: int) -> None:
+    """Keys per thread block other than SPLIT (the sizes the GPU probe times beside it): rows reaching different
+    splits, a verify width."""
+    query, key, value, mask = _inputs(3, 12, 2, 5, 3 * SPLIT + 17, 64)
+    torch.testing.assert_close(split_decode(query, key, value, mask, 0.1, split=split),
+                               _sdpa(query, key, value, mask, 0.1), rtol=1e-5, atol=1e-5)
+
+
+def test_the_probe_times_each_split_against_pytorchs_pick() -> None:
+    """tandem.bench.gpu_measures.attention_costs names the kernel at SPLIT and at TRITON_SPLITS, each checked
+    against sdpa before it is timed (a mismatch is recorded as an error, not a time)."""
+    from tandem.bench import gpu_measures
+
+    costs = gpu_measures.attention_costs(DEVICE, {"default": None, "triton": gpu_measures.TRITON}, caps=(200,),
+                                         rows=(1,), widths=(3,), reps=10)
+    names = ["default", "triton"] + [f"triton_split{split}" for split in gpu_measures.TRITON_SPLITS]
+    assert list(costs) == names
+    assert all(isinstance(seconds, float) and seconds > 0
+               for by_shape in costs.values() for seconds in by_shape.values())
+
+
 def test_without_a_mask_every_key_is_seen_and_the_scale_defaults_to_sdpas() -> None:
     query, key, value, _ = _inputs(2, 12, 2, 1, 2 * SPLIT + 5, 64)
     torch.testing.assert_close(split_decode(query, key, value, None), _sdpa(query, key, value, None),

@@ -117,6 +117,7 @@ def allocated_per_step(eng_factory, work: list[list[int]], contexts: tuple[int, 
 
 FLEX = "flex"  # attention_costs' name for core.flex_decode among sets of sdpa kernels
 TRITON = "triton"  # and for core.triton_decode (imported only when asked for: Triton is there on a GPU machine)
+TRITON_SPLITS = (64, 256)  # keys per thread block timed beside core.triton_decode.SPLIT, as triton_split<n>
 TOLERANCE = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float32: dict(rtol=1e-5, atol=1e-5)}
 
 
@@ -138,6 +139,11 @@ def attention_costs(device: torch.device, backends: dict[str, tuple | str | None
         from tandem.core.triton_decode import split_decode
 
         kernels[TRITON] = split_decode
+        for split in TRITON_SPLITS:
+            name = f"{TRITON}_split{split}"
+            kernels[name] = partial(split_decode, split=split)
+            backends = backends | {name: name}
+            out[name] = {}
     kernels = {name: torch.compile(fn, dynamic=True) if device.type == "cuda" else fn for name, fn in kernels.items()}
     for cap in caps:
         for row in rows:
@@ -150,7 +156,7 @@ def attention_costs(device: torch.device, backends: dict[str, tuple | str | None
                 expected = _attend(None, q, k, v, mask)
                 for name, chosen in backends.items():
                     try:
-                        if chosen in (FLEX, TRITON):  # the same keys and mask, the query heads unstacked
+                        if chosen in kernels:  # the same keys and mask, the query heads unstacked
                             heads = q.reshape(row, kv_heads, groups, width, dim).flatten(1, 2)
                             call = partial(_stacked, kernels[chosen], heads, k, v, mask[:, :, :width])
                         else:

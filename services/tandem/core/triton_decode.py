@@ -11,7 +11,8 @@ are then merged by their softmax statistics (as flash-decoding does), in plain t
 The keys a query sees are a prefix of the buffer: [0, limit] for that query's limit. The runner's static forwards
 build such masks (core.cuda_graphs: each row's cached length plus the query's column), and `limits` reads them back
 as the count of allowed keys. Used only where core.attention says (TANDEM_GPU_ATTENTION=triton), on a GPU, inside
-compiled forwards; the tests run the kernel under Triton's interpreter on a CPU where Triton is installed.
+compiled forwards; the tests run the kernel under Triton's interpreter on a CPU where Triton is installed, and
+build it for sm_90 (tests/test_triton_decode_build.py), since the interpreter does not check Triton's types.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def _split_attention(Q, K, V, LIMITS, REACH, ACC, MAX, SUM, scale, width, querie
         n = split * SPLIT + start + tl.arange(0, BLOCK_N)
         inside = n < end
         k = tl.load(K + row * sk_r + kv * sk_h + n[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        # scale arrives as float64 where inductor launches the kernel: kept, it would make `top` change type
+        scores = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale).to(tl.float32)
         scores = tl.where((n[None, :] <= limit[:, None]) & inside[None, :], scores, float("-inf"))
         new_top = tl.maximum(top, tl.max(scores, 1))
         shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # a query that has seen no key yet stays at 0
@@ -72,33 +74,42 @@ def _split_attention(Q, K, V, LIMITS, REACH, ACC, MAX, SUM, scale, width, querie
 
 @triton_op("tandem::split_attention", mutates_args=())
 def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, limits: torch.Tensor,
-                    reach: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per split: the unnormalised outputs [rows, kv_heads, splits, groups x width, dim] (float32), their max scores
-    and sums of exponentials [rows, kv_heads, splits, groups x width]. limits [rows, width] (int32): the last key
-    each query sees; reach [rows] (int32): one past a row's furthest key."""
+                    reach: torch.Tensor, scale: float, split: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per split of `split` keys: the unnormalised outputs [rows, kv_heads, splits, groups x width, dim] (float32),
+    their max scores and sums of exponentials [rows, kv_heads, splits, groups x width]. limits [rows, width] (int32):
+    the last key each query sees; reach [rows] (int32): one past a row's furthest key."""
     rows, heads, width, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
-    splits = triton.cdiv(length, SPLIT)
+    splits = triton.cdiv(length, split)
     queries = groups * width
     acc = query.new_empty((rows, kv_heads, splits, queries, dim), dtype=torch.float32)
     top = query.new_empty((rows, kv_heads, splits, queries), dtype=torch.float32)
     total = torch.empty_like(top)
-    block_m = max(16, triton.next_power_of_2(groups * (1 if width == 1 else MAX_WIDTH)))
     wrap_triton(_split_attention)[(rows * kv_heads, splits)](
         query, key, value, limits, reach, acc, top, total, scale, width, queries,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
-        KV_HEADS=kv_heads, GROUPS=groups, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLIT=SPLIT, D=dim,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=4 if block_m <= 32 else 8)
+        **launch_settings(kv_heads, groups, width, dim, query.dtype, split))
     return acc, top, total
 
 
+def launch_settings(kv_heads: int, groups: int, width: int, dim: int, dtype: torch.dtype,
+                    split: int = SPLIT) -> dict:
+    """The kernel's compile-time arguments and warps for a call: one block holds all the queries of a (row, key/value
+    head) pair, for a width up to MAX_WIDTH where the forward is wider than one token, over `split` keys (a multiple
+    of BLOCK_N)."""
+    block_m = max(16, triton.next_power_of_2(groups * (1 if width == 1 else MAX_WIDTH)))
+    return {"KV_HEADS": kv_heads, "GROUPS": groups, "BLOCK_M": block_m, "BLOCK_N": BLOCK_N, "SPLIT": split, "D": dim,
+            "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "num_warps": 4 if block_m <= 32 else 8}
+
+
 def split_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                 scale: float | None = None) -> torch.Tensor:
+                 scale: float | None = None, split: int = SPLIT) -> torch.Tensor:
     """query [rows, heads, width, dim]; key and value [rows, kv_heads, length, dim] (last dimension contiguous),
     query head h reading key/value head h // (heads // kv_heads); mask [rows, 1, width, length] booleans, each
-    query's a prefix of the keys, or None (every key). Returns [rows, heads, width, dim] in the query's dtype."""
+    query's a prefix of the keys, or None (every key); `split` keys per thread block (a multiple of BLOCK_N). Returns
+    [rows, heads, width, dim] in the query's dtype."""
     rows, heads, width, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     if mask is None:
@@ -108,7 +119,7 @@ def split_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     reach = (limits.amax(-1) + 1).to(torch.int32)
     acc, top, total = split_attention(query, key.contiguous() if key.stride(-1) != 1 else key,
                                       value.contiguous() if value.stride(-1) != 1 else value, limits.contiguous(),
-                                      reach, dim**-0.5 if scale is None else scale)
+                                      reach, dim**-0.5 if scale is None else scale, split)
     # Merge the splits: each split's sums rescaled to the largest max; splits that saw no key weigh 0.
     best = top.amax(2, keepdim=True).clamp_min(-1e30)
     weight = torch.exp(top - best)
