@@ -50,10 +50,10 @@ def test_split_decode_equals_sdpa_over_prefix_masks(rows, heads, kv_heads, width
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("split", [64, 256])
+@pytest.mark.parametrize("split", [64, 256, 1024])
 def test_other_splits_of_the_keys_give_the_same_result(split: int) -> None:
     """Keys per thread block other than SPLIT (the sizes the GPU probe times beside it): rows reaching different
-    splits, a verify width."""
+    splits, a verify width; at 1024 one split holds every key, and nothing is merged."""
     query, key, value, mask = _inputs(3, 12, 2, 5, 3 * SPLIT + 17, 64)
     torch.testing.assert_close(split_decode(query, key, value, mask, 0.1, split=split),
                                _sdpa(query, key, value, mask, 0.1), rtol=1e-5, atol=1e-5)

@@ -8,8 +8,8 @@
 #    float64-scale fix; [4-TRITON] (speculative widths) never ran;
 # 2. the forward and end-to-end A/B of the runner's default against the Triton kernel in one run (that sitting
 #    timed them in two calls on two machines: 2.285 against 2.313 ms a forward, not comparable);
-# 3. attention alone per kernel, the Triton kernel at 64, 128 and 256 keys per thread block beside cuDNN's (the
-#    probe's first figure; the rest of the probe is cut by the timeout).
+# 3. attention alone per kernel, the Triton kernel at 64, 128, 256 and 1024 keys per thread block beside cuDNN's
+#    (the probe's first figure; the rest of the probe is cut by the timeout).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=services PYTHONUNBUFFERED=1

@@ -51,7 +51,7 @@ def _split_attention(Q, K, V, LIMITS, REACH, ACC, MAX, SUM, scale, width, querie
     top = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     total = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
-    for start in range(0, SPLIT, BLOCK_N):  # a fixed count: tiles past the row's reach load nothing and add 0
+    for start in range(0, end - split * SPLIT, BLOCK_N):  # up to the row's reach: a split past it walks nothing
         n = split * SPLIT + start + tl.arange(0, BLOCK_N)
         inside = n < end
         k = tl.load(K + row * sk_r + kv * sk_h + n[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
@@ -120,10 +120,12 @@ def split_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     acc, top, total = split_attention(query, key.contiguous() if key.stride(-1) != 1 else key,
                                       value.contiguous() if value.stride(-1) != 1 else value, limits.contiguous(),
                                       reach, dim**-0.5 if scale is None else scale, split)
-    # Merge the splits: each split's sums rescaled to the largest max; splits that saw no key weigh 0.
-    best = top.amax(2, keepdim=True).clamp_min(-1e30)
-    weight = torch.exp(top - best)
     # A query that sees no key at all (none does in the runner's masks) gets zeros rather than sdpa's NaN.
-    out = (acc * weight[..., None]).sum(2) / (total * weight).sum(2).clamp_min(1e-30)[..., None]
+    if acc.shape[2] == 1:  # one split holds every key: nothing to merge
+        out = acc[:, :, 0] / total[:, :, 0].clamp_min(1e-30)[..., None]
+    else:  # each split's sums rescaled to the largest max; splits that saw no key weigh 0
+        best = top.amax(2, keepdim=True).clamp_min(-1e30)
+        weight = torch.exp(top - best)
+        out = (acc * weight[..., None]).sum(2) / (total * weight).sum(2).clamp_min(1e-30)[..., None]
     groups = heads // kv_heads
     return out.view(rows, kv_heads, groups, width, dim).reshape(rows, heads, width, dim).to(query.dtype)
