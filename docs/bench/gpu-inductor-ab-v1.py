@@ -10,7 +10,8 @@ by side. Measured, the variants interleaved, the
 starting one alternating:
 - one 1-token forward of the target at 256 cached tokens, logits on the device (median of `--reps`), per round;
 - a profile of 20 such forwards: kernels launched and GPU kernel time per forward, the rest being gaps and host;
-- plain decoding at batch 1 through the engine (tok/s end to end, `--rounds` runs of 2 prompts x `--tokens`);
+- plain decoding at batch 1 through the engine (tok/s end to end, `--rounds` runs of 2 prompts x `--tokens`), and a
+  profile of it per token decoded (GPU kernel time against wall time, kernels launched);
 - the draft's 1-token step, where there is time left (`--deadline-s`).
 
 The H200 sitting of 2026-11-30 (docs/performance.md, "On a GPU") ran, each a fresh process:
@@ -103,6 +104,14 @@ class Variant:
         self.prime()
         return {"tok_s": len(work) * tokens / seconds, "seconds": seconds}
 
+    def profile_decode(self, prompt: list[int], tokens: int) -> dict:
+        """kernel_share of plain decoding one prompt, per token decoded (its prefill included, as end to end)."""
+        share = kernel_share(lambda: self.plain_b1([prompt], tokens), top=15)
+        return {"wall_per_token_s": share["wall_s"] / tokens, "kernel_s_per_token": share["kernel_s"] / tokens,
+                "launches_per_token": share["launches"] / tokens,
+                "top_kernels": [{"name": k["name"][:100], "launches_per_token": k["launches"] / tokens,
+                                 "us_per_token": k["seconds"] * 1e6 / tokens} for k in share["top_kernels"]]}
+
     def status(self) -> dict:
         graphs = self.runner.graphs
         return {"compiled": graphs.compiled, "compile_error": graphs.compile_error, "captures": graphs.captures,
@@ -175,6 +184,9 @@ def main() -> None:
         pooled = {v: 2 * args.rounds * args.tokens / sum(x["seconds"] for x in xs) for v, xs in runs.items()}
         log("plain_b1_end_to_end", {v: {"tok_s": t, "share_of_limit": weight_bytes * t / hbm if hbm else None,
                                          "runs": runs[v]} for v, t in pooled.items()})
+        for vname in order:  # per decoded token: what of the wall time is GPU kernels, and how many run outside
+            if time_left() > 20:  # the forward's graph (the head, the choice, the engine's own)
+                log(f"profile_decode_{vname}", variants[vname].profile_decode(work[0], args.tokens))
     if time_left() > 120:
         draft = build("draft", device, dtype)
         stack_on_gpu(draft)

@@ -7,7 +7,9 @@
 # 1. the Triton kernel's equality tests inside compiled CUDA graphs: only [None-TRITON] passed there, after the
 #    float64-scale fix; [4-TRITON] (speculative widths) never ran;
 # 2. the forward and end-to-end A/B of the runner's default against the Triton kernel in one run (that sitting
-#    timed them in two calls on two machines: 2.285 against 2.313 ms a forward, not comparable);
+#    timed them in two calls on two machines: 2.285 against 2.313 ms a forward, not comparable), with a profile of
+#    plain decoding per token: how much of the end-to-end time (2.6 ms a token on 2026-11-30 against a 2.27 ms
+#    forward) is GPU kernels, and what runs outside the forward's graph;
 # 3. attention alone per kernel, the Triton kernel at 64, 128, 256 and 1024 keys per thread block beside cuDNN's
 #    (the probe's first figure; the rest of the probe is cut by the timeout).
 set -uo pipefail
