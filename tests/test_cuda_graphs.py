@@ -6,6 +6,8 @@ Needs a GPU (skipped elsewhere); run on a lent one with `python -m pytest tests/
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -128,6 +130,33 @@ def test_sampling_on_the_gpu_keeps_seeded_tokens_whatever_k(cuda_models) -> None
                                EngineConfig(spec=SpecConfig(k_max=4, k_init=4, adaptive=False), calibrate=False))
     results = engine.generate(PROMPTS, unseeded)
     assert all(len(r.token_ids) == 24 for r in results) and sum(r.stats["drafted"] for r in results) > 0
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True),
+], ids=["greedy", "seeded", "sampled"])
+def test_a_plain_decode_step_waits_for_the_gpu_once(cuda_models, params) -> None:
+    """One device-to-host transfer per step, and nothing else that waits for the GPU: torch's sync debug mode warns
+    on every call that does (a blocking copy either way, .item(), .tolist(), ...). Once the step's graph is captured,
+    a decode step waits once, for its outcome, so the head and the choice are queued while the forward still runs."""
+    target, _ = cuda_models[torch.bfloat16]
+    engine = SpeculativeEngine(LocalVerifier(ModelRunner(target.model, cuda_graphs=True, compile=False)), None,
+                               EngineConfig(spec=SpecConfig(enabled=False), calibrate=False, max_batch=1))
+    engine.add_request(PROMPTS[1], params)
+    for _ in range(4):  # the prefill, then steps that capture the decode graph
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    waits = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(waits) == 1, waits
 
 
 @pytest.mark.parametrize("kernel", ["FLEX", "TRITON"])

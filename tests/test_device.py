@@ -209,3 +209,31 @@ def test_a_real_gpu_hidden_by_cuda_visible_devices() -> None:
     assert "auto cpu" in out.stdout, out.stderr
     assert "error device: 'cuda' requested, but " in out.stdout and "CUDA_VISIBLE_DEVICES=''" in out.stdout
     assert "WARNING" not in out.stderr
+
+
+def test_on_device_makes_the_tensor_asked_for_and_leaves_one_in_place_alone() -> None:
+    made = dev.on_device([3, 1, 2], "cpu", torch.long)
+    assert made.dtype == torch.long and made.tolist() == [3, 1, 2]
+    assert dev.on_device([0.5, 1.0], torch.device("cpu")).dtype == torch.float32
+    kept = torch.arange(4)
+    assert dev.on_device(kept, "cpu") is kept  # nothing copied where it already is
+    assert dev.on_device(kept, "cpu", torch.float64).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@gpu
+def test_on_device_copies_to_a_gpu_without_waiting_for_it_and_to_the_host_with() -> None:
+    """torch's sync debug mode raises on any call that waits for the GPU: the copy from the host must not (a plain
+    torch.tensor(..., device="cuda") does), the copy back must (its data has to be there when read)."""
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # work queued ahead of the copies
+        busy = busy @ busy / 4096
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        on_gpu = dev.on_device([1, 2, 3], "cuda")
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            torch.tensor([1, 2, 3], device="cuda")
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            dev.on_device(on_gpu, "cpu")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert on_gpu.tolist() == [1, 2, 3]

@@ -12,6 +12,9 @@
 #    forward) is GPU kernels, and what runs outside the forward's graph;
 # 3. attention alone per kernel, the Triton kernel at 64, 128, 256 and 1024 keys per thread block beside cuDNN's
 #    (the probe's first figure; the rest of the probe is cut by the timeout).
+# The tests also run two written after that sitting, never yet on a GPU: a plain decode step waits for the GPU
+# once (tests/test_cuda_graphs.py, torch's sync debug mode), and core.device.on_device's copies to a GPU do not wait
+# (tests/test_device.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=services PYTHONUNBUFFERED=1
@@ -25,12 +28,14 @@ note "$(python3 -c 'import torch, transformers, triton; print("torch", torch.__v
     transformers.__version__, "triton", triton.__version__)' 2>&1)"
 graphs=tests/test_cuda_graphs.py::test_graphs_attending_with_flex_or_triton_give_the_hf_greedy_tokens_in_float32
 # The graph tests first, so that a cut leaves them run; the probe's own test is left to the probe below.
-timeout 150 python3 -m pytest -o addopts="" -q -rA -p no:cacheprovider "$graphs[4-TRITON]" "$graphs[None-TRITON]" \
+timeout 170 python3 -m pytest -o addopts="" -q -rA -p no:cacheprovider "$graphs[4-TRITON]" "$graphs[None-TRITON]" \
+    tests/test_cuda_graphs.py::test_a_plain_decode_step_waits_for_the_gpu_once \
+    tests/test_device.py::test_on_device_copies_to_a_gpu_without_waiting_for_it_and_to_the_host_with \
     tests/test_triton_decode.py --deselect \
     tests/test_triton_decode.py::test_the_probe_times_each_split_against_pytorchs_pick \
     > "$out/gpu-tests-triton-v3.log" 2>&1
 note "tests: exit $? ($(tail -1 "$out/gpu-tests-triton-v3.log"))"
-timeout 260 python3 docs/bench/gpu-inductor-ab-v1.py --variants cublas,cublas_triton --rounds 8 --deadline-s 235 \
+timeout 250 python3 docs/bench/gpu-inductor-ab-v1.py --variants cublas,cublas_triton --rounds 8 --deadline-s 225 \
     --json "$out/gpu-triton-ab-v3.json" > "$out/gpu-triton-ab-v3.log" 2>&1
 note "A/B: exit $?"
 left=$((540 - ($(date +%s) - started)))

@@ -146,6 +146,18 @@ def select_device(name: str = "auto") -> torch.device:
     return device
 
 
+def on_device(data, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`data` (a list, or a tensor) as a tensor on `device`; from the host to a GPU, queued behind the device's work
+    rather than waiting for it. torch's blocking copy to a GPU synchronizes the stream once it is queued: in a decode
+    step that holds the host until the forward ends before it queues the head and the choice, so the GPU idles while
+    they are launched. From ordinary (pageable) memory CUDA reads the data before the call returns, so the
+    temporary may go at once. Any other copy (to the host above all, whose data must have arrived when it is read)
+    stays blocking."""
+    tensor = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    to_gpu = tensor.device.type == "cpu" and torch.device(device).type != "cpu"
+    return tensor.to(device, dtype=dtype or tensor.dtype, non_blocking=to_gpu)
+
+
 def select_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         if device.type == "cuda":

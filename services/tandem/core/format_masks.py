@@ -40,6 +40,7 @@ from llguidance.torch import (
 )
 
 from tandem.core.config import OutputFormat
+from tandem.core.device import on_device
 from tandem.core.formats import format_tokenizer, grammar_of
 from tandem.core.protocol import DraftRequest, VerifyRequest
 from tandem.core.sequence import SequenceState
@@ -167,10 +168,10 @@ class FormatMasks:
             for seq_id, matcher, _, _, spent in rows:
                 self._check(seq_id, matcher, spent)
         written = (masks != -1).any(dim=1).nonzero().flatten()  # a written mask leaves ids past the vocabulary out
-        part = _unpack(masks[written].to(logits.device), logits.shape[-1])
+        part = _unpack(on_device(masks[written], logits.device), logits.shape[-1])
         part |= ~part.any(dim=-1, keepdim=True)  # nothing of the scored vocabulary: left as it is
         allowed = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
-        allowed[written.to(logits.device)] = part
+        allowed[on_device(written, logits.device)] = part
         # One pass that also makes the new float32 tensor: writing -inf into the rows picked by index cost 1.45x as
         # much (17.6 against 12.2 ms for 40 positions of a 152k vocabulary on 2 cores, format-masks-unpack-v1.json).
         logits = torch.where(allowed, logits.to(torch.float32), float("-inf"))
@@ -256,7 +257,7 @@ _BYTE_BITS = ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1).to(torch
 
 def _unpack(masks: torch.Tensor, vocab: int) -> torch.Tensor:
     """[n, words] int32 bitmasks -> [n, vocab] bool (ids past the masks' bits: refused)."""
-    table = _BYTE_BITS.to(masks.device)
+    table = on_device(_BYTE_BITS, masks.device)
     bits = torch.nn.functional.embedding(masks.view(torch.uint8).long(), table).flatten(1).bool()
     if bits.shape[1] >= vocab:
         return bits[:, :vocab]

@@ -28,6 +28,8 @@ import psutil
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from tandem.core.device import on_device
+
 
 @dataclass(slots=True)
 class Step:
@@ -53,7 +55,7 @@ class Step:
             columns = torch.arange(len(rows)) - torch.repeat_interleave(counts_.cumsum(0) - counts_, counts_)
             source = (torch.zeros_like(rows), torch.arange(len(rows))) if packed else (rows, columns)
             index = torch.stack([rows + lo, torch.tensor(starts)[rows] + columns, *source])
-            step.index = tuple(index.to(device))
+            step.index = tuple(on_device(index, device))
         return step
 
     def segments(self, device: torch.device) -> list[tuple[int, int, int, int, torch.Tensor | None]]:
@@ -95,7 +97,7 @@ class Step:
         # A row that is only padding (count 0) sees its cached keys, or key 0 if it has none: never an empty row.
         last = torch.tensor(self.counts)[:, None] - 1
         limits = (torch.tensor(self.starts)[:, None] + torch.minimum(torch.arange(width)[None], last)).clamp_(min=0)
-        allowed = torch.arange(self.length, device=device) <= limits.to(device)[:, None, :, None]
+        allowed = torch.arange(self.length, device=device) <= on_device(limits, device)[:, None, :, None]
         if dtype == torch.bool:
             return allowed
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)

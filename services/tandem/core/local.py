@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.core.costs import CATCH_UP_ALONE_ABOVE
+from tandem.core.device import on_device
 from tandem.core.logprobs import TokenLogprob
 from tandem.core.penalties import draft_step_logits, verification_logits
 from tandem.core.prompt_logprobs import split_prompt_rows
@@ -303,11 +304,11 @@ class LocalVerifier(InProcessSide):
             return torch.cat([pick.new_zeros(1), pick])
         device, dist = probs.device, request.draft.dist
         accepted, next_token = accept_sampled(
-            torch.tensor([tokens], dtype=torch.long, device=device),
-            SparseDist(torch.tensor(dist.ids, device=device)[None], torch.tensor(dist.probs, device=device)[None]),
+            on_device([tokens], device, torch.long),
+            SparseDist(on_device(dist.ids, device)[None], on_device(dist.probs, device)[None]),
             probs.unsqueeze(0),
-            keyed_uniforms(seed, range(position, position + k), ACCEPT_STREAM).unsqueeze(0).to(device),
-            resample.unsqueeze(0).to(device),
+            on_device(keyed_uniforms(seed, range(position, position + k), ACCEPT_STREAM).unsqueeze(0), device),
+            on_device(resample.unsqueeze(0), device),
         )
         return torch.cat([accepted, next_token])
 
@@ -363,6 +364,6 @@ def _emitted_tokens(request: VerifyRequest, drafts: list[int], outcome: torch.Te
     if request.params.greedy or request.params.reproducible:
         return outcome  # the target's choices: equal to the accepted drafts, then the next token
     accepted, next_token = outcome[0], outcome[1]
-    drafted = torch.tensor(drafts + [0], dtype=outcome.dtype, device=outcome.device)
+    drafted = on_device(drafts + [0], outcome.device, outcome.dtype)
     positions = torch.arange(len(drafts) + 1, device=outcome.device)
     return torch.where(positions < accepted, drafted, next_token)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from tandem.core.config import SamplingParams
+from tandem.core.device import on_device
 from tandem.core.protocol import DraftRequest, VerifyRequest
 from tandem.core.sequence import SequenceState
 
@@ -42,14 +43,14 @@ def reshape_(logits: torch.Tensor, params: SamplingParams, context: Sequence[int
     if params.logit_bias:
         biased = [(token, bias) for token, bias in params.logit_bias if token < vocab]
         if biased:
-            ids = torch.tensor([token for token, _ in biased], dtype=torch.long, device=device)
-            logits[:, ids] += torch.tensor([bias for _, bias in biased], dtype=torch.float32, device=device)
+            ids = on_device([token for token, _ in biased], device, torch.long)
+            logits[:, ids] += on_device([bias for _, bias in biased], device, torch.float32)
     penalize_repeats = params.repetition_penalty != 1.0
     penalize_output = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
     if not (penalize_repeats or penalize_output):
         return logits
     drafts = list(drafts[: width - 1])
-    tokens = torch.tensor(list(context) + drafts, dtype=torch.long, device=device)
+    tokens = on_device(list(context) + drafts, device, torch.long)
     kept = tokens < vocab
     # Columns: the distinct ids the context and drafts hold; `column` maps each token to its own.
     columns, column = torch.unique(torch.where(kept, tokens, 0), return_inverse=True)
@@ -59,8 +60,8 @@ def reshape_(logits: torch.Tensor, params: SamplingParams, context: Sequence[int
     drafted = torch.zeros(width, distinct, dtype=torch.float32, device=device)  # row i: drafts[:i]
     if drafts:
         pairs = [(row, length + j) for j in range(len(drafts)) for row in range(j + 1, width)]
-        rows = torch.tensor([row for row, _ in pairs], dtype=torch.long, device=device)
-        at = torch.tensor([index for _, index in pairs], dtype=torch.long, device=device)
+        rows = on_device([row for row, _ in pairs], device, torch.long)
+        at = on_device([index for _, index in pairs], device, torch.long)
         drafted.index_put_((rows, column[at]), ones[at], accumulate=True)
     scores = logits[:, columns]
     if penalize_repeats:

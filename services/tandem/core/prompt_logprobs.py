@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from tandem.core.device import on_device
 from tandem.core.logprobs import TokenLogprob
 from tandem.core.protocol import VerifyRequest
 from tandem.core.sequence import SequenceState
@@ -30,7 +31,7 @@ def score_prompt(hidden: torch.Tensor, logits: Logits, tokens: list[int], top: i
     alternatives, brought to the host at once. The logits are made and reduced ROWS_AT_ONCE positions at a time."""
     if not tokens:
         return []
-    ids = torch.tensor(tokens, device=hidden.device)
+    ids = on_device(tokens, hidden.device)
     width = 0
     parts = []
     for start in range(0, len(tokens), ROWS_AT_ONCE):

@@ -34,6 +34,7 @@ from tandem.core import cpu_attention
 from tandem.core.attention import SEGMENTS, forward_lock, packed
 from tandem.core.config import DEFAULT_RETAIN_TOKENS
 from tandem.core.cuda_graphs import MAX_WIDTH, ROW_BUCKETS, GraphedForward
+from tandem.core.device import on_device
 from tandem.core.kv_cache import SlotCache, Step, cache_keyword, default_kv_tokens
 from tandem.core.prefixes import MIN_SHARED_PREFIX, PREFIX, Key, best_source, common_prefix, redundant
 from tandem.core.protocol import KVCacheFull
@@ -332,7 +333,7 @@ class ModelRunner:
         picks = [first[state.slot] + col for state, new, want in zip(states, news, wants, strict=True)
                  for col in range(len(new) - want, len(new))]
         hidden = hidden.reshape(-1, hidden.shape[-1])
-        hidden = hidden.index_select(0, torch.tensor(picks, device=self.device)).unsqueeze(0)
+        hidden = hidden.index_select(0, on_device(picks, self.device)).unsqueeze(0)
         return self.head(hidden)[0] if head else hidden[0]
 
     def _run_model(self, fed: dict[int, list[int]], lo: int, hi: int, width: int) -> tuple[torch.Tensor, dict]:
@@ -358,7 +359,7 @@ class ModelRunner:
                 segments = None
             self.cache.step = step
             try:
-                hidden = self._hidden(ids.to(self.device), positions.to(self.device), mask, segments)
+                hidden = self._hidden(on_device(ids, self.device), on_device(positions, self.device), mask, segments)
             finally:
                 self.cache.step = None
         return hidden, first

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.core.config import SamplingParams
+from tandem.core.device import on_device
 
 
 @dataclass(slots=True)
@@ -21,7 +22,7 @@ class SparseDist:
     probs: torch.Tensor  # [n, m] float32, rows sum to 1
 
     def to(self, device: torch.device | str) -> SparseDist:
-        return SparseDist(self.ids.to(device), self.probs.to(device))
+        return SparseDist(on_device(self.ids, device), on_device(self.probs, device))
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -69,7 +70,7 @@ def sample_index(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     53-bit uniform keeps its resolution (a float32 one just under 1 would round to 1 and pick past the last
     token with mass)."""
     cdf = probs.to(torch.float64).cumsum(dim=-1)
-    target = uniform.to(cdf.device, cdf.dtype).unsqueeze(-1) * cdf[:, -1:]
+    target = on_device(uniform, cdf.device, cdf.dtype).unsqueeze(-1) * cdf[:, -1:]
     index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     return index.clamp_(max=probs.shape[-1] - 1)
 
@@ -103,7 +104,7 @@ def gumbel_noise(seed: int, position: int, vocab: int, device: torch.device | st
     """[vocab] float32 standard Gumbel noise for one token position, drawn on the CPU so every device agrees."""
     generator = torch.Generator().manual_seed(random_key(seed, position, GUMBEL_STREAM))
     uniform = torch.rand(vocab, generator=generator, dtype=torch.float32).clamp_(min=1e-20)
-    return (-torch.log(-torch.log(uniform))).to(device)
+    return on_device(-torch.log(-torch.log(uniform)), device)
 
 
 def gumbel_choice(probs: torch.Tensor, seed: int, first_position: int) -> torch.Tensor:
@@ -115,4 +116,4 @@ def gumbel_choice(probs: torch.Tensor, seed: int, first_position: int) -> torch.
     log_probs = probs.log()
     vocab = log_probs.shape[-1]
     noise = torch.stack([gumbel_noise(seed, first_position + i, vocab) for i in range(log_probs.shape[0])])
-    return (log_probs + noise.to(log_probs.device, log_probs.dtype)).argmax(dim=-1)
+    return (log_probs + on_device(noise, log_probs.device, log_probs.dtype)).argmax(dim=-1)
