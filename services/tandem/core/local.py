@@ -149,9 +149,12 @@ class LocalDrafter(InProcessSide):
                     dists[i].append(dist)
             self._stop_unsure(rows, [top for _, top in picked], budget, step)
         for proposal, row_dists in zip(proposals, dists, strict=True):
-            if row_dists:  # to the host once per proposal: it may travel to a verifier elsewhere
-                proposal.dist = DraftDist(torch.cat([d.ids for d in row_dists]).cpu().numpy(),
-                                          torch.cat([d.probs for d in row_dists]).cpu().numpy())
+            if row_dists:  # to the host in one transfer per proposal: it may travel to a verifier elsewhere
+                ids = torch.cat([d.ids for d in row_dists])
+                # ids ride as float64 beside the probabilities: exact for any vocabulary below 2**53
+                host = torch.cat([ids.double(), torch.cat([d.probs for d in row_dists]).double()], dim=1).cpu()
+                proposal.dist = DraftDist(host[:, : ids.shape[1]].long().numpy(),
+                                          host[:, ids.shape[1] :].to(row_dists[0].probs.dtype).numpy())
         return proposals
 
     def _stop_unsure(self, rows: list[int], tops: list[float], budget: list[int], step: int) -> None:
