@@ -35,14 +35,15 @@ PROMPTS = [list(range(3, 3 + n)) for n in (5, 19, 33, 11)]
 
 
 def run(tiny_models, compile: bool, prompts: list[list[int]], k: int | None, params: SamplingParams | None = None,
-        kv_tokens: int = 4096) -> tuple[list[list[int]], list[ModelRunner]]:
+        kv_tokens: int = 4096, decode_steps: int = 1) -> tuple[list[list[int]], list[ModelRunner]]:
     target, draft, _ = tiny_models
     runners = [ModelRunner(target.model, kv_tokens=kv_tokens, compile=compile)]
     spec = SpecConfig(enabled=False) if k is None else SpecConfig(k_max=k, k_init=k, adaptive=False)
     if k is not None:
         runners.append(ModelRunner(draft.model, kv_tokens=kv_tokens, compile=compile))
     engine = SpeculativeEngine(LocalVerifier(runners[0]), LocalDrafter(runners[1]) if k is not None else None,
-                               EngineConfig(spec=spec, calibrate=False, max_batch=len(prompts)))
+                               EngineConfig(spec=spec, calibrate=False, max_batch=len(prompts),
+                                            decode_steps=decode_steps))
     params = params or SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     return [r.token_ids for r in engine.generate(prompts, params)], runners
 
@@ -242,6 +243,16 @@ def test_attention_reads_only_the_positions_the_rows_reach(tiny_models, monkeypa
     assert tokens == hf_greedy(tiny_models, prompt, 50)
     assert set(windows) == {WINDOW_ALIGN, 2 * WINDOW_ALIGN} and windows == sorted(windows)
     assert runner.graphs.compiled and runner.graphs.compile_error is None and runner.cache.capacity >= 700
+
+
+@pytest.mark.slow
+def test_compiled_multi_step_decoding_feeds_each_choice_into_the_static_forward(tiny_models) -> None:
+    """core.decode_steps through the static forwards: each step's choices copied into the bucket's fixed ids on
+    the device (GraphedForward.run's `on_slots`), rows of different lengths, then a lone row."""
+    for prompts in (PROMPTS, PROMPTS[1:2]):
+        blocks, runners = run(tiny_models, True, prompts, None, decode_steps=6)
+        assert blocks == [hf_greedy(tiny_models, p, 40) for p in prompts]
+        assert runners[0].graphs.compiled and runners[0].graphs.replays > 0
 
 
 @pytest.mark.slow

@@ -159,6 +159,33 @@ def test_a_plain_decode_step_waits_for_the_gpu_once(cuda_models, params) -> None
     assert len(waits) == 1, waits
 
 
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "uncompiled"])
+def test_multi_step_decoding_gives_the_hf_greedy_tokens_and_waits_for_the_gpu_once_a_block(cuda_models,
+                                                                                          compile) -> None:
+    """core.decode_steps in CUDA graphs: each step's choices copied into the graph's ids on the GPU, so a block of 8
+    tokens waits for the GPU once, for all of them, as one token did (test above)."""
+    target, _ = cuda_models[torch.float32]
+    runner = ModelRunner(target.model, cuda_graphs=True, compile=compile)
+    engine = SpeculativeEngine(LocalVerifier(runner), None,
+                               EngineConfig(spec=SpecConfig(enabled=False), calibrate=False, decode_steps=8))
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    assert [r.token_ids for r in engine.generate(PROMPTS, params)] == [hf_greedy(target, p, 40) for p in PROMPTS]
+    assert runner.graphs.replays > 0 and not runner.graphs.failed
+    engine.add_request(PROMPTS[1], params)
+    for _ in range(3):  # the prefill, then blocks that capture the lone row's graph
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            emitted = engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    waits = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(emitted[0].new_token_ids) == 8 and len(waits) == 1, waits
+
+
 @pytest.mark.parametrize("kernel", ["FLEX", "TRITON"])
 @pytest.mark.parametrize("k", [None, 4])
 def test_graphs_attending_with_flex_or_triton_give_the_hf_greedy_tokens_in_float32(cuda_models, k, kernel,

@@ -12,6 +12,7 @@ starting one alternating:
 - a profile of 20 such forwards: kernels launched and GPU kernel time per forward, the rest being gaps and host;
 - plain decoding at batch 1 through the engine (tok/s end to end, `--rounds` runs of 2 prompts x `--tokens`), and a
   profile of it per token decoded (GPU kernel time against wall time, kernels launched);
+  with `--decode-steps N`, each variant also decodes N tokens a verifier call (core.decode_steps), a row of its own;
 - the draft's 1-token step, where there is time left (`--deadline-s`).
 
 The H200 sitting of 2026-11-30 (docs/performance.md, "On a GPU") ran, each a fresh process:
@@ -96,17 +97,18 @@ class Variant:
                 "top_kernels": [{"name": k["name"][:100], "launches_per_forward": k["launches"] / forwards,
                                  "us_per_forward": k["seconds"] * 1e6 / forwards} for k in share["top_kernels"]]}
 
-    def plain_b1(self, work: list[list[int]], tokens: int) -> dict:
+    def plain_b1(self, work: list[list[int]], tokens: int, decode_steps: int = 1) -> dict:
         self.runner.release("probe")
-        eng = SpeculativeEngine(LocalVerifier(self.runner), None, EngineConfig(max_batch=1, calibrate=False))
+        eng = SpeculativeEngine(LocalVerifier(self.runner), None, EngineConfig(max_batch=1, calibrate=False,
+                                                                               decode_steps=decode_steps))
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         seconds = sum(timed(lambda p=p: self.call(lambda: eng.generate([p], params))) for p in work)
         self.prime()
         return {"tok_s": len(work) * tokens / seconds, "seconds": seconds}
 
-    def profile_decode(self, prompt: list[int], tokens: int) -> dict:
+    def profile_decode(self, prompt: list[int], tokens: int, decode_steps: int = 1) -> dict:
         """kernel_share of plain decoding one prompt, per token decoded (its prefill included, as end to end)."""
-        share = kernel_share(lambda: self.plain_b1([prompt], tokens), top=15)
+        share = kernel_share(lambda: self.plain_b1([prompt], tokens, decode_steps), top=15)
         return {"wall_per_token_s": share["wall_s"] / tokens, "kernel_s_per_token": share["kernel_s"] / tokens,
                 "launches_per_token": share["launches"] / tokens,
                 "top_kernels": [{"name": k["name"][:100], "launches_per_token": k["launches"] / tokens,
@@ -126,6 +128,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--deadline-s", type=float, default=300.0, help="skip later stages past this")
+    parser.add_argument("--decode-steps", type=int, default=1,
+                        help="above 1: end to end, each variant also decodes this many tokens a verifier call "
+                             "(core.decode_steps), as a row of its own named VARIANT_stepsN")
     args = parser.parse_args()
     started = time.perf_counter()
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -174,19 +179,22 @@ def main() -> None:
     for vname in order:
         log(f"profile_{vname}", variants[vname].profile())
     work = [p[:128] for p in prompts(4, seed=3)]
+    # End to end: (row name, variant, decode_steps); a multi-step row decodes through its variant's runner.
+    rows = [(v, v, 1) for v in order] + ([(f"{v}_steps{args.decode_steps}", v, args.decode_steps) for v in order]
+                                         if args.decode_steps > 1 else [])
     if time_left() > 30:
-        for vname in order:  # the engine's own shapes (prefill widths) compile here, not inside a timed run
-            variants[vname].plain_b1(work[:1], 8)
-        runs: dict[str, list[dict]] = {v: [] for v in order}
+        for _, vname, steps in rows:  # the engine's own shapes (prefill widths) compile here, not in a timed run
+            variants[vname].plain_b1(work[:1], 8, steps)
+        runs: dict[str, list[dict]] = {row: [] for row, _, _ in rows}
         for r in range(args.rounds):
-            for vname in order if r % 2 == 0 else order[::-1]:
-                runs[vname].append(variants[vname].plain_b1(work[2 * (r % 2) : 2 * (r % 2) + 2], args.tokens))
+            for row, vname, steps in rows if r % 2 == 0 else rows[::-1]:
+                runs[row].append(variants[vname].plain_b1(work[2 * (r % 2) : 2 * (r % 2) + 2], args.tokens, steps))
         pooled = {v: 2 * args.rounds * args.tokens / sum(x["seconds"] for x in xs) for v, xs in runs.items()}
         log("plain_b1_end_to_end", {v: {"tok_s": t, "share_of_limit": weight_bytes * t / hbm if hbm else None,
                                          "runs": runs[v]} for v, t in pooled.items()})
-        for vname in order:  # per decoded token: what of the wall time is GPU kernels, and how many run outside
-            if time_left() > 20:  # the forward's graph (the head, the choice, the engine's own)
-                log(f"profile_decode_{vname}", variants[vname].profile_decode(work[0], args.tokens))
+        for row, vname, steps in rows:  # per decoded token: what of the wall time is GPU kernels, and how many run
+            if time_left() > 20:  # outside the forward's graph (the head, the choice, the engine's own)
+                log(f"profile_decode_{row}", variants[vname].profile_decode(work[0], args.tokens, steps))
     if time_left() > 120:
         draft = build("draft", device, dtype)
         stack_on_gpu(draft)

@@ -16,6 +16,7 @@ seeds.py         seeded sampling: identical output with speculation on and off, 
 vllm_compare.py  tandem against vLLM on this machine (vllm_compare_tandem.py and, run by path in vLLM's own
                  environment, vllm_compare_vllm.py)
 at_once.py       N requests at once in one process, plain against AUTO, with what the batch plan drafted
+decode_steps.py  multi-step plain decoding (--decode-steps) against a token a call, in process or over Ray
 outputs.py       the token ids of a fixed matrix of runs, to show a change kept behaviour (`--compare`)
 gpu_probe.py     tandem's runner against Hugging Face on a GPU; runs by path from a checkout (torch + transformers)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -55,6 +56,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                            "start")
     parser.add_argument("--k-max", type=int, default=SpecConfig().k_max, help="most draft tokens per round")
     parser.add_argument("--fixed-k", type=int, default=None, help="draft exactly this many tokens (no adaptation)")
+    parser.add_argument("--decode-steps", type=int, default=EngineConfig().decode_steps, metavar="N",
+                        help="when no row of a step drafts, decode up to N tokens a row in one call to the target, "
+                             "each fed to the next forward on its device: no host round trip per token, tokens "
+                             "stream in blocks of N (default: %(default)s)")
     parser.add_argument("--draft-confidence", type=float, default=SpecConfig().draft_confidence,
                         help="stop drafting once the draft's top probability falls below this (0: never)")
     parser.add_argument("--draft-vocab", type=int, default=SpecConfig().draft_vocab,
@@ -197,7 +202,8 @@ def engine_config(args: argparse.Namespace, speculate: bool = True, max_batch: i
         spec = SpecConfig(enabled=speculate, k_max=args.fixed_k, k_init=args.fixed_k, adaptive=False, **draft)
     else:
         spec = SpecConfig(enabled=speculate, k_max=args.k_max, k_init=min(SpecConfig().k_init, args.k_max), **draft)
-    return EngineConfig(spec=spec) if max_batch is None else EngineConfig(spec=spec, max_batch=max_batch)
+    config = EngineConfig(spec=spec, decode_steps=args.decode_steps)
+    return config if max_batch is None else dataclasses.replace(config, max_batch=max_batch)
 
 
 def kv_tokens(args: argparse.Namespace) -> int:

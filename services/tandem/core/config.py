@@ -19,6 +19,7 @@ QUANTIZATIONS = ("none", "int8", "w8a8", "w4")
 # on a 2-core CPU, docs/performance.md), without the target's minutes of compiling. True and False, as a model's own
 # setting is given, stand for "all" and "none".
 COMPILE_SCOPES = ("none", "draft", "all")
+MAX_DECODE_STEPS = 64  # tokens a plain row decodes in one verifier call (EngineConfig.decode_steps)
 
 
 def compile_scope(compile: bool | str) -> str:
@@ -264,16 +265,23 @@ class SpecConfig:
 class EngineConfig:
     """prefill_chunk: while other sequences are decoding, a new prompt is prefilled at most this many tokens per
     step (chunked prefill), so a long prompt delays their next tokens by one chunk at a time rather than by its
-    whole prefill at once; 0 prefills a prompt in one step."""
+    whole prefill at once; 0 prefills a prompt in one step.
+    decode_steps: a step in which no row drafts decodes up to this many tokens a row in one call to the verifier,
+    each forward fed the one before's choices on the device, so the host neither waits for the model between them
+    nor makes a round trip to a worker per token (multi-step decoding). Tokens stream in blocks of that many, and a
+    row that stops mid-block wastes the rest; 1 decodes a token per step."""
 
     spec: SpecConfig = field(default_factory=SpecConfig)
     max_batch: int = 16
     calibrate: bool = True
     prefill_chunk: int = 64
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
         _require(1 <= self.max_batch <= 1024, "max_batch", "must be between 1 and 1024")
         _require(self.prefill_chunk >= 0, "prefill_chunk", "must be non-negative (0 prefills a prompt at once)")
+        _require(1 <= self.decode_steps <= MAX_DECODE_STEPS, "decode_steps",
+                 f"must be between 1 and {MAX_DECODE_STEPS}")
 
     @property
     def calibrates(self) -> bool:

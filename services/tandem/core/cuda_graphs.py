@@ -45,6 +45,7 @@ from torch.fx.experimental import _config as fx_config
 
 from tandem.core import packed_linear, w8a8_linear
 from tandem.core.attention import traced_settings
+from tandem.core.device import on_device
 from tandem.core.guardless import GuardlessForward, GuardMismatch
 from tandem.core.kv_cache import SlotCache, Step
 
@@ -169,10 +170,11 @@ class GraphedForward:
             return None
         return min(rows, self.cache.slots) if hi <= self.cache.slots else None
 
-    def run(self, hi: int, starts: list[int], fed: dict[int, list[int]], width: int,
-            pad_token_id: int) -> torch.Tensor | None:
+    def run(self, hi: int, starts: list[int], fed: dict[int, list[int]], width: int, pad_token_id: int,
+            on_slots: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor | None:
         """Hidden states [rows, width, hidden] of slots [0, rows) with `fed` tokens (by slot) written after each
-        slot's `starts` (cached length; 0 for empty slots); None to run eagerly."""
+        slot's `starts` (cached length; 0 for empty slots); None to run eagerly. `on_slots`: (slots, tokens on the
+        device) that are those slots' first tokens instead, copied in on the device (no wait for the host)."""
         rows = self.bucket(hi, width)
         if rows is None:
             return None
@@ -199,6 +201,9 @@ class GraphedForward:
         graph.ids.copy_(ids, non_blocking=True)
         graph.starts.copy_(torch.tensor((starts + [0] * rows)[:rows], dtype=torch.long), non_blocking=True)
         graph.counts.copy_(counts, non_blocking=True)
+        if on_slots is not None:
+            slots, tokens = on_slots
+            graph.ids[on_device(slots, graph.ids.device), 0] = tokens
         if not self.capture:
             if fresh:
                 self.graphs[rows, width] = graph  # its fixed inputs serve the bucket's next steps

@@ -218,12 +218,14 @@ class SpeculativeEngine:
     def _verify(self, batch: list[Sequence], proposals: list[DraftProposal | None], ks: list[int],
                 limits: list[int]) -> list[VerifyResult]:
         started = time.perf_counter()
+        steps = self._decode_steps(batch, ks)
 
         def verify() -> list[VerifyResult]:
             return self.verifier.verify([
                 VerifyRequest(seq.request_id, seq.verify_synced, seq.context[seq.verify_synced :], proposal, seq.params,
-                              seq.session_id, limit, len(seq.prompt), seq.scores_prompt, seq.cache_scope, seq.order)
-                for seq, proposal, limit in zip(batch, proposals, limits, strict=True)
+                              seq.session_id, limit, len(seq.prompt), seq.scores_prompt, seq.cache_scope, seq.order,
+                              n, seq.stop.stop_ids if n > 1 else frozenset())
+                for seq, proposal, limit, n in zip(batch, proposals, limits, steps, strict=True)
             ])
 
         def forget(lost: list[str]) -> None:
@@ -234,13 +236,24 @@ class SpeculativeEngine:
         results = _retry_lost(verify, forget)
         seconds = time.perf_counter() - started
         # Only rounds whose rows drafted alike are timed into the table of like rows' widths: an uneven round runs
-        # padded or packed (core.row_layout), and the plan prices it from that table at the width it runs as.
-        if (len(set(ks)) == 1 and all(seq.verify_synced == len(seq.context) for seq in batch)
+        # padded or packed (core.row_layout), and the plan prices it from that table at the width it runs as. A
+        # multi-step call is timed per forward where every row ran the same number.
+        forwards = {1 + len(r.more) for r in results}
+        if (len(set(ks)) == 1 and len(forwards) == 1 and all(seq.verify_synced == len(seq.context) for seq in batch)
                 and not any(r.prefilling for r in results)):
-            self.costs.observe_verify(ks[0] + 1, seconds, rows=len(batch))
+            self.costs.observe_verify(ks[0] + 1, seconds / forwards.pop(), rows=len(batch))
         for seq in batch:
             seq.stats.verify_seconds += seconds
         return results
+
+    def _decode_steps(self, batch: list[Sequence], ks: list[int]) -> list[int]:
+        """The tokens each row may decode in this verify call (EngineConfig.decode_steps): one wherever a row drafts
+        (its batch mates would wait for the rest), in a row's first round (its first token streams at once), and
+        never past max_tokens. The verifier decodes one for rows that need the host between tokens."""
+        most = self.config.decode_steps
+        if most == 1 or any(ks):
+            return [1] * len(batch)
+        return [min(most, seq.params.max_tokens - len(seq.output)) if seq.output else 1 for seq in batch]
 
     def _draft(self, batch: list[Sequence], plan: RoundPlan) -> list[DraftProposal | None]:
         """Proposals of the rows that draft; rows that only catch up (plan.catch_up) send their drafter the next
@@ -284,12 +297,13 @@ class SpeculativeEngine:
 
     def _commit(self, seq: Sequence, k: int, proposal: DraftProposal | None, result: VerifyResult) -> StepOutput:
         committed, accepted = len(seq.context), result.accepted
-        new_tokens = (proposal.tokens[:accepted] if proposal else []) + [result.next_token]
+        new_tokens = (proposal.tokens[:accepted] if proposal else []) + [result.next_token, *result.more]
         if k > 0:
             seq.draft_synced = committed + accepted
-        seq.verify_synced = committed + accepted + 1
+        seq.verify_synced = committed + len(new_tokens)
         seq.stats.record_round(k, accepted, seq.policy.fallback)
         policy.update(seq.policy, k, accepted, self.costs, self.config.spec)
+        policy.decoded_plainly(seq.policy, len(result.more))
         if k > 0:  # a failed proposal is empty: k 0
             self.prior.observe(k, accepted)
         before = len(seq.output)

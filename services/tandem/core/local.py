@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.core.costs import CATCH_UP_ALONE_ABOVE
+from tandem.core.decode_steps import decode_more
 from tandem.core.device import on_device
 from tandem.core.logprobs import TokenLogprob
 from tandem.core.penalties import draft_step_logits, verification_logits
@@ -274,7 +275,14 @@ class LocalVerifier(InProcessSide):
         # Queued before the outcomes' transfer, so that its own transfer (rows that asked only) finds it done.
         # Logprobs are the model's own: from the logits before any penalty or bias.
         scores = _score_logprobs(requests, raw.split(wants), drafts, outcomes)
-        host = torch.cat(outcomes).tolist() if outcomes else []
+        # Plain rows asked for several steps go on decoding, fed their choices on the device (core.decode_steps).
+        more = decode_more(self.runner, requests, states, outcomes, committed,
+                           lambda request, logits, position: self._accept(request, logits, [], position))
+        host = torch.cat(outcomes + list(more.values())).tolist() if outcomes else []
+        further, at = {}, sum(len(outcome) for outcome in outcomes)
+        for index, decoded in more.items():  # their tokens follow the outcomes, in this order
+            further[index] = tuple(int(token) for token in host[at : at + len(decoded)])
+            at += len(decoded)
         results, at = [], 0
         for index, (request, state, tokens, length, outcome) in enumerate(
                 zip(requests, states, drafts, committed, outcomes, strict=True)):
@@ -283,10 +291,13 @@ class LocalVerifier(InProcessSide):
             # Choices (greedy, seeded): accept while the draft matches them; sampled: (accepted, next token).
             compares = request.params.greedy or request.params.reproducible
             accepted, next_token = accept_greedy(tokens, row) if compares else (int(row[0]), int(row[1]))
-            state.sync(length + accepted, [next_token])
+            if index in further:  # every token but the last decoded is cached already: no sync, which rolls back
+                state.tokens[length:] = [next_token, *further[index]]
+            else:
+                state.sync(length + accepted, [next_token])
             logprobs = scores.emitted(index, accepted + 1) if index in scores.rows else None
             results.append(VerifyResult(accepted=accepted, next_token=next_token, logprobs=logprobs,
-                                        prompt_logprobs=prompts.get(index)))
+                                        prompt_logprobs=prompts.get(index), more=further.get(index, ())))
         return results
 
     @staticmethod

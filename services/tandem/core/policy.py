@@ -179,6 +179,13 @@ def apply(state: PolicyState, decision: Decision) -> None:
     state.rounds_since_probe, state.probe_interval = decision.rounds_since_probe, decision.probe_interval
 
 
+def decoded_plainly(state: PolicyState, further: int) -> None:
+    """A plain round that decoded `further` tokens past its first (multi-step decoding, core.decode_steps) counts as
+    that many more rounds toward the next probe, so probes come after as many tokens as one token a round gives."""
+    if state.fallback:
+        state.rounds_since_probe += further
+
+
 def update(state: PolicyState, k: int, accepted: int, costs: CostModel, config: SpecConfig) -> None:
     """Fold one round's outcome into the acceptance estimate; decide on leaving fallback after a probe."""
     if k == 0:

@@ -153,6 +153,13 @@ class VerifyRequest:
     score_prompt: bool = False
     cache_scope: str = ""  # only sequences of the same scope (a tenant) share cached prefixes
     order: RowOrder = field(default_factory=RowOrder.now)  # which sequences a full worker frees first
+    # A plain row (no draft) may decode up to this many tokens in this call, each step's choice fed to the next on the
+    # device and all of them sent back in one transfer (multi-step decoding); the verifier decodes one where it cannot
+    # (core.decode_steps `continues`).
+    steps: int = 1
+    # The tokens that end the row (its EOS unless ignored, its stop_token_ids): on a CPU, where reading a choice waits
+    # for nothing, a block ends at one rather than decode on past it.
+    stop_ids: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True, frozen=True)
@@ -170,12 +177,16 @@ class VerifyResult:
     # The sequence was new to the verifier: how many of its tokens it found cached (its session's or a prefix another
     # sequence shares), computed by no forward of this request.
     cached_prompt: int = 0
+    # A plain row asked for several steps (VerifyRequest.steps): the tokens decoded after next_token, in order.
+    more: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.prefilling != (self.next_token is None):
             raise ValueError(f"a verify result has a next token unless it is prefilling, got {self!r}")
         if self.prefilling and self.accepted:
             raise ValueError(f"a prefilling row accepts no drafts, got {self!r}")
+        if self.more and (self.accepted or self.prefilling):
+            raise ValueError(f"only a plain row decodes more than one token, got {self!r}")
 
     @classmethod
     def prefill_goes_on(cls) -> VerifyResult:

@@ -313,18 +313,27 @@ class ModelRunner:
         return self._forward(states, [state.pending for state in states], wants, head)
 
     @torch.inference_mode()
+    def forward_fed(self, states: list[SequenceState], tokens: torch.Tensor) -> torch.Tensor:
+        """Feed each state one token given on the device (tokens [rows], in states' order: the step before's choices,
+        so the host queues this forward without waiting for them); the logits [rows, V] of those positions. Each
+        state's `cached` moves on by one; its `tokens` are the caller's to complete once the choices reach it."""
+        return self._forward(states, [[self.pad_token_id]] * len(states), [1] * len(states), fed=tokens)
+
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logits [N, V] of last hidden states [N, H] from forward_on_device(head=False)."""
         return self.head(hidden.unsqueeze(0))[0]
 
     def _forward(self, states: list[SequenceState], news: list[list[int]], wants: list[int],
-                 head: bool = True) -> torch.Tensor:
+                 head: bool = True, fed: torch.Tensor | None = None) -> torch.Tensor:
+        """`fed`: one token per state on the device, in place of `news`' placeholders (forward_fed)."""
         self._fit(0, max(state.cached + len(new) for state, new in zip(states, news, strict=True)), shrink=True)
-        fed = {state.slot: new for state, new in zip(states, news, strict=True)}
-        lo, hi = min(fed), max(fed) + 1
+        by_slot = {state.slot: new for state, new in zip(states, news, strict=True)}
+        lo, hi = min(by_slot), max(by_slot) + 1
         width = max(len(new) for new in news)
+        on_slots = None if fed is None else ([state.slot for state in states], fed)
         with self._model_lock:
-            hidden, first = self._run_model(fed, lo, hi, width)
+            hidden, first = self._run_model(by_slot, lo, hi, width, on_slots)
         for state, new in zip(states, news, strict=True):
             state.cached += len(new)
         if not any(wants):
@@ -336,13 +345,15 @@ class ModelRunner:
         hidden = hidden.index_select(0, on_device(picks, self.device)).unsqueeze(0)
         return self.head(hidden)[0] if head else hidden[0]
 
-    def _run_model(self, fed: dict[int, list[int]], lo: int, hi: int, width: int) -> tuple[torch.Tensor, dict]:
+    def _run_model(self, fed: dict[int, list[int]], lo: int, hi: int, width: int,
+                   on_slots: tuple[list[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
         """The model's last hidden states for `fed` (new tokens by slot): a static forward where one applies, else an
-        eager one, padded or packed as the layout says; and where each slot's first new token lies in them."""
+        eager one, padded or packed as the layout says; and where each slot's first new token lies in them.
+        `on_slots`: (slots, tokens on the device) whose first new token is that device tensor's, not `fed`'s."""
         hidden = None
         if self.graphs is not None and self.mask_dtype == torch.bool:
             every_start = [s.cached if s is not None else 0 for s in self.occupants]
-            hidden = self.graphs.run(hi, every_start, fed, width, self.pad_token_id)
+            hidden = self.graphs.run(hi, every_start, fed, width, self.pad_token_id, on_slots)
         if hidden is not None:
             first = {slot: slot * width for slot in fed}  # where each slot's first new token lies in `hidden`
         else:
@@ -357,9 +368,13 @@ class ModelRunner:
                 ids, positions, first = padded_inputs(fed, starts, lo, width, self.pad_token_id)
                 mask = step.mask(width, self.mask_dtype, self.device, self.causal_kernel)
                 segments = None
+            ids = on_device(ids, self.device)
+            if on_slots is not None:
+                slots, tokens = on_slots
+                ids.view(-1)[on_device([first[slot] for slot in slots], self.device)] = tokens
             self.cache.step = step
             try:
-                hidden = self._hidden(on_device(ids, self.device), on_device(positions, self.device), mask, segments)
+                hidden = self._hidden(ids, on_device(positions, self.device), mask, segments)
             finally:
                 self.cache.step = None
         return hidden, first

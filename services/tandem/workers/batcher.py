@@ -18,6 +18,7 @@ a worker whose forwards ran on its 64 call threads in turn would soon run every 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -99,6 +100,8 @@ class CallBatcher:
 
     def _run(self, calls: list[_Call]) -> None:
         merged = [r for call in calls for r in call.requests]
+        if len(calls) > 1:  # one caller's multi-step rows would hold the others' replies: a merged call runs one step
+            merged = [dataclasses.replace(r, steps=1) if getattr(r, "steps", 1) > 1 else r for r in merged]
         self.stats.forwards += 1
         self.stats.calls += len(calls)
         self.stats.rows += len(merged)
