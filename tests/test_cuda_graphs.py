@@ -132,6 +132,19 @@ def test_sampling_on_the_gpu_keeps_seeded_tokens_whatever_k(cuda_models) -> None
     assert all(len(r.token_ids) == 24 for r in results) and sum(r.stats["drafted"] for r in results) > 0
 
 
+def _waits_for_the_gpu(call):
+    """`call()`'s result, and the warnings torch's sync debug mode gave for each wait for the GPU inside it."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return result, [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
     SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=16, ignore_eos=True),
@@ -147,15 +160,7 @@ def test_a_plain_decode_step_waits_for_the_gpu_once(cuda_models, params) -> None
     engine.add_request(PROMPTS[1], params)
     for _ in range(4):  # the prefill, then steps that capture the decode graph
         engine.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    waits = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    _, waits = _waits_for_the_gpu(engine.step)
     assert len(waits) == 1, waits
 
 
@@ -174,15 +179,7 @@ def test_multi_step_decoding_gives_the_hf_greedy_tokens_and_waits_for_the_gpu_on
     engine.add_request(PROMPTS[1], params)
     for _ in range(3):  # the prefill, then blocks that capture the lone row's graph
         engine.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            emitted = engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    waits = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    emitted, waits = _waits_for_the_gpu(engine.step)
     assert len(emitted[0].new_token_ids) == 8 and len(waits) == 1, waits
 
 

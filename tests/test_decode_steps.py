@@ -155,6 +155,26 @@ def test_rows_that_need_the_host_between_tokens_decode_one_a_call_beside_ones_th
     assert torch.allclose(torch.tensor(logprobs[4]), torch.tensor(logprobs[1]), atol=1e-5)
 
 
+def test_a_new_request_gets_its_first_token_from_a_one_step_call(tiny_models) -> None:
+    """A step that holds a new row (or one still prefilling) runs a token a row, so the newcomer's first token comes
+    as soon as it would without blocks; the blocks resume after it."""
+    target = tiny_models[0]
+    engine = build_engine(target, None, _plain(5, prefill_chunk=0))
+    calls = _Calls(engine)
+    first = engine.add_request(PROMPTS[0], GREEDY)
+    for _ in range(3):
+        engine.step()
+    late = engine.add_request(PROMPTS[2], GREEDY)
+    seqs = [engine.sequences[first], engine.sequences[late]]
+    outputs = {out.request_id: out.new_token_ids for out in engine.step()}
+    assert calls.steps[:4] == [[1], [5], [5], [1, 1]] and len(outputs[late]) == len(outputs[first]) == 1
+    engine.step()
+    assert calls.steps[4] == [5, 5]
+    while engine.has_unfinished():
+        engine.step()
+    assert [seq.output for seq in seqs] == [_hf_greedy(target, p, GREEDY.max_tokens) for p in (PROMPTS[0], PROMPTS[2])]
+
+
 def test_speculating_steps_decode_one_token_a_call(tiny_models) -> None:
     """A step in which a row drafts runs one forward for every row: its batch mates would otherwise wait."""
     target, draft, _ = tiny_models

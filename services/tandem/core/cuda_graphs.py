@@ -203,7 +203,7 @@ class GraphedForward:
         graph.counts.copy_(counts, non_blocking=True)
         if on_slots is not None:
             slots, tokens = on_slots
-            graph.ids[on_device(slots, graph.ids.device), 0] = tokens
+            graph.ids.select(1, 0).index_copy_(0, on_device(slots, graph.ids.device), tokens)
         if not self.capture:
             if fresh:
                 self.graphs[rows, width] = graph  # its fixed inputs serve the bucket's next steps

@@ -247,13 +247,14 @@ class SpeculativeEngine:
         return results
 
     def _decode_steps(self, batch: list[Sequence], ks: list[int]) -> list[int]:
-        """The tokens each row may decode in this verify call (EngineConfig.decode_steps): one wherever a row drafts
-        (its batch mates would wait for the rest), in a row's first round (its first token streams at once), and
-        never past max_tokens. The verifier decodes one for rows that need the host between tokens."""
+        """The tokens each row may decode in this verify call (EngineConfig.decode_steps), never past max_tokens: one
+        for every row wherever a row drafts, or is new or prefilling (their batch mates' blocks would hold their
+        outcome: a new row's first token streams as soon as without blocks). The verifier decodes one for rows that
+        need the host between tokens."""
         most = self.config.decode_steps
-        if most == 1 or any(ks):
+        if most == 1 or any(ks) or not all(seq.output for seq in batch):
             return [1] * len(batch)
-        return [min(most, seq.params.max_tokens - len(seq.output)) if seq.output else 1 for seq in batch]
+        return [min(most, seq.params.max_tokens - len(seq.output)) for seq in batch]
 
     def _draft(self, batch: list[Sequence], plan: RoundPlan) -> list[DraftProposal | None]:
         """Proposals of the rows that draft; rows that only catch up (plan.catch_up) send their drafter the next

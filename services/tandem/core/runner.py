@@ -371,7 +371,7 @@ class ModelRunner:
             ids = on_device(ids, self.device)
             if on_slots is not None:
                 slots, tokens = on_slots
-                ids.view(-1)[on_device([first[slot] for slot in slots], self.device)] = tokens
+                ids.view(-1).index_copy_(0, on_device([first[slot] for slot in slots], self.device), tokens)
             self.cache.step = step
             try:
                 hidden = self._hidden(ids, on_device(positions, self.device), mask, segments)
