@@ -22,6 +22,7 @@ import torch
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_prompts_option, wants_text, write_json
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.core.detok import decoder
 from tandem.core.engine import SpeculativeEngine
 from tandem.engines.local import build_engine, encode_prompt
 from tandem.models.loader import load_model
@@ -56,9 +57,8 @@ def _engines(target, steps: int, ray_replica: bool, threads: int) -> dict[str, S
     ray.init(num_cpus=threads, include_dashboard=False, log_to_driver=False)
     replica = start_target_replicas(WorkerConfig(model=TARGET, device="cpu", dtype="bfloat16", threads=threads), 1)
     ray.get(replica[0].info.remote())  # loaded
-    local = build_engine(target, None, configs["one"])  # its tokenizer's eos and decoder only
-    eos = eos_token_ids(target.model, target.tokenizer)
-    return {name: SpeculativeEngine(RayVerifier(replica), None, config, eos, local.decode)
+    eos, decode = eos_token_ids(target.model, target.tokenizer), decoder(target.tokenizer)
+    return {name: SpeculativeEngine(RayVerifier(replica), None, config, eos, decode)
             for name, config in configs.items()}
 
 
