@@ -198,3 +198,36 @@ def test_graphs_attending_with_flex_or_triton_give_the_hf_greedy_tokens_in_float
     assert all(r.cache.capacity >= 700 for r in runners)
     assert grown == [hf_greedy(target, p, 8) for p in (long, *PROMPTS[:2])]
     assert all(r.graphs.compiled and r.graphs.compile_error is None and not r.graphs.failed for r in runners)
+
+
+@pytest.mark.parametrize("k", [None, 4])
+def test_graphs_with_one_row_products_give_the_hf_greedy_tokens_in_float32(cuda_models, k, monkeypatch) -> None:
+    """core.triton_gemv's kernel (core.fused_linear.ROW_PRODUCTS) for every one-row product in the compiled graphs,
+    the norms folded into it: lone rows (plain steps and draft steps, where it runs) and four rows at once (where
+    cuBLAS does) give Hugging Face's tokens, computed before the kernel was turned on."""
+    from tandem.core import fused_linear
+
+    target, draft = cuda_models[torch.float32]
+    expected = [hf_greedy(target, p, 24) for p in PROMPTS]
+    monkeypatch.setattr(fused_linear, "ROW_PRODUCTS", [True])
+    lone = [run(target, draft, True, [p], k, max_tokens=24)[0][0] for p in PROMPTS[:2]]
+    together, runners = run(target, draft, True, PROMPTS, k, max_tokens=24)
+    assert lone == expected[:2] and together == expected
+    assert all(r.graphs.compiled and r.graphs.compile_error is None and not r.graphs.failed for r in runners)
+
+
+def test_bf16_graphs_with_one_row_products_are_as_accurate_as_eager(cuda_models, monkeypatch) -> None:
+    """As test_bf16_graphs_are_as_accurate_as_eager, for one row (so every product of a step runs the kernel): the
+    kernel's float32 sums and its folded norm's roundings keep the logits as close to float32's as eager bf16's."""
+    from tandem.core import fused_linear
+
+    target32, _ = cuda_models[torch.float32]
+    target16, _ = cuda_models[torch.bfloat16]
+    prompts = PROMPTS[1:2]
+    forced, _ = run(target32, None, False, prompts, None, max_tokens=40)
+    reference = forced_logits(target32.model, False, False, prompts, forced)
+    eager = forced_logits(target16.model, False, False, prompts, forced) - reference
+    monkeypatch.setattr(fused_linear, "ROW_PRODUCTS", [True])
+    graphed = forced_logits(target16.model, True, True, prompts, forced) - reference
+    assert graphed.abs().max() <= 2 * eager.abs().max(), (graphed.abs().max(), eager.abs().max())
+    assert graphed.abs().mean() <= 2 * eager.abs().mean(), (graphed.abs().mean(), eager.abs().mean())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.core.folded_layers import fold_layers
 from tandem.core.fused_linear import FusedLinear, FusedPart, StackedLinear, fuse, stack_on_gpu
 from tandem.core.packed_linear import MIN_PACKED_WEIGHTS, PackedLinear, prepack, supported, weight_bytes
 from tandem.core.runner import ModelRunner
@@ -92,13 +93,16 @@ def test_prepack_fuses_attention_and_mlp_projections(tiny_dirs, monkeypatch, dty
 
 
 def test_stacked_products_compute_what_the_siblings_did_eager_and_compiled(tiny_dirs) -> None:
-    """The GPU's fusion (plain stacked linears) on a CPU: the same logits as the unfused model, eager and through
-    the compiled static forward that CUDA graphs record on a GPU (dynamo traces the kept product whole)."""
+    """The GPU's fusion (plain stacked linears, the layers folded into them) on a CPU: the same logits as the unfused
+    model, eager and through the compiled static forward that CUDA graphs record on a GPU (dynamo traces the kept
+    product whole)."""
     plain = load_model(str(tiny_dirs.target), device=CPU, dtype=torch.float32, progress=False, eager=True)
     stacked = load_model(str(tiny_dirs.target), device=CPU, dtype=torch.float32, progress=False, eager=True)
     assert stack_on_gpu(stacked.model) == 0  # a CPU model: left to prepack
     layers = stacked.model.config.num_hidden_layers
     assert fuse(stacked.model, product=StackedLinear) == 5 * layers
+    assert fold_layers(stacked.model) == layers  # norms, activation and residual adds into the products
+    assert sum(type(m) is StackedLinear for m in stacked.model.modules()) == 4 * layers
     assert weight_bytes(stacked.model) == weight_bytes(plain.model)
     expected = runner_logits(plain.model)
     assert torch.allclose(runner_logits(stacked.model), expected, atol=1e-5, rtol=1e-5)

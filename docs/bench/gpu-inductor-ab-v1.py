@@ -4,7 +4,8 @@ weights), batch 1; one JSON out.
 Variants (VARIANTS): cuBLAS products and sdpa attention (the runner's default); inductor's coordinate-descent tuning,
 which also rewrites a product with one row (every projection of a batch-1 decode step) as a Triton reduction tuned
 per shape, so the norm, activation and residual work around it can fuse into it (as gpt-fast compiles); and either
-attending through core.flex_decode (core.attention.FLEX) or core.triton_decode (TRITON; not yet run on a GPU).
+attending through core.flex_decode (core.attention.FLEX) or core.triton_decode (TRITON); and one-row products
+through core.triton_gemv, the norms folded in (`rows`, core.fused_linear.ROW_PRODUCTS; not yet run on a GPU).
 Each variant is a runner compiled under its options (added to core.cuda_graphs.INDUCTOR_OPTIONS), all of them side
 by side. Measured, the variants interleaved, the
 starting one alternating:
@@ -38,19 +39,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "services"))
 
 from tandem.bench.gpu_measures import kernel_share, prompts, timed
 from tandem.bench.gpu_probe import HBM_BYTES_PER_S, build
-from tandem.core import attention, cuda_graphs
+from tandem.core import attention, cuda_graphs, fused_linear
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.engine import SpeculativeEngine
 from tandem.core.fused_linear import stack_on_gpu
 from tandem.core.local import LocalVerifier
 from tandem.core.runner import ModelRunner
 
-VARIANTS = {  # name: (inductor options added, attention: sdpa, flex (core.flex_decode) or triton (core.triton_decode))
-    "cublas": ({"coordinate_descent_tuning": False}, "sdpa"),
-    "cdt": ({"coordinate_descent_tuning": True}, "sdpa"),
-    "cdt_flex": ({"coordinate_descent_tuning": True}, "flex"),
-    "cublas_flex": ({"coordinate_descent_tuning": False}, "flex"),
-    "cublas_triton": ({"coordinate_descent_tuning": False}, "triton"),
+# name: (inductor options added, attention: sdpa, flex (core.flex_decode) or triton (core.triton_decode), whether
+# one-row products run core.triton_gemv's kernel with the norms folded in (core.fused_linear.ROW_PRODUCTS))
+VARIANTS = {
+    "cublas": ({"coordinate_descent_tuning": False}, "sdpa", False),
+    "cdt": ({"coordinate_descent_tuning": True}, "sdpa", False),
+    "cdt_flex": ({"coordinate_descent_tuning": True}, "flex", False),
+    "cublas_flex": ({"coordinate_descent_tuning": False}, "flex", False),
+    "cublas_triton": ({"coordinate_descent_tuning": False}, "triton", False),
+    "rows": ({"coordinate_descent_tuning": False}, "sdpa", True),
+    "rows_triton": ({"coordinate_descent_tuning": False}, "triton", True),
 }
 CONTEXT = 256
 
@@ -60,7 +65,7 @@ class Variant:
 
     def __init__(self, name: str, model) -> None:
         self.name = name
-        self.options, self.attention = VARIANTS[name]
+        self.options, self.attention, self.rows = VARIANTS[name]
         saved = cuda_graphs.INDUCTOR_OPTIONS
         cuda_graphs.INDUCTOR_OPTIONS = saved | self.options  # read when the runner's forward is compiled
         try:
@@ -77,8 +82,13 @@ class Variant:
         self.call(lambda: self.runner.prefill(self.state, CONTEXT))
 
     def call(self, fn):
-        with attention.gpu_attention(self.attention):
-            return fn()
+        saved = fused_linear.ROW_PRODUCTS[0]
+        fused_linear.ROW_PRODUCTS[0] = self.rows
+        try:
+            with attention.gpu_attention(self.attention):
+                return fn()
+        finally:
+            fused_linear.ROW_PRODUCTS[0] = saved
 
     def forward(self) -> None:
         """One 1-token forward at CONTEXT cached tokens, logits left on the device."""
@@ -200,7 +210,7 @@ def main() -> None:
         stack_on_gpu(draft)
         costs: dict[str, list[float]] = {}
         drafts = {}
-        for vname in ("cublas", "cdt"):
+        for vname in ("cublas", "cdt", "rows"):
             if vname in variants and time_left() > 60:
                 drafts[vname] = Variant(vname, draft)
         for r in range(args.rounds):

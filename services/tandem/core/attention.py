@@ -55,7 +55,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from tandem.core import cpu_attention
+from tandem.core import cpu_attention, fused_linear
 from tandem.core.flex_decode import flex_decode
 
 NAME = "tandem_packed_sdpa"
@@ -74,9 +74,10 @@ FLEX_DEVICES = ("cuda",)
 
 
 def traced_settings() -> tuple:
-    """The cells compiled forwards read as they are traced (BACKENDS, FLEX, TRITON, core.cpu_attention.ENABLED): a
-    graph serves only the settings it was traced under, so core.cuda_graphs keys its guard-free calls by them too."""
-    return BACKENDS[0], FLEX[0], TRITON[0], cpu_attention.ENABLED[0]
+    """The cells compiled forwards read as they are traced (BACKENDS, FLEX, TRITON, core.cpu_attention.ENABLED,
+    core.fused_linear.ROW_PRODUCTS): a graph serves only the settings it was traced under, so core.cuda_graphs keys
+    its guard-free calls by them too."""
+    return BACKENDS[0], FLEX[0], TRITON[0], cpu_attention.ENABLED[0], fused_linear.ROW_PRODUCTS[0]
 
 
 def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

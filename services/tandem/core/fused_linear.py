@@ -6,15 +6,15 @@ over the stacked weights reads them in one pass, as vLLM's merged projections do
 a chain of small kernels, each with a launch and a tail of its own, so there the stacked product (a plain linear,
 StackedLinear) runs two kernels per layer where the siblings ran five (`stack_on_gpu`).
 
-Hugging Face's modules call q_proj(x), k_proj(x) and v_proj(x) in turn on the same x, and gate_proj(x) and up_proj(x)
-likewise, so those modules stay as Hugging Face wrote them: each projection becomes a FusedPart of one FusedLinear.
-Whichever part is called first computes the stacked product and keeps it until each part has taken its columns (a
-view); a part called on another input, or a second time, computes afresh. So any call order gives the right numbers,
-and nothing is kept after the last part has read.
+On a GPU `stack_on_gpu` also folds each decoder layer (core.folded_layers): its norms, residual adds and activation
+move into StackedLinears, so that with ROW_PRODUCTS on a one-row product runs them all inside one Triton kernel
+(core.triton_gemv). Off (the default until a GPU sitting times it), a folded product runs the same ops in torch
+around cuBLAS (`TANDEM_GPU_ROW_PRODUCTS=1` turns it on).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -22,22 +22,58 @@ import torch
 from tandem.core.packed_linear import PackedLinear
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_ROW_PRODUCTS_ENV = os.environ.get("TANDEM_GPU_ROW_PRODUCTS", "0")
+if _ROW_PRODUCTS_ENV not in ("0", "1"):
+    raise ValueError(f"TANDEM_GPU_ROW_PRODUCTS: 0 or 1, got {_ROW_PRODUCTS_ENV!r}")
+ROW_PRODUCTS: list[bool] = [_ROW_PRODUCTS_ENV == "1"]  # a cell: compiled forwards read it as they trace
+ROW_DEVICES = ("cuda",)  # where the Triton kernel runs; the tests add "cpu", where Triton's interpreter runs it
 # What builds a stacked product from its weight and bias: a layer class (PackedLinear, StackedLinear, W8A8Linear) or a
 # function that picks one (core.w4_linear's).
 Product = Callable[[torch.Tensor, torch.Tensor | None], torch.nn.Module]
 
 
+def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm (RMS_NORMS), op for op: the statistics in float32, rounded back before the gain."""
+    x32 = x.to(torch.float32)
+    return gain * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class StackedLinear(torch.nn.Module):
-    """The stacked weight as a plain linear layer (cuBLAS on a GPU); inference only."""
+    """The stacked weight as a plain linear layer (cuBLAS on a GPU); inference only. Where core.folded_layers
+    folded a layer, it also runs what surrounds the product there: the RMSNorm in front of it (`norm`, `eps`), the
+    activation (`gated`: silu of the input's first half times its second) and the residual add after it
+    (`residual`, or one left in `residual_cell` by the layer, for a product called by code that passes none). One
+    row runs core.triton_gemv's kernel, all of that inside it, where ROW_PRODUCTS says."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.weight_bytes = weight.numel() * weight.element_size()
+        self.norm: torch.nn.Parameter | None = None  # a folded RMSNorm's gain, and its epsilon
+        self.eps = 0.0
+        self.residual_cell: list[torch.Tensor | None] = [None]  # a list cell: dynamo traces its writes and reads
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+        if residual is None:
+            residual, self.residual_cell[0] = self.residual_cell[0], None
+        # Under torch.compile a size of 1 is a plain int (dynamo specialises it) and any other is symbolic, so this
+        # reads no symbol and adds no guard beyond the shape class the graph already has.
+        one_row = all(type(size) is int and size == 1 for size in x.shape[:-1])
+        if ROW_PRODUCTS[0] and one_row and x.device.type in ROW_DEVICES and x.dtype == self.weight.dtype:
+            from tandem.core.triton_gemv import row_product  # Triton is there only where it runs
+
+            return row_product(x, self.weight, self.bias, self.norm, self.eps, residual, gated)
+        if self.norm is not None:
+            x = rms_norm(x, self.norm, self.eps)
+        if gated:
+            gate, up = x.chunk(2, dim=-1)
+            x = torch.nn.functional.silu(gate) * up
+        out = torch.nn.functional.linear(x, self.weight, self.bias)
+        return out if residual is None else residual + out
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, folded norm: {self.norm is not None}"
 
 
 class FusedLinear(torch.nn.Module):
@@ -106,9 +142,14 @@ def fuse(model: torch.nn.Module, least: int = 0, product: Product = PackedLinear
 
 
 def stack_on_gpu(model: torch.nn.Module) -> int:
-    """fuse() with StackedLinear products for a model on a GPU, unless it is a tensor-parallel shard (whose linears
-    the parallel plan wraps); the number of nn.Linear replaced, 0 elsewhere."""
+    """fuse() with StackedLinear products for a model on a GPU, then core.folded_layers.fold_layers, unless it is a
+    tensor-parallel shard (whose linears the parallel plan wraps); the number of nn.Linear replaced by fuse(), 0
+    elsewhere."""
+    from tandem.core.folded_layers import fold_layers  # which builds on this module's products
+
     sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
     if next(model.parameters()).device.type != "cuda" or sharded:
         return 0
-    return fuse(model, product=StackedLinear)
+    replaced = fuse(model, product=StackedLinear)
+    fold_layers(model)
+    return replaced

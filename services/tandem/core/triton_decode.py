@@ -12,7 +12,7 @@ The keys a query sees are a prefix of the buffer: [0, limit] for that query's li
 build such masks (core.cuda_graphs: each row's cached length plus the query's column), and `limits` reads them back
 as the count of allowed keys. Used only where core.attention says (TANDEM_GPU_ATTENTION=triton), on a GPU, inside
 compiled forwards; the tests run the kernel under Triton's interpreter on a CPU where Triton is installed, and
-build it for sm_90 (tests/test_triton_decode_build.py), since the interpreter does not check Triton's types.
+build it for sm_90 (tests/test_triton_builds.py), since the interpreter does not check Triton's types.
 """
 
 from __future__ import annotations

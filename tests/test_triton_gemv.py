@@ -1,0 +1,165 @@
+"""core.triton_gemv: one row times a weight gives F.linear's result, with a bias, with the RMSNorm in front of it,
+the activation, the residual add after it (Hugging Face's ops, rounding where they round); a model whose layers
+core.folded_layers folded gives the unfolded model's logits with the kernel off, eager and compiled, and Hugging
+Face's greedy tokens with the kernel on, through the runner.
+Needs Triton (the dev extra installs it, so CI runs these); without a GPU the kernel runs under Triton's
+interpreter. On a GPU the compiled graphs with it run in tests/test_cuda_graphs.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":  # conftest sets it
+    pytest.skip("without a GPU these need Triton's interpreter, chosen before Triton is imported",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+from tandem.bench.row_products import TILES
+from tandem.core import fused_linear, triton_gemv
+from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.core.engine import SpeculativeEngine
+from tandem.core.folded_layers import fold_layers
+from tandem.core.fused_linear import StackedLinear, fuse
+from tandem.core.local import LocalVerifier
+from tandem.core.runner import ModelRunner
+from tandem.core.triton_gemv import launch_settings, row_product
+from tandem.models.loader import load_model
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _random(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def _hf_norm(gain: torch.Tensor, eps: float) -> Qwen2RMSNorm:
+    norm = Qwen2RMSNorm(gain.shape[0], eps=eps).to(DEVICE, gain.dtype)
+    norm.weight.data.copy_(gain)
+    return norm
+
+
+@pytest.mark.parametrize(("n", "k", "bias"), [
+    (96, 64, True),  # q/k/v-like, with a bias
+    (37, 200, False),  # neither size a multiple of a tile
+    (600, 1100, False),  # many programs, K over several tiles
+])
+def test_a_row_times_a_weight_equals_linear_in_float32(n: int, k: int, bias: bool) -> None:
+    x, weight = _random(1, 1, k, seed=1), _random(n, k, seed=2) / k**0.5
+    b = _random(n, seed=3) if bias else None
+    torch.testing.assert_close(row_product(x, weight, b), torch.nn.functional.linear(x, weight, b),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tile", TILES)
+def test_every_tile_the_gpu_bench_times_gives_the_same_product(tile, monkeypatch) -> None:
+    """tandem.bench.row_products times these tiles on a GPU and TUNED takes the best: each must compute the product,
+    with the norm folded in, for sizes that are no multiple of it."""
+    x, weight, gain = _random(1, 1, 1100, seed=9), _random(37, 1100, seed=10) / 33, _random(1100, seed=11)
+    monkeypatch.setitem(triton_gemv.TUNED, (37, 1100), tile)
+    expected = torch.nn.functional.linear(_hf_norm(gain, 1e-6)(x), weight)
+    torch.testing.assert_close(row_product(x, weight, None, gain, 1e-6), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_folded_norm_gives_the_norm_then_the_product_in_float32() -> None:
+    x, weight, gain = _random(1, 1, 300, seed=4) * 3, _random(130, 300, seed=5) / 17, _random(300, seed=6)
+    expected = torch.nn.functional.linear(_hf_norm(gain, 1e-6)(x), weight)
+    torch.testing.assert_close(row_product(x, weight, None, gain, 1e-6), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_activation_and_the_residual_run_inside_the_product_in_float32() -> None:
+    """down's fold: silu of the input's first half times its second, the product, then the layer's residual."""
+    x, weight, residual = _random(1, 1, 2 * 300, seed=12), _random(70, 300, seed=13) / 17, _random(1, 1, 70, seed=14)
+    gate, up = x.chunk(2, dim=-1)
+    expected = residual + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, weight)
+    torch.testing.assert_close(row_product(x, weight, residual=residual, gated=True), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_folded_norm_rounds_in_bf16_as_hugging_faces() -> None:
+    """An identity weight passes the normed row through one float32 sum of a single term: on a GPU it must equal
+    Hugging Face's RMSNorm bit for bit (the statistics in float32, the row rounded to bf16, then times the gain,
+    rounded). Triton's interpreter truncates float32 to bf16 where a GPU rounds to the nearest, so there each of the
+    two roundings may land a step lower: within two steps of bf16 (a step is up to 2^-7 of the value)."""
+    k = 256
+    x, gain = _random(1, k, seed=7, dtype=torch.bfloat16) * 5, _random(k, seed=8, dtype=torch.bfloat16)
+    identity = torch.eye(k, device=DEVICE, dtype=torch.bfloat16)
+    got, expected = row_product(x, identity, None, gain, 1e-6), _hf_norm(gain, 1e-6)(x).detach()
+    if DEVICE.type == "cuda":
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=2**-6, atol=0)
+
+
+def test_launch_settings_fill_the_gpu_and_tile_k() -> None:
+    """The real target's o product (1536 x 1536) gets programs of 4 columns (384 programs), its gate/up (17920 x
+    1536) of 8 (a tile of 8 x 512: 2240 programs), a tiny product the least, 4; K in tiles of up to 512."""
+    assert [launch_settings(n, k)["BLOCK_N"] for n, k in ((1536, 1536), (17920, 1536), (64, 64))] == [4, 8, 4]
+    assert [launch_settings(1536, k)["BLOCK_K"] for k in (8960, 200)] == [512, 256]
+
+
+def _folded(path, seed: int = 0):
+    """The tiny target in float32 with random norm gains (the shipped ones are all 1: a fold that dropped them would
+    pass), as loaded plainly and as a GPU would stack and fold it."""
+    models = [load_model(str(path), device=DEVICE, dtype=torch.float32, progress=False, eager=True).model
+              for _ in range(2)]
+    generator = torch.Generator().manual_seed(seed)
+    gains = {name: 1 + 0.3 * torch.randn(p.shape, generator=generator) for name, p in models[0].named_parameters()
+             if "layernorm" in name}
+    for model in models:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in gains:
+                    p.copy_(gains[name])
+    layers = models[1].config.num_hidden_layers
+    assert fuse(models[1], product=StackedLinear) == 5 * layers
+    assert fold_layers(models[1]) == layers and fold_layers(models[1]) == 0  # once
+    assert not any("layernorm" in name for name, _ in models[1].named_parameters())
+    return models
+
+
+def _greedy(model, prompt: list[int], tokens: int) -> list[int]:
+    engine = SpeculativeEngine(LocalVerifier(ModelRunner(model, kv_tokens=256)), None,
+                               EngineConfig(spec=SpecConfig(enabled=False), calibrate=False, max_batch=1))
+    return engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))[0].token_ids
+
+
+def test_folded_layers_leave_the_logits_as_they_were_eager_and_compiled(tiny_dirs) -> None:
+    """With the kernel off, a folded layer runs the unfolded one's ops (o adding the residual its cell holds, down
+    the activation and the residual): the same logits through the model, and through the runner's compiled static
+    forward (dynamo traces the residual cell's write and read in one graph)."""
+    plain, folded = _folded(tiny_dirs.target)
+    ids = torch.tensor([list(range(3, 30))], device=DEVICE)
+    with torch.no_grad():
+        expected = plain(ids).logits
+        torch.testing.assert_close(folded(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    runner = ModelRunner(folded, kv_tokens=512, compile=True)
+    state = runner.state("a")
+    state.sync(0, list(range(3, 30)))
+    runner.prefill(state, 26)
+    compiled = runner.forward([state], [1])[0]
+    assert runner.graphs is not None and runner.graphs.compiled and runner.graphs.compile_error is None
+    torch.testing.assert_close(compiled[-1], expected[0, -1], rtol=1e-4, atol=1e-4)
+    assert all(m.residual_cell[0] is None for m in folded.modules() if isinstance(m, StackedLinear))
+
+
+def test_the_kernel_in_a_folded_model_gives_hf_greedy_tokens(tiny_dirs, monkeypatch) -> None:
+    """Through the runner and the engine, batch 1: every decode step's products (q/k/v and gate/up with their norms,
+    o with the residual, down with the activation and the residual) run the kernel; the prompt's forward, of many
+    rows, runs them in torch."""
+    plain, folded = _folded(tiny_dirs.target, seed=1)
+    monkeypatch.setattr(fused_linear, "ROW_PRODUCTS", [True])
+    monkeypatch.setattr(fused_linear, "ROW_DEVICES", (DEVICE.type,))
+    calls = []
+    original = StackedLinear.forward
+    monkeypatch.setattr(StackedLinear, "forward", lambda self, x, *args, **kwargs: calls.append(
+        x.shape[:-1].numel()) or original(self, x, *args, **kwargs))
+    prompt = list(range(5, 17))
+    ids = torch.tensor([prompt], device=DEVICE)
+    expected = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    assert _greedy(folded, prompt, 6) == expected
+    assert calls.count(1) >= 4 * 5 * folded.config.num_hidden_layers  # 4 products a layer, 5 one-row steps
