@@ -1,5 +1,6 @@
 """tandem's Triton kernels build for a Hopper GPU (sm_90, the H100 and H200) with the argument types inductor launches
-them with, at the real pair's shapes: core.triton_decode's attention and core.triton_gemv's one-row products. Triton's
+them with, at the real pair's shapes: core.triton_decode's attention and its merge, core.triton_gemv's one-row
+products. Triton's
 frontend and NVIDIA backend, ptxas included, run on a CPU, so a kernel that only the interpreter accepts (as when a
 float64 `scale` changed a loop variable's type, found on an H200 on 2026-12-04) fails here rather than on the next
 GPU machine.
@@ -37,6 +38,11 @@ PRODUCTS = {f"{role}-{name}": (*shape, "bfloat16") for role in ("target", "draft
             for name, shape in products(role).items()} | {
     "tiny-qkv-float32": (128, 64, True, True, False, False, "float32"),
     "tiny-down-float32": (64, 128, False, False, True, True, "float32")}
+MERGES = {  # name: (key/value heads, query heads per key/value head, head dim, output dtype): the splits' merge
+    "target-merge": (2, 6, 128, "bfloat16"),
+    "draft-merge": (2, 7, 64, "bfloat16"),
+    "target-merge-float32": (2, 6, 128, "float32"),
+}
 ELEMENTS = {"bfloat16": "*bf16", "float32": "*fp32"}
 pytestmark = pytest.mark.xdist_group("triton-build")  # one worker builds them all, once
 POINTERS = {"LIMITS": "*i32", "REACH": "*i32", "ACC": "*fp32", "MAX": "*fp32", "SUM": "*fp32"}
@@ -72,6 +78,14 @@ def build_attention(kv_heads: int, groups: int, width: int, dim: int, dtype_name
           triton_decode.launch_settings(kv_heads, groups, width, dim, getattr(torch, dtype_name), *split))
 
 
+def build_merge(kv_heads: int, groups: int, dim: int, dtype_name: str) -> None:
+    """core.triton_decode's merge of the splits as merge_splits launches it."""
+    from tandem.core import triton_decode
+
+    build(triton_decode._merge, {"ACC": "*fp32", "MAX": "*fp32", "SUM": "*fp32", "OUT": ELEMENTS[dtype_name]},
+          {"KV_HEADS": kv_heads, "GROUPS": groups, "D": dim, "num_warps": 1})
+
+
 def build_product(n: int, k: int, bias: bool, norm: bool, gated: bool, residual: bool, dtype_name: str) -> None:
     """core.triton_gemv's kernel as gemv launches it (the Qwen pair's norm epsilon)."""
     from tandem.core import triton_gemv
@@ -85,6 +99,7 @@ def main() -> None:
     """In the child: build every case, print {case: null or the error}."""
     results = {}
     cases = [(name, build_attention, case) for name, case in ATTENTION.items()]
+    cases += [(name, build_merge, case) for name, case in MERGES.items()]
     cases += [(name, build_product, case) for name, case in PRODUCTS.items()]
     for name, builder, case in cases:
         try:
@@ -114,6 +129,13 @@ def builds(tmp_path_factory) -> dict[str, str | None]:
 def test_the_attention_kernel_builds_for_hopper_as_inductor_launches_it(builds, case) -> None:
     """Inside compiled forwards inductor passes the Python float `scale` as fp64; the one-token and verify shapes of
     both models in bf16, and the float32 build the GPU equality tests use."""
+    assert builds[case] is None, builds[case]
+
+
+@pytest.mark.parametrize("case", list(MERGES))
+def test_the_merge_of_the_splits_builds_for_hopper(builds, case) -> None:
+    """Its loop over the splits runs to a count known only at the launch (the cache's capacity is a symbolic size
+    in the compiled forwards), with loop-carried statistics that must keep their float32 type."""
     assert builds[case] is None, builds[case]
 
 

@@ -129,13 +129,17 @@ def _greedy(model, prompt: list[int], tokens: int) -> list[int]:
 
 def test_folded_layers_leave_the_logits_as_they_were_eager_and_compiled(tiny_dirs) -> None:
     """With the kernel off, a folded layer runs the unfolded one's ops (o adding the residual its cell holds, down
-    the activation and the residual): the same logits through the model, and through the runner's compiled static
-    forward (dynamo traces the residual cell's write and read in one graph)."""
+    the activation and the residual): the same logits through the model, the same tokens from Hugging Face's
+    generate, and the same logits through the runner's compiled static forward (dynamo traces the residual cell's
+    write and read in one graph)."""
     plain, folded = _folded(tiny_dirs.target)
     ids = torch.tensor([list(range(3, 30))], device=DEVICE)
     with torch.no_grad():
         expected = plain(ids).logits
         torch.testing.assert_close(folded(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    # Hugging Face's generate (its own cache and keywords, as the GPU probe's peer runs) through the folded layers
+    greedy = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(folded.generate(ids, **greedy), plain.generate(ids, **greedy))
     runner = ModelRunner(folded, kv_tokens=512, compile=True)
     state = runner.state("a")
     state.sync(0, list(range(3, 30)))

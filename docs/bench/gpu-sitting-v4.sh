@@ -14,7 +14,7 @@
 #    (>= 50% of the weight-bandwidth limit; 28% on 2026-12-04);
 # 3. the GPU tests never yet run: the kernel's and the folded layers' own (tests/test_triton_gemv.py), the compiled
 #    graphs with them (float32 tokens, bf16 accuracy; every GPU test now runs folded layers, the kernel off), multi-step decoding in CUDA graphs, one wait per plain step, on_device's copies, and the
-#    Triton attention's speculative widths ([4-TRITON]);
+#    Triton attention in the compiled graphs with its merge now a kernel of its own ([None-TRITON], [4-TRITON]);
 # call 2: attention alone per kernel and split, then the Triton attention A/B'd, the folded layers on in both.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -42,7 +42,7 @@ if [ "${1:-1}" = 1 ]; then
         tests/test_cuda_graphs.py::test_multi_step_decoding_gives_the_hf_greedy_tokens_and_waits_for_the_gpu_once_a_block \
         tests/test_cuda_graphs.py::test_a_plain_decode_step_waits_for_the_gpu_once \
         tests/test_device.py::test_on_device_copies_to_a_gpu_without_waiting_for_it_and_to_the_host_with \
-        "$graphs[4-TRITON]" > "$out/gpu-tests-v4.log" 2>&1
+        "$graphs[None-TRITON]" "$graphs[4-TRITON]" > "$out/gpu-tests-v4.log" 2>        "$graphs[4-TRITON]" > "$out/gpu-tests-v4.log" 2>&11
     note "tests: exit $? ($(tail -1 "$out/gpu-tests-v4.log"))"
 else
     # the Triton attention at 64, 128, 256 and 1024 keys a thread block beside cuDNN's

@@ -207,9 +207,10 @@ def attention_ab(target, work: list[list[int]], tokens: int, warm_seconds: float
 
 
 def stacking_ab(target, work: list[list[int]], tokens: int, warm_seconds: float, log, pairs: int = 1) -> None:
-    """The target with its sibling projections stacked (core.fused_linear, what the loader does on a GPU) against
-    the same weights unstacked, compiled graphs, plain decoding at batch 1 and 8 (`pairs` A B B A pairs per case,
-    the side that starts alternating): tok/s, one forward's cost, and where the kernel time goes."""
+    """The target with its sibling projections stacked (core.fused_linear, what the loader does on a GPU, which
+    also folds the layers: core.folded_layers) against the same weights unstacked, compiled graphs, plain decoding
+    at batch 1 and 8 (`pairs` A B B A pairs per case, the side that starts alternating): tok/s, one forward's cost,
+    and where the kernel time goes."""
     unstacked = copy.deepcopy(target)
     log("stacked_linears", stack_on_gpu(target))
     variants = {"stacked": target, "unstacked": unstacked}

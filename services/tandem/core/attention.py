@@ -38,7 +38,8 @@ capacity on a GPU), on a GPU only (FLEX_DEVICES). `TANDEM_GPU_ATTENTION=flex` in
 off by default: on an H200 it made one batch-1 forward 1.05x faster and passed its equality tests, but its end-to-end
 gain and batch 8 are not settled (docs/performance.md, "On a GPU"). `TRITON[0]` (`TANDEM_GPU_ATTENTION=triton`)
 likewise attends with core.triton_decode, one Triton kernel over splits of the keys; off by default: on an H200
-its kernel took 9.8 µs a layer against cuDNN's 16.3, but with the splits' merge one forward was no faster.
+its kernel took 9.8 µs a layer against cuDNN's 16.3, but with the splits' merge (two reductions then, one small
+kernel since, not yet timed) one forward was no faster.
 """
 
 from __future__ import annotations
