@@ -42,7 +42,7 @@ if [ "${1:-1}" = 1 ]; then
         tests/test_cuda_graphs.py::test_multi_step_decoding_gives_the_hf_greedy_tokens_and_waits_for_the_gpu_once_a_block \
         tests/test_cuda_graphs.py::test_a_plain_decode_step_waits_for_the_gpu_once \
         tests/test_device.py::test_on_device_copies_to_a_gpu_without_waiting_for_it_and_to_the_host_with \
-        "$graphs[None-TRITON]" "$graphs[4-TRITON]" > "$out/gpu-tests-v4.log" 2>        "$graphs[4-TRITON]" > "$out/gpu-tests-v4.log" 2>&11
+        "$graphs[None-TRITON]" "$graphs[4-TRITON]" > "$out/gpu-tests-v4.log" 2>&1
     note "tests: exit $? ($(tail -1 "$out/gpu-tests-v4.log"))"
 else
     # the Triton attention at 64, 128, 256 and 1024 keys a thread block beside cuDNN's
