@@ -10,6 +10,7 @@ import time
 from functools import partial
 
 import torch
+from torch.autograd import DeviceType
 from torch.nn.attention import sdpa_kernel
 
 from tandem.core.config import SamplingParams
@@ -79,7 +80,9 @@ def kernel_share(call, top: int = 12) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         call()
         sync()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    # The device's own events (kernels, copies, memsets) only: a host op run eagerly (the head's aten::mm outside the
+    # graphs) also reports the time of the kernels it launched as its "self" device time, which counted them twice.
+    events = [e for e in prof.key_averages() if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
     device_us = sum(e.self_device_time_total for e in events)
     kernels = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
     return {"wall_s": wall, "kernel_s": device_us / 1e6, "share": device_us / 1e6 / wall,
