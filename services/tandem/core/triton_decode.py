@@ -57,6 +57,9 @@ def _split_attention(Q, K, V, LIMITS, REACH, ACC, MAX, SUM, scale, width, querie
         n = split * SPLIT + start + tl.arange(0, BLOCK_N)
         inside = n < end
         k = tl.load(K + row * sk_r + kv * sk_h + n[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
+        # the values' load is issued with the keys', before the scores need them: a split walks one or two tiles, so
+        # the two loads' latencies, overlapped, are most of its time
+        v = tl.load(V + row * sv_r + kv * sv_h + n[:, None] * sv_l + d[None, :], mask=inside[:, None], other=0.0)
         # scale arrives as float64 where inductor launches the kernel: kept, it would make `top` change type
         scores = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale).to(tl.float32)
         scores = tl.where((n[None, :] <= limit[:, None]) & inside[None, :], scores, float("-inf"))
@@ -65,7 +68,6 @@ def _split_attention(Q, K, V, LIMITS, REACH, ACC, MAX, SUM, scale, width, querie
         p = tl.exp(scores - shift[:, None])
         alpha = tl.exp(top - shift)
         total = total * alpha + tl.sum(p, 1)
-        v = tl.load(V + row * sv_r + kv * sv_h + n[:, None] * sv_l + d[None, :], mask=inside[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         top = new_top
     slot = (pair * splits + split) * queries + i
