@@ -170,3 +170,12 @@ def test_the_kernel_in_a_folded_model_gives_hf_greedy_tokens(tiny_dirs, monkeypa
                               do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
     assert _greedy(folded, prompt, 6) == expected
     assert calls.count(1) >= 4 * 5 * folded.config.num_hidden_layers  # 4 products a layer, 5 one-row steps
+    # A shape left to cuBLAS (its norm then in torch) beside the kernel's: the same tokens, that shape not kernel's.
+    gate_up = tuple(folded.model.layers[0].mlp.gate_up.weight.shape)
+    monkeypatch.setattr(fused_linear, "CUBLAS_SHAPES", {gate_up})
+    shapes = []
+    kernel = triton_gemv.row_product
+    monkeypatch.setattr(triton_gemv, "row_product", lambda x, weight, *args: shapes.append(tuple(weight.shape)) or
+                        kernel(x, weight, *args))
+    assert _greedy(folded, prompt, 6) == expected
+    assert shapes and gate_up not in shapes

@@ -7,7 +7,8 @@ reported per call: µs and the weight bytes read per second. cuBLAS runs the pro
 as core.folded_layers folds it (q/k/v and gate/up with their RMSNorm, o with the residual add, down with the
 activation and the residual add: work that cuBLAS's side leaves out, which an unfolded forward runs in kernels of
 its own) at each tile size, and alone at the best one, like for like with cuBLAS. The best tiles per shape are what
-core.triton_gemv.TUNED takes.
+core.triton_gemv.TUNED takes; a shape whose folded kernel loses to cuBLAS plus its own norm or activation goes in
+core.fused_linear.CUBLAS_SHAPES.
 
     python -m tandem.bench.row_products --json gpu-row-products.json   # 1-2 minutes on an H200, mostly compiles
 """

@@ -27,6 +27,9 @@ if _ROW_PRODUCTS_ENV not in ("0", "1"):
     raise ValueError(f"TANDEM_GPU_ROW_PRODUCTS: 0 or 1, got {_ROW_PRODUCTS_ENV!r}")
 ROW_PRODUCTS: list[bool] = [_ROW_PRODUCTS_ENV == "1"]  # a cell: compiled forwards read it as they trace
 ROW_DEVICES = ("cuda",)  # where the Triton kernel runs; the tests add "cpu", where Triton's interpreter runs it
+# Weight shapes (N, K) whose one-row product stays cuBLAS's with ROW_PRODUCTS on (its folded work then runs in torch
+# around it): where tandem.bench.row_products finds cuBLAS faster than the kernel at its best tile.
+CUBLAS_SHAPES: set[tuple[int, int]] = set()
 # What builds a stacked product from its weight and bias: a layer class (PackedLinear, StackedLinear, W8A8Linear) or a
 # function that picks one (core.w4_linear's).
 Product = Callable[[torch.Tensor, torch.Tensor | None], torch.nn.Module]
@@ -60,7 +63,8 @@ class StackedLinear(torch.nn.Module):
         # Under torch.compile a size of 1 is a plain int (dynamo specialises it) and any other is symbolic, so this
         # reads no symbol and adds no guard beyond the shape class the graph already has.
         one_row = all(type(size) is int and size == 1 for size in x.shape[:-1])
-        if ROW_PRODUCTS[0] and one_row and x.device.type in ROW_DEVICES and x.dtype == self.weight.dtype:
+        if (ROW_PRODUCTS[0] and one_row and x.device.type in ROW_DEVICES and x.dtype == self.weight.dtype
+                and tuple(self.weight.shape) not in CUBLAS_SHAPES):
             from tandem.core.triton_gemv import row_product  # Triton is there only where it runs
 
             return row_product(x, self.weight, self.bias, self.norm, self.eps, residual, gated)
