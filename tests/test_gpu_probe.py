@@ -4,6 +4,7 @@ transformers (the GPU machine has no tandem installed)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -76,3 +77,21 @@ def test_probe_runs_by_path_and_shows_every_default(tmp_path) -> None:
         with pytest.raises(SystemExit, match="CUDA is not available"):
             probe.main(["--json", str(tmp_path / "probe.json")])
         assert not (tmp_path / "probe.json").exists()
+
+
+def test_the_row_products_report_gives_its_best_tiles_per_shape(tmp_path) -> None:
+    """What tandem.bench.row_products writes, and the GPU sitting's A/B reads back (--tiles) into
+    core.triton_gemv.TUNED: the best tile per (N, K), none where launch_settings' own pick won or no tile ran. The
+    shapes are the layers' own (the sitting times both models)."""
+    from tandem.bench.row_products import best_tiles, products
+
+    shapes = {f"{role}_{name}": shape for role in ("target", "draft") for name, shape in products(role).items()}
+    assert shapes["target_gate_up"][:2] == (17920, 1536) and shapes["draft_down"][:2] == (896, 4864)
+    report = {"results": {
+        "target_o": {"n": 1536, "k": 1536, "best": {"tile": "8x256x4", "folded_us": 2.1}},
+        "target_down": {"n": 1536, "k": 8960, "best": {"tile": "default", "folded_us": 7.9}},
+        "target_gate_up": {"n": 17920, "k": 1536, "kernel_folded": {"default": {"error": "..."}}, "best": None},
+    }}
+    path = tmp_path / "row-products.json"
+    path.write_text(json.dumps(report))
+    assert best_tiles(path) == {(1536, 1536): (8, 256, 4)}

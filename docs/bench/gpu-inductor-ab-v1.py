@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "services"))
 
 from tandem.bench.gpu_measures import kernel_share, prompts, timed
 from tandem.bench.gpu_probe import HBM_BYTES_PER_S, build
+from tandem.bench.row_products import best_tiles
 from tandem.core import attention, cuda_graphs, fused_linear
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.engine import SpeculativeEngine
@@ -141,6 +142,8 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=1,
                         help="above 1: end to end, each variant also decodes this many tokens a verifier call "
                              "(core.decode_steps), as a row of its own named VARIANT_stepsN")
+    parser.add_argument("--tiles", help="a tandem.bench.row_products report: its best tile per shape goes in "
+                        "core.triton_gemv.TUNED before anything compiles (the `rows` variants' tiles)")
     args = parser.parse_args()
     started = time.perf_counter()
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -159,6 +162,11 @@ def main() -> None:
     def time_left() -> float:
         return args.deadline_s - (time.perf_counter() - started)
 
+    if args.tiles and Path(args.tiles).exists():
+        from tandem.core import triton_gemv
+
+        triton_gemv.TUNED.update(best_tiles(args.tiles))
+        report["tuned_tiles"] = {f"{n}x{k}": tile for (n, k), tile in triton_gemv.TUNED.items()}
     target = build("target", device, dtype)
     report["target_weight_bytes"] = weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     report["stacked_linears"] = stack_on_gpu(target)

@@ -10,8 +10,8 @@
 #    core.triton_gemv's kernel, folded as core.folded_layers folds it (norm, activation, residual) at each tile
 #    size, and alone at the best one (1-2 minutes, mostly Triton's compiles);
 # 2. the forward and plain batch 1 end to end with folded layers on (`rows`: TANDEM_GPU_ROW_PRODUCTS) against the
-#    default, a token a call and blocks of 8 (--decode-steps 8), with profiles: one forward is the goal's figure
-#    (>= 50% of the weight-bandwidth limit; 28% on 2026-12-04);
+#    default, a token a call and blocks of 8 (--decode-steps 8), with profiles, at the tiles step 1 found best
+#    (--tiles): one forward is the goal's figure (>= 50% of the weight-bandwidth limit; 28% on 2026-12-04);
 # 3. the GPU tests never yet run: the kernel's and the folded layers' own (tests/test_triton_gemv.py), the compiled
 #    graphs with them (float32 tokens, bf16 accuracy; every GPU test now runs folded layers, the kernel off), multi-step decoding in CUDA graphs, one wait per plain step, on_device's copies, and the
 #    Triton attention in the compiled graphs with its merge now a kernel of its own ([None-TRITON], [4-TRITON]);
@@ -33,7 +33,8 @@ if [ "${1:-1}" = 1 ]; then
         > "$out/gpu-row-products-v1.log" 2>&1
     note "row products: exit $?"
     timeout 230 python3 docs/bench/gpu-inductor-ab-v1.py --variants cublas,rows --decode-steps 8 --rounds 6 \
-        --deadline-s 210 --json "$out/gpu-rows-ab-v1.json" > "$out/gpu-rows-ab-v1.log" 2>&1
+        --tiles "$out/gpu-row-products-v1.json" --deadline-s 210 --json "$out/gpu-rows-ab-v1.json" \
+        > "$out/gpu-rows-ab-v1.log" 2>&1
     note "rows A/B: exit $?"
     graphs=tests/test_cuda_graphs.py::test_graphs_attending_with_flex_or_triton_give_the_hf_greedy_tokens_in_float32
     timeout "$(left 550)" python3 -m pytest -o addopts="" -q -rA -p no:cacheprovider tests/test_triton_gemv.py \
@@ -51,6 +52,7 @@ else
     note "attention probe (cut once attention_seconds is in): exit $?"
     if [ "$(left 230)" -gt 100 ]; then
         timeout "$(left 230)" python3 docs/bench/gpu-inductor-ab-v1.py --variants rows,rows_triton --rounds 4 \
+            --tiles "$out/gpu-row-products-v1.json" \
             --deadline-s "$(($(left 230) - 20))" --json "$out/gpu-triton-ab-v3.json" > "$out/gpu-triton-ab-v3.log" 2>&1
         note "Triton attention A/B: exit $?"
     fi

@@ -122,6 +122,17 @@ def measure(n: int, k: int, bias: bool, norm: bool, gated: bool, residual: bool,
     return out
 
 
+def best_tiles(path: str | Path) -> dict[tuple[int, int], tuple[int, int, int]]:
+    """A report's best tile per weight shape, (N, K): (BLOCK_N, BLOCK_K, warps), as core.triton_gemv.TUNED takes
+    them; shapes whose best was launch_settings' own pick, or where no tile ran, are left out."""
+    tiles = {}
+    for result in json.loads(Path(path).read_text())["results"].values():
+        best = result.get("best")
+        if best and best["tile"] != "default":
+            tiles[result["n"], result["k"]] = tuple(int(v) for v in best["tile"].split("x"))
+    return tiles
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="gpu-row-products.json")
