@@ -6,6 +6,12 @@ over the stacked weights reads them in one pass, as vLLM's merged projections do
 a chain of small kernels, each with a launch and a tail of its own, so there the stacked product (a plain linear,
 StackedLinear) runs two kernels per layer where the siblings ran five (`stack_on_gpu`).
 
+Hugging Face's modules call q_proj(x), k_proj(x) and v_proj(x) in turn on the same x, and gate_proj(x) and up_proj(x)
+likewise, so those modules stay as Hugging Face wrote them: each projection becomes a FusedPart of one FusedLinear.
+Whichever part is called first computes the stacked product and keeps it until each part has taken its columns (a
+view); a part called on another input, or a second time, computes afresh. So any call order gives the right numbers,
+and nothing is kept after the last part has read.
+
 On a GPU `stack_on_gpu` also folds each decoder layer (core.folded_layers): its norms, residual adds and activation
 move into StackedLinears, so that with ROW_PRODUCTS on a one-row product runs them all inside one Triton kernel
 (core.triton_gemv). Off (the default until a GPU sitting times it), a folded product runs the same ops in torch
