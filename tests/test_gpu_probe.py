@@ -95,3 +95,22 @@ def test_the_row_products_report_gives_its_best_tiles_per_shape(tmp_path) -> Non
     path = tmp_path / "row-products.json"
     path.write_text(json.dumps(report))
     assert best_tiles(path) == {(1536, 1536): (8, 256, 4)}
+
+
+def test_the_row_products_report_prints_as_a_table(tmp_path) -> None:
+    from tandem.bench import row_products
+
+    def rate(us: float) -> dict:
+        return {"us": us, "tb_s": 4.7e6 / us / 1e6}
+
+    report = {"results": {
+        "target_o": {"n": 1536, "k": 1536, "cublas": rate(6.0), "kernel_alone": rate(3.0),
+                     "kernel_folded": {"8x256x4": rate(3.5)}, "best": {"tile": "8x256x4"}},
+        "target_qkv": {"n": 2048, "k": 1536, "cublas": rate(5.4), "best": None},
+    }}
+    path = tmp_path / "row-products.json"
+    path.write_text(json.dumps(report))
+    table = row_products.summary(path).splitlines()
+    assert table[2] == ("| target_o (1536 x 1536) | 6.00 µs, 0.78 TB/s | 3.00 µs, 1.57 TB/s | 3.50 µs, 1.34 TB/s "
+                        "| 8x256x4 |")
+    assert table[3] == "| target_qkv (2048 x 1536) | 5.40 µs | no tile ran | | |"

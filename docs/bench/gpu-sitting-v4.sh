@@ -32,6 +32,7 @@ if [ "${1:-1}" = 1 ]; then
     timeout 120 python3 -m tandem.bench.row_products --json "$out/gpu-row-products-v1.json" \
         > "$out/gpu-row-products-v1.log" 2>&1
     note "row products: exit $?"
+    python3 -m tandem.bench.row_products --summarize "$out/gpu-row-products-v1.json" > "$out/gpu-row-products-v1.md" 2>&1
     timeout 230 python3 docs/bench/gpu-inductor-ab-v1.py --variants cublas,rows --decode-steps 8 --rounds 6 \
         --tiles "$out/gpu-row-products-v1.json" --deadline-s 210 --json "$out/gpu-rows-ab-v1.json" \
         > "$out/gpu-rows-ab-v1.log" 2>&1

@@ -11,6 +11,7 @@ core.triton_gemv.TUNED takes; a shape whose folded kernel loses to cuBLAS plus i
 core.fused_linear.CUBLAS_SHAPES.
 
     python -m tandem.bench.row_products --json gpu-row-products.json   # 1-2 minutes on an H200, mostly compiles
+    python -m tandem.bench.row_products --summarize gpu-row-products.json  # its table, for docs/performance.md
 """
 
 from __future__ import annotations
@@ -133,12 +134,32 @@ def best_tiles(path: str | Path) -> dict[tuple[int, int], tuple[int, int, int]]:
     return tiles
 
 
+def summary(path: str | Path) -> str:
+    """A report as a markdown table, a row per product: cuBLAS against the kernel alone (like for like) and folded,
+    µs a call and TB/s, at the best tile; for docs/performance.md."""
+    rows = ["| product (N x K) | cuBLAS | the kernel alone | folded | best tile |",
+            "| --- | ---: | ---: | ---: | --- |"]
+    for name, result in json.loads(Path(path).read_text())["results"].items():
+        best, product = result.get("best"), f"{name} ({result['n']} x {result['k']})"
+        if best is None:
+            rows.append(f"| {product} | {result['cublas']['us']:.2f} µs | no tile ran | | |")
+            continue
+        cells = [result["cublas"], result["kernel_alone"], result["kernel_folded"][best["tile"]]]
+        rows.append(f"| {product} | " + " | ".join(f"{c['us']:.2f} µs, {c['tb_s']:.2f} TB/s" for c in cells)
+                    + f" | {best['tile']} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="gpu-row-products.json")
     parser.add_argument("--reps", type=int, default=20, help="graph replays per side")
     parser.add_argument("--roles", default="target,draft")
+    parser.add_argument("--summarize", metavar="REPORT", help="print a report as a markdown table and stop (no GPU)")
     args = parser.parse_args(argv)
+    if args.summarize:
+        print(summary(args.summarize))
+        return
     if not torch.cuda.is_available():
         sys.exit("tandem.bench.row_products needs a CUDA GPU (the kernels are timed in CUDA graphs)")
     started = time.perf_counter()
