@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from tandem.bench.gpu_probe import CONFIGS, HBM_BYTES_PER_S
-from tandem.core.fused_linear import rms_norm
+from tandem.core.fused_linear import StackedLinear
 
 LAYERS = 28
 # (BLOCK_N, BLOCK_K, warps) tried for every shape; launch_settings' own pick is timed as "default"
@@ -81,11 +81,10 @@ def measure(n: int, k: int, bias: bool, norm: bool, gated: bool, residual: bool,
     # folded: the row is the norm's input, or gate/up's output [2K]; the residual is the layer's input
     row, res, gain = tensor(1, 1, 2 * k if gated else k), tensor(1, 1, n) if residual else None, tensor(k).abs() + 0.5
     fold = {"bias": b, "norm": gain if norm else None, "eps": 1e-6, "residual": res, "gated": gated}
-    inputs = rms_norm(row, gain, 1e-6) if norm else row
-    if gated:
-        gate, up = inputs.chunk(2, dim=-1)
-        inputs = torch.nn.functional.silu(gate) * up
-    reference = (torch.nn.functional.linear(inputs, weights[0], b) + (0 if res is None else res)).float()
+    product = StackedLinear(weights[0], b)  # the folded product in torch ops: the reference
+    if norm:
+        product.norm, product.eps = torch.nn.Parameter(gain, requires_grad=False), 1e-6
+    reference = product.in_torch(row, res, gated).float()
     nbytes = n * k * 2
     out: dict = {"n": n, "k": k, "bias": bias, "norm": norm, "gated": gated, "residual": residual,
                  "weight_bytes": nbytes}

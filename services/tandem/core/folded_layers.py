@@ -62,12 +62,10 @@ def _folded_class(cls: type) -> type:
     return _FOLDED_CLASSES[cls]
 
 
-def _stacked(linear: torch.nn.Module) -> StackedLinear | None:
+def _stacked(linear: StackedLinear | torch.nn.Linear) -> StackedLinear:
     if type(linear) is StackedLinear:
         return linear
-    if type(linear) is torch.nn.Linear:
-        return StackedLinear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
-    return None
+    return StackedLinear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
 
 
 def _foldable(layer: torch.nn.Module) -> bool:
@@ -78,7 +76,7 @@ def _foldable(layer: torch.nn.Module) -> bool:
             and all(type(getattr(layer, name, None)).__name__ in RMS_NORMS
                     for name in ("input_layernorm", "post_attention_layernorm"))
             and all(isinstance(part, FusedPart) and type(part.fused.linear) is StackedLinear for part in parts)
-            and _stacked(attention.o_proj) is not None and _stacked(mlp.down_proj) is not None)
+            and all(type(linear) in (StackedLinear, torch.nn.Linear) for linear in (attention.o_proj, mlp.down_proj)))
 
 
 def fold_layers(model: torch.nn.Module) -> int:

@@ -74,6 +74,11 @@ class StackedLinear(torch.nn.Module):
             from tandem.core.triton_gemv import row_product  # Triton is there only where it runs
 
             return row_product(x, self.weight, self.bias, self.norm, self.eps, residual, gated)
+        return self.in_torch(x, residual, gated)
+
+    def in_torch(self, x: torch.Tensor, residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+        """The folded product as torch ops around F.linear, Hugging Face's layer op for op: what runs wherever the
+        kernel does not, and what the kernel is measured against."""
         if self.norm is not None:
             x = rms_norm(x, self.norm, self.eps)
         if gated:
