@@ -22,7 +22,8 @@ import pytest
 from tandem.bench.row_products import products
 
 HOPPER = ("cuda", 90, 32)
-ATTENTION = {  # name: (key/value heads, query heads per key/value head, width, head dim, dtype, scale's type[, split])
+# name: (key/value heads, query heads per key/value head, width, head dim, dtype, scale's type[, split or "whole"])
+ATTENTION = {
     "target-1": (2, 6, 1, 128, "bfloat16", "fp64"),  # Qwen2.5-1.5B: 12 query heads over 2 key/value heads of 128
     "target-5": (2, 6, 5, 128, "bfloat16", "fp64"),  # a verify forward of 4 drafts
     "draft-1": (2, 7, 1, 64, "bfloat16", "fp64"),  # Qwen2.5-0.5B: 14 over 2, of 64
@@ -30,6 +31,8 @@ ATTENTION = {  # name: (key/value heads, query heads per key/value head, width, 
     "target-5-float32": (2, 6, 5, 128, "float32", "fp32"),  # as tests/test_cuda_graphs.py runs it on a GPU
     "target-1-split64": (2, 6, 1, 128, "bfloat16", "fp64", 64),  # the splits the GPU probe times beside SPLIT
     "target-1-split256": (2, 6, 1, 128, "bfloat16", "fp64", 256),
+    "target-1-whole": (2, 6, 1, 128, "bfloat16", "fp64", "whole"),  # one split of every key, written unmerged
+    "draft-5-whole": (2, 7, 5, 64, "bfloat16", "fp64", "whole"),
 }
 # name: (N, K, bias, norm, gated, residual, dtype): each decoder layer's four products at batch 1, folded as
 # core.folded_layers folds them (bench.row_products' shapes, which the GPU sitting times); and the float32 builds
@@ -67,15 +70,18 @@ def build(kernel, types: dict[str, str], settings: dict, aligned: tuple[str, ...
 
 
 def build_attention(kv_heads: int, groups: int, width: int, dim: int, dtype_name: str, scale: str,
-                    *split: int) -> None:
-    """core.triton_decode's kernel as split_attention launches it."""
+                    split: int | str | None = None) -> None:
+    """core.triton_decode's kernel as split_attention launches it (whole_attention's, with "whole")."""
     import torch
 
     from tandem.core import triton_decode
 
     element = ELEMENTS[dtype_name]
-    build(triton_decode._split_attention, {"Q": element, "K": element, "V": element, "scale": scale} | POINTERS,
-          triton_decode.launch_settings(kv_heads, groups, width, dim, getattr(torch, dtype_name), *split))
+    settings = triton_decode.launch_settings(kv_heads, groups, width, dim, getattr(torch, dtype_name),
+                                             *([split] if isinstance(split, int) else []))
+    out = {"OUT": element, "ACC": element, "MAX": element, "SUM": element} if split == "whole" else {"OUT": "*fp32"}
+    build(triton_decode._split_attention, {"Q": element, "K": element, "V": element, "scale": scale} | POINTERS
+          | out, settings | {"WHOLE": split == "whole"})
 
 
 def build_merge(kv_heads: int, groups: int, dim: int, dtype_name: str) -> None:

@@ -117,3 +117,21 @@ def test_attention_turns_to_the_triton_kernel_only_when_set(triton: bool, monkey
     expected, _ = sdpa_attention_forward(Attention(), query, key, value, mask, scaling=0.3)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert bool(called) == triton
+
+
+def test_a_buffer_within_one_split_is_attended_in_one_kernel(monkeypatch) -> None:
+    """Where one split holds the whole buffer, split_decode launches whole_attention alone: the output normalised
+    in the caller's layout, no partial results and no merge; at a split of 64 the same inputs go through both."""
+    from tandem.core import triton_decode
+
+    called = []
+    for name in ("split_attention", "merge_splits", "whole_attention"):
+        real = getattr(triton_decode, name)
+        monkeypatch.setattr(triton_decode, name, lambda *a, _real=real, _name=name: called.append(_name) or _real(*a))
+    query, key, value, mask = _inputs(2, 12, 2, 1, 200, 64)
+    expected = _sdpa(query, key, value, mask, 0.1)
+    torch.testing.assert_close(split_decode(query, key, value, mask, 0.1, split=256), expected, rtol=1e-5, atol=1e-5)
+    assert called == ["whole_attention"]
+    called.clear()
+    torch.testing.assert_close(split_decode(query, key, value, mask, 0.1, split=64), expected, rtol=1e-5, atol=1e-5)
+    assert called == ["split_attention", "merge_splits"]

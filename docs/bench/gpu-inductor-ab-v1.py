@@ -5,7 +5,8 @@ Variants (VARIANTS): cuBLAS products and sdpa attention (the runner's default); 
 which also rewrites a product with one row (every projection of a batch-1 decode step) as a Triton reduction tuned
 per shape, so the norm, activation and residual work around it can fuse into it (as gpt-fast compiles); and either
 attending through core.flex_decode (core.attention.FLEX) or core.triton_decode (TRITON); and one-row products
-through core.triton_gemv, the norms folded in (`rows`, core.fused_linear.ROW_PRODUCTS; not yet run on a GPU).
+through core.triton_gemv, the norms folded in (`rows`, core.fused_linear.ROW_PRODUCTS; not yet run on a GPU), with
+the Triton attention over splits and merged (`rows_triton`) or over the whole buffer in one kernel (`rows_whole`).
 Each variant is a runner compiled under its options (added to core.cuda_graphs.INDUCTOR_OPTIONS), all of them side
 by side. Measured, the variants interleaved, the
 starting one alternating:
@@ -48,15 +49,18 @@ from tandem.core.local import LocalVerifier
 from tandem.core.runner import ModelRunner
 
 # name: (inductor options added, attention: sdpa, flex (core.flex_decode) or triton (core.triton_decode), whether
-# one-row products run core.triton_gemv's kernel with the norms folded in (core.fused_linear.ROW_PRODUCTS))
+# one-row products run core.triton_gemv's kernel with the norms folded in (core.fused_linear.ROW_PRODUCTS), the
+# Triton attention's keys per thread block (0: its SPLIT; 1024 holds the probe's 528-key buffer in one split, which
+# is then attended in one kernel with no merge))
 VARIANTS = {
-    "cublas": ({"coordinate_descent_tuning": False}, "sdpa", False),
-    "cdt": ({"coordinate_descent_tuning": True}, "sdpa", False),
-    "cdt_flex": ({"coordinate_descent_tuning": True}, "flex", False),
-    "cublas_flex": ({"coordinate_descent_tuning": False}, "flex", False),
-    "cublas_triton": ({"coordinate_descent_tuning": False}, "triton", False),
-    "rows": ({"coordinate_descent_tuning": False}, "sdpa", True),
-    "rows_triton": ({"coordinate_descent_tuning": False}, "triton", True),
+    "cublas": ({"coordinate_descent_tuning": False}, "sdpa", False, 0),
+    "cdt": ({"coordinate_descent_tuning": True}, "sdpa", False, 0),
+    "cdt_flex": ({"coordinate_descent_tuning": True}, "flex", False, 0),
+    "cublas_flex": ({"coordinate_descent_tuning": False}, "flex", False, 0),
+    "cublas_triton": ({"coordinate_descent_tuning": False}, "triton", False, 0),
+    "rows": ({"coordinate_descent_tuning": False}, "sdpa", True, 0),
+    "rows_triton": ({"coordinate_descent_tuning": False}, "triton", True, 0),
+    "rows_whole": ({"coordinate_descent_tuning": False}, "triton", True, 1024),
 }
 CONTEXT = 256
 
@@ -66,7 +70,7 @@ class Variant:
 
     def __init__(self, name: str, model) -> None:
         self.name = name
-        self.options, self.attention, self.rows = VARIANTS[name]
+        self.options, self.attention, self.rows, self.split = VARIANTS[name]
         saved = cuda_graphs.INDUCTOR_OPTIONS
         cuda_graphs.INDUCTOR_OPTIONS = saved | self.options  # read when the runner's forward is compiled
         try:
@@ -86,7 +90,7 @@ class Variant:
         saved = fused_linear.ROW_PRODUCTS[0]
         fused_linear.ROW_PRODUCTS[0] = self.rows
         try:
-            with attention.gpu_attention(self.attention):
+            with attention.gpu_attention(self.attention, split=self.split):
                 return fn()
         finally:
             fused_linear.ROW_PRODUCTS[0] = saved

@@ -15,7 +15,9 @@
 # 3. the GPU tests never yet run: the kernel's and the folded layers' own (tests/test_triton_gemv.py), the compiled
 #    graphs with them (float32 tokens, bf16 accuracy; every GPU test now runs folded layers, the kernel off), multi-step decoding in CUDA graphs, one wait per plain step, on_device's copies, and the
 #    Triton attention in the compiled graphs with its merge now a kernel of its own ([None-TRITON], [4-TRITON]);
-# call 2: attention alone per kernel and split, then the Triton attention A/B'd, the folded layers on in both.
+# call 2: attention alone per kernel and split (a split of 1024 keys now attends the 256- and 1024-key buffers in
+#    one kernel, with no merge), then the Triton attention A/B'd against cuDNN's, the folded layers on in all:
+#    over the whole 528-key buffer in one kernel (rows_whole), then, if time is left, over splits of 128 and merged.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=services PYTHONUNBUFFERED=1
@@ -48,11 +50,11 @@ if [ "${1:-1}" = 1 ]; then
     note "tests: exit $? ($(tail -1 "$out/gpu-tests-v4.log"))"
 else
     # the Triton attention at 64, 128, 256 and 1024 keys a thread block beside cuDNN's
-    timeout 100 python3 -m tandem.bench.gpu_probe --only-attention triton --warm-seconds 5 \
+    timeout 80 python3 -m tandem.bench.gpu_probe --only-attention triton --warm-seconds 5 \
         --json "$out/gpu-attention-triton-v2.json" > "$out/gpu-attention-triton-v2.log" 2>&1
     note "attention probe (cut once attention_seconds is in): exit $?"
     if [ "$(left 230)" -gt 100 ]; then
-        timeout "$(left 230)" python3 docs/bench/gpu-inductor-ab-v1.py --variants rows,rows_triton --rounds 4 \
+        timeout "$(left 230)" python3 docs/bench/gpu-inductor-ab-v1.py --variants rows,rows_whole,rows_triton --rounds 4 \
             --tiles "$out/gpu-row-products-v1.json" \
             --deadline-s "$(($(left 230) - 20))" --json "$out/gpu-triton-ab-v3.json" > "$out/gpu-triton-ab-v3.log" 2>&1
         note "Triton attention A/B: exit $?"

@@ -69,16 +69,19 @@ if GPU_ATTENTION not in GPU_KERNELS:
     raise ValueError(f"TANDEM_GPU_ATTENTION: one of {', '.join(GPU_KERNELS)}, got {GPU_ATTENTION!r}")
 FLEX: list[bool] = [GPU_ATTENTION == "flex"]  # a cell, as BACKENDS
 TRITON: list[bool] = [GPU_ATTENTION == "triton"]  # a cell: compiled forwards attend with core.triton_decode
+# A cell: keys per thread block of core.triton_decode (0: its SPLIT); a buffer of at most that many keys is attended
+# in one kernel, unmerged. Benchmarks set it (gpu_attention) until a GPU sitting settles the default.
+TRITON_SPLIT: list[int] = [0]
 # Inductor's C++ template for flex_attention (torch 2.13) fails inside a compiled decoder on a CPU (no epilogue
 # fusion; a C++ compile error with two layers); GPUs run its Triton template.
 FLEX_DEVICES = ("cuda",)
 
 
 def traced_settings() -> tuple:
-    """The cells compiled forwards read as they are traced (BACKENDS, FLEX, TRITON, core.cpu_attention.ENABLED,
-    core.fused_linear.ROW_PRODUCTS): a graph serves only the settings it was traced under, so core.cuda_graphs keys
-    its guard-free calls by them too."""
-    return BACKENDS[0], FLEX[0], TRITON[0], cpu_attention.ENABLED[0], fused_linear.ROW_PRODUCTS[0]
+    """The cells compiled forwards read as they are traced (BACKENDS, FLEX, TRITON, TRITON_SPLIT,
+    core.cpu_attention.ENABLED, core.fused_linear.ROW_PRODUCTS): a graph serves only the settings it was traced
+    under, so core.cuda_graphs keys its guard-free calls by them too."""
+    return BACKENDS[0], FLEX[0], TRITON[0], TRITON_SPLIT[0], cpu_attention.ENABLED[0], fused_linear.ROW_PRODUCTS[0]
 
 
 def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -98,7 +101,8 @@ def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
         if TRITON[0]:  # imported here: Triton is there only on a GPU machine
             from tandem.core.triton_decode import split_decode
 
-            return split_decode(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
+            split = {"split": TRITON_SPLIT[0]} if TRITON_SPLIT[0] else {}
+            return split_decode(query, key, value, attention_mask, scaling, **split).transpose(1, 2).contiguous(), None
         return flex_decode(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
     if groups == 1 or not fits:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -138,16 +142,16 @@ AttentionInterface.register(VARLEN, varlen_sdpa_forward)  # and no mask function
 
 
 @contextmanager
-def gpu_attention(kernel: str, backends: tuple[SDPBackend, ...] | None = None) -> Iterator[None]:
+def gpu_attention(kernel: str, backends: tuple[SDPBackend, ...] | None = None, split: int = 0) -> Iterator[None]:
     """Inside the block, forwards traced for a GPU attend with `kernel`: "sdpa" (restricted to `backends`, None:
-    PyTorch picks), "flex" or "triton", whatever TANDEM_GPU_ATTENTION set; the cells are restored after. Benchmarks
-    A/B the kernels with it."""
-    saved = BACKENDS[0], FLEX[0], TRITON[0]
-    BACKENDS[0], FLEX[0], TRITON[0] = backends, kernel == "flex", kernel == "triton"
+    PyTorch picks), "flex" or "triton" (`split` keys a thread block, 0: core.triton_decode's SPLIT), whatever
+    TANDEM_GPU_ATTENTION set; the cells are restored after. Benchmarks A/B the kernels with it."""
+    saved = BACKENDS[0], FLEX[0], TRITON[0], TRITON_SPLIT[0]
+    BACKENDS[0], FLEX[0], TRITON[0], TRITON_SPLIT[0] = backends, kernel == "flex", kernel == "triton", split
     try:
         yield
     finally:
-        BACKENDS[0], FLEX[0], TRITON[0] = saved
+        BACKENDS[0], FLEX[0], TRITON[0], TRITON_SPLIT[0] = saved
 
 
 _FORWARD_LOCKS: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = weakref.WeakKeyDictionary()

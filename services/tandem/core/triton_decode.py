@@ -10,6 +10,10 @@ are then merged by their softmax statistics (as flash-decoding does) in a second
 rows in the layout the attention's caller wants. (The merge ran as torch ops that inductor fused into two
 reductions, 3.2 µs a layer on an H200, which gave back most of what the kernel saved over cuDNN's.)
 
+Where one split holds the whole buffer (at most `split` keys), the block writes the normalised output itself and
+nothing is merged: one kernel a layer instead of two. Whether a block walking a whole short buffer beats several
+blocks and a merge is the GPU probe's question (it times splits of 64 to 1024 keys); SPLIT stays 128 until then.
+
 The keys a query sees are a prefix of the buffer: [0, limit] for that query's limit. The runner's static forwards
 build such masks (core.cuda_graphs: each row's cached length plus the query's column), and `limits` reads them back
 as the count of allowed keys. Used only where core.attention says (TANDEM_GPU_ATTENTION=triton), on a GPU, inside
@@ -31,13 +35,14 @@ SPLIT = 128  # keys per split: one thread block's share of a row's keys
 
 
 @triton.jit
-def _split_attention(Q, K, V, LIMITS, REACH, ACC, MAX, SUM, scale, width, queries,
-                     sq_r, sq_h, sq_w, sk_r, sk_h, sk_l, sv_r, sv_h, sv_l,
+def _split_attention(Q, K, V, LIMITS, REACH, ACC, MAX, SUM, OUT, scale, width, queries,
+                     sq_r, sq_h, sq_w, sk_r, sk_h, sk_l, sv_r, sv_h, sv_l, so_r, so_w, so_h,
                      KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     SPLIT: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr):
+                     SPLIT: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr, WHOLE: tl.constexpr):
     """One (row, key/value head) pair's queries (`queries` = GROUPS x width of them, query head kv x GROUPS + g and
     column j as row g x width + j) over one split of the keys: the unnormalised output, the running max and the sum
-    of exponentials, for the merge."""
+    of exponentials, for the merge. With WHOLE the one split holds every key: the output itself, normalised, goes
+    to OUT ([rows, width, heads, dim] at its strides, as the merge writes it), and ACC, MAX and SUM are unused."""
     pair, split = tl.program_id(0), tl.program_id(1)
     splits = tl.num_programs(1)
     row, kv = pair // KV_HEADS, pair % KV_HEADS
@@ -49,7 +54,9 @@ def _split_attention(Q, K, V, LIMITS, REACH, ACC, MAX, SUM, scale, width, querie
     q = tl.load(Q + row * sq_r + head[:, None] * sq_h + column[:, None] * sq_w + d[None, :], mask=valid[:, None],
                 other=0.0)
     limit = tl.load(LIMITS + row * width + column, mask=valid, other=-1)
-    end = tl.minimum(split * SPLIT + SPLIT, tl.load(REACH + row))
+    end = tl.load(REACH + row)
+    if not WHOLE:
+        end = tl.minimum(split * SPLIT + SPLIT, end)
     top = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     total = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -70,10 +77,15 @@ def _split_attention(Q, K, V, LIMITS, REACH, ACC, MAX, SUM, scale, width, querie
         total = total * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         top = new_top
-    slot = (pair * splits + split) * queries + i
-    tl.store(ACC + slot[:, None] * D + d[None, :], acc, mask=valid[:, None])
-    tl.store(MAX + slot, top, mask=valid)
-    tl.store(SUM + slot, total, mask=valid)
+    if WHOLE:  # as the merge of one split: a query that saw no key gets zeros
+        out = acc / tl.maximum(total, 1e-30)[:, None]
+        tl.store(OUT + row * so_r + column[:, None] * so_w + head[:, None] * so_h + d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=valid[:, None])
+    else:
+        slot = (pair * splits + split) * queries + i
+        tl.store(ACC + slot[:, None] * D + d[None, :], acc, mask=valid[:, None])
+        tl.store(MAX + slot, top, mask=valid)
+        tl.store(SUM + slot, total, mask=valid)
 
 
 @triton.jit
@@ -129,11 +141,28 @@ def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     top = query.new_empty((rows, kv_heads, splits, queries), dtype=torch.float32)
     total = torch.empty_like(top)
     wrap_triton(_split_attention)[(rows * kv_heads, splits)](
-        query, key, value, limits, reach, acc, top, total, scale, width, queries,
+        query, key, value, limits, reach, acc, top, total, acc, scale, width, queries,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), 0, 0, 0,
         **launch_settings(kv_heads, groups, width, dim, query.dtype, split))
     return acc, top, total
+
+
+@triton_op("tandem::whole_attention", mutates_args=())
+def whole_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, limits: torch.Tensor,
+                    reach: torch.Tensor, scale: float) -> torch.Tensor:
+    """split_attention where one split holds every key: [rows, width, heads, dim] in the query's dtype, normalised,
+    in one kernel (no merge)."""
+    rows, heads, width, dim = query.shape
+    kv_heads = key.shape[1]
+    out = query.new_empty((rows, width, heads, dim))
+    # The walk runs to the row's reach, a runtime value, so no size here depends on the buffer's length.
+    settings = launch_settings(kv_heads, heads // kv_heads, width, dim, query.dtype) | {"WHOLE": True}
+    wrap_triton(_split_attention)[(rows * kv_heads, 1)](
+        query, key, value, limits, reach, out, out, out, out, scale, width, heads // kv_heads * width,
+        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), out.stride(0), out.stride(1), out.stride(2), **settings)
+    return out
 
 
 def launch_settings(kv_heads: int, groups: int, width: int, dim: int, dtype: torch.dtype,
@@ -143,7 +172,8 @@ def launch_settings(kv_heads: int, groups: int, width: int, dim: int, dtype: tor
     of BLOCK_N)."""
     block_m = max(16, triton.next_power_of_2(groups * (1 if width == 1 else MAX_WIDTH)))
     return {"KV_HEADS": kv_heads, "GROUPS": groups, "BLOCK_M": block_m, "BLOCK_N": BLOCK_N, "SPLIT": split, "D": dim,
-            "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "num_warps": 4 if block_m <= 32 else 8}
+            "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "WHOLE": False,
+            "num_warps": 4 if block_m <= 32 else 8}
 
 
 def split_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -159,9 +189,12 @@ def split_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     else:
         limits = (mask[:, 0].sum(-1) - 1).to(torch.int32)
     reach = (limits.amax(-1) + 1).to(torch.int32)
-    acc, top, total = split_attention(query, key.contiguous() if key.stride(-1) != 1 else key,
-                                      value.contiguous() if value.stride(-1) != 1 else value, limits.contiguous(),
-                                      reach, dim**-0.5 if scale is None else scale, split)
+    key = key.contiguous() if key.stride(-1) != 1 else key
+    value = value.contiguous() if value.stride(-1) != 1 else value
+    scale = dim**-0.5 if scale is None else scale
+    if length <= split:  # one thread block a (row, key/value head) pair walks every key: nothing to merge
+        return whole_attention(query, key, value, limits.contiguous(), reach, scale).transpose(1, 2)
+    acc, top, total = split_attention(query, key, value, limits.contiguous(), reach, scale, split)
     # One kernel merges the splits and lays the rows out as [rows, width, heads, dim], which the caller's transpose
     # back and .contiguous() then leave as they are. A query that sees no key at all (none does in the runner's
     # masks) gets zeros rather than sdpa's NaN.
