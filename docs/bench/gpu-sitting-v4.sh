@@ -14,7 +14,8 @@
 #    (--tiles): one forward is the goal's figure (>= 50% of the weight-bandwidth limit; 28% on 2026-12-04);
 # 3. the GPU tests never yet run: the kernel's and the folded layers' own (tests/test_triton_gemv.py), the compiled
 #    graphs with them (float32 tokens, bf16 accuracy; every GPU test now runs folded layers, the kernel off), multi-step decoding in CUDA graphs, one wait per plain step, on_device's copies, and the
-#    Triton attention in the compiled graphs with its merge now a kernel of its own ([None-TRITON], [4-TRITON]);
+#    Triton attention in the compiled graphs with its merge now a kernel of its own ([None-TRITON], [4-TRITON]) and
+#    over whole buffers unmerged ([4-TRITON_WHOLE]);
 # call 2: attention alone per kernel and split (a split of 1024 keys now attends the 256- and 1024-key buffers in
 #    one kernel, with no merge), then the Triton attention A/B'd against cuDNN's, the folded layers on in all:
 #    over the whole 528-key buffer in one kernel (rows_whole), then, if time is left, over splits of 128 and merged.
@@ -46,7 +47,7 @@ if [ "${1:-1}" = 1 ]; then
         tests/test_cuda_graphs.py::test_multi_step_decoding_gives_the_hf_greedy_tokens_and_waits_for_the_gpu_once_a_block \
         tests/test_cuda_graphs.py::test_a_plain_decode_step_waits_for_the_gpu_once \
         tests/test_device.py::test_on_device_copies_to_a_gpu_without_waiting_for_it_and_to_the_host_with \
-        "$graphs[None-TRITON]" "$graphs[4-TRITON]" > "$out/gpu-tests-v4.log" 2>&1
+        "$graphs[None-TRITON]" "$graphs[4-TRITON]" "$graphs[4-TRITON_WHOLE]" > "$out/gpu-tests-v4.log" 2>&1
     note "tests: exit $? ($(tail -1 "$out/gpu-tests-v4.log"))"
 else
     # the Triton attention at 64, 128, 256 and 1024 keys a thread block beside cuDNN's
