@@ -17,7 +17,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1": 
                 allow_module_level=True)
 pytest.importorskip("triton")
 
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 
 from tandem.bench.row_products import TILES
 from tandem.core import fused_linear, triton_gemv
@@ -97,6 +97,70 @@ def test_a_folded_norm_rounds_in_bf16_as_hugging_faces() -> None:
         torch.testing.assert_close(got, expected, rtol=2**-6, atol=0)
 
 
+def _rotary(head: int, position: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [1, 1, head] at `position`, as Hugging Face's default rotary embedding gives them (theta 1e6)."""
+    inverse = 1.0 / 1e6 ** (torch.arange(0, head, 2, dtype=torch.float32) / head)
+    angles = torch.cat([position * inverse] * 2)[None, None]
+    return angles.cos().to(DEVICE, dtype), angles.sin().to(DEVICE, dtype)
+
+
+def _hf_rotated(out: torch.Tensor, cos, sin, heads: int, kv_heads: int, head: int) -> torch.Tensor:
+    """q/k/v's output [1, 1, N] with q and k through Hugging Face's own apply_rotary_pos_emb."""
+    q, k = (out[..., a * head : b * head].view(1, 1, -1, head).transpose(1, 2)
+            for a, b in ((0, heads), (heads, heads + kv_heads)))
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    return torch.cat([q.transpose(1, 2).flatten(-2), k.transpose(1, 2).flatten(-2),
+                      out[..., (heads + kv_heads) * head :]], dim=-1)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head", "tile"), [
+    (12, 2, 128, None),  # the target's heads (K cut short)
+    (14, 2, 64, None),  # the draft's
+    (4, 2, 16, None),  # the tiny models'
+    (12, 2, 128, (16, 256, 4)),  # a tile the GPU bench times
+    (4, 2, 16, (16, 512, 8)),  # one whose 16 columns a program exceed half a head: cut to 8
+])
+def test_the_rotary_embedding_runs_inside_the_qkv_product_in_float32(heads, kv_heads, head, tile,
+                                                                      monkeypatch) -> None:
+    """A folded attention's q/k/v (core.folded_layers): q's and k's columns come out rotated as Hugging Face's
+    apply_rotary_pos_emb rotates them, v's as the product gave them, with the bias and the folded norm; and the
+    torch path (StackedLinear.in_torch) gives the same."""
+    n, k = (heads + 2 * kv_heads) * head, 256
+    x, weight, bias, gain = _random(1, 1, k, seed=20), _random(n, k, seed=21) / 16, _random(n, seed=22), _random(
+        k, seed=23)
+    if tile:
+        monkeypatch.setitem(triton_gemv.TUNED, (n, k), tile)
+    cos, sin = _rotary(head, 37)
+    expected = _hf_rotated(torch.nn.functional.linear(_hf_norm(gain, 1e-6)(x), weight, bias), cos, sin, heads,
+                           kv_heads, head)
+    rope = (cos, sin, (heads + kv_heads) * head, head)
+    torch.testing.assert_close(row_product(x, weight, bias, gain, 1e-6, rope=rope), expected, rtol=1e-5, atol=1e-5)
+    product = StackedLinear(weight, bias)
+    product.norm, product.eps = torch.nn.Parameter(gain, requires_grad=False), 1e-6
+    product.rope_columns, product.head_dim = rope[2:]
+    torch.testing.assert_close(product.in_torch(x, rope=(cos, sin)), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_rotation_rounds_in_bf16_as_hugging_faces() -> None:
+    """In bf16 the torch path is Hugging Face's ops in its order: equal to the last bit. The kernel rounds each
+    product of the rotation as they do: on a GPU equal but for last-bit ties of the float32 sums before it (at most
+    1%); under Triton's interpreter, which truncates where a GPU rounds, within two bf16 steps."""
+    heads, kv_heads, head, k = 12, 2, 128, 512
+    n = (heads + 2 * kv_heads) * head
+    bf16 = torch.bfloat16
+    x, weight, bias = _random(1, 1, k, seed=30, dtype=bf16), (_random(n, k, seed=31) / 22).to(bf16), _random(
+        n, seed=32, dtype=bf16)
+    cos, sin = _rotary(head, 1000, bf16)
+    expected = _hf_rotated(torch.nn.functional.linear(x, weight, bias), cos, sin, heads, kv_heads, head)
+    product = StackedLinear(weight, bias)
+    product.rope_columns, product.head_dim = (heads + kv_heads) * head, head
+    assert torch.equal(product.in_torch(x, rope=(cos, sin)), expected)
+    got = row_product(x, weight, bias, rope=(cos, sin, (heads + kv_heads) * head, head))
+    if DEVICE.type == "cuda":
+        assert (got != expected).sum() <= n // 100, (got != expected).sum()
+    torch.testing.assert_close(got, expected, rtol=2**-6, atol=2**-6)
+
+
 def test_launch_settings_fill_the_gpu_and_tile_k() -> None:
     """The real target's o product (1536 x 1536) gets programs of 4 columns (384 programs), its gate/up (17920 x
     1536) of 8 (a tile of 8 x 512: 2240 programs), a tiny product the least, 4; K in tiles of up to 512."""
@@ -121,6 +185,7 @@ def _folded(path, seed: int = 0):
     assert fuse(models[1], product=StackedLinear) == 5 * layers
     assert fold_layers(models[1]) == layers and fold_layers(models[1]) == 0  # once
     assert not any("layernorm" in name for name, _ in models[1].named_parameters())
+    assert all(type(layer.self_attn).__name__ == "FoldedQwen2Attention" for layer in models[1].model.layers)
     return models
 
 
@@ -135,7 +200,26 @@ def test_folded_layers_leave_the_logits_as_they_were_eager_and_compiled(tiny_dir
     the activation and the residual): the same logits through the model, the same tokens from Hugging Face's
     generate, and the same logits through the runner's compiled static forward (dynamo traces the residual cell's
     write and read in one graph)."""
-    plain, folded = _folded(tiny_dirs.target)
+    _same_logits_eager_and_compiled(*_folded(tiny_dirs.target))
+
+
+def test_the_folded_attention_rotates_in_torch_where_the_kernel_does_not_run(tiny_dirs, monkeypatch) -> None:
+    """With ROW_PRODUCTS on but nowhere for the kernel to run (ROW_DEVICES without this device), the folded
+    attention takes q and k rotated from q/k/v's product in torch (StackedLinear.in_torch), every row and width:
+    still the unfolded model's logits and tokens, eager and compiled."""
+    monkeypatch.setattr(fused_linear, "ROW_PRODUCTS", [True])
+    monkeypatch.setattr(fused_linear, "ROW_DEVICES", ())
+    rotations = []
+    rotate = fused_linear.rotate
+    monkeypatch.setattr(fused_linear, "rotate", lambda *args: rotations.append(args[0].shape) or rotate(*args))
+    plain, folded = _folded(tiny_dirs.target, seed=2)
+    with torch.no_grad():
+        folded(torch.tensor([[5, 6, 7]], device=DEVICE))
+    assert len(rotations) == folded.config.num_hidden_layers
+    _same_logits_eager_and_compiled(plain, folded)
+
+
+def _same_logits_eager_and_compiled(plain, folded) -> None:
     ids = torch.tensor([list(range(3, 30))], device=DEVICE)
     with torch.no_grad():
         expected = plain(ids).logits
@@ -154,9 +238,9 @@ def test_folded_layers_leave_the_logits_as_they_were_eager_and_compiled(tiny_dir
 
 
 def test_the_kernel_in_a_folded_model_gives_hf_greedy_tokens(tiny_dirs, monkeypatch) -> None:
-    """Through the runner and the engine, batch 1: every decode step's products (q/k/v and gate/up with their norms,
-    o with the residual, down with the activation and the residual) run the kernel; the prompt's forward, of many
-    rows, runs them in torch."""
+    """Through the runner and the engine, batch 1: every decode step's products (q/k/v with its norm and the rotary
+    embedding, gate/up with its norm, o with the residual, down with the activation and the residual) run the
+    kernel; the prompt's forward, of many rows, runs them in torch."""
     plain, folded = _folded(tiny_dirs.target, seed=1)
     monkeypatch.setattr(fused_linear, "ROW_PRODUCTS", [True])
     monkeypatch.setattr(fused_linear, "ROW_DEVICES", (DEVICE.type,))
@@ -173,9 +257,12 @@ def test_the_kernel_in_a_folded_model_gives_hf_greedy_tokens(tiny_dirs, monkeypa
     # A shape left to cuBLAS (its norm then in torch) beside the kernel's: the same tokens, that shape not kernel's.
     gate_up = tuple(folded.model.layers[0].mlp.gate_up.weight.shape)
     monkeypatch.setattr(fused_linear, "CUBLAS_SHAPES", {gate_up})
-    shapes = []
+    shapes, rotated = [], []
     kernel = triton_gemv.row_product
     monkeypatch.setattr(triton_gemv, "row_product", lambda x, weight, *args: shapes.append(tuple(weight.shape)) or
-                        kernel(x, weight, *args))
+                        rotated.append(args[5] is not None) or kernel(x, weight, *args))
     assert _greedy(folded, prompt, 6) == expected
     assert shapes and gate_up not in shapes
+    qkv = tuple(folded.model.layers[0].self_attn.q_proj.fused.linear.weight.shape)
+    # q/k/v's kernel rotated q and k (the folded attention), and no other product was asked to
+    assert {shape for shape, turned in zip(shapes, rotated, strict=True) if turned} == {qkv}

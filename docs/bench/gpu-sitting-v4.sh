@@ -7,8 +7,8 @@
 # docs/performance.md, "On a GPU". In order, so that a cut leaves the first ones run:
 # call 1:
 # 1. one-row products alone (tandem.bench.row_products): each product of both models' layers under cuBLAS against
-#    core.triton_gemv's kernel, folded as core.folded_layers folds it (norm, activation, residual) at each tile
-#    size, and alone at the best one (1-2 minutes, mostly Triton's compiles);
+#    core.triton_gemv's kernel, folded as core.folded_layers folds it (norm, activation, residual, q and k's
+#    rotation) at each tile size, and alone at the best one (1-2 minutes, mostly Triton's compiles);
 # 2. the forward and plain batch 1 end to end with folded layers on (`rows`: TANDEM_GPU_ROW_PRODUCTS) against the
 #    default, a token a call and blocks of 8 (--decode-steps 8), with profiles, at the tiles step 1 found best
 #    (--tiles): one forward is the goal's figure (>= 50% of the weight-bandwidth limit; 28% on 2026-12-04);

@@ -4,9 +4,10 @@ pair's decoder layers (q/k/v with its bias, o, gate/up, down), batch 1, bf16; on
 Each side runs LAYERS calls over LAYERS distinct random weights (so no weight is read from the L2 cache, as in a
 forward), recorded in one CUDA graph and replayed (so launches cost what they cost inside the runner's graphs);
 reported per call: µs and the weight bytes read per second. cuBLAS runs the product alone. The kernel runs it folded
-as core.folded_layers folds it (q/k/v and gate/up with their RMSNorm, o with the residual add, down with the
-activation and the residual add: work that cuBLAS's side leaves out, which an unfolded forward runs in kernels of
-its own) at each tile size, and alone at the best one, like for like with cuBLAS. The best tiles per shape are what
+as core.folded_layers folds it (q/k/v with its RMSNorm and the rotary embedding of q and k, gate/up with its
+RMSNorm, o with the residual add, down with the activation and the residual add: work that cuBLAS's side leaves
+out, which an unfolded forward runs in kernels of its own) at each tile size, and alone at the best one, like for
+like with cuBLAS. The best tiles per shape are what
 core.triton_gemv.TUNED takes; a shape whose folded kernel loses to cuBLAS plus its own norm or activation goes in
 core.fused_linear.CUBLAS_SHAPES.
 
@@ -32,16 +33,17 @@ LAYERS = 28
 TILES = [(2, 1024, 4), (4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8)]
 
 
-def products(role: str) -> dict[str, tuple[int, int, bool, bool, bool, bool]]:
-    """name: (N, K, bias, norm, gated, residual) of one decoder layer's products, stacked and folded as the GPU
-    loader stacks and folds them (core.folded_layers)."""
+def products(role: str) -> dict[str, tuple[int, int, bool, bool, bool, bool, int, int]]:
+    """name: (N, K, bias, norm, gated, residual, rotated columns, head dim) of one decoder layer's products, stacked
+    and folded as the GPU loader stacks and folds them (core.folded_layers: q/k/v rotates q and k)."""
     config = CONFIGS[role]
     hidden, inter = config["hidden_size"], config["intermediate_size"]
-    kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
-    return {"qkv": (hidden + 2 * kv, hidden, True, True, False, False),
-            "o": (hidden, hidden, False, False, False, True),
-            "gate_up": (2 * inter, hidden, False, True, False, False),
-            "down": (hidden, inter, False, False, True, True)}
+    head = hidden // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head
+    return {"qkv": (hidden + 2 * kv, hidden, True, True, False, False, hidden + kv, head),
+            "o": (hidden, hidden, False, False, False, True, 0, 0),
+            "gate_up": (2 * inter, hidden, False, True, False, False, 0, 0),
+            "down": (hidden, inter, False, False, True, True, 0, 0)}
 
 
 def graph_us(calls, reps: int) -> float:
@@ -67,7 +69,7 @@ def graph_us(calls, reps: int) -> float:
     return start.elapsed_time(end) * 1e3 / reps / len(calls)
 
 
-def measure(n: int, k: int, bias: bool, norm: bool, gated: bool, residual: bool, reps: int,
+def measure(n: int, k: int, bias: bool, norm: bool, gated: bool, residual: bool, rope: int, head: int, reps: int,
             device: torch.device) -> dict:
     """One product's figures: cuBLAS alone, the folded kernel at each tile (its best one the product's pick), and
     the kernel alone at that tile (the like-for-like comparison with cuBLAS)."""
@@ -80,14 +82,18 @@ def measure(n: int, k: int, bias: bool, norm: bool, gated: bool, residual: bool,
     x, b = tensor(1, 1, k), tensor(n) if bias else None
     # folded: the row is the norm's input, or gate/up's output [2K]; the residual is the layer's input
     row, res, gain = tensor(1, 1, 2 * k if gated else k), tensor(1, 1, n) if residual else None, tensor(k).abs() + 0.5
-    fold = {"bias": b, "norm": gain if norm else None, "eps": 1e-6, "residual": res, "gated": gated}
+    angles = torch.rand(1, 1, head, device=device) * 6  # a position's rotary angles, for q/k/v's rotation
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    fold = {"bias": b, "norm": gain if norm else None, "eps": 1e-6, "residual": res, "gated": gated,
+            "rope": (cos, sin, rope, head) if rope else None}
     product = StackedLinear(weights[0], b)  # the folded product in torch ops: the reference
     if norm:
         product.norm, product.eps = torch.nn.Parameter(gain, requires_grad=False), 1e-6
-    reference = product.in_torch(row, res, gated).float()
+    product.rope_columns, product.head_dim = rope, head
+    reference = product.in_torch(row, res, gated, (cos, sin) if rope else None).float()
     nbytes = n * k * 2
     out: dict = {"n": n, "k": k, "bias": bias, "norm": norm, "gated": gated, "residual": residual,
-                 "weight_bytes": nbytes}
+                 "rotated_columns": rope, "weight_bytes": nbytes}
 
     def rate(calls) -> dict:
         us = graph_us(calls, reps)

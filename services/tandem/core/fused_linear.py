@@ -47,6 +47,16 @@ def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
     return gain * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def rotate(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, columns: int, head: int) -> torch.Tensor:
+    """Hugging Face's apply_rotary_pos_emb, op for op, on the first `columns` of a product's output [..., N] (heads
+    of `head`, q's then k's), cos and sin [..., head] per position: x cos + rotate_half(x) sin."""
+    heads = out[..., :columns].unflatten(-1, (-1, head))
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    first, second = heads[..., : head // 2], heads[..., head // 2 :]
+    turned = heads * cos + torch.cat((-second, first), dim=-1) * sin
+    return torch.cat((turned.flatten(-2), out[..., columns:]), dim=-1)
+
+
 class StackedLinear(torch.nn.Module):
     """The stacked weight as a plain linear layer (cuBLAS on a GPU); inference only. Where core.folded_layers
     folded a layer, it also runs what surrounds the product there: the RMSNorm in front of it (`norm`, `eps`), the
@@ -62,8 +72,11 @@ class StackedLinear(torch.nn.Module):
         self.norm: torch.nn.Parameter | None = None  # a folded RMSNorm's gain, and its epsilon
         self.eps = 0.0
         self.residual_cell: list[torch.Tensor | None] = [None]  # a list cell: dynamo traces its writes and reads
+        self.rope_columns, self.head_dim = 0, 0  # a folded rotary embedding's columns (q's and k's) and head size
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, gated: bool = False,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`rope`: the positions' (cos, sin), for a product whose rope_columns are set (a folded attention's q/k/v)."""
         if residual is None:
             residual, self.residual_cell[0] = self.residual_cell[0], None
         # Under torch.compile a size of 1 is a plain int (dynamo specialises it) and any other is symbolic, so this
@@ -73,10 +86,12 @@ class StackedLinear(torch.nn.Module):
                 and tuple(self.weight.shape) not in CUBLAS_SHAPES):
             from tandem.core.triton_gemv import row_product  # Triton is there only where it runs
 
-            return row_product(x, self.weight, self.bias, self.norm, self.eps, residual, gated)
-        return self.in_torch(x, residual, gated)
+            turns = None if rope is None else (*rope, self.rope_columns, self.head_dim)
+            return row_product(x, self.weight, self.bias, self.norm, self.eps, residual, gated, turns)
+        return self.in_torch(x, residual, gated, rope)
 
-    def in_torch(self, x: torch.Tensor, residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    def in_torch(self, x: torch.Tensor, residual: torch.Tensor | None = None, gated: bool = False,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The folded product as torch ops around F.linear, Hugging Face's layer op for op: what runs wherever the
         kernel does not, and what the kernel is measured against."""
         if self.norm is not None:
@@ -85,10 +100,13 @@ class StackedLinear(torch.nn.Module):
             gate, up = x.chunk(2, dim=-1)
             x = torch.nn.functional.silu(gate) * up
         out = torch.nn.functional.linear(x, self.weight, self.bias)
+        if rope is not None:
+            out = rotate(out, *rope, self.rope_columns, self.head_dim)
         return out if residual is None else residual + out
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, folded norm: {self.norm is not None}"
+        return (f"{tuple(self.weight.shape)}, folded norm: {self.norm is not None}, "
+                f"rotated columns: {self.rope_columns}")
 
 
 class FusedLinear(torch.nn.Module):

@@ -7,9 +7,12 @@ RMSNorm in front of a product was a kernel of its own, two a layer at about 1.8 
 GPU"). Here each program takes BLOCK_N output columns and walks the whole row in tiles of BLOCK_K, so the weight is
 read once by many programs at a time; with a norm folded in, every program first sums the row's squares itself (a
 few kilobytes, read again from cache) and scales the row as Hugging Face's RMSNorm does, rounding where it rounds.
+A folded attention's q/k/v also rotates q and k by the position's rotary embedding as it writes them (the kernels
+that rotated them, one or two a layer, are gone): a program then takes columns j and j + head/2 of its heads, the
+two that each rotation mixes.
 
 core.fused_linear decides where it runs (StackedLinear, ROW_PRODUCTS); the tests run the kernel under Triton's
-interpreter on a CPU and build it for sm_90 (tests/test_triton_gemv_build.py). Which tile sizes are fastest on a
+interpreter on a CPU and build it for sm_90 (tests/test_triton_builds.py). Which tile sizes are fastest on a
 GPU is what `tandem.bench.row_products` measures; `launch_settings` picks by the shape until that is known.
 """
 
@@ -26,14 +29,31 @@ TUNED: dict[tuple[int, int], tuple[int, int, int]] = {}  # (N, K): (BLOCK_N, BLO
 
 
 @triton.jit
-def _gemv(X, W, BIAS, NORM, RES, Y, sw, K: tl.constexpr, N: tl.constexpr, EPS: tl.constexpr,
+def _gemv(X, W, BIAS, NORM, RES, COS, SIN, Y, sw, K: tl.constexpr, N: tl.constexpr, EPS: tl.constexpr,
           HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr, HAS_RES: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          ROPE: tl.constexpr, HEAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Y[n] = sum_k W[n, k] x[k] (+ BIAS[n]) (+ RES[n]) for this program's BLOCK_N columns n, where x is X, or with
     HAS_NORM NORM * (X / rms(X)), or with GATED silu(X[:K]) * X[K:]; each rounded to X's dtype where Hugging Face's
     modules round (the norm's row before its gain, the activation before the product, the product before the
-    residual). The loops are unrolled (K is a compile-time size), so every tile's load can be in flight at once."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    residual). The loops are unrolled (K is a compile-time size), so every tile's load can be in flight at once.
+
+    With ROPE (the first ROPE columns are heads of HEAD, q's and k's), the rotary embedding is applied to those
+    columns as Hugging Face's apply_rotary_pos_emb does (y = x cos + rotate_half(x) sin, each product rounded): a
+    program then takes BLOCK_N column pairs, column j of a head with column j + HEAD / 2, whose rotation mixes just
+    the two, and past the rotated columns two runs of BLOCK_N columns (v's), left as they are."""
+    i = tl.arange(0, BLOCK_N)
+    if ROPE:
+        first = tl.program_id(0) * BLOCK_N  # in pairs of columns: ROPE // 2 rotated pairs, then v's in twos
+        rotated = first < ROPE // 2
+        pair = first + i
+        lead = (pair // (HEAD // 2)) * HEAD + pair % (HEAD // 2)
+        flat = ROPE + (first - ROPE // 2) * 2 + i
+        n = tl.where(rotated, lead, flat)
+        n2 = tl.where(rotated, lead + HEAD // 2, flat + BLOCK_N)
+        n2_ok = n2 < N
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    else:
+        n = tl.program_id(0) * BLOCK_N + i
     n_ok = n < N
     if HAS_NORM:
         squares = tl.zeros((BLOCK_K,), tl.float32)
@@ -57,40 +77,69 @@ def _gemv(X, W, BIAS, NORM, RES, Y, sw, K: tl.constexpr, N: tl.constexpr, EPS: t
             x = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32) * up.to(tl.float32)).to(up.dtype)
         w = tl.load(W + n[:, None] * sw + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if ROPE:
+            w2 = tl.load(W + n2[:, None] * sw + k[None, :], mask=n2_ok[:, None] & k_ok[None, :], other=0.0)
+            acc2 += w2.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, 1)
     if HAS_BIAS:
         out += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)
     if HAS_RES:
         res = tl.load(RES + n, mask=n_ok, other=0.0)
         out = out.to(res.dtype).to(tl.float32) + res.to(tl.float32)
+    if ROPE:
+        out2 = tl.sum(acc2, 1)
+        if HAS_BIAS:
+            out2 += tl.load(BIAS + n2, mask=n2_ok, other=0.0).to(tl.float32)
+        dtype = Y.dtype.element_ty
+        a, b = out.to(dtype).to(tl.float32), out2.to(dtype).to(tl.float32)  # the product, as F.linear returns it
+        j = pair % (HEAD // 2)
+        cos_a = tl.load(COS + j).to(tl.float32)
+        sin_a = tl.load(SIN + j).to(tl.float32)
+        cos_b = tl.load(COS + j + HEAD // 2).to(tl.float32)
+        sin_b = tl.load(SIN + j + HEAD // 2).to(tl.float32)
+        turned_a = (a * cos_a).to(dtype).to(tl.float32) + (-b * sin_a).to(dtype).to(tl.float32)
+        turned_b = (b * cos_b).to(dtype).to(tl.float32) + (a * sin_b).to(dtype).to(tl.float32)
+        out = tl.where(rotated, turned_a, out)
+        tl.store(Y + n2, tl.where(rotated, turned_b, out2).to(Y.dtype.element_ty), mask=n2_ok)
     tl.store(Y + n, out.to(Y.dtype.element_ty), mask=n_ok)
 
 
 def launch_settings(n: int, k: int, eps: float = 0.0, bias: bool = False, norm: bool = False, gated: bool = False,
-                    residual: bool = False) -> dict:
+                    residual: bool = False, rope: int = 0, head: int = 0) -> dict:
     """The kernel's compile-time arguments and warps for an N x K weight: TUNED's where measured, else tiles of up
     to 512 of K, and columns per program so that the launch fills every multiprocessor about twice, from 4 up to a
-    tile of TILE elements (the accumulator is a tile of float32: 32 registers a thread at 4 warps)."""
+    tile of TILE elements (the accumulator is a tile of float32: 32 registers a thread at 4 warps). With `rope`
+    rotated columns in heads of `head`, a program takes BLOCK_N column pairs: BLOCK_N then divides half a head and
+    the unrotated columns come in whole pairs of runs."""
     block_n, block_k, warps = TUNED.get((n, k), (0, min(512, triton.next_power_of_2(k)), 4))
     if not block_n:
         block_n = max(4, min(TILE // block_k, 1 << max(0, (n // (2 * SMS)).bit_length() - 1)))
+    if rope:
+        block_n = min(block_n, head // 2)
+        while (head // 2) % block_n or (n - rope) % (2 * block_n):
+            block_n //= 2
     return {"K": k, "N": n, "EPS": float(eps), "HAS_BIAS": bias, "HAS_NORM": norm, "GATED": gated,
-            "HAS_RES": residual, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps}
+            "HAS_RES": residual, "ROPE": rope, "HEAD": head, "BLOCK_N": block_n, "BLOCK_K": block_k,
+            "num_warps": warps}
 
 
 @triton_op("tandem::gemv", mutates_args=())
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: torch.Tensor | None,
-         residual: torch.Tensor | None, eps: float, gated: bool) -> torch.Tensor:
+         residual: torch.Tensor | None, eps: float, gated: bool, cos: torch.Tensor | None = None,
+         sin: torch.Tensor | None = None, rope: int = 0, head: int = 0) -> torch.Tensor:
     """x [K] (contiguous; [2K] with `gated`: silu of its first half times its second) times weight [N, K] (rows
-    contiguous), + bias [N], + residual [N]; with `norm` [K], x is first RMSNorm-ed with that gain and `eps`.
-    Returns [N] in x's dtype."""
+    contiguous), + bias [N], + residual [N]; with `norm` [K], x is first RMSNorm-ed with that gain and `eps`; with
+    `rope`, the first `rope` columns (heads of `head`) rotated by `cos` and `sin` [head] as Hugging Face rotates q
+    and k. Returns [N] in x's dtype."""
     n, k = weight.shape
     out = x.new_empty(n)
-    settings = launch_settings(n, k, eps, bias is not None, norm is not None, gated, residual is not None)
-    grid = (triton.cdiv(n, settings["BLOCK_N"]),)
-    # Absent tensors are passed as x: the kernel never reads them (HAS_BIAS, HAS_NORM, HAS_RES are compile-time).
-    wrap_triton(_gemv)[grid](x, weight, x if bias is None else bias, x if norm is None else norm,
-                             x if residual is None else residual, out, weight.stride(0), **settings)
+    settings = launch_settings(n, k, eps, bias is not None, norm is not None, gated, residual is not None, rope, head)
+    columns = settings["BLOCK_N"] * (2 if rope else 1)  # a rotating program takes pairs
+    # Absent tensors are passed as x: the kernel never reads them (HAS_BIAS, HAS_NORM, HAS_RES, ROPE are
+    # compile-time).
+    wrap_triton(_gemv)[(triton.cdiv(n, columns),)](
+        x, weight, x if bias is None else bias, x if norm is None else norm, x if residual is None else residual,
+        x if cos is None else cos, x if sin is None else sin, out, weight.stride(0), **settings)
     return out
 
 
@@ -101,9 +150,12 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 def row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-                gated: bool = False) -> torch.Tensor:
+                gated: bool = False, rope: tuple[torch.Tensor, torch.Tensor, int, int] | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) (+ residual) for an x of one row ([..., K], every leading size 1), with `norm` and
-    `eps` an RMSNorm applied to x first, or with `gated` x [..., 2K] taken as silu(x[..., :K]) * x[..., K:]; the
+    `eps` an RMSNorm applied to x first, or with `gated` x [..., 2K] taken as silu(x[..., :K]) * x[..., K:]; with
+    `rope` (cos, sin, columns, head dim; cos and sin that row's [..., head dim]) the first columns rotated; the
     result keeps x's leading sizes."""
-    return gemv(_flat(x), weight, bias, norm, None if residual is None else _flat(residual), eps, gated).view(
+    cos, sin, columns, head = rope if rope is not None else (None, None, 0, 0)
+    return gemv(_flat(x), weight, bias, norm, None if residual is None else _flat(residual), eps, gated,
+                None if cos is None else _flat(cos), None if sin is None else _flat(sin), columns, head).view(
         *x.shape[:-1], weight.shape[0])
