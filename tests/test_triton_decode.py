@@ -50,10 +50,10 @@ def test_split_decode_equals_sdpa_over_prefix_masks(rows, heads, kv_heads, width
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("split", [64, 256, 1024])
+@pytest.mark.parametrize("split", [0, 64, 256, 1024])
 def test_other_splits_of_the_keys_give_the_same_result(split: int) -> None:
     """Keys per thread block other than SPLIT (the sizes the GPU probe times beside it): rows reaching different
-    splits, a verify width; at 1024 one split holds every key, and nothing is merged."""
+    splits, a verify width; at 1024 one split holds every key; at 0 one block walks every key, nothing merged."""
     query, key, value, mask = _inputs(3, 12, 2, 5, 3 * SPLIT + 17, 64)
     torch.testing.assert_close(split_decode(query, key, value, mask, 0.1, split=split),
                                _sdpa(query, key, value, mask, 0.1), rtol=1e-5, atol=1e-5)
@@ -119,18 +119,19 @@ def test_attention_turns_to_the_triton_kernel_only_when_set(triton: bool, monkey
     assert bool(called) == triton
 
 
-def test_a_buffer_within_one_split_is_attended_in_one_kernel(monkeypatch) -> None:
-    """Where one split holds the whole buffer, split_decode launches whole_attention alone: the output normalised
-    in the caller's layout, no partial results and no merge; at a split of 64 the same inputs go through both."""
+def test_a_split_of_0_attends_each_row_in_one_kernel(monkeypatch) -> None:
+    """split 0: split_decode launches whole_attention alone, at any length (the choice is the caller's, never the
+    buffer's length, which compiled forwards hold symbolic and guard-free): the output normalised in the caller's
+    layout, no partial results and no merge; at a split of 64 the same inputs go through both."""
     from tandem.core import triton_decode
 
     called = []
     for name in ("split_attention", "merge_splits", "whole_attention"):
         real = getattr(triton_decode, name)
         monkeypatch.setattr(triton_decode, name, lambda *a, _real=real, _name=name: called.append(_name) or _real(*a))
-    query, key, value, mask = _inputs(2, 12, 2, 1, 200, 64)
+    query, key, value, mask = _inputs(2, 12, 2, 1, 3 * SPLIT + 17, 64)
     expected = _sdpa(query, key, value, mask, 0.1)
-    torch.testing.assert_close(split_decode(query, key, value, mask, 0.1, split=256), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split_decode(query, key, value, mask, 0.1, split=0), expected, rtol=1e-5, atol=1e-5)
     assert called == ["whole_attention"]
     called.clear()
     torch.testing.assert_close(split_decode(query, key, value, mask, 0.1, split=64), expected, rtol=1e-5, atol=1e-5)

@@ -50,17 +50,16 @@ from tandem.core.runner import ModelRunner
 
 # name: (inductor options added, attention: sdpa, flex (core.flex_decode) or triton (core.triton_decode), whether
 # one-row products run core.triton_gemv's kernel with the norms folded in (core.fused_linear.ROW_PRODUCTS), the
-# Triton attention's keys per thread block (0: its SPLIT; 1024 holds the probe's 528-key buffer in one split, which
-# is then attended in one kernel with no merge))
+# Triton attention's keys per thread block (None: its SPLIT; 0: a row's keys in one block, in one kernel, unmerged))
 VARIANTS = {
-    "cublas": ({"coordinate_descent_tuning": False}, "sdpa", False, 0),
-    "cdt": ({"coordinate_descent_tuning": True}, "sdpa", False, 0),
-    "cdt_flex": ({"coordinate_descent_tuning": True}, "flex", False, 0),
-    "cublas_flex": ({"coordinate_descent_tuning": False}, "flex", False, 0),
-    "cublas_triton": ({"coordinate_descent_tuning": False}, "triton", False, 0),
-    "rows": ({"coordinate_descent_tuning": False}, "sdpa", True, 0),
-    "rows_triton": ({"coordinate_descent_tuning": False}, "triton", True, 0),
-    "rows_whole": ({"coordinate_descent_tuning": False}, "triton", True, 1024),
+    "cublas": ({"coordinate_descent_tuning": False}, "sdpa", False, None),
+    "cdt": ({"coordinate_descent_tuning": True}, "sdpa", False, None),
+    "cdt_flex": ({"coordinate_descent_tuning": True}, "flex", False, None),
+    "cublas_flex": ({"coordinate_descent_tuning": False}, "flex", False, None),
+    "cublas_triton": ({"coordinate_descent_tuning": False}, "triton", False, None),
+    "rows": ({"coordinate_descent_tuning": False}, "sdpa", True, None),
+    "rows_triton": ({"coordinate_descent_tuning": False}, "triton", True, None),
+    "rows_whole": ({"coordinate_descent_tuning": False}, "triton", True, 0),
 }
 CONTEXT = 256
 

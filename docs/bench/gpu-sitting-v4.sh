@@ -16,9 +16,9 @@
 #    graphs with them (float32 tokens, bf16 accuracy; every GPU test now runs folded layers, the kernel off), multi-step decoding in CUDA graphs, one wait per plain step, on_device's copies, and the
 #    Triton attention in the compiled graphs with its merge now a kernel of its own ([None-TRITON], [4-TRITON]) and
 #    over whole buffers unmerged ([4-TRITON_WHOLE]);
-# call 2: attention alone per kernel and split (a split of 1024 keys now attends the 256- and 1024-key buffers in
-#    one kernel, with no merge), then the Triton attention A/B'd against cuDNN's, the folded layers on in all:
-#    over the whole 528-key buffer in one kernel (rows_whole), then, if time is left, over splits of 128 and merged.
+# call 2: attention alone per kernel and split (split 0: a row's keys in one block, one kernel, no merge), then
+#    the Triton attention A/B'd against cuDNN's, the folded layers on in all: over the whole 528-key buffer in one
+#    kernel (rows_whole), then, if time is left, over splits of 128 and merged (rows_triton).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=services PYTHONUNBUFFERED=1

@@ -69,9 +69,9 @@ if GPU_ATTENTION not in GPU_KERNELS:
     raise ValueError(f"TANDEM_GPU_ATTENTION: one of {', '.join(GPU_KERNELS)}, got {GPU_ATTENTION!r}")
 FLEX: list[bool] = [GPU_ATTENTION == "flex"]  # a cell, as BACKENDS
 TRITON: list[bool] = [GPU_ATTENTION == "triton"]  # a cell: compiled forwards attend with core.triton_decode
-# A cell: keys per thread block of core.triton_decode (0: its SPLIT); a buffer of at most that many keys is attended
-# in one kernel, unmerged. Benchmarks set it (gpu_attention) until a GPU sitting settles the default.
-TRITON_SPLIT: list[int] = [0]
+# A cell: keys per thread block of core.triton_decode (None: its SPLIT; 0: a row's keys in one block, unmerged).
+# Benchmarks set it (gpu_attention) until a GPU sitting settles the default.
+TRITON_SPLIT: list[int | None] = [None]
 # Inductor's C++ template for flex_attention (torch 2.13) fails inside a compiled decoder on a CPU (no epilogue
 # fusion; a C++ compile error with two layers); GPUs run its Triton template.
 FLEX_DEVICES = ("cuda",)
@@ -101,7 +101,7 @@ def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
         if TRITON[0]:  # imported here: Triton is there only on a GPU machine
             from tandem.core.triton_decode import split_decode
 
-            split = {"split": TRITON_SPLIT[0]} if TRITON_SPLIT[0] else {}
+            split = {} if TRITON_SPLIT[0] is None else {"split": TRITON_SPLIT[0]}
             return split_decode(query, key, value, attention_mask, scaling, **split).transpose(1, 2).contiguous(), None
         return flex_decode(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
     if groups == 1 or not fits:
@@ -142,9 +142,11 @@ AttentionInterface.register(VARLEN, varlen_sdpa_forward)  # and no mask function
 
 
 @contextmanager
-def gpu_attention(kernel: str, backends: tuple[SDPBackend, ...] | None = None, split: int = 0) -> Iterator[None]:
+def gpu_attention(kernel: str, backends: tuple[SDPBackend, ...] | None = None,
+                  split: int | None = None) -> Iterator[None]:
     """Inside the block, forwards traced for a GPU attend with `kernel`: "sdpa" (restricted to `backends`, None:
-    PyTorch picks), "flex" or "triton" (`split` keys a thread block, 0: core.triton_decode's SPLIT), whatever
+    PyTorch picks), "flex" or "triton" (`split` keys a thread block; None: core.triton_decode's SPLIT, 0: a row's
+    keys in one block), whatever
     TANDEM_GPU_ATTENTION set; the cells are restored after. Benchmarks A/B the kernels with it."""
     saved = BACKENDS[0], FLEX[0], TRITON[0], TRITON_SPLIT[0]
     BACKENDS[0], FLEX[0], TRITON[0], TRITON_SPLIT[0] = backends, kernel == "flex", kernel == "triton", split

@@ -10,9 +10,10 @@ are then merged by their softmax statistics (as flash-decoding does) in a second
 rows in the layout the attention's caller wants. (The merge ran as torch ops that inductor fused into two
 reductions, 3.2 µs a layer on an H200, which gave back most of what the kernel saved over cuDNN's.)
 
-Where one split holds the whole buffer (at most `split` keys), the block writes the normalised output itself and
-nothing is merged: one kernel a layer instead of two. Whether a block walking a whole short buffer beats several
-blocks and a merge is the GPU probe's question (it times splits of 64 to 1024 keys); SPLIT stays 128 until then.
+With a split of 0 (`whole_attention`) one block walks all of a row's keys and writes the normalised output itself,
+nothing merged: one kernel a layer instead of two, at the cost of a long walk where the cache is long. Whether that
+beats several blocks and a merge at the lengths served is the GPU probe's question (it times splits of 0 and 64 to
+1024 keys); SPLIT stays 128 until then.
 
 The keys a query sees are a prefix of the buffer: [0, limit] for that query's limit. The runner's static forwards
 build such masks (core.cuda_graphs: each row's cached length plus the query's column), and `limits` reads them back
@@ -180,7 +181,9 @@ def split_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
                  scale: float | None = None, split: int = SPLIT) -> torch.Tensor:
     """query [rows, heads, width, dim]; key and value [rows, kv_heads, length, dim] (last dimension contiguous),
     query head h reading key/value head h // (heads // kv_heads); mask [rows, 1, width, length] booleans, each
-    query's a prefix of the keys, or None (every key); `split` keys per thread block (a multiple of BLOCK_N). Returns
+    query's a prefix of the keys, or None (every key); `split` keys per thread block (a multiple of BLOCK_N), or 0:
+    each row's keys walked by one block, whatever their number, and nothing merged (a choice made by the caller,
+    never by the buffer's length, which the compiled forwards hold symbolic and guard-free: core.guardless). Returns
     [rows, heads, width, dim] in the query's dtype."""
     rows, heads, width, dim = query.shape
     length = key.shape[2]
@@ -192,7 +195,7 @@ def split_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     key = key.contiguous() if key.stride(-1) != 1 else key
     value = value.contiguous() if value.stride(-1) != 1 else value
     scale = dim**-0.5 if scale is None else scale
-    if length <= split:  # one thread block a (row, key/value head) pair walks every key: nothing to merge
+    if not split:  # one thread block a (row, key/value head) pair walks every key: nothing to merge
         return whole_attention(query, key, value, limits.contiguous(), reach, scale).transpose(1, 2)
     acc, top, total = split_attention(query, key, value, limits.contiguous(), reach, scale, split)
     # One kernel merges the splits and lays the rows out as [rows, width, heads, dim], which the caller's transpose
