@@ -203,16 +203,19 @@ def test_graphs_attending_with_flex_or_triton_give_the_hf_greedy_tokens_in_float
     assert all(r.graphs.compiled and r.graphs.compile_error is None and not r.graphs.failed for r in runners)
 
 
-@pytest.mark.parametrize("k", [None, 4])
-def test_graphs_with_one_row_products_give_the_hf_greedy_tokens_in_float32(cuda_models, k, monkeypatch) -> None:
+@pytest.mark.parametrize(("k", "kv_writes"), [(None, False), (4, False), (None, True)])
+def test_graphs_with_one_row_products_give_the_hf_greedy_tokens_in_float32(cuda_models, k, kv_writes,
+                                                                            monkeypatch) -> None:
     """core.triton_gemv's kernel (core.fused_linear.ROW_PRODUCTS) for every one-row product in the compiled graphs,
-    the norms folded into it: lone rows (plain steps and draft steps, where it runs) and four rows at once (where
-    cuBLAS does) give Hugging Face's tokens, computed before the kernel was turned on."""
+    the norms and q and k's rotation folded into it (with KV_WRITES, the cache's write too): lone rows (plain steps
+    and draft steps, where it runs) and four rows at once (where cuBLAS does) give Hugging Face's tokens, computed
+    before the kernel was turned on."""
     from tandem.core import fused_linear
 
     target, draft = cuda_models[torch.float32]
     expected = [hf_greedy(target, p, 24) for p in PROMPTS]
     monkeypatch.setattr(fused_linear, "ROW_PRODUCTS", [True])
+    monkeypatch.setattr(fused_linear, "KV_WRITES", [kv_writes])
     lone = [run(target, draft, True, [p], k, max_tokens=24)[0][0] for p in PROMPTS[:2]]
     together, runners = run(target, draft, True, PROMPTS, k, max_tokens=24)
     assert lone == expected[:2] and together == expected

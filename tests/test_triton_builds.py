@@ -34,12 +34,15 @@ ATTENTION = {
     "target-1-whole": (2, 6, 1, 128, "bfloat16", "fp64", "whole"),  # one split of every key, written unmerged
     "draft-5-whole": (2, 7, 5, 64, "bfloat16", "fp64", "whole"),
 }
-# name: (N, K, bias, norm, gated, residual, rotated columns, head dim, dtype): each decoder layer's four products at
-# batch 1, folded as core.folded_layers folds them (bench.row_products' shapes, which the GPU sitting times), q/k/v
-# also at a wide tile; and the float32 builds tests/test_cuda_graphs.py runs on a GPU
+# name: (N, K, bias, norm, gated, residual, rotated columns, head dim, dtype[, tile, q's columns]): each decoder
+# layer's four products at batch 1, folded as core.folded_layers folds them (bench.row_products' shapes, which the
+# GPU sitting times), q/k/v also at a wide tile and writing the cache; and the float32 builds
+# tests/test_cuda_graphs.py runs on a GPU
 PRODUCTS = {f"{role}-{name}": (*shape, "bfloat16") for role in ("target", "draft")
             for name, shape in products(role).items()} | {
     "target-qkv-tile16": (*products("target")["qkv"], "bfloat16", (16, 512, 8)),
+    "target-qkv-to-cache": (*products("target")["qkv"], "bfloat16", None, 1536),  # k and v into the cache too
+    "draft-qkv-to-cache": (*products("draft")["qkv"], "bfloat16", None, 896),
     "tiny-qkv-float32": (128, 64, True, True, False, False, 96, 16, "float32"),
     "tiny-down-float32": (64, 128, False, False, True, True, 0, 0, "float32")}
 MERGES = {  # name: (key/value heads, query heads per key/value head, head dim, output dtype): the splits' merge
@@ -94,15 +97,17 @@ def build_merge(kv_heads: int, groups: int, dim: int, dtype_name: str) -> None:
 
 
 def build_product(n: int, k: int, bias: bool, norm: bool, gated: bool, residual: bool, rope: int, head: int,
-                  dtype_name: str, tile: tuple[int, int, int] | None = None) -> None:
-    """core.triton_gemv's kernel as gemv launches it (the Qwen pair's norm epsilon), at `tile` where given."""
+                  dtype_name: str, tile: tuple[int, int, int] | None = None, query: int = 0) -> None:
+    """core.triton_gemv's kernel as gemv launches it (the Qwen pair's norm epsilon), at `tile` where given; with
+    `query` (q's columns) as gemv_to_cache launches it, writing k and v into a cache."""
     from tandem.core import triton_gemv
 
     if tile:
         triton_gemv.TUNED[(n, k)] = tile
-    tensors = ("X", "W", "BIAS", "NORM", "RES", "COS", "SIN", "Y")
-    build(triton_gemv._gemv, {name: ELEMENTS[dtype_name] for name in tensors},
-          triton_gemv.launch_settings(n, k, 1e-6, bias, norm, gated, residual, rope, head), aligned=(*tensors, "sw"))
+    tensors = ("X", "W", "BIAS", "NORM", "RES", "COS", "SIN", "Y", "KC", "VC")
+    settings = triton_gemv.launch_settings(n, k, 1e-6, bias, norm, gated, residual, rope, head)
+    build(triton_gemv._gemv, {name: ELEMENTS[dtype_name] for name in tensors} | {"SLOT": "*i64", "POS": "*i64"},
+          settings | {"TO_CACHE": bool(query), "QUERY": query}, aligned=(*tensors, "sw"))
     triton_gemv.TUNED.pop((n, k), None)
 
 

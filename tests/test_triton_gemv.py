@@ -266,3 +266,52 @@ def test_the_kernel_in_a_folded_model_gives_hf_greedy_tokens(tiny_dirs, monkeypa
     qkv = tuple(folded.model.layers[0].self_attn.q_proj.fused.linear.weight.shape)
     # q/k/v's kernel rotated q and k (the folded attention), and no other product was asked to
     assert {shape for shape, turned in zip(shapes, rotated, strict=True) if turned} == {qkv}
+
+
+def test_q_k_v_kernel_writes_the_new_key_and_value_into_the_cache() -> None:
+    """gemv_to_cache (core.fused_linear.KV_WRITES): the product as before, and k's columns (rotated) and v's written
+    into the layer's buffers at the slot and position the device tensors hold, nothing anywhere else."""
+    heads, kv_heads, head, k = 4, 2, 16, 64
+    n = (heads + 2 * kv_heads) * head
+    x, weight, bias, gain = _random(1, 1, k, seed=40), _random(n, k, seed=41) / 8, _random(n, seed=42), _random(
+        k, seed=43)
+    cos, sin = _rotary(head, 9)
+    product = StackedLinear(weight, bias)
+    product.norm, product.eps = torch.nn.Parameter(gain, requires_grad=False), 1e-6
+    product.rope_columns, product.kv_columns, product.head_dim = (heads + kv_heads) * head, kv_heads * head, head
+    expected = product.in_torch(x, rope=(cos, sin))[0, 0]
+    keys, values = (torch.zeros(3, kv_heads, 20, head, device=DEVICE) for _ in range(2))
+    slot, position = (torch.tensor([v], device=DEVICE) for v in (1, 9))
+    got = row_product(x, weight, bias, gain, 1e-6, rope=(cos, sin, product.rope_columns, head),
+                      cache=(keys, values, slot, position, heads * head))
+    torch.testing.assert_close(got[0, 0], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(keys[1, :, 9], expected[heads * head : (heads + kv_heads) * head].view(kv_heads, head),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(values[1, :, 9], expected[(heads + kv_heads) * head :].view(kv_heads, head),
+                               rtol=1e-5, atol=1e-5)
+    keys[1, :, 9], values[1, :, 9] = 0, 0
+    assert not keys.any() and not values.any()
+
+
+def test_the_folded_attention_writes_the_cache_in_its_kernel_with_hf_greedy_tokens(tiny_dirs, monkeypatch) -> None:
+    """With KV_WRITES, a static one-row decode step's q/k/v kernel writes each layer's new key and value itself
+    (the runner's static forwards run uncompiled here: a compiled CPU forward cannot call the interpreted kernel):
+    Hugging Face's greedy tokens, and every such step wrote through the kernel."""
+    plain, folded = _folded(tiny_dirs.target, seed=3)
+    monkeypatch.setattr(fused_linear, "ROW_PRODUCTS", [True])
+    monkeypatch.setattr(fused_linear, "KV_WRITES", [True])
+    monkeypatch.setattr(fused_linear, "ROW_DEVICES", (DEVICE.type,))
+    writes = []
+    kernel = triton_gemv.gemv_to_cache
+    monkeypatch.setattr(triton_gemv, "gemv_to_cache", lambda *args: writes.append(1) or kernel(*args))
+    prompt = list(range(7, 19))
+    ids = torch.tensor([prompt], device=DEVICE)
+    expected = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    runner = ModelRunner(folded, kv_tokens=256, compile=True)
+    runner.graphs.forward = runner.graphs.plain_forward  # static forwards, uncompiled
+    engine = SpeculativeEngine(LocalVerifier(runner), None,
+                               EngineConfig(spec=SpecConfig(enabled=False), calibrate=False, max_batch=1))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert engine.generate([prompt], params)[0].token_ids == expected
+    assert runner.graphs.replays >= 5 and len(writes) == runner.graphs.replays * folded.config.num_hidden_layers

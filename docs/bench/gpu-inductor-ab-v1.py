@@ -6,7 +6,8 @@ which also rewrites a product with one row (every projection of a batch-1 decode
 per shape, so the norm, activation and residual work around it can fuse into it (as gpt-fast compiles); and either
 attending through core.flex_decode (core.attention.FLEX) or core.triton_decode (TRITON); and one-row products
 through core.triton_gemv, the norms folded in (`rows`, core.fused_linear.ROW_PRODUCTS; not yet run on a GPU), with
-the Triton attention over splits and merged (`rows_triton`) or over the whole buffer in one kernel (`rows_whole`).
+the Triton attention over splits and merged (`rows_triton`) or over the whole buffer in one kernel (`rows_whole`),
+and that with q/k/v's kernel writing the cache too (`rows_kv`, core.fused_linear.KV_WRITES).
 Each variant is a runner compiled under its options (added to core.cuda_graphs.INDUCTOR_OPTIONS), all of them side
 by side. Measured, the variants interleaved, the
 starting one alternating:
@@ -50,16 +51,18 @@ from tandem.core.runner import ModelRunner
 
 # name: (inductor options added, attention: sdpa, flex (core.flex_decode) or triton (core.triton_decode), whether
 # one-row products run core.triton_gemv's kernel with the norms folded in (core.fused_linear.ROW_PRODUCTS), the
-# Triton attention's keys per thread block (None: its SPLIT; 0: a row's keys in one block, in one kernel, unmerged))
+# Triton attention's keys per thread block (None: its SPLIT; 0: a row's keys in one block, in one kernel, unmerged),
+# whether q/k/v's kernel writes the cache too (core.fused_linear.KV_WRITES))
 VARIANTS = {
-    "cublas": ({"coordinate_descent_tuning": False}, "sdpa", False, None),
-    "cdt": ({"coordinate_descent_tuning": True}, "sdpa", False, None),
-    "cdt_flex": ({"coordinate_descent_tuning": True}, "flex", False, None),
-    "cublas_flex": ({"coordinate_descent_tuning": False}, "flex", False, None),
-    "cublas_triton": ({"coordinate_descent_tuning": False}, "triton", False, None),
-    "rows": ({"coordinate_descent_tuning": False}, "sdpa", True, None),
-    "rows_triton": ({"coordinate_descent_tuning": False}, "triton", True, None),
-    "rows_whole": ({"coordinate_descent_tuning": False}, "triton", True, 0),
+    "cublas": ({"coordinate_descent_tuning": False}, "sdpa", False, None, False),
+    "cdt": ({"coordinate_descent_tuning": True}, "sdpa", False, None, False),
+    "cdt_flex": ({"coordinate_descent_tuning": True}, "flex", False, None, False),
+    "cublas_flex": ({"coordinate_descent_tuning": False}, "flex", False, None, False),
+    "cublas_triton": ({"coordinate_descent_tuning": False}, "triton", False, None, False),
+    "rows": ({"coordinate_descent_tuning": False}, "sdpa", True, None, False),
+    "rows_triton": ({"coordinate_descent_tuning": False}, "triton", True, None, False),
+    "rows_whole": ({"coordinate_descent_tuning": False}, "triton", True, 0, False),
+    "rows_kv": ({"coordinate_descent_tuning": False}, "triton", True, 0, True),
 }
 CONTEXT = 256
 
@@ -69,7 +72,7 @@ class Variant:
 
     def __init__(self, name: str, model) -> None:
         self.name = name
-        self.options, self.attention, self.rows, self.split = VARIANTS[name]
+        self.options, self.attention, self.rows, self.split, self.kv_writes = VARIANTS[name]
         saved = cuda_graphs.INDUCTOR_OPTIONS
         cuda_graphs.INDUCTOR_OPTIONS = saved | self.options  # read when the runner's forward is compiled
         try:
@@ -86,13 +89,13 @@ class Variant:
         self.call(lambda: self.runner.prefill(self.state, CONTEXT))
 
     def call(self, fn):
-        saved = fused_linear.ROW_PRODUCTS[0]
-        fused_linear.ROW_PRODUCTS[0] = self.rows
+        saved = fused_linear.ROW_PRODUCTS[0], fused_linear.KV_WRITES[0]
+        fused_linear.ROW_PRODUCTS[0], fused_linear.KV_WRITES[0] = self.rows, self.kv_writes
         try:
             with attention.gpu_attention(self.attention, split=self.split):
                 return fn()
         finally:
-            fused_linear.ROW_PRODUCTS[0] = saved
+            fused_linear.ROW_PRODUCTS[0], fused_linear.KV_WRITES[0] = saved
 
     def forward(self) -> None:
         """One 1-token forward at CONTEXT cached tokens, logits left on the device."""

@@ -13,12 +13,13 @@
 #    default, a token a call and blocks of 8 (--decode-steps 8), with profiles, at the tiles step 1 found best
 #    (--tiles): one forward is the goal's figure (>= 50% of the weight-bandwidth limit; 28% on 2026-12-04);
 # 3. the GPU tests never yet run: the kernel's and the folded layers' own (tests/test_triton_gemv.py), the compiled
-#    graphs with them (float32 tokens, bf16 accuracy; every GPU test now runs folded layers, the kernel off), multi-step decoding in CUDA graphs, one wait per plain step, on_device's copies, and the
-#    Triton attention in the compiled graphs with its merge now a kernel of its own ([None-TRITON], [4-TRITON]) and
-#    over whole buffers unmerged ([4-TRITON_WHOLE]);
+#    graphs with them (float32 tokens, also with q/k/v's kernel writing the cache; bf16 accuracy; every GPU test
+#    now runs folded layers, the kernel off), multi-step decoding in CUDA graphs, one wait per plain step,
+#    on_device's copies, and the Triton attention in the compiled graphs with its merge now a kernel of its own
+#    ([None-TRITON], [4-TRITON]) and over each row's keys in one kernel ([4-TRITON_WHOLE]);
 # call 2: attention alone per kernel and split (split 0: a row's keys in one block, one kernel, no merge), then
-#    the Triton attention A/B'd against cuDNN's, the folded layers on in all: over the whole 528-key buffer in one
-#    kernel (rows_whole), then, if time is left, over splits of 128 and merged (rows_triton).
+#    the folded layers (rows) A/B'd with the Triton attention over each row's keys in one kernel (rows_whole) and,
+#    if time is left, that with q/k/v's kernel writing the cache as well (rows_kv: KV_WRITES).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=services PYTHONUNBUFFERED=1
@@ -55,7 +56,7 @@ else
         --json "$out/gpu-attention-triton-v2.json" > "$out/gpu-attention-triton-v2.log" 2>&1
     note "attention probe (cut once attention_seconds is in): exit $?"
     if [ "$(left 230)" -gt 100 ]; then
-        timeout "$(left 230)" python3 docs/bench/gpu-inductor-ab-v1.py --variants rows,rows_whole,rows_triton --rounds 4 \
+        timeout "$(left 230)" python3 docs/bench/gpu-inductor-ab-v1.py --variants rows,rows_whole,rows_kv --rounds 4 \
             --tiles "$out/gpu-row-products-v1.json" \
             --deadline-s "$(($(left 230) - 20))" --json "$out/gpu-triton-ab-v3.json" > "$out/gpu-triton-ab-v3.log" 2>&1
         note "Triton attention A/B: exit $?"

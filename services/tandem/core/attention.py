@@ -79,9 +79,10 @@ FLEX_DEVICES = ("cuda",)
 
 def traced_settings() -> tuple:
     """The cells compiled forwards read as they are traced (BACKENDS, FLEX, TRITON, TRITON_SPLIT,
-    core.cpu_attention.ENABLED, core.fused_linear.ROW_PRODUCTS): a graph serves only the settings it was traced
-    under, so core.cuda_graphs keys its guard-free calls by them too."""
-    return BACKENDS[0], FLEX[0], TRITON[0], TRITON_SPLIT[0], cpu_attention.ENABLED[0], fused_linear.ROW_PRODUCTS[0]
+    core.cpu_attention.ENABLED, core.fused_linear.ROW_PRODUCTS and KV_WRITES): a graph serves only the settings it
+    was traced under, so core.cuda_graphs keys its guard-free calls by them too."""
+    return (BACKENDS[0], FLEX[0], TRITON[0], TRITON_SPLIT[0], cpu_attention.ENABLED[0], fused_linear.ROW_PRODUCTS[0],
+            fused_linear.KV_WRITES[0])
 
 
 def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -11,7 +11,8 @@ and each norm's output feeds only the product after it, the activation only down
 product's output. So the folded layer hands each of them to a product: q/k/v normalise their input, gate/up too, o
 adds the layer's input (left in its residual cell, since Hugging Face's attention calls o with its input alone),
 down takes gate/up's output whole, applies the activation, and adds its own input's residual. The attention
-(Qwen2, Llama, Mistral: WINDOWS) hands its rotary embedding to q/k/v, which returns q and k rotated. With
+(Qwen2, Llama, Mistral: WINDOWS) hands its rotary embedding to q/k/v, which returns q and k rotated (and, with
+core.fused_linear.KV_WRITES, writes k and v into the cache itself on a static forward's lone row). With
 core.fused_linear.ROW_PRODUCTS on, a one-row product does all of that in core.triton_gemv's kernel: four products a
 layer, and between them only the cache's writes and the attention. Off, the products run the same ops in torch
 around cuBLAS and the attention is Hugging Face's, which is what the layer ran, so a folded model computes what the
@@ -30,6 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from tandem.core import fused_linear
 from tandem.core.fused_linear import FusedPart, StackedLinear
+from tandem.core.kv_cache import SlotCache
 
 # Layers whose forward is the pre-norm formula above, norms computing weight * (x / rms(x)).to(x.dtype) with
 # `variance_epsilon`, and MLPs computing down(act(gate(x)) * up(x)) with act silu.
@@ -77,10 +79,16 @@ def folded_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
     cache = kwargs.pop("past_key_values", None) if cache is None else cache
     input_shape = hidden_states.shape[:-1]
     fused = self.q_proj.fused
-    qkv = fused.linear(hidden_states, rope=position_embeddings)
+    layer = cache.layers[self.layer_idx] if isinstance(cache, SlotCache) else None
+    target = None  # with KV_WRITES, where the kernel writes the new key and value itself
+    if layer is not None and fused_linear.KV_WRITES[0] and fused.linear.in_kernel(hidden_states):
+        target = layer.write_target()
+    qkv = fused.linear(hidden_states, rope=position_embeddings, cache=target)
     query, key, value = (qkv.narrow(-1, start, size).view(*input_shape, -1, self.head_dim).transpose(1, 2)
                          for start, size in fused.spans)
-    if cache is not None:
+    if target is not None:
+        key, value = layer.view(key.shape[0])
+    elif cache is not None:
         key, value = cache.update(key, value, self.layer_idx)
     implementation = self.config._attn_implementation
     eager = self._hf_module.eager_attention_forward
@@ -147,6 +155,7 @@ def fold_layers(model: torch.nn.Module) -> int:
         if _rope_foldable(attention):
             product = attention.q_proj.fused.linear
             product.rope_columns = sum(size for _, size in attention.q_proj.fused.spans[:2])
+            product.kv_columns = attention.q_proj.fused.spans[1][1]
             product.head_dim = attention.head_dim
             attention.__class__ = _folded_class(type(attention), folded_attention_forward)
         attention.o_proj = _stacked(attention.o_proj)

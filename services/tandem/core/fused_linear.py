@@ -33,6 +33,10 @@ if _ROW_PRODUCTS_ENV not in ("0", "1"):
     raise ValueError(f"TANDEM_GPU_ROW_PRODUCTS: 0 or 1, got {_ROW_PRODUCTS_ENV!r}")
 ROW_PRODUCTS: list[bool] = [_ROW_PRODUCTS_ENV == "1"]  # a cell: compiled forwards read it as they trace
 ROW_DEVICES = ("cuda",)  # where the Triton kernel runs; the tests add "cpu", where Triton's interpreter runs it
+# A cell: with ROW_PRODUCTS, a folded attention's one-row q/k/v kernel also writes the new key and value into the
+# cache (core.folded_layers), where the cache's own write was a kernel of its own. Off until a GPU sitting times it
+# (whether inductor keeps the buffers in place around a kernel that writes them is what it would show).
+KV_WRITES: list[bool] = [False]
 # Weight shapes (N, K) whose one-row product stays cuBLAS's with ROW_PRODUCTS on (its folded work then runs in torch
 # around it): where tandem.bench.row_products finds cuBLAS faster than the kernel at its best tile.
 CUBLAS_SHAPES: set[tuple[int, int]] = set()
@@ -73,21 +77,32 @@ class StackedLinear(torch.nn.Module):
         self.eps = 0.0
         self.residual_cell: list[torch.Tensor | None] = [None]  # a list cell: dynamo traces its writes and reads
         self.rope_columns, self.head_dim = 0, 0  # a folded rotary embedding's columns (q's and k's) and head size
+        self.kv_columns = 0  # of those, k's (a folded attention's q/k/v; as many follow for v)
+
+    def in_kernel(self, x: torch.Tensor) -> bool:
+        """Whether a call on `x` runs core.triton_gemv's kernel: one row, where ROW_PRODUCTS says. Under
+        torch.compile a size of 1 is a plain int (dynamo specialises it) and any other is symbolic, so this reads no
+        symbol and adds no guard beyond the shape class the graph already has."""
+        one_row = all(type(size) is int and size == 1 for size in x.shape[:-1])
+        return (ROW_PRODUCTS[0] and one_row and x.device.type in ROW_DEVICES and x.dtype == self.weight.dtype
+                and tuple(self.weight.shape) not in CUBLAS_SHAPES)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, gated: bool = False,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """`rope`: the positions' (cos, sin), for a product whose rope_columns are set (a folded attention's q/k/v)."""
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`rope`: the positions' (cos, sin), for a product whose rope_columns are set (a folded attention's q/k/v);
+        `cache`: a layer's (keys, values, slot, position) that the kernel writes k's and v's columns into, given
+        only where `in_kernel`."""
         if residual is None:
             residual, self.residual_cell[0] = self.residual_cell[0], None
-        # Under torch.compile a size of 1 is a plain int (dynamo specialises it) and any other is symbolic, so this
-        # reads no symbol and adds no guard beyond the shape class the graph already has.
-        one_row = all(type(size) is int and size == 1 for size in x.shape[:-1])
-        if (ROW_PRODUCTS[0] and one_row and x.device.type in ROW_DEVICES and x.dtype == self.weight.dtype
-                and tuple(self.weight.shape) not in CUBLAS_SHAPES):
+        if self.in_kernel(x):
             from tandem.core.triton_gemv import row_product  # Triton is there only where it runs
 
             turns = None if rope is None else (*rope, self.rope_columns, self.head_dim)
-            return row_product(x, self.weight, self.bias, self.norm, self.eps, residual, gated, turns)
+            into = None if cache is None else (*cache, self.rope_columns - self.kv_columns)
+            return row_product(x, self.weight, self.bias, self.norm, self.eps, residual, gated, turns, into)
+        if cache is not None:
+            raise ValueError("a cache to write into is for the one-row kernel only (in_kernel)")
         return self.in_torch(x, residual, gated, rope)
 
     def in_torch(self, x: torch.Tensor, residual: torch.Tensor | None = None, gated: bool = False,

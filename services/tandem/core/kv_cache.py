@@ -126,11 +126,27 @@ class SlotLayer(CacheLayerMixin):
         step = self.cache.step
         step.write(self.keys, key_states)
         step.write(self.values, value_states)
+        return self.view(key_states.shape[0])
+
+    def view(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values the step's `rows` rows attend over, as `update` returns them (after its write)."""
+        step = self.cache.step
         if step.window is not None:
-            rows, length = key_states.shape[0], step.window.shape[0]
+            length = step.window.shape[0]
             return self.keys[:rows, :, :length], self.values[:rows, :, :length]
-        rows = slice(step.lo, step.lo + step.rows)
-        return self.keys[rows, :, : step.length], self.values[rows, :, : step.length]
+        held = slice(step.lo, step.lo + step.rows)
+        return self.keys[held, :, : step.length], self.values[held, :, : step.length]
+
+    def write_target(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where a kernel may write this layer's new key and value itself (a folded attention's q/k/v: core.
+        folded_layers): (keys, values, slot, position), the last two one-element tensors on the device, for a static
+        forward's lone row of one token once the buffers exist; None elsewhere, where `update` writes."""
+        step = self.cache.step
+        if (not self.is_initialized or step is None or step.window is None or step.index is None
+                or step.counts != [1]):
+            return None
+        slots, positions = step.index[:2]
+        return self.keys, self.values, slots, positions
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         step = self.cache.step

@@ -29,9 +29,23 @@ TUNED: dict[tuple[int, int], tuple[int, int, int]] = {}  # (N, K): (BLOCK_N, BLO
 
 
 @triton.jit
-def _gemv(X, W, BIAS, NORM, RES, COS, SIN, Y, sw, K: tl.constexpr, N: tl.constexpr, EPS: tl.constexpr,
-          HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr, HAS_RES: tl.constexpr,
-          ROPE: tl.constexpr, HEAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _to_cache(KC, VC, c, value, ok, slot, pos, sc_s, sc_h, sc_l, QUERY: tl.constexpr, ROPE: tl.constexpr,
+              HEAD: tl.constexpr):
+    """Columns c of q/k/v's output: k's (QUERY <= c < ROPE) into the key buffer, v's (c >= ROPE) into the value
+    buffer, each at [slot, its head, pos]; q's nowhere."""
+    is_v = c >= ROPE
+    j = tl.maximum(tl.where(is_v, c - ROPE, c - QUERY), 0)
+    where = slot * sc_s + (j // HEAD) * sc_h + pos * sc_l + j % HEAD
+    value = value.to(KC.dtype.element_ty)
+    tl.store(KC + where, value, mask=ok & (c >= QUERY) & ~is_v)
+    tl.store(VC + where, value, mask=ok & is_v)
+
+
+@triton.jit
+def _gemv(X, W, BIAS, NORM, RES, COS, SIN, Y, KC, VC, SLOT, POS, sw, sc_s, sc_h, sc_l, K: tl.constexpr,
+          N: tl.constexpr, EPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
+          HAS_RES: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr, TO_CACHE: tl.constexpr,
+          QUERY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Y[n] = sum_k W[n, k] x[k] (+ BIAS[n]) (+ RES[n]) for this program's BLOCK_N columns n, where x is X, or with
     HAS_NORM NORM * (X / rms(X)), or with GATED silu(X[:K]) * X[K:]; each rounded to X's dtype where Hugging Face's
     modules round (the norm's row before its gain, the activation before the product, the product before the
@@ -40,7 +54,9 @@ def _gemv(X, W, BIAS, NORM, RES, COS, SIN, Y, sw, K: tl.constexpr, N: tl.constex
     With ROPE (the first ROPE columns are heads of HEAD, q's and k's), the rotary embedding is applied to those
     columns as Hugging Face's apply_rotary_pos_emb does (y = x cos + rotate_half(x) sin, each product rounded): a
     program then takes BLOCK_N column pairs, column j of a head with column j + HEAD / 2, whose rotation mixes just
-    the two, and past the rotated columns two runs of BLOCK_N columns (v's), left as they are."""
+    the two, and past the rotated columns two runs of BLOCK_N columns (v's), left as they are. With TO_CACHE (the
+    first QUERY columns q's), k's and v's columns also go into the layer's key and value buffers KC and VC at the
+    slot and position SLOT and POS hold, where the cache's own write would have put them."""
     i = tl.arange(0, BLOCK_N)
     if ROPE:
         first = tl.program_id(0) * BLOCK_N  # in pairs of columns: ROPE // 2 rotated pairs, then v's in twos
@@ -100,7 +116,13 @@ def _gemv(X, W, BIAS, NORM, RES, COS, SIN, Y, sw, K: tl.constexpr, N: tl.constex
         turned_a = (a * cos_a).to(dtype).to(tl.float32) + (-b * sin_a).to(dtype).to(tl.float32)
         turned_b = (b * cos_b).to(dtype).to(tl.float32) + (a * sin_b).to(dtype).to(tl.float32)
         out = tl.where(rotated, turned_a, out)
-        tl.store(Y + n2, tl.where(rotated, turned_b, out2).to(Y.dtype.element_ty), mask=n2_ok)
+        out2 = tl.where(rotated, turned_b, out2)
+        tl.store(Y + n2, out2.to(Y.dtype.element_ty), mask=n2_ok)
+        if TO_CACHE:
+            slot, pos = tl.load(SLOT), tl.load(POS)
+            _to_cache(KC, VC, n, out.to(Y.dtype.element_ty), n_ok, slot, pos, sc_s, sc_h, sc_l, QUERY, ROPE, HEAD)
+            _to_cache(KC, VC, n2, out2.to(Y.dtype.element_ty), n2_ok, slot, pos, sc_s, sc_h, sc_l, QUERY, ROPE,
+                      HEAD)
     tl.store(Y + n, out.to(Y.dtype.element_ty), mask=n_ok)
 
 
@@ -119,8 +141,27 @@ def launch_settings(n: int, k: int, eps: float = 0.0, bias: bool = False, norm: 
         while (head // 2) % block_n or (n - rope) % (2 * block_n):
             block_n //= 2
     return {"K": k, "N": n, "EPS": float(eps), "HAS_BIAS": bias, "HAS_NORM": norm, "GATED": gated,
-            "HAS_RES": residual, "ROPE": rope, "HEAD": head, "BLOCK_N": block_n, "BLOCK_K": block_k,
-            "num_warps": warps}
+            "HAS_RES": residual, "ROPE": rope, "HEAD": head, "TO_CACHE": False, "QUERY": 0, "BLOCK_N": block_n,
+            "BLOCK_K": block_k, "num_warps": warps}
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: torch.Tensor | None,
+            residual: torch.Tensor | None, eps: float, gated: bool, cos: torch.Tensor | None,
+            sin: torch.Tensor | None, rope: int, head: int,
+            cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+    n, k = weight.shape
+    out = x.new_empty(n)
+    settings = launch_settings(n, k, eps, bias is not None, norm is not None, gated, residual is not None, rope, head)
+    columns = settings["BLOCK_N"] * (2 if rope else 1)  # a rotating program takes pairs
+    keys, values, slot, position, query = cache if cache is not None else (x, x, x, x, 0)
+    strides = keys.stride()[:3] if cache is not None else (0, 0, 0)
+    # Absent tensors are passed as x: the kernel never reads them (HAS_BIAS, HAS_NORM, HAS_RES, ROPE, TO_CACHE are
+    # compile-time).
+    wrap_triton(_gemv)[(triton.cdiv(n, columns),)](
+        x, weight, x if bias is None else bias, x if norm is None else norm, x if residual is None else residual,
+        x if cos is None else cos, x if sin is None else sin, out, keys, values, slot, position, weight.stride(0),
+        *strides, **settings | {"TO_CACHE": cache is not None, "QUERY": query})
+    return out
 
 
 @triton_op("tandem::gemv", mutates_args=())
@@ -131,16 +172,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm:
     contiguous), + bias [N], + residual [N]; with `norm` [K], x is first RMSNorm-ed with that gain and `eps`; with
     `rope`, the first `rope` columns (heads of `head`) rotated by `cos` and `sin` [head] as Hugging Face rotates q
     and k. Returns [N] in x's dtype."""
-    n, k = weight.shape
-    out = x.new_empty(n)
-    settings = launch_settings(n, k, eps, bias is not None, norm is not None, gated, residual is not None, rope, head)
-    columns = settings["BLOCK_N"] * (2 if rope else 1)  # a rotating program takes pairs
-    # Absent tensors are passed as x: the kernel never reads them (HAS_BIAS, HAS_NORM, HAS_RES, ROPE are
-    # compile-time).
-    wrap_triton(_gemv)[(triton.cdiv(n, columns),)](
-        x, weight, x if bias is None else bias, x if norm is None else norm, x if residual is None else residual,
-        x if cos is None else cos, x if sin is None else sin, out, weight.stride(0), **settings)
-    return out
+    return _launch(x, weight, bias, norm, residual, eps, gated, cos, sin, rope, head)
+
+
+@triton_op("tandem::gemv_to_cache", mutates_args=("keys", "values"))
+def gemv_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: torch.Tensor | None,
+                  eps: float, cos: torch.Tensor, sin: torch.Tensor, rope: int, head: int, query: int,
+                  keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor, position: torch.Tensor
+                  ) -> torch.Tensor:
+    """gemv for a folded attention's q/k/v (the first `query` columns q's, then k's up to `rope`, then v's) that
+    also writes k's and v's columns into one layer's buffers [slots, kv heads, positions, head], at the slot and
+    position the one-element tensors `slot` and `position` hold: the cache's write, in the product's kernel."""
+    return _launch(x, weight, bias, norm, None, eps, False, cos, sin, rope, head,
+                   (keys, values, slot, position, query))
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -150,12 +194,19 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 def row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-                gated: bool = False, rope: tuple[torch.Tensor, torch.Tensor, int, int] | None = None) -> torch.Tensor:
+                gated: bool = False, rope: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
+                cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+                ) -> torch.Tensor:
     """F.linear(x, weight, bias) (+ residual) for an x of one row ([..., K], every leading size 1), with `norm` and
     `eps` an RMSNorm applied to x first, or with `gated` x [..., 2K] taken as silu(x[..., :K]) * x[..., K:]; with
-    `rope` (cos, sin, columns, head dim; cos and sin that row's [..., head dim]) the first columns rotated; the
+    `rope` (cos, sin, columns, head dim; cos and sin that row's [..., head dim]) the first columns rotated, and with
+    `cache` (keys, values, slot, position, q's columns) k's and v's written into the buffers (gemv_to_cache); the
     result keeps x's leading sizes."""
     cos, sin, columns, head = rope if rope is not None else (None, None, 0, 0)
-    return gemv(_flat(x), weight, bias, norm, None if residual is None else _flat(residual), eps, gated,
-                None if cos is None else _flat(cos), None if sin is None else _flat(sin), columns, head).view(
-        *x.shape[:-1], weight.shape[0])
+    cos, sin = (None if t is None else _flat(t) for t in (cos, sin))
+    if cache is not None:
+        out = gemv_to_cache(_flat(x), weight, bias, norm, eps, cos, sin, columns, head, cache[4], *cache[:4])
+    else:
+        out = gemv(_flat(x), weight, bias, norm, None if residual is None else _flat(residual), eps, gated, cos, sin,
+                   columns, head)
+    return out.view(*x.shape[:-1], weight.shape[0])
