@@ -71,8 +71,9 @@ def folded_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
     """Hugging Face's attention forward with the rotary embedding inside the q/k/v product (its rope_columns): on
     one row core.triton_gemv's kernel rotates q and k as it writes them, so no kernel of its own does; elsewhere the
     product rotates them in torch, Hugging Face's ops. The cache comes by either name transformers has given it.
-    With ROW_PRODUCTS off, Hugging Face's own forward runs, as measured on a GPU (inductor fuses its rotation)."""
-    if not fused_linear.ROW_PRODUCTS[0]:
+    With ROW_PRODUCTS off, Hugging Face's own forward runs, as measured on a GPU (inductor fuses its rotation); so
+    does it where the model hands no rotary embedding (a transformers that rotated inside the attention)."""
+    if not fused_linear.ROW_PRODUCTS[0] or position_embeddings is None:
         return super(type(self), self).forward(hidden_states=hidden_states, position_embeddings=position_embeddings,
                                                attention_mask=attention_mask, **kwargs)
     cache = kwargs.pop("cache", None)
