@@ -315,3 +315,18 @@ def test_the_folded_attention_writes_the_cache_in_its_kernel_with_hf_greedy_toke
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     assert engine.generate([prompt], params)[0].token_ids == expected
     assert runner.graphs.replays >= 5 and len(writes) == runner.graphs.replays * folded.config.num_hidden_layers
+
+
+def test_the_row_products_bench_runs_each_tile_folded_against_its_torch_reference(monkeypatch) -> None:
+    """tandem.bench.row_products.measure, its timing (CUDA graphs) stood in for: a q/k/v with its norm, bias and
+    rotation at every tile, each within bf16's rounding of the folded torch reference, its best tile picked and the
+    kernel alone timed at it; what the GPU sitting's first step runs, checked before a GPU is at hand."""
+    from tandem.bench import row_products
+
+    monkeypatch.setattr(row_products, "LAYERS", 2)
+    monkeypatch.setattr(row_products, "graph_us", lambda calls, reps: [call() for call in calls] and 1.0)
+    result = row_products.measure(128, 64, True, True, False, False, 96, 16, 1, DEVICE)
+    assert result["rotated_columns"] == 96 and result["best"] is not None
+    errors = [tile["max_abs_error"] for tile in result["kernel_folded"].values()]
+    assert len(errors) == len(TILES) + 1 and max(errors) < 0.1, result["kernel_folded"]
+    assert result["kernel_alone"]["us"] == 1.0 and not triton_gemv.TUNED

@@ -9,7 +9,9 @@ through core.triton_gemv, the norms folded in (`rows`, core.fused_linear.ROW_PRO
 the Triton attention over splits and merged (`rows_triton`) or over the whole buffer in one kernel (`rows_whole`),
 and that with q/k/v's kernel writing the cache too (`rows_kv`, core.fused_linear.KV_WRITES).
 Each variant is a runner compiled under its options (added to core.cuda_graphs.INDUCTOR_OPTIONS), all of them side
-by side. Measured, the variants interleaved, the
+by side, and its logits for the same forward are set beside the first variant's (`logits_vs_first`: bf16 rounds
+differently per kernel, so a few hundredths; a variant that computes something else shows as far more). Measured,
+the variants interleaved, the
 starting one alternating:
 - one 1-token forward of the target at 256 cached tokens, logits on the device (median of `--reps`), per round;
 - a profile of 20 such forwards: kernels launched and GPU kernel time per forward, the rest being gaps and host;
@@ -97,11 +99,11 @@ class Variant:
         finally:
             fused_linear.ROW_PRODUCTS[0], fused_linear.KV_WRITES[0] = saved
 
-    def forward(self) -> None:
+    def forward(self) -> torch.Tensor:
         """One 1-token forward at CONTEXT cached tokens, logits left on the device."""
         self.state.truncate_cache(CONTEXT)
         self.state.sync(CONTEXT, self.ids[CONTEXT : CONTEXT + 1])
-        self.call(lambda: self.runner.forward_on_device([self.state], [1]))
+        return self.call(lambda: self.runner.forward_on_device([self.state], [1]))
 
     def median_forward(self, reps: int) -> float:
         return sorted(timed(self.forward) for _ in range(reps))[reps // 2]
@@ -192,6 +194,11 @@ def main() -> None:
         variants[vname] = variant
         log(f"build_{vname}", {"seconds": time.perf_counter() - t0, **variant.status()})
     order = list(variants)
+    if order:  # each variant's logits against the first's: a variant computing something else is no rival
+        first = variants[order[0]].forward().float()
+        log("logits_vs_first", {v: {"max_abs_diff": float((variants[v].forward().float() - first).abs().max()),
+                                    "same_argmax": bool(variants[v].forward().argmax() == first.argmax()),
+                                    "first_max_abs": float(first.abs().max())} for v in order[1:]})
     rounds: dict[str, list[float]] = {v: [] for v in order}
     for r in range(args.rounds):
         for vname in order if r % 2 == 0 else order[::-1]:
