@@ -147,8 +147,8 @@ def gpu_attention(kernel: str, backends: tuple[SDPBackend, ...] | None = None,
                   split: int | None = None) -> Iterator[None]:
     """Inside the block, forwards traced for a GPU attend with `kernel`: "sdpa" (restricted to `backends`, None:
     PyTorch picks), "flex" or "triton" (`split` keys a thread block; None: core.triton_decode's SPLIT, 0: a row's
-    keys in one block), whatever
-    TANDEM_GPU_ATTENTION set; the cells are restored after. Benchmarks A/B the kernels with it."""
+    keys in one block), whatever TANDEM_GPU_ATTENTION set; the cells are restored after. Benchmarks A/B the kernels
+    with it."""
     saved = BACKENDS[0], FLEX[0], TRITON[0], TRITON_SPLIT[0]
     BACKENDS[0], FLEX[0], TRITON[0], TRITON_SPLIT[0] = backends, kernel == "flex", kernel == "triton", split
     try:
