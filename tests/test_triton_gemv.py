@@ -168,11 +168,10 @@ def test_launch_settings_fill_the_gpu_and_tile_k() -> None:
     assert [launch_settings(1536, k)["BLOCK_K"] for k in (8960, 200)] == [512, 256]
 
 
-def _folded(path, seed: int = 0):
-    """The tiny target in float32 with random norm gains (the shipped ones are all 1: a fold that dropped them would
-    pass), as loaded plainly and as a GPU would stack and fold it."""
-    models = [load_model(str(path), device=DEVICE, dtype=torch.float32, progress=False, eager=True).model
-              for _ in range(2)]
+def _folded(path, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """The tiny target (float32 unless said) with random norm gains (the shipped ones are all 1: a fold that dropped
+    them would pass), as loaded plainly and as a GPU would stack and fold it."""
+    models = [load_model(str(path), device=DEVICE, dtype=dtype, progress=False, eager=True).model for _ in range(2)]
     generator = torch.Generator().manual_seed(seed)
     gains = {name: 1 + 0.3 * torch.randn(p.shape, generator=generator) for name, p in models[0].named_parameters()
              if "layernorm" in name}
@@ -219,6 +218,17 @@ def test_the_folded_attention_rotates_in_torch_where_the_kernel_does_not_run(tin
         folded(torch.tensor([[5, 6, 7]], device=DEVICE))
     assert len(rotations) == folded.config.num_hidden_layers
     _same_logits_eager_and_compiled(plain, folded)
+
+
+def test_the_folded_model_in_bf16_gives_the_unfolded_logits_bit_for_bit(tiny_dirs, monkeypatch) -> None:
+    """Eager bf16 with the kernel nowhere to run: each folded product runs Hugging Face's ops in their order (the
+    norm, the rotation on the product's heads, the activation, the residual), so the logits are the same bits."""
+    monkeypatch.setattr(fused_linear, "ROW_PRODUCTS", [True])
+    monkeypatch.setattr(fused_linear, "ROW_DEVICES", ())
+    plain, folded = _folded(tiny_dirs.target, seed=4, dtype=torch.bfloat16)
+    ids = torch.tensor([list(range(3, 40))], device=DEVICE)
+    with torch.no_grad():
+        assert torch.equal(folded(ids).logits, plain(ids).logits)
 
 
 def _same_logits_eager_and_compiled(plain, folded) -> None:
