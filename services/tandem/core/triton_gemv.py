@@ -116,13 +116,12 @@ def _gemv(X, W, BIAS, NORM, RES, COS, SIN, Y, KC, VC, SLOT, POS, sw, sc_s, sc_h,
         turned_a = (a * cos_a).to(dtype).to(tl.float32) + (-b * sin_a).to(dtype).to(tl.float32)
         turned_b = (b * cos_b).to(dtype).to(tl.float32) + (a * sin_b).to(dtype).to(tl.float32)
         out = tl.where(rotated, turned_a, out)
-        out2 = tl.where(rotated, turned_b, out2)
-        tl.store(Y + n2, out2.to(Y.dtype.element_ty), mask=n2_ok)
+        out2 = tl.where(rotated, turned_b, out2).to(dtype)
+        tl.store(Y + n2, out2, mask=n2_ok)
         if TO_CACHE:
             slot, pos = tl.load(SLOT), tl.load(POS)
-            _to_cache(KC, VC, n, out.to(Y.dtype.element_ty), n_ok, slot, pos, sc_s, sc_h, sc_l, QUERY, ROPE, HEAD)
-            _to_cache(KC, VC, n2, out2.to(Y.dtype.element_ty), n2_ok, slot, pos, sc_s, sc_h, sc_l, QUERY, ROPE,
-                      HEAD)
+            _to_cache(KC, VC, n, out.to(dtype), n_ok, slot, pos, sc_s, sc_h, sc_l, QUERY, ROPE, HEAD)
+            _to_cache(KC, VC, n2, out2, n2_ok, slot, pos, sc_s, sc_h, sc_l, QUERY, ROPE, HEAD)
     tl.store(Y + n, out.to(Y.dtype.element_ty), mask=n_ok)
 
 
