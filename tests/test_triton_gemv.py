@@ -188,12 +188,21 @@ def _folded(path, seed: int = 0, dtype: torch.dtype = torch.float32):
     return models
 
 
-def _greedy(model, prompt: list[int], tokens: int) -> list[int]:
-    """Plain greedy decoding through the runner and engine, eager on either device (on a GPU the compiled graphs'
-    own tests run the kernel in them; replays would not pass through the Python these tests count)."""
-    engine = SpeculativeEngine(LocalVerifier(ModelRunner(model, kv_tokens=256, cuda_graphs=False)), None,
+def _greedy(model, prompt: list[int], tokens: int, runner: ModelRunner | None = None) -> list[int]:
+    """Plain greedy decoding through the runner and engine, by default eager on either device (on a GPU the
+    compiled graphs' own tests run the kernel in them; replays would not pass through the Python these tests
+    count)."""
+    runner = runner or ModelRunner(model, kv_tokens=256, cuda_graphs=False)
+    engine = SpeculativeEngine(LocalVerifier(runner), None,
                                EngineConfig(spec=SpecConfig(enabled=False), calibrate=False, max_batch=1))
     return engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))[0].token_ids
+
+
+def _hf_greedy(model, prompt: list[int], tokens: int) -> list[int]:
+    """Hugging Face generate's greedy tokens after `prompt`."""
+    ids = torch.tensor([prompt], device=DEVICE)
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+                          do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
 
 
 def test_folded_layers_leave_the_logits_as_they_were_eager_and_compiled(tiny_dirs) -> None:
@@ -261,9 +270,7 @@ def test_the_kernel_in_a_folded_model_gives_hf_greedy_tokens(tiny_dirs, monkeypa
     monkeypatch.setattr(StackedLinear, "forward", lambda self, x, *args, **kwargs: calls.append(
         x.shape[:-1].numel()) or original(self, x, *args, **kwargs))
     prompt = list(range(5, 17))
-    ids = torch.tensor([prompt], device=DEVICE)
-    expected = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
-                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    expected = _hf_greedy(plain, prompt, 6)
     assert _greedy(folded, prompt, 6) == expected
     assert calls.count(1) >= 4 * 5 * folded.config.num_hidden_layers  # 4 products a layer, 5 one-row steps
     # A shape left to cuBLAS (its norm then in torch) beside the kernel's: the same tokens, that shape not kernel's.
@@ -318,15 +325,9 @@ def test_the_folded_attention_writes_the_cache_in_its_kernel_with_hf_greedy_toke
     kernel = triton_gemv.gemv_to_cache
     monkeypatch.setattr(triton_gemv, "gemv_to_cache", lambda *args: writes.append(1) or kernel(*args))
     prompt = list(range(7, 19))
-    ids = torch.tensor([prompt], device=DEVICE)
-    expected = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
-                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
     runner = ModelRunner(folded, kv_tokens=256, compile=True)
     runner.graphs.forward = runner.graphs.plain_forward  # static forwards, uncompiled
-    engine = SpeculativeEngine(LocalVerifier(runner), None,
-                               EngineConfig(spec=SpecConfig(enabled=False), calibrate=False, max_batch=1))
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    assert engine.generate([prompt], params)[0].token_ids == expected
+    assert _greedy(folded, prompt, 6, runner) == _hf_greedy(plain, prompt, 6)
     layers = folded.config.num_hidden_layers
     assert runner.graphs.replays >= 5 and writes and len(writes) % layers == 0
     if not runner.graphs.capture:  # each static step ran its Python (a GPU's replays run the recorded kernels)
