@@ -34,6 +34,17 @@ def test_stop_token_inside_an_accepted_block_ends_output_there(tiny_models, plai
     assert result.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("seed", [None, 7])
+def test_a_temperature_too_small_to_divide_by_samples_greedily(tiny_models, plain_output, seed) -> None:
+    """Logits divided by 1e-38 overflow float32 (softmax of inf: NaN); below GREEDY_BELOW the choice is the argmax, as
+    vLLM's is, drafted or not, seeded or not."""
+    target, draft, _ = tiny_models
+    tiny = SamplingParams(temperature=1e-38, max_tokens=48, ignore_eos=True, seed=seed)
+    assert tiny.greedy and not SamplingParams(temperature=1e-4).greedy
+    for engine in (build_engine(target, None), build_engine(target, draft, FIXED_K)):
+        assert engine.generate([PROMPT], tiny)[0].token_ids == plain_output
+
+
 def test_eos_stops_unless_ignored(tiny_models, plain_output) -> None:
     target, draft, _ = tiny_models
     engine = build_engine(target, draft, FIXED_K)

@@ -70,9 +70,11 @@ def test_the_prompt_is_scored_whole_while_others_decode_and_prefill_in_chunks(ti
 
 
 def test_a_sessions_retained_cache_is_not_taken_for_a_scored_prompt(tiny_models) -> None:
-    """A session's next request reuses its retained cache, but one that asks for its prompt scored is scored whole."""
+    """A session's next request reuses its retained cache, but one that asks for its prompt scored is scored whole,
+    and says it found nothing cached (usage's cached tokens: none of the prompt was served from a cache)."""
     target = tiny_models[0]
     engine = _engine(tiny_models, 3)
+    reused = engine.verifier.runner.reused_tokens
     first = engine.generate([PROMPTS[1]], _greedy(max_tokens=8))[0]
     engine.add_request(PROMPTS[1], _greedy(max_tokens=8), session_id="s")
     while engine.has_unfinished():
@@ -85,6 +87,8 @@ def test_a_sessions_retained_cache_is_not_taken_for_a_scored_prompt(tiny_models)
         if result is not None:
             break
     _assert_prompt_scored(target, follow_up, result, 1)
+    assert engine.sequences[request_id].stats.cached_prompt_tokens == 0
+    assert engine.verifier.runner.reused_tokens == reused
 
 
 def test_prompt_logprobs_are_bounded_like_logprobs() -> None:

@@ -19,6 +19,7 @@ QUANTIZATIONS = ("none", "int8", "w8a8", "w4")
 # on a 2-core CPU, docs/performance.md), without the target's minutes of compiling. True and False, as a model's own
 # setting is given, stand for "all" and "none".
 COMPILE_SCOPES = ("none", "draft", "all")
+GREEDY_BELOW = 1e-5  # a smaller temperature samples greedily (SamplingParams.greedy; vLLM's _SAMPLING_EPS)
 MAX_DECODE_STEPS = 64  # tokens a plain row decodes in one verifier call (EngineConfig.decode_steps)
 
 
@@ -100,7 +101,8 @@ class OutputFormat:
 class SamplingParams:
     """How tokens are chosen; applied identically to draft and target so verification stays lossless.
 
-    temperature 0 means greedy. top_k 0, top_p 1 and min_p 0 disable those filters.
+    temperature 0 means greedy, as does any below GREEDY_BELOW (as in vLLM: dividing the logits by it overflows float32,
+    and the choice is the argmax anyway). top_k 0, top_p 1 and min_p 0 disable those filters.
     seed: the client's. A seeded request is reproducible: drafter-invariant sampling (Gumbel-max, core.sampling)
     gives exactly the tokens plain decoding gives with that seed, whether speculation is on or off, whatever k.
     engine_seed: chosen by the engine for a sampled request without a seed and sent to every worker and rank, so
@@ -176,7 +178,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def reproducible(self) -> bool:

@@ -71,7 +71,9 @@ def _sync_all(runner: ModelRunner, requests: list) -> tuple[list[SequenceState],
         # Not a row whose prefill is capped this call: its decoding batch mates would wait for a whole prefix.
         if whole and request.seq_id not in known and not getattr(request, "prefill_limit", 0):
             fresh.append(index)
-    reused = [0 if r.seq_id in known else s.cached for r, s in zip(requests, states, strict=True)]
+    # A row whose prompt is scored computes it all again (LocalVerifier.verify drops its cache): nothing reused.
+    reused = [0 if r.seq_id in known or getattr(r, "score_prompt", False) else s.cached
+              for r, s in zip(requests, states, strict=True)]
     # New sequences arriving together with a prefix nothing held had: one computes it (still counted uncached), the
     # others copy it.
     if len(fresh) > 1:
@@ -96,15 +98,11 @@ def _formatted(formats: FormatMasks | None, runner: ModelRunner, logits: torch.T
     return formats.apply(logits, wants, requests, states, committed, drafts)
 
 
-class LocalDrafter(InProcessSide):
-    """formats: the drafter's matchers for requests with a response format; without them such a request's drafts
-    are proposed unconstrained (still exact: the verifier masks), and fewer of them are accepted."""
+class _ModelSide(InProcessSide):
+    """A side over a runner in this process; `formats` holds its requests' response-format matchers, if any."""
 
-    def __init__(self, runner: ModelRunner, top_m: int = 64, confidence: float = 0.0,
-                 formats: FormatMasks | None = None) -> None:
+    def __init__(self, runner: ModelRunner, formats: FormatMasks | None) -> None:
         self.runner = runner
-        self.top_m = top_m
-        self.confidence = confidence
         self.formats = formats
 
     def release(self, seq_id: str, retain: bool = False) -> None:
@@ -114,6 +112,17 @@ class LocalDrafter(InProcessSide):
 
     def kv_usage(self) -> KVUsage:
         return KVUsage.of(self.runner)
+
+
+class LocalDrafter(_ModelSide):
+    """formats: the drafter's matchers for requests with a response format; without them such a request's drafts
+    are proposed unconstrained (still exact: the verifier masks), and fewer of them are accepted."""
+
+    def __init__(self, runner: ModelRunner, top_m: int = 64, confidence: float = 0.0,
+                 formats: FormatMasks | None = None) -> None:
+        super().__init__(runner, formats)
+        self.top_m = top_m
+        self.confidence = confidence
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         states, _ = _sync_all(self.runner, requests)
@@ -202,24 +211,15 @@ class LocalDrafter(InProcessSide):
         return dist.ids[0, pick[0]], dist.probs[0, 0], dist
 
 
-class LocalVerifier(InProcessSide):
+class LocalVerifier(_ModelSide):
     """formats: the verifier's matchers for requests with a response format (core.format_masks); a verifier without them
     refuses such requests."""
 
     def __init__(self, runner: ModelRunner, formats: FormatMasks | None = None) -> None:
-        self.runner = runner
-        self.formats = formats
+        super().__init__(runner, formats)
         self.vocab_size = runner.vocab_size
         self.context_window = runner.context_window
         self.row_layout = runner.layout
-
-    def release(self, seq_id: str, retain: bool = False) -> None:
-        self.runner.release(seq_id, retain)
-        if self.formats is not None:
-            self.formats.release(seq_id)
-
-    def kv_usage(self) -> KVUsage:
-        return KVUsage.of(self.runner)
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         states, reused = _sync_all(self.runner, requests)
