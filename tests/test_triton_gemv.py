@@ -229,6 +229,8 @@ def test_the_folded_attention_rotates_in_torch_where_the_kernel_does_not_run(tin
     _same_logits_eager_and_compiled(plain, folded)
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="cuBLAS picks a kernel by shape (split-K among them), so one "
+                    "stacked product need not round as the separate ones it stands for; the CPU's do, column by column")
 def test_the_folded_model_in_bf16_gives_the_unfolded_logits_bit_for_bit(tiny_dirs, monkeypatch) -> None:
     """Eager bf16 with the kernel nowhere to run: each folded product runs Hugging Face's ops in their order (the
     norm, the rotation on the product's heads, the activation, the residual), so the logits are the same bits."""
