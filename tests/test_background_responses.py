@@ -115,6 +115,26 @@ def test_cancel_stops_a_background_response_and_frees_its_caches(server) -> None
     assert sdk.responses.cancel(_finished(sdk, done.id).id).status == "incomplete"  # finished: as it is
 
 
+def test_an_id_in_use_is_refused_and_the_response_holding_it_goes_on(server) -> None:
+    """A client's request_id names one response: a second background response sent with it while the first runs
+    (or a synchronous one after it) is a 400 that leaves the first as it was, still running and cancellable."""
+    sdk = openai_sdk(server)
+    first = sdk.responses.create(model=MODEL, input="first", max_output_tokens=LONG, background=True,
+                                 extra_body={"ignore_eos": True, "request_id": "resp_taken"}, temperature=0)
+    for in_background in (True, False):
+        with pytest.raises(openai.BadRequestError) as taken:
+            sdk.responses.create(model=MODEL, input="second", max_output_tokens=2, background=in_background,
+                                 extra_body={"request_id": "resp_taken"})
+        assert taken.value.body["param"] == "request_id" and taken.value.body["code"] == "response_id_in_use"
+    assert sdk.responses.retrieve(first.id).status in ("queued", "in_progress")
+    assert [item.content[0].text for item in sdk.responses.input_items.list(first.id).data] == ["first"]
+    assert sdk.responses.cancel(first.id).status == "cancelled"
+    assert _idle(server)
+    with pytest.raises(openai.BadRequestError):  # ended: the id still names it
+        sdk.responses.create(model=MODEL, input="third", max_output_tokens=2, extra_body={"request_id": first.id})
+    assert sdk.responses.retrieve(first.id).status == "cancelled"
+
+
 def test_what_cannot_run_in_the_background_is_refused(server) -> None:
     sdk = openai_sdk(server)
     with pytest.raises(openai.BadRequestError) as refused:

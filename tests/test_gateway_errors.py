@@ -110,6 +110,21 @@ def test_duplicate_request_id_and_queue_full(server) -> None:
         assert client.generate_text(token_ids=[9], max_tokens=4, ignore_eos=True)[1].usage.completion_tokens == 4
 
 
+def test_a_requests_choices_are_no_other_requests_ids(server) -> None:
+    """A request of n choices runs them under ids no client can send: another request named like one of them runs
+    beside it, and an abort naming one stops no choice (an abort names whole requests)."""
+    with TandemClient(server.address, timeout=30) as client:
+        job = client.generate(token_ids=[5], request_id="job", n=2, **LONG)
+        assert isinstance(next(job), pb.Chunk)
+        assert not client.abort("job/1")
+        _, complete = client.generate_text(token_ids=[9], request_id="job/1", max_tokens=4, ignore_eos=True)
+        assert complete.usage.completion_tokens == 4
+        assert client.abort("job")
+        finals = [item for item in job if isinstance(item, pb.Complete)]
+        assert finals and all(final.finish_reason == pb.FINISH_REASON_ABORT for final in finals)
+    assert server.wait_for(server.caches_empty)
+
+
 def test_readiness_follows_loading_and_draining(tiny_models) -> None:
     target, _, _ = tiny_models
     release = threading.Event()

@@ -19,9 +19,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway_harness import ServerThread
 from tandem.core.config import EngineConfig, SpecConfig
 from tandem.engines import Backend
+from tandem.engines.backend import ModelLimits
 from tandem.engines.local import build_engine
+from tandem.errors import InvalidArgument
 from tandem.gateway.server import READINESS_SERVICE
-from tandem.gateway.validate import CHAT_ROLES, GatewayLimits
+from tandem.gateway.validate import CHAT_ROLES, GatewayLimits, prepare
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc
 
@@ -188,6 +190,26 @@ def test_context_window_is_enforced_on_both_apis(server) -> None:
         response = httpx.post(f"{url}/v1/{path}", json=body | {"max_tokens": window - 2}, timeout=30)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "max_tokens" and "context window" in response.text
+
+
+def test_the_default_max_tokens_never_refuses_a_prompt_that_leaves_room(tiny_models) -> None:
+    """A request that sends no max_tokens gets the server's default (--default-max-tokens), cut to what its prompt
+    leaves of the context window; one that sends it too large is refused naming it, as is a prompt that fills the
+    window."""
+    tokenizer = tiny_models[0].tokenizer
+    model = ModelLimits(vocab_size=320, max_k=4, context_window=64)
+
+    def asked(prompt_tokens: int, **sampling) -> int:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * prompt_tokens),
+                                     sampling=pb.SamplingParams(temperature=0.0, **sampling))
+        return prepare(request, tokenizer, GatewayLimits(default_max_tokens=32), model, ()).params.max_tokens
+
+    assert asked(10) == 32 and asked(40) == 24 and asked(63) == 1 and asked(40, max_tokens=24) == 24
+    with pytest.raises(InvalidArgument, match=r"^max_tokens: the prompt's 40 tokens plus max_tokens 25 exceed"):
+        asked(40, max_tokens=25)
+    with pytest.raises(InvalidArgument, match=r"^token_ids: its 64 tokens leave no room"):
+        asked(64)
+    assert GatewayLimits(max_tokens=6).default_max_tokens == 6  # never past what a request may ask for
 
 
 def test_ray_pool_verifier_exposes_the_context_window(ray_session) -> None:

@@ -248,6 +248,42 @@ def test_bad_fields_are_400_naming_the_param(server, body, param) -> None:
     assert error["message"].startswith(f"{param}: ")
 
 
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": CHAT, "stop": ["ok", "\udfff"]}, "stop[1]"),
+    ("/v1/chat/completions", {"messages": CHAT, "request_id": "a\ud83d"}, "request_id"),
+    ("/v1/completions", {"prompt": "hi \ud800"}, "prompt"),
+    ("/v1/responses", {"input": "hi", "instructions": "\udc00 be brief"}, "instructions"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+])
+def test_a_lone_surrogate_is_a_400_naming_its_field(server, path, body, param) -> None:
+    """JSON may escape half a UTF-16 pair ("\\ud800"): valid JSON, but no text that UTF-8, protobuf or a tokenizer
+    takes. It is refused by name, never a 500; a whole pair is a character like any other."""
+    sent = json.dumps({"model": MODEL, "max_tokens": 2} | body)  # json.dumps writes the lone half as its escape
+    response = httpx.post(f"{server.gateway.http_url}{path}", content=sent,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param and "surrogate" in response.json()["error"]["message"]
+    paired = httpx.post(f"{server.gateway.http_url}/v1/completions",
+                        json={"model": MODEL, "prompt": "hi \U0001f600", "max_tokens": 2})
+    assert paired.status_code == 200, paired.text
+
+
+def test_null_flags_mean_their_defaults(server) -> None:
+    """OpenAI's schema marks these flags nullable, and clients that send every field send null."""
+    url = server.gateway.http_url
+    flags = {"stream": None, "logprobs": None, "ignore_eos": None, "return_token_ids": None}
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 2} | flags)
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["object"] == "chat.completion" and chat.json()["choices"][0]["logprobs"] is None
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0}
+    completion = httpx.post(f"{url}/v1/completions", json=body | {"echo": None, "stream": None,
+                                                                  "stream_options": {"include_usage": None}})
+    assert completion.status_code == 200, completion.text
+    unset = httpx.post(f"{url}/v1/completions", json=body).json()
+    assert completion.json()["choices"][0]["text"] == unset["choices"][0]["text"]  # no echo
+
+
 def test_request_errors(server) -> None:
     sdk, url = _sdk(server), server.gateway.http_url
     error = _error(lambda: sdk.completions.create(model=MODEL, prompt=["a"] * 17, max_tokens=4))
@@ -388,6 +424,12 @@ def test_queue_full_is_429(tiny_models) -> None:
         assert error.response.headers["retry-after"] == "1"
         stream.close()
         assert _idle(small)
+        # More choices than the queue holds could never run: a 400 naming n, which no client retries, on an idle server.
+        for call in (lambda: sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, n=2),
+                     lambda: sdk.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=4)):
+            error = _error(call)
+            assert error.status_code == 400 and error.body["param"] == "n" and "--max-queue" in error.body["message"]
+        assert sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices
     finally:
         small.stop()
 

@@ -47,6 +47,9 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                              "(0: a prompt at once; default: %(default)s)")
     parser.add_argument("--max-tokens-limit", type=int, default=GatewayLimits().max_tokens,
                         help="largest max_tokens a request may ask for (default: %(default)s)")
+    parser.add_argument("--default-max-tokens", type=int, default=GatewayLimits().default_max_tokens,
+                        help="max_tokens of a request that sends none (at most --max-tokens-limit), or what its "
+                             "prompt leaves of the context window if fewer (default: %(default)s)")
     parser.add_argument("--max-prompt-tokens", type=int, default=GatewayLimits().max_prompt_tokens,
                         help="longest prompt in tokens (default: %(default)s)")
     parser.add_argument("--grace", type=float, default=30.0,
@@ -101,7 +104,8 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         raise InvalidArgument(f"lanes: must be at least 1, got {args.lanes}")
     if args.grace < 0 or args.stall_timeout <= 0:
         raise InvalidArgument("grace: must be non-negative; stall_timeout: must be positive")
-    limits = GatewayLimits(max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens)
+    limits = GatewayLimits(max_tokens=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
+                           max_prompt_tokens=args.max_prompt_tokens)
     metrics_port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
     if not -1 <= metrics_port <= 65535:
         raise InvalidArgument(f"metrics_port: must be between -1 (off) and 65535, got {metrics_port}")

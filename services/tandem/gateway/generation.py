@@ -60,9 +60,14 @@ def scoped_id(tenant: str, id_: str) -> str:
     return f"{tenant}:{id_}" if tenant and id_ else id_
 
 
+# Between a request's id and its choice's index in the choice's engine id: a control character, which no client's id
+# may hold (gateway.validate refuses them), so a choice's id never names another request, nor a request a choice.
+CHOICE_SEPARATOR = "\x1f"
+
+
 def choice_ids(request_id: str, n: int) -> list[str]:
     """Engine request ids of a request's choices: the request's own id when n is 1."""
-    return [request_id] if n == 1 else [f"{request_id}/{index}" for index in range(n)]
+    return [request_id] if n == 1 else [f"{request_id}{CHOICE_SEPARATOR}{index}" for index in range(n)]
 
 
 def choice_request(prepared: PreparedRequest, index: int) -> PreparedRequest:
@@ -117,6 +122,13 @@ class Generations:
         if self.loop.draining:
             raise EngineUnavailable(DRAINING)
         return self.backend, self.loop
+
+    def check_choices(self, choices: int) -> None:
+        """InvalidArgument naming n where one request's choices (each a sequence) are more than the engine's queue
+        holds: that request could never run, and a queue-full answer would have its client retry in vain."""
+        if choices > (limit := self.loop.max_requests):
+            raise InvalidArgument(f"n: {choices} choices a request, more than this server's queue holds ({limit}, "
+                                  "--max-queue)")
 
     async def prepare(self, request: pb.GenerateRequest) -> PreparedRequest:
         """Validate and tokenize in a worker thread; raises InvalidArgument naming the field."""
@@ -177,6 +189,11 @@ class Generations:
         observed = RequestObserver(self.metrics, request, metadata, backend.target_name)
         try:
             prepared = await self.prepare(request)
+        except InvalidArgument as exc:
+            observed.failed(error_code(exc), str(exc))
+            raise
+        try:
+            self.check_choices(prepared.n)
         except InvalidArgument as exc:
             observed.failed(error_code(exc), str(exc))
             raise

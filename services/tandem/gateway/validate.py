@@ -21,7 +21,6 @@ from tandem.v1 import generation_pb2 as pb
 log = logging.getLogger(__name__)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-DEFAULT_MAX_TOKENS = 128
 PROMPT_BYTES_PER_TOKEN = 16  # max_prompt_bytes' default: a prompt of max_prompt_tokens tokens of up to 16 bytes each
 
 
@@ -30,6 +29,9 @@ class GatewayLimits:
     """Per-request bounds the gateway enforces before anything reaches the engine."""
 
     max_tokens: int = 4096
+    # A request that sends no max_tokens gets this many (at most max_tokens), or what its prompt leaves of the
+    # context window if fewer.
+    default_max_tokens: int = 128
     max_prompt_tokens: int = 8192
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
@@ -49,6 +51,9 @@ class GatewayLimits:
         for name in self.__slots__:
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name}: must be at least 1, got {getattr(self, name)}")
+        # A default past the largest max_tokens a request may ask for would have every request that sends none
+        # refused for a value it never sent.
+        object.__setattr__(self, "default_max_tokens", min(self.default_max_tokens, self.max_tokens))
 
 
 # Added to the priority of the gateway's own background work (the Batch API's requests, canary checks' plain
@@ -98,7 +103,7 @@ def sampling_params(request: pb.GenerateRequest, limits: GatewayLimits, model: M
     def value(name: str, default):
         return getattr(sampling, name) if sampling.HasField(name) else default
 
-    max_tokens = value("max_tokens", DEFAULT_MAX_TOKENS)
+    max_tokens = value("max_tokens", limits.default_max_tokens)
     _require(1 <= max_tokens <= limits.max_tokens, f"max_tokens: must be between 1 and {limits.max_tokens}, "
              f"got {max_tokens}")
     _require(len(request.stop) <= limits.max_stop_strings,
@@ -232,7 +237,12 @@ def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model
                                     f"{request.priority}")
     ids = prompt_ids(request, tokenizer, limits, model)
     if model.context_window is not None:
-        _require(len(ids) + params.max_tokens <= model.context_window,
+        room = model.context_window - len(ids)
+        if not request.sampling.HasField("max_tokens"):  # the default never refuses a prompt that leaves room
+            _require(room >= 1, f"{request.WhichOneof('input')}: its {len(ids)} tokens leave no room for output in "
+                                f"the model's context window of {model.context_window}")
+            params = replace(params, max_tokens=min(params.max_tokens, room))
+        _require(params.max_tokens <= room,
                  f"max_tokens: the prompt's {len(ids)} tokens plus max_tokens {params.max_tokens} exceed the "
                  f"model's context window of {model.context_window}")
     request_id = request.request_id or f"req-{uuid.uuid4().hex}"

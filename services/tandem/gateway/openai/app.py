@@ -244,6 +244,7 @@ class Api:
             raise bad_request(f"prompt: at most {self.limits.max_choices} prompts a request, got {len(messages)}",
                               "prompt")
         per_prompt = max(messages[0].n, 1)
+        generations.check_choices(per_prompt * len(messages))
         responder = Responder(endpoint.kind, request_id, model, self.token_texts(), n=per_prompt * len(messages),
                               logprobs=messages[0].HasField("logprobs"), per_prompt=per_prompt,
                               include_usage=body.stream and body.include_usage, token_ids=body.return_token_ids,

@@ -61,8 +61,12 @@ class BackgroundResponses:
         key = tenant_key(tenant, writer.id)
         opening = writer.opening()
         queued = writer.response()
+        try:
+            await self.stored.create(tenant, StoredResponse(queued, items))  # refused where the id is in use
+        except OpenAIError:
+            await generation.aclose()
+            raise
         await self.events.renew_lease(key, LEASE_S, new=True)
-        await self.stored.put(tenant, StoredResponse(queued, items))
         await self.events.append(key, opening)
         task = asyncio.create_task(self._run(tenant, key, writer, items, generation, renames, finished),
                                    name=f"background-{writer.id}")

@@ -12,6 +12,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from tandem.gateway.openai.bodies import lone_surrogate
+
 # The ASGI scope key naming the tenant a batch's request runs as (gateway.openai.batch_run): set in process only, so
 # no client's request carries it, and checked against the API keys of the moment (app.Api.tenant).
 BATCH_TENANT = "tandem.batch_tenant"
@@ -47,6 +49,10 @@ def read_requests(content: str, endpoint: str) -> tuple[list[BatchRequest], list
             continue
         if not isinstance(line, dict):
             error(number, "invalid_json_line", "This line is not a JSON object.")
+            continue
+        if (where := lone_surrogate(line, text.encode())) is not None:
+            error(number, "invalid_json_line", f"{where}: holds an unpaired UTF-16 surrogate escape, which is no "
+                  "character.", where)
             continue
         custom_id, body = line.get("custom_id"), line.get("body")
         if not isinstance(custom_id, str) or not custom_id:

@@ -44,7 +44,42 @@ def parse_body(body: bytes, schema: type[BaseModel]):
         raise bad_request(f"the body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object")
+    if (where := lone_surrogate(data, body)) is not None:
+        raise bad_request(f"{where}: holds an unpaired UTF-16 surrogate escape, which is no character", param=where)
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from exc
+
+
+def lone_surrogate(data: object, text: bytes) -> str | None:
+    """Where in a parsed JSON value a string holds an unpaired surrogate (JSON's "\ud800" escape alone), as
+    `field.sub[2]`; None where none does. Such a string is valid JSON but no text: UTF-8, protobuf and the tokenizer
+    refuse it. Only a value whose JSON `text` escapes a surrogate is walked."""
+    if b"\\ud" not in text.lower():
+        return None
+    return _walk(data, "")
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _walk(value: object, where: str) -> str | None:
+    if isinstance(value, str):
+        return None if _is_text(value) else where or "the value"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not _is_text(key):  # a name that is no text: the place is its parent's (the name cannot be shown)
+                return where or "a field name"
+            if (found := _walk(item, f"{where}.{key}" if where else key)) is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            if (found := _walk(item, f"{where}[{index}]")) is not None:
+                return found
+    return None

@@ -106,6 +106,8 @@ class ResponsesApi:
             self._check_background(body)
         response_id = body.request_id or f"resp_{uuid.uuid4().hex}"
         stored = self.stored if body.store is not False else None
+        if body.request_id and stored is not None and not body.background:  # (background: BackgroundResponses.start)
+            await stored.check_free(tenant, response_id)
         writer = ResponseWriter(response_id, generations.target_name, self.api.token_texts(), body, turn.chat.logprobs,
                                 store=stored is not None, background=bool(body.background))
 

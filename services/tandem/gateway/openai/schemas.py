@@ -8,11 +8,19 @@ actually uses them (`unsupported`), rather than silently giving different output
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictBool, StrictInt
 
 from tandem.gateway.openai.errors import bad_request
+
+
+def _none_is_false(value: object) -> object:
+    return False if value is None else value
+
+
+# A flag OpenAI's schema marks nullable: null means the default, false (clients that send every field send it).
+Flag = Annotated[StrictBool, BeforeValidator(_none_is_false)]
 
 
 class _Body(BaseModel):
@@ -20,7 +28,7 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: StrictBool = False
+    include_usage: Flag = False
 
 
 class ContentPart(_Body):
@@ -70,7 +78,7 @@ class _Generate(_Body):
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     n: StrictInt | None = None
-    stream: StrictBool = False
+    stream: Flag = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     service_tier: str | None = None  # "flex" runs at the largest priority (gateway.openai.convert)
@@ -81,13 +89,13 @@ class _Generate(_Body):
     top_k: StrictInt | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    ignore_eos: StrictBool = False
+    ignore_eos: Flag = False
     stop_token_ids: list[StrictInt] | None = None
     speculation: Literal["auto", "off"] | None = None
     max_k: StrictInt | None = None
     session_id: str | None = None
     request_id: str | None = None
-    return_token_ids: StrictBool = False  # vLLM's field: each choice (and streamed chunk) carries its token ids
+    return_token_ids: Flag = False  # vLLM's field: each choice (and streamed chunk) carries its token ids
     # Structured outputs (gateway.openai.formats): OpenAI's response_format, or vLLM's structured_outputs.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -111,7 +119,7 @@ class _Generate(_Body):
 class ChatCompletionRequest(_Generate):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
-    logprobs: StrictBool = False
+    logprobs: Flag = False
     top_logprobs: StrictInt | None = None
     tools: list[ToolSpec] | None = None
     tool_choice: Any = None  # "auto" (the default with tools), "none", "required" or {"type": "function", ...}
@@ -136,7 +144,7 @@ class ChatCompletionRequest(_Generate):
 class CompletionRequest(_Generate):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
-    echo: StrictBool = False
+    echo: Flag = False
     suffix: str | None = None
     best_of: StrictInt | None = None
 

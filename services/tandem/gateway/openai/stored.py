@@ -34,6 +34,17 @@ class StoredResponse:
         return self.items + self.response["output"]
 
 
+class _Taken(Exception):
+    pass
+
+
+def id_in_use(response_id: str) -> OpenAIError:
+    """A client's request_id that names a stored response: ids name one response each, so it is not overwritten (a
+    400, not a 409, which the SDKs would retry in vain)."""
+    return OpenAIError(400, f"request_id: a response with id {response_id!r} exists; send another id, or none",
+                       param="request_id", code="response_id_in_use")
+
+
 def tenant_key(tenant: str, record_id: str) -> str:
     """The store key of a tenant's record (a response, a conversation): another tenant sending the same id finds
     nothing."""
@@ -49,6 +60,25 @@ class ResponseStore:
     async def put(self, tenant: str, stored: StoredResponse) -> None:
         record = {"response": stored.response, "items": stored.items}
         await asyncio.to_thread(self._store.put, tenant_key(tenant, stored.response["id"]), record)
+
+    async def create(self, tenant: str, stored: StoredResponse) -> None:
+        """put, where no response of the tenant has that id yet (atomically, across replicas); else id_in_use."""
+        record = {"response": stored.response, "items": stored.items}
+
+        def change(state: dict | None) -> dict:
+            if state is not None:
+                raise _Taken
+            return record
+
+        try:
+            await asyncio.to_thread(self._store.update, tenant_key(tenant, stored.response["id"]), change)
+        except _Taken:
+            raise id_in_use(stored.response["id"]) from None
+
+    async def check_free(self, tenant: str, response_id: str) -> None:
+        """id_in_use where the tenant has a response of that id."""
+        if await self.get(tenant, response_id) is not None:
+            raise id_in_use(response_id)
 
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         record = await asyncio.to_thread(self._store.get, tenant_key(tenant, response_id))

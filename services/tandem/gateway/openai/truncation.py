@@ -17,14 +17,13 @@ from tandem.gateway.generation import Generations
 from tandem.gateway.openai.convert import chat_request
 from tandem.gateway.openai.responses_input import ResponsesTurn, chat_body
 from tandem.gateway.openai.schemas import ResponsesRequest
-from tandem.gateway.validate import DEFAULT_MAX_TOKENS
 
 
 def prompt_budget(generations: Generations, max_output_tokens: int | None) -> int:
     """The most prompt tokens a request asking for `max_output_tokens` may have."""
     budget = generations.limits.max_prompt_tokens
     if (window := generations.model_limits.context_window) is not None:
-        budget = min(budget, window - (max_output_tokens or DEFAULT_MAX_TOKENS))
+        budget = min(budget, window - (max_output_tokens or generations.limits.default_max_tokens))
     return budget
 
 
