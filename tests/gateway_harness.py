@@ -32,6 +32,19 @@ def tiny_backend(target, draft=None, kv_tokens: int = 0, max_batch: int = 16, **
     return load
 
 
+def window_past_budget(load: Callable[[], Backend], window: int = 4096) -> Callable[[], Backend]:
+    """`load`, its verifier saying a context window its KV budget cannot hold (as a pool's replicas unlike the first,
+    whose info a gateway reads): requests pass the gateway's window check, and the engine refuses a sequence once
+    it outgrows the budget, mid-generation."""
+
+    def loaded() -> Backend:
+        backend = load()
+        backend.engine.verifier.context_window = window
+        return backend
+
+    return loaded
+
+
 class ServerThread:
     def __init__(self, load: Callable[[], Backend | dict[str, Backend]], wait_ready: bool = True,
                  sessions: SessionStore | None = None, arm_routers: ArmRouterFactory | None = None,

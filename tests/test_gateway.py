@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from gateway_harness import ServerThread, tiny_backend
+from gateway_harness import ServerThread, tiny_backend, window_past_budget
 from tandem.client import AsyncTandemClient, TandemClient
 from tandem.core.config import SamplingParams
 from tandem.core.detok import REPLACEMENT
@@ -233,11 +233,21 @@ def test_model_info_reports_kv_usage(tiny_models, references) -> None:
 
 
 def test_a_request_past_the_kv_budget_fails_alone_with_invalid_argument(tiny_models, references) -> None:
-    """A sequence longer than a worker's whole KV budget can never run: its request gets INVALID_ARGUMENT naming the
-    budget, and a request beside it that fits completes."""
+    """A sequence longer than a worker's whole KV budget can never run. The gateway refuses it before it runs (the
+    context window it reads is the budget); where a worker holds less than the window the gateway was told, the
+    engine refuses it once it gets there: INVALID_ARGUMENT naming the budget, and a request beside it completes."""
     target, _, _ = tiny_models
-    running = ServerThread(tiny_backend(target, None, kv_tokens=96))
     prompts, expected = references
+    checked = ServerThread(tiny_backend(target, None, kv_tokens=96))
+    try:
+        assert checked.gateway.generations.model_limits.context_window == 96
+        with pytest.raises(grpc.RpcError) as refused:
+            TandemClient(checked.address, timeout=60).generate_text(token_ids=list(range(3, 63)), max_tokens=80)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("max_tokens:") and "context window of 96" in refused.value.details()
+    finally:
+        checked.stop()
+    running = ServerThread(window_past_budget(tiny_backend(target, None, kv_tokens=96)))
 
     async def tokens(client: AsyncTandemClient, **options) -> list[int]:
         return [t for item in [i async for i in client.generate(**options)] if isinstance(item, pb.Chunk)

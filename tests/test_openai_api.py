@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from gateway_harness import ServerThread, tiny_backend, tiny_http_server
+from gateway_harness import ServerThread, tiny_backend, tiny_http_server, window_past_budget
 from tandem.client import TandemClient
 from tandem.gateway.options import GatewayOptions
 from tandem.gateway.server import start_gateway
@@ -238,6 +238,9 @@ def _error(call) -> openai.APIStatusError:
     ({"logit_bias": {"five": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"modalities": ["text", "audio"]}, "modalities"),  # OpenAI features not served: refused, not answered in text
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"function_call": {"name": "add"}}, "function_call"),
 ])
 def test_bad_fields_are_400_naming_the_param(server, body, param) -> None:
     request = {"model": MODEL, "messages": CHAT, "max_tokens": 4} | body
@@ -272,7 +275,7 @@ def test_a_lone_surrogate_is_a_400_naming_its_field(server, path, body, param) -
 def test_null_flags_mean_their_defaults(server) -> None:
     """OpenAI's schema marks these flags nullable, and clients that send every field send null."""
     url = server.gateway.http_url
-    flags = {"stream": None, "logprobs": None, "ignore_eos": None, "return_token_ids": None}
+    flags = {"stream": None, "logprobs": None, "ignore_eos": None, "return_token_ids": None, "modalities": ["text"]}
     chat = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 2} | flags)
     assert chat.status_code == 200, chat.text
     assert chat.json()["object"] == "chat.completion" and chat.json()["choices"][0]["logprobs"] is None
@@ -393,10 +396,20 @@ def test_whole_response_disconnect_frees_caches(server) -> None:
 
 
 def test_engine_refusal_mid_generation(tiny_models) -> None:
-    """A sequence that outgrows the whole KV budget is refused by the engine once it gets there, after some tokens: a
-    whole response is a 400 with the reason; a stream, already under way, ends with an error event the SDK raises."""
-    small = ServerThread(tiny_backend(tiny_models[0], None, kv_tokens=96), http_port=0)
+    """A sequence that outgrows the whole KV budget: refused before it runs where the server's max_model_len is that
+    budget; where a worker holds less than the window the gateway was told, refused by the engine once it gets
+    there, after some tokens: a whole response is a 400 with the reason; a stream, already under way, ends with an
+    error event the SDK raises."""
     request = {"model": MODEL, "prompt": list(range(3, 63)), "max_tokens": 80, "extra_body": IGNORE_EOS}
+    checked = ServerThread(tiny_backend(tiny_models[0], None, kv_tokens=96), http_port=0)
+    try:
+        assert _sdk(checked).models.list().data[0].model_extra["max_model_len"] == 96
+        error = _error(lambda: _sdk(checked).completions.create(stream=True, **request))
+        assert error.status_code == 400 and error.body["param"] == "max_tokens"
+        assert "context window of 96" in error.body["message"]
+    finally:
+        checked.stop()
+    small = ServerThread(window_past_budget(tiny_backend(tiny_models[0], None, kv_tokens=96)), http_port=0)
     try:
         sdk = _sdk(small)
         error = _error(lambda: sdk.completions.create(**request))

@@ -168,3 +168,30 @@ def test_retain_tokens_bounds_what_every_placements_runners_keep(tiny_models, ti
     assert worker.runner.retain_tokens == 5
     with pytest.raises(Exception, match="retain_tokens: must be non-negative"):
         ClusterOptions(retain_tokens=-1)
+
+
+def test_a_session_unlike_its_next_prompt_takes_the_longer_prefix_another_holds(tiny_models, prompts) -> None:
+    """A session's retained cache serves what of the next prompt it holds; where another sequence's cache holds
+    more of that prompt (a shared system prompt after an unrelated turn), the new sequence copies that instead, and
+    scores what the whole prompt does."""
+    runner, whole = _runner(tiny_models), _runner(tiny_models, prefix_cache=False)
+    _finish(runner, "system", prompts[0])
+    other = list(range(60, 60 + 30))
+    state = runner.state("turn-1", session="s", prompt=other)
+    state.sync(0, other)
+    runner.prefill(state, len(other))
+    runner.release("turn-1", retain=True)
+    assert runner.retained_sessions == 1
+    state = runner.state("turn-2", session="s", prompt=prompts[1])
+    state.sync(0, prompts[1])
+    assert state.cached == 40 and runner.shared_tokens == 40
+    reference = whole.state("whole", prompt=prompts[1])
+    reference.sync(0, prompts[1])
+    fed = len(state.pending)
+    torch.testing.assert_close(runner.forward([state], [fed])[0],
+                               whole.forward([reference], [len(reference.pending)])[0][-fed:])
+    runner.release("turn-2", retain=True)  # the session holds the whole second prompt now: more than any other
+    longer = prompts[1] + [5, 6]
+    state = runner.state("turn-3", session="s", prompt=longer)
+    state.sync(0, longer)
+    assert state.cached == len(prompts[1]) and runner.shared_tokens == 40  # its own cache, nothing copied

@@ -12,7 +12,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from gateway_harness import ServerThread, tiny_backend
+from gateway_harness import ServerThread, tiny_backend, window_past_budget
 
 MODEL = "tiny-target"
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -194,9 +194,10 @@ def test_a_stream_the_client_leaves_is_cancelled(server) -> None:
 
 
 def test_a_refusal_mid_generation_fails_the_response(tiny_models) -> None:
-    """A sequence that outgrows the whole KV budget: a whole response is a 400 with the reason; a stream already
-    under way ends with an error event and response.failed carrying it, and the failed response is stored."""
-    small = ServerThread(tiny_backend(tiny_models[0], None, kv_tokens=96), http_port=0)
+    """A sequence that outgrows the whole KV budget, where a worker holds less than the window the gateway was told
+    (elsewhere refused before it runs): a whole response is a 400 with the reason; a stream already under way ends
+    with an error event and response.failed carrying it, and the failed response is stored."""
+    small = ServerThread(window_past_budget(tiny_backend(tiny_models[0], None, kv_tokens=96)), http_port=0)
     body = {"input": "x" * 60, "max_output_tokens": 80, "ignore_eos": True, "temperature": 0}
     try:
         response = _post(small, body)

@@ -236,7 +236,7 @@ class Drafter(PoolSide, Protocol):
 
 class Verifier(PoolSide, Protocol):
     vocab_size: int
-    context_window: int | None  # the target's position limit (None: unknown)
+    context_window: int | None  # most tokens a sequence may hold: the target's positions or KV budget (None: unknown)
     row_layout: RowLayout  # how the target's runner lays out a forward's rows (padded or packed)
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]: ...

@@ -79,8 +79,7 @@ class ModelRunner:
             cpu_attention.prepare(self.device, self.dtype)  # built here, once per machine: no forward waits for it
         self.mask_dtype = torch.bool if self.causal_kernel else self.dtype
         self.vocab_size = int(model.config.vocab_size)
-        window = getattr(text_config, "max_position_embeddings", None)
-        self.context_window: int | None = window if isinstance(window, int) and window > 0 else None
+        positions = getattr(text_config, "max_position_embeddings", None)
         # Logits are computed here rather than by the model, optionally for only the first `vocab_limit` ids,
         # without touching the shared model.
         # The model's own head may be tensor-parallel, prepacked (core.packed_linear) or quantized (core.int8_linear,
@@ -92,6 +91,10 @@ class ModelRunner:
             self.vocab_size = vocab_limit
         self.pad_token_id = pad_token_id
         self.kv_tokens_capacity = kv_tokens or default_kv_tokens(model)
+        # The most tokens one sequence may hold here: the model's positions, or the KV budget where it holds fewer (a
+        # sequence alone always fits the budget: _fit), so a request that could never run is refused before it starts.
+        self.context_window = min(positions, self.kv_tokens_capacity) if isinstance(positions, int) and positions > 0 \
+            else self.kv_tokens_capacity
         self.occupants: list[SequenceState | None] = []  # by slot
         self.states: dict[str, SequenceState] = {}  # the active sequences, in slots [0, len(states))
         self.retain_tokens = retain_tokens
@@ -118,9 +121,9 @@ class ModelRunner:
 
     def state(self, seq_id: str, session: str = "", prompt: list[int] | None = None, scope: str = ""
               ) -> SequenceState:
-        """The state of `seq_id`; a new one starts from its session's retained cache when there is one, else (given
+        """The state of `seq_id`; a new one starts from its session's retained cache when there is one, and (given
         its `prompt`, with prefix caching on) from a copy of the longest cached prefix of that prompt held here by a
-        sequence of the same `scope`."""
+        sequence of the same `scope` where that covers more of the prompt than the session's own cache does."""
         if seq_id not in self.states:
             if session and session in self.retained:
                 with self._moving:
@@ -133,7 +136,7 @@ class ModelRunner:
                 self.occupants[state.slot] = state
                 self.states[seq_id] = state
             self._exchange(state.slot, len(self.states) - 1)  # the next active slot
-            if prompt is not None and self.prefix_cache and not state.cached:
+            if prompt is not None and self.prefix_cache:
                 self._share_prefix(state, prompt)
         return self.states[seq_id]
 
@@ -195,11 +198,14 @@ class ModelRunner:
         return len(self.retained) - self.retained_sessions
 
     def _share_prefix(self, state: SequenceState, prompt: list[int]) -> None:
-        """Start `state` from a copy of the longest cached prefix of `prompt` held by a sequence of its scope."""
+        """Start `state` from a copy of the longest cached prefix of `prompt` held by a sequence of its scope, where
+        that is longer than what its own cache (a session's) holds of the prompt."""
         best_key, best, length = best_source([*self.retained.items(), *((None, s) for s in self.states.values())],
                                              state, prompt)
-        if best is None:
+        own = common_prefix(state, prompt)
+        if best is None or length <= own:
             return
+        state.truncate_cache(own)  # what of its own cache the prompt repeats: the copy adds the rest
         state.tokens[:] = prompt[:length]
         self._copy_prefix(best, state, length)
         if best_key is not None:

@@ -236,15 +236,17 @@ def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model
     _require(request.priority >= 0, f"priority: must be 0 or more (lower runs first, 0 is the default), got "
                                     f"{request.priority}")
     ids = prompt_ids(request, tokenizer, limits, model)
-    if model.context_window is not None:
-        room = model.context_window - len(ids)
+    if (window := model.context_window) is not None:
+        # The window is the target's positions, or its KV budget where that holds fewer (core.runner).
+        where = (f"the context window of {window} tokens (the model's, or fewer where this server's KV cache holds "
+                 "fewer: --kv-tokens)")
+        room = window - len(ids)
         if not request.sampling.HasField("max_tokens"):  # the default never refuses a prompt that leaves room
             _require(room >= 1, f"{request.WhichOneof('input')}: its {len(ids)} tokens leave no room for output in "
-                                f"the model's context window of {model.context_window}")
+                                f"{where}")
             params = replace(params, max_tokens=min(params.max_tokens, room))
         _require(params.max_tokens <= room,
-                 f"max_tokens: the prompt's {len(ids)} tokens plus max_tokens {params.max_tokens} exceed the "
-                 f"model's context window of {model.context_window}")
+                 f"max_tokens: the prompt's {len(ids)} tokens plus max_tokens {params.max_tokens} exceed {where}")
     request_id = request.request_id or f"req-{uuid.uuid4().hex}"
     offered = request.WhichOneof("input") == "chat" and offers_tools(request.chat)
     tool_names = tuple(tool.name for tool in request.chat.tools) if offered else ()
