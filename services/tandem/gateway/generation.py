@@ -189,10 +189,6 @@ class Generations:
         observed = RequestObserver(self.metrics, request, metadata, backend.target_name)
         try:
             prepared = await self.prepare(request)
-        except InvalidArgument as exc:
-            observed.failed(error_code(exc), str(exc))
-            raise
-        try:
             self.check_choices(prepared.n)
         except InvalidArgument as exc:
             observed.failed(error_code(exc), str(exc))
