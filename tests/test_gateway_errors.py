@@ -112,11 +112,17 @@ def test_duplicate_request_id_and_queue_full(server) -> None:
 
 def test_a_requests_choices_are_no_other_requests_ids(server) -> None:
     """A request of n choices runs them under ids no client can send: another request named like one of them runs
-    beside it, and an abort naming one stops no choice (an abort names whole requests)."""
+    beside it, and an abort naming one stops no choice (an abort names whole requests). Its own id, sent again with
+    any n, is refused while it runs, and an abort of it still stops both choices."""
     with TandemClient(server.address, timeout=30) as client:
         job = client.generate(token_ids=[5], request_id="job", n=2, **LONG)
         assert isinstance(next(job), pb.Chunk)
         assert not client.abort("job/1")
+        for n in (1, 2):
+            with pytest.raises(grpc.RpcError) as duplicate:
+                client.generate_text(token_ids=[9], request_id="job", n=n, max_tokens=4)
+            assert duplicate.value.code() == INVALID and duplicate.value.details() == \
+                "request_id: 'job' is already running"
         _, complete = client.generate_text(token_ids=[9], request_id="job/1", max_tokens=4, ignore_eos=True)
         assert complete.usage.completion_tokens == 4
         assert client.abort("job")

@@ -107,7 +107,7 @@ class Generations:
         self.tenant_queue_share = tenant_queue_share
         self.tenant_priorities = dict(tenant_priorities or {})
         self.arm_router = arm_router
-        self._choices: dict[str, list[str]] = {}  # scoped request id -> its choices' engine ids, while n > 1 runs
+        self._choices: dict[str, list[str]] = {}  # scoped request id -> its choices' engine ids, while it runs
         self._tenant_active: dict[str, int] = {}  # tenant -> requests in flight, for the tenants with a cap
 
     @property
@@ -200,17 +200,21 @@ class Generations:
                            session_id=scoped_id(tenant, prepared.session_id),
                            priority=priority + (BACKGROUND_PRIORITY if background else 0))
         choices = [choice_request(prepared, index) for index in range(prepared.n)]
-        if len(choices) == 1:
-            async for event in self._choice(0, choices[0], client_id, observed, backend, loop, tenant):
-                yield event
-            return
+        if prepared.request_id in self._choices:  # whatever either's n: one id names one request (abort stops it)
+            refused = InvalidArgument(f"request_id: {client_id!r} is already running")
+            observed.failed(error_code(refused), str(refused))
+            raise refused
         self._choices[prepared.request_id] = [choice.request_id for choice in choices]
-        # Each choice is a generation of its own to telemetry: its own span and duration.
-        observers = [observed] + [RequestObserver(self.metrics, request, metadata, backend.target_name)
-                                  for _ in choices[1:]]
-        streams = [self._choice(index, choice, client_id, observers[index], backend, loop, tenant)
-                   for index, choice in enumerate(choices)]
         try:
+            if len(choices) == 1:
+                async for event in self._choice(0, choices[0], client_id, observed, backend, loop, tenant):
+                    yield event
+                return
+            # Each choice is a generation of its own to telemetry: its own span and duration.
+            observers = [observed] + [RequestObserver(self.metrics, request, metadata, backend.target_name)
+                                      for _ in choices[1:]]
+            streams = [self._choice(index, choice, client_id, observers[index], backend, loop, tenant)
+                       for index, choice in enumerate(choices)]
             # A failed choice or a client gone stops the others (each frees its caches as it unwinds).
             async with contextlib.aclosing(interleave(streams)) as events:
                 async for event in events:
