@@ -98,8 +98,30 @@ def test_a_single_call_parser_ends_the_output_at_its_first_call(split: str) -> N
 
 
 # Two tagged calls, forced by a format: the random-weight model writes no call of its own accord.
-TWO_CALLS = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}\n</tool_call>'
-             r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Rome"\}\}\n</tool_call>')
+PARIS_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}\n</tool_call>'
+TWO_CALLS = PARIS_CALL + PARIS_CALL.replace("Paris", "Rome")
+
+
+def test_text_after_a_call_comes_after_it_on_every_api(server) -> None:
+    """The model writes text, a call, more text: the Responses API's items are a message, the call, a message, in
+    that order, whole and streamed; a chat's content is both texts and its call the one call."""
+    sdk = openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0)
+    written = "Hello " + PARIS_CALL + " bye"  # " b" comes in the speculative round that closes the call (k 4)
+    asked = {"model": MODEL, "input": "Weather in Paris?", "max_output_tokens": 200, "temperature": 0,
+             "tools": [{"type": "function", **WEATHER["function"]}],
+             "extra_body": {"structured_outputs": {"regex": written}}}
+    response = sdk.responses.create(**asked)
+    assert [(item.type, getattr(item, "name", None) or item.content[0].text) for item in response.output] == [
+        ("message", "Hello "), ("function_call", "get_weather"), ("message", " bye")]
+    streamed = [event for event in sdk.responses.create(**asked, stream=True)]
+    assert [item.type for item in streamed[-1].response.output] == ["message", "function_call", "message"]
+    added = [event.item.type for event in streamed if event.type == "response.output_item.added"]
+    assert added == ["message", "function_call", "message"]
+    chat = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                       tools=[WEATHER], max_tokens=200, temperature=0,
+                                       extra_body={"structured_outputs": {"regex": written}})
+    message = chat.choices[0].message
+    assert message.content == "Hello  bye" and [c.function.name for c in message.tool_calls] == ["get_weather"]
 
 
 def test_parallel_tool_calls_false_ends_the_output_at_its_first_call_on_every_api(server) -> None:
@@ -133,6 +155,30 @@ def test_parallel_tool_calls_false_ends_the_output_at_its_first_call_on_every_ap
         assert [c.name for c in result.choices[0].tool_calls] == ["get_weather"]
         assert result.choices[0].finish_reason == "tool_calls"
     assert server.wait_for(lambda: server.gateway.loop.active == 0 and server.caches_empty())
+
+
+@pytest.mark.parametrize("split", ["whole", "characters"])
+def test_runs_keep_text_after_a_call_after_it_and_drop_the_layout_between_calls(split: str) -> None:
+    """runs() gives text and calls in the order written: text after a call follows it (a response opens a new
+    message for it); whitespace after a call goes out only before text, so calls written on lines of their own
+    leave no text between or after them."""
+    second = CALL.replace("Paris", "Rome")
+    for output, want in ((f"Hello {CALL} bye", [("Hello ", ["Paris"]), (" bye", [])]),
+                         (f"{CALL}\n{second}\n", [("", ["Paris", "Rome"])]),
+                         (f"{CALL}\n\nSo: {second} ok", [("", ["Paris"]), ("\n\nSo: ", ["Rome"]), (" ok", [])])):
+        parser = ToolCallParser(("get_weather",))
+        pieces = [output] if split == "whole" else list(output)
+        runs = [run for index, piece in enumerate(pieces) for run in parser.runs(piece, index == len(pieces) - 1)]
+        merged: list[tuple[str, list[str]]] = []
+        for text, calls in runs:  # a character at a time, runs come in pieces: join them as one push gives them
+            cities = [json.loads(call.arguments)["city"] for call in calls]
+            if merged and not text:
+                merged[-1][1].extend(cities)
+            elif merged and not merged[-1][1]:
+                merged[-1] = (merged[-1][0] + text, cities)
+            else:
+                merged.append((text, cities))
+        assert merged == want, output
 
 
 def test_a_held_tag_start_is_given_out_when_no_tag_follows() -> None:

@@ -254,17 +254,20 @@ class Generations:
                     observed.tokens(len(update.token_ids))
                     text = detok.push(update.token_ids, final=finished is not None,
                                       cut=finished.text_cut if finished else None)
-                    made = ()
+                    runs = [(text, [])]
                     if calls is not None:
-                        text, made = calls.push(text, final=finished is not None)
-                        if calls.ended and not made:
+                        runs = calls.runs(text, final=finished is not None) or [("", [])]
+                        if calls.ended and not any(made for _, made in runs):
                             continue  # after the one call: nothing more goes out
                         if calls.ended and finished is None:
                             cut_at_call = loop.cancel(handle.request_id)  # its last update then says "abort"
+                    (text, made), *after = runs
                     if text or made or update.token_ids or update.prompt_logprobs is not None:
                         yield ChoiceDelta(index, text, update.token_ids, update.logprobs, tuple(made),
                                           update.prompt_logprobs, None if delivered else list(prepared.prompt_ids))
                         delivered = True
+                    for text, made in after:  # text after a call: a delta of its own, so it comes after the call
+                        yield ChoiceDelta(index, text, [], None, tuple(made))
             except (InvalidArgument, EngineUnavailable, EngineFailed, BackendUnavailable) as exc:
                 # An engine failure or stall counts against the arm; a shutdown (draining) does not.
                 if route is not None and not isinstance(exc, InvalidArgument) \

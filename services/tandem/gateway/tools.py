@@ -57,38 +57,63 @@ class ToolCallParser:
         self.names = frozenset(names)
         self.single = single
         self._held = ""  # text not given out yet: a block that may be a call (from its opener on), or an opener's start
+        self._after_call = False  # a call came out and no text but whitespace (_gap) since
+        self._gap = ""  # whitespace since the last call, given out only before text that follows it
         self.called = False  # whether any call came out
         self.ended = False  # single, and its call came out
 
     def push(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        """The text that can go out now and the calls completed by `text`; `final` gives out everything held."""
+        """The text that can go out now and the calls completed by `text` (runs, joined); `final` gives out
+        everything held."""
+        runs = self.runs(text, final)
+        return "".join(piece for piece, _ in runs), [call for _, calls in runs for call in calls]
+
+    def runs(self, text: str, final: bool = False) -> list[tuple[str, list[ToolCall]]]:
+        """What `text` completes, in the order the model wrote it: runs of text, each with the calls that follow it
+        (the last run's may be none). Whitespace after a call goes out only with text that follows it: between calls
+        or at the end it is the layout of calls, not text (a chat's content, a response's message)."""
         if self.ended:
-            return "", []
-        held, out, calls = self._held + text, [], []
+            return []
+        held, runs, out = self._held + text, [], []
+
+        def give(piece: str) -> None:
+            if self._after_call:  # held until text that is not whitespace comes
+                self._gap += piece
+                if not self._gap.strip():
+                    return
+                piece, self._gap, self._after_call = self._gap, "", False
+            out.append(piece)
+
         while held:
             start = min((i for i in (held.find(OPEN), held.find(FENCE)) if i >= 0), default=-1)
             if start < 0:
                 keep = 0 if final else max(_partial_tag(held, OPEN), _partial_tag(held, FENCE))
-                out.append(held[: len(held) - keep])
+                give(held[: len(held) - keep])
                 held = held[len(held) - keep :]
                 break
-            out.append(held[:start])
+            give(held[:start])
             held = held[start:]
             block = self._tagged(held, final) if held.startswith(OPEN) else self._fenced(held, final)
             if block is None:  # undecided until more text comes
                 break
             length, call = block
             if call is None:
-                out.append(held[:length])  # not a call: what the model wrote goes out as it was
+                give(held[:length])  # not a call: what the model wrote goes out as it was
             else:
-                calls.append(call)
+                self._gap, self._after_call = "", True
+                if out or not runs:
+                    runs.append(("".join(out), [call]))
+                else:
+                    runs[-1][1].append(call)  # calls with nothing but their layout between them
+                out, self.called = [], True
                 if self.single:
                     self.ended, held = True, ""
                     break
             held = held[length:]
         self._held = held
-        self.called = self.called or bool(calls)
-        return "".join(out), calls
+        if out:
+            runs.append(("".join(out), []))
+        return [run for run in runs if run[0] or run[1]]
 
     def _fenced(self, held: str, final: bool) -> tuple[int, ToolCall | None] | None:
         """A Markdown code block at the start of `held`: a call when it holds one of the offered tools' call JSON
