@@ -140,3 +140,12 @@ def test_serve_rejects_bad_worker_resources_before_starting_anything(tiny_dirs, 
     proc = subprocess.run([sys.executable, "-m", "tandem", "serve", "--target", str(tiny_dirs.target), flag, value],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("seconds", ["0", "-1"])
+def test_a_gateway_refuses_a_draft_timeout_that_would_turn_speculation_off(seconds: str, capsys) -> None:
+    """Every draft call would be late: refused before any cluster is joined, naming the flag."""
+    assert main(["gateway", "--pools", "p", "--draft-timeout", seconds]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == f"error: --draft-timeout: must be more than 0 seconds, got {float(seconds)}"
+

@@ -130,6 +130,15 @@ def test_commands_that_only_ask_the_manager_import_no_model_stack(pools, tmp_pat
     assert out["scale"]["workers"] == {"draft": ["draft-0"], "target": ["target-0"]}
 
 
+def test_a_refusal_from_the_manager_is_its_message_alone(pools) -> None:
+    """The manager actor refuses a count: the error reaches the CLI as Ray's subclass of it, whose text is the
+    remote traceback; the CLI prints the refusal's message, one line."""
+    done = subprocess.run([str(BIN / "tandem"), "pools", "scale", "--name", "t", "target", "0"], env=head_env(pools),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "\x1b" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1] == "error: count: a pool keeps at least one target worker, got 0"
+
+
 # The interpreter of a `tandem[gateway]` install, which has no torch at all: `.ci/run` makes one and names it here.
 GATEWAY_PYTHON = os.environ.get("TANDEM_GATEWAY_PYTHON", sys.executable)
 

@@ -220,3 +220,19 @@ def test_propagation_round_trips_through_metadata_and_carriers() -> None:
         extracted = trace.get_current_span(context).get_span_context()
         assert (extracted.trace_id, extracted.span_id) == (span.get_span_context().trace_id,
                                                            span.get_span_context().span_id)
+
+
+def test_a_workers_metrics_listen_where_its_environment_says(monkeypatch) -> None:
+    """`tandem serve`'s own local Ray hands its workers the gateway's --host (Ray's node address is the machine's
+    network one): the worker's /metrics listens there and says so."""
+    from tandem.telemetry.worker import METRICS_HOST_ENV, METRICS_PORT_ENV, WorkerTelemetry
+
+    monkeypatch.setenv(METRICS_PORT_ENV, "0")
+    monkeypatch.setenv(METRICS_HOST_ENV, "127.0.0.2")  # loopback too, and no address a default would pick
+    telemetry = WorkerTelemetry("draft-0", "draft")
+    telemetry.serve_metrics_from_env()
+    try:
+        assert telemetry.metrics_url.startswith("http://127.0.0.2:")
+        assert scrape(telemetry.metrics_url) == {}  # served there (no call counted yet)
+    finally:
+        telemetry.metrics.endpoint.close()

@@ -8,6 +8,7 @@ import threading
 from tandem.cli.common import session_store_url
 from tandem.cli.pools import add_ray_address, connect
 from tandem.cli.serving import add_gateway_options, gateway_options, serve_gateway
+from tandem.errors import InvalidArgument
 
 
 def add_gateway_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -24,6 +25,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     from tandem.telemetry import tracing
 
     options = gateway_options(args)
+    if not args.draft_timeout > 0:  # 0 or less: every draft call late, speculation silently off
+        raise InvalidArgument(f"draft_timeout: must be more than 0 seconds, got {args.draft_timeout}")
     session_store_url(args)  # a bad Redis password file or CA fails now, before Ray is joined
     exporters = tracing.setup_from_env("tandem-gateway")
     # Ray is joined on the main thread, before the gateway's SIGTERM handler (see `tandem serve`).

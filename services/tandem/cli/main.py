@@ -137,6 +137,13 @@ def command_parsers(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     return chain
 
 
+def _message(exc: TandemError) -> str:
+    """An error's message; a tandem error raised in a Ray actor (`tandem pools scale`'s count) arrives as Ray's
+    subclass of it, whose text is the remote traceback: its cause's message alone."""
+    cause = getattr(exc, "cause", None)
+    return str(cause if isinstance(cause, TandemError) else exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # A stub for a command whose stack is missing takes any arguments (argparse.REMAINDER misses leading options).
@@ -147,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except InvalidArgument as exc:
-        print(f"error: {name_flags(str(exc), flag_names(command_parsers(parser, args)))}", file=sys.stderr)
+        print(f"error: {name_flags(_message(exc), flag_names(command_parsers(parser, args)))}", file=sys.stderr)
         return 2
     except TandemError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_message(exc)}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:  # e.g. local `tandem generate` (no --address) on the client install
         if exc.name is None or exc.name.split(".")[0] == "tandem":

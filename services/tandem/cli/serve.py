@@ -31,7 +31,7 @@ from tandem.core.config import EngineConfig
 from tandem.engines import Arm, Backend, BuildOptions, ClusterOptions
 from tandem.errors import InvalidArgument
 from tandem.telemetry import tracing
-from tandem.telemetry.worker import DEFAULT_WORKER_METRICS_PORT, METRICS_PORT_ENV
+from tandem.telemetry.worker import DEFAULT_WORKER_METRICS_PORT, METRICS_HOST_ENV, METRICS_PORT_ENV
 
 if TYPE_CHECKING:
     from tandem.canary.arms import ArmSpec
@@ -148,10 +148,13 @@ def run_serve(args: argparse.Namespace) -> int:
     announce_compile(args)
     pools = isinstance(build.placement, ClusterOptions)
     if pools:
-        from tandem.engines.cluster import start_ray
+        from tandem.engines.cluster import joined_ray, start_ray
 
-        # A local Ray's workers inherit this environment: the metrics port, and OTEL_* for their own span export.
+        # A local Ray's workers inherit this environment: the metrics port (on the gateway's --host: Ray's node
+        # address is the machine's network one), and OTEL_* for their own span export.
         os.environ[METRICS_PORT_ENV] = str(worker_metrics_port(args))
+        if not joined_ray(build.placement):
+            os.environ[METRICS_HOST_ENV] = args.host
         # Ray starts here, on the main thread and before the gateway sets its SIGTERM handler: started later from
         # the loading thread, Ray's own handler would take SIGTERM over and abort instead of draining.
         start_ray(build.placement)

@@ -10,8 +10,9 @@ reply (WorkerReply.spans) and the gateway exports them through its pipeline (`tr
 resource (service.name tandem-draft-worker / tandem-target-worker). OTEL_SDK_DISABLED=true records nothing.
 
 Metrics: with TANDEM_WORKER_METRICS_PORT set in the worker's environment (`tandem serve --worker-metrics-port`
-sets it for a local Ray cluster), the worker serves /metrics on that port or, when taken (several workers on one
-node), on one of the next 31 ports or any free one; `info()["metrics"]` says where. Besides the call counters it
+sets it for a local Ray cluster, and TANDEM_WORKER_METRICS_HOST to its --host), the worker serves /metrics on that
+port or, when taken (several workers on one node), on one of the next 31 ports or any free one; `info()["metrics"]`
+says where. Besides the call counters it
 carries the gauge tandem.worker.kv_tokens, read at scrape time from the worker's model runner, by tandem.kv.state:
 used (tokens held by running sequences and retained sessions), reserved (slots x capacity), capacity (the budget).
 """
@@ -41,6 +42,9 @@ from tandem.telemetry.metrics import (
 log = logging.getLogger(__name__)
 
 METRICS_PORT_ENV = "TANDEM_WORKER_METRICS_PORT"
+# The address /metrics listens on (unset: the Ray node's, for a cluster's Prometheus): `tandem serve`'s own local Ray
+# sets the gateway's --host, loopback unless the operator opened it.
+METRICS_HOST_ENV = "TANDEM_WORKER_METRICS_HOST"
 DEFAULT_WORKER_METRICS_PORT = 9465
 PORT_TRIES = 32
 SPAN_NAMES = {"propose": "tandem.draft.propose", "verify": "tandem.target.verify"}
@@ -144,7 +148,7 @@ class WorkerTelemetry:
         setting = os.environ.get(METRICS_PORT_ENV, "").strip()
         try:
             if setting and int(setting) >= 0:
-                self.serve_metrics(int(setting))
+                self.serve_metrics(int(setting), os.environ.get(METRICS_HOST_ENV) or None)
         except (ValueError, OSError) as exc:
             log.warning("%s: no metrics endpoint (%s=%r: %s)", self.name, METRICS_PORT_ENV, setting, exc)
 
