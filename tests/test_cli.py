@@ -237,3 +237,10 @@ def test_a_ray_address_where_nothing_listens_fails_at_once(capsys, command: list
         code = main([*command, "--ray-address", address])
     assert code == 2
     assert f"error: no Ray cluster answers at {address}" in capsys.readouterr().err
+
+
+def test_make_tiny_into_a_file_names_it(tmp_path, capsys) -> None:
+    taken = tmp_path / "a-file"
+    taken.write_text("x")
+    assert main(["models", "make-tiny", str(taken)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: dir: {taken} is a file; name a directory (made if missing)"

@@ -497,6 +497,9 @@ def test_a_taken_http_port(tiny_models) -> None:
         assert asyncio.run(start(port, fallback=True)) not in (None, port)
         with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} for HTTP"):
             asyncio.run(start(port, fallback=False))
+        # So is a taken --metrics-port given on purpose.
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} for /metrics: Address already in use"):
+            asyncio.run(start_gateway(load, GatewayOptions(port=0, metrics_port=port)))
 
 
 def test_tandem_serve_prints_and_serves_http(tiny_dirs) -> None:

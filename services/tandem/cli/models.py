@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from tandem.errors import IntegrityError
+from tandem.errors import IntegrityError, InvalidArgument
 from tandem.models.registry import PAIRS, REGISTRY, expand, known_names
 from tandem.models.store import ModelStore
 
@@ -113,6 +113,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from tandem.models.tiny import make_tiny
 
+    if args.dir.exists() and not args.dir.is_dir():
+        raise InvalidArgument(f"dir: {args.dir} is a file; name a directory (made if missing)")
     made = make_tiny(args.dir, seed=args.seed, tokenizer_from=args.tokenizer_from)
     print(f"target\t{made.target}")
     print(f"draft\t{made.draft}")

@@ -300,7 +300,11 @@ async def start_gateway(load: Loader, options: GatewayOptions | None = None, ses
     metrics = None
     if options.metrics_port is not None:
         ports = [options.metrics_port, 0] if options.metrics_port_fallback else [options.metrics_port]
-        metrics = GatewayMetrics(options.host, ports)
+        try:
+            metrics = GatewayMetrics(options.host, ports)
+        except OSError as exc:  # named as the gRPC and HTTP ports are
+            address = format_address(options.host, options.metrics_port)
+            raise OSError(f"cannot listen on {address} for /metrics: {exc.strerror or exc}") from exc
     try:
         gateway = Gateway(options, credentials, metrics, sessions, arm_routers)
         await gateway.start(load)
