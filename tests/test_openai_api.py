@@ -481,6 +481,25 @@ def test_503_while_loading_and_draining(tiny_models) -> None:
         running.stop()
 
 
+def test_a_stream_still_running_when_the_grace_ends_is_told_so(tiny_models) -> None:
+    """Past the drain's grace, a stream in flight ends as any failed stream does, with an error event and [DONE]
+    (was: cut off, as uvicorn cancelled the response, with a traceback in the log), as gRPC ends with UNAVAILABLE."""
+    running = ServerThread(tiny_backend(tiny_models[0], None), http_port=0)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4000, "temperature": 0, "stream": True, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", f"{running.gateway.http_url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            running.start_drain(grace=0.2)
+            data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        assert data[-1] == "[DONE]", data[-3:]
+        error = json.loads(data[-2])["error"]
+        assert "shutting down" in error["message"], error
+        assert running.wait_for(lambda: running.gateway.draining and running.gateway.http.task.done())
+    finally:
+        running.stop()
+
+
 def test_a_taken_http_port(tiny_models) -> None:
     """A taken --http-port fails the start naming the address, unless it was the default (then a free port)."""
     load = tiny_backend(tiny_models[0], None)

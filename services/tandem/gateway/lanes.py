@@ -79,6 +79,10 @@ class LanedLoop:
         for lane in self.lanes:
             await lane.start()
 
+    def end_requests(self) -> None:
+        for lane in self.lanes:
+            lane.end_requests()
+
     async def close(self) -> None:
         for lane in self.lanes:
             await lane.close()

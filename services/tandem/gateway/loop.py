@@ -82,12 +82,17 @@ class EngineLoop:
         self._thread.start()
         self._watchdog = asyncio.create_task(self._watch_stalls())
 
+    def end_requests(self) -> None:
+        """Fail every request in flight as the server shuts down: each client is told so (a gRPC status, an HTTP
+        stream's error event) while its connection is still open."""
+        for request_id in list(self._active):
+            self._fail(request_id, EngineUnavailable("server shutting down"))
+
     async def close(self) -> None:
         self._closed.set()
         if self._watchdog is not None:
             self._watchdog.cancel()
-        for request_id in list(self._active):
-            self._fail(request_id, EngineUnavailable("server shutting down"))
+        self.end_requests()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, self.stall_timeout)
         self._saver.shutdown(wait=True)

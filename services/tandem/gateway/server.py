@@ -261,6 +261,8 @@ class Gateway:
             while any(loop.active for loop in loops) and time.monotonic() < deadline:
                 await asyncio.sleep(DRAIN_POLL_SECONDS)
         await self.health.enter_graceful_shutdown()
+        for loop in loops:  # past the grace: told while the servers still hold their connections
+            loop.end_requests()
         remaining = max(0.0, deadline - time.monotonic())
         await asyncio.gather(self.server.stop(remaining), *([self.http.stop(remaining)] if self.http else []))
         if self.loading is not None and not self.loading.done():
