@@ -135,6 +135,8 @@ def test_sigterm_drains_and_exits_cleanly(served) -> None:
                                                    "amounts"),
     ("--target-resources", '["target_pool"]', "error: --target-resources: must map"),
     ("--kv-tokens", "-1", "error: --kv-tokens: must be non-negative"),
+    ("--max-tokens-limit", "0", "error: --max-tokens-limit: must be at least 1, got 0"),  # its flag, not a field
+    ("--default-max-tokens", "0", "error: --default-max-tokens: must be at least 1, got 0"),
 ])
 def test_serve_rejects_bad_worker_resources_before_starting_anything(tiny_dirs, flag, value, message) -> None:
     proc = subprocess.run([sys.executable, "-m", "tandem", "serve", "--target", str(tiny_dirs.target), flag, value],

@@ -104,6 +104,8 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         raise InvalidArgument(f"lanes: must be at least 1, got {args.lanes}")
     if args.grace < 0 or args.stall_timeout <= 0:
         raise InvalidArgument("grace: must be non-negative; stall_timeout: must be positive")
+    if args.max_tokens_limit < 1:  # (GatewayLimits names its own field, max_tokens: not this flag)
+        raise InvalidArgument(f"max_tokens_limit: must be at least 1, got {args.max_tokens_limit}")
     limits = GatewayLimits(max_tokens=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
                            max_prompt_tokens=args.max_prompt_tokens)
     metrics_port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
