@@ -148,3 +148,11 @@ def test_password_from_the_environment_or_a_file(server, monkeypatch, capsys, tm
     assert main(["canary", "status", "--redis-url", bare, "--redis-password-file", str(secret),
                  "--deployment", "pw"]) == 2
     assert "no canary registered" in capsys.readouterr().err
+
+
+def test_set_help_shows_no_default_for_the_decision_mode(capsys) -> None:
+    """Neither --auto nor --manual: the decisions stay as they are, so help shows no default (it said True)."""
+    with pytest.raises(SystemExit):
+        main(["canary", "set", "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if "automatic decisions" in line and "default" in line] == []

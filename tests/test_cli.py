@@ -48,6 +48,7 @@ def test_generate_streams_text(capsys, cli_models) -> None:
     (["--top-p", "0"], "error: --top-p:"),
     (["--max-tokens", "0"], "error: --max-tokens:"),
     (["--k-max", "99"], "error: --k-max:"),
+    (["--fixed-k", "-1"], "error: --fixed-k: must be between 0 and 32, got -1"),  # the flag given, not --k-max
     (["--device", "quantum"], "error: --device:"),
     (["--kv-tokens", "-5"], "error: --kv-tokens: must be non-negative"),
     (["--retain-tokens", "-1"], "error: --retain-tokens: must be non-negative"),

@@ -52,7 +52,7 @@ def add_canary_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                       help="analysis threshold (repeatable), e.g. --threshold min_sessions=100")
     mode = set_.add_mutually_exclusive_group()
     mode.add_argument("--auto", dest="auto", action="store_true", default=None, help="automatic decisions on")
-    mode.add_argument("--manual", dest="auto", action="store_false", help="automatic decisions off")
+    mode.add_argument("--manual", dest="auto", action="store_false", default=None, help="automatic decisions off")
     set_.add_argument("--reason", default="", help="noted in the decision log")
     set_.set_defaults(handler=cmd_set)
 

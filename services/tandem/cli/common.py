@@ -199,7 +199,10 @@ def engine_config(args: argparse.Namespace, speculate: bool = True, max_batch: i
     (generate, bench): calibration then times single-sequence forwards alone, not batches no request will form."""
     draft = {"draft_confidence": args.draft_confidence, "draft_vocab": args.draft_vocab}
     if args.fixed_k is not None:
-        spec = SpecConfig(enabled=speculate, k_max=args.fixed_k, k_init=args.fixed_k, adaptive=False, **draft)
+        try:
+            spec = SpecConfig(enabled=speculate, k_max=args.fixed_k, k_init=args.fixed_k, adaptive=False, **draft)
+        except InvalidArgument as exc:  # its k_max is this flag's value: named as the flag the user gave
+            raise InvalidArgument(str(exc).replace("k_max:", "fixed_k:", 1)) from None
     else:
         spec = SpecConfig(enabled=speculate, k_max=args.k_max, k_init=min(SpecConfig().k_init, args.k_max), **draft)
     config = EngineConfig(spec=spec, decode_steps=args.decode_steps)

@@ -45,7 +45,8 @@ class ChannelSettings:
     def __post_init__(self) -> None:
         if not self.tls and any(x is not None for x in (self.root_certificates, self.private_key,
                                                         self.certificate_chain)):
-            raise InvalidArgument("tls: certificates were given for a plaintext channel; pass tls=True")
+            raise InvalidArgument("tls: certificates were given for a plaintext channel; turn TLS on (tls=True, or "
+                                  "--tls on the command line)")
         if (self.private_key is None) != (self.certificate_chain is None):
             raise InvalidArgument("private_key: a client certificate needs both private_key and certificate_chain")
         if self.api_key is not None and (not self.api_key or any(c in self.api_key for c in "\r\n")):
