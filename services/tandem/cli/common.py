@@ -9,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from tandem.cli.formats import output_format
-from tandem.cli.options import STDOUT, write_json
+from tandem.cli.options import STDOUT, field_as_option, write_json
 from tandem.core.config import (
     DEFAULT_RETAIN_TOKENS,
     QUANTIZATIONS,
@@ -202,7 +202,7 @@ def engine_config(args: argparse.Namespace, speculate: bool = True, max_batch: i
         try:
             spec = SpecConfig(enabled=speculate, k_max=args.fixed_k, k_init=args.fixed_k, adaptive=False, **draft)
         except InvalidArgument as exc:  # its k_max is this flag's value: named as the flag the user gave
-            raise InvalidArgument(str(exc).replace("k_max:", "fixed_k:", 1)) from None
+            raise InvalidArgument(field_as_option(str(exc), "k_max", "fixed_k")) from None
     else:
         spec = SpecConfig(enabled=speculate, k_max=args.k_max, k_init=min(SpecConfig().k_init, args.k_max), **draft)
     config = EngineConfig(spec=spec, decode_steps=args.decode_steps)

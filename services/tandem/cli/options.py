@@ -89,6 +89,13 @@ def flag_names(parsers: Iterable[argparse.ArgumentParser]) -> dict[str, str]:
     return flags
 
 
+def field_as_option(message: str, field: str, dest: str) -> str:
+    """`message`, when it starts with a config's `field`, starting with the option `dest` that set it instead: for
+    a flag whose name is not the field's (--fixed-k sets k_max, --max-tokens-limit max_tokens), before name_flags
+    names the flag."""
+    return dest + message[len(field):] if message.startswith(f"{field}:") else message
+
+
 def name_flags(message: str, flags: Mapping[str, str]) -> str:
     """`message` with each field that a flag sets named by that flag: configs name their fields ("port: must be
     ..."), the user typed flags ("--port"). A field no flag sets keeps its name."""

@@ -11,6 +11,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from tandem.cli.common import add_redis_options, session_store_url
+from tandem.cli.options import field_as_option
 from tandem.core.config import EngineConfig
 from tandem.errors import InvalidArgument, TandemError
 from tandem.gateway.options import GatewayOptions, check_tls_files
@@ -104,10 +105,11 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         raise InvalidArgument(f"lanes: must be at least 1, got {args.lanes}")
     if args.grace < 0 or args.stall_timeout <= 0:
         raise InvalidArgument("grace: must be non-negative; stall_timeout: must be positive")
-    if args.max_tokens_limit < 1:  # (GatewayLimits names its own field, max_tokens: not this flag)
-        raise InvalidArgument(f"max_tokens_limit: must be at least 1, got {args.max_tokens_limit}")
-    limits = GatewayLimits(max_tokens=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
-                           max_prompt_tokens=args.max_prompt_tokens)
+    try:
+        limits = GatewayLimits(max_tokens=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
+                               max_prompt_tokens=args.max_prompt_tokens)
+    except InvalidArgument as exc:  # its max_tokens is --max-tokens-limit's value
+        raise InvalidArgument(field_as_option(str(exc), "max_tokens", "max_tokens_limit")) from None
     metrics_port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
     if not -1 <= metrics_port <= 65535:
         raise InvalidArgument(f"metrics_port: must be between -1 (off) and 65535, got {metrics_port}")
