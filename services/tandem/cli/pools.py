@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import re
 import socket
+import sys
 
 from tandem.cli.common import (
     add_model_options,
@@ -42,7 +44,7 @@ def connect(args: argparse.Namespace) -> None:
     check_reachable(args.ray_address)
     mode = ray_auth.configure_client(args.ray_token_file)
     try:
-        ray.init(address=args.ray_address, namespace=NAMESPACE, log_to_driver=False,
+        ray.init(address=args.ray_address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     except (ConnectionError, RuntimeError, ray.exceptions.RayError) as exc:
         if ray_auth.refused_token(exc):
@@ -52,6 +54,9 @@ def connect(args: argparse.Namespace) -> None:
         raise TandemError(f"could not join the Ray cluster at {args.ray_address}: {exc}") from exc
 
 
+# How long `pools start` and `scale` wait for new workers by default: a cold start that compiles the draft takes
+# 12-14 min on a 2-core CPU.
+START_TIMEOUT_S = 1800.0
 ADDRESS = re.compile(r"^(?:ray://)?(\[[^\]]+\]|[^:/\[\]]+):(\d+)$")
 CONNECT_TIMEOUT_S = 10.0
 
@@ -69,6 +74,16 @@ def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
                           "is --ray-address / RAY_ADDRESS right?") from exc
 
 
+def add_start_timeout(parser: argparse.ArgumentParser, then: str) -> None:
+    parser.add_argument("--timeout", type=float, default=START_TIMEOUT_S, metavar="S",
+                        help=f"seconds to wait for new workers to load, each change of state reported on stderr "
+                             f"(default: {START_TIMEOUT_S:g}); past it {then}")
+
+
+def _report(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def add_pools_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("pools")
     commands = parser.add_subparsers(dest="pools_command", required=True, metavar="COMMAND")
@@ -80,6 +95,7 @@ def add_pools_parser(subparsers: argparse._SubParsersAction) -> None:
     start.add_argument("--no-spec", action="store_true", help="a target pool only (plain decoding)")
     start.add_argument("--batch-window-ms", type=float, default=2.0,
                        help="how long a worker waits for other gateways' calls to join a forward (default: 2)")
+    add_start_timeout(start, "the pools are stopped and the command fails")
     add_ray_address(start)
     start.set_defaults(handler=run_start)
 
@@ -93,6 +109,7 @@ def add_pools_parser(subparsers: argparse._SubParsersAction) -> None:
     scale.add_argument("--name", required=True, help="the pools' name")
     scale.add_argument("role", choices=["draft", "target"])
     scale.add_argument("count", type=int)
+    add_start_timeout(scale, "the command fails and the workers go on starting (0: return at once)")
     add_ray_address(scale)
     scale.set_defaults(handler=run_scale)
 
@@ -105,6 +122,8 @@ def add_pools_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_start(args: argparse.Namespace) -> int:
     if args.batch_window_ms < 0:
         raise InvalidArgument(f"batch_window_ms: must be non-negative, got {args.batch_window_ms}")
+    if args.timeout <= 0:
+        raise InvalidArgument(f"--timeout: a start waits for its workers: must be positive, got {args.timeout:g}")
     kv_tokens(args)
     pin_model_args(args)  # the pools' workers all load the commit a hub id names now
     speculate = not args.no_spec
@@ -133,7 +152,7 @@ def run_start(args: argparse.Namespace) -> int:
     spec = PoolSpec(name=args.name, target=target, draft=draft, options=options, engine=engine,
                     image=os.environ.get(IMAGE_ENV, ""), target_vocab=target_vocab)
     connect(args)
-    described = start_pools(spec)
+    described = start_pools(spec, args.timeout, _report)
     print(json.dumps({"started": described["name"], "target": described["target"], "draft": described["draft"],
                       "workers": described["workers"]}))
     return 0
@@ -158,6 +177,10 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"pools {pool['name']}: target {pool['target']}{tp}, draft {pool['draft'] or '-'}, "
               f"rows per verify call {pool['rows_per_verify_call']}")
         for w in pool["workers"]:
+            if w["state"] in ("pending", "loading"):
+                why = "Ray has placed it on no node yet" if w["state"] == "pending" else "loading its model"
+                print(f"  {w['role']:6} {w['name']:10} STARTING ({why})")
+                continue
             if not w["healthy"]:
                 print(f"  {w['role']:6} {w['name']:10} UNHEALTHY")
                 continue
@@ -171,9 +194,21 @@ def run_status(args: argparse.Namespace) -> int:
 def run_scale(args: argparse.Namespace) -> int:
     import ray
 
+    if args.timeout < 0:
+        raise InvalidArgument(f"--timeout: must be non-negative (0: return at once), got {args.timeout:g}")
     connect(args)
-    described = ray.get(_managers(args)[0].scale.remote(args.role, args.count))
-    print(json.dumps({"scaled": described["name"], "workers": described["workers"]}))
+    manager = _managers(args)[0]
+    described = ray.get(manager.scale.remote(args.role, args.count))
+    starting = described["starting"][args.role]
+    if starting and args.timeout:
+        from tandem.pools.waiting import wait_ready
+
+        wait_ready(manager, described["name"], starting, args.timeout, _report,
+                   on_timeout=f"They go on starting; `tandem pools scale --name {args.name} {args.role} N` with a "
+                              f"smaller N stops them")
+        described = ray.get(manager.describe.remote())
+    print(json.dumps({"scaled": described["name"], "workers": described["workers"],
+                      "starting": described["starting"]}))
     return 0
 
 

@@ -20,7 +20,8 @@ import logging
 import os
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,7 +30,10 @@ import ray
 from tandem.core.config import EngineConfig, draft_vocab_limit
 from tandem.core.costs import CostModel
 from tandem.errors import InvalidArgument, TandemError
+from tandem.pools.health import actor_state, worker_health
+from tandem.pools.launch import Launched, await_started, launch, placement
 from tandem.pools.names import NAMESPACE, find_manager, manager_name, stop_pools
+from tandem.pools.waiting import wait_ready
 
 if TYPE_CHECKING:
     from tandem.engines.options import ClusterOptions
@@ -39,12 +43,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROLES = ("draft", "target")
-STATUS_TIMEOUT_S = 2.0
 IMAGE_ENV = "TANDEM_IMAGE"  # the image a process runs (the Helm chart sets it): pools and gateways must agree
 PRUNE_EVERY_S = 2.0  # how often the manager looks for workers that died for good
-STATUS_FIELDS = ("sequences", "retained_sessions", "retained_prefixes", "kv_tokens_used", "kv_tokens_capacity",
-                 "reused_tokens", "shared_tokens", "forwards",
-                 "rows", "merged_forwards", "busy_s", "pid", "threads", "metrics")  # copied from each worker's info()
+FAILURES_KEPT = 64  # the last starts that failed, by worker name, for `progress` to report
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,6 +76,10 @@ class PoolManager:
     def __init__(self, spec: PoolSpec) -> None:
         self.spec = spec
         self.workers: dict[str, dict[str, object]] = {role: {} for role in ROLES}  # role -> {name: handle}
+        # Workers asked of Ray and not yet loaded (pools.launch): not offered to gateways; a scale down stops them
+        # first. A start that failed leaves its message in `failures`.
+        self.starting: dict[str, Launched] = {}
+        self.failures: OrderedDict[str, str] = OrderedDict()
         self.next_index = dict.fromkeys(ROLES, 0)
         # Tensor-parallel target replicas by name: gateways call rank 0 (in `workers`), which leads the others. One
         # dead rank breaks its group, so the manager replaces the whole group.
@@ -118,14 +123,13 @@ class PoolManager:
                     {role: list(workers) for role, workers in self.workers.items()})
 
     def start(self) -> dict:
-        """Start the workers, draft and target at once (each role waits for its own to load), and return the pools'
-        description once all are ready."""
+        """Ask for every worker, draft and target at once, and return the pools' description at once: the starter
+        follows their loading with `progress` (pools.waiting) and stops the pools if any fails."""
         options = self.spec.options
         roles = [("target", options.target_replicas)] + ([("draft", options.draft_workers)] if self.spec.draft else [])
-        with ThreadPoolExecutor(len(roles), thread_name_prefix="tandem-pools-start") as starting:
-            started = [starting.submit(self._add, role, count) for role, count in roles]
-        for future in started:
-            future.result()  # the first failure; the pools' starter then stops whatever did start
+        with self._lock:
+            for role, count in roles:
+                self._begin(role, count)
         threading.Thread(target=self._prune_dead, name="tandem-pools-prune", daemon=True).start()
         return self.describe()
 
@@ -151,7 +155,7 @@ class PoolManager:
         """Drop (or replace, for a tensor-parallel group) the workers that died for good; True when there were any.
         Under the lock."""
         dead = [(role, name) for role in ROLES for name, handle in self.workers[role].items()
-                if any(_actor_state(actor) == "DEAD" for actor in self._actors(name, handle))]
+                if any(actor_state(actor) == "DEAD" for actor in self._actors(name, handle))]
         for role, name in dead:
             log.warning("pools %s: %s worker %s died; removed from the pool", self.spec.name, role, name)
             handle = self.workers[role].pop(name)
@@ -162,7 +166,7 @@ class PoolManager:
     def _replace_group(self, role: str, name: str, handle) -> None:
         try:
             self._remove(role, name, handle)
-            self._add(role, 1)
+            self._begin(role, 1)
         except Exception:  # no room for a new group now: the pool runs on with one replica fewer
             log.exception("pools %s: could not replace tensor-parallel replica %s", self.spec.name, name)
 
@@ -177,7 +181,8 @@ class PoolManager:
                 "generation": self.generation, "incarnation": self.incarnation,
                 "actor_prefix": self.spec.actor_prefix, "image": self.spec.image,
                 "tensor_parallel": self.spec.options.tensor_parallel,
-                "workers": {role: list(self.workers[role].copy()) for role in ROLES}}
+                "workers": {role: list(self.workers[role].copy()) for role in ROLES},
+                "starting": {role: [n for n, w in self.starting.copy().items() if w.role == role] for role in ROLES}}
 
     def scale(self, role: str, count: int) -> dict:
         if role not in ROLES:
@@ -189,44 +194,55 @@ class PoolManager:
         with self._lock:
             # A worker that died since the last prune does not count: scaling to 1 right after the last one died
             # must start one, not find the dead one still listed.
-            self._drop_dead()
-            current = self.workers[role]
-            if count > len(current):
-                self._add(role, count - len(current))
-            while len(current) > count:  # the newest go first: the oldest hold the longest-lived sessions
-                self._remove(role, *current.popitem())
-            self.generation += 1
+            if self._drop_dead():
+                self.generation += 1
+            current, starting = self.workers[role], [n for n, w in self.starting.items() if w.role == role]
+            if count > len(current) + len(starting):
+                self._begin(role, count - len(current) - len(starting))
+            while starting and len(current) + len(starting) > count:  # those not serving yet go first, newest first
+                launched = self.starting.pop(starting.pop())
+                self._remove(role, launched.name, launched.handle)
+            if len(current) > count:
+                while len(current) > count:  # the newest go first: the oldest hold the longest-lived sessions
+                    self._remove(role, *current.popitem())
+                self.generation += 1
         return self.describe()
 
+    def progress(self, names: list[str]) -> dict[str, dict]:
+        """Where each named worker's start stands: ready, pending (Ray has not placed it: no node has room for what
+        it asks), loading, failed (with the error), or stopped (a later scale or `stop` ended it, or it died)."""
+        out: dict[str, dict] = {}
+        for name in names:
+            role = name.rpartition("-")[0]
+            if role in ROLES and name in self.workers[role]:
+                out[name] = {"state": "ready"}
+            elif (launched := self.starting.get(name)) is not None:
+                out[name] = placement(self.spec, launched)
+            elif name in self.failures:
+                out[name] = {"state": "failed", "error": self.failures[name]}
+            else:
+                out[name] = {"state": "stopped"}
+        return out
+
     def status(self) -> dict:
-        workers, refs = [], []
-        for role in ROLES:
-            for name, handle in self.workers[role].copy().items():
-                workers.append({"role": role, "name": name, "healthy": False})
-                refs.append(handle.info.remote())
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=STATUS_TIMEOUT_S) if refs else ([], [])
-        for worker, ref in zip(workers, refs, strict=True):
-            if ref not in ready:
-                continue
-            try:
-                info = ray.get(ref)
-            except ray.exceptions.RayError:  # dead, restarting or raising: unhealthy
-                continue
-            worker.update({key: info[key] for key in STATUS_FIELDS}, healthy=True,
-                          rows_per_forward=round(info["rows_per_forward"], 3),
-                          calls_per_forward=round(info["calls_per_forward"], 3),
-                          evicted=info.get("evicted", 0))  # sequences freed for other callers' (workers.kv_order)
+        workers = worker_health({role: self.workers[role].copy() for role in ROLES})
+        starting = [{"role": w.role, "name": name, "healthy": False, "state": placement(self.spec, w)["state"]}
+                    for name, w in self.starting.copy().items()]  # pending (no room yet) or loading
         targets = [w for w in workers if w["role"] == "target" and w["healthy"] and w["forwards"]]
         rows = sum(w["rows_per_forward"] for w in targets) / len(targets) if targets else 0.0
         return {"name": self.spec.name, "target": self.spec.target.model,
                 "draft": self.spec.draft.model if self.spec.draft else "", "generation": self.generation,
                 "image": self.spec.image, "manager_pid": os.getpid(),
                 "tensor_parallel": self.spec.options.tensor_parallel, "calibrated_batches": sorted(self.calibrations),
-                "workers": workers,
+                "workers": workers + starting,
                 "rows_per_verify_call": round(rows, 3)}
 
     def stop(self) -> None:
         self._stopped.set()
+        with self._lock:
+            for launched in self.starting.values():
+                self._remove(launched.role, launched.name, launched.handle)
+            self.starting.clear()
         for role in ROLES:
             for name, handle in self.workers[role].items():
                 self._remove(role, name, handle)
@@ -240,47 +256,50 @@ class PoolManager:
         else:
             ray.kill(handle, no_restart=True)
 
-    def _add(self, role: str, count: int) -> None:
-        from tandem.workers.draft_pool import start_draft_workers
-        from tandem.workers.target_pool import start_target_replicas
-        from tandem.workers.tp_replica import start_tp_replica
+    def _begin(self, role: str, count: int) -> None:
+        """Ask Ray for `count` more workers of `role` and wait for each on a thread of its own. Under the lock:
+        asking returns at once, whether or not the cluster has room."""
+        for _ in range(count):
+            index = self.next_index[role]
+            self.next_index[role] = index + 1
+            launched = launch(self.spec, self.draft_config, role, index)
+            if launched.group is not None:
+                self.groups[launched.name] = launched.group
+            self.starting[launched.name] = launched
+            threading.Thread(target=self._await, args=(launched,), name=f"tandem-pools-{launched.name}",
+                             daemon=True).start()
 
-        options, first = self.spec.options, self.next_index[role]
-        naming = {"first": first, "detached_prefix": self.spec.actor_prefix}
-        if role == "target" and options.tensor_parallel > 1:
-            for index in range(first, first + count):
-                group = start_tp_replica(self.spec.target, options.tensor_parallel, name=f"target-{index}",
-                                         gpus_per_rank=options.target_gpus_per_rank,
-                                         cpus_per_rank=options.cpus_per_worker, resources=options.target_resources,
-                                         detached_prefix=self.spec.actor_prefix)
-                self.groups[f"target-{index}"] = group
-            handles = [self.groups[f"target-{index}"].ranks[0] for index in range(first, first + count)]
-        elif role == "target":
-            handles = start_target_replicas(self.spec.target, count, num_gpus=options.target_gpus_per_rank,
-                                            num_cpus=options.cpus_per_worker, resources=options.target_resources,
-                                            **naming)
-        else:
-            handles = start_draft_workers(self.draft_config, count, num_gpus=options.draft_gpus,
-                                          num_cpus=options.cpus_per_worker, resources=options.draft_resources,
-                                          **naming)
-        for offset, handle in enumerate(handles):
-            self.workers[role][f"{role}-{first + offset}"] = handle
-        self.next_index[role] = first + count
+    def _await(self, launched: Launched) -> None:
+        """Wait for one worker's start; a ready worker joins the pool (a new generation: gateways follow), one whose
+        start failed is stopped and its error kept. A worker stopped while it started (a scale down) ends quietly."""
+        try:
+            await_started(launched)
+        except Exception as exc:
+            from tandem.workers.worker_base import user_error
+
+            with self._lock:
+                if self.starting.pop(launched.name, None) is None:
+                    return
+                failed = exc if isinstance(exc, TandemError) else user_error(exc)
+                message = str(failed) if failed is not None else f"{type(exc).__name__}: {exc}"
+                log.error("pools %s: %s could not start: %s", self.spec.name, launched.name, message)
+                self.failures[launched.name] = message
+                while len(self.failures) > FAILURES_KEPT:
+                    self.failures.popitem(last=False)
+                self.groups.pop(launched.name, None)  # a tensor-parallel start that fails stops its own group
+                for actor in launched.actors:
+                    ray.kill(actor, no_restart=True)
+            return
+        with self._lock:
+            if self.starting.pop(launched.name, None) is None:
+                return  # stopped while it loaded: `_remove` has killed it
+            self.workers[launched.role][launched.name] = launched.handle
+            self.generation += 1
 
 
-def _actor_state(handle) -> str:
-    """ALIVE, RESTARTING, DEAD, ... from the GCS's actor table (Ray's public state API needs the dashboard, which
-    a cluster may run without); "" when it cannot be read."""
-    try:
-        from ray._private import state
-
-        return state.actors(handle._actor_id.hex())["State"]
-    except Exception:
-        return ""
-
-
-def start_pools(spec: PoolSpec) -> dict:
-    """Start the pool's manager and its workers as detached actors; returns its description once they are ready."""
+def start_pools(spec: PoolSpec, timeout_s: float, report: Callable[[str], None]) -> dict:
+    """Start the pool's manager and its workers as detached actors; returns its description once they are ready.
+    `report` is told of each worker's progress (pools.waiting)."""
     try:
         find_manager(spec.name)
     except TandemError:
@@ -290,11 +309,14 @@ def start_pools(spec: PoolSpec) -> dict:
     manager = ray.remote(PoolManager).options(name=manager_name(spec.name), namespace=NAMESPACE, lifetime="detached",
                                               num_cpus=0, max_restarts=-1, max_concurrency=8).remote(spec)
     try:
-        return ray.get(manager.start.remote())
-    except Exception as exc:
+        described = ray.get(manager.start.remote())
+        wait_ready(manager, spec.name, [n for names in described["starting"].values() for n in names], timeout_s,
+                   report)
+        return ray.get(manager.describe.remote())
+    except BaseException as exc:  # a failed or timed-out start, or the starter interrupted: nothing stays behind
         from tandem.workers.worker_base import user_error
 
         stop_pools(manager)
-        if (failed := user_error(exc)) is not None:  # its message alone, not the manager's remote traceback
-            raise failed from None
+        if isinstance(exc, Exception) and (failed := user_error(exc)) is not None:
+            raise failed from None  # its message alone, not the manager's remote traceback
         raise

@@ -138,19 +138,20 @@ class TensorParallelReplica:
 
 def start_tp_replica(config: WorkerConfig, size: int, name: str = "target", gpus_per_rank: float = 0.0,
                      cpus_per_rank: float = 1.0, resources: dict[str, float] | None = None,
-                     detached_prefix: str | None = None) -> TensorParallelReplica:
+                     detached_prefix: str | None = None, wait: bool = True) -> TensorParallelReplica:
     """`resources`: custom Ray resources each rank needs (e.g. {"target_pool": 1} to land on that worker group).
     With `detached_prefix` (shared pools) the ranks and the placement group outlive their starter: rank 0 is named
-    `{prefix}{name}` and leads (gateways call it alone), the others `{prefix}{name}-rank{i}`."""
+    `{prefix}{name}` and leads (gateways call it alone), the others `{prefix}{name}-rank{i}`. Without `wait` the
+    replica is returned once its placement group and ranks are asked for: `finish_tp_replica` waits for them."""
     bundle = {"CPU": cpus_per_rank} | ({"GPU": gpus_per_rank} if gpus_per_rank else {}) | (resources or {})
     shared = detached_prefix is not None
     group = placement_group([bundle] * size, strategy="STRICT_PACK",
                             **({"name": f"{detached_prefix}{name}", "lifetime": "detached"} if shared else {}))
-    ray.get(group.ready())
     actor = ray.remote(TensorParallelRank)
     options = {"num_cpus": cpus_per_rank, "num_gpus": gpus_per_rank, "resources": resources or {}}
     if shared:
         options |= {"lifetime": "detached", "namespace": NAMESPACE, "max_concurrency": MAX_CONCURRENT_CALLS}
+    # Ranks asked for before their group is placed wait for it; Ray places none of them until it is.
     ranks = [actor.options(**options, **_rank_name(detached_prefix, name, i),
                            scheduling_strategy=
                            PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i))
@@ -158,13 +159,20 @@ def start_tp_replica(config: WorkerConfig, size: int, name: str = "target", gpus
     start = {"config": config, "size": size, "name": name, "gpus_per_rank": gpus_per_rank,
              "cpus_per_rank": cpus_per_rank, "resources": resources, "detached_prefix": detached_prefix}
     replica = TensorParallelReplica(ranks, group, start)
-    try:
-        address, port = ray.get(ranks[0].rendezvous_address.remote())
-        get_started([rank.setup.remote(address, port) for rank in ranks], "tensor-parallel target")
-    except BaseException:
-        stop_tp_replica(replica)  # no rank or reserved bundle outlives a start that failed
-        raise
+    if wait:
+        finish_tp_replica(replica)
     return replica
+
+
+def finish_tp_replica(replica: TensorParallelReplica) -> None:
+    """Wait until the replica's ranks are placed, joined in one process group and loaded; a failure stops them all,
+    so that no rank or reserved bundle outlives a start that failed."""
+    try:
+        address, port = ray.get(replica.ranks[0].rendezvous_address.remote())
+        get_started([rank.setup.remote(address, port) for rank in replica.ranks], "tensor-parallel target")
+    except BaseException:
+        stop_tp_replica(replica)
+        raise
 
 
 def _rank_name(prefix: str | None, name: str, rank: int) -> dict:

@@ -245,10 +245,12 @@ MAX_CONCURRENT_CALLS = 64  # calls a worker holds at once (from every gateway an
 
 def start_workers(worker_class: type, config: WorkerConfig, count: int, name: str, num_gpus: float = 0.0,
                   num_cpus: float = 1.0, resources: dict[str, float] | None = None, first: int = 0,
-                  detached_prefix: str | None = None) -> list:
+                  detached_prefix: str | None = None, wait: bool = True) -> list:
     """Start `count` actors of `worker_class` named `{name}-{first}`...; Ray restarts any that die (their sessions
     are rebuilt from history). With `detached_prefix` they are detached actors named `{prefix}{name}-{i}` in the
-    tandem namespace: they outlive the process that started them (shared pools, tandem.pools)."""
+    tandem namespace: they outlive the process that started them (shared pools, tandem.pools). Without `wait` the
+    actors are returned as soon as Ray has them to place: the caller waits for their start (`get_started` over
+    `info`), as the pool manager does outside its lock."""
     import ray
 
     options = {"num_gpus": num_gpus, "num_cpus": num_cpus, "resources": resources or {}, "max_restarts": -1,
@@ -259,6 +261,8 @@ def start_workers(worker_class: type, config: WorkerConfig, count: int, name: st
         extra = ({"name": f"{detached_prefix}{name}-{i}", "lifetime": "detached", "namespace": NAMESPACE}
                  if detached_prefix else {})
         workers.append(actor.options(**options, **extra).remote(config, name=f"{name}-{i}"))
+    if not wait:
+        return workers
     try:
         get_started([w.info.remote() for w in workers], name)
     except BaseException:
