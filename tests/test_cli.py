@@ -52,6 +52,8 @@ def test_generate_streams_text(capsys, cli_models) -> None:
     (["--device", "quantum"], "error: --device:"),
     (["--kv-tokens", "-5"], "error: --kv-tokens: must be non-negative"),
     (["--retain-tokens", "-1"], "error: --retain-tokens: must be non-negative"),
+    (["--stop-token-id", "-1"], "error: --stop-token-id: stop token ids must be non-negative"),
+    (["--stop-token-id", "999999"], "error: --stop-token-id: [999999] are outside the vocabulary"),  # as a server says
 ])
 def test_bad_arguments_give_clear_errors(capsys, cli_models, args: list[str], message: str) -> None:
     code = main(["generate", "x", "--target", str(cli_models / "target"), "--draft", str(cli_models / "draft"), *args])

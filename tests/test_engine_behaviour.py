@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -301,6 +303,8 @@ def test_bad_requests_are_rejected_with_clear_errors(tiny_models) -> None:
         engine.add_request([], _greedy())
     with pytest.raises(InvalidArgument, match="outside the vocabulary"):
         engine.add_request([1, 10**6], _greedy())
+    with pytest.raises(InvalidArgument, match=r"^stop_token_ids: \[1000000\] are outside the vocabulary"):
+        engine.add_request(PROMPT, dataclasses.replace(_greedy(), stop_token_ids=(5, 10**6)))
     engine.add_request(PROMPT, _greedy(), request_id="x")
     with pytest.raises(InvalidArgument, match="already running"):
         engine.add_request(PROMPT, _greedy(), request_id="x")

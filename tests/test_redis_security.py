@@ -147,6 +147,12 @@ def test_the_password_is_given_once_and_files_are_checked_before_anything_starts
     with pytest.raises(InvalidArgument, match="redis_ca: cannot read"):
         session_store_url(parse("--redis-url", "rediss://h:6379/0", "--redis-ca", str(tmp_path / "none")))
     assert session_store_url(parse()) is None and session_store_url(parse("--redis-url", "memory")) == "memory"
+    (tmp_path / "password").write_text(PASSWORD)
+    for url in ((), ("--redis-url", "memory")):  # credentials for no Redis: a URL left out, not to run on without it
+        with pytest.raises(InvalidArgument, match="redis_password_file: given for no --redis-url"):
+            session_store_url(parse(*url, "--redis-password-file", str(tmp_path / "password")))
+        with pytest.raises(InvalidArgument, match="redis_ca: given for no --redis-url"):
+            session_store_url(parse(*url, "--redis-ca", str(tmp_path / "password")))
 
 
 def test_with_credentials_and_redact_url_forms(tmp_path) -> None:

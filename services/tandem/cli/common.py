@@ -134,6 +134,13 @@ def session_store_url(args: argparse.Namespace) -> str | None:
     from tandem.sessions.connection import configured_password, with_credentials
 
     if not args.redis_url or args.redis_url == "memory":
+        # Credentials for no URL are a URL left out (a typo'd variable, a missing flag): the process would run on
+        # a store of its own and its gateways would not share sessions, with nothing said.
+        store = "its sessions live in its memory" if args.redis_url else "it runs an embedded Redis of its own"
+        for field, value in (("redis_password_file", args.redis_password_file), ("redis_ca", args.redis_ca)):
+            if value:
+                raise InvalidArgument(f"{field}: given for no --redis-url (or $REDIS_URL), where {store}; pass the "
+                                      f"URL of the Redis it is for")
         return args.redis_url or None
     return with_credentials(args.redis_url, configured_password(args.redis_password_file), args.redis_ca)
 
@@ -154,14 +161,15 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128)
                         help="-2 to 2, subtracted per time the output holds the token (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
+    parser.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids",
+                        help="stop token id (repeatable)")  # dest: errors name the field, and so the flag
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                           seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
-                          stop_token_ids=tuple(args.stop_token_id),
+                          stop_token_ids=tuple(args.stop_token_ids),
                           ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                           output_format=output_format(args))

@@ -76,7 +76,7 @@ def run_remote_generate(args: argparse.Namespace) -> int:
                                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                         min_p=args.min_p,
                                         seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
-                                        stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
+                                        stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
                                         repetition_penalty=args.repetition_penalty,
                                         presence_penalty=args.presence_penalty,
                                         frequency_penalty=args.frequency_penalty,

@@ -101,6 +101,8 @@ class SpeculativeEngine:
             raise InvalidArgument(f"prompt: token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
         if bad := [t for t, _ in params.logit_bias if t >= vocab]:
             raise InvalidArgument(f"logit_bias: token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+        if bad := [t for t in params.stop_token_ids if t >= vocab]:  # a stop the model can never produce
+            raise InvalidArgument(f"stop_token_ids: {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.sequences:
             raise InvalidArgument(f"request_id: {request_id!r} is already running")
