@@ -344,11 +344,10 @@ def test_the_row_products_bench_runs_each_tile_folded_against_its_torch_referenc
 
     monkeypatch.setattr(row_products, "LAYERS", 2)
     monkeypatch.setattr(row_products, "graph_us", lambda calls, reps: [call() for call in calls] and 1.0)
-    # The bench draws its inputs unseeded; a fixed draw keeps the absolute bound below about one bf16 step of these
-    # outputs (unseeded, a draw whose outputs reach 16 differs by 0.125, one step there: CI failed so once).
-    torch.manual_seed(0)
     result = row_products.measure(128, 64, True, True, False, False, 96, 16, 1, DEVICE)
     assert result["rotated_columns"] == 96 and result["best"] is not None
-    errors = [tile["max_abs_error"] for tile in result["kernel_folded"].values()]
-    assert len(errors) == len(TILES) + 1 and max(errors) < 0.1, result["kernel_folded"]
+    # bf16's rounding: a few steps at the largest output (at most 4 over 24 seeded draws; a wrong kernel misses by
+    # hundreds), whatever the bench's unseeded draw.
+    errors = [tile["error_bf16_steps"] for tile in result["kernel_folded"].values()]
+    assert len(errors) == len(TILES) + 1 and max(errors) <= 8, result["kernel_folded"]
     assert result["kernel_alone"]["us"] == 1.0 and not triton_gemv.TUNED
