@@ -160,11 +160,15 @@ def test_parallel_tool_calls_false_ends_the_output_at_its_first_call_on_every_ap
 @pytest.mark.parametrize("split", ["whole", "characters"])
 def test_runs_keep_text_after_a_call_after_it_and_drop_the_layout_between_calls(split: str) -> None:
     """runs() gives text and calls in the order written: text after a call follows it (a response opens a new
-    message for it); whitespace after a call goes out only before text, so calls written on lines of their own
-    leave no text between or after them."""
+    message for it); whitespace before the first call or after one goes out only before text, so calls written on
+    lines of their own leave no text before, between or after them (a whole response's content is null so), and
+    an output of whitespace alone is still its text."""
     second = CALL.replace("Paris", "Rome")
     for output, want in ((f"Hello {CALL} bye", [("Hello ", ["Paris"]), (" bye", [])]),
                          (f"{CALL}\n{second}\n", [("", ["Paris", "Rome"])]),
+                         (f"\n\n{CALL}\n", [("", ["Paris"])]),
+                         (f"\n Hi\n{CALL}", [("\n Hi\n", ["Paris"])]),
+                         ("\n \n", [("\n \n", [])]),
                          (f"{CALL}\n\nSo: {second} ok", [("", ["Paris"]), ("\n\nSo: ", ["Rome"]), (" ok", [])])):
         parser = ToolCallParser(("get_weather",))
         pieces = [output] if split == "whole" else list(output)

@@ -57,8 +57,10 @@ class ToolCallParser:
         self.names = frozenset(names)
         self.single = single
         self._held = ""  # text not given out yet: a block that may be a call (from its opener on), or an opener's start
-        self._after_call = False  # a call came out and no text but whitespace (_gap) since
-        self._gap = ""  # whitespace since the last call, given out only before text that follows it
+        # At the output's start or just after a call, with no text but whitespace (_gap) since: that whitespace is
+        # the layout of calls, given out only before text that follows it (or at the end of an output with no call).
+        self._at_edge = True
+        self._gap = ""
         self.called = False  # whether any call came out
         self.ended = False  # single, and its call came out
 
@@ -70,18 +72,19 @@ class ToolCallParser:
 
     def runs(self, text: str, final: bool = False) -> list[tuple[str, list[ToolCall]]]:
         """What `text` completes, in the order the model wrote it: runs of text, each with the calls that follow it
-        (the last run's may be none). Whitespace after a call goes out only with text that follows it: between calls
-        or at the end it is the layout of calls, not text (a chat's content, a response's message)."""
+        (the last run's may be none). Whitespace before the first call or after one goes out only with text that
+        follows it: before, between or after calls it is their layout, not text (a chat's content, a response's
+        message), as a whole response reads it."""
         if self.ended:
             return []
         held, runs, out = self._held + text, [], []
 
         def give(piece: str) -> None:
-            if self._after_call:  # held until text that is not whitespace comes
+            if self._at_edge:  # held until text that is not whitespace comes
                 self._gap += piece
                 if not self._gap.strip():
                     return
-                piece, self._gap, self._after_call = self._gap, "", False
+                piece, self._gap, self._at_edge = self._gap, "", False
             out.append(piece)
 
         while held:
@@ -100,7 +103,7 @@ class ToolCallParser:
             if call is None:
                 give(held[:length])  # not a call: what the model wrote goes out as it was
             else:
-                self._gap, self._after_call = "", True
+                self._gap, self._at_edge = "", True
                 if out or not runs:
                     runs.append(("".join(out), [call]))
                 else:
@@ -111,6 +114,9 @@ class ToolCallParser:
                     break
             held = held[length:]
         self._held = held
+        if final and self._gap and not self.called:  # an output of whitespace alone is its text
+            out.append(self._gap)
+            self._gap = ""
         if out:
             runs.append(("".join(out), []))
         return [run for run in runs if run[0] or run[1]]
