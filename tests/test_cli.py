@@ -160,6 +160,30 @@ def test_bench_reports_all_methods(capsys, cli_models, tmp_path) -> None:
     assert report["greedy_identical_to_plain"] == "2/2" and report["config"]["prompts"] == 2
 
 
+def test_a_json_path_it_cannot_write_is_refused_before_the_run(capsys, cli_models, tmp_path) -> None:
+    """Found after the run, the report was lost with a traceback (IsADirectoryError)."""
+    (tmp_path / "file").write_text("")
+    for path, why in ((tmp_path, "is a directory; name a file in it"), (tmp_path / "file" / "r.json", "is a file")):
+        with pytest.raises(SystemExit) as exited:
+            _bench(cli_models, "--json", str(path))
+        error = capsys.readouterr().err
+        assert exited.value.code == 2 and "argument --json: " in error and why in error, error
+
+
+def test_bench_counts_every_token_of_a_multi_step_round(capsys, cli_models) -> None:
+    """--decode-steps 4 decodes up to 4 tokens (4 target forwards) in one verify call: tokens per round and the
+    bytes of weights read count them all, so the bound stays a bound (ratio_to_bound read 3.19 when a round counted
+    one token and one forward)."""
+    assert _bench(cli_models, "--methods", "plain", "tandem", "--fixed-k", "0", "--decode-steps", "4",
+                  "--max-tokens", "16", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    tandem, config = report["tandem"], report["config"]
+    rounds = sum(report["tandem"]["rounds_by_k"].values())
+    assert rounds < tandem["tokens"] and report["tau_all_rounds"] == round(tandem["tokens"] / rounds, 4), report
+    expected = tandem["tokens"] * config["target_weight_bytes"] / tandem["seconds"] / 1e9  # one forward per token
+    assert abs(tandem["weight_gb_s"] - expected) <= 0.01 * expected, (tandem, expected)
+
+
 def test_generate_and_bench_calibrate_single_sequences_alone(capsys, cli_models, caplog) -> None:
     """Both run one sequence at a time, so their calibration times no batch: with the real pair on CPU-B, 42 calls
     in 7.4 s where the default --max-batch of 16 made 134 in 32.5 s (docs/performance.md, "Start-up: calibration")."""

@@ -36,7 +36,7 @@ class MethodTotals:
     outputs: list[list[int]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "seconds": round(self.seconds, 3),
+        return {"tokens": self.tokens, "seconds": round(self.seconds, 6),
                 "tok_s": round(self.tokens / self.seconds, 3) if self.seconds else 0.0}
 
 
@@ -111,11 +111,12 @@ def analytic_bound(stats: dict, plain_seconds_per_token: float) -> dict:
     """S* = tau * T_t / (k * T_d + T_v(k)), every term measured in this run.
 
     T_t: plain decoding's seconds per token; T_d: the tandem run's draft seconds per drafted token; T_v: its verify
-    seconds per round; tau and k: tokens and drafts per round, fallback rounds included. The measured speedup
-    divided by S* is then the share of tandem's time spent inside the two models' forwards.
+    seconds per round; tau and k: tokens and drafts per round, fallback rounds included (a multi-step round's tokens
+    all count: its verify call ran a forward for each). The measured speedup divided by S* is then the share of
+    tandem's time spent inside the two models' forwards.
     """
     rounds = stats["rounds"]
-    tau = (stats["accepted"] + rounds) / rounds
+    tau = (stats["accepted"] + rounds + stats["block_tokens"]) / rounds
     k = stats["drafted"] / rounds
     t_draft = stats["draft_seconds"] / stats["drafted"] if stats["drafted"] else 0.0
     t_verify = stats["verify_seconds"] / rounds
@@ -125,8 +126,8 @@ def analytic_bound(stats: dict, plain_seconds_per_token: float) -> dict:
             "t_verify_measured": round(t_verify, 5)}
 
 
-SUMMED_STATS = ("accepted", "drafted", "spec_rounds", "fallback_rounds", "rounds", "draft_seconds", "verify_seconds",
-                "draft_failures")  # the requests' stats (core.stats) that add up across requests
+SUMMED_STATS = ("accepted", "drafted", "spec_rounds", "fallback_rounds", "rounds", "block_tokens", "draft_seconds",
+                "verify_seconds", "draft_failures")  # the requests' stats (core.stats) that add up across requests
 
 
 def _merge_stats(all_stats: list[dict]) -> dict:
@@ -184,7 +185,8 @@ def weight_gb_s(weights: tuple[int, int], seconds: float, target_forwards: int, 
     """Bytes of weights read per second (GB/s). A decode forward streams every weight once, so this against the
     machine's memory bandwidth says how close a method's forwards run to the limit: plain methods do one target
     forward per token; tandem one per round plus one draft forward per drafted token."""
-    return round((target_forwards * weights[0] + draft_forwards * weights[1]) / seconds / 1e9, 2)
+    # 4 significant figures: a tiny test model's rate is a few MB/s
+    return float(f"{(target_forwards * weights[0] + draft_forwards * weights[1]) / seconds / 1e9:.4g}")
 
 
 def _report(totals: dict[str, MethodTotals], tandem_stats: list[dict], costs: CostModel, prompts: list[str],
@@ -200,8 +202,8 @@ def _report(totals: dict[str, MethodTotals], tandem_stats: list[dict], costs: Co
     if "tandem" in totals:
         merged = _merge_stats(tandem_stats)
         if totals["tandem"].seconds:
-            report["tandem"]["weight_gb_s"] = weight_gb_s(weights, totals["tandem"].seconds, merged["rounds"],
-                                                          merged["drafted"])
+            report["tandem"]["weight_gb_s"] = weight_gb_s(weights, totals["tandem"].seconds,
+                                                          merged["rounds"] + merged["block_tokens"], merged["drafted"])
         spec_rounds = merged["spec_rounds"]
         report["tandem"] |= {
             "alpha": round(merged["accepted"] / merged["drafted"], 4) if merged["drafted"] else 0.0,

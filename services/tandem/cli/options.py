@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -42,8 +43,24 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def add_json_option(parser: argparse.ArgumentParser, what: str = "the result") -> None:
-    parser.add_argument("--json", nargs="?", const=STDOUT, default=None, metavar="PATH",
+    parser.add_argument("--json", nargs="?", const=STDOUT, default=None, metavar="PATH", type=json_target,
                         help=f"{what} as one JSON object: on stdout when PATH is left out, else written to PATH")
+
+
+def json_target(value: str) -> str:
+    """--json's PATH, checked when the command line is read: a benchmark finds out that it cannot write its report
+    before its run, not after it (the figures would be lost)."""
+    if value == STDOUT:
+        return value
+    path = Path(value)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value} is a directory; name a file in it")
+    folder = next(parent for parent in path.absolute().parents if parent.exists())  # write_json makes the rest
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {value}: {folder} is a file")
+    if not os.access(path if path.exists() else folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {value}: permission denied")
+    return value
 
 
 def write_json(target: str | Path | None, payload: Any) -> None:

@@ -304,7 +304,7 @@ class SpeculativeEngine:
         if k > 0:
             seq.draft_synced = committed + accepted
         seq.verify_synced = committed + len(new_tokens)
-        seq.stats.record_round(k, accepted, seq.policy.fallback)
+        seq.stats.record_round(k, accepted, seq.policy.fallback, len(result.more))
         policy.update(seq.policy, k, accepted, self.costs, self.config.spec)
         policy.decoded_plainly(seq.policy, len(result.more))
         if k > 0:  # a failed proposal is empty: k 0

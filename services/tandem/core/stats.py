@@ -20,9 +20,13 @@ class RequestStats:
     draft_failures: int = 0
     rounds_by_k: dict[int, int] = field(default_factory=dict)
     cached_prompt_tokens: int = 0  # prompt tokens the target found cached (a session's or a shared prefix)
+    # Tokens rounds decoded past their first, one target forward each, in one verify call (EngineConfig.decode_steps)
+    block_tokens: int = 0
 
-    def record_round(self, k: int, accepted: int, fallback: bool) -> None:
+    def record_round(self, k: int, accepted: int, fallback: bool, more: int = 0) -> None:
+        """`more`: the tokens the round's verify call decoded after its first (a multi-step block)."""
         self.rounds += 1
+        self.block_tokens += more
         self.rounds_by_k[k] = self.rounds_by_k.get(k, 0) + 1
         if k == 0:
             self.fallback_rounds += int(fallback)
@@ -64,4 +68,5 @@ class RequestStats:
             "draft_failures": self.draft_failures,
             "rounds_by_k": {str(k): n for k, n in sorted(self.rounds_by_k.items())},
             "cached_prompt_tokens": self.cached_prompt_tokens,
+            "block_tokens": self.block_tokens,
         }
