@@ -8,7 +8,8 @@
     python -m loadtest report DIR/sweep.json  # markdown tables: runs, AUTO/OFF with the targets, the bound
     python -m loadtest rebuild DIR/sweep.json # recompute every results.json and sweep.json from the traces
 
-Exit status: 0 done, 1 the server could not be reached or the warm-up failed, 2 bad arguments (`error: --flag: ...`).
+Exit status: 0 done, 1 the server could not be reached or the warm-up failed, 2 bad arguments (`error: --flag: ...`),
+130 interrupted (Ctrl-C; a run writes what it had recorded, marked "interrupted" in its config).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from loadtest.arrivals import parse_rate
 from loadtest.client_run import ServerUnreachable, WarmupFailed
@@ -29,6 +32,9 @@ from tandem.cli.options import DefaultsHelpFormatter, add_prompts_option, flag_n
 CONFIG_ARGS = ("address", "backend", "url", "openai_token_counts", "allow_remote", "requests", "burstiness",
                "max_concurrency", "seed", "duration", "grace", "timeout", "warmup", "max_k", "priority", "prompts",
                "max_tokens", "temperature", "ignore_eos", "sessions", "connect_timeout", "tls", "ca", "api_key")
+
+
+T = TypeVar("T")
 
 
 class UsageError(ValueError):
@@ -78,7 +84,8 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens tokens")
     parser.add_argument("--sessions", type=int, default=0, help="distinct session ids (0: one per request)")
     parser.add_argument("--connect-timeout", type=float, default=10.0,
-                        help="seconds to wait for the server to answer before giving up")
+                        help="seconds to wait for the server to answer and (grpc) to turn ready, its models "
+                             "loaded, before giving up")
     parser.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
                         help="SLOs in milliseconds, e.g. ttft:500 tpot:100 e2el:5000")
 
@@ -130,6 +137,21 @@ def config_from(args: argparse.Namespace, **load) -> RunConfig:
         raise UsageError(str(exc)) from None
 
 
+def usage_checked(check: Callable[..., T], *args: Any) -> T:
+    """check(*args), its ValueError a usage error: for checks that run before anything is sent."""
+    try:
+        return check(*args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def out_dir(out: Path) -> None:
+    """--out created now, so that a path no run could write to is a usage error before the run, not after it."""
+    from loadtest.run import make_out_dir
+
+    usage_checked(make_out_dir, out)
+
+
 def prompts_of(config: RunConfig) -> list[Prompt]:
     """--prompts read now, so that a bad file is a usage error before any request is sent."""
     try:
@@ -153,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         if command == "sweep":
             base = config_from(args)
             prompts = prompts_of(base)
-            from loadtest.sweep import run_sweep
+            from loadtest.sweep import plan_sweep, run_sweep
 
+            usage_checked(plan_sweep, base, args.rates, args.concurrencies, args.repeats)
+            out_dir(args.out)
             body = run_sweep(base, args.out, rates=args.rates, concurrencies=args.concurrencies,
                              modes=tuple(dict.fromkeys(args.modes)), prompts=prompts, plots=not args.no_plots,
                              repeats=args.repeats)
@@ -164,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = prompts_of(config)
         from loadtest.run import run_to_dir, summary
 
+        out_dir(args.out)
         results = run_to_dir(config, args.out, prompts)
         print(summary(results))
         print(f"wrote {args.out / 'results.json'}")
@@ -177,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     except ServerUnreachable as exc:
         print(f"error: {'--url' if args.backend == 'openai' else '--address'}: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the run's records so far are written (loadtest.run.run_to_dir)
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 def _plot(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from loadtest.config import RunConfig
 from loadtest.prompts import Prompt
 
 CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]  # loopback targets: never route through a proxy from the env
+READY_POLL_SECONDS = 0.2  # how often a server still loading is asked whether it is ready
 
 
 class ServerUnreachable(ConnectionError):
@@ -111,17 +113,46 @@ class GrpcBackend(Backend):
         from tandem.v1 import generation_pb2 as pb
 
         config = self.config
+        deadline = time.monotonic() + config.connect_timeout
         try:
             await asyncio.wait_for(self.channel.channel_ready(), config.connect_timeout)
         except TimeoutError:
             raise ServerUnreachable(f"no server answered at {config.address} within "
                                     f"{config.connect_timeout:g} s") from None
+        await self.wait_ready(deadline)
         try:
             info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=config.connect_timeout,
                                                 metadata=self.metadata)
             return MessageToDict(info, preserving_proto_field_name=True)
         except self.grpc.aio.AioRpcError as exc:
             return {"error": f"{exc.code().name}: {exc.details()}"}
+
+    async def wait_ready(self, deadline: float) -> None:
+        """Poll the server's readiness (grpc.health.v1, for the GenerationService) until it is SERVING: a tandem
+        server answers on its port at once but refuses requests (UNAVAILABLE) while it loads its models, so
+        `tandem serve ... & python -m loadtest ...` waits for it, up to the connect timeout (`deadline`). A server
+        without the health service, or without that readiness entry, is taken as ready."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from tandem.client import READINESS_SERVICE
+
+        health = health_pb2_grpc.HealthStub(self.channel)
+        request = health_pb2.HealthCheckRequest(service=READINESS_SERVICE)
+        code, status = self.grpc.StatusCode, "UNKNOWN"
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                response = await health.Check(request, timeout=remaining, metadata=self.metadata)
+            except self.grpc.aio.AioRpcError as exc:
+                if exc.code() in (code.UNIMPLEMENTED, code.NOT_FOUND):
+                    return
+                status = exc.code().name
+            else:
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+            await asyncio.sleep(min(READY_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+        raise ServerUnreachable(f"the server at {self.config.address} answered but was not ready within "
+                                f"{self.config.connect_timeout:g} s (readiness {status})")
 
     async def close(self) -> None:
         await self.channel.close()

@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import time
 import uuid
+from collections.abc import Iterable
 
 from loadtest.arrivals import ArrivalProcess
 from loadtest.backends import Backend, Final, RequestFailed, RequestSpec, ServerUnreachable, backend_for
@@ -43,6 +44,7 @@ class Driver:
         self.run_id = f"lt-{config.speculation}-{uuid.uuid4().hex[:8]}"
         self.start = 0.0
         self.server: dict = {}
+        self.partial: RunTrace | None = None  # what a cancelled (Ctrl-C) measurement had recorded when it stopped
 
     def now(self) -> float:
         return time.perf_counter() - self.start
@@ -97,6 +99,7 @@ class Driver:
         measured = self.prompts[config.warmup:]
         # Requests and their records are made when sent, so a large --requests with a short --duration starts at once.
         traces: list[RequestTrace | None] = [None] * len(measured)
+        tasks: list[asyncio.Task] = []
         self.start = time.perf_counter()
         issuing_ends = config.duration if config.duration is not None else float("inf")
         hard_end = issuing_ends + config.grace
@@ -107,32 +110,43 @@ class Driver:
                 traces[index] = RequestTrace(index, prompt_id=measured[index].id)
                 await self.send(backend, request, traces[index])
 
-        if config.concurrency is not None:
-            counter = itertools.count()
+        try:
+            if config.concurrency is not None:
+                counter = itertools.count()
 
-            async def worker() -> None:
-                while (index := next(counter)) < len(measured) and self.now() < issuing_ends:
-                    await one(index)
+                async def worker() -> None:
+                    while (index := next(counter)) < len(measured) and self.now() < issuing_ends:
+                        await one(index)
 
-            tasks = [asyncio.create_task(worker()) for _ in range(config.concurrency)]
-        else:
-            tasks = await self.issue(one, len(measured), issuing_ends)
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=max(0.0, hard_end - self.now())
-                                            if config.duration is not None else None)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+                tasks += [asyncio.create_task(worker()) for _ in range(config.concurrency)]
+            else:
+                await self.issue(one, len(measured), issuing_ends, tasks)
+            if tasks:
+                _, pending = await asyncio.wait(tasks, timeout=max(0.0, hard_end - self.now())
+                                                if config.duration is not None else None)
+                await _cancel(pending)
+        except asyncio.CancelledError:
+            # Interrupted (Ctrl-C): what was in flight is cancelled on the wire and recorded so, and the run so far
+            # kept for the caller to write, before the cancellation goes on.
+            await _cancel(tasks)
+            self.partial = self.trace_of(traces, len(measured), interrupted=True)
+            raise
+        return self.trace_of(traces, len(measured))
+
+    def trace_of(self, traces: list[RequestTrace | None], planned: int, interrupted: bool = False) -> RunTrace:
+        """The RunTrace of the requests sent so far (those never sent leave no record and count as not sent)."""
         duration = self.now()
-        records = [trace for trace in traces if trace is not None]  # requests never sent leave no record
+        records = [trace for trace in traces if trace is not None]
         for trace in records:
             if trace.status == IN_FLIGHT:  # defensive: send() marks a cancelled request before re-raising
                 trace.status, trace.end = CANCELLED, trace.end or duration
-        return RunTrace(requests=records, duration=duration, planned=len(measured),
-                        config=config.to_json() | {"run_id": self.run_id, "server": self.server})
+        config = self.config.to_json() | {"run_id": self.run_id, "server": self.server}
+        return RunTrace(requests=records, duration=duration, planned=planned,
+                        config=config | ({"interrupted": True} if interrupted else {}))
 
-    async def issue(self, one, count: int, issuing_ends: float) -> list[asyncio.Task]:
-        """Rate mode: start request i at its arrival offset, behind a semaphore when max_concurrency is set."""
+    async def issue(self, one, count: int, issuing_ends: float, tasks: list[asyncio.Task]) -> None:
+        """Rate mode: start request i at its arrival offset, behind a semaphore when max_concurrency is set; the
+        tasks go into `tasks` as they start, so that an interruption here can cancel those already running."""
         config = self.config
         offsets = ArrivalProcess(config.rate, config.burstiness, config.seed).offsets(count)
         slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
@@ -141,14 +155,20 @@ class Driver:
             async with slots:
                 await one(index)
 
-        tasks: list[asyncio.Task] = []
         for index, offset in enumerate(offsets):
             if offset >= issuing_ends:
                 break
             if (delay := offset - self.now()) > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(gated(index) if slots else one(index)))
-        return tasks
+
+
+async def _cancel(tasks: Iterable[asyncio.Task]) -> None:
+    """Cancel the tasks not done yet and wait for them to record their requests as cancelled."""
+    pending = [task for task in tasks if not task.done()]
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
 
 
 def _record_final(trace: RequestTrace, final: Final) -> None:

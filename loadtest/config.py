@@ -75,9 +75,11 @@ class RunConfig:
             ("concurrency", self.concurrency is None or self.concurrency >= 1, "must be at least 1"),
             ("max_concurrency", self.max_concurrency is None or self.max_concurrency >= 1, "must be at least 1"),
             ("burstiness", self.burstiness > 0 and math.isfinite(self.burstiness), "must be a positive number"),
-            ("duration", self.duration is None or self.duration > 0, "must be positive"),
-            ("grace", self.grace >= 0, "must not be negative"),
-            ("timeout", self.timeout is None or self.timeout > 0, "must be positive"),
+            # Seconds are finite: results.json and trace.jsonl are strict JSON, which has no infinity (no bound at
+            # all is the default of duration and timeout: None).
+            ("duration", self.duration is None or _positive(self.duration), "must be a positive number"),
+            ("grace", math.isfinite(self.grace) and self.grace >= 0, "must be a finite number, not negative"),
+            ("timeout", self.timeout is None or _positive(self.timeout), "must be a positive number"),
             ("warmup", self.warmup >= 0, "must not be negative"),
             ("speculation", self.speculation in MODES, f"must be one of {', '.join(MODES)}"),
             ("max_k", self.max_k is None or self.max_k >= 0, "must not be negative"),
@@ -89,7 +91,7 @@ class RunConfig:
             ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
             ("temperature", self.temperature >= 0, "must not be negative"),
             ("sessions", self.sessions >= 0, "must not be negative"),
-            ("connect_timeout", self.connect_timeout > 0, "must be positive"),
+            ("connect_timeout", _positive(self.connect_timeout), "must be a positive number"),
         ]
         for name, ok, message in checks:
             if not ok:
@@ -124,6 +126,11 @@ class RunConfig:
         if body["rate"] is not None and math.isinf(body["rate"]):
             body["rate"] = "inf"  # JSON has no infinity
         return body
+
+
+def _positive(value: float) -> bool:
+    """A positive number of seconds: not 0, not negative, not NaN nor infinity."""
+    return math.isfinite(value) and value > 0
 
 
 def load_prompt_file(path: Path, lengths: tuple[str, ...] = LENGTHS) -> list[Prompt]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 from loadtest import metrics, trace
@@ -24,9 +25,33 @@ def write_json(path: Path, body: dict) -> None:
     path.write_text(json.dumps(body, indent=2, allow_nan=False) + "\n")
 
 
+def make_out_dir(out: Path) -> None:
+    """Create `out` (and its parents), or raise ValueError("out: ...") when no run could write there: checked before
+    a run, so that a mistyped --out does not cost the whole run."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = "it is a file, not a directory" if out.is_file() else exc.strerror or str(exc)
+        raise ValueError(f"out: cannot write into {out}: {why}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"out: cannot write into {out}: permission denied")
+
+
 def run_to_dir(config: RunConfig, out: Path, prompts: list[Prompt] | None = None) -> dict:
-    run = asyncio.run(Driver(config, prompts).run())
-    out.mkdir(parents=True, exist_ok=True)
+    """Run one level into `out`. Interrupted (KeyboardInterrupt) while measuring, it still writes what was recorded
+    so far, marked `"interrupted": true` in the config, before the interrupt goes on."""
+    make_out_dir(out)
+    driver = Driver(config, prompts)
+    try:
+        run = asyncio.run(driver.run())
+    except KeyboardInterrupt:
+        if driver.partial is not None:
+            _write_run(driver.partial, config, out)
+        raise
+    return _write_run(run, config, out)
+
+
+def _write_run(run: trace.RunTrace, config: RunConfig, out: Path) -> dict:
     trace.save(run, out / "trace.jsonl")
     results = results_of(run, config.goodput)
     write_json(out / "results.json", results)

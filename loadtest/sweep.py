@@ -16,7 +16,7 @@ from pathlib import Path
 from loadtest import trace
 from loadtest.config import RunConfig
 from loadtest.prompts import Prompt
-from loadtest.run import results_of, run_to_dir, summary, write_json
+from loadtest.run import make_out_dir, results_of, run_to_dir, summary, write_json
 from tandem.bench.bound import sweep_bound
 
 # (name in sweep.json, results key, statistic): the quantities compared between AUTO and OFF per level.
@@ -59,11 +59,30 @@ def ratios(auto: dict, off: dict) -> dict[str, float | None]:
 
 
 def level_configs(base: RunConfig, rates: list[float] | None, concurrencies: list[int] | None) -> list[RunConfig]:
+    """One config per level; ValueError ("rates: ..." or "concurrencies: ...", as the flags are named) for a bad
+    level or one given twice."""
     if bool(rates) == bool(concurrencies):
         raise ValueError("rates: give either --rates or --concurrencies")
     if rates:
-        return [replace(base, rate=r, concurrency=None) for r in rates]
-    return [replace(base, rate=None, concurrency=c) for c in concurrencies]
+        levels = [replace(base, rate=r, concurrency=None) for r in rates]  # parse_rate refused rates <= 0
+    elif bad := [c for c in concurrencies if c < 1]:
+        raise ValueError(f"concurrencies: must be at least 1, got {bad[0]}")
+    else:
+        levels = [replace(base, rate=None, concurrency=c) for c in concurrencies]
+    # A level's directory and its entries in sweep.json are named by its label: a level given twice (or two rates
+    # with one label, 2 and 2.0000001) would run twice into one directory, and sweep.json would keep one of them.
+    labels = [level.load for level in levels]  # as level_name, to the digits {rate:g} keeps
+    if twice := next((label for i, label in enumerate(labels) if label in labels[:i]), None):
+        raise ValueError(f"{'rates' if rates else 'concurrencies'}: each level once, got {twice} twice")
+    return levels
+
+
+def plan_sweep(base: RunConfig, rates: list[float] | None, concurrencies: list[int] | None,
+               repeats: int) -> list[RunConfig]:
+    """The levels a sweep runs, checked before anything runs: ValueError naming the setting at fault."""
+    if repeats < 1:
+        raise ValueError(f"repeats: must be at least 1, got {repeats}")
+    return level_configs(base, rates, concurrencies)
 
 
 def _entry(config: RunConfig, mode: str, directory: str, results: dict) -> dict:
@@ -85,10 +104,10 @@ def run_sweep(base: RunConfig, out: Path, rates: list[float] | None = None, conc
     """With `repeats` > 1 each level runs its modes that many times, the order reversed every other time (AUTO OFF
     OFF AUTO ...) so a slow spell of the machine does not land on one mode; `runs` then pools each mode's
     repetitions, `repetitions` holds them one by one, and each level's ratios come with every repetition's own."""
-    if repeats < 1:
-        raise ValueError(f"repeats: must be at least 1, got {repeats}")
+    levels = plan_sweep(base, rates, concurrencies, repeats)
+    make_out_dir(out)
     repetitions = []
-    for level in level_configs(base, rates, concurrencies):
+    for level in levels:
         for repetition in range(repeats):
             for mode in modes if repetition % 2 == 0 else modes[::-1]:
                 config = replace(level, speculation=mode)

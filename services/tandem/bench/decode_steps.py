@@ -54,7 +54,10 @@ def _engines(target, steps: int, ray_replica: bool, threads: int) -> dict[str, S
     from tandem.workers.target_pool import RayVerifier, start_target_replicas
     from tandem.workers.worker_base import WorkerConfig
 
-    ray.init(num_cpus=threads, include_dashboard=False, log_to_driver=False)
+    # address="local": always a cluster of our own on loopback, never one this machine already runs (RAY_ADDRESS or
+    # `ray start`), which refuses num_cpus and would run the replica beside its other work.
+    ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=threads, include_dashboard=False,
+             log_to_driver=False)
     replica = start_target_replicas(WorkerConfig(model=TARGET, device="cpu", dtype="bfloat16", threads=threads), 1)
     ray.get(replica[0].info.remote())  # loaded
     eos, decode = eos_token_ids(target.model, target.tokenizer), decoder(target.tokenizer)

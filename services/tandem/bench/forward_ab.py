@@ -24,13 +24,15 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import time
+from typing import TextIO
 
 import torch
 
 from tandem.bench.packing import packable_dtype
 from tandem.cli.common import add_bench_model_options
-from tandem.cli.options import DefaultsHelpFormatter, add_json_option, write_json
+from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
 from tandem.core.packed_linear import prepack
 from tandem.core.runner import ModelRunner
 from tandem.models.loader import load_model
@@ -79,7 +81,8 @@ def _forward(runner: ModelRunner, state, width: int) -> tuple[float, torch.Tenso
 
 
 def compare_forwards(compare: str, name: str, dtype: torch.dtype, widths: list[int], steps: int,
-                     context: int, compiled: bool = False) -> dict:
+                     context: int, compiled: bool = False, progress: TextIO | None = None) -> dict:
+    """progress: where a line per width goes as it is measured (None: stdout)."""
     runners = _runners(compare, name, dtype, context, compiled)
     first, second = VARIANTS[compare]
     result: dict = {}
@@ -99,7 +102,7 @@ def compare_forwards(compare: str, name: str, dtype: torch.dtype, widths: list[i
             "max_logit_diff": (logits[first].float() - logits[second].float()).abs().max().item(),
         }
         print(f"{name} width {width}: {first} {result[str(width)][first + '_s'] * 1e3:.1f} ms, {second} "
-              f"{result[str(width)][second + '_s'] * 1e3:.1f} ms, {first} {paired:.3f}x", flush=True)
+              f"{result[str(width)][second + '_s'] * 1e3:.1f} ms, {first} {paired:.3f}x", file=progress, flush=True)
     if compare == "compile" or compiled:  # whether every runner meant to compile did
         meant = [runners[first][0]] if compare == "compile" else [runner for runner, _ in runners.values()]
         result["compiled"] = all(runner.graphs is not None and runner.graphs.compiled for runner in meant)
@@ -124,9 +127,11 @@ def main(argv: list[str] | None = None) -> int:
                                "torch": torch.__version__,
                                "machine": platform.processor() or platform.machine()}}
     quantized = args.compare in ("w8a8", "w4")  # a target is never quantized
+    # With the JSON on stdout, stdout holds it alone; the progress lines (minutes apart on a CPU) go to stderr.
+    progress = None if wants_text(args) else sys.stderr
     for role in ("draft",) if quantized else ("target", "draft"):
         report[role] = compare_forwards(args.compare, getattr(args, role), dtype, args.widths, args.steps,
-                                        args.context, args.compiled)
+                                        args.context, args.compiled, progress)
     write_json(args.json, report)
     return 0
 

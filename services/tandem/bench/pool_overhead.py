@@ -17,7 +17,7 @@ import time
 
 import ray
 
-from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
+from tandem.cli.options import DefaultsHelpFormatter, add_json_option, refuse_bad_values, wants_text, write_json
 from tandem.core.config import SamplingParams
 from tandem.core.protocol import DraftProposal, VerifyRequest
 
@@ -41,16 +41,29 @@ def _block(call, calls: int) -> list[float]:
     return times
 
 
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad values before Ray starts: one line naming the flag, exit status 2, as the tandem CLI does. The
+    p90 needs at least two calls per method."""
+    checks = [("calls", args.calls >= 1, f"must be at least 1, got {args.calls}"),
+              ("blocks", args.blocks >= 1, f"must be at least 1, got {args.blocks}"),
+              ("calls", args.calls * args.blocks >= 2,
+               f"with --blocks {args.blocks}, must be at least 2 (the p90 needs 2 calls a method), got {args.calls}")]
+    refuse_bad_values(parser, checks)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--calls", type=int, default=200, help="calls per block")
     parser.add_argument("--blocks", type=int, default=6, help="blocks per method, alternated")
     add_json_option(parser, "the report")
     args = parser.parse_args(argv)
+    _check_args(parser, args)
 
     from ray import serve
 
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+    # address="local": always a cluster of our own on loopback, never one this machine already runs (RAY_ADDRESS or
+    # `ray start`), which refuses num_cpus and would carry the benchmark's detached actor and Serve app.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              configure_logging=False, namespace="tandem-bench")
     actor = ray.remote(Echo).options(name="echo", lifetime="detached", max_concurrency=64).remote()
     handle = serve.run(serve.deployment(Echo, max_ongoing_requests=64).bind(), name="echo", route_prefix=None)

@@ -18,7 +18,14 @@ import time
 from typing import TYPE_CHECKING
 
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
-from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_prompts_option, wants_text, write_json
+from tandem.cli.options import (
+    DefaultsHelpFormatter,
+    add_json_option,
+    add_prompts_option,
+    refuse_bad_values,
+    wants_text,
+    write_json,
+)
 from tandem.client import AsyncTandemClient
 
 if TYPE_CHECKING:
@@ -144,6 +151,17 @@ class InProcess:
                 "fallback_rounds": sum(r.stats["fallback_rounds"] for r in results), "draft_failures": 0}
 
 
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad values before any request (concurrency 0 waited forever for a slot): one line naming the flag,
+    exit status 2, as the tandem CLI does."""
+    level = min(args.concurrency)
+    checks = [("concurrency", level >= 1, f"must be at least 1, got {level}"),
+              ("max_tokens", args.max_tokens >= 1, f"must be at least 1, got {args.max_tokens}"),
+              ("repeat", args.repeat >= 1, f"must be at least 1, got {args.repeat}"),
+              ("threads", args.threads >= 1, f"must be at least 1, got {args.threads}")]
+    refuse_bad_values(parser, checks)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--address", default="127.0.0.1:50051", help="the server's HOST:PORT")
@@ -156,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads for --in-process")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each level and mode, interleaved")
     args = parser.parse_args(argv)
+    _check_args(parser, args)
     prompts = load_prompts(args.prompts)
     in_process = InProcess.load(*args.in_process, args.threads) if args.in_process else None
     report = asyncio.run(run(args.address, prompts, args.concurrency, args.max_tokens, args.repeat, in_process))

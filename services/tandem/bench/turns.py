@@ -17,7 +17,14 @@ import time
 import uuid
 
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
-from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_prompts_option, wants_text, write_json
+from tandem.cli.options import (
+    DefaultsHelpFormatter,
+    add_json_option,
+    add_prompts_option,
+    refuse_bad_values,
+    wants_text,
+    write_json,
+)
 from tandem.client import AsyncTandemClient
 
 FOLLOW_UP = "Now add type hints and a docstring, and explain the complexity."
@@ -68,6 +75,14 @@ async def run(address: str, prompts: list[str], max_tokens: int) -> dict:
     return report
 
 
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad values before any request (a negative --num-prompts sliced the list from its end): one line naming
+    the flag, exit status 2, as the tandem CLI does."""
+    checks = [("max_tokens", args.max_tokens >= 1, f"must be at least 1, got {args.max_tokens}"),
+              ("num_prompts", args.num_prompts >= 1, f"must be at least 1, got {args.num_prompts}")]
+    refuse_bad_values(parser, checks)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--address", default="127.0.0.1:50051", help="the server's HOST:PORT")
@@ -76,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=4, help="use only the first N prompts")
     add_json_option(parser, "the report")
     args = parser.parse_args(argv)
+    _check_args(parser, args)
     report = asyncio.run(run(args.address, load_prompts(args.prompts)[: args.num_prompts], args.max_tokens))
     if wants_text(args):
         print(json.dumps(report, indent=2))

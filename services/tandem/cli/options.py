@@ -113,6 +113,14 @@ def field_as_option(message: str, field: str, dest: str) -> str:
     return dest + message[len(field):] if message.startswith(f"{field}:") else message
 
 
+def refuse_bad_values(parser: argparse.ArgumentParser, checks: Iterable[tuple[str, bool, str]]) -> None:
+    """A benchmark's checks of its values before any work, each (field, ok, message): the first that fails exits
+    with one line naming the flag (`error: --calls: must be at least 1, got 0`), status 2, as the tandem CLI does."""
+    for field, ok, message in checks:
+        if not ok:
+            parser.exit(2, f"error: {name_flags(f'{field}: {message}', flag_names([parser]))}\n")
+
+
 def name_flags(message: str, flags: Mapping[str, str]) -> str:
     """`message` with each field that a flag sets named by that flag: configs name their fields ("port: must be
     ..."), the user typed flags ("--port"). A field no flag sets keeps its name."""

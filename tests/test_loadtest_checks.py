@@ -1,0 +1,144 @@
+"""python -m loadtest's checks before a run (flags JSON cannot hold, an --out no run could write to, a sweep's levels
+and repeats), its wait for a server still loading its models, and Ctrl-C: a line on stderr, status 130, and the
+requests measured so far written."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from gateway_harness import ServerThread, tiny_backend
+from loadtest.__main__ import main
+from loadtest.config import RunConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+NOBODY = "127.0.0.1:9"  # the discard port: nothing answers there
+# Flags that reach a server: with the checks missing, the run fails to connect at once (status 1) instead.
+UNREACHABLE = ["--address", NOBODY, "--requests", "1", "--connect-timeout", "0.5"]
+SWEEP = ["sweep", *UNREACHABLE, "--no-plots"]
+
+
+def _usage_error(argv: list[str], capsys) -> str:
+    """main(argv)'s stderr, one line; its exit status must be 2."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1, err
+    return err.strip()
+
+
+# --- seconds JSON can hold ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["duration", "grace", "timeout", "connect_timeout"])
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_seconds_must_be_finite(field: str, value: float) -> None:
+    """results.json and trace.jsonl are strict JSON: an infinite duration failed when the run was written."""
+    with pytest.raises(ValueError, match=rf"^{field}: must be"):
+        RunConfig(address=NOBODY, requests=1, **{field: value})
+    assert RunConfig(address=NOBODY, requests=1, rate=math.inf).to_json()["rate"] == "inf"  # rate may be inf
+
+
+@pytest.mark.parametrize("flag", ["--duration", "--grace", "--timeout"])
+def test_an_infinite_seconds_flag_is_a_usage_error(flag: str, tmp_path, capsys) -> None:
+    err = _usage_error([*UNREACHABLE, flag, "inf", "--out", str(tmp_path / "out")], capsys)
+    assert err.startswith(f"error: {flag}: must be ") and err.endswith(", got inf")
+    assert not (tmp_path / "out").exists()
+
+
+# --- --out --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [[], ["sweep", "--rates", "1"]])
+def test_an_out_no_run_could_write_to_is_refused_before_the_run(command: list[str], tmp_path, capsys) -> None:
+    file = tmp_path / "file"
+    file.write_text("")
+    err = _usage_error([*command, *UNREACHABLE, "--out", str(file)], capsys)
+    assert err == f"error: --out: cannot write into {file}: it is a file, not a directory"
+    err = _usage_error([*command, *UNREACHABLE, "--out", str(file / "run")], capsys)
+    assert err == f"error: --out: cannot write into {file / 'run'}: Not a directory"
+
+
+# --- a sweep's levels and repeats ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--rates", "2", "2"], "--rates: each level once, got rate=2 twice"),
+    (["--rates", "1", "2", "2.0000001"], "--rates: each level once, got rate=2 twice"),  # one label, one directory
+    (["--rates", "inf", "inf"], "--rates: each level once, got rate=inf twice"),
+    (["--concurrencies", "3", "1", "3"], "--concurrencies: each level once, got concurrency=3 twice"),
+    (["--concurrencies", "0"], "--concurrencies: must be at least 1, got 0"),
+    (["--concurrencies", "2", "-1"], "--concurrencies: must be at least 1, got -1"),
+    (["--rates", "1", "--repeats", "0"], "--repeats: must be at least 1, got 0"),
+])
+def test_sweep_levels_and_repeats_are_checked_before_any_run(argv: list[str], message: str, tmp_path,
+                                                            capsys) -> None:
+    assert _usage_error([*SWEEP, *argv, "--out", str(tmp_path / "sweep")], capsys) == f"error: {message}"
+    assert not (tmp_path / "sweep").exists()
+
+
+# --- against a real gateway ---------------------------------------------------------------------------------------
+
+
+def test_waits_for_a_server_still_loading_up_to_the_connect_timeout(tiny_models, tmp_path, capsys) -> None:
+    """A gateway answers on its port at once and turns ready once its models have loaded (grpc.health.v1); until then
+    it refuses requests UNAVAILABLE, which failed the warm-up of `tandem serve ... & python -m loadtest ...`."""
+    target, draft, _ = tiny_models
+    load, loaded = tiny_backend(target, draft), threading.Event()
+
+    def slow_load():
+        loaded.wait(60)
+        return load()
+
+    server = ServerThread(slow_load, wait_ready=False)
+    try:
+        argv = ["--address", server.address, "--requests", "2", "--max-tokens", "4", "--lengths", "short"]
+        assert main([*argv, "--connect-timeout", "0.5", "--out", str(tmp_path / "early")]) == 1
+        assert capsys.readouterr().err == (f"error: --address: the server at {server.address} answered but was not "
+                                           f"ready within 0.5 s (readiness NOT_SERVING)\n")
+        threading.Timer(1.0, loaded.set).start()
+        assert main([*argv, "--connect-timeout", "60", "--out", str(tmp_path / "run")]) == 0
+        assert json.loads((tmp_path / "run" / "results.json").read_text())["completed"] == 2
+    finally:
+        loaded.set()
+        server.stop()
+
+
+# `python -m loadtest` with Ctrl-C raising KeyboardInterrupt, as at a terminal: a test run in the background may have
+# SIGINT ignored, and a child inherits that.
+LOADTEST_AT_A_TERMINAL = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                          "runpy.run_module('loadtest', run_name='__main__', alter_sys=True)")
+
+
+def test_ctrl_c_writes_the_requests_so_far_and_exits_130(tiny_models, tmp_path) -> None:
+    target, draft, _ = tiny_models
+    server = ServerThread(tiny_backend(target, draft))
+    out, requests = tmp_path / "run", 64
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-c", LOADTEST_AT_A_TERMINAL, "--address", server.address, "--rate", "inf",
+                             "--requests", str(requests), "--max-tokens", "512", "--ignore-eos", "--warmup", "0",
+                             "--lengths", "short", "--out", str(out)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.wait_for(lambda: len(server.engine.sequences) > 0, timeout=60), "no request arrived"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert server.wait_for(server.caches_empty), "the interrupted requests were not cancelled on the wire"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        server.stop()
+    assert proc.returncode == 130 and err.splitlines()[-1:] == ["interrupted"] and "Traceback" not in err, err
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["interrupted"] is True and results["requests"] == requests
+    assert results["cancelled"] > 0 and results["completed"] + results["failed"] + results["not_sent"] == requests
+    assert len((out / "trace.jsonl").read_text().splitlines()) == 1 + requests - results["not_sent"]
