@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -500,8 +501,9 @@ def test_a_stream_still_running_when_the_grace_ends_is_told_so(tiny_models) -> N
         running.stop()
 
 
-def test_a_taken_http_port(tiny_models) -> None:
-    """A taken --http-port fails the start naming the address, unless it was the default (then a free port)."""
+def test_a_taken_http_port(tiny_models, caplog) -> None:
+    """A taken --http-port fails the start naming the address, unless it was the default (then a free port, with a
+    warning: a client of :8000 would reach whatever holds it)."""
     load = tiny_backend(tiny_models[0], None)
 
     async def start(port: int, fallback: bool) -> int | None:
@@ -513,9 +515,18 @@ def test_a_taken_http_port(tiny_models) -> None:
 
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
-        assert asyncio.run(start(port, fallback=True)) not in (None, port)
+        with caplog.at_level(logging.WARNING, logger="tandem.gateway.server"):
+            assert asyncio.run(start(port, fallback=True)) not in (None, port)
+        assert f"HTTP port {port} is taken: the HTTP API serves on a free port instead" in caplog.text
         with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} for HTTP"):
             asyncio.run(start(port, fallback=False))
+        async def start_metrics() -> None:
+            gateway = await start_gateway(load, GatewayOptions(port=0, metrics_port=port, metrics_port_fallback=True))
+            await gateway.drain(0)
+
+        with caplog.at_level(logging.WARNING, logger="tandem.telemetry.metrics"):  # and the default metrics port
+            asyncio.run(start_metrics())
+        assert f"metrics port {port} is taken: /metrics serves on" in caplog.text
         # So is a taken --metrics-port given on purpose.
         with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} for /metrics: Address already in use"):
             asyncio.run(start_gateway(load, GatewayOptions(port=0, metrics_port=port)))

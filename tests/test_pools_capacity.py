@@ -43,6 +43,7 @@ def test_a_start_the_cluster_has_no_room_for_fails_past_its_timeout_and_leaves_n
     assert "error: pools g: still starting after 8 s: target-0 pending" in done.stderr
     assert "Traceback" not in done.stderr
     _actors_settle(small_cluster, [], 0.0)
+    assert tandem_cli(small_cluster, "pools", "status").startswith("no pools on this Ray cluster")
 
 
 def test_a_scale_past_the_clusters_room_gives_up_and_a_corrective_scale_stops_what_still_starts(small_cluster,

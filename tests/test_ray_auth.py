@@ -40,7 +40,10 @@ def test_token_settings_for_local_and_joined_clusters(tmp_path) -> None:
              ("configure_local_cluster", None, {"RAY_AUTH_MODE": "disabled"}),
              ("configure_client", str(token), {"RAY_AUTH_TOKEN": "env"}),
              ("configure_client", None, {"RAY_AUTH_TOKEN_PATH": str(token)}), ("configure_client", None, {}),
-             ("configure_client", str(tmp_path / "empty"), {}), ("configure_client", str(tmp_path / "none"), {})]
+             ("configure_client", str(tmp_path / "empty"), {}), ("configure_client", str(tmp_path / "none"), {}),
+             ("configure_client", None, {"HOME": str(tmp_path / "home")})]
+    (tmp_path / "home" / ".ray").mkdir(parents=True)
+    (tmp_path / "home" / ".ray" / "auth_token").write_text("h" * 64)  # Ray's own default token file
     script = """if True:
         import json, os, stat, sys
         from tandem import ray_auth
@@ -61,7 +64,8 @@ def test_token_settings_for_local_and_joined_clusters(tmp_path) -> None:
     done = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True,
                           env=_without_ray_settings(HOME=str(tmp_path)), timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    fresh, given, from_env, disabled, flag, path_env, none, empty, missing = json.loads(done.stdout.splitlines()[-1])
+    fresh, given, from_env, disabled, flag, path_env, none, empty, missing, default = json.loads(
+        done.stdout.splitlines()[-1])
     # A local cluster without settings: token mode, a fresh random token in a private file (not ~/.ray/auth_token).
     assert fresh[:2] == ["token", "token"] and fresh[3] and "tandem-ray-auth-" in fresh[2]
     assert not (tmp_path / ".ray" / "auth_token").exists()
@@ -72,6 +76,7 @@ def test_token_settings_for_local_and_joined_clusters(tmp_path) -> None:
     assert flag == ["token", "token", str(token), False, None]
     assert path_env[:3] == ["token", "token", str(token)]
     assert none[:3] == ["disabled", None, None]
+    assert default[:3] == ["token", "token", None]  # ~/.ray/auth_token, which Ray reads itself once in token mode
     assert empty[0] == f"error: ray_token_file: {tmp_path}/empty is empty"
     assert missing[0].startswith("error: ray_token_file: cannot read")
 
@@ -140,3 +145,11 @@ def test_pools_commands_join_a_token_cluster_with_ray_token_file(tmp_path, tmp_p
         done = subprocess.run([str(BIN / "tandem"), "pools", "status"], env=head_env(address, token=False) | {
             "HOME": str(tmp_path)}, capture_output=True, text=True, timeout=REFUSED_S)
         assert done.returncode == 2 and "refused this client (it wants a token: pass --ray-token-file" in done.stderr
+        # The head's token in Ray's default file, as `ray start --head` finds it (docs/operations.md's quickstart).
+        home = tmp_path / "home"
+        (home / ".ray").mkdir(parents=True)
+        (home / ".ray" / "auth_token").write_text(Path(RAY_TOKEN_FILE).read_text())
+        done = subprocess.run([str(BIN / "tandem"), "pools", "status", "--json"],
+                              env=head_env(address, token=False) | {"HOME": str(home)}, capture_output=True, text=True,
+                              timeout=REFUSED_S)
+        assert done.returncode == 0 and json.loads(done.stdout) == {"pools": []}, done.stderr[-2000:]

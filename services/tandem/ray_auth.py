@@ -11,7 +11,9 @@ them in its own process before `ray.init`, and the GCS, raylet and workers Ray s
   which other clusters of the user may read or overwrite). `RAY_AUTH_MODE=disabled`, set on purpose, is obeyed
   with a warning.
 - Joining a cluster (`--ray-address`, `tandem pools`, `tandem gateway`): --ray-token-file, or $RAY_AUTH_TOKEN /
-  $RAY_AUTH_TOKEN_PATH (Kubernetes passes them from a Secret) turn token mode on for this client.
+  $RAY_AUTH_TOKEN_PATH (Kubernetes passes them from a Secret), or else Ray's own ~/.ray/auth_token turn token mode
+  on for this client. The last is what `ray start --head` does with that file (it turns token auth on when a token
+  exists there), and what `ray.init` does for a cluster it finds itself, but not for an address it is given.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ MIN_RAY_VERSION = "2.52.0"  # the first Ray with token authentication (docs.ray.
 
 def _token_configured() -> bool:
     return bool(os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_PATH_ENV))
+
+
+def default_token_file() -> Path:
+    """Where Ray keeps a user's token when no variable names one (`ray get-auth-token --generate` writes it)."""
+    return Path.home() / ".ray" / "auth_token"
 
 
 def _use_token_file(path: str) -> None:
@@ -95,8 +102,8 @@ def configure_client(token_file: str | None = None) -> str:
     if token_file:
         _use_token_file(token_file)
         os.environ[MODE_ENV] = "token"
-    elif MODE_ENV not in os.environ and _token_configured():
-        os.environ[MODE_ENV] = "token"  # not every Ray infers token mode from a token alone: say it
+    elif MODE_ENV not in os.environ and (_token_configured() or default_token_file().is_file()):
+        os.environ[MODE_ENV] = "token"  # Ray does not infer token mode from a token alone for a given address
     _refresh_ray_config()
     return os.environ.get(MODE_ENV, "disabled").lower()
 

@@ -172,6 +172,8 @@ def run_status(args: argparse.Namespace) -> int:
     write_json(args.json, pools[0] if args.name else {"pools": pools})
     if not wants_text(args):
         return 0
+    if not pools:
+        print("no pools on this Ray cluster (`tandem pools start --name NAME ...` starts some)")
     for pool in pools:
         tp = f" (tp {pool['tensor_parallel']})" if pool["tensor_parallel"] > 1 else ""
         print(f"pools {pool['name']}: target {pool['target']}{tp}, draft {pool['draft'] or '-'}, "

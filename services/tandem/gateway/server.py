@@ -201,7 +201,10 @@ class Gateway:
             except OSError:
                 if index == len(ports) - 1:
                     raise
-                log.info("HTTP port %d is taken; serving the HTTP API on a free port", port)
+                # A warning: clients and docs that say :8000 would reach whatever holds it (the bound port is
+                # announced once serving).
+                log.warning("HTTP port %d is taken: the HTTP API serves on a free port instead (--http-port chooses "
+                            "one)", port)
 
     async def ready(self) -> bool:
         """Wait for the engines to load: True once serving, False if a drain cut loading short; re-raises failures."""

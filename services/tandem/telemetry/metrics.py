@@ -44,12 +44,18 @@ KV_STATES = ("used", "reserved", "capacity")  # tandem.kv.state: the fields of c
 def serve_registry(registry: CollectorRegistry, host: str, ports: Iterable[int]) -> tuple[WSGIServer, int]:
     """Serve /metrics on the first of `ports` that binds (0: any free port); raises the last OSError."""
     error: OSError | None = None
+    taken: list[int] = []
     for port in ports:
         try:
             server, _ = start_http_server(port, addr=host, registry=registry)
-            return server, server.server_port
         except OSError as exc:
             error = exc
+            taken.append(port)
+            continue
+        if taken:  # a scraper configured for the taken port would read another process's metrics
+            log.warning("metrics port %d is taken: /metrics serves on %d instead (--metrics-port chooses one)",
+                        taken[0], server.server_port)
+        return server, server.server_port
     raise error or OSError("no port to listen on")
 
 
