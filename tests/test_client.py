@@ -315,7 +315,8 @@ def test_client_and_remote_generate_need_no_server_stack(server) -> None:
                            (["gateway", "--pools", "p"], "gateway")):
         proc = _without_server_stack(*command)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr
-        assert f"needs the {extra} stack" in proc.stderr and f"pip install 'tandem[{extra}]'" in proc.stderr, command
+        assert f"needs the {extra} stack" in proc.stderr, command
+        assert f"pip install '.[{extra}]' in tandem's checkout" in proc.stderr, command
 
 
 def test_base_dependencies_are_the_client_alone() -> None:

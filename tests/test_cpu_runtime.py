@@ -90,7 +90,7 @@ def test_the_advice_names_how_to_install_what_is_not_installed(tmp_path: Path, m
     if sys.platform == "linux" and platform.machine() == "x86_64":
         (record,) = caplog.records
         assert "runs without libiomp5:" in record.getMessage() and "LD_PRELOAD" not in record.getMessage()
-        assert "install `pip install tandem[cpu]` (intel-openmp) and preload it" in record.getMessage()
+        assert "`pip install '.[cpu]'` in tandem's checkout (intel-openmp) and preload it" in record.getMessage()
 
 
 @x86_linux

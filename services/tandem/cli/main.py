@@ -107,7 +107,8 @@ class LazyCommands(argparse._SubParsersAction):
 
 
 def install(extra: str) -> str:
-    return f"pip install 'tandem[{extra}]'"
+    """From tandem's checkout: PyPI's `tandem` is another project, so no hint names the bare package."""
+    return f"pip install '.[{extra}]' in tandem's checkout"
 
 
 def needs_stack(exc: ModuleNotFoundError, extra: str) -> str:

@@ -34,7 +34,8 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port (default: %(default)s)")
     parser.add_argument("--http-port", type=int, default=None,
-                        help="OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions) on --host "
+                        help="OpenAI-compatible HTTP API (chat completions, completions, responses, batches, "
+                             "/tokenize) on --host "
                              f"(default: {DEFAULT_HTTP_PORT}, or a free port when taken; 0: a free port; -1: off)")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests queued or running before RESOURCE_EXHAUSTED (default: %(default)s)")

@@ -1,12 +1,12 @@
 """Which OpenMP runtime and allocator torch runs on, and the LD_PRELOAD that runs it faster on a CPU.
 
 torch's PyPI wheels run their CPU thread pool on libgomp (GNU OpenMP) and allocate with glibc's malloc. Preloading
-Intel's OpenMP runtime (libiomp5, from PyPI's intel-openmp: `pip install tandem[cpu]` puts it in the environment's
-lib/) and tcmalloc (Debian's libtcmalloc-minimal4) makes torch run on them instead: libiomp5 answers the GOMP_* calls
-that torch, oneDNN, inductor's kernels and core.cpu_attention make. vLLM's CPU guide asks for the same two. On CPU-A
-it ran tandem's engines at 8 requests at once 1.04-1.06x faster (docs/performance.md, "Intel's OpenMP runtime and
-tcmalloc"). Only a preload can do it: a library loaded after torch is too late, so this module only reports what
-the process runs on and says what to set.
+Intel's OpenMP runtime (libiomp5, from PyPI's intel-openmp: `pip install '.[cpu]'` in the checkout puts it in the
+environment's lib/) and tcmalloc (Debian's libtcmalloc-minimal4) makes torch run on them instead: libiomp5 answers
+the GOMP_* calls that torch, oneDNN, inductor's kernels and core.cpu_attention make. vLLM's CPU guide asks for the
+same two. On CPU-A it ran tandem's engines at 8 requests at once 1.04-1.06x faster (docs/performance.md, "Intel's
+OpenMP runtime and tcmalloc"). Only a preload can do it: a library loaded after torch is too late, so this module
+only reports what the process runs on and says what to set.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
 MAPS = Path("/proc/self/maps")
-INSTALL = {"libiomp5": "`pip install tandem[cpu]` (intel-openmp)", "tcmalloc": "`apt-get install libtcmalloc-minimal4`"}
+INSTALL = {"libiomp5": "`pip install '.[cpu]'` in tandem's checkout (intel-openmp)",
+           "tcmalloc": "`apt-get install libtcmalloc-minimal4`"}
 
 
 def loaded(maps: str | None = None) -> dict[str, bool]:
