@@ -87,14 +87,16 @@ def ray_head(temp: Path, cpus: int = 8) -> Iterator[str]:
 
 class Gateway:
     """`tandem gateway --pools POOL` in a process of its own, ready once constructed. `program`: the command that
-    runs `tandem` (a Python wrapper, say), `env`: variables to add."""
+    runs `tandem` (a Python wrapper, say), `env`: variables to add, `log`: a file for its stderr (else dropped)."""
 
     def __init__(self, address: str, redis_url: str, *flags: str, pool: str = "t",
-                 program: tuple[str, ...] = (str(BIN / "tandem"),), env: dict | None = None) -> None:
-        self.process = subprocess.Popen([*program, "gateway", "--pools", pool, "--port", "0",
-                                         "--metrics-port", "-1", "--redis-url", redis_url, *flags],
-                                        env=head_env(address) | (env or {}), stdout=subprocess.PIPE,
-                                        stderr=subprocess.DEVNULL, text=True)
+                 program: tuple[str, ...] = (str(BIN / "tandem"),), env: dict | None = None,
+                 log: Path | None = None) -> None:
+        with open(log or os.devnull, "w") as stderr:  # the child holds its own copy of the descriptor
+            self.process = subprocess.Popen([*program, "gateway", "--pools", pool, "--port", "0",
+                                             "--metrics-port", "-1", "--redis-url", redis_url, *flags],
+                                            env=head_env(address) | (env or {}), stdout=subprocess.PIPE,
+                                            stderr=stderr, text=True)
         self.address = wait_serving(self.process, timeout_s=180)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:

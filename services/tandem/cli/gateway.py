@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 
 from tandem.cli.common import session_store_url
@@ -22,6 +23,9 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
+    # A gateway holds no model: transformers' advice that without torch "Models won't be available" is no news to
+    # its operator (the gateway install has no torch on purpose), only alarm in its log.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from tandem.telemetry import tracing
 
     options = gateway_options(args)
