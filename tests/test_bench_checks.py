@@ -61,6 +61,15 @@ def test_detok_refuses_fewer_tokens_than_its_windows(capsys, argv: list[str], me
     assert _refusal(detok.main, argv, capsys) == f"error: {message}"
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--steps", "1"], "--steps: must be at least 2, got 1"),
+    (["--repeats", "0"], "--repeats: must be at least 1, got 0"),
+    (["--tokens", "0"], "--tokens: must be at least 1, got 0"),
+])
+def test_decode_steps_refuses_bad_values_before_loading_its_model(capsys, argv: list[str], message: str) -> None:
+    assert _refusal(decode_steps.main, argv, capsys) == f"error: {message}"
+
+
 def test_detok_runs_at_one_window(capsys) -> None:
     """The least --tokens it takes: the first and the last window are the whole output."""
     detok.main(["--tokens", str(detok.WINDOW), "--repeats", "1", "--json"])

@@ -20,7 +20,14 @@ import time
 import torch
 
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
-from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_prompts_option, wants_text, write_json
+from tandem.cli.options import (
+    DefaultsHelpFormatter,
+    add_json_option,
+    add_prompts_option,
+    refuse_bad_values,
+    wants_text,
+    write_json,
+)
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.detok import decoder
 from tandem.core.engine import SpeculativeEngine
@@ -89,6 +96,10 @@ def main(argv: list[str] | None = None) -> None:
     add_prompts_option(parser, PROMPT_SETS, DEFAULT_PROMPTS)
     add_json_option(parser, "the report")
     args = parser.parse_args(argv)
+    # --steps 1 is the single-step engine itself: the A/B would compare it with itself
+    refuse_bad_values(parser, [(name, getattr(args, name) >= least, f"must be at least {least}, got "
+                                f"{getattr(args, name)}")
+                               for name, least in (("steps", 2), ("repeats", 1), ("tokens", 1), ("threads", 1))])
     torch.set_num_threads(args.threads)
     target = load_model(TARGET, device=torch.device("cpu"), dtype=torch.bfloat16, progress=False)
     ids = [encode_prompt(target.tokenizer, text, chat=True) for text in load_prompts(args.prompts)]
