@@ -51,7 +51,8 @@ def _torch_threads_kept():
 def ray_session():
     """One local Ray on loopback for the whole run: starting Ray twice in a process is slow and flaky."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+    # address="local": a Ray of its own even where this machine runs another (`ray start` leaves one for ray.init)
+    ray.init(address="local", num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              configure_logging=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                                        "TOKENIZERS_PARALLELISM": "false"}})

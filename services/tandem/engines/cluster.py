@@ -49,7 +49,9 @@ def start_ray(options: ClusterOptions) -> None:
     ray_auth.configure_local_cluster(options.ray_token_file)
     cpus = max(os.cpu_count() or 1, int(options.actors * options.cpus_per_worker) + 1)
     # No dashboard (its job API runs code for anyone who reaches it); were it ever turned on, loopback only.
-    ray.init(num_cpus=cpus, include_dashboard=False, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
+    # address="local": without it ray.init joins a cluster `ray start` left on this machine (and refuses num_cpus).
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, dashboard_host="127.0.0.1",
+             _node_ip_address="127.0.0.1",
              runtime_env=env, log_to_driver=False, configure_logging=False)
     global _own_ray
     _own_ray = True
