@@ -4,7 +4,9 @@ cannot place, give up past --timeout, and a later scale corrects the count at on
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -71,6 +73,65 @@ def test_a_scale_past_the_clusters_room_gives_up_and_a_corrective_scale_stops_wh
         assert done.returncode == 0, done.stderr[-2000:]
         assert json.loads(done.stdout)["workers"]["target"] == ["target-0", "target-3"]
         assert "pools s: target-3 ready after" in done.stderr
+    finally:
+        tandem_cli(small_cluster, "pools", "stop", "--name", "s")
+    _actors_settle(small_cluster, [], 0.0)
+
+
+def _in_cluster(address: str, script: str) -> str:
+    """`script` run by a Ray client of the cluster, in the pools' namespace (`ray` imported, `m` the manager of `s`)."""
+    code = ("import ray; ray.init(log_to_driver=False, namespace='tandem'); "
+            "m = ray.get_actor('tandem-pools-s', namespace='tandem'); " + script)
+    done = subprocess.run([sys.executable, "-c", code], env=head_env(address), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_a_restarted_manager_waits_again_for_a_worker_still_starting(small_cluster, tiny_dirs) -> None:
+    """A worker the manager that died was still waiting for is starting to the new one (it listed it as serving:
+    gateways routed to a worker with no process yet), and a scale waiting on it rides the restart out."""
+    tandem_cli(small_cluster, "pools", "start", "--name", "s", "--target", str(tiny_dirs.target), "--no-spec",
+               "--threads", "1", "--dtype", "float32", "--target-replicas", "2")
+    try:
+        waiting = subprocess.Popen([str(BIN / "tandem"), "pools", "scale", "--name", "s", "target", "3", "--timeout",
+                                    "25"], env=head_env(small_cluster), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        time.sleep(8)
+        _in_cluster(small_cluster, "ray.kill(m, no_restart=False)")  # Ray restarts it; it adopts its workers
+        _, err = waiting.communicate(timeout=120)
+        assert waiting.returncode == 2 and "Traceback" not in err, err[-2000:]
+        assert "still starting after 25 s: target-2 pending" in err.splitlines()[-1], err[-2000:]
+        status = json.loads(tandem_cli(small_cluster, "pools", "status", "--name", "s", "--json", timeout=60))
+        states = {w["name"]: w["state"] for w in status["workers"]}
+        assert states == {"target-0": "ready", "target-1": "ready", "target-2": "pending"}, status
+        routed = _in_cluster(small_cluster, "print(ray.get(m.describe.remote())['workers']['target'])")
+        assert routed.strip().splitlines()[-1] == "['target-0', 'target-1']", routed  # what gateways route to
+        # A scale once the pools are stopping would start workers no pool owns.
+        refused = _in_cluster(small_cluster, "ray.get(m.stop.remote())\n"
+                                             "try:\n    ray.get(m.scale.remote('target', 3))\n"
+                                             "except ray.exceptions.RayTaskError as exc:\n    print(exc.cause)")
+        assert "pools: 's' are stopping" in refused, refused
+    finally:
+        tandem_cli(small_cluster, "pools", "stop", "--name", "s")
+    _actors_settle(small_cluster, [], 0.0)
+
+
+def test_a_worker_that_fails_to_load_says_why_in_one_line_and_in_the_status(small_cluster, tiny_dirs,
+                                                                             tmp_path) -> None:
+    target = tmp_path / "target"
+    shutil.copytree(tiny_dirs.target, target)
+    tandem_cli(small_cluster, "pools", "start", "--name", "s", "--target", str(target), "--no-spec", "--threads", "1",
+               "--dtype", "float32")
+    try:
+        (target / "model.safetensors").write_bytes(b"\0" * 16)  # the next worker's load fails (no manifest here)
+        done = _run(small_cluster, "pools", "scale", "--name", "s", "target", "2", "--timeout", "120")
+        assert done.returncode == 2, done.stderr[-2000:]
+        error = done.stderr.strip().splitlines()[-1]
+        assert error.startswith("error: ") and "Error: " in error and "\x1b[" not in error, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr and "ray::" not in error
+        status = tandem_cli(small_cluster, "pools", "status", "--name", "s")
+        assert "target target-1   FAILED to start" in status and error[len("error: "):] in status, status
     finally:
         tandem_cli(small_cluster, "pools", "stop", "--name", "s")
     _actors_settle(small_cluster, [], 0.0)

@@ -10,6 +10,7 @@ import os
 import re
 import socket
 import sys
+import time
 
 from tandem.cli.common import (
     add_model_options,
@@ -57,6 +58,7 @@ def connect(args: argparse.Namespace) -> None:
 # How long `pools start` and `scale` wait for new workers by default: a cold start that compiles the draft takes
 # 12-14 min on a 2-core CPU.
 START_TIMEOUT_S = 1800.0
+FAILURES_SHOWN = 5  # failed starts `pools status` prints
 ADDRESS = re.compile(r"^(?:ray://)?(\[[^\]]+\]|[^:/\[\]]+):(\d+)$")
 CONNECT_TIMEOUT_S = 10.0
 
@@ -190,6 +192,9 @@ def run_status(args: argparse.Namespace) -> int:
                   f"sessions {w['retained_sessions']:3}  kv {w['kv_tokens_used']}/{w['kv_tokens_capacity']}  "
                   f"rows/forward {w['rows_per_forward']:.2f}  calls/forward {w['calls_per_forward']:.2f}  "
                   f"evicted {w.get('evicted', 0)}")
+        for failed in pool["failed_starts"][-FAILURES_SHOWN:]:  # the newest; --json has the last 64
+            print(f"  {failed['role']:6} {failed['name']:10} FAILED to start {time.time() - failed['at']:.0f} s ago: "
+                  f"{failed['error']}")
     return 0
 
 

@@ -3,6 +3,8 @@ actor's state in Ray's actor table."""
 
 from __future__ import annotations
 
+import re
+
 import ray
 
 # Ray's actor states (gcs.proto ActorTableData.ActorState) of an actor whose constructor has not returned.
@@ -36,6 +38,16 @@ def worker_health(workers: dict[str, dict[str, object]]) -> list[dict]:
     return out
 
 
+def succeeded(ref) -> bool:
+    """Whether a finished call returned (not: its worker was restarting, raised, or is a tensor-parallel rank not set
+    up yet)."""
+    try:
+        ray.get(ref)
+    except ray.exceptions.RayError:
+        return False
+    return True
+
+
 def actor_state(handle) -> str:
     """ALIVE, RESTARTING, DEAD, PENDING_CREATION, ... from the GCS's actor table; "" when it cannot be read."""
     return _actor_record(handle).get("State", "")
@@ -58,3 +70,15 @@ def _actor_record(handle) -> dict:
         return state.actors(handle._actor_id.hex())
     except Exception:
         return {}
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception)\w*: .*)$")
+
+
+def last_error(exc: BaseException) -> str:
+    """A failed start's cause in one line: the last `SomeError: message` line of Ray's remote traceback (a
+    constructor's error reaches the manager only as that text), without its colour codes."""
+    text = _ANSI.sub("", str(exc))
+    lines = [match.group(1) for line in text.splitlines() if (match := _ERROR_LINE.match(line.strip()))]
+    return lines[-1] if lines else f"{type(exc).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"

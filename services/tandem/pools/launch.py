@@ -55,6 +55,29 @@ def launch(spec: PoolSpec, draft: WorkerConfig | None, role: str, index: int) ->
     return Launched(role, name, handle)
 
 
+def find_launched(spec: PoolSpec, roles: tuple[str, ...]) -> list[Launched]:
+    """The pool's workers as Ray holds them, found by their names (a restarted manager's), in name order."""
+    import ray
+
+    from tandem.pools.names import NAMESPACE
+
+    prefix, tp, found = spec.actor_prefix, spec.options.tensor_parallel, []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"]
+        role, _, index = name[len(prefix):].rpartition("-")  # a tensor-parallel rank's "-rank1" is no index
+        if actor["namespace"] == NAMESPACE and name.startswith(prefix) and role in roles and index.isdigit():
+            found.append((role, int(index), name))
+    launched = []
+    for role, index, name in sorted(found):
+        worker, group = f"{role}-{index}", None
+        if role == "target" and tp > 1:
+            from tandem.workers.tp_replica import find_tp_replica  # the model stack: only where a replica has ranks
+
+            group = find_tp_replica(prefix, worker, tp)
+        launched.append(Launched(role, worker, ray.get_actor(name, namespace=NAMESPACE), group))
+    return launched
+
+
 def await_started(launched: Launched) -> None:
     """Block until the worker has loaded its model; raises as `worker_base.get_started` does (a tandem error for a
     model that failed its checks). The caller stops a worker whose start failed."""

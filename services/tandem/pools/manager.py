@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,8 +31,8 @@ import ray
 from tandem.core.config import EngineConfig, draft_vocab_limit
 from tandem.core.costs import CostModel
 from tandem.errors import InvalidArgument, TandemError
-from tandem.pools.health import actor_state, worker_health
-from tandem.pools.launch import Launched, await_started, launch, placement
+from tandem.pools.health import actor_state, last_error, succeeded, worker_health
+from tandem.pools.launch import Launched, await_started, find_launched, launch, placement
 from tandem.pools.names import NAMESPACE, find_manager, manager_name, stop_pools
 from tandem.pools.waiting import wait_ready
 
@@ -45,7 +46,8 @@ log = logging.getLogger(__name__)
 ROLES = ("draft", "target")
 IMAGE_ENV = "TANDEM_IMAGE"  # the image a process runs (the Helm chart sets it): pools and gateways must agree
 PRUNE_EVERY_S = 2.0  # how often the manager looks for workers that died for good
-FAILURES_KEPT = 64  # the last starts that failed, by worker name, for `progress` to report
+FAILURES_KEPT = 64  # the last starts that failed, by worker name, for `progress` and `status` to report
+ADOPT_WAIT_S = 2.0  # a restarted manager's wait for its workers' answers: one that does not answer is starting
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,9 +79,9 @@ class PoolManager:
         self.spec = spec
         self.workers: dict[str, dict[str, object]] = {role: {} for role in ROLES}  # role -> {name: handle}
         # Workers asked of Ray and not yet loaded (pools.launch): not offered to gateways; a scale down stops them
-        # first. A start that failed leaves its message in `failures`.
+        # first. A start that failed leaves its role, message and time in `failures`.
         self.starting: dict[str, Launched] = {}
-        self.failures: OrderedDict[str, str] = OrderedDict()
+        self.failures: OrderedDict[str, dict] = OrderedDict()
         self.next_index = dict.fromkeys(ROLES, 0)
         # Tensor-parallel target replicas by name: gateways call rank 0 (in `workers`), which leads the others. One
         # dead rank breaks its group, so the manager replaces the whole group.
@@ -102,25 +104,27 @@ class PoolManager:
 
     def _adopt_workers(self) -> None:
         """A restarted manager (its node or the Ray head restarted; the detached workers lived on) finds its workers
-        again by their names."""
-        prefix = self.spec.actor_prefix
-        found = []
-        for actor in ray.util.list_named_actors(all_namespaces=True):
-            name = actor["name"]
-            role, _, index = name[len(prefix):].rpartition("-")
-            if actor["namespace"] == NAMESPACE and name.startswith(prefix) and role in ROLES and index.isdigit():
-                found.append((role, int(index), name))
-        tp = self.spec.options.tensor_parallel
-        for role, index, name in sorted(found):
-            worker = f"{role}-{index}"
-            if role == "target" and tp > 1:
-                from tandem.workers.tp_replica import find_tp_replica
-
-                self.groups[worker] = find_tp_replica(prefix, worker, tp)
-            self.workers[role][worker] = ray.get_actor(name, namespace=NAMESPACE)
-            self.next_index[role] = max(self.next_index[role], index + 1)
-        log.warning("pools %s: manager restarted, adopted %s", self.spec.name,
-                    {role: list(workers) for role, workers in self.workers.items()})
+        again by their names. Those that answer serve on; one that does not was still starting (not placed, or
+        loading) and is waited for again; a tensor-parallel replica that does not was being set up by the manager
+        that died, which alone could finish it, so a fresh one replaces it."""
+        adopted = find_launched(self.spec, ROLES)
+        for launched in adopted:
+            role, index = launched.name.rsplit("-", 1)
+            self.next_index[role] = max(self.next_index[role], int(index) + 1)
+            if launched.group is not None:
+                self.groups[launched.name] = launched.group
+        answers = [launched.handle.info.remote() for launched in adopted]
+        answered, _ = ray.wait(answers, num_returns=len(answers), timeout=ADOPT_WAIT_S) if answers else ([], [])
+        for launched, answer in zip(adopted, answers, strict=True):
+            if answer in answered and succeeded(answer):
+                self.workers[launched.role][launched.name] = launched.handle
+            elif launched.group is not None:
+                self._remove(launched.role, launched.name, launched.handle)
+                self._begin(launched.role, 1)
+            else:
+                self._wait_for(launched)
+        log.warning("pools %s: manager restarted, adopted %s, starting %s", self.spec.name,
+                    {role: list(workers) for role, workers in self.workers.items()}, list(self.starting))
 
     def start(self) -> dict:
         """Ask for every worker, draft and target at once, and return the pools' description at once: the starter
@@ -185,6 +189,8 @@ class PoolManager:
                 "starting": {role: [n for n, w in self.starting.copy().items() if w.role == role] for role in ROLES}}
 
     def scale(self, role: str, count: int) -> dict:
+        if self._stopped.is_set():  # workers started now would outlive the manager, owned by no pool
+            raise InvalidArgument(f"pools: {self.spec.name!r} are stopping")
         if role not in ROLES:
             raise InvalidArgument(f"role: draft or target, got {role!r}")
         if count < 1:
@@ -219,7 +225,7 @@ class PoolManager:
             elif (launched := self.starting.get(name)) is not None:
                 out[name] = placement(self.spec, launched)
             elif name in self.failures:
-                out[name] = {"state": "failed", "error": self.failures[name]}
+                out[name] = {"state": "failed", "error": self.failures[name]["error"]}
             else:
                 out[name] = {"state": "stopped"}
         return out
@@ -235,18 +241,19 @@ class PoolManager:
                 "image": self.spec.image, "manager_pid": os.getpid(),
                 "tensor_parallel": self.spec.options.tensor_parallel, "calibrated_batches": sorted(self.calibrations),
                 "workers": workers + starting,
+                "failed_starts": [{"name": name} | failed for name, failed in self.failures.copy().items()],
                 "rows_per_verify_call": round(rows, 3)}
 
     def stop(self) -> None:
-        self._stopped.set()
-        with self._lock:
+        with self._lock:  # a scale (or a replacement) under way finishes first; later ones find the pools stopping
+            self._stopped.set()
             for launched in self.starting.values():
                 self._remove(launched.role, launched.name, launched.handle)
             self.starting.clear()
-        for role in ROLES:
-            for name, handle in self.workers[role].items():
-                self._remove(role, name, handle)
-            self.workers[role].clear()
+            for role in ROLES:
+                for name, handle in self.workers[role].items():
+                    self._remove(role, name, handle)
+                self.workers[role].clear()
 
     def _remove(self, role: str, name: str, handle) -> None:
         if name in self.groups:
@@ -258,16 +265,20 @@ class PoolManager:
 
     def _begin(self, role: str, count: int) -> None:
         """Ask Ray for `count` more workers of `role` and wait for each on a thread of its own. Under the lock:
-        asking returns at once, whether or not the cluster has room."""
-        for _ in range(count):
+        asking returns at once, whether or not the cluster has room. Nothing once the pools are stopping."""
+        for _ in range(0 if self._stopped.is_set() else count):
             index = self.next_index[role]
             self.next_index[role] = index + 1
             launched = launch(self.spec, self.draft_config, role, index)
             if launched.group is not None:
                 self.groups[launched.name] = launched.group
-            self.starting[launched.name] = launched
-            threading.Thread(target=self._await, args=(launched,), name=f"tandem-pools-{launched.name}",
-                             daemon=True).start()
+            self._wait_for(launched)
+
+    def _wait_for(self, launched: Launched) -> None:
+        """List the worker as starting and wait for it on a thread of its own (`_await`)."""
+        self.starting[launched.name] = launched
+        threading.Thread(target=self._await, args=(launched,), name=f"tandem-pools-{launched.name}",
+                         daemon=True).start()
 
     def _await(self, launched: Launched) -> None:
         """Wait for one worker's start; a ready worker joins the pool (a new generation: gateways follow), one whose
@@ -281,9 +292,9 @@ class PoolManager:
                 if self.starting.pop(launched.name, None) is None:
                     return
                 failed = exc if isinstance(exc, TandemError) else user_error(exc)
-                message = str(failed) if failed is not None else f"{type(exc).__name__}: {exc}"
+                message = str(failed) if failed is not None else last_error(exc)
                 log.error("pools %s: %s could not start: %s", self.spec.name, launched.name, message)
-                self.failures[launched.name] = message
+                self.failures[launched.name] = {"role": launched.role, "error": message, "at": round(time.time())}
                 while len(self.failures) > FAILURES_KEPT:
                     self.failures.popitem(last=False)
                 self.groups.pop(launched.name, None)  # a tensor-parallel start that fails stops its own group

@@ -29,8 +29,11 @@ def wait_ready(manager, pool: str, names: list[str], timeout_s: float, report: C
     `timeout_s` (0: return at once). `on_timeout` ends that error's message: what becomes of the workers."""
     started, seen, last_said = time.monotonic(), dict.fromkeys(names, ""), time.monotonic()
     while names and timeout_s > 0:
-        states = ray.get(manager.progress.remote(names), timeout=PROGRESS_TIMEOUT_S)
+        states = _progress(manager, names, started + timeout_s)
         now = time.monotonic()
+        if states is None:  # the manager is restarting: it adopts its workers and answers again
+            time.sleep(POLL_S)
+            continue
         for name in names:
             state = states[name]
             if state["state"] == "failed":
@@ -51,6 +54,20 @@ def wait_ready(manager, pool: str, names: list[str], timeout_s: float, report: C
                    ", ".join(f"{n} ({states[n]['state']})" for n in names))
         if names:
             time.sleep(POLL_S)
+
+
+def _progress(manager, names: list[str], deadline: float) -> dict | None:
+    """The manager's `progress`; None while it restarts (Ray restarts a manager whose node or process died, and it
+    adopts its workers), until `deadline`."""
+    try:
+        return ray.get(manager.progress.remote(names), timeout=PROGRESS_TIMEOUT_S)
+    except ray.exceptions.ActorUnavailableError:
+        if time.monotonic() >= deadline:
+            raise TandemError("the pools' manager is restarting and did not answer in time; `tandem pools status` "
+                              "shows where the workers stand once it does") from None
+        return None
+    except ray.exceptions.RayActorError:
+        raise TandemError("the pools' manager is gone (stopped, or died for good): `tandem pools status`") from None
 
 
 def describe(state: dict, elapsed_s: float) -> str:
