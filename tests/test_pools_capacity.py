@@ -135,3 +135,23 @@ def test_a_worker_that_fails_to_load_says_why_in_one_line_and_in_the_status(smal
     finally:
         tandem_cli(small_cluster, "pools", "stop", "--name", "s")
     _actors_settle(small_cluster, [], 0.0)
+
+
+def test_a_start_stops_workers_a_lost_manager_of_its_name_left(small_cluster, tiny_dirs) -> None:
+    """Detached workers outlive a manager killed for good; their names refused the next start's (a traceback)."""
+    orphan = ("@ray.remote(num_cpus=0)\nclass W:\n    pass\n"
+              "w = W.options(name='tandem-pools-s-target-0', namespace='tandem', lifetime='detached').remote()\n"
+              "ray.get(w.__ray_ready__.remote())")
+    done = subprocess.run([sys.executable, "-c", "import ray; ray.init(log_to_driver=False)\n" + orphan],
+                          env=head_env(small_cluster), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    try:
+        done = _run(small_cluster, "pools", "start", "--name", "s", "--target", str(tiny_dirs.target), "--no-spec",
+                    "--threads", "1", "--dtype", "float32")
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "pools s: stopped 1 workers that pools of this name left behind when their manager was lost: " \
+               "target-0" in done.stderr
+        assert json.loads(done.stdout)["workers"]["target"] == ["target-0"]
+    finally:
+        tandem_cli(small_cluster, "pools", "stop", "--name", "s")
+    _actors_settle(small_cluster, [], 0.0)

@@ -33,7 +33,7 @@ from tandem.core.costs import CostModel
 from tandem.errors import InvalidArgument, TandemError
 from tandem.pools.health import actor_state, last_error, succeeded, worker_health
 from tandem.pools.launch import Launched, await_started, find_launched, launch, placement
-from tandem.pools.names import NAMESPACE, find_manager, manager_name, stop_pools
+from tandem.pools.names import NAMESPACE, find_manager, manager_name, stop_orphans, stop_pools
 from tandem.pools.waiting import wait_ready
 
 if TYPE_CHECKING:
@@ -317,6 +317,7 @@ def start_pools(spec: PoolSpec, timeout_s: float, report: Callable[[str], None])
         pass
     else:
         raise InvalidArgument(f"name: pools named {spec.name!r} are already running (`tandem pools status`)")
+    stop_orphans(spec.name, report)
     manager = ray.remote(PoolManager).options(name=manager_name(spec.name), namespace=NAMESPACE, lifetime="detached",
                                               num_cpus=0, max_restarts=-1, max_concurrency=8).remote(spec)
     try:

@@ -7,6 +7,9 @@ command that only asks a manager should not import torch and transformers first 
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 import ray
 
 from tandem.errors import TandemError
@@ -14,6 +17,7 @@ from tandem.errors import TandemError
 NAMESPACE = "tandem"  # the Ray namespace of shared pools' named actors
 MANAGER_PREFIX = "tandem-pools-"
 STOP_TIMEOUT_S = 60.0
+_WORKER_NAME = re.compile(r"(?:draft|target)-\d+(?:-rank\d+)?")  # a worker's name after its pools' prefix
 
 
 def manager_name(pool: str) -> str:
@@ -44,3 +48,23 @@ def stop_pools(manager) -> None:
         ray.get(manager.stop.remote(), timeout=STOP_TIMEOUT_S)
     finally:
         ray.kill(manager, no_restart=True)
+
+
+def stop_orphans(pool: str, report: Callable[[str], None]) -> None:
+    """Workers named for `pool` with no manager: a manager lost uncleanly left them (detached, they outlive it),
+    owned by no pool, and their names would refuse new pools' workers. Pools named POOL-x are not POOL's."""
+    prefix = f"{manager_name(pool)}-"
+
+    def ours(name: str) -> bool:
+        return name.startswith(prefix) and _WORKER_NAME.fullmatch(name[len(prefix):]) is not None
+
+    orphans = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["namespace"] == NAMESPACE and ours(a["name"])]
+    for name in orphans:
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+    for group in ray.util.placement_group_table().values():  # a tensor-parallel replica's
+        if ours(group.get("name", "")) and group.get("state") != "REMOVED":
+            ray.util.remove_placement_group(ray.util.get_placement_group(group["name"]))
+    if orphans:
+        report(f"pools {pool}: stopped {len(orphans)} workers that pools of this name left behind when their "
+               f"manager was lost: {', '.join(name[len(prefix):] for name in orphans)}")
