@@ -24,6 +24,7 @@ from tandem.cli.options import (
     DefaultsHelpFormatter,
     add_json_option,
     add_prompts_option,
+    at_least,
     refuse_bad_values,
     wants_text,
     write_json,
@@ -97,9 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     add_json_option(parser, "the report")
     args = parser.parse_args(argv)
     # --steps 1 is the single-step engine itself: the A/B would compare it with itself
-    refuse_bad_values(parser, [(name, getattr(args, name) >= least, f"must be at least {least}, got "
-                                f"{getattr(args, name)}")
-                               for name, least in (("steps", 2), ("repeats", 1), ("tokens", 1), ("threads", 1))])
+    refuse_bad_values(parser, at_least(args, steps=2, repeats=1, tokens=1, threads=1))
     torch.set_num_threads(args.threads)
     target = load_model(TARGET, device=torch.device("cpu"), dtype=torch.bfloat16, progress=False)
     ids = [encode_prompt(target.tokenizer, text, chat=True) for text in load_prompts(args.prompts)]

@@ -24,7 +24,14 @@ import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from tandem.cli.options import DefaultsHelpFormatter, add_json_option, refuse_bad_values, wants_text, write_json
+from tandem.cli.options import (
+    DefaultsHelpFormatter,
+    add_json_option,
+    at_least,
+    refuse_bad_values,
+    wants_text,
+    write_json,
+)
 from tandem.core.config import SamplingParams
 from tandem.core.detok import IncrementalDetokenizer, decoder
 from tandem.core.stops import StopChecker
@@ -149,7 +156,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     measure something else under the same names."""
     checks = [("tokens", args.tokens >= WINDOW, f"must be at least {WINDOW} (the report's {WINDOW}-token windows), "
                                                 f"got {args.tokens}"),
-              ("repeats", args.repeats >= 1, f"must be at least 1, got {args.repeats}")]
+              *at_least(args, repeats=1)]
     refuse_bad_values(parser, checks)
 
 

@@ -17,7 +17,14 @@ import time
 
 import ray
 
-from tandem.cli.options import DefaultsHelpFormatter, add_json_option, refuse_bad_values, wants_text, write_json
+from tandem.cli.options import (
+    DefaultsHelpFormatter,
+    add_json_option,
+    at_least,
+    refuse_bad_values,
+    wants_text,
+    write_json,
+)
 from tandem.core.config import SamplingParams
 from tandem.core.protocol import DraftProposal, VerifyRequest
 
@@ -44,8 +51,7 @@ def _block(call, calls: int) -> list[float]:
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse bad values before Ray starts: one line naming the flag, exit status 2, as the tandem CLI does. The
     p90 needs at least two calls per method."""
-    checks = [("calls", args.calls >= 1, f"must be at least 1, got {args.calls}"),
-              ("blocks", args.blocks >= 1, f"must be at least 1, got {args.blocks}"),
+    checks = [*at_least(args, calls=1, blocks=1),
               ("calls", args.calls * args.blocks >= 2,
                f"with --blocks {args.blocks}, must be at least 2 (the p90 needs 2 calls a method), got {args.calls}")]
     refuse_bad_values(parser, checks)

@@ -22,6 +22,7 @@ from tandem.cli.options import (
     DefaultsHelpFormatter,
     add_json_option,
     add_prompts_option,
+    at_least,
     refuse_bad_values,
     wants_text,
     write_json,
@@ -154,12 +155,7 @@ class InProcess:
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse bad values before any request (concurrency 0 waited forever for a slot): one line naming the flag,
     exit status 2, as the tandem CLI does."""
-    level = min(args.concurrency)
-    checks = [("concurrency", level >= 1, f"must be at least 1, got {level}"),
-              ("max_tokens", args.max_tokens >= 1, f"must be at least 1, got {args.max_tokens}"),
-              ("repeat", args.repeat >= 1, f"must be at least 1, got {args.repeat}"),
-              ("threads", args.threads >= 1, f"must be at least 1, got {args.threads}")]
-    refuse_bad_values(parser, checks)
+    refuse_bad_values(parser, at_least(args, concurrency=1, max_tokens=1, repeat=1, threads=1))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,6 +21,7 @@ from tandem.cli.options import (
     DefaultsHelpFormatter,
     add_json_option,
     add_prompts_option,
+    at_least,
     refuse_bad_values,
     wants_text,
     write_json,
@@ -78,9 +79,7 @@ async def run(address: str, prompts: list[str], max_tokens: int) -> dict:
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse bad values before any request (a negative --num-prompts sliced the list from its end): one line naming
     the flag, exit status 2, as the tandem CLI does."""
-    checks = [("max_tokens", args.max_tokens >= 1, f"must be at least 1, got {args.max_tokens}"),
-              ("num_prompts", args.num_prompts >= 1, f"must be at least 1, got {args.num_prompts}")]
-    refuse_bad_values(parser, checks)
+    refuse_bad_values(parser, at_least(args, max_tokens=1, num_prompts=1))
 
 
 def main(argv: list[str] | None = None) -> None:

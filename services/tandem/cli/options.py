@@ -121,6 +121,13 @@ def refuse_bad_values(parser: argparse.ArgumentParser, checks: Iterable[tuple[st
             parser.exit(2, f"error: {name_flags(f'{field}: {message}', flag_names([parser]))}\n")
 
 
+def at_least(args: argparse.Namespace, **minimums: int) -> list[tuple[str, bool, str]]:
+    """refuse_bad_values' checks that each named value (a list: its least) is at least its minimum."""
+    values = {name: min(v) if isinstance(v := getattr(args, name), list) else v for name in minimums}
+    return [(name, values[name] >= least, f"must be at least {least}, got {values[name]}")
+            for name, least in minimums.items()]
+
+
 def name_flags(message: str, flags: Mapping[str, str]) -> str:
     """`message` with each field that a flag sets named by that flag: configs name their fields ("port: must be
     ..."), the user typed flags ("--port"). A field no flag sets keeps its name."""
