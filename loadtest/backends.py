@@ -216,12 +216,27 @@ class OpenAIBackend(Backend):
                                         trust_env=False, verify=verify, headers=headers)
 
     async def open(self) -> dict:
+        """GET /v1/models, again while the server refuses (not listening yet) or is still loading its models (503),
+        up to the connect timeout: `tandem serve ... & python -m loadtest --backend openai ...` waits for it."""
         config = self.config
-        try:
-            response = await self.client.get(f"{self.base}/v1/models", timeout=config.connect_timeout)
-        except self.httpx.TransportError as exc:
-            raise ServerUnreachable(f"no server answered at {config.url} within {config.connect_timeout:g} s "
-                                    f"({type(exc).__name__})") from None
+        deadline, answered = time.monotonic() + config.connect_timeout, False
+        while True:
+            try:
+                response = await self.client.get(f"{self.base}/v1/models",
+                                                 timeout=max(0.1, deadline - time.monotonic()))
+                answered = True
+                if response.status_code != 503:
+                    break
+            except self.httpx.TransportError as exc:
+                if time.monotonic() >= deadline:
+                    raise ServerUnreachable(f"no server answered at {config.url} within {config.connect_timeout:g} "
+                                            f"s ({type(exc).__name__})") from None
+            if time.monotonic() >= deadline:
+                if answered:
+                    raise ServerUnreachable(f"the server at {config.url} answered but was not ready within "
+                                            f"{config.connect_timeout:g} s ({_error_message(response)})")
+                raise ServerUnreachable(f"no server answered at {config.url} within {config.connect_timeout:g} s")
+            await asyncio.sleep(min(READY_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
         if response.status_code != 200:
             return {"error": f"HTTP_{response.status_code}: {response.text[:200]}"}
         models = [m["id"] for m in response.json().get("data", [])]
@@ -318,3 +333,11 @@ def _http_error(status: int, body: bytes) -> str:
     except (ValueError, KeyError, TypeError):
         message = body[:200].decode(errors="replace")
     return f"HTTP_{status}: {message}"
+
+
+def _error_message(response) -> str:
+    """An OpenAI error body's message, else the body's start."""
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200]

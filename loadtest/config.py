@@ -89,7 +89,8 @@ class RunConfig:
             ("lengths", bool(self.lengths) and all(x in LENGTHS for x in self.lengths),
              f"must be among {', '.join(LENGTHS)}"),
             ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
-            ("temperature", self.temperature >= 0, "must not be negative"),
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0,
+             "must be a finite number, not negative"),
             ("sessions", self.sessions >= 0, "must not be negative"),
             ("connect_timeout", _positive(self.connect_timeout), "must be a positive number"),
         ]

@@ -107,16 +107,21 @@ def run_sweep(base: RunConfig, out: Path, rates: list[float] | None = None, conc
     levels = plan_sweep(base, rates, concurrencies, repeats)
     make_out_dir(out)
     repetitions = []
+    header = {"address": base.target, "load_kind": "concurrency" if concurrencies else "rate", "modes": list(modes),
+              "repeats": repeats}
     for level in levels:
         for repetition in range(repeats):
             for mode in modes if repetition % 2 == 0 else modes[::-1]:
                 config = replace(level, speculation=mode)
                 directory = f"{level_name(config)}-{mode}" + (f"-{repetition + 1}" if repeats > 1 else "")
-                results = run_to_dir(config, out / directory, prompts)
+                try:
+                    results = run_to_dir(config, out / directory, prompts)
+                except KeyboardInterrupt:  # the finished runs make a sweep.json of their own; the cut one is left out
+                    if repetitions:
+                        assemble(out, header | {"interrupted_in": directory}, repetitions, plots=False)
+                    raise
                 echo(summary(results))
                 repetitions.append(_entry(config, mode, directory, results) | {"repetition": repetition + 1})
-    header = {"address": base.target, "load_kind": "concurrency" if concurrencies else "rate", "modes": list(modes),
-              "repeats": repeats}
     return assemble(out, header, repetitions, plots)
 
 

@@ -254,6 +254,14 @@ def test_bench_rejects_bad_prompt_file(capsys, cli_models, tmp_path) -> None:
     assert code == 2 and "line 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", [["--no-prefix-cache"], ["--retain-tokens", "0"]])
+def test_bench_has_no_cache_reuse_flags(capsys, flag: list[str]) -> None:
+    """bench computes every prompt whole: the flags were accepted and did nothing."""
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", *flag])
+    assert exited.value.code == 2 and f"unrecognized arguments: {flag[0]}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", [["pools", "status"], ["gateway", "--pools", "p", "--port", "0"]])
 def test_a_ray_address_where_nothing_listens_fails_at_once(capsys, command: list[str]) -> None:
     import socket

@@ -54,6 +54,13 @@ def test_an_infinite_seconds_flag_is_a_usage_error(flag: str, tmp_path, capsys) 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_a_temperature_no_sampler_takes_is_a_usage_error(value: str, tmp_path, capsys) -> None:
+    """An infinite temperature went to the server and failed the run at its warm-up."""
+    err = _usage_error([*UNREACHABLE, "--temperature", value, "--out", str(tmp_path / "out")], capsys)
+    assert err == f"error: --temperature: must be a finite number, not negative, got {float(value)!r}"
+
+
 # --- --out --------------------------------------------------------------------------------------------------------
 
 
@@ -88,9 +95,11 @@ def test_sweep_levels_and_repeats_are_checked_before_any_run(argv: list[str], me
 # --- against a real gateway ---------------------------------------------------------------------------------------
 
 
-def test_waits_for_a_server_still_loading_up_to_the_connect_timeout(tiny_models, tmp_path, capsys) -> None:
-    """A gateway answers on its port at once and turns ready once its models have loaded (grpc.health.v1); until then
-    it refuses requests UNAVAILABLE, which failed the warm-up of `tandem serve ... & python -m loadtest ...`."""
+@pytest.mark.parametrize("backend", ["grpc", "openai"])
+def test_waits_for_a_server_still_loading_up_to_the_connect_timeout(backend: str, tiny_models, tmp_path,
+                                                                    capsys) -> None:
+    """A gateway answers on its port at once and turns ready once its models have loaded (grpc.health.v1, HTTP 503
+    until then); it refuses requests meanwhile, which failed the warm-up of `tandem serve ... & python -m loadtest`."""
     target, draft, _ = tiny_models
     load, loaded = tiny_backend(target, draft), threading.Event()
 
@@ -98,12 +107,17 @@ def test_waits_for_a_server_still_loading_up_to_the_connect_timeout(tiny_models,
         loaded.wait(60)
         return load()
 
-    server = ServerThread(slow_load, wait_ready=False)
+    server = ServerThread(slow_load, wait_ready=False, http_port=0)
     try:
-        argv = ["--address", server.address, "--requests", "2", "--max-tokens", "4", "--lengths", "short"]
+        where = ["--address", server.address] if backend == "grpc" else \
+            ["--backend", "openai", "--url", server.gateway.http_url]
+        argv = [*where, "--requests", "2", "--max-tokens", "4", "--lengths", "short"]
         assert main([*argv, "--connect-timeout", "0.5", "--out", str(tmp_path / "early")]) == 1
-        assert capsys.readouterr().err == (f"error: --address: the server at {server.address} answered but was not "
-                                           f"ready within 0.5 s (readiness NOT_SERVING)\n")
+        assert capsys.readouterr().err == (
+            f"error: --address: the server at {server.address} answered but was not ready within 0.5 s (readiness "
+            f"NOT_SERVING)\n" if backend == "grpc" else
+            f"error: --url: the server at {server.gateway.http_url} answered but was not ready within 0.5 s (not "
+            f"ready: the engine is still loading)\n")
         threading.Timer(1.0, loaded.set).start()
         assert main([*argv, "--connect-timeout", "60", "--out", str(tmp_path / "run")]) == 0
         assert json.loads((tmp_path / "run" / "results.json").read_text())["completed"] == 2
@@ -142,3 +156,29 @@ def test_ctrl_c_writes_the_requests_so_far_and_exits_130(tiny_models, tmp_path) 
     assert results["config"]["interrupted"] is True and results["requests"] == requests
     assert results["cancelled"] > 0 and results["completed"] + results["failed"] + results["not_sent"] == requests
     assert len((out / "trace.jsonl").read_text().splitlines()) == 1 + requests - results["not_sent"]
+
+
+def test_ctrl_c_in_a_sweep_writes_a_sweep_json_of_the_runs_finished(tiny_models, tmp_path) -> None:
+    """An interrupted sweep kept its finished levels' directories but wrote no sweep.json to read them by."""
+    target, draft, _ = tiny_models
+    server = ServerThread(tiny_backend(target, draft))
+    out = tmp_path / "sweep"
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-c", LOADTEST_AT_A_TERMINAL, "sweep", "--address", server.address,
+                             "--concurrencies", "1", "--modes", "off", "auto", "--requests", "4", "--max-tokens",
+                             "256", "--ignore-eos", "--warmup", "0", "--lengths", "short", "--no-plots", "--out",
+                             str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.wait_for(lambda: any(out.glob("*/results.json")), timeout=120), "the first run did not end"
+        proc.send_signal(signal.SIGINT)  # the second run takes as long as the first: it is under way
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        server.stop()
+    assert proc.returncode == 130 and err.splitlines()[-1:] == ["interrupted"] and "Traceback" not in err, err
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert [run["speculation"] for run in sweep["runs"]] == ["off"], sweep
+    assert sweep["interrupted_in"] == "concurrency1-auto"
+    assert sweep["runs"][0]["results"]["completed"] == 4 and sweep["ratios"] == []

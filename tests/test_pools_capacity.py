@@ -64,8 +64,17 @@ def test_a_scale_past_the_clusters_room_gives_up_and_a_corrective_scale_stops_wh
         # The manager answers while target-2 waits: status lists it as starting, and a scale down is not held up.
         status = json.loads(tandem_cli(small_cluster, "pools", "status", "--name", "s", "--json", timeout=60))
         assert {"role": "target", "name": "target-2", "healthy": False, "state": "pending"} in status["workers"]
+        waiting = subprocess.Popen([str(BIN / "tandem"), "pools", "scale", "--name", "s", "target", "3", "--timeout",
+                                    "60"], env=head_env(small_cluster), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        time.sleep(3)
         scaled = json.loads(tandem_cli(small_cluster, "pools", "scale", "--name", "s", "target", "1", timeout=60))
         assert scaled["workers"]["target"] == ["target-0"] and scaled["starting"]["target"] == [], scaled
+        # The scale to 3 still waiting was overtaken: its caller must not read success.
+        _, err = waiting.communicate(timeout=60)
+        assert waiting.returncode == 2 and "Traceback" not in err, err[-2000:]
+        assert err.splitlines()[-1] == "error: pools s: target has 1 workers, not the 3 asked for: a later scale " \
+            "(or a worker's death) changed the count while this one waited; `tandem pools status --name s`", err
         _actors_settle(small_cluster, ["tandem-pools-s", "tandem-pools-s-target-0"], 1.0)
 
         # With room again, a scale waits for its worker, reporting its progress, and returns once it serves.

@@ -68,7 +68,7 @@ async def run_level(address: str, prompts: list[str], concurrency: int, max_toke
     drafted = sum(r["drafted"] for r in results)
     return {"concurrency": concurrency, "speculation": speculation, "tokens": tokens, "seconds": round(seconds, 3),
             "tok_s": round(tokens / seconds, 3),
-            "alpha": round(sum(r["accepted"] for r in results) / drafted, 4) if drafted else 0.0,
+            "alpha": round(sum(r["accepted"] for r in results) / drafted, 4) if drafted else None,  # none drafted
             "rounds": sum(r["rounds"] for r in results), "fallback_rounds": sum(r["fallback_rounds"] for r in results),
             "draft_failures": sum(r["draft_failures"] for r in results)}
 
@@ -107,9 +107,11 @@ def _combine(results: list[dict]) -> dict:
     first, total = results[0], {}
     for key in ("tokens", "seconds", "rounds", "fallback_rounds", "draft_failures"):
         total[key] = round(sum(r[key] for r in results), 3)
-    alphas = [r["alpha"] for r in results]
+    # An acceptance rate only where something was drafted: a plain run has none (0.0 read as all rejected).
+    alphas = [r["alpha"] for r in results if r["alpha"] is not None]
     return {"concurrency": first["concurrency"], "speculation": first["speculation"], **total,
-            "tok_s": round(total["tokens"] / total["seconds"], 3), "alpha": round(sum(alphas) / len(alphas), 4),
+            "tok_s": round(total["tokens"] / total["seconds"], 3),
+            "alpha": round(sum(alphas) / len(alphas), 4) if alphas else None,
             "tok_s_each": [r["tok_s"] for r in results]}
 
 
@@ -147,7 +149,7 @@ class InProcess:
         drafted = sum(r.stats["drafted"] for r in results)
         return {"concurrency": 1, "speculation": "in-process", "tokens": tokens, "seconds": round(seconds, 3),
                 "tok_s": round(tokens / seconds, 3),
-                "alpha": round(sum(r.stats["accepted"] for r in results) / drafted, 4) if drafted else 0.0,
+                "alpha": round(sum(r.stats["accepted"] for r in results) / drafted, 4) if drafted else None,
                 "rounds": sum(r.stats["rounds"] for r in results),
                 "fallback_rounds": sum(r.stats["fallback_rounds"] for r in results), "draft_failures": 0}
 

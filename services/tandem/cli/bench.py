@@ -17,7 +17,7 @@ METHODS = ("plain", "hf_plain", "hf_assisted", "tandem")
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench")
-    add_model_options(parser)
+    add_model_options(parser, cache_reuse=False)  # each method computes every prompt whole
     add_prompts_option(parser, PROMPT_SETS, DEFAULT_PROMPTS)
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt and method")
     parser.add_argument("--num-prompts", type=int, default=None, metavar="N",

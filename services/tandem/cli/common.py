@@ -29,7 +29,9 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
-def add_model_options(parser: argparse.ArgumentParser) -> None:
+def add_model_options(parser: argparse.ArgumentParser, cache_reuse: bool = True) -> None:
+    """`cache_reuse`: offer --retain-tokens and --no-prefix-cache (a benchmark that times whole prompts has neither:
+    its arguments read as prefix caching off)."""
     parser.add_argument("--target", default=DEFAULT_TARGET,
                         help="registry name, HF directory, GGUF file or hub id (default: %(default)s)")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, same forms (default: %(default)s)")
@@ -75,6 +77,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="KV cache budget of each model (the target's and the draft's, in every worker), in "
                              "tokens counted as sequences x the longest one's length (default 0: a share of the "
                              "memory free at start: the GPU's, or the host's available memory)")
+    if not cache_reuse:
+        parser.set_defaults(retain_tokens=DEFAULT_RETAIN_TOKENS, prefix_cache=False)
+        return
     parser.add_argument("--retain-tokens", type=int, default=DEFAULT_RETAIN_TOKENS, metavar="N",
                         help="tokens of finished requests' keys and values each model keeps, within --kv-tokens, for "
                              "a session's next turn and for prefixes later requests share; the least recently used "

@@ -214,6 +214,11 @@ def run_scale(args: argparse.Namespace) -> int:
                    on_timeout=f"They go on starting; `tandem pools scale --name {args.name} {args.role} N` with a "
                               f"smaller N stops them")
         described = ray.get(manager.describe.remote())
+        have = len(described["workers"][args.role]) + len(described["starting"][args.role])
+        if have != args.count:  # another shell's scale overtook this one: its caller must not read success
+            raise TandemError(f"pools {described['name']}: {args.role} has {have} workers, not the {args.count} "
+                              f"asked for: a later scale (or a worker's death) changed the count while this one "
+                              f"waited; `tandem pools status --name {args.name}`")
     print(json.dumps({"scaled": described["name"], "workers": described["workers"],
                       "starting": described["starting"]}))
     return 0
