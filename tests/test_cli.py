@@ -132,6 +132,13 @@ def test_generate_json_to_a_file_still_streams_the_text(capsys, cli_models, tmp_
     assert written["token_ids"] == _generate(capsys, cli_models)["token_ids"]  # `--json` alone: stdout
 
 
+def test_generate_summary_gives_an_acceptance_rate_only_where_drafts_were_checked(capsys, cli_models) -> None:
+    """`--no-spec` printed "acceptance 0.00", read as every draft rejected."""
+    assert ", acceptance 0." in _generate_text(capsys, cli_models, "--fixed-k", "2").err.splitlines()[-1]
+    plain = _generate_text(capsys, cli_models, "--no-spec").err.splitlines()[-1]
+    assert plain.startswith("[") and "finish: length]" in plain and "acceptance" not in plain, plain
+
+
 def _generate_text(capsys, models, *extra: str):
     code = main(["generate", "def add(a, b):", "--target", str(models / "target"), "--draft", str(models / "draft"),
                  "--temperature", "0", "--max-tokens", "24", "--ignore-eos", "--dtype", "float32", *extra])

@@ -104,6 +104,17 @@ def test_worker_actors_are_the_pools_alone(pools, gateways) -> None:
     assert cpus_used == 2
 
 
+
+def test_each_worker_serves_its_metrics_as_documented(pools, gateways) -> None:
+    """`pools start` workers served no /metrics unless $TANDEM_WORKER_METRICS_PORT was set on the Ray nodes; the
+    docs say each serves one from 9465 (`--worker-metrics-port`)."""
+    workers = _status(pools)["workers"]
+    assert {w["name"] for w in workers} == {"draft-0", "target-0"}
+    for worker in workers:
+        url = worker["metrics"]
+        assert url is not None and url.startswith("http://") and int(url.rsplit(":", 1)[1].split("/")[0]) >= 9465
+        text = httpx.get(url, timeout=10, trust_env=False).text
+        assert f'tandem_worker_role="{worker["role"]}"' in text and "tandem_worker_kv_tokens{" in text, text[:2000]
 # `tandem` in a fresh interpreter that writes, at exit, the top-level packages it imported to $IMPORTS_FILE.
 REPORT_IMPORTS = """
 import atexit, json, os, sys

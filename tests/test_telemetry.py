@@ -153,6 +153,37 @@ def test_trace_context_from_client_metadata_parents_the_genai_server_span(server
     assert rounds[-1].attributes["tandem.finish_reason"] == "length"
 
 
+def test_an_http_requests_span_parents_its_generation_and_health_probes_make_none(tiny_models) -> None:
+    """FastAPI (0.165 and later) traces each request itself: the generation's span was its sibling under the client's
+    traceparent, and every kubelet probe of /health made a trace of FastAPI's spans."""
+    import httpx
+
+    pytest.importorskip("fastapi.telemetry")
+    target, draft, _ = tiny_models
+    with in_memory_tracing() as (exporter, tests_tracer):
+        running = ServerThread(tiny_backend(target, draft), http_port=0)
+        try:
+            url = running.gateway.http_url
+            with tests_tracer.start_as_current_span("client") as client_span:
+                carrier = {"traceparent": f"00-{client_span.get_span_context().trace_id:032x}-"
+                                          f"{client_span.get_span_context().span_id:016x}-01"}
+            for _ in range(3):
+                assert httpx.get(f"{url}/health", timeout=30, trust_env=False).status_code == 200
+            done = httpx.post(f"{url}/v1/chat/completions", headers=carrier, timeout=60, trust_env=False,
+                              json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+            assert done.status_code == 200, done.text
+        finally:
+            running.stop()
+        finished = exporter.get_finished_spans()
+    assert not [s for s in finished if "/health" in s.name], [s.name for s in finished]
+    spans = by_trace(finished, client_span.get_span_context().trace_id)
+    http_span = next(s for s in spans if s.kind == trace.SpanKind.SERVER)
+    assert http_span.parent.span_id == client_span.get_span_context().span_id, http_span.name
+    chat = next(s for s in spans if s.name == "chat tiny-target")
+    assert chat.parent.span_id == http_span.context.span_id and chat.kind == trace.SpanKind.INTERNAL
+    assert not [s for s in spans if s.name.startswith("fastapi.")], [s.name for s in spans]
+
+
 def test_failed_and_cancelled_calls_end_their_spans_with_errors(server) -> None:
     with in_memory_tracing() as (exporter, _), TandemClient(server.address, timeout=60) as client:
         with pytest.raises(grpc.RpcError):

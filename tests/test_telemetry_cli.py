@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tandem.cli.common import worker_metrics_port
 from tandem.cli.main import build_parser
-from tandem.cli.serve import worker_metrics_port
 from tandem.cli.serving import gateway_options
 from tandem.client import TandemClient
 from tandem.errors import InvalidArgument

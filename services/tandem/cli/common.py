@@ -289,8 +289,10 @@ def print_outcome(json_target: str | None, text: str | None, token_ids: list[int
     where `--json` asked for it (stdout instead of the text, or a file)."""
     if json_target != STDOUT:
         sys.stdout.write("\n")
-        print(f"[{len(token_ids)} tokens, {elapsed:.2f}s, finish: {finish_reason}, "
-              f"acceptance {stats['acceptance_rate']:.2f}]", file=sys.stderr)
+        # An acceptance rate only where something was drafted (0.00 read as every draft rejected).
+        drafted = stats.get("drafted", 1)
+        acceptance = f", acceptance {stats['acceptance_rate']:.2f}" if speculative and drafted else ""
+        print(f"[{len(token_ids)} tokens, {elapsed:.2f}s, finish: {finish_reason}{acceptance}]", file=sys.stderr)
     write_json(json_target, {
         "text": text,
         "token_ids": token_ids,
@@ -304,3 +306,27 @@ def print_outcome(json_target: str | None, text: str | None, token_ids: list[int
         "stats": stats,
         **extra,
     })
+
+
+def add_worker_metrics_option(parser: argparse.ArgumentParser) -> None:
+    """--worker-metrics-port: `tandem serve` and `tandem pools start`."""
+    from tandem.telemetry.worker import DEFAULT_WORKER_METRICS_PORT, METRICS_PORT_ENV
+
+    parser.add_argument("--worker-metrics-port", type=int, default=None,
+                        help=f"first /metrics port of each Ray worker (default: ${METRICS_PORT_ENV} or "
+                        f"{DEFAULT_WORKER_METRICS_PORT}; taken: the next free one; 0: a free port; -1: off)")
+    parser.set_defaults(no_metrics=False)  # `tandem serve --no-metrics` turns the workers' off too
+
+
+def worker_metrics_port(args: argparse.Namespace) -> int:
+    """The port Ray workers serve /metrics on (-1: off), handed to them as $TANDEM_WORKER_METRICS_PORT."""
+    from tandem.telemetry.worker import DEFAULT_WORKER_METRICS_PORT, METRICS_PORT_ENV
+
+    if args.no_metrics:
+        return -1
+    port = args.worker_metrics_port
+    if port is None:
+        port = int(os.environ.get(METRICS_PORT_ENV) or DEFAULT_WORKER_METRICS_PORT)
+    if not -1 <= port <= 65535:
+        raise InvalidArgument(f"worker_metrics_port: must be between -1 (off) and 65535, got {port}")
+    return port

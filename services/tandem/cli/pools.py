@@ -16,10 +16,12 @@ from tandem.cli.common import (
     add_model_options,
     add_pool_options,
     add_ray_token_option,
+    add_worker_metrics_option,
     announce_compile,
     engine_config,
     kv_tokens,
     pin_model_args,
+    worker_metrics_port,
 )
 from tandem.cli.options import add_json_option, wants_text, write_json
 from tandem.core.config import compiles
@@ -97,6 +99,7 @@ def add_pools_parser(subparsers: argparse._SubParsersAction) -> None:
     start.add_argument("--no-spec", action="store_true", help="a target pool only (plain decoding)")
     start.add_argument("--batch-window-ms", type=float, default=2.0,
                        help="how long a worker waits for other gateways' calls to join a forward (default: 2)")
+    add_worker_metrics_option(start)
     add_start_timeout(start, "the pools are stopped and the command fails")
     add_ray_address(start)
     start.set_defaults(handler=run_start)
@@ -127,6 +130,7 @@ def run_start(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         raise InvalidArgument(f"--timeout: a start waits for its workers: must be positive, got {args.timeout:g}")
     kv_tokens(args)
+    metrics_port = worker_metrics_port(args)
     pin_model_args(args)  # the pools' workers all load the commit a hub id names now
     speculate = not args.no_spec
     config = engine_config(args, speculate)
@@ -142,7 +146,7 @@ def run_start(args: argparse.Namespace) -> int:
     target_vocab = vocab_size(args.target)
     common = {"device": args.device, "dtype": args.dtype, "threads": args.threads, "eager": args.eager,
               "kv_tokens": args.kv_tokens, "batch_window_s": args.batch_window_ms / 1000,
-              "retain_tokens": args.retain_tokens, "prefix_cache": args.prefix_cache}
+              "retain_tokens": args.retain_tokens, "prefix_cache": args.prefix_cache, "metrics_port": metrics_port}
     target = WorkerConfig(model=args.target, compile=compiles(args.compile, draft=False), **common)
     draft = None
     if speculate and args.draft_workers:

@@ -18,6 +18,7 @@ from tandem.cli.common import (
     add_model_options,
     add_pool_options,
     add_ray_token_option,
+    add_worker_metrics_option,
     announce_compile,
     calibration_file,
     engine_config,
@@ -25,13 +26,14 @@ from tandem.cli.common import (
     local_options,
     pin_model_args,
     session_store_url,
+    worker_metrics_port,
 )
 from tandem.cli.serving import add_gateway_options, gateway_options, serve_gateway
 from tandem.core.config import EngineConfig
 from tandem.engines import Arm, Backend, BuildOptions, ClusterOptions
 from tandem.errors import InvalidArgument
 from tandem.telemetry import tracing
-from tandem.telemetry.worker import DEFAULT_WORKER_METRICS_PORT, METRICS_HOST_ENV, METRICS_PORT_ENV
+from tandem.telemetry.worker import METRICS_HOST_ENV, METRICS_PORT_ENV
 
 if TYPE_CHECKING:
     from tandem.canary.arms import ArmSpec
@@ -51,9 +53,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-spec", action="store_true", help="serve plain target decoding (no draft model)")
     add_calibration_file_option(parser)
     add_gateway_options(parser)
-    parser.add_argument("--worker-metrics-port", type=int, default=None,
-                        help=f"first /metrics port of each Ray worker (default: ${METRICS_PORT_ENV} or "
-                        f"{DEFAULT_WORKER_METRICS_PORT}; taken: the next free one; 0: a free port; -1: off)")
+    add_worker_metrics_option(parser)
     add_serve_canary_options(parser)
     parser.set_defaults(handler=run_serve)
 
@@ -67,18 +67,6 @@ def cluster_options(args: argparse.Namespace) -> ClusterOptions:
                           device=args.device, dtype=args.dtype, eager=args.eager, compile=args.compile,
                           kv_tokens=args.kv_tokens, retain_tokens=args.retain_tokens, prefix_cache=args.prefix_cache,
                           draft_quantization=args.draft_quantization)
-
-
-def worker_metrics_port(args: argparse.Namespace) -> int:
-    """The port Ray workers serve /metrics on (-1: off), handed to them as $TANDEM_WORKER_METRICS_PORT."""
-    if args.no_metrics:
-        return -1
-    port = args.worker_metrics_port
-    if port is None:
-        port = int(os.environ.get(METRICS_PORT_ENV) or DEFAULT_WORKER_METRICS_PORT)
-    if not -1 <= port <= 65535:
-        raise InvalidArgument(f"worker_metrics_port: must be between -1 (off) and 65535, got {port}")
-    return port
 
 
 def _json_flag(name: str, text: str | None):

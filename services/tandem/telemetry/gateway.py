@@ -38,8 +38,12 @@ class RequestObserver:
         self.attributes = {"gen_ai.operation.name": operation, "gen_ai.provider.name": PROVIDER,
                            "gen_ai.request.model": model}
         if tracing.enabled():
+            # Under the HTTP server's own span where one is current (FastAPI's, itself parented by the request's
+            # traceparent); a gRPC call's parent is the context in its metadata.
+            within = trace.get_current_span().get_span_context().is_valid
             span = tracing.tracer().start_span(
-                f"{operation} {model}", context=tracing.extract_metadata(metadata), kind=trace.SpanKind.SERVER,
+                f"{operation} {model}", context=None if within else tracing.extract_metadata(metadata),
+                kind=trace.SpanKind.INTERNAL if within else trace.SpanKind.SERVER,
                 attributes=self.attributes | {"gen_ai.system": PROVIDER, "rpc.system": "grpc",
                                               "rpc.service": "tandem.v1.GenerationService", "rpc.method": "Generate"})
             self.span = span if span.is_recording() else None  # sampled out: nothing downstream records either

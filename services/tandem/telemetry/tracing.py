@@ -59,6 +59,11 @@ def tracer() -> trace.Tracer:
     return _state.tracer
 
 
+def provider() -> TracerProvider | None:
+    """The gateway's tracer provider while `enabled()`, else None."""
+    return _state.provider if _state is not None else None
+
+
 def sdk_disabled() -> bool:
     return os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
 

@@ -143,9 +143,10 @@ class WorkerTelemetry:
             self.metrics = WorkerMetrics(self.role, self.name, host or _node_address(), port, self.kv_usage)
         return self.metrics.endpoint.url
 
-    def serve_metrics_from_env(self) -> None:
-        """Serve /metrics when $TANDEM_WORKER_METRICS_PORT says so; a bad setting is logged, never fatal."""
-        setting = os.environ.get(METRICS_PORT_ENV, "").strip()
+    def serve_metrics_from_env(self, port: int | None = None) -> None:
+        """Serve /metrics from `port` (-1: not at all), else when $TANDEM_WORKER_METRICS_PORT says so; a bad setting
+        is logged, never fatal."""
+        setting = os.environ.get(METRICS_PORT_ENV, "").strip() if port is None else str(port)
         try:
             if setting and int(setting) >= 0:
                 self.serve_metrics(int(setting), os.environ.get(METRICS_HOST_ENV) or None)

@@ -18,7 +18,7 @@ class DraftWorker(WorkerBase):
         from tandem.core.formats import build_in_background
         from tandem.core.local import LocalDrafter
 
-        super().__init__(name, config.batch_window_s)
+        super().__init__(name, config.batch_window_s, config.metrics_port)
         loaded = self.batcher.on_model_thread(load_runner, config, config.draft_vocab)
         self.runner, self.threads = loaded.runner, loaded.threads
         self.drafter = LocalDrafter(self.runner, top_m=config.top_m, confidence=config.confidence,

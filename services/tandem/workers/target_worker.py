@@ -16,7 +16,7 @@ class TargetWorker(WorkerBase):
     role = "target"
 
     def __init__(self, config: WorkerConfig, name: str = "target") -> None:
-        super().__init__(name, config.batch_window_s)
+        super().__init__(name, config.batch_window_s, config.metrics_port)
         self._take(self.batcher.on_model_thread(load_runner, config))
 
     def _take(self, loaded: LoadedRunner, timed_formats: bool = True) -> None:

@@ -45,7 +45,7 @@ class TensorParallelRank(TargetWorker):
 
     def __init__(self, config: WorkerConfig, rank: int, world: int, name: str = "target", lead: bool = False) -> None:
         self.config, self.rank, self.world = config, rank, world
-        WorkerBase.__init__(self, name if lead else f"{name}-rank{rank}", config.batch_window_s)
+        WorkerBase.__init__(self, name if lead else f"{name}-rank{rank}", config.batch_window_s, config.metrics_port)
         self.lead = lead  # shared pools: rank 0 takes every call and broadcasts it to the others
         self.control = None  # the gloo group rank 0 broadcasts calls over (a shared replica of 2+ ranks)
 

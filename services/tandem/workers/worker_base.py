@@ -91,6 +91,8 @@ class WorkerConfig:
     batch_window_s: float = 0.0  # how long a call waits for other gateways' calls to join its forward (shared pools)
     retain_tokens: int = DEFAULT_RETAIN_TOKENS  # finished sequences' cache tokens the runner keeps (core.runner)
     prefix_cache: bool = True  # new sequences start from a copy of a cached prefix of their prompt (core.runner)
+    # The first port of the workers' /metrics (-1: none; None: $TANDEM_WORKER_METRICS_PORT where the worker runs).
+    metrics_port: int | None = None
 
 
 @dataclass(slots=True)
@@ -142,7 +144,7 @@ def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None =
 class WorkerBase:
     role = "worker"
 
-    def __init__(self, name: str, batch_window_s: float = 0.0) -> None:
+    def __init__(self, name: str, batch_window_s: float = 0.0, metrics_port: int | None = None) -> None:
         from tandem.workers.batcher import CallBatcher
 
         self.name = name
@@ -152,7 +154,7 @@ class WorkerBase:
         self.evicted = 0  # sequences freed for calls that came before them
         self.batcher = CallBatcher(self._run, batch_window_s)
         self.telemetry = WorkerTelemetry(name, self.role, kv_usage=self.kv_usage)
-        self.telemetry.serve_metrics_from_env()
+        self.telemetry.serve_metrics_from_env(metrics_port)
         threading.Thread(target=release_orphans_forever, args=(self,), name="tandem-orphans", daemon=True).start()
 
     def serve_metrics(self, port: int = 0, host: str | None = None) -> str:

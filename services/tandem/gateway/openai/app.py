@@ -10,6 +10,7 @@ FastAPI's parameter binding so that every refusal, a bad JSON body included, is 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -61,6 +62,7 @@ from tandem.gateway.openai.tokenize import RENAMES as TOKENIZE_RENAMES
 from tandem.gateway.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from tandem.gateway.openai.tokens import TokenTexts
 from tandem.gateway.validate import GatewayLimits
+from tandem.telemetry import tracing
 
 # Why the server cannot take requests now ("loading", "draining", "unavailable"), or None when it can.
 Status = Callable[[], str | None]
@@ -92,7 +94,7 @@ def create_app(generations: GenerationsSource, limits: GatewayLimits, status: St
     <key>`, else 401), None for none (/health is always open); `stored`: where responses are stored (None: none);
     `background`: what runs background responses (None: `background` refused); `conversations`: where conversations
     are kept (None: none); `files` and `batches`: the Batch API's files and batches (None: none)."""
-    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None, **_telemetry())
     api = Api(generations, limits, status, keys)
     responses = ResponsesApi(api, stored, background, conversations)
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
@@ -278,3 +280,13 @@ async def _sse(events: AsyncGenerator, first: ChoiceDelta | ChoiceEnd, responder
         if responder.include_usage:
             yield sse(responder.usage_chunk())
         yield SSE_DONE
+
+
+def _telemetry() -> dict:
+    """FastAPI's own OpenTelemetry (FastAPI 0.165 and later): a server span per API request, on the gateway's tracer
+    provider, parent of the generation's span; none for /health (a span per kubelet probe) and none for FastAPI's
+    inner steps (dependencies, serialization)."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracer_provider": tracing.provider(), "operation_spans": False,
+                          "exclude": lambda scope: scope.get("path") == "/health"}}
