@@ -115,6 +115,22 @@ def test_cancel_stops_a_background_response_and_frees_its_caches(server) -> None
     assert sdk.responses.cancel(_finished(sdk, done.id).id).status == "incomplete"  # finished: as it is
 
 
+def test_deleting_a_running_background_response_stops_it_for_good(server) -> None:
+    """DELETE answered deleted while the run went on: the engine stayed busy, and the runner stored the response
+    again, whole, a few seconds later."""
+    sdk = openai_sdk(server)
+    started = sdk.responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=LONG, background=True,
+                                   **GREEDY)
+    time.sleep(0.3)
+    assert sdk.responses.delete(started.id) is None  # the SDK's delete returns nothing on success
+    assert _idle(server)  # stopped, not left generating
+    time.sleep(1.5)  # past the runner's heartbeat and its last store, had it gone on
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(started.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.delete(started.id)
+
+
 def test_an_id_in_use_is_refused_and_the_response_holding_it_goes_on(server) -> None:
     """A client's request_id names one response: a second background response sent with it while the first runs
     (or a synchronous one after it) is a 400 that leaves the first as it was, still running and cancellable."""

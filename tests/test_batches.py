@@ -92,13 +92,18 @@ def test_a_batch_answers_each_request_as_it_is_answered_alone(sdk) -> None:
 
 def test_what_the_batch_api_refuses(sdk, server) -> None:
     bad = _upload(sdk, [_chat("a", "x"), "not json", _chat("a", "y"), {**_chat("c", "z"), "url": "/v1/completions"},
-                        {**_chat("d", "z"), "body": {"stream": True}}, {"method": "POST"}, _chat("e", "half \ud800")])
+                        {**_chat("d", "z"), "body": {"stream": True}}, {"method": "POST"}, _chat("e", "half \ud800"),
+                        '{"custom_id": "f", "body": ' + "[" * 2000 + "]" * 2000 + "}",
+                        {**_chat("g", "z"), "body": {"background": True}}])
     failed = sdk.batches.create(input_file_id=bad, endpoint="/v1/chat/completions", completion_window="24h")
     assert failed.status == "failed" and failed.output_file_id is None
     assert [(e.line, e.code) for e in failed.errors.data] == [
         (2, "invalid_json_line"), (3, "duplicate_custom_id"), (4, "mismatched_url"), (5, "invalid_body"),
-        (6, "missing_required_parameter"), (7, "invalid_json_line")]
-    assert failed.errors.data[-1].param == "body.messages[0].content"  # half a UTF-16 pair: no text to run
+        (6, "missing_required_parameter"), (7, "invalid_json_line"), (8, "invalid_json_line"),
+        (9, "invalid_body")]
+    assert failed.errors.data[-3].param == "body.messages[0].content"  # half a UTF-16 pair: no text to run
+    assert failed.errors.data[-2].message == "This line nests arrays or objects too deeply."  # was a 500
+    assert failed.errors.data[-1].param == "body.background"  # it ran on outside the batch
     good = _upload(sdk, [_chat("a", "x")])
     for fields, param in (({"endpoint": "/v1/embeddings"}, "endpoint"), ({"completion_window": "1h"},
                                                                          "completion_window")):

@@ -220,6 +220,7 @@ def _error(call) -> openai.APIStatusError:
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
     ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),  # OpenAI requires it
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"n": 0}, "n"),
@@ -271,6 +272,17 @@ def test_a_lone_surrogate_is_a_400_naming_its_field(server, path, body, param) -
     paired = httpx.post(f"{server.gateway.http_url}/v1/completions",
                         json={"model": MODEL, "prompt": "hi \U0001f600", "max_tokens": 2})
     assert paired.status_code == 200, paired.text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize"])
+def test_a_body_nested_past_the_parsers_depth_is_a_400(server, path: str) -> None:
+    """json.loads raised RecursionError: a 500 and a logged traceback per request."""
+    deep = b"[" * 2000 + b"]" * 2000
+    sent = b'{"model": "%s", "messages": [], "x": %s}' % (MODEL.encode(), deep)
+    response = httpx.post(f"{server.gateway.http_url}{path}", content=sent,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"] == "the body nests arrays or objects too deeply"
 
 
 def test_null_flags_mean_their_defaults(server) -> None:

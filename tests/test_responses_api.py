@@ -171,6 +171,8 @@ def test_logprobs_are_the_chat_apis_for_the_same_tokens(server, sdk) -> None:
     ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
     ({"n": 2}, "n"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "wat"}}}}, "text.format"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),  # OpenAI's limits: 16 pairs, values of 512
+    ({"metadata": {"k": "v" * 513}}, "metadata"),
 ])
 def test_requests_it_cannot_honour_are_400_naming_the_field(server, change: dict, param: str) -> None:
     response = _post(server, {"input": "hi", "max_output_tokens": 2} | change)

@@ -81,6 +81,8 @@ def test_store_false_deleted_and_unknown_responses_are_not_found(sdk, server) ->
             sdk.responses.create(model=MODEL, input="and?", previous_response_id=missing, max_output_tokens=2)
         assert refused.value.body["code"] == "previous_response_not_found"
         assert refused.value.body["param"] == "previous_response_id"
+    unclear = httpx.get(f"{server.gateway.http_url}/v1/responses/{kept.id}?stream=maybe", timeout=10)
+    assert unclear.status_code == 400 and unclear.json()["error"]["param"] == "stream"  # was read as false
     deleted = httpx.delete(f"{server.gateway.http_url}/v1/responses/{kept.id}", timeout=10)
     assert deleted.status_code == 200 and deleted.json() == {"id": kept.id, "object": "response", "deleted": True}
     for gone in (httpx.get(f"{server.gateway.http_url}/v1/responses/{kept.id}", timeout=10),

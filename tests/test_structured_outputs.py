@@ -121,6 +121,16 @@ def test_streamed_chunks_join_to_the_whole_response(server) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
 
 
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+DEEP = _nested(200)
+
+
 @pytest.mark.parametrize(("body", "param", "says"), [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}},
      "response_format", "wat"),
@@ -145,10 +155,14 @@ def test_streamed_chunks_join_to_the_whole_response(server) -> None:
     ({"response_format": {"type": "json_object"}, "tool_choice": "required",
       "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
      "response_format", "tool_choice"),
+    # Past llguidance's recursion limit: its ValueError was a 500.
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}}, "response_format",
+     "recursion limit"),
+    ({"structured_outputs": {"json": DEEP}}, "structured_outputs", "recursion limit"),
 ], ids=["schema-wat", "structured-json-wat", "structured-regex", "no-json-schema", "no-schema", "schema-text",
         "schema-list", "type-xml", "not-an-object", "both-fields", "structured-empty", "structured-two",
         "structured-grammar", "structured-lark", "choice-empty", "choice-number", "guided-json", "ignore-eos",
-        "required-call"])
+        "required-call", "schema-deep", "structured-deep"])
 def test_bad_formats_are_400_naming_the_field(server, body: dict, param: str, says: str) -> None:
     response = _post(server, "chat/completions", {"max_tokens": 4} | body)
     assert response.status_code == 400, response.text

@@ -49,6 +49,8 @@ def test_tokenize_gives_the_ids_a_request_is_given(server, tiny_models) -> None:
     ("tokenize", {"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
     ("tokenize", {"prompt": "x", "model": "gpt-9"}, "model"),
     ("tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ("tokenize", {"messages": [{"role": "user", "content": None}]}, "messages[0].content"),  # was accepted
+    ("tokenize", {"prompt": ""}, "prompt"),
     ("detokenize", {"tokens": [1, 10**9]}, "tokens"),
     ("detokenize", {"tokens": "abc"}, "tokens"),
 ])
@@ -56,3 +58,4 @@ def test_refusals_name_the_field(server, path: str, body: dict, param: str) -> N
     response = _post(server, path, body)
     assert response.status_code in (400, 404), response.text
     assert response.json()["error"]["param"] == param
+    assert "chat" not in response.json()["error"]["message"]  # the engine's own name for messages

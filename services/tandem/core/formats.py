@@ -55,7 +55,17 @@ JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,32}"}
 
 
 def grammar_of(output_format: OutputFormat) -> str:
-    """The llguidance grammar of a format."""
+    """The llguidance grammar of a format; InvalidArgument where llguidance cannot take it (a schema nested past its
+    recursion limit raised a ValueError, a 500)."""
+    try:
+        return _grammar_of(output_format)
+    except InvalidArgument:
+        raise
+    except ValueError as exc:
+        raise InvalidArgument(f"response_format: {exc}") from None
+
+
+def _grammar_of(output_format: OutputFormat) -> str:
     if output_format.kind == "json_schema":
         return LLMatcher.grammar_from_json_schema(output_format.spec, defaults=JSON_OPTIONS)
     if output_format.kind == "lark":

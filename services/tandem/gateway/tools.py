@@ -190,7 +190,7 @@ def _call(body: str) -> ToolCall | None:
     """A block's call, or None when it is not `{"name": str, "arguments": object}` JSON."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # a model's text nested past the parser's depth is no call either
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
@@ -198,7 +198,7 @@ def _call(body: str) -> ToolCall | None:
     if isinstance(arguments, str):  # some models write the object as a JSON string
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None
@@ -297,6 +297,8 @@ def _json_object(text: str, field: str) -> dict:
         value = json.loads(text)
     except ValueError as exc:
         raise InvalidArgument(f"{field}: must be a JSON object ({exc})") from None
+    except RecursionError:
+        raise InvalidArgument(f"{field}: nests arrays or objects too deeply") from None
     if not isinstance(value, dict):
         raise InvalidArgument(f"{field}: must be a JSON object, got {type(value).__name__}")
     return value

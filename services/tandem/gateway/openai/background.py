@@ -168,6 +168,16 @@ class BackgroundResponses:
         # No runner stopped it: the replica running it is gone (it died without storing a last state).
         return (await self._ended(tenant, found, "cancelled")).response
 
+    async def delete(self, tenant: str, response_id: str) -> bool:
+        """DELETE /v1/responses/{id}: one still running is stopped first (else its runner stored it again as it went
+        on, and it kept the engine busy); False where there is none."""
+        found = await self.current(tenant, response_id)
+        if found is None:
+            return False
+        if found.response.get("background") and found.response["status"] not in TERMINAL:
+            await self.cancel(tenant, response_id)
+        return await self.stored.delete(tenant, response_id)
+
     async def stream(self, tenant: str, response_id: str, after: int) -> AsyncGenerator[dict, None]:
         """The events of a background response with a sequence number above `after`, to its last; 404 unknown, 400
         not a background one."""

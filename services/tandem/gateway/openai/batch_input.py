@@ -44,13 +44,17 @@ def read_requests(content: str, endpoint: str) -> tuple[list[BatchRequest], list
             continue
         try:
             line = json.loads(text)
+            surrogate = lone_surrogate(line, text.encode()) if isinstance(line, dict) else None
         except ValueError:
             error(number, "invalid_json_line", "This line is not valid JSON.")
+            continue
+        except RecursionError:
+            error(number, "invalid_json_line", "This line nests arrays or objects too deeply.")
             continue
         if not isinstance(line, dict):
             error(number, "invalid_json_line", "This line is not a JSON object.")
             continue
-        if (where := lone_surrogate(line, text.encode())) is not None:
+        if (where := surrogate) is not None:
             error(number, "invalid_json_line", f"{where}: holds an unpaired UTF-16 surrogate escape, which is no "
                   "character.", where)
             continue
@@ -67,6 +71,8 @@ def read_requests(content: str, endpoint: str) -> tuple[list[BatchRequest], list
             error(number, "invalid_body", "body: a JSON object is required.", "body")
         elif body.get("stream"):
             error(number, "invalid_body", "body.stream: a batch's requests are answered whole.", "body.stream")
+        elif body.get("background"):  # it would run on outside the batch (its concurrency, its priority)
+            error(number, "invalid_body", "body.background: a batch runs its requests itself.", "body.background")
         else:
             seen.add(custom_id)
             requests.append(BatchRequest(custom_id, body))

@@ -14,8 +14,7 @@ from fastapi.responses import JSONResponse
 
 from tandem.gateway.openai.batch_input import ENDPOINTS
 from tandem.gateway.openai.batches import Batches
-from tandem.gateway.openai.bodies import read_body
-from tandem.gateway.openai.conversations import check_metadata
+from tandem.gateway.openai.bodies import check_metadata, read_body
 from tandem.gateway.openai.errors import bad_request, in_openai_shape
 from tandem.gateway.openai.files import expires_after
 from tandem.gateway.openai.schemas import _Body

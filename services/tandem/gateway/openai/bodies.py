@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 from tandem.gateway.openai.errors import OpenAIError, bad_request, validation_error
 
 LARGE_BODY_BYTES = 64 * 1024  # bodies past this are parsed in a worker thread (other streams go on meanwhile)
+MAX_METADATA = 16  # OpenAI's metadata: key-value pairs, keys up to 64 characters, values up to 512
 
 
 def _too_large(size: int, limit: int) -> OpenAIError:
@@ -38,6 +39,13 @@ async def read_body(request: Request, schema: type[BaseModel], limit: int):
 
 
 def parse_body(body: bytes, schema: type[BaseModel]):
+    try:
+        return _parse_body(body, schema)
+    except RecursionError:  # arrays or objects nested past what Python's parser (or a walk over the value) takes
+        raise bad_request("the body nests arrays or objects too deeply") from None
+
+
+def _parse_body(body: bytes, schema: type[BaseModel]):
     try:
         data = json.loads(body)
     except ValueError as exc:
@@ -83,3 +91,14 @@ def _walk(value: object, where: str) -> str | None:
             if (found := _walk(item, f"{where}[{index}]")) is not None:
                 return found
     return None
+
+
+def check_metadata(metadata: object) -> dict[str, str]:
+    """A request's `metadata` within OpenAI's limits (a 400 naming it past them)."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items()):
+        raise bad_request(f"metadata: at most {MAX_METADATA} pairs of strings, keys up to 64 characters and values up "
+                          "to 512", "metadata")
+    return dict(metadata)

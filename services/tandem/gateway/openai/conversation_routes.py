@@ -15,8 +15,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from tandem.gateway.openai.bodies import read_body
-from tandem.gateway.openai.conversations import MAX_NEW_ITEMS, ConversationStore, check_metadata
+from tandem.gateway.openai.bodies import check_metadata, read_body
+from tandem.gateway.openai.conversations import MAX_NEW_ITEMS, ConversationStore
 from tandem.gateway.openai.errors import OpenAIError, bad_request, in_openai_shape
 from tandem.gateway.openai.responses_input import input_items
 from tandem.gateway.openai.schemas import _Body

@@ -15,24 +15,13 @@ import time
 import uuid
 from collections.abc import Callable
 
-from tandem.gateway.openai.errors import OpenAIError, bad_request
+from tandem.gateway.openai.errors import OpenAIError
 from tandem.gateway.openai.stored import store_beside, tenant_key
 from tandem.sessions import SessionStore
 
 CONVERSATION_PREFIX = "tandem:conversation:"
 MAX_IN_MEMORY = 2048
 MAX_NEW_ITEMS = 20  # OpenAI's limit on the items one create call adds
-MAX_METADATA = 16  # key-value pairs, keys up to 64 characters, values up to 512
-
-
-def check_metadata(metadata: object) -> dict[str, str]:
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA or not all(
-            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items()):
-        raise bad_request(f"metadata: at most {MAX_METADATA} pairs of strings, keys up to 64 characters and values up "
-                          "to 512", "metadata")
-    return dict(metadata)
 
 
 def not_found(conversation_id: str, param: str | None = None) -> OpenAIError:

@@ -121,6 +121,9 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateReq
 
 
 def _message(index: int, message: ChatMessage) -> pb.ChatMessage:
+    if message.content is None and message.role != "assistant":  # only an assistant turn (its calls) may have none
+        param = f"messages[{index}].content"
+        raise bad_request(f"{param}: a {message.role} message needs content", param)
     calls = [pb.ToolCall(id=call.id, name=call.function.name, arguments_json=call.function.arguments)
              for call in message.tool_calls or ()]
     return pb.ChatMessage(role=ROLE_ALIASES.get(message.role, message.role), content=_content(index, message.content),

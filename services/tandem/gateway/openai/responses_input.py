@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from tandem.gateway.openai.bodies import check_metadata
 from tandem.gateway.openai.convert import CHAT_RENAMES
 from tandem.gateway.openai.errors import bad_request, validation_error
 from tandem.gateway.openai.schemas import ChatCompletionRequest, ResponsesRequest, _Generate
@@ -51,6 +52,7 @@ def chat_body(body: ResponsesRequest, history: list[dict] | None = None) -> Resp
     its conversation and output."""
     for name in body.unsupported():
         raise bad_request(f"{name}: not supported by this server", name)
+    check_metadata(body.metadata)  # OpenAI's limits, as for conversations and batches
     for index, entry in enumerate(body.include or ()):
         if entry != OUTPUT_LOGPROBS:
             raise bad_request(f"include[{index}]: only {OUTPUT_LOGPROBS!r} is supported, got {entry!r}",

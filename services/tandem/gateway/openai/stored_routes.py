@@ -40,7 +40,9 @@ def add_stored_routes(app: FastAPI, stored: ResponseStore | None, background: Ba
     @in_openai_shape
     async def retrieve(request: Request, response_id: str) -> Response:
         query = request.query_params
-        if query.get("stream", "false").lower() != "true":
+        if (stream := query.get("stream", "false").lower()) not in ("true", "false"):
+            raise bad_request(f"stream: must be true or false, got {query.get('stream')!r}", "stream")
+        if stream == "false":
             return JSONResponse((await found(request, response_id)).response)
         try:
             after = int(query.get("starting_after", -1))
@@ -60,7 +62,8 @@ def add_stored_routes(app: FastAPI, stored: ResponseStore | None, background: Ba
     @in_openai_shape
     async def delete(request: Request, response_id: str) -> JSONResponse:
         tenant = tenant_of(request)
-        if stored is None or not await stored.delete(tenant, response_id):
+        deleted = background.delete if background is not None else stored.delete if stored is not None else None
+        if deleted is None or not await deleted(tenant, response_id):
             raise not_found(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 

@@ -39,6 +39,8 @@ class DetokenizeRequest(_Body):
 async def tokenize(generations: Generations, body: TokenizeRequest, tenant: str) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("prompt: send exactly one of prompt or messages", "prompt")
+    if body.prompt == "":  # (the engine's message names its own fields, prompt or chat)
+        raise bad_request("prompt: must not be empty", "prompt")
     for name in ("add_generation_prompt", "add_special_tokens"):
         if getattr(body, name) is False:
             raise bad_request(f"{name}: only true is supported (the ids a request is given)", name)
