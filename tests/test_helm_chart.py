@@ -32,6 +32,7 @@ CHART = ROOT / "helm" / "tandem"
 CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
 RELEASE = "demo"
 FULLNAME = "demo-tandem"
+RAY_CLIENT = f"ray.address=ray://{FULLNAME}-ray-head-svc:10001"  # a gateway with no Ray node of its own
 EMBEDDED = "topology=embedded"
 # kubernetes-validate has schemas for core kinds only. These CRD kinds are checked by the assertions below (the
 # RayCluster's pod templates are validated as Pods); any other kind must validate.
@@ -1088,6 +1089,9 @@ def test_pools_job_command_runs_the_script_through_ray_job_submit(tmp_path):
     (("ray.head.rayStartParams.dashboard-host=0.0.0.0",), "stays on the head's loopback"),
     (("gateway.tls.certManager.duration=90d",), "duration"),
     (("networkPolicy.clients=all",), "networkPolicy.clients"),
+    # Without a raylet in the pod, a GCS address cannot be joined: the gateway failed at start.
+    (("gateway.joinRayCluster=false",), "ray.address must be the head's client URL, e.g. ray://"),
+    (("gateway.joinRayCluster=false", "ray.address=h:6379"), "ray.address must be the head's client URL"),
 ])
 def test_bad_values_fail_the_render(sets, message):
     result = helm("template", RELEASE, str(CHART), *values_args(None, sets))
@@ -1166,7 +1170,7 @@ def pod_security():
 
 
 SECURITY_CASES = [(None, ()), (None, (EMBEDDED,)), (None, ("gateway.tls.secretName=tls",)),
-                  (None, ("gateway.joinRayCluster=false",)), ("secure-tls-values.yaml", (EMBEDDED,))]
+                  (None, ("gateway.joinRayCluster=false", RAY_CLIENT)), ("secure-tls-values.yaml", (EMBEDDED,))]
 
 
 @pytest.mark.parametrize("values, sets", [(name.name, ()) for name in CI_VALUES] + SECURITY_CASES)
@@ -1466,7 +1470,7 @@ def ray_auth_env(cont: dict) -> tuple[str | None, dict | None]:
 
 @pytest.mark.parametrize("values, sets, secret", [
     (None, (), (f"{FULLNAME}-ray-auth", "auth_token")),
-    (None, (EMBEDDED, "gateway.joinRayCluster=false"), (f"{FULLNAME}-ray-auth", "auth_token")),
+    (None, (EMBEDDED, "gateway.joinRayCluster=false", RAY_CLIENT), (f"{FULLNAME}-ray-auth", "auth_token")),
     ("secure-tls-values.yaml", (), ("tandem-ray-auth", "token")),
     ("external-redis-servicemonitor-values.yaml", (), (f"{FULLNAME}-ray-auth", "auth_token")),
 ])
@@ -1626,7 +1630,7 @@ def test_network_policies_can_restrict_clients_and_egress():
         assert not allows(source, Endpoint({}, ip="203.0.113.7"), 443)
         assert allows(source, Endpoint({}, ip="10.96.0.10"), 53)
     # Without a local Ray node the gateways take no Ray traffic.
-    client = render(None, "gateway.joinRayCluster=false")
+    client = render(None, "gateway.joinRayCluster=false", RAY_CLIENT)
     ray_pods = release_endpoints(client)
     assert not network_allows(client, ray_pods["head"], ray_pods["gateway"], 23456)
     assert network_allows(client, ray_pods["gateway"], ray_pods["head"], 10001)

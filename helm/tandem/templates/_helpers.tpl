@@ -346,6 +346,9 @@ httpGet: {path: /health, port: http, scheme: HTTPS}
 {{- if not (has $dashboardHost (list "127.0.0.1" "localhost")) }}
 {{- fail (printf "ray.head.rayStartParams.dashboard-host %s: the Ray dashboard accepts jobs (code execution) and stays on the head's loopback; the pools Job reaches it from inside the head (README.md, \"Ray: the dashboard and the token\")" $dashboardHost) }}
 {{- end }}
+{{- if and (not $v.gateway.joinRayCluster) (not (hasPrefix "ray://" (toString $v.ray.address))) }}
+{{- fail (printf "gateway.joinRayCluster false: with no Ray node of its own in the pod the gateway joins as a Ray Client, so ray.address must be the head's client URL, e.g. ray://%s-head-svc:10001 (a GCS address needs a raylet beside the driver)" (include "tandem.rayClusterName" .)) }}
+{{- end }}
 {{- if semverCompare "<2.52.0-0" $v.ray.version }}
 {{- fail (printf "ray.version %s: Ray token authentication (RAY_AUTH_MODE=token, which the chart always sets) needs Ray >= 2.52; use an image with a newer Ray" $v.ray.version) }}
 {{- end }}
