@@ -160,6 +160,32 @@ def test_updates_while_redis_is_down_use_memory_and_are_written_back(own_server)
     assert RedisSessionStore(own_server.url).get("s") == {"names": ["before", "during"]}
 
 
+def test_a_supervised_embedded_redis_killed_is_started_again_and_writes_come_back(caplog):
+    """`tandem serve`'s own redis-server, killed (OOM), stayed a zombie and the gateway kept its state in memory for
+    good; now it is started again on its URL and the store writes back what it kept."""
+    caplog.set_level(logging.WARNING, logger="tandem.sessions.embedded")
+    embedded = EmbeddedRedis().start()
+    try:
+        embedded.supervise(every_s=0.1)
+        store = RedisSessionStore(embedded.url, retry_initial_s=0.05, retry_max_s=0.1)
+        store.update("s", _appended("before"))
+        first = embedded.pid
+        os.kill(first, signal.SIGKILL)
+        assert store.update("s", _appended("during"))["names"] == ["before", "during"]
+        deadline = time.monotonic() + 10
+        while not (embedded.running and embedded.pid != first and store.healthy) and time.monotonic() < deadline:
+            store.get("nothing")
+            time.sleep(0.05)
+        assert embedded.running and embedded.pid != first
+        assert RedisSessionStore(embedded.url).get("s") == {"names": ["before", "during"]}  # written back
+        assert f"the embedded redis-server (pid {first}) exited with -9; starting it again" in caplog.text
+        assert not os.path.exists(f"/proc/{first}")  # reaped, no zombie
+    finally:
+        embedded.stop()
+    time.sleep(0.3)  # past a few of the supervisor's looks
+    assert not embedded.running  # a stop is not a death: nothing starts it again
+
+
 @pytest.mark.alone
 def test_outage_serves_from_memory_and_recovers(own_server, caplog):
     caplog.set_level(logging.INFO, logger=STORE_LOGGER)

@@ -120,6 +120,27 @@ def test_metrics_count_prompt_tokens_copied_from_cached_prefixes(server) -> None
         assert value(families, "tandem_kv_shared_tokens_total", tandem_worker_role=role) == shared, role
 
 
+def test_a_session_store_outage_shows_in_the_metrics(tiny_models) -> None:
+    """Redis gone, the gateway keeps session state in memory and serves on: nothing said so but a log line."""
+    from tandem.sessions import EmbeddedRedis, RedisSessionStore
+
+    target, draft, _ = tiny_models
+    with EmbeddedRedis() as redis:
+        store = RedisSessionStore(redis.url, retry_initial_s=0.05, retry_max_s=0.1)
+        running = ServerThread(tiny_backend(target, draft), sessions=store, metrics_port=0)
+        try:
+            available = lambda: value(scrape(running.gateway.metrics_url), "tandem_sessions_store_available")  # noqa: E731
+            assert available() == 1
+            redis.stop()
+            with TandemClient(running.address, timeout=60) as client:  # served on, its session kept in memory
+                client.generate_text(token_ids=PROMPTS[0], session_id="s", **GREEDY)
+            assert available() == 0
+            redis.start()  # same port and password
+            assert running.wait_for(lambda: store.get("s") is not None and available() == 1)
+        finally:
+            running.stop()
+
+
 def test_trace_context_from_client_metadata_parents_the_genai_server_span(server) -> None:
     with in_memory_tracing() as (exporter, tests_tracer), TandemClient(server.address, timeout=60) as client:
         with tests_tracer.start_as_current_span("client") as client_span:

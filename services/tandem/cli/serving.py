@@ -152,6 +152,7 @@ def session_store(url: str | None, stack: contextlib.ExitStack) -> SessionStore:
         except RuntimeError as exc:
             logging.getLogger(__name__).warning("no Redis: keeping session state in memory (%s)", exc)
             return open_session_store(None)
+        redis.supervise()  # a redis-server killed (OOM) is started again: the store reconnects to its URL
         url = redis.url
         print(f"tandem: session state in embedded Redis at {redis.redacted_url}", flush=True)
     return open_session_store(url)

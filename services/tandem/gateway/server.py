@@ -65,6 +65,8 @@ class Gateway:
         arm_routers: the edge plug-in that splits requests over arms (None: one backend serves them all). Raises
         OSError when the port cannot be bound."""
         self.options, self.metrics, self.sessions, self.arm_routers = options, metrics, sessions, arm_routers
+        if metrics is not None and sessions is not None:
+            metrics.attach_sessions(lambda: sessions.healthy)
         self.generations: Generations | None = None  # the generate path, once the engines have loaded
         self.health = health.aio.HealthServicer()
         self.servicer = GenerationServiceServicer(self.serving, options.api_keys)

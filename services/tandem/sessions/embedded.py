@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import re
 import secrets
@@ -25,6 +26,8 @@ import time
 from pathlib import Path
 
 from tandem.sessions.connection import redact_url
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = (
     "redis-server not found: install it (Debian/Ubuntu: `apt-get install -y redis-server`, macOS: "
@@ -105,6 +108,8 @@ class EmbeddedRedis:
         self._fixed_port = port is not None
         self._process: subprocess.Popen | None = None
         self._dir: str | None = None
+        self._lock = threading.RLock()  # start/stop against the supervising thread's restarts
+        self._supervised: threading.Event | None = None  # set: stop supervising
 
     @property
     def url(self) -> str:
@@ -144,6 +149,29 @@ class EmbeddedRedis:
         atexit.register(self.stop)
         return self
 
+    def supervise(self, every_s: float = 2.0) -> None:
+        """Start redis-server again, on the same port and password, whenever it exits (killed, out of memory): its
+        clients reconnect to the same URL and write back what they kept meanwhile (sessions.store). Until stop()."""
+        if self._supervised is not None:
+            return
+        done = self._supervised = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(every_s):
+                with self._lock:
+                    process = self._process
+                    if done.is_set() or process is None or process.poll() is None:  # poll() reaps it
+                        continue
+                    log.warning("the embedded redis-server (pid %d) exited with %s; starting it again on port %d",
+                                process.pid, process.returncode, self.port)
+                    self._cleanup_dir()
+                    try:
+                        self._launch(self.binary or find_redis_server())
+                    except (RuntimeError, OSError) as exc:
+                        log.warning("the embedded redis-server did not start again: %s", exc)
+
+        threading.Thread(target=watch, name="tandem-redis-watch", daemon=True).start()
+
     def _launch(self, binary: str) -> None:
         self._dir = tempfile.mkdtemp(prefix="tandem-redis-")
         log_path = Path(self._dir) / "redis.log"
@@ -161,7 +189,7 @@ class EmbeddedRedis:
                 break
             time.sleep(0.02)
         log_tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
-        self.stop()
+        self._end_process()
         raise RuntimeError(f"redis-server did not start on {self.host}:{self.port}: {log_tail.strip()}")
 
     def _write_config(self, log_path: Path) -> Path:
@@ -175,6 +203,15 @@ class EmbeddedRedis:
         return path
 
     def stop(self) -> None:
+        if self._supervised is not None:
+            self._supervised.set()
+            self._supervised = None
+        with self._lock:
+            self._end_process()
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.stop)
+
+    def _end_process(self) -> None:
         process, self._process = self._process, None
         if process is not None:
             process.terminate()
@@ -183,11 +220,12 @@ class EmbeddedRedis:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        self._cleanup_dir()
+
+    def _cleanup_dir(self) -> None:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
-        with contextlib.suppress(Exception):
-            atexit.unregister(self.stop)
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()

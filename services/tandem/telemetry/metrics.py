@@ -161,6 +161,10 @@ class GatewayMetrics:
         meter.create_observable_gauge("tandem.batches.running", _gauge(self._batches_running), unit="{batch}",
                                       description="Batches running on this gateway.")
         self._batches: Callable[[], int] | None = None
+        meter.create_observable_gauge("tandem.sessions.store_available", _gauge(self._store_available), unit="1",
+                                      description="1 while the shared session store (Redis) answers; 0 while this "
+                                      "gateway keeps session state in memory, to write back once it answers again.")
+        self._store_healthy: Callable[[], bool] | None = None
         self.base: dict[str, str] = {"gen_ai.provider.name": PROVIDER}
         self._spec_base: dict[str, str] = {}
         self._positions: dict[int, list[int]] = {}  # draft position -> [drafted, accepted]
@@ -190,6 +194,14 @@ class GatewayMetrics:
 
     def batch_end(self, status: str) -> None:
         self.batches_ended.add(1, {"status": status})
+
+    def attach_sessions(self, healthy: Callable[[], bool]) -> None:
+        """Whether the session store answers now, for its gauge."""
+        self._store_healthy = healthy
+
+    def _store_available(self) -> Iterator[tuple[float, dict]]:
+        if self._store_healthy is not None:
+            yield int(self._store_healthy()), {}
 
     def _batches_running(self) -> Iterator[tuple[float, dict]]:
         if self._batches is not None:
