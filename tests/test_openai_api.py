@@ -163,6 +163,23 @@ def test_n_choices(server) -> None:
     assert _idle(server)
 
 
+def test_completion_logprobs_name_a_part_of_a_character_by_its_bytes(server) -> None:
+    """Each byte of "é" decodes alone to U+FFFD: both were named "\ufffd", so `tokens` did not join to the text and
+    `top_logprobs` (keyed by name) merged distinct tokens. OpenAI names them `bytes:\\xNN`."""
+    prompt = "café naïve"
+    response = httpx.post(f"{server.gateway.http_url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "echo": True, "logprobs": 5, "max_tokens": 1, "temperature": 0})
+    assert response.status_code == 200, response.text
+    logprobs = response.json()["choices"][0]["logprobs"]
+    names = logprobs["tokens"][:-1]  # the echoed prompt's tokens
+    assert "\ufffd" not in "".join(names) and any(name.startswith("bytes:\\x") for name in names), names
+    joined = b"".join(bytes.fromhex(name[len("bytes:"):].replace("\\x", "")) if name.startswith("bytes:")
+                      else name.encode() for name in names)
+    assert joined.decode() == prompt
+    for top in logprobs["top_logprobs"][1:]:
+        assert len(top) == 5  # five distinct names for five distinct tokens
+
+
 def test_chat_logprobs(server, tiny_models) -> None:
     tokenizer = tiny_models[0].tokenizer
     _, ids, _ = _grpc(server, chat=[(m["role"], m["content"]) for m in CHAT], ignore_eos=True, **GREEDY)

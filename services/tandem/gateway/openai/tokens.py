@@ -61,6 +61,17 @@ class TokenTexts:
                 return text, bytes(alphabet[char] for char in piece)
         return text, text.encode()
 
+    def name(self, token_id: int) -> str:
+        """The token as the completions API's logprobs name it: its text, or, for part of a UTF-8 character (whose
+        decode alone is a replacement character, the same for every such token), `bytes:\\xNN...` as OpenAI
+        writes it, so that distinct tokens keep distinct names in `tokens` and `top_logprobs`' keys."""
+        text, raw = self.get(token_id)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+        return text
+
     def shown_bytes(self, token_id: int) -> bytes:
         """The token's bytes as they appear in the returned text: none for special tokens, which it skips."""
         return b"" if token_id in self.special else self.get(token_id)[1]
@@ -107,7 +118,7 @@ class CompletionLogprobs:
         """The echoed prompt's part (`echo`): its first token has no logprob (null, as OpenAI reports it), each
         other token is reported as any token is, with the logprob the target gave it (core.prompt_logprobs);
         text_offset counts on into the completion's tokens."""
-        first = {"tokens": [self.texts.get(first_token)[0]], "token_logprobs": [None], "top_logprobs": [None],
+        first = {"tokens": [self.texts.name(first_token)], "token_logprobs": [None], "top_logprobs": [None],
                  "text_offset": self._offsets([first_token])}
         rest = self.format(logprobs)
         return {key: first[key] + rest[key] for key in first}
@@ -121,7 +132,7 @@ class CompletionLogprobs:
 
     def format(self, logprobs: list[TokenLogprob]) -> dict:
         offsets = self._offsets([lp.token_id for lp in logprobs])
-        return {"tokens": [self.texts.get(lp.token_id)[0] for lp in logprobs],
+        return {"tokens": [self.texts.name(lp.token_id) for lp in logprobs],
                 "token_logprobs": [finite(lp.logprob) for lp in logprobs],
-                "top_logprobs": [{self.texts.get(tid)[0]: finite(value) for tid, value in lp.top} for lp in logprobs],
+                "top_logprobs": [{self.texts.name(tid): finite(value) for tid, value in lp.top} for lp in logprobs],
                 "text_offset": offsets}
