@@ -118,10 +118,15 @@ def sweep_parser() -> argparse.ArgumentParser:
 
 
 def plot_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m loadtest plot", description="Plot a finished sweep.",
+    parser = _sweep_file_parser("plot", "Plot a finished sweep.")
+    parser.add_argument("--out", type=Path, default=None, help="where the PNGs go (default: next to sweep.json)")
+    return parser
+
+
+def _sweep_file_parser(command: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"python -m loadtest {command}", description=description,
                                      formatter_class=DefaultsHelpFormatter)
     parser.add_argument("sweep", type=Path, help="a sweep.json")
-    parser.add_argument("--out", type=Path, default=None, help="where the PNGs go (default: next to sweep.json)")
     return parser
 
 
@@ -160,8 +165,12 @@ def prompts_of(config: RunConfig) -> list[Prompt]:
         raise UsageError(str(exc)) from None
 
 
-PARSERS = {"run": run_parser, "sweep": sweep_parser, "plot": plot_parser, "bound": plot_parser,
-           "report": plot_parser, "rebuild": plot_parser}
+PARSERS = {
+    "run": run_parser, "sweep": sweep_parser, "plot": plot_parser,
+    "bound": lambda: _sweep_file_parser("bound", "The analytic bound per level, from the server's measured costs."),
+    "report": lambda: _sweep_file_parser("report", "Markdown tables: the runs, AUTO/OFF with the targets, the bound."),
+    "rebuild": lambda: _sweep_file_parser("rebuild", "Recompute every results.json and sweep.json from the traces."),
+}
 
 
 def main(argv: list[str] | None = None) -> int:

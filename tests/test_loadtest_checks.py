@@ -182,3 +182,13 @@ def test_ctrl_c_in_a_sweep_writes_a_sweep_json_of_the_runs_finished(tiny_models,
     assert [run["speculation"] for run in sweep["runs"]] == ["off"], sweep
     assert sweep["interrupted_in"] == "concurrency1-auto"
     assert sweep["runs"][0]["results"]["completed"] == 4 and sweep["ratios"] == []
+
+
+@pytest.mark.parametrize("command", ["plot", "bound", "report", "rebuild"])
+def test_each_sweep_file_command_has_its_own_help(command: str, capsys) -> None:
+    """bound, report and rebuild printed plot's usage and took its --out, which they ignored."""
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert exited.value.code == 0 and out.startswith(f"usage: python -m loadtest {command} ")
+    assert ("--out" in out) == (command == "plot")
