@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -132,17 +133,14 @@ LOADTEST_AT_A_TERMINAL = ("import runpy, signal; signal.signal(signal.SIGINT, si
                           "runpy.run_module('loadtest', run_name='__main__', alter_sys=True)")
 
 
-def test_ctrl_c_writes_the_requests_so_far_and_exits_130(tiny_models, tmp_path) -> None:
-    target, draft, _ = tiny_models
-    server = ServerThread(tiny_backend(target, draft))
-    out, requests = tmp_path / "run", 64
+def _interrupt(argv: list[str], server: ServerThread, under_way: Callable[[], bool]) -> None:
+    """Run `python -m loadtest ARGV` against `server`, Ctrl-C it once `under_way()`, and check how it ends: status
+    130, "interrupted" its last line, no traceback. The server is stopped afterwards."""
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-c", LOADTEST_AT_A_TERMINAL, "--address", server.address, "--rate", "inf",
-                             "--requests", str(requests), "--max-tokens", "512", "--ignore-eos", "--warmup", "0",
-                             "--lengths", "short", "--out", str(out)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", LOADTEST_AT_A_TERMINAL, *argv], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert server.wait_for(lambda: len(server.engine.sequences) > 0, timeout=60), "no request arrived"
+        assert server.wait_for(under_way, timeout=120), "the run did not get under way"
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
         assert server.wait_for(server.caches_empty), "the interrupted requests were not cancelled on the wire"
@@ -152,6 +150,15 @@ def test_ctrl_c_writes_the_requests_so_far_and_exits_130(tiny_models, tmp_path) 
             proc.communicate()
         server.stop()
     assert proc.returncode == 130 and err.splitlines()[-1:] == ["interrupted"] and "Traceback" not in err, err
+
+
+def test_ctrl_c_writes_the_requests_so_far_and_exits_130(tiny_models, tmp_path) -> None:
+    target, draft, _ = tiny_models
+    server = ServerThread(tiny_backend(target, draft))
+    out, requests = tmp_path / "run", 64
+    _interrupt(["--address", server.address, "--rate", "inf", "--requests", str(requests), "--max-tokens", "512",
+                "--ignore-eos", "--warmup", "0", "--lengths", "short", "--out", str(out)], server,
+               lambda: len(server.engine.sequences) > 0)
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["interrupted"] is True and results["requests"] == requests
     assert results["cancelled"] > 0 and results["completed"] + results["failed"] + results["not_sent"] == requests
@@ -163,21 +170,10 @@ def test_ctrl_c_in_a_sweep_writes_a_sweep_json_of_the_runs_finished(tiny_models,
     target, draft, _ = tiny_models
     server = ServerThread(tiny_backend(target, draft))
     out = tmp_path / "sweep"
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-c", LOADTEST_AT_A_TERMINAL, "sweep", "--address", server.address,
-                             "--concurrencies", "1", "--modes", "off", "auto", "--requests", "4", "--max-tokens",
-                             "256", "--ignore-eos", "--warmup", "0", "--lengths", "short", "--no-plots", "--out",
-                             str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert server.wait_for(lambda: any(out.glob("*/results.json")), timeout=120), "the first run did not end"
-        proc.send_signal(signal.SIGINT)  # the second run takes as long as the first: it is under way
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        server.stop()
-    assert proc.returncode == 130 and err.splitlines()[-1:] == ["interrupted"] and "Traceback" not in err, err
+    # Ctrl-C once the first run has ended: the second takes as long as the first, so it is under way.
+    _interrupt(["sweep", "--address", server.address, "--concurrencies", "1", "--modes", "off", "auto", "--requests",
+                "4", "--max-tokens", "256", "--ignore-eos", "--warmup", "0", "--lengths", "short", "--no-plots",
+                "--out", str(out)], server, lambda: any(out.glob("*/results.json")))
     sweep = json.loads((out / "sweep.json").read_text())
     assert [run["speculation"] for run in sweep["runs"]] == ["off"], sweep
     assert sweep["interrupted_in"] == "concurrency1-auto"

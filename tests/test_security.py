@@ -378,7 +378,12 @@ def test_one_tenant_cannot_fill_the_queue(tiny_models, pki, keys) -> None:
             with pytest.raises(grpc.RpcError) as failed:
                 alice.generate_result(token_ids=PROMPT, max_tokens=2, **GREEDY)
             assert failed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "alice" in failed.value.details() and "limit is 2" in failed.value.details()
+            assert "alice" in failed.value.details() and "its share is 2" in failed.value.details()
+            # A request's n choices each take a place in the queue: n=3 could never fit alice's share of 2, and the
+            # queue's places, not its requests, are what the share holds (one request of n=4 filled a queue of 4).
+            with pytest.raises(grpc.RpcError) as failed:
+                bob.generate_result(token_ids=PROMPT, max_tokens=2, n=3, **GREEDY)
+            assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and failed.value.details().startswith("n:")
             # bob's share is his own: both his requests run beside alice's two.
             bobs = [bob.generate(token_ids=PROMPT, request_id=f"b{i}", max_tokens=LONG, **GREEDY) for i in range(2)]
             for stream in bobs:
@@ -388,6 +393,13 @@ def test_one_tenant_cannot_fill_the_queue(tiny_models, pki, keys) -> None:
                 list(stream)
             assert small.wait_for(lambda: small.gateway.loop.active == 0)
             assert len(alice.generate_result(token_ids=PROMPT, max_tokens=2, **GREEDY).token_ids) == 2
+            both = alice.generate(token_ids=PROMPT, request_id="a2", max_tokens=LONG, n=2, **GREEDY)
+            assert isinstance(next(both), pb.Chunk)
+            with pytest.raises(grpc.RpcError) as failed:  # one request, but its two choices hold alice's share
+                alice.generate_result(token_ids=PROMPT, max_tokens=2, **GREEDY)
+            assert "holds 2 places of the queue and asks for 1 more" in failed.value.details()
+            assert alice.abort("a2") is True
+            list(both)
     finally:
         small.stop()
 

@@ -108,7 +108,9 @@ class Generations:
         self.tenant_priorities = dict(tenant_priorities or {})
         self.arm_router = arm_router
         self._choices: dict[str, list[str]] = {}  # scoped request id -> its choices' engine ids, while it runs
-        self._tenant_active: dict[str, int] = {}  # tenant -> requests in flight, for the tenants with a cap
+        # tenant -> [requests in flight, queue places they hold (a request's n choices each take one)], for the
+        # tenants with a cap: max_concurrency counts requests, the queue share counts places, as the engine's queue.
+        self._tenant_active: dict[str, list[int]] = {}
 
     @property
     def tokenizer(self):
@@ -152,36 +154,39 @@ class Generations:
         authenticated caller's (the transport's to say; "" without API keys), which namespaces its ids;
         `background`: the request runs behind every client's request (BACKGROUND_PRIORITY)."""
         _, loop = self._serving()
-        cap = self.tenant_cap(tenant, loop.max_requests)
-        if cap is None:
+        requests_cap, places_cap = self.tenant_caps(tenant, loop.max_requests)
+        if requests_cap is None and places_cap is None:
             async for event in self._stream(request, metadata, tenant, background):
                 yield event
             return
-        active = self._tenant_active.get(tenant, 0)
-        if active >= cap:
-            raise TenantBusy(f"tenant {tenant!r} has {active} requests queued or running (its limit is {cap}); "
-                             "retry later")
-        self._tenant_active[tenant] = active + 1
+        places = min(max(1, request.n), self.limits.max_choices)  # (an n past the limit is refused in _stream)
+        if places_cap is not None and places > places_cap:  # it could never run: not a retry-later
+            raise InvalidArgument(f"n: {places} choices take {places} places of the queue, more than this tenant's "
+                                  f"share ({places_cap})")
+        held = self._tenant_active.setdefault(tenant, [0, 0])
+        if requests_cap is not None and held[0] >= requests_cap:
+            raise TenantBusy(f"tenant {tenant!r} has {held[0]} requests queued or running (its limit is "
+                             f"{requests_cap}); retry later")
+        if places_cap is not None and held[1] + places > places_cap:
+            raise TenantBusy(f"tenant {tenant!r} holds {held[1]} places of the queue and asks for {places} more "
+                             f"(its share is {places_cap}; a request takes one place per choice); retry later")
+        held[0], held[1] = held[0] + 1, held[1] + places
         try:
             async for event in self._stream(request, metadata, tenant, background):
                 yield event
         finally:
-            if (left := self._tenant_active[tenant] - 1) > 0:
-                self._tenant_active[tenant] = left
-            else:
+            held[0], held[1] = held[0] - 1, held[1] - places
+            if held[0] == 0:
                 del self._tenant_active[tenant]
 
-    def tenant_cap(self, tenant: str, max_requests: int) -> int | None:
-        """The most requests `tenant` may have queued or running: the lower of its key's max_concurrency and its
-        share of a queue of `max_requests`; None for no cap. A request with n choices counts once: its choices
-        share its slot here, while the engine's queue counts each."""
+    def tenant_caps(self, tenant: str, max_requests: int) -> tuple[int | None, int | None]:
+        """(the most requests `tenant` may have queued or running: its key's max_concurrency, the most places of a
+        queue of `max_requests` they may hold: its share), each None for no cap. The engine's queue gives each of
+        a request's n choices a place, so the share counts places."""
         if not tenant:
-            return None
-        cap = self.tenant_limits.get(tenant)
-        if self.tenant_queue_share < 1.0:
-            share = max(1, int(max_requests * self.tenant_queue_share))
-            cap = share if cap is None else min(cap, share)
-        return cap
+            return None, None
+        share = max(1, int(max_requests * self.tenant_queue_share)) if self.tenant_queue_share < 1.0 else None
+        return self.tenant_limits.get(tenant), share
 
     async def _stream(self, request: pb.GenerateRequest, metadata: Sequence, tenant: str,
                       background: bool) -> AsyncIterator[Event]:
