@@ -31,7 +31,8 @@ from tandem.cli.options import DefaultsHelpFormatter, add_prompts_option, flag_n
 # Options copied as they are from the command line into RunConfig (the rest are converted).
 CONFIG_ARGS = ("address", "backend", "url", "openai_token_counts", "allow_remote", "requests", "burstiness",
                "max_concurrency", "seed", "duration", "grace", "timeout", "warmup", "max_k", "priority", "prompts",
-               "max_tokens", "temperature", "ignore_eos", "sessions", "connect_timeout", "tls", "ca", "api_key")
+               "max_tokens", "temperature", "ignore_eos", "sessions", "connect_timeout", "tls", "ca", "client_cert",
+               "client_key", "api_key")
 
 
 T = TypeVar("T")
@@ -61,6 +62,9 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls", action="store_true", help="grpc: connect over TLS (openai: give an https:// --url)")
     parser.add_argument("--ca", default=None, metavar="FILE",
                         help="PEM CA that signed the server's certificate (default: the system's trust store)")
+    parser.add_argument("--client-cert", default=None, metavar="FILE",
+                        help="mutual TLS: this client's PEM certificate (chain), with --client-key")
+    parser.add_argument("--client-key", default=None, metavar="FILE", help="mutual TLS: its PEM private key")
     parser.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                         help="sent as `authorization: Bearer <key>` (default: $TANDEM_API_KEY)")
     parser.add_argument("--requests", type=int, required=True, help="measured requests per run")

@@ -16,6 +16,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from loadtest.config import RunConfig
 from loadtest.prompts import Prompt
@@ -96,11 +97,9 @@ class GrpcBackend(Backend):
         super().__init__(config)
         self.grpc = grpc
         if config.tls:
-            root = None
-            if config.ca:
-                with open(config.ca, "rb") as file:
-                    root = file.read()
-            self.channel = grpc.aio.secure_channel(config.address, grpc.ssl_channel_credentials(root),
+            root, key, chain = (Path(path).read_bytes() if path else None
+                                for path in (config.ca, config.client_key, config.client_cert))
+            self.channel = grpc.aio.secure_channel(config.address, grpc.ssl_channel_credentials(root, key, chain),
                                                    options=CHANNEL_OPTIONS)
         else:
             self.channel = grpc.aio.insecure_channel(config.address, options=CHANNEL_OPTIONS)
@@ -209,7 +208,9 @@ class OpenAIBackend(Backend):
         self.model = ""
         # No pool cap (a load level decides concurrency, not the client); trust_env off: never a proxy for loopback.
         # verify: a private CA's file when given (httpx's default, certifi's bundle, knows no private CA).
-        verify = ssl.create_default_context(cafile=config.ca) if config.ca else True
+        verify = ssl.create_default_context(cafile=config.ca) if config.ca or config.client_cert else True
+        if config.client_cert:  # mutual TLS
+            verify.load_cert_chain(config.client_cert, config.client_key)
         headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else None
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=config.connect_timeout),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),

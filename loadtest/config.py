@@ -45,6 +45,8 @@ class RunConfig:
     openai_token_counts: str = "token_ids"  # how the openai backend counts a chunk's tokens
     tls: bool = False  # grpc: a TLS channel (openai: an https URL says so)
     ca: str | None = None  # PEM CA that signed the server's certificate (default: the system's trust store)
+    client_cert: str | None = None  # mutual TLS: this client's PEM certificate chain, with client_key
+    client_key: str | None = None
     api_key: str | None = None  # sent as `authorization: Bearer <key>`; never written to results.json
 
     def __post_init__(self) -> None:
@@ -65,6 +67,10 @@ class RunConfig:
             raise ValueError(f"url: TLS (--tls, --ca) needs an https:// URL, got {self.url!r}")
         if self.backend == "grpc" and self.ca and not self.tls:
             raise ValueError("ca: a CA is for a TLS channel; add --tls")
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError("client_cert: mutual TLS takes both --client-cert and --client-key")
+        if self.client_cert is not None and not (self.tls or self.url.startswith("https://")):
+            raise ValueError("client_cert: a client certificate is for a TLS channel (--tls, or an https:// URL)")
         if self.rate is not None and self.concurrency is not None:
             raise ValueError("rate: give either a rate or a concurrency, not both")
         if self.rate is None and self.concurrency is None:

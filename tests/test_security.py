@@ -129,8 +129,27 @@ def test_mutual_tls(tiny_models, pki) -> None:
         assert httpx.get(f"{url}/health", verify=with_cert, timeout=10).status_code == 200
         with pytest.raises(httpx.TransportError):  # TLS 1.3: the refusal may surface on the first read
             httpx.get(f"{url}/health", verify=ssl.create_default_context(cafile=pki["ca_path"]), timeout=5)
+
+        # The load tester with a client certificate (it had none to give: no load test of such a gateway).
+        mutual = {"ca": pki["ca_path"], "client_cert": pki["client_cert_path"], "client_key": pki["client_key_path"]}
+        for config, backend_type in ((RunConfig(address=running.address, requests=1, tls=True, **mutual), GrpcBackend),
+                                     (RunConfig(address="", requests=1, backend="openai", url=url,
+                                                openai_token_counts="chunks", **mutual), OpenAIBackend)):
+            info, events = asyncio.run(_one_request(config, backend_type))
+            assert info["target_model"] == "tiny-target" and events[-1].finish_reason == "FINISH_REASON_LENGTH"
+        with pytest.raises(ValueError, match="both --client-cert and --client-key"):
+            RunConfig(address=running.address, requests=1, tls=True, client_cert=pki["client_cert_path"])
     finally:
         running.stop()
+
+
+async def _one_request(config: RunConfig, backend_type) -> tuple[dict, list]:
+    """One 4-token request through a load-tester backend: (what open() says, the request's events)."""
+    spec = RequestSpec(Prompt("p", "code", "short", text="def add(a, b):"), "lt-1", "", 4, 0.0, None, True, "auto",
+                       None)
+    async with backend_type(config) as backend:
+        info = await backend.open()
+        return info, [event async for event in backend.stream(spec)]
 
 
 def test_tls_options_are_both_or_neither(pki) -> None:
@@ -413,21 +432,13 @@ def test_tenant_queue_share_is_checked() -> None:
 
 
 def test_loadtest_backends_over_tls(server, pki, keys) -> None:
-    prompt = Prompt("p", "code", "short", text="def add(a, b):")
-    spec = RequestSpec(prompt, "lt-1", "", 4, 0.0, None, True, "auto", None)
     grpc_config = RunConfig(address=server.address, requests=1, tls=True, ca=pki["ca_path"], api_key=keys["alice"])
     http_config = RunConfig(address="", requests=1, backend="openai", url=server.gateway.http_url, ca=pki["ca_path"],
                             api_key=keys["alice"], openai_token_counts="chunks")
     assert grpc_config.to_json()["api_key"] == "<set>"
-
-    async def run(config: RunConfig, backend_type) -> tuple[dict, list]:
-        async with backend_type(config) as backend:
-            info = await backend.open()
-            return info, [event async for event in backend.stream(spec)]
-
-    info, events = asyncio.run(run(grpc_config, GrpcBackend))
+    info, events = asyncio.run(_one_request(grpc_config, GrpcBackend))
     assert info["target_model"] == "tiny-target" and events[-1].completion_tokens == 4
-    info, events = asyncio.run(run(http_config, OpenAIBackend))
+    info, events = asyncio.run(_one_request(http_config, OpenAIBackend))
     assert info["target_model"] == "tiny-target" and events[-1].finish_reason == "FINISH_REASON_LENGTH"
     with pytest.raises(ValueError, match="https"):
         RunConfig(address="", requests=1, backend="openai", url="http://127.0.0.1:1", ca=pki["ca_path"])
