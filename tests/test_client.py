@@ -68,6 +68,13 @@ def test_build_request_maps_typed_parameters() -> None:
         build_request("x", token_ids=[1])
     with pytest.raises(InvalidArgument, match="speculation:"):
         build_request("x", speculation="sometimes")
+    # Values the wire cannot carry raised protobuf's ValueError / TypeError, naming no field.
+    with pytest.raises(InvalidArgument, match=r"^seed: Value out of range: -1"):
+        build_request("x", seed=-1)
+    with pytest.raises(InvalidArgument, match=r"^max_tokens: "):
+        build_request("x", max_tokens=2.5)
+    with pytest.raises(InvalidArgument, match=r"^priority: "):
+        build_request("x", priority=2**40)
     shaped = build_request("x", repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-0.25,
                            logit_bias={7: -100.0, 3: 2.5}, min_p=0.05)
     assert shaped.sampling.min_p == pytest.approx(0.05) and not plain.sampling.HasField("min_p")

@@ -89,13 +89,14 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
                 "max_tokens": max_tokens, "repetition_penalty": repetition_penalty,
                 "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
                 "logit_bias": dict(logit_bias) if logit_bias else None}
-    request = pb.GenerateRequest(
+    request = _wire(
+        pb.GenerateRequest,
         request_id=request_id, session_id=session_id,
         stop=[stop] if isinstance(stop, str) else list(stop),  # a lone string is one stop, not its characters
         stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-        sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None},
-                                   response_format=wire_format(response_format)),
-        speculation=pb.SpeculationOptions(mode=SPECULATION_MODES[speculation], max_k=max_k),
+        sampling=_wire(pb.SamplingParams, **{k: v for k, v in sampling.items() if v is not None},
+                       response_format=wire_format(response_format)),
+        speculation=_wire(pb.SpeculationOptions, mode=SPECULATION_MODES[speculation], max_k=max_k),
         n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs, priority=priority,
     )
     if prompt is not None:
@@ -108,6 +109,20 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
     if tools and chat is None:
         raise InvalidArgument("tools: only a chat can offer tools")
     return request
+
+
+def _wire(message_type, **fields):
+    """`message_type(**fields)`; a value the wire cannot carry (seed -1 in a uint64, 2.5 tokens) is InvalidArgument
+    naming its field, as the server names the fields it refuses, not protobuf's ValueError or TypeError."""
+    try:
+        return message_type(**fields)
+    except (ValueError, TypeError):
+        for name, value in fields.items():
+            try:
+                message_type(**{name: value})
+            except (ValueError, TypeError) as exc:
+                raise InvalidArgument(f"{name}: {exc}") from None
+        raise
 
 
 def _chat(messages: ChatMessages, tools: Iterable[Mapping[str, Any]] = (), tool_choice: str = "") -> pb.Chat:
