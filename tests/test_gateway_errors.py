@@ -209,3 +209,32 @@ def test_engine_faults_fail_requests_then_recover(tiny_models, fault, code, mess
             assert complete.usage.completion_tokens == 16
     finally:
         running.stop()
+
+
+def test_output_its_client_has_not_read_holds_a_queue_place(tiny_models) -> None:
+    """A client that stops reading: the engine finished its request and freed the place, and its output piled up in
+    the gateway; with no API keys nothing bounded how many such streams one client held (57 MB each measured)."""
+    import gc
+
+    from tandem.core.config import SamplingParams
+    from tandem.gateway.events import QueueFull
+
+    target, draft, _ = tiny_models
+    server = ServerThread(tiny_backend(target, draft), max_requests=2)
+    try:
+        loop, params = server.gateway.loop, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        handles = [server.call(loop.submit([1, 2, 3], params, f"r{i}")) for i in range(2)]
+        assert server.wait_for(lambda: loop.active == 0)  # both finished in the engine, neither read
+        with pytest.raises(QueueFull, match="2 finished whose clients have not read their output"):
+            server.call(loop.submit([1, 2, 3], params, "r2"))
+
+        async def read(handle) -> int:
+            return sum([len(update.token_ids) async for update in handle])
+
+        assert server.call(read(handles[0])) == 8  # read to the end: its place is free
+        assert server.call(read(server.call(loop.submit([1, 2, 3], params, "r3")))) == 8
+        del handles[1]  # a client gone (its stream dropped) frees its place too
+        gc.collect()
+        assert server.call(read(server.call(loop.submit([1, 2, 3], params, "r4")))) == 8
+    finally:
+        server.stop()

@@ -38,7 +38,8 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                              "/tokenize) on --host "
                              f"(default: {DEFAULT_HTTP_PORT}, or a free port when taken; 0: a free port; -1: off)")
     parser.add_argument("--max-queue", type=int, default=256,
-                        help="requests queued or running before RESOURCE_EXHAUSTED (default: %(default)s)")
+                        help="requests queued, running, or finished with output their clients have not read yet, "
+                             "before RESOURCE_EXHAUSTED (default: %(default)s)")
     parser.add_argument("--max-batch", type=int, default=16, help="sequences per engine step (default: %(default)s)")
     parser.add_argument("--lanes", type=int, default=1,
                         help="engines over the same Ray workers, so one lane's rows draft while another's verify "

@@ -38,7 +38,7 @@ class Update:
     prompt_logprobs: list[TokenLogprob] | None = None  # in the first update, when the request asked for them
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False, weakref_slot=True)  # one request: compared, hashed and held weakly by identity
 class RequestHandle:
     request_id: str
     prompt_tokens: int

@@ -23,9 +23,8 @@ from __future__ import annotations
 from tandem.core.config import SamplingParams
 from tandem.core.engine import SpeculativeEngine
 from tandem.errors import InvalidArgument
-from tandem.gateway.events import QueueFull
 from tandem.gateway.handles import RequestHandle
-from tandem.gateway.loop import EngineLoop
+from tandem.gateway.loop import EngineLoop, check_room
 
 
 class LanedLoop:
@@ -92,8 +91,7 @@ class LanedLoop:
                      priority: int = 0) -> RequestHandle:
         if any(lane.has_request(request_id) for lane in self.lanes):
             raise InvalidArgument(f"request_id: {request_id!r} is already running")
-        if self.active >= self.max_requests:
-            raise QueueFull(f"queue full: {self.active} requests queued or running (limit {self.max_requests})")
+        check_room(self.active, sum(lane.unread for lane in self.lanes), self.max_requests)
         serving = [lane for lane in self.lanes if not lane.unavailable] or self.lanes
         with_room = [candidate for candidate in serving if candidate.active < candidate.batch_capacity]
         lane = with_room[0] if with_room else min(serving, key=lambda candidate: candidate.active)

@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -45,6 +46,15 @@ class _Add:
     priority: int = 0
 
 
+def check_room(active: int, unread: int, max_requests: int) -> None:
+    """QueueFull where the queue's places are all taken: by requests queued or running, and by finished ones whose
+    clients have not read all their output."""
+    if active + unread >= max_requests:
+        raise QueueFull(f"queue full: {active} requests queued or running" +
+                        (f" and {unread} finished whose clients have not read their output" if unread else "") +
+                        f" (limit {max_requests})")
+
+
 class EngineLoop:
     def __init__(self, engine: SpeculativeEngine, max_requests: int = 256, stall_timeout: float = 60.0,
                  sessions: SessionStore | None = None, metrics: GatewayMetrics | None = None,
@@ -61,6 +71,9 @@ class EngineLoop:
         # readiness is NOT_SERVING meanwhile, and it probes the replicas: `recover`).
         self.unavailable = False
         self._active: dict[str, RequestHandle] = {}  # touched only on the event loop
+        # Finished in the engine, their output not yet all read by their clients: each still holds a queue place, so
+        # clients that stop reading cannot pile up output past the queue's bound (weak: a client gone frees it).
+        self._unread: weakref.WeakSet[RequestHandle] = weakref.WeakSet()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._running: dict[str, tuple[Sequence, RequestHandle]] = {}  # touched only on the engine thread
         self._step_started: float | None = None
@@ -142,8 +155,7 @@ class EngineLoop:
                                     "SERVING once one answers)")
         if request_id in self._active:
             raise InvalidArgument(f"request_id: {request_id!r} is already running")
-        if len(self._active) >= self.max_requests:
-            raise QueueFull(f"queue full: {len(self._active)} requests queued or running (limit {self.max_requests})")
+        check_room(self.active, self.unread, self.max_requests)
         handle = RequestHandle(request_id, len(prompt), session_id, trace=trace)
         self._active[request_id] = handle
         state, affinity = None, {}
@@ -183,6 +195,14 @@ class EngineLoop:
             handle.updates.put_nowait(update)
             if isinstance(update, Exception) or update.finished is not None:
                 del self._active[handle.request_id]
+                self._unread.add(handle)
+
+    @property
+    def unread(self) -> int:
+        """Requests the engine finished whose clients have not read all their output (each holds a queue place)."""
+        for handle in [h for h in self._unread if h.updates.empty()]:  # read to the end since
+            self._unread.discard(handle)
+        return len(self._unread)
 
     def _fail(self, request_id: str, error: Exception) -> None:
         if (handle := self._active.pop(request_id, None)) is not None:
