@@ -198,6 +198,34 @@ def test_stalled_worker_misses_deadline_and_stream_goes_on(tiny_models, pool, ex
         os.kill(stalled, signal.SIGCONT)
 
 
+def test_a_worker_still_stalled_after_its_cool_down_is_not_given_its_sessions_histories(tiny_models, pool) -> None:
+    """Back from its cool-down, a stalled worker was sent every token its sessions had decoded meanwhile, under a
+    deadline that grows with them: the engine's step waited that long, past a gateway's stall timeout, which failed
+    every request. Now it must answer a probe first; until then its sessions decode plainly."""
+    _answering(pool)
+    engine = _engine(tiny_models, pool[:1], timeout_s=0.5, cooldown_s=0.5, per_token_s=0.05)
+    params = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
+    seq = engine.sequences[engine.add_request(PROMPTS[0], params)]
+    engine.step()
+    stalled = ray.get(pool[0].info.remote())["pid"]
+    os.kill(stalled, signal.SIGSTOP)
+    slowest, resumed = 0.0, False
+    try:
+        while engine.has_unfinished():
+            started = time.monotonic()
+            engine.step()
+            slowest = max(slowest, time.monotonic() - started)
+            if not resumed and len(seq.output) >= 400:  # several cool-downs later
+                os.kill(stalled, signal.SIGCONT)  # it answers again: drafting resumes past its cool-down
+                resumed, drafted_then = True, seq.stats.drafted
+                time.sleep(1.0)
+    finally:
+        os.kill(stalled, signal.SIGCONT)
+    assert seq.output == build_engine(tiny_models[0], None).generate([PROMPTS[0]], params)[0].token_ids
+    assert slowest < 3.0, slowest  # a missed deadline (0.5 s) or a probe (1 s), never a catch-up's deadline
+    assert resumed and seq.stats.drafted > drafted_then
+
+
 def test_a_worker_runs_its_forwards_on_the_threads_it_was_given(ray_cluster, tiny_dirs) -> None:
     """Ray sets an actor's OpenMP threads to the CPUs it reserves (one; this session's Ray says 1 as well), and
     `tandem serve` on its own host asks for every core (engines.cluster.worker_threads): a worker reports the threads

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.core.protocol import DraftProposal, DraftRequest, StateLost
-from tandem.workers.fanout import RayPoolClient, fan_out
+from tandem.workers.fanout import RayPoolClient, answering, fan_out
 from tandem.workers.pace import Pace
 from tandem.workers.routing import AffinityRouter
 from tandem.workers.worker_base import start_workers
@@ -21,6 +21,8 @@ from tandem.workers.worker_base import start_workers
 # FMA, 0.12 s a token), so that a slow worker still drafts after long prompts; a round's drafts carry a token or a
 # few, whose deadline stays near timeout_s.
 PER_TOKEN_S = 0.15
+# A benched draft worker answers a load probe within this, once its cool-down is over, before it is given rows again.
+REJOIN_PROBE_S = 1.0
 
 
 @dataclass(slots=True)
@@ -37,6 +39,7 @@ class RayDrafter(RayPoolClient):
         self.timeout_s, self.per_token_s = timeout_s, per_token_s
         self.pace = Pace(_catch_up_tokens)
         self.stats = PoolStats()
+        self._benched: set[str] = set()  # workers benched and not heard from since (by name: the pool may resize)
 
     @property
     def affinity(self) -> dict[str, int]:
@@ -44,8 +47,10 @@ class RayDrafter(RayPoolClient):
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         self._take_offer()
+        self._probe_benched()
         out = fan_out(self.workers, self.router, self.ids, "propose", requests, self.deadline_s(requests),
                       self.trace_carriers, self.pace)
+        self._benched.update(self.router.names[index] for index in out.benched)
         self.stats.calls += 1
         self.stats.failures += out.failed
         self.stats.timeouts += out.timed_out
@@ -54,6 +59,21 @@ class RayDrafter(RayPoolClient):
         if out.lost:
             raise StateLost(out.lost)
         return [result or DraftProposal(tokens=[], failed=True) for result in out.results]
+
+
+    def _probe_benched(self) -> None:
+        """A benched worker whose cool-down is over must answer a probe before it is given rows again. Its first
+        call back carries every history its sessions must resend, so its deadline is long (5 s + 0.15 s a token):
+        given to a worker still stalled (a stopped process, a hung forward), it held the engine's step past its
+        stall timeout, which failed every request; one that does not answer stays benched, its sessions plain."""
+        names = self.router.names
+        due = [i for i, name in enumerate(names) if name in self._benched and self.router.healthy(i)]
+        answered = answering(self.workers, due, REJOIN_PROBE_S)
+        for index in due:
+            if index in answered:
+                self._benched.discard(names[index])
+            else:
+                self.router.bench(index, "did not answer a probe after its cool-down")
 
 
 def _catch_up_tokens(request: DraftRequest) -> int:

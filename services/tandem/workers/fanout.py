@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from tandem.core.protocol import KVCacheFull, KVUsage, TraceCarriers, WorkerHealth
+from tandem.core.protocol import KVCacheFull, KVUsage, TraceCarriers, WorkerHealth, WorkerLoad
 from tandem.errors import RequestRefused
 from tandem.telemetry import tracing
 from tandem.workers.pace import Pace
@@ -122,17 +122,25 @@ def fan_out(workers: list, router: AffinityRouter, ids: WireIds, method: str, re
 def hear_loads(workers: list, router: AffinityRouter, timeout_s: float = LOAD_PROBE_TIMEOUT_S) -> None:
     """Ask the workers the router has not heard from lately what they hold (rank 0 of a tensor-parallel replica),
     waiting `timeout_s` at most: new sequences are then placed by every caller's load."""
-    asked = {_first_rank(workers[i]).load.remote(): i for i in router.unheard()}
+    for index, load in answering(workers, router.unheard(), timeout_s).items():
+        if load is not None:
+            router.observe(index, load)
+
+
+def answering(workers: list, indices: list[int], timeout_s: float) -> dict[int, WorkerLoad | None]:
+    """Which of the workers at `indices` answer a load probe within `timeout_s` (rank 0 of a tensor-parallel
+    replica), with what each said: a worker's threads answer at once, even mid-forward."""
+    asked = {_first_rank(workers[i]).load.remote(): i for i in indices}
     if not asked:
-        return
+        return {}
     ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=timeout_s)
+    answers = {}
     for ref in ready:
         try:
-            load = ray.get(ref)
+            answers[asked[ref]] = ray.get(ref)
         except ray_failures():
             continue
-        if load is not None:
-            router.observe(asked[ref], load)
+    return answers
 
 
 def _first_rank(worker):
