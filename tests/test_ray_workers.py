@@ -474,6 +474,25 @@ def test_target_replicas_batch_and_survive_a_killed_replica(tiny_models, pool, r
     assert _eventually(lambda: ray.get([r.cached_sequences.remote() for r in replicas if r is not victim]) == [0])
 
 
+def test_the_only_target_replica_killed_its_rounds_wait_for_the_restart(tiny_models, pool, replicas, expected) -> None:
+    """The default deployment, one single-rank replica: its death failed every request at once (UNAVAILABLE), where
+    a tensor-parallel one's rounds waited for its rebuild. Ray restarts it; the rounds wait and resend histories."""
+    _answering(replicas)
+    local = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
+    verifier = RayVerifier(replicas[:1], cooldown_s=30.0)  # no cool-down ends within the test: the probe brings it
+    engine = SpeculativeEngine(verifier, RayDrafter(pool), EngineConfig(spec=SpecConfig(adaptive=False, k_init=3),
+                                                                         calibrate=False),
+                               local.eos_token_ids, local.decode)
+    seqs = [engine.sequences[engine.add_request(p, GREEDY)] for p in PROMPTS]
+    for _ in range(3):
+        engine.step()
+    os.kill(ray.get(replicas[0].info.remote())["pid"], signal.SIGKILL)
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.output for s in seqs] == expected
+    _answering(replicas)
+
+
 def test_tensor_parallel_two_ranks_equal_one_and_a_dead_rank_rebuilds_the_group(tiny_models, tiny_dirs, ray_cluster,
                                                                                expected) -> None:
     from tandem.core.local import LocalDrafter

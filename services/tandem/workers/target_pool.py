@@ -4,13 +4,15 @@ A replica that fails or misses the deadline is benched and its sessions move to 
 history (the engine resends it on StateLost). The deadline grows with the tokens a call carries: it is there to catch
 a hung replica, not a slow one (16 prompts' prefill in bf16 on one AVX2 core takes minutes). A tensor-parallel replica
 that fails (one dead rank breaks the whole group) is rebuilt in the background and returns to service when its model
-is loaded. With no healthy replica, the round waits for a rebuild in progress (up to `rebuild_timeout_s`), else fails
-with TargetUnavailable.
+is loaded. With no healthy replica, the round waits for a rebuild in progress (up to `rebuild_timeout_s`), or for a
+replica to answer again (`restart_wait_s`: Ray restarts a dead actor, which loads its model again), else fails with
+TargetUnavailable.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -31,6 +33,11 @@ TOKENIZER_TIMEOUT_S = 60.0  # how long one target replica may take to hand over 
 # pool shows a faster pace (workers.pace). The slowest forward measured: the 1.5B target in bf16 on one AVX2 core
 # without bf16 FMA, 0.34 s a token of prefill.
 PER_TOKEN_S = 0.5
+# How long a round with no replica left waits for one to answer again: a dead single-rank replica is restarted by Ray
+# and loads its model (seconds for a small model); kept well below a gateway's stall timeout (60 s by default), past
+# which the step would fail every request anyway.
+RESTART_WAIT_S = 30.0
+RESTART_POLL_S = 0.5
 
 
 class TargetUnavailable(BackendUnavailable):
@@ -40,13 +47,16 @@ class TargetUnavailable(BackendUnavailable):
 class RayVerifier(RayPoolClient):
     def __init__(self, replicas: list, timeout_s: float = 120.0, cooldown_s: float = 10.0,
                  rebuild_timeout_s: float = 600.0, names: list[str] | None = None, prefix: str = "",
-                 tensor_parallel: int = 1, per_token_s: float = PER_TOKEN_S) -> None:
+                 tensor_parallel: int = 1, per_token_s: float = PER_TOKEN_S,
+                 restart_wait_s: float = RESTART_WAIT_S) -> None:
         """A call's deadline: `timeout_s` plus `per_token_s` for each token it carries. `tensor_parallel`: ranks
         behind each replica a shared pool's rank 0 leads (replicas given here as TensorParallelReplica count their
         own ranks)."""
         super().__init__(replicas, AffinityRouter(len(replicas), cooldown_s, "target", names=names), prefix,
                          ranks_per_worker=tensor_parallel)
         self.timeout_s, self.per_token_s, self.rebuild_timeout_s = timeout_s, per_token_s, rebuild_timeout_s
+        self.restart_wait_s = restart_wait_s
+        self._waited = False  # a wait for a replica to answer found none: later rounds fail at once until one does
         self.pace = Pace(_tokens)
         info = ray.get(replicas[0].info.remote())
         self.vocab_size, self.context_window = info["vocab_size"], info.get("context_window")
@@ -59,6 +69,8 @@ class RayVerifier(RayPoolClient):
         self._take_offer()
         out = fan_out(self.workers, self.router, self.ids, "verify", requests, self.deadline_s(requests),
                       self.trace_carriers, self.pace)
+        if any(result is not None for result in out.results):
+            self._waited = False  # a replica serves again: the next outage is waited out once more
         for index in out.benched:
             self._rebuild(index)
         if out.full is not None:
@@ -66,19 +78,29 @@ class RayVerifier(RayPoolClient):
         if out.refused is not None:
             raise out.refused
         unresolved = [r.seq_id for r, result in zip(requests, out.results, strict=True) if result is None]
-        if unresolved and not self._any_healthy():
+        if unresolved and not self._any_healthy(restarting=out.failed > 0):
             raise TargetUnavailable(f"no healthy target replica for {len(unresolved)} sequence(s)")
         if unresolved or out.lost:
             raise StateLost(sorted(set(out.lost) | set(unresolved)))
         return out.results
 
-    def _any_healthy(self) -> bool:
+    def _any_healthy(self, restarting: bool = False) -> bool:
+        """Whether a replica can take rows: waiting for a rebuild in progress, or, where a replica failed (died:
+        `restarting`), for one to answer again; a replica that missed its deadline (hung) is not waited for."""
         if any(self.router.healthy(i) for i in range(self.router.size)):
             return True
         pending = [f for f in self.rebuilds.values() if not f.done()]
         if pending:
             log.warning("no healthy target replica: waiting for %d rebuild(s)", len(pending))
             wait(pending, timeout=self.rebuild_timeout_s)
+        elif restarting and self.restart_wait_s > 0 and not self._waited:  # resumed once Ray restarts it
+            log.warning("no healthy target replica: waiting up to %.0f s for one to answer", self.restart_wait_s)
+            deadline, answered = time.monotonic() + self.restart_wait_s, 0
+            while (left := deadline - time.monotonic()) > 0 and not (answered := self.reachable(min(2.0, left))):
+                time.sleep(min(RESTART_POLL_S, max(0.0, deadline - time.monotonic())))
+            # Only an answer counts: a cool-down that ran out meanwhile says nothing of a worker killed for good.
+            self._waited = not answered  # none came back: later rounds fail at once until one answers
+            return answered > 0
         return any(self.router.healthy(i) for i in range(self.router.size))
 
     def _rebuild(self, index: int) -> None:
