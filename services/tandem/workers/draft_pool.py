@@ -60,7 +60,6 @@ class RayDrafter(RayPoolClient):
             raise StateLost(out.lost)
         return [result or DraftProposal(tokens=[], failed=True) for result in out.results]
 
-
     def _probe_benched(self) -> None:
         """A benched worker whose cool-down is over must answer a probe before it is given rows again. Its first
         call back carries every history its sessions must resend, so its deadline is long (5 s + 0.15 s a token):
