@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from tandem.bench.allocations import AllocationMeter
-from tandem.core.kv_cache import CPU_SHARE, cache_keyword, default_kv_tokens, kv_bytes_per_token
+from tandem.core.kv_cache import CPU_SHARE, HOST_WORKERS_ENV, cache_keyword, default_kv_tokens, kv_bytes_per_token
 from tandem.core.protocol import KVCacheFull
 from tandem.core.runner import ModelRunner
 from tandem.errors import KVBudgetExceeded
@@ -397,6 +397,16 @@ def test_a_cpu_runners_default_budget_is_a_share_of_the_available_memory(tiny_mo
     available = psutil.virtual_memory().available * CPU_SHARE / kv_bytes_per_token(model)
     assert default_kv_tokens(model) == pytest.approx(available, rel=0.05)
     assert ModelRunner(model).kv_tokens_capacity == pytest.approx(available, rel=0.05)
+
+
+@pytest.mark.parametrize(("workers", "share"), [("1", 1.0), ("2", 1.0), ("4", 0.5), ("6", 1 / 3), ("x", 1.0)])
+def test_workers_sharing_a_host_share_its_memory(tiny_models, monkeypatch, workers: str, share: float) -> None:
+    """Each worker took a quarter of the host's available memory on its own: two draft workers and two target
+    replicas on one host promised it all (measured: about 5.5 GB each on a 23 GiB host)."""
+    model = tiny_models[0].model
+    monkeypatch.setenv(HOST_WORKERS_ENV, workers)
+    available = psutil.virtual_memory().available * CPU_SHARE * share / kv_bytes_per_token(model)
+    assert default_kv_tokens(model) == pytest.approx(available, rel=0.05)
 
 
 def test_kv_usage_read_from_another_thread_counts_a_moving_session_once(tiny_models) -> None:

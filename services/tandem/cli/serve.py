@@ -136,6 +136,7 @@ def run_serve(args: argparse.Namespace) -> int:
     announce_compile(args)
     pools = isinstance(build.placement, ClusterOptions)
     if pools:
+        from tandem.core.kv_cache import HOST_WORKERS_ENV
         from tandem.engines.cluster import joined_ray, start_ray
 
         # A local Ray's workers inherit this environment: the metrics port (on the gateway's --host: Ray's node
@@ -143,6 +144,9 @@ def run_serve(args: argparse.Namespace) -> int:
         os.environ[METRICS_PORT_ENV] = str(worker_metrics_port(args))
         if not joined_ray(build.placement):
             os.environ[METRICS_HOST_ENV] = args.host
+            # Every worker runs on this host: their default KV budgets share its memory (core.kv_cache).
+            os.environ[HOST_WORKERS_ENV] = str(build.placement.draft_workers * (not args.no_spec) +
+                                               build.placement.target_replicas * build.placement.tensor_parallel)
         # Ray starts here, on the main thread and before the gateway sets its SIGTERM handler: started later from
         # the loading thread, Ray's own handler would take SIGTERM over and abort instead of draining.
         start_ray(build.placement)

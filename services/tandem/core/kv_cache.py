@@ -22,6 +22,7 @@ zero attention weight, and zero times a non-finite leftover would still poison a
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 
 import psutil
@@ -218,6 +219,10 @@ class SlotCache(Cache):
 
 CUDA_SHARE = 0.4  # of the device memory free when a runner starts: a drafter may share the GPU, activations need room
 CPU_SHARE = 0.25  # of the host memory available (free plus what the kernel can reclaim, such as the page cache)
+# How many tandem model processes share this host's memory (`tandem serve` sets it for the workers of a Ray of its
+# own): past two (a draft and a target), each takes a smaller share, so together they take what two would. Each took
+# CPU_SHARE on its own: four workers promised the whole host, and admission could not keep it from running out.
+HOST_WORKERS_ENV = "TANDEM_HOST_WORKERS"
 
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:
@@ -239,7 +244,7 @@ def default_kv_tokens(model: torch.nn.Module) -> int:
     else:
         # Available, not free: once a host has read its model files the page cache holds much of its memory, which
         # the kernel hands back on demand; free pages alone (sysconf's AVPHYS_PAGES) counted 16 of 23 GiB on CPU-A.
-        spare = psutil.virtual_memory().available * CPU_SHARE
+        spare = psutil.virtual_memory().available * CPU_SHARE * 2 / max(2, _host_workers())
     tokens = int(spare // kv_bytes_per_token(model))
     if torch.distributed.is_initialized():
         on = device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
@@ -247,3 +252,10 @@ def default_kv_tokens(model: torch.nn.Module) -> int:
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
         tokens = int(agreed.item())
     return tokens
+
+
+def _host_workers() -> int:
+    try:
+        return max(1, int(os.environ.get(HOST_WORKERS_ENV, "") or 1))
+    except ValueError:
+        return 1
