@@ -235,7 +235,7 @@ class OpenAIBackend(Backend):
             if time.monotonic() >= deadline:
                 if answered:
                     raise ServerUnreachable(f"the server at {config.url} answered but was not ready within "
-                                            f"{config.connect_timeout:g} s ({_error_message(response)})")
+                                            f"{config.connect_timeout:g} s ({_error_message(response.content)})")
                 raise ServerUnreachable(f"no server answered at {config.url} within {config.connect_timeout:g} s")
             await asyncio.sleep(min(READY_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
         if response.status_code != 200:
@@ -329,16 +329,12 @@ def _final(choice: dict) -> Final:
 
 
 def _http_error(status: int, body: bytes) -> str:
-    try:
-        message = json.loads(body)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = body[:200].decode(errors="replace")
-    return f"HTTP_{status}: {message}"
+    return f"HTTP_{status}: {_error_message(body)}"
 
 
-def _error_message(response) -> str:
+def _error_message(body: bytes) -> str:
     """An OpenAI error body's message, else the body's start."""
     try:
-        return str(response.json()["error"]["message"])
+        return str(json.loads(body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
-        return response.text[:200]
+        return body[:200].decode(errors="replace")
