@@ -115,6 +115,21 @@ def test_cancel_stops_a_background_response_and_frees_its_caches(server) -> None
     assert sdk.responses.cancel(_finished(sdk, done.id).id).status == "incomplete"  # finished: as it is
 
 
+def test_a_running_background_response_cannot_be_continued_yet(server) -> None:
+    """Its stored conversation has no output yet: continuing it would answer the input without the reply."""
+    sdk = openai_sdk(server)
+    started = sdk.responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=LONG, background=True,
+                                   **GREEDY)
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.responses.create(model=MODEL, input="and now?", previous_response_id=started.id, max_output_tokens=2)
+    assert refused.value.body["param"] == "previous_response_id" and "still" in refused.value.body["message"]
+    sdk.responses.cancel(started.id)
+    assert _idle(server)
+    follow = sdk.responses.create(model=MODEL, input="and now?", previous_response_id=started.id, max_output_tokens=2)
+    assert follow.previous_response_id == started.id and follow.output  # a cancelled one goes on from what it had
+    assert (follow.status, follow.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+
+
 def test_deleting_a_running_background_response_stops_it_for_good(server) -> None:
     """DELETE answered deleted while the run went on: the engine stayed busy, and the runner stored the response
     again, whole, a few seconds later."""

@@ -132,6 +132,19 @@ def test_generate_json_to_a_file_still_streams_the_text(capsys, cli_models, tmp_
     assert written["token_ids"] == _generate(capsys, cli_models)["token_ids"]  # `--json` alone: stdout
 
 
+def test_a_prompt_taken_by_json_as_its_path_is_named(capsys, cli_models, tmp_path) -> None:
+    """`--json [PATH]` takes the word after it: `tandem generate --json hi` has no prompt, and says why."""
+    assert main(["generate", "--target", str(cli_models / "target"), "--json", str(tmp_path / "hi")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: prompt: missing: --json took") and "--json -- PROMPT" in err
+    assert not (tmp_path / "hi").exists()
+    assert main(["generate", "--target", str(cli_models / "target")]) == 2
+    assert capsys.readouterr().err == "error: prompt: missing\n"
+    assert main(["generate", "--target", str(cli_models / "target"), "--no-spec", "--max-tokens", "2", "--json", "--",
+                 "hi"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"]  # the JSON on stdout
+
+
 def test_generate_summary_gives_an_acceptance_rate_only_where_drafts_were_checked(capsys, cli_models) -> None:
     """`--no-spec` printed "acceptance 0.00", read as every draft rejected."""
     assert ", acceptance 0." in _generate_text(capsys, cli_models, "--fixed-k", "2").err.splitlines()[-1]

@@ -102,6 +102,10 @@ def test_tokenize_prompt_and_chat(stub, tiny_models) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stub.Tokenize(pb.TokenizeRequest(), timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("input: set one of")
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Tokenize(pb.TokenizeRequest(prompt=""), timeout=10)  # set, but empty: named as Generate names it
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
 
 
 def test_model_info_reports_context_and_tokenizer(stub, server, tiny_models) -> None:

@@ -21,13 +21,15 @@ from tandem.cli.common import (
     sampling_params,
 )
 from tandem.cli.formats import add_format_options, check_compiles
-from tandem.cli.options import add_json_option, wants_text
+from tandem.cli.options import STDOUT, add_json_option, wants_text
 from tandem.cli.remote import add_address_option
+from tandem.errors import InvalidArgument
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate")
-    parser.add_argument("prompt", help="prompt text")
+    # Optional to argparse so that a prompt taken by `--json` as its PATH gets a message that says so.
+    parser.add_argument("prompt", nargs="?", help="prompt text")
     add_model_options(parser)
     add_sampling_options(parser)
     add_format_options(parser)
@@ -40,6 +42,10 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    if args.prompt is None:
+        taken = f": --json took {args.json!r} as the file to write; put the prompt before --json, or write " \
+            "--json -- PROMPT for the JSON on stdout" if args.json not in (None, STDOUT) else ""
+        raise InvalidArgument(f"prompt: missing{taken}")
     if args.address:
         from tandem.cli.remote import run_remote_generate
 

@@ -144,8 +144,10 @@ class Generations:
         backend, _ = self._serving()
         if chat is not None:
             return await asyncio.to_thread(chat_ids, chat, backend.tokenizer, self.limits)
-        if not prompt:
+        if prompt is None:
             raise InvalidArgument("input: set one of prompt or chat")
+        if not prompt:
+            raise InvalidArgument("prompt: must not be empty")  # as Generate says
         return await asyncio.to_thread(encode_prompt, prompt, backend.tokenizer, self.limits)
 
     async def stream(self, request: pb.GenerateRequest, metadata: Sequence = (), tenant: str = "",
