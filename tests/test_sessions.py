@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -277,14 +278,22 @@ def test_missing_redis_server_says_how_to_install(monkeypatch):
         find_redis_server()
 
 
+def _gone(pid: int, timeout_s: float = 10) -> bool:
+    """Whether process `pid` ends within the timeout (exited but not yet reaped, a zombie, counts as gone)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().split(") ")[1].startswith("Z"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_an_embedded_redis_dies_with_a_killed_starter():
     """A gateway SIGKILLed with its embedded redis-server must not leave the server running."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     script = ("import sys, time; from tandem.sessions import EmbeddedRedis; r = EmbeddedRedis().start(); "
               "print(r.pid, flush=True); time.sleep(600)")
     starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -292,18 +301,31 @@ def test_an_embedded_redis_dies_with_a_killed_starter():
     os.kill(redis_pid, 0)  # running
     starter.kill()
     starter.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(redis_pid, 0)
-        except ProcessLookupError:
-            return
-        try:
-            with open(f"/proc/{redis_pid}/stat") as stat:  # exited but not yet reaped: a zombie counts as gone
-                if stat.read().split(") ")[1].startswith("Z"):
-                    return
-        except FileNotFoundError:
-            return
-        time.sleep(0.1)
-    os.kill(redis_pid, signal.SIGKILL)
-    raise AssertionError("redis-server outlived the process that started it")
+    if not _gone(redis_pid):
+        os.kill(redis_pid, signal.SIGKILL)
+        raise AssertionError("redis-server outlived the process that started it")
+
+
+def test_an_embedded_redis_outlives_ctrl_c_and_its_restart_dies_with_a_killed_starter():
+    """Ctrl-C signals a terminal's whole process group: redis-server, in it, died before the gateway's drain, and
+    its supervisor started it again during the shutdown. And a redis-server the supervisor started again was left
+    running when the gateway was SIGKILLed."""
+    script = ("import signal, time; from tandem.sessions import EmbeddedRedis; "
+              "signal.signal(signal.SIGINT, signal.SIG_IGN); r = EmbeddedRedis().start(); r.supervise(every_s=0.05)\n"
+              "seen = None\nwhile True:\n    if r.pid != seen and r.running: seen = r.pid; print(seen, flush=True)\n"
+              "    time.sleep(0.02)")
+    starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        first = int(starter.stdout.readline())
+        os.killpg(starter.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        assert not _gone(first, timeout_s=1), "redis-server died of the starter's Ctrl-C"
+        os.kill(first, signal.SIGKILL)
+        restarted = int(starter.stdout.readline())
+        assert restarted != first
+    finally:
+        starter.kill()
+        starter.wait(timeout=30)
+    if not _gone(restarted):
+        os.kill(restarted, signal.SIGKILL)
+        raise AssertionError("the restarted redis-server outlived the process that started it")

@@ -1,3 +1,3 @@
-from tandem.cli.main import main
+from tandem.cli.main import run
 
-raise SystemExit(main())
+raise SystemExit(run())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -143,6 +144,21 @@ def _message(exc: TandemError) -> str:
     subclass of it, whose text is the remote traceback: its cause's message alone."""
     cause = getattr(exc, "cause", None)
     return str(cause if isinstance(cause, TandemError) else exc)
+
+
+def run() -> int:
+    """The `tandem` command's entry (main() is for callers in a process that goes on, such as tests)."""
+    code = main()
+    loading = sys.modules.get("tandem.gateway.loading")
+    if loading is not None and loading.loader_running():
+        # Stopped while its models loaded: the loader thread is still inside torch, and finalizing the interpreter
+        # under a thread in an OpenMP region aborts ("terminate called without an active exception", status 134).
+        # Everything tandem started is closed by now (servers, Redis, Ray, the spans flushed): leave at once.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

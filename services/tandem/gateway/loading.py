@@ -67,6 +67,15 @@ async def load_generations(load: Callable[[], Backend | Mapping[str, Backend]], 
                        options.tenant_queue_share if keys is not None else 1.0, router, tenant_priorities)
 
 
+LOADER_THREAD = "tandem-loader"
+
+
+def loader_running() -> bool:
+    """Whether a load is still running in its thread: a gateway stopped while its models loaded (a SIGTERM during
+    start-up) leaves it behind, since a thread cannot be cancelled."""
+    return any(thread.name == LOADER_THREAD and thread.is_alive() for thread in threading.enumerate())
+
+
 async def in_own_thread(call: Callable[[], T]) -> T:
     """`call()` in a thread that ends when it returns, rather than in the event loop's executor, whose threads live on.
 
@@ -85,7 +94,7 @@ async def in_own_thread(call: Callable[[], T]) -> T:
         except BaseException as exc:  # re-raised by the awaiting coroutine
             done.set_exception(exc)
 
-    threading.Thread(target=run, name="tandem-loader", daemon=True).start()
+    threading.Thread(target=run, name=LOADER_THREAD, daemon=True).start()
     # wrap_future drops a result that arrives for a cancelled wait, or after the event loop closed.
     return await asyncio.wrap_future(done)
 

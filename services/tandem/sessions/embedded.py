@@ -36,12 +36,13 @@ INSTALL_HINT = (
 _URL_SAFE = re.compile(r"[A-Za-z0-9_.~-]+")
 
 
-def _die_with_starter() -> list[str]:
+def _die_with_starter(restart: bool = False) -> list[str]:
     """A prefix that has the kernel SIGTERM redis-server when the process that started it dies, so a gateway that
     is SIGKILLed leaves no redis-server behind (util-linux setpriv; Linux). The signal follows the starting thread,
-    so only a start on the main thread (which lives as long as the process) asks for it."""
+    so only a start on the main thread (which lives as long as the process) or a restart by the supervising thread
+    (which lives until stop() ends redis-server anyway) asks for it."""
     setpriv = shutil.which("setpriv")
-    if setpriv is None or threading.current_thread() is not threading.main_thread():
+    if setpriv is None or not (restart or threading.current_thread() is threading.main_thread()):
         return []
     return [setpriv, "--pdeathsig", "TERM"]
 
@@ -166,18 +167,21 @@ class EmbeddedRedis:
                                 process.pid, process.returncode, self.port)
                     self._cleanup_dir()
                     try:
-                        self._launch(self.binary or find_redis_server())
+                        self._launch(self.binary or find_redis_server(), restart=True)
                     except (RuntimeError, OSError) as exc:
                         log.warning("the embedded redis-server did not start again: %s", exc)
 
         threading.Thread(target=watch, name="tandem-redis-watch", daemon=True).start()
 
-    def _launch(self, binary: str) -> None:
+    def _launch(self, binary: str, restart: bool = False) -> None:
         self._dir = tempfile.mkdtemp(prefix="tandem-redis-")
         log_path = Path(self._dir) / "redis.log"
         config = self._write_config(log_path)
-        self._process = subprocess.Popen([*_die_with_starter(), binary, str(config)], stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=self._dir)
+        # In a session of its own: a terminal's Ctrl-C (SIGINT to its whole process group) stops the gateway, which
+        # drains and then stops redis-server; were redis-server in the group, it would die first, under the drain.
+        self._process = subprocess.Popen([*_die_with_starter(restart), binary, str(config)], stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=self._dir,
+                                         start_new_session=True)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if ping(self.host, self.port, password=self.password):
