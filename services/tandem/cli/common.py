@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from tandem.cli.formats import output_format
 from tandem.cli.options import STDOUT, field_as_option, write_json
 from tandem.core.config import (
+    DEFAULT_MAX_TOKENS,
     DEFAULT_RETAIN_TOKENS,
     QUANTIZATIONS,
     EngineConfig,
@@ -150,7 +151,7 @@ def session_store_url(args: argparse.Namespace) -> str | None:
     return with_credentials(args.redis_url, configured_password(args.redis_password_file), args.redis_ca)
 
 
-def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default: %(default)s)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     parser.add_argument("--top-k", type=int, default=0, help="0 disables (default: %(default)s)")
@@ -164,7 +165,7 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128)
                         help="-2 to 2, subtracted once from each token the output holds (default: %(default)s)")
     parser.add_argument("--frequency-penalty", type=float, default=0.0,
                         help="-2 to 2, subtracted per time the output holds the token (default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate")
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="most tokens to generate")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids",
                         help="stop token id (repeatable)")  # dest: errors name the field, and so the flag

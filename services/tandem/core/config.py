@@ -97,6 +97,9 @@ class OutputFormat:
         return cls("json_schema", '{"type": "object"}')
 
 
+DEFAULT_MAX_TOKENS = 128  # a request's output length where it sets none: `tandem generate`, the gateway's default
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How tokens are chosen; applied identically to draft and target so verification stays lossless.
@@ -118,7 +121,7 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0  # after temperature: drop tokens less likely than min_p times the most likely one
     seed: int | None = None
-    max_tokens: int = 128
+    max_tokens: int = DEFAULT_MAX_TOKENS
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False

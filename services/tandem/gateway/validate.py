@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from jinja2.exceptions import TemplateError
 
-from tandem.core.config import OutputFormat, SamplingParams
+from tandem.core.config import DEFAULT_MAX_TOKENS, OutputFormat, SamplingParams
 from tandem.core.formats import check_format, format_tokenizer
 from tandem.core.logprobs import MAX_TOP_LOGPROBS
 from tandem.engines import ModelLimits
@@ -31,7 +31,7 @@ class GatewayLimits:
     max_tokens: int = 4096
     # A request that sends no max_tokens gets this many (at most max_tokens), or what its prompt leaves of the
     # context window if fewer.
-    default_max_tokens: int = 128
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_prompt_tokens: int = 8192
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
