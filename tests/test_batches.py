@@ -11,6 +11,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import httpx
 import openai
 import pytest
 
@@ -121,6 +122,29 @@ def test_what_the_batch_api_refuses(sdk, server) -> None:
         sdk.files.create(file=("x.bin", b"\xff\xfe"), purpose="batch")
     with pytest.raises(openai.NotFoundError):
         sdk.batches.retrieve("batch_nope")
+
+
+def test_ids_that_name_what_a_record_refers_to_find_nothing(sdk, server) -> None:
+    """A tenant's index of its files was reachable as the file `%00file-index`: deleting it unlisted every file and
+    lifted the quota; `%00batch-index`, a file's content and another batch's output were 500s or took as objects."""
+    url = f"{server.gateway.http_url}/v1"
+    done = _ended(sdk, sdk.batches.create(input_file_id=_upload(sdk, [_chat("a", "x")]),
+                                          endpoint="/v1/chat/completions", completion_window="24h").id)
+    listed = {file.id for file in sdk.files.list()}
+    for name in ("%00file-index", "%00batch-index", "x%00"):
+        for method, path in (("GET", f"files/{name}"), ("DELETE", f"files/{name}"), ("GET", f"files/{name}/content"),
+                             ("GET", f"batches/{name}"), ("POST", f"batches/{name}/cancel")):
+            answer = httpx.request(method, f"{url}/{path}", timeout=10)
+            assert answer.status_code == 404, (method, path, answer.text)
+    for path in ("responses/%00x", "conversations/%00x", "responses/%00x/input_items"):  # ids are printable
+        assert httpx.get(f"{url}/{path}", timeout=10).status_code == 404
+    for name in ("\0file-index", f"{done.input_file_id}/content"):
+        with pytest.raises(openai.NotFoundError):
+            sdk.batches.create(input_file_id=name, endpoint="/v1/chat/completions", completion_window="24h")
+    assert {file.id for file in sdk.files.list()} == listed  # nothing unlisted
+    with pytest.raises(openai.BadRequestError) as output:  # another batch's output is no batch's input
+        sdk.batches.create(input_file_id=done.output_file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert output.value.body["param"] == "input_file_id" and "batch_output" in output.value.body["message"]
 
 
 def test_files_and_a_batchs_output_expire_when_the_client_asks(sdk, monkeypatch) -> None:

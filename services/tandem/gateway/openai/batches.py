@@ -77,12 +77,16 @@ class Batches:
                      output_expires_in: int | None = None) -> dict:
         """output_expires_in: seconds its output and error files live (output_expires_after; None: as files do)."""
         try:
+            purpose = (await self.files.get(tenant, input_file_id))["purpose"]
             content = await self.files.content(tenant, input_file_id)
         except OpenAIError:
             raise OpenAIError(404, f"No such File object: {input_file_id}", param="input_file_id") from None
+        if purpose != "batch":  # another batch's output, say
+            raise bad_request(f"input_file_id: {input_file_id} has purpose {purpose!r}; a batch reads a file "
+                              "uploaded with purpose 'batch'", "input_file_id")
         requests, errors = await asyncio.to_thread(read_requests, content, endpoint)
         now = int(time.time())
-        batch = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": endpoint, "errors": None,
+        batch = {"id": self.records.new_id(), "object": "batch", "endpoint": endpoint, "errors": None,
                  "input_file_id": input_file_id, "completion_window": "24h", "status": "in_progress",
                  "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": now,
                  "expires_at": now + COMPLETION_WINDOW_S, "finalizing_at": None, "completed_at": None,
@@ -220,7 +224,7 @@ class Batches:
             self.ended(status)
 
     async def current(self, tenant: str, batch_id: str) -> dict:
-        record = await self.records.get(tenant, batch_id)
+        record = await self.records.get(tenant, batch_id) if self.records.is_id(batch_id) else None
         if record is None:
             raise not_found(batch_id)
         return record["batch"]
@@ -281,4 +285,4 @@ def open_batches(sessions: object, response_ttl_s: float, files: FileStore,
                  ended: Callable[[str], None] | None = None, concurrency: int = CONCURRENCY) -> Batches:
     """Batches beside `sessions` (in its Redis when it is one), their files in `files`."""
     store = store_beside(sessions, batch_ttl(response_ttl_s), BATCH_PREFIX, MAX_IN_MEMORY)
-    return Batches(TenantRecords(store, "batch"), files, ended, concurrency)
+    return Batches(TenantRecords(store, "batch", "batch_"), files, ended, concurrency)

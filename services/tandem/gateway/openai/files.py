@@ -13,7 +13,6 @@ one, or an unknown id is the same 404.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
@@ -73,7 +72,7 @@ class FileStore:
         """expires_in: seconds the file lives (expires_after, checked), at most ttl_s; None: ttl_s."""
         created = int(time.time())
         lives = int(self.ttl_s) if expires_in is None else min(expires_in, int(self.ttl_s))
-        file = {"id": f"file-{uuid.uuid4().hex}", "object": "file", "bytes": len(content), "created_at": created,
+        file = {"id": self.records.new_id(), "object": "file", "bytes": len(content), "created_at": created,
                 "expires_at": created + lives, "filename": filename, "purpose": purpose,
                 "status": "processed", "status_details": None}
         await self.records.put(tenant, _content_id(file["id"]), {"text": content.decode()})
@@ -81,6 +80,8 @@ class FileStore:
         return file
 
     async def get(self, tenant: str, file_id: str) -> dict:
+        if not self.records.is_id(file_id):
+            raise not_found(file_id)
         if (file := await self.records.get(tenant, file_id)) is None or await self._expired(tenant, file):
             raise not_found(file_id)
         return file
@@ -92,7 +93,7 @@ class FileStore:
         return record["text"]
 
     async def delete(self, tenant: str, file_id: str) -> None:
-        if not await self.records.delete(tenant, file_id):
+        if not self.records.is_id(file_id) or not await self.records.delete(tenant, file_id):
             raise not_found(file_id)
         await self.records.discard(tenant, _content_id(file_id))
 
@@ -121,7 +122,7 @@ def open_file_store(sessions: object, ttl_s: float, tenant_bytes: int) -> FileSt
     None when ttl_s is 0."""
     if ttl_s <= 0:
         return None
-    records = TenantRecords(store_beside(sessions, ttl_s, FILE_PREFIX, MAX_IN_MEMORY), "file")
+    records = TenantRecords(store_beside(sessions, ttl_s, FILE_PREFIX, MAX_IN_MEMORY), "file", "file-")
     return FileStore(records, ttl_s, tenant_bytes)
 
 

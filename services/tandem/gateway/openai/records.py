@@ -10,9 +10,11 @@ dropped from the index the next time a listing meets it.
 from __future__ import annotations
 
 import asyncio
+import re
+import uuid
 from collections.abc import Callable
 
-from tandem.gateway.openai.stored import tenant_key
+from tandem.gateway.openai.stored import store_key, tenant_key
 from tandem.sessions import SessionStore
 
 Change = Callable[[dict], object]  # changes a record in place
@@ -21,12 +23,22 @@ Change = Callable[[dict], object]  # changes a record in place
 class TenantRecords:
     """Records of one kind (`kind`: "file", "batch"); the store's calls run off the event loop."""
 
-    def __init__(self, store: SessionStore, kind: str) -> None:
+    def __init__(self, store: SessionStore, kind: str, id_prefix: str) -> None:
         self._store = store
         self.kind = kind
+        self._id_prefix = id_prefix
+        self._ids = re.compile(re.escape(id_prefix) + "[0-9a-f]{32}")
+
+    def new_id(self) -> str:
+        return f"{self._id_prefix}{uuid.uuid4().hex}"
+
+    def is_id(self, record_id: str) -> bool:
+        """Whether `record_id` has the form of this kind's ids (new_id): an id a client sends must, so that it never
+        names what is stored beside the records under ids of other forms (a file's content, a batch's results)."""
+        return self._ids.fullmatch(record_id) is not None
 
     def _index_key(self, tenant: str) -> str:
-        return tenant_key(tenant, f"\0{self.kind}-index")  # (no record id holds a NUL)
+        return store_key(tenant, f"\0{self.kind}-index")
 
     async def add(self, tenant: str, record_id: str, record: dict) -> None:
         """Store a new record and list it."""
@@ -77,11 +89,11 @@ class TenantRecords:
 
     async def get_shared(self, name: str) -> dict | None:
         """A record of this kind that belongs to no tenant (what every replica looks at: the batches running)."""
-        record = await asyncio.to_thread(self._store.get, tenant_key("\0shared", f"{self.kind}-{name}"))
+        record = await asyncio.to_thread(self._store.get, store_key("\0shared", f"{self.kind}-{name}"))
         return record if isinstance(record, dict) else None
 
     async def update_shared(self, name: str, change: Callable[[dict | None], dict | None]) -> None:
-        await asyncio.to_thread(self._store.update, tenant_key("\0shared", f"{self.kind}-{name}"), change)
+        await asyncio.to_thread(self._store.update, store_key("\0shared", f"{self.kind}-{name}"), change)
 
     async def _reindex(self, tenant: str, change: Callable[[list[str]], list[str]]) -> None:
         def changed(index: dict | None) -> dict | None:

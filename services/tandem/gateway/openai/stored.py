@@ -46,9 +46,18 @@ def id_in_use(response_id: str) -> OpenAIError:
 
 
 def tenant_key(tenant: str, record_id: str) -> str:
-    """The store key of a tenant's record (a response, a conversation): another tenant sending the same id finds
-    nothing."""
-    return hashlib.sha256(f"{tenant}\0{record_id}".encode()).hexdigest()
+    """The store key of a tenant's record (a response, a conversation, a file) by a client's id: another tenant
+    sending the same id finds nothing. A client's ids are printable; one that is not (a URL's %00, JSON's \\u0000)
+    names nothing, a 404: the store's own records are named with a NUL (store_key), out of a client's reach."""
+    if not record_id.isprintable():
+        raise OpenAIError(404, f"No object with id {record_id!r} exists.", code="not_found")
+    return store_key(tenant, record_id)
+
+
+def store_key(tenant: str, name: str) -> str:
+    """The store key of `name` under `tenant`: tenant_key for the gateway's own names (a tenant's index of its files,
+    what every replica shares), which hold a NUL."""
+    return hashlib.sha256(f"{tenant}\0{name}".encode()).hexdigest()
 
 
 class ResponseStore:
