@@ -166,6 +166,28 @@ def test_an_id_in_use_is_refused_and_the_response_holding_it_goes_on(server) -> 
     assert sdk.responses.retrieve(first.id).status == "cancelled"
 
 
+def test_a_running_synchronous_response_holds_its_id_and_gives_it_up_unstored(server) -> None:
+    """A synchronous response was only checked for a free id at its start and stored over whatever held the id at
+    its end: a background response sent meanwhile with the same id was answered queued, then overwritten."""
+    sdk = openai_sdk(server)
+    url = f"{server.gateway.http_url}/v1/responses"
+    body = {"model": MODEL, "input": "first", "max_output_tokens": LONG, "stream": True, "temperature": 0,
+            "ignore_eos": True, "request_id": "resp_sync"}
+    with httpx.stream("POST", url, json=body, timeout=60) as streaming:
+        lines = streaming.iter_lines()  # (kept: an iterator dropped closes the connection)
+        assert _events(lines, until=3)[0]["type"] == "response.created"
+        with pytest.raises(openai.BadRequestError) as taken:
+            sdk.responses.create(model=MODEL, input="second", max_output_tokens=2, background=True,
+                                 extra_body={"request_id": "resp_sync"})
+        assert taken.value.body["code"] == "response_id_in_use"
+        assert sdk.responses.retrieve("resp_sync").status in ("queued", "in_progress")
+    assert _idle(server)  # the client left: the response ends unstored and its id is free again
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve("resp_sync")
+    done = sdk.responses.create(model=MODEL, input="again", max_output_tokens=2, extra_body={"request_id": "resp_sync"})
+    assert sdk.responses.retrieve("resp_sync").model_dump() == done.model_dump()
+
+
 def test_what_cannot_run_in_the_background_is_refused(server) -> None:
     sdk = openai_sdk(server)
     with pytest.raises(openai.BadRequestError) as refused:

@@ -3,14 +3,16 @@ truncated to fit) and POST /v1/responses/input_tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tandem.gateway.events import Event
 from tandem.gateway.openai.background import BackgroundResponses
 from tandem.gateway.openai.bodies import read_body
 from tandem.gateway.openai.conversations import ConversationStore
@@ -106,10 +108,14 @@ class ResponsesApi:
             self._check_background(body)
         response_id = body.request_id or f"resp_{uuid.uuid4().hex}"
         stored = self.stored if body.store is not False else None
-        if body.request_id and stored is not None and not body.background:  # (background: BackgroundResponses.start)
-            await stored.check_free(tenant, response_id)
         writer = ResponseWriter(response_id, generations.target_name, self.api.token_texts(), body, turn.chat.logprobs,
                                 store=stored is not None, background=bool(body.background))
+        # A client's id names one response: taken at once, atomically across replicas (id_in_use where another
+        # holds it), and given up if the response ends unstored (BackgroundResponses.start takes a background one's).
+        claimed = body.request_id is not None and stored is not None and not body.background
+        if claimed:
+            await stored.create(tenant, StoredResponse(writer.response(), turn.items))
+        kept = False
 
         async def extend(response: dict) -> None:
             """A conversation the response is in gains its input and output once it has ended well (one deleted
@@ -124,9 +130,15 @@ class ResponsesApi:
                             exc.message)
 
         async def keep(response: dict) -> None:
+            nonlocal kept
+            kept = True
             await extend(response)
             if stored is not None:
                 await stored.put(tenant, StoredResponse(response, turn.items))
+
+        async def release() -> None:
+            if claimed and not kept:  # (shielded: a client gone cancels the request's every await)
+                await asyncio.shield(stored.delete(tenant, response_id))
 
         if body.background:
             return await self._in_background(request, tenant, writer, turn, renames, extend)
@@ -136,10 +148,20 @@ class ResponsesApi:
             await keep(response)
             return response
 
+        async def body_of(first: Event) -> AsyncGenerator[bytes, None]:
+            try:
+                async for chunk in response_events(events, first, writer, renames, keep):
+                    yield chunk
+            finally:  # a client gone mid-stream
+                await release()
+
         events = generations.stream(chat_request(turn.chat, response_id), list(request.headers.items()),
                                     tenant=tenant, background=self.api.from_batch(request))
-        return await deliver(request, events, body.stream, writer.add, whole,
-                              lambda first: response_events(events, first, writer, renames, keep))
+        try:
+            return await deliver(request, events, body.stream, writer.add, whole, body_of)
+        except BaseException:
+            await release()
+            raise
 
     def _check_background(self, body: ResponsesRequest) -> None:
         if self.background is None:

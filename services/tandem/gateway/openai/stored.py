@@ -84,11 +84,6 @@ class ResponseStore:
         except _Taken:
             raise id_in_use(stored.response["id"]) from None
 
-    async def check_free(self, tenant: str, response_id: str) -> None:
-        """id_in_use where the tenant has a response of that id."""
-        if await self.get(tenant, response_id) is not None:
-            raise id_in_use(response_id)
-
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         record = await asyncio.to_thread(self._store.get, tenant_key(tenant, response_id))
         if not isinstance(record, dict) or "response" not in record or "items" not in record:
