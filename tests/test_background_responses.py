@@ -294,3 +294,22 @@ def test_metrics_count_background_responses_running_and_ended(tiny_models) -> No
         assert value(families, "tandem_responses_background_ended_total", status="incomplete") == 1
     finally:
         gateway.stop()
+
+
+def test_a_background_response_running_past_the_ttl_stays_readable_and_cancellable(tiny_models) -> None:
+    """It was stored at its start and end only: a run longer than --response-ttl was a 404 to poll, cancel and
+    delete until it ended, and then came back."""
+    target, draft, _ = tiny_models
+    gateway = ServerThread(tiny_backend(target, draft), http_port=0, response_ttl_s=1.0)
+    try:
+        sdk = openai_sdk(gateway)
+        started = sdk.responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=LONG, background=True,
+                                       **GREEDY)
+        deadline = time.monotonic() + 3.0  # three TTLs
+        while time.monotonic() < deadline:
+            assert sdk.responses.retrieve(started.id).status in ("queued", "in_progress")
+            time.sleep(0.1)
+        assert sdk.responses.cancel(started.id).status == "cancelled"
+        assert len(list(sdk.responses.retrieve(started.id, stream=True))) > 2  # its events too
+    finally:
+        gateway.stop()

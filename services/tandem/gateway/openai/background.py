@@ -76,7 +76,11 @@ class BackgroundResponses:
 
     async def _run(self, tenant: str, key: str, writer: ResponseWriter, items: list[dict],
                    generation: AsyncGenerator, renames: dict[str, str], finished: Finished | None) -> None:
+        kept_at = time.monotonic()
+
         async def keep() -> None:
+            nonlocal kept_at
+            kept_at = time.monotonic()
             await self.stored.put(tenant, StoredResponse(writer.response(), items))
 
         watcher = asyncio.create_task(self._watch(key, asyncio.current_task()))
@@ -88,6 +92,8 @@ class BackgroundResponses:
                         await keep()
                         await self.events.append(key, started)
                     await self.events.append(key, writer.add(event))
+                    if time.monotonic() - kept_at > self.stored.ttl_s / 2:  # a run longer than the record's TTL
+                        await keep()
             closing = writer.closing()
         except asyncio.CancelledError:
             run = self._runs.get(key)

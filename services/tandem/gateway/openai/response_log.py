@@ -66,7 +66,7 @@ class MemoryResponseLog:
         if (entry := self._logs.get(key)) is not None:
             return entry
         now = time.monotonic()  # a new log: the expired ones go (not on every append: it runs once a token)
-        for old in [old for old, events in self._logs.items() if events.expires < now]:
+        for old in [old for old, events in self._logs.items() if events.ended and events.expires < now]:
             del self._logs[old]
         entry = self._logs[key] = _Events(now + self.ttl_s)
         return entry
@@ -79,6 +79,7 @@ class MemoryResponseLog:
     async def end(self, key: str) -> None:
         entry = self._log(key)
         entry.ended = True
+        entry.expires = time.monotonic() + self.ttl_s  # (as its stored response, kept once more as it ended)
         entry.wake()
         self._cancelled.discard(key)
         self._logs.move_to_end(key)

@@ -66,6 +66,11 @@ class ResponseStore:
     def __init__(self, store: SessionStore) -> None:
         self._store = store
 
+    @property
+    def ttl_s(self) -> float:
+        """How long a response lives after it was last stored."""
+        return self._store.ttl_s
+
     async def put(self, tenant: str, stored: StoredResponse) -> None:
         record = {"response": stored.response, "items": stored.items}
         await asyncio.to_thread(self._store.put, tenant_key(tenant, stored.response["id"]), record)
