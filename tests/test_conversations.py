@@ -121,6 +121,26 @@ def test_what_a_conversation_refuses(sdk, server) -> None:
     assert sdk.conversations.items.list(conversation.id).data == []  # a refused response adds nothing
 
 
+def test_item_ids_are_unique_so_a_page_after_one_ends(sdk) -> None:
+    """A client's item ids are kept: two items with one id made listing `after` it return the same page for ever
+    (the SDK's auto-pagination never ended) and a delete of one remove both. OpenAI refuses them, as here."""
+    twin = {"id": "msg_twin", "type": "message", "role": "user", "content": "x"}
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.conversations.create(items=[twin, twin])
+    assert "Duplicate item found with id msg_twin" in refused.value.body["message"]
+    conversation = sdk.conversations.create(items=[twin])
+    with pytest.raises(openai.BadRequestError):
+        sdk.conversations.items.create(conversation.id, items=[twin])
+    with pytest.raises(openai.BadRequestError) as continued:  # the input repeating an item of the conversation
+        sdk.responses.create(model=MODEL, input=[twin], conversation=conversation.id, max_output_tokens=2)
+    assert continued.value.body["param"] == "input"
+    first = sdk.responses.create(model=MODEL, input=[twin], max_output_tokens=2, **GREEDY)
+    with pytest.raises(openai.BadRequestError):  # ... or of the response it continues, output items included
+        sdk.responses.create(model=MODEL, previous_response_id=first.id, max_output_tokens=2,
+                             input=[{"id": first.output[0].id, "type": "message", "role": "assistant", "content": "y"}])
+    assert [item.id for item in sdk.conversations.items.list(conversation.id)] == ["msg_twin"]
+
+
 def test_another_gateway_reads_and_extends_a_conversation_through_redis(tiny_models, monkeypatch) -> None:
     target, draft, _ = tiny_models
     with EmbeddedRedis() as redis:

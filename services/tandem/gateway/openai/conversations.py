@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable
 
 from tandem.gateway.openai.errors import OpenAIError
+from tandem.gateway.openai.responses_input import check_unique_ids
 from tandem.gateway.openai.stored import store_beside, tenant_key
 from tandem.sessions import SessionStore
 
@@ -35,6 +36,7 @@ class ConversationStore:
         self._store = store
 
     async def create(self, tenant: str, items: list[dict], metadata: dict[str, str]) -> dict:
+        check_unique_ids(items, "items")
         conversation = {"id": f"conv_{uuid.uuid4().hex}", "object": "conversation", "created_at": int(time.time()),
                         "metadata": metadata}
         await self._put(tenant, {"conversation": conversation, "items": items})
@@ -58,7 +60,11 @@ class ConversationStore:
         return await asyncio.to_thread(self._store.update, tenant_key(tenant, conversation_id), changed)
 
     async def extend(self, tenant: str, conversation_id: str, items: list[dict]) -> dict:
-        return await self.update(tenant, conversation_id, lambda record: record["items"].extend(items))
+        def extended(record: dict) -> None:
+            check_unique_ids(record["items"] + items, "items")
+            record["items"].extend(items)
+
+        return await self.update(tenant, conversation_id, extended)
 
     async def delete(self, tenant: str, conversation_id: str) -> None:
         await self.get(tenant, conversation_id)  # a 404 where there is none

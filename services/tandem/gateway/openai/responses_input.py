@@ -59,6 +59,7 @@ def chat_body(body: ResponsesRequest, history: list[dict] | None = None) -> Resp
                               f"include[{index}]")
     history = history or []
     items = input_items(body.input)
+    check_unique_ids(history + items, "input")
     messages, origins = _messages(body.instructions, [(item, HISTORY) for item in history]
                                   + [(item, f"input[{index}]") for index, item in enumerate(items)])
     logprobs = OUTPUT_LOGPROBS in (body.include or ())
@@ -73,6 +74,15 @@ def chat_body(body: ResponsesRequest, history: list[dict] | None = None) -> Resp
     except ValidationError as exc:  # a tool's description or parameters of the wrong type
         raise validation_error(exc.errors()) from exc
     return ResponsesTurn(chat_request, RENAMES | origins, history + items, len(items))
+
+
+def check_unique_ids(items: list[dict], field: str) -> None:
+    """A 400 where two items share an id (a client's own ids are kept): listing a page `after` one could not end."""
+    seen: set[str] = set()
+    for item in items:
+        if item["id"] in seen:
+            raise bad_request(f"Duplicate item found with id {item['id']}.", field)
+        seen.add(item["id"])
 
 
 def input_items(value: str | list[dict[str, Any]] | None, field: str = "input") -> list[dict]:
