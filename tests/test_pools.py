@@ -334,10 +334,10 @@ def test_a_dead_target_replica_moves_its_sessions_and_none_left_is_unavailable_u
         time.sleep(0.5)
 
     kill_for_good(pools, f"tandem-pools-t-{second}")
+    wait_health(gateway.address, NOT_SERVING, 30)  # before any request finds it: the idle gateway probes them
     with TandemClient(gateway.address, timeout=60) as client, pytest.raises(grpc.RpcError) as failed:
         list(client.generate(token_ids=PROMPTS[0], temperature=0.0, max_tokens=TOKENS, ignore_eos=True))
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
-    wait_health(gateway.address, NOT_SERVING, 30)
     # A new replica, whether or not the manager's periodic prune has seen the last one die yet.
     scaled = json.loads(tandem_cli(pools, "pools", "scale", "--name", "t", "target", "1"))
     assert len(scaled["workers"]["target"]) == 1 and scaled["workers"]["target"][0] not in (first, second), scaled

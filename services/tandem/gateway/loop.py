@@ -122,6 +122,13 @@ class EngineLoop:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._active
 
+    def probe_idle(self, timeout_s: float) -> None:
+        """While no request runs here, probe the target replicas (blocking; keep it off the event loop): unavailable
+        when none answers. A step finds dead replicas only when one runs, so replicas gone between requests (shared
+        pools stopped, another gateway's traffic seeing them die) left readiness SERVING until a request failed."""
+        if not self.unavailable and not self.active and not self.engine.verifier.reachable(timeout_s):
+            self.unavailable = True
+
     def recover(self, timeout_s: float) -> bool:
         """Probe the target replicas (blocking; keep it off the event loop): serve again once one answers."""
         if self.unavailable and self.engine.verifier.reachable(timeout_s):

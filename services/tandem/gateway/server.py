@@ -50,6 +50,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 DRAIN_POLL_SECONDS = 0.05
 BACKEND_POLL_SECONDS = 1.0  # while no target replica answers: how often the gateway probes them
+IDLE_PROBE_SECONDS = 5.0  # while they answer and no request runs: how often it asks (each may take as long to answer)
 
 Loader = Callable[[], Backend | Mapping[str, Backend]]
 
@@ -234,9 +235,13 @@ class Gateway:
     async def _watch_backends(self) -> None:
         """Readiness follows the target replicas: NOT_SERVING while no replica of a loop answers (its requests fail
         UNAVAILABLE), SERVING again once one does."""
-        down = False
+        down, probed = False, time.monotonic()
         while self._drain is None:
             await asyncio.sleep(BACKEND_POLL_SECONDS)
+            if time.monotonic() - probed >= IDLE_PROBE_SECONDS:
+                for loop in self.all_loops:
+                    await asyncio.to_thread(loop.probe_idle, IDLE_PROBE_SECONDS)
+                probed = time.monotonic()
             loops = [loop for loop in self.all_loops if loop.unavailable]
             if loops and not down:
                 log.warning("readiness NOT_SERVING: no target replica is available")
