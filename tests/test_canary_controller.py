@@ -205,6 +205,8 @@ def test_decisions_exported_as_opentelemetry_metrics() -> None:
     sdk = pytest.importorskip("opentelemetry.sdk.metrics")
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+    from tandem.telemetry.metrics import TIME_PER_OUTPUT_TOKEN_BUCKETS
+
     reader = InMemoryMetricReader()
     meter = sdk.MeterProvider(metric_readers=[reader]).get_meter("tandem.canary")
     gateway = CanaryController(MemoryCanaryStore(), "otel", arms=TWO_ARMS, meter=meter,
@@ -221,6 +223,8 @@ def test_decisions_exported_as_opentelemetry_metrics() -> None:
     assert requests == {"stable": 3, "canary": 3}
     assert {p.attributes["arm"]: p.value for p in points["tandem.canary.weight"]} == {"stable": 100.0, "canary": 0.0}
     assert {p.attributes["arm"] for p in points["tandem.canary.tpot"]} == {"stable", "canary"}
+    # Seconds a token in the gateway's buckets: not the SDK's defaults (0, 5, 10, ...), in whose first every one fell.
+    assert all(tuple(p.explicit_bounds) == TIME_PER_OUTPUT_TOKEN_BUCKETS for p in points["tandem.canary.tpot"])
 
 
 def test_background_ticker_refreshes_and_decides(server) -> None:

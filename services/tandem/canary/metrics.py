@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from tandem.canary.observations import GREEDY_CHECK, Outcome
+from tandem.telemetry.metrics import TIME_PER_OUTPUT_TOKEN_BUCKETS
 
 try:
     from opentelemetry import metrics as otel_metrics
@@ -47,7 +48,10 @@ class CanaryMetrics:
             self._decisions = meter.create_counter("tandem.canary.decisions", description="canary decisions")
             self._requests = meter.create_counter("tandem.canary.requests", description="requests per canary arm")
             self._tokens = meter.create_counter("tandem.canary.draft_tokens", description="drafted tokens per arm")
-            self._tpot = meter.create_histogram("tandem.canary.tpot", unit="s", description="time per output token")
+            # Seconds, in the gateway's TPOT buckets: the SDK's default ones (0, 5, 10, 25, ...) put every token in
+            # the first.
+            self._tpot = meter.create_histogram("tandem.canary.tpot", unit="s", description="time per output token",
+                                                explicit_bucket_boundaries_advisory=TIME_PER_OUTPUT_TOKEN_BUCKETS)
             self._checks = meter.create_counter("tandem.canary.greedy_checks",
                                                 description="greedy-equality checks against plain decoding")
             meter.create_observable_gauge("tandem.canary.weight", callbacks=[self._observe_weights], unit="%",

@@ -24,7 +24,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="use only the first N prompts (default: all)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), metavar="METHOD",
                         help=f"the methods to run, of {' '.join(METHODS)} (default: all)")
-    add_json_option(parser, "the report")
+    add_json_option(parser, "the report", printed=True)
     parser.set_defaults(handler=run)
 
 

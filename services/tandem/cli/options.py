@@ -42,9 +42,12 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{help_text} (default: {shown})"
 
 
-def add_json_option(parser: argparse.ArgumentParser, what: str = "the result") -> None:
+def add_json_option(parser: argparse.ArgumentParser, what: str = "the result", printed: bool = False) -> None:
+    """printed: the command prints that JSON as its text output too, so a PATH gets a copy."""
+    where = "on stdout, and also written to PATH if given" if printed else \
+        "on stdout when PATH is left out, else written to PATH"
     parser.add_argument("--json", nargs="?", const=STDOUT, default=None, metavar="PATH", type=json_target,
-                        help=f"{what} as one JSON object: on stdout when PATH is left out, else written to PATH")
+                        help=f"{what} as one JSON object: {where}")
 
 
 def json_target(value: str) -> str:
