@@ -265,6 +265,32 @@ def test_another_gateway_reads_cancels_and_takes_on_a_batch(tiny_models, monkeyp
             _stop(runner, other)
 
 
+def test_a_batch_taken_on_without_its_input_file_keeps_what_it_answered(tiny_models, monkeypatch) -> None:
+    """Deleting a batch's input file once it is submitted is a common clean-up; a replica that took the batch on
+    then failed it with no output file: the answers kept so far were thrown away."""
+    monkeypatch.setattr(batch_run, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(batch_run, "LEASE_S", 1.5)
+    monkeypatch.setattr(batches, "SWEEP_S", 0.3)
+    with EmbeddedRedis() as redis:
+        runner, other = _two_gateways(tiny_models, redis)
+        try:
+            ran, read = openai_sdk(runner), openai_sdk(other)
+            batch = _long_batch(ran, "g")
+            deadline = time.monotonic() + 30
+            while read.batches.retrieve(batch.id).request_counts.completed < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            read.files.delete(batch.input_file_id)
+            runner.stop()
+            ended = _ended(read, batch.id)
+            assert ended.status == "failed" and ended.errors.data[0].code == "input_file_gone"
+            answered = _lines(read, ended.output_file_id)
+            assert len(answered) == ended.request_counts.completed >= 2
+            assert all(line["response"]["status_code"] == 200 for line in answered.values())
+        finally:
+            _stop(runner, other)
+
+
 def test_a_batch_whose_replica_died_is_taken_on_and_the_dead_one_writes_nothing_over_it(tiny_models,
                                                                                          monkeypatch) -> None:
     """A replica whose event loop stops (as one that died) renews no lease: once it has run out, the other gateway

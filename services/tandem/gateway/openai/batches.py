@@ -41,7 +41,9 @@ CONCURRENCY = 8  # the default of requests of a replica's batches in flight at o
 SWEEP_S = 2.0  # how often a replica looks for batches nobody holds
 CLAIMABLE = frozenset({"in_progress", "cancelling", "finalizing"})
 COMPLETION_WINDOW_S = 24 * 3600  # "24h", the one window OpenAI offers
-ENDED = {"cancelled": "cancelled", "expired": "expired", None: "completed"}
+ENDED = {"cancelled": "cancelled", "expired": "expired", "input_gone": "failed", None: "completed"}
+INPUT_GONE = {"object": "list", "data": [{"code": "input_file_gone", "param": "input_file_id", "line": None,
+                                          "message": "The batch's input file is gone: it cannot go on."}]}
 RUNNING_INDEX = "running"
 
 
@@ -149,6 +151,8 @@ class Batches:
                                                                     "batch_output", content,
                                                                     record.get("output_expires_in")))["id"]
         status = ENDED[run.stop]
+        if run.stop == "input_gone":
+            files["errors"] = INPUT_GONE
         if await self._change(run, status=status, **{f"{status}_at": int(time.time())}, **files) is None:
             return
         for chunk in record["chunks"]:
@@ -205,12 +209,9 @@ class Batches:
             content = ""
         requests, errors = await asyncio.to_thread(read_requests, content, batch["endpoint"])
         run = self._run_of(tenant, record, requests, run_id)
-        if errors:  # (its input file expired or was deleted meanwhile)
-            await self._change(run, status="failed", failed_at=int(time.time()), errors={"object": "list", "data": [
-                {"code": "input_file_gone", "message": "The batch's input file is gone: it cannot go on.",
-                 "param": "input_file_id", "line": None}]})
-            await self.records.update_shared(RUNNING_INDEX, lambda index: _unindexed(index, [tenant, batch_id]))
-            self._ended("failed")
+        if errors:  # its input file expired or was deleted meanwhile: failed, with the answers it has in its files
+            run.stop = "input_gone"
+            await self._finish(run)
             return
         log.info("going on with batch %s (%d of %d requests answered)", batch_id, len(run.done), len(requests))
         if batch["status"] == "in_progress":
