@@ -65,6 +65,16 @@ def test_models_and_health(server) -> None:
     assert health.status_code == 200 and health.json() == {"status": "ok"}
 
 
+def test_http_connections_send_without_waiting_for_acks(server) -> None:
+    """Nagle's algorithm was on (the listening socket named no protocol, so asyncio left TCP_NODELAY off): uvicorn
+    writes a response's head and body apart, and a keep-alive request waited ~40 ms for the client's delayed ACK."""
+    with httpx.Client(base_url=server.gateway.http_url) as client:
+        assert client.get("/health").status_code == 200  # the connection stays open
+        connections = server.gateway.http.server.server_state.connections
+        sockets = [c.transport.get_extra_info("socket") for c in connections]
+        assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
+
+
 def test_chat_greedy_equals_the_grpc_stream(server) -> None:
     text, _, complete = _grpc(server, chat=[(m["role"], m["content"]) for m in CHAT], ignore_eos=True, **GREEDY)
     response = _sdk(server).chat.completions.create(model=MODEL, messages=CHAT, extra_body=IGNORE_EOS, **GREEDY)

@@ -21,10 +21,20 @@ MIN_SHUTDOWN_SECONDS = 0.5
 
 
 def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, as socket.create_server makes it but with its protocol named: asyncio turns Nagle's
+    algorithm off (TCP_NODELAY) only on connections whose socket says IPPROTO_TCP, and with it on, a keep-alive
+    request waited about 40 ms for the client's delayed ACK (uvicorn writes a response's head and body apart)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
-        return socket.create_server((host, port), family=family, backlog=2048)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        return sock
     except OSError as exc:
+        sock.close()
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         raise OSError(f"cannot listen on {address} for HTTP: {exc.strerror or exc}") from exc
 
