@@ -16,7 +16,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from gateway_harness import ServerThread, openai_sdk, tiny_backend
-from tandem.gateway.openai import background
+from tandem.gateway.openai import background, response_log
 from tandem.sessions import EmbeddedRedis, open_session_store
 from telemetry_helpers import scrape, value
 
@@ -313,3 +313,32 @@ def test_a_background_response_running_past_the_ttl_stays_readable_and_cancellab
         assert len(list(sdk.responses.retrieve(started.id, stream=True))) > 2  # its events too
     finally:
         gateway.stop()
+
+
+def test_background_responses_wait_for_a_redis_connection_rather_than_fail(tiny_models, monkeypatch) -> None:
+    """With its Redis connections all in use (readers blocked on XREAD, runners' heartbeats), a call raised at once:
+    a runner whose lease was not taken was then taken for dead and its response failed ("the gateway replica running
+    this background response stopped"), and readers' streams were cut. Here the pools hold two connections each."""
+    monkeypatch.setattr(response_log, "CONTROL_CONNECTIONS", 2)
+    monkeypatch.setattr(response_log, "READER_CONNECTIONS", 2)
+    target, draft, _ = tiny_models
+    with EmbeddedRedis() as redis:
+        gateway = ServerThread(tiny_backend(target, draft), http_port=0, sessions=open_session_store(redis.url))
+        try:
+            sdk = openai_sdk(gateway)
+            started = [sdk.responses.create(model=MODEL, input=f"x = {n}", max_output_tokens=64, background=True,
+                                            **GREEDY) for n in range(6)]
+            last: dict[str, str] = {}
+
+            def read(response_id: str) -> None:
+                last[response_id] = list(sdk.responses.retrieve(response_id, stream=True))[-1].type
+
+            readers = [threading.Thread(target=read, args=(r.id,)) for r in started]
+            for reader in readers:
+                reader.start()
+            for reader in readers:
+                reader.join(120)
+            assert all(_finished(sdk, r.id).status == "incomplete" for r in started)  # (cut at max_output_tokens)
+            assert last == {r.id: "response.incomplete" for r in started}
+        finally:
+            gateway.stop()

@@ -29,6 +29,11 @@ CANCEL_PREFIX = "tandem:response-cancel:"
 LEASE_PREFIX = "tandem:response-lease:"  # held by the replica running a response while it runs
 MAX_ENDED_IN_MEMORY = 256  # ended logs held in this process without Redis; the oldest go first
 READ_BLOCK_MS = 1000  # a Redis reader's wait for new events before it looks again
+# A replica's Redis connections: for writes, leases and cancel flags (each call holds one for a round trip), and for
+# readers (each holds one for up to READ_BLOCK_MS). A call waits up to POOL_WAIT_S for one to be free: with the pool
+# full it raised at once, and a runner whose lease could not be taken was taken for dead and its response failed.
+CONTROL_CONNECTIONS, READER_CONNECTIONS, POOL_WAIT_S = 32, 512, 10.0
+READ_RETRIES = 50  # a reader's Redis errors in a row (0.2 s apart) before its stream ends with one
 
 
 class ResponseLog(Protocol):
@@ -127,9 +132,9 @@ class RedisResponseLog:
 
     def __init__(self, url: str, ttl_s: float) -> None:
         self.ttl_ms = max(1, int(ttl_s * 1000))
-        # Readers block up to READ_BLOCK_MS on XREAD: the socket timeout must be well past it.
-        self._client = redis.asyncio.Redis.from_url(url, decode_responses=True, socket_timeout=READ_BLOCK_MS / 200,
-                                                    socket_connect_timeout=1.0)
+        self._client = _client(url, CONTROL_CONNECTIONS)
+        self._readers = _client(url, READER_CONNECTIONS)
+        self._untaken: set[str] = set()  # leases a runner could not take (Redis failed): taken at the next beat
         self._pending: dict[str, list[dict[str, str]]] = {}
         self._writers: dict[str, asyncio.Task] = {}
         self.round_trips = 0
@@ -168,15 +173,26 @@ class RedisResponseLog:
 
     async def end(self, key: str) -> None:
         """Written once every event before it is: a reader that meets it has seen them all."""
+        self._untaken.discard(key)
         await asyncio.shield(self._queue(key, [{"end": "1"}]))
 
     async def read(self, key: str, after: int) -> AsyncGenerator[dict, None]:
-        last = "0-0"
+        last, failures = "0-0", 0
         while True:
-            found = await self._client.xread({EVENTS_PREFIX + key: last}, count=512, block=READ_BLOCK_MS)
+            try:
+                found = await self._readers.xread({EVENTS_PREFIX + key: last}, count=512, block=READ_BLOCK_MS)
+                if not found and not await self._readers.exists(EVENTS_PREFIX + key):
+                    return  # expired or never written
+                failures = 0
+            except redis.RedisError:
+                failures += 1
+                if failures >= READ_RETRIES:
+                    raise
+                await asyncio.sleep(0.2)
+                continue
             if not found:
-                if not await self._client.exists(EVENTS_PREFIX + key) or not await self.lease_held(key):
-                    return  # expired or never written, or no replica runs it any more (no end mark is coming)
+                if not await self.lease_held(key):
+                    return  # no replica runs it any more (no end mark is coming)
                 continue
             for entry_id, fields in found[0][1]:
                 last = entry_id
@@ -197,10 +213,15 @@ class RedisResponseLog:
 
     async def renew_lease(self, key: str, seconds: float, new: bool = False) -> bool:
         """Take (`new`) or renew the lease: False when it had run out (another replica may have ended the response)."""
+        new = new or key in self._untaken
         try:
-            return bool(await self._client.set(LEASE_PREFIX + key, "1", px=max(1, int(seconds * 1000)), xx=not new))
+            held = bool(await self._client.set(LEASE_PREFIX + key, "1", px=max(1, int(seconds * 1000)), xx=not new))
         except redis.RedisError:
+            if new:
+                self._untaken.add(key)
             return True  # retried at the next beat; a lease lost to an outage longer than it reads as a dead runner
+        self._untaken.discard(key)
+        return held
 
     async def lease_held(self, key: str) -> bool:
         try:
@@ -211,6 +232,16 @@ class RedisResponseLog:
     async def close(self) -> None:
         await asyncio.gather(*self._writers.values(), return_exceptions=True)
         await self._client.aclose()
+        await self._readers.aclose()
+
+
+def _client(url: str, connections: int) -> redis.asyncio.Redis:
+    """A client over a pool of `connections` that a call waits for (POOL_WAIT_S) when all are in use. Readers block
+    up to READ_BLOCK_MS on XREAD: the socket timeout is well past it."""
+    pool = redis.asyncio.BlockingConnectionPool.from_url(url, max_connections=connections, timeout=POOL_WAIT_S,
+                                                         decode_responses=True, socket_timeout=READ_BLOCK_MS / 200,
+                                                         socket_connect_timeout=1.0)
+    return redis.asyncio.Redis.from_pool(pool)
 
 
 def open_response_log(sessions: object, ttl_s: float) -> ResponseLog:
