@@ -6,6 +6,7 @@ import threading
 import time
 
 import grpc
+import httpx
 import pytest
 
 from gateway_harness import ServerThread, tiny_backend
@@ -238,3 +239,65 @@ def test_output_its_client_has_not_read_holds_a_queue_place(tiny_models) -> None
         assert server.call(read(server.call(loop.submit([1, 2, 3], params, "r4")))) == 8
     finally:
         server.stop()
+
+
+def _slow_first_round(tiny_models, seconds: float, prompt_tokens: int, **options) -> ServerThread:
+    """A server whose engine sleeps `seconds` in the first round of a request with a prompt of `prompt_tokens`, after
+    the step has counted its tokens (as a long prefill would take)."""
+    target, draft, _ = tiny_models
+    load_tiny = tiny_backend(target, draft)
+
+    def load():
+        backend = load_tiny()
+        engine, real_round = backend.engine, backend.engine._round
+
+        def slow_round(batch, plan, limits):
+            if any(len(seq.prompt) == prompt_tokens and not seq.output for seq in batch):
+                time.sleep(seconds)
+            return real_round(batch, plan, limits)
+
+        engine._round = slow_round
+        return backend
+
+    return ServerThread(load, stall_timeout=0.4, **options)
+
+
+def test_a_long_prompts_step_has_time_for_its_tokens(tiny_models) -> None:
+    """One step past --stall-timeout failed every request in flight, though a long prompt prefilled whole (or scored
+    for its logprobs) is a long step, not a hung engine: a step may take longer by TARGET_TOKEN_ALLOWANCE_S a token."""
+    running = _slow_first_round(tiny_models, 1.5, 200)
+    try:
+        with TandemClient(running.address, timeout=30) as client:
+            _, complete = client.generate_text(token_ids=[5] * 200, temperature=0.0, max_tokens=4, ignore_eos=True)
+            assert complete.usage.completion_tokens == 4
+    finally:
+        running.stop()
+
+
+def test_readiness_says_so_while_a_step_is_stalled(tiny_models) -> None:
+    """The watchdog failed the requests, but /health and gRPC readiness went on saying SERVING."""
+    running = _slow_first_round(tiny_models, 7.0, 1, http_port=0)  # one token and k 8: a 4.9 s deadline
+    try:
+        with TandemClient(running.address, timeout=30) as client:
+            codes = []
+
+            def generate() -> None:
+                try:
+                    client.generate_text(token_ids=[9], max_tokens=4)
+                except grpc.RpcError as error:
+                    codes.append(error.code())
+
+            failed = threading.Thread(target=generate)
+            failed.start()
+            deadline = time.monotonic() + 15
+            while (health := httpx.get(f"{running.gateway.http_url}/health", timeout=5)).status_code == 200:
+                assert time.monotonic() < deadline, "readiness never said the engine was stalled"
+                time.sleep(0.1)
+            assert health.status_code == 503 and "stalled" in health.text
+            failed.join(30)
+            assert codes == [grpc.StatusCode.UNAVAILABLE]
+            while httpx.get(f"{running.gateway.http_url}/health", timeout=5).status_code != 200:
+                assert time.monotonic() < deadline + 20, "readiness never came back"
+                time.sleep(0.1)
+    finally:
+        running.stop()

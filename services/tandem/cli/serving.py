@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from tandem.cli.common import add_redis_options, session_store_url
 from tandem.cli.options import field_as_option
-from tandem.core.config import EngineConfig
+from tandem.core.config import TARGET_TOKEN_ALLOWANCE_S, EngineConfig
 from tandem.errors import InvalidArgument, TandemError
 from tandem.gateway.options import GatewayOptions, check_tls_files
 from tandem.gateway.server import Loader, serve
@@ -57,8 +57,10 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                         help="longest prompt in tokens (default: %(default)s)")
     parser.add_argument("--grace", type=float, default=30.0,
                         help="seconds in-flight requests may run on after SIGTERM (default: %(default)s)")
-    parser.add_argument("--stall-timeout", type=float, default=60.0,
-                        help="fail in-flight requests when one engine step runs longer (default: %(default)s)")
+    parser.add_argument("--stall-timeout", type=float, default=GatewayOptions().stall_timeout,
+                        help=f"seconds one engine step may run, plus {TARGET_TOKEN_ALLOWANCE_S:g} s a token its "
+                             "forward computes (a long prompt prefilled whole), before in-flight requests fail "
+                             "UNAVAILABLE and readiness turns NOT_SERVING until it ends (default: %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help=f"Prometheus /metrics port on --host (default: {DEFAULT_METRICS_PORT}, or a free port "
                         "when taken; 0: a free port; -1: off)")

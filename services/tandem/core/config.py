@@ -97,6 +97,10 @@ class OutputFormat:
         return cls("json_schema", '{"type": "object"}')
 
 
+# Seconds a target forward may take per token it computes, beyond a fixed allowance: a verify call's deadline
+# (workers.target_pool, until the pool shows a faster pace) and the gateway's stall watchdog (gateway.loop). The
+# slowest forward measured: the 1.5B target in bf16 on one AVX2 core without bf16 FMA, 0.34 s a token of prefill.
+TARGET_TOKEN_ALLOWANCE_S = 0.5
 DEFAULT_MAX_TOKENS = 128  # a request's output length where it sets none: `tandem generate`, the gateway's default
 
 

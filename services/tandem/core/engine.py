@@ -82,6 +82,9 @@ class SpeculativeEngine:
         self.preemptions = {"priority": 0, "kv": 0}
         self._stepped: set[str] = set()  # the last step's sequences
         self._waits = 0  # steps in a row that waited for other callers' sequences to leave a full worker
+        # Tokens the running step's target forward computes at most (its rows' uncached context, drafts): what a
+        # step may take grows with them (the gateway's stall watchdog). Read from another thread.
+        self.step_tokens = 0
         if self.drafter is not None and self.config.calibrates:
             self.calibrate()
 
@@ -138,6 +141,8 @@ class SpeculativeEngine:
         batch = waiting[: self.config.max_batch]
         while True:
             limits = self._prefill_limits(batch)
+            self.step_tokens = sum(_step_tokens(seq, limit) for seq, limit in zip(batch, limits, strict=True)) \
+                + len(batch) * self.config.spec.k_max
             plan = plan_round([self._row_view(seq, limit) for seq, limit in zip(batch, limits, strict=True)],
                               self.speculating, self.config.spec, self.costs, self.prior.value, self.prior.measured)
             try:
@@ -390,6 +395,13 @@ class SpeculativeEngine:
                                   f"times (needs {full.needed}); {remedy}") from full
         self.costs.adopt(measured)
         return self.costs
+
+
+def _step_tokens(seq: Sequence, prefill_limit: int) -> int:
+    """At most how many tokens of `seq`'s context a step's target forward computes besides drafts: what the verifier
+    lacks (or a prefill chunk of it)."""
+    lacking = len(seq.context) - seq.verify_synced
+    return min(lacking, prefill_limit) if prefill_limit else lacking
 
 
 def _priority(seq: Sequence) -> int:

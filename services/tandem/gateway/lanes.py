@@ -59,6 +59,10 @@ class LanedLoop:
     def recover(self, timeout_s: float) -> bool:
         return all([lane.recover(timeout_s) for lane in self.lanes])
 
+    def probe_idle(self, timeout_s: float) -> None:
+        for lane in self.lanes:
+            lane.probe_idle(timeout_s)
+
     @property
     def batch_capacity(self) -> int:
         return sum(lane.batch_capacity for lane in self.lanes)

@@ -17,7 +17,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tandem.core.config import SamplingParams
+from tandem.core.config import TARGET_TOKEN_ALLOWANCE_S, SamplingParams
 from tandem.core.engine import SpeculativeEngine
 from tandem.core.policy import PolicyState
 from tandem.core.requests import Sequence, StepOutput
@@ -130,10 +130,11 @@ class EngineLoop:
             self.unavailable = True
 
     def recover(self, timeout_s: float) -> bool:
-        """Probe the target replicas (blocking; keep it off the event loop): serve again once one answers."""
+        """Probe the target replicas (blocking; keep it off the event loop): serve again once one answers and no
+        step is stalled."""
         if self.unavailable and self.engine.verifier.reachable(timeout_s):
             self.unavailable = False
-        return not self.unavailable
+        return not self.unavailable and not self.stalled
 
     def preemptions(self) -> dict[str, int]:
         """Sequences the engine took out of a step it ran them in, by kind (core.engine; read by the metrics scrape
@@ -146,7 +147,13 @@ class EngineLoop:
 
     @property
     def stalled(self) -> bool:
-        return (started := self._step_started) is not None and time.monotonic() - started > self.stall_timeout
+        return (started := self._step_started) is not None and time.monotonic() - started > self.step_deadline_s
+
+    @property
+    def step_deadline_s(self) -> float:
+        """How long the running step may take: the stall timeout, plus an allowance per token its forward computes
+        (a long prompt prefilled whole, or scored for its logprobs, is a long step, not a hung engine)."""
+        return self.stall_timeout + TARGET_TOKEN_ALLOWANCE_S * self.engine.step_tokens
 
     async def submit(self, prompt: list[int], params: SamplingParams, request_id: str, session_id: str = "",
                      max_k: int | None = None, trace: object | None = None, cache_scope: str = "",
@@ -221,7 +228,7 @@ class EngineLoop:
         while not self._closed.is_set():
             await asyncio.sleep(interval)
             if self.stalled and self._active:
-                message = f"engine stalled: a step ran over {self.stall_timeout}s"
+                message = f"engine stalled: a step ran over {self.step_deadline_s:.0f}s"
                 log.error("%s; failing %d requests", message, len(self._active))
                 for request_id in list(self._active):
                     self._fail(request_id, EngineUnavailable(message))

@@ -145,6 +145,8 @@ class Gateway:
             return "draining"
         if self.generations is None:
             return "loading"
+        if any(loop.stalled for loop in self.all_loops):
+            return "stalled"
         return "unavailable" if any(loop.unavailable for loop in self.all_loops) else None
 
     @property
@@ -233,8 +235,8 @@ class Gateway:
             log.info("ready: %s on %s%s", self.generations.backend.target_name, self.address, arms)
 
     async def _watch_backends(self) -> None:
-        """Readiness follows the target replicas: NOT_SERVING while no replica of a loop answers (its requests fail
-        UNAVAILABLE), SERVING again once one does."""
+        """Readiness follows the target replicas and the engines: NOT_SERVING while no replica of a loop answers or a
+        loop's step is stalled (its requests fail UNAVAILABLE), SERVING again once one answers and the step ended."""
         down, probed = False, time.monotonic()
         while self._drain is None:
             await asyncio.sleep(BACKEND_POLL_SECONDS)
@@ -242,14 +244,15 @@ class Gateway:
                 for loop in self.all_loops:
                     await asyncio.to_thread(loop.probe_idle, IDLE_PROBE_SECONDS)
                 probed = time.monotonic()
-            loops = [loop for loop in self.all_loops if loop.unavailable]
+            loops = [loop for loop in self.all_loops if loop.unavailable or loop.stalled]
             if loops and not down:
-                log.warning("readiness NOT_SERVING: no target replica is available")
+                log.warning("readiness NOT_SERVING: %s", "an engine step is stalled" if any(
+                    loop.stalled for loop in loops) else "no target replica is available")
                 await self.health.set(READINESS_SERVICE, NOT_SERVING)
             recovered = [await asyncio.to_thread(loop.recover, BACKEND_POLL_SECONDS) for loop in loops]
             down = not all(recovered)
             if loops and not down and self._drain is None:
-                log.warning("readiness SERVING: a target replica answers again")
+                log.warning("readiness SERVING again")
                 await self.health.set(READINESS_SERVICE, SERVING)
 
     def drain(self, grace: float | None = None) -> asyncio.Task:

@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 
+from tandem.core.config import TARGET_TOKEN_ALLOWANCE_S
 from tandem.core.protocol import StateLost, VerifyRequest, VerifyResult
 from tandem.core.row_layout import RowLayout
 from tandem.errors import BackendUnavailable
@@ -29,10 +30,7 @@ from tandem.workers.worker_base import start_workers
 
 log = logging.getLogger(__name__)
 TOKENIZER_TIMEOUT_S = 60.0  # how long one target replica may take to hand over its tokenizer
-# Seconds a verify call may take per token it carries (prompt, resent history, drafts), beyond timeout_s, until the
-# pool shows a faster pace (workers.pace). The slowest forward measured: the 1.5B target in bf16 on one AVX2 core
-# without bf16 FMA, 0.34 s a token of prefill.
-PER_TOKEN_S = 0.5
+PER_TOKEN_S = TARGET_TOKEN_ALLOWANCE_S  # a verify call's per token it carries (prompt, resent history, drafts)
 # How long a round with no replica left waits for one to answer again: a dead single-rank replica is restarted by Ray
 # and loads its model (seconds for a small model); kept well below a gateway's stall timeout (60 s by default), past
 # which the step would fail every request anyway.

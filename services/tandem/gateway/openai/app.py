@@ -68,7 +68,8 @@ from tandem.telemetry import tracing
 Status = Callable[[], str | None]
 NOT_READY = {"loading": "not ready: the engine is still loading",
              "draining": "draining: this server is shutting down",
-             "unavailable": "no target replica is available; retry later"}
+             "unavailable": "no target replica is available; retry later",
+             "stalled": "the engine is stalled (a step ran past its deadline); retry later"}
 
 
 @dataclass(slots=True, frozen=True)
