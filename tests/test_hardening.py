@@ -152,6 +152,33 @@ def test_huge_prompts_are_refused_without_stalling_streams(server) -> None:
     assert _idle(server)
 
 
+def test_a_whole_response_of_many_logprobs_is_built_off_the_event_loop(tiny_models) -> None:
+    """A completion of 16 choices echoing a 3000-token prompt with 20 logprobs a token is ~29 MB of JSON: built and
+    encoded on the event loop, it held every other client (health checks, streams) for 1.6 s here."""
+    target, draft, _ = tiny_models
+    running = ServerThread(_loader(target, draft, "tiny-target"), http_port=0,
+                           limits=GatewayLimits(max_prompt_tokens=4000))
+    try:
+        body = {"prompt": [5] * 3000, "max_tokens": 1, "n": 16, "echo": True, "logprobs": 20, "temperature": 1.0}
+        answered: dict = {}
+        big = threading.Thread(target=lambda: answered.update(response=httpx.post(
+            f"{running.gateway.http_url}/v1/completions", json=body, timeout=300)))
+        latencies = []
+        with grpc.insecure_channel(running.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            big.start()
+            while big.is_alive():
+                asked = time.monotonic()
+                health.Check(health_pb2.HealthCheckRequest(service=READINESS_SERVICE), timeout=30)
+                latencies.append(time.monotonic() - asked)
+                time.sleep(0.02)
+        response = answered["response"]
+        assert response.status_code == 200 and len(response.json()["choices"]) == 16
+        assert max(latencies) < MAX_GAP_SECONDS, f"the event loop was held {max(latencies):.2f} s"
+    finally:
+        running.stop()
+
+
 def test_prompt_byte_cap_default_fits_the_longest_prompt() -> None:
     limits = GatewayLimits(max_prompt_tokens=8192)
     assert limits.max_prompt_bytes == 8192 * 16 and limits.max_request_bytes >= 4 * 1024 * 1024

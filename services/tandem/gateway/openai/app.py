@@ -9,6 +9,7 @@ FastAPI's parameter binding so that every refusal, a bad JSON body included, is 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import time
@@ -259,7 +260,7 @@ class Api:
         events = streams[0] if len(streams) == 1 else merged(streams, per_prompt)
 
         async def whole() -> dict:
-            return responder.response()
+            return await asyncio.to_thread(responder.response)  # prompt logprobs of many choices: seconds of work
 
         return await deliver(request, events, body.stream, responder.collect, whole,
                               lambda first: _sse(events, first, responder, renames))

@@ -3,6 +3,7 @@ the first event is (so a refused request gets its own status); and any failure a
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
@@ -23,7 +24,8 @@ async def deliver(request: Request, events: AsyncGenerator, stream: bool, collec
     `body(first)`."""
     if not stream:
         await until_disconnected(request, collect_all(events, collect))
-        return JSONResponse(await whole())
+        # Encoded off the event loop: a body of many choices' logprobs is tens of MB, seconds of json.dumps.
+        return await asyncio.to_thread(JSONResponse, await whole())
     try:
         # The first event before any byte is sent: a refused request (400, 429, 503) gets its own status.
         first = await until_disconnected(request, first_event(events))

@@ -9,6 +9,7 @@ gateway's own tokenize path (gRPC's Tokenize). vLLM's `add_generation_prompt: fa
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from pydantic import StrictBool, StrictInt
@@ -62,4 +63,4 @@ async def detokenize(generations: Generations, body: DetokenizeRequest, tenant: 
     for index, token in enumerate(body.tokens):
         if not 0 <= token < vocab:
             raise bad_request(f"tokens[{index}]: {token} is outside the vocabulary (0..{vocab - 1})", "tokens")
-    return {"prompt": generations.tokenizer.decode(body.tokens)}
+    return {"prompt": await asyncio.to_thread(generations.tokenizer.decode, body.tokens)}  # (a 4 MB body: 0.3 s)
