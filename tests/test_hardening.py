@@ -236,6 +236,8 @@ def test_the_default_max_tokens_never_refuses_a_prompt_that_leaves_room(tiny_mod
         asked(40, max_tokens=25)
     with pytest.raises(InvalidArgument, match=r"^token_ids: its 64 tokens leave no room"):
         asked(64)
+    with pytest.raises(InvalidArgument, match=r"^token_ids: its 80 tokens leave no room"):  # not max_tokens' fault
+        asked(80, max_tokens=4)
     assert GatewayLimits(max_tokens=6).default_max_tokens == 6  # never past what a request may ask for
 
 

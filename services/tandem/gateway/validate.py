@@ -241,9 +241,10 @@ def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model
         where = (f"the context window of {window} tokens (the model's, or fewer where this server's KV cache holds "
                  "fewer: --kv-tokens)")
         room = window - len(ids)
-        if not request.sampling.HasField("max_tokens"):  # the default never refuses a prompt that leaves room
-            _require(room >= 1, f"{request.WhichOneof('input')}: its {len(ids)} tokens leave no room for output in "
-                                f"{where}")
+        # A prompt that fills the window is the prompt's fault whatever max_tokens says (the default never refuses a
+        # prompt that leaves room).
+        _require(room >= 1, f"{request.WhichOneof('input')}: its {len(ids)} tokens leave no room for output in {where}")
+        if not request.sampling.HasField("max_tokens"):
             params = replace(params, max_tokens=min(params.max_tokens, room))
         _require(params.max_tokens <= room,
                  f"max_tokens: the prompt's {len(ids)} tokens plus max_tokens {params.max_tokens} exceed {where}")
