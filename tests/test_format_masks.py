@@ -133,6 +133,19 @@ def test_a_format_that_costs_too_much_or_fails_refuses_its_own_row(tiny_models, 
     assert torch.isfinite(logits).all()
 
 
+def test_a_format_that_allows_nothing_is_refused_in_one_line(tiny_models) -> None:
+    """A schema that is only a reference to itself compiles but allows no token: the refusal carried llguidance's
+    whole parser state (its internals and this server's whitespace pattern), 700 characters of it."""
+    target = tiny_models[0]
+    itself = OutputFormat("json_schema", '{"$ref": "#"}')
+    row = DraftRequest("self", keep=0, append=[], k=0, params=SamplingParams(output_format=itself), output_start=1)
+    masks = FormatMasks(target.tokenizer, {target.tokenizer.eos_token_id})
+    with pytest.raises(RequestRefused) as refused:
+        masks.apply(torch.randn(1, 320), [1], [row], [SequenceState(tokens=[7])], [1], [[]])
+    assert str(refused.value) == ("response_format: the format failed on this output: NoExtensionBias (the format "
+                                  "allows no token here)")
+
+
 @pytest.mark.parametrize("fields", [{"kind": "xml", "spec": "x"}, {"kind": "regex", "spec": ""},
                                     {"kind": "json_schema", "spec": "{"}, {"kind": "json_schema", "spec": "[1]"}])
 def test_bad_formats_are_refused(fields: dict) -> None:

@@ -47,6 +47,7 @@ from tandem.core.sequence import SequenceState
 from tandem.errors import RequestRefused
 
 _BITS = 32  # token ids per bitmask word
+MAX_REASON_CHARS = 200  # of llguidance's error, in a refusal
 # A row's masks for one call (its output's new tokens consumed, then k + 1 positions): a JSON schema's take 1-3 ms on
 # a loaded 2-core CPU (docs/performance.md, Structured outputs); past this, plus TOKEN_BUDGET_S for each output token
 # the call moves its matcher through (a resend carries a whole output: JSON's cost 2 us a token on CPU-A), the
@@ -182,7 +183,8 @@ class FormatMasks:
         longer than the budget; its matcher is dropped with it."""
         if matcher.is_error():
             self.release(seq_id)
-            raise RequestRefused(seq_id, f"response_format: the format failed on this output: {matcher.get_error()}")
+            raise RequestRefused(seq_id, f"response_format: the format failed on this output: "
+                                         f"{_reason(matcher.get_error())}")
         if self.row_budget_s is not None and seconds > self.row_budget_s:
             self.release(seq_id)
             raise RequestRefused(seq_id, f"response_format: following the format took {1e3 * seconds:.0f} ms for one "
@@ -216,7 +218,7 @@ class FormatMasks:
             matcher = LLMatcher(self.tokenizer, grammar_of(output_format))
             built = _cpu() - started
             if matcher.is_error():
-                raise RequestRefused(seq_id, f"response_format: {matcher.get_error()}")
+                raise RequestRefused(seq_id, f"response_format: {_reason(matcher.get_error())}")
             tracked = self._tracked[seq_id] = _Tracked(output_format, matcher)
         consumed = tracked.consumed
         same = _common_prefix(consumed, output)
@@ -262,3 +264,10 @@ def _unpack(masks: torch.Tensor, vocab: int) -> torch.Tensor:
     if bits.shape[1] >= vocab:
         return bits[:, :vocab]
     return torch.cat([bits, bits.new_zeros(bits.shape[0], vocab - bits.shape[1])], dim=1)
+
+
+def _reason(error: str) -> str:
+    """llguidance's error for a client: its first line (a stop reason such as NoExtensionBias: the format allows no
+    token here), without the parser's state dump after it (internals, and this server's own grammar settings)."""
+    first = error.strip().split("\n", 1)[0][:MAX_REASON_CHARS]
+    return f"{first} (the format allows no token here)" if first == "NoExtensionBias" else first or "failed"
