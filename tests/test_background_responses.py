@@ -202,9 +202,12 @@ def test_what_cannot_run_in_the_background_is_refused(server) -> None:
                     lambda: list(sdk.responses.retrieve("resp_nothing", stream=True))):
         with pytest.raises(openai.NotFoundError):
             unknown()
-    failed = sdk.responses.create(model=MODEL, input="x " * 3000, max_output_tokens=2, background=True)
-    failed = _finished(sdk, failed.id)  # past max_prompt_tokens: known only once it runs
-    assert failed.status == "failed" and failed.error.code == "invalid_prompt"
+    with pytest.raises(openai.BadRequestError) as too_long:  # past max_prompt_tokens: refused before it is queued
+        sdk.responses.create(model=MODEL, input="x " * 3000, max_output_tokens=2, background=True,
+                             extra_body={"request_id": "resp_too_long"})
+    assert too_long.value.body["param"] == "input"
+    with pytest.raises(openai.NotFoundError):  # nothing kept of it
+        sdk.responses.retrieve("resp_too_long")
 
 
 def test_another_gateway_reads_streams_and_cancels_a_background_response(tiny_models) -> None:
@@ -342,3 +345,22 @@ def test_background_responses_wait_for_a_redis_connection_rather_than_fail(tiny_
             assert last == {r.id: "response.incomplete" for r in started}
         finally:
             gateway.stop()
+
+
+def test_a_background_response_past_the_queue_is_refused_at_once(tiny_models) -> None:
+    """It was answered queued and stored, then failed (rate_limit_exceeded) once it ran: the client had no 429 to
+    retry on."""
+    target, draft, _ = tiny_models
+    gateway = ServerThread(tiny_backend(target, draft), http_port=0, max_requests=2)
+    try:
+        sdk = openai_sdk(gateway)
+        running = [sdk.responses.create(model=MODEL, input=f"x = {n}", max_output_tokens=LONG, background=True,
+                                        **GREEDY) for n in range(2)]
+        with pytest.raises(openai.RateLimitError) as refused:
+            sdk.responses.create(model=MODEL, input="one more", max_output_tokens=2, background=True)
+        assert "queue full" in refused.value.body["message"] and refused.value.response.headers["retry-after"]
+        assert all(sdk.responses.retrieve(r.id).status in ("queued", "in_progress") for r in running)
+        for response in running:
+            sdk.responses.cancel(response.id)
+    finally:
+        gateway.stop()

@@ -151,14 +151,15 @@ class Generations:
         return await asyncio.to_thread(encode_prompt, prompt, backend.tokenizer, self.limits)
 
     async def stream(self, request: pb.GenerateRequest, metadata: Sequence = (), tenant: str = "",
-                     background: bool = False) -> AsyncIterator[Event]:
+                     background: bool = False, admitted: asyncio.Event | None = None) -> AsyncIterator[Event]:
         """Every choice's events, interleaved as they come; a choice's ChoiceEnd is its last event. `tenant`: the
         authenticated caller's (the transport's to say; "" without API keys), which namespaces its ids;
-        `background`: the request runs behind every client's request (BACKGROUND_PRIORITY)."""
+        `background`: the request runs behind every client's request (BACKGROUND_PRIORITY); `admitted`: set once
+        the engine's queue has taken a choice (before, the stream raises what refuses it: a full queue, ...)."""
         _, loop = self._serving()
         requests_cap, places_cap = self.tenant_caps(tenant, loop.max_requests)
         if requests_cap is None and places_cap is None:
-            async for event in self._stream(request, metadata, tenant, background):
+            async for event in self._stream(request, metadata, tenant, background, admitted):
                 yield event
             return
         places = min(max(1, request.n), self.limits.max_choices)  # (an n past the limit is refused in _stream)
@@ -174,7 +175,7 @@ class Generations:
                              f"(its share is {places_cap}; a request takes one place per choice); retry later")
         held[0], held[1] = held[0] + 1, held[1] + places
         try:
-            async for event in self._stream(request, metadata, tenant, background):
+            async for event in self._stream(request, metadata, tenant, background, admitted):
                 yield event
         finally:
             held[0], held[1] = held[0] - 1, held[1] - places
@@ -191,7 +192,7 @@ class Generations:
         return self.tenant_limits.get(tenant), share
 
     async def _stream(self, request: pb.GenerateRequest, metadata: Sequence, tenant: str,
-                      background: bool) -> AsyncIterator[Event]:
+                      background: bool, admitted: asyncio.Event | None) -> AsyncIterator[Event]:
         backend, loop = self._serving()
         observed = RequestObserver(self.metrics, request, metadata, backend.target_name)
         try:
@@ -214,13 +215,14 @@ class Generations:
         self._choices[prepared.request_id] = [choice.request_id for choice in choices]
         try:
             if len(choices) == 1:
-                async for event in self._choice(0, choices[0], client_id, observed, backend, loop, tenant):
+                async for event in self._choice(0, choices[0], client_id, observed, backend, loop, tenant,
+                                                admitted):
                     yield event
                 return
             # Each choice is a generation of its own to telemetry: its own span and duration.
             observers = [observed] + [RequestObserver(self.metrics, request, metadata, backend.target_name)
                                       for _ in choices[1:]]
-            streams = [self._choice(index, choice, client_id, observers[index], backend, loop, tenant)
+            streams = [self._choice(index, choice, client_id, observers[index], backend, loop, tenant, admitted)
                        for index, choice in enumerate(choices)]
             # A failed choice or a client gone stops the others (each frees its caches as it unwinds).
             async with contextlib.aclosing(interleave(streams)) as events:
@@ -230,7 +232,8 @@ class Generations:
             self._choices.pop(prepared.request_id, None)
 
     async def _choice(self, index: int, prepared: PreparedRequest, request_id: str, observed: RequestObserver,
-                      backend: Backend, loop: ServingLoop, tenant: str = "") -> AsyncIterator[Event]:
+                      backend: Backend, loop: ServingLoop, tenant: str = "",
+                      admitted: asyncio.Event | None = None) -> AsyncIterator[Event]:
         """One choice's events; `prepared` is the choice's own (choice_request), `request_id` the client's request."""
         try:
             observed.prepared(prepared)
@@ -242,6 +245,8 @@ class Generations:
             except FAILURES as exc:
                 observed.failed(error_code(exc), str(exc))
                 raise
+            if admitted is not None:
+                admitted.set()
             detok = IncrementalDetokenizer(backend.engine.decode, prepared.params.stop)
             calls = ToolCallParser(prepared.tool_names, prepared.single_tool_call) if prepared.tool_names else None
             if calls is not None and prepared.call_start:

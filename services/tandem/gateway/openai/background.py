@@ -55,9 +55,12 @@ class BackgroundResponses:
         self._runs: dict[str, _Run] = {}  # store key -> its run, while it runs here
 
     async def start(self, tenant: str, writer: ResponseWriter, items: list[dict], generation: AsyncGenerator,
-                    renames: dict[str, str], finished: Finished | None = None) -> dict:
-        """Store the response queued, start generating it, and return it as stored; `finished` is given it once it
-        has ended, before it is stored so (a conversation takes its output then)."""
+                    admitted: asyncio.Event, renames: dict[str, str], finished: Finished | None = None) -> dict:
+        """Store the response queued, start generating it, and return it as stored once the engine's queue has taken
+        it (`admitted`, which `generation` sets): what refuses it there (a full queue, its tenant's caps, an invalid
+        request) is raised, nothing kept, as for a request answered whole; stored queued, it failed later with no
+        retry-later for its client. `finished` is given the response once it has ended, before it is stored so (a
+        conversation takes its output then)."""
         key = tenant_key(tenant, writer.id)
         opening = writer.opening()
         queued = writer.response()
@@ -66,13 +69,26 @@ class BackgroundResponses:
         except OpenAIError:
             await generation.aclose()
             raise
+        first = asyncio.ensure_future(anext(generation))  # prepared and queued, then the first event
+        try:
+            await _until_admitted(first, admitted)
+        except BaseException:  # refused, or the client gone meanwhile (then every await of ours is cancelled)
+            await asyncio.shield(self._abandon(tenant, writer.id, first, generation))
+            raise
         await self.events.renew_lease(key, LEASE_S, new=True)
         await self.events.append(key, opening)
-        task = asyncio.create_task(self._run(tenant, key, writer, items, generation, renames, finished),
-                                   name=f"background-{writer.id}")
+        task = asyncio.create_task(self._run(tenant, key, writer, items, _after(first, generation), renames,
+                                             finished), name=f"background-{writer.id}")
         self._runs[key] = _Run(task)
         task.add_done_callback(lambda _: self._runs.pop(key, None))
         return queued
+
+    async def _abandon(self, tenant: str, response_id: str, first: asyncio.Future, generation: AsyncGenerator) -> None:
+        first.cancel()
+        with contextlib.suppress(BaseException):
+            await first
+        await generation.aclose()
+        await self.stored.delete(tenant, response_id)
 
     async def _run(self, tenant: str, key: str, writer: ResponseWriter, items: list[dict],
                    generation: AsyncGenerator, renames: dict[str, str], finished: Finished | None) -> None:
@@ -214,3 +230,25 @@ class BackgroundResponses:
         if runs:
             log.warning("%d background response(s) still running at shutdown were stored as failed", len(runs))
         await self.events.close()
+
+
+async def _until_admitted(first: asyncio.Future, admitted: asyncio.Event) -> None:
+    """Wait until the request is in the engine's queue; raise what refused it before."""
+    waiting = asyncio.ensure_future(admitted.wait())
+    try:
+        await asyncio.wait([first, waiting], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+    if not admitted.is_set() and first.done() and not isinstance(first.exception(), StopAsyncIteration):
+        first.result()
+
+
+async def _after(first: asyncio.Future, generation: AsyncGenerator) -> AsyncGenerator:
+    """The generation's events: `first`'s (already asked for), then the rest; closing it closes the generation."""
+    async with contextlib.aclosing(generation):
+        try:
+            yield await first
+        except StopAsyncIteration:
+            return
+        async for event in generation:
+            yield event

@@ -175,9 +175,11 @@ class ResponsesApi:
                              renames: dict[str, str], finished: Callable[[dict], Awaitable[None]]) -> Response:
         """Start a background response: answered with it queued, or with its events as they come (a client that
         leaves stops reading, not generating)."""
+        admitted = asyncio.Event()
         events = self.api.generations().stream(chat_request(turn.chat, writer.id), list(request.headers.items()),
-                                               tenant=tenant, background=self.api.from_batch(request))
-        queued = await self.background.start(tenant, writer, turn.items, events, renames, finished)
+                                               tenant=tenant, background=self.api.from_batch(request),
+                                               admitted=admitted)
+        queued = await self.background.start(tenant, writer, turn.items, events, admitted, renames, finished)
         if not writer.body.stream:
             return JSONResponse(queued)
         return replay(await self.background.stream(tenant, writer.id, -1))
