@@ -241,6 +241,33 @@ def test_output_its_client_has_not_read_holds_a_queue_place(tiny_models) -> None
         server.stop()
 
 
+def test_output_unread_for_a_minute_is_dropped_with_its_place(tiny_models, monkeypatch) -> None:
+    """A client that keeps its connection open and reads nothing held its queue place for as long: a few such
+    connections locked every other client out (429s), with no authentication needed."""
+    from tandem.core.config import SamplingParams
+    from tandem.gateway import loop as engine_loop
+    from tandem.gateway.events import EngineUnavailable
+
+    monkeypatch.setattr(engine_loop, "UNREAD_TIMEOUT_S", 0.5)
+    target, draft, _ = tiny_models
+    server = ServerThread(tiny_backend(target, draft), max_requests=1)
+    try:
+        loop, params = server.gateway.loop, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        stalled = server.call(loop.submit([1, 2, 3], params, "stalled"))
+        assert server.wait_for(lambda: loop.active == 0)  # finished, not read
+        time.sleep(0.6)
+        fresh = server.call(loop.submit([1, 2, 3], params, "fresh"))  # the stalled one's place, taken back
+
+        async def read(handle) -> int:
+            return sum([len(update.token_ids) async for update in handle])
+
+        assert server.call(read(fresh)) == 8
+        with pytest.raises(EngineUnavailable, match="output dropped: its client read none of it"):
+            server.call(read(stalled))  # its reader, back, is told
+    finally:
+        server.stop()
+
+
 def _slow_first_round(tiny_models, seconds: float, prompt_tokens: int, **options) -> ServerThread:
     """A server whose engine sleeps `seconds` in the first round of a request with a prompt of `prompt_tokens`, after
     the step has counted its tokens (as a long prefill would take)."""

@@ -4,6 +4,7 @@ session's state lives between its requests."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -46,10 +47,13 @@ class RequestHandle:
     abort_requested: bool = False
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     trace: object | None = None  # the request's recording span (tracing on): the engine thread adds round spans
+    # When its reader last took an update, or the engine finished it: how long its output has waited for a reader.
+    unread_since: float = field(default_factory=time.monotonic)
 
     async def __aiter__(self) -> AsyncIterator[Update]:
         while True:
             item = await self.updates.get()
+            self.unread_since = time.monotonic()
             if isinstance(item, Exception):
                 raise item
             yield item

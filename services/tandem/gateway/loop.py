@@ -32,6 +32,7 @@ from tandem.telemetry.rounds import RoundTracer
 log = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.25
+UNREAD_TIMEOUT_S = 60.0  # a finished request whose client reads nothing for this long loses its output (unread)
 
 
 @dataclass(slots=True, frozen=True)
@@ -209,13 +210,26 @@ class EngineLoop:
             handle.updates.put_nowait(update)
             if isinstance(update, Exception) or update.finished is not None:
                 del self._active[handle.request_id]
+                handle.unread_since = time.monotonic()
                 self._unread.add(handle)
 
     @property
     def unread(self) -> int:
-        """Requests the engine finished whose clients have not read all their output (each holds a queue place)."""
-        for handle in [h for h in self._unread if h.updates.empty()]:  # read to the end since
-            self._unread.discard(handle)
+        """Requests the engine finished whose clients have not read all their output (each holds a queue place). One
+        whose client has read nothing for UNREAD_TIMEOUT_S loses its output and its place: a client that stops
+        reading would hold them for as long as it kept its connection open."""
+        now = time.monotonic()
+        for handle in list(self._unread):
+            if handle.updates.empty():  # read to the end since
+                self._unread.discard(handle)
+            elif now - handle.unread_since > UNREAD_TIMEOUT_S:
+                self._unread.discard(handle)
+                while not handle.updates.empty():
+                    handle.updates.get_nowait()
+                handle.updates.put_nowait(EngineUnavailable(f"output dropped: its client read none of it for "
+                                                            f"{UNREAD_TIMEOUT_S:.0f} s"))
+                log.warning("request %s: output dropped, its client read none of it for %.0f s", handle.request_id,
+                            UNREAD_TIMEOUT_S)
         return len(self._unread)
 
     def _fail(self, request_id: str, error: Exception) -> None:
