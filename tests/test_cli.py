@@ -113,6 +113,12 @@ def test_kv_tokens_sets_the_runners_budget(capsys, cli_models) -> None:
     error = capsys.readouterr().err  # one stream: no --max-batch to lower (generate has none)
     assert "--kv-tokens: a KV budget of 8 tokens cannot hold the sequence calibration times" in error
     assert error.rstrip().endswith("raise --kv-tokens"), error
+    # The figure it names is what calibration needs in all (it named the step that failed: 31, then 33, ...).
+    needed = int(error.split("(it needs ")[1].split(")")[0])
+    for budget, code in ((needed - 1, 2), (needed, 0)):
+        assert main(["generate", "x", "--target", str(cli_models / "target"), "--draft", str(cli_models / "draft"),
+                     "--kv-tokens", str(budget), "--max-tokens", "2"]) == code
+        capsys.readouterr()
 
 
 def test_unknown_model_fails_without_traceback(tmp_path) -> None:

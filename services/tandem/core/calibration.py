@@ -37,6 +37,12 @@ CALIBRATION_ID = "__tandem_calibration__"
 BATCH_ROWS = (2, 4, 8, 16)
 BATCH_WIDTHS = (1, 2, 3, 5)
 CATCH_UP_WIDTHS = (4, 8, 16, 32)
+CONTEXT = 32  # tokens of each calibration sequence before the widths it times
+
+
+def kv_tokens_needed(k_max: int, max_batch: int, context: int = CONTEXT) -> int:
+    """The KV budget calibration takes: max_batch sequences of `context` tokens and k_max drafts."""
+    return max(1, max_batch) * (context + k_max)
 
 
 class _Failed(Exception):
@@ -76,7 +82,7 @@ def _fastest_each(calls: dict, passes: int, bar: tqdm) -> dict:
 
 
 def calibrate(verifier: Verifier, drafter: Drafter, k_max: int, k_init: int, max_batch: int,
-              context: int = 32, passes: int = 3) -> CostModel:
+              context: int = CONTEXT, passes: int = 3) -> CostModel:
     """A fresh CostModel measured on `verifier` and `drafter`, for rounds of up to k_max drafts and max_batch rows."""
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     prompt = [i % verifier.vocab_size for i in range(1, context + 1)]

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from tandem.core import policy
-from tandem.core.calibration import calibrate
+from tandem.core.calibration import calibrate, kv_tokens_needed
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.costs import CostModel
 from tandem.core.protocol import (
@@ -391,8 +391,9 @@ class SpeculativeEngine:
             rows = self.config.max_batch
             held, remedy = (("the sequence", "raise --kv-tokens") if rows == 1 else
                             (f"the {rows} sequences", "raise --kv-tokens or lower --max-batch"))
+            needed = kv_tokens_needed(spec.k_max, rows)
             raise InvalidArgument(f"kv_tokens: a KV budget of {full.capacity} tokens cannot hold {held} calibration "
-                                  f"times (needs {full.needed}); {remedy}") from full
+                                  f"times (it needs {needed}); {remedy}") from full
         self.costs.adopt(measured)
         return self.costs
 
