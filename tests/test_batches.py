@@ -147,6 +147,26 @@ def test_ids_that_name_what_a_record_refers_to_find_nothing(sdk, server) -> None
     assert output.value.body["param"] == "input_file_id" and "batch_output" in output.value.body["message"]
 
 
+def test_a_loop_deleting_what_it_lists_goes_through_every_page(tiny_models) -> None:
+    """`for f in client.files.list(): client.files.delete(f.id)`: the SDK asks for the next page after the last id of
+    the one before, deleted by then, which was a 400 ("nothing listed has the id") after the first page."""
+    target, draft, _ = tiny_models
+    gateway = ServerThread(tiny_backend(target, draft), http_port=0)
+    try:
+        sdk = openai_sdk(gateway)
+        for order, count in (("desc", 45), ("asc", 25)):  # newest first (the default), then oldest first
+            made = [sdk.files.create(file=(f"{n}.jsonl", b"{}\n"), purpose="batch").id for n in range(count)]
+            assert made == sorted(made)  # ids sort as they were made
+            seen = []
+            for file in sdk.files.list(order=order, limit=10):
+                seen.append(file.id)
+                sdk.files.delete(file.id)
+            assert seen == (made[::-1] if order == "desc" else made)
+            assert sdk.files.list().data == []
+    finally:
+        gateway.stop()
+
+
 def test_files_and_a_batchs_output_expire_when_the_client_asks(sdk, monkeypatch) -> None:
     def after(seconds: int) -> dict:
         return {"anchor": "created_at", "seconds": seconds}

@@ -57,7 +57,7 @@ def add_batch_routes(app: FastAPI, batches: Batches | None, tenant_of: Callable[
     @in_openai_shape
     async def listing(request: Request) -> JSONResponse:
         found = await runner().listing(tenant_of(request))
-        return JSONResponse(input_items_page(found, request.query_params))
+        return JSONResponse(input_items_page(found, request.query_params, runner().records.order_key))
 
     @in_openai_shape
     async def retrieve(request: Request, batch_id: str) -> JSONResponse:

@@ -165,7 +165,7 @@ def add_file_routes(app: FastAPI, files: FileStore | None, tenant_of: Callable[[
         found = await store().listing(tenant)
         if (purpose := request.query_params.get("purpose")) is not None:
             found = [file for file in found if file["purpose"] == purpose]
-        return JSONResponse(input_items_page(found, request.query_params))
+        return JSONResponse(input_items_page(found, request.query_params, store().records.order_key))
 
     @in_openai_shape
     async def retrieve(request: Request, file_id: str) -> JSONResponse:

@@ -91,9 +91,12 @@ def not_found(response_id: str) -> OpenAIError:
     return OpenAIError(404, f"Response with id '{response_id}' not found.")
 
 
-def input_items_page(items: list[dict], query: Mapping[str, str]) -> dict:
+def input_items_page(items: list[dict], query: Mapping[str, str],
+                     order_key: Callable[[str], str | None] | None = None) -> dict:
     """A page of `items` as OpenAI lists them: `order` "desc" (newest first, the default) or "asc", `limit` items
-    (1-100, default 20) after the item whose id is `after`."""
+    (1-100, default 20) after the item whose id is `after`. `order_key`: where ids sort as the items were made (files,
+    batches), an `after` no longer listed (deleted meanwhile, as a loop deleting what it lists does) still places the
+    page; elsewhere it is a 400."""
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise bad_request(f"order: must be 'asc' or 'desc', got {order!r}", "order")
@@ -107,9 +110,14 @@ def input_items_page(items: list[dict], query: Mapping[str, str]) -> dict:
     start = 0
     if (after := query.get("after")) is not None:
         ids = [item.get("id") for item in ordered]
-        if after not in ids:
+        if after in ids:
+            start = ids.index(after) + 1
+        elif order_key is not None and (cursor := order_key(after)) is not None:
+            keys = [order_key(item_id) or "" for item_id in ids]
+            start = next((index for index, key in enumerate(keys) if (key > cursor if order == "asc" else
+                                                                      key < cursor)), len(ordered))
+        else:
             raise bad_request(f"after: nothing listed has the id {after!r}", "after")
-        start = ids.index(after) + 1
     page = ordered[start:start + limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(ordered)}
