@@ -212,3 +212,25 @@ def test_truncation_auto_drops_the_fewest_oldest_turns_that_let_the_prompt_fit(s
     assert continued.usage.input_tokens > fitted.usage.input_tokens  # what it kept, then the new turn: it fits
     with pytest.raises(openai.BadRequestError, match="more than the limit of 2048"):
         sdk.responses.create(input=[user_message("lorem ipsum " * 200)], truncation="auto", **asked)
+
+
+def test_truncation_auto_rescues_a_conversation_past_the_message_limit(tiny_models) -> None:
+    """Counting the whole conversation first was refused past the gateway's message (or byte) limit, so a
+    conversation grown past it was a 400 for every later response, truncation "auto" or not."""
+    from tandem.gateway.validate import GatewayLimits
+
+    target, draft, _ = tiny_models
+    gateway = ServerThread(tiny_backend(target, draft), http_port=0, limits=GatewayLimits(max_chat_messages=8))
+    try:
+        sdk = openai_sdk(gateway)
+        items = [item for n in range(6) for item in (user_message(f"question {n}"), _assistant(f"answer {n}"))]
+        conversation = sdk.conversations.create(items=items)
+        asked = {"model": MODEL, "max_output_tokens": 2, "conversation": conversation.id, **GREEDY}
+        with pytest.raises(openai.BadRequestError, match="at most 8"):
+            sdk.responses.create(input="And now?", **asked)
+        fitted = sdk.responses.create(input="And now?", truncation="auto", **asked)
+        alone = sdk.responses.create(model=MODEL, max_output_tokens=2, store=False, **GREEDY,
+                                     input=[*items[6:], user_message("And now?")])
+        assert fitted.usage.input_tokens == alone.usage.input_tokens  # the newest turns that fit 8 messages
+    finally:
+        gateway.stop()

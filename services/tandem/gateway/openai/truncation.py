@@ -11,8 +11,10 @@ conversation never has more tokens.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
+from tandem.errors import InvalidArgument
 from tandem.gateway.generation import Generations
 from tandem.gateway.openai.convert import chat_request
 from tandem.gateway.openai.responses_input import ResponsesTurn, chat_body
@@ -27,8 +29,13 @@ def prompt_budget(generations: Generations, max_output_tokens: int | None) -> in
     return budget
 
 
-async def count(generations: Generations, turn: ResponsesTurn, tenant: str) -> int:
-    return len(await generations.tokenize(chat=chat_request(turn.chat, "count").chat, tenant=tenant))
+async def count(generations: Generations, turn: ResponsesTurn, tenant: str) -> float:
+    """The prompt tokens of `turn`; infinite where it is past what the gateway tokenizes at all (more messages or
+    bytes than a request may have): a conversation grown past those fits once its oldest turns are dropped too."""
+    try:
+        return len(await generations.tokenize(chat=chat_request(turn.chat, "count").chat, tenant=tenant))
+    except InvalidArgument:  # (a suffix refused for another reason fails as the request, with its own message)
+        return math.inf
 
 
 def turn_starts(items: list[dict]) -> list[int]:
