@@ -117,6 +117,7 @@ def test_every_parser_shows_each_default_once() -> None:
     (["pools", "start", "--name", "p", "--batch-window-ms", "-1"], "error: --batch-window-ms: must be non-negative"),
     # a field that no flag of `tandem serve` sets keeps its name
     (["serve", "--canary-arms", '[{"name": "a", "weight": 50}]'], "error: weights: must sum to 100, got 50"),
+    (["serve", "--canary-arms", "notjson"], "error: --canary-arms: not valid JSON"),  # the arms it sets: the flag
 ])
 def test_errors_name_the_flag(argv: list[str], message: str, capsys) -> None:
     assert main(argv) == 2

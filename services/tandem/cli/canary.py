@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from tandem.cli.options import add_json_option, wants_text, write_json
+from tandem.cli.options import add_json_option, field_as_option, wants_text, write_json
 from tandem.errors import InvalidArgument
 
 ENV_DEPLOYMENT = "TANDEM_CANARY_DEPLOYMENT"
@@ -282,8 +282,12 @@ def serve_canary_options(args: argparse.Namespace):
     from tandem.canary.config import options_from_env, parse_steps
     from tandem.canary.secret import secret_from_file
 
+    try:
+        arms = parse_arms(args.canary_arms) if args.canary_arms else None
+    except InvalidArgument as exc:  # "arms: ..." names the flag that set them
+        raise InvalidArgument(field_as_option(str(exc), "arms", "canary_arms")) from None
     options = options_from_env(
-        arms=parse_arms(args.canary_arms) if args.canary_arms else None, deployment=args.canary_deployment,
+        arms=arms, deployment=args.canary_deployment,
         steps=parse_steps(args.canary_steps) if args.canary_steps else None,
         greedy_check_rate=args.canary_greedy_check_rate, decide_interval_s=args.canary_decide_interval,
         secret=secret_from_file(args.canary_secret_file) if args.canary_secret_file else None)
