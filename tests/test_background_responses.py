@@ -285,6 +285,12 @@ def test_metrics_count_background_responses_running_and_ended(tiny_models) -> No
     gateway = ServerThread(tiny_backend(target, draft), http_port=0, metrics_port=0)
     try:
         sdk, url = openai_sdk(gateway), gateway.gateway.metrics_url
+        families = scrape(url)  # every status from the start, at 0: absent series read as no data to an alert
+        ended = {(name, labels["status"]): count for family in families.values() for name, labels, count in family
+                 if name in ("tandem_responses_background_ended_total", "tandem_batches_ended_total")}
+        assert ended == {(name, status): 0 for name, statuses in (
+            ("tandem_responses_background_ended_total", ("completed", "incomplete", "failed", "cancelled")),
+            ("tandem_batches_ended_total", ("completed", "failed", "expired", "cancelled"))) for status in statuses}
         running = sdk.responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=LONG, background=True,
                                        **GREEDY)
         assert value(scrape(url), "tandem_responses_background_running") == 1

@@ -158,6 +158,12 @@ class GatewayMetrics:
         self.batches_ended = meter.create_counter(
             "tandem.batches.ended", unit="{batch}",
             description="Batches (Batch API) this gateway ran to an end, by status.")
+        # Every status from the start, at 0: a series that appears only at its first event reads as absent to an
+        # alert's rate() and to a dashboard until then.
+        for status in ("completed", "incomplete", "failed", "cancelled"):
+            self.background_ended.add(0, {"status": status})
+        for status in ("completed", "failed", "expired", "cancelled"):
+            self.batches_ended.add(0, {"status": status})
         meter.create_observable_gauge("tandem.batches.running", _gauge(self._batches_running), unit="{batch}",
                                       description="Batches running on this gateway.")
         self._batches: Callable[[], int] | None = None
