@@ -247,6 +247,21 @@ def _answered_once(sdk: openai.OpenAI, batch, tag: str, count: int = 16) -> bool
     return sorted(lines) == sorted(f"{tag}{n}" for n in range(count)) and batch.request_counts.completed == count
 
 
+def _short_leases(monkeypatch) -> None:
+    """A run's lease renewed every 0.2 s, run out after 1.5 s; replicas look for batches nobody holds every 0.3 s."""
+    monkeypatch.setattr(batch_run, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(batch_run, "LEASE_S", 1.5)
+    monkeypatch.setattr(batches, "SWEEP_S", 0.3)
+
+
+def _answering(sdk: openai.OpenAI, batch_id: str, answered: int = 2) -> None:
+    """Wait until the batch has `answered` requests answered (of its 16: it is then mid-run)."""
+    deadline = time.monotonic() + 30
+    while sdk.batches.retrieve(batch_id).request_counts.completed < answered:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def test_another_gateway_reads_cancels_and_takes_on_a_batch(tiny_models, monkeypatch) -> None:
     """Over one real Redis: gateway `other` reads, lists and cancels what `runner` runs (the run sees the cancel at
     its next beat); a batch still running when its gateway shuts down is let go, and `other` goes on with it."""
@@ -270,10 +285,7 @@ def test_another_gateway_reads_cancels_and_takes_on_a_batch(tiny_models, monkeyp
             assert value(scrape(runner.gateway.metrics_url), "tandem_batches_ended_total", status="cancelled") == 1
 
             orphan = _long_batch(ran, "o")
-            deadline = time.monotonic() + 30
-            while read.batches.retrieve(orphan.id).request_counts.completed < 2:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            _answering(read, orphan.id)
             runner.stop()  # shut down mid-batch: let go, and taken on by the other
             kept = read.batches.retrieve(orphan.id)
             assert kept.status == "in_progress" and 2 <= kept.request_counts.completed < 16
@@ -288,18 +300,13 @@ def test_another_gateway_reads_cancels_and_takes_on_a_batch(tiny_models, monkeyp
 def test_a_batch_taken_on_without_its_input_file_keeps_what_it_answered(tiny_models, monkeypatch) -> None:
     """Deleting a batch's input file once it is submitted is a common clean-up; a replica that took the batch on
     then failed it with no output file: the answers kept so far were thrown away."""
-    monkeypatch.setattr(batch_run, "HEARTBEAT_S", 0.2)
-    monkeypatch.setattr(batch_run, "LEASE_S", 1.5)
-    monkeypatch.setattr(batches, "SWEEP_S", 0.3)
+    _short_leases(monkeypatch)
     with EmbeddedRedis() as redis:
         runner, other = _two_gateways(tiny_models, redis)
         try:
             ran, read = openai_sdk(runner), openai_sdk(other)
             batch = _long_batch(ran, "g")
-            deadline = time.monotonic() + 30
-            while read.batches.retrieve(batch.id).request_counts.completed < 2:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            _answering(read, batch.id)
             read.files.delete(batch.input_file_id)
             runner.stop()
             ended = _ended(read, batch.id)
@@ -316,18 +323,13 @@ def test_a_batch_whose_replica_died_is_taken_on_and_the_dead_one_writes_nothing_
     """A replica whose event loop stops (as one that died) renews no lease: once it has run out, the other gateway
     claims the batch and answers what was not kept; when the stalled replica comes back, its run finds the batch
     another's and stops without writing."""
-    monkeypatch.setattr(batch_run, "HEARTBEAT_S", 0.2)
-    monkeypatch.setattr(batch_run, "LEASE_S", 1.5)
-    monkeypatch.setattr(batches, "SWEEP_S", 0.3)
+    _short_leases(monkeypatch)
     with EmbeddedRedis() as redis:
         runner, other = _two_gateways(tiny_models, redis)
         try:
             ran, read = openai_sdk(runner), openai_sdk(other)
             batch = _long_batch(ran, "d")
-            deadline = time.monotonic() + 30
-            while read.batches.retrieve(batch.id).request_counts.completed < 2:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            _answering(read, batch.id)
             runner.event_loop.call_soon_threadsafe(runner.event_loop.stop)
             runner.thread.join(10)
             assert read.batches.retrieve(batch.id).status == "in_progress"
