@@ -4,6 +4,8 @@ input and output once finished; the same prompt, token for token, as the whole c
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -166,6 +168,29 @@ def test_another_gateway_reads_and_extends_a_conversation_through_redis(tiny_mod
                 one.conversations.items.create(conversation.id, items=[user_message("lost")])
             monkeypatch.undo()
             assert len(one.conversations.items.list(conversation.id, limit=100).data) == len(items)
+            # Redis stalled: a change is a 503 (the SDKs retry it), not one made in a replica's memory that another
+            # replica's change would overwrite at the write-back.
+            os.kill(redis.pid, signal.SIGSTOP)
+            for sdk in (one, other):
+                with pytest.raises(openai.InternalServerError) as away:
+                    sdk.with_options(max_retries=0).conversations.items.create(
+                        conversation.id, items=[user_message("while away")])
+                assert away.value.status_code == 503 and away.value.body["code"] == "store_unavailable"
+            os.kill(redis.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 30
+
+            def once_back(call):  # each replica finds Redis back at its next try (it backs off while it is away)
+                while True:
+                    try:
+                        return call()
+                    except openai.InternalServerError:
+                        assert time.monotonic() < deadline
+                        time.sleep(0.2)
+
+            once_back(lambda: one.conversations.items.create(conversation.id, items=[user_message("back")]))
+            listed = once_back(lambda: other.conversations.items.list(conversation.id, limit=100).data)
+            texts = [item.content[0].text for item in listed]
+            assert "back" in texts and "while away" not in texts
         finally:
             for gateway in gateways:
                 gateway.stop()

@@ -19,6 +19,7 @@ from tandem.sessions import (
     EmbeddedRedis,
     MemorySessionStore,
     RedisSessionStore,
+    StoreUnavailable,
     UpdateConflict,
     find_redis_server,
     open_session_store,
@@ -329,3 +330,29 @@ def test_an_embedded_redis_outlives_ctrl_c_and_its_restart_dies_with_a_killed_st
     if not _gone(restarted):
         os.kill(restarted, signal.SIGKILL)
         raise AssertionError("the restarted redis-server outlived the process that started it")
+
+
+def test_a_strict_store_refuses_an_update_it_cannot_share(own_server):
+    """Two gateways each added an item to one conversation during a Redis stall, both were answered 200, and the
+    write-back kept one: a record every replica changes is not changed in one replica's memory."""
+    strict = [RedisSessionStore(own_server.url, strict=True, retry_initial_s=0.05, retry_max_s=0.1) for _ in range(2)]
+    lenient = RedisSessionStore(own_server.url, retry_initial_s=0.05, retry_max_s=0.1)
+    key = sid()
+    strict[0].put(key, {"names": []})
+    own_server.stop()
+    for store in strict:
+        with pytest.raises(StoreUnavailable, match="nothing was read or changed, retry"):
+            store.update(key, _appended("lost"))
+        with pytest.raises(StoreUnavailable):  # a copy may be another replica's change behind
+            store.get(key)
+    assert lenient.update(sid(), _appended("kept"))["names"] == ["kept"]  # session state: served from memory
+    own_server.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            strict[0].update(key, _appended("a"))
+            break
+        except StoreUnavailable:
+            time.sleep(0.05)
+    strict[1].update(key, _appended("b"))
+    assert RedisSessionStore(own_server.url).get(key) == {"names": ["a", "b"]}

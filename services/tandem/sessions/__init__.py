@@ -9,6 +9,7 @@ from tandem.sessions.store import (
     RedisSessionStore,
     SessionStore,
     StoreCounters,
+    StoreUnavailable,
     UpdateConflict,
     open_session_store,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "RedisSetupError",
     "SessionStore",
     "StoreCounters",
+    "StoreUnavailable",
     "UpdateConflict",
     "configured_password",
     "find_redis_server",

@@ -44,6 +44,10 @@ class UpdateConflict(RuntimeError):
     """Other writers changed a key on every one of MAX_UPDATE_TRIES tries of an update."""
 
 
+class StoreUnavailable(RuntimeError):
+    """A strict store's update could not reach Redis (RedisSessionStore `strict`)."""
+
+
 @dataclass(slots=True)
 class StoreCounters:
     redis_errors: int = 0  # Redis calls that failed
@@ -155,8 +159,15 @@ class RedisSessionStore:
         retry_initial_s: float = 0.5,
         retry_max_s: float = 15.0,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
+        strict: bool = False,
     ) -> None:
+        """strict: a read or an update that cannot reach Redis raises StoreUnavailable instead of using this process's
+        copy: for records every replica changes (a conversation's items, an id's owner), where two replicas' changes
+        made in memory during an outage would leave one of them at the write-back, though both were acknowledged,
+        and a copy may be another replica's change behind. A put or delete (of a record of its own) still waits in
+        memory for the write-back."""
         self.url = url
+        self.strict = strict
         self.ttl_s = float(ttl_s)
         self.prefix = prefix
         self.retry_initial_s = retry_initial_s
@@ -275,6 +286,11 @@ class RedisSessionStore:
                     pipe.set(self._key(session_id), item[0], px=max(1, int(item[1] * 1000)))
             pipe.execute()
 
+    def _refuse_if_strict(self) -> None:
+        if self.strict:
+            raise StoreUnavailable(f"the shared store (Redis at {redact_url(self.url)}) is not answering; nothing was "
+                                   "read or changed, retry")
+
     def _fallback(self, session_id: str | None = None) -> None:
         """Count an operation served from memory; a write (`session_id`) is remembered for write-back."""
         with self._lock:
@@ -286,6 +302,7 @@ class RedisSessionStore:
     def get(self, session_id: str) -> dict | None:
         ok, value = self._redis(lambda client: client.get(self._key(session_id)))
         if not ok:
+            self._refuse_if_strict()
             self._fallback()
             return self._memory.get(session_id)
         if value is None:
@@ -312,6 +329,7 @@ class RedisSessionStore:
         state at once both have their change. `change` may run more than once. From memory while Redis is down."""
         ok, changed = self._redis(lambda client: self._transaction(client, session_id, change))
         if not ok:
+            self._refuse_if_strict()
             self._fallback(session_id)
             return self._memory.update(session_id, change)
         if changed is None:

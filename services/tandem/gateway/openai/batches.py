@@ -32,6 +32,7 @@ from tandem.gateway.openai.errors import OpenAIError, bad_request
 from tandem.gateway.openai.files import FileStore
 from tandem.gateway.openai.records import TenantRecords
 from tandem.gateway.openai.stored import store_beside
+from tandem.sessions import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +124,14 @@ class Batches:
         key = (run.tenant, run.batch_id)
         self._runs[key] = run
         workers = min(self.concurrency, len(run.requests) - len(run.done)) or 1
-        run.task = asyncio.create_task(run.go(self._app, self._slots, workers, self._finish),
-                                       name=f"batch-{run.batch_id}")
+        run.task = asyncio.create_task(self._going(run, workers), name=f"batch-{run.batch_id}")
         run.task.add_done_callback(lambda _: self._runs.pop(key, None))
+
+    async def _going(self, run: BatchRun, workers: int) -> None:
+        try:
+            await run.go(self._app, self._slots, workers, self._finish)
+        except StoreUnavailable as exc:  # its lease runs out, and a replica's sweep takes it on once Redis answers
+            log.warning("batch %s: stopped, its state could not be kept (%s)", run.batch_id, exc)
 
     async def _finish(self, run: BatchRun) -> None:
         """Write the files from every run's kept results and end the batch (as this run's, else nothing)."""
@@ -260,7 +266,7 @@ class Batches:
         for task in tasks:
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, StoreUnavailable):  # (its lease then just runs out)
                 await task
         if tasks:
             log.warning("let go of %d running batch(es) at shutdown: another replica goes on with them", len(tasks))

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tandem.errors import BackendUnavailable, InvalidArgument
 from tandem.gateway.events import EngineFailed, EngineUnavailable, QueueFull, TenantBusy
-from tandem.sessions import UpdateConflict
+from tandem.sessions import StoreUnavailable, UpdateConflict
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,8 @@ def from_exception(exc: Exception, renames: dict[str, str]) -> OpenAIError:
         return OpenAIError(429, str(exc), "rate_limit_error", code="queue_full")
     if isinstance(exc, EngineUnavailable | BackendUnavailable):
         return OpenAIError(503, str(exc), "service_unavailable", code="unavailable")
+    if isinstance(exc, StoreUnavailable):
+        return OpenAIError(503, str(exc), "service_unavailable", code="store_unavailable")
     if isinstance(exc, UpdateConflict):  # stored state other replicas kept changing: the SDKs retry a 409
         return OpenAIError(409, f"{exc}; nothing was changed, retry", "conflict_error", code="update_conflict")
     if isinstance(exc, EngineFailed):

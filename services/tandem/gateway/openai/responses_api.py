@@ -28,6 +28,7 @@ from tandem.gateway.openai.stored import ResponseStore, StoredResponse
 from tandem.gateway.openai.stored_routes import replay
 from tandem.gateway.openai.streaming import ClientGone
 from tandem.gateway.openai.truncation import fitted
+from tandem.sessions import StoreUnavailable
 
 if TYPE_CHECKING:
     from tandem.gateway.openai.app import Api
@@ -125,9 +126,9 @@ class ResponsesApi:
                 return
             try:
                 await self.conversations.extend(tenant, conversation, turn.inputs + response["output"])
-            except OpenAIError as exc:
+            except (OpenAIError, StoreUnavailable) as exc:
                 log.warning("response %s: conversation %s not extended: %s", response["id"], conversation,
-                            exc.message)
+                            getattr(exc, "message", exc))
 
         async def keep(response: dict) -> None:
             nonlocal kept

@@ -118,9 +118,10 @@ class ResponseStore:
 
 
 def store_beside(sessions: object, ttl_s: float, prefix: str, max_in_memory: int) -> SessionStore:
-    """A key-value store with a TTL beside `sessions`: the same Redis under `prefix` when it is one, else memory."""
+    """A key-value store with a TTL beside `sessions`: the same Redis under `prefix` when it is one (strict: a record
+    every replica may change is not changed in one replica's memory while Redis is away), else memory."""
     if isinstance(sessions, RedisSessionStore):
-        return RedisSessionStore(sessions.url, ttl_s, prefix=prefix, max_sessions=max_in_memory)
+        return RedisSessionStore(sessions.url, ttl_s, prefix=prefix, max_sessions=max_in_memory, strict=True)
     return MemorySessionStore(ttl_s, max_in_memory)
 
 
