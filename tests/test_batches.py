@@ -163,6 +163,9 @@ def test_a_loop_deleting_what_it_lists_goes_through_every_page(tiny_models) -> N
                 sdk.files.delete(file.id)
             assert seen == (made[::-1] if order == "desc" else made)
             assert sdk.files.list().data == []
+        made = [sdk.files.create(file=(f"{n}.jsonl", b"{}\n"), purpose="batch").id for n in range(30)]
+        assert [file.id for file in sdk.files.list(order="asc").data] == made  # OpenAI's default page: 10,000
+        assert len(sdk.files.list(limit=10_000).data) == 30
     finally:
         gateway.stop()
 

@@ -28,6 +28,7 @@ MAX_FILE_BYTES = 32 * 1024 * 1024
 MAX_IN_MEMORY = 1024
 UPLOAD_PURPOSES = ("batch",)  # what a client may upload: a batch's input (other purposes serve OpenAI's other APIs)
 EXPIRES_AFTER_S = (3600, 30 * 24 * 3600)  # OpenAI's bounds on expires_after.seconds
+LIST_LIMITS = (10_000, 10_000)  # GET /v1/files: OpenAI's default and largest `limit`
 
 
 def expires_after(value: object, field: str, kept_s: float) -> int | None:
@@ -165,7 +166,7 @@ def add_file_routes(app: FastAPI, files: FileStore | None, tenant_of: Callable[[
         found = await store().listing(tenant)
         if (purpose := request.query_params.get("purpose")) is not None:
             found = [file for file in found if file["purpose"] == purpose]
-        return JSONResponse(input_items_page(found, request.query_params, store().records.order_key))
+        return JSONResponse(input_items_page(found, request.query_params, store().records.order_key, LIST_LIMITS))
 
     @in_openai_shape
     async def retrieve(request: Request, file_id: str) -> JSONResponse:

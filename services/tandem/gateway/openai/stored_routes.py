@@ -92,20 +92,21 @@ def not_found(response_id: str) -> OpenAIError:
 
 
 def input_items_page(items: list[dict], query: Mapping[str, str],
-                     order_key: Callable[[str], str | None] | None = None) -> dict:
+                     order_key: Callable[[str], str | None] | None = None,
+                     limits: tuple[int, int] = (DEFAULT_PAGE, MAX_PAGE)) -> dict:
     """A page of `items` as OpenAI lists them: `order` "desc" (newest first, the default) or "asc", `limit` items
     (1-100, default 20) after the item whose id is `after`. `order_key`: where ids sort as the items were made (files,
     batches), an `after` no longer listed (deleted meanwhile, as a loop deleting what it lists does) still places the
-    page; elsewhere it is a 400."""
+    page; elsewhere it is a 400. `limits`: the default and largest `limit` (OpenAI's files list takes up to 10,000)."""
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise bad_request(f"order: must be 'asc' or 'desc', got {order!r}", "order")
     try:
-        limit = int(query.get("limit", DEFAULT_PAGE))
+        limit = int(query.get("limit", limits[0]))
     except ValueError:
         limit = 0
-    if not 1 <= limit <= MAX_PAGE:
-        raise bad_request(f"limit: must be an integer from 1 to {MAX_PAGE}, got {query.get('limit')!r}", "limit")
+    if not 1 <= limit <= limits[1]:
+        raise bad_request(f"limit: must be an integer from 1 to {limits[1]}, got {query.get('limit')!r}", "limit")
     ordered = items if order == "asc" else items[::-1]
     start = 0
     if (after := query.get("after")) is not None:
