@@ -165,7 +165,7 @@ class RedisSessionStore:
         copy: for records every replica changes (a conversation's items, an id's owner), where two replicas' changes
         made in memory during an outage would leave one of them at the write-back, though both were acknowledged,
         and a copy may be another replica's change behind. A put or delete (of a record of its own) still waits in
-        memory for the write-back."""
+        memory for the write-back. Each call asks Redis, whatever the backoff: there is no copy to fall back on."""
         self.url = url
         self.strict = strict
         self.ttl_s = float(ttl_s)
@@ -212,6 +212,8 @@ class RedisSessionStore:
         with self._lock:
             if self._healthy:
                 return "up"
+            if self.strict:  # nothing to serve from memory: every call asks Redis (and writes back once it answers)
+                return "probe"
             now = time.monotonic()
             if now < self._next_try:
                 return None

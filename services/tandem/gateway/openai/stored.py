@@ -22,6 +22,10 @@ RESPONSE_PREFIX = "tandem:response:"
 DEFAULT_RESPONSE_TTL_S = 3600.0
 # Responses held in this process (all of them without Redis, a write-through copy with it); the oldest-used go first.
 MAX_IN_MEMORY = 2048
+# How long a shared record's read or change waits for Redis before it is a 503: longer than the session store's 0.3 s,
+# after which a session's state is served from memory; a record has no such fallback, and a loaded Redis (or a
+# gateway whose threads wait for CPU) answers a round trip in more than 0.3 s now and then.
+STRICT_TIMEOUT_S = 2.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -121,7 +125,8 @@ def store_beside(sessions: object, ttl_s: float, prefix: str, max_in_memory: int
     """A key-value store with a TTL beside `sessions`: the same Redis under `prefix` when it is one (strict: a record
     every replica may change is not changed in one replica's memory while Redis is away), else memory."""
     if isinstance(sessions, RedisSessionStore):
-        return RedisSessionStore(sessions.url, ttl_s, prefix=prefix, max_sessions=max_in_memory, strict=True)
+        return RedisSessionStore(sessions.url, ttl_s, prefix=prefix, max_sessions=max_in_memory, strict=True,
+                                 socket_timeout_s=STRICT_TIMEOUT_S)
     return MemorySessionStore(ttl_s, max_in_memory)
 
 
