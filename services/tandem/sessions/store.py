@@ -45,7 +45,7 @@ class UpdateConflict(RuntimeError):
 
 
 class StoreUnavailable(RuntimeError):
-    """A strict store's update could not reach Redis (RedisSessionStore `strict`)."""
+    """A strict store's read or update could not reach Redis (RedisSessionStore `strict`)."""
 
 
 @dataclass(slots=True)

@@ -266,7 +266,7 @@ class Batches:
         for task in tasks:
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, StoreUnavailable):  # (its lease then just runs out)
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
         if tasks:
             log.warning("let go of %d running batch(es) at shutdown: another replica goes on with them", len(tasks))

@@ -81,9 +81,8 @@ class FileStore:
         return file
 
     async def get(self, tenant: str, file_id: str) -> dict:
-        if not self.records.is_id(file_id):
-            raise not_found(file_id)
-        if (file := await self.records.get(tenant, file_id)) is None or await self._expired(tenant, file):
+        if not self.records.is_id(file_id) or (file := await self.records.get(tenant, file_id)) is None \
+                or await self._expired(tenant, file):
             raise not_found(file_id)
         return file
 

@@ -105,7 +105,8 @@ class ResponseStore:
         if found is None:
             raise OpenAIError(404, f"Previous response with id '{previous}' not found.", param="previous_response_id",
                               code="previous_response_not_found")
-        if found.response.get("status") in ("queued", "in_progress"):  # a background run: its output is not there yet
+        # Still running (a background response, or a synchronous one holding its id): its output is not there yet.
+        if found.response.get("status") in ("queued", "in_progress"):
             raise OpenAIError(400, f"Previous response with id '{previous}' is still {found.response['status']}; "
                                    "continue it once it has completed.", param="previous_response_id")
         return found.conversation()
