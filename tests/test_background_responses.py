@@ -273,8 +273,16 @@ def test_a_response_whose_replica_stalled_past_its_lease_is_failed_and_stays_so(
             began = time.monotonic()
             replay = list(read.responses.retrieve(started.id, stream=True))  # ends once the lease is gone
             assert time.monotonic() - began < 6 and replay[0].type == "response.created"
+            assert [event.type for event in replay[-2:]] == ["error", "response.failed"]  # as a runner ends one
+            assert [event.sequence_number for event in replay] == list(range(len(replay)))
             lost = _finished(read, started.id)
             assert lost.status == "failed" and lost.error.code == "server_error" and "stopped" in lost.error.message
+            assert replay[-1].response.model_dump() == lost.model_dump()
+            streamed = "".join(event.delta for event in replay if event.type == "response.output_text.delta")
+            assert streamed and lost.output_text == streamed  # what its log held, not what was stored at its start
+            assert lost.output[0].status == "incomplete"
+            again = list(read.responses.retrieve(started.id, stream=True, starting_after=len(replay) - 3))
+            assert [event.type for event in again] == ["error", "response.failed"]
             runner.thread = threading.Thread(target=runner.event_loop.run_forever, daemon=True)
             runner.thread.start()  # back: its runner's next renewal finds the lease gone, and it stops
             assert _idle(runner)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from tandem.gateway.openai.errors import OpenAIError, bad_request, from_exception
 from tandem.gateway.openai.response_log import ResponseLog
-from tandem.gateway.openai.responses_output import ResponseWriter
+from tandem.gateway.openai.responses_output import ResponseWriter, failed_events, output_of
 from tandem.gateway.openai.stored import ResponseStore, StoredResponse, tenant_key
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ CANCEL_POLL_S = 0.25  # how often a runner asks the log whether another replica 
 CANCEL_WAIT_S = 5.0  # how long a cancel sent to another replica's response waits for that replica to stop it
 HEARTBEAT_S, LEASE_S = 2.0, 10.0  # a runner renews its lease every HEARTBEAT_S; LEASE_S without one: it died
 TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
+FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})  # (cancelled has none)
 SHUT_DOWN = OpenAIError(503, "the server shut down before this background response finished; create it again",
                         "server_error")
 LOST = {"code": "server_error", "message": "the gateway replica running this background response stopped before it "
@@ -158,10 +159,20 @@ class BackgroundResponses:
 
     async def _ended(self, tenant: str, found: StoredResponse, status: str, error: dict | None = None
                      ) -> StoredResponse:
-        """A response no runner will finish, stored as `status` by this replica."""
+        """A response no runner will finish, stored as `status` by this replica with the output its log holds (its
+        runner stored it only at its start and every TTL/2), and its log ended as a runner would have ended it."""
+        key = tenant_key(tenant, found.response["id"])
+        if not await self.events.claim_end(key):  # another replica ends it
+            return await self.stored.get(tenant, found.response["id"]) or found
+        logged = await self.events.logged(key)
+        if logged:
+            found.response["output"] = output_of(logged)
         found.response.update(status=status, error=error)
         await self.stored.put(tenant, found)
-        await self.events.end(tenant_key(tenant, found.response["id"]))
+        if status == "failed":
+            await self.events.append(key, failed_events(found.response, logged[-1]["sequence_number"] + 1 if logged
+                                                        else 0))
+        await self.events.end(key)
         return found
 
     async def cancel(self, tenant: str, response_id: str) -> dict:
@@ -206,7 +217,18 @@ class BackgroundResponses:
         found = await self._found(tenant, response_id)
         if not found.response.get("background"):
             raise bad_request("Only a response created with background true can be streamed again.", "stream")
-        return self.events.read(tenant_key(tenant, response_id), after)
+        return self._replay(tenant, response_id, after)
+
+    async def _replay(self, tenant: str, response_id: str, after: int) -> AsyncGenerator[dict, None]:
+        """The log's events; where it ends with no last event (its runner died), the response is ended here (or by
+        another replica) and its log read on to the events that say so."""
+        key, last, final = tenant_key(tenant, response_id), after, False
+        async for event in self.events.read(key, after):
+            last, final = event["sequence_number"], event["type"] in FINAL_EVENTS
+            yield event
+        if not final and await self.current(tenant, response_id) is not None:
+            async for event in self.events.read(key, last):
+                yield event
 
     async def _found(self, tenant: str, response_id: str) -> StoredResponse:
         found = await self.current(tenant, response_id)

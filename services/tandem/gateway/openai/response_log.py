@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 EVENTS_PREFIX = "tandem:response-events:"
 CANCEL_PREFIX = "tandem:response-cancel:"
 LEASE_PREFIX = "tandem:response-lease:"  # held by the replica running a response while it runs
+ENDER_PREFIX = "tandem:response-ender:"  # taken by the one replica that ends a response whose runner died
 MAX_ENDED_IN_MEMORY = 256  # ended logs held in this process without Redis; the oldest go first
 READ_BLOCK_MS = 1000  # a Redis reader's wait for new events before it looks again
 # A replica's Redis connections: for writes, leases and cancel flags (each call holds one for a round trip), and for
@@ -40,6 +41,8 @@ class ResponseLog(Protocol):
     async def append(self, key: str, events: list[dict]) -> None: ...
     async def end(self, key: str) -> None: ...
     def read(self, key: str, after: int) -> AsyncGenerator[dict, None]: ...
+    async def logged(self, key: str) -> list[dict]: ...
+    async def claim_end(self, key: str) -> bool: ...
     async def request_cancel(self, key: str) -> None: ...
     async def cancel_requested(self, key: str) -> bool: ...
     async def renew_lease(self, key: str, seconds: float, new: bool = False) -> bool: ...
@@ -107,6 +110,14 @@ class MemoryResponseLog:
             if entry.ended:
                 return
             await changed.wait()
+
+    async def logged(self, key: str) -> list[dict]:
+        """Every event of the log so far."""
+        entry = self._logs.get(key)
+        return [] if entry is None else list(entry.events)
+
+    async def claim_end(self, key: str) -> bool:
+        return True  # one process: its runner is the only one that ends it
 
     async def request_cancel(self, key: str) -> None:
         self._cancelled.add(key)
@@ -201,6 +212,19 @@ class RedisResponseLog:
                 event = json.loads(fields["e"])
                 if event["sequence_number"] > after:
                     yield event
+
+    async def logged(self, key: str) -> list[dict]:
+        events = []
+        for _, fields in await self._client.xrange(EVENTS_PREFIX + key):
+            if "end" in fields:
+                break
+            events.append(json.loads(fields["e"]))
+        return events
+
+    async def claim_end(self, key: str) -> bool:
+        """True for the one caller that is to end a response whose runner is gone (replicas that find it so at once
+        would each write its last events)."""
+        return bool(await self._client.set(ENDER_PREFIX + key, "1", px=self.ttl_ms, nx=True))
 
     async def request_cancel(self, key: str) -> None:
         await self._client.set(CANCEL_PREFIX + key, "1", px=self.ttl_ms)

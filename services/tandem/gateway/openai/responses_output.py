@@ -196,6 +196,37 @@ class ResponseWriter:
         return response
 
 
+def output_of(events: list[dict]) -> list[dict]:
+    """The output items a response's stream events built, as far as they go (what a replica stores of a response
+    whose runner died, from its log); an item left unfinished is incomplete."""
+    output: dict[int, dict] = {}
+    for event in events:
+        kind = event["type"]
+        if kind in ("response.output_item.added", "response.output_item.done"):
+            output[event["output_index"]] = _copy(event["item"])
+        elif kind == "response.content_part.added":
+            output[event["output_index"]]["content"].append(_copy(event["part"]))
+        elif kind == "response.output_text.delta":
+            part = output[event["output_index"]]["content"][event["content_index"]]
+            part["text"] += event["delta"]
+            part["logprobs"] += _copy(event["logprobs"])
+        elif kind == "response.function_call_arguments.delta":
+            output[event["output_index"]]["arguments"] += event["delta"]
+    items = [output[index] for index in sorted(output)]
+    for item in items:
+        if item["status"] == "in_progress":
+            item["status"] = "incomplete"
+    return items
+
+
+def failed_events(response: dict, sequence: int) -> list[dict]:
+    """The last events of a failed response from `sequence` on, as ResponseWriter.failed writes them."""
+    error = response["error"]
+    return [{"type": "error", "sequence_number": sequence, "code": error["code"], "message": error["message"],
+             "param": None},
+            {"type": "response.failed", "sequence_number": sequence + 1, "response": response}]
+
+
 def _part(text: str, logprobs: list[dict]) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
