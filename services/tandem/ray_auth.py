@@ -27,14 +27,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tandem.errors import InvalidArgument
+from tandem.errors import InvalidArgument, TandemError
 
 log = logging.getLogger(__name__)
 
 MODE_ENV = "RAY_AUTH_MODE"
 TOKEN_ENV = "RAY_AUTH_TOKEN"
 TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
-MIN_RAY_VERSION = "2.52.0"  # the first Ray with token authentication (docs.ray.io, "Ray token authentication")
 
 
 def _token_configured() -> bool:
@@ -120,3 +119,20 @@ def refused_token(error: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def join_cluster(address: str, token_file: str | None = None, **init: object) -> None:
+    """ray.init on the running cluster at `address` with this client's token (configure_client); `init`: ray.init's
+    other arguments. A refusal, or any failure to join, is a TandemError that says what to do."""
+    import ray
+
+    mode = configure_client(token_file)
+    try:
+        ray.init(address=address, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}, log_to_driver=False,
+                 **init)
+    except (ConnectionError, RuntimeError, ray.exceptions.RayError) as exc:
+        if refused_token(exc):
+            fix = ("the token is not the cluster's" if mode == "token" else
+                   "it wants a token: pass --ray-token-file FILE or set RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH")
+            raise TandemError(f"the Ray cluster at {address} refused this client ({fix})") from exc
+        raise TandemError(f"could not join the Ray cluster at {address}: {exc}") from exc

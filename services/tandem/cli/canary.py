@@ -15,6 +15,7 @@ import os
 import time
 from pathlib import Path
 
+from tandem.cli.common import add_redis_options, session_store_url
 from tandem.cli.options import add_json_option, field_as_option, wants_text, write_json
 from tandem.errors import InvalidArgument
 
@@ -24,13 +25,7 @@ DEFAULT_WINDOW = 2000
 
 def add_canary_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                        help="Redis holding the canary state (default: $REDIS_URL)")
-    common.add_argument("--redis-password-file", default=os.environ.get("TANDEM_REDIS_PASSWORD_FILE"),
-                        metavar="FILE", help="the Redis password, from a file (default: $TANDEM_REDIS_PASSWORD_FILE; "
-                        "else $TANDEM_REDIS_PASSWORD, else the URL's own)")
-    common.add_argument("--redis-ca", default=os.environ.get("TANDEM_REDIS_CA"), metavar="FILE",
-                        help="PEM CA bundle of a rediss:// server (default: $TANDEM_REDIS_CA, else the system's)")
+    add_redis_options(common, "Redis holding the canary state (default: $REDIS_URL)")
     common.add_argument("--deployment", default=os.environ.get(ENV_DEPLOYMENT) or "default",
                         help=f"canary deployment name (default: ${ENV_DEPLOYMENT}, else 'default')")
     parser = subparsers.add_parser("canary")  # its help line is in tandem.cli.main.COMMANDS
@@ -76,8 +71,6 @@ def _store(args: argparse.Namespace):
         raise InvalidArgument("redis_url: give the Redis the gateways use (or set REDIS_URL)")
     if not args.deployment:
         raise InvalidArgument("deployment: must be a non-empty name")
-    from tandem.cli.common import session_store_url
-
     return open_canary_store(session_store_url(args))
 
 

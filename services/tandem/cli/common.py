@@ -116,11 +116,14 @@ def add_bench_model_options(parser: argparse.ArgumentParser, dtype: str,
     parser.add_argument("--threads", type=int, default=2, help="torch's CPU threads")
 
 
-def add_redis_options(parser: argparse.ArgumentParser) -> None:
-    """Where session state lives, and the credentials to reach it (kept off the command line where possible)."""
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                        help="session state store, redis://[:PASSWORD@]host:port/db or rediss:// for TLS (default: "
-                             "$REDIS_URL, else an embedded redis-server on 127.0.0.1 with a random password)")
+SESSIONS_REDIS = ("session state store, redis://[:PASSWORD@]host:port/db or rediss:// for TLS (default: $REDIS_URL, "
+                  "else an embedded redis-server on 127.0.0.1 with a random password)")
+
+
+def add_redis_options(parser: argparse.ArgumentParser, url_help: str = SESSIONS_REDIS) -> None:
+    """Where session state (or what `url_help` says) lives, and the credentials to reach it (kept off the command line
+    where possible)."""
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help=url_help)
     parser.add_argument("--redis-password-file", default=os.environ.get("TANDEM_REDIS_PASSWORD_FILE"),
                         metavar="FILE", help="the Redis password, from a file (default: "
                         "$TANDEM_REDIS_PASSWORD_FILE; else $TANDEM_REDIS_PASSWORD, else the URL's own)")

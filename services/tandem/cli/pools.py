@@ -36,7 +36,6 @@ def add_ray_address(parser: argparse.ArgumentParser) -> None:
 
 def connect(args: argparse.Namespace) -> None:
     """Join the Ray cluster: pools outlive this command, so a local throwaway cluster will not do."""
-    import ray
 
     from tandem import ray_auth
     from tandem.pools.names import NAMESPACE
@@ -45,16 +44,7 @@ def connect(args: argparse.Namespace) -> None:
         raise InvalidArgument("ray_address: shared pools live on a running Ray cluster: pass --ray-address or set "
                               "RAY_ADDRESS (e.g. after `ray start --head`)")
     check_reachable(args.ray_address)
-    mode = ray_auth.configure_client(args.ray_token_file)
-    try:
-        ray.init(address=args.ray_address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    except (ConnectionError, RuntimeError, ray.exceptions.RayError) as exc:
-        if ray_auth.refused_token(exc):
-            fix = ("the token is not the cluster's" if mode == "token" else
-                   "it wants a token: pass --ray-token-file FILE or set RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH")
-            raise TandemError(f"the Ray cluster at {args.ray_address} refused this client ({fix})") from exc
-        raise TandemError(f"could not join the Ray cluster at {args.ray_address}: {exc}") from exc
+    ray_auth.join_cluster(args.ray_address, args.ray_token_file, namespace=NAMESPACE, logging_level=logging.WARNING)
 
 
 # How long `pools start` and `scale` wait for new workers by default: a cold start that compiles the draft takes

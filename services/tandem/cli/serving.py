@@ -31,16 +31,18 @@ DEFAULT_HTTP_PORT = 8000  # vLLM's and most OpenAI-compatible servers' default
 def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     """The flags of the gRPC gateway itself, shared by `tandem serve` and `tandem gateway`."""
     add_redis_options(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=50051, help="0 picks a free port (default: %(default)s)")
+    parser.add_argument("--host", default=GatewayOptions().host, help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=GatewayOptions().port,
+                        help="0 picks a free port (default: %(default)s)")
     parser.add_argument("--http-port", type=int, default=None,
                         help="OpenAI-compatible HTTP API (chat completions, completions, responses, batches, "
                              "/tokenize) on --host "
                              f"(default: {DEFAULT_HTTP_PORT}, or a free port when taken; 0: a free port; -1: off)")
-    parser.add_argument("--max-queue", type=int, default=256,
+    parser.add_argument("--max-queue", type=int, default=GatewayOptions().max_requests,
                         help="requests queued, running, or finished with output their clients have not read yet, "
                              "before RESOURCE_EXHAUSTED (default: %(default)s)")
-    parser.add_argument("--max-batch", type=int, default=16, help="sequences per engine step (default: %(default)s)")
+    parser.add_argument("--max-batch", type=int, default=EngineConfig().max_batch,
+                        help="sequences per engine step (default: %(default)s)")
     parser.add_argument("--lanes", type=int, default=1,
                         help="engines over the same Ray workers, so one lane's rows draft while another's verify "
                              "(a lane takes requests once the lanes before it run --max-batch; not with --in-process "
@@ -55,7 +57,7 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                              "prompt leaves of the context window if fewer (default: %(default)s)")
     parser.add_argument("--max-prompt-tokens", type=int, default=GatewayLimits().max_prompt_tokens,
                         help="longest prompt in tokens (default: %(default)s)")
-    parser.add_argument("--grace", type=float, default=30.0,
+    parser.add_argument("--grace", type=float, default=GatewayOptions().grace,
                         help="seconds in-flight requests may run on after SIGTERM (default: %(default)s)")
     parser.add_argument("--stall-timeout", type=float, default=GatewayOptions().stall_timeout,
                         help=f"seconds one engine step may run, plus {TARGET_TOKEN_ALLOWANCE_S:g} s a token its "

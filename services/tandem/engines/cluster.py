@@ -16,7 +16,6 @@ from tandem.core.config import EngineConfig, compiles, draft_vocab_limit
 from tandem.core.detok import decoder
 from tandem.engines.backend import Backend, engine_lanes
 from tandem.engines.options import Arm, ClusterOptions
-from tandem.errors import TandemError
 from tandem.workers.draft_pool import RayDrafter, start_draft_workers
 from tandem.workers.target_pool import RayVerifier, start_target_replicas, target_tokenizer
 from tandem.workers.tp_replica import start_tp_replica
@@ -35,16 +34,8 @@ def start_ray(options: ClusterOptions) -> None:
     if ray.is_initialized():
         return
     address = options.ray_address or os.environ.get("RAY_ADDRESS")
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
     if address:
-        mode = ray_auth.configure_client(options.ray_token_file)
-        try:
-            ray.init(address=address, runtime_env=env, log_to_driver=False)
-        except (ConnectionError, RuntimeError, ray.exceptions.RayError) as exc:
-            if not ray_auth.refused_token(exc):
-                raise
-            fix = "the token is not the cluster's" if mode == "token" else "it wants a token: --ray-token-file FILE"
-            raise TandemError(f"the Ray cluster at {address} refused this client ({fix})") from exc
+        ray_auth.join_cluster(address, options.ray_token_file)
         return
     ray_auth.configure_local_cluster(options.ray_token_file)
     cpus = max(os.cpu_count() or 1, int(options.actors * options.cpus_per_worker) + 1)
@@ -52,7 +43,8 @@ def start_ray(options: ClusterOptions) -> None:
     # address="local": without it ray.init joins a cluster `ray start` left on this machine (and refuses num_cpus).
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, dashboard_host="127.0.0.1",
              _node_ip_address="127.0.0.1",
-             runtime_env=env, log_to_driver=False, configure_logging=False)
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}, log_to_driver=False,
+             configure_logging=False)
     global _own_ray
     _own_ray = True
 

@@ -25,6 +25,7 @@ from tandem.core.stops import FINISH_ABORT
 from tandem.errors import BackendUnavailable, InvalidArgument, RequestRefused, TandemError
 from tandem.gateway.events import EngineFailed, EngineUnavailable, QueueFull
 from tandem.gateway.handles import Delivery, Finished, RequestHandle, SessionStore, Update
+from tandem.gateway.options import GatewayOptions
 from tandem.sessions import MemorySessionStore
 from tandem.telemetry.metrics import GatewayMetrics
 from tandem.telemetry.rounds import RoundTracer
@@ -57,7 +58,8 @@ def check_room(active: int, unread: int, max_requests: int) -> None:
 
 
 class EngineLoop:
-    def __init__(self, engine: SpeculativeEngine, max_requests: int = 256, stall_timeout: float = 60.0,
+    def __init__(self, engine: SpeculativeEngine, max_requests: int = GatewayOptions().max_requests,
+                 stall_timeout: float = GatewayOptions().stall_timeout,
                  sessions: SessionStore | None = None, metrics: GatewayMetrics | None = None,
                  thread_name: str = "tandem-engine") -> None:
         """metrics: counts each finished request's rounds (None: off); thread_name: the engine thread's."""

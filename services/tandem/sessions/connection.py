@@ -18,8 +18,6 @@ import redis
 from tandem.errors import InvalidArgument, TandemError
 
 PASSWORD_ENV = "TANDEM_REDIS_PASSWORD"
-PASSWORD_FILE_ENV = "TANDEM_REDIS_PASSWORD_FILE"
-CA_ENV = "TANDEM_REDIS_CA"
 SCHEMES = ("redis", "rediss", "unix")
 _SECRET_QUERY_KEYS = {"password"}  # redis-py takes `?password=` too (the only way for unix:// URLs)
 

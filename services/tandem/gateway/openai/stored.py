@@ -19,7 +19,6 @@ from tandem.gateway.openai.errors import OpenAIError
 from tandem.sessions import MemorySessionStore, RedisSessionStore, SessionStore
 
 RESPONSE_PREFIX = "tandem:response:"
-DEFAULT_RESPONSE_TTL_S = 3600.0
 # Responses held in this process (all of them without Redis, a write-through copy with it); the oldest-used go first.
 MAX_IN_MEMORY = 2048
 # How long a shared record's read or change waits for Redis before it is a 503: longer than the session store's 0.3 s,
