@@ -88,7 +88,7 @@ def test_bad_penalties_name_the_field(fields: dict, match: str) -> None:
 
 def test_a_bias_outside_the_vocabulary_is_refused(tiny_models) -> None:
     engine = build_engine(tiny_models[0], None)
-    with pytest.raises(InvalidArgument, match=r"^logit_bias: token ids .* outside the vocabulary"):
+    with pytest.raises(InvalidArgument, match=r"^logit_bias: \[.*\] are outside the vocabulary"):
         engine.add_request([1, 2, 3], _greedy(logit_bias=((10**6, 1.0),)))
 
 

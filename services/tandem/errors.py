@@ -1,5 +1,9 @@
 """User-facing errors: the CLI prints their message without a traceback and exits with status 2."""
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+
 
 class TandemError(Exception):
     """Base class for errors whose message is meant for the user."""
@@ -7,6 +11,16 @@ class TandemError(Exception):
 
 class InvalidArgument(TandemError, ValueError):
     """A request or configuration value is out of range; the message names the field."""
+
+
+def request_id_in_use(request_id: str) -> InvalidArgument:
+    return InvalidArgument(f"request_id: {request_id!r} is already running")
+
+
+def check_in_vocabulary(field: str, ids: Iterable[int], vocab_size: int) -> None:
+    """InvalidArgument naming `field` where an id is no token of a vocabulary of `vocab_size`."""
+    if bad := [t for t in ids if not 0 <= t < vocab_size]:
+        raise InvalidArgument(f"{field}: {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
 
 
 class ModelNotFound(TandemError):

@@ -42,7 +42,7 @@ from tandem.core.protocol import (
 from tandem.core.requests import GenerationResult, Sequence, StepOutput
 from tandem.core.round_plan import RoundPlan, RowView, plan_round
 from tandem.core.stops import FINISH_ABORT, StopChecker
-from tandem.errors import InvalidArgument, KVBudgetExceeded
+from tandem.errors import InvalidArgument, KVBudgetExceeded, check_in_vocabulary, request_id_in_use
 
 # A step whose one row waits for other callers' sequences at a full worker sleeps before the next try: from 5 ms,
 # doubling, to a quarter second (each try is one call that the worker refuses before running anything).
@@ -100,15 +100,12 @@ class SpeculativeEngine:
         if not prompt:
             raise InvalidArgument("prompt: must contain at least one token")
         vocab = self.verifier.vocab_size
-        if bad := [t for t in prompt if not 0 <= t < vocab]:
-            raise InvalidArgument(f"prompt: token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
-        if bad := [t for t, _ in params.logit_bias if t >= vocab]:
-            raise InvalidArgument(f"logit_bias: token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
-        if bad := [t for t in params.stop_token_ids if t >= vocab]:  # a stop the model can never produce
-            raise InvalidArgument(f"stop_token_ids: {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+        check_in_vocabulary("prompt", prompt, vocab)
+        check_in_vocabulary("logit_bias", (t for t, _ in params.logit_bias), vocab)
+        check_in_vocabulary("stop_token_ids", params.stop_token_ids, vocab)  # a stop the model can never produce
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.sequences:
-            raise InvalidArgument(f"request_id: {request_id!r} is already running")
+            raise request_id_in_use(request_id)
         if max_k is not None and max_k < 0:
             raise InvalidArgument(f"max_k: must be non-negative, got {max_k}")
         if not params.greedy and params.key_seed is None:

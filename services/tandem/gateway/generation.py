@@ -19,7 +19,7 @@ from dataclasses import replace
 from tandem.core.detok import IncrementalDetokenizer
 from tandem.core.stops import FINISH_ABORT, FINISH_STOP
 from tandem.engines import Backend
-from tandem.errors import BackendUnavailable, InvalidArgument
+from tandem.errors import BackendUnavailable, InvalidArgument, request_id_in_use
 from tandem.gateway.arms import ArmOutcome, ArmRoute, ArmRouter
 from tandem.gateway.auth import MAX_PRIORITY
 from tandem.gateway.events import (
@@ -209,7 +209,7 @@ class Generations:
                            priority=priority + (BACKGROUND_PRIORITY if background else 0))
         choices = [choice_request(prepared, index) for index in range(prepared.n)]
         if prepared.request_id in self._choices:  # whatever either's n: one id names one request (abort stops it)
-            refused = InvalidArgument(f"request_id: {client_id!r} is already running")
+            refused = request_id_in_use(client_id)
             observed.failed(error_code(refused), str(refused))
             raise refused
         self._choices[prepared.request_id] = [choice.request_id for choice in choices]

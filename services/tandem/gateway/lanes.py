@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from tandem.core.config import SamplingParams
 from tandem.core.engine import SpeculativeEngine
-from tandem.errors import InvalidArgument
+from tandem.errors import InvalidArgument, request_id_in_use
 from tandem.gateway.handles import RequestHandle
 from tandem.gateway.loop import EngineLoop, check_room
 
@@ -94,7 +94,7 @@ class LanedLoop:
                      max_k: int | None = None, trace: object | None = None, cache_scope: str = "",
                      priority: int = 0) -> RequestHandle:
         if any(lane.has_request(request_id) for lane in self.lanes):
-            raise InvalidArgument(f"request_id: {request_id!r} is already running")
+            raise request_id_in_use(request_id)
         check_room(self.active, sum(lane.unread for lane in self.lanes), self.max_requests)
         serving = [lane for lane in self.lanes if not lane.unavailable] or self.lanes
         with_room = [candidate for candidate in serving if candidate.active < candidate.batch_capacity]

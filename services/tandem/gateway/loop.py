@@ -22,7 +22,7 @@ from tandem.core.engine import SpeculativeEngine
 from tandem.core.policy import PolicyState
 from tandem.core.requests import Sequence, StepOutput
 from tandem.core.stops import FINISH_ABORT
-from tandem.errors import BackendUnavailable, InvalidArgument, RequestRefused, TandemError
+from tandem.errors import BackendUnavailable, InvalidArgument, RequestRefused, TandemError, request_id_in_use
 from tandem.gateway.events import EngineFailed, EngineUnavailable, QueueFull
 from tandem.gateway.handles import Delivery, Finished, RequestHandle, SessionStore, Update
 from tandem.gateway.options import GatewayOptions
@@ -171,7 +171,7 @@ class EngineLoop:
             raise EngineUnavailable("not accepting requests: no target replica is available (readiness turns "
                                     "SERVING once one answers)")
         if request_id in self._active:
-            raise InvalidArgument(f"request_id: {request_id!r} is already running")
+            raise request_id_in_use(request_id)
         check_room(self.active, self.unread, self.max_requests)
         handle = RequestHandle(request_id, len(prompt), session_id, trace=trace)
         self._active[request_id] = handle

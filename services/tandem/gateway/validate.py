@@ -13,7 +13,7 @@ from tandem.core.config import DEFAULT_MAX_TOKENS, OutputFormat, SamplingParams
 from tandem.core.formats import check_format, format_tokenizer
 from tandem.core.logprobs import MAX_TOP_LOGPROBS
 from tandem.engines import ModelLimits
-from tandem.errors import InvalidArgument
+from tandem.errors import InvalidArgument, check_in_vocabulary
 from tandem.gateway.auth import MAX_PRIORITY
 from tandem.gateway.tools import call_format, forced_call_start, offers_tools, template_message, template_tools
 from tandem.v1 import generation_pb2 as pb
@@ -113,16 +113,14 @@ def sampling_params(request: pb.GenerateRequest, limits: GatewayLimits, model: M
                  f"stop[{index}]: must be 1 to {limits.max_stop_string_chars} characters, got {len(stop)}")
     _require(len(request.stop_token_ids) <= limits.max_stop_token_ids,
              f"stop_token_ids: at most {limits.max_stop_token_ids} ids, got {len(request.stop_token_ids)}")
-    bad_stops = [t for t in request.stop_token_ids if not 0 <= t < model.vocab_size]
-    _require(not bad_stops, f"stop_token_ids: {bad_stops[:5]} are outside the vocabulary (0..{model.vocab_size - 1})")
+    check_in_vocabulary("stop_token_ids", request.stop_token_ids, model.vocab_size)
     logprobs = request.logprobs if request.HasField("logprobs") else None
     _require(logprobs is None or 0 <= logprobs <= MAX_TOP_LOGPROBS,
              f"logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
     prompt_logprobs = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
     _require(prompt_logprobs is None or 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS,
              f"prompt_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {prompt_logprobs}")
-    bad_bias = sorted(t for t in sampling.logit_bias if not 0 <= t < model.vocab_size)
-    _require(not bad_bias, f"logit_bias: {bad_bias[:5]} are outside the vocabulary (0..{model.vocab_size - 1})")
+    check_in_vocabulary("logit_bias", sorted(sampling.logit_bias), model.vocab_size)
     # SamplingParams checks the remaining ranges (temperature, top_p, top_k, min_p, seed, penalties, biases) with
     # field-named messages.
     return SamplingParams(temperature=value("temperature", 1.0), top_p=value("top_p", 1.0), top_k=value("top_k", 0),
@@ -174,8 +172,7 @@ def prompt_ids(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, mo
     elif kind == "token_ids":
         ids = list(request.token_ids.ids)
         _require(bool(ids), "token_ids: must contain at least one id")
-        bad = [t for t in ids if not 0 <= t < model.vocab_size]
-        _require(not bad, f"token_ids: {bad[:5]} are outside the vocabulary (0..{model.vocab_size - 1})")
+        check_in_vocabulary("token_ids", ids, model.vocab_size)
     else:
         ids = chat_ids(request.chat, tokenizer, limits)
     _require(bool(ids), f"{kind}: encodes to no tokens")

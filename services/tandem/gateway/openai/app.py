@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from tandem.gateway.auth import ApiKeys
-from tandem.gateway.events import ChoiceDelta, ChoiceEnd
+from tandem.gateway.events import DRAINING, NOT_LOADED, ChoiceDelta, ChoiceEnd
 from tandem.gateway.generation import GenerationsSource
 from tandem.gateway.openai.background import BackgroundResponses
 from tandem.gateway.openai.batch_input import BATCH_TENANT
@@ -67,8 +67,7 @@ from tandem.telemetry import tracing
 
 # Why the server cannot take requests now ("loading", "draining", "unavailable"), or None when it can.
 Status = Callable[[], str | None]
-NOT_READY = {"loading": "not ready: the engine is still loading",
-             "draining": "draining: this server is shutting down",
+NOT_READY = {"loading": NOT_LOADED, "draining": DRAINING,
              "unavailable": "no target replica is available; retry later",
              "stalled": "the engine is stalled (a step ran past its deadline); retry later"}
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
-from tandem.gateway.openai.errors import OpenAIError, bad_request, from_exception
+from tandem.gateway.openai.errors import OpenAIError, bad_request, from_exception, response_not_found
 from tandem.gateway.openai.response_log import ResponseLog
 from tandem.gateway.openai.responses_output import ResponseWriter, failed_events, output_of
 from tandem.gateway.openai.stored import ResponseStore, StoredResponse, tenant_key
@@ -233,7 +233,7 @@ class BackgroundResponses:
     async def _found(self, tenant: str, response_id: str) -> StoredResponse:
         found = await self.current(tenant, response_id)
         if found is None:
-            raise OpenAIError(404, f"Response with id '{response_id}' not found.")
+            raise response_not_found(response_id)
         return found
 
     @property

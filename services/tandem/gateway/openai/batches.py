@@ -30,6 +30,7 @@ from tandem.gateway.openai.batch_input import jsonl, not_run, read_requests
 from tandem.gateway.openai.batch_run import BatchRun
 from tandem.gateway.openai.errors import OpenAIError, bad_request
 from tandem.gateway.openai.files import FileStore
+from tandem.gateway.openai.files import not_found as file_not_found
 from tandem.gateway.openai.records import TenantRecords
 from tandem.gateway.openai.stored import store_beside
 from tandem.sessions import StoreUnavailable
@@ -83,7 +84,7 @@ class Batches:
             purpose = (await self.files.get(tenant, input_file_id))["purpose"]
             content = await self.files.content(tenant, input_file_id)
         except OpenAIError:
-            raise OpenAIError(404, f"No such File object: {input_file_id}", param="input_file_id") from None
+            raise file_not_found(input_file_id, "input_file_id") from None
         if purpose != "batch":  # another batch's output, say
             raise bad_request(f"input_file_id: {input_file_id} has purpose {purpose!r}; a batch reads a file "
                               "uploaded with purpose 'batch'", "input_file_id")

@@ -45,6 +45,10 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param=param)
 
 
+def response_not_found(response_id: str) -> OpenAIError:
+    return OpenAIError(404, f"Response with id '{response_id}' not found.")
+
+
 def unauthorized(message: str = "Incorrect API key provided.") -> OpenAIError:
     """The shape a missing or wrong API key gets (--api-keys)."""
     return OpenAIError(401, message, "invalid_request_error", code="invalid_api_key")

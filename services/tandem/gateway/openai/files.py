@@ -51,8 +51,8 @@ def expires_after(value: object, field: str, kept_s: float) -> int | None:
     return seconds
 
 
-def not_found(file_id: str) -> OpenAIError:
-    return OpenAIError(404, f"No such File object: {file_id}", param="id")
+def not_found(file_id: str, param: str = "id") -> OpenAIError:
+    return OpenAIError(404, f"No such File object: {file_id}", param=param)
 
 
 class FileStore:

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tandem.gateway.openai.background import BackgroundResponses
-from tandem.gateway.openai.errors import OpenAIError, bad_request, in_openai_shape
+from tandem.gateway.openai.errors import bad_request, in_openai_shape, response_not_found
 from tandem.gateway.openai.responses_output import sse_event
 from tandem.gateway.openai.stored import ResponseStore, StoredResponse
 from tandem.gateway.openai.streaming import EventStream
@@ -34,7 +34,7 @@ def add_stored_routes(app: FastAPI, stored: ResponseStore | None, background: Ba
         else:
             response = await stored.get(tenant, response_id) if stored is not None else None
         if response is None:
-            raise not_found(response_id)
+            raise response_not_found(response_id)
         return response
 
     @in_openai_shape
@@ -50,13 +50,13 @@ def add_stored_routes(app: FastAPI, stored: ResponseStore | None, background: Ba
             raise bad_request(f"starting_after: must be an integer, got {query.get('starting_after')!r}",
                               "starting_after") from None
         if background is None:
-            raise not_found(response_id)
+            raise response_not_found(response_id)
         return replay(await background.stream(tenant_of(request), response_id, after))
 
     @in_openai_shape
     async def cancel(request: Request, response_id: str) -> JSONResponse:
         if background is None:
-            raise not_found(response_id)
+            raise response_not_found(response_id)
         return JSONResponse(await background.cancel(tenant_of(request), response_id))
 
     @in_openai_shape
@@ -64,7 +64,7 @@ def add_stored_routes(app: FastAPI, stored: ResponseStore | None, background: Ba
         tenant = tenant_of(request)
         deleted = background.delete if background is not None else stored.delete if stored is not None else None
         if deleted is None or not await deleted(tenant, response_id):
-            raise not_found(response_id)
+            raise response_not_found(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @in_openai_shape
@@ -85,10 +85,6 @@ def replay(events: AsyncGenerator[dict, None]) -> Response:
             yield sse_event(event)
 
     return EventStream(body(), events)
-
-
-def not_found(response_id: str) -> OpenAIError:
-    return OpenAIError(404, f"Response with id '{response_id}' not found.")
 
 
 def input_items_page(items: list[dict], query: Mapping[str, str],
