@@ -16,12 +16,13 @@ import torch
 
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
 from tandem.bench.vllm_compare_tandem import batched
+from tandem.cli.common import DEFAULT_DRAFT, DEFAULT_TARGET
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_prompts_option, wants_text, write_json
 from tandem.core.config import QUANTIZATIONS, EngineConfig, SamplingParams, SpecConfig
 from tandem.engines.local import build_engine, encode_prompt
 from tandem.models.loader import load_pair
 
-TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+TARGET, DRAFT = DEFAULT_TARGET, DEFAULT_DRAFT
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,6 +20,7 @@ import time
 import torch
 
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
+from tandem.cli.common import DEFAULT_TARGET
 from tandem.cli.options import (
     DefaultsHelpFormatter,
     add_json_option,
@@ -35,7 +36,7 @@ from tandem.core.engine import SpeculativeEngine
 from tandem.engines.local import build_engine, encode_prompt
 from tandem.models.loader import load_model
 
-TARGET = "qwen2.5-coder-1.5b-instruct"
+TARGET = DEFAULT_TARGET
 
 
 class _CountedCalls:

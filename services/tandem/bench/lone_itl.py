@@ -17,6 +17,7 @@ from importlib import resources
 import torch
 
 from tandem.bench.prompts import load_prompts
+from tandem.cli.common import DEFAULT_DRAFT, DEFAULT_TARGET
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.engines.local import build_engine, encode_prompt
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     target, draft = (load_model(name, device=torch.device("cpu"), dtype=torch.bfloat16, progress=False)
-                     for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"))
+                     for name in (DEFAULT_TARGET, DEFAULT_DRAFT))
     costs = build_engine(target, draft, EngineConfig()).costs
     engines = {}
     for name, spec in SETTINGS.items():

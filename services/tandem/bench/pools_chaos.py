@@ -37,6 +37,7 @@ from tandem.bench.local_cluster import (
     start_gateway,
     start_ray_head,
 )
+from tandem.cli.common import DEFAULT_DRAFT, DEFAULT_TARGET
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
 from tandem.client import TandemClient
 from tandem.sessions import EmbeddedRedis
@@ -211,8 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
     add("--sessions", type=int, default=16, help="concurrent greedy streams")
     add("--max-tokens", type=int, default=64, help="tokens per stream")
     add("--threads", type=int, default=1, help="torch threads per worker")
-    add("--target", default="qwen2.5-coder-1.5b-instruct", help="target model")
-    add("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model")
+    add("--target", default=DEFAULT_TARGET, help="target model")
+    add("--draft", default=DEFAULT_DRAFT, help="draft model")
     add("--dtype", default="bfloat16", help="for `tandem pools start` (float32: exact identity with plain)")
     add("--pool-args", default="", help="more `tandem pools start` flags, one string")
     add("--scale-after", type=float, default=3.0, help="s after the first token")

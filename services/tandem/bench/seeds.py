@@ -16,6 +16,7 @@ import time
 import torch
 
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
+from tandem.cli.common import DEFAULT_DRAFT, DEFAULT_TARGET
 from tandem.cli.options import (
     STDOUT,
     DefaultsHelpFormatter,
@@ -28,7 +29,7 @@ from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.engines.local import build_engine, encode_prompt
 from tandem.models.loader import load_model
 
-TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+TARGET, DRAFT = DEFAULT_TARGET, DEFAULT_DRAFT
 
 
 def _params(seed: int | None, tokens: int, engine_seed: int | None = None) -> SamplingParams:

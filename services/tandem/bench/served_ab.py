@@ -20,9 +20,10 @@ from pathlib import Path
 
 from tandem.bench.prompts import load_prompts
 from tandem.bench.vllm_compare_tandem import run_served
+from tandem.cli.common import DEFAULT_DRAFT, DEFAULT_TARGET
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
 
-TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+TARGET, DRAFT = DEFAULT_TARGET, DEFAULT_DRAFT
 
 
 def thread_cpu(pid: int, seconds: float) -> list[float]:

@@ -27,6 +27,7 @@ from tandem.cli.options import (
     write_json,
 )
 from tandem.client import AsyncTandemClient
+from tandem.client.channel import DEFAULT_ADDRESS
 
 FOLLOW_UP = "Now add type hints and a docstring, and explain the complexity."
 
@@ -84,7 +85,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--address", default="127.0.0.1:50051", help="the server's HOST:PORT")
+    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="the server's HOST:PORT")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per turn")
     add_prompts_option(parser, PROMPT_SETS, DEFAULT_PROMPTS)
     parser.add_argument("--num-prompts", type=int, default=4, help="use only the first N prompts")

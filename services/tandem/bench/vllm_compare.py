@@ -45,6 +45,7 @@ from types import SimpleNamespace
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
 from tandem.bench.resident import Resident
 from tandem.bench.vllm_compare_report import agreement, guest, merge, pool, ratios, within
+from tandem.cli.common import DEFAULT_DRAFT, DEFAULT_TARGET
 from tandem.cli.options import STDOUT, DefaultsHelpFormatter, add_json_option, add_prompts_option, write_json
 from tandem.core.config import QUANTIZATIONS
 from tandem.core.cpu_runtime import suggested_preload
@@ -71,8 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON") or DEFAULT_VLLM_PYTHON,
                         help="vLLM's virtual environment's Python ($VLLM_PYTHON where set)")
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="target model")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="target model")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model")
     parser.add_argument("--threads", type=int, default=2, help="threads of each system")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="both systems' weights and activations (float32: where the CPU has no fast bf16)")

@@ -17,6 +17,7 @@ except ImportError:  # pragma: no cover - exercised by the torch-free install ch
     def outgoing_metadata() -> list[tuple[str, str]] | None:
         return None
 
+DEFAULT_ADDRESS = "127.0.0.1:50051"  # a gateway's own default (--host, --port)
 PemSource = bytes | str | os.PathLike[str]  # PEM bytes, PEM text, or the path of a PEM file
 
 

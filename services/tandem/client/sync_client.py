@@ -8,7 +8,7 @@ from typing import Any, Unpack
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.client.channel import ChannelSettings, PemSource
+from tandem.client.channel import DEFAULT_ADDRESS, ChannelSettings, PemSource
 from tandem.client.requests import ChatMessages, GenerateOptions, build_request, build_tokenize_request
 from tandem.client.results import Collector, GenerateResult, _first_choice, _unwrap
 from tandem.v1 import generation_pb2 as pb
@@ -16,7 +16,7 @@ from tandem.v1 import generation_pb2_grpc
 
 
 class TandemClient:
-    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None, tls: bool = False,
+    def __init__(self, target: str = DEFAULT_ADDRESS, *, timeout: float | None = None, tls: bool = False,
                  root_certificates: PemSource | None = None, private_key: PemSource | None = None,
                  certificate_chain: PemSource | None = None, api_key: str | None = None,
                  options: Sequence[tuple[str, Any]] = ()) -> None:
