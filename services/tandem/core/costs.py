@@ -74,10 +74,10 @@ class CostModel:
     `layout` is not measured: it is how the target lays out a forward's rows (its runner's RowLayout, given by the
     engine from its verifier), so that the batch plan prices rows of different widths as they run (None: padded),
     and a batch as the rows its forward computes: a compiled runner's bucket (7 rows run as 8), whose table every
-    such forward times and prices. A row count with a table of its own starts from its first timings alone: one
-    that first ran a plain round was priced wider along the single-sequence curve, read as too dear to draft, and its
-    rounds stayed plain, so its wider widths were never timed (docs/performance.md, "A batch priced as the rows its
-    forward computes").
+    such forward times and prices. A row count with a table of its own starts from its first timings alone, not
+    priced wider along the single-sequence curve: one that first ran a plain round would read as too dear to draft,
+    its rounds would stay plain, and its wider widths would never be timed (docs/performance.md, "A batch priced as
+    the rows its forward computes").
     """
 
     draft_step: float = 0.0
@@ -167,7 +167,7 @@ class CostModel:
         nearest), or, with none, along the single-sequence curve. A row count first met in plain rounds (a batch
         down to 7 rows as requests finish) is timed at width 1 only; priced along the single-sequence curve, which
         climbs faster than a batch's (7 rows x 2 tokens at 1.5x their plain step, where 8 rows cost 1.3x), its
-        rounds looked too dear to draft, so they stayed plain and its wider widths were never timed."""
+        rounds would look too dear to draft, stay plain, and never time its wider widths."""
         counts = Counter(r for r, _ in self.batched)
         curved = sorted(r for r, n in counts.items() if n > 1)
         if not curved:

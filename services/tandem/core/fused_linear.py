@@ -34,8 +34,8 @@ if _ROW_PRODUCTS_ENV not in ("0", "1"):
 ROW_PRODUCTS: list[bool] = [_ROW_PRODUCTS_ENV == "1"]  # a cell: compiled forwards read it as they trace
 ROW_DEVICES = ("cuda",)  # where the Triton kernel runs; the tests add "cpu", where Triton's interpreter runs it
 # A cell: with ROW_PRODUCTS, a folded attention's one-row q/k/v kernel also writes the new key and value into the
-# cache (core.folded_layers), where the cache's own write was a kernel of its own. Off until a GPU sitting times it
-# (whether inductor keeps the buffers in place around a kernel that writes them is what it would show).
+# cache (core.folded_layers) instead of a kernel of its own. Off until a GPU sitting times it (whether inductor keeps
+# the buffers in place around a kernel that writes them is what it would show).
 KV_WRITES: list[bool] = [False]
 # Weight shapes (N, K) whose one-row product stays cuBLAS's with ROW_PRODUCTS on (its folded work then runs in torch
 # around it): where tandem.bench.row_products finds cuBLAS faster than the kernel at its best tile.

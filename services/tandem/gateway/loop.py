@@ -127,8 +127,9 @@ class EngineLoop:
 
     def probe_idle(self, timeout_s: float) -> None:
         """While no request runs here, probe the target replicas (blocking; keep it off the event loop): unavailable
-        when none answers. A step finds dead replicas only when one runs, so replicas gone between requests (shared
-        pools stopped, another gateway's traffic seeing them die) left readiness SERVING until a request failed."""
+        when none answers. A step finds dead replicas only when one runs: without the probe, replicas gone between
+        requests (shared pools stopped, another gateway's traffic seeing them die) would leave readiness SERVING until
+        a request failed."""
         if not self.unavailable and not self.active and not self.engine.verifier.reachable(timeout_s):
             self.unavailable = True
 

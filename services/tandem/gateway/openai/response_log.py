@@ -31,8 +31,8 @@ ENDER_PREFIX = "tandem:response-ender:"  # taken by the one replica that ends a 
 MAX_ENDED_IN_MEMORY = 256  # ended logs held in this process without Redis; the oldest go first
 READ_BLOCK_MS = 1000  # a Redis reader's wait for new events before it looks again
 # A replica's Redis connections: for writes, leases and cancel flags (each call holds one for a round trip), and for
-# readers (each holds one for up to READ_BLOCK_MS). A call waits up to POOL_WAIT_S for one to be free: with the pool
-# full it raised at once, and a runner whose lease could not be taken was taken for dead and its response failed.
+# readers (each holds one for up to READ_BLOCK_MS). A call waits up to POOL_WAIT_S for one to be free rather than raise:
+# a runner whose lease could not be taken would be taken for dead and its response failed.
 CONTROL_CONNECTIONS, READER_CONNECTIONS, POOL_WAIT_S = 32, 512, 10.0
 READ_RETRIES = 50  # a reader's Redis errors in a row (0.2 s apart) before its stream ends with one
 
