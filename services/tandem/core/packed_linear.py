@@ -61,8 +61,8 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     """The packed product as one opaque op for torch.compile, which calls it between the elementwise kernels it
     fuses. Inductor's own lowering of mkldnn._linear_pointwise asserts on a bf16 weight it did not pack itself (a
     LoweringException, after which a compiled CPU forward of a packed bf16 model runs uncompiled), and its oneDNN
-    fusion pass would fold a residual add into the product and hit the same assert. Eager forwards call the product directly:
-    the dispatcher's per-call cost would show in a decode step of ~200 products."""
+    fusion pass would fold a residual add into the product and hit the same assert. Eager forwards call the product
+    directly: the dispatcher's per-call cost would show in a decode step of ~200 products."""
     return _product(x, packed, bias, out_features)
 
 
