@@ -16,7 +16,7 @@ from openai.types.conversations import Conversation, ConversationItem
 from pydantic import TypeAdapter
 
 from gateway_harness import ServerThread, openai_sdk, tiny_backend, user_message
-from tandem.sessions import EmbeddedRedis, open_session_store, store
+from tandem.sessions import EmbeddedRedis, open_session_store, redis_store
 
 MODEL = "tiny-target"
 ITEMS = TypeAdapter(ConversationItem)
@@ -163,7 +163,7 @@ def test_another_gateway_reads_and_extends_a_conversation_through_redis(tiny_mod
             items = other.conversations.items.list(conversation.id, order="asc", limit=100).data
             assert sorted(item.content[0].text for item in items[3:]) == sorted(added)
             # A change other writers beat on every try is a 409 (the SDKs retry it), and changes nothing.
-            monkeypatch.setattr(store, "MAX_UPDATE_TRIES", 0)
+            monkeypatch.setattr(redis_store, "MAX_UPDATE_TRIES", 0)
             with pytest.raises(openai.ConflictError, match="nothing was changed, retry"):
                 one.conversations.items.create(conversation.id, items=[user_message("lost")])
             monkeypatch.undo()

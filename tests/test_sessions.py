@@ -25,7 +25,7 @@ from tandem.sessions import (
     open_session_store,
 )
 
-STORE_LOGGER = "tandem.sessions.store"
+STORE_LOGGER = "tandem.sessions.redis_store"
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +122,10 @@ def _hammer(stores, per_thread: int) -> None:
 
 
 def test_updates_from_replicas_at_once_each_land(own_server):
-    """Read-modify-write from two replicas (two threads each): every change is there, none written over."""
-    replicas = [RedisSessionStore(own_server.url, ttl_s=60) for _ in range(2)]
+    """Read-modify-write from two replicas (two threads each): every change is there, none written over. (A timeout
+    past the default 0.3 s: on a loaded test host one slow round trip made a change in memory, which is the lenient
+    store's answer to an outage, not what this test is about.)"""
+    replicas = [RedisSessionStore(own_server.url, ttl_s=60, socket_timeout_s=2.0) for _ in range(2)]
     _hammer(replicas, per_thread=50)
     names = replicas[0].get("shared")["names"]
     assert sorted(names) == sorted(f"{i}{j}-{n}" for i in range(2) for j in range(2) for n in range(50))

@@ -23,7 +23,7 @@ from redis.retry import Retry
 from tandem.canary.observations import Outcome
 from tandem.canary.state import CanaryState
 from tandem.errors import InvalidArgument, TandemError
-from tandem.sessions.store import redact_url
+from tandem.sessions.connection import redact_url
 
 KEY_PREFIX = "tandem:canary:"
 OBSERVATION_TTL_S = 7 * 24 * 3600

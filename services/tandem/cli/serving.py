@@ -207,6 +207,6 @@ def serve_gateway(args: argparse.Namespace, load: Loader, options: GatewayOption
 def _canary_arms(canary: CanaryOptions, sessions: SessionStore) -> CanaryArms:
     """The canary plug-in; its replicas share the arms' weights and observations through the sessions' Redis."""
     from tandem.canary.plugin import CanaryArms
-    from tandem.sessions.store import RedisSessionStore
+    from tandem.sessions import RedisSessionStore
 
     return CanaryArms(canary, sessions.url if isinstance(sessions, RedisSessionStore) else None)

@@ -2,16 +2,14 @@
 
 from tandem.sessions.connection import RedisSetupError, configured_password, redact_url, with_credentials
 from tandem.sessions.embedded import EmbeddedRedis, find_redis_server
+from tandem.sessions.redis_store import KEY_PREFIX, RedisSessionStore, open_session_store
 from tandem.sessions.store import (
     DEFAULT_TTL_S,
-    KEY_PREFIX,
     MemorySessionStore,
-    RedisSessionStore,
     SessionStore,
     StoreCounters,
     StoreUnavailable,
     UpdateConflict,
-    open_session_store,
 )
 
 __all__ = [

@@ -152,7 +152,8 @@ class EmbeddedRedis:
 
     def supervise(self, every_s: float = 2.0) -> None:
         """Start redis-server again, on the same port and password, whenever it exits (killed, out of memory): its
-        clients reconnect to the same URL and write back what they kept meanwhile (sessions.store). Until stop()."""
+        clients reconnect to the same URL and write back what they kept meanwhile (sessions.redis_store). Until
+        stop()."""
         if self._supervised is not None:
             return
         done = self._supervised = threading.Event()

@@ -1,0 +1,297 @@
+"""Per-session state in Redis, with an in-memory fallback that keeps serving through outages.
+
+Redis makes a session's state survive a gateway restart and lets gateway replicas share it. When Redis is
+unreachable, `RedisSessionStore` logs once per outage, counts, serves from memory (a write-through copy of recently
+used sessions plus everything written during the outage), and probes Redis again with exponential backoff, so a dead
+Redis costs one short socket timeout per probe, never one per call. On recovery it writes the sessions changed during
+the outage back to Redis (last writer wins against other replicas).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from tandem.sessions.connection import SCHEMES, RedisSetupError, redact_url, setup_problem
+from tandem.sessions.store import (
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_TTL_S,
+    Change,
+    MemorySessionStore,
+    SessionStore,
+    StoreCounters,
+    StoreUnavailable,
+    UpdateConflict,
+)
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "tandem:session:"
+_FLUSH_BATCH = 500
+# Optimistic transactions on one key (update) tried this many times before giving up: each retry means another
+# writer changed the key between this one's read and write, so hitting the bound takes a storm of writers on one key.
+MAX_UPDATE_TRIES = 32
+T = TypeVar("T")
+
+
+class RedisSessionStore:
+    """Sessions in Redis under `tandem:session:<id>` as JSON with a TTL; serves from memory while Redis is down."""
+
+    def __init__(
+        self,
+        url: str,
+        ttl_s: float = DEFAULT_TTL_S,
+        *,
+        prefix: str = KEY_PREFIX,
+        socket_timeout_s: float = 0.3,
+        retry_initial_s: float = 0.5,
+        retry_max_s: float = 15.0,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        strict: bool = False,
+    ) -> None:
+        """strict: a read or an update that cannot reach Redis raises StoreUnavailable instead of using this process's
+        copy: for records every replica changes (a conversation's items, an id's owner), where two replicas' changes
+        made in memory during an outage would leave one of them at the write-back, though both were acknowledged,
+        and a copy may be another replica's change behind. A put or delete (of a record of its own) still waits in
+        memory for the write-back. Each call asks Redis, whatever the backoff: there is no copy to fall back on."""
+        self.url = url
+        self.strict = strict
+        self.ttl_s = float(ttl_s)
+        self.prefix = prefix
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self.counters = StoreCounters()
+        self._memory = MemorySessionStore(ttl_s, max_sessions)
+        self._client = redis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),  # the default retries 10 times, stalling callers while Redis is down
+            retry_on_timeout=False,
+            decode_responses=True,
+        )
+        self._lock = threading.Lock()
+        self._healthy = True
+        self._backoff_s = retry_initial_s
+        self._next_try = 0.0
+        self._dirty: set[str] = set()  # sessions put or deleted during an outage, to write back on recovery
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    def check(self) -> bool:
+        """At start: True when Redis answers; False when it cannot be reached (an outage: served from memory and
+        retried); RedisSetupError when it refuses our password or TLS, which no retry would fix."""
+        try:
+            self._client.ping()
+        except redis.RedisError as error:
+            if (problem := setup_problem(error, self.url)) is not None:
+                raise RedisSetupError(problem) from None  # (the redis-py error is in the message; no URL in it)
+            self._failed(error, probe=False)
+            return False
+        return True
+
+    def _key(self, session_id: str) -> str:
+        return self.prefix + session_id
+
+    def _mode(self) -> str | None:
+        """'up'; 'probe' when Redis is down and due for a retry (claimed by this caller alone); None: use memory."""
+        with self._lock:
+            if self._healthy:
+                return "up"
+            if self.strict:  # nothing to serve from memory: every call asks Redis (and writes back once it answers)
+                return "probe"
+            now = time.monotonic()
+            if now < self._next_try:
+                return None
+            self._next_try = now + self._backoff_s  # other callers keep using memory while this one probes
+            return "probe"
+
+    def _redis(self, op: Callable[[redis.Redis], T]) -> tuple[bool, T | None]:
+        """(True, op's result), or (False, None) when Redis is down or failed (counted and logged)."""
+        mode = self._mode()
+        if mode is None:
+            return False, None
+        try:
+            if mode == "probe":
+                self._recover()
+            return True, op(self._client)
+        except redis.RedisError as error:
+            self._failed(error, probe=mode == "probe")
+            return False, None
+
+    def _failed(self, error: Exception, probe: bool) -> None:
+        with self._lock:
+            self.counters.redis_errors += 1
+            if self._healthy:
+                self._healthy = False
+                self.counters.outages += 1
+                self._backoff_s = self.retry_initial_s
+                self._next_try = time.monotonic() + self._backoff_s
+                # A refused password (rotated under a running gateway) is said as such: retrying will not fix it.
+                log.warning(
+                    "Redis at %s %s (%s); serving session state from memory, retrying with backoff",
+                    redact_url(self.url),
+                    "refused the credentials" if isinstance(error, redis.AuthenticationError) else "unreachable",
+                    error,
+                )
+            elif probe:
+                self._backoff_s = min(2.0 * self._backoff_s, self.retry_max_s)
+                self._next_try = time.monotonic() + self._backoff_s
+                log.debug("Redis still unreachable (%s); next try in %.1f s", error, self._backoff_s)
+            # else: another call of the same outage failed concurrently; counted only
+
+    def _recover(self) -> None:
+        """A probe: check Redis, write back what changed during the outage, and mark Redis healthy."""
+        self._client.ping()
+        written = 0
+        while True:
+            with self._lock:
+                dirty, self._dirty = self._dirty, set()
+                if not dirty:
+                    self._healthy = True
+                    self._backoff_s = self.retry_initial_s
+                    self.counters.recoveries += 1
+                    self.counters.written_back += written
+                    break
+            try:
+                self._write_back(dirty)
+            except redis.RedisError:
+                with self._lock:
+                    self._dirty |= dirty
+                raise
+            written += len(dirty)
+        log.warning("Redis at %s reachable again; %d session(s) written back", redact_url(self.url), written)
+
+    def _write_back(self, session_ids: set[str]) -> None:
+        ids = sorted(session_ids)
+        for start in range(0, len(ids), _FLUSH_BATCH):
+            pipe = self._client.pipeline(transaction=False)
+            for session_id in ids[start : start + _FLUSH_BATCH]:
+                item = self._memory.get_raw(session_id)
+                if item is None:
+                    pipe.delete(self._key(session_id))
+                else:
+                    pipe.set(self._key(session_id), item[0], px=max(1, int(item[1] * 1000)))
+            pipe.execute()
+
+    def _refuse_if_strict(self) -> None:
+        if self.strict:
+            raise StoreUnavailable(f"the shared store (Redis at {redact_url(self.url)}) is not answering; nothing was "
+                                   "read or changed, retry")
+
+    def _fallback(self, session_id: str | None = None) -> None:
+        """Count an operation served from memory; a write (`session_id`) is remembered for write-back."""
+        with self._lock:
+            self.counters.fallbacks += 1
+            # (if Redis came back meanwhile, a later write-back of this older state must not overwrite newer state)
+            if session_id is not None and not self._healthy:
+                self._dirty.add(session_id)
+
+    def get(self, session_id: str) -> dict | None:
+        ok, value = self._redis(lambda client: client.get(self._key(session_id)))
+        if not ok:
+            self._refuse_if_strict()
+            self._fallback()
+            return self._memory.get(session_id)
+        if value is None:
+            self._memory.delete(session_id)
+            return None
+        try:
+            state = json.loads(value)
+        except ValueError:
+            log.warning("session %s: stored state is not JSON; ignoring it", session_id)
+            return None
+        self._memory.put_raw(session_id, value)
+        return state
+
+    def put(self, session_id: str, state: dict) -> None:
+        value = json.dumps(state, separators=(",", ":"))
+        self._memory.put_raw(session_id, value)
+        ok, _ = self._redis(lambda client: client.set(self._key(session_id), value, px=max(1, int(self.ttl_s * 1000))))
+        if not ok:
+            self._fallback(session_id)
+
+    def update(self, session_id: str, change: Change) -> dict | None:
+        """As MemorySessionStore.update, across every replica: an optimistic transaction (WATCH the key, read it,
+        write it in MULTI/EXEC, again from the read when another writer came between), so two replicas changing one
+        state at once both have their change. `change` may run more than once. From memory while Redis is down."""
+        ok, changed = self._redis(lambda client: self._transaction(client, session_id, change))
+        if not ok:
+            self._refuse_if_strict()
+            self._fallback(session_id)
+            return self._memory.update(session_id, change)
+        if changed is None:
+            self._memory.delete(session_id)
+        else:
+            self._memory.put_raw(session_id, json.dumps(changed, separators=(",", ":")))
+        return changed
+
+    def _transaction(self, client: redis.Redis, session_id: str, change: Change) -> dict | None:
+        key = self._key(session_id)
+        for _ in range(MAX_UPDATE_TRIES):
+            with client.pipeline() as pipe:
+                try:
+                    pipe.watch(key)
+                    value = pipe.get(key)
+                    changed = change(None if value is None else json.loads(value))
+                    pipe.multi()
+                    if changed is None:
+                        pipe.delete(key)
+                    else:
+                        pipe.set(key, json.dumps(changed, separators=(",", ":")), px=max(1, int(self.ttl_s * 1000)))
+                    pipe.execute()
+                    return changed
+                except redis.WatchError:
+                    continue
+        raise UpdateConflict(f"{session_id}: changed by other writers on each of {MAX_UPDATE_TRIES} tries")
+
+    def delete(self, session_id: str) -> None:
+        self._memory.delete(session_id)
+        ok, _ = self._redis(lambda client: client.delete(self._key(session_id)))
+        if not ok:
+            self._fallback(session_id)
+
+    def stats(self) -> dict:
+        return {
+            "backend": "redis",
+            "url": redact_url(self.url),
+            "healthy": self._healthy,
+            "sessions_in_memory": len(self._memory),
+            "pending_write_back": len(self._dirty),
+            **asdict(self.counters),
+        }
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def open_session_store(url: str | None, ttl_s: float = DEFAULT_TTL_S, *, check: bool = True,
+                       **options) -> SessionStore:
+    """A store for `url`: None, "" or "memory" -> in memory; a redis:// / rediss:// / unix:// URL -> Redis.
+    `check`: ping it now, so that a wrong password or TLS setting fails at start (RedisSetupError) rather than
+    every session quietly living in memory; an unreachable Redis is an outage the store rides out."""
+    if not url or url == "memory":
+        return MemorySessionStore(ttl_s, **{k: v for k, v in options.items() if k == "max_sessions"})
+    if urlsplit(url).scheme not in SCHEMES:
+        raise ValueError(f"unsupported session store URL {redact_url(url)!r}: expected redis://host:port/db or "
+                         "'memory'")
+    store = RedisSessionStore(url, ttl_s, **options)
+    if check:
+        try:
+            store.check()
+        except RedisSetupError:
+            store.close()
+            raise
+    return store
