@@ -212,8 +212,8 @@ class SpecConfig:
     draft_confidence: with the adaptive policy, the drafter stops early once its top probability falls below this
     (0 never stops early; in a batch, an unsure row goes on as far as its mates that are still sure:
     core.local_drafter); a fixed k (adaptive off) always drafts k tokens. One session on the real pair with the
-    w8a8 draft, both compiled (docs/bench/stop-rules-v1.json): 0.6 ran 1.024x the speed of 0.8 with the p99 ITL 4% longer; a draft step
-    costs a fifth of a verification there, so an unsure draft is cheap to try.
+    w8a8 draft, both compiled (docs/bench/stop-rules-v1.json): 0.6 ran 1.024x the speed of 0.8 with the p99 ITL 4%
+    longer; a draft step costs a fifth of a verification there, so an unsure draft is cheap to try.
     draft_vocab: the drafter scores only the first N token ids (BPE ids run roughly by frequency); verification
     still uses the target's full vocabulary, so output stays exact. 0 scores the whole vocabulary.
     plain_first_round: with the adaptive policy, a sequence's first round only prefills the target, so the first
