@@ -4,17 +4,10 @@ A round: the round plan (core.round_plan) decides each sequence's k, the drafter
 k + 1 positions in one forward and accepts a prefix, and stops cut the block; the sessions' policies then record the
 round. The drafter and verifier are protocols, so the same loop drives in-process models and remote workers. A prompt
 that arrives while others decode is prefilled in chunks, one per step, and joins the rounds once the rest of it fits
-in one (EngineConfig.prefill_chunk). When the verifier's KV cache cannot hold the step's sequences (KVCacheFull), the
-last of them waits in the queue until one finishes: its workers drop its caches, and it is sent its whole history
-again when it resumes (same tokens: greedy choices and seeded random numbers depend only on the context).
-
-Which sequences a step runs: the first --max-batch in priority order (lower first; equal ones in arrival order), so
-a request of a lower value takes the place of one of a higher value at the next step, which waits with its caches
-kept; while the verifier is full, a waiting request runs only if it comes before one the verifier holds, and the
-last of the step (the lowest priority, newest) gives its caches up to make room. A worker shared with other
-gateways or lanes frees their sequences that come after every row of a call in that same order (workers.kv_order);
-a step's one row that other callers' sequences ahead of it keep out waits for them (KVCacheFull.ahead), retrying,
-and sequences left waiting by such a worker try again every few steps (the others finishing tell this engine nothing).
+in one (EngineConfig.prefill_chunk). Which sequences a step runs, and which gives its caches up when the verifier's
+KV cache cannot hold them all (KVCacheFull), core.scheduler decides: one that gives them up waits in the queue, its
+workers drop its caches, and it is sent its whole history again when it resumes (same tokens: greedy choices and
+seeded random numbers depend only on the context).
 """
 
 from __future__ import annotations
@@ -41,15 +34,9 @@ from tandem.core.protocol import (
 )
 from tandem.core.requests import GenerationResult, Sequence, StepOutput
 from tandem.core.round_plan import RoundPlan, RowView, plan_round
+from tandem.core.scheduler import Scheduler
 from tandem.core.stops import FINISH_ABORT, StopChecker
-from tandem.errors import InvalidArgument, KVBudgetExceeded, check_in_vocabulary, request_id_in_use
-
-# A step whose one row waits for other callers' sequences at a full worker sleeps before the next try: from 5 ms,
-# doubling, to a quarter second (each try is one call that the worker refuses before running anything).
-FIRST_WAIT_S, MAX_WAIT_S = 0.005, 0.25
-# Steps after which sequences a shared worker's full cache left waiting try again: a retry that still does not fit
-# costs a call the worker refuses before any forward.
-RETRY_SHARED_FULL_STEPS = 16
+from tandem.errors import InvalidArgument, check_in_vocabulary, request_id_in_use
 
 
 class SpeculativeEngine:
@@ -72,16 +59,7 @@ class SpeculativeEngine:
         self.prior = prior or policy.SharedPrior(self.config.spec.acceptance_prior)
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
-        self._kv_full = False  # the verifier was full: sequences it does not hold wait until one finishes
-        # ...or, where other callers' sequences filled it too (KVCacheFull.ahead), until they may have left: every
-        # RETRY_SHARED_FULL_STEPS steps the waiting ones try again (others finishing tell this engine nothing).
-        self._shared_full_steps: int | None = None
-        # Sequences taken out of the steps they ran in: "priority" (left out for a lower value, their caches kept),
-        # "kv" (their caches given up to a full verifier: recomputed when they resume). Fixed keys: read from other
-        # threads (metrics).
-        self.preemptions = {"priority": 0, "kv": 0}
-        self._stepped: set[str] = set()  # the last step's sequences
-        self._waits = 0  # steps in a row that waited for other callers' sequences to leave a full worker
+        self.scheduler = Scheduler(self.config.max_batch, self._drop_caches)
         # Tokens the running step's target forward computes at most (its rows' uncached context, drafts): what a
         # step may take grows with them (the gateway's stall watchdog). Read from another thread.
         self.step_tokens = 0
@@ -128,14 +106,13 @@ class SpeculativeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.sequences)
 
+    @property
+    def preemptions(self) -> dict[str, int]:
+        """Sequences taken out of the steps they ran in, by why (core.scheduler)."""
+        return self.scheduler.preemptions
+
     def step(self) -> list[StepOutput]:
-        waiting = sorted(self.sequences.values(), key=_priority)  # stable: equal priorities in arrival order
-        if self._kv_full and self._shared_full_steps is not None:
-            self._shared_full_steps += 1
-            self._kv_full = self._shared_full_steps < RETRY_SHARED_FULL_STEPS
-        if self._kv_full:
-            waiting = _while_full(waiting)
-        batch = waiting[: self.config.max_batch]
+        batch, waiting = self.scheduler.schedule(self.sequences.values())
         while True:
             limits = self._prefill_limits(batch)
             self.step_tokens = sum(_step_tokens(seq, limit) for seq, limit in zip(batch, limits, strict=True)) \
@@ -146,39 +123,15 @@ class SpeculativeEngine:
                 outputs = self._round(batch, plan, limits)
                 break
             except KVCacheFull as full:
-                batch = self._make_room(batch, waiting, full)
+                batch = self.scheduler.make_room(batch, waiting, full)
                 if not batch:  # others' sequences ahead of its one row fill the workers: wait for them to finish
-                    self._waits += 1
-                    time.sleep(min(MAX_WAIT_S, FIRST_WAIT_S * 2 ** min(self._waits, 8)))
+                    self.scheduler.wait()
                     return []
-        self._waits = 0
-        stepped = {seq.request_id for seq in batch}
-        self.preemptions["priority"] += sum(seq.admitted for seq in waiting[len(batch):] if seq.request_id in
-                                            self._stepped)
-        self._stepped = stepped
+        self.scheduler.ran(batch, waiting)
         # A sequence whose prefill is still going on was only prefilling a chunk: it has nothing to report yet.
         return [out for out in outputs if out is not None]
 
-    def _make_room(self, batch: list[Sequence], waiting: list[Sequence], full: KVCacheFull) -> list[Sequence]:
-        """Free the caches of the last sequence the verifier holds (the lowest priority, newest): one the step left
-        out (a higher priority took its place), else the step's own last, which goes back to waiting. Its workers
-        drop its caches (a session's stay retained, so resuming may reuse them) and it is resent from scratch. A
-        sequence alone that does not fit, nothing else held, never will: KVBudgetExceeded names it (the caller fails
-        that request, not the others); one that other callers' sequences ahead of it keep out waits (no batch)."""
-        self._kv_full = True
-        self._shared_full_steps = 0 if full.ahead else None
-        if left_out := [seq for seq in waiting[len(batch):] if seq.admitted]:
-            self._drop_caches(left_out[-1])
-            return batch
-        if len(batch) == 1:
-            if full.ahead:  # a shared worker's other callers hold the rest, ahead of this row (workers.kv_order)
-                return []
-            raise KVBudgetExceeded(batch[0].request_id, full.needed, full.capacity) from full
-        self._drop_caches(batch[-1])
-        return batch[:-1]
-
     def _drop_caches(self, seq: Sequence) -> None:
-        self.preemptions["kv"] += seq.admitted
         retain = bool(seq.session_id)
         self.verifier.release(seq.request_id, retain)
         if self.drafter is not None:
@@ -400,20 +353,6 @@ def _step_tokens(seq: Sequence, prefill_limit: int) -> int:
     lacks (or a prefill chunk of it)."""
     lacking = len(seq.context) - seq.verify_synced
     return min(lacking, prefill_limit) if prefill_limit else lacking
-
-
-def _priority(seq: Sequence) -> int:
-    return seq.priority
-
-
-def _while_full(waiting: list[Sequence]) -> list[Sequence]:
-    """The sequences a full verifier may run: those it holds, and those waiting before the last of them by priority
-    (the step makes room for them by deferring its last); none held: the first waiting alone."""
-    held = [seq.priority for seq in waiting if seq.admitted]
-    if not held:
-        return waiting[:1]
-    last = max(held)
-    return [seq for seq in waiting if seq.admitted or seq.priority < last]
 
 
 def _retry_lost(call, forget):
