@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from tandem.workers.worker_base import WorkerReply
+from tandem.workers.replies import WorkerReply
 
 RECENT_CALLS = 100  # forwards the rows-per-call mean is taken over
 T = TypeVar("T")

@@ -20,8 +20,10 @@ from tandem.errors import RequestRefused, TandemError, WorkerStartFailed
 from tandem.hostinfo import host_facts
 from tandem.pools.names import NAMESPACE
 from tandem.telemetry.worker import WorkerTelemetry
+from tandem.workers.batcher import CallBatcher
 from tandem.workers.kv_order import HeldOrder
 from tandem.workers.orphans import release_orphans_forever
+from tandem.workers.replies import WorkerReply
 
 if TYPE_CHECKING:
     from tandem.core.runner import ModelRunner
@@ -95,21 +97,6 @@ class WorkerConfig:
     metrics_port: int | None = None
 
 
-@dataclass(slots=True)
-class WorkerReply:
-    """Either results, or the ids this worker no longer holds (it restarted, or never saw them), or that its KV
-    cache is full (KVCacheFull's fields: needed and capacity tokens, others' sequences ahead), or that one row's own
-    request cannot go on (RequestRefused's sequence id and message: the caller fails that request and sends the
-    others again)."""
-
-    results: list | None = None
-    lost: list[str] | None = None
-    full: tuple[int, int, bool] | None = None
-    refused: tuple[str, str] | None = None
-    spans: list[dict] | None = None  # finished spans of traced rows, for the gateway to export (telemetry.worker)
-    load: WorkerLoad | None = None  # what the worker holds after the call, for every caller (routing.observe)
-
-
 @dataclass(slots=True, frozen=True)
 class LoadedRunner:
     """A worker's model in its runner, with the model's tokenizer and end-of-sequence ids: a target worker hands
@@ -145,8 +132,6 @@ class WorkerBase:
     role = "worker"
 
     def __init__(self, name: str, batch_window_s: float = 0.0, metrics_port: int | None = None) -> None:
-        from tandem.workers.batcher import CallBatcher
-
         self.name = name
         self.runner: ModelRunner
         self.threads = 0  # torch's threads for the forwards, once the model is loaded (LoadedRunner.threads)
