@@ -223,3 +223,21 @@ def test_the_dashboard_renders_when_asked_and_every_query_parses(promtool, tmp_p
 def test_every_series_the_dashboard_reads_is_one_tandem_exports(exported) -> None:
     for title, expr in _queries(dashboard()):
         _check_exported(exported, title, expr)
+
+
+@pytest.mark.parametrize(("role", "method"), [("draft", "propose"), ("target", "verify")])
+def test_a_fresh_workers_event_counters_are_exported_at_zero(role: str, method: str) -> None:
+    """An alert on a counter's rate reads a series absent until its first event as no data: a worker exports its
+    lost-state and eviction counters at 0 from the start."""
+    worker = WorkerMetrics(role, f"{role}-0", "127.0.0.1", 0)
+    try:
+        families = scrape(worker.endpoint.url)
+    finally:
+        worker.endpoint.close()
+    lost = [(labels, count) for name, labels, count in families.get("tandem_worker_state_lost", [])
+            if name == "tandem_worker_state_lost_total"]
+    assert lost == [({"tandem_worker_role": role, "tandem_worker_name": f"{role}-0", "tandem_worker_method": method},
+                     0.0)]
+    evicted = [count for name, _, count in families.get("tandem_worker_kv_evictions", [])
+               if name == "tandem_worker_kv_evictions_total"]
+    assert evicted == [0.0]

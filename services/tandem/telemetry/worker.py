@@ -80,6 +80,9 @@ def _row_attributes(method: str, requests: Sequence, results: Sequence | None) -
     return attributes
 
 
+ROLE_METHODS = {"draft": "propose", "target": "verify"}  # the call each role's workers serve
+
+
 class WorkerMetrics:
     def __init__(self, role: str, name: str, host: str, port: int,
                  kv_usage: Callable[[], KVUsage | None] | None = None) -> None:
@@ -97,6 +100,9 @@ class WorkerMetrics:
         self.evicted = meter.create_counter("tandem.worker.kv_evictions", unit="{sequence}",
                                             description="Sequences whose caches were freed for a call of another "
                                             "gateway or lane that came before them (priority, then arrival).")
+        # At 0 from the start (absent series read as no data to an alert): each role's one method.
+        self.lost.add(0, self.base | {"tandem.worker.method": ROLE_METHODS.get(role, role)})
+        self.evicted.add(0, self.base)
         self.duration = meter.create_histogram("tandem.worker.call.duration", unit="s",
                                                description="Time to serve one batched call.",
                                                explicit_bucket_boundaries_advisory=TIME_TO_FIRST_TOKEN_BUCKETS)
