@@ -44,7 +44,7 @@ def check_model_mode(eager: bool, compile: bool | str) -> None:
         raise InvalidArgument("eager and compile exclude each other: compiling is part of the fast path eager skips")
 
 
-# Tokens of finished sequences' caches a runner keeps (core.runner) for a session's next turn and shared prefixes.
+# Tokens of finished sequences' caches a runner keeps (core.slots) for a session's next turn and shared prefixes.
 DEFAULT_RETAIN_TOKENS = 32768
 
 

@@ -6,7 +6,7 @@ forward that sit in neighbouring slots are a view of that buffer, so attention r
 blocks would need a paged attention kernel, or a gather of every row's keys and values each step (the copy this
 cache exists to remove). What slots cost is memory: every slot reserves the capacity of the longest sequence held,
 and capacity grows geometrically (one copy of the cache per growth); the runner's token budget counts slots x
-capacity, and core.runner arranges which sequence holds which slot.
+capacity, and core.slots arranges which sequence holds which slot.
 
 A forward runs under a Step: the slots [lo, lo + rows) it reads, each row's cached length (`starts`) and number of
 new tokens (`counts`, 0 for a row in that range that is not part of the forward), and the view's length. Only the
@@ -211,7 +211,7 @@ class SlotCache(Cache):
 
     @torch.inference_mode()
     def copy(self, source: int, target: int, length: int) -> None:
-        """Copy the first `length` tokens of slot `source` into slot `target` (a shared prefix: core.runner)."""
+        """Copy the first `length` tokens of slot `source` into slot `target` (a shared prefix: core.slots)."""
         for layer in self._allocated():
             for buffer in (layer.keys, layer.values):
                 buffer[target, :, :length].copy_(buffer[source, :, :length])

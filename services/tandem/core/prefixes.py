@@ -1,4 +1,4 @@
-"""Prefix caching's choices, for core.runner: which held sequence a new one copies its prompt's prefix from, and which
+"""Prefix caching's choices, for core.slots: which held sequence a new one copies its prompt's prefix from, and which
 finished ones kept for their prefix another makes redundant.
 
 A new sequence whose prompt starts like a sequence the runner holds (running, a session's retained one, or a finished

@@ -46,7 +46,7 @@ class KVCacheFull(RuntimeError):
 class WorkerLoad:
     """What a worker holds for every caller, as gateways place new sequences by it (workers.routing): its running
     sequences, the cached tokens of the longest, and its KV token budget (0: not known yet). The cache gives every
-    sequence a slot as long as the longest (core.runner `_fit`); retained sessions' caches make way for new ones."""
+    sequence a slot as long as the longest (core.slots `_fit`); retained sessions' caches make way for new ones."""
 
     sequences: int
     longest: int = 0
@@ -70,7 +70,7 @@ class KVUsage:
     """KV cache tokens of a runner, or summed over a pool's workers: `used` hold keys and values (running sequences
     and retained sessions), `reserved` is what the caches have room for (slots x capacity, allocated or about to
     be), `capacity` the budget; `shared`: prompt tokens new sequences copied from cached prefixes since the start
-    (prefix caching: core.runner)."""
+    (prefix caching: core.slots)."""
 
     used: int = 0
     reserved: int = 0

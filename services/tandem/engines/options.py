@@ -36,8 +36,8 @@ class LocalOptions:
     compile: str = "none"  # whose decode forwards torch.compile compiles on a CPU too (core.config.COMPILE_SCOPES)
     kv_tokens: int = 0  # each model's KV token budget (0: a share of the memory free when its runner starts)
     draft_quantization: str = "none"  # "int8", "w8a8" or "w4": quantized draft weights (core.config; output unchanged)
-    retain_tokens: int = DEFAULT_RETAIN_TOKENS  # finished requests' cache tokens each model keeps (core.runner)
-    prefix_cache: bool = True  # new requests start from a copy of a cached prefix of their prompt (core.runner)
+    retain_tokens: int = DEFAULT_RETAIN_TOKENS  # finished requests' cache tokens each model keeps (core.slots)
+    prefix_cache: bool = True  # new requests start from a copy of a cached prefix of their prompt (core.slots)
 
     def __post_init__(self) -> None:
         _check_models(self)
@@ -69,8 +69,8 @@ class ClusterOptions:
     compile: str = "none"  # whose decode forwards torch.compile compiles on a CPU too (core.config.COMPILE_SCOPES)
     kv_tokens: int = 0  # every worker's KV token budget (0: a share of the memory free when it starts)
     draft_quantization: str = "none"  # "int8", "w8a8" or "w4": draft workers' quantized weights (core.config)
-    retain_tokens: int = DEFAULT_RETAIN_TOKENS  # finished requests' cache tokens each model keeps (core.runner)
-    prefix_cache: bool = True  # new requests start from a copy of a cached prefix of their prompt (core.runner)
+    retain_tokens: int = DEFAULT_RETAIN_TOKENS  # finished requests' cache tokens each model keeps (core.slots)
+    prefix_cache: bool = True  # new requests start from a copy of a cached prefix of their prompt (core.slots)
 
     def __post_init__(self) -> None:
         _check_models(self)

@@ -16,7 +16,7 @@ set of workers moves only the sessions of the workers that came or went; a worke
 than the least loaded one spills the session to the next in rank. A new sequence without a session whose prompt is
 longer than PREFIX_ROUTE_TOKENS is placed the same way under a key made of its scope and its prompt's first
 PREFIX_ROUTE_TOKENS tokens (`routing_key`), so requests sharing a system prompt meet on the worker whose prefix
-cache holds it (core.runner); shorter ones go to the healthy worker whose KV budget they would fill the least (a
+cache holds it (core.slots); shorter ones go to the healthy worker whose KV budget they would fill the least (a
 slot per sequence as long as the longest: a long prompt beside long sequences, a short one beside short ones; a
 worker that has not said its budget counts as empty), then to the least loaded, ties broken in an order of the
 gateway's own (`share`), so requests arriving at two gateways in the same instant do not both pick the first. A

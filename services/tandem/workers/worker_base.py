@@ -91,8 +91,8 @@ class WorkerConfig:
     compile: bool = False  # decode forwards compiled by torch.compile on a CPU too (a GPU's default)
     quantization: str = "none"  # "int8", "w8a8" or "w4": quantized weights (draft workers only, core.config)
     batch_window_s: float = 0.0  # how long a call waits for other gateways' calls to join its forward (shared pools)
-    retain_tokens: int = DEFAULT_RETAIN_TOKENS  # finished sequences' cache tokens the runner keeps (core.runner)
-    prefix_cache: bool = True  # new sequences start from a copy of a cached prefix of their prompt (core.runner)
+    retain_tokens: int = DEFAULT_RETAIN_TOKENS  # finished sequences' cache tokens the runner keeps (core.slots)
+    prefix_cache: bool = True  # new sequences start from a copy of a cached prefix of their prompt (core.slots)
     # The first port of the workers' /metrics (-1: none; None: $TANDEM_WORKER_METRICS_PORT where the worker runs).
     metrics_port: int | None = None
 
