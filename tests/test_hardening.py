@@ -216,7 +216,15 @@ def test_context_window_is_enforced_on_both_apis(server) -> None:
                        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
         response = httpx.post(f"{url}/v1/{path}", json=body | {"max_tokens": window - 2}, timeout=30)
         assert response.status_code == 400, response.text
-        assert response.json()["error"]["param"] == "max_tokens" and "context window" in response.text
+        error = response.json()["error"]
+        assert error["param"] == "max_tokens" and "context window" in error["message"]
+        # OpenAI's code and words, which clients act on (litellm's ContextWindowExceededError: trim and retry)
+        assert error["code"] == "context_length_exceeded"
+        assert f"This model's maximum context length is {window} tokens" in error["message"]
+    for tokens in (window, server.gateway.generations.limits.max_prompt_tokens + 1):  # the model's, the server's
+        prompt = httpx.post(f"{url}/v1/completions", json={"prompt": [7] * tokens, "max_tokens": 1}, timeout=30)
+        assert prompt.status_code == 400 and prompt.json()["error"]["param"] == "prompt"
+        assert prompt.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_the_default_max_tokens_never_refuses_a_prompt_that_leaves_room(tiny_models) -> None:

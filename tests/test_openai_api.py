@@ -329,9 +329,12 @@ def test_null_flags_mean_their_defaults(server) -> None:
 
 def test_request_errors(server) -> None:
     sdk, url = _sdk(server), server.gateway.http_url
-    error = _error(lambda: sdk.completions.create(model=MODEL, prompt=["a"] * 17, max_tokens=4))
+    many = sdk.completions.create(model=MODEL, prompt=[[5, 6]] * 40, max_tokens=2, temperature=0)  # lm-eval's 32+
+    assert [choice.index for choice in many.choices] == list(range(40)) and len({c.text for c in many.choices}) == 1
+    places = server.gateway.loop.max_requests
+    error = _error(lambda: sdk.completions.create(model=MODEL, prompt=["a"] * (places // 2 + 1), max_tokens=4, n=2))
     assert error.status_code == 400 and error.body["param"] == "prompt"
-    assert "at most 16 prompts" in error.body["message"]
+    assert f"more sequences than this server's queue holds ({places}" in error.body["message"]
     error = _error(lambda: sdk.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=4))
     assert error.status_code == 404 and error.body["code"] == "model_not_found" and error.body["param"] == "model"
     for response in (httpx.post(f"{url}/v1/embeddings", json={}), httpx.get(f"{url}/v1/chat/completions")):
@@ -478,10 +481,10 @@ def test_queue_full_is_429(tiny_models) -> None:
         stream.close()
         assert _idle(small)
         # More choices than the queue holds could never run: a 400 naming n, which no client retries, on an idle server.
-        for call in (lambda: sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, n=2),
-                     lambda: sdk.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=4)):
+        for call, param in ((lambda: sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, n=2), "n"),
+                            (lambda: sdk.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=4), "prompt")):
             error = _error(call)
-            assert error.status_code == 400 and error.body["param"] == "n" and "--max-queue" in error.body["message"]
+            assert error.status_code == 400 and error.body["param"] == param and "--max-queue" in error.body["message"]
         assert sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices
     finally:
         small.stop()

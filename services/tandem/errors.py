@@ -23,6 +23,11 @@ def check_in_vocabulary(field: str, ids: Iterable[int], vocab_size: int) -> None
         raise InvalidArgument(f"{field}: {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
 
 
+class ContextLengthExceeded(InvalidArgument):
+    """A prompt, or a prompt and its max_tokens, past the model's context window (OpenAI's context_length_exceeded,
+    which clients such as litellm act on: they trim the conversation or move to a model of a longer context)."""
+
+
 class ModelNotFound(TandemError):
     """A model argument is not a registry name, a local directory, a GGUF file or a reachable hub id."""
 

@@ -125,6 +125,11 @@ class Generations:
             raise EngineUnavailable(DRAINING)
         return self.backend, self.loop
 
+    @property
+    def queue_places(self) -> int:
+        """The most sequences the engine's queue holds (--max-queue)."""
+        return self.loop.max_requests
+
     def check_choices(self, choices: int) -> None:
         """InvalidArgument naming n where one request's choices (each a sequence) are more than the engine's queue
         holds: that request could never run, and a queue-full answer would have its client retry in vain."""

@@ -13,7 +13,7 @@ from tandem.core.config import DEFAULT_MAX_TOKENS, OutputFormat, SamplingParams
 from tandem.core.formats import check_format, format_tokenizer
 from tandem.core.logprobs import MAX_TOP_LOGPROBS
 from tandem.engines import ModelLimits
-from tandem.errors import InvalidArgument, check_in_vocabulary
+from tandem.errors import ContextLengthExceeded, InvalidArgument, check_in_vocabulary
 from tandem.gateway.auth import MAX_PRIORITY
 from tandem.gateway.tools import call_format, forced_call_start, offers_tools, template_message, template_tools
 from tandem.v1 import generation_pb2 as pb
@@ -176,8 +176,9 @@ def prompt_ids(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, mo
     else:
         ids = chat_ids(request.chat, tokenizer, limits)
     _require(bool(ids), f"{kind}: encodes to no tokens")
-    _require(len(ids) <= limits.max_prompt_tokens,
-             f"{kind}: {len(ids)} tokens is more than the limit of {limits.max_prompt_tokens}")
+    if len(ids) > limits.max_prompt_tokens:  # too long for this server: a client trims it as for the model's window
+        raise ContextLengthExceeded(f"{kind}: {len(ids)} tokens is more than the limit of {limits.max_prompt_tokens} "
+                                    "(--max-prompt-tokens)")
     return ids
 
 
@@ -236,15 +237,18 @@ def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model
     if (window := model.context_window) is not None:
         # The window is the target's positions, or its KV budget where that holds fewer (core.runner).
         where = (f"the context window of {window} tokens (the model's, or fewer where this server's KV cache holds "
-                 "fewer: --kv-tokens)")
+                 f"fewer: --kv-tokens). This model's maximum context length is {window} tokens")  # (OpenAI's words)
         room = window - len(ids)
         # A prompt that fills the window is the prompt's fault whatever max_tokens says (the default never refuses a
         # prompt that leaves room).
-        _require(room >= 1, f"{request.WhichOneof('input')}: its {len(ids)} tokens leave no room for output in {where}")
+        if room < 1:
+            raise ContextLengthExceeded(f"{request.WhichOneof('input')}: its {len(ids)} tokens leave no room for "
+                                        f"output in {where}.")
         if not request.sampling.HasField("max_tokens"):
             params = replace(params, max_tokens=min(params.max_tokens, room))
-        _require(params.max_tokens <= room,
-                 f"max_tokens: the prompt's {len(ids)} tokens plus max_tokens {params.max_tokens} exceed {where}")
+        if params.max_tokens > room:
+            raise ContextLengthExceeded(f"max_tokens: the prompt's {len(ids)} tokens plus max_tokens "
+                                        f"{params.max_tokens} exceed {where}.")
     request_id = request.request_id or f"req-{uuid.uuid4().hex}"
     offered = request.WhichOneof("input") == "chat" and offers_tools(request.chat)
     tool_names = tuple(tool.name for tool in request.chat.tools) if offered else ()

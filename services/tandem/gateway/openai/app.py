@@ -243,10 +243,10 @@ class Api:
         check_model(body, model)
         request_id = body.request_id or f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         messages = endpoint.convert(body, request_id)  # one per prompt
-        if len(messages) > self.limits.max_choices:
-            raise bad_request(f"prompt: at most {self.limits.max_choices} prompts a request, got {len(messages)}",
-                              "prompt")
         per_prompt = max(messages[0].n, 1)
+        if len(messages) > 1 and per_prompt * len(messages) > generations.queue_places:  # as many as it holds, at most
+            raise bad_request(f"prompt: {len(messages)} prompts of {per_prompt} choice(s) each are more sequences "
+                              f"than this server's queue holds ({generations.queue_places}, --max-queue)", "prompt")
         generations.check_choices(per_prompt * len(messages))
         responder = Responder(endpoint.kind, request_id, model, self.token_texts(), n=per_prompt * len(messages),
                               logprobs=messages[0].HasField("logprobs"), per_prompt=per_prompt,

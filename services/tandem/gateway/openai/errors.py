@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, Response
 
-from tandem.errors import BackendUnavailable, InvalidArgument
+from tandem.errors import BackendUnavailable, ContextLengthExceeded, InvalidArgument
 from tandem.gateway.events import EngineFailed, EngineUnavailable, QueueFull, TenantBusy
 from tandem.sessions import StoreUnavailable, UpdateConflict
 
@@ -80,7 +80,8 @@ def from_exception(exc: Exception, renames: dict[str, str]) -> OpenAIError:
     """The OpenAI error a gateway failure gets; an engine failure's own text stays in the server log."""
     if isinstance(exc, InvalidArgument):
         param, message = param_of(str(exc), renames)
-        return bad_request(message, param)
+        code = "context_length_exceeded" if isinstance(exc, ContextLengthExceeded) else None
+        return OpenAIError(400, message, param=param, code=code)
     if isinstance(exc, TenantBusy):
         return OpenAIError(429, str(exc), "rate_limit_error", code="tenant_concurrency")
     if isinstance(exc, QueueFull):
