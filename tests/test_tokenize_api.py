@@ -1,5 +1,6 @@
-"""vLLM's /tokenize and /detokenize on a real gateway over the tiny pair: the ids a request is given (as gRPC's
-Tokenize and the usage of a real request count them), their texts, and refusals naming the field."""
+"""vLLM's /tokenize, /detokenize and /tokenizer_info on a real gateway over the tiny pair: the ids a request is given
+(as gRPC's Tokenize and the usage of a real request count them), those vLLM's flags ask for instead, their texts, what
+a remote tokenizer (lm-eval's) reads, and refusals naming the field."""
 
 from __future__ import annotations
 
@@ -42,11 +43,36 @@ def test_tokenize_gives_the_ids_a_request_is_given(server, tiny_models) -> None:
     assert text.status_code == 200 and text.json() == {"prompt": "def add(a, b):"}
 
 
+def test_vllms_flags_ask_for_the_ids_without_special_tokens_or_the_assistants_turn(server, tiny_models) -> None:
+    """What lm-eval's remote tokenizer sends (`add_special_tokens: false`), and a chat's ids without the opened
+    assistant turn (`add_generation_prompt: false`), as the tokenizer itself gives them."""
+    tokenizer = tiny_models[0].tokenizer
+    plain = _post(server, "tokenize", {"prompt": "def add(a, b):", "add_special_tokens": False})
+    assert plain.status_code == 200, plain.text
+    assert plain.json()["tokens"] == tokenizer.encode("def add(a, b):", add_special_tokens=False)
+    opened = _post(server, "tokenize", {"messages": CHAT}).json()["tokens"]
+    closed = _post(server, "tokenize", {"messages": CHAT, "add_generation_prompt": False}).json()["tokens"]
+    assert closed == tokenizer.apply_chat_template(CHAT, add_generation_prompt=False, tokenize=True, return_dict=False)
+    assert len(closed) < len(opened) and opened[:len(closed)] == closed
+
+
+def test_tokenizer_info_tells_a_remote_tokenizer_what_it_needs(server, tiny_models) -> None:
+    tokenizer = tiny_models[0].tokenizer
+    info = httpx.get(f"{server.gateway.http_url}/tokenizer_info", timeout=30)
+    assert info.status_code == 200, info.text
+    body = info.json()
+    assert body["eos_token"] == tokenizer.eos_token and body["chat_template"] == tokenizer.chat_template
+    assert body["model_max_length"] == server.gateway.generations.model_limits.context_window
+    assert set(body) == {"tokenizer_class", "eos_token", "bos_token", "pad_token", "unk_token", "chat_template",
+                         "model_max_length", "vocab_size"}  # these alone: not the tokenizer's whole config
+    eos = _post(server, "tokenize", {"prompt": body["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert eos[0] in server.gateway.generations.backend.engine.eos_token_ids  # as lm-eval finds its eos id
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("tokenize", {}, "prompt"),
     ("tokenize", {"prompt": "x", "messages": CHAT}, "prompt"),
-    ("tokenize", {"messages": CHAT, "add_generation_prompt": False}, "add_generation_prompt"),
-    ("tokenize", {"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
+    ("tokenize", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens"),
     ("tokenize", {"prompt": "x", "model": "gpt-9"}, "model"),
     ("tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ("tokenize", {"messages": [{"role": "user", "content": None}]}, "messages[0].content"),  # was accepted

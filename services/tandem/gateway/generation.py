@@ -143,17 +143,20 @@ class Generations:
         return await asyncio.to_thread(prepare, request, backend.tokenizer, self.limits, self.model_limits,
                                        backend.engine.eos_token_ids)
 
-    async def tokenize(self, prompt: str | None = None, chat: pb.Chat | None = None, tenant: str = "") -> list[int]:
-        """The token ids of a prompt (no template) or a chat (template applied), in a worker thread. `tenant` is
-        taken for symmetry with stream/abort: tokenizing touches no per-tenant state."""
+    async def tokenize(self, prompt: str | None = None, chat: pb.Chat | None = None, tenant: str = "",
+                       special_tokens: bool = True, generation_prompt: bool = True) -> list[int]:
+        """The token ids of a prompt (no template) or a chat (template applied), in a worker thread, as a request
+        gets them; `special_tokens` False: a prompt's without those its tokenizer adds (a BOS); `generation_prompt`
+        False: a chat's without the assistant's turn opened. `tenant` is taken for symmetry with stream/abort:
+        tokenizing touches no per-tenant state."""
         backend, _ = self._serving()
         if chat is not None:
-            return await asyncio.to_thread(chat_ids, chat, backend.tokenizer, self.limits)
+            return await asyncio.to_thread(chat_ids, chat, backend.tokenizer, self.limits, generation_prompt)
         if prompt is None:
             raise InvalidArgument("input: set one of prompt or chat")
         if not prompt:
             raise InvalidArgument("prompt: must not be empty")  # as Generate says
-        return await asyncio.to_thread(encode_prompt, prompt, backend.tokenizer, self.limits)
+        return await asyncio.to_thread(encode_prompt, prompt, backend.tokenizer, self.limits, special_tokens)
 
     async def stream(self, request: pb.GenerateRequest, metadata: Sequence = (), tenant: str = "",
                      background: bool = False, admitted: asyncio.Event | None = None) -> AsyncIterator[Event]:

@@ -182,13 +182,15 @@ def prompt_ids(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, mo
     return ids
 
 
-def encode_prompt(prompt: str, tokenizer, limits: GatewayLimits) -> list[int]:
-    """A prompt's token ids, its size checked first (tokenizing megabytes would hold a core for seconds)."""
+def encode_prompt(prompt: str, tokenizer, limits: GatewayLimits, special_tokens: bool = True) -> list[int]:
+    """A prompt's token ids, its size checked first (tokenizing megabytes would hold a core for seconds);
+    `special_tokens`: with those the tokenizer adds around a text (a BOS), as a request's prompt gets them."""
     _check_bytes("prompt", _utf8_size(prompt, limits), limits)
-    return tokenizer.encode(prompt)
+    return tokenizer.encode(prompt, add_special_tokens=special_tokens)
 
 
-def chat_ids(chat: pb.Chat, tokenizer, limits: GatewayLimits) -> list[int]:
+def chat_ids(chat: pb.Chat, tokenizer, limits: GatewayLimits, generation_prompt: bool = True) -> list[int]:
+    """A chat's ids, its template applied; with `generation_prompt`, the assistant's turn opened (as a request's)."""
     messages = chat.messages
     _require(len(messages) > 0, "chat: needs at least one message")
     _require(len(messages) <= limits.max_chat_messages,
@@ -207,8 +209,9 @@ def chat_ids(chat: pb.Chat, tokenizer, limits: GatewayLimits) -> list[int]:
     try:
         # sanitize_control_tokens: a special token's text inside a message ("<|im_end|>") is encoded as plain text;
         # only the template's own control tokens are control tokens (no forged turns).
-        ids = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=True, add_generation_prompt=True,
-                                            sanitize_control_tokens=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=True,
+                                            add_generation_prompt=generation_prompt, sanitize_control_tokens=True,
+                                            return_dict=False)
     except TemplateError as exc:  # the template itself rejects the conversation (e.g. roles must alternate)
         raise InvalidArgument(f"chat: the chat template rejected these messages: {exc}") from exc
     except Exception as exc:  # its own text may name the server's files: kept in the log
@@ -216,7 +219,7 @@ def chat_ids(chat: pb.Chat, tokenizer, limits: GatewayLimits) -> list[int]:
         raise InvalidArgument("chat: the chat template could not be applied to these messages") from exc
     if ids and isinstance(ids[0], list):  # a batch of one
         ids = ids[0]
-    if start := forced_call_start(chat):  # the call a required or named tool_choice asks for, begun
+    if generation_prompt and (start := forced_call_start(chat)):  # the call a required or named tool_choice asks for
         ids = list(ids) + list(tokenizer.encode(start, add_special_tokens=False))
     return list(ids)
 

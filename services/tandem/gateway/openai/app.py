@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/responses (gateway.openai.
 responses_api; its stored and background responses, its input token counts), /v1/conversations, /v1/models (and
-/v1/models/{model}), /health, and vLLM's /tokenize and /detokenize.
+/v1/models/{model}), /health, and vLLM's /tokenize, /detokenize and /tokenizer_info.
 
 Requests go through the gateway's own generation path (tandem.gateway.generation.Generations), the one the gRPC
 API uses: the same validation, engine loop, arm routing and cancellation. Bodies are parsed here rather than by
@@ -60,7 +60,7 @@ from tandem.gateway.openai.stored import ResponseStore
 from tandem.gateway.openai.stored_routes import add_stored_routes
 from tandem.gateway.openai.streaming import ClientGone, merged
 from tandem.gateway.openai.tokenize import RENAMES as TOKENIZE_RENAMES
-from tandem.gateway.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from tandem.gateway.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 from tandem.gateway.openai.tokens import TokenTexts
 from tandem.gateway.validate import GatewayLimits
 from tandem.telemetry import tracing
@@ -111,6 +111,7 @@ def create_app(generations: GenerationsSource, limits: GatewayLimits, status: St
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", api.tokenizer_info, methods=["GET"])
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -204,6 +205,14 @@ class Api:
 
     async def detokenize(self, request: Request) -> Response:
         return await self._tokens(request, DetokenizeRequest, detokenize)
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        try:
+            self.tenant(request)
+            self.check_ready()
+            return JSONResponse(await tokenizer_info(self.generations()))
+        except Exception as exc:
+            return error_response(exc, {})
 
     async def _tokens(self, request: Request, schema: type[BaseModel], answer: Callable) -> Response:
         """vLLM's /tokenize and /detokenize (gateway.openai.tokenize): API keys and readiness as on /v1."""

@@ -1,10 +1,12 @@
-"""vLLM's /tokenize and /detokenize beside the OpenAI API: the target tokenizer's ids for a prompt or a chat, and the
-text of ids, so that clients written for vLLM count and build prompts against tandem unchanged.
+"""vLLM's /tokenize, /detokenize and /tokenizer_info beside the OpenAI API: the target tokenizer's ids for a prompt or
+a chat, the text of ids, and what a client needs to tokenize as the server does (its special tokens, chat template),
+so that clients written for vLLM (lm-eval's remote tokenizer) count and build prompts against tandem unchanged.
 
-/tokenize gives the ids a request would be given: a prompt's as /v1/completions encodes it, a chat's with its
-template applied and the assistant's turn opened (the tools shown, as /v1/chat/completions shows them), through the
-gateway's own tokenize path (gRPC's Tokenize). vLLM's `add_generation_prompt: false` and
-`add_special_tokens: false` would ask for other ids than a request gets, so they are refused by name.
+/tokenize gives by default the ids a request would be given: a prompt's as /v1/completions encodes it, a chat's with
+its template applied and the assistant's turn opened (the tools shown, as /v1/chat/completions shows them), through
+the gateway's own tokenize path (gRPC's Tokenize). As in vLLM, `add_special_tokens: false` leaves out what the
+tokenizer adds around a prompt (a BOS), and `add_generation_prompt: false` the assistant's opened turn; a chat's
+special tokens are its template's own, whatever `add_special_tokens` says.
 """
 
 from __future__ import annotations
@@ -42,19 +44,29 @@ async def tokenize(generations: Generations, body: TokenizeRequest, tenant: str)
         raise bad_request("prompt: send exactly one of prompt or messages", "prompt")
     if body.prompt == "":  # (the engine's message names its own fields, prompt or chat)
         raise bad_request("prompt: must not be empty", "prompt")
-    for name in ("add_generation_prompt", "add_special_tokens"):
-        if getattr(body, name) is False:
-            raise bad_request(f"{name}: only true is supported (the ids a request is given)", name)
     if body.messages is not None:
         chat = ChatCompletionRequest(messages=body.messages, tools=body.tools)
-        ids = await generations.tokenize(chat=chat_request(chat, "tokenize").chat, tenant=tenant)
+        ids = await generations.tokenize(chat=chat_request(chat, "tokenize").chat, tenant=tenant,
+                                         generation_prompt=body.add_generation_prompt)
     else:
-        ids = await generations.tokenize(prompt=body.prompt, tenant=tenant)
+        ids = await generations.tokenize(prompt=body.prompt, tenant=tenant, special_tokens=body.add_special_tokens)
     texts = None
     if body.return_token_strs:
         texts = generations.tokenizer.convert_ids_to_tokens(ids)
     return {"count": len(ids), "max_model_len": generations.model_limits.context_window, "tokens": ids,
             "token_strs": texts}
+
+
+async def tokenizer_info(generations: Generations) -> dict[str, Any]:
+    """GET /tokenizer_info: the target tokenizer's special tokens, chat template and the context length (vLLM's
+    endpoint, which lm-eval's remote tokenizer reads first); only these fields, not the tokenizer's whole config."""
+    tokenizer = generations.tokenizer
+    named = {name: getattr(tokenizer, name, None) for name in ("eos_token", "bos_token", "pad_token", "unk_token")}
+    return {"tokenizer_class": type(tokenizer).__name__, **{k: v if isinstance(v, str) else None
+                                                          for k, v in named.items()},
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": generations.model_limits.context_window,
+            "vocab_size": generations.model_limits.vocab_size}
 
 
 async def detokenize(generations: Generations, body: DetokenizeRequest, tenant: str) -> dict[str, Any]:
