@@ -620,6 +620,7 @@ def test_gateways_serve_the_openai_http_api_beside_grpc(values, sets, service_po
         gateway = gateway_container(deployment)
         assert flags(gateway["args"])["http-port"] == "8000"
         assert flags(gateway["args"])["response-ttl"] == "3600"  # kept in the release's Redis, which they share
+        assert "allowed-origins" not in flags(gateway["args"])  # no browser origin by default
         assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in gateway["ports"]
     services = [s for s in find(objs, "Service") if s["metadata"]["name"].startswith(f"{FULLNAME}-gateway")]
     assert len(services) == len(deployments) + (1 if len(deployments) > 1 else 0)  # the arms' and the shared one
@@ -629,10 +630,12 @@ def test_gateways_serve_the_openai_http_api_beside_grpc(values, sets, service_po
                                  "appProtocol": "http"}
         assert ports["grpc"]["port"] == 50051 and ports["grpc"]["appProtocol"] == "kubernetes.io/h2c"
     # A port of another number reaches the flag, the container and (by default) the Service alike.
-    moved = render(values, *sets, "gateway.httpPort=8080", "gateway.http.responseTtlSeconds=0")
+    moved = render(values, *sets, "gateway.httpPort=8080", "gateway.http.responseTtlSeconds=0",
+                   "gateway.http.allowedOrigins={https://app.example.com,http://localhost:3000}")
     for deployment in gateways(moved):
         gateway = gateway_container(deployment)
         assert flags(gateway["args"])["http-port"] == "8080" and flags(gateway["args"])["response-ttl"] == "0"
+        assert flags(gateway["args"])["allowed-origins"] == "https://app.example.com,http://localhost:3000"
         assert {p["name"]: p["containerPort"] for p in gateway["ports"]}["http"] == 8080
     assert service_ports(one(moved, "Service", f"{FULLNAME}-gateway"))["http"]["port"] == (
         8080 if service_port == 8000 else service_port)
@@ -653,7 +656,7 @@ def test_http_api_off_passes_minus_one_and_exposes_no_http_port(values, sets):
     for deployment in gateways(objs):
         gateway = gateway_container(deployment)
         assert [a for a in gateway["args"] if a.startswith("--http-port")] == ["--http-port=-1"]
-        assert not [a for a in gateway["args"] if a.startswith("--response-ttl")]
+        assert not [a for a in gateway["args"] if a.startswith(("--response-ttl", "--allowed-origins"))]
         assert [p["name"] for p in gateway["ports"]] == ["grpc", "metrics"]
     for service in find(objs, "Service"):
         assert "http" not in service_ports(service)
@@ -1058,6 +1061,7 @@ def test_pools_job_command_runs_the_script_through_ray_job_submit(tmp_path):
      "the HTTPRoute needs the gateway's HTTP API"),
     (("gatewayApi.httpRoute.enabled=true", "gatewayApi.httpRoute.parentRefs[0].name=gw",
       "gatewayApi.httpRoute.timeouts.request=10min"), "timeouts.request"),
+    (("gateway.http.allowedOrigins={app.example.com/path}",), "gateway.http.allowedOrigins.0"),
     (("gateway.httpPort=70000",), "gateway.httpPort"),
     (("gateway.httpPort=50051",), "gateway.httpPort 50051: gateway.grpcPort takes it"),
     (("gateway.httpPort=9464",), "gateway.httpPort 9464: gateway.metricsPort takes it"),

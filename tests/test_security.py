@@ -32,6 +32,7 @@ from tandem.cli.serving import gateway_options
 from tandem.client import TandemClient
 from tandem.errors import InvalidArgument
 from tandem.gateway.auth import ApiKeys, create_key
+from tandem.gateway.options import GatewayOptions
 from tandem.sessions import MemorySessionStore
 from tandem.v1 import generation_pb2 as pb
 
@@ -207,7 +208,8 @@ def test_http_needs_a_key(server, pki, keys) -> None:
                              client.post(f"{url}/v1/responses", json={"input": "hi"}),
                              client.get(f"{url}/v1/responses/resp_x"), client.delete(f"{url}/v1/responses/resp_x"),
                              client.get(f"{url}/v1/models/tiny-target"),
-                             client.post(f"{url}/tokenize", json={"prompt": "hi"})):
+                             client.post(f"{url}/tokenize", json={"prompt": "hi"}),
+                             client.get(f"{url}/tokenizer_info")):
                 assert response.status_code == 401, response.text
                 error = response.json()["error"]
                 assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
@@ -217,6 +219,40 @@ def test_http_needs_a_key(server, pki, keys) -> None:
     sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="tk-wrong", max_retries=0, http_client=_http(pki))
     with pytest.raises(openai.AuthenticationError):
         sdk.models.list()
+
+
+def test_browser_pages_of_allowed_origins_alone_may_call_the_http_api(tiny_models, keys) -> None:
+    """CORS: off by default (a page's script cannot read the API's answers, nor pass a preflight); with
+    --allowed-origins, a listed origin's preflight is answered (no key needed for it) and every answer, a 401 too,
+    names that origin; another origin gets no such header. Keys still apply."""
+    target, draft, _ = tiny_models
+    body = {"model": "tiny-target", "prompt": "hi", "max_tokens": 2}
+    app, other = "https://app.example.com", "https://evil.example.com"
+    preflight = {"access-control-request-method": "POST", "access-control-request-headers": "authorization"}
+    for allowed in ((), (app,)):
+        running = ServerThread(tiny_backend(target, draft), sessions=MemorySessionStore(), http_port=0,
+                               api_keys=ApiKeys.load(keys["path"]), allowed_origins=allowed)
+        try:
+            url = running.gateway.http_url
+            with httpx.Client(timeout=60) as client:
+                asked = client.options(f"{url}/v1/completions", headers={"origin": app} | preflight)
+                answered = client.post(f"{url}/v1/completions", json=body,
+                                       headers={"origin": app, "authorization": f"Bearer {keys['alice']}"})
+                refused = client.get(f"{url}/v1/models", headers={"origin": app})
+                stranger = client.options(f"{url}/v1/completions", headers={"origin": other} | preflight)
+            assert answered.status_code == 200 and refused.status_code == 401
+            assert "access-control-allow-origin" not in stranger.headers
+            if not allowed:
+                assert asked.status_code == 405 and "access-control-allow-origin" not in answered.headers
+                continue
+            assert asked.status_code == 200 and asked.headers["access-control-allow-origin"] == app
+            assert "authorization" in asked.headers["access-control-allow-headers"].lower()
+            assert answered.headers["access-control-allow-origin"] == app
+            assert refused.headers["access-control-allow-origin"] == app  # the page can read why
+        finally:
+            running.stop()
+    with pytest.raises(InvalidArgument, match="allowed_origins"):
+        GatewayOptions(allowed_origins=("app.example.com/path",))
 
 
 def test_keys_file_and_cli(tmp_path, capsys) -> None:

@@ -521,14 +521,16 @@ or CUDA_VISIBLE_DEVICES="" (quietly cpu), and warns when its GPU is unusable.
 {{- end }}
 {{- end }}
 
-{{/* --response-ttl from gateway.http.responseTtlSeconds, while the HTTP API is on (it is the API's alone). */}}
+{{/* --response-ttl and --allowed-origins from gateway.http, while the HTTP API is on (they are the API's alone). */}}
 {{- define "tandem.responseTtlArgs" -}}
 {{- $ttl := dig "http" "responseTtlSeconds" nil .Values.gateway }}
-{{- if and (include "tandem.httpPort" .) (not (kindIs "invalid" $ttl)) }}
-{{- toYaml (list (printf "--response-ttl=%v" $ttl)) }}
-{{- else }}
-{{- toYaml list }}
+{{- $origins := dig "http" "allowedOrigins" list .Values.gateway }}
+{{- $args := list }}
+{{- if include "tandem.httpPort" . }}
+{{- if not (kindIs "invalid" $ttl) }}{{ $args = append $args (printf "--response-ttl=%v" $ttl) }}{{ end }}
+{{- if $origins }}{{ $args = append $args (printf "--allowed-origins=%s" (join "," $origins)) }}{{ end }}
 {{- end }}
+{{- toYaml $args }}
 {{- end }}
 
 {{- define "tandem.apiKeysDir" -}}/etc/tandem/api-keys{{- end }}

@@ -88,6 +88,9 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-concurrency", type=int, default=GatewayOptions().batch_concurrency, metavar="N",
                         help="requests of the Batch API's batches this gateway runs at once, beside its clients' "
                              "(0: it takes batches and leaves them to gateways that run them; default: %(default)s)")
+    parser.add_argument("--allowed-origins", default="", metavar="ORIGINS",
+                        help="comma-separated web origins (https://app.example.com, or *) whose pages may call the "
+                             "HTTP API from a browser (CORS); none by default")
     parser.add_argument("--file-storage-bytes", type=int, default=GatewayOptions().file_storage_bytes, metavar="N",
                         help="what one tenant's uploaded files (the Batch API's) may hold, all together, in the "
                              "session store's Redis; an upload past it is refused (413; default: %(default)s)")
@@ -141,7 +144,8 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
                              tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                              api_keys=keys, tenant_queue_share=args.tenant_queue_share,
                              response_ttl_s=args.response_ttl, batch_concurrency=args.batch_concurrency,
-                             file_storage_bytes=args.file_storage_bytes)
+                             file_storage_bytes=args.file_storage_bytes,
+                             allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()))
     if options.tls:
         check_tls_files(options)  # now, before Ray or the models start
     return options

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import ssl
 from dataclasses import dataclass, field
 
@@ -10,6 +11,8 @@ import grpc
 from tandem.errors import InvalidArgument
 from tandem.gateway.auth import ApiKeys
 from tandem.gateway.validate import GatewayLimits
+
+ORIGIN = re.compile(r"https?://[^/\s:]+(:\d{1,5})?")  # what a browser sends as Origin
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,6 +42,9 @@ class GatewayOptions:
     batch_concurrency: int = 8
     # What one tenant's uploaded files (the Batch API's) may hold in the shared store, all together.
     file_storage_bytes: int = 1 << 30
+    # Web origins whose pages may call the HTTP API from a browser (CORS; "*": any). None by default: without API
+    # keys, any page a user of this machine opens could otherwise read what the server stores (files, responses).
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.file_storage_bytes < 1:
@@ -51,6 +57,9 @@ class GatewayOptions:
                                   f"{self.response_ttl_s}")
         if not 0.0 < self.tenant_queue_share <= 1.0:
             raise InvalidArgument(f"tenant_queue_share: must be in (0, 1], got {self.tenant_queue_share}")
+        for origin in self.allowed_origins:
+            if origin != "*" and not ORIGIN.fullmatch(origin):
+                raise InvalidArgument(f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], or *)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise InvalidArgument("tls: give both a certificate (--tls-cert) and its key (--tls-key), or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
@@ -89,13 +90,17 @@ def create_app(generations: GenerationsSource, limits: GatewayLimits, status: St
                keys: ApiKeys | None = None, stored: ResponseStore | None = None,
                background: BackgroundResponses | None = None,
                conversations: ConversationStore | None = None, files: FileStore | None = None,
-               batches: Batches | None = None) -> FastAPI:
+               batches: Batches | None = None, allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """The API over the generate path `generations()` returns once the engines have loaded; `limits` bound bodies
     before that; `status` says why it cannot serve; `keys`: the API keys /v1/* asks for (`Authorization: Bearer
     <key>`, else 401), None for none (/health is always open); `stored`: where responses are stored (None: none);
     `background`: what runs background responses (None: `background` refused); `conversations`: where conversations
-    are kept (None: none); `files` and `batches`: the Batch API's files and batches (None: none)."""
+    are kept (None: none); `files` and `batches`: the Batch API's files and batches (None: none); `allowed_origins`:
+    the web origins whose pages may call it from a browser (CORS: preflights answered, the API's answers readable)."""
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None, **_telemetry())
+    if allowed_origins:  # bearer keys, no cookies: no credentials mode
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["*"], expose_headers=["retry-after"], max_age=600)
     api = Api(generations, limits, status, keys)
     responses = ResponsesApi(api, stored, background, conversations)
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
