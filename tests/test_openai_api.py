@@ -186,8 +186,8 @@ def test_completion_logprobs_name_a_part_of_a_character_by_its_bytes(server) -> 
     joined = b"".join(bytes.fromhex(name[len("bytes:"):].replace("\\x", "")) if name.startswith("bytes:")
                       else name.encode() for name in names)
     assert joined.decode() == prompt
-    for top in logprobs["top_logprobs"][1:]:
-        assert len(top) == 5  # five distinct names for five distinct tokens
+    for name, top in zip(logprobs["tokens"][1:], logprobs["top_logprobs"][1:], strict=True):
+        assert len(top) in (5, 6) and name in top  # five distinct names for five distinct tokens, and its own
 
 
 def test_chat_logprobs(server, tiny_models) -> None:
@@ -216,7 +216,9 @@ def test_completion_logprobs(server) -> None:
     logprobs = response.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == NEW_TOKENS
     assert all(lp <= 0 for lp in logprobs.token_logprobs)
-    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs)
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)  # greedy: the token is the first of its two
+    assert all(top[token] == value for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs,
+                                                                logprobs.top_logprobs, strict=True))
     assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
     assert logprobs.text_offset[-1] <= len(response.choices[0].text)
 

@@ -131,8 +131,12 @@ class CompletionLogprobs:
         return offsets
 
     def format(self, logprobs: list[TokenLogprob]) -> dict:
+        """Each token's `top_logprobs` holds its alternatives and the token itself, as OpenAI's legacy API and vLLM
+        report them (up to logprobs + 1 entries): a client reads `top_logprobs[i][tokens[i]]`."""
         offsets = self._offsets([lp.token_id for lp in logprobs])
-        return {"tokens": [self.texts.name(lp.token_id) for lp in logprobs],
+        names = [self.texts.name(lp.token_id) for lp in logprobs]
+        return {"tokens": names,
                 "token_logprobs": [finite(lp.logprob) for lp in logprobs],
-                "top_logprobs": [{self.texts.name(tid): finite(value) for tid, value in lp.top} for lp in logprobs],
+                "top_logprobs": [{self.texts.name(tid): finite(value) for tid, value in lp.top}
+                                 | {name: finite(lp.logprob)} for name, lp in zip(names, logprobs, strict=True)],
                 "text_offset": offsets}
