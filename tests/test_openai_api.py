@@ -63,6 +63,26 @@ def test_models_and_health(server) -> None:
     assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
     health = httpx.get(f"{server.gateway.http_url}/health")
     assert health.status_code == 200 and health.json() == {"status": "ok"}
+    probed = httpx.head(f"{server.gateway.http_url}/health")  # uptime probes, curl -I
+    assert probed.status_code == 200 and probed.content == b""
+    listed = httpx.get(f"{server.gateway.http_url}/v1/models/")  # a trailing slash: the list, not model ""
+    assert listed.status_code == 200 and [m["id"] for m in listed.json()["data"]] == [MODEL]
+
+
+def test_every_answer_carries_a_request_id_and_a_405_its_allowed_methods(server) -> None:
+    """OpenAI's x-request-id (the SDKs' `_request_id`): the client's own where it sent a printable one."""
+    url = server.gateway.http_url
+    made = _sdk(server).models.with_raw_response.list()
+    assert made.headers["x-request-id"].startswith("req_") and made.request_id == made.headers["x-request-id"]
+    for response in (httpx.get(f"{url}/health"), httpx.get(f"{url}/v1/nowhere"),
+                     httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})):
+        assert response.headers["x-request-id"].startswith("req_")
+    mine = httpx.get(f"{url}/v1/models", headers={"x-request-id": "trace-42"})
+    assert mine.headers["x-request-id"] == "trace-42"
+    odd = httpx.get(f"{url}/v1/models", headers={"x-request-id": "x" * 500})
+    assert odd.headers["x-request-id"].startswith("req_")
+    wrong = httpx.get(f"{url}/v1/chat/completions")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST" and "Invalid URL" in wrong.text
 
 
 def test_http_connections_send_without_waiting_for_acks(server) -> None:

@@ -54,6 +54,7 @@ from tandem.gateway.openai.errors import (
 )
 from tandem.gateway.openai.files import FileStore, add_file_routes
 from tandem.gateway.openai.formats import renames as format_renames
+from tandem.gateway.openai.request_ids import RequestIds
 from tandem.gateway.openai.responses import SSE_DONE, Kind, Responder, sse
 from tandem.gateway.openai.responses_api import ResponsesApi
 from tandem.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, _Generate
@@ -100,7 +101,8 @@ def create_app(generations: GenerationsSource, limits: GatewayLimits, status: St
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None, **_telemetry())
     if allowed_origins:  # bearer keys, no cookies: no credentials mode
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST", "DELETE"],
-                           allow_headers=["*"], expose_headers=["retry-after"], max_age=600)
+                           allow_headers=["*"], expose_headers=["retry-after", "x-request-id"], max_age=600)
+    app.add_middleware(RequestIds)
     api = Api(generations, limits, status, keys)
     responses = ResponsesApi(api, stored, background, conversations)
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
@@ -113,7 +115,7 @@ def create_app(generations: GenerationsSource, limits: GatewayLimits, status: St
     add_batch_routes(app, batches, api.tenant, limits.max_request_bytes)
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
-    app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/health", api.health, methods=["GET", "HEAD"])  # (HEAD: uptime probes, curl -I)
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
     app.add_api_route("/tokenizer_info", api.tokenizer_info, methods=["GET"])
@@ -123,7 +125,9 @@ def create_app(generations: GenerationsSource, limits: GatewayLimits, status: St
         # OpenAI's answer to an unknown URL, in its error shape (Starlette's is {"detail": ...}).
         message = f"Invalid URL ({request.method} {request.url.path})" if exc.status_code in (404, 405) \
             else str(exc.detail)
-        return OpenAIError(exc.status_code, message).response()
+        response = OpenAIError(exc.status_code, message).response()
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -187,7 +191,10 @@ class Api:
             return error_response(exc, {})
 
     async def model(self, request: Request, model_id: str) -> JSONResponse:
-        """GET /v1/models/{model} (the SDKs' models.retrieve): the served model, else a 404."""
+        """GET /v1/models/{model} (the SDKs' models.retrieve): the served model, else a 404; /v1/models/ the
+        list."""
+        if not model_id:
+            return await self.models(request)
         try:
             model = self._model(request)
             if model_id != model["id"]:
