@@ -291,6 +291,7 @@ def _error(call) -> openai.APIStatusError:
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"modalities": ["text", "audio"]}, "modalities"),  # OpenAI features not served: refused, not answered in text
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"web_search_options": {}}, "web_search_options"),  # an answer without the search asked for: refused
     ({"function_call": {"name": "add"}}, "function_call"),
 ])
 def test_bad_fields_are_400_naming_the_param(server, body, param) -> None:

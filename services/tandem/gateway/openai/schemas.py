@@ -128,12 +128,14 @@ class ChatCompletionRequest(_Generate):
     function_call: Any = None  # the legacy functions' choice
     modalities: list[str] | None = None  # output modalities: text is the only one served
     audio: Any = None  # audio output's voice and format
+    web_search_options: Any = None  # a web search before answering: none here
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported() + (["functions"] if self.functions else [])
         bad += ["function_call"] if self.function_call not in (None, "auto", "none") else []
         bad += ["modalities"] if self.modalities is not None and set(self.modalities) - {"text"} else []
         bad += ["audio"] if self.audio is not None else []
+        bad += ["web_search_options"] if self.web_search_options is not None else []
         if self.tool_choice not in (None, "auto", "none", "required") and self.named_tool() is None:
             bad.append("tool_choice")
         return bad
