@@ -63,7 +63,9 @@ class RedisSessionStore:
         copy: for records every replica changes (a conversation's items, an id's owner), where two replicas' changes
         made in memory during an outage would leave one of them at the write-back, though both were acknowledged,
         and a copy may be another replica's change behind. A put or delete (of a record of its own) still waits in
-        memory for the write-back. Each call asks Redis, whatever the backoff: there is no copy to fall back on."""
+        memory for the write-back; that is all a strict store keeps in memory (it serves nothing from there, and a
+        copy of every record read or written would hold, say, each uploaded file in every gateway). Each call asks
+        Redis, whatever the backoff: there is no copy to fall back on."""
         self.url = url
         self.strict = strict
         self.ttl_s = float(ttl_s)
@@ -171,6 +173,9 @@ class RedisSessionStore:
                 with self._lock:
                     self._dirty |= dirty
                 raise
+            if self.strict:  # in Redis now, and a strict store serves nothing from memory
+                for session_id in dirty:
+                    self._memory.delete(session_id)
             written += len(dirty)
         log.warning("Redis at %s reachable again; %d session(s) written back", redact_url(self.url), written)
 
@@ -213,14 +218,18 @@ class RedisSessionStore:
         except ValueError:
             log.warning("session %s: stored state is not JSON; ignoring it", session_id)
             return None
-        self._memory.put_raw(session_id, value)
+        if not self.strict:  # the copy served through an outage
+            self._memory.put_raw(session_id, value)
         return state
 
     def put(self, session_id: str, state: dict) -> None:
         value = json.dumps(state, separators=(",", ":"))
-        self._memory.put_raw(session_id, value)
+        if not self.strict:
+            self._memory.put_raw(session_id, value)
         ok, _ = self._redis(lambda client: client.set(self._key(session_id), value, px=max(1, int(self.ttl_s * 1000))))
         if not ok:
+            if self.strict:  # kept for the write-back alone
+                self._memory.put_raw(session_id, value)
             self._fallback(session_id)
 
     def update(self, session_id: str, change: Change) -> dict | None:
@@ -232,7 +241,7 @@ class RedisSessionStore:
             self._refuse_if_strict()
             self._fallback(session_id)
             return self._memory.update(session_id, change)
-        if changed is None:
+        if changed is None or self.strict:
             self._memory.delete(session_id)
         else:
             self._memory.put_raw(session_id, json.dumps(changed, separators=(",", ":")))
