@@ -7,6 +7,7 @@ import torch
 
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.costs import CostModel
+from tandem.core.slots import MIN_CAPACITY
 from tandem.engines.local import build_engine
 
 # One worker for the module: its references (Hugging Face's generate of every prompt, about a minute on two cores)
@@ -171,11 +172,12 @@ def test_a_sessions_next_turn_reuses_the_cached_prefix(tiny_models, references) 
 def test_retained_sessions_are_bounded_and_aborts_are_not_retained(tiny_models, references) -> None:
     target, _, _ = tiny_models
     prompts, _ = references
-    engine = build_engine(target, None, EngineConfig(calibrate=False), retain_tokens=3 * NEW_TOKENS)
+    engine = build_engine(target, None, EngineConfig(calibrate=False), retain_tokens=2 * MIN_CAPACITY)
     for i in range(6):
         _run_session(engine, prompts[i], f"s{i}")
-    retained = engine.verifier.runner.retained
-    assert sum(s.cached for s in retained.values()) <= 3 * NEW_TOKENS and "s5" in retained and "s0" not in retained
+    runner = engine.verifier.runner
+    retained = runner.retained
+    assert len(retained) * runner.cache.capacity <= 2 * MIN_CAPACITY and "s5" in retained and "s0" not in retained
     request_id = engine.add_request(prompts[7], GREEDY, session_id="aborted")
     engine.step()
     engine.abort(request_id)

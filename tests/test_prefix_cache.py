@@ -9,6 +9,7 @@ import torch
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.prefixes import MIN_SHARED_PREFIX
 from tandem.core.runner import ModelRunner
+from tandem.core.slots import MIN_CAPACITY
 from tandem.engines.local import build_engine
 
 NEW_TOKENS = 24
@@ -113,18 +114,33 @@ def _finish(runner: ModelRunner, seq_id: str, prompt: list[int]) -> None:
 
 
 def test_a_kept_prefix_another_holds_whole_is_dropped_and_the_kept_tokens_are_bounded(tiny_models, prompts) -> None:
-    runner = _runner(tiny_models, retain_tokens=110)
+    """What kept sequences reserve is bounded by --retain-tokens: each holds a slot as long as the cache's."""
+    runner = _runner(tiny_models, retain_tokens=2 * MIN_CAPACITY)
     _finish(runner, "a", prompts[0])
     _finish(runner, "b", prompts[0])  # the same prompt again: one copy is kept
     assert runner.retained_prefixes == 1 and runner.shared_tokens == len(prompts[0]) - 1
     _finish(runner, "c", prompts[0] + [7, 8])  # holds all of the kept one
     assert [held.tokens for held in runner.retained.values()] == [prompts[0] + [7, 8]]
     _finish(runner, "d", prompts[3])  # shares the system prompt only: both kept
-    assert runner.retained_prefixes == 2
-    _finish(runner, "e", list(range(60, 60 + 70)))  # over 110 tokens kept: the least recently used go first
-    assert sum(held.cached for held in runner.retained.values()) <= 110 and runner.retained_prefixes == 1
+    assert runner.retained_prefixes == 2 and runner.cache.capacity == MIN_CAPACITY
+    _finish(runner, "e", list(range(60, 60 + 70)))  # a third slot past the bound: the least recently used goes
+    assert [held.tokens for held in runner.retained.values()] == [prompts[3], list(range(60, 60 + 70))]
     _finish(runner, "short", prompts[0][: MIN_SHARED_PREFIX - 1])  # too short to keep
-    assert runner.retained_prefixes == 1 and not runner.states
+    assert runner.retained_prefixes == 2 and not runner.states
+
+
+def test_thousands_of_short_sessions_reserve_no_more_than_retain_tokens(tiny_models) -> None:
+    """Each one-token session kept a 256-token slot, counted as its one token: 6000 of them made a worker reserve
+    its whole KV budget (2M tokens for 29k held, +1.6 GB; soak probe). Counted as the slots they hold, what they
+    reserve stays within --retain-tokens."""
+    runner = _runner(tiny_models, retain_tokens=8 * MIN_CAPACITY, kv_tokens=1 << 20)
+    for index in range(300):
+        state = runner.state(f"r{index}", session=f"s{index}")
+        state.sync(0, [5 + index % 50])
+        runner.prefill(state, 1)
+        runner.release(f"r{index}", retain=True)
+    assert runner.retained_sessions == 8 and "s299" in runner.retained and "s0" not in runner.retained
+    assert runner.kv_tokens_reserved <= 16 * MIN_CAPACITY  # (the slots grow by doubling: at most twice the kept)
 
 
 def test_a_copied_prefix_scores_what_the_whole_prompt_does(tiny_models, prompts) -> None:

@@ -82,9 +82,10 @@ def add_model_options(parser: argparse.ArgumentParser, cache_reuse: bool = True)
         parser.set_defaults(retain_tokens=DEFAULT_RETAIN_TOKENS, prefix_cache=False)
         return
     parser.add_argument("--retain-tokens", type=int, default=DEFAULT_RETAIN_TOKENS, metavar="N",
-                        help="tokens of finished requests' keys and values each model keeps, within --kv-tokens, for "
-                             "a session's next turn and for prefixes later requests share; the least recently used "
-                             "go first, and any of them when a running request needs the room (default "
+                        help="KV cache tokens finished requests' keys and values may hold in each model, within "
+                             "--kv-tokens, for a session's next turn and for prefixes later requests share (each "
+                             "kept request holds a slot as long as the longest sequence held); the least recently "
+                             "used go first, and any of them when a running request needs the room (default "
                              f"{DEFAULT_RETAIN_TOKENS}; 0: none kept)")
     parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                         help="compute every prompt whole: by default a new request copies the keys and values of the "

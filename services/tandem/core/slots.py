@@ -3,9 +3,10 @@
 The sequences being run (`states`) hold the slots [0, active). Releasing a sequence moves the highest active one into
 its slot: one copy of that sequence's keys and values, once, never per step.
 
-A finished sequence of a session may be retained (bounded by tokens, least recently used first out) so the session's
-next request reuses the cache of their common prefix: a chat's next turn starts with the whole previous conversation.
-It keeps its keys and values in a slot at or above `active`, and is moved back below when its session returns.
+A finished sequence of a session may be retained (bounded by the tokens its slot reserves, least recently used first
+out) so the session's next request reuses the cache of their common prefix: a chat's next turn starts with the whole
+previous conversation. It keeps its keys and values in a slot at or above `active`, and is moved back below when its
+session returns.
 
 With prefix caching (`prefix_cache`, core.prefixes) a finished sequence of no session is retained the same way, for
 its prefix, and a new sequence starts from a copy of the longest prefix of its prompt held here.
@@ -101,7 +102,10 @@ class SlotTable:
         with self._moving:
             del self.states[seq_id]
             self.retained[key] = state
-        while sum(s.cached for s in self.retained.values()) > self.retain_tokens:
+        # Counted as the memory they hold: a slot as long as the cache's (a 3-token session holds as much as a long
+        # one), so --retain-tokens bounds what finished sequences keep of the KV budget; counted by their own tokens,
+        # thousands of short sessions reserved the whole budget (70x what they held).
+        while self.retained and len(self.retained) * self.cache.capacity > self.retain_tokens:
             self._free(self.retained.popitem(last=False)[1])
 
     def share_among(self, fresh: list[SequenceState]) -> list[int]:
