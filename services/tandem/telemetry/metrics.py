@@ -23,6 +23,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from prometheus_client import CollectorRegistry, start_http_server
 
+from tandem.core.protocol import InProcessSide
 from tandem.telemetry.tracing import resource_for
 
 if TYPE_CHECKING:
@@ -275,13 +276,11 @@ class GatewayMetrics:
 
     def _local_kv_usage(self) -> Iterator[tuple[str, KVUsage]]:
         """(role, KV usage) of each model in this process: a cheap local read; never a remote call."""
-        from tandem.core.local import LocalDrafter, LocalVerifier
-
         engine = self._engine
         if engine is None:
             return
         for role, pool in (("draft", engine.drafter), ("target", engine.verifier)):
-            if isinstance(pool, LocalDrafter | LocalVerifier):
+            if isinstance(pool, InProcessSide):
                 yield role, pool.kv_usage()
 
     def _kv_tokens(self) -> Iterator[tuple[float, dict]]:
