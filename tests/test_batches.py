@@ -295,7 +295,7 @@ def test_another_gateway_reads_cancels_and_takes_on_a_batch(tiny_models, monkeyp
             assert kept.status == "in_progress" and 2 <= kept.request_counts.completed < 16
             finished = _ended(read, orphan.id)
             assert finished.status == "completed" and _answered_once(read, finished, "o")
-            assert other.gateway.batches.running == 0
+            assert other.wait_for(lambda: other.gateway.batches.running == 0)  # its run ends just after storing it
             assert value(scrape(other.gateway.metrics_url), "tandem_batches_ended_total", status="completed") == 1
         finally:
             _stop(runner, other)

@@ -72,6 +72,28 @@ def test_a_streamed_echo_equals_the_whole_response(server) -> None:
         assert [v for c in chunks if c.logprobs for v in getattr(c.logprobs, key)] == getattr(whole.logprobs, key)
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt_and_generates_nothing(server, tiny_models) -> None:
+    """OpenAI's legacy scoring (older harnesses send it): the prompt back with its logprobs, what max_tokens 1 gives
+    for the prompt's tokens, no completion token; whole or streamed alike. Without echo, 0 is refused naming it."""
+    sdk = openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0, timeout=60)
+    asked = {"model": MODEL, "prompt": PROMPTS[0], "echo": True, "logprobs": 2, "temperature": 0}
+    scored = sdk.completions.create(max_tokens=0, **asked)
+    one = sdk.completions.create(max_tokens=1, **asked)
+    prompt_tokens = len(PROMPTS[0])
+    choice, reference = scored.choices[0], one.choices[0]
+    assert choice.text == tiny_models[0].tokenizer.decode(PROMPTS[0], skip_special_tokens=True)
+    assert choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert scored.usage.prompt_tokens == prompt_tokens
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert getattr(choice.logprobs, key) == getattr(reference.logprobs, key)[:prompt_tokens]
+    chunks = [c.choices[0] for c in sdk.completions.create(max_tokens=0, stream=True, **asked) if c.choices]
+    assert "".join(c.text for c in chunks) == choice.text
+    assert [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs] == choice.logprobs.token_logprobs
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=0)
+    assert refused.value.body["param"] == "max_tokens"
+
+
 def test_grpc_prompt_logprobs_come_in_each_choices_first_chunk(server, tiny_models) -> None:
     reference = _plain_forward(tiny_models[0], PROMPTS[1])
     with grpc.insecure_channel(server.address) as channel:

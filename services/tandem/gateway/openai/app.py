@@ -40,6 +40,7 @@ from tandem.gateway.openai.convert import (
     chat_requests,
     check_model,
     completion_requests,
+    scores_only,
     served_tier,
 )
 from tandem.gateway.openai.delivery import CLIENT_CLOSED, deliver, error_response
@@ -273,7 +274,8 @@ class Api:
                               logprobs=messages[0].HasField("logprobs"), per_prompt=per_prompt,
                               include_usage=body.stream and body.include_usage, token_ids=body.return_token_ids,
                               echo=getattr(body, "echo", False), top_logprobs=messages[0].logprobs,
-                              prompt_logprobs=body.prompt_logprobs, service_tier=served_tier(body))
+                              prompt_logprobs=body.prompt_logprobs, service_tier=served_tier(body),
+                              scores_only=scores_only(body))
         # headers: a W3C trace context
         streams = [generations.stream(message, list(request.headers.items()), tenant=tenant,
                                       background=self.from_batch(request)) for message in messages]

@@ -143,15 +143,26 @@ def _content(index: int, content) -> str:
     return "\n".join(texts)
 
 
+def scores_only(body: object) -> bool:
+    """A completion of max_tokens 0 with echo: its prompt back, with its logprobs where asked, and no output."""
+    return isinstance(body, CompletionRequest) and body.max_tokens == 0 and bool(body.echo)
+
+
 def completion_requests(body: CompletionRequest, request_id: str) -> list[pb.GenerateRequest]:
     """One request per prompt of the body (a string, token ids, or a batch of either). A batch's prompt i runs as
     `<request_id>/p<i>`, and only the first keeps the session (a session's cache serves one sequence at a time)."""
     prompts = body.prompt
     batch = isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], str | list)
     prompts = prompts if batch else [prompts]
+    max_tokens = body.max_tokens
+    if scores_only(body):  # OpenAI's legacy scoring: the prompt's forward gives a token anyway, left out
+        max_tokens = 1
+    elif max_tokens == 0:
+        raise bad_request("max_tokens: 0 only with echo (the prompt echoed and scored, nothing generated); else at "
+                          "least 1", "max_tokens")
     requests = []
     for index, prompt in enumerate(prompts):
-        request = _common(body, request_id if len(prompts) == 1 else f"{request_id}/p{index}", body.max_tokens,
+        request = _common(body, request_id if len(prompts) == 1 else f"{request_id}/p{index}", max_tokens,
                           body.logprobs)
         if index:
             request.session_id = ""

@@ -47,15 +47,18 @@ class Responder:
     def __init__(self, kind: Kind, response_id: str, model: str, texts: TokenTexts, n: int,
                  logprobs: bool = False, include_usage: bool = False, token_ids: bool = False,
                  per_prompt: int | None = None, echo: bool = False, top_logprobs: int = 0,
-                 prompt_logprobs: int | None = None, service_tier: str = "default") -> None:
+                 prompt_logprobs: int | None = None, service_tier: str = "default", scores_only: bool = False) -> None:
         """n: choices in all; per_prompt: how many of them each prompt has (a batch of prompts), n when None;
         echo: each completion choice begins with its prompt (and its logprobs, with top_logprobs alternatives, when
         they are asked for); prompt_logprobs: vLLM's field of that name, with this many alternatives (whole
         responses: a completion's choices carry it, a chat's response); service_tier: the tier it ran in, which a
-        chat's chunks and response report."""
+        chat's chunks and response report; scores_only: a completion of max_tokens 0 with echo, whose one generated
+        token (its prompt's forward gives one anyway) is left out: the prompt alone, its logprobs, no completion
+        tokens (gateway.openai.convert.scores_only)."""
         self.kind, self.id, self.model, self.texts = kind, response_id, model, texts
         self.service_tier = service_tier
         self.echo = echo and kind == "completion"
+        self.scores_only = scores_only and self.echo
         self.top_logprobs, self.prompt_logprobs = top_logprobs, prompt_logprobs
         self.per_prompt = per_prompt or n
         self.logprobs, self.include_usage, self.token_ids = logprobs, include_usage, token_ids
@@ -76,7 +79,7 @@ class Responder:
             tokens, fewest = prompts.get(end.index // self.per_prompt, (end.prompt_tokens, cached))
             prompts[end.index // self.per_prompt] = (tokens, min(fewest, cached))
         prompt = sum(tokens for tokens, _ in prompts.values())
-        completion = sum(end.completion_tokens for end in ends)
+        completion = 0 if self.scores_only else sum(end.completion_tokens for end in ends)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(cached for _, cached in prompts.values())}}
 
@@ -101,6 +104,7 @@ class Responder:
                               "finish_reason": None}]) for index in range(len(self.choices))]
 
     def chunk(self, event: ChoiceDelta | ChoiceEnd) -> dict:
+        event = self._scored(event)
         if isinstance(event, ChoiceEnd):
             self.choices[event.index].end = event
             body = {"delta": {}} if self.kind == "chat" else {"text": ""}
@@ -119,6 +123,13 @@ class Responder:
 
     def usage_chunk(self) -> dict:
         return self._chunk([]) | {"usage": self.usage()}
+
+    def _scored(self, event: ChoiceDelta | ChoiceEnd) -> ChoiceDelta | ChoiceEnd:
+        """The event as a scores-only request answers it: no generated text, ids or logprobs."""
+        if not self.scores_only or isinstance(event, ChoiceEnd):
+            return event
+        return replace(event, text="", token_ids=[], logprobs=[] if event.logprobs is not None else None,
+                       tool_calls=())
 
     def _echo(self, event: ChoiceDelta) -> tuple[str, dict | None]:
         """The prompt's text and logprobs where `event` carries the prompt of an echoing choice; else "", None."""
@@ -140,6 +151,7 @@ class Responder:
     # --- whole responses ---
 
     def collect(self, event: ChoiceDelta | ChoiceEnd) -> None:
+        event = self._scored(event)
         choice = self.choices[event.index]
         if isinstance(event, ChoiceEnd):
             choice.end = event
