@@ -6,7 +6,7 @@ import threading
 import time
 
 from tandem.workers.batcher import CallBatcher
-from tandem.workers.replies import WorkerReply
+from tandem.workers.worker_base import WorkerReply
 
 
 def test_concurrent_calls_share_forwards_and_get_their_own_rows() -> None:

@@ -17,7 +17,7 @@ from tandem.core.protocol import VerifyRequest
 from tandem.core.runner import ModelRunner
 from tandem.engines.local import build_engine
 from tandem.workers.batcher import CallBatcher
-from tandem.workers.replies import WorkerReply
+from tandem.workers.worker_base import WorkerReply
 
 PROMPTS = [[72, 101, 108, 108, 111, 44, 32, 119], [40, 41, 42], [97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107],
            [5, 6]]

@@ -251,8 +251,8 @@ def test_a_slow_target_replica_keeps_its_rows_and_a_hung_one_is_benched(ray_clus
     during `tandem serve`'s calibration and the server exited."""
     from tandem.core.protocol import VerifyRequest, VerifyResult
     from tandem.workers.pace import MARGIN
-    from tandem.workers.replies import WorkerReply
     from tandem.workers.target_pool import TargetUnavailable
+    from tandem.workers.worker_base import WorkerReply
 
     @ray_cluster.remote(num_cpus=0)
     class SlowReplica:

@@ -17,7 +17,7 @@ from tandem.core.config import SamplingParams
 from tandem.core.protocol import DraftProposal, DraftRequest
 from tandem.telemetry import tracing
 from tandem.telemetry.worker import WorkerTelemetry
-from tandem.workers.replies import WorkerReply
+from tandem.workers.worker_base import WorkerReply
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):

@@ -25,9 +25,10 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from tandem.workers.replies import WorkerReply
+if TYPE_CHECKING:  # (worker_base builds its batcher from this module)
+    from tandem.workers.worker_base import WorkerReply
 
 RECENT_CALLS = 100  # forwards the rows-per-call mean is taken over
 T = TypeVar("T")
@@ -122,8 +123,8 @@ class CallBatcher:
         start = 0
         for call in calls:
             end = start + len(call.requests)
-            call.reply = WorkerReply(results=reply.results[start:end] if reply.results is not None else None,
-                                     lost=reply.lost, full=reply.full, refused=reply.refused, load=reply.load)
+            call.reply = dataclasses.replace(reply, spans=None, results=reply.results[start:end]
+                                             if reply.results is not None else None)
             start = end
 
     def _forward(self, calls: list[_Call], merged: list) -> WorkerReply | None:

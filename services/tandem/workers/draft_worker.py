@@ -7,8 +7,7 @@ imported where the worker is built, not here (gateways import this module: see w
 from __future__ import annotations
 
 from tandem.core.protocol import DraftRequest
-from tandem.workers.replies import WorkerReply
-from tandem.workers.worker_base import WorkerBase, WorkerConfig, load_runner
+from tandem.workers.worker_base import WorkerBase, WorkerConfig, WorkerReply, load_runner
 
 
 class DraftWorker(WorkerBase):

@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.core.protocol import VerifyRequest
-from tandem.workers.replies import WorkerReply
-from tandem.workers.worker_base import LoadedRunner, WorkerBase, WorkerConfig, load_runner
+from tandem.workers.worker_base import LoadedRunner, WorkerBase, WorkerConfig, WorkerReply, load_runner
 
 
 class TargetWorker(WorkerBase):

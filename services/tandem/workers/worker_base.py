@@ -23,7 +23,6 @@ from tandem.telemetry.worker import WorkerTelemetry
 from tandem.workers.batcher import CallBatcher
 from tandem.workers.kv_order import HeldOrder
 from tandem.workers.orphans import release_orphans_forever
-from tandem.workers.replies import WorkerReply
 
 if TYPE_CHECKING:
     from tandem.core.runner import ModelRunner
@@ -95,6 +94,21 @@ class WorkerConfig:
     prefix_cache: bool = True  # new sequences start from a copy of a cached prefix of their prompt (core.slots)
     # The first port of the workers' /metrics (-1: none; None: $TANDEM_WORKER_METRICS_PORT where the worker runs).
     metrics_port: int | None = None
+
+
+@dataclass(slots=True)
+class WorkerReply:
+    """Either results, or the ids this worker no longer holds (it restarted, or never saw them), or that its KV
+    cache is full (KVCacheFull's fields: needed and capacity tokens, others' sequences ahead), or that one row's own
+    request cannot go on (RequestRefused's sequence id and message: the caller fails that request and sends the
+    others again)."""
+
+    results: list | None = None
+    lost: list[str] | None = None
+    full: tuple[int, int, bool] | None = None
+    refused: tuple[str, str] | None = None
+    spans: list[dict] | None = None  # finished spans of traced rows, for the gateway to export (telemetry.worker)
+    load: WorkerLoad | None = None  # what the worker holds after the call, for every caller (routing.observe)
 
 
 @dataclass(slots=True, frozen=True)
