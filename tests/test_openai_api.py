@@ -357,7 +357,7 @@ def test_request_errors(server) -> None:
     places = server.gateway.loop.max_requests
     error = _error(lambda: sdk.completions.create(model=MODEL, prompt=["a"] * (places // 2 + 1), max_tokens=4, n=2))
     assert error.status_code == 400 and error.body["param"] == "prompt"
-    assert f"more sequences than this server's queue holds ({places}" in error.body["message"]
+    assert f"more sequences than this server's queue holds for a caller ({places}" in error.body["message"]
     error = _error(lambda: sdk.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=4))
     assert error.status_code == 404 and error.body["code"] == "model_not_found" and error.body["param"] == "model"
     for response in (httpx.post(f"{url}/v1/embeddings", json={}), httpx.get(f"{url}/v1/chat/completions")):

@@ -423,7 +423,7 @@ def test_one_tenant_cannot_fill_the_queue(tiny_models, pki, keys) -> None:
     target, draft, _ = tiny_models
     small = ServerThread(tiny_backend(target, draft), sessions=MemorySessionStore(), max_requests=4,
                          tenant_queue_share=0.5, tls_cert=pki["server_cert_path"], tls_key=pki["server_key_path"],
-                         api_keys=ApiKeys.load(keys["path"]))
+                         api_keys=ApiKeys.load(keys["path"]), http_port=0)
     try:
         with _client(small, pki, keys["alice"]) as alice, _client(small, pki, keys["bob"]) as bob:
             streams = [alice.generate(token_ids=PROMPT, request_id=f"a{i}", max_tokens=LONG, **GREEDY)
@@ -455,6 +455,18 @@ def test_one_tenant_cannot_fill_the_queue(tiny_models, pki, keys) -> None:
             assert "holds 2 places of the queue and asks for 1 more" in failed.value.details()
             assert alice.abort("a2") is True
             list(both)
+            # Over HTTP a body's prompts each run as a request: three could never fit alice's share of 2, nor two
+            # prompts the capped key's one request at a time: 400s naming prompt, never a 429 retried in vain.
+            assert small.wait_for(lambda: small.gateway.loop.active == 0)
+            url, body = small.gateway.http_url, {"model": "tiny-target", "max_tokens": 2}
+            for key, prompts, why in ((keys["alice"], 3, "queue holds for a caller (2"),
+                                      (keys["capped"], 2, "max_concurrency (1)")):
+                with _http(pki, key) as client:
+                    refused = client.post(f"{url}/v1/completions", json=body | {"prompt": [PROMPT] * prompts})
+                    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
+                    assert why in refused.json()["error"]["message"]
+                    fits = client.post(f"{url}/v1/completions", json=body | {"prompt": [PROMPT] * (prompts - 1)})
+                    assert fits.status_code == 200, fits.text
     finally:
         small.stop()
 

@@ -125,10 +125,12 @@ class Generations:
             raise EngineUnavailable(DRAINING)
         return self.backend, self.loop
 
-    @property
-    def queue_places(self) -> int:
-        """The most sequences the engine's queue holds (--max-queue)."""
-        return self.loop.max_requests
+    def room_for(self, tenant: str) -> tuple[int | None, int]:
+        """What one client call of `tenant` may take at once: (requests, each of a body's prompts being one: its
+        key's max_concurrency, None for no cap; sequences, the places of the engine's queue: --max-queue, or the
+        tenant's share of it). A call past either could never run: a 400, not a 429 its client would retry."""
+        requests_cap, places_cap = self.tenant_caps(tenant, self.loop.max_requests)
+        return requests_cap, min(self.loop.max_requests, places_cap or self.loop.max_requests)
 
     def check_choices(self, choices: int) -> None:
         """InvalidArgument naming n where one request's choices (each a sequence) are more than the engine's queue

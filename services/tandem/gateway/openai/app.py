@@ -266,9 +266,15 @@ class Api:
         request_id = body.request_id or f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         messages = endpoint.convert(body, request_id)  # one per prompt
         per_prompt = max(messages[0].n, 1)
-        if len(messages) > 1 and per_prompt * len(messages) > generations.queue_places:  # as many as it holds, at most
-            raise bad_request(f"prompt: {len(messages)} prompts of {per_prompt} choice(s) each are more sequences "
-                              f"than this server's queue holds ({generations.queue_places}, --max-queue)", "prompt")
+        if len(messages) > 1:  # each prompt runs as a request of its own: all of them must fit at once
+            requests, places = generations.room_for(tenant)
+            if per_prompt * len(messages) > places:
+                raise bad_request(f"prompt: {len(messages)} prompts of {per_prompt} choice(s) each are more sequences "
+                                  f"than this server's queue holds for a caller ({places}: --max-queue, or a "
+                                  "tenant's --tenant-queue-share of it)", "prompt")
+            if requests is not None and len(messages) > requests:
+                raise bad_request(f"prompt: {len(messages)} prompts run as {len(messages)} requests, more than this "
+                                  f"API key's max_concurrency ({requests})", "prompt")
         generations.check_choices(per_prompt * len(messages))
         responder = Responder(endpoint.kind, request_id, model, self.token_texts(), n=per_prompt * len(messages),
                               logprobs=messages[0].HasField("logprobs"), per_prompt=per_prompt,
