@@ -83,6 +83,8 @@ def test_every_answer_carries_a_request_id_and_a_405_its_allowed_methods(server)
     assert odd.headers["x-request-id"].startswith("req_")
     wrong = httpx.get(f"{url}/v1/chat/completions")
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST" and "Invalid URL" in wrong.text
+    slashed = httpx.post(f"{url}/tokenize/", json={"prompt": "hi"}, headers={"host": "evil.example.com"})
+    assert slashed.status_code == 404 and "location" not in slashed.headers  # no redirect built from a Host header
 
 
 def test_http_connections_send_without_waiting_for_acks(server) -> None:

@@ -99,7 +99,9 @@ def create_app(generations: GenerationsSource, limits: GatewayLimits, status: St
     `background`: what runs background responses (None: `background` refused); `conversations`: where conversations
     are kept (None: none); `files` and `batches`: the Batch API's files and batches (None: none); `allowed_origins`:
     the web origins whose pages may call it from a browser (CORS: preflights answered, the API's answers readable)."""
-    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None, **_telemetry())
+    # No trailing-slash redirects: Starlette builds their Location from the client's Host header.
+    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False,
+                  **_telemetry())
     if allowed_origins:  # bearer keys, no cookies: no credentials mode
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["*"], expose_headers=["retry-after", "x-request-id"], max_age=600)
