@@ -288,6 +288,12 @@ def test_serve_refuses_an_open_host_without_keys(tmp_path) -> None:
         assert gateway_options(parser.parse_args(["serve", "--host", host])).host == host
     with pytest.raises(InvalidArgument, match="tls"):
         gateway_options(parser.parse_args(["serve", "--tls-key", "k.pem"]))
+    # Any web origin without keys: any page its user opens could read what the server stores.
+    with pytest.raises(InvalidArgument, match="allowed_origins: \\* without --api-keys"):
+        gateway_options(parser.parse_args(["serve", "--allowed-origins", "*"]))
+    for flags in (["--allowed-origins", "*", "--insecure"], ["--allowed-origins", "*", "--api-keys", str(keys)],
+                  ["--allowed-origins", "https://a.example.com, http://localhost:3000"]):
+        assert gateway_options(parser.parse_args(["serve", *flags])).allowed_origins
 
 
 # --- tenants ------------------------------------------------------------------------------------------------------

@@ -49,6 +49,8 @@ def test_vllms_flags_ask_for_the_ids_without_special_tokens_or_the_assistants_tu
     tokenizer = tiny_models[0].tokenizer
     plain = _post(server, "tokenize", {"prompt": "def add(a, b):", "add_special_tokens": False})
     assert plain.status_code == 200, plain.text
+    unset = _post(server, "tokenize", {"prompt": "def add(a, b):", "add_special_tokens": None})  # null: the default
+    assert unset.json()["tokens"] == _post(server, "tokenize", {"prompt": "def add(a, b):"}).json()["tokens"]
     assert plain.json()["tokens"] == tokenizer.encode("def add(a, b):", add_special_tokens=False)
     opened = _post(server, "tokenize", {"messages": CHAT}).json()["tokens"]
     closed = _post(server, "tokenize", {"messages": CHAT, "add_generation_prompt": False}).json()["tokens"]

@@ -135,6 +135,11 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         # Without keys, anyone who reaches the port may generate: only loopback unless the operator says so.
         raise InvalidArgument(f"host: {args.host} is reachable beyond this machine and no --api-keys were given; "
                               "pass --api-keys FILE (`tandem keys create`), or --insecure to serve it unauthenticated")
+    origins = tuple(origin.strip() for origin in args.allowed_origins.split(",") if origin.strip())
+    if "*" in origins and keys is None and not args.insecure:
+        # Any page a user of this machine opens could then call it and read what it stores (files, responses).
+        raise InvalidArgument("allowed_origins: * without --api-keys lets any web page call this server and read "
+                              "what it stores; pass --api-keys FILE, name the origins, or --insecure")
     options = GatewayOptions(host=args.host, port=args.port, limits=limits, max_requests=args.max_queue,
                              stall_timeout=args.stall_timeout, grace=args.grace,
                              metrics_port=None if off else metrics_port,
@@ -145,7 +150,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
                              api_keys=keys, tenant_queue_share=args.tenant_queue_share,
                              response_ttl_s=args.response_ttl, batch_concurrency=args.batch_concurrency,
                              file_storage_bytes=args.file_storage_bytes,
-                             allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()))
+                             allowed_origins=origins)
     if options.tls:
         check_tls_files(options)  # now, before Ray or the models start
     return options

@@ -12,9 +12,9 @@ special tokens are its template's own, whatever `add_special_tokens` says.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import StrictBool, StrictInt
+from pydantic import BeforeValidator, StrictBool, StrictInt
 
 from tandem.gateway.generation import Generations
 from tandem.gateway.openai.convert import chat_request
@@ -24,13 +24,16 @@ from tandem.gateway.openai.schemas import ChatCompletionRequest, ChatMessage, To
 RENAMES = {"chat.messages": "messages", "chat.tools": "tools", "chat": "messages", "input": "prompt"}
 
 
+DefaultTrue = Annotated[StrictBool, BeforeValidator(lambda value: True if value is None else value)]  # null: default
+
+
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[ToolSpec] | None = None
-    add_generation_prompt: StrictBool = True
-    add_special_tokens: StrictBool = True
+    add_generation_prompt: DefaultTrue = True
+    add_special_tokens: DefaultTrue = True
     return_token_strs: StrictBool = False
 
 
