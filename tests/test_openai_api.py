@@ -294,6 +294,10 @@ def _error(call) -> openai.APIStatusError:
     ({"modalities": ["text", "audio"]}, "modalities"),  # OpenAI features not served: refused, not answered in text
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"web_search_options": {}}, "web_search_options"),  # an answer without the search asked for: refused
+    ({"min_tokens": 3}, "min_tokens"),  # vLLM's sampling extras not followed: refused, not silently ignored
+    ({"bad_words": ["x"]}, "bad_words"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ({"continue_final_message": True}, "continue_final_message"),
     ({"function_call": {"name": "add"}}, "function_call"),
 ])
 def test_bad_fields_are_400_naming_the_param(server, body, param) -> None:

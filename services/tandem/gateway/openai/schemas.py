@@ -106,10 +106,24 @@ class _Generate(_Body):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # vLLM's sampling extras tandem does not follow, each refused when set to other than its default: ignored, they
+    # would give other output than the client asked for.
+    min_tokens: StrictInt | None = None
+    use_beam_search: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
 
     def unsupported(self) -> list[str]:
         """Fields set to something tandem cannot honour."""
-        return []
+        differs = {"min_tokens": self.min_tokens not in (None, 0), "use_beam_search": bool(self.use_beam_search),
+                   "bad_words": bool(self.bad_words), "allowed_token_ids": bool(self.allowed_token_ids),
+                   "include_stop_str_in_output": bool(self.include_stop_str_in_output),
+                   "skip_special_tokens": self.skip_special_tokens is False,
+                   "truncate_prompt_tokens": self.truncate_prompt_tokens is not None}
+        return [name for name, set_ in differs.items() if set_]
 
     @property
     def include_usage(self) -> bool:
@@ -129,6 +143,8 @@ class ChatCompletionRequest(_Generate):
     modalities: list[str] | None = None  # output modalities: text is the only one served
     audio: Any = None  # audio output's voice and format
     web_search_options: Any = None  # a web search before answering: none here
+    continue_final_message: Any = None  # vLLM's: the last (assistant) message continued rather than answered
+    add_generation_prompt: Any = None  # vLLM's: false leaves the assistant's turn unopened
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported() + (["functions"] if self.functions else [])
@@ -136,6 +152,8 @@ class ChatCompletionRequest(_Generate):
         bad += ["modalities"] if self.modalities is not None and set(self.modalities) - {"text"} else []
         bad += ["audio"] if self.audio is not None else []
         bad += ["web_search_options"] if self.web_search_options is not None else []
+        bad += ["continue_final_message"] if self.continue_final_message else []
+        bad += ["add_generation_prompt"] if self.add_generation_prompt is False else []
         if self.tool_choice not in (None, "auto", "none", "required") and self.named_tool() is None:
             bad.append("tool_choice")
         return bad
