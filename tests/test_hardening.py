@@ -221,6 +221,9 @@ def test_context_window_is_enforced_on_both_apis(server) -> None:
         # OpenAI's code and words, which clients act on (litellm's ContextWindowExceededError: trim and retry)
         assert error["code"] == "context_length_exceeded"
         assert f"This model's maximum context length is {window} tokens" in error["message"]
+    past = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={"messages": [{"role": "user", "content": "hi"}],
+                                                                       "max_completion_tokens": 100_000})
+    assert past.status_code == 400 and past.json()["error"]["code"] == "context_length_exceeded"  # past any prompt
     for tokens in (window, server.gateway.generations.limits.max_prompt_tokens + 1):  # the model's, the server's
         prompt = httpx.post(f"{url}/v1/completions", json={"prompt": [7] * tokens, "max_tokens": 1}, timeout=30)
         assert prompt.status_code == 400 and prompt.json()["error"]["param"] == "prompt"

@@ -104,6 +104,10 @@ def sampling_params(request: pb.GenerateRequest, limits: GatewayLimits, model: M
         return getattr(sampling, name) if sampling.HasField(name) else default
 
     max_tokens = value("max_tokens", limits.default_max_tokens)
+    if max_tokens > limits.max_tokens and (window := model.context_window) is not None and max_tokens >= window:
+        # Past the window whatever the prompt: a client trims or moves to a longer context (OpenAI's words)
+        raise ContextLengthExceeded(f"max_tokens: must be between 1 and {limits.max_tokens}, got {max_tokens}. This "
+                                    f"model's maximum context length is {window} tokens.")
     _require(1 <= max_tokens <= limits.max_tokens, f"max_tokens: must be between 1 and {limits.max_tokens}, "
              f"got {max_tokens}")
     _require(len(request.stop) <= limits.max_stop_strings,
