@@ -412,3 +412,16 @@ def test_in_process_arms_sharing_the_target_step_at_once_and_each_gets_its_own_t
         thread.join(120)
     assert not failures, failures
     assert all(together[arm, repeat] == alone[arm] for arm in range(2) for repeat in range(4))
+
+
+def test_the_engine_has_every_member_the_serving_layers_use(tiny_models) -> None:
+    """The gateway names core.serving_engine.ServingEngine, never the class: the engine must keep that face."""
+    from tandem.core.serving_engine import ServingEngine
+
+    target, draft, _ = tiny_models
+    engine = build_engine(target, draft, FIXED_K)
+    members = set(ServingEngine.__annotations__) | {name for name in vars(ServingEngine) if not name.startswith("_")}
+    assert {"add_request", "step", "sequence", "max_batch", "verifier"} <= members
+    assert [name for name in sorted(members) if not hasattr(engine, name)] == []
+    request_id = engine.add_request(PROMPT, _greedy())
+    assert engine.sequence(request_id).request_id == request_id and engine.max_batch == engine.config.max_batch

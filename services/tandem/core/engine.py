@@ -106,6 +106,13 @@ class SpeculativeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.sequences)
 
+    def sequence(self, request_id: str) -> Sequence:
+        return self.sequences[request_id]
+
+    @property
+    def max_batch(self) -> int:
+        return self.config.max_batch
+
     @property
     def preemptions(self) -> dict[str, int]:
         """Sequences taken out of the steps they ran in, by why (core.scheduler)."""

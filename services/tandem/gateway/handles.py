@@ -14,7 +14,7 @@ from tandem.core.logprobs import TokenLogprob
 
 class SessionStore(Protocol):
     """Where a session's state lives between its requests (tandem.sessions: memory or Redis): PolicyState.to_dict()
-    plus the worker affinity (`draft_worker`, `target_replica`) from SpeculativeEngine.session_affinity."""
+    plus the worker affinity (`draft_worker`, `target_replica`) from the engine's session_affinity."""
 
     def get(self, session_id: str) -> dict | None: ...
 

@@ -21,7 +21,7 @@ with 8 sessions split 4 + 4, docs/performance.md), so a second lane takes sessio
 from __future__ import annotations
 
 from tandem.core.config import SamplingParams
-from tandem.core.engine import SpeculativeEngine
+from tandem.core.serving_engine import ServingEngine
 from tandem.errors import InvalidArgument, request_id_in_use
 from tandem.gateway.handles import RequestHandle
 from tandem.gateway.loop import EngineLoop, check_room
@@ -35,7 +35,7 @@ class LanedLoop:
         self.max_requests = max_requests
 
     @property
-    def engine(self) -> SpeculativeEngine:
+    def engine(self) -> ServingEngine:
         """The first lane's engine: the lanes share its configuration, costs and prior."""
         return self.lanes[0].engine
 

@@ -1,4 +1,4 @@
-"""EngineLoop: drives a (not thread-safe) SpeculativeEngine from one background thread for an asyncio server.
+"""EngineLoop: drives a (not thread-safe) engine (core.serving_engine) from one background thread for an asyncio server.
 
 Adds and aborts go through a command queue drained between steps; each step's outputs return to the event loop
 in one call_soon_threadsafe and fan out to per-request asyncio queues. A step that raises or stalls fails the
@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tandem.core.config import TARGET_TOKEN_ALLOWANCE_S, SamplingParams
-from tandem.core.engine import SpeculativeEngine
 from tandem.core.policy import PolicyState
 from tandem.core.requests import Sequence, StepOutput
+from tandem.core.serving_engine import ServingEngine
 from tandem.core.stops import FINISH_ABORT
 from tandem.errors import BackendUnavailable, InvalidArgument, RequestRefused, TandemError, request_id_in_use
 from tandem.gateway.events import EngineFailed, EngineUnavailable, QueueFull
@@ -58,7 +58,7 @@ def check_room(active: int, unread: int, max_requests: int) -> None:
 
 
 class EngineLoop:
-    def __init__(self, engine: SpeculativeEngine, max_requests: int = GatewayOptions().max_requests,
+    def __init__(self, engine: ServingEngine, max_requests: int = GatewayOptions().max_requests,
                  stall_timeout: float = GatewayOptions().stall_timeout,
                  sessions: SessionStore | None = None, metrics: GatewayMetrics | None = None,
                  thread_name: str = "tandem-engine") -> None:
@@ -120,7 +120,7 @@ class EngineLoop:
     @property
     def batch_capacity(self) -> int:
         """Sequences one step runs; requests beyond it wait in the queue."""
-        return self.engine.config.max_batch
+        return self.engine.max_batch
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._active
@@ -310,9 +310,9 @@ class EngineLoop:
                                     priority=command.priority)
         except Exception as exc:
             return [(handle, exc if isinstance(exc, TandemError) else EngineFailed(f"add failed: {exc}"))]
-        self._running[handle.request_id] = (self.engine.sequences[handle.request_id], handle)
+        self._running[handle.request_id] = (self.engine.sequence(handle.request_id), handle)
         if handle.trace is not None:
-            self._rounds.add(handle.request_id, handle.trace, self.engine.sequences[handle.request_id])
+            self._rounds.add(handle.request_id, handle.trace, self.engine.sequence(handle.request_id))
         # An abort that arrived while the session state loaded was queued before this add.
         return self._apply(handle) if handle.abort_requested else []
 
