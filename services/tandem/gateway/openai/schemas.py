@@ -19,8 +19,13 @@ def _none_is_false(value: object) -> object:
     return False if value is None else value
 
 
+def _none_is_true(value: object) -> object:
+    return True if value is None else value
+
+
 # A flag OpenAI's schema marks nullable: null means the default, false (clients that send every field send it).
 Flag = Annotated[StrictBool, BeforeValidator(_none_is_false)]
+TrueFlag = Annotated[StrictBool, BeforeValidator(_none_is_true)]  # the same, for a flag whose default is true
 
 
 class _Body(BaseModel):

@@ -12,19 +12,16 @@ special tokens are its template's own, whatever `add_special_tokens` says.
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import BeforeValidator, StrictBool, StrictInt
+from pydantic import StrictBool, StrictInt
 
 from tandem.gateway.generation import Generations
 from tandem.gateway.openai.convert import chat_request
 from tandem.gateway.openai.errors import bad_request
-from tandem.gateway.openai.schemas import ChatCompletionRequest, ChatMessage, ToolSpec, _Body
+from tandem.gateway.openai.schemas import ChatCompletionRequest, ChatMessage, ToolSpec, TrueFlag, _Body
 
 RENAMES = {"chat.messages": "messages", "chat.tools": "tools", "chat": "messages", "input": "prompt"}
-
-
-DefaultTrue = Annotated[StrictBool, BeforeValidator(lambda value: True if value is None else value)]  # null: default
 
 
 class TokenizeRequest(_Body):
@@ -32,8 +29,8 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[ToolSpec] | None = None
-    add_generation_prompt: DefaultTrue = True
-    add_special_tokens: DefaultTrue = True
+    add_generation_prompt: TrueFlag = True
+    add_special_tokens: TrueFlag = True
     return_token_strs: StrictBool = False
 
 
