@@ -69,11 +69,10 @@ class ModelRunner(SlotTable):
                          else partial(torch.nn.functional.linear, weight=self.head.weight[:vocab_limit]))
             self.vocab_size = vocab_limit
         self.pad_token_id = pad_token_id
-        self.kv_tokens_capacity = kv_tokens or default_kv_tokens(model)
+        budget = kv_tokens or default_kv_tokens(model)
         # The most tokens one sequence may hold here: the model's positions, or the KV budget where it holds fewer (a
         # sequence alone always fits the budget: _fit), so a request that could never run is refused before it starts.
-        self.context_window = min(positions, self.kv_tokens_capacity) if isinstance(positions, int) and positions > 0 \
-            else self.kv_tokens_capacity
+        self.context_window = min(positions, budget) if isinstance(positions, int) and positions > 0 else budget
         sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
         graphed = cuda_graphs and self.device.type == "cuda" and not sharded
         compiled = graphed if compile is None else compile and not sharded and (graphed or self.device.type == "cpu")
@@ -83,7 +82,7 @@ class ModelRunner(SlotTable):
         self.layout = RowLayout(self.device.type, can_pack=self.causal_kernel,
                                 padded_up_to=MAX_WIDTH if bucketed else 0, row_buckets=ROW_BUCKETS if bucketed else ())
         SlotTable.__init__(self, SlotCache(text_config.num_hidden_layers, margin=MAX_WIDTH if static else 0),
-                           self.kv_tokens_capacity, retain_tokens, prefix_cache)
+                           budget, retain_tokens, prefix_cache)
         self.cache_keyword = cache_keyword(model.base_model)
         self.graphs = GraphedForward(self.cache, self._hidden, compile=compiled, capture=graphed) if static else None
         self._model_lock = forward_lock(model)  # other runners over this model object wait while it runs (attention)
