@@ -30,6 +30,8 @@ from pathlib import Path
 from tandem.errors import InvalidArgument, TandemError
 
 log = logging.getLogger(__name__)
+# The runtime env of the Ray drivers tandem starts: tokenizers' own thread pool off in every worker process
+RUNTIME_ENV = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
 
 MODE_ENV = "RAY_AUTH_MODE"
 TOKEN_ENV = "RAY_AUTH_TOKEN"
@@ -128,8 +130,7 @@ def join_cluster(address: str, token_file: str | None = None, **init: object) ->
 
     mode = configure_client(token_file)
     try:
-        ray.init(address=address, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}, log_to_driver=False,
-                 **init)
+        ray.init(address=address, runtime_env=RUNTIME_ENV, log_to_driver=False, **init)
     except (ConnectionError, RuntimeError, ray.exceptions.RayError) as exc:
         if refused_token(exc):
             fix = ("the token is not the cluster's" if mode == "token" else

@@ -43,8 +43,7 @@ def start_ray(options: ClusterOptions) -> None:
     # address="local": without it ray.init joins a cluster `ray start` left on this machine (and refuses num_cpus).
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, dashboard_host="127.0.0.1",
              _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}, log_to_driver=False,
-             configure_logging=False)
+             runtime_env=ray_auth.RUNTIME_ENV, log_to_driver=False, configure_logging=False)
     global _own_ray
     _own_ray = True
 
