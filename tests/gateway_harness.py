@@ -13,7 +13,8 @@ from tandem.engines.local import build_engine
 from tandem.gateway.arms import ArmRouterFactory
 from tandem.gateway.handles import SessionStore
 from tandem.gateway.options import GatewayOptions
-from tandem.gateway.server import Gateway, start_gateway
+from tandem.gateway.run import start_gateway
+from tandem.gateway.server import Gateway
 from tandem.gateway.validate import GatewayLimits
 
 CALL_TIMEOUT = 60.0

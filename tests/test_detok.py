@@ -9,7 +9,7 @@ from bpe_vocab import LONG_STOP, RARE, SPECIAL, WORDS, bpe_decode, bpe_tokenizer
 from tandem.core.config import SamplingParams
 from tandem.core.detok import MAX_STALL, REPLACEMENT, IncrementalDecoder, IncrementalDetokenizer, decoder
 from tandem.core.stops import StopChecker
-from tandem.models.tiny import build_byte_tokenizer
+from tandem.models.tiny_tokenizer import build_byte_tokenizer
 
 
 def _byte_decode(ids: list[int]) -> str:

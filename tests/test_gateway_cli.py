@@ -20,7 +20,8 @@ from tandem.cli.main import main
 from tandem.cli.remote import run_remote_generate
 from tandem.client import TandemClient
 from tandem.gateway.options import GatewayOptions
-from tandem.gateway.server import READINESS_SERVICE, SERVING, start_gateway
+from tandem.gateway.run import start_gateway
+from tandem.gateway.server import READINESS_SERVICE, SERVING
 
 SERVICES = Path(__file__).resolve().parent.parent / "services"
 STARTUP_SECONDS = 120

@@ -21,7 +21,7 @@ import pytest
 from gateway_harness import ServerThread, tiny_backend, tiny_http_server, window_past_budget
 from tandem.client import TandemClient
 from tandem.gateway.options import GatewayOptions
-from tandem.gateway.server import start_gateway
+from tandem.gateway.run import start_gateway
 from tandem.v1 import generation_pb2 as pb
 
 SERVICES = Path(__file__).resolve().parent.parent / "services"

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from pki import make_pki
-from tandem.cli.common import add_redis_options, session_store_url
+from tandem.cli.redis_options import add_redis_options, session_store_url
 from tandem.errors import InvalidArgument
 from tandem.sessions import (
     EmbeddedRedis,

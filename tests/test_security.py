@@ -572,7 +572,7 @@ def test_helm_chart_mounts_the_keys_or_says_insecure() -> None:
 
 def test_bad_tls_files_are_named(tiny_models, pki, tmp_path) -> None:
     from tandem.gateway.options import GatewayOptions
-    from tandem.gateway.server import start_gateway
+    from tandem.gateway.run import start_gateway
 
     target, draft, _ = tiny_models
     garbage = tmp_path / "garbage.pem"

@@ -10,7 +10,7 @@ from bpe_vocab import LONG_STOP, RARE, WORDS, bpe_decode, bpe_tokenizer, longest
 from tandem.core.config import SamplingParams
 from tandem.core.detok import REPLACEMENT, decoder
 from tandem.core.stops import FINISH_LENGTH, FINISH_STOP, StopChecker
-from tandem.models.tiny import build_byte_tokenizer
+from tandem.models.tiny_tokenizer import build_byte_tokenizer
 
 
 def _check(ids: list[int], stop: tuple[str, ...], decode=bpe_decode, block: int = 1, eos: frozenset[int] = frozenset(),

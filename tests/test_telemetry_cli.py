@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli.common import worker_metrics_port
 from tandem.cli.main import build_parser
 from tandem.cli.serving import gateway_options
+from tandem.cli.worker_options import worker_metrics_port
 from tandem.client import TandemClient
 from tandem.errors import InvalidArgument
 from tandem.gateway.server import READINESS_SERVICE, SERVING

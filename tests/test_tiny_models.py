@@ -13,7 +13,8 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from tandem.core.kv_cache import cache_keyword
-from tandem.models.tiny import IM_END, IM_START, TOKENIZER_FILES, TinyPair, build_byte_tokenizer, make_tiny
+from tandem.models.tiny import TinyPair, make_tiny
+from tandem.models.tiny_tokenizer import IM_END, IM_START, TOKENIZER_FILES, build_byte_tokenizer
 
 PROMPT_COUNT = 8
 PROMPT_LENGTH = 8

@@ -35,7 +35,7 @@ from tandem.cli.options import (
 from tandem.core.config import SamplingParams
 from tandem.core.detok import IncrementalDetokenizer, decoder
 from tandem.core.stops import StopChecker
-from tandem.models.tiny import QWEN2_PRETOKENIZE_REGEX, build_byte_tokenizer
+from tandem.models.tiny_tokenizer import QWEN2_PRETOKENIZE_REGEX, build_byte_tokenizer
 
 STOPS = ("</answer>", "\n\nUser:")
 # The tokens of the first and of the last window a run reports the cost per token of ("first_1k", "last_1k"): the old

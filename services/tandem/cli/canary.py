@@ -15,8 +15,8 @@ import os
 import time
 from pathlib import Path
 
-from tandem.cli.common import add_redis_options, session_store_url
 from tandem.cli.options import add_json_option, field_as_option, wants_text, write_json
+from tandem.cli.redis_options import add_redis_options, session_store_url
 from tandem.errors import InvalidArgument
 
 ENV_DEPLOYMENT = "TANDEM_CANARY_DEPLOYMENT"

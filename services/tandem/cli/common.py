@@ -1,4 +1,6 @@
-"""Options shared by the commands that load models and sample."""
+"""The model flags shared by the commands that load models (`tandem generate`, `serve`, `pools start`, `bench` and the
+benchmarks): which target and draft, where and how they run, the engine settings the flags give, and loading the pair.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +10,11 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from tandem.cli.formats import output_format
-from tandem.cli.options import STDOUT, field_as_option, write_json
+from tandem.cli.options import field_as_option
 from tandem.core.config import (
-    DEFAULT_MAX_TOKENS,
     DEFAULT_RETAIN_TOKENS,
     QUANTIZATIONS,
     EngineConfig,
-    SamplingParams,
     SpecConfig,
     check_retain_tokens,
     compile_scope,
@@ -94,19 +93,6 @@ def add_model_options(parser: argparse.ArgumentParser, cache_reuse: bool = True)
                              "computing them; benchmarks that repeat prompts turn it off")
 
 
-def add_pool_options(parser: argparse.ArgumentParser) -> None:
-    """How many workers of each pool, and where they land: `tandem serve` and `tandem pools start`."""
-    parser.add_argument("--draft-workers", type=int, default=1, help="draft-worker actors (default: %(default)s)")
-    parser.add_argument("--target-replicas", type=int, default=1, help="target replicas (default: %(default)s)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per target replica")
-    parser.add_argument("--draft-gpus", type=float, default=0.0, help="GPUs per draft worker (default: 0)")
-    parser.add_argument("--target-gpus", type=float, default=0.0, help="GPUs per target rank (default: 0)")
-    parser.add_argument("--draft-resources", default=None, metavar="JSON",
-                        help='custom Ray resources per draft worker, e.g. \'{"draft_pool": 1}\' (a worker group\'s)')
-    parser.add_argument("--target-resources", default=None, metavar="JSON",
-                        help='custom Ray resources per target rank, e.g. \'{"target_pool": 1}\'')
-
-
 def add_bench_model_options(parser: argparse.ArgumentParser, dtype: str,
                             dtype_help: str = "both models' dtype") -> None:
     """--target, --draft, --dtype and --threads of a benchmark that loads the pair in its own process (2 threads by
@@ -115,74 +101,6 @@ def add_bench_model_options(parser: argparse.ArgumentParser, dtype: str,
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model")
     parser.add_argument("--dtype", default=dtype, help=dtype_help)
     parser.add_argument("--threads", type=int, default=2, help="torch's CPU threads")
-
-
-SESSIONS_REDIS = ("session state store, redis://[:PASSWORD@]host:port/db or rediss:// for TLS (default: $REDIS_URL, "
-                  "else an embedded redis-server on 127.0.0.1 with a random password)")
-
-
-def add_redis_options(parser: argparse.ArgumentParser, url_help: str = SESSIONS_REDIS) -> None:
-    """Where session state (or what `url_help` says) lives, and the credentials to reach it (kept off the command line
-    where possible)."""
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help=url_help)
-    parser.add_argument("--redis-password-file", default=os.environ.get("TANDEM_REDIS_PASSWORD_FILE"),
-                        metavar="FILE", help="the Redis password, from a file (default: "
-                        "$TANDEM_REDIS_PASSWORD_FILE; else $TANDEM_REDIS_PASSWORD, else the URL's own)")
-    parser.add_argument("--redis-ca", default=os.environ.get("TANDEM_REDIS_CA"), metavar="FILE",
-                        help="PEM CA bundle that signed the rediss:// server's certificate (default: $TANDEM_REDIS_CA, "
-                             "else the system's CAs)")
-
-
-def add_ray_token_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ray-token-file", default=None, metavar="FILE",
-                        help="Ray token authentication: the cluster's token (default: $RAY_AUTH_TOKEN or "
-                             "$RAY_AUTH_TOKEN_PATH, which Ray reads itself; a local cluster gets a random token)")
-
-
-def session_store_url(args: argparse.Namespace) -> str | None:
-    """--redis-url with the password and CA of the other flags folded in (None: the embedded Redis)."""
-    from tandem.sessions.connection import configured_password, with_credentials
-
-    if not args.redis_url or args.redis_url == "memory":
-        # Credentials for no URL are a URL left out (a typo'd variable, a missing flag): the process would run on
-        # a store of its own and its gateways would not share sessions, with nothing said.
-        store = "its sessions live in its memory" if args.redis_url else "it runs an embedded Redis of its own"
-        for field, value in (("redis_password_file", args.redis_password_file), ("redis_ca", args.redis_ca)):
-            if value:
-                raise InvalidArgument(f"{field}: given for no --redis-url (or $REDIS_URL), where {store}; pass the "
-                                      f"URL of the Redis it is for")
-        return args.redis_url or None
-    return with_credentials(args.redis_url, configured_password(args.redis_password_file), args.redis_ca)
-
-
-def add_sampling_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default: %(default)s)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    parser.add_argument("--top-k", type=int, default=0, help="0 disables (default: %(default)s)")
-    parser.add_argument("--min-p", type=float, default=0.0,
-                        help="drop tokens less likely than this times the most likely one; 0 disables (default: "
-                             "%(default)s)")
-    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0,
-                        help="above 1 discourages every token already in the context (default: %(default)s, none)")
-    parser.add_argument("--presence-penalty", type=float, default=0.0,
-                        help="-2 to 2, subtracted once from each token the output holds (default: %(default)s)")
-    parser.add_argument("--frequency-penalty", type=float, default=0.0,
-                        help="-2 to 2, subtracted per time the output holds the token (default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="most tokens to generate")
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids",
-                        help="stop token id (repeatable)")  # dest: errors name the field, and so the flag
-    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-
-
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
-                          stop_token_ids=tuple(args.stop_token_ids),
-                          ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          output_format=output_format(args))
 
 
 def local_options(args: argparse.Namespace):
@@ -286,52 +204,3 @@ def load_models(args: argparse.Namespace, speculate: bool):
                               draft_quantization=args.draft_quantization, compile=args.compile)
     return target, draft
 
-
-def print_outcome(json_target: str | None, text: str | None, token_ids: list[int], finish_reason: str,
-                  prompt_tokens: int, elapsed: float, first_token_at: float | None, speculative: bool, stats: dict,
-                  **extra) -> None:
-    """The end of `tandem generate`, local or remote: a summary line after the streamed text, and the JSON object
-    where `--json` asked for it (stdout instead of the text, or a file)."""
-    if json_target != STDOUT:
-        sys.stdout.write("\n")
-        # An acceptance rate only where something was drafted (0.00 read as every draft rejected).
-        drafted = stats.get("drafted", 1)
-        acceptance = f", acceptance {stats['acceptance_rate']:.2f}" if speculative and drafted else ""
-        print(f"[{len(token_ids)} tokens, {elapsed:.2f}s, finish: {finish_reason}{acceptance}]", file=sys.stderr)
-    write_json(json_target, {
-        "text": text,
-        "token_ids": token_ids,
-        "finish_reason": finish_reason,
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": len(token_ids),
-        "seconds": round(elapsed, 4),
-        "time_to_first_token": round(first_token_at if first_token_at is not None else elapsed, 4),
-        "tokens_per_second": round(len(token_ids) / elapsed, 3) if elapsed > 0 else None,
-        "speculative": speculative,
-        "stats": stats,
-        **extra,
-    })
-
-
-def add_worker_metrics_option(parser: argparse.ArgumentParser) -> None:
-    """--worker-metrics-port: `tandem serve` and `tandem pools start`."""
-    from tandem.telemetry.worker import DEFAULT_WORKER_METRICS_PORT, METRICS_PORT_ENV
-
-    parser.add_argument("--worker-metrics-port", type=int, default=None,
-                        help=f"first /metrics port of each Ray worker (default: ${METRICS_PORT_ENV} or "
-                        f"{DEFAULT_WORKER_METRICS_PORT}; taken: the next free one; 0: a free port; -1: off)")
-    parser.set_defaults(no_metrics=False)  # `tandem serve --no-metrics` turns the workers' off too
-
-
-def worker_metrics_port(args: argparse.Namespace) -> int:
-    """The port Ray workers serve /metrics on (-1: off), handed to them as $TANDEM_WORKER_METRICS_PORT."""
-    from tandem.telemetry.worker import DEFAULT_WORKER_METRICS_PORT, METRICS_PORT_ENV
-
-    if args.no_metrics:
-        return -1
-    port = args.worker_metrics_port
-    if port is None:
-        port = int(os.environ.get(METRICS_PORT_ENV) or DEFAULT_WORKER_METRICS_PORT)
-    if not -1 <= port <= 65535:
-        raise InvalidArgument(f"worker_metrics_port: must be between -1 (off) and 65535, got {port}")
-    return port

@@ -6,8 +6,8 @@ import argparse
 import os
 import threading
 
-from tandem.cli.common import session_store_url
 from tandem.cli.pools import add_ray_address, connect
+from tandem.cli.redis_options import session_store_url
 from tandem.cli.serving import add_gateway_options, gateway_options, serve_gateway
 from tandem.errors import InvalidArgument
 

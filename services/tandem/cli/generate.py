@@ -10,19 +10,18 @@ import time
 from tandem.cli.common import (
     add_calibration_file_option,
     add_model_options,
-    add_sampling_options,
     calibration_file,
     engine_config,
     kv_tokens,
     load_models,
     local_options,
     pin_model_args,
-    print_outcome,
-    sampling_params,
 )
 from tandem.cli.formats import add_format_options, check_compiles
 from tandem.cli.options import STDOUT, add_json_option, wants_text
+from tandem.cli.outcome import print_outcome
 from tandem.cli.remote import add_address_option
+from tandem.cli.sampling import add_sampling_options, sampling_params
 from tandem.errors import InvalidArgument
 
 

@@ -12,18 +12,14 @@ import socket
 import sys
 import time
 
-from tandem.cli.common import (
-    add_model_options,
+from tandem.cli.common import add_model_options, announce_compile, engine_config, kv_tokens, pin_model_args
+from tandem.cli.options import add_json_option, wants_text, write_json
+from tandem.cli.worker_options import (
     add_pool_options,
     add_ray_token_option,
     add_worker_metrics_option,
-    announce_compile,
-    engine_config,
-    kv_tokens,
-    pin_model_args,
     worker_metrics_port,
 )
-from tandem.cli.options import add_json_option, wants_text, write_json
 from tandem.core.config import compiles
 from tandem.errors import InvalidArgument, TandemError
 
@@ -128,7 +124,8 @@ def run_start(args: argparse.Namespace) -> int:
     # The pools' stack (Ray, torch), once the arguments are known good.
     from tandem.cli.serve import cluster_options
     from tandem.models.loader import resolve, vocab_size
-    from tandem.pools.manager import IMAGE_ENV, PoolSpec, start_pools
+    from tandem.pools.manager import IMAGE_ENV, PoolSpec
+    from tandem.pools.start import start_pools
     from tandem.workers.worker_base import WorkerConfig
 
     options = cluster_options(args)

@@ -11,8 +11,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from tandem.cli.common import print_outcome
 from tandem.cli.options import wants_text
+from tandem.cli.outcome import print_outcome
 from tandem.errors import TandemError
 
 if TYPE_CHECKING:

@@ -16,19 +16,21 @@ from tandem.cli.canary import add_serve_canary_options, serve_canary_options
 from tandem.cli.common import (
     add_calibration_file_option,
     add_model_options,
-    add_pool_options,
-    add_ray_token_option,
-    add_worker_metrics_option,
     announce_compile,
     calibration_file,
     engine_config,
     kv_tokens,
     local_options,
     pin_model_args,
-    session_store_url,
+)
+from tandem.cli.redis_options import session_store_url
+from tandem.cli.serving import add_gateway_options, gateway_options, serve_gateway
+from tandem.cli.worker_options import (
+    add_pool_options,
+    add_ray_token_option,
+    add_worker_metrics_option,
     worker_metrics_port,
 )
-from tandem.cli.serving import add_gateway_options, gateway_options, serve_gateway
 from tandem.core.config import EngineConfig
 from tandem.engines import Arm, Backend, BuildOptions, ClusterOptions
 from tandem.errors import InvalidArgument

@@ -10,12 +10,13 @@ import ipaddress
 import logging
 from typing import TYPE_CHECKING
 
-from tandem.cli.common import add_redis_options, session_store_url
 from tandem.cli.options import field_as_option
+from tandem.cli.redis_options import add_redis_options, session_store_url
 from tandem.core.config import TARGET_TOKEN_ALLOWANCE_S, EngineConfig
 from tandem.errors import InvalidArgument, TandemError
 from tandem.gateway.options import GatewayOptions, check_tls_files
-from tandem.gateway.server import Loader, serve
+from tandem.gateway.run import serve
+from tandem.gateway.server import Loader
 from tandem.gateway.validate import GatewayLimits
 from tandem.telemetry import tracing
 from tandem.telemetry.metrics import DEFAULT_PORT as DEFAULT_METRICS_PORT

@@ -22,7 +22,6 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,8 +32,7 @@ from tandem.core.costs import CostModel
 from tandem.errors import InvalidArgument, TandemError
 from tandem.pools.health import actor_state, last_error, succeeded, worker_health
 from tandem.pools.launch import Launched, await_started, find_launched, launch, placement
-from tandem.pools.names import NAMESPACE, find_manager, manager_name, stop_orphans, stop_pools
-from tandem.pools.waiting import wait_ready
+from tandem.pools.names import manager_name
 
 if TYPE_CHECKING:
     from tandem.engines.options import ClusterOptions
@@ -306,29 +304,3 @@ class PoolManager:
                 return  # stopped while it loaded: `_remove` has killed it
             self.workers[launched.role][launched.name] = launched.handle
             self.generation += 1
-
-
-def start_pools(spec: PoolSpec, timeout_s: float, report: Callable[[str], None]) -> dict:
-    """Start the pool's manager and its workers as detached actors; returns its description once they are ready.
-    `report` is told of each worker's progress (pools.waiting)."""
-    try:
-        find_manager(spec.name)
-    except TandemError:
-        pass
-    else:
-        raise InvalidArgument(f"name: pools named {spec.name!r} are already running (`tandem pools status`)")
-    stop_orphans(spec.name, report)
-    manager = ray.remote(PoolManager).options(name=manager_name(spec.name), namespace=NAMESPACE, lifetime="detached",
-                                              num_cpus=0, max_restarts=-1, max_concurrency=8).remote(spec)
-    try:
-        described = ray.get(manager.start.remote())
-        wait_ready(manager, spec.name, [n for names in described["starting"].values() for n in names], timeout_s,
-                   report)
-        return ray.get(manager.describe.remote())
-    except BaseException as exc:  # a failed or timed-out start, or the starter interrupted: nothing stays behind
-        from tandem.workers.worker_base import user_error
-
-        stop_pools(manager)
-        if isinstance(exc, Exception) and (failed := user_error(exc)) is not None:
-            raise failed from None  # its message alone, not the manager's remote traceback
-        raise
