@@ -278,10 +278,10 @@ def _slow_first_round(tiny_models, seconds: float, prompt_tokens: int, **options
         backend = load_tiny()
         engine, real_round = backend.engine, backend.engine._round
 
-        def slow_round(batch, plan, limits):
+        def slow_round(batch, *rest):
             if any(len(seq.prompt) == prompt_tokens and not seq.output for seq in batch):
                 time.sleep(seconds)
-            return real_round(batch, plan, limits)
+            return real_round(batch, *rest)
 
         engine._round = slow_round
         return backend

@@ -20,6 +20,8 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0  # of the prompt's, those the server held cached rather than computed
+    accepted_prediction_tokens: int = 0  # of a prediction's tokens, those accepted as drafts
+    rejected_prediction_tokens: int = 0  # and those verified and refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +97,8 @@ class GenerateResult:
     def usage(self) -> Usage:
         first = self.choices[0].usage
         return Usage(first.prompt_tokens, sum(c.usage.completion_tokens for c in self.choices),
-                     first.cached_prompt_tokens)
+                     first.cached_prompt_tokens, sum(c.usage.accepted_prediction_tokens for c in self.choices),
+                     sum(c.usage.rejected_prediction_tokens for c in self.choices))
 
 
 class Collector:
@@ -128,7 +131,8 @@ class Collector:
         self.completes[item.index] = item
         self.request_id = self.request_id or item.request_id
         choice.finish_reason = FINISH_REASONS.get(item.finish_reason, "unspecified")
-        choice.usage = Usage(item.usage.prompt_tokens, item.usage.completion_tokens, item.usage.cached_prompt_tokens)
+        choice.usage = Usage(item.usage.prompt_tokens, item.usage.completion_tokens, item.usage.cached_prompt_tokens,
+                             item.usage.accepted_prediction_tokens, item.usage.rejected_prediction_tokens)
         choice.speculation = SpeculationStats.from_proto(item.speculation)
 
     def result(self) -> GenerateResult:

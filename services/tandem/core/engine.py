@@ -22,6 +22,7 @@ from tandem.core import policy
 from tandem.core.calibration import calibrate, kv_tokens_needed
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.costs import CostModel
+from tandem.core.prediction import Prediction, predicted_acceptance, predicted_proposal
 from tandem.core.protocol import (
     Drafter,
     DraftProposal,
@@ -72,15 +73,18 @@ class SpeculativeEngine:
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                     policy_state: policy.PolicyState | None = None, max_k: int | None = None,
-                    session_id: str = "", cache_scope: str = "", priority: int = 0) -> str:
+                    session_id: str = "", cache_scope: str = "", priority: int = 0,
+                    prediction: list[int] | None = None) -> str:
         """`cache_scope`: the requests that may share cached prompt prefixes with this one (a tenant's); `priority`:
-        lower runs first (module docstring)."""
+        lower runs first (module docstring); `prediction`: the tokens the output is expected to repeat, drafted where
+        it does (core.prediction)."""
         if not prompt:
             raise InvalidArgument("prompt: must contain at least one token")
         vocab = self.verifier.vocab_size
         check_in_vocabulary("prompt", prompt, vocab)
         check_in_vocabulary("logit_bias", (t for t, _ in params.logit_bias), vocab)
         check_in_vocabulary("stop_token_ids", params.stop_token_ids, vocab)  # a stop the model can never produce
+        check_in_vocabulary("prediction", prediction or (), vocab)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.sequences:
             raise request_id_in_use(request_id)
@@ -94,7 +98,8 @@ class SpeculativeEngine:
         stop = StopChecker(params, self.eos_token_ids, self.decode)
         self.sequences[request_id] = Sequence(request_id, list(prompt), params, stop, state, max_k=max_k,
                                               session_id=session_id, cache_scope=cache_scope, priority=priority,
-                                              logprobs=None if params.logprobs is None else [])
+                                              logprobs=None if params.logprobs is None else [],
+                                              prediction=Prediction(prediction) if prediction else None)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -124,10 +129,13 @@ class SpeculativeEngine:
             limits = self._prefill_limits(batch)
             self.step_tokens = sum(_step_tokens(seq, limit) for seq, limit in zip(batch, limits, strict=True)) \
                 + len(batch) * self.config.spec.k_max
-            plan = plan_round([self._row_view(seq, limit) for seq, limit in zip(batch, limits, strict=True)],
+            offers = [seq.prediction.offer(seq.output, self.config.spec.k_max) if seq.prediction else []
+                      for seq in batch]
+            plan = plan_round([self._row_view(seq, limit, len(offer))
+                               for seq, limit, offer in zip(batch, limits, offers, strict=True)],
                               self.speculating, self.config.spec, self.costs, self.prior.value, self.prior.measured)
             try:
-                outputs = self._round(batch, plan, limits)
+                outputs = self._round(batch, plan, limits, offers)
                 break
             except KVCacheFull as full:
                 batch = self.scheduler.make_room(batch, waiting, full)
@@ -154,21 +162,27 @@ class SpeculativeEngine:
         return [chunk if decoding and seq.prefilling(chunk) and not seq.scores_prompt else 0 for seq in batch]
 
     @staticmethod
-    def _row_view(seq: Sequence, prefill_limit: int) -> RowView:
+    def _row_view(seq: Sequence, prefill_limit: int, predicted: int) -> RowView:
         return RowView(seq.policy, seq.max_k, seq.params.max_tokens - len(seq.output), prefill_limit,
-                       first_round=not seq.output, behind=len(seq.context) - seq.draft_synced)
+                       first_round=not seq.output, behind=len(seq.context) - seq.draft_synced, predicted=predicted,
+                       prediction_acceptance=predicted_acceptance(seq.stats.prediction_drafted,
+                                                                  seq.stats.prediction_accepted))
 
-    def _round(self, batch: list[Sequence], plan: RoundPlan, limits: list[int]) -> list[StepOutput | None]:
+    def _round(self, batch: list[Sequence], plan: RoundPlan, limits: list[int],
+               offers: list[list[int]]) -> list[StepOutput | None]:
         """Draft, verify, commit. A KVCacheFull from the verifier commits nothing and moves no policy: the caller
         plans the round again for a smaller batch."""
         proposals = self._draft(batch, plan)
+        for i, seq in enumerate(batch):  # the rows that draft their predictions (round_plan rule 0)
+            if plan.from_prediction(i):
+                proposals[i] = predicted_proposal(offers[i][: plan.ks[i]], sampled=not seq.params.greedy)
         ks = [len(p.tokens) if p else 0 for p in proposals]  # drafted: a confidence stop or a failure drafts fewer
         results = self._verify(batch, proposals, ks, limits)
         for seq, decision in zip(batch, plan.decisions, strict=True):
             if decision is not None:
                 policy.apply(seq.policy, decision)
         outputs: list[StepOutput | None] = []
-        for seq, k, proposal, result in zip(batch, ks, proposals, results, strict=True):
+        for i, (seq, k, proposal, result) in enumerate(zip(batch, ks, proposals, results, strict=True)):
             if result.cached_prompt and not seq.output:  # new to the verifier: what of its prompt it found cached
                 seq.stats.cached_prompt_tokens = min(result.cached_prompt, len(seq.prompt))
             if result.prefilling:
@@ -176,7 +190,7 @@ class SpeculativeEngine:
                 seq.prefill_started = True
                 outputs.append(None)
             else:
-                outputs.append(self._commit(seq, k, proposal, result))
+                outputs.append(self._commit(seq, k, proposal, result, plan.from_prediction(i)))
         return outputs
 
     def _verify(self, batch: list[Sequence], proposals: list[DraftProposal | None], ks: list[int],
@@ -224,7 +238,8 @@ class SpeculativeEngine:
         """Proposals of the rows that draft; rows that only catch up (plan.catch_up) send their drafter the next
         part of their backlog and get no proposal."""
         ks, catch_up = plan.ks, plan.catch_up
-        rows = [i for i, (k, c) in enumerate(zip(ks, catch_up, strict=True)) if k > 0 or c > 0]
+        rows = [i for i, (k, c) in enumerate(zip(ks, catch_up, strict=True))
+                if (k > 0 or c > 0) and not plan.from_prediction(i)]
         proposals: list[DraftProposal | None] = [None] * len(batch)
         if not rows:
             return proposals
@@ -260,17 +275,22 @@ class SpeculativeEngine:
                 batch[i].draft_synced += len(request.append)
         return proposals
 
-    def _commit(self, seq: Sequence, k: int, proposal: DraftProposal | None, result: VerifyResult) -> StepOutput:
+    def _commit(self, seq: Sequence, k: int, proposal: DraftProposal | None, result: VerifyResult,
+                predicted: bool) -> StepOutput:
+        """`predicted`: the drafts came from the request's prediction, not the drafter, whose policy they leave be."""
         committed, accepted = len(seq.context), result.accepted
         new_tokens = (proposal.tokens[:accepted] if proposal else []) + [result.next_token, *result.more]
-        if k > 0:
-            seq.draft_synced = committed + accepted
         seq.verify_synced = committed + len(new_tokens)
-        seq.stats.record_round(k, accepted, seq.policy.fallback, len(result.more))
-        policy.update(seq.policy, k, accepted, self.costs, self.config.spec)
-        policy.decoded_plainly(seq.policy, len(result.more))
-        if k > 0:  # a failed proposal is empty: k 0
-            self.prior.observe(k, accepted)
+        if predicted:
+            seq.stats.record_predicted_round(k, accepted)
+        else:
+            if k > 0:
+                seq.draft_synced = committed + accepted
+            seq.stats.record_round(k, accepted, seq.policy.fallback, len(result.more))
+            policy.update(seq.policy, k, accepted, self.costs, self.config.spec)
+            policy.decoded_plainly(seq.policy, len(result.more))
+            if k > 0:  # a failed proposal is empty: k 0
+                self.prior.observe(k, accepted)
         before = len(seq.output)
         prompt_logprobs = None
         if seq.scores_prompt:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from tandem.core import policy
 from tandem.core.config import SamplingParams
 from tandem.core.logprobs import TokenLogprob
+from tandem.core.prediction import Prediction
 from tandem.core.protocol import RowOrder
 from tandem.core.stats import RequestStats
 from tandem.core.stops import StopChecker
@@ -35,6 +36,7 @@ class Sequence:
     prefill_started: bool = False  # the verifier holds part of the prompt uncached (a chunked prefill goes on)
     logprobs: list[TokenLogprob] | None = None  # aligned with output when the request asked (params.logprobs)
     prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens after the first, once scored
+    prediction: Prediction | None = None  # the output the request predicted, drafted where it matches
 
     @property
     def order(self) -> RowOrder:

@@ -2,6 +2,12 @@
 
 `plan_round` applies these rules in order, per row and then over the batch:
 
+0. A row whose request predicted its output (core.prediction) and whose output so far continues in the prediction
+   drafts the predicted tokens that follow, no draft model asked: as many of them (within rule 3's caps) as makes
+   the most tokens per second of target forward at the acceptance its predicted drafts have had. Its policy is not
+   asked, its drafter neither drafts nor catches up, and the rules below see it as a row that does not draft. Not in
+   a round where it only prefills a chunk of its prompt, nor where its request's max_k is 0; where the prediction
+   offers nothing there, or too little to pay, the row goes on to the rules below.
 1. No drafting (k 0, the policy not asked): the engine is not speculating (no drafter, or speculation off), the
    request's max_k is 0, it is the row's first round under the adaptive policy's plain_first_round, or the row only
    prefills a chunk of its prompt this step.
@@ -38,6 +44,7 @@ from tandem.core import policy
 from tandem.core.batch_plan import catch_up_share, plan_batch
 from tandem.core.config import SpecConfig
 from tandem.core.costs import CATCH_UP_ALONE_ABOVE, CostModel
+from tandem.core.prediction import predicted_k
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,6 +57,8 @@ class RowView:
     prefill_limit: int  # above 0: the verifier only prefills a chunk of the prompt this step
     first_round: bool  # the request has emitted nothing yet
     behind: int  # committed tokens the row's drafter has not seen (its catch-up)
+    predicted: int = 0  # predicted tokens that would follow the row's output (rule 0)
+    prediction_acceptance: float = 0.0  # the share of the row's predicted drafts accepted so far (its prior at first)
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,6 +66,10 @@ class RoundPlan:
     ks: tuple[int, ...]  # per row, the most it may draft this round
     catch_up: tuple[int, ...]  # per row, backlog tokens its drafter catches up on without drafting (rule 4)
     decisions: tuple[policy.Decision | None, ...]  # per row, the policy's decision (None: the policy was not asked)
+    predicted: tuple[bool, ...] = ()  # per row, whether its k drafts come from its prediction (rule 0)
+
+    def from_prediction(self, row: int) -> bool:
+        return bool(self.predicted) and self.predicted[row]
 
 
 def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, costs: CostModel,
@@ -64,7 +77,9 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
     """Each row's k and policy decision for one round (the rules in the module's docstring, in order). Pure: reads
     the rows, the costs and the prior, and changes none of them. `prior`: the deployment's recent acceptance;
     `prior_measured`: whether the deployment's sessions have measured it (policy.SharedPrior.measured)."""
-    decisions = [_decide(row, speculating, spec, costs, prior) for row in rows]
+    predicted = [_predicted(row, spec, costs) for row in rows]
+    decisions = [None if p else _decide(row, speculating, spec, costs, prior)
+                 for row, p in zip(rows, predicted, strict=True)]
     ks = [_capped(row, decision, spec) for row, decision in zip(rows, decisions, strict=True)]
     catch_up = [0] * len(rows)
     if len(rows) > 1 and spec.adaptive:
@@ -85,7 +100,15 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
     if any(ks):
         riders = _riders(rows, ks, decisions)
         catch_up = [row.behind if rider else c for row, c, rider in zip(rows, catch_up, riders, strict=True)]
-    return RoundPlan(tuple(ks), tuple(catch_up), tuple(decisions))
+    ks = [p or k for p, k in zip(predicted, ks, strict=True)]
+    return RoundPlan(tuple(ks), tuple(catch_up), tuple(decisions), tuple(p > 0 for p in predicted))
+
+
+def _predicted(row: RowView, spec: SpecConfig, costs: CostModel) -> int:
+    """Rule 0: how many predicted tokens the row drafts (0: none, the rules below decide)."""
+    if not row.predicted or row.max_k == 0 or row.prefill_limit > 0:
+        return 0
+    return predicted_k(min(row.predicted, _limit(row, spec)), row.prediction_acceptance, costs)
 
 
 def _explored_pay_whole(rows: Sequence[RowView], ks: list[int], shares: list[float], limits: list[int],

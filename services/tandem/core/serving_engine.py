@@ -36,7 +36,7 @@ class ServingEngine(Protocol):
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                     policy_state: PolicyState | None = None, max_k: int | None = None, session_id: str = "",
-                    cache_scope: str = "", priority: int = 0) -> str: ...
+                    cache_scope: str = "", priority: int = 0, prediction: list[int] | None = None) -> str: ...
 
     def sequence(self, request_id: str) -> Sequence:
         """An added request's sequence, while it runs."""

@@ -22,6 +22,11 @@ class RequestStats:
     cached_prompt_tokens: int = 0  # prompt tokens the target found cached (a session's or a shared prefix)
     # Tokens rounds decoded past their first, one target forward each, in one verify call (EngineConfig.decode_steps)
     block_tokens: int = 0
+    # Rounds whose drafts came from the request's prediction (core.prediction), and their tokens: apart from the
+    # draft model's, whose acceptance the fields above measure.
+    predicted_rounds: int = 0
+    prediction_drafted: int = 0
+    prediction_accepted: int = 0
 
     def record_round(self, k: int, accepted: int, fallback: bool, more: int = 0) -> None:
         """`more`: the tokens the round's verify call decoded after its first (a multi-step block)."""
@@ -41,6 +46,12 @@ class RequestStats:
         for position in range(k):
             self.drafted_at[position] += 1
             self.accepted_at[position] += int(position < accepted)
+
+    def record_predicted_round(self, k: int, accepted: int) -> None:
+        self.rounds += 1
+        self.predicted_rounds += 1
+        self.prediction_drafted += k
+        self.prediction_accepted += accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -69,4 +80,8 @@ class RequestStats:
             "rounds_by_k": {str(k): n for k, n in sorted(self.rounds_by_k.items())},
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "block_tokens": self.block_tokens,
+            "predicted_rounds": self.predicted_rounds,
+            # OpenAI's names: predicted tokens the target accepted as drafts, and those it refused
+            "accepted_prediction_tokens": self.prediction_accepted,
+            "rejected_prediction_tokens": self.prediction_drafted - self.prediction_accepted,
         }

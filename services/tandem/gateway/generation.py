@@ -251,7 +251,8 @@ class Generations:
             try:
                 handle = await loop.submit(prepared.prompt_ids, prepared.params, prepared.request_id,
                                            prepared.session_id, prepared.max_k, trace=observed.span,
-                                           cache_scope=tenant, priority=prepared.priority)
+                                           cache_scope=tenant, priority=prepared.priority,
+                                           prediction=prepared.prediction)
             except FAILURES as exc:
                 observed.failed(error_code(exc), str(exc))
                 raise

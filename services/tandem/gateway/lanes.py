@@ -92,14 +92,15 @@ class LanedLoop:
 
     async def submit(self, prompt: list[int], params: SamplingParams, request_id: str, session_id: str = "",
                      max_k: int | None = None, trace: object | None = None, cache_scope: str = "",
-                     priority: int = 0) -> RequestHandle:
+                     priority: int = 0, prediction: tuple[int, ...] = ()) -> RequestHandle:
         if any(lane.has_request(request_id) for lane in self.lanes):
             raise request_id_in_use(request_id)
         check_room(self.active, sum(lane.unread for lane in self.lanes), self.max_requests)
         serving = [lane for lane in self.lanes if not lane.unavailable] or self.lanes
         with_room = [candidate for candidate in serving if candidate.active < candidate.batch_capacity]
         lane = with_room[0] if with_room else min(serving, key=lambda candidate: candidate.active)
-        return await lane.submit(prompt, params, request_id, session_id, max_k, trace, cache_scope, priority)
+        return await lane.submit(prompt, params, request_id, session_id, max_k, trace, cache_scope, priority,
+                                 prediction)
 
     def cancel(self, request_id: str, detach: bool = False) -> bool:
         return any(lane.cancel(request_id, detach) for lane in self.lanes)

@@ -46,6 +46,7 @@ class _Add:
     affinity: dict
     cache_scope: str = ""
     priority: int = 0
+    prediction: tuple[int, ...] = ()
 
 
 def check_room(active: int, unread: int, max_requests: int) -> None:
@@ -161,9 +162,9 @@ class EngineLoop:
 
     async def submit(self, prompt: list[int], params: SamplingParams, request_id: str, session_id: str = "",
                      max_k: int | None = None, trace: object | None = None, cache_scope: str = "",
-                     priority: int = 0) -> RequestHandle:
+                     priority: int = 0, prediction: tuple[int, ...] = ()) -> RequestHandle:
         """`cache_scope`: the requests that may share cached prompt prefixes with this one (its tenant's);
-        `priority`: lower runs first (core.engine)."""
+        `priority`: lower runs first (core.engine); `prediction`: the output's expected tokens (core.prediction)."""
         if self._thread is None or self._closed.is_set() or self.draining:
             raise EngineUnavailable("not accepting requests: the server is draining or stopped")
         if self.stalled:
@@ -185,7 +186,8 @@ class EngineLoop:
                 raise
             if self._active.get(request_id) is not handle:
                 return handle  # detached while the session state loaded
-        self._commands.put(_Add(handle, list(prompt), params, state, max_k, affinity, cache_scope, priority))
+        self._commands.put(_Add(handle, list(prompt), params, state, max_k, affinity, cache_scope, priority,
+                                prediction))
         return handle
 
     def cancel(self, request_id: str, detach: bool = False) -> bool:
@@ -307,7 +309,7 @@ class EngineLoop:
                 self.engine.pin_session(handle.session_id, command.affinity)
             self.engine.add_request(command.prompt, command.params, handle.request_id, command.policy, command.max_k,
                                     session_id=handle.session_id, cache_scope=command.cache_scope,
-                                    priority=command.priority)
+                                    priority=command.priority, prediction=list(command.prediction))
         except Exception as exc:
             return [(handle, exc if isinstance(exc, TandemError) else EngineFailed(f"add failed: {exc}"))]
         self._running[handle.request_id] = (self.engine.sequence(handle.request_id), handle)

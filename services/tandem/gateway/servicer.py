@@ -65,7 +65,9 @@ def complete_message(end: ChoiceEnd) -> pb.GenerateResponse:
     return pb.GenerateResponse(complete=pb.Complete(
         finish_reason=FINISH_REASONS.get(end.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
         usage=pb.Usage(prompt_tokens=end.prompt_tokens, completion_tokens=end.completion_tokens,
-                       cached_prompt_tokens=end.stats.get("cached_prompt_tokens", 0)),
+                       cached_prompt_tokens=end.stats.get("cached_prompt_tokens", 0),
+                       accepted_prediction_tokens=end.stats.get("accepted_prediction_tokens", 0),
+                       rejected_prediction_tokens=end.stats.get("rejected_prediction_tokens", 0)),
         speculation=speculation_stats(end.stats),
         request_id=end.request_id,
         index=end.index,

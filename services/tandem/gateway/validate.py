@@ -73,6 +73,7 @@ class PreparedRequest:
     call_start: str = ""  # the start of a call the prompt ends with (a required or named tool_choice)
     single_tool_call: bool = False  # the output ends as its first call closes (parallel_tool_calls false)
     priority: int = 0  # lower runs first (core.engine); a client's are 0 or more, background work's beyond them
+    prediction: tuple[int, ...] = ()  # the tokens the output is expected to repeat (core.prediction)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -278,4 +279,13 @@ def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model
         except InvalidArgument as exc:
             raise InvalidArgument(str(exc).replace("response_format:", f"{field}:", 1)) from None
     return PreparedRequest(request_id, request.session_id, ids, params, max_k, n, tool_names, call_start,
-                           offered and request.chat.single_tool_call, request.priority)
+                           offered and request.chat.single_tool_call, request.priority,
+                           prediction_ids(request.prediction, tokenizer, limits))
+
+
+def prediction_ids(prediction: str, tokenizer, limits: GatewayLimits) -> tuple[int, ...]:
+    """The tokens of a request's predicted output (none for ""), bounded as a prompt is."""
+    if not prediction:
+        return ()
+    _check_bytes("prediction", _utf8_size(prediction, limits), limits)
+    return tuple(tokenizer.encode(prediction, add_special_tokens=False))

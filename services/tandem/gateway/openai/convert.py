@@ -117,7 +117,19 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateReq
     choice = f"{NAMED}{named}" if named is not None else body.tool_choice or ""
     request.chat.CopyFrom(pb.Chat(messages=messages, tools=tools, tool_choice=choice,
                                   single_tool_call=body.parallel_tool_calls is False))
+    if body.prediction is not None:
+        request.prediction = _prediction(body.prediction.content)
     return request
+
+
+def _prediction(content: str | list) -> str:
+    """A prediction's text: a string, or its text parts one after another."""
+    if isinstance(content, str):
+        return content
+    if bad := next((part for part in content if part.type != "text" or part.text is None), None):
+        raise bad_request(f"prediction.content: only text parts are supported, got type {bad.type!r}",
+                          "prediction.content")
+    return "".join(part.text for part in content)
 
 
 def _message(index: int, message: ChatMessage) -> pb.ChatMessage:

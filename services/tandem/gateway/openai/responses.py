@@ -80,8 +80,14 @@ class Responder:
             prompts[end.index // self.per_prompt] = (tokens, min(fewest, cached))
         prompt = sum(tokens for tokens, _ in prompts.values())
         completion = 0 if self.scores_only else sum(end.completion_tokens for end in ends)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(cached for _, cached in prompts.values())}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": sum(cached for _, cached in prompts.values())}}
+        if self.kind == "chat":  # OpenAI's chat usage: what of a prediction the output took (core.prediction)
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": 0, "audio_tokens": 0,
+                **{name: sum(end.stats.get(name, 0) for end in ends)
+                   for name in ("accepted_prediction_tokens", "rejected_prediction_tokens")}}
+        return usage
 
     # --- streaming ---
 

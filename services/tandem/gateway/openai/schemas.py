@@ -41,6 +41,13 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class Prediction(_Body):
+    """OpenAI's Predicted Outputs: text the output is expected to repeat (core.prediction)."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+
 class FunctionCall(_Body):
     name: str
     arguments: str = "{}"  # a JSON object, in JSON text
@@ -150,6 +157,7 @@ class ChatCompletionRequest(_Generate):
     web_search_options: Any = None  # a web search before answering: none here
     continue_final_message: Any = None  # vLLM's: the last (assistant) message continued rather than answered
     add_generation_prompt: Any = None  # vLLM's: false leaves the assistant's turn unopened
+    prediction: Prediction | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported() + (["functions"] if self.functions else [])

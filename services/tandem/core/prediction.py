@@ -1,0 +1,95 @@
+"""Drafts from a request's predicted output (OpenAI's Predicted Outputs): free drafts where the output repeats it.
+
+A client that expects its output to repeat known text (code being edited, a document being revised) sends that text
+as `prediction`. Where the output so far matches part of it, the tokens that follow there are proposed as the
+round's drafts, with no draft model: the target verifies them in one forward, as it verifies a draft model's, so the
+output is exactly what it would be without the prediction. A greedy or seeded row accepts a drafted token where it
+equals the target's choice; an unseeded sampled row accepts it with probability min(1, p/q) where q is one-hot on
+the predicted token (core.rejection), that is with probability p(token), and resamples from p without it otherwise.
+
+Where to continue: the first round starts at the prediction's first token; later rounds look up the output's last
+few tokens (the longest n-gram of up to NGRAM that occurs in the prediction) and continue after the occurrence
+nearest at or after the last one used, so that after an edit the drafts pick the prediction up where the output
+rejoins it. How many: the k of the offered tokens that makes the most tokens per second of the target's forward
+time at the acceptance the request's drafts have had (core.policy.expected_tokens), a drafted block being free.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+import numpy as np
+
+from tandem.core.costs import CostModel
+from tandem.core.policy import expected_tokens
+from tandem.core.protocol import DraftDist, DraftProposal
+
+NGRAM = 3  # the longest run of the output's last tokens looked up in the prediction
+PRIOR_ACCEPTANCE = 0.9  # before a request's predicted drafts are measured: predictions are meant to be mostly right
+PRIOR_WEIGHT = 4.0  # in drafted tokens
+
+
+class Prediction:
+    """A request's predicted output as token ids, indexed by the n-grams it holds."""
+
+    __slots__ = ("_after", "_last", "tokens")
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = list(tokens)
+        # _after[n - 1]: n tokens -> every position just after an occurrence of them, ascending.
+        self._after: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(NGRAM)]
+        for n in range(1, NGRAM + 1):
+            index = self._after[n - 1]
+            for end in range(n, len(self.tokens) + 1):
+                index.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
+        self._last = 0  # where the last offer continued from
+
+    def offer(self, output: list[int], most: int) -> list[int]:
+        """Up to `most` predicted tokens to follow `output` (none where the output's last tokens are not in the
+        prediction, or it has nothing after them)."""
+        if most <= 0:
+            return []
+        start = self._continuation(output)
+        if start is None:
+            return []
+        self._last = start
+        return self.tokens[start : start + most]
+
+    def _continuation(self, output: list[int]) -> int | None:
+        if not output:
+            return 0
+        for n in range(min(NGRAM, len(output)), 0, -1):
+            after = self._after[n - 1].get(tuple(output[-n:]))
+            if after:
+                at = bisect_left(after, self._last)
+                return after[at] if at < len(after) else after[-1]
+        return None
+
+
+def predicted_acceptance(drafted: int, accepted: int) -> float:
+    """The share of a request's predicted drafts accepted, from PRIOR_ACCEPTANCE towards what its rounds measured."""
+    return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (drafted + PRIOR_WEIGHT)
+
+
+def predicted_k(offered: int, acceptance: float, costs: CostModel) -> int:
+    """How many of `offered` free drafts to verify: the most expected tokens per second of target forward (0 where a
+    plain forward does better)."""
+    if offered <= 0:
+        return 0
+    # Widths are priced within those timed, one outside them as the nearest timed: extrapolated along the line
+    # through the timed ones (from width 1 alone: in proportion to its tokens, which a memory-bound forward is far
+    # below), a target-only engine, never calibrated, would never try a wider one, and a drafting engine that never
+    # timed width 1 could price it at nothing. Each such round times its width (the engine's
+    # CostModel.observe_verify), and later rounds read that.
+    timed = sorted(costs.verify) or [1]
+    rates = [(expected_tokens(min(acceptance, 0.999), k) / costs.forward_time(min(max(k + 1, timed[0]), timed[-1])), k)
+             for k in range(offered + 1)]
+    return max(rates)[1]
+
+
+def predicted_proposal(tokens: list[int], sampled: bool) -> DraftProposal:
+    """The predicted tokens as a proposal; an unseeded sampled row's carries the one-hot q they were 'drawn' from."""
+    if not sampled or not tokens:
+        return DraftProposal(list(tokens))
+    ids = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
+    return DraftProposal(list(tokens), DraftDist(ids, np.ones(ids.shape, dtype=np.float32)))
