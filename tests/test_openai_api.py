@@ -294,7 +294,8 @@ def _error(call) -> openai.APIStatusError:
     ({"modalities": ["text", "audio"]}, "modalities"),  # OpenAI features not served: refused, not answered in text
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"web_search_options": {}}, "web_search_options"),  # an answer without the search asked for: refused
-    ({"min_tokens": 3}, "min_tokens"),  # vLLM's sampling extras not followed: refused, not silently ignored
+    ({"use_beam_search": True}, "use_beam_search"),  # vLLM's extras not followed: refused, not silently ignored
+    ({"min_tokens": 5000}, "min_tokens"),  # more than max_tokens
     ({"bad_words": ["x"]}, "bad_words"),
     ({"skip_special_tokens": False}, "skip_special_tokens"),
     ({"continue_final_message": True}, "continue_final_message"),

@@ -18,6 +18,7 @@ from tandem.core.round_plan import RowView, plan_round
 from tandem.engines import Backend
 from tandem.engines.local import build_engine
 from tandem.gateway.validate import GatewayLimits
+from telemetry_helpers import scrape, value
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
 MODEL = "tiny-target"
@@ -64,13 +65,17 @@ def test_the_round_plan_drafts_predictions_without_the_policy() -> None:
 
     def row(**kw) -> RowView:
         fields = {"policy": policy.PolicyState(k=4), "max_k": None, "remaining": 100, "prefill_limit": 0,
-                  "first_round": False, "behind": 0, "predicted": 12, "prediction_acceptance": 0.9} | kw
+                  "first_round": False, "behind": 3, "predicting": True, "predicted": 12,
+                  "prediction_acceptance": 0.9} | kw
         return RowView(**fields)
 
-    plan = plan_round([row(), row(predicted=0), row(max_k=0), row(prefill_limit=64), row(remaining=3)], True, spec,
-                      costs, 0.8)
+    plan = plan_round([row(), row(predicted=0), row(max_k=0), row(prefill_limit=64), row(remaining=3),
+                       row(predicting=False, predicted=0)], True, spec, costs, 0.8)
     assert plan.ks[0] == spec.k_max and plan.decisions[0] is None and plan.from_prediction(0)
-    assert not plan.from_prediction(1) and plan.decisions[1] is not None  # no offer: the draft model's policy
+    assert plan.catch_up[0] == 0  # its drafter neither drafts nor catches up
+    # No offer: plain decoding, the draft model not asked (its drafter is behind by every predicted token).
+    assert (plan.ks[1], plan.decisions[1], plan.catch_up[1], plan.from_prediction(1)) == (0, None, 0, False)
+    assert plan.decisions[5] is not None and plan.ks[5] > 0  # a row without a prediction: its policy decides
     assert plan.ks[2] == 0 and not plan.from_prediction(2)  # max_k 0: plain decoding, predictions too
     assert not plan.from_prediction(3)  # only a chunk of its prompt this step
     assert plan.ks[4] == 2 and plan.from_prediction(4)  # never past the tokens left (the last is the target's)
@@ -141,6 +146,26 @@ def test_unseeded_sampled_output_follows_the_target_distribution(tiny_models) ->
     assert_second_tokens_follow(results, p_first, support.tolist(), p_second)
 
 
+def test_predicted_and_model_drafted_rows_share_a_round(tiny_models) -> None:
+    """Sampled rows, one drafting its prediction (a one-hot q) beside one the draft model drafts for (its top-m q),
+    verified in the same forwards: each gives what it gives alone."""
+    target, draft, _ = tiny_models
+    engine = build_engine(target, draft, EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False),
+                          costs=_flat_costs())
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True)
+    alone = _run(engine, seeded).token_ids
+    unseeded = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True)
+    first = engine.add_request(PROMPT, seeded, prediction=alone)
+    second = engine.add_request(PROMPT[:5], unseeded)
+    sequences = [engine.sequence(first), engine.sequence(second)]
+    while engine.has_unfinished():
+        engine.step()
+    predicted, drafted = (engine.result(seq) for seq in sequences)
+    assert predicted.token_ids == alone and predicted.stats["accepted_prediction_tokens"] > 15
+    assert len(drafted.token_ids) == 30 and drafted.stats["drafted"] > 0 and drafted.stats["predicted_rounds"] == 0
+    assert predicted.stats["drafted"] == 0  # the draft model never drafts for a row with a prediction
+
+
 def test_a_prediction_outside_the_vocabulary_is_refused(tiny_models) -> None:
     engine = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
     with pytest.raises(ValueError, match="prediction"):
@@ -157,7 +182,7 @@ def server(tiny_models):
         engine = build_engine(target, draft, EngineConfig(calibrate=False), costs=_flat_costs())
         return Backend(engine, target.tokenizer, MODEL, "tiny-draft")
 
-    running = ServerThread(load, http_port=0, limits=GatewayLimits(max_prompt_tokens=512))
+    running = ServerThread(load, http_port=0, limits=GatewayLimits(max_prompt_tokens=512), metrics_port=0)
     yield running
     running.stop()
 
@@ -168,6 +193,7 @@ CHAT = [{"role": "user", "content": "rename x to y: def f(x): return x + 1"}]
 def test_chat_prediction_over_http_and_grpc(server: ServerThread) -> None:
     """The tiny model's output is mostly bytes of no valid UTF-8, which its text does not give back: the prediction
     (that text) re-encodes to other tokens in part, and only that part is accepted."""
+    before = scrape(server.gateway.metrics_url)
     sdk = openai_sdk(server)
     greedy = {"model": MODEL, "messages": CHAT, "temperature": 0, "max_tokens": 48,
               "extra_body": {"ignore_eos": True}}
@@ -188,6 +214,17 @@ def test_chat_prediction_over_http_and_grpc(server: ServerThread) -> None:
     assert result.text == text
     assert (result.usage.accepted_prediction_tokens, result.usage.rejected_prediction_tokens) == (
         details.accepted_prediction_tokens, details.rejected_prediction_tokens)
+    assert server.wait_for(lambda: server.gateway.loop.active == 0)
+    after = scrape(server.gateway.metrics_url)
+
+    def delta(sample: str, **labels) -> float:
+        return value(after, sample, **labels) - value(before, sample, **labels)
+
+    usages = [predicted.usage.completion_tokens_details, again.usage.completion_tokens_details, result.usage]
+    for outcome in ("accepted", "rejected"):
+        assert delta("tandem_spec_prediction_tokens_total", tandem_spec_outcome=outcome) == sum(
+            getattr(usage, f"{outcome}_prediction_tokens") for usage in usages)
+    assert delta("tandem_spec_rounds_total", tandem_spec_round_kind="predicted") >= 3
 
 
 @pytest.mark.parametrize(("prediction", "param"), [

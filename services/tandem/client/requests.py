@@ -50,6 +50,7 @@ class GenerateOptions(TypedDict, total=False):
     response_format: Mapping[str, Any] | None
     priority: int
     prediction: str
+    min_tokens: int | None
 
 
 def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None,
@@ -64,7 +65,7 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
                   logit_bias: Mapping[int, float] | None = None, tools: Iterable[Mapping[str, Any]] | None = None,
                   tool_choice: str = "", parallel_tool_calls: bool = True,
                   response_format: Mapping[str, Any] | None = None, priority: int = 0,
-                  prediction: str = "") -> pb.GenerateRequest:
+                  prediction: str = "", min_tokens: int | None = None) -> pb.GenerateRequest:
     """A GenerateRequest. Exactly one input: prompt (raw text), chat (the model's chat template is applied: {"role",
     "content"} mappings or (role, content) pairs) or token_ids. None leaves a sampling field unset (the server's
     default: temperature 1, top_p 1, top_k and min_p off, max_tokens 128, no penalties). n: choices for this prompt.
@@ -84,7 +85,8 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
     "length"); the server refuses a format it cannot compile (INVALID_ARGUMENT). priority: 0 (the default) or more;
     the gateway runs lower values first, equal ones in arrival order. prediction: text the output is expected to
     repeat in large part (code or a document being edited): where the output matches it, its tokens are verified as
-    drafts, so such output comes sooner; the output is the same as without it."""
+    drafts, so such output comes sooner; the output is the same as without it. min_tokens: no EOS or stop token id
+    before this many output tokens (stop strings still end it)."""
     if sum(x is not None for x in (prompt, token_ids, chat)) != 1:
         raise InvalidArgument("input: pass exactly one of prompt, token_ids or chat")
     if speculation not in SPECULATION_MODES:
@@ -92,7 +94,7 @@ def build_request(prompt: str | None = None, *, chat: ChatMessages | None = None
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p, "seed": seed,
                 "max_tokens": max_tokens, "repetition_penalty": repetition_penalty,
                 "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
-                "logit_bias": dict(logit_bias) if logit_bias else None}
+                "logit_bias": dict(logit_bias) if logit_bias else None, "min_tokens": min_tokens}
     request = _wire(
         pb.GenerateRequest,
         request_id=request_id, session_id=session_id,

@@ -118,6 +118,9 @@ class SamplingParams:
     and top-p, on draft and target alike (core.penalties); neutral at 1, 0, 0 and none.
     output_format: a structure the output must follow (core.format_masks), masking draft and target logits alike after
     the penalties; None leaves the output free.
+    min_tokens (vLLM's): the output's first min_tokens tokens are none of `end_ids`, the ids that would end it (its
+    EOS unless ignored, its stop_token_ids; set by the engine), which draft and target alike hold back there
+    (core.penalties): both sample from the same reshaped distribution, so speculation stays lossless.
     """
 
     temperature: float = 1.0
@@ -137,6 +140,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per time the output holds the token
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids ascending
     output_format: OutputFormat | None = None
+    min_tokens: int = 0
+    end_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _require(isinstance(self.temperature, int | float) and 0.0 <= self.temperature <= 100.0,
@@ -153,6 +158,10 @@ class SamplingParams:
                  "engine_seed", f"must be a non-negative integer below 2**63, got {self.engine_seed!r}")
         _require(isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= 1_000_000,
                  "max_tokens", f"must be between 1 and 1000000, got {self.max_tokens!r}")
+        _require(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+                 "min_tokens", f"must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.end_ids), "end_ids",
+                 "must be non-negative token ids")
         _require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
                  "logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
         _require(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
@@ -182,6 +191,10 @@ class SamplingParams:
         # A format ends the output where a match is whole: past its EOS the structure allows nothing more.
         _require(self.output_format is None or not self.ignore_eos,
                  "ignore_eos", "cannot combine with a response format, which ends the output at a whole match")
+        # A whole match may leave nothing but the end to choose: held back, no token would be left.
+        _require(self.output_format is None or not self.min_tokens, "min_tokens",
+                 "cannot combine with a response format or a required tool call, which end the output at a whole "
+                 "match")
 
     @property
     def greedy(self) -> bool:
@@ -197,7 +210,12 @@ class SamplingParams:
         """Whether penalties or a logit bias apply (core.penalties): the logits depend on the context, not only on
         the model."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or self.holds_back_ends)
+
+    @property
+    def holds_back_ends(self) -> bool:
+        """Whether min_tokens holds back some end ids."""
+        return self.min_tokens > 0 and bool(self.end_ids)
 
     @property
     def key_seed(self) -> int | None:

@@ -96,6 +96,8 @@ class SpeculativeEngine:
             params = dataclasses.replace(params, engine_seed=secrets.randbits(63))
         state = policy_state or policy.PolicyState(k=self.config.spec.k_init)
         stop = StopChecker(params, self.eos_token_ids, self.decode)
+        if params.min_tokens:  # the ids min_tokens holds back are the ones that would end the output
+            params = dataclasses.replace(params, end_ids=tuple(sorted(stop.stop_ids)))
         self.sequences[request_id] = Sequence(request_id, list(prompt), params, stop, state, max_k=max_k,
                                               session_id=session_id, cache_scope=cache_scope, priority=priority,
                                               logprobs=None if params.logprobs is None else [],
@@ -164,7 +166,8 @@ class SpeculativeEngine:
     @staticmethod
     def _row_view(seq: Sequence, prefill_limit: int, predicted: int) -> RowView:
         return RowView(seq.policy, seq.max_k, seq.params.max_tokens - len(seq.output), prefill_limit,
-                       first_round=not seq.output, behind=len(seq.context) - seq.draft_synced, predicted=predicted,
+                       first_round=not seq.output, behind=len(seq.context) - seq.draft_synced,
+                       predicting=seq.prediction is not None, predicted=predicted,
                        prediction_acceptance=predicted_acceptance(seq.stats.prediction_drafted,
                                                                   seq.stats.prediction_accepted))
 
@@ -299,6 +302,9 @@ class SpeculativeEngine:
                                    f"{len(seq.prompt) - 1}")
             seq.prompt_logprobs = prompt_logprobs = list(result.prompt_logprobs)
         seq.finish_reason, seq.text_cut = seq.stop.extend(seq.output, new_tokens)
+        if seq.params.min_tokens and len(seq.output) >= seq.params.min_tokens:
+            # Held back no longer: the rounds after it reshape nothing for it (a plain row may decode in blocks).
+            seq.params = dataclasses.replace(seq.params, min_tokens=0, end_ids=())
         if seq.finish_reason is not None:
             self._release(seq)
         emitted = seq.output[before:]

@@ -1,7 +1,8 @@
 """Penalties and logit bias: how a request reshapes a model's logits by the context so far, on the model's device,
 for draft and target alike, before temperature, top-k and top-p (core.sampling).
 
-In the order vLLM applies them (and with the meaning OpenAI's fields have): the bias is added to the raw logits;
+In the order vLLM applies them (and with the meaning OpenAI's fields have): the ids that would end the output are
+held back (-inf) at positions before min_tokens of output; the bias is added to the raw logits;
 then the repetition penalty (CTRL's, as Hugging Face's RepetitionPenaltyLogitsProcessor) divides the positive logit
 and multiplies the negative one of every token found anywhere in the context, prompt included; then the frequency
 and presence penalties subtract from the logit of each token the output holds, per occurrence and once.
@@ -40,6 +41,12 @@ def reshape_(logits: torch.Tensor, params: SamplingParams, context: Sequence[int
     vocabulary one verification of 5 positions took 2.7 ms on a 2-core CPU."""
     width, vocab = logits.shape
     device = logits.device
+    if params.holds_back_ends:
+        # Position i emits the output's token number len(context) - output_start + i (from 0).
+        held = params.min_tokens - (len(context) - output_start)
+        ends = [token for token in params.end_ids if token < vocab]
+        if held > 0 and ends:
+            logits[:held, on_device(ends, device, torch.long)] = float("-inf")
     if params.logit_bias:
         biased = [(token, bias) for token, bias in params.logit_bias if token < vocab]
         if biased:

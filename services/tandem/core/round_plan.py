@@ -2,12 +2,14 @@
 
 `plan_round` applies these rules in order, per row and then over the batch:
 
-0. A row whose request predicted its output (core.prediction) and whose output so far continues in the prediction
-   drafts the predicted tokens that follow, no draft model asked: as many of them (within rule 3's caps) as makes
-   the most tokens per second of target forward at the acceptance its predicted drafts have had. Its policy is not
-   asked, its drafter neither drafts nor catches up, and the rules below see it as a row that does not draft. Not in
-   a round where it only prefills a chunk of its prompt, nor where its request's max_k is 0; where the prediction
-   offers nothing there, or too little to pay, the row goes on to the rules below.
+0. A row whose request predicted its output (core.prediction) drafts from its prediction alone: where its output
+   so far continues in the prediction, the predicted tokens that follow, as many of them (within rule 3's caps) as
+   makes the most tokens per second of target forward at the acceptance its predicted drafts have had; elsewhere
+   nothing. The draft model is never asked for it: its drafter would first have to catch up on the prompt and on
+   every predicted token accepted (on the real pair, code edits ran at 30.4 tok/s with the draft model asked where
+   the prediction offered nothing, 39.2 without it: docs/bench/predicted-outputs-v1.json's first sitting, in
+   docs/performance.md). Its policy is not asked and the rules below see it as a row that does not draft. Not in a
+   round where it only prefills a chunk of its prompt, nor where its request's max_k is 0.
 1. No drafting (k 0, the policy not asked): the engine is not speculating (no drafter, or speculation off), the
    request's max_k is 0, it is the row's first round under the adaptive policy's plain_first_round, or the row only
    prefills a chunk of its prompt this step.
@@ -57,7 +59,8 @@ class RowView:
     prefill_limit: int  # above 0: the verifier only prefills a chunk of the prompt this step
     first_round: bool  # the request has emitted nothing yet
     behind: int  # committed tokens the row's drafter has not seen (its catch-up)
-    predicted: int = 0  # predicted tokens that would follow the row's output (rule 0)
+    predicting: bool = False  # the request predicted its output (rule 0)
+    predicted: int = 0  # predicted tokens that would follow the row's output
     prediction_acceptance: float = 0.0  # the share of the row's predicted drafts accepted so far (its prior at first)
 
 
@@ -78,8 +81,7 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
     the rows, the costs and the prior, and changes none of them. `prior`: the deployment's recent acceptance;
     `prior_measured`: whether the deployment's sessions have measured it (policy.SharedPrior.measured)."""
     predicted = [_predicted(row, spec, costs) for row in rows]
-    decisions = [None if p else _decide(row, speculating, spec, costs, prior)
-                 for row, p in zip(rows, predicted, strict=True)]
+    decisions = [None if row.predicting else _decide(row, speculating, spec, costs, prior) for row in rows]
     ks = [_capped(row, decision, spec) for row, decision in zip(rows, decisions, strict=True)]
     catch_up = [0] * len(rows)
     if len(rows) > 1 and spec.adaptive:
@@ -105,7 +107,7 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
 
 
 def _predicted(row: RowView, spec: SpecConfig, costs: CostModel) -> int:
-    """Rule 0: how many predicted tokens the row drafts (0: none, the rules below decide)."""
+    """Rule 0: how many predicted tokens the row drafts (0: none)."""
     if not row.predicted or row.max_k == 0 or row.prefill_limit > 0:
         return 0
     return predicted_k(min(row.predicted, _limit(row, spec)), row.prediction_acceptance, costs)

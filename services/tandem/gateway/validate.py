@@ -137,7 +137,7 @@ def sampling_params(request: pb.GenerateRequest, limits: GatewayLimits, model: M
                           presence_penalty=value("presence_penalty", 0.0),
                           frequency_penalty=value("frequency_penalty", 0.0),
                           logit_bias=tuple(sorted(sampling.logit_bias.items())),
-                          output_format=output_format(sampling))
+                          output_format=output_format(sampling), min_tokens=value("min_tokens", 0))
 
 
 def output_format(sampling: pb.SamplingParams) -> OutputFormat | None:

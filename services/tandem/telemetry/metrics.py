@@ -130,7 +130,11 @@ class GatewayMetrics:
         self.accepted = meter.create_counter("tandem.spec.accepted_tokens", unit="{token}",
                                              description="Draft tokens the target accepted, by draft position.")
         self.rounds = meter.create_counter("tandem.spec.rounds", unit="{round}",
-                                           description="Rounds run, by kind (speculative, plain, fallback).")
+                                           description="Rounds run, by kind (speculative, predicted, plain, "
+                                                       "fallback).")
+        self.predicted = meter.create_counter("tandem.spec.prediction_tokens", unit="{token}",
+                                              description="Tokens of requests' predicted outputs drafted, by outcome "
+                                                          "(accepted, rejected).")
         meter.create_observable_gauge("tandem.spec.acceptance", _gauge(self._acceptance), unit="1",
                                       description="Accepted / drafted tokens since start, by draft model and position.")
         meter.create_observable_gauge("tandem.spec.sessions_in_fallback", _gauge(self._fallback), unit="{session}",
@@ -222,11 +226,15 @@ class GatewayMetrics:
         """A request finished (engine thread): add its rounds and per-position draft counts."""
         stats = seq.stats
         if stats.rounds:
-            plain = stats.rounds - stats.spec_rounds
-            for kind, count in (("speculative", stats.spec_rounds), ("plain", plain - stats.fallback_rounds),
-                                ("fallback", stats.fallback_rounds)):
+            plain = stats.rounds - stats.spec_rounds - stats.predicted_rounds
+            for kind, count in (("speculative", stats.spec_rounds), ("predicted", stats.predicted_rounds),
+                                ("plain", plain - stats.fallback_rounds), ("fallback", stats.fallback_rounds)):
                 if count:
                     self.rounds.add(count, self._spec_base | {"tandem.spec.round_kind": kind})
+        if stats.prediction_drafted:
+            rejected = stats.prediction_drafted - stats.prediction_accepted
+            for outcome, count in (("accepted", stats.prediction_accepted), ("rejected", rejected)):
+                self.predicted.add(count, self._spec_base | {"tandem.spec.outcome": outcome})
         if not stats.drafted:
             return
         with self._lock:

@@ -88,7 +88,8 @@ def _common(body: _Generate, request_id: str, max_tokens: int | None, logprobs: 
                                  seed=body.seed, temperature=body.temperature, top_p=body.top_p, min_p=body.min_p,
                                  repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                                  frequency_penalty=body.frequency_penalty, logit_bias=_logit_bias(body.logit_bias),
-                                 response_format=response_format(body))
+                                 response_format=response_format(body),
+                                 min_tokens=_int32("min_tokens", body.min_tokens))
     speculation = pb.SpeculationOptions(mode=SPECULATION_MODES[body.speculation or "auto"],
                                         max_k=_int32("max_k", body.max_k))
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])

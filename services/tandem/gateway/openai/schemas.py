@@ -120,7 +120,7 @@ class _Generate(_Body):
     guided_grammar: Any = None
     # vLLM's sampling extras tandem does not follow, each refused when set to other than its default: ignored, they
     # would give other output than the client asked for.
-    min_tokens: StrictInt | None = None
+    min_tokens: StrictInt | None = None  # vLLM's: no EOS or stop token id before this many tokens
     use_beam_search: Any = None
     bad_words: Any = None
     allowed_token_ids: Any = None
@@ -130,7 +130,7 @@ class _Generate(_Body):
 
     def unsupported(self) -> list[str]:
         """Fields set to something tandem cannot honour."""
-        differs = {"min_tokens": self.min_tokens not in (None, 0), "use_beam_search": bool(self.use_beam_search),
+        differs = {"use_beam_search": bool(self.use_beam_search),
                    "bad_words": bool(self.bad_words), "allowed_token_ids": bool(self.allowed_token_ids),
                    "include_stop_str_in_output": bool(self.include_stop_str_in_output),
                    "skip_special_tokens": self.skip_special_tokens is False,
