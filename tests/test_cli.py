@@ -36,6 +36,21 @@ def test_generate_json_and_no_spec_agree(capsys, cli_models) -> None:
     assert plain["stats"]["drafted"] == 0 and not plain["speculative"]
 
 
+def test_generate_with_a_prediction_and_min_tokens(capsys, cli_models, tmp_path) -> None:
+    plain = _generate(capsys, cli_models, "--no-spec")
+    expected = tmp_path / "expected.txt"
+    expected.write_text(plain["text"], encoding="utf-8")
+    predicted = _generate(capsys, cli_models, "--prediction", str(expected), "--min-tokens", "20")
+    assert predicted["token_ids"] == plain["token_ids"] and predicted["stats"]["drafted"] == 0
+    assert "accepted_prediction_tokens" in predicted["stats"]
+    assert main(["generate", "x", "--target", str(cli_models / "target"), "--prediction",
+                 str(tmp_path / "missing.txt")]) == 2
+    assert "prediction: cannot read" in capsys.readouterr().err
+    assert main(["generate", "x", "--target", str(cli_models / "target"), "--max-tokens", "4", "--min-tokens",
+                 "5"]) == 2
+    assert "min-tokens" in capsys.readouterr().err
+
+
 def test_generate_streams_text(capsys, cli_models) -> None:
     code = main(["generate", "hi", "--target", str(cli_models / "target"), "--draft", str(cli_models / "draft"),
                  "--chat", "--temperature", "0.7", "--seed", "1", "--max-tokens", "10", "--dtype", "float32"])

@@ -168,7 +168,7 @@ def test_tokenize_matches_the_models_tokenizer(server, tiny_models) -> None:
         TandemClient(server.address).tokenize()
 
 
-def test_cli_generate_address_goes_through_the_client(server, capsys) -> None:
+def test_cli_generate_address_goes_through_the_client(server, capsys, tmp_path) -> None:
     code = main(["generate", "def add(a, b):", "--address", server.address, "--temperature", "0",
                  "--max-tokens", str(TOKENS), "--ignore-eos", "--json"])
     assert code == 0
@@ -177,6 +177,12 @@ def test_cli_generate_address_goes_through_the_client(server, capsys) -> None:
         result = client.generate_result("def add(a, b):", **GREEDY)
     assert out["token_ids"] == result.token_ids and out["finish_reason"] == "length"
     assert out["stats"]["drafted"] > 0 and out["request_id"]
+    expected = tmp_path / "expected.txt"
+    expected.write_text(out["text"], encoding="utf-8")
+    code = main(["generate", "def add(a, b):", "--address", server.address, "--temperature", "0",
+                 "--max-tokens", str(TOKENS), "--ignore-eos", "--json", "--prediction", str(expected),
+                 "--min-tokens", "3"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["token_ids"] == result.token_ids
 
 
 # --- metadata and TLS against a small grpc server -----------------------------------------------------------------

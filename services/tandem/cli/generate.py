@@ -21,7 +21,7 @@ from tandem.cli.formats import add_format_options, check_compiles
 from tandem.cli.options import STDOUT, add_json_option, wants_text
 from tandem.cli.outcome import print_outcome
 from tandem.cli.remote import add_address_option
-from tandem.cli.sampling import add_sampling_options, sampling_params
+from tandem.cli.sampling import add_sampling_options, prediction_text, sampling_params
 from tandem.errors import InvalidArgument
 
 
@@ -56,6 +56,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from tandem.models.loader import eos_token_ids
 
     params = sampling_params(args)
+    prediction = prediction_text(args)  # an unreadable file fails before the models load
     speculate = not args.no_spec
     config = engine_config(args, speculate, max_batch=1)
     budget = kv_tokens(args)
@@ -74,7 +75,8 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt_ids = encode_prompt(target.tokenizer, args.prompt, args.chat)
     started = time.perf_counter()
     first_token_at = None
-    request_id = engine.add_request(prompt_ids, params)
+    predicted = target.tokenizer.encode(prediction, add_special_tokens=False) if prediction else None
+    request_id = engine.add_request(prompt_ids, params, prediction=predicted)
     seq = engine.sequences[request_id]
     detok = IncrementalDetokenizer(engine.decode, params.stop)
     while engine.has_unfinished():

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from tandem.cli.options import wants_text
 from tandem.cli.outcome import print_outcome
+from tandem.cli.sampling import prediction_text
 from tandem.errors import TandemError
 
 if TYPE_CHECKING:
@@ -80,7 +81,8 @@ def run_remote_generate(args: argparse.Namespace) -> int:
                                         repetition_penalty=args.repetition_penalty,
                                         presence_penalty=args.presence_penalty,
                                         frequency_penalty=args.frequency_penalty,
-                                        response_format=wanted,
+                                        response_format=wanted, min_tokens=args.min_tokens or None,
+                                        prediction=prediction_text(args),
                                         speculation="off" if args.no_spec else "auto"):
                 collector.add(item)
                 if isinstance(item, pb.Complete):

@@ -8,6 +8,7 @@ import argparse
 
 from tandem.cli.formats import output_format
 from tandem.core.config import DEFAULT_MAX_TOKENS, SamplingParams
+from tandem.errors import InvalidArgument
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +30,23 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids",
                         help="stop token id (repeatable)")  # dest: errors name the field, and so the flag
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    parser.add_argument("--min-tokens", type=int, default=0,
+                        help="no end-of-sequence or stop token id before this many tokens (default: %(default)s)")
+    parser.add_argument("--prediction", metavar="FILE", default=None,
+                        help="a file whose text the output is expected to repeat in large part (code or a document "
+                             "being edited): where the output matches it, its tokens are verified as drafts; the "
+                             "output is the same as without it")
+
+
+def prediction_text(args: argparse.Namespace) -> str:
+    """The text of --prediction's file ("" without one)."""
+    if args.prediction is None:
+        return ""
+    try:
+        with open(args.prediction, encoding="utf-8") as handle:
+            return handle.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"prediction: cannot read {args.prediction}: {exc}") from None
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -37,4 +55,4 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
                           stop_token_ids=tuple(args.stop_token_ids),
                           ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          output_format=output_format(args))
+                          output_format=output_format(args), min_tokens=args.min_tokens)
