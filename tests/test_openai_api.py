@@ -65,6 +65,9 @@ def test_models_and_health(server) -> None:
     assert health.status_code == 200 and health.json() == {"status": "ok"}
     probed = httpx.head(f"{server.gateway.http_url}/health")  # uptime probes, curl -I
     assert probed.status_code == 200 and probed.content == b""
+    for path, status in (("/v1/models", 200), (f"/v1/models/{MODEL}", 200), ("/v1/models/other", 404)):
+        headed = httpx.head(f"{server.gateway.http_url}{path}")  # as GET, without the body
+        assert headed.status_code == status and headed.content == b"", path
     listed = httpx.get(f"{server.gateway.http_url}/v1/models/")  # a trailing slash: the list, not model ""
     assert listed.status_code == 200 and [m["id"] for m in listed.json()["data"]] == [MODEL]
 
