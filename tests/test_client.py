@@ -182,7 +182,10 @@ def test_cli_generate_address_goes_through_the_client(server, capsys, tmp_path) 
     code = main(["generate", "def add(a, b):", "--address", server.address, "--temperature", "0",
                  "--max-tokens", str(TOKENS), "--ignore-eos", "--json", "--prediction", str(expected),
                  "--min-tokens", "3"])
-    assert code == 0 and json.loads(capsys.readouterr().out)["token_ids"] == result.token_ids
+    predicted = json.loads(capsys.readouterr().out)
+    assert code == 0 and predicted["token_ids"] == result.token_ids
+    assert {"predicted_rounds", "accepted_prediction_tokens", "rejected_prediction_tokens"} <= predicted["stats"].keys()
+    assert predicted["stats"]["predicted_rounds"] > 0
 
 
 # --- metadata and TLS against a small grpc server -----------------------------------------------------------------

@@ -3,6 +3,8 @@ is without the prediction (greedy, seeded and unseeded sampling), through the en
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import pytest
 import torch
@@ -49,6 +51,11 @@ def test_offers_continue_where_the_output_rejoins_the_prediction() -> None:
     assert prediction.offer([10, 11, 12, 50, 51, 15, 16, 17, 12, 13], 5) == [99]
     assert prediction.offer([10, 11, 12, 13, 14, 15, 16, 17, 12, 13, 99], 5) == []  # nothing after its end
     assert prediction.offer([10], 0) == []
+    # Inside a run of repeated tokens, the output goes on where it stands, not at the run's first match.
+    run = [1, 2, 3, 9, 9, 9, 9, 9, 9, 9, 9, 4, 5, 6]
+    repeated = Prediction(run)
+    assert repeated.offer([], 4) == run[:4] and repeated.offer(run[:5], 4) == run[5:9]
+    assert repeated.offer(run[:9], 4) == [9, 9, 4, 5]
 
 
 def test_predicted_k_pays_for_what_the_forward_costs() -> None:
@@ -107,6 +114,12 @@ def test_greedy_output_is_the_same_with_any_prediction(tiny_models, with_draft: 
     assert rejoined.stats["rejected_prediction_tokens"] > 0
     junk = _run(engine, params, list(range(100, 160)))
     assert junk.token_ids == plain and junk.stats["accepted_prediction_tokens"] == 0
+    # A stop inside the accepted drafts ends the output there: only what it holds is counted.
+    stop_id = plain[12]
+    stopped = _run(engine, dataclasses.replace(params, stop_token_ids=(stop_id,)), plain)
+    assert stopped.token_ids == plain[: plain.index(stop_id)]
+    assert 0 < stopped.stats["accepted_prediction_tokens"] <= len(stopped.token_ids)
+    assert stopped.stats["rejected_prediction_tokens"] == 0
 
 
 def test_seeded_output_is_the_same_with_a_prediction(tiny_models) -> None:
@@ -228,11 +241,13 @@ def test_chat_prediction_over_http_and_grpc(server: ServerThread) -> None:
 
 
 @pytest.mark.parametrize(("prediction", "param"), [
-    ({"type": "audio", "content": "x"}, "prediction"),
+    ({"type": "audio", "content": "x"}, "prediction.type"),
     ({"type": "content", "content": [{"type": "image_url", "text": None}]}, "prediction.content"),
+    ({"type": "content", "content": [{"type": "text"}]}, "prediction.content: a text part needs its text"),
 ])
 def test_a_malformed_prediction_is_a_400_naming_it(server: ServerThread, prediction: dict, param: str) -> None:
     response = httpx.post(f"{server.gateway.http_url}/v1/chat/completions", timeout=30,
                           json={"model": MODEL, "messages": CHAT, "max_tokens": 4, "prediction": prediction})
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"].startswith(param)
+    error = response.json()["error"]
+    assert error["param"] == param.split(":")[0] and error["message"].startswith(param)

@@ -17,7 +17,7 @@ from tandem.cli.sampling import prediction_text
 from tandem.errors import TandemError
 
 if TYPE_CHECKING:
-    from tandem.client import SpeculationStats, TandemClient
+    from tandem.client import SpeculationStats, TandemClient, Usage
 
 API_KEY_ENV = "TANDEM_API_KEY"  # read from the environment, so the key stays out of `ps` and shell history
 
@@ -34,8 +34,9 @@ def add_address_option(parser: argparse.ArgumentParser) -> None:
                         help="with --tls: client certificate chain (mutual TLS)")
 
 
-def stats_dict(stats: SpeculationStats) -> dict:
-    """The server's SpeculationStats under the key names of the in-process engine's stats."""
+def stats_dict(stats: SpeculationStats, usage: Usage) -> dict:
+    """The server's SpeculationStats (and Usage's prediction counts) under the key names of the in-process engine's
+    stats."""
     return {
         "rounds": stats.rounds,
         "fallback_rounds": stats.fallback_rounds,
@@ -45,6 +46,9 @@ def stats_dict(stats: SpeculationStats) -> dict:
         "mean_accepted_length": round(stats.mean_accepted_length, 4),
         "acceptance_per_position": [round(a, 4) for a in stats.acceptance_per_position],
         "draft_failures": stats.draft_failures,
+        "predicted_rounds": stats.predicted_rounds,
+        "accepted_prediction_tokens": usage.accepted_prediction_tokens,
+        "rejected_prediction_tokens": usage.rejected_prediction_tokens,
     }
 
 
@@ -100,5 +104,5 @@ def run_remote_generate(args: argparse.Namespace) -> int:
         raise TandemError(f"{args.address}: the stream ended without a result") from None
     print_outcome(args.json, result.text, result.token_ids, result.finish_reason, result.usage.prompt_tokens,
                   elapsed, first_token_at and first_token_at - started, not args.no_spec,
-                  stats_dict(result.speculation), request_id=result.request_id)
+                  stats_dict(result.speculation, result.usage), request_id=result.request_id)
     return 0

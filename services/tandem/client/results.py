@@ -36,12 +36,13 @@ class SpeculationStats:
     fallback_rounds: int = 0
     acceptance_per_position: tuple[float, ...] = ()
     draft_failures: int = 0
+    predicted_rounds: int = 0  # rounds that drafted from the request's prediction
 
     @classmethod
     def from_proto(cls, stats: pb.SpeculationStats) -> SpeculationStats:
         return cls(stats.rounds, stats.drafted_tokens, stats.accepted_tokens, stats.acceptance_rate,
                    stats.mean_accepted_length, stats.fallback_rounds, tuple(stats.acceptance_per_position),
-                   stats.draft_failures)
+                   stats.draft_failures, stats.predicted_rounds)
 
 
 @dataclass(frozen=True, slots=True)

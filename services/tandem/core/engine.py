@@ -284,9 +284,7 @@ class SpeculativeEngine:
         committed, accepted = len(seq.context), result.accepted
         new_tokens = (proposal.tokens[:accepted] if proposal else []) + [result.next_token, *result.more]
         seq.verify_synced = committed + len(new_tokens)
-        if predicted:
-            seq.stats.record_predicted_round(k, accepted)
-        else:
+        if not predicted:
             if k > 0:
                 seq.draft_synced = committed + accepted
             seq.stats.record_round(k, accepted, seq.policy.fallback, len(result.more))
@@ -302,6 +300,9 @@ class SpeculativeEngine:
                                    f"{len(seq.prompt) - 1}")
             seq.prompt_logprobs = prompt_logprobs = list(result.prompt_logprobs)
         seq.finish_reason, seq.text_cut = seq.stop.extend(seq.output, new_tokens)
+        if predicted:  # counted as far as the output goes: a stop may end it inside the accepted drafts
+            kept = len(seq.output) - before
+            seq.stats.record_predicted_round(min(accepted, kept), k - accepted if kept > accepted else 0)
         if seq.params.min_tokens and len(seq.output) >= seq.params.min_tokens:
             # Held back no longer: the rounds after it reshape nothing for it (a plain row may decode in blocks).
             seq.params = dataclasses.replace(seq.params, min_tokens=0, end_ids=())

@@ -32,7 +32,7 @@ PRIOR_WEIGHT = 4.0  # in drafted tokens
 class Prediction:
     """A request's predicted output as token ids, indexed by the n-grams it holds."""
 
-    __slots__ = ("_after", "_last", "tokens")
+    __slots__ = ("_after", "_offered_at", "_start", "tokens")
 
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = list(tokens)
@@ -42,7 +42,8 @@ class Prediction:
             index = self._after[n - 1]
             for end in range(n, len(self.tokens) + 1):
                 index.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
-        self._last = 0  # where the last offer continued from
+        self._start = 0  # where the last offer continued from
+        self._offered_at = 0  # the output's length then
 
     def offer(self, output: list[int], most: int) -> list[int]:
         """Up to `most` predicted tokens to follow `output` (none where the output's last tokens are not in the
@@ -52,16 +53,24 @@ class Prediction:
         start = self._continuation(output)
         if start is None:
             return []
-        self._last = start
+        self._start, self._offered_at = start, len(output)
         return self.tokens[start : start + most]
 
     def _continuation(self, output: list[int]) -> int | None:
+        """Where in the prediction `output` goes on: where it would be had it followed the prediction since the last
+        offer, if its last tokens are there (inside a run of repeated tokens, the first occurrence after the last
+        start would fall short); else the occurrence of its last tokens at or after the last start (after an edit:
+        where the output rejoins the prediction), else the last one."""
         if not output:
             return 0
+        expected = self._start + len(output) - self._offered_at
         for n in range(min(NGRAM, len(output)), 0, -1):
             after = self._after[n - 1].get(tuple(output[-n:]))
             if after:
-                at = bisect_left(after, self._last)
+                at = bisect_left(after, expected)
+                if at < len(after) and after[at] == expected:
+                    return expected
+                at = bisect_left(after, self._start)
                 return after[at] if at < len(after) else after[-1]
         return None
 

@@ -47,10 +47,12 @@ class RequestStats:
             self.drafted_at[position] += 1
             self.accepted_at[position] += int(position < accepted)
 
-    def record_predicted_round(self, k: int, accepted: int) -> None:
+    def record_predicted_round(self, accepted: int, rejected: int) -> None:
+        """A round that drafted from the request's prediction: of its drafts the output holds, those accepted and
+        those refused."""
         self.rounds += 1
         self.predicted_rounds += 1
-        self.prediction_drafted += k
+        self.prediction_drafted += accepted + rejected
         self.prediction_accepted += accepted
 
     @property

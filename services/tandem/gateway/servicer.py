@@ -45,6 +45,7 @@ def speculation_stats(stats: dict) -> pb.SpeculationStats:
         fallback_rounds=stats.get("fallback_rounds", 0),
         acceptance_per_position=stats.get("acceptance_per_position", []),
         draft_failures=stats.get("draft_failures", 0),
+        predicted_rounds=stats.get("predicted_rounds", 0),
     )
 
 

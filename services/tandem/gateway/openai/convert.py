@@ -127,9 +127,12 @@ def _prediction(content: str | list) -> str:
     """A prediction's text: a string, or its text parts one after another."""
     if isinstance(content, str):
         return content
-    if bad := next((part for part in content if part.type != "text" or part.text is None), None):
-        raise bad_request(f"prediction.content: only text parts are supported, got type {bad.type!r}",
-                          "prediction.content")
+    for part in content:
+        if part.type != "text":
+            raise bad_request(f"prediction.content: only text parts are supported, got type {part.type!r}",
+                              "prediction.content")
+        if part.text is None:
+            raise bad_request("prediction.content: a text part needs its text", "prediction.content")
     return "".join(part.text for part in content)
 
 
