@@ -6,7 +6,7 @@ runs, each pairing's speedup, the accepted and refused predicted tokens, and whe
 alone's without a prediction (bf16: a verify forward and a one-token forward round differently, so near-ties may
 part them; the float32 exactness is tests/test_prediction.py's).
 
-    PYTHONPATH=services python docs/bench/predicted-outputs-v1.py REPEATS OUT.json   # about 20 min for 2 on CPU-A
+    PYTHONPATH=services python docs/bench/predicted-outputs-v1.py REPEATS OUT.json   # about 12 min for 2 on CPU-A
 """
 
 from __future__ import annotations

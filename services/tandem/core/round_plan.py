@@ -6,8 +6,8 @@
    so far continues in the prediction, the predicted tokens that follow, as many of them (within rule 3's caps) as
    makes the most tokens per second of target forward at the acceptance its predicted drafts have had; elsewhere
    nothing. The draft model is never asked for it: its drafter would first have to catch up on the prompt and on
-   every predicted token accepted (on the real pair, code edits ran at 30.4 tok/s with the draft model asked where
-   the prediction offered nothing, 39.2 with the target alone: docs/bench/predicted-outputs-draft-asked-v1.json,
+   every predicted token accepted (on the real pair, code edits ran 0.76x as fast with the draft model asked where
+   the prediction offered nothing as with the target alone: docs/bench/predicted-outputs-draft-asked-v1.json,
    docs/performance.md "Predicted outputs"). Its policy is not asked and the rules below see it as a row that does
    not draft. Not in a round where it only prefills a chunk of its prompt, nor where its request's max_k is 0.
 1. No drafting (k 0, the policy not asked): the engine is not speculating (no drafter, or speculation off), the
