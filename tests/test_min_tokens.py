@@ -93,3 +93,12 @@ def test_min_tokens_over_the_openai_api(server, tiny_models) -> None:
     assert response.status_code == 200, response.text
     answer = response.json()
     assert answer["usage"]["completion_tokens"] == 8 and answer["choices"][0]["finish_reason"] == "stop"
+
+
+def test_min_tokens_past_the_responses_apis_limit_is_named_in_its_words(server) -> None:
+    body = {"model": "tiny-target", "input": "abc", "max_output_tokens": 20, "min_tokens": 500, "store": False}
+    response = httpx.post(f"{server.gateway.http_url}/v1/responses", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "min_tokens" and "limit of 20 tokens" in error["message"]
+    assert "max_tokens" not in error["message"]  # the Responses API's field is max_output_tokens

@@ -159,7 +159,8 @@ class SamplingParams:
         _require(isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= 1_000_000,
                  "max_tokens", f"must be between 1 and 1000000, got {self.max_tokens!r}")
         _require(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
-                 "min_tokens", f"must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+                 "min_tokens", f"must be between 0 and the output's limit of {self.max_tokens} tokens, got "
+                 f"{self.min_tokens!r}")
         _require(all(isinstance(t, int) and t >= 0 for t in self.end_ids), "end_ids",
                  "must be non-negative token ids")
         _require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),

@@ -10,8 +10,9 @@ the predicted token (core.rejection), that is with probability p(token), and res
 Where to continue: the first round starts at the prediction's first token; later rounds look up the output's last
 few tokens (the longest n-gram of up to NGRAM that occurs in the prediction) and continue where the output stands if
 it followed the prediction since the last offer, else after their first occurrence at or after where the last offer
-began, so that after an edit the drafts pick the prediction up where the output rejoins it. How many: the k of the offered tokens that makes the most tokens per second of the target's forward
-time at the acceptance the request's drafts have had (core.policy.expected_tokens), a drafted block being free.
+began, so that after an edit the drafts pick the prediction up where the output rejoins it. How many: the k of
+the offered tokens that makes the most tokens per second of the target's forward time at the acceptance the
+request's drafts have had (core.policy.expected_tokens), a drafted block being free.
 """
 
 from __future__ import annotations
