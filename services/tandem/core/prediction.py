@@ -17,8 +17,6 @@ request's drafts have had (core.policy.expected_tokens), a drafted block being f
 
 from __future__ import annotations
 
-from bisect import bisect_left
-
 import numpy as np
 
 from tandem.core.costs import CostModel
@@ -26,23 +24,34 @@ from tandem.core.policy import expected_tokens
 from tandem.core.protocol import DraftDist, DraftProposal
 
 NGRAM = 3  # the longest run of the output's last tokens looked up in the prediction
+TOKEN_BITS = 21  # a token id's bits in an n-gram's key: NGRAM of them fit 64 (vocabularies up to 2M ids)
 PRIOR_ACCEPTANCE = 0.9  # before a request's predicted drafts are measured: predictions are meant to be mostly right
 PRIOR_WEIGHT = 4.0  # in drafted tokens
 
 
 class Prediction:
-    """A request's predicted output as token ids, indexed by the n-grams it holds."""
+    """A request's predicted output as token ids, indexed by the n-grams it holds: per n, the n-grams packed into one
+    integer each (TOKEN_BITS a token), sorted, beside the position just after each occurrence. Built with numpy on the
+    engine's thread when the request is added: about 7 ms for 32k tokens on 2 cores, where a dict of tuples took
+    60-85 ms, a pause every running stream would wait out."""
 
-    __slots__ = ("_after", "_offered_at", "_start", "tokens")
+    __slots__ = ("_ends", "_keys", "_offered_at", "_start", "tokens")
 
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = list(tokens)
-        # _after[n - 1]: n tokens -> every position just after an occurrence of them, ascending.
-        self._after: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(NGRAM)]
+        ids = np.asarray(self.tokens, dtype=np.uint64)
+        if len(ids) and int(ids.max()) >> TOKEN_BITS:
+            raise ValueError(f"prediction: token ids must be below 2**{TOKEN_BITS}")
+        self._keys: list[np.ndarray] = []  # [n - 1]: the n-grams' keys, ascending
+        self._ends: list[np.ndarray] = []  # [n - 1]: where each ends, in the keys' order (ascending within a key)
         for n in range(1, NGRAM + 1):
-            index = self._after[n - 1]
-            for end in range(n, len(self.tokens) + 1):
-                index.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
+            count = max(len(ids) - n + 1, 0)
+            keys = np.zeros(count, dtype=np.uint64)
+            for j in range(n):
+                keys = (keys << np.uint64(TOKEN_BITS)) | ids[j : j + count]
+            order = np.argsort(keys, kind="stable")
+            self._keys.append(keys[order])
+            self._ends.append(order + n)
         self._start = 0  # where the last offer continued from
         self._offered_at = 0  # the output's length then
 
@@ -57,6 +66,17 @@ class Prediction:
         self._start, self._offered_at = start, len(output)
         return self.tokens[start : start + most]
 
+    def _after(self, gram: list[int]) -> np.ndarray:
+        """Every position just after an occurrence of `gram` in the prediction, ascending."""
+        if any(token >> TOKEN_BITS for token in gram):
+            return self._ends[0][:0]
+        key = 0
+        for token in gram:
+            key = (key << TOKEN_BITS) | token
+        keys = self._keys[len(gram) - 1]
+        lo, hi = np.searchsorted(keys, np.uint64(key), "left"), np.searchsorted(keys, np.uint64(key), "right")
+        return self._ends[len(gram) - 1][lo:hi]
+
     def _continuation(self, output: list[int]) -> int | None:
         """Where in the prediction `output` goes on: where it would be had it followed the prediction since the last
         offer, if its last tokens are there (inside a run of repeated tokens, the first occurrence after the last
@@ -66,13 +86,13 @@ class Prediction:
             return 0
         expected = self._start + len(output) - self._offered_at
         for n in range(min(NGRAM, len(output)), 0, -1):
-            after = self._after[n - 1].get(tuple(output[-n:]))
-            if after:
-                at = bisect_left(after, expected)
+            after = self._after(output[-n:])
+            if len(after):
+                at = int(np.searchsorted(after, expected))
                 if at < len(after) and after[at] == expected:
                     return expected
-                at = bisect_left(after, self._start)
-                return after[at] if at < len(after) else after[-1]
+                at = int(np.searchsorted(after, self._start))
+                return int(after[at] if at < len(after) else after[-1])
         return None
 
 
