@@ -259,6 +259,20 @@ def test_a_gateway_with_two_engine_lanes_stays_exact_on_the_shared_pools(pools, 
     assert all(ids == expected[i] for (_, i), ids in out.items())
 
 
+def test_predicted_outputs_draft_on_the_shared_pools(pools, gateways, tiny_models, expected) -> None:
+    """A prediction's drafts reach the target replica as a draft worker's do (an unseeded sampled row's with its
+    one-hot q): greedy output stays plain decoding's; a fixed k (the pools' --fixed-k 4) drafts what is offered."""
+    tokenizer = tiny_models[0].tokenizer
+    with TandemClient(gateways[0].address, timeout=120) as client:
+        greedy = client.generate_result(token_ids=PROMPTS[0], temperature=0.0, max_tokens=TOKENS, ignore_eos=True,
+                                        prediction=tokenizer.decode(expected[0]))
+        sampled = client.generate_result(token_ids=PROMPTS[1], temperature=0.9, max_tokens=TOKENS, ignore_eos=True,
+                                         prediction=tokenizer.decode(expected[1]))
+    assert greedy.token_ids == expected[0] and greedy.speculation.predicted_rounds > 0
+    assert greedy.speculation.drafted_tokens == 0  # the draft workers are not asked for a predicted row
+    assert len(sampled.token_ids) == TOKENS and sampled.speculation.predicted_rounds > 0
+
+
 def test_a_gateway_refuses_pools_of_another_image() -> None:
     from tandem.engines.shared_pools import check_image
     from tandem.errors import TandemError

@@ -88,6 +88,11 @@ def test_the_round_plan_drafts_predictions_without_the_policy() -> None:
     assert plan.ks[4] == 2 and plan.from_prediction(4)  # never past the tokens left (the last is the target's)
     # Not speculating (no drafter): predictions still draft.
     assert plan_round([row()], False, spec, costs, 0.8).ks == (spec.k_max,)
+    # A fixed k drafts as given: all that is offered within it, whatever the costs say.
+    steep = CostModel(verify={1: 1.0, 2: 2.0, 3: 3.0}, frozen=True)
+    fixed = SpecConfig(adaptive=False, k_max=3, k_init=3)
+    assert plan_round([row(), row(predicted=2)], True, fixed, steep, 0.8).ks == (3, 2)
+    assert plan_round([row(prediction_acceptance=0.3)], True, spec, steep, 0.8).ks == (0,)  # adaptive: priced
 
 
 def test_a_sampled_proposal_carries_a_one_hot_q() -> None:

@@ -4,12 +4,13 @@
 
 0. A row whose request predicted its output (core.prediction) drafts from its prediction alone: where its output
    so far continues in the prediction, the predicted tokens that follow, as many of them (within rule 3's caps) as
-   makes the most tokens per second of target forward at the acceptance its predicted drafts have had; elsewhere
-   nothing. The draft model is never asked for it: its drafter would first have to catch up on the prompt and on
-   every predicted token accepted (on the real pair, code edits ran 0.76x as fast with the draft model asked where
-   the prediction offered nothing as with the target alone: docs/bench/predicted-outputs-draft-asked-v1.json,
-   docs/performance.md "Predicted outputs"). Its policy is not asked and the rules below see it as a row that does
-   not draft. Not in a round where it only prefills a chunk of its prompt, nor where its request's max_k is 0.
+   makes the most tokens per second of target forward at the acceptance its predicted drafts have had (a fixed k,
+   adaptive off: all of them, as a fixed k drafts as given); elsewhere nothing. The draft model is never asked for
+   it: its drafter would first have to catch up on the prompt and on every predicted token accepted (on the real
+   pair, code edits ran 0.76x as fast with the draft model asked where the prediction offered nothing as with the
+   target alone: docs/bench/predicted-outputs-draft-asked-v1.json, docs/performance.md "Predicted outputs"). Its
+   policy is not asked and the rules below see it as a row that does not draft. Not in a round where it only
+   prefills a chunk of its prompt, nor where its request's max_k is 0.
 1. No drafting (k 0, the policy not asked): the engine is not speculating (no drafter, or speculation off), the
    request's max_k is 0, it is the row's first round under the adaptive policy's plain_first_round, or the row only
    prefills a chunk of its prompt this step.
@@ -110,7 +111,8 @@ def _predicted(row: RowView, spec: SpecConfig, costs: CostModel) -> int:
     """Rule 0: how many predicted tokens the row drafts (0: none)."""
     if not row.predicted or row.max_k == 0 or row.prefill_limit > 0:
         return 0
-    return predicted_k(min(row.predicted, _limit(row, spec)), row.prediction_acceptance, costs)
+    offered = min(row.predicted, _limit(row, spec))
+    return predicted_k(offered, row.prediction_acceptance, costs) if spec.adaptive else max(offered, 0)
 
 
 def _explored_pay_whole(rows: Sequence[RowView], ks: list[int], shares: list[float], limits: list[int],
