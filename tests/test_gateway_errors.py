@@ -11,6 +11,7 @@ import pytest
 
 from gateway_harness import ServerThread, tiny_backend
 from tandem.client import TandemClient
+from tandem.gateway.loop import Submission
 from tandem.gateway.server import LIVENESS_SERVICE, NOT_SERVING, READINESS_SERVICE, SERVING
 from tandem.gateway.validate import GatewayLimits
 from tandem.v1 import generation_pb2 as pb
@@ -224,19 +225,19 @@ def test_output_its_client_has_not_read_holds_a_queue_place(tiny_models) -> None
     server = ServerThread(tiny_backend(target, draft), max_requests=2)
     try:
         loop, params = server.gateway.loop, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        handles = [server.call(loop.submit([1, 2, 3], params, f"r{i}")) for i in range(2)]
+        handles = [server.call(loop.submit(Submission([1, 2, 3], params, f"r{i}"))) for i in range(2)]
         assert server.wait_for(lambda: loop.active == 0)  # both finished in the engine, neither read
         with pytest.raises(QueueFull, match="2 finished whose clients have not read their output"):
-            server.call(loop.submit([1, 2, 3], params, "r2"))
+            server.call(loop.submit(Submission([1, 2, 3], params, "r2")))
 
         async def read(handle) -> int:
             return sum([len(update.token_ids) async for update in handle])
 
         assert server.call(read(handles[0])) == 8  # read to the end: its place is free
-        assert server.call(read(server.call(loop.submit([1, 2, 3], params, "r3")))) == 8
+        assert server.call(read(server.call(loop.submit(Submission([1, 2, 3], params, "r3"))))) == 8
         del handles[1]  # a client gone (its stream dropped) frees its place too
         gc.collect()
-        assert server.call(read(server.call(loop.submit([1, 2, 3], params, "r4")))) == 8
+        assert server.call(read(server.call(loop.submit(Submission([1, 2, 3], params, "r4"))))) == 8
     finally:
         server.stop()
 
@@ -253,10 +254,10 @@ def test_output_unread_for_a_minute_is_dropped_with_its_place(tiny_models, monke
     server = ServerThread(tiny_backend(target, draft), max_requests=1)
     try:
         loop, params = server.gateway.loop, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        stalled = server.call(loop.submit([1, 2, 3], params, "stalled"))
+        stalled = server.call(loop.submit(Submission([1, 2, 3], params, "stalled")))
         assert server.wait_for(lambda: loop.active == 0)  # finished, not read
         time.sleep(0.6)
-        fresh = server.call(loop.submit([1, 2, 3], params, "fresh"))  # the stalled one's place, taken back
+        fresh = server.call(loop.submit(Submission([1, 2, 3], params, "fresh")))  # the stalled one's place, taken back
 
         async def read(handle) -> int:
             return sum([len(update.token_ids) async for update in handle])

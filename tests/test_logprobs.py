@@ -151,7 +151,7 @@ def test_stop_string_cutting_a_block_keeps_logprobs_aligned(tiny_models) -> None
 
 
 def test_engine_loop_updates_carry_logprobs(tiny_models) -> None:
-    from tandem.gateway.loop import EngineLoop
+    from tandem.gateway.loop import EngineLoop, Submission
 
     target = tiny_models[0]
     reference = _engine(tiny_models, 3).generate([PROMPTS[1]], _greedy())[0]
@@ -160,8 +160,8 @@ def test_engine_loop_updates_carry_logprobs(tiny_models) -> None:
         loop = EngineLoop(_engine(tiny_models, 3))
         await loop.start()
         try:
-            asked = await loop.submit(PROMPTS[1], _greedy(logprobs=4), "asked")
-            plain = await loop.submit(PROMPTS[0], _greedy(), "plain")
+            asked = await loop.submit(Submission(PROMPTS[1], _greedy(logprobs=4), "asked"))
+            plain = await loop.submit(Submission(PROMPTS[0], _greedy(), "plain"))
             return [[update async for update in asked], [update async for update in plain]]
         finally:
             await loop.close()

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from tandem.core.config import SamplingParams
 from tandem.gateway.lanes import ServingLoop
+from tandem.gateway.loop import Submission
 from tandem.gateway.validate import BACKGROUND_PRIORITY
 
 PlainDecoder = Callable[[list[int], int], list[int]]  # (prompt ids, n) -> the first n tokens of plain greedy decoding
@@ -71,8 +72,8 @@ def plain_decoder(serving_loop: ServingLoop, event_loop: asyncio.AbstractEventLo
 
     async def run(prompt_ids: list[int], n: int) -> list[int]:
         request_id = f"plain-check-{uuid.uuid4().hex}"
-        handle = await serving_loop.submit(prompt_ids, plain_params(n), request_id, session_id="", max_k=0,
-                                           priority=BACKGROUND_PRIORITY)
+        handle = await serving_loop.submit(Submission(prompt_ids, plain_params(n), request_id, max_k=0,
+                                                      priority=BACKGROUND_PRIORITY))
         tokens: list[int] = []
         finished = False
         try:

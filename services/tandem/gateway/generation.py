@@ -36,6 +36,7 @@ from tandem.gateway.events import (
 from tandem.gateway.handles import Finished
 from tandem.gateway.interleave import interleave
 from tandem.gateway.lanes import ServingLoop
+from tandem.gateway.loop import Submission
 from tandem.gateway.tools import FINISH_TOOL_CALLS, ToolCallParser
 from tandem.gateway.validate import (
     BACKGROUND_PRIORITY,
@@ -249,10 +250,10 @@ class Generations:
             observed.prepared(prepared)
             route, loop = self._route(prepared, loop, observed, tenant)
             try:
-                handle = await loop.submit(prepared.prompt_ids, prepared.params, prepared.request_id,
-                                           prepared.session_id, prepared.max_k, trace=observed.span,
-                                           cache_scope=tenant, priority=prepared.priority,
-                                           prediction=prepared.prediction)
+                handle = await loop.submit(Submission(
+                    prepared.prompt_ids, prepared.params, prepared.request_id, prepared.session_id, prepared.max_k,
+                    trace=observed.span, cache_scope=tenant, priority=prepared.priority,
+                    prediction=prepared.prediction))
             except FAILURES as exc:
                 observed.failed(error_code(exc), str(exc))
                 raise

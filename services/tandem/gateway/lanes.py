@@ -20,11 +20,10 @@ with 8 sessions split 4 + 4, docs/performance.md), so a second lane takes sessio
 
 from __future__ import annotations
 
-from tandem.core.config import SamplingParams
 from tandem.core.serving_engine import ServingEngine
 from tandem.errors import InvalidArgument, request_id_in_use
 from tandem.gateway.handles import RequestHandle
-from tandem.gateway.loop import EngineLoop, check_room
+from tandem.gateway.loop import EngineLoop, Submission, check_room
 
 
 class LanedLoop:
@@ -90,17 +89,14 @@ class LanedLoop:
         for lane in self.lanes:
             await lane.close()
 
-    async def submit(self, prompt: list[int], params: SamplingParams, request_id: str, session_id: str = "",
-                     max_k: int | None = None, trace: object | None = None, cache_scope: str = "",
-                     priority: int = 0, prediction: tuple[int, ...] = ()) -> RequestHandle:
-        if any(lane.has_request(request_id) for lane in self.lanes):
-            raise request_id_in_use(request_id)
+    async def submit(self, request: Submission) -> RequestHandle:
+        if any(lane.has_request(request.request_id) for lane in self.lanes):
+            raise request_id_in_use(request.request_id)
         check_room(self.active, sum(lane.unread for lane in self.lanes), self.max_requests)
         serving = [lane for lane in self.lanes if not lane.unavailable] or self.lanes
         with_room = [candidate for candidate in serving if candidate.active < candidate.batch_capacity]
         lane = with_room[0] if with_room else min(serving, key=lambda candidate: candidate.active)
-        return await lane.submit(prompt, params, request_id, session_id, max_k, trace, cache_scope, priority,
-                                 prediction)
+        return await lane.submit(request)
 
     def cancel(self, request_id: str, detach: bool = False) -> bool:
         return any(lane.cancel(request_id, detach) for lane in self.lanes)

@@ -37,16 +37,29 @@ UNREAD_TIMEOUT_S = 60.0  # a finished request whose client reads nothing for thi
 
 
 @dataclass(slots=True, frozen=True)
-class _Add:
-    handle: RequestHandle
+class Submission:
+    """A request as the gateway hands it to a serving loop (an EngineLoop, or gateway.lanes over several): its tokens
+    and sampling, its ids, and how it runs. `max_k`: None lets the policy decide, 0 is plain decoding; `trace`: its
+    span; `cache_scope`: the requests whose cached prompt prefixes it may share (its tenant's); `priority`: lower
+    runs first (core.engine); `prediction`: the tokens its output is expected to repeat (core.prediction)."""
+
     prompt: list[int]
     params: SamplingParams
-    policy: PolicyState | None
-    max_k: int | None
-    affinity: dict
+    request_id: str
+    session_id: str = ""
+    max_k: int | None = None
+    trace: object | None = None
     cache_scope: str = ""
     priority: int = 0
     prediction: tuple[int, ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
+class _Add:
+    handle: RequestHandle
+    request: Submission
+    policy: PolicyState | None
+    affinity: dict
 
 
 def check_room(active: int, unread: int, max_requests: int) -> None:
@@ -160,11 +173,8 @@ class EngineLoop:
         (a long prompt prefilled whole, or scored for its logprobs, is a long step, not a hung engine)."""
         return self.stall_timeout + TARGET_TOKEN_ALLOWANCE_S * self.engine.step_tokens
 
-    async def submit(self, prompt: list[int], params: SamplingParams, request_id: str, session_id: str = "",
-                     max_k: int | None = None, trace: object | None = None, cache_scope: str = "",
-                     priority: int = 0, prediction: tuple[int, ...] = ()) -> RequestHandle:
-        """`cache_scope`: the requests that may share cached prompt prefixes with this one (its tenant's);
-        `priority`: lower runs first (core.engine); `prediction`: the output's expected tokens (core.prediction)."""
+    async def submit(self, request: Submission) -> RequestHandle:
+        request_id, session_id = request.request_id, request.session_id
         if self._thread is None or self._closed.is_set() or self.draining:
             raise EngineUnavailable("not accepting requests: the server is draining or stopped")
         if self.stalled:
@@ -175,7 +185,7 @@ class EngineLoop:
         if request_id in self._active:
             raise request_id_in_use(request_id)
         check_room(self.active, self.unread, self.max_requests)
-        handle = RequestHandle(request_id, len(prompt), session_id, trace=trace)
+        handle = RequestHandle(request_id, len(request.prompt), session_id, trace=request.trace)
         self._active[request_id] = handle
         state, affinity = None, {}
         if session_id:
@@ -186,8 +196,7 @@ class EngineLoop:
                 raise
             if self._active.get(request_id) is not handle:
                 return handle  # detached while the session state loaded
-        self._commands.put(_Add(handle, list(prompt), params, state, max_k, affinity, cache_scope, priority,
-                                prediction))
+        self._commands.put(_Add(handle, request, state, affinity))
         return handle
 
     def cancel(self, request_id: str, detach: bool = False) -> bool:
@@ -307,9 +316,10 @@ class EngineLoop:
         try:
             if handle.session_id:
                 self.engine.pin_session(handle.session_id, command.affinity)
-            self.engine.add_request(command.prompt, command.params, handle.request_id, command.policy, command.max_k,
-                                    session_id=handle.session_id, cache_scope=command.cache_scope,
-                                    priority=command.priority, prediction=list(command.prediction))
+            request = command.request
+            self.engine.add_request(list(request.prompt), request.params, handle.request_id, command.policy,
+                                    request.max_k, session_id=handle.session_id, cache_scope=request.cache_scope,
+                                    priority=request.priority, prediction=list(request.prediction))
         except Exception as exc:
             return [(handle, exc if isinstance(exc, TandemError) else EngineFailed(f"add failed: {exc}"))]
         self._running[handle.request_id] = (self.engine.sequence(handle.request_id), handle)
