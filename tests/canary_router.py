@@ -12,7 +12,8 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tandem.canary.controller import Assignment, CanaryController
+from tandem.canary.assignment import Assignment
+from tandem.canary.controller import CanaryController
 from tandem.canary.greedy_check import PlainReference
 from tandem.canary.observations import Outcome
 from tandem.core.config import SamplingParams

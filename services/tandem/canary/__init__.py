@@ -3,7 +3,8 @@ overrides), weights shared through Redis, per-arm metrics, and automatic stepwis
 
 from tandem.canary.analysis import HOLD, PROMOTE, ROLLBACK, Thresholds, Verdict, evaluate, judge
 from tandem.canary.arms import ENV_ARMS, ArmSpec, arms_from_env, parse_arms
-from tandem.canary.controller import Assignment, CanaryController
+from tandem.canary.assignment import Assignment
+from tandem.canary.controller import CanaryController
 from tandem.canary.greedy_check import GreedyChecker, PlainReference
 from tandem.canary.observations import ArmSummary, Outcome, summarize
 from tandem.canary.secret import CanarySecret, configured_secret

@@ -17,10 +17,27 @@ import hashlib
 import hmac
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tandem.canary.arms import ArmSpec
 
 _SCALE = float(1 << 64)
+
+
+@dataclass(slots=True, frozen=True)
+class Assignment:
+    """The arm a request runs on, and what its outcome is recorded under."""
+
+    arm: ArmSpec
+    baseline: ArmSpec
+    key: str  # what the request was bucketed by (tenant and session, else request id, else random)
+    generation: int
+    fallback: bool = False  # the chosen arm is not served here; `arm` is the replica's substitute (not recorded)
+    tenant: str = ""  # the caller's tenant ("" without API keys), stamped on the outcomes recorded for it
+
+    @property
+    def session(self) -> str:
+        return short_hash(self.key)
 
 
 def session_point(key: str, secret: bytes, salt: str = "") -> float:

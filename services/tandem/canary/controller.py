@@ -16,12 +16,11 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
 
 from tandem.canary import analysis
 from tandem.canary.analysis import Thresholds, Verdict, judge
 from tandem.canary.arms import ArmSpec, fingerprint
-from tandem.canary.assignment import choose_arm, ordered, session_key, session_point, short_hash
+from tandem.canary.assignment import Assignment, choose_arm, ordered, session_key, session_point
 from tandem.canary.greedy_check import GreedyChecker
 from tandem.canary.metrics import CanaryMetrics
 from tandem.canary.observations import ArmSummary, Outcome, summarize
@@ -30,20 +29,6 @@ from tandem.canary.state import DEFAULT_STEPS, RUNNING, CanaryState, DecisionRec
 from tandem.canary.store import CanaryStore, CanaryStoreError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, frozen=True)
-class Assignment:
-    arm: ArmSpec
-    baseline: ArmSpec
-    key: str  # what the request was bucketed by (tenant and session, else request id, else random)
-    generation: int
-    fallback: bool = False  # the chosen arm is not served here; `arm` is the replica's substitute (not recorded)
-    tenant: str = ""  # the caller's tenant ("" without API keys), stamped on the outcomes recorded for it
-
-    @property
-    def session(self) -> str:
-        return short_hash(self.key)
 
 
 class CanaryController:

@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tandem.canary.assignment import Assignment
 from tandem.canary.config import CanaryOptions, start_controller
-from tandem.canary.controller import Assignment, CanaryController
+from tandem.canary.controller import CanaryController
 from tandem.canary.observations import Outcome
 from tandem.gateway.arms import ArmOutcome, PlainDecoder
 
