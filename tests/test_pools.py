@@ -263,7 +263,8 @@ def test_predicted_outputs_draft_on_the_shared_pools(pools, gateways, tiny_model
     """A prediction's drafts reach the target replica as a draft worker's do (an unseeded sampled row's with its
     one-hot q): greedy output stays plain decoding's; a fixed k (the pools' --fixed-k 4) drafts what is offered."""
     tokenizer = tiny_models[0].tokenizer
-    with TandemClient(gateways[0].address, timeout=120) as client:
+    live = next(gateway for gateway in gateways if gateway.process.poll() is None)  # one was killed above
+    with TandemClient(live.address, timeout=120) as client:
         greedy = client.generate_result(token_ids=PROMPTS[0], temperature=0.0, max_tokens=TOKENS, ignore_eos=True,
                                         prediction=tokenizer.decode(expected[0]))
         sampled = client.generate_result(token_ids=PROMPTS[1], temperature=0.9, max_tokens=TOKENS, ignore_eos=True,
