@@ -168,8 +168,8 @@ class SpeculativeEngine:
         return RowView(seq.policy, seq.max_k, seq.params.max_tokens - len(seq.output), prefill_limit,
                        first_round=not seq.output, behind=len(seq.context) - seq.draft_synced,
                        predicting=seq.prediction is not None, predicted=predicted,
-                       prediction_acceptance=predicted_acceptance(seq.stats.prediction_drafted,
-                                                                  seq.stats.prediction_accepted))
+                       prediction_acceptance=predicted_acceptance(seq.stats.prediction_accepted,
+                                                                  seq.stats.prediction_rejected))
 
     def _round(self, batch: list[Sequence], plan: RoundPlan, limits: list[int],
                offers: list[list[int]]) -> list[StepOutput | None]:

@@ -96,9 +96,9 @@ class Prediction:
         return None
 
 
-def predicted_acceptance(drafted: int, accepted: int) -> float:
+def predicted_acceptance(accepted: int, rejected: int) -> float:
     """The share of a request's predicted drafts accepted, from PRIOR_ACCEPTANCE towards what its rounds measured."""
-    return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (drafted + PRIOR_WEIGHT)
+    return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (accepted + rejected + PRIOR_WEIGHT)
 
 
 def predicted_k(offered: int, acceptance: float, costs: CostModel) -> int:

@@ -25,8 +25,8 @@ class RequestStats:
     # Rounds whose drafts came from the request's prediction (core.prediction), and their tokens: apart from the
     # draft model's, whose acceptance the fields above measure.
     predicted_rounds: int = 0
-    prediction_drafted: int = 0
     prediction_accepted: int = 0
+    prediction_rejected: int = 0
 
     def record_round(self, k: int, accepted: int, fallback: bool, more: int = 0) -> None:
         """`more`: the tokens the round's verify call decoded after its first (a multi-step block)."""
@@ -52,8 +52,8 @@ class RequestStats:
         those refused."""
         self.rounds += 1
         self.predicted_rounds += 1
-        self.prediction_drafted += accepted + rejected
         self.prediction_accepted += accepted
+        self.prediction_rejected += rejected
 
     @property
     def acceptance_rate(self) -> float:
@@ -85,5 +85,5 @@ class RequestStats:
             "predicted_rounds": self.predicted_rounds,
             # OpenAI's names: predicted tokens the target accepted as drafts, and those it refused
             "accepted_prediction_tokens": self.prediction_accepted,
-            "rejected_prediction_tokens": self.prediction_drafted - self.prediction_accepted,
+            "rejected_prediction_tokens": self.prediction_rejected,
         }

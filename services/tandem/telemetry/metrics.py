@@ -231,9 +231,8 @@ class GatewayMetrics:
                                 ("plain", plain - stats.fallback_rounds), ("fallback", stats.fallback_rounds)):
                 if count:
                     self.rounds.add(count, self._spec_base | {"tandem.spec.round_kind": kind})
-        if stats.prediction_drafted:
-            rejected = stats.prediction_drafted - stats.prediction_accepted
-            for outcome, count in (("accepted", stats.prediction_accepted), ("rejected", rejected)):
+        if stats.predicted_rounds:
+            for outcome, count in (("accepted", stats.prediction_accepted), ("rejected", stats.prediction_rejected)):
                 self.predicted.add(count, self._spec_base | {"tandem.spec.outcome": outcome})
         if not stats.drafted:
             return
