@@ -125,15 +125,7 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateReq
 
 def _prediction(content: str | list) -> str:
     """A prediction's text: a string, or its text parts one after another."""
-    if isinstance(content, str):
-        return content
-    for part in content:
-        if part.type != "text":
-            raise bad_request(f"prediction.content: only text parts are supported, got type {part.type!r}",
-                              "prediction.content")
-        if part.text is None:
-            raise bad_request("prediction.content: a text part needs its text", "prediction.content")
-    return "".join(part.text for part in content)
+    return content if isinstance(content, str) else _text_parts(content, "prediction.content", "")
 
 
 def _message(index: int, message: ChatMessage) -> pb.ChatMessage:
@@ -150,13 +142,17 @@ def _content(index: int, content) -> str:
     """A message's text: a string, or its text parts joined by newlines (as vLLM joins them)."""
     if content is None or isinstance(content, str):
         return content or ""
-    texts = []
-    for part in content:
-        if part.type != "text" or part.text is None:
-            param = f"messages[{index}].content"
+    return _text_parts(content, f"messages[{index}].content", "\n")
+
+
+def _text_parts(parts: list, param: str, separator: str) -> str:
+    """The text of content parts, joined by `separator`; a 400 naming `param` for a part that is not text."""
+    for part in parts:
+        if part.type != "text":
             raise bad_request(f"{param}: only text parts are supported, got type {part.type!r}", param)
-        texts.append(part.text)
-    return "\n".join(texts)
+        if part.text is None:
+            raise bad_request(f"{param}: a text part needs its text", param)
+    return separator.join(part.text for part in parts)
 
 
 def scores_only(body: object) -> bool:
