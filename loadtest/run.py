@@ -42,9 +42,11 @@ def run_to_dir(config: RunConfig, out: Path, prompts: list[Prompt] | None = None
     so far, marked `"interrupted": true` in the config, before the interrupt goes on."""
     make_out_dir(out)
     driver = Driver(config, prompts)
+    running = driver.run()
     try:
-        run = asyncio.run(driver.run())
+        run = asyncio.run(running)
     except KeyboardInterrupt:
+        running.close()  # a Ctrl-C before the loop first ran it left it never awaited (a RuntimeWarning at exit)
         if driver.partial is not None:
             _write_run(driver.partial, config, out)
         raise

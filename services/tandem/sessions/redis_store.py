@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +42,11 @@ _FLUSH_BATCH = 500
 # Optimistic transactions on one key (update) tried this many times before giving up: each retry means another
 # writer changed the key between this one's read and write, so hitting the bound takes a storm of writers on one key.
 MAX_UPDATE_TRIES = 32
+# After a conflict a writer waits a random time up to base * 2**try (capped) before reading again: without it the
+# writer that lost keeps losing to the same busy ones (4 threads on one key, on 2 loaded cores, gave up after 32 tries
+# in 2 of 100 runs of 200 updates); with it the writers spread out. Before giving up it has waited 0.3 s on average.
+_CONFLICT_BACKOFF_S = 0.0005
+_CONFLICT_BACKOFF_MAX_S = 0.02
 T = TypeVar("T")
 
 
@@ -249,7 +255,9 @@ class RedisSessionStore:
 
     def _transaction(self, client: redis.Redis, session_id: str, change: Change) -> dict | None:
         key = self._key(session_id)
-        for _ in range(MAX_UPDATE_TRIES):
+        for attempt in range(MAX_UPDATE_TRIES):
+            if attempt:
+                time.sleep(random.uniform(0.0, min(_CONFLICT_BACKOFF_MAX_S, _CONFLICT_BACKOFF_S * 2**attempt)))
             with client.pipeline() as pipe:
                 try:
                     pipe.watch(key)
