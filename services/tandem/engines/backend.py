@@ -55,6 +55,7 @@ class Backend:
     target_name: str
     draft_name: str = ""
     lanes: tuple[SpeculativeEngine, ...] = ()
+    fills_cpus: bool = False  # its forwards run in this process on as many CPU threads as it may use (gateway.loop)
 
     def __post_init__(self) -> None:
         # Model info, /v1/models and metric labels name a model given as a path by its directory's name only.

@@ -3,6 +3,8 @@ builds (the target loaded once, each distinct draft model once, one engine per a
 
 from __future__ import annotations
 
+import os
+
 from tandem.core.config import DEFAULT_RETAIN_TOKENS, EngineConfig, compiles, draft_vocab_limit
 from tandem.core.costs import CostModel
 from tandem.core.detok import decoder
@@ -74,8 +76,16 @@ def build_local_backends(target: str, arms: tuple[Arm, ...], options: LocalOptio
             check_compatible(drafts[draft], target_model)
         engine = build_engine(target_model, drafts[draft] if draft else None, arm.config, kv_tokens=options.kv_tokens,
                               retain_tokens=options.retain_tokens, prefix_cache=options.prefix_cache)
-        backends[arm.name] = Backend(engine, target_model.tokenizer, target, draft)
+        backends[arm.name] = Backend(engine, target_model.tokenizer, target, draft,
+                                     fills_cpus=_fills_cpus(device))
     return backends
+
+
+def _fills_cpus(device) -> bool:
+    """Whether forwards on `device` run on as many threads as this process may use CPUs (on a CPU, by default)."""
+    import torch
+
+    return device.type == "cpu" and torch.get_num_threads() >= len(os.sched_getaffinity(0))
 
 
 def _setup_torch(options: LocalOptions):

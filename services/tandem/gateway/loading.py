@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import TypeVar
@@ -114,9 +115,12 @@ def arm_backends(loaded: Backend | Mapping[str, Backend], routed: bool) -> dict[
 def serving_loop(backend: Backend, options: GatewayOptions, metrics: GatewayMetrics | None,
                  sessions: SessionStore | None) -> ServingLoop:
     """One EngineLoop over the backend's engine, or a LanedLoop over its lanes (a thread each)."""
-    engines = backend.engines
+    engines, settle = backend.engines, backend.fills_cpus
+    if (forced := os.environ.get("TANDEM_SETTLE")) in ("0", "1"):  # overrides the choice: A/B runs, a host's quirks
+        settle = forced == "1"
     if len(engines) == 1:
-        return EngineLoop(engines[0], options.max_requests, options.stall_timeout, sessions, metrics)
+        return EngineLoop(engines[0], options.max_requests, options.stall_timeout, sessions, metrics, settle=settle)
     return LanedLoop([EngineLoop(engine, options.max_requests, options.stall_timeout, sessions, metrics,
-                                 thread_name=f"tandem-engine-{index}") for index, engine in enumerate(engines)],
+                                 thread_name=f"tandem-engine-{index}", settle=settle)
+                      for index, engine in enumerate(engines)],
                      options.max_requests)
