@@ -40,7 +40,8 @@ def start_server(job: dict, env: dict, log: Path) -> tuple[subprocess.Popen, str
     cmd = [sys.executable, "-m", "tandem", "serve", "--in-process", "--target", job["target"], "--draft", job["draft"],
            "--device", "cpu", "--dtype", job["dtype"], "--threads", str(job["threads"]), "--port", str(port),
            "--no-metrics", "--draft-quantization", job["draft_quantization"], "--draft-vocab", str(job["draft_vocab"]),
-           "--compile", "--calibration-file", ""]  # the sitting's own calibration
+           "--compile", "--calibration-file", "",  # the sitting's own calibration
+           "--no-prefix-cache"]  # as the engines in a process: the runs repeat their prompts
     with log.open("a") as sink:
         sink.write(f"\n==== {' '.join(cmd)}\n")
         sink.flush()

@@ -80,9 +80,9 @@ class EngineLoop:
         """metrics: counts each finished request's rounds (None: off); thread_name: the engine thread's; settle: after
         a step, wait (up to SETTLE_MAX_S) until the event loop has run what its outputs woke, before the next step.
         For an engine whose forwards fill this process's CPUs: the loop's wake-ups and writes then take a core from
-        a forward's threads mid-step, and a parallel region waits for its slowest thread (served AUTO at 8 in flight
-        on 2 cores: 1.14x the tokens per second with it, docs/performance.md); elsewhere it would only add the loop's
-        work to each step."""
+        a forward's threads mid-step, and a parallel region waits for its slowest thread (served at 8 in flight on 2
+        cores: 1.01-1.07x the tokens per second with it, level at one in flight; docs/performance.md); elsewhere it
+        would only add the loop's work to each step."""
         if max_requests < 1:
             raise InvalidArgument(f"max_requests: must be at least 1, got {max_requests}")
         self.engine = engine
