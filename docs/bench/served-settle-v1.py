@@ -59,13 +59,8 @@ def main(repeats: int, out: str, pairs: list[str], sides: list[str]) -> None:
             for pair, side in order[:: -1 if repeat % 2 else 1]:
                 speculation, flight, n = PAIRS[pair]
                 time.sleep(SETTLE_SECONDS)
-                if side == "engine" and flight == 1:
-                    parts = [engine.ask({"mode": pair, "prompts": [i]}) for i in range(n)]
-                    result = {"tokens": sum(p["tokens"] for p in parts), "seconds": sum(p["seconds"] for p in parts)}
-                    result["tok_s"] = result["tokens"] / result["seconds"]
-                elif side == "engine":
-                    result = engine.ask({"mode": pair, "prompts": list(range(n))})
-                    result.pop("outputs", None)
+                if side == "engine":
+                    result = served_vs_engine.ask_engine(engine, pair, flight, n)
                 else:
                     result = asyncio.run(run_level(servers[side][1], texts[:n], flight, job["max_tokens"], speculation,
                                                    repeat))

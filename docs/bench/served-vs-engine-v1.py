@@ -48,6 +48,18 @@ def start_server(job: dict, env: dict, log: Path) -> tuple[subprocess.Popen, str
         return subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env), f"127.0.0.1:{port}"
 
 
+def ask_engine(engine: Resident, pair: str, flight: int, n: int) -> dict:
+    """The resident engines' run of `pair` over the first n prompts: at once, or one after another (flight 1)."""
+    if flight == 1:
+        parts = [engine.ask({"mode": pair, "prompts": [i]}) for i in range(n)]
+        result = {"tokens": sum(p["tokens"] for p in parts), "seconds": sum(p["seconds"] for p in parts)}
+        result["tok_s"] = result["tokens"] / result["seconds"]
+        return result
+    result = engine.ask({"mode": pair, "prompts": list(range(n))})
+    result.pop("outputs", None)
+    return result
+
+
 def main(repeats: int, out: str) -> None:
     texts = load_prompts(None)[:8]
     job = sitting_job(texts)
@@ -70,13 +82,8 @@ def main(repeats: int, out: str) -> None:
                 time.sleep(SETTLE_SECONDS)
                 if side == "served":
                     result = asyncio.run(run_level(address, texts[:n], flight, job["max_tokens"], speculation, repeat))
-                elif flight == 1:
-                    parts = [engine.ask({"mode": pair, "prompts": [i]}) for i in range(n)]
-                    result = {"tokens": sum(p["tokens"] for p in parts), "seconds": sum(p["seconds"] for p in parts)}
-                    result["tok_s"] = result["tokens"] / result["seconds"]
                 else:
-                    result = engine.ask({"mode": pair, "prompts": list(range(n))})
-                    result.pop("outputs", None)
+                    result = ask_engine(engine, pair, flight, n)
                 runs[pair][side].append(result)
                 print(repeat, pair, side, result["tokens"], round(result["seconds"], 2), round(result["tok_s"], 2),
                       flush=True)
