@@ -11,7 +11,7 @@ import pytest
 
 from gateway_harness import ServerThread, tiny_backend
 from tandem.client import TandemClient
-from tandem.gateway.loop import Submission
+from tandem.gateway.handles import Submission
 from tandem.gateway.server import LIVENESS_SERVICE, NOT_SERVING, READINESS_SERVICE, SERVING
 from tandem.gateway.validate import GatewayLimits
 from tandem.v1 import generation_pb2 as pb

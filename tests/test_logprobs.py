@@ -151,7 +151,8 @@ def test_stop_string_cutting_a_block_keeps_logprobs_aligned(tiny_models) -> None
 
 
 def test_engine_loop_updates_carry_logprobs(tiny_models) -> None:
-    from tandem.gateway.loop import EngineLoop, Submission
+    from tandem.gateway.handles import Submission
+    from tandem.gateway.loop import EngineLoop
 
     target = tiny_models[0]
     reference = _engine(tiny_models, 3).generate([PROMPTS[1]], _greedy())[0]

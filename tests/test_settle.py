@@ -10,7 +10,8 @@ import torch
 
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.engines.local import build_engine
-from tandem.gateway.loop import EngineLoop, Submission
+from tandem.gateway.handles import Submission
+from tandem.gateway.loop import EngineLoop
 
 PROMPTS = [[72, 101, 108, 108, 111, 44, 32, 119], [40, 41, 42, 43, 44, 45, 46, 47], [97, 98, 99]]
 

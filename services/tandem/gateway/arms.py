@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tandem.core.config import SamplingParams
+from tandem.gateway.handles import Submission
 from tandem.gateway.lanes import ServingLoop
-from tandem.gateway.loop import Submission
 from tandem.gateway.validate import BACKGROUND_PRIORITY
 
 PlainDecoder = Callable[[list[int], int], list[int]]  # (prompt ids, n) -> the first n tokens of plain greedy decoding

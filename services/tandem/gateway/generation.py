@@ -33,10 +33,9 @@ from tandem.gateway.events import (
     TenantBusy,
     error_code,
 )
-from tandem.gateway.handles import Finished
+from tandem.gateway.handles import Finished, Submission
 from tandem.gateway.interleave import interleave
 from tandem.gateway.lanes import ServingLoop
-from tandem.gateway.loop import Submission
 from tandem.gateway.tools import FINISH_TOOL_CALLS, ToolCallParser
 from tandem.gateway.validate import (
     BACKGROUND_PRIORITY,

@@ -1,5 +1,5 @@
-"""A request inside a serving loop: its handle (the asyncio queue its updates arrive on), the updates, and where a
-session's state lives between its requests."""
+"""A request inside a serving loop: what the gateway submits, its handle (the asyncio queue its updates arrive on), the
+updates, the queue's bound, and where a session's state lives between its requests."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tandem.core.config import SamplingParams
 from tandem.core.logprobs import TokenLogprob
+from tandem.gateway.events import QueueFull
 
 
 class SessionStore(Protocol):
@@ -19,6 +21,24 @@ class SessionStore(Protocol):
     def get(self, session_id: str) -> dict | None: ...
 
     def put(self, session_id: str, state: dict) -> None: ...
+
+
+@dataclass(slots=True, frozen=True)
+class Submission:
+    """A request as the gateway hands it to a serving loop (an EngineLoop, or gateway.lanes over several): its tokens
+    and sampling, its ids, and how it runs. `max_k`: None lets the policy decide, 0 is plain decoding; `trace`: its
+    span; `cache_scope`: the requests whose cached prompt prefixes it may share (its tenant's); `priority`: lower
+    runs first (core.engine); `prediction`: the tokens its output is expected to repeat (core.prediction)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    request_id: str
+    session_id: str = ""
+    max_k: int | None = None
+    trace: object | None = None
+    cache_scope: str = ""
+    priority: int = 0
+    prediction: tuple[int, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,3 +82,12 @@ class RequestHandle:
 
 
 Delivery = tuple[RequestHandle, Update | Exception]
+
+
+def check_room(active: int, unread: int, max_requests: int) -> None:
+    """QueueFull where the queue's places are all taken: by requests queued or running, and by finished ones whose
+    clients have not read all their output."""
+    if active + unread >= max_requests:
+        raise QueueFull(f"queue full: {active} requests queued or running" +
+                        (f" and {unread} finished whose clients have not read their output" if unread else "") +
+                        f" (limit {max_requests})")

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from tandem.core.serving_engine import ServingEngine
 from tandem.errors import InvalidArgument, request_id_in_use
-from tandem.gateway.handles import RequestHandle
-from tandem.gateway.loop import EngineLoop, Submission, check_room
+from tandem.gateway.handles import RequestHandle, Submission, check_room
+from tandem.gateway.loop import EngineLoop
 
 
 class LanedLoop:

@@ -17,14 +17,14 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tandem.core.config import TARGET_TOKEN_ALLOWANCE_S, SamplingParams
+from tandem.core.config import TARGET_TOKEN_ALLOWANCE_S
 from tandem.core.policy import PolicyState
 from tandem.core.requests import Sequence, StepOutput
 from tandem.core.serving_engine import ServingEngine
 from tandem.core.stops import FINISH_ABORT
 from tandem.errors import BackendUnavailable, InvalidArgument, RequestRefused, TandemError, request_id_in_use
-from tandem.gateway.events import EngineFailed, EngineUnavailable, QueueFull
-from tandem.gateway.handles import Delivery, Finished, RequestHandle, SessionStore, Update
+from tandem.gateway.events import EngineFailed, EngineUnavailable
+from tandem.gateway.handles import Delivery, Finished, RequestHandle, SessionStore, Submission, Update, check_room
 from tandem.gateway.options import GatewayOptions
 from tandem.sessions import MemorySessionStore
 from tandem.telemetry.metrics import GatewayMetrics
@@ -38,38 +38,11 @@ UNREAD_TIMEOUT_S = 60.0  # a finished request whose client reads nothing for thi
 
 
 @dataclass(slots=True, frozen=True)
-class Submission:
-    """A request as the gateway hands it to a serving loop (an EngineLoop, or gateway.lanes over several): its tokens
-    and sampling, its ids, and how it runs. `max_k`: None lets the policy decide, 0 is plain decoding; `trace`: its
-    span; `cache_scope`: the requests whose cached prompt prefixes it may share (its tenant's); `priority`: lower
-    runs first (core.engine); `prediction`: the tokens its output is expected to repeat (core.prediction)."""
-
-    prompt: list[int]
-    params: SamplingParams
-    request_id: str
-    session_id: str = ""
-    max_k: int | None = None
-    trace: object | None = None
-    cache_scope: str = ""
-    priority: int = 0
-    prediction: tuple[int, ...] = ()
-
-
-@dataclass(slots=True, frozen=True)
 class _Add:
     handle: RequestHandle
     request: Submission
     policy: PolicyState | None
     affinity: dict
-
-
-def check_room(active: int, unread: int, max_requests: int) -> None:
-    """QueueFull where the queue's places are all taken: by requests queued or running, and by finished ones whose
-    clients have not read all their output."""
-    if active + unread >= max_requests:
-        raise QueueFull(f"queue full: {active} requests queued or running" +
-                        (f" and {unread} finished whose clients have not read their output" if unread else "") +
-                        f" (limit {max_requests})")
 
 
 class EngineLoop:
