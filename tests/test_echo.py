@@ -4,6 +4,8 @@ token_logprobs after the context); and gRPC's prompt_logprobs beneath it. Tiny m
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import httpx
 import openai
@@ -49,7 +51,7 @@ def test_echo_with_logprobs_scores_every_prompt_token_as_a_harness_reads_them(se
             assert len(top) <= 2 and max(top.values()) == pytest.approx(float(reference[i - 1].max()), abs=1e-4)
             assert top[logprobs["tokens"][i]] == logprobs["token_logprobs"][i]
         # The echoed text is the prompt's, and the offsets run on from it into the completion.
-        prompt_text = target.tokenizer.decode(prompt, skip_special_tokens=True)
+        prompt_text = target.tokenizer.decode(prompt)
         assert choice["text"].startswith(prompt_text)
         assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
         assert logprobs["text_offset"][len(prompt)] == len(prompt_text)
@@ -60,6 +62,31 @@ def test_echo_without_logprobs_is_the_prompt_then_the_same_completion(server, ti
     plain = _post(server, {"prompt": prompt, "max_tokens": 12, "temperature": 0})["choices"][0]["text"]
     echoed = _post(server, {"prompt": prompt, "echo": True, "max_tokens": 12, "temperature": 0})["choices"][0]
     assert echoed["text"] == prompt + plain and echoed["logprobs"] is None
+
+
+def test_an_echoed_prompt_keeps_its_special_tokens(server) -> None:
+    """A prompt with a chat template's markers typed in comes back as sent, and the completion's logprobs begin at
+    its length: a client cuts the prompt off the text by that, as it would without the markers. The completion's
+    own special tokens stay hidden, as without echo."""
+    prompt = "<|im_start|>user\ndef add(a, b):<|im_end|>\n<|im_start|>assistant\n"
+    asked = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    plain = _post(server, asked)["choices"][0]["text"]
+    for stream in (False, True):
+        body = asked | {"echo": True, "logprobs": 1}
+        if stream:
+            response = httpx.post(f"{server.gateway.http_url}/v1/completions", timeout=60,
+                                  json={"model": MODEL, "stream": True} | body)
+            chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                      if line.startswith("data: {")]
+            text = "".join(chunk["choices"][0]["text"] for chunk in chunks if chunk["choices"])
+            offsets = [o for chunk in chunks if chunk["choices"] and chunk["choices"][0]["logprobs"]
+                       for o in chunk["choices"][0]["logprobs"]["text_offset"]]
+        else:
+            choice = _post(server, body)["choices"][0]
+            text, offsets = choice["text"], choice["logprobs"]["text_offset"]
+        assert text == prompt + plain, stream
+        prompt_tokens = len(offsets) - 8
+        assert offsets[prompt_tokens] == len(prompt) and offsets[1] == len("<|im_start|>"), stream
 
 
 def test_a_streamed_echo_equals_the_whole_response(server) -> None:
@@ -81,7 +108,7 @@ def test_max_tokens_0_with_echo_scores_the_prompt_and_generates_nothing(server, 
     one = sdk.completions.create(max_tokens=1, **asked)
     prompt_tokens = len(PROMPTS[0])
     choice, reference = scored.choices[0], one.choices[0]
-    assert choice.text == tiny_models[0].tokenizer.decode(PROMPTS[0], skip_special_tokens=True)
+    assert choice.text == tiny_models[0].tokenizer.decode(PROMPTS[0])
     assert choice.finish_reason == "length" and scored.usage.completion_tokens == 0
     assert scored.usage.prompt_tokens == prompt_tokens
     for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):

@@ -245,6 +245,29 @@ def test_chat_prediction_over_http_and_grpc(server: ServerThread) -> None:
     assert delta("tandem_spec_rounds_total", tandem_spec_round_kind="predicted") >= 3
 
 
+def test_completion_and_response_predictions(server: ServerThread) -> None:
+    """OpenAI takes a prediction on chat completions only; tandem takes it on completions and the Responses API too,
+    with the same output and the same accounting (completions: usage's completion_tokens_details; responses: the
+    tandem.speculation stats)."""
+    sdk = openai_sdk(server)
+    greedy = {"model": MODEL, "prompt": "def f(x): return x + 1", "temperature": 0, "max_tokens": 48}
+    plain = sdk.completions.create(**greedy, extra_body={"ignore_eos": True})
+    text = plain.choices[0].text
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    predicted = sdk.completions.create(**greedy, extra_body={"ignore_eos": True,
+                                                             "prediction": {"type": "content", "content": text}})
+    assert predicted.choices[0].text == text
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0, details
+    turn = {"model": MODEL, "input": CHAT[0]["content"], "temperature": 0, "max_output_tokens": 32, "store": False}
+    answer = sdk.responses.create(**turn, extra_body={"ignore_eos": True})
+    assert answer.model_extra["tandem"]["speculation"].get("accepted_prediction_tokens", 0) == 0
+    again = sdk.responses.create(**turn, extra_body={"ignore_eos": True, "prediction": {
+        "type": "content", "content": [{"type": "text", "text": answer.output_text}]}})
+    assert again.output_text == answer.output_text
+    assert again.model_extra["tandem"]["speculation"]["accepted_prediction_tokens"] > 0
+
+
 @pytest.mark.parametrize(("prediction", "param"), [
     ({"type": "audio", "content": "x"}, "prediction.type"),
     ({"type": "content", "content": [{"type": "image_url", "text": None}]}, "prediction.content"),

@@ -96,12 +96,13 @@ def _common(body: _Generate, request_id: str, max_tokens: int | None, logprobs: 
     stop_token_ids = [_int32(f"stop_token_ids[{i}]", t) for i, t in enumerate(body.stop_token_ids or [])]
     if body.prompt_logprobs is not None and body.stream:
         raise bad_request("prompt_logprobs: not supported with stream", "prompt_logprobs")
+    prediction = _prediction(body.prediction.content) if body.prediction is not None else ""
     return pb.GenerateRequest(request_id=request_id, session_id=body.session_id or "", sampling=sampling,
                               stop=stop, stop_token_ids=stop_token_ids, speculation=speculation,
                               ignore_eos=body.ignore_eos, n=_choices(body.n),
                               logprobs=_int32("logprobs", logprobs),
                               prompt_logprobs=_int32("prompt_logprobs", body.prompt_logprobs),
-                              priority=_priority(body))
+                              priority=_priority(body), prediction=prediction)
 
 
 def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
@@ -118,8 +119,6 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateReq
     choice = f"{NAMED}{named}" if named is not None else body.tool_choice or ""
     request.chat.CopyFrom(pb.Chat(messages=messages, tools=tools, tool_choice=choice,
                                   single_tool_call=body.parallel_tool_calls is False))
-    if body.prediction is not None:
-        request.prediction = _prediction(body.prediction.content)
     return request
 
 

@@ -82,11 +82,11 @@ class Responder:
         completion = 0 if self.scores_only else sum(end.completion_tokens for end in ends)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                  "prompt_tokens_details": {"cached_tokens": sum(cached for _, cached in prompts.values())}}
-        if self.kind == "chat":  # OpenAI's chat usage: what of a prediction the output took (core.prediction)
-            usage["completion_tokens_details"] = {
-                "reasoning_tokens": 0, "audio_tokens": 0,
-                **{name: sum(end.stats.get(name, 0) for end in ends)
-                   for name in ("accepted_prediction_tokens", "rejected_prediction_tokens")}}
+        # OpenAI's usage: what of a prediction the output took (core.prediction); completions take one here too.
+        usage["completion_tokens_details"] = {
+            "reasoning_tokens": 0, "audio_tokens": 0,
+            **{name: sum(end.stats.get(name, 0) for end in ends)
+               for name in ("accepted_prediction_tokens", "rejected_prediction_tokens")}}
         return usage
 
     # --- streaming ---
@@ -141,7 +141,9 @@ class Responder:
         """The prompt's text and logprobs where `event` carries the prompt of an echoing choice; else "", None."""
         if not self.echo or event.prompt_token_ids is None:
             return "", None
-        text = self.texts.tokenizer.decode(event.prompt_token_ids, skip_special_tokens=True)
+        # The prompt as sent, special tokens included (a chat template's markers typed into a prompt): a client that
+        # cuts the prompt off the echoed text by its length gets the completion.
+        text = self.texts.tokenizer.decode(event.prompt_token_ids, skip_special_tokens=False)
         if not self.logprobs:
             return text, None
         return text, self._completion_logprobs[event.index].format_prompt(

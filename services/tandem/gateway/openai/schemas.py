@@ -113,6 +113,8 @@ class _Generate(_Body):
     structured_outputs: dict[str, Any] | None = None
     prompt_logprobs: StrictInt | None = None  # vLLM's: the prompt's tokens' logprobs, whole responses only
     priority: StrictInt | None = None  # vLLM's: lower runs first; here 0 (the default) or more
+    # OpenAI's Predicted Outputs, which OpenAI takes on chat completions; here on completions and responses as well.
+    prediction: Prediction | None = None
     # vLLM's fields before structured_outputs replaced them: refused by name, never silently ignored.
     guided_json: Any = None
     guided_regex: Any = None
@@ -157,7 +159,6 @@ class ChatCompletionRequest(_Generate):
     web_search_options: Any = None  # a web search before answering: none here
     continue_final_message: Any = None  # vLLM's: the last (assistant) message continued rather than answered
     add_generation_prompt: Any = None  # vLLM's: false leaves the assistant's turn unopened
-    prediction: Prediction | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported() + (["functions"] if self.functions else [])

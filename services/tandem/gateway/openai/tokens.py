@@ -117,23 +117,25 @@ class CompletionLogprobs:
     def format_prompt(self, first_token: int, logprobs: list[TokenLogprob]) -> dict:
         """The echoed prompt's part (`echo`): its first token has no logprob (null, as OpenAI reports it), each
         other token is reported as any token is, with the logprob the target gave it (core.prompt_logprobs);
-        text_offset counts on into the completion's tokens."""
+        text_offset counts on into the completion's tokens. The echoed prompt shows its special tokens (it is the
+        prompt as sent), so their text counts here, where the completion's skip theirs."""
         first = {"tokens": [self.texts.name(first_token)], "token_logprobs": [None], "top_logprobs": [None],
-                 "text_offset": self._offsets([first_token])}
-        rest = self.format(logprobs)
+                 "text_offset": self._offsets([first_token], specials_shown=True)}
+        rest = self.format(logprobs, specials_shown=True)
         return {key: first[key] + rest[key] for key in first}
 
-    def _offsets(self, token_ids: list[int]) -> list[int]:
+    def _offsets(self, token_ids: list[int], specials_shown: bool) -> list[int]:
         offsets = []
         for token_id in token_ids:
             offsets.append(self._chars)
-            self._chars += len(self._decoder.decode(self.texts.shown_bytes(token_id)))
+            shown = self.texts.get(token_id)[1] if specials_shown else self.texts.shown_bytes(token_id)
+            self._chars += len(self._decoder.decode(shown))
         return offsets
 
-    def format(self, logprobs: list[TokenLogprob]) -> dict:
+    def format(self, logprobs: list[TokenLogprob], specials_shown: bool = False) -> dict:
         """Each token's `top_logprobs` holds its alternatives and the token itself, as OpenAI's legacy API and vLLM
         report them (up to logprobs + 1 entries): a client reads `top_logprobs[i][tokens[i]]`."""
-        offsets = self._offsets([lp.token_id for lp in logprobs])
+        offsets = self._offsets([lp.token_id for lp in logprobs], specials_shown)
         names = [self.texts.name(lp.token_id) for lp in logprobs]
         return {"tokens": names,
                 "token_logprobs": [finite(lp.logprob) for lp in logprobs],
