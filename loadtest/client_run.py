@@ -23,7 +23,8 @@ import uuid
 from collections.abc import Iterable
 
 from loadtest.arrivals import ArrivalProcess
-from loadtest.backends import Backend, Final, RequestFailed, RequestSpec, ServerUnreachable, backend_for
+from loadtest.backend_base import Backend, Final, RequestFailed, RequestSpec, ServerUnreachable
+from loadtest.backends import backend_for
 from loadtest.config import RunConfig
 from loadtest.prompts import Prompt, load_set, schedule
 from loadtest.trace import CANCELLED, ERROR, OK, RequestTrace, RunTrace

@@ -12,7 +12,7 @@ from loadtest.target import check_address, check_url
 
 MODES = ("auto", "off")
 BACKENDS = ("grpc", "openai")
-TOKEN_COUNTS = ("token_ids", "logprobs", "chunks")  # the openai backend's tokens per SSE chunk (loadtest/backends.py)
+TOKEN_COUNTS = ("token_ids", "logprobs", "chunks")  # the openai backend's tokens per SSE chunk (openai_backend.py)
 
 
 @dataclass(slots=True)

@@ -34,7 +34,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from loadtest import trace
-from loadtest.api_compare import Server, add_server_options, bench_prompts, figures, log, machine, ratio
+from loadtest.api_compare import bench_prompts
+from loadtest.api_compare_latency import figures, ratio
+from loadtest.bench_server import Server, add_server_options, log, machine
 from loadtest.client_run import run_level
 from loadtest.config import RunConfig
 from loadtest.prompts import Prompt

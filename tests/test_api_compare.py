@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from loadtest import api_compare
+from loadtest import api_compare, api_compare_guidellm, api_compare_latency
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 8
@@ -71,7 +71,7 @@ def test_end_to_end_on_the_tiny_models(tiny_dirs, tmp_path) -> None:
             for key in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "request_itl_p50", "output_throughput"):
                 assert pooled[key] > 0, (backend, key)
         ratios = level["openai_over_grpc"]
-        assert set(ratios) == set(api_compare.API_RATIOS) and all(v > 0 for v in ratios.values())
+        assert set(ratios) == set(api_compare_latency.API_RATIOS) and all(v > 0 for v in ratios.values())
         assert len(level["openai_over_grpc_each"]) == 1
         assert set(level["api_met"]) == {"ttft_p50", "itl_p50"}
         assert all(isinstance(v, bool) for v in level["api_met"].values())
@@ -106,12 +106,12 @@ def test_bad_arguments_exit_2(tmp_path) -> None:
 def test_the_shipped_prompts_and_the_schedule() -> None:
     prompts = api_compare.bench_prompts()
     assert len(prompts) == 8 and all(p.kind == "chat" and len(p.messages) == 1 for p in prompts)
-    assert [api_compare.requests_for(c) for c in (1, 4, 8, 16)] == [8, 8, 16, 32]
-    assert api_compare.schedule_for(0, False) == ["grpc", "openai"]
-    assert api_compare.schedule_for(1, False) == ["openai", "grpc"]
+    assert [api_compare_latency.requests_for(c) for c in (1, 4, 8, 16)] == [8, 8, 16, 32]
+    assert api_compare_latency.schedule_for(0, False) == ["grpc", "openai"]
+    assert api_compare_latency.schedule_for(1, False) == ["openai", "grpc"]
     # guidellm always beside a loadtest openai run
-    assert api_compare.schedule_for(0, True) == ["grpc", "openai", "guidellm"]
-    assert api_compare.schedule_for(1, True) == ["guidellm", "openai", "grpc"]
+    assert api_compare_latency.schedule_for(0, True) == ["grpc", "openai", "guidellm"]
+    assert api_compare_latency.schedule_for(1, True) == ["guidellm", "openai", "grpc"]
 
 
 def _guidellm_request(start: float, first: float, last: float, tokens: int) -> dict:
@@ -131,14 +131,14 @@ def test_guidellm_reports_are_read_by_its_own_definitions_and_compared() -> None
         "metrics": {"time_to_first_token_ms": _stat(100.0, 2), "inter_token_latency_ms": _stat(100.0, 2),
                     "request_totals": {"successful": 2, "errored": 0, "incomplete": 0}},
     }]}
-    run = api_compare.read_guidellm(report)
+    run = api_compare_guidellm.read_guidellm(report)
     assert run["ttfts"] == pytest.approx([0.1, 0.3]) and run["itls"] == pytest.approx([0.1, 0.1])
     assert run["total_output_tokens"] == 12 and run["output_throughput"] == 6.0
     assert run["own_ttft_p50"] == 0.1 and run["completed"] == 2
-    pooled = api_compare.guidellm_figures([run, run])
+    pooled = api_compare_guidellm.guidellm_figures([run, run])
     assert pooled["ttft_p50"] == pytest.approx(0.2) and pooled["output_throughput"] == 6.0
     loadtest = {"ttft_p50": 0.19, "request_itl_p50": 0.125, "itl_p50": 0.05, "output_throughput": 6.0}
-    compared = api_compare.tool_comparison(pooled, loadtest)
+    compared = api_compare_latency.tool_comparison(pooled, loadtest)
     assert compared["guidellm_over_loadtest"]["ttft_p50"] == pytest.approx(0.2 / 0.19)
     assert compared["met"] == {"ttft_p50": True, "itl_p50": False}  # 0.1 / 0.125 is 20% off
 
@@ -147,8 +147,9 @@ def test_the_openai_backend_counts_tokens_from_return_token_ids_by_default() -> 
     """loadtest's openai backend: return_token_ids (vLLM's field) by default, logprobs or chunks when asked."""
     import asyncio
 
-    from loadtest.backends import OpenAIBackend, RequestSpec, _tokens
+    from loadtest.backend_base import RequestSpec
     from loadtest.config import RunConfig
+    from loadtest.openai_backend import OpenAIBackend, _tokens
 
     prompt = api_compare.bench_prompts()[0]
     request = RequestSpec(prompt=prompt, request_id="r", session_id="s", max_tokens=4, temperature=0.0, seed=None,

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem.bench import gpu_ab, gpu_runs
 from tandem.bench import gpu_probe as probe
 from tandem.core.kv_cache import kv_bytes_per_token
 
@@ -23,30 +24,31 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 def test_probe_measures_tandem_and_hugging_face_on_the_same_weights() -> None:
     cpu = torch.device("cpu")
-    target, draft = probe.build("target", cpu, torch.float32, **TINY), probe.build("draft", cpu, torch.float32, **TINY)
+    target = gpu_runs.build("target", cpu, torch.float32, **TINY)
+    draft = gpu_runs.build("draft", cpu, torch.float32, **TINY)
     work = probe.prompts(3, vocab=500)
     # "graphs" is the uncompiled mode: on a CPU that runs eagerly, so no test time goes to compiling here.
-    plain = probe.run_tandem(target, draft, None, 1, work, 8, mode="graphs")
-    spec = probe.run_tandem(target, draft, 2, 2, work, 8, mode="graphs")
+    plain = gpu_runs.run_tandem(target, draft, None, 1, work, 8, mode="graphs")
+    spec = gpu_runs.run_tandem(target, draft, 2, 2, work, 8, mode="graphs")
     assert plain["tokens"] == spec["tokens"] == 24 and spec["drafted"] > 0 and not any(spec["compiled"])
-    assert probe.hf_generate(target, work[:2], 2, 8)["tokens"] == 16
+    assert gpu_runs.hf_generate(target, work[:2], 2, 8)["tokens"] == 16
     logged = {}
-    sides = {name: partial(probe.run_tandem, target, draft, mode="graphs") for name in ("a", "b")}
-    probe.side_pairs(sides, work, 4, lambda key, value: logged.update({key: value}), cases=("plain_b1", "spec_k4_b1"))
+    sides = {name: partial(gpu_runs.run_tandem, target, draft, mode="graphs") for name in ("a", "b")}
+    gpu_ab.side_pairs(sides, work, 4, lambda key, value: logged.update({key: value}), cases=("plain_b1", "spec_k4_b1"))
     assert set(logged) == {"a_vs_b_plain_b1", "a_vs_b_spec_k4_b1"}
     assert all(row["a_tok_s"] > 0 and row["b_tok_s"] > 0 and not row["compile_errors"] for row in logged.values())
     logged.clear()
-    probe.plain_pairs(list(sides.items()), work, 4, 0.0, lambda key, value: logged.update({key: value}), pairs=2)
+    gpu_ab.plain_pairs(list(sides.items()), work, 4, 0.0, lambda key, value: logged.update({key: value}), pairs=2)
     assert set(logged) == {"a_vs_b_plain_b1", "a_vs_b_plain_b8", "b_vs_a_plain_b1_pair2", "b_vs_a_plain_b8_pair2"}
-    costs = probe.attention_costs(torch.device("cpu"), {name: probe.ATTENTION_BACKENDS[name]
-                                                        for name in ("default", "math", "flex")},
-                                  caps=(32,), rows=(1, 2), widths=(1, 3), reps=10)
+    costs = gpu_ab.attention_costs(torch.device("cpu"), {name: gpu_ab.ATTENTION_BACKENDS[name]
+                                                         for name in ("default", "math", "flex")},
+                                   caps=(32,), rows=(1, 2), widths=(1, 3), reps=10)
     assert all(len(by_shape) == 4 and all(seconds > 0 for seconds in by_shape.values()) for by_shape in costs.values())
     for name in ("math", "flex"):
-        run = probe.run_with_backends(probe.ATTENTION_BACKENDS[name], target, None, None, 1, work[:1], 4,
-                                      mode="graphs")
-        assert run["tokens"] == 4 and probe.attention.BACKENDS[0] is None and not probe.attention.FLEX[0]  # restored
-    share = probe.kernel_share(lambda: probe.hf_generate(target, work[:1], 1, 2))
+        run = gpu_ab.run_with_backends(gpu_ab.ATTENTION_BACKENDS[name], target, None, None, 1, work[:1], 4,
+                                       mode="graphs")
+        assert run["tokens"] == 4 and gpu_ab.attention.BACKENDS[0] is None and not gpu_ab.attention.FLEX[0]  # restored
+    share = probe.kernel_share(lambda: gpu_runs.hf_generate(target, work[:1], 1, 2))
     assert share["wall_s"] > 0 and isinstance(share["top_kernels"], list)  # no GPU kernels on a CPU
     costs = probe.forward_costs(probe.ModelRunner(target), [1, 3], context=64, reps=2)
     assert set(costs) == {1, 3} and all(seconds > 0 for seconds in costs.values())

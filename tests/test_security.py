@@ -23,8 +23,10 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
 from gateway_harness import ServerThread, tiny_backend
-from loadtest.backends import GrpcBackend, OpenAIBackend, RequestSpec
+from loadtest.backend_base import RequestSpec
+from loadtest.backends import GrpcBackend
 from loadtest.config import RunConfig
+from loadtest.openai_backend import OpenAIBackend
 from loadtest.prompts import Prompt
 from pki import make_pki
 from tandem.cli.main import build_parser, main

@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "services"))
 
 from tandem.bench.gpu_measures import kernel_share, prompts, timed
-from tandem.bench.gpu_probe import HBM_BYTES_PER_S, build
+from tandem.bench.gpu_runs import HBM_BYTES_PER_S, build
 from tandem.bench.row_products import best_tiles
 from tandem.core import attention, cuda_graphs, fused_linear
 from tandem.core.config import EngineConfig, SamplingParams

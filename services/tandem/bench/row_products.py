@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.bench.gpu_probe import CONFIGS, HBM_BYTES_PER_S
+from tandem.bench.gpu_runs import CONFIGS, HBM_BYTES_PER_S
 from tandem.core.fused_linear import StackedLinear
 
 LAYERS = 28
