@@ -144,7 +144,8 @@ def _read(expr: str) -> tuple[set[str], set[str]]:
 @pytest.fixture(scope="module")
 def exported(tiny_models) -> dict[str, set[str]]:
     """Sample name -> the label names it carries, from a real gateway (after a request, one with a prediction and a
-    failed one, so the error_type and prediction outcome labels exist) and a pool worker's own endpoint (after a call)."""
+    failed one, so the error_type and prediction outcome labels exist) and a pool worker's own endpoint (after a
+    call)."""
     target, draft, _ = tiny_models
     server = ServerThread(tiny_backend(target, draft), http_port=0, metrics_port=0)  # HTTP: background, batches
     try:

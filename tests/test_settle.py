@@ -65,7 +65,7 @@ def _steps_seen(tiny_models, settle: bool) -> tuple[list[tuple[int, int]], list[
 def test_a_settling_loop_steps_after_the_clients_read_the_last_steps_outputs(tiny_models, monkeypatch) -> None:
     # The wait's bound raised: on a loaded test host the event loop may take longer than a step's 50 ms to be
     # scheduled, and the bound (which then lets the step go) is not what this test is about.
-    monkeypatch.setattr("tandem.gateway.loop.SETTLE_MAX_S", 10.0)
+    monkeypatch.setattr("tandem.gateway.engine_thread.SETTLE_MAX_S", 10.0)
     at_step, settled = _steps_seen(tiny_models, settle=True)
     assert len(at_step) > 5 and all(read == given for given, read in at_step), at_step
     _, unsettled = _steps_seen(tiny_models, settle=False)

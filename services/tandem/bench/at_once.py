@@ -18,7 +18,8 @@ from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
 from tandem.bench.vllm_compare_tandem import batched
 from tandem.cli.common import DEFAULT_DRAFT, DEFAULT_TARGET
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_prompts_option, wants_text, write_json
-from tandem.core.config import QUANTIZATIONS, EngineConfig, SamplingParams, SpecConfig
+from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.core.model_options import QUANTIZATIONS
 from tandem.engines.local import build_engine, encode_prompt
 from tandem.models.loader import load_pair
 

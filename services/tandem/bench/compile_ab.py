@@ -31,7 +31,8 @@ from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
 from tandem.bench.vllm_compare_tandem import batched
 from tandem.cli.common import add_bench_model_options
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_prompts_option, write_json
-from tandem.core.config import COMPILE_SCOPES, QUANTIZATIONS, EngineConfig, SamplingParams, compiles
+from tandem.core.config import EngineConfig, SamplingParams
+from tandem.core.model_options import COMPILE_SCOPES, QUANTIZATIONS, compiles
 from tandem.engines.local import build_engine, encode_prompt
 from tandem.models.loader import load_pair
 
@@ -40,7 +41,7 @@ VARIANTS = ("eager", "compiled")
 
 def _engines(target, draft, scope: str, kinds: list[str]) -> tuple[dict, float]:
     """{(kind, variant): engine} and the seconds the compiled engines took to build (their warm-up compiles); the
-    compiled variant compiles the models `scope` names (core.config.COMPILE_SCOPES)."""
+    compiled variant compiles the models `scope` names (core.model_options.COMPILE_SCOPES)."""
     engines, compiling = {}, 0.0
     for variant in VARIANTS:
         scoped = scope if variant == "compiled" else "none"

@@ -27,7 +27,7 @@ import torch
 from tandem.bench.packing import packable_dtype
 from tandem.cli.common import add_bench_model_options
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, write_json
-from tandem.core.config import QUANTIZATIONS
+from tandem.core.model_options import QUANTIZATIONS
 from tandem.core.packed_linear import weight_bytes
 from tandem.core.runner import ModelRunner
 from tandem.models.loader import load_model

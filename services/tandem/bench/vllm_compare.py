@@ -47,8 +47,8 @@ from tandem.bench.resident import Resident
 from tandem.bench.vllm_compare_report import agreement, guest, merge, pool, ratios, within
 from tandem.cli.common import DEFAULT_DRAFT, DEFAULT_TARGET
 from tandem.cli.options import STDOUT, DefaultsHelpFormatter, add_json_option, add_prompts_option, write_json
-from tandem.core.config import QUANTIZATIONS
 from tandem.core.cpu_runtime import suggested_preload
+from tandem.core.model_options import QUANTIZATIONS
 
 TANDEM_SIDE = [sys.executable, "-m", "tandem.bench.vllm_compare_tandem"]
 VLLM_SIDE = Path(__file__).resolve().with_name("vllm_compare_vllm.py")  # run by path with vLLM's own Python

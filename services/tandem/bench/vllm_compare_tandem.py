@@ -6,7 +6,7 @@ The process is started by tandem.bench.vllm_compare (tandem.bench.resident) with
     python -m tandem.bench.vllm_compare_tandem job.json RESULT_FD
 
 job: target, draft (registry names or paths), texts (the prompts; the chat template is applied as `tandem bench`
-does), max_tokens, threads, dtype, compile (a core.config.COMPILE_SCOPES scope: whose decode forwards compile),
+does), max_tokens, threads, dtype, compile (a core.model_options.COMPILE_SCOPES scope: whose decode forwards compile),
 draft_quantization (`--draft-quantization`), draft_vocab (`--draft-vocab`; 0 or absent: all ids). Each request names
 a mode (plain_b1, auto_b1, plain_bN, auto_bN) and the prompts to send in one engine.generate call, greedy, on the
 CPU. Loading, calibration and warm-up requests are left out of the timings.

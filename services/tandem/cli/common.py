@@ -11,11 +11,10 @@ import sys
 from typing import TYPE_CHECKING
 
 from tandem.cli.options import field_as_option
-from tandem.core.config import (
+from tandem.core.config import EngineConfig, SpecConfig
+from tandem.core.model_options import (
     DEFAULT_RETAIN_TOKENS,
     QUANTIZATIONS,
-    EngineConfig,
-    SpecConfig,
     check_retain_tokens,
     compile_scope,
     compiles,

@@ -20,7 +20,7 @@ from tandem.cli.worker_options import (
     add_worker_metrics_option,
     worker_metrics_port,
 )
-from tandem.core.config import compiles
+from tandem.core.model_options import compiles
 from tandem.errors import InvalidArgument, TandemError
 
 

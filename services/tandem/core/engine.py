@@ -2,12 +2,12 @@
 
 A round: the round plan (core.round_plan) decides each sequence's k, the drafter proposes, the verifier scores all
 k + 1 positions in one forward and accepts a prefix, and stops cut the block; the sessions' policies then record the
-round. The drafter and verifier are protocols, so the same loop drives in-process models and remote workers. A prompt
-that arrives while others decode is prefilled in chunks, one per step, and joins the rounds once the rest of it fits
-in one (EngineConfig.prefill_chunk). Which sequences a step runs, and which gives its caches up when the verifier's
-KV cache cannot hold them all (KVCacheFull), core.scheduler decides: one that gives them up waits in the queue, its
-workers drop its caches, and it is sent its whole history again when it resumes (same tokens: greedy choices and
-seeded random numbers depend only on the context).
+round (core.round_stages runs its stages). The drafter and verifier are protocols, so the same loop drives in-process
+models and remote workers. A prompt that arrives while others decode is prefilled in chunks, one per step, and joins
+the rounds once the rest of it fits in one (EngineConfig.prefill_chunk). Which sequences a step runs, and which gives
+its caches up when the verifier's KV cache cannot hold them all (KVCacheFull), core.scheduler decides: one that gives
+them up waits in the queue, its workers drop its caches, and it is sent its whole history again when it resumes (same
+tokens: greedy choices and seeded random numbers depend only on the context).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import secrets
-import time
 from collections.abc import Callable, Iterator
 
 from tandem.core import policy
@@ -23,18 +22,10 @@ from tandem.core.calibration import calibrate, kv_tokens_needed
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.costs import CostModel
 from tandem.core.prediction import Prediction, predicted_acceptance, predicted_proposal
-from tandem.core.protocol import (
-    Drafter,
-    DraftProposal,
-    DraftRequest,
-    KVCacheFull,
-    StateLost,
-    Verifier,
-    VerifyRequest,
-    VerifyResult,
-)
+from tandem.core.protocol import Drafter, KVCacheFull, Verifier
 from tandem.core.requests import GenerationResult, Sequence, StepOutput
 from tandem.core.round_plan import RoundPlan, RowView, plan_round
+from tandem.core.round_stages import commit_block, draft_batch, verify_batch
 from tandem.core.scheduler import Scheduler
 from tandem.core.stops import FINISH_ABORT, StopChecker
 from tandem.errors import InvalidArgument, check_in_vocabulary, request_id_in_use
@@ -175,12 +166,12 @@ class SpeculativeEngine:
                offers: list[list[int]]) -> list[StepOutput | None]:
         """Draft, verify, commit. A KVCacheFull from the verifier commits nothing and moves no policy: the caller
         plans the round again for a smaller batch."""
-        proposals = self._draft(batch, plan)
+        proposals = draft_batch(self.drafter, self.costs, batch, plan)
         for i, seq in enumerate(batch):  # the rows that draft their predictions (round_plan rule 0)
             if plan.from_prediction(i):
                 proposals[i] = predicted_proposal(offers[i][: plan.ks[i]], sampled=not seq.params.greedy)
         ks = [len(p.tokens) if p else 0 for p in proposals]  # drafted: a confidence stop or a failure drafts fewer
-        results = self._verify(batch, proposals, ks, limits)
+        results = verify_batch(self.verifier, self.costs, self.config.decode_steps, batch, proposals, ks, limits)
         for seq, decision in zip(batch, plan.decisions, strict=True):
             if decision is not None:
                 policy.apply(seq.policy, decision)
@@ -193,131 +184,9 @@ class SpeculativeEngine:
                 seq.prefill_started = True
                 outputs.append(None)
             else:
-                outputs.append(self._commit(seq, k, proposal, result, plan.from_prediction(i)))
+                outputs.append(commit_block(seq, k, proposal, result, plan.from_prediction(i), self.costs,
+                                            self.config.spec, self.prior, self._release))
         return outputs
-
-    def _verify(self, batch: list[Sequence], proposals: list[DraftProposal | None], ks: list[int],
-                limits: list[int]) -> list[VerifyResult]:
-        started = time.perf_counter()
-        steps = self._decode_steps(batch, ks)
-
-        def verify() -> list[VerifyResult]:
-            return self.verifier.verify([
-                VerifyRequest(seq.request_id, seq.verify_synced, seq.context[seq.verify_synced :], proposal, seq.params,
-                              seq.session_id, limit, len(seq.prompt), seq.scores_prompt, seq.cache_scope, seq.order,
-                              n, seq.stop.stop_ids if n > 1 else frozenset())
-                for seq, proposal, limit, n in zip(batch, proposals, limits, steps, strict=True)
-            ])
-
-        def forget(lost: list[str]) -> None:
-            for seq in batch:
-                if seq.request_id in lost:
-                    seq.verify_synced = 0
-
-        results = _retry_lost(verify, forget)
-        seconds = time.perf_counter() - started
-        # Only rounds whose rows drafted alike are timed into the table of like rows' widths: an uneven round runs
-        # padded or packed (core.row_layout), and the plan prices it from that table at the width it runs as. A
-        # multi-step call is timed per forward where every row ran the same number.
-        forwards = {1 + len(r.more) for r in results}
-        if (len(set(ks)) == 1 and len(forwards) == 1 and all(seq.verify_synced == len(seq.context) for seq in batch)
-                and not any(r.prefilling for r in results)):
-            self.costs.observe_verify(ks[0] + 1, seconds / forwards.pop(), rows=len(batch))
-        for seq in batch:
-            seq.stats.verify_seconds += seconds
-        return results
-
-    def _decode_steps(self, batch: list[Sequence], ks: list[int]) -> list[int]:
-        """The tokens each row may decode in this verify call (EngineConfig.decode_steps), never past max_tokens: one
-        for every row wherever a row drafts, or is new or prefilling (their batch mates' blocks would hold their
-        outcome: a new row's first token streams as soon as without blocks). The verifier decodes one for rows that
-        need the host between tokens."""
-        most = self.config.decode_steps
-        if most == 1 or any(ks) or not all(seq.output for seq in batch):
-            return [1] * len(batch)
-        return [min(most, seq.params.max_tokens - len(seq.output)) for seq in batch]
-
-    def _draft(self, batch: list[Sequence], plan: RoundPlan) -> list[DraftProposal | None]:
-        """Proposals of the rows that draft; rows that only catch up (plan.catch_up) send their drafter the next
-        part of their backlog and get no proposal."""
-        ks, catch_up = plan.ks, plan.catch_up
-        rows = [i for i, (k, c) in enumerate(zip(ks, catch_up, strict=True))
-                if (k > 0 or c > 0) and not plan.from_prediction(i)]
-        proposals: list[DraftProposal | None] = [None] * len(batch)
-        if not rows:
-            return proposals
-
-        def requests() -> list[DraftRequest]:
-            return [DraftRequest(batch[i].request_id, batch[i].draft_synced, batch[i].backlog(ks[i], catch_up[i]),
-                                 ks[i], batch[i].params, batch[i].session_id, len(batch[i].prompt),
-                                 batch[i].cache_scope, batch[i].order) for i in rows]
-
-        def forget(lost: list[str]) -> None:
-            for i in rows:
-                if batch[i].request_id in lost:
-                    batch[i].draft_synced = 0
-
-        started = time.perf_counter()
-        try:
-            sent, drafted = _retry_lost(lambda: ((r := requests()), self.drafter.propose(r)), forget)
-        except KVCacheFull:  # a full draft cache: plain decoding this round
-            for i in rows:
-                batch[i].stats.draft_failures += 1
-            forget([batch[i].request_id for i in rows])
-            return proposals
-        seconds = time.perf_counter() - started
-        steps = max(len(p.tokens) for p in drafted)
-        if steps and all(len(r.append) <= 1 for r in sent):
-            self.costs.observe_draft_step(seconds / steps, rows=round(sum(len(p.tokens) for p in drafted) / steps))
-        for i, request, proposal in zip(rows, sent, drafted, strict=True):
-            batch[i].stats.draft_seconds += seconds
-            batch[i].stats.draft_failures += proposal.failed
-            if ks[i] > 0:
-                proposals[i] = proposal
-            elif not proposal.failed:  # caught up: the drafter holds these tokens now
-                batch[i].draft_synced += len(request.append)
-        return proposals
-
-    def _commit(self, seq: Sequence, k: int, proposal: DraftProposal | None, result: VerifyResult,
-                predicted: bool) -> StepOutput:
-        """`predicted`: the drafts came from the request's prediction, not the drafter, whose policy they leave be."""
-        committed, accepted = len(seq.context), result.accepted
-        new_tokens = (proposal.tokens[:accepted] if proposal else []) + [result.next_token, *result.more]
-        seq.verify_synced = committed + len(new_tokens)
-        if not predicted:
-            if k > 0:
-                seq.draft_synced = committed + accepted
-            seq.stats.record_round(k, accepted, seq.policy.fallback, len(result.more))
-            policy.update(seq.policy, k, accepted, self.costs, self.config.spec)
-            policy.decoded_plainly(seq.policy, len(result.more))
-            if k > 0:  # a failed proposal is empty: k 0
-                self.prior.observe(k, accepted)
-        before = len(seq.output)
-        prompt_logprobs = None
-        if seq.scores_prompt:
-            if result.prompt_logprobs is None or len(result.prompt_logprobs) != len(seq.prompt) - 1:
-                raise RuntimeError(f"the verifier scored {len(result.prompt_logprobs or ())} prompt tokens of "
-                                   f"{len(seq.prompt) - 1}")
-            seq.prompt_logprobs = prompt_logprobs = list(result.prompt_logprobs)
-        seq.finish_reason, seq.text_cut = seq.stop.extend(seq.output, new_tokens)
-        if predicted:  # counted as far as the output goes: a stop may end it inside the accepted drafts
-            kept = len(seq.output) - before
-            seq.stats.record_predicted_round(min(accepted, kept), k - accepted if kept > accepted else 0)
-        if seq.params.min_tokens and len(seq.output) >= seq.params.min_tokens:
-            # Held back no longer: the rounds after it reshape nothing for it (a plain row may decode in blocks).
-            seq.params = dataclasses.replace(seq.params, min_tokens=0, end_ids=())
-        if seq.finish_reason is not None:
-            self._release(seq)
-        emitted = seq.output[before:]
-        if seq.params.logprobs is None:
-            logprobs = None
-        else:
-            # The emitted tokens are a prefix of the block (a stop or max_tokens cuts it): so are their logprobs.
-            logprobs = list((result.logprobs or [])[: len(emitted)])
-            if len(logprobs) != len(emitted):
-                raise RuntimeError(f"the verifier sent {len(logprobs)} logprobs for {len(emitted)} emitted tokens")
-            seq.logprobs.extend(logprobs)
-        return StepOutput(seq.request_id, emitted, seq.finish_reason, logprobs, prompt_logprobs)
 
     def _release(self, seq: Sequence) -> None:
         self.sequences.pop(seq.request_id, None)
@@ -387,12 +256,3 @@ def _step_tokens(seq: Sequence, prefill_limit: int) -> int:
     lacks (or a prefill chunk of it)."""
     lacking = len(seq.context) - seq.verify_synced
     return min(lacking, prefill_limit) if prefill_limit else lacking
-
-
-def _retry_lost(call, forget):
-    """Run `call`; if a worker lost some sequences, mark them for a full resend and run it once more."""
-    try:
-        return call()
-    except StateLost as lost:
-        forget(lost.seq_ids)
-        return call()

@@ -18,10 +18,10 @@ from transformers import PreTrainedModel
 
 from tandem.core import cpu_attention
 from tandem.core.attention import SEGMENTS, forward_lock, packed
-from tandem.core.config import DEFAULT_RETAIN_TOKENS
 from tandem.core.cuda_graphs import MAX_WIDTH, ROW_BUCKETS, GraphedForward
 from tandem.core.device import on_device
 from tandem.core.kv_cache import SlotCache, Step, cache_keyword, default_kv_tokens
+from tandem.core.model_options import DEFAULT_RETAIN_TOKENS
 from tandem.core.protocol import KVCacheFull
 from tandem.core.row_inputs import packed_inputs, padded_inputs
 from tandem.core.row_layout import RowLayout

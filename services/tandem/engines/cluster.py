@@ -12,8 +12,9 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from tandem.core.config import EngineConfig, compiles, draft_vocab_limit
+from tandem.core.config import EngineConfig
 from tandem.core.detok import decoder
+from tandem.core.model_options import compiles, draft_vocab_limit
 from tandem.engines.backend import Backend, engine_lanes
 from tandem.engines.options import Arm, ClusterOptions
 from tandem.workers.draft_pool import RayDrafter, start_draft_workers

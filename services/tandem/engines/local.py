@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 
-from tandem.core.config import DEFAULT_RETAIN_TOKENS, EngineConfig, compiles, draft_vocab_limit
+from tandem.core.config import EngineConfig
 from tandem.core.costs import CostModel
 from tandem.core.detok import decoder
 from tandem.core.engine import SpeculativeEngine
 from tandem.core.format_masks import FormatMasks
 from tandem.core.local import LocalDrafter, LocalVerifier
+from tandem.core.model_options import DEFAULT_RETAIN_TOKENS, compiles, draft_vocab_limit
 from tandem.core.runner import ModelRunner
 from tandem.engines.backend import Backend
 from tandem.engines.options import Arm, LocalOptions

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.core.config import (
+from tandem.core.config import EngineConfig
+from tandem.core.model_options import (
     DEFAULT_RETAIN_TOKENS,
     QUANTIZATIONS,
-    EngineConfig,
     check_model_mode,
     check_retain_tokens,
     compile_scope,
@@ -33,9 +33,9 @@ class LocalOptions:
     dtype: str = "auto"
     threads: int | None = None  # torch's CPU threads (None: all cores)
     eager: bool = False  # models as Hugging Face builds them (no prepacked linears, no CUDA graphs)
-    compile: str = "none"  # whose decode forwards torch.compile compiles on a CPU too (core.config.COMPILE_SCOPES)
+    compile: str = "none"  # whose decode forwards compile on a CPU too (core.model_options.COMPILE_SCOPES)
     kv_tokens: int = 0  # each model's KV token budget (0: a share of the memory free when its runner starts)
-    draft_quantization: str = "none"  # "int8", "w8a8" or "w4": quantized draft weights (core.config; output unchanged)
+    draft_quantization: str = "none"  # "int8", "w8a8" or "w4" draft weights (core.model_options; output unchanged)
     retain_tokens: int = DEFAULT_RETAIN_TOKENS  # finished requests' cache tokens each model keeps (core.slots)
     prefix_cache: bool = True  # new requests start from a copy of a cached prefix of their prompt (core.slots)
 
@@ -66,9 +66,9 @@ class ClusterOptions:
     device: str = "auto"
     dtype: str = "auto"
     eager: bool = False  # models as Hugging Face builds them (no prepacked linears)
-    compile: str = "none"  # whose decode forwards torch.compile compiles on a CPU too (core.config.COMPILE_SCOPES)
+    compile: str = "none"  # whose decode forwards compile on a CPU too (core.model_options.COMPILE_SCOPES)
     kv_tokens: int = 0  # every worker's KV token budget (0: a share of the memory free when it starts)
-    draft_quantization: str = "none"  # "int8", "w8a8" or "w4": draft workers' quantized weights (core.config)
+    draft_quantization: str = "none"  # "int8", "w8a8" or "w4": draft workers' quantized weights (core.model_options)
     retain_tokens: int = DEFAULT_RETAIN_TOKENS  # finished requests' cache tokens each model keeps (core.slots)
     prefix_cache: bool = True  # new requests start from a copy of a cached prefix of their prompt (core.slots)
 

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tandem.core import cpu_runtime
-from tandem.core.config import QUANTIZATIONS, check_model_mode, compiles
 from tandem.core.fused_linear import stack_on_gpu
 from tandem.core.int8_linear import quantize_int8
+from tandem.core.model_options import QUANTIZATIONS, check_model_mode, compiles
 from tandem.core.packed_linear import prepack
 from tandem.core.w4_linear import quantize_w4
 from tandem.core.w8a8_linear import quantize_w8a8
@@ -39,7 +39,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     eager: bool = False  # loaded without the device's fast path; runners then skip CUDA graphs too
     compile: bool = False  # runners compile their decode forwards (torch.compile) on a CPU too, not only on a GPU
-    quantization: str = "none"  # "int8", "w8a8" or "w4": quantized linear weights (drafts only, core.config)
+    quantization: str = "none"  # "int8", "w8a8" or "w4": quantized linear weights (drafts only, core.model_options)
 
 
 def runner_mode(loaded) -> dict:
@@ -203,7 +203,8 @@ def load_pair(
     compile: bool | str = False,
 ) -> tuple[LoadedModel, LoadedModel]:
     """Load a draft and a target and check that they can be paired; returns (draft, target). `compile`: a
-    core.config.COMPILE_SCOPES scope ("draft": the draft's runners alone compile), or a bool for both or neither."""
+    core.model_options.COMPILE_SCOPES scope ("draft": the draft's runners alone compile), or a bool for both or
+    neither."""
     common = {"device": device, "dtype": dtype, "progress": progress, "pip_args": pip_args, "eager": eager}
     draft = load_model(draft_spec, quantization=draft_quantization, compile=compiles(compile, draft=True), **common)
     target = load_model(target_spec, compile=compiles(compile, draft=False), **common)

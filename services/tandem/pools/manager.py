@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from tandem.core.config import EngineConfig, draft_vocab_limit
+from tandem.core.config import EngineConfig
 from tandem.core.costs import CostModel
+from tandem.core.model_options import draft_vocab_limit
 from tandem.errors import InvalidArgument, TandemError
 from tandem.pools.health import actor_state, last_error, succeeded, worker_health
 from tandem.pools.launch import Launched, await_started, find_launched, launch, placement

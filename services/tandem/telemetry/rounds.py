@@ -1,4 +1,4 @@
-"""Per-request child spans for the engine's rounds, kept on the engine thread (gateway/loop.py).
+"""Per-request child spans for the engine's rounds, kept on the engine thread (gateway/engine_thread.py).
 
 Before each engine step, every traced request without an open round span gets one ("tandem.prefill" for its first
 round, "tandem.spec.round" after) and its W3C carrier goes into `carriers`, which the worker pools read to parent the

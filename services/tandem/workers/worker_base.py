@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tandem.core.config import DEFAULT_RETAIN_TOKENS
+from tandem.core.model_options import DEFAULT_RETAIN_TOKENS
 from tandem.core.protocol import KVCacheFull, KVUsage, StateLost, WorkerLoad
 from tandem.errors import RequestRefused, TandemError, WorkerStartFailed
 from tandem.hostinfo import host_facts
@@ -88,7 +88,7 @@ class WorkerConfig:
     kv_tokens: int = 0  # the runner's KV token budget (0: a share of the memory free at start)
     eager: bool = False  # the model as Hugging Face builds it (no prepacked linears)
     compile: bool = False  # decode forwards compiled by torch.compile on a CPU too (a GPU's default)
-    quantization: str = "none"  # "int8", "w8a8" or "w4": quantized weights (draft workers only, core.config)
+    quantization: str = "none"  # "int8", "w8a8" or "w4": quantized weights (draft workers only, core.model_options)
     batch_window_s: float = 0.0  # how long a call waits for other gateways' calls to join its forward (shared pools)
     retain_tokens: int = DEFAULT_RETAIN_TOKENS  # finished sequences' cache tokens the runner keeps (core.slots)
     prefix_cache: bool = True  # new sequences start from a copy of a cached prefix of their prompt (core.slots)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from tandem.gateway.openai.bodies import lone_surrogate
 
 # The ASGI scope key naming the tenant a batch's request runs as (gateway.openai.batch_run): set in process only, so
-# no client's request carries it, and checked against the API keys of the moment (app.Api.tenant).
+# no client's request carries it, and checked against the API keys of the moment (api.Api.tenant).
 BATCH_TENANT = "tandem.batch_tenant"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_REQUESTS = 50_000  # OpenAI's limit on the requests of one batch

@@ -31,7 +31,7 @@ from tandem.gateway.openai.truncation import fitted
 from tandem.sessions import StoreUnavailable
 
 if TYPE_CHECKING:
-    from tandem.gateway.openai.app import Api
+    from tandem.gateway.openai.api import Api
 
 log = logging.getLogger(__name__)
 

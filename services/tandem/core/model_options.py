@@ -1,0 +1,55 @@
+"""How each model of a pair is held and run, as the CLI, engine options and model loader take it: its weights'
+quantization, whether its decode forwards compile or run eagerly, the finished caches its runner keeps, and the
+vocabulary a drafter scores.
+"""
+
+from __future__ import annotations
+
+from tandem.errors import InvalidArgument
+
+# How a draft model's linear weights are held: "int8" weights with activations in the model's dtype
+# (core.int8_linear), "w8a8" int8 weights and activations quantized per row on a CPU (core.w8a8_linear), "w4" those
+# w8a8 layers with an int4 copy for one-row steps (core.w4_linear). A target is always held as loaded.
+QUANTIZATIONS = ("none", "int8", "w8a8", "w4")
+
+
+# Which models of a pair compile their decode forwards with torch.compile on a CPU (a GPU compiles both by default).
+# "draft": the draft alone, whose small layers gain most from compiling (1.26x a forward against the target's 1.05x
+# on a 2-core CPU, docs/performance.md), without the target's minutes of compiling. True and False, as a model's own
+# setting is given, stand for "all" and "none".
+COMPILE_SCOPES = ("none", "draft", "all")
+
+
+def compile_scope(compile: bool | str) -> str:
+    """The scope a --compile setting names (a scope, or a bool for all or none)."""
+    if isinstance(compile, bool):
+        return "all" if compile else "none"
+    if compile not in COMPILE_SCOPES:
+        raise InvalidArgument(f"compile: one of {', '.join(COMPILE_SCOPES)}, got {compile!r}")
+    return compile
+
+
+def compiles(compile: bool | str, draft: bool) -> bool:
+    """Whether a pair's draft (`draft`) or target compiles its decode forwards under this setting."""
+    scope = compile_scope(compile)
+    return scope == "all" or (scope == "draft" and draft)
+
+
+def check_model_mode(eager: bool, compile: bool | str) -> None:
+    """How a model runs: eager (as Hugging Face builds it) and compile (torch.compile'd forwards) exclude each other."""
+    if eager and compile_scope(compile) != "none":
+        raise InvalidArgument("eager and compile exclude each other: compiling is part of the fast path eager skips")
+
+
+# Tokens of finished sequences' caches a runner keeps (core.slots) for a session's next turn and shared prefixes.
+DEFAULT_RETAIN_TOKENS = 32768
+
+
+def check_retain_tokens(retain_tokens: int) -> None:
+    if retain_tokens < 0:
+        raise InvalidArgument(f"retain_tokens: must be non-negative (0: none kept), got {retain_tokens}")
+
+
+def draft_vocab_limit(draft_vocab: int, target_vocab: int) -> int:
+    """The ids the drafter scores: never beyond the target's vocabulary, fewer if `draft_vocab` asks."""
+    return min(draft_vocab, target_vocab) if draft_vocab else target_vocab
