@@ -266,12 +266,13 @@ ZONE = {"type": "function", "function": {"name": "get_time", "parameters": {
 def test_a_required_or_named_call_is_always_a_call_with_arguments_its_schema_accepts(server, choice: str) -> None:
     """The random-weight model writes no call of its own accord (auto: no choice is one); with the call's format
     masking its output after the begun call, every choice is a call of an offered tool (the named one), its
-    arguments valid under that tool's parameters. Speculation stays on."""
+    arguments valid under that tool's parameters. Speculation stays on. One call a choice (parallel_tool_calls
+    false): the random model would go on to more calls until max_tokens (the next test)."""
     sdk = openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0)
     messages = [{"role": "user", "content": "Weather or time?"}]
     tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_time"}}
     asked = {"model": MODEL, "messages": messages, "tools": [CITY, ZONE], "n": 6, "max_tokens": 160,
-             "temperature": 1.0, "seed": 5}
+             "temperature": 1.0, "seed": 5, "parallel_tool_calls": False}
     free = sdk.chat.completions.create(**asked, tool_choice="auto")
     assert not any(c.message.tool_calls for c in free.choices)
     response = sdk.chat.completions.create(**asked, tool_choice=tool_choice)
@@ -289,6 +290,29 @@ def test_a_required_or_named_call_is_always_a_call_with_arguments_its_schema_acc
     calls = result.choices[0].tool_calls
     assert result.finish_reason == "tool_calls" and [c.name for c in calls] == ["get_weather"]
     assert json.loads(calls[0].arguments_json)["city"] in {"Paris", "Rome", "Lima"}
+
+
+def test_a_required_choice_makes_parallel_calls_unless_parallel_tool_calls_is_false(server, tiny_models) -> None:
+    """With the end of the output banned (logit_bias on the EOS tokens), "required" goes on from one call to the
+    next, each a call of an offered tool in tags of its own with arguments its schema accepts, until max_tokens cuts
+    it; with parallel_tool_calls false the format ends the output after the first call, ban or no ban."""
+    tokenizer = tiny_models[0].tokenizer
+    ends = {str(tokenizer.convert_tokens_to_ids(token)): -100 for token in ("<|endoftext|>", "<|im_end|>")}
+    sdk = openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0)
+    asked = {"model": MODEL, "messages": [{"role": "user", "content": "Weather or time?"}], "tools": [CITY, ZONE],
+             "tool_choice": "required", "max_tokens": 300, "temperature": 1.0, "seed": 4, "logit_bias": ends,
+             "extra_body": {"return_token_ids": True}}
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (CITY, ZONE)}
+    parallel = sdk.chat.completions.create(**asked).choices[0]
+    assert parallel.finish_reason == "length" and len(parallel.message.tool_calls) >= 2, parallel
+    for tool_call in parallel.message.tool_calls:
+        jsonschema.validate(json.loads(tool_call.function.arguments), schemas[tool_call.function.name])
+    text = tokenizer.decode(parallel.model_extra["token_ids"])
+    assert text.count("</tool_call>\n<tool_call>\n{\"name\": ") >= 1, text
+    single = sdk.chat.completions.create(**asked | {"parallel_tool_calls": False}).choices[0]
+    assert single.finish_reason == "tool_calls" and len(single.message.tool_calls) == 1, single
+    jsonschema.validate(json.loads(single.message.tool_calls[0].function.arguments),
+                        schemas[single.message.tool_calls[0].function.name])
 
 
 @pytest.mark.parametrize(("change", "param"), [

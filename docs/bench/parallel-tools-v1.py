@@ -6,6 +6,8 @@ alternating chat by chat. Per request: the calls the gateway parsed, the finish 
 whether the single call is the default's first.
 
     PYTHONPATH=services python docs/bench/parallel-tools-v1.py docs/bench/parallel-tools-v1.json   # ~8 min on CPU-A
+
+With a second argument, the tool_choice every request sends (`required`: parallel-tools-required-v1.json).
 """
 import json
 import statistics
@@ -27,11 +29,14 @@ CHATS = ["Check the status of the billing service in eu-west and in us-east.",
          "Is the auth service healthy? Also search the docs for its runbook.",
          "Read README.md, then compute 17 * 23 by running code."]
 MAX_TOKENS = 192
+TOOL_CHOICE = sys.argv[2] if len(sys.argv) > 2 else None  # the default's: "auto"
 
 
 def ask(url: str, chat: str, parallel: bool) -> dict:
     body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": chat}], "tools": TOOLS,
             "temperature": 0, "max_tokens": MAX_TOKENS} | ({} if parallel else {"parallel_tool_calls": False})
+    if TOOL_CHOICE is not None:
+        body["tool_choice"] = TOOL_CHOICE
     started = time.perf_counter()
     response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=1800)
     seconds = time.perf_counter() - started
@@ -76,5 +81,6 @@ summary = {"calls_parallel": [len(row["parallel"]["calls"]) for row in rows],
            "seconds_where_parallel_made_2_or_more": {
                way: round(statistics.fsum(row[way]["seconds"] for row in rows if len(row["parallel"]["calls"]) > 1), 3)
                for way in ("parallel", "single")}}
-Path(sys.argv[1]).write_text(json.dumps({"max_tokens": MAX_TOKENS, "rows": rows, "summary": summary}, indent=1) + "\n")
+record = {"max_tokens": MAX_TOKENS, "tool_choice": TOOL_CHOICE, "rows": rows, "summary": summary}
+Path(sys.argv[1]).write_text(json.dumps(record, indent=1) + "\n")
 print(json.dumps(summary))
