@@ -110,6 +110,38 @@ def test_a_grammar_matches_whole(server, endpoint: str, grammar: str) -> None:
     assert all(reason == "stop" and re.fullmatch(GRAMMAR_TEXT, text) for text, reason in texts), texts
 
 
+# A structural tag opened by a byte the random model writes often once biased towards it: every part from "@" to the
+# closing "@" must be the schema's JSON, and the text between parts stays free.
+TAG_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False, "x-guidance": {"whitespace_pattern": "[ ]{0,1}"}}
+STRUCTURAL_TAG = {"type": "structural_tag", "triggers": ["@"],
+                  "structures": [{"begin": "@", "schema": TAG_SCHEMA, "end": "@"}]}
+
+
+@pytest.mark.parametrize("field", ["response_format", "structured_outputs"])
+def test_a_structural_tag_holds_each_tagged_part_and_leaves_the_rest_free(server, tiny_models, field: str) -> None:
+    at = tiny_models[0].tokenizer.encode("@", add_special_tokens=False)[0]
+    wanted = STRUCTURAL_TAG if field == "response_format" else {"structural_tag": json.dumps(STRUCTURAL_TAG)}
+    body = {field: wanted, "n": 4, "temperature": 1.0, "seed": 7, "max_tokens": 160, "logit_bias": {str(at): 6}}
+    texts = _texts(_post(server, "completions", body))
+    parts = [part for text, _ in texts for part in text.split("@")[1:-1:2]]  # whole parts: between an opening @
+    assert len(parts) >= 4, texts  # and its closing one, the output not cut inside
+    for part in parts:
+        jsonschema.validate(json.loads(part), TAG_SCHEMA)
+    free = _texts(_post(server, "completions", body | {field: None} | (
+        {"response_format": None} if field == "structured_outputs" else {})))
+    tagged_free = [part for text, _ in free for part in text.split("@")[1:-1:2]]
+    assert tagged_free and not all(_parses(part) for part in tagged_free), free  # without the tag: no JSON there
+
+
+def _parses(text: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), TAG_SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
 def test_streamed_chunks_join_to_the_whole_response(server) -> None:
     request = {"model": MODEL, "messages": CHAT, "response_format": JSON_SCHEMA, "temperature": 0,
                "max_tokens": MAX_TOKENS}
@@ -151,6 +183,11 @@ DEEP = _nested(200)
     ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
     ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs", "choice"),
     ({"guided_json": SCHEMA}, "guided_json", "structured_outputs"),
+    ({"response_format": STRUCTURAL_TAG | {"triggers": ["<"]}}, "response_format", "none of the triggers"),
+    ({"response_format": STRUCTURAL_TAG | {"structures": []}}, "response_format", "structures"),
+    ({"structured_outputs": {"structural_tag": "{nope"}}, "structured_outputs", "not JSON"),
+    ({"structured_outputs": {"structural_tag": {"triggers": ["@"], "structures": [
+        {"begin": "@", "schema": {"type": "wat"}, "end": "@"}]}}}, "structured_outputs", "wat"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "response format"),
     ({"response_format": {"type": "json_object"}, "tool_choice": "required",
       "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
@@ -161,7 +198,8 @@ DEEP = _nested(200)
     ({"structured_outputs": {"json": DEEP}}, "structured_outputs", "recursion limit"),
 ], ids=["schema-wat", "structured-json-wat", "structured-regex", "no-json-schema", "no-schema", "schema-text",
         "schema-list", "type-xml", "not-an-object", "both-fields", "structured-empty", "structured-two",
-        "structured-grammar", "structured-lark", "choice-empty", "choice-number", "guided-json", "ignore-eos",
+        "structured-grammar", "structured-lark", "choice-empty", "choice-number", "guided-json", "tag-trigger",
+        "tag-empty", "tag-text", "tag-schema", "ignore-eos",
         "required-call", "schema-deep", "structured-deep"])
 def test_bad_formats_are_400_naming_the_field(server, body: dict, param: str, says: str) -> None:
     response = _post(server, "chat/completions", {"max_tokens": 4} | body)

@@ -16,7 +16,8 @@ from tandem.errors import InvalidArgument
 from tandem.v1 import generation_pb2 as pb
 
 FIELD = "response_format"
-TYPES = ("text", "json_object", "json_schema", "regex", "grammar")  # regex and grammar: tandem's, beside OpenAI's
+# regex and grammar: tandem's, beside OpenAI's; structural_tag: vLLM's
+TYPES = ("text", "json_object", "json_schema", "regex", "grammar", "structural_tag")
 
 
 def wire_format(value: Mapping[str, Any] | None, field: str = FIELD) -> pb.ResponseFormat | None:
@@ -27,6 +28,8 @@ def wire_format(value: Mapping[str, Any] | None, field: str = FIELD) -> pb.Respo
         {"type": "json_schema", "json_schema": {"name": "...", "schema": {...}, "strict": true, "description": ""}}
         {"type": "regex", "regex": "..."}                         text the expression matches whole
         {"type": "grammar", "grammar": "..."}                     text the grammar (Lark or GBNF) matches whole
+        {"type": "structural_tag", "structures": [{"begin": "<f=x>", "schema": {...}, "end": "</f>"}],
+         "triggers": ["<f="]}                                      free text; from a trigger on, a structure
 
     A schema may be a mapping or its JSON text; "name", "strict" and "description" are checked for type only (every
     schema is followed strictly)."""
@@ -51,6 +54,8 @@ def wire_format(value: Mapping[str, Any] | None, field: str = FIELD) -> pb.Respo
         if not isinstance(grammar, str) or not grammar.strip():
             raise InvalidArgument(f"{field}: a grammar format needs \"grammar\", a non-empty Lark or GBNF grammar")
         return pb.ResponseFormat(grammar=grammar)
+    if kind == "structural_tag":
+        return pb.ResponseFormat(structural_tag=structural_tag_text(value, field))
     raise InvalidArgument(f"{field}: \"type\" must be one of {', '.join(TYPES)}, got {kind!r}")
 
 
@@ -83,3 +88,45 @@ def schema_text(schema: Any, field: str, where: str) -> str:
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"{field}: {where} is not JSON: {exc}") from None
     raise InvalidArgument(f"{field}: {where} must be a JSON object (or its JSON text), got {type(schema).__name__}")
+
+
+def structural_tag_text(value: Any, field: str = FIELD) -> str:
+    """vLLM's structural_tag, as an object or its JSON text, checked (structural_tags) and as JSON text."""
+    tags = structural_tags(value, field)
+    return json.dumps({"structures": [{"begin": begin, "schema": schema, "end": end} for _, begin, schema, end in tags],
+                       "triggers": sorted({trigger for trigger, *_ in tags})})
+
+
+def structural_tags(value: Any, field: str = FIELD) -> list[tuple[str, str, dict, str]]:
+    """(trigger, begin, schema, end) per structure of a structural_tag: {"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]} (a "type" key beside them is ignored). The output is free text until it writes a trigger;
+    from there it must go on to one of the structures that begin with that trigger, its JSON (schema) and its end,
+    then free text again. Each begin must start with one of the triggers, the longest of which is its trigger."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise InvalidArgument(f"{field}: the structural_tag is not JSON: {exc}") from None
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(f"{field}: a structural_tag is an object with \"structures\" and \"triggers\"")
+    structures, triggers = value.get("structures"), value.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise InvalidArgument(f"{field}: structural_tag.triggers must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise InvalidArgument(f"{field}: structural_tag.structures must be a non-empty list")
+    tags = []
+    for index, structure in enumerate(structures):
+        where = f"structural_tag.structures[{index}]"
+        if not isinstance(structure, Mapping):
+            raise InvalidArgument(f"{field}: {where} must be an object with \"begin\", \"schema\" and \"end\"")
+        begin, end = structure.get("begin"), structure.get("end")
+        if not isinstance(begin, str) or not isinstance(end, str):
+            raise InvalidArgument(f"{field}: {where}.begin and .end must be strings")
+        opened = [trigger for trigger in triggers if begin.startswith(trigger)]
+        if not opened:
+            raise InvalidArgument(f"{field}: {where}.begin {begin!r} starts with none of the triggers")
+        if structure.get("schema") is None:
+            raise InvalidArgument(f"{field}: {where}.schema is required (the JSON schema of the part after begin)")
+        schema = json.loads(schema_text(structure["schema"], field, f"{where}.schema"))
+        tags.append((max(opened, key=len), begin, schema, end))
+    return tags

@@ -9,11 +9,12 @@ import weakref
 from collections.abc import Collection
 from typing import Any
 
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLMatcher, LLTokenizer, StructTag
 from llguidance.gbnf_to_lark import any_to_lark
 
 from tandem.core.config import OutputFormat
 from tandem.errors import InvalidArgument
+from tandem.response_format import structural_tags
 
 log = logging.getLogger(__name__)
 _built: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], LLTokenizer]] = weakref.WeakKeyDictionary()
@@ -76,6 +77,10 @@ def _grammar_of(output_format: OutputFormat) -> str:
         except Exception as exc:  # GbnfToLarkError, or a bare Exception for a GBNF grammar without a root rule
             raise InvalidArgument(f"response_format: the grammar is neither Lark nor GBNF: {exc}") from None
         return LLMatcher.grammar_from_lark(lark)
+    if output_format.kind == "structural_tag":  # free text with tagged parts: llguidance's own lazy triggers
+        tags = [StructTag(trigger=trigger, begin=begin, grammar=schema, end=end)
+                for trigger, begin, schema, end in structural_tags(output_format.spec)]
+        return LLMatcher.grammar_from_lark(StructTag.to_grammar(tags))
     return LLMatcher.grammar_from_regex(output_format.spec)
 
 

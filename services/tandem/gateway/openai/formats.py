@@ -13,11 +13,11 @@ from typing import Any
 
 from tandem.errors import InvalidArgument
 from tandem.gateway.openai.schemas import _Generate
-from tandem.response_format import schema_text, wire_format
+from tandem.response_format import schema_text, structural_tag_text, wire_format
 from tandem.v1 import generation_pb2 as pb
 
 STRUCTURED = "structured_outputs"
-STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # vLLM's per-field names, removed in its 0.12 for structured_outputs' keys.
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -39,7 +39,8 @@ def response_format(body: _Generate) -> pb.ResponseFormat | None:
 
 def structured_format(value: dict[str, Any]) -> pb.ResponseFormat:
     """vLLM's structured_outputs: exactly one of {"json": a schema or its JSON text}, {"regex": an expression},
-    {"choice": [strings]} (the output is one of them), {"grammar": a Lark or GBNF grammar} or {"json_object": true}.
+    {"choice": [strings]} (the output is one of them), {"grammar": a Lark or GBNF grammar}, {"json_object": true} or
+    {"structural_tag": its JSON text (or object)}: free text with tagged parts (tandem.response_format.structural_tags).
     Keys set to null or false count as unset (clients send vLLM's flags at their defaults); any other key is refused
     by name."""
     given = {key: item for key, item in value.items() if item is not None and item is not False}
@@ -53,6 +54,8 @@ def structured_format(value: dict[str, Any]) -> pb.ResponseFormat:
     (key, item), = given.items()
     if key == "json":
         return pb.ResponseFormat(json_schema=schema_text(item, STRUCTURED, "json"))
+    if key == "structural_tag":
+        return pb.ResponseFormat(structural_tag=structural_tag_text(item, STRUCTURED))
     if key == "json_object":
         if item is not True:
             raise InvalidArgument(f"{STRUCTURED}: json_object must be true, got {item!r}")
