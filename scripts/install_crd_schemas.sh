@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the CRD schemas the chart's custom resources are validated against (tests/test_helm_chart.py, through
+# Install the CRD schemas the chart's custom resources are validated against (tests/test_helm_crds.py, through
 # scripts/validate_crds.mjs): scripts/install_crd_schemas.sh [DEST]   (default DEST: .venv/crd-schemas)
 #
 # kubernetes-validate knows core kinds only. These npm packages carry validators generated from the projects' own

@@ -8,7 +8,7 @@
 #   scripts/render_helm.sh --check    helm lint --strict and helm template with each helm/tandem/ci/*.yaml,
 #                                     kubernetes-validate --strict on every render (Kubernetes 1.27, the chart's
 #                                     minimum, and the newest the validator knows; CRD kinds, which it has no schema
-#                                     for, print a WARN and are checked by tests/test_helm_chart.py instead),
+#                                     for, print a WARN and are checked by tests/test_helm_*.py instead),
 #                                     scripts/check_pod_security.py (Pod Security "restricted") on every render and on
 #                                     deploy/manifests/tandem.yaml, and fail if that file differs from a fresh render
 # helm: $TANDEM_HELM, else .venv/bin/helm (scripts/install_helm.sh puts it there), else helm on PATH.

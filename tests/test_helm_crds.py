@@ -1,7 +1,7 @@
 """The chart's custom resources against their projects' CRD schemas (scripts/validate_crds.mjs over the validators
 scripts/install_crd_schemas.sh installs): every ServiceMonitor, PodMonitor, PrometheusRule, Certificate, GRPCRoute and
 HTTPRoute any CI values file renders, with every optional part turned on; and planted mistakes are refused, so a pass
-means something. KubeRay's RayCluster has no packaged schema: test_helm_chart.py validates its pod templates."""
+means something. KubeRay's RayCluster has no packaged schema: test_helm_validation.py validates its pod templates."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from test_helm_chart import CHART, CI_VALUES, CRD_KINDS, render, values_ids
+from helm_harness import CHART, CI_VALUES, CRD_KINDS, render, values_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = ROOT / ".venv" / "crd-schemas"

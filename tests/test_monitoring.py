@@ -16,11 +16,11 @@ import pytest
 import yaml
 
 from gateway_harness import ServerThread, tiny_backend
+from helm_harness import CHART, RELEASE, find, helm, one, render
 from tandem.client import TandemClient
 from tandem.core.protocol import KVUsage
 from tandem.telemetry.worker import WorkerMetrics
 from telemetry_helpers import scrape
-from test_helm_chart import CHART, RELEASE, find, helm, one, render
 
 ENABLED = ("metrics.serviceMonitor.enabled=true", "metrics.prometheusRule.enabled=true")
 NAMESPACE, JOB = "default", f"{RELEASE}-tandem-metrics"  # helm template's namespace; the ServiceMonitor's job

@@ -550,7 +550,7 @@ def test_tandem_serve_with_tls_and_keys(tiny_dirs, pki, keys) -> None:
 
 
 def test_helm_chart_mounts_the_keys_or_says_insecure() -> None:
-    from test_helm_chart import CHART, helm
+    from helm_harness import CHART, helm
 
     def gateway(*sets: str) -> dict:
         args = [item for value in sets for item in ("--set", value)]
