@@ -285,8 +285,12 @@ def test_each_wire_case_through_the_client(server) -> None:
     (pb.ResponseFormat(regex="(ab)+"), grpc.StatusCode.OK, ""),
     (pb.ResponseFormat(grammar="hello world"), grpc.StatusCode.INVALID_ARGUMENT, "response_format: the grammar"),
     (pb.ResponseFormat(grammar='root ::= "ab" [0-9]'), grpc.StatusCode.OK, ""),
+    (pb.ResponseFormat(structural_tag=json.dumps(STRUCTURAL_TAG)), grpc.StatusCode.OK, ""),
+    (pb.ResponseFormat(structural_tag="{nope"), grpc.StatusCode.INVALID_ARGUMENT, "response_format: the structural"),
+    (pb.ResponseFormat(structural_tag=json.dumps(STRUCTURAL_TAG | {"triggers": ["<"]})),
+     grpc.StatusCode.INVALID_ARGUMENT, "response_format: structural_tag.structures[0].begin"),
 ], ids=["json-object-false", "bad-regex", "schema-not-object", "schema-too-long", "no-case", "regex", "bad-grammar",
-        "grammar"])
+        "grammar", "structural-tag", "structural-tag-text", "structural-tag-trigger"])
 def test_the_raw_stub(server, wanted: pb.ResponseFormat, code: grpc.StatusCode, details: str) -> None:
     request = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                                                         response_format=wanted))
