@@ -137,7 +137,7 @@ def test_stepwise_promotion_across_replicas_takes_each_step_once(server) -> None
     ({"acceptance": 0.8, "error_every": 5}, "error_rate"),
 ])
 def test_automatic_rollback(server, canary: dict, code: str, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="tandem.canary.controller")
+    caplog.set_level(logging.INFO, logger="tandem.canary.decisions")
     name = deployment()
     gateway = controller(server.url, name, TWO_ARMS, thresholds=Thresholds(min_sessions=10), decide_every=5)
     gateway.store.update(name, lambda state: state.with_weights({"stable": 50, "canary": 50})[0])

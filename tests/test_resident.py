@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tandem.bench.resident import Resident
-from tandem.bench.vllm_compare import TANDEM_SIDE
+from tandem.bench.vllm_compare_workers import TANDEM_SIDE
 
 SERVICES = str(Path(__file__).resolve().parents[1] / "services")
 

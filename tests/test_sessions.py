@@ -25,7 +25,7 @@ from tandem.sessions import (
     open_session_store,
 )
 
-STORE_LOGGER = "tandem.sessions.redis_store"
+STORE_LOGGER = "tandem.sessions.outages"
 
 
 @pytest.fixture(scope="module")

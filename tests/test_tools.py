@@ -14,10 +14,11 @@ import pytest
 from gateway_harness import tiny_http_server
 from tandem.client import Collector, TandemClient
 from tandem.gateway.events import ChoiceDelta, ChoiceEnd
+from tandem.gateway.forced_calls import forced_call_start
 from tandem.gateway.openai.responses import Responder
 from tandem.gateway.openai.tokens import TokenTexts
 from tandem.gateway.servicer import chunk_message, complete_message
-from tandem.gateway.tools import ToolCall, ToolCallParser, forced_call_start
+from tandem.gateway.tools import ToolCall, ToolCallParser
 from tandem.v1 import generation_pb2 as pb
 
 MODEL = "tiny-target"

@@ -9,6 +9,7 @@ import pytest
 
 from tandem.bench import vllm_compare as compare
 from tandem.bench import vllm_compare_report as report
+from tandem.bench import vllm_compare_workers as workers
 
 
 def run(tok_s: float, tokens: int = 100) -> dict:
@@ -132,7 +133,7 @@ def test_arguments_defaults_and_checks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_vllm_gets_bound_threads_and_its_kv_space(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
-    env = compare.vllm_env(compare.parse_args(["--threads", "2", "--kv-space", "4", "--vllm-python", sys.executable]))
+    env = workers.vllm_env(compare.parse_args(["--threads", "2", "--kv-space", "4", "--vllm-python", sys.executable]))
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert "PYTHONPATH" not in env
 
@@ -147,9 +148,9 @@ def test_tandem_gets_vllms_preload_unless_asked_not_to(monkeypatch: pytest.Monke
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
     args = compare.parse_args(["--vllm-python", python])
     iomp = str(venv / "lib" / "libiomp5.so")
-    assert compare.preload(args).split(":")[-1] == iomp
-    assert compare.tandem_env(args)["LD_PRELOAD"] == compare.vllm_env(args)["LD_PRELOAD"] == compare.preload(args)
-    assert compare.tandem_env(args)["PYTHONPATH"] == "/somewhere"  # tandem's side imports tandem from it
+    assert workers.preload(args).split(":")[-1] == iomp
+    assert workers.tandem_env(args)["LD_PRELOAD"] == workers.vllm_env(args)["LD_PRELOAD"] == workers.preload(args)
+    assert workers.tandem_env(args)["PYTHONPATH"] == "/somewhere"  # tandem's side imports tandem from it
     (venv / "lib" / "libiomp5.so").unlink()
-    assert iomp not in compare.preload(args)
-    assert "LD_PRELOAD" not in compare.tandem_env(compare.parse_args(["--vllm-python", python, "--tandem-no-preload"]))
+    assert iomp not in workers.preload(args)
+    assert "LD_PRELOAD" not in workers.tandem_env(compare.parse_args(["--vllm-python", python, "--tandem-no-preload"]))

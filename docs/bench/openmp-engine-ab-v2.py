@@ -29,8 +29,9 @@ from pathlib import Path
 
 from tandem.bench.prompts import load_prompts
 from tandem.bench.resident import Resident
-from tandem.bench.vllm_compare import SETTLE_SECONDS, TANDEM_SIDE
+from tandem.bench.vllm_compare import SETTLE_SECONDS
 from tandem.bench.vllm_compare_tandem import sitting_job
+from tandem.bench.vllm_compare_workers import TANDEM_SIDE
 from tandem.core.cpu_runtime import suggested_preload, tcmalloc_path
 
 

@@ -26,8 +26,9 @@ from pathlib import Path
 from tandem.bench.prompts import load_prompts
 from tandem.bench.resident import Resident
 from tandem.bench.serving import run_level
-from tandem.bench.vllm_compare import SETTLE_SECONDS, TANDEM_SIDE
+from tandem.bench.vllm_compare import SETTLE_SECONDS
 from tandem.bench.vllm_compare_tandem import sitting_job, wait_serving
+from tandem.bench.vllm_compare_workers import TANDEM_SIDE
 from tandem.core.cpu_runtime import suggested_preload
 
 PAIRS = {"plain_b8": ("off", 8, 8), "auto_b8": ("auto", 8, 8), "auto_b1": ("auto", 1, 4)}  # speculation, flight, n

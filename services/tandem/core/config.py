@@ -24,7 +24,7 @@ def _require(ok: bool, field_name: str, message: str) -> None:
 
 # What an output format may be (core.formats): a JSON schema ('{"type": "object"}' for any JSON object), a regular
 # expression the whole output matches, or a grammar in llguidance's Lark dialect (the gateway's own, for the call a
-# required or named tool_choice asks for: gateway.tools).
+# required or named tool_choice asks for: gateway.forced_calls).
 # grammar: a client's, Lark or GBNF; lark: ours; structural_tag: tandem.response_format.structural_tags' JSON
 OUTPUT_FORMAT_KINDS = ("json_schema", "regex", "grammar", "lark", "structural_tag")
 MAX_OUTPUT_FORMAT_CHARS = 64 * 1024  # a schema or expression: compiled on every worker that serves the request

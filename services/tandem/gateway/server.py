@@ -25,6 +25,7 @@ from tandem.gateway.arms import ArmRouter, ArmRouterFactory
 from tandem.gateway.events import NOT_LOADED, EngineUnavailable
 from tandem.gateway.generation import Generations
 from tandem.gateway.handles import SessionStore
+from tandem.gateway.http_api import HttpApi
 from tandem.gateway.lanes import ServingLoop
 from tandem.gateway.loading import load_generations
 from tandem.gateway.options import GatewayOptions, format_address
@@ -54,7 +55,7 @@ IDLE_PROBE_SECONDS = 5.0  # while they answer and no request runs: how often it 
 Loader = Callable[[], Backend | Mapping[str, Backend]]
 
 
-class Gateway:
+class Gateway(HttpApi):
     """A gRPC server bound to its port with every service registered; `start` serves and loads the engines in the
     background (see `ready`)."""
 
@@ -165,51 +166,6 @@ class Gateway:
                 raise
         self.loading = asyncio.create_task(self._load(load))
 
-    async def _start_http(self) -> None:
-        from tandem.gateway.openai.app import create_app
-        from tandem.gateway.openai.background import BackgroundResponses
-        from tandem.gateway.openai.batches import batch_ttl, open_batches
-        from tandem.gateway.openai.conversations import open_conversation_store
-        from tandem.gateway.openai.files import open_file_store
-        from tandem.gateway.openai.response_log import open_response_log
-        from tandem.gateway.openai.server import start_http_server
-        from tandem.gateway.openai.stored import open_response_store
-
-        options = self.options
-        ports = [options.http_port, 0] if options.http_port_fallback else [options.http_port]
-        self.stored = open_response_store(self.sessions, options.response_ttl_s)
-        self.conversations = open_conversation_store(self.sessions, options.response_ttl_s)
-        if self.stored is not None:
-            self.background = BackgroundResponses(
-                self.stored, open_response_log(self.sessions, options.response_ttl_s),
-                self.metrics.background_end if self.metrics is not None else None)
-            if self.metrics is not None:
-                self.metrics.attach_background(lambda: self.background.running)
-        self.files = open_file_store(self.sessions, batch_ttl(options.response_ttl_s), options.file_storage_bytes)
-        if self.files is not None:
-            self.batches = open_batches(self.sessions, options.response_ttl_s, self.files,
-                                        self.metrics.batch_end if self.metrics is not None else None,
-                                        options.batch_concurrency)
-            if self.metrics is not None:
-                self.metrics.attach_batches(lambda: self.batches.running)
-        app = create_app(self.serving, options.limits, self.http_status, options.api_keys, self.stored,
-                         self.background, self.conversations, self.files, self.batches, options.allowed_origins)
-        if self.batches is not None:
-            self.batches.start()  # (goes on with batches a stopped replica left)
-        tls = {"certfile": options.tls_cert, "keyfile": options.tls_key, "client_ca": options.tls_client_ca} \
-            if options.tls else None
-        for index, port in enumerate(ports):
-            try:
-                self.http = await start_http_server(app, options.host, port, tls)
-                return
-            except OSError:
-                if index == len(ports) - 1:
-                    raise
-                # A warning: clients and docs that say :8000 would reach whatever holds it (the bound port is
-                # announced once serving).
-                log.warning("HTTP port %d is taken: the HTTP API serves on a free port instead (--http-port chooses "
-                            "one)", port)
-
     async def ready(self) -> bool:
         """Wait for the engines to load: True once serving, False if a drain cut loading short; re-raises failures."""
         if self.loading is None:
@@ -285,17 +241,7 @@ class Gateway:
             await loop.close()
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.close)
-        if self.background is not None:  # (before the store: what still runs is stored as failed)
-            await self.background.close()
-        if self.batches is not None:  # (before the files: what finished is written to them)
-            await self.batches.close()
-            await asyncio.to_thread(self.batches.records.close)
-        if self.files is not None:
-            await asyncio.to_thread(self.files.close)
-        if self.stored is not None:
-            await asyncio.to_thread(self.stored.close)
-        if self.conversations is not None:
-            await asyncio.to_thread(self.conversations.close)
+        await self._close_http()
         log.info("stopped %s", self.address)
 
     async def wait_closed(self) -> None:

@@ -15,7 +15,8 @@ from tandem.core.logprobs import MAX_TOP_LOGPROBS
 from tandem.engines import ModelLimits
 from tandem.errors import ContextLengthExceeded, InvalidArgument, check_in_vocabulary
 from tandem.gateway.auth import MAX_PRIORITY
-from tandem.gateway.tools import call_format, forced_call_start, offers_tools, template_message, template_tools
+from tandem.gateway.forced_calls import call_format, forced_call_start
+from tandem.gateway.tools import offers_tools, template_message, template_tools
 from tandem.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -264,7 +265,8 @@ def prepare(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, model
     field = "response_format"
     if call_start:
         # A required or named tool_choice begins the call's JSON in the prompt, and the call's own format
-        # (gateway.tools.call_format) masks the rest of it: no other format can apply, and the call ends the output.
+        # (gateway.forced_calls.call_format) masks the rest of it: no other format can apply, and the call ends the
+        # output.
         _require(params.output_format is None, "response_format: cannot combine with a tool_choice that requires a "
                                                "call")
         _require(not params.ignore_eos, "ignore_eos: cannot combine with a tool_choice that requires a call, which "

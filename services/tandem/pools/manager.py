@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -30,10 +29,11 @@ import ray
 from tandem.core.config import EngineConfig
 from tandem.core.costs import CostModel
 from tandem.core.model_options import draft_vocab_limit
-from tandem.errors import InvalidArgument, TandemError
-from tandem.pools.health import actor_state, last_error, succeeded, worker_health
-from tandem.pools.launch import Launched, await_started, find_launched, launch, placement
+from tandem.errors import InvalidArgument
+from tandem.pools.health import actor_state, succeeded, worker_health
+from tandem.pools.launch import Launched, find_launched, placement
 from tandem.pools.names import manager_name
+from tandem.pools.starting import WorkerStarts
 
 if TYPE_CHECKING:
     from tandem.engines.options import ClusterOptions
@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 ROLES = ("draft", "target")
 IMAGE_ENV = "TANDEM_IMAGE"  # the image a process runs (the Helm chart sets it): pools and gateways must agree
 PRUNE_EVERY_S = 2.0  # how often the manager looks for workers that died for good
-FAILURES_KEPT = 64  # the last starts that failed, by worker name, for `progress` and `status` to report
 ADOPT_WAIT_S = 2.0  # a restarted manager's wait for its workers' answers: one that does not answer is starting
 
 
@@ -73,7 +72,7 @@ class PoolSpec:
         return f"{manager_name(self.name)}-"
 
 
-class PoolManager:
+class PoolManager(WorkerStarts):
     def __init__(self, spec: PoolSpec) -> None:
         self.spec = spec
         self.workers: dict[str, dict[str, object]] = {role: {} for role in ROLES}  # role -> {name: handle}
@@ -261,47 +260,3 @@ class PoolManager:
             stop_tp_replica(self.groups.pop(name))
         else:
             ray.kill(handle, no_restart=True)
-
-    def _begin(self, role: str, count: int) -> None:
-        """Ask Ray for `count` more workers of `role` and wait for each on a thread of its own. Under the lock:
-        asking returns at once, whether or not the cluster has room. Nothing once the pools are stopping."""
-        for _ in range(0 if self._stopped.is_set() else count):
-            index = self.next_index[role]
-            self.next_index[role] = index + 1
-            launched = launch(self.spec, self.draft_config, role, index)
-            if launched.group is not None:
-                self.groups[launched.name] = launched.group
-            self._wait_for(launched)
-
-    def _wait_for(self, launched: Launched) -> None:
-        """List the worker as starting and wait for it on a thread of its own (`_await`)."""
-        self.starting[launched.name] = launched
-        threading.Thread(target=self._await, args=(launched,), name=f"tandem-pools-{launched.name}",
-                         daemon=True).start()
-
-    def _await(self, launched: Launched) -> None:
-        """Wait for one worker's start; a ready worker joins the pool (a new generation: gateways follow), one whose
-        start failed is stopped and its error kept. A worker stopped while it started (a scale down) ends quietly."""
-        try:
-            await_started(launched)
-        except Exception as exc:
-            from tandem.workers.worker_base import user_error
-
-            with self._lock:
-                if self.starting.pop(launched.name, None) is None:
-                    return
-                failed = exc if isinstance(exc, TandemError) else user_error(exc)
-                message = str(failed) if failed is not None else last_error(exc)
-                log.error("pools %s: %s could not start: %s", self.spec.name, launched.name, message)
-                self.failures[launched.name] = {"role": launched.role, "error": message, "at": round(time.time())}
-                while len(self.failures) > FAILURES_KEPT:
-                    self.failures.popitem(last=False)
-                self.groups.pop(launched.name, None)  # a tensor-parallel start that fails stops its own group
-                for actor in launched.actors:
-                    ray.kill(actor, no_restart=True)
-            return
-        with self._lock:
-            if self.starting.pop(launched.name, None) is None:
-                return  # stopped while it loaded: `_remove` has killed it
-            self.workers[launched.role][launched.name] = launched.handle
-            self.generation += 1

@@ -4,7 +4,7 @@ Redis makes a session's state survive a gateway restart and lets gateway replica
 unreachable, `RedisSessionStore` logs once per outage, counts, serves from memory (a write-through copy of recently
 used sessions plus everything written during the outage), and probes Redis again with exponential backoff, so a dead
 Redis costs one short socket timeout per probe, never one per call. On recovery it writes the sessions changed during
-the outage back to Redis (last writer wins against other replicas).
+the outage back to Redis (last writer wins against other replicas; sessions.outages).
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict
-from typing import TypeVar
 from urllib.parse import urlsplit
 
 import redis
@@ -24,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tandem.sessions.connection import SCHEMES, RedisSetupError, redact_url, setup_problem
+from tandem.sessions.outages import RedisOutages
 from tandem.sessions.store import (
     DEFAULT_MAX_SESSIONS,
     DEFAULT_TTL_S,
@@ -31,14 +30,12 @@ from tandem.sessions.store import (
     MemorySessionStore,
     SessionStore,
     StoreCounters,
-    StoreUnavailable,
     UpdateConflict,
 )
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "tandem:session:"
-_FLUSH_BATCH = 500
 # Optimistic transactions on one key (update) tried this many times before giving up: each retry means another
 # writer changed the key between this one's read and write, so hitting the bound takes a storm of writers on one key.
 MAX_UPDATE_TRIES = 32
@@ -47,10 +44,9 @@ MAX_UPDATE_TRIES = 32
 # in 2 of 100 runs of 200 updates); with it the writers spread out. Before giving up it has waited 0.3 s on average.
 _CONFLICT_BACKOFF_S = 0.0005
 _CONFLICT_BACKOFF_MAX_S = 0.02
-T = TypeVar("T")
 
 
-class RedisSessionStore:
+class RedisSessionStore(RedisOutages):
     """Sessions in Redis under `tandem:session:<id>` as JSON with a TTL; serves from memory while Redis is down."""
 
     def __init__(
@@ -112,103 +108,6 @@ class RedisSessionStore:
 
     def _key(self, session_id: str) -> str:
         return self.prefix + session_id
-
-    def _mode(self) -> str | None:
-        """'up'; 'probe' when Redis is down and due for a retry (claimed by this caller alone); None: use memory."""
-        with self._lock:
-            if self._healthy:
-                return "up"
-            if self.strict:  # nothing to serve from memory: every call asks Redis (and writes back once it answers)
-                return "probe"
-            now = time.monotonic()
-            if now < self._next_try:
-                return None
-            self._next_try = now + self._backoff_s  # other callers keep using memory while this one probes
-            return "probe"
-
-    def _redis(self, op: Callable[[redis.Redis], T]) -> tuple[bool, T | None]:
-        """(True, op's result), or (False, None) when Redis is down or failed (counted and logged)."""
-        mode = self._mode()
-        if mode is None:
-            return False, None
-        try:
-            if mode == "probe":
-                self._recover()
-            return True, op(self._client)
-        except redis.RedisError as error:
-            self._failed(error, probe=mode == "probe")
-            return False, None
-
-    def _failed(self, error: Exception, probe: bool) -> None:
-        with self._lock:
-            self.counters.redis_errors += 1
-            if self._healthy:
-                self._healthy = False
-                self.counters.outages += 1
-                self._backoff_s = self.retry_initial_s
-                self._next_try = time.monotonic() + self._backoff_s
-                # A refused password (rotated under a running gateway) is said as such: retrying will not fix it.
-                log.warning(
-                    "Redis at %s %s (%s); serving session state from memory, retrying with backoff",
-                    redact_url(self.url),
-                    "refused the credentials" if isinstance(error, redis.AuthenticationError) else "unreachable",
-                    error,
-                )
-            elif probe:
-                self._backoff_s = min(2.0 * self._backoff_s, self.retry_max_s)
-                self._next_try = time.monotonic() + self._backoff_s
-                log.debug("Redis still unreachable (%s); next try in %.1f s", error, self._backoff_s)
-            # else: another call of the same outage failed concurrently; counted only
-
-    def _recover(self) -> None:
-        """A probe: check Redis, write back what changed during the outage, and mark Redis healthy."""
-        self._client.ping()
-        written = 0
-        while True:
-            with self._lock:
-                dirty, self._dirty = self._dirty, set()
-                if not dirty:
-                    self._healthy = True
-                    self._backoff_s = self.retry_initial_s
-                    self.counters.recoveries += 1
-                    self.counters.written_back += written
-                    break
-            try:
-                self._write_back(dirty)
-            except redis.RedisError:
-                with self._lock:
-                    self._dirty |= dirty
-                raise
-            if self.strict:  # in Redis now, and a strict store serves nothing from memory
-                for session_id in dirty:
-                    self._memory.delete(session_id)
-            written += len(dirty)
-        log.warning("Redis at %s reachable again; %d session(s) written back", redact_url(self.url), written)
-
-    def _write_back(self, session_ids: set[str]) -> None:
-        ids = sorted(session_ids)
-        for start in range(0, len(ids), _FLUSH_BATCH):
-            pipe = self._client.pipeline(transaction=False)
-            for session_id in ids[start : start + _FLUSH_BATCH]:
-                item = self._memory.get_raw(session_id)
-                if item is None:
-                    pipe.delete(self._key(session_id))
-                else:
-                    pipe.set(self._key(session_id), item[0], px=max(1, int(item[1] * 1000)))
-            pipe.execute()
-
-    def _refuse_if_strict(self) -> None:
-        if self.strict:
-            raise StoreUnavailable(f"the shared store (Redis at {redact_url(self.url)}) is not answering; nothing was "
-                                   "read or changed, retry")
-
-    def _fallback(self, session_id: str | None = None) -> None:
-        """Count an operation served from memory; a write (`session_id`) is remembered for write-back."""
-        with self._lock:
-            self.counters.fallbacks += 1
-            # (if Redis came back meanwhile, a later write-back of this older state must not overwrite newer state)
-            if session_id is not None and not self._healthy:
-                self._dirty.add(session_id)
 
     def get(self, session_id: str) -> dict | None:
         ok, value = self._redis(lambda client: client.get(self._key(session_id)))

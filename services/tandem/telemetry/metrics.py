@@ -1,4 +1,5 @@
-"""The gateway's metrics (OpenTelemetry instruments, GenAI server conventions) and its Prometheus endpoint.
+"""The gateway's metrics (OpenTelemetry instruments, GenAI server conventions) and its Prometheus endpoint
+(telemetry.endpoint).
 
 Histograms use the conventions' bucket boundaries. Spec counters are added once per finished request, from its
 RequestStats (per draft position); gauges are read at scrape time. Each instance owns its MeterProvider and
@@ -12,25 +13,16 @@ telemetry.worker), so a scrape never waits on a remote call.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
-from wsgiref.simple_server import WSGIServer
-
-from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import MeterProvider
-from prometheus_client import CollectorRegistry, start_http_server
 
 from tandem.core.protocol import InProcessSide
-from tandem.telemetry.tracing import resource_for
+from tandem.telemetry.endpoint import Endpoint, _gauge
 
 if TYPE_CHECKING:
     from tandem.core.protocol import KVUsage
     from tandem.core.requests import Sequence
-
-log = logging.getLogger(__name__)
 
 PROVIDER = "tandem"
 DEFAULT_PORT = 9464
@@ -40,60 +32,6 @@ TIME_PER_OUTPUT_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 
 TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                                10.0)
 KV_STATES = ("used", "reserved", "capacity")  # tandem.kv.state: the fields of core.protocol.KVUsage
-
-
-def serve_registry(registry: CollectorRegistry, host: str, ports: Iterable[int]) -> tuple[WSGIServer, int]:
-    """Serve /metrics on the first of `ports` that binds (0: any free port); raises the last OSError."""
-    error: OSError | None = None
-    taken: list[int] = []
-    for port in ports:
-        try:
-            server, _ = start_http_server(port, addr=host, registry=registry)
-        except OSError as exc:
-            error = exc
-            taken.append(port)
-            continue
-        if taken:  # a scraper configured for the taken port would read another process's metrics
-            log.warning("metrics port %d is taken: /metrics serves on %d instead (--metrics-port chooses one)",
-                        taken[0], server.server_port)
-        return server, server.server_port
-    raise error or OSError("no port to listen on")
-
-
-def metrics_url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
-
-
-class Endpoint:
-    """A MeterProvider whose instruments a Prometheus endpoint serves."""
-
-    def __init__(self, service_name: str, host: str, ports: Iterable[int]) -> None:
-        self.registry = CollectorRegistry()
-        reader = PrometheusMetricReader(scope_info_enabled=False, registry=self.registry)
-        self.provider = MeterProvider(metric_readers=[reader], resource=resource_for(service_name))
-        self.meter = self.provider.get_meter("tandem")
-        self.host = host
-        self.server, self.port = serve_registry(self.registry, host, ports)
-
-    @property
-    def url(self) -> str:
-        return metrics_url(self.host, self.port)
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.provider.shutdown()
-
-
-def _gauge(callback: Callable[[], Iterator[tuple[float, dict]]]):
-    def observe(options: CallbackOptions) -> Iterator[Observation]:
-        try:
-            for value, attributes in callback():
-                yield Observation(value, attributes)
-        except Exception:  # a scrape racing a shutdown; the next scrape sees settled state
-            log.debug("gauge callback failed", exc_info=True)
-
-    return [observe]
 
 
 def observe_shared_tokens(meter, callback: Callable[[], Iterator[tuple[float, dict]]], where: str) -> None:

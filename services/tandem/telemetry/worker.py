@@ -31,13 +31,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from tandem.core.protocol import KVUsage
 from tandem.telemetry import tracing
-from tandem.telemetry.metrics import (
-    TIME_TO_FIRST_TOKEN_BUCKETS,
-    Endpoint,
-    _gauge,
-    kv_observations,
-    observe_shared_tokens,
-)
+from tandem.telemetry.endpoint import Endpoint, _gauge
+from tandem.telemetry.metrics import TIME_TO_FIRST_TOKEN_BUCKETS, kv_observations, observe_shared_tokens
 
 log = logging.getLogger(__name__)
 
