@@ -116,9 +116,11 @@ def tiny_models(tiny_dirs):
 # group of pools tests, which start their own Ray heads on free ports, may run beside another one.
 RAY_GROUPS = {
     "ray": ("test_calibration_file", "test_canary_e2e", "test_cli_conventions", "test_gateway_cli", "test_hardening",
-            "test_logprobs", "test_openai_api", "test_prompt_logprobs", "test_ray_workers", "test_security",
+            "test_logprobs", "test_openai_api_http", "test_openai_api_lifecycle", "test_openai_api_outputs",
+            "test_prompt_logprobs", "test_ray_workers_drafting", "test_ray_workers_targets",
+            "test_ray_workers_tensor_parallel", "test_security_keys", "test_security_tenants", "test_security_tls",
             "test_serve_cluster", "test_shared_kv", "test_telemetry_cli", "test_telemetry_cluster"),
-    "pools": ("test_pools",),
+    "pools": ("test_pools", "test_ray_client"),
     "pools-tp-chaos": ("test_pools_tp", "test_pools_chaos"),
     "pools-auth": ("test_pools_calibration", "test_ray_auth"),
 }
