@@ -10,6 +10,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -72,17 +73,39 @@ def tandem_cli(address: str, *args: str, timeout: float = 180) -> str:
 
 
 @contextlib.contextmanager
-def ray_head(temp: Path, cpus: int = 8) -> Iterator[str]:
+def ray_head(temp: Path, cpus: int = 8, client_port: int | None = None) -> Iterator[str]:
     """A Ray head on loopback, apart from the test process's own Ray; yields its address. Started with --block so
-    that stopping it stops this head alone (`ray stop` would stop every Ray on the machine)."""
+    that stopping it stops this head alone (`ray stop` would stop every Ray on the machine). `client_port`: its Ray
+    Client server's port (ray_client_address), listening once this yields."""
     if shutil.which("ray", path=str(BIN)) is None:
         pytest.skip("no ray command")
-    head, address = start_ray_head(str(temp), head_env, cpus)
+    head, address = start_ray_head(str(temp), head_env, cpus, client_port=client_port)
     try:
+        if client_port is not None:
+            wait_listening(client_port, head)
         yield address
     finally:
         head.terminate()
         head.wait(timeout=120)
+
+
+def ray_client_address(client_port: int) -> str:
+    """The Ray Client URL of a test head started with `client_port` (ray_head)."""
+    return f"ray://127.0.0.1:{client_port}"
+
+
+def wait_listening(port: int, head: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Until something accepts connections on the loopback `port` (a head's Ray Client server, which `ray start`
+    launches as a process of its own); RuntimeError when the head exits or `timeout_s` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if head.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens on 127.0.0.1:{port}") from None
+            time.sleep(0.2)
 
 
 class Gateway:

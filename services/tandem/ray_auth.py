@@ -123,17 +123,56 @@ def refused_token(error: BaseException) -> bool:
     return False
 
 
+CLIENT_SCHEME = "ray://"
+CLIENT_PING_TIMEOUT_S = 10.0
+
+
+def ray_client_refuses_token(address: str, timeout_s: float = CLIENT_PING_TIMEOUT_S) -> bool:
+    """Whether the Ray Client server at a ray:// `address` refuses this client's token (after configure_client).
+
+    Ray Client (Ray 2.60) takes the server's UNAUTHENTICATED answer for a server not up yet: it tries again three
+    times, about 50 s, then raises a bare "ray client connection timeout" that chains nothing refused_token could
+    read. One PING on a channel made by Ray's own helper (it adds the token as Ray Client's channel does) tells at
+    once; the proxy answers a PING itself, starting nothing for it. False where it cannot tell (another Ray, no
+    answer): ray.init then reports what it finds."""
+    try:
+        import grpc
+        from ray._private.grpc_utils import init_grpc_channel
+        from ray.core.generated import ray_client_pb2, ray_client_pb2_grpc
+    except ImportError:
+        return False
+    try:
+        channel = init_grpc_channel(address.removeprefix(CLIENT_SCHEME), asynchronous=False)
+    except Exception:  # an address Ray itself would refuse: ray.init says how
+        return False
+    ping = ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING)
+    try:
+        ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo(ping, timeout=timeout_s)
+    except grpc.RpcError as exc:
+        return exc.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        channel.close()
+    return False
+
+
 def join_cluster(address: str, token_file: str | None = None, **init: object) -> None:
-    """ray.init on the running cluster at `address` with this client's token (configure_client); `init`: ray.init's
-    other arguments. A refusal, or any failure to join, is a TandemError that says what to do."""
+    """ray.init on the running cluster at `address` (a GCS address, or a Ray Client URL ray://HOST:PORT) with this
+    client's token (configure_client); `init`: ray.init's other arguments. A refusal, or any failure to join, is a
+    TandemError that says what to do."""
     import ray
 
     mode = configure_client(token_file)
+
+    def refused() -> TandemError:
+        fix = ("the token is not the cluster's" if mode == "token" else
+               "it wants a token: pass --ray-token-file FILE or set RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH")
+        return TandemError(f"the Ray cluster at {address} refused this client ({fix})")
+
+    if address.startswith(CLIENT_SCHEME) and ray_client_refuses_token(address):
+        raise refused()
     try:
         ray.init(address=address, runtime_env=RUNTIME_ENV, log_to_driver=False, **init)
     except (ConnectionError, RuntimeError, ray.exceptions.RayError) as exc:
         if refused_token(exc):
-            fix = ("the token is not the cluster's" if mode == "token" else
-                   "it wants a token: pass --ray-token-file FILE or set RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH")
-            raise TandemError(f"the Ray cluster at {address} refused this client ({fix})") from exc
+            raise refused() from exc
         raise TandemError(f"could not join the Ray cluster at {address}: {exc}") from exc

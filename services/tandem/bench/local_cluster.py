@@ -56,28 +56,31 @@ def pools_status(address: str, pools: str, timeout: float | None = None) -> dict
     return json.loads(run_tandem(address, "pools", "status", "--name", pools, "--json", timeout=timeout))
 
 
-def ray_head_command(port: int, temp_dir: str, cpus: int = 4) -> list[str]:
+def ray_head_command(port: int, temp_dir: str, cpus: int = 4, client_port: int | None = None) -> list[str]:
     """`ray start` for a head of our own on loopback; --block: terminating the process stops this head alone. The
-    ports Ray would otherwise fix (its client server, the dashboard agent) are free ones, so heads never clash."""
+    ports Ray would otherwise fix (its client server, the dashboard agent) are free ones, so heads never clash;
+    `client_port`: its Ray Client server's port instead (for `ray://127.0.0.1:PORT`)."""
     return [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
             f"--num-cpus={cpus}", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-            f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}"]
+            f"--ray-client-server-port={client_port or free_port()}", f"--dashboard-agent-listen-port={free_port()}"]
 
 
 def start_ray_head(temp_dir: str, env: Callable[[str], dict[str, str]] = ray_env, cpus: int = 4,
-                   log: Path | None = None, tries: int = 3, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
+                   log: Path | None = None, tries: int = 3, timeout_s: float = 120.0,
+                   client_port: int | None = None) -> tuple[subprocess.Popen, str]:
     """A Ray head of our own on a free loopback port and its address HOST:PORT, once `ray start` says it started.
-    `env(address)`: the head's environment; `log`: its output (else a file in `temp_dir`). A port free when picked
-    may be taken by another process's Ray before this head binds it, and the head then exits: it is tried again on a
-    fresh port, `tries` times in all; RuntimeError after that."""
+    `env(address)`: the head's environment; `log`: its output (else a file in `temp_dir`); `client_port`: its Ray
+    Client server's port (ray_head_command). A port free when picked may be taken by another process's Ray before
+    this head binds it, and the head then exits: it is tried again on a fresh port, `tries` times in all;
+    RuntimeError after that."""
     log = log or Path(temp_dir) / "ray-head.out"
     for _ in range(tries):
         port = free_port()
         address = f"127.0.0.1:{port}"
         written = log.stat().st_size if log.exists() else 0
         with log.open("a") as output:
-            head = subprocess.Popen(ray_head_command(port, temp_dir, cpus), env=env(address), stdout=output,
-                                    stderr=subprocess.STDOUT)
+            head = subprocess.Popen(ray_head_command(port, temp_dir, cpus, client_port), env=env(address),
+                                    stdout=output, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while head.poll() is None and time.monotonic() < deadline:  # a head that exits ends the wait at once
             with log.open() as output:  # this try's output only: an earlier try's head may have said it started
