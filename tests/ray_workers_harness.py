@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import ray
 
 from tandem.core.config import EngineConfig, OutputFormat, SamplingParams, SpecConfig
 from tandem.core.engine import SpeculativeEngine
 from tandem.engines.local import build_engine
-from tandem.workers.draft_pool import RayDrafter
+from tandem.workers.draft_pool import RayDrafter, start_draft_workers
+from tandem.workers.target_pool import start_target_replicas
 from tandem.workers.worker_base import WorkerConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -66,3 +68,26 @@ def _answering(workers: list, within_s: float = 180.0) -> None:
             except ray.exceptions.RayError:  # restarting, or not answering yet
                 assert time.monotonic() < deadline, f"{worker} did not answer within {within_s} s"
                 time.sleep(0.5)
+
+
+# The module fixtures the modules share, one instance a module: a module imports those it takes by these names
+# (pytest finds a fixture by the name it is given; the import keeps ruff from reading the test arguments as
+# redefinitions).
+@pytest.fixture(scope="module", name="ray_cluster")
+def ray_cluster_fixture(ray_session):
+    return ray_session
+
+
+@pytest.fixture(scope="module", name="pool")
+def pool_fixture(ray_cluster, tiny_dirs):
+    yield from _actors(start_draft_workers, tiny_dirs.draft)
+
+
+@pytest.fixture(scope="module", name="replicas")
+def replicas_fixture(ray_cluster, tiny_dirs):
+    yield from _actors(start_target_replicas, tiny_dirs.target)
+
+
+@pytest.fixture(scope="module", name="expected")
+def expected_fixture(tiny_models):
+    return [r.token_ids for r in build_engine(tiny_models[0], None).generate(PROMPTS, GREEDY)]

@@ -8,9 +8,11 @@ import ssl
 from collections.abc import Iterator
 
 import httpx
+import pytest
 from grpc_health.v1 import health_pb2
 
 from gateway_harness import ServerThread, tiny_backend
+from pki import make_pki
 from tandem.client import TandemClient
 from tandem.gateway.auth import ApiKeys, create_key
 from tandem.sessions import MemorySessionStore
@@ -47,3 +49,21 @@ def _http(pki: dict, key: str | None = None, **options) -> httpx.Client:
     headers = {"authorization": f"Bearer {key}"} if key else None
     return httpx.Client(verify=ssl.create_default_context(cafile=pki["ca_path"]), headers=headers, timeout=60,
                         **options)
+
+
+# The fixtures every security module takes, one instance a module: a module imports them by these names (pytest finds
+# a fixture by the name it is given; the import keeps ruff from reading the test arguments as redefinitions).
+@pytest.fixture(scope="module", name="pki")
+def pki_fixture(tmp_path_factory) -> dict:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module", name="keys")
+def keys_fixture(tmp_path_factory) -> dict:
+    return make_keys(tmp_path_factory)
+
+
+@pytest.fixture(scope="module", name="server")
+def server_fixture(tiny_models, pki, keys):
+    """TLS (no client certificate asked for), API keys, the HTTP API, sessions in memory."""
+    yield from tls_server(tiny_models, pki, keys)

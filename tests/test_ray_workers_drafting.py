@@ -13,17 +13,19 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from ray_workers_harness import (  # noqa: E402
+from ray_workers_harness import (  # noqa: E402 (the fixtures by their names: ray_cluster, pool, expected)
     FORMAT_REGEX,
     FORMATTED,
     GREEDY,
     PROMPTS,
     SEEDED,
-    _actors,
     _answering,
     _engine,
     _eventually,
     _plain,
+    expected_fixture,  # noqa: F401
+    pool_fixture,  # noqa: F401
+    ray_cluster_fixture,  # noqa: F401
 )
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from tandem.core.engine import SpeculativeEngine  # noqa: E402
@@ -39,21 +41,6 @@ def test_the_in_process_ray_modules_share_one_xdist_group(request) -> None:
     if not os.environ.get("PYTEST_XDIST_WORKER") or not getattr(request.config.option, "loadgroup", False):
         pytest.skip("not under pytest-xdist's --dist loadgroup")
     assert request.node.nodeid.endswith("@ray")
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(ray_session):
-    return ray_session
-
-
-@pytest.fixture(scope="module")
-def pool(ray_cluster, tiny_dirs):
-    yield from _actors(start_draft_workers, tiny_dirs.draft)
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_models):
-    return [r.token_ids for r in build_engine(tiny_models[0], None).generate(PROMPTS, GREEDY)]
 
 
 def test_pooled_drafting_is_exact_and_spreads_sessions(tiny_models, pool, expected) -> None:

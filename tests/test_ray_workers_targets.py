@@ -13,14 +13,17 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from ray_workers_harness import (  # noqa: E402
+from ray_workers_harness import (  # noqa: E402 (the fixtures by their names: ray_cluster, pool, replicas, expected)
     FORMATTED,
     GREEDY,
     PROMPTS,
-    _actors,
     _answering,
     _eventually,
     _plain,
+    expected_fixture,  # noqa: F401
+    pool_fixture,  # noqa: F401
+    ray_cluster_fixture,  # noqa: F401
+    replicas_fixture,  # noqa: F401
 )
 from tandem.core.config import EngineConfig, OutputFormat, SamplingParams, SpecConfig  # noqa: E402
 from tandem.core.engine import SpeculativeEngine  # noqa: E402
@@ -28,28 +31,8 @@ from tandem.core.protocol import KVUsage, VerifyRequest  # noqa: E402
 from tandem.core.row_layout import RowLayout  # noqa: E402
 from tandem.engines.local import build_engine  # noqa: E402
 from tandem.errors import RequestRefused  # noqa: E402
-from tandem.workers.draft_pool import RayDrafter, start_draft_workers  # noqa: E402
-from tandem.workers.target_pool import RayVerifier, start_target_replicas  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(ray_session):
-    return ray_session
-
-
-@pytest.fixture(scope="module")
-def pool(ray_cluster, tiny_dirs):
-    yield from _actors(start_draft_workers, tiny_dirs.draft)
-
-
-@pytest.fixture(scope="module")
-def replicas(ray_cluster, tiny_dirs):
-    yield from _actors(start_target_replicas, tiny_dirs.target)
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_models):
-    return [r.token_ids for r in build_engine(tiny_models[0], None).generate(PROMPTS, GREEDY)]
+from tandem.workers.draft_pool import RayDrafter  # noqa: E402
+from tandem.workers.target_pool import RayVerifier  # noqa: E402
 
 
 def test_a_slow_target_replica_keeps_its_rows_and_a_hung_one_is_benched(ray_cluster) -> None:

@@ -13,13 +13,15 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from ray_workers_harness import (  # noqa: E402
+from ray_workers_harness import (  # noqa: E402 (the fixtures by their names: ray_cluster, expected)
     FORMATTED,
     GREEDY,
     PROMPTS,
     SEEDED,
     _eventually,
     _plain,
+    expected_fixture,  # noqa: F401
+    ray_cluster_fixture,  # noqa: F401
 )
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
 from tandem.core.engine import SpeculativeEngine  # noqa: E402
@@ -28,16 +30,6 @@ from tandem.engines.local import build_engine  # noqa: E402
 from tandem.workers.target_pool import RayVerifier  # noqa: E402
 from tandem.workers.worker_base import WorkerConfig  # noqa: E402
 from test_logprobs import _assert_matches  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(ray_session):
-    return ray_session
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_models):
-    return [r.token_ids for r in build_engine(tiny_models[0], None).generate(PROMPTS, GREEDY)]
 
 
 def test_tensor_parallel_two_ranks_equal_one_and_a_dead_rank_rebuilds_the_group(tiny_models, tiny_dirs, ray_cluster,

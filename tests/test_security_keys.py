@@ -14,8 +14,15 @@ import yaml
 from grpc_reflection.v1alpha import reflection_pb2
 
 from gateway_harness import ServerThread, tiny_backend
-from pki import make_pki
-from security_harness import PROMPT, SERVING, _client, _http, make_keys, tls_server
+from security_harness import (  # the fixtures by their names: keys, pki, server
+    PROMPT,
+    SERVING,
+    _client,
+    _http,
+    keys_fixture,  # noqa: F401
+    pki_fixture,  # noqa: F401
+    server_fixture,  # noqa: F401
+)
 from tandem.cli.main import build_parser, main
 from tandem.cli.serving import gateway_options
 from tandem.errors import InvalidArgument
@@ -24,22 +31,6 @@ from tandem.gateway.options import GatewayOptions
 from tandem.sessions import MemorySessionStore
 
 REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> dict:
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory) -> dict:
-    return make_keys(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_models, pki, keys):
-    """TLS (no client certificate asked for), API keys, the HTTP API, sessions in memory."""
-    yield from tls_server(tiny_models, pki, keys)
 
 
 def test_grpc_methods_need_a_key_health_does_not(server, pki, keys) -> None:

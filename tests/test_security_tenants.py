@@ -11,8 +11,15 @@ import grpc
 import pytest
 
 from gateway_harness import ServerThread, tiny_backend
-from pki import make_pki
-from security_harness import GREEDY, PROMPT, _client, _http, make_keys, tls_server
+from security_harness import (  # the fixtures by their names: keys, pki, server
+    GREEDY,
+    PROMPT,
+    _client,
+    _http,
+    keys_fixture,  # noqa: F401
+    pki_fixture,  # noqa: F401
+    server_fixture,  # noqa: F401
+)
 from tandem.cli.main import build_parser
 from tandem.cli.serving import gateway_options
 from tandem.errors import InvalidArgument
@@ -21,22 +28,6 @@ from tandem.sessions import MemorySessionStore
 from tandem.v1 import generation_pb2 as pb
 
 LONG = 4000  # max_tokens of a request that is still running when the test acts on it
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> dict:
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory) -> dict:
-    return make_keys(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_models, pki, keys):
-    """TLS (no client certificate asked for), API keys, the HTTP API, sessions in memory."""
-    yield from tls_server(tiny_models, pki, keys)
 
 
 def test_a_tenant_cannot_abort_another_tenants_request(server, pki, keys) -> None:

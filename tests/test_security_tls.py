@@ -24,28 +24,20 @@ from loadtest.backends import GrpcBackend
 from loadtest.config import RunConfig
 from loadtest.openai_backend import OpenAIBackend
 from loadtest.prompts import Prompt
-from pki import make_pki
-from security_harness import GREEDY, PROMPT, SERVING, _client, _http, make_keys, tls_server
+from security_harness import (  # the fixtures by their names: keys, pki, server
+    GREEDY,
+    PROMPT,
+    SERVING,
+    _client,
+    _http,
+    keys_fixture,  # noqa: F401
+    pki_fixture,  # noqa: F401
+    server_fixture,  # noqa: F401
+)
 from tandem.client import TandemClient
 from tandem.errors import InvalidArgument
 
 SERVICES = Path(__file__).resolve().parent.parent / "services"
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> dict:
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory) -> dict:
-    return make_keys(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_models, pki, keys):
-    """TLS (no client certificate asked for), API keys, the HTTP API, sessions in memory."""
-    yield from tls_server(tiny_models, pki, keys)
 
 
 def test_grpc_over_tls(server, pki, keys) -> None:
