@@ -7,8 +7,10 @@ Pairs: OFF (plain) and AUTO, the 8 shipped prompts at once (served: 8 in flight)
 the first 4 prompts one after another. SIDES: which of served, settled and engine run (all three by
 default).
 
-    PYTHONPATH=services .venv/bin/python docs/bench/served-settle-v1.py REPEATS OUT.json [PAIRS [SIDES]]
+    PYTHONPATH=services .venv/bin/python docs/bench/served-settle-v1.py REPEATS OUT.json [PAIRS [SIDES [ray]]]
     # e.g. ... 3 b.json plain_b8,auto_b8,auto_b1 served,settled
+
+With `ray`, the servers run their engines over the Ray workers `tandem serve` starts on this host (no --in-process).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ served_vs_engine = __import__("served-vs-engine-v1")
 PAIRS = {"plain_b8": ("off", 8, 8), "auto_b8": ("auto", 8, 8), "auto_b1": ("auto", 1, 4)}  # speculation, flight, n
 
 
-def main(repeats: int, out: str, pairs: list[str], sides: list[str]) -> None:
+def main(repeats: int, out: str, pairs: list[str], sides: list[str], in_process: bool = True) -> None:
     texts = load_prompts(None)[:8]
     job = sitting_job(texts)
     log = Path(out).with_suffix(".log")
@@ -47,7 +49,7 @@ def main(repeats: int, out: str, pairs: list[str], sides: list[str]) -> None:
         for side, settle in (("served", "0"), ("settled", "1")):  # one at a time: each compiles at its start
             if side not in sides:
                 continue
-            proc, address = served_vs_engine.start_server(job, env | {"TANDEM_SETTLE": settle}, log)
+            proc, address = served_vs_engine.start_server(job, env | {"TANDEM_SETTLE": settle}, log, in_process)
             servers[side] = (proc, address)
             wait_serving(proc, address, log)
             for speculation in ("off", "auto"):  # untimed: the server's first batches of 8
@@ -74,7 +76,7 @@ def main(repeats: int, out: str, pairs: list[str], sides: list[str]) -> None:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(60)
-    report: dict = {"repeats": repeats, "job": {k: v for k, v in job.items() if k != "texts"},
+    report: dict = {"repeats": repeats, "in_process": in_process, "job": {k: v for k, v in job.items() if k != "texts"},
                     "preload": env["LD_PRELOAD"], "pairs": {}}
     for pair, sides in runs.items():
         tok_s = {side: sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs) for side, rs in sides.items()}
@@ -94,4 +96,5 @@ def main(repeats: int, out: str, pairs: list[str], sides: list[str]) -> None:
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), sys.argv[2], (sys.argv[3] if len(sys.argv) > 3 else "plain_b8,auto_b8").split(","),
-         (sys.argv[4] if len(sys.argv) > 4 else "served,settled,engine").split(","))
+         (sys.argv[4] if len(sys.argv) > 4 else "served,settled,engine").split(","),
+         in_process=sys.argv[5:6] != ["ray"])

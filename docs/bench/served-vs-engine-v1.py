@@ -34,11 +34,14 @@ from tandem.core.cpu_runtime import suggested_preload
 PAIRS = {"plain_b8": ("off", 8, 8), "auto_b8": ("auto", 8, 8), "auto_b1": ("auto", 1, 4)}  # speculation, flight, n
 
 
-def start_server(job: dict, env: dict, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(job: dict, env: dict, log: Path, in_process: bool = True) -> tuple[subprocess.Popen, str]:
+    """`tandem serve` with the sitting's configuration: its engine in the gateway (--in-process), or over the Ray
+    workers it starts on this host."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "tandem", "serve", "--in-process", "--target", job["target"], "--draft", job["draft"],
+    cmd = [sys.executable, "-m", "tandem", "serve", *(["--in-process"] if in_process else []),
+           "--target", job["target"], "--draft", job["draft"],
            "--device", "cpu", "--dtype", job["dtype"], "--threads", str(job["threads"]), "--port", str(port),
            "--no-metrics", "--draft-quantization", job["draft_quantization"], "--draft-vocab", str(job["draft_vocab"]),
            "--compile", "--calibration-file", "",  # the sitting's own calibration
