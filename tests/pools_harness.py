@@ -41,6 +41,17 @@ def plain_greedy(tiny_models, tokens: int = TOKENS) -> list[list[int]]:
     return [r.token_ids for r in build_engine(tiny_models[0], None).generate(PROMPTS, greedy)]
 
 
+def pool_status(address: str, name: str = "t") -> dict:
+    """`tandem pools status --json` of pool `name` on the cluster at `address`."""
+    return json.loads(tandem_cli(address, "pools", "status", "--name", name, "--json"))
+
+
+@pytest.fixture(scope="module", name="expected")
+def expected_fixture(tiny_models) -> list[list[int]]:
+    """plain_greedy's tokens, once a module (a module imports this by name: `expected_fixture,  # noqa: F401`)."""
+    return plain_greedy(tiny_models)
+
+
 def _token_file() -> str:
     """The token of the test heads (Ray token authentication, as tandem's own clusters run): a 0600 file of its own,
     removed at exit."""

@@ -25,10 +25,11 @@ from pools_harness import (
     TOKENS,
     Gateway,
     at_once,
+    expected_fixture,  # noqa: F401 (the expected fixture)
     head_env,
     kill_for_good,
     named_actors,
-    plain_greedy,
+    pool_status,
     ray_head,
     start_gateways,
     tandem_cli,
@@ -65,28 +66,19 @@ def gateways(pools):
                 gateway.stop()
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_models):
-    return plain_greedy(tiny_models)
-
-
-def _status(address: str) -> dict:
-    return json.loads(tandem_cli(address, "pools", "status", "--name", "t", "--json"))
-
-
 def test_two_gateways_share_one_pool_and_batch_across_gateways(pools, gateways, expected) -> None:
     # A gateway's first request pays for joining the workers (handles, connections); under load one gateway's whole
     # stream could end before the other's first call arrived, so each serves one alone first.
     for n, gateway in enumerate(gateways):
         assert at_once([(gateway.address, n)], pair_ids=False)[(0, n)] == expected[n]
-    before = {w["name"]: w["merged_forwards"] for w in _status(pools)["workers"]}
+    before = {w["name"]: w["merged_forwards"] for w in pool_status(pools)["workers"]}
     # The same request id on both gateways at once: each gateway's ids are kept apart on the shared workers. Calls
     # meeting in one window is up to the scheduler of a loaded machine: up to three bursts for one shared forward.
     for _ in range(3):
         out = at_once([(gateways[0].address, 0), (gateways[1].address, 1)] * 2)
         assert {key: ids for key, ids in out.items()} == {(n, i): expected[i] for n, i in [(0, 0), (1, 1), (2, 0),
                                                                                             (3, 1)]}
-        status = _status(pools)
+        status = pool_status(pools)
         if next(w for w in status["workers"] if w["role"] == "target")["merged_forwards"] > before["target-0"]:
             break
     assert sorted(w["role"] for w in status["workers"]) == ["draft", "target"]
@@ -108,7 +100,7 @@ def test_worker_actors_are_the_pools_alone(pools, gateways) -> None:
 def test_each_worker_serves_its_metrics_as_documented(pools, gateways) -> None:
     """`pools start` workers served no /metrics unless $TANDEM_WORKER_METRICS_PORT was set on the Ray nodes; the
     docs say each serves one from 9465 (`--worker-metrics-port`)."""
-    workers = _status(pools)["workers"]
+    workers = pool_status(pools)["workers"]
     assert {w["name"] for w in workers} == {"draft-0", "target-0"}
     for worker in workers:
         url = worker["metrics"]
@@ -202,7 +194,7 @@ def test_scaling_under_load_fails_nothing(pools, gateways, expected) -> None:
     runner.join(timeout=300)
     assert all(len(out) == 8 for out in rounds), [len(out) for out in rounds]
     assert all(ids == expected[i] for out in rounds for (_, i), ids in out.items())
-    names = sorted(w["name"] for w in _status(pools)["workers"])
+    names = sorted(w["name"] for w in pool_status(pools)["workers"])
     assert names == ["draft-0", "target-0"]
 
 
@@ -213,7 +205,7 @@ def test_a_sessions_next_turn_through_another_gateway_reuses_the_pools_cache(poo
                                                   session_id="chat-1") for t in getattr(item, "token_ids", [])]
 
     def reused() -> int:
-        return sum(w["reused_tokens"] for w in _status(pools)["workers"] if w["role"] == "target")
+        return sum(w["reused_tokens"] for w in pool_status(pools)["workers"] if w["role"] == "target")
 
     first = PROMPTS[2] * 4
     answer = turn(gateways[0], first)
@@ -223,7 +215,7 @@ def test_a_sessions_next_turn_through_another_gateway_reuses_the_pools_cache(poo
 
 
 def test_a_gateway_killed_leaves_the_workers_and_the_other_gateway_serving(pools, gateways, expected) -> None:
-    pids = {w["name"]: w["pid"] for w in _status(pools)["workers"]}
+    pids = {w["name"]: w["pid"] for w in pool_status(pools)["workers"]}
     out: dict = {}
     killed: dict = {}
     runners = [threading.Thread(target=lambda: out.update(at_once([(gateways[1].address, i) for i in range(4)],
@@ -238,13 +230,13 @@ def test_a_gateway_killed_leaves_the_workers_and_the_other_gateway_serving(pools
         runner.join(timeout=300)
     assert [out[(i, i)] for i in range(4)] == expected
     assert all(isinstance(result, grpc.RpcError) for result in killed.values()), killed
-    status = _status(pools)
+    status = pool_status(pools)
     assert all(w["healthy"] for w in status["workers"])
     assert {w["name"]: w["pid"] for w in status["workers"]} == pids, "a gateway's exit must not restart workers"
     # The killed gateway never released its sequences: the workers do, once the GCS marks its job dead.
     deadline = time.monotonic() + 60
-    while any(w["sequences"] for w in _status(pools)["workers"]):
-        assert time.monotonic() < deadline, _status(pools)["workers"]
+    while any(w["sequences"] for w in pool_status(pools)["workers"]):
+        assert time.monotonic() < deadline, pool_status(pools)["workers"]
         time.sleep(1)
 
 
@@ -285,12 +277,12 @@ def test_a_gateway_refuses_pools_of_another_image() -> None:
 
 
 def test_a_restarted_manager_adopts_its_workers_and_gateways_keep_serving(pools, gateways, expected) -> None:
-    before = _status(pools)
+    before = pool_status(pools)
     os.kill(before["manager_pid"], signal.SIGKILL)  # Ray restarts it (its node, or the head, went away)
     deadline = time.monotonic() + 120
     while True:
         try:
-            after = _status(pools)
+            after = pool_status(pools)
             if after["manager_pid"] != before["manager_pid"]:
                 break
         except AssertionError:
@@ -333,7 +325,7 @@ def test_a_dead_target_replica_moves_its_sessions_and_none_left_is_unavailable_u
     gateway = next(g for g in gateways if g.process.poll() is None)
     tandem_cli(pools, "pools", "scale", "--name", "t", "target", "2")
     time.sleep(3)  # gateways follow the membership every 2 s
-    first, second = (w["name"] for w in _status(pools)["workers"] if w["role"] == "target")
+    first, second = (w["name"] for w in pool_status(pools)["workers"] if w["role"] == "target")
     out: dict = {}
     jobs = [(gateway.address, i) for i in range(len(PROMPTS))] * 2
     runner = threading.Thread(target=lambda: out.update(at_once(jobs, pair_ids=False)))
@@ -344,8 +336,8 @@ def test_a_dead_target_replica_moves_its_sessions_and_none_left_is_unavailable_u
     assert len(out) == len(jobs), "a replica's death must not fail its sessions while another replica is left"
     assert all(ids == expected[i] for (_, i), ids in out.items())
     deadline = time.monotonic() + 30  # the manager drops a worker that died for good within seconds
-    while [w["name"] for w in _status(pools)["workers"] if w["role"] == "target"] != [second]:
-        assert time.monotonic() < deadline, _status(pools)
+    while [w["name"] for w in pool_status(pools)["workers"] if w["role"] == "target"] != [second]:
+        assert time.monotonic() < deadline, pool_status(pools)
         time.sleep(0.5)
 
     kill_for_good(pools, f"tandem-pools-t-{second}")

@@ -5,7 +5,6 @@ attached to it within their next membership poll."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -14,7 +13,15 @@ import pytest
 
 pytest.importorskip("ray")
 
-from pools_harness import PROMPTS, Gateway, at_once, plain_greedy, ray_head, tandem_cli
+from pools_harness import (
+    PROMPTS,
+    Gateway,
+    at_once,
+    plain_greedy,
+    pool_status,
+    ray_head,
+    tandem_cli,
+)
 from tandem.sessions import EmbeddedRedis
 
 
@@ -27,10 +34,6 @@ def adaptive_pools(tmp_path_factory, tiny_dirs):
         tandem_cli(address, "pools", "stop", "--name", "c")
 
 
-def _status(address: str) -> dict:
-    return json.loads(tandem_cli(address, "pools", "status", "--name", "c", "--json"))
-
-
 def _forwards(status: dict) -> int:
     return sum(w["forwards"] for w in status["workers"])
 
@@ -40,26 +43,26 @@ def test_the_first_gateway_calibrates_and_the_next_adopts_its_costs(adaptive_poo
     with EmbeddedRedis() as redis:
         started = [Gateway(adaptive_pools, redis.url, pool="c")]
         try:
-            status = _status(adaptive_pools)
+            status = pool_status(adaptive_pools, "c")
             assert status["calibrated_batches"] == [16]
             calibrated = _forwards(status)
             assert calibrated > 20, "the first gateway should have timed forwards on the workers"
 
             started.append(Gateway(adaptive_pools, redis.url, pool="c"))
-            assert _forwards(_status(adaptive_pools)) == calibrated, "the second gateway ran forwards to start"
+            assert _forwards(pool_status(adaptive_pools, "c")) == calibrated, "the second gateway ran forwards to start"
             out = at_once([(started[1].address, i) for i in range(len(PROMPTS))], pair_ids=False)
             assert [out[(i, i)] for i in range(len(PROMPTS))] == expected
 
-            before = _forwards(_status(adaptive_pools))
+            before = _forwards(pool_status(adaptive_pools, "c"))
             started.append(Gateway(adaptive_pools, redis.url, "--max-batch", "4", pool="c"))
-            status = _status(adaptive_pools)
+            status = pool_status(adaptive_pools, "c")
             assert status["calibrated_batches"] == [4, 16] and _forwards(status) > before
 
             os.kill(status["manager_pid"], signal.SIGKILL)  # Ray restarts it: it adopts the workers, not the costs
             _restarted_and_reseeded(adaptive_pools, status["manager_pid"], [4, 16])
-            calibrated = _forwards(_status(adaptive_pools))
+            calibrated = _forwards(pool_status(adaptive_pools, "c"))
             started.append(Gateway(adaptive_pools, redis.url, pool="c"))
-            assert _forwards(_status(adaptive_pools)) == calibrated, "a gateway calibrated after the restart"
+            assert _forwards(pool_status(adaptive_pools, "c")) == calibrated, "a gateway calibrated after the restart"
         finally:
             for gateway in started:
                 gateway.stop()
@@ -70,7 +73,7 @@ def _restarted_and_reseeded(address: str, killed_pid: int, batches: list[int]) -
     deadline = time.monotonic() + 120
     while True:
         try:
-            status = _status(address)
+            status = pool_status(address, "c")
             if status["manager_pid"] != killed_pid and status["calibrated_batches"] == batches:
                 return
         except AssertionError:

@@ -14,9 +14,9 @@ from pools_harness import (
     PROMPTS,
     SERVING,
     at_once,
+    expected_fixture,  # noqa: F401 (the expected fixture)
     kill_for_good,
     named_actors,
-    plain_greedy,
     ray_head,
     start_gateways,
     tandem_cli,
@@ -33,11 +33,6 @@ def tp_pools(tmp_path_factory, tiny_dirs):
                    "--batch-window-ms", "50")
         yield address
         tandem_cli(address, "pools", "stop", "--name", "tp")
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_models):
-    return plain_greedy(tiny_models)
 
 
 def _targets(address: str) -> list[dict]:

@@ -24,9 +24,10 @@ from pools_harness import (
     RAY_TOKEN_FILE,
     Gateway,
     at_once,
+    expected_fixture,  # noqa: F401 (the expected fixture)
     head_env,
     named_actors,
-    plain_greedy,
+    pool_status,
     ray_client_address,
     ray_head,
     tandem_cli,
@@ -92,15 +93,6 @@ def gateways(pools, client_port, redis, tmp_path_factory):
                 gateway.stop()
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_models):
-    return plain_greedy(tiny_models)
-
-
-def _status(address: str) -> dict:
-    return json.loads(tandem_cli(address, "pools", "status", "--name", "t", "--json"))
-
-
 def _live_jobs(address: str) -> list[tuple[int, str]]:
     """The cluster's live Ray jobs: (driver pid, entrypoint)."""
     done = subprocess.run([sys.executable, "-c", LIVE_JOBS], env=head_env(address), capture_output=True,
@@ -155,7 +147,7 @@ def test_a_ray_client_gateway_stops_cleanly_and_releases_its_sequences(pools, cl
     finally:
         gateway.stop()
     assert gateway.process.returncode == 0, (tmp_path / "client.err").read_text()[-2000:]
-    assert not any(w["sequences"] for w in _status(pools)["workers"])
+    assert not any(w["sequences"] for w in pool_status(pools)["workers"])
 
 
 def test_a_killed_ray_client_gateway_leaves_the_other_serving_and_its_sequences_are_released(
@@ -163,7 +155,7 @@ def test_a_killed_ray_client_gateway_leaves_the_other_serving_and_its_sequences_
     """Wire ids start with the gateway's Ray job (workers.orphans): for a Ray Client that is its proxy's job on the
     head, which Ray ends once the client is gone for good."""
     client, driver = gateways
-    pids = {w["name"]: w["pid"] for w in _status(pools)["workers"]}
+    pids = {w["name"]: w["pid"] for w in pool_status(pools)["workers"]}
     out: dict = {}
     killed: dict = {}
     runners = [threading.Thread(target=lambda: out.update(at_once([(driver.address, i) for i in range(4)],
@@ -178,10 +170,10 @@ def test_a_killed_ray_client_gateway_leaves_the_other_serving_and_its_sequences_
         runner.join(timeout=300)
     assert [out[(i, i)] for i in range(4)] == expected
     assert all(isinstance(result, grpc.RpcError) for result in killed.values()), killed
-    status = _status(pools)
+    status = pool_status(pools)
     assert all(w["healthy"] for w in status["workers"])
     assert {w["name"]: w["pid"] for w in status["workers"]} == pids, "a gateway's exit must not restart workers"
     deadline = time.monotonic() + ORPHANS_RELEASED_S
-    while any(w["sequences"] for w in _status(pools)["workers"]):
-        assert time.monotonic() < deadline, _status(pools)["workers"]
+    while any(w["sequences"] for w in pool_status(pools)["workers"]):
+        assert time.monotonic() < deadline, pool_status(pools)["workers"]
         time.sleep(2)
