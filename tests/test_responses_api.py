@@ -110,9 +110,10 @@ def test_function_call_items_and_their_outputs_are_the_chat_apis_tool_turns(serv
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_required_call_is_a_function_call_item_its_schema_accepts(server, stream: bool) -> None:
     """tool_choice required: every output is a function_call item (no message), its arguments valid under the
-    tool's parameters, the response `completed`; streamed, the item's arguments arrive in their own events."""
+    tool's parameters, the response `completed`; streamed, the item's arguments arrive in their own events. One call
+    (parallel_tool_calls false): allowed more, the random model goes on to further calls until max_output_tokens."""
     body = {"input": "Weather?", "tools": [CITY], "tool_choice": "required", "max_output_tokens": 160,
-            "temperature": 1.0}
+            "temperature": 1.0, "parallel_tool_calls": False}
     for seed in (3, 4):
         if stream:
             events = _streamed(server, body | {"seed": seed})

@@ -125,6 +125,11 @@ def refused_token(error: BaseException) -> bool:
 
 CLIENT_SCHEME = "ray://"
 CLIENT_PING_TIMEOUT_S = 10.0
+# Ray Client's proxy forks a server process for each client; now and then that process dies at birth (gRPC's
+# event engine after fork: "epoll_wait error: Bad file descriptor" in its log, seen once in CI), and the client is
+# told "Initialization failure from server". The next connection gets a new process: so many tries in all.
+CLIENT_STARTS = 3
+SERVER_START_FAILED = "Initialization failure from server"
 
 
 def ray_client_refuses_token(address: str, timeout_s: float = CLIENT_PING_TIMEOUT_S) -> bool:
@@ -168,11 +173,18 @@ def join_cluster(address: str, token_file: str | None = None, **init: object) ->
                "it wants a token: pass --ray-token-file FILE or set RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH")
         return TandemError(f"the Ray cluster at {address} refused this client ({fix})")
 
-    if address.startswith(CLIENT_SCHEME) and ray_client_refuses_token(address):
+    client = address.startswith(CLIENT_SCHEME)
+    if client and ray_client_refuses_token(address):
         raise refused()
-    try:
-        ray.init(address=address, runtime_env=RUNTIME_ENV, log_to_driver=False, **init)
-    except (ConnectionError, RuntimeError, ray.exceptions.RayError) as exc:
-        if refused_token(exc):
-            raise refused() from exc
-        raise TandemError(f"could not join the Ray cluster at {address}: {exc}") from exc
+    for start in range(1, CLIENT_STARTS + 1 if client else 2):
+        try:
+            ray.init(address=address, runtime_env=RUNTIME_ENV, log_to_driver=False, **init)
+            return
+        except (ConnectionError, RuntimeError, ray.exceptions.RayError) as exc:
+            if refused_token(exc):
+                raise refused() from exc
+            if not (client and SERVER_START_FAILED in str(exc) and start < CLIENT_STARTS):
+                raise TandemError(f"could not join the Ray cluster at {address}: {exc}") from exc
+            log.warning("the Ray Client server at %s failed to start this client's session (try %d of %d): %s",
+                        address, start, CLIENT_STARTS, str(exc).splitlines()[0])
+            ray.shutdown()
