@@ -46,6 +46,21 @@ def pool_status(address: str, name: str = "t") -> dict:
     return json.loads(tandem_cli(address, "pools", "status", "--name", name, "--json"))
 
 
+def assert_workers_kept(address: str, pids: dict[str, int], name: str = "t") -> None:
+    """Every worker of pool `name` healthy and the same process as in `pids` (name -> pid): not restarted."""
+    status = pool_status(address, name)
+    assert all(w["healthy"] for w in status["workers"])
+    assert {w["name"]: w["pid"] for w in status["workers"]} == pids, "a gateway's exit must not restart workers"
+
+
+def wait_sequences_released(address: str, timeout_s: float, name: str = "t") -> None:
+    """Until no worker of pool `name` holds a sequence; AssertionError (with the workers) past `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while any(w["sequences"] for w in pool_status(address, name)["workers"]):
+        assert time.monotonic() < deadline, pool_status(address, name)["workers"]
+        time.sleep(1.0)
+
+
 @pytest.fixture(scope="module", name="expected")
 def expected_fixture(tiny_models) -> list[list[int]]:
     """plain_greedy's tokens, once a module (a module imports this by name: `expected_fixture,  # noqa: F401`)."""

@@ -24,6 +24,7 @@ from pools_harness import (
     SERVING,
     TOKENS,
     Gateway,
+    assert_workers_kept,
     at_once,
     expected_fixture,  # noqa: F401 (the expected fixture)
     head_env,
@@ -34,6 +35,7 @@ from pools_harness import (
     start_gateways,
     tandem_cli,
     wait_health,
+    wait_sequences_released,
 )
 from tandem.bench.local_cluster import free_port
 from tandem.client import TandemClient
@@ -230,14 +232,9 @@ def test_a_gateway_killed_leaves_the_workers_and_the_other_gateway_serving(pools
         runner.join(timeout=300)
     assert [out[(i, i)] for i in range(4)] == expected
     assert all(isinstance(result, grpc.RpcError) for result in killed.values()), killed
-    status = pool_status(pools)
-    assert all(w["healthy"] for w in status["workers"])
-    assert {w["name"]: w["pid"] for w in status["workers"]} == pids, "a gateway's exit must not restart workers"
+    assert_workers_kept(pools, pids)
     # The killed gateway never released its sequences: the workers do, once the GCS marks its job dead.
-    deadline = time.monotonic() + 60
-    while any(w["sequences"] for w in pool_status(pools)["workers"]):
-        assert time.monotonic() < deadline, pool_status(pools)["workers"]
-        time.sleep(1)
+    wait_sequences_released(pools, 60)
 
 
 def test_a_gateway_with_two_engine_lanes_stays_exact_on_the_shared_pools(pools, expected) -> None:

@@ -23,6 +23,7 @@ from pools_harness import (
     PROMPTS,
     RAY_TOKEN_FILE,
     Gateway,
+    assert_workers_kept,
     at_once,
     expected_fixture,  # noqa: F401 (the expected fixture)
     head_env,
@@ -31,6 +32,7 @@ from pools_harness import (
     ray_client_address,
     ray_head,
     tandem_cli,
+    wait_sequences_released,
 )
 from tandem.bench.local_cluster import free_port
 from tandem.client import TandemClient
@@ -202,10 +204,5 @@ def test_a_killed_ray_client_gateway_leaves_the_other_serving_and_its_sequences_
         runner.join(timeout=300)
     assert [out[(i, i)] for i in range(4)] == expected
     assert all(isinstance(result, grpc.RpcError) for result in killed.values()), killed
-    status = pool_status(pools)
-    assert all(w["healthy"] for w in status["workers"])
-    assert {w["name"]: w["pid"] for w in status["workers"]} == pids, "a gateway's exit must not restart workers"
-    deadline = time.monotonic() + ORPHANS_RELEASED_S
-    while any(w["sequences"] for w in pool_status(pools)["workers"]):
-        assert time.monotonic() < deadline, pool_status(pools)["workers"]
-        time.sleep(2)
+    assert_workers_kept(pools, pids)
+    wait_sequences_released(pools, ORPHANS_RELEASED_S)

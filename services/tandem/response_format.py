@@ -75,10 +75,7 @@ def _json_schema(spec: Any, field: str) -> str:
 def schema_text(schema: Any, field: str, where: str) -> str:
     """A JSON schema given as a mapping or as JSON text, as JSON text; it must be a JSON object."""
     if isinstance(schema, str):
-        try:
-            parsed = json.loads(schema)
-        except ValueError as exc:
-            raise InvalidArgument(f"{field}: {where} is not JSON: {exc}") from None
+        parsed = _loads(schema, field, where)
         if not isinstance(parsed, dict):
             raise InvalidArgument(f"{field}: {where} must be a JSON object, got {type(parsed).__name__}")
         return schema
@@ -88,6 +85,13 @@ def schema_text(schema: Any, field: str, where: str) -> str:
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"{field}: {where} is not JSON: {exc}") from None
     raise InvalidArgument(f"{field}: {where} must be a JSON object (or its JSON text), got {type(schema).__name__}")
+
+
+def _loads(text: str, field: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise InvalidArgument(f"{field}: {where} is not JSON: {exc}") from None
 
 
 def structural_tag_text(value: Any, field: str = FIELD) -> str:
@@ -103,10 +107,7 @@ def structural_tags(value: Any, field: str = FIELD) -> list[tuple[str, str, dict
     from there it must go on to one of the structures that begin with that trigger, its JSON (schema) and its end,
     then free text again. Each begin must start with one of the triggers, the longest of which is its trigger."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as exc:
-            raise InvalidArgument(f"{field}: the structural_tag is not JSON: {exc}") from None
+        value = _loads(value, field, "the structural_tag")
     if not isinstance(value, Mapping):
         raise InvalidArgument(f"{field}: a structural_tag is an object with \"structures\" and \"triggers\"")
     structures, triggers = value.get("structures"), value.get("triggers")
