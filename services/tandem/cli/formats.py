@@ -1,5 +1,5 @@
-"""`tandem generate`'s structured outputs: --json-object, --json-schema SCHEMA, --regex EXPR and --grammar GRAMMAR (one
-at most).
+"""`tandem generate`'s structured outputs: --json-object, --json-schema SCHEMA, --regex EXPR, --grammar GRAMMAR and
+--structural-tag TAG (one at most).
 
 A remote run sends them as the Python client's response_format mapping; a local one gives the engine the same format
 as an OutputFormat, checked to compile before generating. Errors name the flag: a schema that is not JSON is
@@ -10,12 +10,14 @@ functions a local run calls.
 from __future__ import annotations
 
 import argparse
+import json
+import re
 from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandem.errors import InvalidArgument
-from tandem.response_format import schema_text
+from tandem.response_format import schema_text, structural_tag_text
 
 if TYPE_CHECKING:
     from tandem.core.config import OutputFormat
@@ -32,6 +34,10 @@ def add_format_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--grammar", default=None, metavar="GRAMMAR",
                        help="the whole output matches this grammar, Lark (llguidance's) or GBNF (llama.cpp's): its "
                             "text, or @PATH to read it from a file")
+    group.add_argument("--structural-tag", default=None, metavar="TAG",
+                       help="free text but for tagged parts, each JSON its structure's schema accepts (vLLM's "
+                            'structural tag: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}): its '
+                            "JSON text, or @PATH to read it from a file")
 
 
 def response_format(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -49,6 +55,9 @@ def response_format(args: argparse.Namespace) -> dict[str, Any] | None:
         if not grammar.strip():
             raise InvalidArgument("grammar: must be a non-empty grammar")
         return {"type": "grammar", "grammar": grammar}
+    if args.structural_tag is not None:  # checked as the server checks it (tandem.response_format.structural_tags)
+        tag = structural_tag_text(_read("structural_tag", args.structural_tag), "structural_tag")
+        return {"type": "structural_tag", **json.loads(tag)}
     return None
 
 
@@ -65,6 +74,8 @@ def output_format(args: argparse.Namespace) -> OutputFormat | None:
         return OutputFormat("json_schema", wanted["json_schema"]["schema"])  # its text (_schema)
     if wanted["type"] == "grammar":
         return OutputFormat("grammar", wanted["grammar"])
+    if wanted["type"] == "structural_tag":
+        return OutputFormat("structural_tag", structural_tag_text(wanted, "structural_tag"))
     return OutputFormat("regex", wanted["regex"])
 
 
@@ -76,9 +87,14 @@ def check_compiles(args: argparse.Namespace, output_format: OutputFormat, tokeni
     try:
         check_format(output_format, format_tokenizer(tokenizer, eos_token_ids))
     except InvalidArgument as exc:
-        flag = next((name for name in ("json_schema", "regex", "grammar") if getattr(args, name) is not None),
-                    "json_object")
-        raise InvalidArgument(str(exc).replace("response_format", flag, 1)) from None
+        flag = next((name for name in ("json_schema", "regex", "grammar", "structural_tag")
+                     if getattr(args, name) is not None), "json_object")
+        message = str(exc).replace("response_format", flag, 1)
+        if flag == "structural_tag":
+            # llguidance's position and context lines are those of the grammar built from the tag, which the user
+            # never wrote: its reason alone, on one line
+            message = re.sub(r"^structural_tag: at \d+\(\d+\): ", "structural_tag: ", message.splitlines()[0])
+        raise InvalidArgument(message) from None
 
 
 def _schema(value: str) -> str:
