@@ -44,6 +44,13 @@ MAX_UPDATE_TRIES = 32
 # in 2 of 100 runs of 200 updates); with it the writers spread out. Before giving up it has waited 0.3 s on average.
 _CONFLICT_BACKOFF_S = 0.0005
 _CONFLICT_BACKOFF_MAX_S = 0.02
+# renew's TTLs, set only where they lengthen one (PEXPIRE's GT, which this does, came with Redis 7).
+_LENGTHEN_TTLS = """
+for _, key in ipairs(KEYS) do
+  local left = redis.call('PTTL', key)
+  if left >= 0 and left < tonumber(ARGV[1]) then redis.call('PEXPIRE', key, ARGV[1]) end
+end
+"""
 
 
 class RedisSessionStore(RedisOutages):
@@ -115,6 +122,21 @@ class RedisSessionStore(RedisOutages):
             self._refuse_if_strict()
             self._fallback()
             return self._memory.get(session_id)
+        return self._read(session_id, value)
+
+    def get_many(self, session_ids: list[str]) -> list[dict | None]:
+        """get for each id, in one round trip."""
+        if not session_ids:
+            return []
+        ok, values = self._redis(lambda client: client.mget([self._key(session_id) for session_id in session_ids]))
+        if not ok:
+            self._refuse_if_strict()
+            self._fallback()
+            return self._memory.get_many(session_ids)
+        return [self._read(session_id, value) for session_id, value in zip(session_ids, values, strict=True)]
+
+    def _read(self, session_id: str, value: str | None) -> dict | None:
+        """The state Redis answered with for `session_id` (None: none), its copy in memory kept in step."""
         if value is None:
             self._memory.delete(session_id)
             return None
@@ -137,23 +159,24 @@ class RedisSessionStore(RedisOutages):
                 self._memory.put_raw(session_id, value)
             self._fallback(session_id)
 
-    def update(self, session_id: str, change: Change) -> dict | None:
+    def update(self, session_id: str, change: Change, *, shorten_ttl: bool = True) -> dict | None:
         """As MemorySessionStore.update, across every replica: an optimistic transaction (WATCH the key, read it,
         write it in MULTI/EXEC, again from the read when another writer came between), so two replicas changing one
         state at once both have their change. `change` may run more than once. From memory while Redis is down."""
-        ok, changed = self._redis(lambda client: self._transaction(client, session_id, change))
+        ok, changed = self._redis(lambda client: self._transaction(client, session_id, change, shorten_ttl))
         if not ok:
             self._refuse_if_strict()
             self._fallback(session_id)
-            return self._memory.update(session_id, change)
+            return self._memory.update(session_id, change, shorten_ttl=shorten_ttl)
         if changed is None or self.strict:
             self._memory.delete(session_id)
         else:
             self._memory.put_raw(session_id, json.dumps(changed, separators=(",", ":")))
         return changed
 
-    def _transaction(self, client: redis.Redis, session_id: str, change: Change) -> dict | None:
+    def _transaction(self, client: redis.Redis, session_id: str, change: Change, shorten_ttl: bool) -> dict | None:
         key = self._key(session_id)
+        ttl_ms = max(1, int(self.ttl_s * 1000))
         for attempt in range(MAX_UPDATE_TRIES):
             if attempt:
                 time.sleep(random.uniform(0.0, min(_CONFLICT_BACKOFF_MAX_S, _CONFLICT_BACKOFF_S * 2**attempt)))
@@ -161,17 +184,28 @@ class RedisSessionStore(RedisOutages):
                 try:
                     pipe.watch(key)
                     value = pipe.get(key)
+                    left = -1 if shorten_ttl or value is None else pipe.pttl(key)
                     changed = change(None if value is None else json.loads(value))
                     pipe.multi()
                     if changed is None:
                         pipe.delete(key)
                     else:
-                        pipe.set(key, json.dumps(changed, separators=(",", ":")), px=max(1, int(self.ttl_s * 1000)))
+                        pipe.set(key, json.dumps(changed, separators=(",", ":")), px=max(ttl_ms, left))
                     pipe.execute()
                     return changed
                 except redis.WatchError:
                     continue
         raise UpdateConflict(f"{session_id}: changed by other writers on each of {MAX_UPDATE_TRIES} tries")
+
+    def renew(self, session_ids: list[str]) -> None:
+        """Start each held state's TTL again where that lengthens it (a replica with a shorter TTL never shortens
+        another's), in one round trip; one expired stays absent. Best effort: while Redis is away only this process's
+        copies are renewed."""
+        self._memory.renew(session_ids)
+        keys = [self._key(session_id) for session_id in session_ids]
+        ttl_ms = max(1, int(self.ttl_s * 1000))
+        if keys and not self._redis(lambda client: client.eval(_LENGTHEN_TTLS, len(keys), *keys, ttl_ms))[0]:
+            self._fallback()
 
     def delete(self, session_id: str) -> None:
         self._memory.delete(session_id)

@@ -41,8 +41,10 @@ class SessionStore(Protocol):
     ttl_s: float  # how long an entry lives after its last write
 
     def get(self, session_id: str) -> dict | None: ...
+    def get_many(self, session_ids: list[str]) -> list[dict | None]: ...
     def put(self, session_id: str, state: dict) -> None: ...
-    def update(self, session_id: str, change: Change) -> dict | None: ...
+    def renew(self, session_ids: list[str]) -> None: ...
+    def update(self, session_id: str, change: Change, *, shorten_ttl: bool = True) -> dict | None: ...
     def delete(self, session_id: str) -> None: ...
     def stats(self) -> dict: ...
     def close(self) -> None: ...
@@ -76,6 +78,9 @@ class MemorySessionStore:
             self._items.move_to_end(session_id)
             return json.loads(item[1])
 
+    def get_many(self, session_ids: list[str]) -> list[dict | None]:
+        return [self.get(session_id) for session_id in session_ids]
+
     def put(self, session_id: str, state: dict) -> None:
         self.put_raw(session_id, json.dumps(state, separators=(",", ":")))
 
@@ -87,10 +92,11 @@ class MemorySessionStore:
             while len(self._items) > self.max_sessions:
                 self._items.popitem(last=False)
 
-    def update(self, session_id: str, change: Change) -> dict | None:
+    def update(self, session_id: str, change: Change, *, shorten_ttl: bool = True) -> dict | None:
         """Read, change and write one state atomically (no other put or update between): `change` gets the state
         (None: none) and returns the one to store (None: delete it); what it raises leaves the state as it was.
-        Returns the state stored."""
+        Returns the state stored. Its TTL starts again; with shorten_ttl False, only where that lengthens it (a
+        change that is no store of the state, made by a replica whose TTL may be shorter)."""
         with self._lock:
             item = self._items.get(session_id)
             state = None if item is None or item[0] <= time.monotonic() else json.loads(item[1])
@@ -98,7 +104,10 @@ class MemorySessionStore:
             if changed is None:
                 self._items.pop(session_id, None)
                 return None
-            self._items[session_id] = (time.monotonic() + self.ttl_s, json.dumps(changed, separators=(",", ":")))
+            expiry = time.monotonic() + self.ttl_s
+            if not shorten_ttl and item is not None:
+                expiry = max(expiry, item[0])
+            self._items[session_id] = (expiry, json.dumps(changed, separators=(",", ":")))
             self._items.move_to_end(session_id)
             while len(self._items) > self.max_sessions:
                 self._items.popitem(last=False)
@@ -111,6 +120,16 @@ class MemorySessionStore:
         if item is None or (left := item[0] - time.monotonic()) <= 0:
             return None
         return item[1], left
+
+    def renew(self, session_ids: list[str]) -> None:
+        """Start each held entry's TTL again where that lengthens it (one expired or never written stays absent)."""
+        now = time.monotonic()
+        with self._lock:
+            for session_id in session_ids:
+                item = self._items.get(session_id)
+                if item is not None and item[0] > now:
+                    self._items[session_id] = (max(item[0], now + self.ttl_s), item[1])
+                    self._items.move_to_end(session_id)
 
     def delete(self, session_id: str) -> None:
         with self._lock:

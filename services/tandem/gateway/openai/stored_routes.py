@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from tandem.gateway.openai.background import BackgroundResponses
 from tandem.gateway.openai.errors import bad_request, in_openai_shape, response_not_found
 from tandem.gateway.openai.responses_output import sse_event
-from tandem.gateway.openai.stored import ResponseStore, StoredResponse
+from tandem.gateway.openai.stored import ResponseStore, StoredResponse, chain_broken
 from tandem.gateway.openai.streaming import EventStream
 
 DEFAULT_PAGE, MAX_PAGE = 20, 100  # input_items: OpenAI's default and largest `limit`
@@ -70,6 +70,8 @@ def add_stored_routes(app: FastAPI, stored: ResponseStore | None, background: Ba
     @in_openai_shape
     async def input_items(request: Request, response_id: str) -> JSONResponse:
         response = await found(request, response_id)
+        if response.items is None:
+            raise chain_broken(response_id)
         return JSONResponse(input_items_page(response.items, request.query_params))
 
     app.add_api_route("/v1/responses/{response_id}", retrieve, methods=["GET"])
