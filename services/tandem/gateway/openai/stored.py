@@ -53,9 +53,10 @@ class _Absent(Exception):
 
 
 def chain_broken(response_id: str, param: str | None = None) -> OpenAIError:
-    """A 404 for a stored response whose conversation cannot be rebuilt: a response before it is gone."""
+    """A 404 for a stored response whose conversation cannot be rebuilt: a response before it is gone (expired, or
+    dropped from a full store)."""
     return OpenAIError(404, f"The conversation of response '{response_id}' is no longer stored whole: an earlier "
-                            "response of it has expired.", param=param, code="previous_response_not_found")
+                            "response of it is gone.", param=param, code="previous_response_not_found")
 
 
 def id_in_use(response_id: str) -> OpenAIError:
