@@ -37,9 +37,9 @@ def canary(server, monkeypatch):
 
 
 def test_round_trip(canary, capsys, server) -> None:
-    code, out, _ = canary(capsys, "set", "--arms", ARMS, "--steps", "10", "50", "100",
-                          "--threshold", "min_sessions=100")
-    assert code == 0 and "register stable,canary" in out and "configure" in out
+    code, out, err = canary(capsys, "set", "--arms", ARMS, "--steps", "10", "50", "100",
+                            "--threshold", "min_sessions=100")
+    assert code == 0 and "register stable,canary" in out and "configure" in out, err
     gateway = CanaryController(RedisCanaryStore(server.url), canary.deployment)  # a gateway with no arms configured
     assert gateway.state().weights == {"stable": 90.0, "canary": 10.0}
     assert gateway.state().thresholds.min_sessions == 100

@@ -12,12 +12,15 @@ from collections.abc import Iterator
 import pytest
 import redis as redis_client
 
+from gateway_harness import ServerThread, openai_sdk, tiny_backend
 from tandem.gateway.openai.errors import OpenAIError
 from tandem.gateway.openai.stored import (
+    RESPONSE_PREFIX,
     ResponseStore,
     StoredResponse,
     open_response_store,
     segment_key,
+    store_beside,
     tenant_key,
 )
 from tandem.gateway.openai.stored_chain import Segment, chain_ids, conversation_of, new_segment_id, split
@@ -61,7 +64,7 @@ def continue_chain(stored: ResponseStore, turns: int, start: int = 0, previous: 
     conversation = asyncio.run(stored.history(TENANT, previous)) if previous else []
     for turn in range(start, start + turns):
         items = conversation + [message(f"in_{turn}")]
-        asyncio.run(stored.put(TENANT, StoredResponse(response(turn, previous), items)))
+        asyncio.run(stored.put(TENANT, StoredResponse(response(turn, previous), items, previous)))
         previous = f"resp_{turn}"
         conversation = items + response(turn, None)["output"]
     return conversation
@@ -119,11 +122,11 @@ def test_truncation_and_a_history_not_from_the_chain_are_kept_exactly(backend) -
     stored, raw = backend
     whole = continue_chain(stored, 3)
     truncated = whole[3:] + [message("in_3")]  # truncation auto dropped the oldest turns
-    asyncio.run(stored.put(TENANT, StoredResponse(response(3, "resp_2"), truncated)))
+    asyncio.run(stored.put(TENANT, StoredResponse(response(3, "resp_2"), truncated, "resp_2")))
     assert asyncio.run(stored.get(TENANT, "resp_3")).items == truncated
     assert segment(raw, head(raw, 3))["skip"] == 3
     edited = [{**whole[0], "content": [{"type": "input_text", "text": "changed"}]}, *whole[1:], message("in_4")]
-    asyncio.run(stored.put(TENANT, StoredResponse(response(4, "resp_2"), edited)))
+    asyncio.run(stored.put(TENANT, StoredResponse(response(4, "resp_2"), edited, "resp_2")))
     assert asyncio.run(stored.get(TENANT, "resp_4")).items == edited
     assert segment(raw, head(raw, 4))["items"] == edited
     assert chain_ids(head(raw, 4)["chain"]) == [head(raw, turn)["segment"] for turn in range(3)]
@@ -135,7 +138,7 @@ def test_a_response_whose_predecessor_is_gone_is_kept_whole_and_one_whose_chain_
     first = head(raw, 0)
     raw.delete(tenant_key(TENANT, "resp_2"))  # gone from the store (evicted, expired), not deleted by a client
     items = whole + [message("in_3")]
-    asyncio.run(stored.put(TENANT, StoredResponse(response(3, "resp_2"), items)))
+    asyncio.run(stored.put(TENANT, StoredResponse(response(3, "resp_2"), items, "resp_2")))
     assert head(raw, 3)["chain"] == ""
     assert asyncio.run(stored.get(TENANT, "resp_3")).items == items
     raw.delete(segment_key(TENANT, first["segment"]))
@@ -160,17 +163,17 @@ def test_records_stored_whole_before_segments_are_read_and_continued(backend) ->
 
 @pytest.mark.parametrize("kind", ["redis", "memory"])
 def test_storing_a_response_keeps_its_chains_items_alive(kind: str, redis_url: str) -> None:
-    raw = open_session_store(redis_url, 1.5) if kind == "redis" else MemorySessionStore(1.5)
+    raw = open_session_store(redis_url, 2.0) if kind == "redis" else MemorySessionStore(2.0)
     stored = ResponseStore(raw)
     try:
         continue_chain(stored, 2)
         first = head(raw, 0)
-        for turn in range(2, 5):  # each 0.6 s after the last: the first records outlive their own TTL
-            time.sleep(0.6)
+        for turn in range(2, 5):  # each 0.8 s after the last: the first records outlive their own TTL
+            time.sleep(0.8)
             continue_chain(stored, 1, start=turn, previous=f"resp_{turn - 1}")
         assert asyncio.run(stored.get(TENANT, "resp_0")) is None  # its head lived its own TTL
         assert asyncio.run(stored.get(TENANT, "resp_4")).items[0]["id"] == "in_0"
-        time.sleep(1.7)  # nothing stored since: the chain's items expire with its newest
+        time.sleep(2.3)  # nothing stored since: the chain's items expire with its newest
         assert segment(raw, first) is None and head(raw, 4) is None
     finally:
         stored.close()
@@ -202,3 +205,38 @@ def test_renewing_lengthens_ttls_and_never_shortens_one(kind: str, redis_url: st
     assert short.get_many(["kept", "renewed", "never-stored"]) == [{"n": 1}, {"n": 2}, None]
     time.sleep(0.5)
     assert short.get_many(["kept", "renewed"]) == [{"n": 1}, None]
+
+
+def test_a_gateway_stores_what_each_turn_of_a_chain_or_a_conversation_adds(tiny_models, redis_url: str) -> None:
+    """Through the HTTP API: the third response of a previous_response_id chain, of a background chain, and of a
+    Conversations API conversation each store only their own input beside the two segments before them, and read back
+    the whole conversation they answered."""
+    target, draft, _ = tiny_models
+    gateway = ServerThread(tiny_backend(target, draft), http_port=0, sessions=open_session_store(redis_url))
+    raw = store_beside(open_session_store(redis_url), 60.0, RESPONSE_PREFIX, 16)
+    asked = {"model": "tiny-target", "max_output_tokens": 3, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    try:
+        sdk = openai_sdk(gateway)
+        conversation = sdk.conversations.create(items=[{"type": "message", "role": "user", "content": "Hello."}])
+        ways = {"chain": {}, "background": {"background": True}, "conversation": {"conversation": conversation.id}}
+        for way, options in ways.items():
+            previous = None
+            for turn in range(3):
+                chained = {"previous_response_id": previous} if previous and way != "conversation" else {}
+                response = sdk.responses.create(input=f"{way} {turn}", **asked, **options, **chained)
+                while response.status in ("queued", "in_progress"):
+                    time.sleep(0.05)
+                    response = sdk.responses.retrieve(response.id)
+                previous = response.id
+            stored = raw.get(tenant_key("", previous))
+            assert len(chain_ids(stored["chain"])) == 2, way
+            own = raw.get(segment_key("", stored["segment"]))["items"]
+            assert [item["content"][0]["text"] for item in own] == [f"{way} 2"], way
+            answered = [item.model_dump(exclude_none=True)["id"] for item in
+                        sdk.responses.input_items.list(previous, order="asc", limit=100)]
+            assert len(answered) == (5 if way != "conversation" else 6), way  # (the conversation: "Hello." first)
+        items = [item.id for item in sdk.conversations.items.list(conversation.id, order="asc", limit=100)]
+        assert answered == items[:-1]  # the conversation before the third response's output
+    finally:
+        gateway.stop()
+        raw.close()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from tandem.gateway.openai.errors import OpenAIError, bad_request, from_exception, response_not_found
 from tandem.gateway.openai.response_log import ResponseLog
+from tandem.gateway.openai.responses_input import ResponsesTurn
 from tandem.gateway.openai.responses_output import ResponseWriter, failed_events, output_of
 from tandem.gateway.openai.stored import ResponseStore, StoredResponse, tenant_key
 
@@ -55,7 +56,7 @@ class BackgroundResponses:
         self.stored, self.events, self.ended = stored, events, ended
         self._runs: dict[str, _Run] = {}  # store key -> its run, while it runs here
 
-    async def start(self, tenant: str, writer: ResponseWriter, items: list[dict], generation: AsyncGenerator,
+    async def start(self, tenant: str, writer: ResponseWriter, turn: ResponsesTurn, generation: AsyncGenerator,
                     admitted: asyncio.Event, renames: dict[str, str], finished: Finished | None = None) -> dict:
         """Store the response queued, start generating it, and return it as stored once the engine's queue has taken
         it (`admitted`, which `generation` sets): what refuses it there (a full queue, its tenant's caps, an invalid
@@ -66,7 +67,7 @@ class BackgroundResponses:
         opening = writer.opening()
         queued = writer.response()
         try:
-            await self.stored.create(tenant, StoredResponse(queued, items))  # refused where the id is in use
+            await self.stored.create(tenant, StoredResponse(queued, turn.items, turn.after))  # refused: the id in use
         except OpenAIError:
             await generation.aclose()
             raise
@@ -78,7 +79,7 @@ class BackgroundResponses:
             raise
         await self.events.renew_lease(key, LEASE_S, new=True)
         await self.events.append(key, opening)
-        task = asyncio.create_task(self._run(tenant, key, writer, items, _after(first, generation), renames,
+        task = asyncio.create_task(self._run(tenant, key, writer, turn, _after(first, generation), renames,
                                              finished), name=f"background-{writer.id}")
         self._runs[key] = _Run(task)
         task.add_done_callback(lambda _: self._runs.pop(key, None))
@@ -91,14 +92,14 @@ class BackgroundResponses:
         await generation.aclose()
         await self.stored.delete(tenant, response_id)
 
-    async def _run(self, tenant: str, key: str, writer: ResponseWriter, items: list[dict],
+    async def _run(self, tenant: str, key: str, writer: ResponseWriter, turn: ResponsesTurn,
                    generation: AsyncGenerator, renames: dict[str, str], finished: Finished | None) -> None:
         kept_at = time.monotonic()
 
         async def keep() -> None:
             nonlocal kept_at
             kept_at = time.monotonic()
-            await self.stored.put(tenant, StoredResponse(writer.response(), items))
+            await self.stored.put(tenant, StoredResponse(writer.response(), turn.items, turn.after))
 
         watcher = asyncio.create_task(self._watch(key, asyncio.current_task()))
         try:

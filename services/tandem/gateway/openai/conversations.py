@@ -59,10 +59,15 @@ class ConversationStore:
 
         return await asyncio.to_thread(self._store.update, tenant_key(tenant, conversation_id), changed)
 
-    async def extend(self, tenant: str, conversation_id: str, items: list[dict]) -> dict:
+    async def extend(self, tenant: str, conversation_id: str, items: list[dict], response_id: str | None = None
+                     ) -> dict:
+        """Add the items (a response's input and output; `response_id`: that response, where it is stored: the next
+        response in the conversation is stored as what it adds to that one's, gateway.openai.stored_chain)."""
         def extended(record: dict) -> None:
             check_unique_ids(record["items"] + items, "items")
             record["items"].extend(items)
+            if response_id is not None:
+                record["last_response"] = response_id
 
         return await self.update(tenant, conversation_id, extended)
 

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -75,28 +76,31 @@ class ResponsesApi:
     async def _turn(self, tenant: str, body: ResponsesRequest) -> ResponsesTurn:
         """The chat `body` asks for, after the conversation it continues; with `truncation: "auto"`, its oldest turns
         dropped where the prompt would not fit (gateway.openai.truncation)."""
-        history = await self._history(tenant, body.previous_response_id, body.conversation_id())
+        history, after = await self._history(tenant, body.previous_response_id, body.conversation_id())
         if body.truncation != "auto":
-            return chat_body(body, history)
+            return replace(chat_body(body, history), after=after)
         self.api.check_ready()
         turn, _ = await fitted(body, history, self.api.generations(), tenant)
-        return turn
+        return replace(turn, after=after)
 
-    async def _history(self, tenant: str, previous: str | None, conversation: str | None) -> list[dict]:
-        """The items a response continuing `previous`, or in `conversation`, starts from (none without either)."""
+    async def _history(self, tenant: str, previous: str | None, conversation: str | None
+                       ) -> tuple[list[dict], str | None]:
+        """The items a response continuing `previous`, or in `conversation`, starts from (none without either), and
+        the stored response they are the conversation and output of, where known (ResponsesTurn.after)."""
         if conversation is not None:
             if previous is not None:
                 raise bad_request("conversation: cannot be used with previous_response_id", "conversation")
             if self.conversations is None:
                 raise bad_request("conversation: this server stores no conversations (--response-ttl 0)",
                                   "conversation")
-            return (await self.conversations.get(tenant, conversation, param="conversation"))["items"]
+            record = await self.conversations.get(tenant, conversation, param="conversation")
+            return record["items"], record.get("last_response")
         if previous is None:
-            return []
+            return [], None
         if self.stored is None:
             raise bad_request("previous_response_id: this server stores no responses (--response-ttl 0); send the "
                               "whole conversation in input", "previous_response_id")
-        return await self.stored.history(tenant, previous)
+        return await self.stored.history(tenant, previous), previous
 
     async def _respond(self, request: Request, tenant: str, body: ResponsesRequest, turn: ResponsesTurn,
                        renames: dict[str, str]) -> Response:
@@ -115,7 +119,7 @@ class ResponsesApi:
         # holds it), and given up if the response ends unstored (BackgroundResponses.start takes a background one's).
         claimed = body.request_id is not None and stored is not None and not body.background
         if claimed:
-            await stored.create(tenant, StoredResponse(writer.response(), turn.items))
+            await stored.create(tenant, StoredResponse(writer.response(), turn.items, turn.after))
         kept = False
 
         async def extend(response: dict) -> None:
@@ -125,7 +129,8 @@ class ResponsesApi:
             if conversation is None or response["status"] not in ("completed", "incomplete"):
                 return
             try:
-                await self.conversations.extend(tenant, conversation, turn.inputs + response["output"])
+                await self.conversations.extend(tenant, conversation, turn.inputs + response["output"],
+                                                response["id"] if response.get("store") else None)
             except (OpenAIError, StoreUnavailable) as exc:
                 log.warning("response %s: conversation %s not extended: %s", response["id"], conversation,
                             getattr(exc, "message", exc))
@@ -135,7 +140,7 @@ class ResponsesApi:
             kept = True
             await extend(response)
             if stored is not None:
-                await stored.put(tenant, StoredResponse(response, turn.items))
+                await stored.put(tenant, StoredResponse(response, turn.items, turn.after))
 
         async def release() -> None:
             if claimed and not kept:  # (shielded: a client gone cancels the request's every await)
@@ -180,7 +185,7 @@ class ResponsesApi:
         events = self.api.generations().stream(chat_request(turn.chat, writer.id), list(request.headers.items()),
                                                tenant=tenant, background=self.api.from_batch(request),
                                                admitted=admitted)
-        queued = await self.background.start(tenant, writer, turn.items, events, admitted, renames, finished)
+        queued = await self.background.start(tenant, writer, turn, events, admitted, renames, finished)
         if not writer.body.stream:
             return JSONResponse(queued)
         return replay(await self.background.stream(tenant, writer.id, -1))

@@ -40,6 +40,9 @@ class ResponsesTurn:
     renames: dict[str, str]  # the gateway's names for its messages -> the body's fields
     items: list[dict]  # the conversation the response answers (earlier turns', then this input), as stored
     added: int = 0  # how many of the items, the last ones, are this request's input
+    # The stored response whose conversation and output the items begin with, where one is known (previous_response_id,
+    # or the response that last extended the conversation): the store keeps only what this one adds to it.
+    after: str | None = None
 
     @property
     def inputs(self) -> list[dict]:

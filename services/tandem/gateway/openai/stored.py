@@ -36,6 +36,7 @@ class StoredResponse:
     # The conversation it answered: earlier turns' items, then its own input, each with an id. None where a response
     # before it in its chain is no longer stored (gone from a full store), so the conversation cannot be rebuilt.
     items: list[dict] | None
+    after: str | None = None  # the response whose conversation and output `items` likely begin with (ResponsesTurn)
 
     def conversation(self) -> list[dict]:
         """The items a response continuing this one starts from: its conversation, then its output."""
@@ -157,7 +158,7 @@ class ResponseStore:
             return
         else:
             segment_id = new_segment_id()
-            chain, segment = self._link(tenant, stored.response.get("previous_response_id"), stored.items)
+            chain, segment = self._link(tenant, stored.after, stored.items)
         own_key = segment_key(tenant, segment_id)
         fields = replace(segment, output=stored.response["output"]).fields()
         if kept is None:  # a new id: no later response has read it
