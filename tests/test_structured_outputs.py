@@ -209,6 +209,14 @@ def test_bad_formats_are_400_naming_the_field(server, body: dict, param: str, sa
     assert error["message"].startswith(f"{param}: ") and says in error["message"], error["message"]
 
 
+def test_a_structural_tags_bad_schema_is_named_in_one_line(server) -> None:
+    """llguidance places the error in the grammar the tag was built into, which the client never wrote: the reason
+    alone, without that grammar's lines."""
+    tag = {"triggers": ["@"], "structures": [{"begin": "@", "schema": {"type": "wat"}, "end": "@"}]}
+    response = _post(server, "chat/completions", {"max_tokens": 4, "structured_outputs": {"structural_tag": tag}})
+    assert response.json()["error"]["message"] == "structured_outputs: failed to compile JSON schema: Invalid type: wat"
+
+
 def test_a_bad_schema_is_refused_before_streaming(server) -> None:
     body = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}},
             "stream": True, "max_tokens": 4}

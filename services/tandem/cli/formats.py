@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -89,12 +88,7 @@ def check_compiles(args: argparse.Namespace, output_format: OutputFormat, tokeni
     except InvalidArgument as exc:
         flag = next((name for name in ("json_schema", "regex", "grammar", "structural_tag")
                      if getattr(args, name) is not None), "json_object")
-        message = str(exc).replace("response_format", flag, 1)
-        if flag == "structural_tag":
-            # llguidance's position and context lines are those of the grammar built from the tag, which the user
-            # never wrote: its reason alone, on one line
-            message = re.sub(r"^structural_tag: at \d+\(\d+\): ", "structural_tag: ", message.splitlines()[0])
-        raise InvalidArgument(message) from None
+        raise InvalidArgument(str(exc).replace("response_format", flag, 1)) from None
 
 
 def _schema(value: str) -> str:

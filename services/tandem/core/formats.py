@@ -4,6 +4,7 @@ any worker sees it, and the workers' masks (core.format_masks) compile it the sa
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import weakref
 from collections.abc import Collection
@@ -89,4 +90,8 @@ def check_format(output_format: OutputFormat, tokenizer: LLTokenizer) -> None:
     not implement, an expression that does not parse)."""
     failed, messages = LLMatcher.validate_grammar_with_warnings(grammar_of(output_format), tokenizer)
     if failed:
-        raise InvalidArgument(f"response_format: {messages[0] if messages else 'does not compile'}")
+        reason = messages[0] if messages else "does not compile"
+        if output_format.kind == "structural_tag":
+            # llguidance places it in the grammar built from the tag, which the client never wrote: the reason alone
+            reason = re.sub(r"^at \d+\(\d+\): ", "", reason.splitlines()[0])
+        raise InvalidArgument(f"response_format: {reason}")
