@@ -290,8 +290,10 @@ def test_a_response_whose_replica_stalled_past_its_lease_is_failed_and_stays_so(
             assert read.responses.retrieve(started.id).model_dump() == lost.model_dump()
         finally:
             for gateway in (runner, other):
-                if gateway.thread.is_alive():
-                    gateway.stop()
+                if not gateway.thread.is_alive():  # (failed while its loop was stopped: run it again to stop it)
+                    gateway.thread = threading.Thread(target=gateway.event_loop.run_forever, daemon=True)
+                    gateway.thread.start()
+                gateway.stop()
 
 
 def test_metrics_count_background_responses_running_and_ended(tiny_models) -> None:
