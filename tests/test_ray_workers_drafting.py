@@ -140,7 +140,9 @@ def test_stalled_worker_misses_deadline_and_stream_goes_on(tiny_models, pool, ex
 def test_a_worker_still_stalled_after_its_cool_down_is_not_given_its_sessions_histories(tiny_models, pool) -> None:
     """Back from its cool-down, a stalled worker was sent every token its sessions had decoded meanwhile, under a
     deadline that grows with them: the engine's step waited that long, past a gateway's stall timeout, which failed
-    every request. Now it must answer a probe first; until then its sessions decode plainly."""
+    every request. Now it must answer a probe first; until then its sessions decode plainly. Counted, not timed (a
+    loaded CI machine stretches any step): while it is stopped, the worker misses one deadline, the first call's,
+    and is never sent another call to miss."""
     _answering(pool)
     engine = _engine(tiny_models, pool[:1], timeout_s=0.5, cooldown_s=0.5, per_token_s=0.05)
     params = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
@@ -148,21 +150,20 @@ def test_a_worker_still_stalled_after_its_cool_down_is_not_given_its_sessions_hi
     engine.step()
     stalled = ray.get(pool[0].info.remote())["pid"]
     os.kill(stalled, signal.SIGSTOP)
-    slowest, resumed = 0.0, False
+    resumed = False
     try:
         while engine.has_unfinished():
-            started = time.monotonic()
             engine.step()
-            slowest = max(slowest, time.monotonic() - started)
             if not resumed and len(seq.output) >= 400:  # several cool-downs later
+                timeouts_stalled, drafted_then = engine.drafter.stats.timeouts, seq.stats.drafted
                 os.kill(stalled, signal.SIGCONT)  # it answers again: drafting resumes past its cool-down
-                resumed, drafted_then = True, seq.stats.drafted
+                resumed = True
                 time.sleep(1.0)
     finally:
         os.kill(stalled, signal.SIGCONT)
     assert seq.output == build_engine(tiny_models[0], None).generate([PROMPTS[0]], params)[0].token_ids
-    assert slowest < 3.0, slowest  # a missed deadline (0.5 s) or a probe (1 s), never a catch-up's deadline
-    assert resumed and seq.stats.drafted > drafted_then
+    assert resumed and timeouts_stalled == 1  # probes only, after the first miss: never a history to time out on
+    assert seq.stats.drafted > drafted_then
 
 
 def test_a_worker_runs_its_forwards_on_the_threads_it_was_given(ray_cluster, tiny_dirs) -> None:

@@ -64,6 +64,9 @@ def add_canary_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     return parser
 
 
+CLI_REDIS_TIMEOUT_S = 10.0
+
+
 def _store(args: argparse.Namespace):
     from tandem.canary.store import open_canary_store
 
@@ -71,7 +74,8 @@ def _store(args: argparse.Namespace):
         raise InvalidArgument("redis_url: give the Redis the gateways use (or set REDIS_URL)")
     if not args.deployment:
         raise InvalidArgument("deployment: must be a non-empty name")
-    return open_canary_store(session_store_url(args))
+    # An operator's command may wait on a loaded Redis; a gateway's store keeps its short timeout (serving must not).
+    return open_canary_store(session_store_url(args), socket_timeout_s=CLI_REDIS_TIMEOUT_S)
 
 
 def _require(state, deployment: str):
