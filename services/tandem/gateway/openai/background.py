@@ -45,6 +45,9 @@ class _Run:
     task: asyncio.Task
     shutting_down: bool = False
     lost: bool = False  # its lease ran out and another replica stored it failed: nothing more of it is written
+    # Storing its last state: a cancel or a shutdown waits for that rather than interrupting it (interrupted, the
+    # write went on in its thread while the shutdown closed the store under it, and the response stayed in_progress).
+    ending: bool = False
 
 
 class BackgroundResponses:
@@ -122,6 +125,8 @@ class BackgroundResponses:
             closing = writer.failed(from_exception(exc, renames))
         finally:
             watcher.cancel()
+        if (run := self._runs.get(key)) is not None:
+            run.ending = True
         if self.ended is not None:  # (counted before it is seen ended)
             self.ended(writer.status())
         try:
@@ -188,7 +193,8 @@ class BackgroundResponses:
             return response
         key = tenant_key(tenant, response_id)
         if (run := self._runs.get(key)) is not None:
-            run.task.cancel()
+            if not run.ending:
+                run.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(run.task)
             return (await self._found(tenant, response_id)).response
@@ -246,7 +252,8 @@ class BackgroundResponses:
         runs = list(self._runs.values())
         for run in runs:
             run.shutting_down = True
-            run.task.cancel()
+            if not run.ending:
+                run.task.cancel()
         for run in runs:
             with contextlib.suppress(asyncio.CancelledError):
                 await run.task
