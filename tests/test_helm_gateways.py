@@ -62,7 +62,7 @@ def test_pools_gateway_attaches_to_the_release_pools():
     assert gateway["args"][0] == "gateway"
     args = flags(gateway["args"])
     assert args == {"pools": FULLNAME, "host": "0.0.0.0", "port": "50051", "http-port": "8000", "metrics-port": "9464",
-                    "ray-address": head, "grace": "30", "response-ttl": "3600"}
+                    "ray-address": head, "grace": "30", "response-ttl": "3600", "http-keep-alive": "620"}
     env = env_of(pools_container(objs))
     assert env["TANDEM_POOLS"] == args["pools"]
     # A stateless gateway loads no worker: no serve-only flags.

@@ -85,6 +85,7 @@ def test_gateways_serve_the_openai_http_api_beside_grpc(values, sets, service_po
         assert flags(gateway["args"])["http-port"] == "8000"
         assert flags(gateway["args"])["response-ttl"] == "3600"  # kept in the release's Redis, which they share
         assert "allowed-origins" not in flags(gateway["args"])  # no browser origin by default
+        assert flags(gateway["args"])["http-keep-alive"] == "620"  # above Google Cloud's load balancers' 600 s
         assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in gateway["ports"]
     services = [s for s in find(objs, "Service") if s["metadata"]["name"].startswith(f"{FULLNAME}-gateway")]
     assert len(services) == len(deployments) + (1 if len(deployments) > 1 else 0)  # the arms' and the shared one
@@ -95,11 +96,13 @@ def test_gateways_serve_the_openai_http_api_beside_grpc(values, sets, service_po
         assert ports["grpc"]["port"] == 50051 and ports["grpc"]["appProtocol"] == "kubernetes.io/h2c"
     # A port of another number reaches the flag, the container and (by default) the Service alike.
     moved = render(values, *sets, "gateway.httpPort=8080", "gateway.http.responseTtlSeconds=0",
+                   "gateway.http.keepAliveSeconds=90",
                    "gateway.http.allowedOrigins={https://app.example.com,http://localhost:3000}")
     for deployment in gateways(moved):
         gateway = gateway_container(deployment)
         assert flags(gateway["args"])["http-port"] == "8080" and flags(gateway["args"])["response-ttl"] == "0"
         assert flags(gateway["args"])["allowed-origins"] == "https://app.example.com,http://localhost:3000"
+        assert flags(gateway["args"])["http-keep-alive"] == "90"
         assert {p["name"]: p["containerPort"] for p in gateway["ports"]}["http"] == 8080
     assert service_ports(one(moved, "Service", f"{FULLNAME}-gateway"))["http"]["port"] == (
         8080 if service_port == 8000 else service_port)

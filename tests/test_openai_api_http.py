@@ -1,18 +1,19 @@
 """The OpenAI-compatible HTTP API's routes and refusals on a gateway in this process, tiny models: models and health
-(HEAD too), request ids and a 405's allowed methods, TCP_NODELAY, bad bodies refused with a 400 that names the field
-(bad values, lone surrogates, nesting past the parser, nulls meaning defaults), other request errors, and a client
-that leaves mid-response freeing its caches."""
+(HEAD too), request ids and a 405's allowed methods, TCP_NODELAY, idle connections kept open, bad bodies refused with
+a 400 that names the field (bad values, lone surrogates, nesting past the parser, nulls meaning defaults), other
+request errors, and a client that leaves mid-response freeing its caches."""
 
 from __future__ import annotations
 
 import json
 import socket
+import time
 
 import httpx
 import openai
 import pytest
 
-from gateway_harness import tiny_http_server
+from gateway_harness import ServerThread, tiny_backend, tiny_http_server
 from openai_api_harness import CHAT, MODEL, _error, _idle, _sdk
 
 
@@ -66,6 +67,40 @@ def test_http_connections_send_without_waiting_for_acks(server) -> None:
         connections = server.gateway.http.server.server_state.connections
         sockets = [c.transport.get_extra_info("socket") for c in connections]
         assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
+
+
+def _health_on(sock: socket.socket) -> bytes:
+    """GET /health on an open connection, read whole: the response's status line, or b"" where the server had closed
+    the connection."""
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        received = b""
+        while b"\r\n\r\n" not in received or len(received.split(b"\r\n\r\n", 1)[1]) < len(b'{"status":"ok"}'):
+            if not (chunk := sock.recv(65536)):
+                return b""
+            received += chunk
+        return received.split(b"\r\n", 1)[0]
+    except OSError:  # (reset: it was closed)
+        return b""
+
+
+def test_an_idle_connection_outlasts_a_proxys_idle_timeout_and_the_option_sets_it(server, tiny_models) -> None:
+    """A proxy or load balancer reuses a pooled connection idle up to its own timeout (nginx and AWS ALB 60 s); one
+    the gateway closed first fails its POST as a 502. uvicorn closed idle ones after 5 s: now it is
+    --http-keep-alive, 75 s by default (docs/bench/http-keep-alive-v1.json: reused after 65 s idle)."""
+    with socket.create_connection(("127.0.0.1", server.gateway.http_port), timeout=10) as sock:
+        assert _health_on(sock) == b"HTTP/1.1 200 OK"
+        time.sleep(6.0)  # past uvicorn's default
+        assert _health_on(sock) == b"HTTP/1.1 200 OK"
+    target, draft, _ = tiny_models
+    short = ServerThread(tiny_backend(target, draft), http_port=0, http_keep_alive_s=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", short.gateway.http_port), timeout=10) as sock:
+            assert _health_on(sock) == b"HTTP/1.1 200 OK"
+            time.sleep(1.5)
+            assert _health_on(sock) == b""
+    finally:
+        short.stop()
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -506,7 +506,7 @@ or CUDA_VISIBLE_DEVICES="" (quietly cpu), and warns when its GPU is unusable.
     (printf "--grace=%v" $v.gateway.grace)
     (printf "--device=%s" (include "tandem.workerDevice" .ctx)) }}
 {{- toYaml (concat $args (include "tandem.gatewayAuthArgs" .ctx | fromYamlArray)
-    (include "tandem.responseTtlArgs" .ctx | fromYamlArray) (include "tandem.gatewayTLSArgs" .ctx | fromYamlArray)
+    (include "tandem.httpApiArgs" .ctx | fromYamlArray) (include "tandem.gatewayTLSArgs" .ctx | fromYamlArray)
     $s.extraArgs $v.gateway.extraArgs .arm.extraArgs) }}
 {{- end }}
 
@@ -521,14 +521,17 @@ or CUDA_VISIBLE_DEVICES="" (quietly cpu), and warns when its GPU is unusable.
 {{- end }}
 {{- end }}
 
-{{/* --response-ttl and --allowed-origins from gateway.http, while the HTTP API is on (they are the API's alone). */}}
-{{- define "tandem.responseTtlArgs" -}}
+{{/* --response-ttl, --allowed-origins and --http-keep-alive from gateway.http, while the HTTP API is on (they are the
+API's alone). */}}
+{{- define "tandem.httpApiArgs" -}}
 {{- $ttl := dig "http" "responseTtlSeconds" nil .Values.gateway }}
+{{- $keepAlive := dig "http" "keepAliveSeconds" nil .Values.gateway }}
 {{- $origins := dig "http" "allowedOrigins" list .Values.gateway }}
 {{- $args := list }}
 {{- if include "tandem.httpPort" . }}
 {{- if not (kindIs "invalid" $ttl) }}{{ $args = append $args (printf "--response-ttl=%v" $ttl) }}{{ end }}
 {{- if $origins }}{{ $args = append $args (printf "--allowed-origins=%s" (join "," $origins)) }}{{ end }}
+{{- if not (kindIs "invalid" $keepAlive) }}{{ $args = append $args (printf "--http-keep-alive=%v" $keepAlive) }}{{ end }}
 {{- end }}
 {{- toYaml $args }}
 {{- end }}
@@ -547,7 +550,7 @@ or CUDA_VISIBLE_DEVICES="" (quietly cpu), and warns when its GPU is unusable.
     (printf "--ray-address=%s" (include "tandem.rayAddress" .ctx))
     (printf "--grace=%v" $v.gateway.grace) }}
 {{- toYaml (concat $args (include "tandem.gatewayAuthArgs" .ctx | fromYamlArray)
-    (include "tandem.responseTtlArgs" .ctx | fromYamlArray) (include "tandem.gatewayTLSArgs" .ctx | fromYamlArray)
+    (include "tandem.httpApiArgs" .ctx | fromYamlArray) (include "tandem.gatewayTLSArgs" .ctx | fromYamlArray)
     $v.gateway.extraArgs .arm.extraArgs) }}
 {{- end }}
 

@@ -73,7 +73,7 @@ class HttpApi:
             if options.tls else None
         for index, port in enumerate(ports):
             try:
-                self.http = await start_http_server(app, options.host, port, tls)
+                self.http = await start_http_server(app, options.host, port, tls, options.http_keep_alive_s)
                 return
             except OSError:
                 if index == len(ports) - 1:

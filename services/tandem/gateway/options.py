@@ -27,6 +27,10 @@ class GatewayOptions:
     metrics_port_fallback: bool = False  # when metrics_port is taken, use any free port instead of failing
     http_port: int | None = None  # the OpenAI-compatible HTTP API on the gateway's host: None = off, 0 = any free port
     http_port_fallback: bool = False  # when http_port is taken, use any free port instead of failing
+    # How long the HTTP API keeps an idle connection open. Proxies and load balancers pool connections to a backend
+    # and reuse one idle up to their own timeout (AWS ALB and nginx 60 s); a POST sent on one the backend closed
+    # first comes back as a 502 or 503, not retried. uvicorn's default, 5 s, is under every such timeout.
+    http_keep_alive_s: float = 75.0
     # TLS on the gRPC and HTTP ports (PEM files; both or neither). tls_client_ca: mutual TLS, clients must present a
     # certificate it signed. Prometheus /metrics stays plaintext: scrapers sit inside the cluster's network.
     tls_cert: str | None = None
@@ -47,6 +51,8 @@ class GatewayOptions:
     allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not self.http_keep_alive_s > 0:
+            raise InvalidArgument(f"http_keep_alive: must be positive seconds, got {self.http_keep_alive_s}")
         if self.file_storage_bytes < 1:
             raise InvalidArgument(f"file_storage_bytes: must be positive, got {self.file_storage_bytes}")
         if self.batch_concurrency < 0:

@@ -73,16 +73,19 @@ class HttpServer:
         log.info("stopped HTTP on %s", self.url)
 
 
-async def start_http_server(app, host: str, port: int, tls: dict[str, str | None] | None = None) -> HttpServer:
+async def start_http_server(app, host: str, port: int, tls: dict[str, str | None] | None = None,
+                            keep_alive_s: float = 75.0) -> HttpServer:
     """Serve `app` (ASGI) on host:port (0: a free port) on the running event loop. tls: {"certfile", "keyfile",
-    "client_ca"} PEM paths (client_ca None: no client certificate asked for; else one it signed is required)."""
+    "client_ca"} PEM paths (client_ca None: no client certificate asked for; else one it signed is required).
+    keep_alive_s: how long an idle connection stays open (GatewayOptions.http_keep_alive_s)."""
     ssl_options: dict = {}
     if tls is not None:
         ssl_options = {"ssl_certfile": tls["certfile"], "ssl_keyfile": tls["keyfile"]}
         if tls.get("client_ca"):
             ssl_options |= {"ssl_ca_certs": tls["client_ca"], "ssl_cert_reqs": ssl.CERT_REQUIRED}
     config = uvicorn.Config(app, host=host, port=port, loop="none", lifespan="off", ws="none", log_config=None,
-                            access_log=False, server_header=False, **ssl_options)
+                            access_log=False, server_header=False, timeout_keep_alive=keep_alive_s,
+                            **ssl_options)
     try:
         config.load()  # builds the SSL context: a bad certificate or key fails here
     except (OSError, ssl.SSLError) as exc:
