@@ -62,7 +62,7 @@ def test_load_hf_directory(tmp_path: Path) -> None:
 
 
 def test_load_gguf_file(tmp_path: Path) -> None:
-    from test_models_pull import write_tiny_gguf
+    from models_pull_harness import write_tiny_gguf
 
     gguf = tmp_path / "tiny.gguf"
     write_tiny_gguf(gguf)

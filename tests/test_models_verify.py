@@ -1,6 +1,6 @@
 """A pulled model directory is re-hashed against its manifest at every load (tandem.models.verify).
 
-The pulled directory is built as test_models_pull builds one: real pip over hand-made wheels, a tiny real GGUF,
+The pulled directory is built as models_pull_harness builds one: real pip over hand-made wheels, a tiny real GGUF,
 the real conversion; once per session, then copied into each test's own store.
 """
 
@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from models_pull_harness import Fixture, make_fixture, write_tiny_gguf
 from tandem.errors import IntegrityError
 from tandem.models import registry
 from tandem.models.loader import load_model
 from tandem.models.pull import pull
 from tandem.models.store import ModelStore
 from tandem.models.verify import verify_model_dir
-from test_models_pull import Fixture, make_fixture, write_tiny_gguf
 
 CPU = torch.device("cpu")
 
