@@ -62,6 +62,26 @@ def test_text_after_a_call_comes_after_it_on_every_api(server) -> None:
     assert message.content == "Hello  bye" and [c.function.name for c in message.tool_calls] == ["get_weather"]
 
 
+def test_a_streamed_call_sends_no_chunk_with_nothing_in_it(server) -> None:
+    """While the parser reads a call it holds the text back; each step of it was streamed as a chunk of empty content
+    (6 of 9 chunks of a real call), so a client adding up the deltas read content "" where the whole response says
+    null. Now a chunk carries text, a call, the role or the end; with logprobs asked for, the held tokens' logprobs
+    still each come in a chunk."""
+    sdk = openai.OpenAI(base_url=f"{server.gateway.http_url}/v1", api_key="x", max_retries=0)
+    asked = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER],
+             "max_tokens": 200, "temperature": 0, "stream": True,
+             "extra_body": {"structured_outputs": {"regex": PARIS_CALL}}}
+    chunks = [chunk.choices[0] for chunk in sdk.chat.completions.create(**asked) if chunk.choices]
+    empty = [c for c in chunks if not (c.delta.content or c.delta.tool_calls or c.delta.role or c.finish_reason)]
+    assert not empty and chunks[-1].finish_reason == "tool_calls"
+    assert [call.function.name for c in chunks for call in c.delta.tool_calls or []] == ["get_weather"]
+    assert "".join(c.delta.content or "" for c in chunks) == ""
+    scored = [chunk.choices[0] for chunk in sdk.chat.completions.create(**asked, logprobs=True) if chunk.choices]
+    whole = sdk.chat.completions.create(**{**asked, "stream": False}, logprobs=True)
+    held = [entry.token for c in scored if c.logprobs and c.logprobs.content for entry in c.logprobs.content]
+    assert held == [entry.token for entry in whole.choices[0].logprobs.content] and held
+
+
 def test_parallel_tool_calls_false_ends_the_output_at_its_first_call_on_every_api(server) -> None:
     """The same forced output gives two calls by default and one with parallel_tool_calls false (the request
     stopped there: fewer tokens, finish reason tool_calls, its caches freed), through chat completions, the Responses

@@ -226,10 +226,12 @@ async def _sse(events: AsyncGenerator, first: ChoiceDelta | ChoiceEnd, responder
     async with contextlib.aclosing(events):
         for chunk in responder.first_chunks():
             yield sse(chunk)
-        yield sse(responder.chunk(first))
+        if (chunk := responder.chunk(first)) is not None:
+            yield sse(chunk)
         try:
             async for event in events:
-                yield sse(responder.chunk(event))
+                if (chunk := responder.chunk(event)) is not None:
+                    yield sse(chunk)
         except Exception as exc:  # after the headers: the error travels as an event (the SDKs raise it)
             yield sse(from_exception(exc, renames).body())
             yield SSE_DONE

@@ -109,13 +109,19 @@ class Responder:
         return [self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}]) for index in range(len(self.choices))]
 
-    def chunk(self, event: ChoiceDelta | ChoiceEnd) -> dict:
+    def chunk(self, event: ChoiceDelta | ChoiceEnd) -> dict | None:
+        """The chunk that streams `event`; None where it has nothing to say (text a tool-call parser holds back while
+        it reads a call, with no logprobs or ids asked for): OpenAI sends no such chunks, and a client adding up the
+        deltas would read an empty content beside the calls where the whole response says null."""
         event = self._scored(event)
         if isinstance(event, ChoiceEnd):
             self.choices[event.index].end = event
             body = {"delta": {}} if self.kind == "chat" else {"text": ""}
             return self._chunk([{"index": event.index, **body, "logprobs": None,
                                  "finish_reason": event.finish_reason, "tandem": tandem_extra(event)}])
+        if not (event.text or event.tool_calls or self.token_ids or (self.logprobs and event.logprobs)
+                or (self.echo and event.prompt_token_ids is not None)):
+            return None
         echoed, prompt_logprobs = self._echo(event)
         body = {"delta": {"content": event.text}} if self.kind == "chat" else {"text": echoed + event.text}
         if event.tool_calls:  # only a chat offers tools
