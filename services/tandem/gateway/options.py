@@ -12,6 +12,7 @@ from tandem.errors import InvalidArgument
 from tandem.gateway.auth import ApiKeys
 from tandem.gateway.validate import GatewayLimits
 
+KEEPALIVE_TIMEOUT_S = 20.0  # a gateway's keepalive ping unanswered this long: the connection is gone
 ORIGIN = re.compile(r"https?://[^/\s:]+(:\d{1,5})?")  # what a browser sends as Origin
 
 
@@ -31,6 +32,13 @@ class GatewayOptions:
     # and reuse one idle up to their own timeout (AWS ALB and nginx 60 s); a POST sent on one the backend closed
     # first comes back as a 502 or 503, not retried. uvicorn's default, 5 s, is under every such timeout.
     http_keep_alive_s: float = 75.0
+    # gRPC keepalive. A client may ping as often as every grpc_client_ping_s (production clients ping every 10-30 s so
+    # that a proxy or NAT keeps the connection): under gRPC's own default, 5 minutes, a client pinging during a stream
+    # that sends nothing for a while (a long prefill on a CPU, a wait for a place) was sent GOAWAY too_many_pings and
+    # its stream failed UNAVAILABLE. The gateway pings each connection every grpc_keepalive_s, so that a client gone
+    # without closing its connection is noticed (its requests then end) and a silent stream's path stays open.
+    grpc_client_ping_s: float = 5.0
+    grpc_keepalive_s: float = 30.0
     # TLS on the gRPC and HTTP ports (PEM files; both or neither). tls_client_ca: mutual TLS, clients must present a
     # certificate it signed. Prometheus /metrics stays plaintext: scrapers sit inside the cluster's network.
     tls_cert: str | None = None
@@ -51,6 +59,8 @@ class GatewayOptions:
     allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not (self.grpc_client_ping_s > 0 and self.grpc_keepalive_s > 0):
+            raise InvalidArgument("grpc keepalive: the intervals must be positive seconds")
         if not self.http_keep_alive_s > 0:
             raise InvalidArgument(f"http_keep_alive: must be positive seconds, got {self.http_keep_alive_s}")
         if self.file_storage_bytes < 1:
@@ -74,6 +84,16 @@ class GatewayOptions:
     @property
     def tls(self) -> bool:
         return self.tls_cert is not None
+
+    def grpc_keepalive(self) -> list[tuple[str, int]]:
+        """The gRPC server's keepalive options: pings from clients at grpc_client_ping_s or longer, with calls or
+        without; its own every grpc_keepalive_s, through streams that send nothing (an unanswered one within
+        KEEPALIVE_TIMEOUT_S closes the connection)."""
+        return [("grpc.http2.min_ping_interval_without_data_ms", int(self.grpc_client_ping_s * 1000)),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.keepalive_time_ms", int(self.grpc_keepalive_s * 1000)),
+                ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+                ("grpc.http2.max_pings_without_data", 0)]
 
 
 def _read_pem(name: str, path: str) -> bytes:

@@ -75,7 +75,8 @@ class Gateway(HttpApi):
         # SO_REUSEPORT off: a second server on a busy port must fail rather than silently share it.
         # A message past max_request_bytes is refused (RESOURCE_EXHAUSTED) before it is parsed.
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
-                                               ("grpc.max_receive_message_length", options.limits.max_request_bytes)],
+                                               ("grpc.max_receive_message_length", options.limits.max_request_bytes),
+                                               *options.grpc_keepalive()],
                                       interceptors=interceptors)
         add_to_server(self.servicer, self.server)  # generation_pb2_grpc's, malformed requests INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
