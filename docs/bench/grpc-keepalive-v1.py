@@ -25,6 +25,7 @@ import torch
 
 from gateway_harness import ServerThread
 from hardening_harness import named_loader
+from tandem.gateway.options import GatewayOptions
 from tandem.models.loader import load_model
 from tandem.models.tiny import make_tiny
 from tandem.v1 import generation_pb2 as pb
@@ -47,8 +48,9 @@ def main() -> None:
                           + "\n")
 
 
-# gRPC's own default lets a client ping at most every 5 minutes while the server sends nothing.
-SETTINGS = {"gRPC's default (client pings 300 s apart)": {"grpc_client_ping_s": 300.0}, "tandem's default": {}}
+# gRPC's own defaults (the gateway gives no keepalive option: as before 958b580) let a client ping at most every
+# 5 minutes while the server sends nothing; tandem's are GatewayOptions.grpc_keepalive().
+SETTINGS = {"gRPC's defaults": {"grpc_keepalive": False}, "tandem's default": {}}
 
 
 def one_request(target, draft, silent_s: float, ping_s: float, settings: dict) -> dict:
@@ -59,8 +61,14 @@ def one_request(target, draft, silent_s: float, ping_s: float, settings: dict) -
             held["done"] = True
             time.sleep(silent_s)
 
-    server = ServerThread(named_loader(target, draft, "tiny-target", "tiny-draft", hold),
-                          stall_timeout=silent_s + 60, **settings)
+    keepalive = GatewayOptions.grpc_keepalive
+    if not settings.get("grpc_keepalive", True):
+        GatewayOptions.grpc_keepalive = lambda self: []
+    try:
+        server = ServerThread(named_loader(target, draft, "tiny-target", "tiny-draft", hold),
+                              stall_timeout=silent_s + 60)
+    finally:
+        GatewayOptions.grpc_keepalive = keepalive
     options = [("grpc.keepalive_time_ms", int(ping_s * 1000)), ("grpc.keepalive_timeout_ms", 20000),
                ("grpc.http2.max_pings_without_data", 0)]
     started = time.monotonic()

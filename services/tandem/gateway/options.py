@@ -93,6 +93,7 @@ class GatewayOptions:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.keepalive_time_ms", int(self.grpc_keepalive_s * 1000)),
                 ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+                ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),  # (what times a ping's ack now)
                 ("grpc.http2.max_pings_without_data", 0)]
 
 
