@@ -94,7 +94,7 @@ def test_a_client_that_stops_answering_has_its_request_ended(tiny_models, monkey
     try:
         assert client.stdout.readline().strip() == "started"
         os.kill(client.pid, signal.SIGSTOP)
-        assert server.wait_for(lambda: not server.engine.sequences, timeout=15) == ended
+        assert server.wait_for(lambda: not server.engine.sequences, timeout=10) == ended
     finally:
         client.kill()
         client.wait()
