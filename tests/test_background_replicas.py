@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-from background_harness import GREEDY, LONG, MODEL, _finished, _idle
+from background_harness import GREEDY, LONG, MODEL, _finished, _idle, two_gateways
 from gateway_harness import ServerThread, openai_sdk, tiny_backend
 from tandem.gateway.openai import background, response_log, stored
 from tandem.sessions import EmbeddedRedis, open_session_store
@@ -22,10 +22,8 @@ from telemetry_helpers import scrape, value
 def test_another_gateway_reads_streams_and_cancels_a_background_response(tiny_models) -> None:
     """Over one real Redis: gateway `other` polls, streams again and cancels what `runner` runs (its runner sees the
     cancel flag); a response still running when its gateway stops is stored as failed."""
-    target, draft, _ = tiny_models
     with EmbeddedRedis() as redis:
-        runner, other = (ServerThread(tiny_backend(target, draft), http_port=0, sessions=open_session_store(redis.url))
-                         for _ in range(2))
+        runner, other = two_gateways(tiny_models, redis)
         try:
             ran, read = openai_sdk(runner), openai_sdk(other)
             short = ran.responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=8, background=True,
@@ -60,7 +58,6 @@ def test_a_response_ending_as_its_gateway_stops_is_stored_failed_before_the_stor
     """A gateway stopping ends its requests, so a background response's runner begins storing its last state; when
     that store was slow (a loaded machine), the shutdown's cancel interrupted the wait, the store closed under the
     write, and another replica read the response in_progress. Here every store of an ended response takes 1 s."""
-    target, draft, _ = tiny_models
     slow_put = stored.ResponseStore._put
 
     def put(self, tenant, response, new):
@@ -70,8 +67,7 @@ def test_a_response_ending_as_its_gateway_stops_is_stored_failed_before_the_stor
 
     monkeypatch.setattr(stored.ResponseStore, "_put", put)
     with EmbeddedRedis() as redis:
-        runner, other = (ServerThread(tiny_backend(target, draft), http_port=0, sessions=open_session_store(redis.url))
-                         for _ in range(2))
+        runner, other = two_gateways(tiny_models, redis)
         try:
             orphan = openai_sdk(runner).responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=LONG,
                                                          background=True, **GREEDY)
@@ -91,10 +87,8 @@ def test_a_response_whose_replica_stalled_past_its_lease_is_failed_and_stays_so(
     its runner finds its lease gone and writes nothing over that."""
     monkeypatch.setattr(background, "HEARTBEAT_S", 0.25)
     monkeypatch.setattr(background, "LEASE_S", 4.0)  # long enough that the first read below comes within it, loaded
-    target, draft, _ = tiny_models
     with EmbeddedRedis() as redis:
-        runner, other = (ServerThread(tiny_backend(target, draft), http_port=0, sessions=open_session_store(redis.url))
-                         for _ in range(2))
+        runner, other = two_gateways(tiny_models, redis)
         try:
             started = openai_sdk(runner).responses.create(model=MODEL, input="def add(a, b):", max_output_tokens=LONG,
                                                     background=True, **GREEDY)

@@ -73,8 +73,8 @@ class HttpServer:
         log.info("stopped HTTP on %s", self.url)
 
 
-async def start_http_server(app, host: str, port: int, tls: dict[str, str | None] | None = None,
-                            keep_alive_s: float = 75.0) -> HttpServer:
+async def start_http_server(app, host: str, port: int, tls: dict[str, str | None] | None,
+                            keep_alive_s: float) -> HttpServer:
     """Serve `app` (ASGI) on host:port (0: a free port) on the running event loop. tls: {"certfile", "keyfile",
     "client_ca"} PEM paths (client_ca None: no client certificate asked for; else one it signed is required).
     keep_alive_s: how long an idle connection stays open (GatewayOptions.http_keep_alive_s)."""
