@@ -9,7 +9,7 @@ import time
 import openai
 from openai.types.responses import Response
 
-from gateway_harness import ServerThread, tiny_backend
+from gateway_harness import ServerThread, polled, tiny_backend
 from tandem.sessions import open_session_store
 
 MODEL = "tiny-target"
@@ -20,7 +20,7 @@ TERMINAL = ("completed", "incomplete", "failed", "cancelled")
 
 def _finished(sdk: openai.OpenAI, response_id: str, timeout_s: float = 60) -> Response:
     deadline = time.monotonic() + timeout_s
-    while (response := sdk.responses.retrieve(response_id)).status not in TERMINAL:
+    while (response := polled(lambda: sdk.responses.retrieve(response_id))).status not in TERMINAL:
         assert time.monotonic() < deadline, f"{response_id} still {response.status}"
         time.sleep(0.05)
     return response

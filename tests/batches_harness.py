@@ -8,6 +8,8 @@ import time
 
 import openai
 
+from gateway_harness import polled
+
 MODEL = "tiny-target"
 GREEDY = {"temperature": 0, "ignore_eos": True}
 ENDED = ("completed", "failed", "expired", "cancelled")
@@ -26,7 +28,7 @@ def _upload(sdk: openai.OpenAI, lines: list[dict | str]) -> str:
 
 def _ended(sdk: openai.OpenAI, batch_id: str, timeout_s: float = 120):
     deadline = time.monotonic() + timeout_s
-    while (batch := sdk.batches.retrieve(batch_id)).status not in ENDED:
+    while (batch := polled(lambda: sdk.batches.retrieve(batch_id))).status not in ENDED:
         assert time.monotonic() < deadline, f"{batch_id} still {batch.status}"
         time.sleep(0.05)
     return batch

@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
+from typing import TypeVar
 
 from tandem.core.config import EngineConfig, SpecConfig
 from tandem.engines import Backend
@@ -16,6 +17,8 @@ from tandem.gateway.options import GatewayOptions
 from tandem.gateway.run import start_gateway
 from tandem.gateway.server import Gateway
 from tandem.gateway.validate import GatewayLimits
+
+T = TypeVar("T")
 
 CALL_TIMEOUT = 60.0
 
@@ -104,6 +107,21 @@ def tiny_http_server(tiny_models, max_prompt_tokens: int) -> Iterator[ServerThre
                            limits=GatewayLimits(max_prompt_tokens=max_prompt_tokens))
     yield running
     running.stop()
+
+
+def polled(read: Callable[[], T]) -> T:
+    """read(), again after a 503 that says to retry (the shared store did not answer within its timeout: Redis on a
+    loaded machine), as the SDK's own retries would; a test's client has none."""
+    import openai
+
+    for attempt in range(3):
+        try:
+            return read()
+        except openai.InternalServerError as exc:
+            if exc.status_code != 503 or attempt == 2:
+                raise
+            time.sleep(0.5)
+    raise AssertionError("unreachable")
 
 
 def openai_sdk(server: ServerThread):
