@@ -1,5 +1,5 @@
-"""What the hardening tests share: a gateway over the tiny models named as the CLI names models given by path, and a
-gRPC call's status code."""
+"""What the hardening and gRPC-keepalive tests share: a gateway over the tiny models named as the CLI names models
+given by path, with a fault (a raise, a hold) run before each engine step; and a gRPC call's status code."""
 
 from __future__ import annotations
 
