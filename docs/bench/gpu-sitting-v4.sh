@@ -12,11 +12,12 @@
 # 2. the forward and plain batch 1 end to end with folded layers on (`rows`: TANDEM_GPU_ROW_PRODUCTS) against the
 #    default, a token a call and blocks of 8 (--decode-steps 8), with profiles, at the tiles step 1 found best
 #    (--tiles): one forward is the goal's figure (>= 50% of the weight-bandwidth limit; 28% on 2026-12-04);
-# 3. the GPU tests never yet run: the kernel's and the folded layers' own (tests/test_triton_gemv.py), the compiled
-#    graphs with them (float32 tokens, also with q/k/v's kernel writing the cache; bf16 accuracy; every GPU test
-#    now runs folded layers, the kernel off), multi-step decoding in CUDA graphs, one wait per plain step,
-#    on_device's copies, and the Triton attention in the compiled graphs with its merge now a kernel of its own
-#    ([None-TRITON], [4-TRITON]) and over each row's keys in one kernel ([4-TRITON_WHOLE]);
+# 3. the GPU tests never yet run: the kernel's and the folded layers' own (tests/test_triton_gemv.py,
+#    tests/test_folded_layers.py), the compiled graphs with them (float32 tokens, also with q/k/v's kernel writing
+#    the cache; bf16 accuracy; every GPU test now runs folded layers, the kernel off), multi-step decoding in CUDA
+#    graphs, one wait per plain step, on_device's copies, and the Triton attention in the compiled graphs with its
+#    merge now a kernel of its own ([None-TRITON], [4-TRITON]) and over each row's keys in one kernel
+#    ([4-TRITON_WHOLE]);
 # call 2: attention alone per kernel and split (split 0: a row's keys in one block, one kernel, no merge), then
 #    the folded layers (rows) A/B'd with the Triton attention over each row's keys in one kernel (rows_whole) and,
 #    if time is left, that with q/k/v's kernel writing the cache as well (rows_kv: KV_WRITES).
@@ -42,7 +43,8 @@ if [ "${1:-1}" = 1 ]; then
         > "$out/gpu-rows-ab-v1.log" 2>&1
     note "rows A/B: exit $?"
     graphs=tests/test_cuda_graphs.py::test_graphs_attending_with_flex_or_triton_give_the_hf_greedy_tokens_in_float32
-    timeout "$(left 550)" python3 -m pytest -o addopts="" -q -rA -p no:cacheprovider tests/test_triton_gemv.py \
+    timeout "$(left 550)" python3 -m pytest -o addopts="" -q -rA -p no:cacheprovider \
+        tests/test_triton_gemv.py tests/test_folded_layers.py \
         tests/test_cuda_graphs.py::test_graphs_with_one_row_products_give_the_hf_greedy_tokens_in_float32 \
         tests/test_cuda_graphs.py::test_bf16_graphs_with_one_row_products_are_as_accurate_as_eager \
         tests/test_cuda_graphs.py::test_multi_step_decoding_gives_the_hf_greedy_tokens_and_waits_for_the_gpu_once_a_block \

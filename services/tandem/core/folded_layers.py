@@ -16,7 +16,7 @@ core.fused_linear.KV_WRITES, writes k and v into the cache itself on a static fo
 core.fused_linear.ROW_PRODUCTS on, a one-row product does all of that in core.triton_gemv's kernel: four products a
 layer, and between them only the cache's writes and the attention. Off, the products run the same ops in torch
 around cuBLAS and the attention is Hugging Face's, which is what the layer ran, so a folded model computes what the
-model did (tests/test_triton_gemv.py).
+model did (tests/test_folded_layers.py).
 
 Folded only where the layer, its norms and its MLP are the known classes, whose forwards are the formula above; the
 attention only where q, k and v are one stacked product's parts and its class is a known one.
