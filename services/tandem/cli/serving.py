@@ -43,6 +43,10 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                         help="how long the HTTP API keeps an idle connection open: above the idle timeout of any "
                              "proxy or load balancer in front (AWS ALB and nginx 60 s; Google Cloud's 600 s: give "
                              "620), or its POSTs on a connection closed first fail as 502s (default: %(default)s)")
+    parser.add_argument("--sse-ping", type=float, default=GatewayOptions().sse_ping_s, metavar="SECONDS",
+                        help="an HTTP stream silent this long (waiting for a place, a long prefill) sends an SSE "
+                             "comment, so that proxies that cut idle reads (nginx and AWS ALB after 60 s) keep it; "
+                             "0: none (default: %(default)s)")
     parser.add_argument("--max-queue", type=int, default=GatewayOptions().max_requests,
                         help="requests queued, running, or finished with output their clients have not read yet, "
                              "before RESOURCE_EXHAUSTED (default: %(default)s)")
@@ -151,7 +155,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
                              metrics_port_fallback=args.metrics_port is None,
                              http_port=None if http_port == -1 else http_port,
                              http_port_fallback=args.http_port is None,
-                             http_keep_alive_s=args.http_keep_alive,
+                             http_keep_alive_s=args.http_keep_alive, sse_ping_s=args.sse_ping,
                              tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                              api_keys=keys, tenant_queue_share=args.tenant_queue_share,
                              response_ttl_s=args.response_ttl, batch_concurrency=args.batch_concurrency,

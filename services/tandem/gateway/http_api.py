@@ -66,7 +66,8 @@ class HttpApi:
             if self.metrics is not None:
                 self.metrics.attach_batches(lambda: self.batches.running)
         app = create_app(self.serving, options.limits, self.http_status, options.api_keys, self.stored,
-                         self.background, self.conversations, self.files, self.batches, options.allowed_origins)
+                         self.background, self.conversations, self.files, self.batches, options.allowed_origins,
+                         options.sse_ping_s)
         if self.batches is not None:
             self.batches.start()  # (goes on with batches a stopped replica left)
         tls = {"certfile": options.tls_cert, "keyfile": options.tls_key, "client_ca": options.tls_client_ca} \

@@ -32,6 +32,10 @@ class GatewayOptions:
     # and reuse one idle up to their own timeout (AWS ALB and nginx 60 s); a POST sent on one the backend closed
     # first comes back as a 502 or 503, not retried. uvicorn's default, 5 s, is under every such timeout.
     http_keep_alive_s: float = 75.0
+    # An HTTP stream that sends nothing for this long sends an SSE comment: proxies cut a response that sends nothing
+    # for their read timeout (nginx and AWS ALB 60 s), and a wait for a place or a long prefill on a CPU lasts longer.
+    # 0: none (and a stream's headers wait for its first event however long it takes).
+    sse_ping_s: float = 15.0
     # gRPC keepalive. A client may ping as often as every grpc_client_ping_s (production clients ping every 10-30 s so
     # that a proxy or NAT keeps the connection): under gRPC's own default, 5 minutes, a client pinging during a stream
     # that sends nothing for a while (a long prefill on a CPU, a wait for a place) was sent GOAWAY too_many_pings and
@@ -63,6 +67,8 @@ class GatewayOptions:
             raise InvalidArgument("grpc keepalive: the intervals must be positive seconds")
         if not self.http_keep_alive_s > 0:
             raise InvalidArgument(f"http_keep_alive: must be positive seconds, got {self.http_keep_alive_s}")
+        if not self.sse_ping_s >= 0:
+            raise InvalidArgument(f"sse_ping: must be >= 0 seconds (0: no pings), got {self.sse_ping_s}")
         if self.file_storage_bytes < 1:
             raise InvalidArgument(f"file_storage_bytes: must be positive, got {self.file_storage_bytes}")
         if self.batch_concurrency < 0:

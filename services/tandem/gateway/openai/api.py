@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from tandem.gateway.auth import ApiKeys
-from tandem.gateway.events import DRAINING, NOT_LOADED, ChoiceDelta, ChoiceEnd
+from tandem.gateway.events import DRAINING, NOT_LOADED
 from tandem.gateway.generation import GenerationsSource
 from tandem.gateway.openai.batch_input import BATCH_TENANT
 from tandem.gateway.openai.bodies import read_body
@@ -68,11 +68,12 @@ class Api:
     """What every route shares: the caller's tenant, readiness, the generate path and its token texts."""
 
     def __init__(self, generations: GenerationsSource, limits: GatewayLimits, status: Status,
-                 keys: ApiKeys | None = None) -> None:
+                 keys: ApiKeys | None = None, sse_ping_s: float = 0.0) -> None:
         self.generations = generations
         self.limits = limits
         self.status = status
         self.keys = keys
+        self.sse_ping_s = sse_ping_s  # a stream's ping interval (GatewayOptions.sse_ping_s)
         self.created = int(time.time())
         self._texts: TokenTexts | None = None
 
@@ -218,15 +219,12 @@ class Api:
             return await asyncio.to_thread(responder.response)  # prompt logprobs of many choices: seconds of work
 
         return await deliver(request, events, body.stream, responder.collect, whole,
-                              lambda first: _sse(events, first, responder, renames))
+                             lambda started: _sse(started, responder, renames), self.sse_ping_s)
 
 
-async def _sse(events: AsyncGenerator, first: ChoiceDelta | ChoiceEnd, responder: Responder,
-               renames: dict[str, str]) -> AsyncGenerator[bytes, None]:
+async def _sse(events: AsyncGenerator, responder: Responder, renames: dict[str, str]) -> AsyncGenerator[bytes, None]:
     async with contextlib.aclosing(events):
         for chunk in responder.first_chunks():
-            yield sse(chunk)
-        if (chunk := responder.chunk(first)) is not None:
             yield sse(chunk)
         try:
             async for event in events:

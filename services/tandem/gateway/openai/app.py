@@ -41,13 +41,15 @@ def create_app(generations: GenerationsSource, limits: GatewayLimits, status: St
                keys: ApiKeys | None = None, stored: ResponseStore | None = None,
                background: BackgroundResponses | None = None,
                conversations: ConversationStore | None = None, files: FileStore | None = None,
-               batches: Batches | None = None, allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+               batches: Batches | None = None, allowed_origins: tuple[str, ...] = (), sse_ping_s: float = 0.0
+               ) -> FastAPI:
     """The API over the generate path `generations()` returns once the engines have loaded; `limits` bound bodies
     before that; `status` says why it cannot serve; `keys`: the API keys /v1/* asks for (`Authorization: Bearer
     <key>`, else 401), None for none (/health is always open); `stored`: where responses are stored (None: none);
     `background`: what runs background responses (None: `background` refused); `conversations`: where conversations
     are kept (None: none); `files` and `batches`: the Batch API's files and batches (None: none); `allowed_origins`:
-    the web origins whose pages may call it from a browser (CORS: preflights answered, the API's answers readable)."""
+    the web origins whose pages may call it from a browser (CORS: preflights answered, the API's answers readable);
+    `sse_ping_s`: a stream sends a comment after so long without a byte (0: never; GatewayOptions.sse_ping_s)."""
     # No trailing-slash redirects: Starlette builds their Location from the client's Host header.
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False,
                   **_telemetry())
@@ -55,13 +57,13 @@ def create_app(generations: GenerationsSource, limits: GatewayLimits, status: St
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["*"], expose_headers=["retry-after", "x-request-id"], max_age=600)
     app.add_middleware(RequestIds)
-    api = Api(generations, limits, status, keys)
+    api = Api(generations, limits, status, keys, sse_ping_s)
     responses = ResponsesApi(api, stored, background, conversations)
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/responses", responses.responses, methods=["POST"])
     app.add_api_route("/v1/responses/input_tokens", responses.input_tokens, methods=["POST"])
-    add_stored_routes(app, stored, background, api.tenant)
+    add_stored_routes(app, stored, background, api.tenant, sse_ping_s)
     add_conversation_routes(app, conversations, api.tenant, limits.max_request_bytes)
     add_file_routes(app, files, api.tenant)
     add_batch_routes(app, batches, api.tenant, limits.max_request_bytes)

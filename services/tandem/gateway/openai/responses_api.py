@@ -154,9 +154,9 @@ class ResponsesApi:
             await keep(response)
             return response
 
-        async def body_of(first: Event) -> AsyncGenerator[bytes, None]:
+        async def body_of(started: AsyncGenerator[Event, None]) -> AsyncGenerator[bytes, None]:
             try:
-                async for chunk in response_events(events, first, writer, renames, keep):
+                async for chunk in response_events(started, writer, renames, keep):
                     yield chunk
             finally:  # a client gone mid-stream
                 await release()
@@ -164,7 +164,7 @@ class ResponsesApi:
         events = generations.stream(chat_request(turn.chat, response_id), list(request.headers.items()),
                                     tenant=tenant, background=self.api.from_batch(request))
         try:
-            return await deliver(request, events, body.stream, writer.add, whole, body_of)
+            return await deliver(request, events, body.stream, writer.add, whole, body_of, self.api.sse_ping_s)
         except BaseException:
             await release()
             raise
@@ -188,4 +188,4 @@ class ResponsesApi:
         queued = await self.background.start(tenant, writer, turn, events, admitted, renames, finished)
         if not writer.body.stream:
             return JSONResponse(queued)
-        return replay(await self.background.stream(tenant, writer.id, -1))
+        return replay(await self.background.stream(tenant, writer.id, -1), self.api.sse_ping_s)

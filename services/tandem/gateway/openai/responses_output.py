@@ -236,14 +236,13 @@ def _copy(value):
     return json.loads(json.dumps(value))
 
 
-async def response_events(events: AsyncGenerator, first: ChoiceDelta | ChoiceEnd, writer: ResponseWriter,
-                          renames: dict[str, str], keep: Callable[[dict], Awaitable[None]]
-                          ) -> AsyncGenerator[bytes, None]:
-    """The SSE body of a streamed response; `first`: the generation's first event, read before the headers went;
-    `keep`: given the finished response before its last event goes, so a client that continues it at once finds it
-    (a failed one too: the id its response.failed event names can be read back, as OpenAI's can)."""
+async def response_events(events: AsyncGenerator, writer: ResponseWriter, renames: dict[str, str],
+                          keep: Callable[[dict], Awaitable[None]]) -> AsyncGenerator[bytes, None]:
+    """The SSE body of a streamed response over the generation's `events`; `keep`: given the finished response before
+    its last event goes, so a client that continues it at once finds it (a failed one too: the id its response.failed
+    event names can be read back, as OpenAI's can)."""
     async with contextlib.aclosing(events):
-        for event in writer.opening() + writer.add(first):
+        for event in writer.opening():
             yield sse_event(event)
         try:
             async for event in events:

@@ -23,9 +23,9 @@ DEFAULT_PAGE, MAX_PAGE = 20, 100  # input_items: OpenAI's default and largest `l
 
 
 def add_stored_routes(app: FastAPI, stored: ResponseStore | None, background: BackgroundResponses | None,
-                      tenant_of: Callable[[Request], str]) -> None:
+                      tenant_of: Callable[[Request], str], ping_s: float = 0.0) -> None:
     """The routes over `stored` (None: nothing stored, every id a 404) and `background` (what runs background
-    responses); `tenant_of`: the caller's tenant, or a 401."""
+    responses); `tenant_of`: the caller's tenant, or a 401; `ping_s`: a stream's ping interval (0: none)."""
 
     async def found(request: Request, response_id: str) -> StoredResponse:
         tenant = tenant_of(request)
@@ -51,7 +51,7 @@ def add_stored_routes(app: FastAPI, stored: ResponseStore | None, background: Ba
                               "starting_after") from None
         if background is None:
             raise response_not_found(response_id)
-        return replay(await background.stream(tenant_of(request), response_id, after))
+        return replay(await background.stream(tenant_of(request), response_id, after), ping_s)
 
     @in_openai_shape
     async def cancel(request: Request, response_id: str) -> JSONResponse:
@@ -80,13 +80,14 @@ def add_stored_routes(app: FastAPI, stored: ResponseStore | None, background: Ba
     app.add_api_route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"])
 
 
-def replay(events: AsyncGenerator[dict, None]) -> Response:
-    """A background response's events (from its log) as an SSE stream; a client that leaves stops only its read."""
+def replay(events: AsyncGenerator[dict, None], ping_s: float = 0.0) -> Response:
+    """A background response's events (from its log) as an SSE stream, pinged after each `ping_s` seconds without
+    one; a client that leaves stops only its read."""
     async def body() -> AsyncGenerator[bytes, None]:
         async for event in events:
             yield sse_event(event)
 
-    return EventStream(body(), events)
+    return EventStream(body(), events, ping_s)
 
 
 def input_items_page(items: list[dict], query: Mapping[str, str],
