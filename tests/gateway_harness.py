@@ -57,8 +57,8 @@ class ServerThread:
         self.event_loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.event_loop.run_forever, name="gateway-test", daemon=True)
         self.thread.start()
-        self.gateway: Gateway = self.call(start_gateway(load, GatewayOptions(host="127.0.0.1", port=0, **options),
-                                                        sessions, arm_routers))
+        options = {"host": "127.0.0.1", "port": 0, **options}
+        self.gateway: Gateway = self.call(start_gateway(load, GatewayOptions(**options), sessions, arm_routers))
         if wait_ready:
             self.call(self.gateway.ready())
 

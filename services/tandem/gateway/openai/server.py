@@ -18,6 +18,12 @@ import uvicorn
 log = logging.getLogger(__name__)
 
 MIN_SHUTDOWN_SECONDS = 0.5
+# A client gone without closing its connection (a crashed host, a dropped NAT entry, a cable pulled) sends nothing, so
+# a whole response it waits for generates on, and a stream's writes are retransmitted for about 15 minutes (Linux's
+# tcp_retries2). TCP keepalive probes an idle connection after KEEPALIVE_IDLE_S, every KEEPALIVE_INTERVAL_S, and
+# gives up after KEEPALIVE_PROBES unanswered; TCP_USER_TIMEOUT gives written bytes as long to be acknowledged. The
+# connection then fails, uvicorn reports the client gone, and its request ends (as gRPC's keepalive ends a gRPC one).
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -28,6 +34,7 @@ def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        _keepalive(sock)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind((host, port))
@@ -37,6 +44,17 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.close()
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         raise OSError(f"cannot listen on {address} for HTTP: {exc.strerror or exc}") from exc
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """TCP keepalive and a user timeout on `sock`, which the connections it accepts inherit (Linux; elsewhere the
+    system's keepalive defaults, where it has the options)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+                        ("TCP_USER_TIMEOUT", 1000 * (KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES))):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 class HttpServer:
