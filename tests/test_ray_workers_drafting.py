@@ -166,6 +166,38 @@ def test_a_worker_still_stalled_after_its_cool_down_is_not_given_its_sessions_hi
     assert seq.stats.drafted > drafted_then
 
 
+def test_a_cool_down_ending_between_the_probe_and_the_routing_gives_the_stalled_worker_no_rows(
+        tiny_models, pool, monkeypatch) -> None:
+    """What made the test above flaky on a loaded machine: the round after its probe was skipped (the worker still
+    cooling) was routed once the cool-down had ended, so the stalled worker was healthy again, unprobed, and missed a
+    second deadline. Here that gap is made: the first round routed while it cools waits out the cool-down first."""
+    from tandem.workers import draft_pool
+
+    _answering(pool)
+    engine = _engine(tiny_models, pool[:1], timeout_s=0.5, cooldown_s=0.5)
+    router, real_fan_out, waited = engine.drafter.router, draft_pool.fan_out, []
+
+    def late_fan_out(*args, **kwargs):
+        if not waited and time.monotonic() < router.benched_until[0]:  # (cooling)
+            waited.append(True)
+            time.sleep(max(0.0, router.benched_until[0] - time.monotonic()) + 0.1)
+        return real_fan_out(*args, **kwargs)
+
+    monkeypatch.setattr(draft_pool, "fan_out", late_fan_out)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    seq = engine.sequences[engine.add_request(PROMPTS[1], params)]
+    engine.step()
+    stalled = ray.get(pool[0].info.remote())["pid"]
+    os.kill(stalled, signal.SIGSTOP)
+    try:
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        os.kill(stalled, signal.SIGCONT)
+    assert waited and engine.drafter.stats.timeouts == 1
+    assert seq.output == build_engine(tiny_models[0], None).generate([PROMPTS[1]], params)[0].token_ids
+
+
 def test_a_worker_runs_its_forwards_on_the_threads_it_was_given(ray_cluster, tiny_dirs) -> None:
     """Ray sets an actor's OpenMP threads to the CPUs it reserves (one; this session's Ray says 1 as well), and
     `tandem serve` on its own host asks for every core (engines.cluster.worker_threads): a worker reports the threads

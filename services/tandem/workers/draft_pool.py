@@ -39,7 +39,6 @@ class RayDrafter(RayPoolClient):
         self.timeout_s, self.per_token_s = timeout_s, per_token_s
         self.pace = Pace(_catch_up_tokens)
         self.stats = PoolStats()
-        self._benched: set[str] = set()  # workers benched and not heard from since (by name: the pool may resize)
 
     @property
     def affinity(self) -> dict[str, int]:
@@ -50,7 +49,7 @@ class RayDrafter(RayPoolClient):
         self._probe_benched()
         out = fan_out(self.workers, self.router, self.ids, "propose", requests, self.deadline_s(requests),
                       self.trace_carriers, self.pace)
-        self._benched.update(self.router.names[index] for index in out.benched)
+        self.router.probe_first.update(self.router.names[index] for index in out.benched)
         self.stats.calls += 1
         self.stats.failures += out.failed
         self.stats.timeouts += out.timed_out
@@ -64,15 +63,17 @@ class RayDrafter(RayPoolClient):
         """A benched worker whose cool-down is over must answer a probe before it is given rows again. Its first
         call back carries every history its sessions must resend, so its deadline is long (5 s + 0.15 s a token):
         given to a worker still stalled (a stopped process, a hung forward), it held the engine's step past its
-        stall timeout, which failed every request; one that does not answer stays benched, its sessions plain."""
-        names = self.router.names
-        due = [i for i, name in enumerate(names) if name in self._benched and self.router.healthy(i)]
+        stall timeout, which failed every request; one that does not answer stays benched, its sessions plain. The
+        router takes none of them as healthy until it answers (AffinityRouter.probe_first), so a cool-down ending
+        between this probe and the round's routing gives it no rows."""
+        router = self.router
+        due = [i for i, name in enumerate(router.names) if name in router.probe_first and router.cooled(i)]
         answered = answering(self.workers, due, REJOIN_PROBE_S)
         for index in due:
             if index in answered:
-                self._benched.discard(names[index])
+                router.probe_first.discard(router.names[index])
             else:
-                self.router.bench(index, "did not answer a probe after its cool-down")
+                router.bench(index, "did not answer a probe after its cool-down")
 
 
 def _catch_up_tokens(request: DraftRequest) -> int:

@@ -56,6 +56,9 @@ class AffinityRouter:
         self.session_of: dict[str, str] = {}  # running sequence -> its session
         self.sessions: OrderedDict[str, int] = OrderedDict()  # session -> worker that retained its last sequence
         self.benched_until = [0.0] * size
+        # Benched workers (by name) that must answer a probe once their cool-down is over before they are healthy
+        # again (a draft pool's: RayDrafter); until then no round gives them rows, whenever the cool-down ends.
+        self.probe_first: set[str] = set()
         self.full_until = [0.0] * size  # new sequences go elsewhere until then (mark_full)
         self.others = [0] * size  # sequences other callers hold on each worker, as it last said (observe)
         self.loads: list[WorkerLoad | None] = [None] * size  # each worker's last word on what it holds (observe)
@@ -73,6 +76,10 @@ class AffinityRouter:
                           [-rendezvous_score(key, name) for name in self.names])
 
     def healthy(self, index: int) -> bool:
+        return self.cooled(index) and self.names[index] not in self.probe_first
+
+    def cooled(self, index: int) -> bool:
+        """Its cool-down is over (if it was benched)."""
         return time.monotonic() >= self.benched_until[index]
 
     def route(self, seq_id: str, session: str = "", tokens: int = 0) -> int | None:
@@ -185,6 +192,7 @@ class AffinityRouter:
         loads = dict(zip(self.names, self.loads, strict=True))
         self.names, self.size = list(names), len(names)
         self.benched_until = [benched.get(name, 0.0) for name in names]
+        self.probe_first &= set(names)
         self.full_until = [0.0] * self.size
         self.others = [others.get(name, 0) for name in names]
         self.loads = [loads.get(name) for name in names]
