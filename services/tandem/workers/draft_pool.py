@@ -64,10 +64,10 @@ class RayDrafter(RayPoolClient):
         call back carries every history its sessions must resend, so its deadline is long (5 s + 0.15 s a token):
         given to a worker still stalled (a stopped process, a hung forward), it held the engine's step past its
         stall timeout, which failed every request; one that does not answer stays benched, its sessions plain. The
-        router takes none of them as healthy until it answers (AffinityRouter.probe_first), so a cool-down ending
-        between this probe and the round's routing gives it no rows."""
+        router routes to none of them until it answers (AffinityRouter.probe_first), so a cool-down ending between
+        this probe and the round's routing gives it no rows."""
         router = self.router
-        due = [i for i, name in enumerate(router.names) if name in router.probe_first and router.cooled(i)]
+        due = [i for i, name in enumerate(router.names) if name in router.probe_first and router.healthy(i)]
         answered = answering(self.workers, due, REJOIN_PROBE_S)
         for index in due:
             if index in answered:

@@ -56,8 +56,8 @@ class AffinityRouter:
         self.session_of: dict[str, str] = {}  # running sequence -> its session
         self.sessions: OrderedDict[str, int] = OrderedDict()  # session -> worker that retained its last sequence
         self.benched_until = [0.0] * size
-        # Benched workers (by name) that must answer a probe once their cool-down is over before they are healthy
-        # again (a draft pool's: RayDrafter); until then no round gives them rows, whenever the cool-down ends.
+        # Benched workers (by name) that must answer a probe once their cool-down is over before they are given rows
+        # again (a draft pool's: RayDrafter); until then no round routes to them, whenever the cool-down ends.
         self.probe_first: set[str] = set()
         self.full_until = [0.0] * size  # new sequences go elsewhere until then (mark_full)
         self.others = [0] * size  # sequences other callers hold on each worker, as it last said (observe)
@@ -76,18 +76,19 @@ class AffinityRouter:
                           [-rendezvous_score(key, name) for name in self.names])
 
     def healthy(self, index: int) -> bool:
-        return self.cooled(index) and self.names[index] not in self.probe_first
-
-    def cooled(self, index: int) -> bool:
         """Its cool-down is over (if it was benched)."""
         return time.monotonic() >= self.benched_until[index]
+
+    def routable(self, index: int) -> bool:
+        """Healthy, and not waiting to answer a probe (probe_first)."""
+        return self.healthy(index) and self.names[index] not in self.probe_first
 
     def route(self, seq_id: str, session: str = "", tokens: int = 0) -> int | None:
         """The worker of a sequence (None: no healthy one); a new one's `tokens`: how long it is (0: not judged)."""
         index = self.affinity.get(seq_id)
-        if index is not None and self.healthy(index):
+        if index is not None and self.routable(index):
             return index
-        candidates = [i for i in range(self.size) if self.healthy(i)]
+        candidates = [i for i in range(self.size) if self.routable(i)]
         if not candidates:
             return None
         now = time.monotonic()
