@@ -36,7 +36,7 @@ async def deliver(request: Request, events: AsyncGenerator, stream: bool, collec
     try:
         await until_disconnected(request, asyncio.wait((first,), timeout=ping_s or None))
         if first.done():
-            return EventStream(body(_starting_with(first.result(), events)), events, ping_s)
+            first.result()  # a refusal raises here, before the headers
     except BaseException:
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
@@ -45,13 +45,8 @@ async def deliver(request: Request, events: AsyncGenerator, stream: bool, collec
     return EventStream(body(_after(first, events)), events, ping_s, first)
 
 
-async def _starting_with(first: Event, events: AsyncIterator[Event]) -> AsyncGenerator[Event, None]:
-    yield first
-    async for event in events:
-        yield event
-
-
 async def _after(first: asyncio.Future, events: AsyncIterator[Event]) -> AsyncGenerator[Event, None]:
+    """The first event (once `first` has read it), then the rest."""
     yield await first
     async for event in events:
         yield event

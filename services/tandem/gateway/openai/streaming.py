@@ -65,9 +65,9 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 class EventStream(StreamingResponse):
-    """text/event-stream over `body`; `events` (the generation stream that feeds it) is closed when it ends, and
-    `first` (a task reading its first event, still running where the stream opened before it came) cancelled. A
-    comment goes after each `ping_s` seconds without a byte (0: none)."""
+    """text/event-stream over `body`; when it ends, `events` (the generation stream that feeds it) is closed and
+    `first` (the task reading its first event, if any) cancelled where the stream ended before it. A comment goes
+    after each `ping_s` seconds without a byte (0: none)."""
 
     def __init__(self, body: AsyncGenerator[bytes, None], events: AsyncGenerator, ping_s: float = 0.0,
                  first: asyncio.Future | None = None) -> None:
