@@ -51,6 +51,20 @@ def test_generate_with_a_prediction_and_min_tokens(capsys, cli_models, tmp_path)
     assert "min-tokens" in capsys.readouterr().err
 
 
+def test_generate_with_prompt_lookup(capsys, cli_models) -> None:
+    """The target alone drafting from its own context: a prompt that repeats itself gives the lookup runs to offer,
+    and the output is plain decoding's."""
+    outputs = []
+    for extra in ([], ["--prompt-lookup"]):
+        assert main(["generate", "ab ab ab ab ab ab ab ab", "--target", str(cli_models / "target"), "--no-spec",
+                     "--temperature", "0", "--max-tokens", "48", "--ignore-eos", "--dtype", "float32", "--json",
+                     *extra]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    plain, looked_up = outputs
+    assert looked_up["token_ids"] == plain["token_ids"]
+    assert looked_up["stats"]["lookup_rounds"] > 0 and plain["stats"]["lookup_rounds"] == 0
+
+
 def test_generate_streams_text(capsys, cli_models) -> None:
     code = main(["generate", "hi", "--target", str(cli_models / "target"), "--draft", str(cli_models / "draft"),
                  "--chat", "--temperature", "0.7", "--seed", "1", "--max-tokens", "10", "--dtype", "float32"])

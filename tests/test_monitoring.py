@@ -143,15 +143,17 @@ def _read(expr: str) -> tuple[set[str], set[str]]:
 
 @pytest.fixture(scope="module")
 def exported(tiny_models) -> dict[str, set[str]]:
-    """Sample name -> the label names it carries, from a real gateway (after a request, one with a prediction and a
-    failed one, so the error_type and prediction outcome labels exist) and a pool worker's own endpoint (after a
-    call)."""
+    """Sample name -> the label names it carries, from a real gateway with prompt lookup on (after a request, one with
+    a prediction, one whose prompt repeats itself and a failed one, so the error_type and both draft sources' outcome
+    labels exist) and a pool worker's own endpoint (after a call)."""
     target, draft, _ = tiny_models
-    server = ServerThread(tiny_backend(target, draft), http_port=0, metrics_port=0)  # HTTP: background, batches
+    server = ServerThread(tiny_backend(target, draft, prompt_lookup=True), http_port=0,
+                          metrics_port=0)  # HTTP: background, batches
     try:
         with TandemClient(server.address, timeout=60) as client:
             client.generate_text(token_ids=[5, 17, 99], max_tokens=8, temperature=0.0)
             client.generate_text(token_ids=[5, 17, 99], max_tokens=8, temperature=0.0, prediction="abcdefgh")
+            client.generate_text(token_ids=[5, 17, 99, 5, 17], max_tokens=8, temperature=0.0)
             with pytest.raises(Exception, match="temperature"):
                 client.generate_text(token_ids=[1], temperature=-1.0)
         assert server.wait_for(lambda: server.gateway.loop.active == 0)

@@ -63,6 +63,10 @@ def add_model_options(parser: argparse.ArgumentParser, cache_reuse: bool = True)
                              "stream in blocks of N (default: %(default)s)")
     parser.add_argument("--draft-confidence", type=float, default=SpecConfig().draft_confidence,
                         help="stop drafting once the draft's top probability falls below this (0: never)")
+    parser.add_argument("--prompt-lookup", action="store_true",
+                        help="draft for free from each request's own context where its output repeats it (prompt "
+                             "lookup: code edited or explained, text quoted), in the rounds where that beats the "
+                             "draft model's drafts; with --no-spec, the target's only drafts. Output stays exact")
     parser.add_argument("--draft-vocab", type=int, default=SpecConfig().draft_vocab,
                         help="draft scores only the first N token ids (0: all); output stays exact")
     parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default="none",
@@ -132,7 +136,8 @@ def calibration_file(args: argparse.Namespace) -> str:
 def engine_config(args: argparse.Namespace, speculate: bool = True, max_batch: int | None = None) -> EngineConfig:
     """The engine settings the model options give. `max_batch` 1 for the commands that run one stream at a time
     (generate, bench): calibration then times single-sequence forwards alone, not batches no request will form."""
-    draft = {"draft_confidence": args.draft_confidence, "draft_vocab": args.draft_vocab}
+    draft = {"draft_confidence": args.draft_confidence, "draft_vocab": args.draft_vocab,
+             "prompt_lookup": args.prompt_lookup}
     if args.fixed_k is not None:
         try:
             spec = SpecConfig(enabled=speculate, k_max=args.fixed_k, k_init=args.fixed_k, adaptive=False, **draft)

@@ -49,6 +49,9 @@ def stats_dict(stats: SpeculationStats, usage: Usage) -> dict:
         "predicted_rounds": stats.predicted_rounds,
         "accepted_prediction_tokens": usage.accepted_prediction_tokens,
         "rejected_prediction_tokens": usage.rejected_prediction_tokens,
+        "lookup_rounds": stats.lookup_rounds,
+        "accepted_lookup_tokens": stats.accepted_lookup_tokens,
+        "rejected_lookup_tokens": stats.rejected_lookup_tokens,
     }
 
 

@@ -37,12 +37,16 @@ class SpeculationStats:
     acceptance_per_position: tuple[float, ...] = ()
     draft_failures: int = 0
     predicted_rounds: int = 0  # rounds that drafted from the request's prediction
+    lookup_rounds: int = 0  # rounds that drafted from the request's own context (prompt lookup)
+    accepted_lookup_tokens: int = 0
+    rejected_lookup_tokens: int = 0
 
     @classmethod
     def from_proto(cls, stats: pb.SpeculationStats) -> SpeculationStats:
         return cls(stats.rounds, stats.drafted_tokens, stats.accepted_tokens, stats.acceptance_rate,
                    stats.mean_accepted_length, stats.fallback_rounds, tuple(stats.acceptance_per_position),
-                   stats.draft_failures, stats.predicted_rounds)
+                   stats.draft_failures, stats.predicted_rounds, stats.lookup_rounds, stats.accepted_lookup_tokens,
+                   stats.rejected_lookup_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -201,6 +201,9 @@ class SpecConfig:
     prior then follows what they measure). The real pair measures 0.77 (sampled, k 2) to 0.90 (greedy, k 4), and a
     served deployment's prior settled at 0.88; at a lower prior a new session on costs like the real pair's decides
     for plain decoding before its first draft.
+    prompt_lookup: a row whose output's last tokens occur earlier in its context may draft the tokens that followed
+    them there, for free, where that beats its draft model's drafts (core.prompt_lookup, core.round_plan rule 0);
+    works without a draft model too.
     batch_catch_up_limit: with the adaptive policy, in a round of several sequences a sequence whose drafter is more
     than this many tokens behind (its prompt, tokens decoded plainly) does not draft yet: its drafter catches up on
     this many tokens a round (one draft forward for every such row), so no round stalls on a whole prompt. Shorter
@@ -223,6 +226,7 @@ class SpecConfig:
     probe_interval_max: int = 128
     plain_first_round: bool = True
     batch_catch_up_limit: int = 32
+    prompt_lookup: bool = False
 
     def __post_init__(self) -> None:
         _require(0 <= self.k_max <= 32, "k_max", f"must be between 0 and 32, got {self.k_max}")

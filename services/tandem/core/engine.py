@@ -22,6 +22,7 @@ from tandem.core.calibration import calibrate, kv_tokens_needed
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.costs import CostModel
 from tandem.core.prediction import Prediction, predicted_acceptance, predicted_proposal
+from tandem.core.prompt_lookup import LookupAcceptance, PromptLookup
 from tandem.core.protocol import Drafter, KVCacheFull, Verifier
 from tandem.core.requests import GenerationResult, Sequence, StepOutput
 from tandem.core.round_plan import RoundPlan, RowView, plan_round
@@ -49,6 +50,7 @@ class SpeculativeEngine:
         self.costs = costs or CostModel()
         self.costs.layout = verifier.row_layout  # the batch plan prices a round as the target lays out its rows
         self.prior = prior or policy.SharedPrior(self.config.spec.acceptance_prior)
+        self.lookup_acceptance = LookupAcceptance()  # looked-up drafts' acceptance by match length (prompt lookup)
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.scheduler = Scheduler(self.config.max_batch, self._drop_caches)
@@ -92,7 +94,9 @@ class SpeculativeEngine:
         self.sequences[request_id] = Sequence(request_id, list(prompt), params, stop, state, max_k=max_k,
                                               session_id=session_id, cache_scope=cache_scope, priority=priority,
                                               logprobs=None if params.logprobs is None else [],
-                                              prediction=Prediction(prediction) if prediction else None)
+                                              prediction=Prediction(prediction) if prediction else None,
+                                              lookup=PromptLookup(prompt) if self.config.spec.prompt_lookup
+                                              and not prediction else None)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -122,8 +126,7 @@ class SpeculativeEngine:
             limits = self._prefill_limits(batch)
             self.step_tokens = sum(_step_tokens(seq, limit) for seq, limit in zip(batch, limits, strict=True)) \
                 + len(batch) * self.config.spec.k_max
-            offers = [seq.prediction.offer(seq.output, self.config.spec.k_max) if seq.prediction else []
-                      for seq in batch]
+            offers = [seq.offer(self.config.spec.k_max) for seq in batch]
             plan = plan_round([self._row_view(seq, limit, len(offer))
                                for seq, limit, offer in zip(batch, limits, offers, strict=True)],
                               self.speculating, self.config.spec, self.costs, self.prior.value, self.prior.measured)
@@ -154,20 +157,21 @@ class SpeculativeEngine:
         decoding = chunk > 0 and any(seq.output for seq in batch)
         return [chunk if decoding and seq.prefilling(chunk) and not seq.scores_prompt else 0 for seq in batch]
 
-    @staticmethod
-    def _row_view(seq: Sequence, prefill_limit: int, predicted: int) -> RowView:
+    def _row_view(self, seq: Sequence, prefill_limit: int, predicted: int) -> RowView:
         return RowView(seq.policy, seq.max_k, seq.params.max_tokens - len(seq.output), prefill_limit,
                        first_round=not seq.output, behind=len(seq.context) - seq.draft_synced,
                        predicting=seq.prediction is not None, predicted=predicted,
                        prediction_acceptance=predicted_acceptance(seq.stats.prediction_accepted,
-                                                                  seq.stats.prediction_rejected))
+                                                                  seq.stats.prediction_rejected)
+                       if seq.prediction is not None or seq.lookup is None
+                       else self.lookup_acceptance.value(seq.lookup.matched))
 
     def _round(self, batch: list[Sequence], plan: RoundPlan, limits: list[int],
                offers: list[list[int]]) -> list[StepOutput | None]:
         """Draft, verify, commit. A KVCacheFull from the verifier commits nothing and moves no policy: the caller
         plans the round again for a smaller batch."""
         proposals = draft_batch(self.drafter, self.costs, batch, plan)
-        for i, seq in enumerate(batch):  # the rows that draft their predictions (round_plan rule 0)
+        for i, seq in enumerate(batch):  # the rows that draft their predictions or look-ups (round_plan rule 0)
             if plan.from_prediction(i):
                 proposals[i] = predicted_proposal(offers[i][: plan.ks[i]], sampled=not seq.params.greedy)
         ks = [len(p.tokens) if p else 0 for p in proposals]  # drafted: a confidence stop or a failure drafts fewer
@@ -184,6 +188,8 @@ class SpeculativeEngine:
                 seq.prefill_started = True
                 outputs.append(None)
             else:
+                if k and plan.from_prediction(i) and seq.prediction is None:  # looked up: what its class accepts
+                    self.lookup_acceptance.observe(seq.lookup.matched, k, result.accepted)
                 outputs.append(commit_block(seq, k, proposal, result, plan.from_prediction(i), self.costs,
                                             self.config.spec, self.prior, self._release))
         return outputs

@@ -106,15 +106,18 @@ def predicted_k(offered: int, acceptance: float, costs: CostModel) -> int:
     plain forward does better)."""
     if offered <= 0:
         return 0
+    return max((free_draft_rate(acceptance, k, costs), k) for k in range(offered + 1))[1]
+
+
+def free_draft_rate(acceptance: float, k: int, costs: CostModel) -> float:
+    """Expected tokens per second of a round verifying k drafts that cost nothing to make (k 0: plain decoding)."""
     # Widths are priced within those timed, one outside them as the nearest timed: extrapolated along the line
     # through the timed ones (from width 1 alone: in proportion to its tokens, which a memory-bound forward is far
     # below), a target-only engine, never calibrated, would never try a wider one, and a drafting engine that never
     # timed width 1 could price it at nothing. Each such round times its width (the engine's
     # CostModel.observe_verify), and later rounds read that.
     timed = sorted(costs.verify) or [1]
-    rates = [(expected_tokens(min(acceptance, 0.999), k) / costs.forward_time(min(max(k + 1, timed[0]), timed[-1])), k)
-             for k in range(offered + 1)]
-    return max(rates)[1]
+    return expected_tokens(min(acceptance, 0.999), k) / costs.forward_time(min(max(k + 1, timed[0]), timed[-1]))
 
 
 def predicted_proposal(tokens: list[int], sampled: bool) -> DraftProposal:

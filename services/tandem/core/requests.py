@@ -10,6 +10,7 @@ from tandem.core import policy
 from tandem.core.config import SamplingParams
 from tandem.core.logprobs import TokenLogprob
 from tandem.core.prediction import Prediction
+from tandem.core.prompt_lookup import PromptLookup
 from tandem.core.protocol import RowOrder
 from tandem.core.stats import RequestStats
 from tandem.core.stops import StopChecker
@@ -37,6 +38,13 @@ class Sequence:
     logprobs: list[TokenLogprob] | None = None  # aligned with output when the request asked (params.logprobs)
     prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens after the first, once scored
     prediction: Prediction | None = None  # the output the request predicted, drafted where it matches
+    lookup: PromptLookup | None = None  # without a prediction, with prompt lookup on: its context's n-gram search
+
+    def offer(self, most: int) -> list[int]:
+        """Up to `most` free drafts to follow the output: its prediction's, else its context's (prompt lookup)."""
+        if self.prediction is not None:
+            return self.prediction.offer(self.output, most)
+        return self.lookup.offer(self.prompt, self.output, most) if self.lookup is not None else []
 
     @property
     def order(self) -> RowOrder:

@@ -10,7 +10,11 @@
    pair, code edits ran 0.76x as fast with the draft model asked where the prediction offered nothing as with the
    target alone: docs/bench/predicted-outputs-draft-asked-v1.json, docs/performance.md "Predicted outputs"). Its
    policy is not asked and the rules below see it as a row that does not draft. Not in a round where it only
-   prefills a chunk of its prompt, nor where its request's max_k is 0.
+   prefills a chunk of its prompt, nor where its request's max_k is 0. With prompt lookup on (core.prompt_lookup),
+   a row whose output's last tokens occur earlier in its context drafts the tokens that followed them there the
+   same way, when that makes more tokens per second than its policy's drafts would (its draft model's rate at its
+   acceptance, draft steps paid; plain decoding's where the engine has no draft model): its policy is not asked
+   that round, and its drafter catches up when the draft model drafts again. Elsewhere the rules below apply.
 1. No drafting (k 0, the policy not asked): the engine is not speculating (no drafter, or speculation off), the
    request's max_k is 0, it is the row's first round under the adaptive policy's plain_first_round, or the row only
    prefills a chunk of its prompt this step.
@@ -47,7 +51,7 @@ from tandem.core import policy
 from tandem.core.batch_plan import catch_up_share, plan_batch
 from tandem.core.config import SpecConfig
 from tandem.core.costs import CATCH_UP_ALONE_ABOVE, CostModel
-from tandem.core.prediction import predicted_k
+from tandem.core.prediction import free_draft_rate, predicted_k
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,8 +65,8 @@ class RowView:
     first_round: bool  # the request has emitted nothing yet
     behind: int  # committed tokens the row's drafter has not seen (its catch-up)
     predicting: bool = False  # the request predicted its output (rule 0)
-    predicted: int = 0  # predicted tokens that would follow the row's output
-    prediction_acceptance: float = 0.0  # the share of the row's predicted drafts accepted so far (its prior at first)
+    predicted: int = 0  # predicted (or, without a prediction, looked-up) tokens that would follow the row's output
+    prediction_acceptance: float = 0.0  # the share of those drafts accepted so far (the source's prior at first)
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,7 +86,10 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
     the rows, the costs and the prior, and changes none of them. `prior`: the deployment's recent acceptance;
     `prior_measured`: whether the deployment's sessions have measured it (policy.SharedPrior.measured)."""
     predicted = [_predicted(row, spec, costs) for row in rows]
-    decisions = [None if row.predicting else _decide(row, speculating, spec, costs, prior) for row in rows]
+    predicted = [p if row.predicting or _lookup_pays(row, p, speculating, spec, costs, prior) else 0
+                 for row, p in zip(rows, predicted, strict=True)]
+    decisions = [None if row.predicting or p else _decide(row, speculating, spec, costs, prior)
+                 for row, p in zip(rows, predicted, strict=True)]
     ks = [_capped(row, decision, spec) for row, decision in zip(rows, decisions, strict=True)]
     catch_up = [0] * len(rows)
     if len(rows) > 1 and spec.adaptive:
@@ -113,6 +120,19 @@ def _predicted(row: RowView, spec: SpecConfig, costs: CostModel) -> int:
         return 0
     offered = min(row.predicted, _limit(row, spec))
     return predicted_k(offered, row.prediction_acceptance, costs) if spec.adaptive else max(offered, 0)
+
+
+def _lookup_pays(row: RowView, k: int, speculating: bool, spec: SpecConfig, costs: CostModel, prior: float) -> bool:
+    """Rule 0 for looked-up drafts: whether k of them make more tokens per second than the row's policy would, at
+    the acceptance each has had (plain decoding's rate where the engine has no draft model or the costs are not
+    measured yet)."""
+    if k <= 0:
+        return False
+    rate, plain = (free_draft_rate(row.prediction_acceptance, width, costs) for width in (k, 0))
+    if not speculating or row.max_k == 0 or not (spec.adaptive and costs.calibrated):
+        return rate > plain
+    _, drafted = policy.best_k(policy.acceptance(row.policy, spec, prior), costs, max(_limit(row, spec), 1))
+    return rate > max(drafted, plain)
 
 
 def _explored_pay_whole(rows: Sequence[RowView], ks: list[int], shares: list[float], limits: list[int],

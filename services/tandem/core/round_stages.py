@@ -115,7 +115,8 @@ def draft_batch(drafter: Drafter | None, costs: CostModel, batch: list[Sequence]
 def commit_block(seq: Sequence, k: int, proposal: DraftProposal | None, result: VerifyResult, predicted: bool,
                  costs: CostModel, spec: SpecConfig, prior: policy.SharedPrior,
                  release: Callable[[Sequence], None]) -> StepOutput:
-    """`predicted`: the drafts came from the request's prediction, not the drafter, whose policy they leave be.
+    """`predicted`: the drafts came from the request's prediction or its context (prompt lookup), not the drafter,
+    whose policy they leave be.
     `release` lets the engine drop a sequence the block finishes."""
     committed, accepted = len(seq.context), result.accepted
     new_tokens = (proposal.tokens[:accepted] if proposal else []) + [result.next_token, *result.more]
@@ -138,7 +139,8 @@ def commit_block(seq: Sequence, k: int, proposal: DraftProposal | None, result: 
     seq.finish_reason, seq.text_cut = seq.stop.extend(seq.output, new_tokens)
     if predicted:  # counted as far as the output goes: a stop may end it inside the accepted drafts
         kept = len(seq.output) - before
-        seq.stats.record_predicted_round(min(accepted, kept), k - accepted if kept > accepted else 0)
+        record = seq.stats.record_predicted_round if seq.prediction is not None else seq.stats.record_lookup_round
+        record(min(accepted, kept), k - accepted if kept > accepted else 0)
     if seq.params.min_tokens and len(seq.output) >= seq.params.min_tokens:
         # Held back no longer: the rounds after it reshape nothing for it (a plain row may decode in blocks).
         seq.params = dataclasses.replace(seq.params, min_tokens=0, end_ids=())

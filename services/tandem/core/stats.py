@@ -27,6 +27,10 @@ class RequestStats:
     predicted_rounds: int = 0
     prediction_accepted: int = 0
     prediction_rejected: int = 0
+    # Rounds whose drafts came from the request's own context (core.prompt_lookup), and their tokens.
+    lookup_rounds: int = 0
+    lookup_accepted: int = 0
+    lookup_rejected: int = 0
 
     def record_round(self, k: int, accepted: int, fallback: bool, more: int = 0) -> None:
         """`more`: the tokens the round's verify call decoded after its first (a multi-step block)."""
@@ -54,6 +58,13 @@ class RequestStats:
         self.predicted_rounds += 1
         self.prediction_accepted += accepted
         self.prediction_rejected += rejected
+
+    def record_lookup_round(self, accepted: int, rejected: int) -> None:
+        """A round that drafted from the request's context (prompt lookup), counted as record_predicted_round's."""
+        self.rounds += 1
+        self.lookup_rounds += 1
+        self.lookup_accepted += accepted
+        self.lookup_rejected += rejected
 
     @property
     def acceptance_rate(self) -> float:
@@ -86,4 +97,7 @@ class RequestStats:
             # OpenAI's names: predicted tokens the target accepted as drafts, and those it refused
             "accepted_prediction_tokens": self.prediction_accepted,
             "rejected_prediction_tokens": self.prediction_rejected,
+            "lookup_rounds": self.lookup_rounds,
+            "accepted_lookup_tokens": self.lookup_accepted,
+            "rejected_lookup_tokens": self.lookup_rejected,
         }

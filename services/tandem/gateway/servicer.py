@@ -46,6 +46,9 @@ def speculation_stats(stats: dict) -> pb.SpeculationStats:
         acceptance_per_position=stats.get("acceptance_per_position", []),
         draft_failures=stats.get("draft_failures", 0),
         predicted_rounds=stats.get("predicted_rounds", 0),
+        lookup_rounds=stats.get("lookup_rounds", 0),
+        accepted_lookup_tokens=stats.get("accepted_lookup_tokens", 0),
+        rejected_lookup_tokens=stats.get("rejected_lookup_tokens", 0),
     )
 
 

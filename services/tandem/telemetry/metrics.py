@@ -68,11 +68,14 @@ class GatewayMetrics:
         self.accepted = meter.create_counter("tandem.spec.accepted_tokens", unit="{token}",
                                              description="Draft tokens the target accepted, by draft position.")
         self.rounds = meter.create_counter("tandem.spec.rounds", unit="{round}",
-                                           description="Rounds run, by kind (speculative, predicted, plain, "
-                                                       "fallback).")
+                                           description="Rounds run, by kind (speculative, predicted, lookup, "
+                                                       "plain, fallback).")
         self.predicted = meter.create_counter("tandem.spec.prediction_tokens", unit="{token}",
                                               description="Tokens of requests' predicted outputs drafted, by outcome "
                                                           "(accepted, rejected).")
+        self.looked_up = meter.create_counter("tandem.spec.lookup_tokens", unit="{token}",
+                                              description="Tokens drafted from requests' own context (prompt lookup), "
+                                                          "by outcome (accepted, rejected).")
         meter.create_observable_gauge("tandem.spec.acceptance", _gauge(self._acceptance), unit="1",
                                       description="Accepted / drafted tokens since start, by draft model and position.")
         meter.create_observable_gauge("tandem.spec.sessions_in_fallback", _gauge(self._fallback), unit="{session}",
@@ -164,14 +167,18 @@ class GatewayMetrics:
         """A request finished (engine thread): add its rounds and per-position draft counts."""
         stats = seq.stats
         if stats.rounds:
-            plain = stats.rounds - stats.spec_rounds - stats.predicted_rounds
+            plain = stats.rounds - stats.spec_rounds - stats.predicted_rounds - stats.lookup_rounds
             for kind, count in (("speculative", stats.spec_rounds), ("predicted", stats.predicted_rounds),
+                                ("lookup", stats.lookup_rounds),
                                 ("plain", plain - stats.fallback_rounds), ("fallback", stats.fallback_rounds)):
                 if count:
                     self.rounds.add(count, self._spec_base | {"tandem.spec.round_kind": kind})
         if stats.predicted_rounds:
             for outcome, count in (("accepted", stats.prediction_accepted), ("rejected", stats.prediction_rejected)):
                 self.predicted.add(count, self._spec_base | {"tandem.spec.outcome": outcome})
+        if stats.lookup_rounds:
+            for outcome, count in (("accepted", stats.lookup_accepted), ("rejected", stats.lookup_rejected)):
+                self.looked_up.add(count, self._spec_base | {"tandem.spec.outcome": outcome})
         if not stats.drafted:
             return
         with self._lock:

@@ -229,7 +229,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "fallback_rounds", "acceptance_per_position", "draft_failures", "predicted_rounds")
+    __slots__ = ("rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "fallback_rounds", "acceptance_per_position", "draft_failures", "predicted_rounds", "lookup_rounds", "accepted_lookup_tokens", "rejected_lookup_tokens")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,9 @@ class SpeculationStats(_message.Message):
     ACCEPTANCE_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted_tokens: int
     accepted_tokens: int
@@ -248,7 +251,10 @@ class SpeculationStats(_message.Message):
     acceptance_per_position: _containers.RepeatedScalarFieldContainer[float]
     draft_failures: int
     predicted_rounds: int
-    def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., fallback_rounds: _Optional[int] = ..., acceptance_per_position: _Optional[_Iterable[float]] = ..., draft_failures: _Optional[int] = ..., predicted_rounds: _Optional[int] = ...) -> None: ...
+    lookup_rounds: int
+    accepted_lookup_tokens: int
+    rejected_lookup_tokens: int
+    def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., fallback_rounds: _Optional[int] = ..., acceptance_per_position: _Optional[_Iterable[float]] = ..., draft_failures: _Optional[int] = ..., predicted_rounds: _Optional[int] = ..., lookup_rounds: _Optional[int] = ..., accepted_lookup_tokens: _Optional[int] = ..., rejected_lookup_tokens: _Optional[int] = ...) -> None: ...
 
 class Complete(_message.Message):
     __slots__ = ("finish_reason", "usage", "speculation", "request_id", "index")

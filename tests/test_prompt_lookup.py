@@ -1,0 +1,197 @@
+"""Prompt lookup: drafts copied from a request's own context where its output repeats it, chosen per round against
+the draft model's, with the output exactly what it is without them (greedy, seeded and unseeded sampling)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from gateway_harness import ServerThread, openai_sdk, tiny_backend
+from marginals import assert_second_tokens_follow
+from tandem.client import TandemClient
+from tandem.core import policy
+from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.core.costs import CostModel
+from tandem.core.prompt_lookup import PRIOR_ACCEPTANCE, LookupAcceptance, PromptLookup
+from tandem.core.round_plan import RowView, plan_round
+from tandem.engines.local import build_engine
+from telemetry_helpers import scrape, value
+
+LOOKUP = SpecConfig(prompt_lookup=True)
+
+
+def _flat_costs(draft_step: float = 0.1) -> CostModel:
+    """Every forward of up to 9 tokens costs the same and nothing is measured in service (a tiny model's timings on
+    a loaded machine would decide otherwise run to run)."""
+    return CostModel(draft_step=draft_step, verify={w: 1.0 for w in range(1, 10)}, frozen=True)
+
+
+def _run(engine, params: SamplingParams, prompt: list[int]):
+    request_id = engine.add_request(prompt, params)
+    seq = engine.sequence(request_id)
+    while engine.has_unfinished():
+        engine.step()
+    return engine.result(seq)
+
+
+def test_offers_what_followed_the_latest_earlier_occurrence() -> None:
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 10]
+    lookup = PromptLookup(prompt)
+    assert lookup.offer(prompt, [], 5) == []  # "3 10" occurs nowhere before
+    assert lookup.offer(prompt, [4, 5], 5) == [6, 7, 8, 9, 2]  # "4 5" at 3-4
+    assert lookup.offer(prompt, [4, 5, 6, 7], 5) == [8, 9, 2, 3, 10]  # a copy going on
+    assert lookup.offer(prompt, [4, 5, 6, 7], 0) == []
+    # A unigram is not enough: 9 occurs before, "7 9" does not.
+    assert lookup.offer(prompt, [4, 5, 6, 7, 9], 5) == []
+    # The longest run first: "2 3" occurs twice; "1 2 3" only at the start, so the copy goes on from there.
+    again = [*prompt, 50, 1]
+    lookup = PromptLookup(again)
+    assert lookup.offer(again, [2, 3], 3) == [4, 5, 6]
+    # Else the latest occurrence, which may be in the output itself; and never past what the context holds.
+    lookup = PromptLookup([7, 8, 20])
+    assert lookup.offer([7, 8, 20], [7, 8, 21, 7, 8], 4) == [21, 7, 8]
+
+
+def test_an_offer_knows_how_far_back_its_match_goes() -> None:
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 10]
+    lookup = PromptLookup(prompt)
+    lookup.offer(prompt, [4, 5], 5)
+    assert lookup.matched == 2  # "4 5", then 3 against 10
+    lookup.offer(prompt, [4, 5, 6, 7], 5)
+    assert lookup.matched == 4  # the copy went on: "4 5 6 7"
+    long = list(range(100, 140))
+    lookup = PromptLookup(long + [0] + long[:30])
+    lookup.offer(long + [0] + long[:30], [], 4)
+    assert lookup.matched == 16  # measured up to the longest class's length
+
+
+def test_looked_up_acceptance_is_learnt_per_match_length_and_fades() -> None:
+    now = [0.0]
+    acceptance = LookupAcceptance(clock=lambda: now[0])
+    assert [acceptance.class_of(n) for n in (2, 3, 4, 7, 8, 15, 16, 40)] == [0, 1, 2, 2, 3, 3, 4, 4]
+    for _ in range(10):
+        acceptance.observe(2, 6, 0)  # two-token matches refused at once
+        acceptance.observe(12, 8, 8)  # long ones accepted whole
+    assert acceptance.value(2) < 0.2 and acceptance.value(3) == pytest.approx(PRIOR_ACCEPTANCE)
+    assert acceptance.value(9) > 0.95
+    now[0] += 3600.0  # an hour without rounds of its class: back near the prior, so it is tried again
+    assert acceptance.value(2) == pytest.approx(PRIOR_ACCEPTANCE, abs=0.01)
+
+
+def test_the_context_grows_past_its_first_capacity() -> None:
+    prompt = [5, 6]
+    lookup = PromptLookup(prompt)
+    output = list(range(100, 300)) + [100, 101]
+    assert lookup.offer(prompt, output, 3) == [102, 103, 104]
+
+
+def test_the_round_plan_drafts_looked_up_tokens_where_they_beat_the_draft_model() -> None:
+    costs = _flat_costs(draft_step=0.1)
+
+    def row(**kw) -> RowView:
+        fields = {"policy": policy.PolicyState(k=4, accepted=40.0, rejected=4.0), "max_k": None, "remaining": 100,
+                  "prefill_limit": 0, "first_round": False, "behind": 3, "predicted": 8,
+                  "prediction_acceptance": 0.9} | kw
+        return RowView(**fields)
+
+    plan = plan_round([row(), row(prediction_acceptance=0.2), row(predicted=0), row(max_k=0)], True, LOOKUP,
+                      costs, 0.8)
+    assert plan.from_prediction(0) and plan.ks[0] == 8 and plan.decisions[0] is None
+    # Looked-up drafts accepted a fifth of the time lose to the draft model's (about 0.9 here): the policy decides.
+    assert not plan.from_prediction(1) and plan.decisions[1] is not None and plan.ks[1] > 0
+    assert not plan.from_prediction(2) and plan.decisions[2] is not None
+    assert plan.ks[3] == 0 and not plan.from_prediction(3)  # max_k 0: plain decoding
+    # Without a draft model, looked-up drafts are weighed against plain decoding alone.
+    assert plan_round([row(prediction_acceptance=0.2)], False, LOOKUP, costs, 0.8).ks == (8,)
+    steep = CostModel(verify={1: 1.0, 2: 2.0, 3: 3.0}, frozen=True)
+    assert plan_round([row(prediction_acceptance=0.3, predicted=2)], False, LOOKUP, steep, 0.8).ks == (0,)
+
+
+@pytest.mark.parametrize("with_draft", [False, True], ids=["target-only", "with-draft-model"])
+def test_greedy_output_is_the_same_with_lookup(tiny_models, with_draft: bool) -> None:
+    """A prompt that repeats itself, so the lookup finds runs to copy: the output is plain decoding's either way."""
+    target, draft, _ = tiny_models
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    base = build_engine(target, None, EngineConfig(calibrate=False), costs=_flat_costs())
+    costs = _flat_costs(draft_step=0.5)  # dear drafts: looked-up ones win wherever the lookup finds a run
+    engine = build_engine(target, draft if with_draft else None, EngineConfig(spec=LOOKUP, calibrate=False),
+                          costs=costs)
+    looked_up = 0
+    for start in range(4):
+        prompt = [(start + i) % 23 + 40 for i in range(30)] * 3
+        plain = _run(base, params, prompt)
+        out = _run(engine, params, prompt)
+        assert out.token_ids == plain.token_ids
+        looked_up += out.stats["accepted_lookup_tokens"]
+        assert out.stats["accepted_prediction_tokens"] == 0  # OpenAI's prediction counts are the client's alone
+    assert looked_up > 0
+
+
+def test_seeded_output_is_the_same_with_lookup(tiny_models) -> None:
+    target, draft, _ = tiny_models
+    base = build_engine(target, draft, EngineConfig(calibrate=False), costs=_flat_costs())
+    engine = build_engine(target, draft, EngineConfig(spec=LOOKUP, calibrate=False), costs=_flat_costs(0.5))
+    rounds = 0
+    for seed in range(4):
+        params = SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=40, ignore_eos=True)
+        plain = _run(base, params, PROMPT)
+        out = _run(engine, params, PROMPT)
+        assert out.token_ids == plain.token_ids
+        rounds += out.stats["lookup_rounds"]
+    assert rounds > 0
+
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119] * 4
+
+
+def test_unseeded_sampled_output_follows_the_target_distribution(tiny_models) -> None:
+    """Second-token marginal over 3000 runs of a prompt whose last tokens occur earlier in it, so the first round
+    drafts what followed them there: accepted with probability p(token), resampled from p without it otherwise."""
+    target, _, _ = tiny_models
+    params = [SamplingParams(temperature=0.9, top_k=12, top_p=0.95, max_tokens=2, ignore_eos=True)
+              for _ in range(3000)]
+    from tandem.core.sampling import processed_probs
+
+    with torch.inference_mode():
+        p_first = processed_probs(target.model(torch.tensor([PROMPT])).logits[0, -1:], params[0])[0]
+        support = p_first.nonzero().flatten()
+        batch = torch.tensor([PROMPT + [int(t)] for t in support])
+        p_second = processed_probs(target.model(batch).logits[:, -1], params[0])
+    config = EngineConfig(spec=dataclasses.replace(LOOKUP, plain_first_round=False), max_batch=500, calibrate=False)
+    engine = build_engine(target, None, config, costs=_flat_costs())
+    for sampled in params:
+        engine.add_request(PROMPT, sampled)
+    sequences = list(engine.sequences.values())
+    while engine.has_unfinished():
+        engine.step()
+    results = [engine.result(seq) for seq in sequences]
+    assert sum(r.stats["lookup_rounds"] for r in results) >= 3000
+    assert_second_tokens_follow(results, p_first, support.tolist(), p_second)
+
+
+def test_served_lookup_counts_reach_grpc_http_and_metrics(tiny_models) -> None:
+    """A gateway whose engine looks up drafts: gRPC's SpeculationStats and HTTP's `tandem.speculation` carry the
+    looked-up rounds and tokens, OpenAI's prediction counts stay 0, and the metrics count the same tokens."""
+    target, draft, _ = tiny_models
+    server = ServerThread(tiny_backend(target, draft, prompt_lookup=True), http_port=0, metrics_port=0)
+    try:
+        with TandemClient(server.address, timeout=60) as client:
+            result = client.generate_result(token_ids=PROMPT, temperature=0.0, max_tokens=24, ignore_eos=True)
+        sdk = openai_sdk(server)
+        completion = sdk.completions.create(model="tiny-target", prompt=PROMPT, temperature=0, max_tokens=24,
+                                            extra_body={"ignore_eos": True})
+        assert server.wait_for(lambda: server.gateway.loop.active == 0)
+        families = scrape(server.gateway.metrics_url)
+    finally:
+        server.stop()
+    stats = completion.choices[0].model_extra["tandem"]["speculation"]
+    assert result.speculation.lookup_rounds == stats["lookup_rounds"] > 0
+    assert result.speculation.accepted_lookup_tokens == stats["accepted_lookup_tokens"]
+    assert result.speculation.rejected_lookup_tokens == stats["rejected_lookup_tokens"]
+    assert completion.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    for outcome in ("accepted", "rejected"):
+        assert value(families, "tandem_spec_lookup_tokens_total", tandem_spec_outcome=outcome) == 2 * stats[
+            f"{outcome}_lookup_tokens"]
+    assert value(families, "tandem_spec_rounds_total", tandem_spec_round_kind="lookup") == 2 * stats["lookup_rounds"]
