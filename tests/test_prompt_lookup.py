@@ -103,6 +103,10 @@ def test_the_round_plan_drafts_looked_up_tokens_where_they_beat_the_draft_model(
     assert not plan.from_prediction(1) and plan.decisions[1] is not None and plan.ks[1] > 0
     assert not plan.from_prediction(2) and plan.decisions[2] is not None
     assert plan.ks[3] == 0 and not plan.from_prediction(3)  # max_k 0: plain decoding
+    # A drafter far behind (it missed a copy's tokens) would first catch up: weaker looked-up drafts win then.
+    near, far = plan_round([row(prediction_acceptance=0.4), row(prediction_acceptance=0.4, behind=60)], True,
+                           LOOKUP, costs, 0.8).predicted
+    assert not near and far
     # Without a draft model, looked-up drafts are weighed against plain decoding alone.
     assert plan_round([row(prediction_acceptance=0.2)], False, LOOKUP, costs, 0.8).ks == (8,)
     steep = CostModel(verify={1: 1.0, 2: 2.0, 3: 3.0}, frozen=True)

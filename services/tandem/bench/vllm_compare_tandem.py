@@ -7,9 +7,10 @@ The process is started by tandem.bench.vllm_compare (tandem.bench.resident) with
 
 job: target, draft (registry names or paths), texts (the prompts; the chat template is applied as `tandem bench`
 does), max_tokens, threads, dtype, compile (a core.model_options.COMPILE_SCOPES scope: whose decode forwards compile),
-draft_quantization (`--draft-quantization`), draft_vocab (`--draft-vocab`; 0 or absent: all ids). Each request names
+draft_quantization (`--draft-quantization`), draft_vocab (`--draft-vocab`; 0 or absent: all ids), lookup (true: two
+more engines, the target alone and the pair with `--prompt-lookup`, modes lookup_* and hybrid_*). Each request names
 a mode (plain_b1, auto_b1, plain_bN, auto_bN) and the prompts to send in one engine.generate call, greedy, on the
-CPU. Loading, calibration and warm-up requests are left out of the timings.
+CPU, and may give its own max_tokens. Loading, calibration and warm-up requests are left out of the timings.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def batched(engine, ids: list[list[int]], max_tokens: int) -> dict:
             "rounds": sum(r.stats["rounds"] for r in results),
             "spec_rounds": sum(r.stats["spec_rounds"] for r in results), "drafted": drafted, "accepted": accepted,
             "alpha": round(accepted / drafted, 4) if drafted else 0.0,
+            **{key: sum(r.stats.get(key, 0) for r in results)
+               for key in ("lookup_rounds", "accepted_lookup_tokens", "rejected_lookup_tokens")},
             "outputs": [list(r.token_ids) for r in results]}
 
 
@@ -79,6 +82,12 @@ def build_engines(job: dict) -> tuple[dict, dict, list[list[int]]]:
                                      prefix_cache=False),
                "auto": build_engine(target, draft, EngineConfig(spec=SpecConfig(draft_vocab=job.get("draft_vocab", 0))),
                                     kv_tokens=kv_tokens, prefix_cache=False)}
+    if job.get("lookup"):  # prompt lookup: the target alone with it, and the pair with it (the AUTO engine's costs)
+        lookup = SpecConfig(draft_vocab=job.get("draft_vocab", 0), prompt_lookup=True)
+        engines["lookup"] = build_engine(target, None, EngineConfig(spec=lookup, calibrate=False),
+                                         kv_tokens=kv_tokens, prefix_cache=False)
+        engines["hybrid"] = build_engine(target, draft, EngineConfig(spec=lookup, calibrate=False),
+                                         kv_tokens=kv_tokens, prefix_cache=False, costs=engines["auto"].costs)
     for engine in engines.values():  # a short lone request and a short batch: compiling, calibrating, first calls
         engine.generate([ids[0][:8]], SamplingParams(temperature=0.0, max_tokens=job["max_tokens"]))
         engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=4))
@@ -96,7 +105,7 @@ def load(job: dict) -> tuple[dict, Callable[[dict], dict]]:
 
     def answer(request: dict) -> dict:
         result = batched(engines[request["mode"].split("_")[0]], [ids[i] for i in request["prompts"]],
-                         job["max_tokens"])
+                         request.get("max_tokens", job["max_tokens"]))
         print(f"tandem {request['mode']} {request['prompts'][0] if len(request['prompts']) == 1 else 'all'}: "
               f"{result['tokens']} tokens in {result['seconds']:.2f} s = {result['tok_s']:.2f} tok/s",
               file=sys.stderr, flush=True)

@@ -7,9 +7,11 @@ tandem.bench.vllm_compare (tandem.bench.resident's protocol) with the job as JSO
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 /work/vllm-venv/bin/python \
         services/tandem/bench/vllm_compare_vllm.py job.json RESULT_FD
 
-job: target_dir, draft_dir, spec (bool), k, jobs (chat-templated token ids, one list per prompt), max_tokens,
-max_model_len, eos_ids. Each request names a mode and the prompts (indices into jobs) to send in one generate call;
-its result: tokens, seconds, tok_s, outputs (token ids, EOS stripped as tandem strips it), acceptance counters.
+job: target_dir, draft_dir, spec (bool: draft-model speculation) or method ("draft_model", "ngram": vLLM's n-gram
+prompt lookup, 2-4 tokens, or "" for none), k, jobs (chat-templated token ids, one list per prompt), max_tokens,
+max_model_len, eos_ids. Each request names a mode and the prompts (indices into jobs) to send in one generate call,
+and may give its own max_tokens; its result: tokens, seconds, tok_s, outputs (token ids, EOS stripped as tandem
+strips it), acceptance counters.
 Loading, compilation and the warm-up requests are left out of the timings.
 """
 
@@ -52,11 +54,13 @@ def load(job: dict) -> tuple[dict, Any]:
     import vllm
     from vllm import LLM, SamplingParams
 
-    spec = ({"model": job["draft_dir"], "method": "draft_model", "num_speculative_tokens": job["k"]}
-            if job["spec"] else None)
+    method = job.get("method", "draft_model" if job.get("spec") else "")
+    spec = {"draft_model": {"model": job["draft_dir"], "method": "draft_model", "num_speculative_tokens": job["k"]},
+            "ngram": {"method": "ngram", "num_speculative_tokens": job["k"], "prompt_lookup_max": 4,
+                      "prompt_lookup_min": 2}}.get(method)
     started = time.perf_counter()
     llm = LLM(model=job["target_dir"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
-              enable_prefix_caching=False, speculative_config=spec, disable_log_stats=not job["spec"])
+              enable_prefix_caching=False, speculative_config=spec, disable_log_stats=spec is None)
     load_seconds = time.perf_counter() - started
     eos = set(job["eos_ids"])
     greedy = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
@@ -68,9 +72,11 @@ def load(job: dict) -> tuple[dict, Any]:
 
     def answer(request: dict) -> dict:
         prompts = [job["jobs"][i] for i in request["prompts"]]
+        params = greedy if "max_tokens" not in request else SamplingParams(temperature=0.0,
+                                                                            max_tokens=request["max_tokens"])
         counters = _counters(llm)
         started = time.perf_counter()
-        results = llm.generate([{"prompt_token_ids": ids} for ids in prompts], greedy, use_tqdm=False)
+        results = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
         seconds = time.perf_counter() - started
         outputs = [_strip_eos(list(r.outputs[0].token_ids), eos) for r in results]
         tokens = sum(len(out) for out in outputs)

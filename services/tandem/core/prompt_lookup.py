@@ -53,8 +53,8 @@ class PromptLookup:
         self.matched = 0  # how many of the context's last tokens the last offer's source matched (up to the cap)
 
     def offer(self, prompt: list[int], output: list[int], most: int) -> list[int]:
-        """Up to `most` tokens that followed the latest earlier occurrence of the context's last tokens (none where
-        no run of MIN_NGRAM or more occurs earlier)."""
+        """Up to `most` tokens that followed an earlier occurrence of the context's last tokens (`_continuation`
+        picks which; none where no run of MIN_NGRAM or more occurs earlier)."""
         self._extend(len(prompt), output)
         if most <= 0:
             return []

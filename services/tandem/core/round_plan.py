@@ -125,13 +125,16 @@ def _predicted(row: RowView, spec: SpecConfig, costs: CostModel) -> int:
 def _lookup_pays(row: RowView, k: int, speculating: bool, spec: SpecConfig, costs: CostModel, prior: float) -> bool:
     """Rule 0 for looked-up drafts: whether k of them make more tokens per second than the row's policy would, at
     the acceptance each has had (plain decoding's rate where the engine has no draft model or the costs are not
-    measured yet)."""
+    measured yet). The draft model's round pays its drafter's catch-up too: after a copy it is behind by every
+    copied token, which a looked-up round never needs."""
     if k <= 0:
         return False
     rate, plain = (free_draft_rate(row.prediction_acceptance, width, costs) for width in (k, 0))
     if not speculating or row.max_k == 0 or not (spec.adaptive and costs.calibrated):
         return rate > plain
-    _, drafted = policy.best_k(policy.acceptance(row.policy, spec, prior), costs, max(_limit(row, spec), 1))
+    alpha, catch_up = policy.acceptance(row.policy, spec, prior), costs.catch_up_time(row.behind)
+    drafted = max(policy.expected_tokens(alpha, j) / (costs.round_time(j) + catch_up)
+                  for j in range(1, max(_limit(row, spec), 1) + 1))
     return rate > max(drafted, plain)
 
 

@@ -84,7 +84,7 @@ class AffinityRouter:
         return self.healthy(index) and self.names[index] not in self.probe_first
 
     def route(self, seq_id: str, session: str = "", tokens: int = 0) -> int | None:
-        """The worker of a sequence (None: no healthy one); a new one's `tokens`: how long it is (0: not judged)."""
+        """The worker of a sequence (None: no routable one); a new one's `tokens`: how long it is (0: not judged)."""
         index = self.affinity.get(seq_id)
         if index is not None and self.routable(index):
             return index
