@@ -5,7 +5,7 @@ OpenMP runtime preloaded (tandem.bench.vllm_compare's workers and environment; t
 Two phases, one vLLM engine resident in each beside tandem's (both of vLLM's do not fit in 24 GiB with tandem):
   lookup  vLLM `speculative_config={"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
           "prompt_lookup_min": 2}` (8: tandem's k_max, the most a looked-up block drafts there too); tandem the target
-          alone with --prompt-lookup (`lookup`) and the pair with it (`hybrid`)
+          alone with --prompt-lookup (`lookup`), the pair with it (`hybrid`) and without (`auto`)
   plain   vLLM plain decoding; tandem plain decoding
 Workloads: the 4 code edits of predicted-outputs-v1.py (no prediction sent, up to 320 tokens) and the 8 shipped
 prompts (128 tokens). Per repeat each prompt runs on every mode of the phase back to back, the order reversed from
@@ -13,7 +13,7 @@ one prompt to the next. Reports tok/s per mode and workload (tokens without EOS 
 n-gram acceptance counters, and each output against the same system's plain output.
 
     PYTHONPATH=services python docs/bench/lookup-vs-vllm-v1.py --vllm-python /tmp/vllm-venv/bin/python \
-        --json lookup-vllm.json      # about 35 min on CPU-A
+        --json lookup-vllm.json      # about 40 min on CPU-A
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tandem.bench.resident import Resident
 from tandem.bench.vllm_compare_workers import TANDEM_SIDE, VLLM_SIDE, say, tandem_env, vllm_env, vllm_job
 
 HERE = pathlib.Path(__file__).parent
-PHASES = {"lookup": (("vllm", "ngram"), ("tandem", "lookup"), ("tandem", "hybrid")),
+PHASES = {"lookup": (("vllm", "ngram"), ("tandem", "lookup"), ("tandem", "hybrid"), ("tandem", "auto")),
           "plain": (("vllm", "plain"), ("tandem", "plain"))}
 SETTLE_SECONDS = 1.5  # vLLM's worker busy-polls its queue for a second after each step (tandem.bench.vllm_compare)
 
@@ -108,7 +108,8 @@ def main() -> None:
             summary[workload][name] = entry
         rate = {name: entry["tok_s"] for name, entry in summary[workload].items()}
         pairs = [("tandem_lookup", "vllm_ngram"), ("tandem_hybrid", "vllm_ngram"), ("tandem_plain", "vllm_plain"),
-                 ("vllm_ngram", "vllm_plain"), ("tandem_lookup", "tandem_plain"), ("tandem_hybrid", "tandem_plain")]
+                 ("vllm_ngram", "vllm_plain"), ("tandem_lookup", "tandem_plain"), ("tandem_hybrid", "tandem_plain"),
+                 ("tandem_hybrid", "tandem_auto"), ("tandem_auto", "tandem_plain")]
         ratios[workload] = {f"{a} / {b}": round(rate[a] / rate[b], 3) for a, b in pairs}
     report = {"summary": summary, "ratios": ratios, "systems": loaded, "log": str(log),
               "runs": {w: {m: [{k: v for k, v in r.items() if k != "outputs"} for r in items]
