@@ -24,3 +24,17 @@ def assert_second_tokens_follow(results, p_first: torch.Tensor, support: list[in
     _, p_value = chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item())
     assert p_value > 1e-4
     assert 0.5 * (counts / counts.sum() - expected).abs().sum() < 0.06
+
+
+def two_token_marginals(model, prompt: list[int], params) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """What assert_second_tokens_follow compares against, computed by `model` alone: the first token's processed
+    probabilities after `prompt` under `params` (core.sampling.SamplingParams), the ids it may take, and the second
+    token's probabilities given each of them."""
+    from tandem.core.sampling import processed_probs
+
+    with torch.inference_mode():
+        p_first = processed_probs(model(torch.tensor([prompt])).logits[0, -1:], params)[0]
+        support = p_first.nonzero().flatten()
+        batch = torch.tensor([prompt + [int(t)] for t in support])
+        p_second = processed_probs(model(batch).logits[:, -1], params)
+    return p_first, support.tolist(), p_second

@@ -7,10 +7,9 @@ import dataclasses
 
 import httpx
 import pytest
-import torch
 
 from gateway_harness import ServerThread, openai_sdk
-from marginals import assert_second_tokens_follow
+from marginals import assert_second_tokens_follow, two_token_marginals
 from tandem.client import TandemClient
 from tandem.core import policy
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
@@ -144,15 +143,9 @@ def test_unseeded_sampled_output_follows_the_target_distribution(tiny_models) ->
     target, _, _ = tiny_models
     params = [SamplingParams(temperature=0.9, top_k=12, top_p=0.95, max_tokens=2, ignore_eos=True)
               for _ in range(3000)]
-    from tandem.core.sampling import processed_probs
-
-    with torch.inference_mode():
-        p_first = processed_probs(target.model(torch.tensor([PROMPT])).logits[0, -1:], params[0])[0]
-        support = p_first.nonzero().flatten()
-        batch = torch.tensor([PROMPT + [int(t)] for t in support])
-        p_second = processed_probs(target.model(batch).logits[:, -1], params[0])
+    p_first, support, p_second = two_token_marginals(target.model, PROMPT, params[0])
     first = int(p_first.argmax())
-    second = int(p_second[support.tolist().index(first)].argmax())
+    second = int(p_second[support.index(first)].argmax())
     engine = build_engine(target, None, EngineConfig(max_batch=500, calibrate=False), costs=_flat_costs())
     for sampled in params:
         engine.add_request(PROMPT, sampled, prediction=[first, second])
@@ -161,7 +154,7 @@ def test_unseeded_sampled_output_follows_the_target_distribution(tiny_models) ->
         engine.step()
     results = [engine.result(seq) for seq in sequences]
     assert sum(r.stats["accepted_prediction_tokens"] for r in results) > 500
-    assert_second_tokens_follow(results, p_first, support.tolist(), p_second)
+    assert_second_tokens_follow(results, p_first, support, p_second)
 
 
 def test_predicted_and_model_drafted_rows_share_a_round(tiny_models) -> None:

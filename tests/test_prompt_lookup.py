@@ -6,10 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from gateway_harness import ServerThread, openai_sdk, tiny_backend
-from marginals import assert_second_tokens_follow
+from marginals import assert_second_tokens_follow, two_token_marginals
 from tandem.client import TandemClient
 from tandem.core import policy
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
@@ -20,6 +19,7 @@ from tandem.engines.local import build_engine
 from telemetry_helpers import scrape, value
 
 LOOKUP = SpecConfig(prompt_lookup=True)
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119] * 4  # its last tokens occur earlier in it: a lookup from the start
 
 
 def _flat_costs(draft_step: float = 0.1) -> CostModel:
@@ -147,22 +147,13 @@ def test_seeded_output_is_the_same_with_lookup(tiny_models) -> None:
     assert rounds > 0
 
 
-PROMPT = [72, 101, 108, 108, 111, 44, 32, 119] * 4
-
-
 def test_unseeded_sampled_output_follows_the_target_distribution(tiny_models) -> None:
     """Second-token marginal over 3000 runs of a prompt whose last tokens occur earlier in it, so the first round
     drafts what followed them there: accepted with probability p(token), resampled from p without it otherwise."""
     target, _, _ = tiny_models
     params = [SamplingParams(temperature=0.9, top_k=12, top_p=0.95, max_tokens=2, ignore_eos=True)
               for _ in range(3000)]
-    from tandem.core.sampling import processed_probs
-
-    with torch.inference_mode():
-        p_first = processed_probs(target.model(torch.tensor([PROMPT])).logits[0, -1:], params[0])[0]
-        support = p_first.nonzero().flatten()
-        batch = torch.tensor([PROMPT + [int(t)] for t in support])
-        p_second = processed_probs(target.model(batch).logits[:, -1], params[0])
+    p_first, support, p_second = two_token_marginals(target.model, PROMPT, params[0])
     config = EngineConfig(spec=dataclasses.replace(LOOKUP, plain_first_round=False), max_batch=500, calibrate=False)
     engine = build_engine(target, None, config, costs=_flat_costs())
     for sampled in params:
@@ -172,7 +163,7 @@ def test_unseeded_sampled_output_follows_the_target_distribution(tiny_models) ->
         engine.step()
     results = [engine.result(seq) for seq in sequences]
     assert sum(r.stats["lookup_rounds"] for r in results) >= 3000
-    assert_second_tokens_follow(results, p_first, support.tolist(), p_second)
+    assert_second_tokens_follow(results, p_first, support, p_second)
 
 
 def test_served_lookup_counts_reach_grpc_http_and_metrics(tiny_models) -> None:
