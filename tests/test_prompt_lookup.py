@@ -39,31 +39,31 @@ def _run(engine, params: SamplingParams, prompt: list[int]):
 def test_offers_what_followed_the_latest_earlier_occurrence() -> None:
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 10]
     lookup = PromptLookup(prompt)
-    assert lookup.offer(prompt, [], 5) == []  # "3 10" occurs nowhere before
-    assert lookup.offer(prompt, [4, 5], 5) == [6, 7, 8, 9, 2]  # "4 5" at 3-4
-    assert lookup.offer(prompt, [4, 5, 6, 7], 5) == [8, 9, 2, 3, 10]  # a copy going on
-    assert lookup.offer(prompt, [4, 5, 6, 7], 0) == []
+    assert lookup.offer([], 5) == []  # "3 10" occurs nowhere before
+    assert lookup.offer([4, 5], 5) == [6, 7, 8, 9, 2]  # "4 5" at 3-4
+    assert lookup.offer([4, 5, 6, 7], 5) == [8, 9, 2, 3, 10]  # a copy going on
+    assert lookup.offer([4, 5, 6, 7], 0) == []
     # A unigram is not enough: 9 occurs before, "7 9" does not.
-    assert lookup.offer(prompt, [4, 5, 6, 7, 9], 5) == []
+    assert lookup.offer([4, 5, 6, 7, 9], 5) == []
     # The longest run first: "2 3" occurs twice; "1 2 3" only at the start, so the copy goes on from there.
     again = [*prompt, 50, 1]
     lookup = PromptLookup(again)
-    assert lookup.offer(again, [2, 3], 3) == [4, 5, 6]
+    assert lookup.offer([2, 3], 3) == [4, 5, 6]
     # Else the latest occurrence, which may be in the output itself; and never past what the context holds.
     lookup = PromptLookup([7, 8, 20])
-    assert lookup.offer([7, 8, 20], [7, 8, 21, 7, 8], 4) == [21, 7, 8]
+    assert lookup.offer([7, 8, 21, 7, 8], 4) == [21, 7, 8]
 
 
 def test_an_offer_knows_how_far_back_its_match_goes() -> None:
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 10]
     lookup = PromptLookup(prompt)
-    lookup.offer(prompt, [4, 5], 5)
+    lookup.offer([4, 5], 5)
     assert lookup.matched == 2  # "4 5", then 3 against 10
-    lookup.offer(prompt, [4, 5, 6, 7], 5)
+    lookup.offer([4, 5, 6, 7], 5)
     assert lookup.matched == 4  # the copy went on: "4 5 6 7"
     long = list(range(100, 140))
     lookup = PromptLookup(long + [0] + long[:30])
-    lookup.offer(long + [0] + long[:30], [], 4)
+    lookup.offer([], 4)
     assert lookup.matched == 16  # measured up to the longest class's length
 
 
@@ -84,7 +84,7 @@ def test_the_context_grows_past_its_first_capacity() -> None:
     prompt = [5, 6]
     lookup = PromptLookup(prompt)
     output = list(range(100, 300)) + [100, 101]
-    assert lookup.offer(prompt, output, 3) == [102, 103, 104]
+    assert lookup.offer(output, 3) == [102, 103, 104]
 
 
 def test_the_round_plan_drafts_looked_up_tokens_where_they_beat_the_draft_model() -> None:

@@ -42,20 +42,20 @@ class PromptLookup:
     The context lives in one numpy array grown as the output does (doubling), so a round's search is one vectorised
     compare over it and a few over the positions that hold its last token."""
 
-    __slots__ = ("_context", "_length", "_offered_at", "_start", "matched")
+    __slots__ = ("_context", "_length", "_offered_at", "_prompt_length", "_start", "matched")
 
     def __init__(self, prompt: list[int]) -> None:
         self._context = np.zeros(max(2 * len(prompt), 64), dtype=np.int64)
         self._context[: len(prompt)] = prompt
-        self._length = len(prompt)
+        self._length = self._prompt_length = len(prompt)
         self._start = -1  # where the last offer began in the context (-1: none yet)
         self._offered_at = 0  # the context's length then
         self.matched = 0  # how many of the context's last tokens the last offer's source matched (up to the cap)
 
-    def offer(self, prompt: list[int], output: list[int], most: int) -> list[int]:
+    def offer(self, output: list[int], most: int) -> list[int]:
         """Up to `most` tokens that followed an earlier occurrence of the context's last tokens (`_continuation`
         picks which; none where no run of MIN_NGRAM or more occurs earlier)."""
-        self._extend(len(prompt), output)
+        self._extend(output)
         if most <= 0:
             return []
         start = self._continuation()
@@ -73,16 +73,16 @@ class PromptLookup:
             matched += 1
         return matched
 
-    def _extend(self, prompt_length: int, output: list[int]) -> None:
+    def _extend(self, output: list[int]) -> None:
         """Take in the output tokens committed since the last call."""
-        length = prompt_length + len(output)
+        length = self._prompt_length + len(output)
         if length <= self._length:
             return
         if length > len(self._context):
             grown = np.zeros(2 * length, dtype=np.int64)
             grown[: self._length] = self._context[: self._length]
             self._context = grown
-        self._context[self._length : length] = output[self._length - prompt_length :]
+        self._context[self._length : length] = output[self._length - self._prompt_length :]
         self._length = length
 
     def _continuation(self) -> int | None:

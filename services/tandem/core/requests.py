@@ -44,7 +44,7 @@ class Sequence:
         """Up to `most` free drafts to follow the output: its prediction's, else its context's (prompt lookup)."""
         if self.prediction is not None:
             return self.prediction.offer(self.output, most)
-        return self.lookup.offer(self.prompt, self.output, most) if self.lookup is not None else []
+        return self.lookup.offer(self.output, most) if self.lookup is not None else []
 
     @property
     def order(self) -> RowOrder:
