@@ -36,11 +36,11 @@ SETTLE_SECONDS = 1.5  # vLLM's worker busy-polls its queue for a second after ea
 
 
 def _edits() -> list[str]:
-    spec = importlib.util.spec_from_file_location("predicted_outputs", HERE / "predicted-outputs-v1.py")
+    """prompt-lookup-v1.py's code edits, the same text."""
+    spec = importlib.util.spec_from_file_location("prompt_lookup_bench", HERE / "prompt-lookup-v1.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return [f"Rename `{old}` to `{new}` in this code. Reply with the whole code in one python code block and nothing "
-            f"else.\n\n```python\n{code}```" for old, new, code in module.EDITS]
+    return module.edit_asks()
 
 
 def main() -> None:

@@ -34,11 +34,14 @@ HERE = pathlib.Path(__file__).parent
 HF_LOOKUP_TOKENS = 10  # transformers' documented example value; its n-gram size stays at the default 2
 
 
-def _edits() -> list[tuple[str, str, str]]:
+def edit_asks() -> list[str]:
+    """The code edits as asked: the predicted-outputs bench's four renames, the whole code asked back (also the
+    edits lookup-vs-vllm-v1.py sends vLLM and tandem)."""
     spec = importlib.util.spec_from_file_location("predicted_outputs", HERE / "predicted-outputs-v1.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.EDITS
+    return [f"Rename `{old}` to `{new}` in this code. Reply with the whole code in one python code block and nothing "
+            f"else.\n\n```python\n{code}```" for old, new, code in module.EDITS]
 
 
 def main(repeats: int, out: str) -> None:
@@ -48,8 +51,7 @@ def main(repeats: int, out: str) -> None:
                               progress=False)
     standard = load_model("qwen2.5-coder-1.5b-instruct", device=cpu, dtype=bf16, progress=False, eager=True)
     tokenizer = target.tokenizer
-    asks = [f"Rename `{old}` to `{new}` in this code. Reply with the whole code in one python code block and nothing "
-            f"else.\n\n```python\n{code}```" for old, new, code in _edits()]
+    asks = edit_asks()
     workloads = {"edits": ([encode_prompt(tokenizer, ask, chat=True) for ask in asks], 320),
                  "fresh": ([encode_prompt(tokenizer, p, chat=True) for p in load_prompts()], 128)}
     base = EngineConfig(max_batch=1)  # one stream at a time: calibration times single sequences alone
