@@ -14,9 +14,9 @@ CALIBRATED = "calibrated in"  # core.calibration's log line: calibration ran
 REUSING = "calibration: reusing"
 
 
-def _options(tiny_dirs, path, max_batch: int = 2, placement=None, **spec) -> BuildOptions:
+def _options(tiny_dirs, path, max_batch: int = 2, placement=None, draft: bool = True, **spec) -> BuildOptions:
     config = EngineConfig(spec=SpecConfig(k_max=3, k_init=2, **spec), max_batch=max_batch)
-    return BuildOptions(str(tiny_dirs.target), (Arm("", str(tiny_dirs.draft), config),),
+    return BuildOptions(str(tiny_dirs.target), (Arm("", str(tiny_dirs.draft) if draft else "", config),),
                         placement or LocalOptions(threads=1, dtype="float32"), calibration_file=str(path))
 
 
@@ -44,6 +44,20 @@ def test_a_restart_reuses_the_stored_costs_and_a_changed_setup_calibrates(tiny_d
     assert len(json.loads(path.read_text())["entries"]) == 2
     _, log = _build(_options(tiny_dirs, path, max_batch=4), caplog)
     assert REUSING in log and CALIBRATED not in log
+
+
+def test_a_target_alone_keeps_its_costs_where_it_looks_up_drafts_for_batches(tiny_dirs, tmp_path, caplog) -> None:
+    """With no draft model, the costs steer only prompt lookup's blocks in batches: an engine that looks up drafts
+    for batches times its target's forwards and keeps them; one stream, or no lookup, calibrates nothing."""
+    path = tmp_path / "calibration.json"
+    first, log = _build(_options(tiny_dirs, path, draft=False, prompt_lookup=True), caplog)
+    assert CALIBRATED in log and (2, 3) in first.costs.batched and not first.costs.draft_step
+    again, log = _build(_options(tiny_dirs, path, draft=False, prompt_lookup=True), caplog)
+    assert REUSING in log and again.costs.to_dict() == first.costs.to_dict()
+    for options in (_options(tiny_dirs, tmp_path / "one.json", max_batch=1, draft=False, prompt_lookup=True),
+                    _options(tiny_dirs, tmp_path / "none.json", draft=False)):
+        engine, log = _build(options, caplog)
+        assert CALIBRATED not in log and not engine.costs.batched and not os.path.exists(options.calibration_file)
 
 
 def test_a_fixed_k_keeps_nothing_and_a_damaged_file_is_rewritten(tiny_dirs, tmp_path, caplog) -> None:

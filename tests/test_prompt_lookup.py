@@ -13,7 +13,7 @@ from tandem.client import TandemClient
 from tandem.core import policy
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.costs import CostModel
-from tandem.core.prompt_lookup import PRIOR_ACCEPTANCE, LookupAcceptance, PromptLookup
+from tandem.core.prompt_lookup import PACE_DECAY, PRIOR_ACCEPTANCE, LookupAcceptance, Pace, PromptLookup
 from tandem.core.round_plan import RowView, plan_round
 from tandem.engines.local import build_engine
 from telemetry_helpers import scrape, value
@@ -111,6 +111,74 @@ def test_the_round_plan_drafts_looked_up_tokens_where_they_beat_the_draft_model(
     assert plan_round([row(prediction_acceptance=0.2)], False, LOOKUP, costs, 0.8).ks == (8,)
     steep = CostModel(verify={1: 1.0, 2: 2.0, 3: 3.0}, frozen=True)
     assert plan_round([row(prediction_acceptance=0.3, predicted=2)], False, LOOKUP, steep, 0.8).ks == (0,)
+
+
+def test_a_pace_is_recent_tokens_over_priced_seconds() -> None:
+    pace = Pace()
+    assert pace.rate == 0.0
+    pace.record(9, 1.0)
+    assert pace.rate == 9.0
+    pace.record(1, 0.5)
+    assert pace.rate == pytest.approx((9 * PACE_DECAY + 1) / (PACE_DECAY + 0.5))
+
+
+def test_the_draft_model_drafts_only_where_it_keeps_the_rows_pace() -> None:
+    """A round with no copy on offer: at plain decoding's pace (or with none measured) the draft model drafts as its
+    policy says; at a copying pace the tokens its drafts would add are worth less than its steps, so the row decodes
+    plainly, its policy not asked; a fixed k drafts as given, and so does a probe out of fallback (held back, it would
+    be asked again every round). A weak copy on offer loses to the draft model at a plain pace, and is taken at a
+    copying pace, where it beats the plain decoding left."""
+    costs = _flat_costs(draft_step=0.1)  # a plain round 1 s, a round of 8 drafts 1.8 s
+    row = RowView(policy.PolicyState(k=4, accepted=40.0, rejected=4.0), None, 100, 0, False, behind=1, predicted=0)
+
+    def plan(pace: float, spec: SpecConfig = LOOKUP, **offer):
+        return plan_round([dataclasses.replace(row, pace=pace, **offer)], True, spec, costs, 0.9)
+
+    for pace in (0.0, 1.0, 2.0):
+        assert plan(pace).ks[0] > 1 and plan(pace).decisions[0] is not None
+    assert plan(10.0).ks == (0,) and plan(10.0).decisions == (None,)
+    assert plan(10.0, dataclasses.replace(LOOKUP, adaptive=False)).ks == (LOOKUP.k_init,)
+    probe = policy.PolicyState(k=0, accepted=40.0, rejected=4.0, fallback=True, rounds_since_probe=7,
+                               probe_interval=8)
+    probing = plan_round([dataclasses.replace(row, policy=probe, pace=10.0)], True, LOOKUP, costs, 0.9)
+    assert probing.decisions[0].probing and probing.ks[0] > 0
+    weak = {"predicted": 8, "prediction_acceptance": 0.4}
+    assert not plan(1.0, **weak).from_prediction(0) and plan(1.0, **weak).decisions[0] is not None
+    assert plan(10.0, **weak).from_prediction(0) and plan(10.0, **weak).ks == (8,)
+
+
+def test_in_a_batch_a_looked_up_block_is_kept_where_it_raises_the_batchs_rate() -> None:
+    """Alone, where every width costs the same, any looked-up block pays; beside 7 rows decoding plainly, whose
+    forward it widens, a block that would almost all be refused costs them more than it brings and is dropped, a
+    likely one is kept whole, a weak one kept short."""
+    costs = CostModel(draft_step=0.1, verify={w: 1.0 for w in range(1, 10)},
+                      batched={(8, w): 1.0 + 0.02 * (w - 1) for w in (1, 2, 3, 5)}, frozen=True)
+    plain = RowView(policy.PolicyState(), 0, 100, 0, False, behind=0)  # max_k 0: it decodes plainly
+
+    def plan(acceptance: float, mates: int = 7):
+        row = dataclasses.replace(plain, max_k=None, predicted=8, prediction_acceptance=acceptance)
+        return plan_round([row] + [plain] * mates, False, LOOKUP, costs, 0.8)
+
+    assert plan(0.05, mates=0).ks == (8,)
+    assert plan(0.05).ks == (0,) * 8 and not plan(0.05).from_prediction(0)
+    assert plan(0.95).ks[0] == 8 and plan(0.95).from_prediction(0)
+    assert 0 < plan(0.3).ks[0] < 8 and plan(0.3).ks[1:] == (0,) * 7
+
+
+def test_each_round_is_priced_into_the_rows_pace(tiny_models) -> None:
+    """Flat costs price every round at one second: a row's pace is its recent tokens a round, above 1 where copies
+    were accepted; a row that never looks up keeps none."""
+    target, _, _ = tiny_models
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for spec in (LOOKUP, SpecConfig()):
+        engine = build_engine(target, None, EngineConfig(spec=spec, calibrate=False), costs=_flat_costs())
+        seq = engine.sequence(engine.add_request(PROMPT, params))
+        while engine.has_unfinished():
+            engine.step()
+        if spec.prompt_lookup:
+            assert seq.stats.lookup_accepted > 0 and seq.pace.rate > 1.0
+        else:
+            assert seq.pace is None
 
 
 @pytest.mark.parametrize("with_draft", [False, True], ids=["target-only", "with-draft-model"])

@@ -3,14 +3,18 @@
 The real pair in bf16 on the CPU, the shipped prompts through the chat template, greedy. Each repeat runs every
 engine over every prompt at once (plain, AUTO, then fixed k; the next repeat in the reverse order), after a short
 warm-up batch each; the AUTO engine's calibrated costs are reported before and after. A fixed k is the yardstick for
-the batch plan: AUTO should come close to the best fixed k without being told it. One JSON out.
+the batch plan: AUTO should come close to the best fixed k without being told it. With --prompt-lookup, both
+plain and AUTO run also with prompt lookup (core.prompt_lookup; AUTO's measured costs shared), each against its own
+engine without it. One JSON out.
 
     python -m tandem.bench.at_once --repeats 3 --fixed-k 4 --draft-quantization w8a8 --json at-once.json
+    python -m tandem.bench.at_once --prompt-lookup --json at-once-lookup.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -35,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
                         "round (0: none)")
     parser.add_argument("--draft-quantization", choices=QUANTIZATIONS, default="none",
                         help="the draft's linear weights (core.w8a8_linear, core.int8_linear)")
+    parser.add_argument("--prompt-lookup", action="store_true", help="also plain and AUTO with prompt lookup")
     add_prompts_option(parser, PROMPT_SETS, DEFAULT_PROMPTS)
     add_json_option(parser, "the report")
     args = parser.parse_args(argv)
@@ -47,6 +52,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.fixed_k:
         fixed = SpecConfig(adaptive=False, k_init=args.fixed_k, k_max=max(args.fixed_k, SpecConfig().k_max))
         engines[f"k{args.fixed_k}"] = build_engine(target, draft, EngineConfig(spec=fixed))
+    if args.prompt_lookup:
+        lookup = EngineConfig(spec=SpecConfig(prompt_lookup=True))
+        engines["plain+lookup"] = build_engine(target, None, lookup)  # its target's forwards timed
+        engines["auto+lookup"] = build_engine(target, draft, dataclasses.replace(lookup, calibrate=False),
+                                              costs=engines["auto"].costs)
     report: dict = {"target": TARGET, "draft": DRAFT, "dtype": "bfloat16", "requests_at_once": len(ids),
                     "tokens": args.tokens, "threads": args.threads, "draft_quantization": args.draft_quantization,
                     "calibrated_costs": engines["auto"].costs.to_dict(), "runs": []}
@@ -66,16 +76,19 @@ def main(argv: list[str] | None = None) -> None:
     for name in list(engines)[1:]:
         report[f"{name}_vs_plain"] = round(report[name]["tok_s"] / report["plain"]["tok_s"], 3)
         report[f"{name}_vs_plain_by_repeat"] = _paired(report["runs"], name)
+    for name in ("plain", "auto") if args.prompt_lookup else ():
+        report[f"{name}+lookup_vs_{name}"] = round(report[f"{name}+lookup"]["tok_s"] / report[name]["tok_s"], 3)
+        report[f"{name}+lookup_vs_{name}_by_repeat"] = _paired(report["runs"], f"{name}+lookup", name)
     report["greedy_identical"] = {name: sum(a == b for a, b in zip(outputs[name], outputs["plain"], strict=True))
                                   for name in list(engines)[1:]}
     report["costs_after"] = engines["auto"].costs.to_dict()
     write_json(args.json, report)
 
 
-def _paired(runs: list[dict], name: str) -> list[float]:
-    """Per repeat, the engine's tok/s over plain decoding's in the same repeat."""
+def _paired(runs: list[dict], name: str, over: str = "plain") -> list[float]:
+    """Per repeat, the engine's tok/s over engine `over`'s in the same repeat."""
     tok_s = {(r["engine"], r["repeat"]): r["tok_s"] for r in runs}
-    return [round(tok_s[name, repeat] / tok_s["plain", repeat], 3) for engine, repeat in tok_s if engine == name]
+    return [round(tok_s[name, repeat] / tok_s[over, repeat], 3) for engine, repeat in tok_s if engine == name]
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def run_generate(args: argparse.Namespace) -> int:
     speculate = not args.no_spec
     config = engine_config(args, speculate, max_batch=1)
     budget = kv_tokens(args)
-    costs_file = calibration_file(args) if config.calibrates else ""
+    costs_file = calibration_file(args) if config.calibrates(speculate) else ""
     target, draft = load_models(args, speculate)
     if params.output_format is not None:  # before the engine is built and calibrated
         check_compiles(args, params.output_format, target.tokenizer, eos_token_ids(target.model, target.tokenizer))

@@ -81,9 +81,10 @@ def _fastest_each(calls: dict, passes: int, bar: tqdm) -> dict:
     return best
 
 
-def calibrate(verifier: Verifier, drafter: Drafter, k_max: int, k_init: int, max_batch: int,
+def calibrate(verifier: Verifier, drafter: Drafter | None, k_max: int, k_init: int, max_batch: int,
               context: int = CONTEXT, passes: int = 3) -> CostModel:
-    """A fresh CostModel measured on `verifier` and `drafter`, for rounds of up to k_max drafts and max_batch rows."""
+    """A fresh CostModel measured on `verifier` and `drafter`, for rounds of up to k_max drafts and max_batch rows.
+    Without a drafter (prompt lookup's drafts alone), the target's forwards only."""
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     prompt = [i % verifier.vocab_size for i in range(1, context + 1)]
     rows = sorted({n for n in BATCH_ROWS if n < max_batch} | ({max_batch} if max_batch > 1 else set()))
@@ -103,9 +104,11 @@ def calibrate(verifier: Verifier, drafter: Drafter, k_max: int, k_init: int, max
 
     costs = CostModel(layout=verifier.row_layout)
     shapes = [(n, w) for n in rows for w in BATCH_WIDTHS if w <= k_max + 1]
-    draft_rows = [1, *rows]
-    catch_up = [w for w in CATCH_UP_WIDTHS if w <= context] if max_batch > 1 else []
-    calls = 2 + (k_max + 1 + len(shapes) + len(draft_rows)) * (1 + passes) + len(catch_up) * 3
+    draft_rows = [1, *rows] if drafter is not None else []
+    # Draft forwards over several tokens: a batched row's catch-up, and a lone row's after its rounds copied from
+    # its context (prompt lookup), which the plan weighs against the draft model's rounds.
+    catch_up = [w for w in CATCH_UP_WIDTHS if w <= context] if drafter is not None else []
+    calls = 1 + bool(draft_rows) + (k_max + 1 + len(shapes) + len(draft_rows)) * (1 + passes) + len(catch_up) * 3
     started = time.perf_counter()
     with tqdm(total=calls, desc="calibrating", unit="call", disable=None, leave=False) as bar:
         verifier.verify([VerifyRequest(seq_id, 0, prompt, None, greedy) for seq_id in ids])
@@ -117,21 +120,21 @@ def calibrate(verifier: Verifier, drafter: Drafter, k_max: int, k_init: int, max
             costs.observe_verify(width, seconds, rows=n)
         for seq_id in ids:
             verifier.release(seq_id)
-
-        drafter.propose([DraftRequest(seq_id, 0, prompt, 1, greedy) for seq_id in ids])
-        bar.update()
-        # One row and every row count in the same passes, each per step of a block as rounds draft it: timed apart,
-        # a slow spell over one block once priced every batched step at twice the single one (0.08-0.12 s against
-        # 0.05).
-        steps = max(k_init, 2)
-        for n, seconds in _fastest_each({n: lambda n=n: draft(n, steps) for n in draft_rows}, passes, bar).items():
-            costs.observe_draft_step(seconds, rows=n)
-        if catch_up:
-            costs.draft_forward = _fastest_each({w: lambda w=w: draft(1, 1, w) for w in catch_up}, 2, bar)
-        for seq_id in ids:
-            drafter.release(seq_id)
+        if drafter is not None:
+            drafter.propose([DraftRequest(seq_id, 0, prompt, 1, greedy) for seq_id in ids])
+            bar.update()
+            # One row and every row count in the same passes, each per step of a block as rounds draft it: timed apart,
+            # a slow spell over one block once priced every batched step at twice the single one (0.08-0.12 s against
+            # 0.05).
+            steps = max(k_init, 2)
+            for n, seconds in _fastest_each({n: lambda n=n: draft(n, steps) for n in draft_rows}, passes, bar).items():
+                costs.observe_draft_step(seconds, rows=n)
+            if catch_up:
+                costs.draft_forward = _fastest_each({w: lambda w=w: draft(1, 1, w) for w in catch_up}, 2, bar)
+            for seq_id in ids:
+                drafter.release(seq_id)
     log.info("calibrated in %.1f s (%d target and draft calls; rows %s)", time.perf_counter() - started, calls,
-             ", ".join(map(str, draft_rows)))
+             ", ".join(map(str, [1, *rows])))
     _cap_by_larger(costs)
     return costs
 

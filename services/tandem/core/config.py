@@ -275,8 +275,10 @@ class EngineConfig:
         _require(1 <= self.decode_steps <= MAX_DECODE_STEPS, "decode_steps",
                  f"must be between 1 and {MAX_DECODE_STEPS}")
 
-    @property
-    def calibrates(self) -> bool:
-        """Whether an engine with a drafter times its forwards before serving: costs steer only an adaptive k (the
-        policy, the batch plan); a fixed k drafts as given, so it starts at once."""
-        return self.calibrate and self.spec.speculating and self.spec.adaptive
+    def calibrates(self, drafter: bool = True) -> bool:
+        """Whether an engine times its forwards before serving: costs steer only an adaptive k (the policy, the
+        batch plan); a fixed k drafts as given, so it starts at once. Without a drafter (`drafter` False), only its
+        target's forwards and only where it looks up drafts for batches (core.batch_plan.free_blocks_that_pay prices
+        them; one stream learns its widths as it serves, every round timed)."""
+        wanted = self.spec.speculating if drafter else self.spec.prompt_lookup and self.max_batch > 1
+        return self.calibrate and self.spec.adaptive and wanted

@@ -22,7 +22,7 @@ from tandem.core.calibration import calibrate, kv_tokens_needed
 from tandem.core.config import EngineConfig, SamplingParams
 from tandem.core.costs import CostModel
 from tandem.core.prediction import Prediction, predicted_acceptance, predicted_proposal
-from tandem.core.prompt_lookup import LookupAcceptance, PromptLookup
+from tandem.core.prompt_lookup import LookupAcceptance, Pace, PromptLookup
 from tandem.core.protocol import Drafter, KVCacheFull, Verifier
 from tandem.core.requests import GenerationResult, Sequence, StepOutput
 from tandem.core.round_plan import RoundPlan, RowView, plan_round
@@ -57,7 +57,7 @@ class SpeculativeEngine:
         # Tokens the running step's target forward computes at most (its rows' uncached context, drafts): what a
         # step may take grows with them (the gateway's stall watchdog). Read from another thread.
         self.step_tokens = 0
-        if self.drafter is not None and self.config.calibrates:
+        if self.config.calibrates(self.drafter is not None):
             self.calibrate()
 
     @property
@@ -91,12 +91,13 @@ class SpeculativeEngine:
         stop = StopChecker(params, self.eos_token_ids, self.decode)
         if params.min_tokens:  # the ids min_tokens holds back are the ones that would end the output
             params = dataclasses.replace(params, end_ids=tuple(sorted(stop.stop_ids)))
+        looks_up = self.config.spec.prompt_lookup and not prediction
         self.sequences[request_id] = Sequence(request_id, list(prompt), params, stop, state, max_k=max_k,
                                               session_id=session_id, cache_scope=cache_scope, priority=priority,
                                               logprobs=None if params.logprobs is None else [],
                                               prediction=Prediction(prediction) if prediction else None,
-                                              lookup=PromptLookup(prompt) if self.config.spec.prompt_lookup
-                                              and not prediction else None)
+                                              lookup=PromptLookup(prompt) if looks_up else None,
+                                              pace=Pace() if looks_up else None)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -164,7 +165,8 @@ class SpeculativeEngine:
                        prediction_acceptance=predicted_acceptance(seq.stats.prediction_accepted,
                                                                   seq.stats.prediction_rejected)
                        if seq.prediction is not None or seq.lookup is None
-                       else self.lookup_acceptance.value(seq.lookup.matched))
+                       else self.lookup_acceptance.value(seq.lookup.matched),
+                       pace=seq.pace.rate if seq.pace is not None else 0.0)
 
     def _round(self, batch: list[Sequence], plan: RoundPlan, limits: list[int],
                offers: list[list[int]]) -> list[StepOutput | None]:

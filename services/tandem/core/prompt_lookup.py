@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,6 +35,7 @@ MAX_NGRAM = 4  # the longest
 PRIOR_ACCEPTANCE = 0.6  # a match length class's per-token acceptance before the engine has measured it
 PRIOR_WEIGHT = 4.0  # in drafted tokens
 MATCH_CLASSES = (2, 3, 4, 8, 16)  # the shortest match of each class; a match is measured back up to the last
+PACE_DECAY = 0.75  # a round's weight in its row's pace, a round later: the pace is about the last four rounds
 
 
 class PromptLookup:
@@ -131,3 +133,23 @@ class LookupAcceptance:
 
     def observe(self, matched: int, k: int, accepted: int) -> None:
         self._classes[self.class_of(matched)].observe(k, accepted)
+
+
+@dataclass(slots=True)
+class Pace:
+    """A row's recent tokens per second, each round priced at what the cost model says it costs (a batch's other rows
+    and the machine's load do not move it), each round's weight fading by PACE_DECAY a round. With prompt lookup on,
+    the round plan weighs the draft model's rounds against it (core.round_plan rule 2): where copies run fast, the
+    tokens a drafted round adds are worth only what copying would have spent on them."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def record(self, tokens: int, seconds: float) -> None:
+        self.tokens = self.tokens * PACE_DECAY + tokens
+        self.seconds = self.seconds * PACE_DECAY + seconds
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second (0: no round priced yet)."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0

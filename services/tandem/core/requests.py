@@ -10,7 +10,7 @@ from tandem.core import policy
 from tandem.core.config import SamplingParams
 from tandem.core.logprobs import TokenLogprob
 from tandem.core.prediction import Prediction
-from tandem.core.prompt_lookup import PromptLookup
+from tandem.core.prompt_lookup import Pace, PromptLookup
 from tandem.core.protocol import RowOrder
 from tandem.core.stats import RequestStats
 from tandem.core.stops import StopChecker
@@ -39,6 +39,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens after the first, once scored
     prediction: Prediction | None = None  # the output the request predicted, drafted where it matches
     lookup: PromptLookup | None = None  # without a prediction, with prompt lookup on: its context's n-gram search
+    pace: Pace | None = None  # with lookup: its recent tokens per second, which the draft model's rounds must beat
 
     def offer(self, most: int) -> list[int]:
         """Up to `most` free drafts to follow the output: its prediction's, else its context's (prompt lookup)."""

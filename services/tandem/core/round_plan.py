@@ -13,13 +13,22 @@
    prefills a chunk of its prompt, nor where its request's max_k is 0. With prompt lookup on (core.prompt_lookup),
    a row whose output's last tokens occur earlier in its context drafts the tokens that followed them there the
    same way, when that makes more tokens per second than its policy's drafts would (its draft model's rate at its
-   acceptance, draft steps paid; plain decoding's where the engine has no draft model): its policy is not asked
-   that round, and its drafter catches up when the draft model drafts again. Elsewhere the rules below apply.
+   acceptance, draft steps and catch-up paid; plain decoding's where the engine has no draft model): its policy is
+   not asked that round, and its drafter catches up when the draft model drafts again. In an adaptive batch, once
+   rule 4 has planned the drafting rows, each such free block (predicted or looked up) is kept only at the length,
+   if any, that raises the batch's expected tokens per second (core.batch_plan.free_blocks_that_pay): it takes no
+   draft step but widens the target's forward for every row. Elsewhere the rules below apply.
 1. No drafting (k 0, the policy not asked): the engine is not speculating (no drafter, or speculation off), the
    request's max_k is 0, it is the row's first round under the adaptive policy's plain_first_round, or the row only
    prefills a chunk of its prompt this step.
 2. The session's policy picks k (core.policy.decide). Its decision comes back with the plan, for the engine to apply
    once the round has run: a round that does not run (its batch shrinks to fit the KV cache) is planned afresh.
+   With prompt lookup on, where copies have made the row's recent pace (core.prompt_lookup.Pace: its tokens per
+   second, copies included) faster than plain decoding, the draft model's round must keep it: the tokens its drafts
+   add beyond a plain round's one must be worth more, at that pace, than its draft steps and catch-up share cost
+   beyond a plain round; else the row decodes plainly (the policy not asked). A drafted round spent on the few new
+   tokens between two copies costs more than decoding them plainly and copying on (on the real pair's code edits,
+   3 such rounds a request took 1.7 s of the 5 it ran). A probe out of fallback always runs.
 3. Caps: the request's max_k, then remaining - 1 (the round's last token is the verifier's own, never a draft).
 4. A batch of two or more rows under the adaptive policy: a row whose drafter is more than batch_catch_up_limit
    tokens behind drafts nothing this round. If the batch plan would let it draft once caught up (its whole catch-up
@@ -48,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.core import policy
-from tandem.core.batch_plan import catch_up_share, plan_batch
+from tandem.core.batch_plan import catch_up_share, free_blocks_that_pay, plan_batch
 from tandem.core.config import SpecConfig
 from tandem.core.costs import CATCH_UP_ALONE_ABOVE, CostModel
 from tandem.core.prediction import free_draft_rate, predicted_k
@@ -67,6 +76,7 @@ class RowView:
     predicting: bool = False  # the request predicted its output (rule 0)
     predicted: int = 0  # predicted (or, without a prediction, looked-up) tokens that would follow the row's output
     prediction_acceptance: float = 0.0  # the share of those drafts accepted so far (the source's prior at first)
+    pace: float = 0.0  # with prompt lookup: the row's recent tokens per second (core.prompt_lookup.Pace; 0: none)
 
 
 @dataclass(slots=True, frozen=True)
@@ -92,8 +102,9 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
                  for row, p in zip(rows, predicted, strict=True)]
     ks = [_capped(row, decision, spec) for row, decision in zip(rows, decisions, strict=True)]
     catch_up = [0] * len(rows)
+    alphas = [policy.optimistic_acceptance(row.policy, spec, prior) for row in rows]
+    shares = None
     if len(rows) > 1 and spec.adaptive:
-        alphas = [policy.optimistic_acceptance(row.policy, spec, prior) for row in rows]
         limits = [_limit(row, spec) for row in rows]
         shares = [catch_up_share(costs, row.behind, alpha, k, row.remaining)
                   for row, alpha, k in zip(rows, alphas, ks, strict=True)]
@@ -107,6 +118,9 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
             catch_up = [spec.batch_catch_up_limit if f and k > 0 else 0 for f, k in zip(far, would_draft, strict=True)]
             ks = [0 if f else k for f, k in zip(far, ks, strict=True)]
         ks = plan_batch(ks, alphas, costs, shares, limits=limits)
+    if len(rows) > 1 and spec.adaptive and any(predicted):
+        predicted = free_blocks_that_pay(ks, alphas, predicted, [row.prediction_acceptance for row in rows], costs,
+                                         shares)
     if any(ks):
         riders = _riders(rows, ks, decisions)
         catch_up = [row.behind if rider else c for row, c, rider in zip(rows, catch_up, riders, strict=True)]
@@ -126,15 +140,17 @@ def _lookup_pays(row: RowView, k: int, speculating: bool, spec: SpecConfig, cost
     """Rule 0 for looked-up drafts: whether k of them make more tokens per second than the row's policy would, at
     the acceptance each has had (plain decoding's rate where the engine has no draft model or the costs are not
     measured yet). The draft model's round pays its drafter's catch-up too: after a copy it is behind by every
-    copied token, which a looked-up round never needs."""
+    copied token, which a looked-up round never needs; and it is an alternative only where it keeps the row's pace
+    (rule 2), else the alternative is plain decoding."""
     if k <= 0:
         return False
     rate, plain = (free_draft_rate(row.prediction_acceptance, width, costs) for width in (k, 0))
     if not speculating or row.max_k == 0 or not (spec.adaptive and costs.calibrated):
         return rate > plain
     alpha, catch_up = policy.acceptance(row.policy, spec, prior), costs.catch_up_time(row.behind)
-    drafted = max(policy.expected_tokens(alpha, j) / (costs.round_time(j) + catch_up)
-                  for j in range(1, max(_limit(row, spec), 1) + 1))
+    drafted = max((policy.expected_tokens(alpha, j) / (costs.round_time(j) + catch_up)
+                   for j in range(1, max(_limit(row, spec), 1) + 1) if _keeps_pace(row, j, spec, costs, prior)),
+                  default=0.0)
     return rate > max(drafted, plain)
 
 
@@ -161,7 +177,25 @@ def _decide(row: RowView, speculating: bool, spec: SpecConfig, costs: CostModel,
     plain_first = spec.adaptive and spec.plain_first_round and row.first_round
     if not speculating or row.max_k == 0 or plain_first or row.prefill_limit > 0:
         return None
-    return policy.decide(row.policy, costs, spec, prior)
+    decision = policy.decide(row.policy, costs, spec, prior)
+    keeps_pace = decision.probing or _keeps_pace(row, min(decision.k, _limit(row, spec)), spec, costs, prior)
+    return decision if keeps_pace else None
+
+
+def _keeps_pace(row: RowView, k: int, spec: SpecConfig, costs: CostModel, prior: float) -> bool:
+    """Rule 2's pace: whether the draft model's k drafts are worth their cost at the row's recent pace. A round
+    that makes E tokens where a plain one makes 1 saves the E - 1 tokens later rounds would have made at that pace,
+    and costs its steps and catch-up share beyond a plain round. At plain decoding's pace that is E / its seconds >
+    plain's rate, the policy's own test, so only a pace above it (copies) is asked; and never a probe (a policy in
+    fallback measuring its acceptance again: held back, it would ask again every round and never measure it)."""
+    if k <= 0 or not (spec.adaptive and costs.calibrated):
+        return True
+    plain = costs.verify_time(0)
+    if row.pace * plain <= 1.0:
+        return True
+    alpha = policy.acceptance(row.policy, spec, prior)
+    seconds = costs.round_time(k) + catch_up_share(costs, row.behind, alpha, k, row.remaining)
+    return (policy.expected_tokens(alpha, k) - 1.0) / row.pace > seconds - plain
 
 
 def _capped(row: RowView, decision: policy.Decision | None, spec: SpecConfig) -> int:

@@ -121,6 +121,9 @@ def commit_block(seq: Sequence, k: int, proposal: DraftProposal | None, result: 
     committed, accepted = len(seq.context), result.accepted
     new_tokens = (proposal.tokens[:accepted] if proposal else []) + [result.next_token, *result.more]
     seq.verify_synced = committed + len(new_tokens)
+    if seq.pace is not None and costs.calibrated:
+        seq.pace.record(len(new_tokens), _priced_seconds(costs, k, predicted, committed - seq.draft_synced,
+                                                         len(result.more)))
     if not predicted:
         if k > 0:
             seq.draft_synced = committed + accepted
@@ -156,6 +159,14 @@ def commit_block(seq: Sequence, k: int, proposal: DraftProposal | None, result: 
             raise RuntimeError(f"the verifier sent {len(logprobs)} logprobs for {len(emitted)} emitted tokens")
         seq.logprobs.extend(logprobs)
     return StepOutput(seq.request_id, emitted, seq.finish_reason, logprobs, prompt_logprobs)
+
+
+def _priced_seconds(costs: CostModel, k: int, predicted: bool, behind: int, more: int) -> float:
+    """What one row's round costs by the cost model: its verification, and for the draft model's drafts their steps
+    and the drafter's catch-up on the `behind` tokens it had not seen; `more` one-token forwards after a plain one."""
+    if predicted or k == 0:
+        return costs.verify_time(k) + more * costs.verify_time(0)
+    return costs.round_time(k) + costs.catch_up_time(behind)
 
 
 def _retry_lost(call, forget):

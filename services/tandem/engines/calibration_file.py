@@ -54,7 +54,7 @@ def build_reusing(options: BuildOptions,
     backends = build(dataclasses.replace(options, arms=arms))
     for arm in options.arms:
         engine = backends[arm.name].engine  # an arm's lanes share its costs (engines.backend.engine_lanes)
-        if arm.name in calibrating and engine.drafter is not None:
+        if arm.name in calibrating:
             reuse_or_calibrate(options.calibration_file, options, arm, engine)
     return backends
 
@@ -68,7 +68,7 @@ def reuse_or_calibrate(path: str, options: BuildOptions, arm: Arm, engine) -> No
         engine.costs.adopt(stored)
         return
     engine.calibrate()
-    if engine.costs.calibrated:
+    if engine.costs.calibrated or (engine.drafter is None and engine.costs.batched):  # the target's alone
         save(path, wanted, engine.costs)
 
 
@@ -88,8 +88,8 @@ def worker_facts(engine) -> list[dict]:
 
 
 def calibrates(arm: Arm) -> bool:
-    """Whether building `arm` runs calibration (its engine has a drafter: EngineConfig.calibrates)."""
-    return bool(arm.draft) and arm.config.calibrates
+    """Whether building `arm` runs calibration (EngineConfig.calibrates: with a drafter where it has a draft model)."""
+    return arm.config.calibrates(bool(arm.draft))
 
 
 def key(options: BuildOptions, arm: Arm, machines: list[dict]) -> dict:
