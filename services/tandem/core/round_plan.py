@@ -102,9 +102,8 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
                  for row, p in zip(rows, predicted, strict=True)]
     ks = [_capped(row, decision, spec) for row, decision in zip(rows, decisions, strict=True)]
     catch_up = [0] * len(rows)
-    alphas = [policy.optimistic_acceptance(row.policy, spec, prior) for row in rows]
-    shares = None
     if len(rows) > 1 and spec.adaptive:
+        alphas = [policy.optimistic_acceptance(row.policy, spec, prior) for row in rows]
         limits = [_limit(row, spec) for row in rows]
         shares = [catch_up_share(costs, row.behind, alpha, k, row.remaining)
                   for row, alpha, k in zip(rows, alphas, ks, strict=True)]
@@ -118,9 +117,9 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
             catch_up = [spec.batch_catch_up_limit if f and k > 0 else 0 for f, k in zip(far, would_draft, strict=True)]
             ks = [0 if f else k for f, k in zip(far, ks, strict=True)]
         ks = plan_batch(ks, alphas, costs, shares, limits=limits)
-    if len(rows) > 1 and spec.adaptive and any(predicted):
-        predicted = free_blocks_that_pay(ks, alphas, predicted, [row.prediction_acceptance for row in rows], costs,
-                                         shares)
+        if any(predicted):
+            predicted = free_blocks_that_pay(ks, alphas, predicted, [row.prediction_acceptance for row in rows],
+                                             costs, shares)
     if any(ks):
         riders = _riders(rows, ks, decisions)
         catch_up = [row.behind if rider else c for row, c, rider in zip(rows, catch_up, riders, strict=True)]
