@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from tandem.core.costs import CostModel
 from tandem.core.policy import expected_tokens
+from tandem.core.prediction import MOST_ACCEPTANCE
 
 CATCH_UP_HORIZON = 16
 
@@ -71,7 +72,7 @@ def free_blocks_that_pay(ks: list[int], alphas: list[float], offered: list[int],
         return list(offered)
 
     def rate(free: list[int]) -> float:
-        tokens = sum(expected_tokens(a, k) if k else expected_tokens(min(fa, 0.999), f)
+        tokens = sum(expected_tokens(a, k) if k else expected_tokens(min(fa, MOST_ACCEPTANCE), f)
                      for a, k, fa, f in zip(alphas, ks, offered_alphas, free, strict=True))
         return tokens / round_seconds(ks, costs, catch_up, free)
 

@@ -27,6 +27,7 @@ NGRAM = 3  # the longest run of the output's last tokens looked up in the predic
 TOKEN_BITS = 21  # a token id's bits in an n-gram's key: NGRAM of them fit 64 (vocabularies up to 2M ids)
 PRIOR_ACCEPTANCE = 0.9  # before a request's predicted drafts are measured: predictions are meant to be mostly right
 PRIOR_WEIGHT = 4.0  # in drafted tokens
+MOST_ACCEPTANCE = 0.999  # free drafts are never priced as certain, however well they have done
 
 
 class Prediction:
@@ -117,7 +118,8 @@ def free_draft_rate(acceptance: float, k: int, costs: CostModel) -> float:
     # timed width 1 could price it at nothing. Each such round times its width (the engine's
     # CostModel.observe_verify), and later rounds read that.
     timed = sorted(costs.verify) or [1]
-    return expected_tokens(min(acceptance, 0.999), k) / costs.forward_time(min(max(k + 1, timed[0]), timed[-1]))
+    width = min(max(k + 1, timed[0]), timed[-1])
+    return expected_tokens(min(acceptance, MOST_ACCEPTANCE), k) / costs.forward_time(width)
 
 
 def predicted_proposal(tokens: list[int], sampled: bool) -> DraftProposal:
