@@ -147,9 +147,9 @@ def _lookup_pays(row: RowView, k: int, speculating: bool, spec: SpecConfig, cost
     if not speculating or row.max_k == 0 or not (spec.adaptive and costs.calibrated):
         return rate > plain
     alpha, catch_up = policy.acceptance(row.policy, spec, prior), costs.catch_up_time(row.behind)
-    drafted = max((policy.expected_tokens(alpha, j) / (costs.round_time(j) + catch_up)
-                   for j in range(1, max(_limit(row, spec), 1) + 1) if _keeps_pace(row, j, spec, costs, prior)),
-                  default=0.0)
+    paced = _paced(row, costs)
+    widths = [j for j in range(1, max(_limit(row, spec), 1) + 1) if not paced or _worth_at_pace(row, j, alpha, costs)]
+    drafted = max((policy.expected_tokens(alpha, j) / (costs.round_time(j) + catch_up) for j in widths), default=0.0)
     return rate > max(drafted, plain)
 
 
@@ -187,12 +187,20 @@ def _keeps_pace(row: RowView, k: int, spec: SpecConfig, costs: CostModel, prior:
     and costs its steps and catch-up share beyond a plain round. At plain decoding's pace that is E / its seconds >
     plain's rate, the policy's own test, so only a pace above it (copies) is asked; and never a probe (a policy in
     fallback measuring its acceptance again: held back, it would ask again every round and never measure it)."""
-    if k <= 0 or not (spec.adaptive and costs.calibrated):
+    if k <= 0 or not (spec.adaptive and costs.calibrated and _paced(row, costs)):
         return True
+    return _worth_at_pace(row, k, policy.acceptance(row.policy, spec, prior), costs)
+
+
+def _paced(row: RowView, costs: CostModel) -> bool:
+    """Whether the row's recent pace (copies) is above plain decoding's rate, the only case rule 2 asks about."""
+    return row.pace * costs.verify_time(0) > 1.0
+
+
+def _worth_at_pace(row: RowView, k: int, alpha: float, costs: CostModel) -> bool:
+    """Rule 2's test for k drafts at acceptance alpha: the E - 1 tokens beyond a plain round's, at the row's pace,
+    against the seconds its steps and catch-up share cost beyond a plain round."""
     plain = costs.verify_time(0)
-    if row.pace * plain <= 1.0:
-        return True
-    alpha = policy.acceptance(row.policy, spec, prior)
     seconds = costs.round_time(k) + catch_up_share(costs, row.behind, alpha, k, row.remaining)
     return (policy.expected_tokens(alpha, k) - 1.0) / row.pace > seconds - plain
 
