@@ -4,6 +4,7 @@ response object said at that point."""
 
 from __future__ import annotations
 
+from tandem.core.stats import RequestStats
 from tandem.gateway.events import ChoiceDelta, ChoiceEnd
 from tandem.gateway.openai.responses_output import ResponseWriter, output_of
 from tandem.gateway.openai.schemas import ResponsesRequest
@@ -26,7 +27,7 @@ def test_the_events_of_a_finished_response_build_its_output() -> None:
     events = writer.opening()
     for delta in _deltas():
         events += writer.add(delta)
-    events += writer.add(ChoiceEnd(0, "stop", 3, 5, {}, "req"))
+    events += writer.add(ChoiceEnd(0, "stop", 3, 5, RequestStats().report(False, 0), "req"))
     events += writer.closing()
     output = writer.response()["output"]
     assert [item["type"] for item in output] == ["message", "function_call", "message"]

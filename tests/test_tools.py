@@ -16,6 +16,7 @@ import pytest
 
 from gateway_harness import tiny_http_server
 from tandem.client import Collector, TandemClient
+from tandem.core.stats import RequestStats
 from tandem.gateway.events import ChoiceDelta, ChoiceEnd
 from tandem.gateway.forced_calls import forced_call_start
 from tandem.gateway.openai.responses import Responder
@@ -253,7 +254,7 @@ def test_calls_take_openai_and_grpc_shapes(tiny_models) -> None:
     Complete, and the Python client's result."""
     first, second = ToolCall("call_a", "get_weather", '{"city": "Paris"}'), ToolCall("call_b", "get_time", "{}")
     events = [ChoiceDelta(0, "\n", [1, 2], None, (first,)), ChoiceDelta(0, "", [3], None, (second,)),
-              ChoiceEnd(0, "tool_calls", 5, 3, {}, "r1")]
+              ChoiceEnd(0, "tool_calls", 5, 3, RequestStats().report(False, 0), "r1")]
     streamed = Responder("chat", "id", MODEL, TokenTexts(tiny_models[0].tokenizer), n=1)
     deltas = [streamed.chunk(event)["choices"][0] for event in events]
     assert deltas[0]["delta"]["tool_calls"] == [{"index": 0, "id": "call_a", "type": "function", "function": {

@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
+from tandem.core.stats import RequestStats
 from tandem.telemetry import tracing
 from tandem.telemetry.gateway import RequestObserver
 from tandem.telemetry.rounds import RoundTracer
@@ -33,7 +34,7 @@ def _request_path(metrics, chunks: int = 64) -> None:
     observed.prepared(_Prepared)
     for _ in range(chunks):
         observed.tokens(1)
-    observed.completed(3, chunks, "length", {"rounds": 16})
+    observed.completed(3, chunks, "length", RequestStats(rounds=16).report(False, 0))
     observed.end()
 
 

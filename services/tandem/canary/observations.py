@@ -48,7 +48,7 @@ class Outcome:
     @classmethod
     def from_request(cls, session: str, stats: dict, first_token_at: float | None, finished_at: float,
                      completion_tokens: int, error: bool = False) -> Outcome:
-        """From a request's speculation stats (RequestStats.to_dict(): drafted, accepted) and monotonic times."""
+        """From a request's speculation stats (core.stats.SpeculationReport: drafted, accepted) and monotonic times."""
         tpot = None
         if not error and first_token_at is not None and completion_tokens > 1:
             tpot = max(0.0, finished_at - first_token_at) / (completion_tokens - 1)

@@ -19,7 +19,7 @@ def print_outcome(json_target: str | None, text: str | None, token_ids: list[int
     if json_target != STDOUT:
         sys.stdout.write("\n")
         # An acceptance rate only where something was drafted (0.00 read as every draft rejected).
-        drafted = stats.get("drafted", 1)
+        drafted = stats["drafted"]
         acceptance = f", acceptance {stats['acceptance_rate']:.2f}" if speculative and drafted else ""
         print(f"[{len(token_ids)} tokens, {elapsed:.2f}s, finish: {finish_reason}{acceptance}]", file=sys.stderr)
     write_json(json_target, {

@@ -226,7 +226,7 @@ class SpeculativeEngine:
             text = self.decode(seq.output)
             if seq.text_cut is not None:
                 text = text[: seq.text_cut]
-        stats = seq.stats.to_dict() | {"fallback": seq.policy.fallback, "final_k": seq.policy.k}
+        stats = seq.stats.report(seq.policy.fallback, seq.policy.k)
         return GenerationResult(seq.request_id, list(seq.output), text, seq.finish_reason or FINISH_ABORT, stats,
                                 None if seq.logprobs is None else list(seq.logprobs), seq.prompt_logprobs)
 

@@ -12,7 +12,7 @@ from tandem.core.logprobs import TokenLogprob
 from tandem.core.prediction import Prediction
 from tandem.core.prompt_lookup import Pace, PromptLookup
 from tandem.core.protocol import RowOrder
-from tandem.core.stats import RequestStats
+from tandem.core.stats import RequestStats, SpeculationReport
 from tandem.core.stops import StopChecker
 
 
@@ -93,6 +93,6 @@ class GenerationResult:
     token_ids: list[int]
     text: str | None
     finish_reason: str
-    stats: dict
+    stats: SpeculationReport
     logprobs: list[TokenLogprob] | None = None  # aligned with token_ids when the request asked, else None
     prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens after the first, when it asked

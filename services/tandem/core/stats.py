@@ -1,8 +1,38 @@
-"""Per-request speculation statistics."""
+"""Per-request speculation statistics, and the report of them each finished request carries to the layers above."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
+
+
+class SpeculationReport(TypedDict):
+    """What a finished request's speculation did, as the engine reports it to the gateway, the CLI and the benches
+    (GenerationResult.stats, and on as ChoiceEnd.stats): every key always present. Plain data, so that the HTTP API
+    can show it whole (a response's `speculation`) and a bench can write it as it is."""
+
+    rounds: int
+    spec_rounds: int
+    fallback_rounds: int
+    drafted: int
+    accepted: int
+    acceptance_rate: float
+    mean_accepted_length: float  # tau: tokens per speculative round
+    acceptance_per_position: list[float]
+    draft_seconds: float
+    verify_seconds: float
+    draft_failures: int
+    rounds_by_k: dict[str, int]
+    cached_prompt_tokens: int
+    block_tokens: int
+    predicted_rounds: int
+    accepted_prediction_tokens: int  # OpenAI's names: predicted tokens accepted as drafts, and those refused
+    rejected_prediction_tokens: int
+    lookup_rounds: int
+    accepted_lookup_tokens: int
+    rejected_lookup_tokens: int
+    fallback: bool  # the request's policy ended in fallback (plain decoding)
+    final_k: int
 
 
 @dataclass(slots=True)
@@ -75,29 +105,31 @@ class RequestStats:
         """tau: tokens emitted per speculative round (accepted drafts plus the target's own token)."""
         return self.emitted_in_spec_rounds / self.spec_rounds if self.spec_rounds else 0.0
 
-    def to_dict(self) -> dict:
-        return {
-            "rounds": self.rounds,
-            "spec_rounds": self.spec_rounds,
-            "fallback_rounds": self.fallback_rounds,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "acceptance_rate": round(self.acceptance_rate, 4),
-            "mean_accepted_length": round(self.mean_accepted_length, 4),
-            "acceptance_per_position": [
+    def report(self, fallback: bool, final_k: int) -> SpeculationReport:
+        """The finished request's report; `fallback` and `final_k`: where its policy ended."""
+        return SpeculationReport(
+            rounds=self.rounds,
+            spec_rounds=self.spec_rounds,
+            fallback_rounds=self.fallback_rounds,
+            drafted=self.drafted,
+            accepted=self.accepted,
+            acceptance_rate=round(self.acceptance_rate, 4),
+            mean_accepted_length=round(self.mean_accepted_length, 4),
+            acceptance_per_position=[
                 round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)
             ],
-            "draft_seconds": round(self.draft_seconds, 6),
-            "verify_seconds": round(self.verify_seconds, 6),
-            "draft_failures": self.draft_failures,
-            "rounds_by_k": {str(k): n for k, n in sorted(self.rounds_by_k.items())},
-            "cached_prompt_tokens": self.cached_prompt_tokens,
-            "block_tokens": self.block_tokens,
-            "predicted_rounds": self.predicted_rounds,
-            # OpenAI's names: predicted tokens the target accepted as drafts, and those it refused
-            "accepted_prediction_tokens": self.prediction_accepted,
-            "rejected_prediction_tokens": self.prediction_rejected,
-            "lookup_rounds": self.lookup_rounds,
-            "accepted_lookup_tokens": self.lookup_accepted,
-            "rejected_lookup_tokens": self.lookup_rejected,
-        }
+            draft_seconds=round(self.draft_seconds, 6),
+            verify_seconds=round(self.verify_seconds, 6),
+            draft_failures=self.draft_failures,
+            rounds_by_k={str(k): n for k, n in sorted(self.rounds_by_k.items())},
+            cached_prompt_tokens=self.cached_prompt_tokens,
+            block_tokens=self.block_tokens,
+            predicted_rounds=self.predicted_rounds,
+            accepted_prediction_tokens=self.prediction_accepted,
+            rejected_prediction_tokens=self.prediction_rejected,
+            lookup_rounds=self.lookup_rounds,
+            accepted_lookup_tokens=self.lookup_accepted,
+            rejected_lookup_tokens=self.lookup_rejected,
+            fallback=fallback,
+            final_k=final_k,
+        )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.core.logprobs import TokenLogprob
+from tandem.core.stats import SpeculationReport
 from tandem.errors import BackendUnavailable, InvalidArgument, TandemError
 from tandem.gateway.tools import ToolCall
 
@@ -38,7 +39,7 @@ class ChoiceEnd:
     finish_reason: str  # tandem.core.stops FINISH_*: "stop", "length" or "abort"; or "tool_calls" (gateway.tools)
     prompt_tokens: int
     completion_tokens: int
-    stats: dict  # speculation: rounds, drafted, accepted, acceptance_rate, mean_accepted_length, fallback_rounds, ...
+    stats: SpeculationReport  # what the request's speculation did
     request_id: str
 
 

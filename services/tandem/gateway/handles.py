@@ -11,6 +11,7 @@ from typing import Protocol
 
 from tandem.core.config import SamplingParams
 from tandem.core.logprobs import TokenLogprob
+from tandem.core.stats import SpeculationReport
 from tandem.gateway.events import QueueFull
 
 
@@ -46,7 +47,7 @@ class Finished:
     finish_reason: str
     text_cut: int | None
     completion_tokens: int
-    stats: dict
+    stats: SpeculationReport
 
 
 @dataclass(slots=True, frozen=True)

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from tandem.core.logprobs import TokenLogprob
+from tandem.core.stats import SpeculationReport
 from tandem.core.stops import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from tandem.errors import InvalidArgument
 from tandem.gateway.auth import ApiKeys
@@ -35,20 +36,20 @@ def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode[error_code(exc)], str(exc)
 
 
-def speculation_stats(stats: dict) -> pb.SpeculationStats:
+def speculation_stats(stats: SpeculationReport) -> pb.SpeculationStats:
     return pb.SpeculationStats(
-        rounds=stats.get("rounds", 0),
-        drafted_tokens=stats.get("drafted", 0),
-        accepted_tokens=stats.get("accepted", 0),
-        acceptance_rate=stats.get("acceptance_rate", 0.0),
-        mean_accepted_length=stats.get("mean_accepted_length", 0.0),
-        fallback_rounds=stats.get("fallback_rounds", 0),
-        acceptance_per_position=stats.get("acceptance_per_position", []),
-        draft_failures=stats.get("draft_failures", 0),
-        predicted_rounds=stats.get("predicted_rounds", 0),
-        lookup_rounds=stats.get("lookup_rounds", 0),
-        accepted_lookup_tokens=stats.get("accepted_lookup_tokens", 0),
-        rejected_lookup_tokens=stats.get("rejected_lookup_tokens", 0),
+        rounds=stats["rounds"],
+        drafted_tokens=stats["drafted"],
+        accepted_tokens=stats["accepted"],
+        acceptance_rate=stats["acceptance_rate"],
+        mean_accepted_length=stats["mean_accepted_length"],
+        fallback_rounds=stats["fallback_rounds"],
+        acceptance_per_position=stats["acceptance_per_position"],
+        draft_failures=stats["draft_failures"],
+        predicted_rounds=stats["predicted_rounds"],
+        lookup_rounds=stats["lookup_rounds"],
+        accepted_lookup_tokens=stats["accepted_lookup_tokens"],
+        rejected_lookup_tokens=stats["rejected_lookup_tokens"],
     )
 
 
@@ -69,9 +70,9 @@ def complete_message(end: ChoiceEnd) -> pb.GenerateResponse:
     return pb.GenerateResponse(complete=pb.Complete(
         finish_reason=FINISH_REASONS.get(end.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
         usage=pb.Usage(prompt_tokens=end.prompt_tokens, completion_tokens=end.completion_tokens,
-                       cached_prompt_tokens=end.stats.get("cached_prompt_tokens", 0),
-                       accepted_prediction_tokens=end.stats.get("accepted_prediction_tokens", 0),
-                       rejected_prediction_tokens=end.stats.get("rejected_prediction_tokens", 0)),
+                       cached_prompt_tokens=end.stats["cached_prompt_tokens"],
+                       accepted_prediction_tokens=end.stats["accepted_prediction_tokens"],
+                       rejected_prediction_tokens=end.stats["rejected_prediction_tokens"]),
         speculation=speculation_stats(end.stats),
         request_id=end.request_id,
         index=end.index,

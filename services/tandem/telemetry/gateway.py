@@ -12,6 +12,7 @@ import time
 
 from opentelemetry import trace
 
+from tandem.core.stats import SpeculationReport
 from tandem.telemetry import tracing
 from tandem.telemetry.metrics import PROVIDER, GatewayMetrics
 
@@ -70,7 +71,8 @@ class RequestObserver:
         if count and self.first_token is None:
             self.first_token = time.perf_counter()
 
-    def completed(self, prompt_tokens: int, completion_tokens: int, finish_reason: str, stats: dict) -> None:
+    def completed(self, prompt_tokens: int, completion_tokens: int, finish_reason: str,
+                  stats: SpeculationReport) -> None:
         ended = time.perf_counter()
         if self.metrics is not None:
             attributes = self.attributes | {"gen_ai.response.model": self.attributes["gen_ai.request.model"]}
@@ -83,7 +85,7 @@ class RequestObserver:
             attributes = {"gen_ai.usage.input_tokens": prompt_tokens, "gen_ai.usage.output_tokens": completion_tokens,
                           "gen_ai.response.finish_reasons": [finish_reason],
                           "gen_ai.response.model": self.attributes["gen_ai.request.model"]}
-            attributes |= {name: stats[key] for key, name in SPEC_ATTRIBUTES.items() if key in stats}
+            attributes |= {name: stats[key] for key, name in SPEC_ATTRIBUTES.items()}
             self.span.set_attributes(attributes)
         self._end()
 

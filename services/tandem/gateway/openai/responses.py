@@ -75,7 +75,7 @@ class Responder:
         # request (the fewest of its choices': one computes the prompt, the others copy it from that one).
         prompts: dict[int, tuple[int, int]] = {}
         for end in ends:
-            cached = end.stats.get("cached_prompt_tokens", 0)
+            cached = end.stats["cached_prompt_tokens"]
             tokens, fewest = prompts.get(end.index // self.per_prompt, (end.prompt_tokens, cached))
             prompts[end.index // self.per_prompt] = (tokens, min(fewest, cached))
         prompt = sum(tokens for tokens, _ in prompts.values())
@@ -85,7 +85,7 @@ class Responder:
         # OpenAI's usage: what of a prediction the output took (core.prediction); completions take one here too.
         usage["completion_tokens_details"] = {
             "reasoning_tokens": 0, "audio_tokens": 0,
-            **{name: sum(end.stats.get(name, 0) for end in ends)
+            **{name: sum(end.stats[name] for end in ends)
                for name in ("accepted_prediction_tokens", "rejected_prediction_tokens")}}
         return usage
 

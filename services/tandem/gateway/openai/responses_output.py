@@ -189,7 +189,7 @@ class ResponseWriter:
         if end is not None:
             response["usage"] = {"input_tokens": end.prompt_tokens, "output_tokens": end.completion_tokens,
                                  "total_tokens": end.prompt_tokens + end.completion_tokens,
-                                 "input_tokens_details": {"cached_tokens": end.stats.get("cached_prompt_tokens", 0),
+                                 "input_tokens_details": {"cached_tokens": end.stats["cached_prompt_tokens"],
                                                           "cache_write_tokens": 0},
                                  "output_tokens_details": {"reasoning_tokens": 0}}
             response["tandem"] = tandem_extra(end)
