@@ -6,6 +6,7 @@ and a lone row, plain and speculative; a seed gives the same tokens; cache growt
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -284,13 +285,14 @@ def test_packed_and_fused_models_compile(tiny_dirs, monkeypatch, dtype) -> None:
 
 
 @pytest.mark.slow
-def test_warm_up_compiles_every_class_of_bucket_before_the_first_request(tiny_models, monkeypatch) -> None:
+def test_warm_up_compiles_every_class_of_bucket_before_the_first_request(tiny_models, monkeypatch, capsys) -> None:
     """Last in the module: it clears dynamo's caches, so the warm-up must compile. It warms both models on another
     thread than the one that serves, as the gateway's loader does: twelve graphs of the runners' shared forward
     (six classes each), past PyTorch's recompile limit of 8, which the runner raises around its own forwards on
     whichever thread they trace (core.cuda_graphs.with_trace_settings). Serving afterwards (lone and batched rows,
     plain and speculative) compiles nothing more, nor do new runners whose cache reallocates. PyTorch's duck sizing
-    and recompile limit stay as they were on both threads. Eager runners have nothing to warm."""
+    and recompile limit stay as they were on both threads. Eager runners have nothing to warm. Asked to, a runner
+    counts the classes on a progress bar."""
     from torch._dynamo import config as dynamo_config
 
     target, draft, _ = tiny_models
@@ -301,10 +303,13 @@ def test_warm_up_compiles_every_class_of_bucket_before_the_first_request(tiny_mo
     runners = [ModelRunner(model.model, kv_tokens=4096, compile=True) for model in (target, draft)]
 
     def warm_up() -> tuple[list[int], bool, int]:
-        return [runner.warm_up() for runner in runners], fx_config.use_duck_shape, dynamo_config.recompile_limit
+        counts = [runner.warm_up(progress=runner is runners[0]) for runner in runners]  # one bar, as on a terminal
+        return counts, fx_config.use_duck_shape, dynamo_config.recompile_limit
 
     with ThreadPoolExecutor(1) as loader:
         assert loader.submit(warm_up).result() == ([6, 6], True, 8)
+    bars = capsys.readouterr().err
+    assert re.search(rf"compiling {type(target.model).__name__}: .*[1-6]/6 \[", bars)  # counted as classes compile
     assert counters["stats"]["unique_graphs"] == graphs + 12
     assert not any(runner.states for runner in runners) and runners[0].kv_tokens_used == 0
     graphs = counters["stats"]["unique_graphs"]

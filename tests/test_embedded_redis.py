@@ -1,7 +1,7 @@
 """The embedded redis-server (`tandem serve`'s own): supervised, one killed is started again and the store writes
 back what it kept; a missing redis-server says how to install one; it dies with a killed starter, outlives the
-starter's Ctrl-C, and a restarted one dies with a killed starter too. (Session state in Redis is tested in
-tests/test_sessions.py.)"""
+starter's Ctrl-C, and a restarted one dies with a killed starter too; a start that fails says why. (Session state in
+Redis is tested in tests/test_sessions.py.)"""
 
 from __future__ import annotations
 
@@ -102,3 +102,18 @@ def test_an_embedded_redis_outlives_ctrl_c_and_its_restart_dies_with_a_killed_st
     if not _gone(restarted):
         os.kill(restarted, signal.SIGKILL)
         raise AssertionError("the restarted redis-server outlived the process that started it")
+
+
+def test_a_start_that_fails_says_whether_redis_server_exited_or_never_answered(tmp_path):
+    """The error tells a port taken (redis-server exits, its log says why) from a server that never answers (a loaded
+    machine, a wrong binary), which would otherwise both read as an empty-looking timeout."""
+    taken = r"(?s)\(it exited with 1\): .*Address already in use"
+    with EmbeddedRedis() as first, pytest.raises(RuntimeError, match=taken):
+        EmbeddedRedis(port=first.port).start()
+    silent = tmp_path / "redis-server"
+    silent.write_text("#!/bin/sh\nexec sleep 30\n")
+    silent.chmod(0o755)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"\(it ran 0.5 s without answering PING\): its log is empty"):
+        EmbeddedRedis(binary=str(silent), start_timeout_s=0.5).start()
+    assert time.monotonic() - started < 10  # tried once per free port it picked, each ended at once

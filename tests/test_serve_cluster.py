@@ -24,7 +24,9 @@ TOKENS = 40
 
 @pytest.fixture(scope="module")
 def stack(tiny_dirs, ray_session):
-    redis = EmbeddedRedis()
+    # A restart mid-module (below) once ran past the 10-s default while the other xdist worker compiled: it starts in
+    # 20 ms on a quiet machine, and the test is of the gateway's outage, not of redis-server's start under load.
+    redis = EmbeddedRedis(start_timeout_s=60)
     redis.start()
     store = RedisSessionStore(redis.url, retry_initial_s=0.1)
     config = EngineConfig(spec=SpecConfig(adaptive=False, k_init=4), calibrate=False)

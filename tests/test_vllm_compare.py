@@ -154,3 +154,20 @@ def test_tandem_gets_vllms_preload_unless_asked_not_to(monkeypatch: pytest.Monke
     (venv / "lib" / "libiomp5.so").unlink()
     assert iomp not in workers.preload(args)
     assert "LD_PRELOAD" not in workers.tandem_env(compare.parse_args(["--vllm-python", python, "--tandem-no-preload"]))
+
+
+def test_the_tandem_workers_loading_logs_reach_the_echoed_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    """While its engines load, the worker writes tandem's INFO lines (a cold compile's per-class progress) as
+    `tandem ...` lines, which the comparison echoes; once loaded, INFO is quiet again."""
+    import logging
+
+    from tandem.bench.vllm_compare_tandem import loading_progress
+
+    runner_log = logging.getLogger("tandem.core.runner")
+    with loading_progress():
+        runner_log.info("compiled shape class %d of 6", 2)
+    runner_log.info("a line of the timed runs")
+    err = capsys.readouterr().err
+    assert "tandem (loading) compiled shape class 2 of 6\n" in err
+    assert "a line of the timed runs" not in err
+    assert logging.getLogger("tandem").level == logging.NOTSET and not logging.getLogger("tandem").handlers

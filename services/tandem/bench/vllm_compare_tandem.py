@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import logging
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -98,10 +100,28 @@ def build_engines(job: dict) -> tuple[dict, dict, list[list[int]]]:
     return loaded, engines, ids
 
 
+@contextlib.contextmanager
+def loading_progress() -> Iterator[None]:
+    """While the engines load, tandem's INFO lines (each compiled shape class, calibration) go to stderr as `tandem
+    ...` lines, which the comparison echoes (resident.Resident's `echo`): a cold compile of both models is 10-18
+    minutes with nothing on the console otherwise. The runs after it log warnings alone, as before."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("tandem (loading) %(message)s"))
+    logger = logging.getLogger("tandem")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+
+
 def load(job: dict) -> tuple[dict, Callable[[dict], dict]]:
     """build_engines, and the function that answers one request: {"mode": "plain_..." or "auto_...", "prompts":
     indices into job["texts"]} through that engine in one generate call, greedy, job["max_tokens"] each."""
-    loaded, engines, ids = build_engines(job)
+    with loading_progress():
+        loaded, engines, ids = build_engines(job)
 
     def answer(request: dict) -> dict:
         result = batched(engines[request["mode"].split("_")[0]], [ids[i] for i in request["prompts"]],

@@ -185,7 +185,8 @@ def pin_model_args(args: argparse.Namespace) -> None:
 
 
 def announce_compile(args: argparse.Namespace) -> None:
-    """Say why a start with --compile is quiet for minutes (the runners' per-class progress is logged with -v)."""
+    """Say why a start with --compile takes minutes (on a terminal the runners' bars count the shape classes; -v logs
+    each)."""
     scope = compile_scope(args.compile)
     if scope != "none":
         flag, whose = ("--compile-draft", "the draft's") if scope == "draft" else ("--compile", "each model's")

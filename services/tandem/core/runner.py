@@ -14,6 +14,7 @@ import time
 from functools import partial
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from tandem.core import cpu_attention
@@ -88,19 +89,23 @@ class ModelRunner(SlotTable):
         self._model_lock = forward_lock(model)  # other runners over this model object wait while it runs (attention)
 
     @torch.inference_mode()
-    def warm_up(self) -> int:
+    def warm_up(self, progress: bool | None = None) -> int:
         """Compile the static forwards now rather than in a request: with dynamic shapes one compile serves each
         class of bucket, and on a GPU each takes tens of seconds. The classes: a cache of one slot (dynamo
         specializes a size of 1; a lone first request, or a budget that fits one slot at the length a sequence
         needs) with one row, then a cache of several slots with 1 or 2 rows; each at width 1 and above. Runs the six
-        over throwaway sequences; returns the forwards run (0 where nothing compiles)."""
+        over throwaway sequences; returns the forwards run (0 where nothing compiles). `progress`: a bar on stderr
+        (None: where stderr is a terminal, as calibration's; minutes pass between its steps on a CPU)."""
         if self.graphs is None or not self.graphs.compiled:
             return 0
         started = time.perf_counter()
+        name = type(self.model).__name__
         log.info("compiling %s's decode forwards (six shape classes: about a minute each on a GPU, one to two on a "
-                 "2-core CPU; less from a kept cache)", type(self.model).__name__)
+                 "2-core CPU; less from a kept cache)", name)
         runs = 0
         names = [f"warm-up-{row}" for row in range(2)]
+        bar = tqdm(total=6, desc=f"compiling {name}", unit="shape", disable=None if progress is None else not progress,
+                   leave=False)
         try:
             if not self.states and not self.retained and self.cache.slots > 1:
                 self.cache.reshape(1, self.cache.capacity)
@@ -116,14 +121,16 @@ class ModelRunner(SlotTable):
                         state.sync(len(state.tokens), [self.pad_token_id] * width)
                     self.forward_on_device(states, [1] * rows)
                     runs += 1
+                    bar.update()
                     log.info("compiled shape class %d of 6 (%.0f s so far)", runs, time.perf_counter() - started)
                 if rows == 1 and self.cache.slots == 1:
                     self.state(names[1])  # grows the cache to several slots
         except KVCacheFull:  # a budget too small for two short sequences: those shapes compile when first used
             pass
         finally:
-            for name in names:
-                self.release(name)
+            bar.close()
+            for sequence in names:
+                self.release(sequence)
         log.info("compiled %d shape classes in %.1f s", runs, time.perf_counter() - started)
         return runs
 

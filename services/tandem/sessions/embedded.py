@@ -194,8 +194,12 @@ class EmbeddedRedis:
                 break
             time.sleep(0.02)
         log_tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+        code = self._process.poll()
+        state = (f"it exited with {code}" if code is not None
+                 else f"it ran {self.start_timeout_s:g} s without answering PING")
         self._end_process()
-        raise RuntimeError(f"redis-server did not start on {self.host}:{self.port}: {log_tail.strip()}")
+        raise RuntimeError(f"redis-server did not start on {self.host}:{self.port} ({state}): "
+                           f"{log_tail.strip() or 'its log is empty'}")
 
     def _write_config(self, log_path: Path) -> Path:
         """redis.conf in the private temp dir, created 0600 (it holds the password; mkdtemp made the dir 0700)."""
