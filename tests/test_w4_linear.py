@@ -1,7 +1,7 @@
 """W4 draft weights (core.w4_linear): a one-row step multiplies by the layer's int4 copy, anything wider by its w8a8
-layer, the loader quantizes (and fuses) only where asked, and a compiled draft runs the same one-row product as an
-eager one. That a w4 draft leaves the engine's output exactly plain decoding's, greedy and seeded, is tested with the
-int8 ones in tests/test_int8_linear.py."""
+layer, the loader quantizes (and fuses) only where asked or where "auto" picks it, and a compiled draft runs the same
+one-row product as an eager one. That a w4 draft leaves the engine's output exactly plain decoding's, greedy and
+seeded, is tested with the int8 ones in tests/test_int8_linear.py."""
 
 from __future__ import annotations
 
@@ -80,6 +80,30 @@ def test_loader_quantizes_and_fuses_only_when_asked(tiny_dirs) -> None:
     assert 0.2 < weight_bytes(w4.model) / weight_bytes(plain.model) < 0.35
     for options in (LocalOptions, ClusterOptions):
         assert options(draft_quantization="w4").draft_quantization == "w4"
+
+
+def test_auto_holds_a_bf16_draft_on_an_avx512_cpu_as_w4_and_none_elsewhere(tiny_dirs, monkeypatch) -> None:
+    """Drafts' default: w4 where it was measured to pay (a bf16 draft on an AVX-512 CPU), their weights as loaded
+    elsewhere; every entry point defaults to it, and the loaded model says what was picked."""
+    from tandem.cli.main import build_parser
+    from tandem.core.model_options import resolve_quantization
+    from tandem.errors import InvalidArgument
+
+    avx512 = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
+    auto = load_model(str(tiny_dirs.draft), device=CPU, dtype=torch.bfloat16, progress=False, quantization="auto")
+    assert auto.quantization == ("w4" if avx512 else "none")
+    assert any(isinstance(m, W4Linear) for m in auto.model.modules()) == avx512
+    for device, dtype, eager in ((CPU, torch.float32, False), (CPU, torch.bfloat16, True),
+                                 (torch.device("cuda"), torch.bfloat16, False)):
+        assert resolve_quantization("auto", device, dtype, eager) == "none"
+    assert resolve_quantization("w8a8", CPU, torch.float32, True) == "w8a8"  # asked for, it is what it says
+    with pytest.raises(InvalidArgument, match="quantization"):
+        resolve_quantization("fp8", CPU, torch.bfloat16, False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # not measured there
+    assert resolve_quantization("auto", CPU, torch.bfloat16, False) == "none"
+    assert LocalOptions().draft_quantization == ClusterOptions().draft_quantization == "auto"
+    for command in (["generate", "hello"], ["serve"], ["bench"], ["pools", "start", "--name", "p"]):
+        assert build_parser().parse_known_args(command)[0].draft_quantization == "auto"
 
 
 def test_quantize_refuses_a_device_without_the_kernels() -> None:

@@ -5,12 +5,44 @@ vocabulary a drafter scores.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tandem.errors import InvalidArgument
+
+if TYPE_CHECKING:  # the CLI reads this module on installs without torch (the client's)
+    import torch
 
 # How a draft model's linear weights are held: "int8" weights with activations in the model's dtype
 # (core.int8_linear), "w8a8" int8 weights and activations quantized per row on a CPU (core.w8a8_linear), "w4" those
-# w8a8 layers with an int4 copy for one-row steps (core.w4_linear). A target is always held as loaded.
-QUANTIZATIONS = ("none", "int8", "w8a8", "w4")
+# w8a8 layers with an int4 copy for one-row steps (core.w4_linear); "auto" (drafts' default) is w4 where it has been
+# measured to pay and its kernels run (`resolve_quantization`), else none. A target is always held as loaded: the
+# draft's weights change how many drafts are accepted, never the output.
+QUANTIZATIONS = ("auto", "none", "int8", "w8a8", "w4")
+DEFAULT_DRAFT_QUANTIZATION = "auto"
+# CPUs whose w4 draft was measured faster than the bf16 one (AUTO at batch 1 1.34x on a 2-vCPU AVX512-BF16 Xeon,
+# docs/performance.md "Int4 for one-row draft steps"); on AVX2 alone it is not measured, so auto leaves it off there.
+_W4_CAPABILITIES = ("AVX512", "AVX512_BF16", "AMX")
+
+
+def resolve_quantization(quantization: str, device: torch.device, dtype: torch.dtype, eager: bool) -> str:
+    """The weights a draft loaded with this setting is held in: `quantization` itself unless "auto", which is "w4"
+    for bf16 weights on an AVX-512 CPU whose torch runs the int4 and int8 kernels, and "none" elsewhere (a GPU, an
+    eager model, float32, tensor parallelism)."""
+    if quantization not in QUANTIZATIONS:
+        raise InvalidArgument(f"quantization: one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization != "auto":
+        return quantization
+    import torch
+
+    if device.type != "cpu" or dtype != torch.bfloat16 or eager:
+        return "none"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "none"
+    if torch.backends.cpu.get_cpu_capability() not in _W4_CAPABILITIES:
+        return "none"
+    from tandem.core.w4_linear import supported
+
+    return "w4" if supported() else "none"
 
 
 # Which models of a pair compile their decode forwards with torch.compile on a CPU (a GPU compiles both by default).

