@@ -25,7 +25,7 @@ import torch
 
 from tandem.core.fused_linear import fuse
 from tandem.core.packed_linear import fixed_size, replace_linears
-from tandem.core.w8a8_linear import W8A8Linear
+from tandem.core.w8a8_linear import CHUNK_ELEMENTS, W8A8Linear, int8_levels
 from tandem.core.w8a8_linear import supported as w8a8_supported
 
 KERNEL = "aten::_weight_int4pack_mm_for_cpu"
@@ -46,10 +46,16 @@ def quantize_int4(weight: torch.Tensor, group: int, dtype: torch.dtype) -> tuple
     """The packed levels and the [in / group, out, 2] scales and zero points (in `dtype`, the activations') of a
     float weight: w ~ (level - 8) * scale + zero, the level in 0..15."""
     out_features, in_features = weight.shape
-    groups = weight.float().reshape(out_features, in_features // group, group)
-    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
-    scale = ((high - low) / LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
-    levels = torch.round((groups - low) / scale).clamp(0, LEVELS).to(torch.int32).reshape(out_features, in_features)
+    levels = torch.empty(out_features, in_features, dtype=torch.int32)
+    scale = torch.empty(out_features, in_features // group, 1)
+    low = torch.empty_like(scale)
+    step = max(1, CHUNK_ELEMENTS // in_features)  # rows at a time, so each pass over them stays in cache
+    for start in range(0, out_features, step):
+        rows = slice(start, start + step)
+        groups = weight[rows].float().reshape(-1, in_features // group, group)
+        low[rows], high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+        scale[rows] = ((high - low[rows]) / LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
+        levels[rows] = torch.round((groups - low[rows]) / scale[rows]).clamp_(0, LEVELS).reshape(-1, in_features)
     zero = low + 8 * scale
     scales_and_zeros = torch.stack([scale.squeeze(-1).t(), zero.squeeze(-1).t()], dim=-1).to(dtype).contiguous()
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, INNER_K_TILES), scales_and_zeros
@@ -61,14 +67,17 @@ class W4Linear(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.wide = W8A8Linear(weight, bias)
+        levels, scale = int8_levels(weight)
+        self.wide = W8A8Linear(weight, bias, (levels, scale))
         self.out_features, self.in_features = self.wide.out_features, self.wide.in_features
         self.group = int4_group(self.in_features, self.out_features)
         if not self.group:
             raise ValueError(f"int4 weights need outputs in multiples of {ROWS_ALIGN} and inputs in multiples of "
                              f"{GROUPS[-1]}: got [{self.out_features} x {self.in_features}]")
         self.dtype = dtype or weight.dtype
-        self.packed, self.scales_and_zeros = quantize_int4(self.wide.dequantized(), self.group, self.dtype)
+        # The w8a8 weight, Q * s: what self.wide.dequantized() recovers through the product, to the bit.
+        source = levels.float().mul_(scale[:, None])
+        self.packed, self.scales_and_zeros = quantize_int4(source, self.group, self.dtype)
         self.bias = None if bias is None else bias.detach().to(self.dtype)
         fixed_size(self.packed, self.scales_and_zeros, self.bias)
         # What a one-row step reads: the int4 levels and their scales and zero points.

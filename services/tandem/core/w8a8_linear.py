@@ -110,16 +110,36 @@ def _product(x: torch.Tensor, gemm, packed: torch.Tensor, scale: torch.Tensor, z
     return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
+# Weights are quantized this many elements at a time (8 MB of float32): each elementwise pass over a whole layer
+# streamed it from memory, and a 0.5B draft's passes took 3-4x as long as over rows that stay in cache.
+CHUNK_ELEMENTS = 1 << 21
+
+
+def int8_levels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q (int8) and s (float32, one per output row) of a [out, in] weight: symmetric, s = max|W_row| / 127 and
+    Q = round(W / s), computed a few rows at a time."""
+    out_features, in_features = weight.shape
+    levels = torch.empty(out_features, in_features, dtype=torch.int8)
+    scale = torch.empty(out_features)
+    step = max(1, CHUNK_ELEMENTS // max(in_features, 1))
+    for start in range(0, out_features, step):
+        rows = weight[start : start + step].detach().to(torch.float32, copy=True)
+        row_scale = (rows.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+        levels[start : start + step] = torch.round(rows.div_(row_scale[:, None])).clamp_(-127, 127)
+        scale[start : start + step] = row_scale
+    return levels, scale
+
+
 class W8A8Linear(torch.nn.Module):
     """y = (x quantized per row) (s * Q)^T + b: Q int8 [out, in] with s one float32 scale per output row
-    (symmetric, s = max|W_row| / 127), held in oneDNN's int8 layout; inference only."""
+    (symmetric, s = max|W_row| / 127), held in oneDNN's int8 layout; inference only. `quantized`: Q and s as
+    int8_levels gives them, where the caller has them already."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        w = weight.detach().float()
-        self.scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
-        levels = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
+        levels, self.scale = quantized if quantized is not None else int8_levels(weight)
         self.packed = torch.ops.onednn.qlinear_prepack(levels, [1, self.in_features])
         self.zero_points = torch.zeros(self.out_features, dtype=torch.int64)
         self.bias = None if bias is None else bias.detach().float()
