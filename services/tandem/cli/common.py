@@ -76,7 +76,7 @@ def add_model_options(parser: argparse.ArgumentParser, cache_reuse: bool = True)
                              "in the model's dtype; w8a8 quantizes them too, per row, for oneDNN's int8 GEMM, the "
                              "fast one on an AVX-512 or AMX CPU; w4 adds an int4 copy (a scale and zero point per "
                              "group of 128 inputs) that one-row draft steps read, a quarter of the bf16 bytes; auto "
-                             "is w4 for a bf16 draft on an AVX-512 CPU (its draft steps half the time, about 15 s "
+                             "is w4 for a bf16 draft on an AVX-512 CPU (its draft steps half the time, about 8 s "
                              "more to load), none elsewhere (default: %(default)s)")
     parser.add_argument("--kv-tokens", type=int, default=0, metavar="N",
                         help="KV cache budget of each model (the target's and the draft's, in every worker), in "
