@@ -82,16 +82,20 @@ def test_loader_quantizes_and_fuses_only_when_asked(tiny_dirs) -> None:
         assert options(draft_quantization="w4").draft_quantization == "w4"
 
 
-def test_auto_holds_a_bf16_draft_on_an_avx512_cpu_as_w4_and_none_elsewhere(tiny_dirs, monkeypatch) -> None:
+def test_auto_holds_a_bf16_draft_on_an_avx512_cpu_as_w4_and_none_elsewhere(tiny_dirs, monkeypatch, caplog) -> None:
     """Drafts' default: w4 where it was measured to pay (a bf16 draft on an AVX-512 CPU), their weights as loaded
-    elsewhere; every entry point defaults to it, and the loaded model says what was picked."""
+    elsewhere; every entry point defaults to it, and the loaded model and the log say what was picked."""
+    import logging
+
     from tandem.cli.main import build_parser
     from tandem.core.model_options import resolve_quantization
     from tandem.errors import InvalidArgument
 
     avx512 = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
+    caplog.set_level(logging.INFO, logger="tandem.models.loader")
     auto = load_model(str(tiny_dirs.draft), device=CPU, dtype=torch.bfloat16, progress=False, quantization="auto")
     assert auto.quantization == ("w4" if avx512 else "none")
+    assert f"weights held as {auto.quantization} (quantization auto, on cpu in bfloat16)" in caplog.text
     assert any(isinstance(m, W4Linear) for m in auto.model.modules()) == avx512
     for device, dtype, eager in ((CPU, torch.float32, False), (CPU, torch.bfloat16, True),
                                  (torch.device("cuda"), torch.bfloat16, False)):

@@ -7,6 +7,7 @@ allows an unpinned one, which is then resolved to its current commit once so tha
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,8 @@ from tandem.models.verify import verify_model_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -134,7 +137,10 @@ def load_model(
     5-13% faster after minutes of compiling at start.
     """
     check_model_mode(eager, compile)
-    quantization = resolve_quantization(quantization, device, dtype, eager)
+    asked, quantization = quantization, resolve_quantization(quantization, device, dtype, eager)
+    if asked == "auto":  # say what auto picked: on a worker, the logs are the only place that shows it
+        log.info("%s: weights held as %s (quantization auto, on %s in %s)", spec, quantization, device.type,
+                 str(dtype).removeprefix("torch."))
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     source = resolve(spec, progress=progress, pip_args=pip_args, allow_unpinned=allow_unpinned)
