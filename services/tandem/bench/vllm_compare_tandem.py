@@ -108,13 +108,14 @@ def loading_progress() -> Iterator[None]:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("tandem (loading) %(message)s"))
     logger = logging.getLogger("tandem")
+    previous = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
         yield
     finally:
         logger.removeHandler(handler)
-        logger.setLevel(logging.NOTSET)
+        logger.setLevel(previous)
 
 
 def load(job: dict) -> tuple[dict, Callable[[dict], dict]]:
