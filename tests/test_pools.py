@@ -85,6 +85,7 @@ def test_two_gateways_share_one_pool_and_batch_across_gateways(pools, gateways, 
             break
     assert sorted(w["role"] for w in status["workers"]) == ["draft", "target"]
     assert all(w["healthy"] for w in status["workers"]) and {w["threads"] for w in status["workers"]} == {1}
+    assert {w["weights"] for w in status["workers"]} == {"float32"}  # a float32 draft is held as loaded
     target = next(w for w in status["workers"] if w["role"] == "target")
     assert target["merged_forwards"] > before["target-0"], "no verify forward served both gateways"
     assert status["rows_per_verify_call"] > 1
@@ -98,6 +99,15 @@ def test_worker_actors_are_the_pools_alone(pools, gateways) -> None:
     assert cpus_used == 2
 
 
+def test_status_as_text_says_how_each_worker_holds_its_weights(pools) -> None:
+    """`tandem pools status` without --json: a line a worker, with how its weights are held (what a draft's
+    `--draft-quantization auto` picked shows nowhere else but its log)."""
+    lines = tandem_cli(pools, "pools", "status", "--name", "t").splitlines()
+    assert lines[0].startswith("pools t: target "), lines
+    for role in ("draft", "target"):
+        line = next(line for line in lines if line.split()[:2] == [role, f"{role}-0"])
+        assert " healthy  float32  threads 1  " in line, line
+
 
 def test_each_worker_serves_its_metrics_as_documented(pools, gateways) -> None:
     """`pools start` workers served no /metrics unless $TANDEM_WORKER_METRICS_PORT was set on the Ray nodes; the
@@ -109,6 +119,8 @@ def test_each_worker_serves_its_metrics_as_documented(pools, gateways) -> None:
         assert url is not None and url.startswith("http://") and int(url.rsplit(":", 1)[1].split("/")[0]) >= 9465
         text = httpx.get(url, timeout=10, trust_env=False).text
         assert f'tandem_worker_role="{worker["role"]}"' in text and "tandem_worker_kv_tokens{" in text, text[:2000]
+
+
 # `tandem` in a fresh interpreter that writes, at exit, the top-level packages it imported to $IMPORTS_FILE.
 REPORT_IMPORTS = """
 import atexit, json, os, sys

@@ -95,6 +95,7 @@ def test_auto_holds_a_bf16_draft_on_an_avx512_cpu_as_w4_and_none_elsewhere(tiny_
     caplog.set_level(logging.INFO, logger="tandem.models.loader")
     auto = load_model(str(tiny_dirs.draft), device=CPU, dtype=torch.bfloat16, progress=False, quantization="auto")
     assert auto.quantization == ("w4" if avx512 else "none")
+    assert auto.weights == ("w4" if avx512 else "bfloat16")  # what workers' info and `tandem pools status` show
     assert f"weights held as {auto.quantization} (quantization auto, on cpu in bfloat16)" in caplog.text
     assert any(isinstance(m, W4Linear) for m in auto.model.modules()) == avx512
     for device, dtype, eager in ((CPU, torch.float32, False), (CPU, torch.bfloat16, True),

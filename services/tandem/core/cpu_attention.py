@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.core.device import cpu_runs_avx512
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
@@ -60,7 +62,7 @@ def _ready_now() -> bool:
 
 
 def _build() -> bool:
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
+    if not cpu_runs_avx512():
         log.info("CPU decode attention: no AVX-512 here, sdpa runs")
         return False
     if shutil.which(os.environ.get("CXX", "c++")) is None:

@@ -42,6 +42,12 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def cpu_runs_avx512() -> bool:
+    """True when torch's CPU kernels run at AVX-512 or above here (its own dispatch, which honours
+    ATEN_CPU_CAPABILITY): where tandem's AVX-512 paths, the decode-attention kernel and the w4 draft, are built."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
+
+
 def cuda_build() -> str | None:
     """The CUDA (or ROCm) version this torch was built for; None for a CPU-only build."""
     return torch.version.cuda or getattr(torch.version, "hip", None)

@@ -19,30 +19,26 @@ if TYPE_CHECKING:  # the CLI reads this module on installs without torch (the cl
 # draft's weights change how many drafts are accepted, never the output.
 QUANTIZATIONS = ("auto", "none", "int8", "w8a8", "w4")
 DEFAULT_DRAFT_QUANTIZATION = "auto"
-# CPUs whose w4 draft was measured faster than the bf16 one (AUTO at batch 1 1.34x on a 2-vCPU AVX512-BF16 Xeon,
-# docs/performance.md "Int4 for one-row draft steps"); on AVX2 alone it is not measured, so auto leaves it off there.
-_W4_CAPABILITIES = ("AVX512", "AVX512_BF16", "AMX")
 
 
 def resolve_quantization(quantization: str, device: torch.device, dtype: torch.dtype, eager: bool) -> str:
     """The weights a draft loaded with this setting is held in: `quantization` itself unless "auto", which is "w4"
     for bf16 weights on an AVX-512 CPU whose torch runs the int4 and int8 kernels, and "none" elsewhere (a GPU, an
-    eager model, float32, tensor parallelism)."""
+    eager model, float32, tensor parallelism). AVX-512 is where the w4 draft was measured faster than the bf16 one
+    (AUTO at batch 1 1.34x on a 2-vCPU AVX512-BF16 Xeon, docs/performance.md "Int4 for one-row draft steps"); on AVX2
+    alone it is not measured, so auto leaves it off there."""
     if quantization not in QUANTIZATIONS:
         raise InvalidArgument(f"quantization: one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if quantization != "auto":
         return quantization
     import torch
 
-    if device.type != "cpu" or dtype != torch.bfloat16 or eager:
-        return "none"
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return "none"
-    if torch.backends.cpu.get_cpu_capability() not in _W4_CAPABILITIES:
-        return "none"
-    from tandem.core.w4_linear import supported
+    from tandem.core.device import cpu_runs_avx512
+    from tandem.core.w4_linear import refusal
 
-    return "w4" if supported() else "none"
+    if dtype != torch.bfloat16 or eager or not cpu_runs_avx512():
+        return "none"
+    return "w4" if refusal(device) is None else "none"
 
 
 # Which models of a pair compile their decode forwards with torch.compile on a CPU (a GPU compiles both by default).

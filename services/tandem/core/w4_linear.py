@@ -26,6 +26,7 @@ import torch
 from tandem.core.fused_linear import fuse
 from tandem.core.packed_linear import fixed_size, replace_linears
 from tandem.core.w8a8_linear import CHUNK_ELEMENTS, W8A8Linear, int8_levels
+from tandem.core.w8a8_linear import refusal as w8a8_refusal
 from tandem.core.w8a8_linear import supported as w8a8_supported
 
 KERNEL = "aten::_weight_int4pack_mm_for_cpu"
@@ -121,15 +122,20 @@ def supported() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(KERNEL, "CPU") and w8a8_supported()
 
 
+def refusal(device: torch.device) -> str | None:
+    """Why w4 weights cannot be held on `device` in this process, None where they can."""
+    if device.type != "cpu" or not supported():
+        return f"the int4 and int8 CPU kernels do not run on {device.type} here"
+    return w8a8_refusal(device)
+
+
 def quantize_w4(model: torch.nn.Module) -> int:
     """Replace the model's nn.Linear layers by W4Linear in place (q/k/v and gate/up as parts of one product each,
     core.fused_linear); a layer whose shape the int4 packing cannot take becomes a plain W8A8Linear. The number of
     nn.Linear replaced."""
     parameter = next(model.parameters())
-    if parameter.device.type != "cpu" or not supported():
-        raise ValueError(f"w4 draft weights: the int4 and int8 CPU kernels do not run on {parameter.device.type} here")
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        raise ValueError("w4 draft weights: not with tensor parallelism (drafts run on one device)")
+    if (why := refusal(parameter.device)) is not None:
+        raise ValueError(f"w4 draft weights: {why}")
     dtype = parameter.dtype
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:

@@ -183,13 +183,19 @@ def supported() -> bool:
     return True
 
 
+def refusal(device: torch.device) -> str | None:
+    """Why w8a8 weights cannot be held on `device` in this process, None where they can."""
+    if device.type != "cpu" or not supported():
+        return f"oneDNN's int8 GEMM does not run on {device.type} here"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "not with tensor parallelism (drafts run on one device)"
+    return None
+
+
 def quantize_w8a8(model: torch.nn.Module) -> int:
     """Replace the model's nn.Linear layers by W8A8Linear in place, siblings that read one input (q/k/v, gate/up)
     as parts of one product (core.fused_linear); the number of nn.Linear replaced. An output head tied to the input
     embedding gets its own int8 copy (the embedding keeps its weight for lookups)."""
-    parameter = next(model.parameters())
-    if parameter.device.type != "cpu" or not supported():
-        raise ValueError(f"w8a8 draft weights: oneDNN's int8 GEMM does not run on {parameter.device.type} here")
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        raise ValueError("w8a8 draft weights: not with tensor parallelism (drafts run on one device)")
+    if (why := refusal(next(model.parameters()).device)) is not None:
+        raise ValueError(f"w8a8 draft weights: {why}")
     return fuse(model, product=W8A8Linear) + replace_linears(model, W8A8Linear.from_linear)

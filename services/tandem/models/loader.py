@@ -49,6 +49,12 @@ class LoadedModel:
     compile: bool = False  # runners compile their decode forwards (torch.compile) on a CPU too, not only on a GPU
     quantization: str = "none"  # "int8", "w8a8" or "w4": quantized linear weights (drafts only, core.model_options)
 
+    @property
+    def weights(self) -> str:
+        """How the linear weights are held, as workers and `tandem pools status` report it: the quantization, else
+        the dtype ("bfloat16")."""
+        return self.quantization if self.quantization != "none" else str(self.model.dtype).removeprefix("torch.")
+
 
 def runner_mode(loaded) -> dict:
     """The ModelRunner arguments a loaded model (or a LoadedModel-like object) asks for: no CUDA graphs when eager;

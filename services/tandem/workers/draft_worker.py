@@ -20,7 +20,7 @@ class DraftWorker(WorkerBase):
 
         super().__init__(name, config.batch_window_s, config.metrics_port)
         loaded = self.batcher.on_model_thread(load_runner, config, config.draft_vocab)
-        self.runner, self.threads = loaded.runner, loaded.threads
+        self._hold(loaded)
         self.drafter = LocalDrafter(self.runner, top_m=config.top_m, confidence=config.confidence,
                                     formats=FormatMasks(loaded.tokenizer, loaded.eos_token_ids))
         build_in_background(loaded.tokenizer, loaded.eos_token_ids)  # its masks' tokenizer, before a request needs it

@@ -30,7 +30,8 @@ class TargetWorker(WorkerBase):
         formats = FormatMasks(loaded.tokenizer, loaded.eos_token_ids,
                               row_budget_s=ROW_BUDGET_S if timed_formats else None)
         build_in_background(loaded.tokenizer, loaded.eos_token_ids)  # its masks' tokenizer, before a request needs it
-        self.runner, self.verifier, self.threads = loaded.runner, LocalVerifier(loaded.runner, formats), loaded.threads
+        self._hold(loaded)
+        self.verifier = LocalVerifier(loaded.runner, formats)
         self._tokenizer = (loaded.tokenizer, loaded.eos_token_ids)
 
     def tokenizer(self) -> tuple[Any, frozenset[int]]:

@@ -120,6 +120,7 @@ class LoadedRunner:
     tokenizer: Any  # transformers' PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     threads: int  # torch's CPU threads on the model thread, where the worker's forwards run
+    weights: str  # how the model's weights are held: its quantization ("w4": what "auto" picked) or its dtype
 
 
 def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None = None) -> LoadedRunner:
@@ -139,7 +140,7 @@ def load_runner(config: WorkerConfig, vocab_limit: int = 0, extra: dict | None =
                          prefix_cache=config.prefix_cache, **runner_mode(loaded))
     runner.warm_up()  # compiles at start, not in the first requests (a GPU's default)
     return LoadedRunner(runner, loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
-                        torch.get_num_threads())
+                        torch.get_num_threads(), loaded.weights)
 
 
 class WorkerBase:
@@ -149,12 +150,16 @@ class WorkerBase:
         self.name = name
         self.runner: ModelRunner
         self.threads = 0  # torch's threads for the forwards, once the model is loaded (LoadedRunner.threads)
+        self.weights = ""  # how its model's weights are held, once loaded (LoadedRunner.weights)
         self.order = HeldOrder()  # which held sequences a call that does not fit may free (workers.kv_order)
         self.evicted = 0  # sequences freed for calls that came before them
         self.batcher = CallBatcher(self._run, batch_window_s)
         self.telemetry = WorkerTelemetry(name, self.role, kv_usage=self.kv_usage)
         self.telemetry.serve_metrics_from_env(metrics_port)
         threading.Thread(target=release_orphans_forever, args=(self,), name="tandem-orphans", daemon=True).start()
+
+    def _hold(self, loaded: LoadedRunner) -> None:
+        self.runner, self.threads, self.weights = loaded.runner, loaded.threads, loaded.weights
 
     def serve_metrics(self, port: int = 0, host: str | None = None) -> str:
         """Serve this worker's Prometheus /metrics (also started at construction by TANDEM_WORKER_METRICS_PORT)."""
@@ -227,6 +232,7 @@ class WorkerBase:
 
     def info(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "host": host_facts(), "threads": self.threads,
+                "weights": self.weights,
                 "sequences": self.cached_sequences(),
                 "vocab_size": self.runner.vocab_size,
                 "context_window": self.runner.context_window, "retained_sessions": self.runner.retained_sessions,
