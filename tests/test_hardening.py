@@ -115,6 +115,7 @@ def test_huge_prompts_are_refused_without_stalling_streams(server) -> None:
     assert _idle(server)
 
 
+@pytest.mark.alone  # bounds the health checks' wall-clock latency: once above it under CI's load, built off the loop
 def test_a_whole_response_of_many_logprobs_is_built_off_the_event_loop(tiny_models) -> None:
     """A completion of 16 choices echoing a 3000-token prompt with 20 logprobs a token is ~29 MB of JSON: built and
     encoded on the event loop, it held every other client (health checks, streams) for 1.6 s here."""
