@@ -1,12 +1,13 @@
 """core.cpu_attention's decode-attention kernel: sdpa's results within bf16's rounding over decode and verification
 shapes (stacked query heads, padded rows, causal widths, strided cache views); a query's result the same bit for bit
 whatever its row's width or batch mates; keys past the last one seen never read; and the runner's eager and compiled
-forwards using it in bf16 with the logits sdpa gives.
+forwards using it in bf16 with the logits sdpa gives; one build for every checkout of the same source.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,3 +157,42 @@ def test_the_runner_attends_with_the_kernel_in_bf16_eager_and_compiled(tiny_dirs
                                EngineConfig(spec=SpecConfig(k_max=3, k_init=3, adaptive=False), calibrate=False))
     results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert [len(r.token_ids) for r in results] == [12, 12]
+
+
+BUILD_FROM = """
+import sys
+from pathlib import Path
+from tandem.core import cpu_attention
+cpu_attention.SOURCE = Path(sys.argv[1])
+assert cpu_attention.ready()
+print(cpu_attention._build_source().parent)
+"""
+
+
+def test_every_checkout_of_the_same_source_reuses_one_build(tmp_path) -> None:
+    """torch's extension builder rebuilds whenever the source's path changes: two checkouts of the same code (a
+    worktree, a CI clone, another install) load one build, untouched by the second; another source builds elsewhere."""
+    import subprocess
+    import sys
+
+    code = cpu_attention.SOURCE.read_bytes()
+    built = []
+    for checkout in ("a", "b"):
+        source = tmp_path / checkout / cpu_attention.SOURCE.name
+        source.parent.mkdir()
+        source.write_bytes(code)
+        done = subprocess.run([sys.executable, "-c", BUILD_FROM, str(source)], capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        directory = Path(done.stdout.strip())
+        library = next(directory.glob("*.so"))
+        built.append((directory, library, library.stat().st_mtime_ns))
+    assert built[0] == built[1]  # the same folder and library, not rebuilt for the second checkout
+    assert (built[0][0] / cpu_attention.SOURCE.name).read_bytes() == code
+    other = tmp_path / "c" / cpu_attention.SOURCE.name
+    other.parent.mkdir()
+    other.write_bytes(code + b"// another version\n")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_attention, "SOURCE", other)
+        patch.setenv("TANDEM_HOME", str(tmp_path / "home"))  # a copy, not built: left in the test's folder
+        assert cpu_attention._build_source().parent.name != built[0][0].name

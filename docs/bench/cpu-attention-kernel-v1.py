@@ -57,7 +57,7 @@ def build_at(commit: str) -> None:
     renamed = source.replace("TORCH_LIBRARY_IMPL(tandem,", f"TORCH_LIBRARY_IMPL({namespace},")
     (directory / "kernel.cpp").write_text(renamed)
     load(namespace, [str(directory / "kernel.cpp")], build_directory=str(directory), is_python_module=False,
-         extra_cflags=cpu_attention.CFLAGS, extra_ldflags=cpu_attention.LDFLAGS)
+         extra_cflags=list(cpu_attention.CFLAGS), extra_ldflags=list(cpu_attention.LDFLAGS))
 
 
 def case(heads: int, kv_heads: int, dim: int, layers: int, rows: int, width: int, length: int, rounds: int,

@@ -179,7 +179,7 @@ def run_status(args: argparse.Namespace) -> int:
             if not w["healthy"]:
                 print(f"  {w['role']:6} {w['name']:10} UNHEALTHY")
                 continue
-            print(f"  {w['role']:6} {w['name']:10} healthy  {w['weights']}  threads {w['threads']}  "
+            print(f"  {w['role']:6} {w['name']:10} healthy  {w.get('weights') or '-'}  threads {w['threads']}  "
                   f"sequences {w['sequences']:3}  "
                   f"sessions {w['retained_sessions']:3}  kv {w['kv_tokens_used']}/{w['kv_tokens_capacity']}  "
                   f"rows/forward {w['rows_per_forward']:.2f}  calls/forward {w['calls_per_forward']:.2f}  "

@@ -17,6 +17,7 @@ runs as before); core.attention reads it, and compiled forwards are keyed by it 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -36,8 +37,8 @@ ENABLED: list[bool] = [os.environ.get("TANDEM_CPU_ATTENTION", "kernel") != "sdpa
 MAX_QUERIES = 64
 HEAD_DIMS = (16, 32, 64, 128, 256)
 # The instruction sets every AVX-512 CPU torch dispatches to has (AVX512-BF16 is asked per function, where used).
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 # Whether the CPU has AVX512-BF16: the kernel then computes by bf16 dot products (vdpbf16ps), half the instructions
 # of float32 multiply-adds, with no widening of keys and values.
 BF16_DOT = torch.cpu._is_avx512_bf16_supported()
@@ -70,21 +71,37 @@ def _build() -> bool:
         return False
     from torch.utils.cpp_extension import load
 
-    from tandem.models.store import default_root
-
-    directory = default_root() / "kernels" / f"decode_attention-torch{torch.__version__}"
-    directory.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    log.info("loading the CPU decode-attention kernel from %s (built once per machine: about 30 s)", directory)
+    source = _build_source()
+    log.info("loading the CPU decode-attention kernel from %s (built once per machine: about 30 s)", source.parent)
     try:  # OpenMP: at::parallel_for spreads the (row, head) tasks over torch's threads only in code built with it
         # (its libgomp is the one torch has loaded); without, they ran on one thread, 1.23x sdpa's time in a forward.
-        load("tandem_decode_attention", [str(SOURCE)], build_directory=str(directory), is_python_module=False,
-             extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
+        load("tandem_decode_attention", [str(source)], build_directory=str(source.parent), is_python_module=False,
+             extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False)  # lists it extends
     except (RuntimeError, OSError, ImportError) as error:  # a broken toolchain, no ninja: run as without the kernel
         log.warning("CPU decode attention: the kernel did not build (%s), sdpa runs", error)
         return False
     log.info("CPU decode-attention kernel ready in %.1f s", time.perf_counter() - started)
     return True
+
+
+def _build_source() -> Path:
+    """The kernel's source as the build compiles it: a copy in a build directory named by torch's version and a digest
+    of the source and flags. torch's extension builder rebuilds whenever the source's path changes, so compiling the
+    package's own file rebuilt it (10-30 s) for every checkout, worktree or install on a machine; from the copy, each
+    of them reuses the one build of the same code, and another version of it builds beside it."""
+    from tandem.models.store import default_root
+
+    code = SOURCE.read_bytes()
+    digest = hashlib.sha256(code + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
+    directory = default_root() / "kernels" / f"decode_attention-torch{torch.__version__}-{digest}"
+    directory.mkdir(parents=True, exist_ok=True)
+    copy = directory / SOURCE.name
+    if not copy.is_file() or copy.read_bytes() != code:  # written whole or not at all: builds may run side by side
+        partial = directory / f"{SOURCE.name}.{os.getpid()}.partial"
+        partial.write_bytes(code)
+        os.replace(partial, copy)
+    return copy
 
 
 def applies(query: torch.Tensor, key: torch.Tensor) -> bool:

@@ -11,8 +11,8 @@ import ray
 NOT_PLACED = frozenset({"DEPENDENCIES_UNREADY", "PENDING_CREATION"})
 STATUS_TIMEOUT_S = 2.0  # a worker that has not answered `info` by then is reported unhealthy
 STATUS_FIELDS = ("sequences", "retained_sessions", "retained_prefixes", "kv_tokens_used", "kv_tokens_capacity",
-                 "reused_tokens", "shared_tokens", "forwards", "rows", "merged_forwards", "busy_s", "pid", "threads",
-                 "weights", "metrics")  # copied from each worker's info()
+                 "reused_tokens", "shared_tokens", "forwards",
+                 "rows", "merged_forwards", "busy_s", "pid", "threads", "metrics")  # copied from each worker's info()
 
 
 def worker_health(workers: dict[str, dict[str, object]]) -> list[dict]:
@@ -34,7 +34,8 @@ def worker_health(workers: dict[str, dict[str, object]]) -> list[dict]:
         worker.update({key: info[key] for key in STATUS_FIELDS}, healthy=True,
                       rows_per_forward=round(info["rows_per_forward"], 3),
                       calls_per_forward=round(info["calls_per_forward"], 3),
-                      evicted=info.get("evicted", 0))  # sequences freed for other callers' (workers.kv_order)
+                      evicted=info.get("evicted", 0),  # sequences freed for other callers' (workers.kv_order)
+                      weights=info.get("weights", ""))  # "" from a worker older than the field, mid-rollout
     return out
 
 
