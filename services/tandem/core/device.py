@@ -44,7 +44,7 @@ def cpu_has_fast_bf16() -> bool:
 
 def cpu_runs_avx512() -> bool:
     """True when torch's CPU kernels run at AVX-512 or above here (its own dispatch, which honours
-    ATEN_CPU_CAPABILITY): where tandem's AVX-512 paths, the decode-attention kernel and the w4 draft, are built."""
+    ATEN_CPU_CAPABILITY): where tandem's AVX-512 paths run, the decode-attention kernel and the w4 draft."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
 
 
