@@ -137,10 +137,26 @@ def test_a_whole_response_of_many_logprobs_is_built_off_the_event_loop(tiny_mode
                 latencies.append(time.monotonic() - asked)
                 time.sleep(0.02)
         response = answered["response"]
+        print(f"\nmany logprobs: {len(response.content) / 1e6:.1f} MB, slowest health check "
+              f"{max(latencies) * 1000:.0f} ms")
         assert response.status_code == 200 and len(response.json()["choices"]) == 16
         assert max(latencies) < MAX_GAP_SECONDS, f"the event loop was held {max(latencies):.2f} s"
     finally:
         running.stop()
+
+
+def test_a_whole_response_is_encoded_in_parts_as_json_response_renders_it() -> None:
+    """The whole-response body, encoded a list item at a time (so the event loop's thread runs between the calls),
+    is JSONResponse's body byte for byte: non-ASCII text, escapes, nested lists, empty lists, nulls."""
+    from fastapi.responses import JSONResponse
+
+    from tandem.gateway.openai.delivery import json_in_parts
+
+    payload = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "modèle",
+               "choices": [{"index": i, "text": 'a\u2028b "q" ü\n', "finish_reason": None,
+                            "logprobs": {"tokens": ["x", "é"], "top_logprobs": [{"a": -0.5}, {}]}} for i in range(3)],
+               "usage": {"prompt_tokens": 1, "completion_tokens": 2}, "output": [], "nested": [[1, 2], []]}
+    assert json_in_parts(payload) == JSONResponse(payload).body
 
 
 def test_prompt_byte_cap_default_fits_the_longest_prompt() -> None:

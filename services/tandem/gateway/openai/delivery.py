@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
@@ -28,7 +29,7 @@ async def deliver(request: Request, events: AsyncGenerator, stream: bool, collec
     if not stream:
         await until_disconnected(request, collect_all(events, collect))
         # Encoded off the event loop: a body of many choices' logprobs is tens of MB, seconds of json.dumps.
-        return await asyncio.to_thread(JSONResponse, await whole())
+        return Response(await asyncio.to_thread(json_in_parts, await whole()), media_type="application/json")
     # The first event before any byte is sent, so that a refused request (400, 429, 503) gets its own status; but no
     # longer than a ping's interval: past it (a wait for a place, a long prefill) the stream opens and pings until the
     # first event comes, and a failure then travels as an event, as later ones do.
@@ -43,6 +44,24 @@ async def deliver(request: Request, events: AsyncGenerator, stream: bool, collec
         await events.aclose()
         raise
     return EventStream(body(_after(first, events)), events, ping_s, first)
+
+
+def json_in_parts(payload: dict) -> bytes:
+    """`payload` as JSONResponse renders it, byte for byte, each item of its top-level lists (a completion's choices,
+    a response's output) encoded by a json.dumps call of its own. json's C encoder holds the GIL for a whole call, so
+    a thread encoding 16 choices' logprobs (29 MB) in one call held the event loop's thread for up to a second, in a
+    thread of its own or not; between calls the loop's thread runs."""
+    parts = []
+    for key, value in payload.items():
+        if isinstance(value, list):  # each item encoded to bytes on its own: no call spans the whole body
+            parts.append(_json(key) + b":[" + b",".join(_json(item) for item in value) + b"]")
+        else:
+            parts.append(_json(key) + b":" + _json(value))
+    return b"{" + b",".join(parts) + b"}"
+
+
+def _json(value: object) -> bytes:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
 
 
 async def _after(first: asyncio.Future, events: AsyncIterator[Event]) -> AsyncGenerator[Event, None]:
