@@ -6,8 +6,9 @@ rounds, as before the acceptance is measured). Engines as `python -m tandem.benc
 auto` builds them (eager bf16 pair, the draft as `auto` quantizes it, its whole head): plain, and one AUTO engine per
 arm, each calibrated on its own; the 8 shipped prompts at once, 128 tokens, greedy, the engines rotated each repeat.
 An arm's choices are set before each of its runs, through core.round_plan's names for the two functions. Arms:
-`m<margin>` (the committed pricing at that margin) and `spread` (the margin 0.05). Per engine: tok/s pooled and per
-repeat over plain, rounds drafted. (`explore-ab-defaults-v1.json` calls the arm m0.05 `auto_committed`.)
+`m<margin>` (the committed pricing at that margin), `spread` (the margin 0.05) and `spread-m<margin>`. Per engine:
+tok/s pooled and per repeat over plain, rounds drafted. (`explore-ab-defaults-v1.json` calls the arm m0.05
+`auto_committed`.)
 
     PYTHONPATH=services python docs/bench/at-once-plan-ab-v1.py 3 m0.05,m0 margin.json        # 9 min on CPU-D
     PYTHONPATH=services python docs/bench/at-once-plan-ab-v1.py 4 m0.05,spread explore.json    # 11 min on CPU-D
@@ -39,9 +40,10 @@ def spread(rows, ks, shares, *rest):
 
 def choose(arm: str) -> None:
     """Set the plan's margin and catch-up pricing for `arm` (plain's: the committed ones)."""
-    margin = float(arm[1:]) if arm.startswith("m") else 0.05
-    round_plan.plan_batch = functools.partial(plan_batch, margin=margin)
-    round_plan._explored_pay_whole = spread if arm == "spread" else COMMITTED
+    spreads = arm.startswith("spread")
+    margin = arm.removeprefix("spread").removeprefix("-").removeprefix("m")
+    round_plan.plan_batch = functools.partial(plan_batch, margin=float(margin) if margin else 0.05)
+    round_plan._explored_pay_whole = spread if spreads else COMMITTED
 
 
 def main(repeats: int, arms: list[str], out: str) -> None:
