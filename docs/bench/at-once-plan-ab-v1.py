@@ -6,9 +6,9 @@ rounds, as before the acceptance is measured). Engines as `python -m tandem.benc
 auto` builds them (eager bf16 pair, the draft as `auto` quantizes it, its whole head): plain, and one AUTO engine per
 arm, each calibrated on its own; the 8 shipped prompts at once, 128 tokens, greedy, the engines rotated each repeat.
 An arm's choices are set before each of its runs, through core.round_plan's names for the two functions. Arms:
-`m<margin>` (the committed pricing at that margin), `spread` (the margin 0.05) and `spread-m<margin>`. Per engine:
-tok/s pooled and per repeat over plain, rounds drafted. (`explore-ab-defaults-v1.json` calls the arm m0.05
-`auto_committed`.)
+`m<margin>` (the committed pricing at that margin), `spread` (the margin 0.05) and `spread-m<margin>`; `k<N>`, a
+fixed k of N, for a yardstick. Per engine: tok/s pooled and per repeat over plain, rounds drafted.
+(`explore-ab-defaults-v1.json` calls the arm m0.05 `auto_committed`.)
 
     PYTHONPATH=services python docs/bench/at-once-plan-ab-v1.py 3 m0.05,m0 margin.json        # 9 min on CPU-D
     PYTHONPATH=services python docs/bench/at-once-plan-ab-v1.py 4 m0.05,spread explore.json    # 11 min on CPU-D
@@ -27,7 +27,7 @@ from tandem.bench.prompts import load_prompts
 from tandem.bench.vllm_compare_tandem import batched
 from tandem.cli.common import DEFAULT_DRAFT, DEFAULT_TARGET
 from tandem.core.batch_plan import plan_batch
-from tandem.core.config import EngineConfig, SamplingParams
+from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.engines.local import build_engine, encode_prompt
 from tandem.models.loader import load_pair
 
@@ -53,7 +53,11 @@ def main(repeats: int, arms: list[str], out: str) -> None:
     ids = [encode_prompt(target.tokenizer, text, chat=True) for text in load_prompts(None)[:8]]
     engines = {"plain": (build_engine(target, None, EngineConfig(calibrate=False)), "m0.05")}
     for arm in arms:
-        engines[f"auto_{arm}"] = (build_engine(target, draft, EngineConfig()), arm)
+        if arm.startswith("k"):  # a fixed k, the yardstick (tandem.bench.at_once --fixed-k)
+            fixed = SpecConfig(adaptive=False, k_init=int(arm[1:]), k_max=max(int(arm[1:]), SpecConfig().k_max))
+            engines[arm] = (build_engine(target, draft, EngineConfig(spec=fixed)), "m0.05")
+        else:
+            engines[f"auto_{arm}"] = (build_engine(target, draft, EngineConfig()), arm)
     for engine, arm in engines.values():
         choose(arm)
         engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=4))
