@@ -21,6 +21,7 @@ from tandem.bench.prompts import load_prompts
 from tandem.bench.vllm_compare_tandem import batched
 from tandem.cli.common import DEFAULT_DRAFT, DEFAULT_TARGET
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.core.costs import CostModel
 from tandem.engines.local import build_engine, encode_prompt
 from tandem.models.loader import load_pair
 
@@ -85,7 +86,6 @@ def main(repeats: int, k: int, out: str) -> None:
                              for (r, w), v in sorted(d.items())}}
     every_target = {s for name in engines for s in timings[name]["target"]}
     every_draft = {s for name in engines for s in timings[name]["draft"]}
-    from tandem.core.costs import CostModel
     for when, table in (("priced_before", calibrated), ("priced_after", report["costs_after"])):
         costs = CostModel.from_dict(table)
         costs.layout = engines["auto"].costs.layout
