@@ -150,3 +150,20 @@ def test_tandem_serve_on_its_own_ray_gives_workers_every_core_and_a_restart_reus
     with serve_process(flags, tmp_path / "again.err", timeout_s=600, costs_file=str(path)):
         pass
     assert path.read_text() == stored and path.stat().st_mtime_ns == written
+
+
+def test_the_key_follows_the_kernel_settings(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """Costs measured on oneDNN's bf16 products or sdpa are not those of tandem's kernels (core.bf16_linear,
+    core.cpu_attention): the settings that choose them are part of the key."""
+    options = _options(tiny_dirs, tmp_path / "c.json")
+    here = [{"host": {"cores": 2}, "threads": None}]
+    stored.versions.cache_clear()
+    try:
+        key = stored.key(options, options.arms[0], here)
+        monkeypatch.setenv("TANDEM_CPU_LINEAR", "onednn")
+        stored.versions.cache_clear()
+        other = stored.key(options, options.arms[0], here)
+        assert other != key and other["versions"]["kernel_settings"]["TANDEM_CPU_LINEAR"] == "onednn"
+        assert other["versions"]["tandem_code"] == key["versions"]["tandem_code"]
+    finally:
+        stored.versions.cache_clear()

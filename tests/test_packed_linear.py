@@ -1,11 +1,13 @@
 """Prepacked oneDNN linears (core.packed_linear): the same numbers as nn.Linear in bf16, rows independent of their
-step's other rows in every packed dtype (what keeps verification exact), and only where they apply."""
+step's other rows in every packed dtype (what keeps verification exact), and only where they apply. bf16 layers run
+oneDNN's product here; tandem's own (core.bf16_linear) has tests/test_bf16_linear.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tandem.core import bf16_linear
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.packed_linear import (
     MIN_PACKED_WEIGHTS,
@@ -28,6 +30,14 @@ PACKED = [pytest.param(dtype, marks=pytest.mark.skipif(not supported(dtype), rea
 def pack_small_layers(monkeypatch):
     """The tiny models' layers are all below the float32 size limit: pack them anyway, to test the packed path."""
     monkeypatch.setitem(MIN_PACKED_WEIGHTS, torch.float32, 0)
+
+
+@pytest.fixture(autouse=True)
+def onednn_bf16():
+    """oneDNN's products in bf16 too, where tandem's own kernel would take them (tests/test_bf16_linear.py)."""
+    bf16_linear.ENABLED[0], was = False, bf16_linear.ENABLED[0]
+    yield
+    bf16_linear.ENABLED[0] = was
 
 
 def load(path, dtype: torch.dtype = torch.bfloat16, eager: bool = False):

@@ -25,6 +25,7 @@ import torch
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
 from tandem.cli.common import add_bench_model_options
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_prompts_option, write_json
+from tandem.core import bf16_linear
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.int8_linear import Int8Linear
 from tandem.core.packed_linear import PackedLinear, supported, weight_bytes
@@ -56,7 +57,13 @@ def linear_kernels(dtype: torch.dtype, out_features: int = 8960, in_features: in
     kernels = {str(dtype).removeprefix("torch."): linear, "int8": Int8Linear.from_linear(linear),
                "float32_onednn_packed": PackedLinear(linear.weight.detach().float(), None)}
     if dtype == torch.bfloat16 and supported():
-        kernels["bfloat16_onednn_packed"] = PackedLinear.from_linear(linear)
+        bf16_linear.ENABLED[0], was = False, bf16_linear.ENABLED[0]
+        try:
+            kernels["bfloat16_onednn_packed"] = PackedLinear.from_linear(linear)
+        finally:
+            bf16_linear.ENABLED[0] = was
+        if bf16_linear.fits(linear.weight):
+            kernels["bfloat16_tandem_kernel"] = PackedLinear.from_linear(linear)
     if w8a8_supported():
         kernels["w8a8_onednn"] = W8A8Linear.from_linear(linear)
     out: dict = {}

@@ -5,10 +5,11 @@ a quantized draft.
 (core.fused_linear). `--compare compile`: each model loaded once, run by an eager runner and by one whose decode
 forwards torch.compile compiled (on a CPU: the static forwards without CUDA graphs). `--compare w8a8`: the draft
 only, loaded as is and with `--draft-quantization w8a8` (core.w8a8_linear); `--compare w4`: the draft only, with
-`--draft-quantization w4` (core.w4_linear) and w8a8. `--compiled` compiles both runners of a comparison (as
-`--compile` does for serving). Each runner holds one sequence of
-the same context; forwards of each width then alternate between the two (A B, then B A) for `--steps` pairs, each
-feeding `width` tokens at the context's end and rolled back, so every forward sees the same context. Reported per
+`--draft-quantization w4` (core.w4_linear) and w8a8. `--compare linear`: each model loaded twice, its bf16 layers
+on tandem's own product (core.bf16_linear) and on oneDNN's. `--compiled` compiles both runners of a comparison (as
+`--compile` does for serving). Each runner holds `--rows` sequences of the same context; forwards of each width then
+alternate between the two (A B, then B A) for `--steps` pairs, each feeding `width` tokens to every row at the
+context's end and rolled back, so every forward sees the same context. Reported per
 model and width: the median seconds of each, the speed-up of the first over the second (the median of each
 back-to-back pair's ratio, free of the machine's slower drifts; above 1: the first is faster), the first forward's
 seconds (a compile), and the largest difference between their logits.
@@ -17,6 +18,7 @@ seconds (a compile), and the largest difference between their logits.
     python -m tandem.bench.forward_ab --compare compile --json compile.json    # plus a compile per model and width
     python -m tandem.bench.forward_ab --compare w8a8 --json w8a8.json          # about 1 min
     python -m tandem.bench.forward_ab --compare w4 --compiled --widths 1 2 --json w4.json   # plus 2 compiles
+    python -m tandem.bench.forward_ab --compare linear --rows 8 --widths 1 3 --json linear.json
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ import torch
 from tandem.bench.packing import packable_dtype
 from tandem.cli.common import add_bench_model_options
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, wants_text, write_json
+from tandem.core import bf16_linear
 from tandem.core.packed_linear import prepack
 from tandem.core.runner import ModelRunner
 from tandem.models.loader import load_model
 
 VARIANTS = {"fusion": ("fused", "unfused"), "compile": ("compiled", "eager"), "w8a8": ("w8a8", "as_loaded"),
-            "w4": ("w4", "w8a8")}
+            "w4": ("w4", "w8a8"), "linear": ("kernel", "onednn")}
 QUANTIZATION = {"w8a8": "w8a8", "as_loaded": "none", "w4": "w4"}  # the draft's, by variant of a quantization compare
 
 
@@ -46,9 +49,20 @@ def _ids(count: int, vocab: int, offset: int = 0) -> list[int]:
     return [(offset + 7 + 13 * i) % vocab for i in range(count)]
 
 
-def _runners(compare: str, name: str, dtype: torch.dtype, context: int, compiled: bool = False) -> dict:
+def _runners(compare: str, name: str, dtype: torch.dtype, context: int, compiled: bool = False,
+             rows: int = 1) -> dict:
     first, second = VARIANTS[compare]
-    if compare == "fusion":
+    if compare == "linear":
+        models = {}
+        for variant in (first, second):
+            loaded = load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False, eager=True)
+            bf16_linear.ENABLED[0], was = variant == first, bf16_linear.ENABLED[0]
+            try:
+                prepack(loaded.model)
+            finally:
+                bf16_linear.ENABLED[0] = was
+            models[variant] = ModelRunner(loaded.model, compile=compiled)
+    elif compare == "fusion":
         models = {}
         for variant in (first, second):
             loaded = load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False, eager=True)
@@ -63,27 +77,30 @@ def _runners(compare: str, name: str, dtype: torch.dtype, context: int, compiled
         models = {first: ModelRunner(model, compile=True), second: ModelRunner(model, compile=False)}
     runners = {}
     for variant, runner in models.items():
-        state = runner.state("bench")
-        state.sync(0, _ids(context, runner.vocab_size))
-        runner.prefill(state, context)
-        runners[variant] = (runner, state)
+        states = [runner.state(f"bench{row}") for row in range(rows)]
+        for state in states:
+            state.sync(0, _ids(context, runner.vocab_size))
+            runner.prefill(state, context)
+        runners[variant] = (runner, states)
     return runners
 
 
-def _forward(runner: ModelRunner, state, width: int) -> tuple[float, torch.Tensor]:
-    keep = len(state.tokens)
-    state.sync(keep, _ids(width, runner.vocab_size, offset=keep))
+def _forward(runner: ModelRunner, states: list, width: int) -> tuple[float, torch.Tensor]:
+    keep = len(states[0].tokens)
+    for state in states:
+        state.sync(keep, _ids(width, runner.vocab_size, offset=keep))
     started = time.perf_counter()
-    logits = runner.forward_on_device([state], [width])
+    logits = runner.forward_on_device(states, [width] * len(states))
     seconds = time.perf_counter() - started
-    state.sync(keep, [])  # rolled back: the next forward sees the same context
+    for state in states:
+        state.sync(keep, [])  # rolled back: the next forward sees the same context
     return seconds, logits
 
 
 def compare_forwards(compare: str, name: str, dtype: torch.dtype, widths: list[int], steps: int,
-                     context: int, compiled: bool = False, progress: TextIO | None = None) -> dict:
+                     context: int, compiled: bool = False, progress: TextIO | None = None, rows: int = 1) -> dict:
     """progress: where a line per width goes as it is measured (None: stdout)."""
-    runners = _runners(compare, name, dtype, context, compiled)
+    runners = _runners(compare, name, dtype, context, compiled, rows)
     first, second = VARIANTS[compare]
     result: dict = {}
     for width in widths:
@@ -116,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 5], help="tokens per forward")
     parser.add_argument("--steps", type=int, default=60, help="alternated pairs of forwards per width")
     parser.add_argument("--context", type=int, default=300, help="tokens cached before the timed forwards")
+    parser.add_argument("--rows", type=int, default=1, help="sequences each forward feeds (every one `width` tokens)")
     parser.add_argument("--compiled", action="store_true",
                         help="compile both runners' decode forwards (torch.compile, as --compile does when serving)")
     add_json_option(parser, "the report")
@@ -124,14 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"config": {"compare": args.compare, "variants": VARIANTS[args.compare], "target": args.target,
                                "draft": args.draft, "dtype": args.dtype, "threads": args.threads,
                                "steps": args.steps, "context": args.context, "compiled": args.compiled,
-                               "torch": torch.__version__,
+                               "rows": args.rows, "torch": torch.__version__,
                                "machine": platform.processor() or platform.machine()}}
     quantized = args.compare in ("w8a8", "w4")  # a target is never quantized
     # With the JSON on stdout, stdout holds it alone; the progress lines (minutes apart on a CPU) go to stderr.
     progress = None if wants_text(args) else sys.stderr
     for role in ("draft",) if quantized else ("target", "draft"):
         report[role] = compare_forwards(args.compare, getattr(args, role), dtype, args.widths, args.steps,
-                                        args.context, args.compiled, progress)
+                                        args.context, args.compiled, progress, args.rows)
     write_json(args.json, report)
     return 0
 

@@ -17,18 +17,12 @@ runs as before); core.attention reads it, and compiled forwards are keyed by it 
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import os
-import shutil
-import time
 from pathlib import Path
 
 import torch
 
-from tandem.core.device import cpu_runs_avx512
-
-log = logging.getLogger(__name__)
+from tandem.core import cpu_kernels
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 ENABLED: list[bool] = [os.environ.get("TANDEM_CPU_ATTENTION", "kernel") != "sdpa"]  # a cell, as attention.FLEX
@@ -36,9 +30,6 @@ ENABLED: list[bool] = [os.environ.get("TANDEM_CPU_ATTENTION", "kernel") != "sdpa
 # verification steps. Wider ones (prompts) keep sdpa, whose tiled products suit them.
 MAX_QUERIES = 64
 HEAD_DIMS = (16, 32, 64, 128, 256)
-# The instruction sets every AVX-512 CPU torch dispatches to has (AVX512-BF16 is asked per function, where used).
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-fopenmp")
-LDFLAGS = ("-fopenmp",)
 # Whether the CPU has AVX512-BF16: the kernel then computes by bf16 dot products (vdpbf16ps), half the instructions
 # of float32 multiply-adds, with no widening of keys and values.
 BF16_DOT = torch.cpu._is_avx512_bf16_supported()
@@ -63,45 +54,11 @@ def _ready_now() -> bool:
 
 
 def _build() -> bool:
-    if not cpu_runs_avx512():
-        log.info("CPU decode attention: no AVX-512 here, sdpa runs")
-        return False
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        log.info("CPU decode attention: no C++ compiler, sdpa runs")
-        return False
-    from torch.utils.cpp_extension import load
-
-    started = time.perf_counter()
-    source = _build_source()
-    log.info("loading the CPU decode-attention kernel from %s (built once per machine: about 30 s)", source.parent)
-    try:  # OpenMP: at::parallel_for spreads the (row, head) tasks over torch's threads only in code built with it
-        # (its libgomp is the one torch has loaded); without, they ran on one thread, 1.23x sdpa's time in a forward.
-        load("tandem_decode_attention", [str(source)], build_directory=str(source.parent), is_python_module=False,
-             extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False)  # lists it extends
-    except (RuntimeError, OSError, ImportError) as error:  # a broken toolchain, no ninja: run as without the kernel
-        log.warning("CPU decode attention: the kernel did not build (%s), sdpa runs", error)
-        return False
-    log.info("CPU decode-attention kernel ready in %.1f s", time.perf_counter() - started)
-    return True
+    return cpu_kernels.build(SOURCE, "CPU decode-attention kernel")
 
 
 def _build_source() -> Path:
-    """The kernel's source as the build compiles it: a copy in a build directory named by torch's version and a digest
-    of the source and flags. torch's extension builder rebuilds whenever the source's path changes, so compiling the
-    package's own file rebuilt it (10-30 s) for every checkout, worktree or install on a machine; from the copy, each
-    of them reuses the one build of the same code, and another version of it builds beside it."""
-    from tandem.models.store import default_root
-
-    code = SOURCE.read_bytes()
-    digest = hashlib.sha256(code + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
-    directory = default_root() / "kernels" / f"decode_attention-torch{torch.__version__}-{digest}"
-    directory.mkdir(parents=True, exist_ok=True)
-    copy = directory / SOURCE.name
-    if not copy.is_file() or copy.read_bytes() != code:  # written whole or not at all: builds may run side by side
-        partial = directory / f"{SOURCE.name}.{os.getpid()}.partial"
-        partial.write_bytes(code)
-        os.replace(partial, copy)
-    return copy
+    return cpu_kernels.build_copy(SOURCE)
 
 
 def applies(query: torch.Tensor, key: torch.Tensor) -> bool:

@@ -16,6 +16,12 @@ and, above all, reads it once for all the rows of a step:
   every path of a loaded model runs the packed layers, Hugging Face's own generate included. In bf16 on an AMX CPU
   nn.Linear's own result depends on the row count, and the packed layer's equals it at every count.
 
+On an AVX-512 CPU without AMX, bf16 layers whose outputs are a multiple of 32 take tandem's own product instead
+(core.bf16_linear; `tiled`): oneDNN's bf16 product runs by dot products that such a CPU may run at a quarter of its
+float32 multiply-adds' rate, so from 2 rows on it falls behind the weights' stream (8 rows took 1.9x one row's time,
+1.5x the kernel's). Its rows are as independent of their step mates, but its sums run in another order, so its values
+are not nn.Linear's bit for bit.
+
 `prepack(model)` swaps every nn.Linear of a CPU model in a packable dtype (in float32, every large one) for a
 PackedLinear holding only the packed weight, so memory stays what it was, except for an output head whose weight is
 tied to the input embedding (the embedding keeps the plain copy for its lookups). The model stays a plain Hugging
@@ -28,6 +34,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from tandem.core import bf16_linear
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 # Float32 layers with fewer weights stay on PyTorch's BLAS, whose per-call cost is lower: at one row a [256 x 1536]
@@ -98,7 +106,10 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight_bytes = weight.numel() * weight.element_size()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        # bf16 on an AVX512-BF16 CPU: tandem's own product, which keeps up at a few rows where oneDNN's does not
+        self.tiled = bf16_linear.fits(weight)
+        self.packed = (bf16_linear.pack(weight) if self.tiled
+                       else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
         self.bias = None if bias is None else bias.detach()
         fixed_size(self.packed, self.bias)
 
@@ -109,9 +120,15 @@ class PackedLinear(torch.nn.Module):
     def first_rows(self, rows: int) -> PackedLinear:
         """The projection onto the first `rows` outputs only (a drafter scoring part of the vocabulary)."""
         bias = None if self.bias is None else self.bias[:rows]
-        return PackedLinear(self.packed.to_dense()[:rows], bias)
+        return PackedLinear(self.dense_weight()[:rows], bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The [out, in] weight, unpacked."""
+        return bf16_linear.unpack(self.packed) if self.tiled else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiled:
+            return bf16_linear.bf16_linear(x, self.packed, self.bias)
         if torch.compiler.is_compiling():
             return onednn_linear(x, self.packed, self.bias, self.out_features)
         return _product(x, self.packed, self.bias, self.out_features)

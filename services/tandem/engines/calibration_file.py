@@ -116,15 +116,22 @@ def model_identity(spec: str) -> str:
     return f"files:{digest.hexdigest()[:32]}"
 
 
+# Environment settings that choose which kernels a CPU forward runs (core.bf16_linear, core.cpu_attention): costs
+# measured under one are not another's. Workers that tandem serve starts inherit its environment.
+KERNEL_SETTINGS = ("TANDEM_CPU_LINEAR", "TANDEM_CPU_ATTENTION")
+
+
 @cache
 def versions() -> dict:
-    """torch's and transformers' versions, and a digest of tandem's own source files."""
+    """torch's and transformers' versions, a digest of tandem's own source files (its kernels' C++ included), and the
+    kernel settings in the environment."""
     package = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
-    for source in sorted(package.rglob("*.py")):
+    for source in sorted([*package.rglob("*.py"), *package.rglob("*.cpp")]):
         digest.update(source.relative_to(package).as_posix().encode() + b"\0" + source.read_bytes())
     return {"torch": _version("torch"), "transformers": _version("transformers"),
-            "tandem_code": digest.hexdigest()[:32]}
+            "tandem_code": digest.hexdigest()[:32],
+            "kernel_settings": {name: os.environ.get(name, "") for name in KERNEL_SETTINGS}}
 
 
 def load(path: str, wanted: dict) -> CostModel | None:

@@ -1,0 +1,69 @@
+"""bf16 products alone, tandem's kernel (core.bf16_linear) against oneDNN's prepacked one, by row count: 28 distinct
+[8960 x 1536] weights (the 1.5B target's MLP shape, 770 MB, more than the L3 holds) streamed from memory in turn,
+the best of 4 passes per kernel and row count.
+
+    PYTHONPATH=services python docs/bench/bf16-linear-products-v1.py out.json    # about 1 min
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+
+import torch
+
+from tandem.core import bf16_linear
+
+OUT, IN, LAYERS, PASSES = 8960, 1536, 28, 4
+ROWS = (1, 2, 3, 4, 5, 8, 12, 16, 24, 32, 64)
+
+
+def per_layer(product, weights: list[torch.Tensor], rows: int) -> float:
+    x = torch.randn(rows, IN, dtype=torch.bfloat16)
+    for weight in weights:  # a first pass untimed
+        product(x, weight)
+    best = float("inf")
+    for _ in range(PASSES):
+        started = time.perf_counter()
+        for weight in weights:
+            product(x, weight)
+        best = min(best, (time.perf_counter() - started) / len(weights))
+    return best
+
+
+def main(path: str) -> None:
+    torch.set_num_threads(2)
+    assert bf16_linear.ready(), "the kernel does not run here"
+    plain = [torch.randn(OUT, IN, dtype=torch.bfloat16) * 0.05 for _ in range(LAYERS)]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(weight, None) for weight in plain]
+    ours = [bf16_linear.pack(weight) for weight in plain]
+    del plain
+
+    def by_onednn(x, packed):
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    def by_kernel(x, packed):
+        return bf16_linear.bf16_linear(x, packed, None)
+
+    report = {"config": {"shape": [OUT, IN], "layers": LAYERS, "passes": PASSES, "threads": 2,
+                         "torch": torch.__version__, "machine": platform.processor() or platform.machine()},
+              "rows": {}}
+    for rows in ROWS:
+        # Alternated: oneDNN first at odd row counts, the kernel first at even ones.
+        order = (("onednn", by_onednn, onednn), ("kernel", by_kernel, ours))
+        times = {name: per_layer(product, weights, rows) for name, product, weights in
+                 (order if rows % 2 else order[::-1])}
+        report["rows"][str(rows)] = {"onednn_ms": round(times["onednn"] * 1e3, 4),
+                                     "kernel_ms": round(times["kernel"] * 1e3, 4),
+                                     "speedup": round(times["onednn"] / times["kernel"], 3),
+                                     "kernel_weight_gb_s": round(OUT * IN * 2 / times["kernel"] / 1e9, 2),
+                                     "onednn_weight_gb_s": round(OUT * IN * 2 / times["onednn"] / 1e9, 2)}
+        print(rows, report["rows"][str(rows)], file=sys.stderr, flush=True)
+    with open(path, "w") as out:
+        json.dump(report, out, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

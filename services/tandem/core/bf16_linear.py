@@ -1,0 +1,77 @@
+"""bf16 linear layers on an AVX512-BF16 CPU: a kernel of tandem's own (csrc/bf16_linear.cpp) for the few rows a
+decode or verification step multiplies by every weight.
+
+Why not oneDNN's (core.packed_linear): a step of a few rows should cost what one row costs, the time the weights take
+to stream from memory, while the arithmetic keeps up. On a CPU without AMX oneDNN's bf16 product does not keep up
+from 2 rows on: over the 1.5B target's 28 MLP products (2-vCPU AVX512-BF16 Xeon, weights streamed from memory) 4 rows
+took 1.3x one row's time and 8 rows 1.9x, where this kernel's 8 rows take 1.3x (docs/performance.md, "A bf16 product
+of tandem's own"). It streams each panel of 32 output columns once for every row of the step, 8 rows at a time in
+float32 sums of AVX512-BF16 dot products (exact products of bf16 inputs), and rounds each output once.
+
+A row's outputs do not depend on the other rows of its call, so a token verified among drafts gets the logits a
+one-row step gives it (oneDNN's products keep that property too, core.packed_linear). Float32 models and CPUs without
+AVX512-BF16 keep oneDNN's product; so does every model with `TANDEM_CPU_LINEAR=onednn` (`ENABLED`), which is read as
+the layers are built, at a model's load.
+
+`bf16_linear` is the op `tandem::bf16_linear` (its schema and shape function here, its CPU kernel registered by the
+built library, core.cpu_kernels), so compiled forwards call it as they are traced.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from tandem.core import cpu_kernels
+
+SOURCE = Path(__file__).with_name("csrc") / "bf16_linear.cpp"
+_SETTING = os.environ.get("TANDEM_CPU_LINEAR", "kernel")
+if _SETTING not in ("kernel", "onednn"):
+    raise ValueError(f"TANDEM_CPU_LINEAR: kernel or onednn, got {_SETTING!r}")
+ENABLED: list[bool] = [_SETTING == "kernel"]  # a cell: tests and benchmarks build layers of both kinds in one process
+PANEL = 32  # output columns per packed panel: a layer's outputs must be a multiple of it
+_built: list[bool] = []  # once asked: whether the kernel was built and registered
+
+torch.library.define("tandem::bf16_linear", "(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
+
+
+@torch.library.register_fake("tandem::bf16_linear")
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0] * PANEL))
+
+
+def ready() -> bool:
+    """Whether the kernel runs in this process, building it on first use: an AVX-512 CPU without AMX (whose tiles
+    oneDNN's bf16 products run on, not measured against this kernel), a C++ compiler."""
+    if not _built:
+        runs = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16")
+        _built.append(runs and cpu_kernels.build(SOURCE, "CPU bf16 linear kernel"))
+    return _built[0]
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """Whether a layer of this [out, in] weight runs on the kernel: bf16 on the CPU, outputs a multiple of PANEL, the
+    kernel on (`ENABLED`) and built here."""
+    return (ENABLED[0] and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and weight.shape[0] % PANEL == 0 and ready())
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out / 32, in, 32]: panels of 32 outputs, input-major, and within an input's 32 weights output i
+    beside output 16 + i (the kernel widens the two halves of each 32-bit lane apart)."""
+    out_features, in_features = weight.shape
+    panels = weight.detach().reshape(out_features // PANEL, 2, PANEL // 2, in_features)
+    return panels.permute(0, 3, 2, 1).reshape(out_features // PANEL, in_features, PANEL).contiguous()
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The [out, in] weight `pack` was given."""
+    panels, in_features, _ = packed.shape
+    return packed.reshape(panels, in_features, PANEL // 2, 2).permute(0, 3, 2, 1).reshape(panels * PANEL, in_features)
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b for the weight `pack` packed, x [..., in] bf16."""
+    return torch.ops.tandem.bf16_linear(x, packed, bias)
