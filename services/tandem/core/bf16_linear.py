@@ -1,17 +1,19 @@
-"""bf16 linear layers on an AVX512-BF16 CPU: a kernel of tandem's own (csrc/bf16_linear.cpp) for the few rows a
-decode or verification step multiplies by every weight.
+"""bf16 linear layers on an AVX-512 CPU without AMX: a kernel of tandem's own (csrc/bf16_linear.cpp) for the few
+rows a decode or verification step multiplies by every weight.
 
 Why not oneDNN's (core.packed_linear): a step of a few rows should cost what one row costs, the time the weights take
-to stream from memory, while the arithmetic keeps up. On a CPU without AMX oneDNN's bf16 product does not keep up
-from 2 rows on: over the 1.5B target's 28 MLP products (2-vCPU AVX512-BF16 Xeon, weights streamed from memory) 4 rows
-took 1.3x one row's time and 8 rows 1.9x, where this kernel's 8 rows take 1.3x (docs/performance.md, "A bf16 product
-of tandem's own"). It streams each panel of 32 output columns once for every row of the step, 8 rows at a time in
-float32 sums of AVX512-BF16 dot products (exact products of bf16 inputs), and rounds each output once.
+to stream from memory, while the arithmetic keeps up. oneDNN computes bf16 products by AVX512-BF16 dot products,
+which a CPU may run at a quarter of the rate of float32 multiply-adds (a 2-vCPU Xeon: 0.5 against 2 a cycle), and
+then its products fall behind the stream from 2 rows on: over 28 products of the 1.5B target's MLP shape, weights
+streamed from memory, 8 rows took 1.8x one row's time, where this kernel's 8 rows take 1.4x its one row's and 12
+rows the same (docs/performance.md, "A bf16 product of tandem's own"). The kernel widens each weight to float32 as it
+streams, streams each panel of 32 output columns once for every row of the step, up to 12 rows at a time in float32
+multiply-adds, and rounds each output once.
 
 A row's outputs do not depend on the other rows of its call, so a token verified among drafts gets the logits a
-one-row step gives it (oneDNN's products keep that property too, core.packed_linear). Float32 models and CPUs without
-AVX512-BF16 keep oneDNN's product; so does every model with `TANDEM_CPU_LINEAR=onednn` (`ENABLED`), which is read as
-the layers are built, at a model's load.
+one-row step gives it, in bf16 too. AMX CPUs (where oneDNN's tiles were not measured against it), float32 models and
+layers whose outputs are not a multiple of 32 keep oneDNN's product; so does every model with
+`TANDEM_CPU_LINEAR=onednn` (`ENABLED`), which is read as the layers are built, at a model's load.
 
 `bf16_linear` is the op `tandem::bf16_linear` (its schema and shape function here, its CPU kernel registered by the
 built library, core.cpu_kernels), so compiled forwards call it as they are traced.

@@ -25,7 +25,8 @@ def resolve_quantization(quantization: str, device: torch.device, dtype: torch.d
     """The weights a draft loaded with this setting is held in: `quantization` itself unless "auto", which is "w4"
     for bf16 weights on an AVX-512 CPU whose torch runs the int4 and int8 kernels, and "none" elsewhere (a GPU, an
     eager model, float32, tensor parallelism). AVX-512 is where the w4 draft was measured faster than the bf16 one
-    (AUTO at batch 1 1.34x on a 2-vCPU AVX512-BF16 Xeon, docs/performance.md "Int4 for one-row draft steps"); on AVX2
+    (AUTO at batch 1 1.34x the bf16 draft's on a 2-vCPU AVX512-BF16 Xeon, 1.21x with the bf16 draft on core.bf16_linear:
+    docs/performance.md "Int4 for one-row draft steps", "A bf16 product of tandem's own"); on AVX2
     alone it is not measured, so auto leaves it off there."""
     if quantization not in QUANTIZATIONS:
         raise InvalidArgument(f"quantization: one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")

@@ -18,7 +18,7 @@ and, above all, reads it once for all the rows of a step:
 
 On an AVX-512 CPU without AMX, bf16 layers whose outputs are a multiple of 32 take tandem's own product instead
 (core.bf16_linear; `tiled`): oneDNN's bf16 product runs by dot products that such a CPU may run at a quarter of its
-float32 multiply-adds' rate, so from 2 rows on it falls behind the weights' stream (8 rows took 1.9x one row's time,
+float32 multiply-adds' rate, so from 2 rows on it falls behind the weights' stream (8 rows took 1.8x one row's time,
 1.5x the kernel's). Its rows are as independent of their step mates, but its sums run in another order, so its values
 are not nn.Linear's bit for bit.
 
@@ -106,7 +106,7 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight_bytes = weight.numel() * weight.element_size()
-        # bf16 on an AVX512-BF16 CPU: tandem's own product, which keeps up at a few rows where oneDNN's does not
+        # bf16 on an AVX-512 CPU without AMX: tandem's own product, which keeps up at a few rows where oneDNN's does not
         self.tiled = bf16_linear.fits(weight)
         self.packed = (bf16_linear.pack(weight) if self.tiled
                        else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))

@@ -1,4 +1,4 @@
-// bf16 linear layers for decode and verification steps on an AVX512-BF16 CPU (tandem.core.bf16_linear builds and
+// bf16 linear layers for decode and verification steps on an AVX-512 CPU (tandem.core.bf16_linear builds and
 // calls it).
 //
 // x [rows, K] bf16; packed [N / 32, K, 32] bf16: each panel of 32 output columns, K-major, the 32-bit lane i of an
@@ -9,7 +9,7 @@
 // A decode step of a few rows streams every weight once, so its speed is the rate the weights come from memory as
 // long as the arithmetic keeps up. oneDNN's bf16 product does not at 2-16 rows on a CPU without AMX: it computes by
 // AVX512-BF16 dot products, which some CPUs run at half the rate of float32 multiply-adds (a 2-vCPU Xeon here: 0.5
-// against 2 a cycle, 32 against 64 flops), and 8 rows took 1.9x one row's time over the 1.5B target's MLP weights.
+// against 2 a cycle, 32 against 64 flops), and 8 rows took 1.8x one row's time over the 1.5B target's MLP weights.
 // Here the weights are widened to float32 as they stream (a shift or a mask per 16 of them, the two halves of each
 // lane) and multiplied in by float32 multiply-adds: one task per 32 output columns streams that panel once and runs
 // it, 12 rows at a time (24 accumulators), through every row of the call, later row groups reading the panel from
