@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 from pathlib import Path
 
 from loadtest import metrics, trace
@@ -44,13 +45,25 @@ def run_to_dir(config: RunConfig, out: Path, prompts: list[Prompt] | None = None
     driver = Driver(config, prompts)
     running = driver.run()
     try:
-        run = asyncio.run(running)
+        with asyncio.Runner(loop_factory=_loop_built_whole) as runner:
+            run = runner.run(running)
     except KeyboardInterrupt:
         running.close()  # a Ctrl-C before the loop first ran it left it never awaited (a RuntimeWarning at exit)
         if driver.partial is not None:
             _write_run(driver.partial, config, out)
         raise
     return _write_run(run, config, out)
+
+
+def _loop_built_whole() -> asyncio.AbstractEventLoop:
+    """A new event loop, built with Ctrl-C held off: a SIGINT that lands inside the loop's constructor (a sweep starts
+    one loop a run) leaves a half-built loop whose finalizer prints an AttributeError at exit; held, the interrupt is
+    raised once the loop is whole."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return asyncio.new_event_loop()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _write_run(run: trace.RunTrace, config: RunConfig, out: Path) -> dict:
