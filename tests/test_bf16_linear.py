@@ -28,9 +28,8 @@ SHAPES = ((17920, 1536), (1536, 8960), (2048, 1536), (9728, 896), (896, 4864), (
 @pytest.fixture
 def onednn():
     """Layers built while this is active take oneDNN's product, as with TANDEM_CPU_LINEAR=onednn."""
-    bf16_linear.ENABLED[0], was = False, bf16_linear.ENABLED[0]
-    yield
-    bf16_linear.ENABLED[0] = was
+    with bf16_linear.enabled(False):
+        yield
 
 
 def within_rounding(result: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -35,9 +35,8 @@ def pack_small_layers(monkeypatch):
 @pytest.fixture(autouse=True)
 def onednn_bf16():
     """oneDNN's products in bf16 too, where tandem's own kernel would take them (tests/test_bf16_linear.py)."""
-    bf16_linear.ENABLED[0], was = False, bf16_linear.ENABLED[0]
-    yield
-    bf16_linear.ENABLED[0] = was
+    with bf16_linear.enabled(False):
+        yield
 
 
 def load(path, dtype: torch.dtype = torch.bfloat16, eager: bool = False):

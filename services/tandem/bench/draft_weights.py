@@ -57,11 +57,8 @@ def linear_kernels(dtype: torch.dtype, out_features: int = 8960, in_features: in
     kernels = {str(dtype).removeprefix("torch."): linear, "int8": Int8Linear.from_linear(linear),
                "float32_onednn_packed": PackedLinear(linear.weight.detach().float(), None)}
     if dtype == torch.bfloat16 and supported():
-        bf16_linear.ENABLED[0], was = False, bf16_linear.ENABLED[0]
-        try:
+        with bf16_linear.enabled(False):
             kernels["bfloat16_onednn_packed"] = PackedLinear.from_linear(linear)
-        finally:
-            bf16_linear.ENABLED[0] = was
         if bf16_linear.fits(linear.weight):
             kernels["bfloat16_tandem_kernel"] = PackedLinear.from_linear(linear)
     if w8a8_supported():

@@ -56,11 +56,8 @@ def _runners(compare: str, name: str, dtype: torch.dtype, context: int, compiled
         models = {}
         for variant in (first, second):
             loaded = load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False, eager=True)
-            bf16_linear.ENABLED[0], was = variant == first, bf16_linear.ENABLED[0]
-            try:
+            with bf16_linear.enabled(variant == first):
                 prepack(loaded.model)
-            finally:
-                bf16_linear.ENABLED[0] = was
             models[variant] = ModelRunner(loaded.model, compile=compiled)
     elif compare == "fusion":
         models = {}

@@ -22,6 +22,8 @@ built library, core.cpu_kernels), so compiled forwards call it as they are trace
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -51,6 +53,17 @@ def ready() -> bool:
         runs = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16")
         _built.append(runs and cpu_kernels.build(SOURCE, "CPU bf16 linear kernel"))
     return _built[0]
+
+
+@contextmanager
+def enabled(on: bool) -> Iterator[None]:
+    """Layers built inside take the kernel where it fits (`on`) or oneDNN's product, whatever `ENABLED` says outside:
+    a benchmark or test that builds both kinds in one process."""
+    ENABLED[0], was = on, ENABLED[0]
+    try:
+        yield
+    finally:
+        ENABLED[0] = was
 
 
 def fits(weight: torch.Tensor) -> bool:
