@@ -2,7 +2,9 @@
 [8960 x 1536] weights (the 1.5B target's MLP shape, 770 MB, more than the L3 holds) streamed from memory in turn,
 the best of 4 passes per kernel and row count.
 
-    PYTHONPATH=services python docs/bench/bf16-linear-products-v1.py out.json    # about 1 min
+    PYTHONPATH=services python docs/bench/bf16-linear-products-v1.py out.json [ROWS ...]   # about 1 min
+
+ROWS: the row counts to time (default 1-64); prompt-sized ones (128-512) time the prefill's products.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def per_layer(product, weights: list[torch.Tensor], rows: int) -> float:
     return best
 
 
-def main(path: str) -> None:
+def main(path: str, rows_timed: tuple[int, ...] = ROWS) -> None:
     torch.set_num_threads(2)
     assert bf16_linear.ready(), "the kernel does not run here"
     plain = [torch.randn(OUT, IN, dtype=torch.bfloat16) * 0.05 for _ in range(LAYERS)]
@@ -50,7 +52,7 @@ def main(path: str) -> None:
     report = {"config": {"shape": [OUT, IN], "layers": LAYERS, "passes": PASSES, "threads": 2,
                          "torch": torch.__version__, "machine": platform.processor() or platform.machine()},
               "rows": {}}
-    for rows in ROWS:
+    for rows in rows_timed:
         # Alternated: oneDNN first at odd row counts, the kernel first at even ones.
         order = (("onednn", by_onednn, onednn), ("kernel", by_kernel, ours))
         times = {name: per_layer(product, weights, rows) for name, product, weights in
@@ -66,4 +68,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], tuple(int(rows) for rows in sys.argv[2:]) or ROWS)
