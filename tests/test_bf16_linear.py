@@ -1,7 +1,9 @@
 """core.bf16_linear's product: within bf16's rounding of the exact product at the real pair's shapes, a row's result
 the same bit for bit whatever its call's other rows, the packing undone exactly, and models loaded in bf16 running
 on it (eager and compiled) with the logits oneDNN's product gives within rounding, speculative greedy decoding equal
-to plain decoding; `TANDEM_CPU_LINEAR=onednn` and shapes it does not take keep oneDNN's product."""
+to plain decoding; `TANDEM_CPU_LINEAR=onednn` and shapes it does not take keep oneDNN's product. Its AVX2 path gives
+the AVX-512 path's bits, and a CPU that torch and oneDNN run at AVX2 (emulated here by their own settings) runs bf16
+models on it, where oneDNN packs no bf16."""
 
 from __future__ import annotations
 
@@ -12,14 +14,14 @@ import sys
 import pytest
 import torch
 
-from tandem.core import bf16_linear
+from tandem.core import bf16_linear, device
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.core.packed_linear import PackedLinear
 from tandem.core.runner import ModelRunner
 from tandem.engines.local import build_engine
 from tandem.models.loader import load_model
 
-pytestmark = pytest.mark.skipif(not bf16_linear.ready(), reason="no AVX-512 CPU without AMX, or no C++ compiler")
+pytestmark = pytest.mark.skipif(not bf16_linear.ready(), reason="no AVX2 or AVX-512 CPU without AMX, or no compiler")
 CPU = torch.device("cpu")
 # The real pair's products (out, in): MLP gate/up fused and down, q/k/v fused, the draft's MLP, a head's part.
 SHAPES = ((17920, 1536), (1536, 8960), (2048, 1536), (9728, 896), (896, 4864), (4096, 896))
@@ -65,6 +67,70 @@ def test_a_rows_result_does_not_depend_on_its_call() -> None:
         assert torch.equal(layer(x[first : first + count]), full[first : first + count]), (first, count)
     assert torch.equal(layer(x[None, None, 7]), full[None, None, 7])  # a lone row in a 3-D batch
     assert layer(x[:0]).shape == (0, 8960)
+
+
+@pytest.mark.skipif(bf16_linear.ready() and bf16_linear.isa_bits() != 512, reason="an AVX2 CPU runs one path only")
+def test_the_avx2_path_gives_the_avx512_paths_bits() -> None:
+    """Both paths sum each output over the inputs in order, one multiply-add each, and round it once: the same bits
+    at every row count (the AVX2 path's row tiles of 3, the AVX-512 path's of 12), with and without a bias."""
+    generator = torch.Generator().manual_seed(3)
+    for out_features, in_features in SHAPES[2:4]:
+        weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).bfloat16()
+        bias = torch.randn(out_features, generator=generator).bfloat16()
+        packed = bf16_linear.pack(weight)
+        x = torch.randn(29, in_features, generator=generator).bfloat16()
+        x[3, 5] = float("nan")
+        for rows in (1, 2, 3, 4, 7, 13, 29):
+            for b in (bias, None):
+                wide = bf16_linear.bf16_linear(x[:rows], packed, b)
+                with bf16_linear.isa(256):
+                    narrow = bf16_linear.bf16_linear(x[:rows], packed, b)
+                assert torch.equal(wide.isnan(), narrow.isnan()) and (rows < 4 or wide[3].isnan().all())
+                assert torch.equal(wide.nan_to_num(), narrow.nan_to_num()), (out_features, rows, b is None)
+    assert bf16_linear.isa_bits() == 512  # the context restored it
+    with pytest.raises(RuntimeError, match="512, 256 or 0"):
+        torch.ops.tandem.bf16_linear_isa(128)
+
+
+AVX2_CHECK = """
+import torch
+from tandem.core import bf16_linear, packed_linear
+from tandem.core.packed_linear import PackedLinear
+from tandem.models.loader import load_model
+cpu = torch.device("cpu")
+assert torch.backends.cpu.get_cpu_capability() == "AVX2" and not packed_linear.supported(torch.bfloat16)
+assert bf16_linear.ready() and bf16_linear.isa_bits() == 256
+loaded = load_model(DIR, device=cpu, dtype=torch.bfloat16, progress=False)
+eager = load_model(DIR, device=cpu, dtype=torch.bfloat16, progress=False, eager=True)
+packed = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
+left = [m for m in loaded.model.modules() if type(m) is torch.nn.Linear]
+assert packed and all(m.tiled for m in packed), packed
+assert all(m.out_features % bf16_linear.PANEL for m in left), left
+ids = torch.arange(3, 40)[None]
+with torch.inference_mode():
+    got, expected = (m.model(ids).logits.float() for m in (loaded, eager))
+assert (got - expected).abs().max() <= 0.05 * expected.abs().max(), (got - expected).abs().max()
+print("ok", len(packed), len(left))
+"""
+
+
+def test_an_avx2_cpu_runs_bf16_models_on_the_kernel(tiny_dirs) -> None:
+    """With torch's kernels and oneDNN held to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA), as on a CPU without
+    AVX-512, oneDNN packs no bf16, and a bf16 model's layers take the kernel's AVX2 path (those it takes; the rest
+    stay nn.Linear) with the eager model's logits within rounding."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    code = AVX2_CHECK.replace("DIR", repr(str(tiny_dirs.target)))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-3000:]
+
+
+def test_dtype_auto_picks_bf16_where_the_kernel_runs(monkeypatch) -> None:
+    """On a CPU without AVX512-BF16 or AMX (an AVX2 one), bf16 on the kernel reads half float32's bytes at the same
+    rate: `--dtype auto` picks it while the kernel is on, float32 with TANDEM_CPU_LINEAR=onednn."""
+    monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: False)  # what /proc/cpuinfo says on an AVX2 CPU
+    assert device.select_dtype("auto", CPU) == torch.bfloat16
+    with bf16_linear.enabled(False):
+        assert device.select_dtype("auto", CPU) == torch.float32
 
 
 def test_packing_is_undone_exactly_and_a_heads_part_is_its_rows() -> None:

@@ -167,10 +167,11 @@ def test_speculative_engine_on_packed_models_equals_plain_greedy(tiny_dirs, dtyp
 
 
 def test_models_stay_eager_where_the_cpu_cannot_pack() -> None:
-    """Not skipped with the rest: in a dtype oneDNN cannot pack here, the loader must leave the linears alone."""
+    """Not skipped with the rest: a layer in a dtype oneDNN cannot pack here, and that tandem's bf16 kernel does not
+    take (16 outputs; on an AVX2 CPU it takes bf16 layers of multiples of 32), is left alone."""
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
         model = torch.nn.Sequential(torch.nn.Linear(16, 16)).to(dtype)
-        assert packable(model) == supported(dtype)
+        assert packable(model) == (supported(dtype) or bf16_linear.fits_layer(32, dtype, torch.device("cpu")))
         assert prepack(model) == (1 if supported(dtype) else 0)
     assert not supported(torch.float16)
 

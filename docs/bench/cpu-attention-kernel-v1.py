@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.core import cpu_attention
+from tandem.core import cpu_attention, cpu_kernels
 
 SHAPES = {"target": (12, 2, 128, 28), "draft": (14, 2, 64, 24)}  # query heads, kv heads, dim, layers
 CASES = [(1, 1, 301), (8, 1, 301), (8, 2, 301), (8, 3, 301), (8, 5, 301), (8, 9, 301), (8, 1, 700), (1, 9, 301)]
@@ -57,7 +57,7 @@ def build_at(commit: str) -> None:
     renamed = source.replace("TORCH_LIBRARY_IMPL(tandem,", f"TORCH_LIBRARY_IMPL({namespace},")
     (directory / "kernel.cpp").write_text(renamed)
     load(namespace, [str(directory / "kernel.cpp")], build_directory=str(directory), is_python_module=False,
-         extra_cflags=list(cpu_attention.CFLAGS), extra_ldflags=list(cpu_attention.LDFLAGS))
+         extra_cflags=list(cpu_kernels.CFLAGS + cpu_kernels.AVX512), extra_ldflags=list(cpu_kernels.LDFLAGS))
 
 
 def case(heads: int, kv_heads: int, dim: int, layers: int, rows: int, width: int, length: int, rounds: int,

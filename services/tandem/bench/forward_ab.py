@@ -6,7 +6,9 @@ a quantized draft.
 forwards torch.compile compiled (on a CPU: the static forwards without CUDA graphs). `--compare w8a8`: the draft
 only, loaded as is and with `--draft-quantization w8a8` (core.w8a8_linear); `--compare w4`: the draft only, with
 `--draft-quantization w4` (core.w4_linear) and w8a8. `--compare linear`: each model loaded twice, its bf16 layers
-on tandem's own product (core.bf16_linear) and on oneDNN's. `--compiled` compiles both runners of a comparison (as
+on tandem's own product (core.bf16_linear) and on oneDNN's. `--compare dtype`: each model loaded in bf16 and in
+float32 as the loader prepares it (`--dtype` aside), which on an AVX2 CPU is tandem's product against oneDNN's float32
+one, `--dtype auto`'s pick there. `--compiled` compiles both runners of a comparison (as
 `--compile` does for serving). Each runner holds `--rows` sequences of the same context; forwards of each width then
 alternate between the two (A B, then B A) for `--steps` pairs, each feeding `width` tokens to every row at the
 context's end and rolled back, so every forward sees the same context. Reported per
@@ -19,6 +21,7 @@ seconds (a compile), and the largest difference between their logits.
     python -m tandem.bench.forward_ab --compare w8a8 --json w8a8.json          # about 1 min
     python -m tandem.bench.forward_ab --compare w4 --compiled --widths 1 2 --json w4.json   # plus 2 compiles
     python -m tandem.bench.forward_ab --compare linear --rows 8 --widths 1 3 --json linear.json
+    python -m tandem.bench.forward_ab --compare dtype --widths 1 3 5 --steps 10 --json dtype.json
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from tandem.core.runner import ModelRunner
 from tandem.models.loader import load_model
 
 VARIANTS = {"fusion": ("fused", "unfused"), "compile": ("compiled", "eager"), "w8a8": ("w8a8", "as_loaded"),
-            "w4": ("w4", "w8a8"), "linear": ("kernel", "onednn")}
+            "w4": ("w4", "w8a8"), "linear": ("kernel", "onednn"), "dtype": ("bfloat16", "float32")}
 QUANTIZATION = {"w8a8": "w8a8", "as_loaded": "none", "w4": "w4"}  # the draft's, by variant of a quantization compare
 
 
@@ -65,6 +68,10 @@ def _runners(compare: str, name: str, dtype: torch.dtype, context: int, compiled
             loaded = load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False, eager=True)
             prepack(loaded.model, fuse_siblings=variant == first)
             models[variant] = ModelRunner(loaded.model, compile=compiled)
+    elif compare == "dtype":
+        models = {variant: ModelRunner(load_model(name, device=torch.device("cpu"), dtype=getattr(torch, variant),
+                                                  progress=False).model, compile=compiled)
+                  for variant in (first, second)}
     elif compare in ("w8a8", "w4"):
         models = {variant: ModelRunner(load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False,
                                                   quantization=QUANTIZATION[variant]).model, compile=compiled)
@@ -135,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile both runners' decode forwards (torch.compile, as --compile does when serving)")
     add_json_option(parser, "the report")
     args = parser.parse_args(argv)
-    dtype = packable_dtype(parser, args)
+    dtype = packable_dtype(parser, args, onednn=args.compare == "linear")
+    if args.compare == "dtype":
+        args.dtype = "bfloat16 and float32"
     report: dict = {"config": {"compare": args.compare, "variants": VARIANTS[args.compare], "target": args.target,
                                "draft": args.draft, "dtype": args.dtype, "threads": args.threads,
                                "steps": args.steps, "context": args.context, "compiled": args.compiled,

@@ -19,8 +19,9 @@ import torch
 from tandem.bench.prompts import DEFAULT_PROMPTS, PROMPT_SETS, load_prompts
 from tandem.cli.common import add_bench_model_options
 from tandem.cli.options import DefaultsHelpFormatter, add_json_option, add_prompts_option, write_json
+from tandem.core import bf16_linear
 from tandem.core.config import EngineConfig, SamplingParams, SpecConfig
-from tandem.core.packed_linear import supported, weight_bytes
+from tandem.core.packed_linear import holds, supported, weight_bytes
 from tandem.engines.local import build_engine, encode_prompt
 from tandem.models.loader import load_model
 
@@ -33,12 +34,14 @@ def _timed(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[in
     return sum(len(r.token_ids) for r in results), time.perf_counter() - started, [r.token_ids for r in results]
 
 
-def packable_dtype(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.dtype:
-    """Sets torch's threads and returns the asked dtype; a usage error where oneDNN cannot pack it on this CPU."""
+def packable_dtype(parser: argparse.ArgumentParser, args: argparse.Namespace, onednn: bool = True) -> torch.dtype:
+    """Sets torch's threads and returns the asked dtype; a usage error where oneDNN cannot pack it on this CPU (with
+    `onednn` False: where neither oneDNN nor tandem's bf16 kernel holds it, core.packed_linear.holds)."""
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    if not supported(dtype):
-        parser.error(f"oneDNN cannot pack {args.dtype} weights on this CPU: nothing to compare")
+    if not (supported(dtype) if onednn else holds(bf16_linear.PANEL, dtype, torch.device("cpu"))):
+        parser.error(f"{'oneDNN' if onednn else 'neither oneDNN nor tandem'} cannot pack {args.dtype} weights on "
+                     f"this CPU: nothing to compare")
     return dtype
 
 

@@ -1,5 +1,5 @@
-"""bf16 linear layers on an AVX-512 CPU without AMX: a kernel of tandem's own (csrc/bf16_linear.cpp) for the few
-rows a decode or verification step multiplies by every weight.
+"""bf16 linear layers on an x86 CPU with AVX-512 or AVX2, without AMX: a kernel of tandem's own
+(csrc/bf16_linear.cpp) for the few rows a decode or verification step multiplies by every weight.
 
 Why not oneDNN's (core.packed_linear): a step of a few rows should cost what one row costs, the time the weights take
 to stream from memory, while the arithmetic keeps up. oneDNN computes bf16 products by AVX512-BF16 dot products,
@@ -10,10 +10,17 @@ rows the same (docs/performance.md, "A bf16 product of tandem's own"). The kerne
 streams, streams each panel of 32 output columns once for every row of the step, up to 12 rows at a time in float32
 multiply-adds, and rounds each output once.
 
+On an AVX2 CPU oneDNN does not pack bf16 at all and PyTorch's bf16 product converts the weights and re-reads them
+for every row, so bf16 models ran slower there than float32 ones; the kernel's AVX2 path (8 float32 a register, 12
+accumulators in 16 registers) streams them as the AVX-512 path does, and `--dtype auto` picks bf16 where it runs
+(core.device.select_dtype): a one-token forward of the 1.5B target 2.1x float32's speed with torch and oneDNN held
+to AVX2 on an AVX-512 Xeon (docs/performance.md, "On an AVX2-only CPU").
+
 A row's outputs do not depend on the other rows of its call, so a token verified among drafts gets the logits a
-one-row step gives it, in bf16 too. AMX CPUs (where oneDNN's tiles were not measured against it), float32 models and
-layers whose outputs are not a multiple of 32 keep oneDNN's product; so does every model with
-`TANDEM_CPU_LINEAR=onednn` (`ENABLED`), which is read as the layers are built, at a model's load.
+one-row step gives it, in bf16 too; both paths give the same bits. AMX CPUs (where oneDNN's tiles were not measured
+against it), float32 models and layers whose outputs are not a multiple of 32 keep oneDNN's product (on an AVX2 CPU,
+bf16 layers the kernel does not take stay nn.Linear); so does every model with `TANDEM_CPU_LINEAR=onednn`
+(`ENABLED`), which is read as the layers are built, at a model's load.
 
 `bf16_linear` is the op `tandem::bf16_linear` (its schema and shape function here, its CPU kernel registered by the
 built library, core.cpu_kernels), so compiled forwards call it as they are traced.
@@ -46,13 +53,39 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty((*x.shape[:-1], packed.shape[0] * PANEL))
 
 
+# torch's CPU capability -> the kernel's path: AVX-512 (16 float32 a register) or AVX2 with FMA (8). AMX CPUs keep
+# oneDNN's bf16 products, which run on its tiles there (not measured against this kernel).
+ISA_BITS = {"AVX512": 512, "AVX512_BF16": 512, "AVX2": 256}
+
+
 def ready() -> bool:
-    """Whether the kernel runs in this process, building it on first use: an AVX-512 CPU without AMX (whose tiles
-    oneDNN's bf16 products run on, not measured against this kernel), a C++ compiler."""
+    """Whether the kernel runs in this process, building it on first use: an x86 CPU whose torch dispatches to AVX2 or
+    AVX-512 (the kernel takes the same path: ATEN_CPU_CAPABILITY=avx2 runs its AVX2 path on an AVX-512 CPU) but not
+    AMX, and a C++ compiler."""
     if not _built:
-        runs = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16")
-        _built.append(runs and cpu_kernels.build(SOURCE, "CPU bf16 linear kernel"))
+        bits = ISA_BITS.get(torch.backends.cpu.get_cpu_capability())
+        built = bits is not None and cpu_kernels.build(SOURCE, "CPU bf16 linear kernel", isa=())
+        if built:
+            torch.ops.tandem.bf16_linear_isa(bits)
+        _built.append(built)
     return _built[0]
+
+
+def isa_bits() -> int:
+    """The path the kernel takes (512: AVX-512, 256: AVX2); the kernel must be ready()."""
+    return torch.ops.tandem.bf16_linear_isa(0)
+
+
+@contextmanager
+def isa(bits: int) -> Iterator[None]:
+    """Products inside take the kernel's `bits` path (512 or 256, one this CPU runs): a benchmark or test that runs
+    both paths in one process; the kernel must be ready()."""
+    was = isa_bits()
+    torch.ops.tandem.bf16_linear_isa(bits)
+    try:
+        yield
+    finally:
+        torch.ops.tandem.bf16_linear_isa(was)
 
 
 @contextmanager
@@ -67,10 +100,15 @@ def enabled(on: bool) -> Iterator[None]:
 
 
 def fits(weight: torch.Tensor) -> bool:
-    """Whether a layer of this [out, in] weight runs on the kernel: bf16 on the CPU, outputs a multiple of PANEL, the
+    """Whether a layer of this [out, in] weight runs on the kernel (fits_layer)."""
+    return fits_layer(weight.shape[0], weight.dtype, weight.device)
+
+
+def fits_layer(out_features: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a layer of `out_features` outputs runs on the kernel: bf16 on the CPU, outputs a multiple of PANEL, the
     kernel on (`ENABLED`) and built here."""
-    return (ENABLED[0] and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and weight.shape[0] % PANEL == 0 and ready())
+    return (ENABLED[0] and device.type == "cpu" and dtype == torch.bfloat16 and out_features % PANEL == 0
+            and ready())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

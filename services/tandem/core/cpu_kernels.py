@@ -16,17 +16,20 @@ from tandem.core.device import cpu_runs_avx512
 
 log = logging.getLogger(__name__)
 
-# The instruction sets every AVX-512 CPU torch dispatches to has (AVX512-BF16 is asked per function, where used).
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-fopenmp")
+CFLAGS = ("-O3", "-fopenmp")
+# The instruction sets every AVX-512 CPU torch dispatches to has (AVX512-BF16 is asked per function, where used), for
+# a source written for AVX-512 alone; one with a path per instruction set names each path's in its target attribute.
+AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 # OpenMP: at::parallel_for spreads a kernel's tasks over torch's threads only in code built with it (its libgomp is
 # the one torch has loaded); without, the attention kernel ran on one thread, 1.23x sdpa's time in a forward.
 LDFLAGS = ("-fopenmp",)
 
 
-def build(source: Path, what: str) -> bool:
-    """Build and load the library of `source` (its op's CPU kernel registers as it loads); False, with the reason
-    logged, where it cannot run here: no AVX-512, no C++ compiler, a broken toolchain."""
-    if not cpu_runs_avx512():
+def build(source: Path, what: str, isa: tuple[str, ...] = AVX512) -> bool:
+    """Build and load the library of `source` (its op's CPU kernel registers as it loads), compiled for the
+    instruction sets `isa` flags (none: it picks its own per function); False, with the reason logged, where it
+    cannot run here: AVX-512 flagged on a CPU without it, no C++ compiler, a broken toolchain."""
+    if isa and not cpu_runs_avx512():
         log.info("%s: no AVX-512 here, torch's own kernels run", what)
         return False
     if shutil.which(os.environ.get("CXX", "c++")) is None:
@@ -35,11 +38,11 @@ def build(source: Path, what: str) -> bool:
     from torch.utils.cpp_extension import load
 
     started = time.perf_counter()
-    copy = build_copy(source)
+    copy = build_copy(source, isa)
     log.info("loading the %s from %s (built once per machine: about 30 s)", what, copy.parent)
     try:
         load(f"tandem_{source.stem}", [str(copy)], build_directory=str(copy.parent), is_python_module=False,
-             extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False)  # lists it extends
+             extra_cflags=list(CFLAGS + isa), extra_ldflags=list(LDFLAGS), verbose=False)  # lists it extends
     except (RuntimeError, OSError, ImportError) as error:  # a broken toolchain, no ninja: run as without the kernel
         log.warning("%s: the kernel did not build (%s), torch's own kernels run", what, error)
         return False
@@ -47,7 +50,7 @@ def build(source: Path, what: str) -> bool:
     return True
 
 
-def build_copy(source: Path) -> Path:
+def build_copy(source: Path, isa: tuple[str, ...] = AVX512) -> Path:
     """The source as the build compiles it: a copy in a build directory named by torch's version and a digest of the
     source and flags. torch's extension builder rebuilds whenever the source's path changes, so compiling the
     package's own file rebuilt it (10-30 s) for every checkout, worktree or install on a machine; from the copy, each
@@ -55,7 +58,7 @@ def build_copy(source: Path) -> Path:
     from tandem.models.store import default_root
 
     code = source.read_bytes()
-    digest = hashlib.sha256(code + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(code + " ".join(CFLAGS + isa + LDFLAGS).encode()).hexdigest()[:12]
     directory = default_root() / "kernels" / f"{source.stem}-torch{torch.__version__}-{digest}"
     directory.mkdir(parents=True, exist_ok=True)
     copy = directory / source.name

@@ -42,6 +42,12 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def _bf16_kernel_runs() -> bool:
+    from tandem.core import bf16_linear  # it builds on this module
+
+    return bf16_linear.ENABLED[0] and bf16_linear.ready()
+
+
 def cpu_runs_avx512() -> bool:
     """True when torch's CPU kernels run at AVX-512 or above here (its own dispatch, which honours
     ATEN_CPU_CAPABILITY): where tandem's AVX-512 paths run, the decode-attention kernel and the w4 draft."""
@@ -165,10 +171,13 @@ def on_device(data, device: torch.device | str, dtype: torch.dtype | None = None
 
 
 def select_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bf16 on a GPU, and on a CPU with fast bf16 products: AVX512-BF16 or AMX, or tandem's bf16 kernel
+    (core.bf16_linear, built here on first ask), whose products stream bf16 weights at the memory's rate on an AVX2
+    CPU too, where float32 reads twice the bytes; float32 elsewhere."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        return torch.bfloat16 if cpu_has_fast_bf16() or _bf16_kernel_runs() else torch.float32
     if name not in DTYPES:
         raise InvalidArgument(f"dtype: unknown dtype {name!r} (use auto, {', '.join(sorted(DTYPES))})")
     return DTYPES[name]

@@ -167,10 +167,12 @@ class FusedPart(torch.nn.Module):
         return f"part {self.index} of {len(self.fused.spans)}, out_features={self.out_features}"
 
 
-def fuse(model: torch.nn.Module, least: int = 0, product: Product = PackedLinear) -> int:
-    """Replace each GROUPS set of nn.Linear siblings (same input width and dtype, at least `least` weights together)
-    by parts of one FusedLinear whose stacked product `product` builds (PackedLinear, StackedLinear,
-    core.w8a8_linear's W8A8Linear, core.w4_linear's choice), in place; the number of nn.Linear replaced."""
+def fuse(model: torch.nn.Module, least: int = 0, product: Product = PackedLinear,
+         takes: Callable[[int], bool] | None = None) -> int:
+    """Replace each GROUPS set of nn.Linear siblings (same input width and dtype, at least `least` weights together,
+    their outputs together a count `takes` accepts) by parts of one FusedLinear whose stacked product `product`
+    builds (PackedLinear, StackedLinear, core.w8a8_linear's W8A8Linear, core.w4_linear's choice), in place; the
+    number of nn.Linear replaced."""
     replaced = 0
     for module in list(model.modules()):
         for names in GROUPS:
@@ -180,6 +182,8 @@ def fuse(model: torch.nn.Module, least: int = 0, product: Product = PackedLinear
             if len({(linear.in_features, linear.weight.dtype) for linear in linears}) != 1:
                 continue
             if sum(linear.weight.numel() for linear in linears) < least:
+                continue
+            if takes is not None and not takes(sum(linear.out_features for linear in linears)):
                 continue
             with torch.no_grad():
                 fused = FusedLinear(linears, product)

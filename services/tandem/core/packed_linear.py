@@ -7,31 +7,34 @@ layout on every call; oneDNN with the weight reordered once, ahead of time, into
 and, above all, reads it once for all the rows of a step:
 - bf16, on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: 47 GB/s against 31 GB/s for nn.Linear (2 cores, the
   1.5B target's MLP, one row), and bit-identical to nn.Linear, which runs the same oneDNN kernel unpacked.
-- float32, on any x86 CPU oneDNN runs on. Where bf16 is not fast (AVX2 only) float32 is what `--dtype auto` picks,
-  and there PyTorch's BLAS re-reads the weight for every row of a narrow step: one [8960 x 1536] layer takes 5.6 ms
-  at 1 row, 29 ms at 5, 76 ms at 64, against 4.2, 6.0 and 51 ms packed (2-core AVX2 EPYC, a one-off timing;
+- float32, on any x86 CPU oneDNN runs on. Where bf16 is not fast (AVX2 only, tandem's bf16 kernel not built)
+  float32 is what `--dtype auto` picks, and there PyTorch's BLAS re-reads the weight for every row of a narrow
+  step: one [8960 x 1536] layer takes 5.6 ms at 1 row, 29 ms at 5, 76 ms at 64, against 4.2, 6.0 and 51 ms packed
+  (2-core AVX2 EPYC, a one-off timing;
   `tandem.bench.draft_weights` records the packed float32, bf16 and int8 kernels by row count). The products round
   differently from nn.Linear's (up to 2e-4 on that layer), the same for a row whatever the step's other rows (a
   lone row runs as two, since oneDNN's one-row kernel rounds otherwise), so speculative verification stays exact:
   every path of a loaded model runs the packed layers, Hugging Face's own generate included. In bf16 on an AMX CPU
   nn.Linear's own result depends on the row count, and the packed layer's equals it at every count.
 
-On an AVX-512 CPU without AMX, bf16 layers whose outputs are a multiple of 32 take tandem's own product instead
-(core.bf16_linear; `tiled`): oneDNN's bf16 product runs by dot products that such a CPU may run at a quarter of its
-float32 multiply-adds' rate, so from 2 rows on it falls behind the weights' stream (8 rows took 1.8x one row's time,
-1.5x the kernel's). Its rows are as independent of their step mates, but its sums run in another order, so its values
-are not nn.Linear's bit for bit.
+On an AVX-512 or AVX2 CPU without AMX, bf16 layers whose outputs are a multiple of 32 take tandem's own product
+instead (core.bf16_linear; `tiled`): oneDNN's bf16 product runs by dot products that such an AVX-512 CPU may run at a
+quarter of its float32 multiply-adds' rate, so from 2 rows on it falls behind the weights' stream (8 rows took 1.8x
+one row's time, 1.5x the kernel's), and on an AVX2 CPU oneDNN packs no bf16. Its rows are as independent of their
+step mates, but its sums run in another order, so its values are not nn.Linear's bit for bit.
 
 `prepack(model)` swaps every nn.Linear of a CPU model in a packable dtype (in float32, every large one) for a
 PackedLinear holding only the packed weight, so memory stays what it was, except for an output head whose weight is
 tied to the input embedding (the embedding keeps the plain copy for its lookups). The model stays a plain Hugging
 Face module for anything that calls it. Where oneDNN cannot pack a dtype (bf16 on an AVX2-only CPU),
-`supported(dtype)` is False and the model stays eager.
+`supported(dtype)` is False: there bf16 layers take tandem's kernel (its AVX2 path) where it fits, and the rest stay
+as they are.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -108,6 +111,9 @@ class PackedLinear(torch.nn.Module):
         self.weight_bytes = weight.numel() * weight.element_size()
         # bf16 on an AVX-512 CPU without AMX: tandem's own product, which keeps up at a few rows where oneDNN's does not
         self.tiled = bf16_linear.fits(weight)
+        if not self.tiled and not supported(weight.dtype):
+            raise ValueError(f"a [{self.out_features} x {self.in_features}] {weight.dtype} layer: oneDNN does not pack "
+                             f"{weight.dtype} here and tandem's bf16 kernel does not take it")
         self.packed = (bf16_linear.pack(weight) if self.tiled
                        else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
         self.bias = None if bias is None else bias.detach()
@@ -150,34 +156,50 @@ def supported(dtype: torch.dtype = torch.bfloat16) -> bool:
     return True
 
 
+def holds(out_features: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a PackedLinear can hold a layer of `out_features` outputs: oneDNN packs its dtype here, or tandem's bf16
+    kernel takes it (bf16 on an AVX2 CPU, where oneDNN packs float32 alone)."""
+    return supported(dtype) or bf16_linear.fits_layer(out_features, dtype, device)
+
+
 def packable(model: torch.nn.Module) -> bool:
-    """Whether prepack would change this model: on CPU, in a dtype oneDNN packs here, and not a tensor-parallel
-    shard (those linears are wrapped by the parallel plan and must stay as they are)."""
+    """Whether prepack would change this model: on CPU, in a dtype oneDNN packs here or tandem's bf16 kernel runs
+    in, and not a tensor-parallel shard (those linears are wrapped by the parallel plan and must stay as they are)."""
     parameter = next(model.parameters())
     sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return parameter.device.type == "cpu" and supported(parameter.dtype) and not sharded
+    return (parameter.device.type == "cpu" and not sharded
+            and (supported(parameter.dtype) or bf16_linear.fits_layer(bf16_linear.PANEL, parameter.dtype,
+                                                                      parameter.device)))
 
 
 def prepack(model: torch.nn.Module, fuse_siblings: bool = True) -> int:
-    """Replace the model's nn.Linear layers (those of at least MIN_PACKED_WEIGHTS weights) by PackedLinear in place,
-    and, with `fuse_siblings`, those that read one input (q/k/v, gate/up) by parts of one packed product
-    (core.fused_linear); the number of nn.Linear replaced (0 when not packable, or when already packed, so calling
-    it twice is harmless)."""
+    """Replace the model's nn.Linear layers (those of at least MIN_PACKED_WEIGHTS weights, and that `holds` takes) by
+    PackedLinear in place, and, with `fuse_siblings`, those that read one input (q/k/v, gate/up) by parts of one
+    packed product (core.fused_linear); the number of nn.Linear replaced (0 when not packable, or when already
+    packed, so calling it twice is harmless)."""
     from tandem.core.fused_linear import fuse  # it builds on PackedLinear
 
     if not packable(model):
         return 0
-    least = MIN_PACKED_WEIGHTS[next(model.parameters()).dtype]
-    fused = fuse(model, least) if fuse_siblings else 0
-    return fused + replace_linears(model, PackedLinear.from_linear, least)
+    parameter = next(model.parameters())
+    least = MIN_PACKED_WEIGHTS[parameter.dtype]
+
+    def takes(out_features: int) -> bool:
+        return holds(out_features, parameter.dtype, parameter.device)
+
+    fused = fuse(model, least, takes=takes) if fuse_siblings else 0
+    return fused + replace_linears(model, PackedLinear.from_linear, least, takes)
 
 
-def replace_linears(model: torch.nn.Module, make, least: int = 0) -> int:
-    """Replace every nn.Linear of the model holding at least `least` weights by `make(linear)`, in place; the number
-    replaced. The layers built here (PackedLinear, core.int8_linear's and core.w8a8_linear's) each keep their own
-    copy of the weight, so a head tied to the input embedding gets its own and the embedding keeps its weight."""
+def replace_linears(model: torch.nn.Module, make, least: int = 0,
+                    takes: Callable[[int], bool] | None = None) -> int:
+    """Replace every nn.Linear of the model holding at least `least` weights (and whose output count `takes` accepts)
+    by `make(linear)`, in place; the number replaced. The layers built here (PackedLinear, core.int8_linear's and
+    core.w8a8_linear's) each keep their own copy of the weight, so a head tied to the input embedding gets its own
+    and the embedding keeps its weight."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is torch.nn.Linear and child.weight.numel() >= least]
+             if type(child) is torch.nn.Linear and child.weight.numel() >= least
+             and (takes is None or takes(child.out_features))]
     with torch.no_grad():
         for parent, name, child in swaps:
             setattr(parent, name, make(child))
