@@ -65,6 +65,12 @@ def _answering(sdk: openai.OpenAI, batch_id: str, answered: int = 2) -> None:
         time.sleep(0.05)
 
 
+def _ended_count(gateway: ServerThread, status: str) -> float:
+    """Batches the gateway's runs ended so, as its metrics say: counted as a run stores the batch ended, a step after
+    another replica can read it so (callers wait for it)."""
+    return value(scrape(gateway.gateway.metrics_url), "tandem_batches_ended_total", status=status)
+
+
 def test_another_gateway_reads_cancels_and_takes_on_a_batch(tiny_models, monkeypatch) -> None:
     """Over one real Redis: gateway `other` reads, lists and cancels what `runner` runs (the run sees the cancel at
     its next beat); a batch still running when its gateway shuts down is let go, and `other` goes on with it."""
@@ -85,7 +91,7 @@ def test_another_gateway_reads_cancels_and_takes_on_a_batch(tiny_models, monkeyp
             time.sleep(0.5)
             assert read.batches.cancel(long.id).status == "cancelling"
             assert _ended(read, long.id, timeout_s=10).status == "cancelled"  # its run saw it at a beat
-            assert value(scrape(runner.gateway.metrics_url), "tandem_batches_ended_total", status="cancelled") == 1
+            assert runner.wait_for(lambda: _ended_count(runner, "cancelled") == 1)
 
             orphan = _long_batch(ran, "o")
             _answering(read, orphan.id)
@@ -161,7 +167,7 @@ def test_a_gateway_that_runs_no_batches_leaves_them_to_one_that_does(tiny_models
             assert batch.status == "in_progress" and taker.gateway.batches.running == 0
             finished = _ended(took, batch.id)
             assert finished.status == "completed" and _answered_once(took, finished, "t", count=4)
-            assert value(scrape(runner.gateway.metrics_url), "tandem_batches_ended_total", status="completed") == 1
+            assert runner.wait_for(lambda: _ended_count(runner, "completed") == 1)
         finally:
             _stop(taker, runner)
 

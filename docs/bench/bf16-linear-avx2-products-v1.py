@@ -2,7 +2,7 @@
 AVX2 path) on bf16 weights, against oneDNN's prepacked float32 product (what `--dtype auto` picked on an AVX2 CPU
 before the kernel had an AVX2 path) and PyTorch's bf16 `F.linear` (what a bf16 model ran there: oneDNN packs no
 bf16 at AVX2). 28 distinct [8960 x 1536] weights (the 1.5B target's MLP shape; 770 MB in bf16, 1.5 GB in float32)
-streamed from memory in turn, the best of 3 passes per product and row count, the arms' order reversed at every
+streamed from memory in turn, the best of 4 passes per product and row count, the arms' order reversed at every
 other row count. On an AVX-512 CPU, torch's and oneDNN's own settings hold them to AVX2 (as the command below does):
 
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 PYTHONPATH=services \\
@@ -13,28 +13,18 @@ from __future__ import annotations
 
 import json
 import platform
+import runpy
 import sys
-import time
+from pathlib import Path
 
 import torch
 
 from tandem.core import bf16_linear
 
-OUT, IN, LAYERS, PASSES = 8960, 1536, 28, 3
+# The products' shape, count and timing loop: the AVX-512 comparison's (its per_layer, best of its PASSES).
+SHARED = runpy.run_path(str(Path(__file__).with_name("bf16-linear-products-v1.py")))
+OUT, IN, LAYERS, PASSES, per_layer = (SHARED[name] for name in ("OUT", "IN", "LAYERS", "PASSES", "per_layer"))
 ROWS = (1, 2, 3, 5, 8, 12, 16, 24, 64, 256)
-
-
-def per_layer(product, weights: list[torch.Tensor], dtype: torch.dtype, rows: int) -> float:
-    x = torch.randn(rows, IN).to(dtype)
-    for weight in weights:  # a first pass untimed
-        product(x, weight)
-    best = float("inf")
-    for _ in range(PASSES):
-        started = time.perf_counter()
-        for weight in weights:
-            product(x, weight)
-        best = min(best, (time.perf_counter() - started) / len(weights))
-    return best
 
 
 def main(path: str, rows_timed: tuple[int, ...] = ROWS) -> None:
@@ -54,7 +44,7 @@ def main(path: str, rows_timed: tuple[int, ...] = ROWS) -> None:
               "rows": {}}
     for index, rows in enumerate(rows_timed):
         names = list(arms) if index % 2 == 0 else list(arms)[::-1]
-        ms = {name: per_layer(*arms[name], rows) * 1e3 for name in names}
+        ms = {name: per_layer(arms[name][0], arms[name][1], rows, arms[name][2]) * 1e3 for name in names}
         report["rows"][str(rows)] = {**{f"{name}_ms": round(ms[name], 4) for name in arms},
                                      "kernel_over_f32": round(ms["onednn_f32"] / ms["kernel_bf16"], 3),
                                      "kernel_over_torch_bf16": round(ms["torch_bf16"] / ms["kernel_bf16"], 3)}

@@ -22,8 +22,9 @@ OUT, IN, LAYERS, PASSES = 8960, 1536, 28, 4
 ROWS = (1, 2, 3, 4, 5, 8, 12, 16, 24, 32, 64)
 
 
-def per_layer(product, weights: list[torch.Tensor], rows: int) -> float:
-    x = torch.randn(rows, IN, dtype=torch.bfloat16)
+def per_layer(product, weights: list[torch.Tensor], rows: int, dtype: torch.dtype = torch.bfloat16) -> float:
+    """The best of PASSES passes over `weights` of `product` on `rows` random rows, seconds per weight."""
+    x = torch.randn(rows, IN).to(dtype)
     for weight in weights:  # a first pass untimed
         product(x, weight)
     best = float("inf")

@@ -162,10 +162,11 @@ class Batches:
             files["errors"] = INPUT_GONE
         if await self._change(run, status=status, **{f"{status}_at": int(time.time())}, **files) is None:
             return
+        # Counted as it is stored ended, which any replica may read at once; the cleanup after is the store's.
+        self._ended(status)
         for chunk in record["chunks"]:
             await self.records.discard(tenant, chunk)
         await self.records.update_shared(RUNNING_INDEX, lambda index: _unindexed(index, [tenant, batch_id]))
-        self._ended(status)
 
     async def _change(self, run: BatchRun, **changes) -> dict | None:
         """Change the batch object, provided the batch is still `run`'s; the record after, or None."""
