@@ -116,7 +116,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     beside output 16 + i (the kernel widens the two halves of each 32-bit lane apart)."""
     out_features, in_features = weight.shape
     panels = weight.detach().reshape(out_features // PANEL, 2, PANEL // 2, in_features)
-    # Two transposed halves stacked: 1.46x the speed of one four-axis permute's copy (a model's load packs GBs).
+    # Two transposed halves stacked: 1.5-1.7x the speed of one four-axis permute's copy (a load packs GBs).
     return torch.stack([panels[:, 0].transpose(1, 2), panels[:, 1].transpose(1, 2)], dim=-1).reshape(
         out_features // PANEL, in_features, PANEL)
 
