@@ -70,6 +70,12 @@ def client_host(stream: bool):
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:
+        # `unshare -n` makes the namespace, then runs the client under the same pid: a link moved to the pid before
+        # that is moved to this namespace (seen in CI under load: the next `ip` in the client's found no device).
+        ours, deadline = os.readlink("/proc/self/ns/net"), time.monotonic() + 30
+        while os.readlink(f"/proc/{client.pid}/ns/net") == ours:
+            assert time.monotonic() < deadline and client.poll() is None, "the client never left this namespace"
+            time.sleep(0.01)
         _ip("link", "add", f"{link}a", "type", "veth", "peer", "name", f"{link}b")
         _ip("link", "set", f"{link}b", "netns", str(client.pid))
         _ip("addr", "add", f"{subnet}.1/30", "dev", f"{link}a")
