@@ -34,6 +34,7 @@ from pools_harness import (
     tandem_cli,
     wait_sequences_released,
 )
+from tandem import ray_auth
 from tandem.bench.local_cluster import free_port
 from tandem.client import TandemClient
 from tandem.sessions import EmbeddedRedis
@@ -53,9 +54,20 @@ def client_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, client_port):
-    with ray_head(tmp_path_factory.mktemp("ray"), client_port=client_port) as address:
+def ray_temp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ray")
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_temp, client_port):
+    with ray_head(ray_temp, client_port=client_port) as address:
         yield address
+
+
+def _client_server_logs(ray_temp: Path) -> str:
+    """The tails of the head's Ray Client session-server logs (ray_client_server_PORT.err): why one died."""
+    logs = sorted((ray_temp / "session_latest" / "logs").glob("ray_client_server_*.err"))
+    return "\n".join(f"{log.name}: {log.read_text()[-600:]}" for log in logs)
 
 
 @pytest.fixture(scope="module")
@@ -161,16 +173,16 @@ ray.shutdown()
 """
 
 
-def test_a_ray_client_session_that_fails_to_start_is_tried_again(pools, client_port) -> None:
+def test_a_ray_client_session_that_fails_to_start_is_tried_again(pools, client_port, ray_temp) -> None:
     done = subprocess.run([sys.executable, "-c", FAILS_ONCE, ray_client_address(client_port)],
                           env=head_env(ray_client_address(client_port)) | _client_env(), capture_output=True,
                           text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, (done.stderr[-2000:], _client_server_logs(ray_temp))
     joined = json.loads(done.stdout.strip().splitlines()[-1])
-    # The planted failure, then the real ray.init: 2 calls, or 3 where the proxy's next server died at birth as well
-    # (it did once here, after the gateways' sessions on this head).
-    assert joined["nodes"] == 1 and joined["calls"] in (2, 3), (joined, done.stderr[-2000:])
-    assert "failed to start this client's session (try 1 of 3)" in done.stderr
+    # The planted failure, then the real ray.init: 2 calls, or more where the proxy's next servers died at birth as
+    # well (one did, and in CI two in a row, after the gateways' sessions on this head).
+    assert joined["nodes"] == 1 and 2 <= joined["calls"] <= ray_auth.CLIENT_STARTS, (joined, done.stderr[-2000:])
+    assert f"failed to start this client's session (try 1 of {ray_auth.CLIENT_STARTS})" in done.stderr
 
 
 def test_a_ray_client_gateway_stops_cleanly_and_releases_its_sequences(pools, client_port, redis, expected,

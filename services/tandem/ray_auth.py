@@ -25,6 +25,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from tandem.errors import InvalidArgument, TandemError
@@ -127,8 +128,10 @@ CLIENT_SCHEME = "ray://"
 CLIENT_PING_TIMEOUT_S = 10.0
 # Ray Client's proxy forks a server process for each client; now and then that process dies at birth (gRPC's
 # event engine after fork: "epoll_wait error: Bad file descriptor" in its log, seen once in CI), and the client is
-# told "Initialization failure from server". The next connection gets a new process: so many tries in all.
-CLIENT_STARTS = 3
+# told "Initialization failure from server". The next connection gets a new process: so many tries in all, a
+# growing pause between them (CI once saw two such deaths in a row, on a loaded machine).
+CLIENT_STARTS = 5
+CLIENT_RETRY_PAUSE_S = 0.5
 SERVER_START_FAILED = "Initialization failure from server"
 
 
@@ -188,3 +191,4 @@ def join_cluster(address: str, token_file: str | None = None, **init: object) ->
             log.warning("the Ray Client server at %s failed to start this client's session (try %d of %d): %s",
                         address, start, CLIENT_STARTS, str(exc).splitlines()[0])
             ray.shutdown()
+            time.sleep(CLIENT_RETRY_PAUSE_S * start)
