@@ -40,7 +40,6 @@ import logging
 from collections.abc import Callable
 
 import torch
-from torch._dynamo import config as dynamo_config
 from torch.fx.experimental import _config as fx_config
 
 from tandem.core import packed_linear, w8a8_linear
@@ -57,7 +56,6 @@ WARMUP_RUNS = 2
 # Compiled graphs per code object before dynamo gives up on it: each model (draft, target) needs six (slots, rows
 # and width each 1 or more), and every runner shares ModelRunner._hidden's code.
 RECOMPILE_LIMIT = 64
-_LIMIT = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"  # older torch
 # Inductor checks the size and stride of every input and every extern kernel's output on each call of a compiled
 # graph: about 580 checks a forward of the 0.5B draft, at about 0.4 us each. The graphs a runner calls are chosen by
 # shape class (core.guardless; the tests check that against dynamo's guards), so the checks can only fail where the
@@ -107,16 +105,21 @@ def with_trace_settings(compiled: Callable[..., torch.Tensor]) -> Callable[..., 
       forward a second time before inductor compiles it (five of the tiny target's six classes), and a warm-up from
       a kept cache pays that too (docs/performance.md, "Start-up: a kept compile cache")."""
 
+    from torch._dynamo import config as dynamo_config  # here: importing dynamo costs an eager start about 1.4 s
+
+    recompiles = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"  # older torch
+
     def call(*args: torch.Tensor) -> torch.Tensor:
-        duck, limit, floats = fx_config.use_duck_shape, getattr(dynamo_config, _LIMIT), dynamo_config.specialize_float
+        duck, limit, floats = (fx_config.use_duck_shape, getattr(dynamo_config, recompiles),
+                               dynamo_config.specialize_float)
         fx_config.use_duck_shape = False
-        setattr(dynamo_config, _LIMIT, max(limit, RECOMPILE_LIMIT))
+        setattr(dynamo_config, recompiles, max(limit, RECOMPILE_LIMIT))
         dynamo_config.specialize_float = True
         try:
             return compiled(*args)
         finally:
             fx_config.use_duck_shape = duck
-            setattr(dynamo_config, _LIMIT, limit)
+            setattr(dynamo_config, recompiles, limit)
             dynamo_config.specialize_float = floats
     return call
 

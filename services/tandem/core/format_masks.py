@@ -27,17 +27,13 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import types
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
-from llguidance.torch import (
-    fill_next_token_bitmask,
-    fill_next_token_bitmask_par,
-    fill_next_token_bitmask_par_with_draft_tokens,
-)
 
 from tandem.core.config import OutputFormat
 from tandem.core.device import on_device
@@ -163,9 +159,9 @@ class FormatMasks:
                 self._check(seq_id, matcher, spent + _cpu() - started)
         else:  # rows in parallel, on cores the model's forwards leave idle (timed in _sync only)
             if walks:
-                fill_next_token_bitmask_par_with_draft_tokens(_executor(), walks, masks)
+                _fillers().fill_next_token_bitmask_par_with_draft_tokens(_executor(), walks, masks)
             if alone:
-                fill_next_token_bitmask_par(_executor(), alone, masks)
+                _fillers().fill_next_token_bitmask_par(_executor(), alone, masks)
             for seq_id, matcher, _, _, spent in rows:
                 self._check(seq_id, matcher, spent)
         written = (masks != -1).any(dim=1).nonzero().flatten()  # a written mask leaves ids past the vocabulary out
@@ -193,14 +189,15 @@ class FormatMasks:
 
     def _walk(self, matcher: LLMatcher, masks: torch.Tensor, at: int, drafts: list[int]) -> None:
         """What fill_next_token_bitmask_par_with_draft_tokens does for one row, on this thread."""
-        fill_next_token_bitmask(matcher, masks, at)
+        fill = _fillers().fill_next_token_bitmask
+        fill(matcher, masks, at)
         walked = 0
         for token in drafts:
             word = int(masks[at + walked, token // _BITS]) if token // _BITS < masks.shape[1] else 0
             if token in self._eos or not (word >> (token % _BITS)) & 1 or not matcher.consume_token(token):
                 break
             walked += 1
-            fill_next_token_bitmask(matcher, masks, at + walked)
+            fill(matcher, masks, at + walked)
         if walked:
             matcher.rollback(walked)
 
@@ -215,6 +212,7 @@ class FormatMasks:
         tracked, built = self._tracked.get(seq_id), 0.0
         if tracked is None or tracked.output_format != output_format:
             started = _cpu()
+            _fillers()  # imported with the process's first matcher (about 1 s): building, not a step's masks
             matcher = LLMatcher(self.tokenizer, grammar_of(output_format))
             built = _cpu() - started
             if matcher.is_error():
@@ -242,6 +240,14 @@ def _executor() -> LLExecutor:
     if not _executors:
         _executors.append(LLExecutor())
     return _executors[0]
+
+
+def _fillers() -> types.ModuleType:
+    """llguidance.torch, whose functions write the masks: imported at a format's first masks, since importing it
+    compiles a function of its own with torch.compile, which loads dynamo and inductor (1.3 s of every start)."""
+    import llguidance.torch
+
+    return llguidance.torch
 
 
 def _common_prefix(left: list[int], right: list[int]) -> int:

@@ -37,7 +37,6 @@ from functools import cache
 from typing import Any
 
 import torch
-from torch._dynamo import eval_frame
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +96,8 @@ class GuardlessForward:
         return out
 
     def _entries(self) -> list:
+        from torch._dynamo import eval_frame  # loaded by then: compiling imported it
+
         return eval_frame._debug_get_cache_entry_list(self.func.__code__)
 
     def _entry_code(self, args: tuple) -> types.CodeType | None:
