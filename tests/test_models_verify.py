@@ -17,7 +17,7 @@ import torch
 from models_pull_harness import Fixture, make_fixture, write_tiny_gguf
 from tandem.errors import IntegrityError
 from tandem.models import registry
-from tandem.models.loader import load_model
+from tandem.models.loader import load_model, load_pair
 from tandem.models.pull import pull
 from tandem.models.store import ModelStore
 from tandem.models.verify import verify_model_dir
@@ -79,6 +79,20 @@ def test_one_flipped_byte_refuses_to_load(hf_dir: Path, pulled: Fixture) -> None
         assert f"model {pulled.entry.name!r}" in message
         assert str(hf_dir) not in message  # clients may see the error: no server paths in it
         assert f"tandem models pull --force {pulled.entry.name}" in message
+
+
+def test_a_pairs_target_is_checked_while_its_draft_loads_and_refused_when_changed(hf_dir: Path, pulled: Fixture,
+                                                                                  tmp_path: Path, caplog) -> None:
+    target = tmp_path / "target"
+    shutil.copytree(hf_dir, target)  # a directory with its manifest, loaded by path
+    with caplog.at_level(logging.INFO, logger="tandem.models.verify"):
+        load_pair(pulled.entry.name, str(target), device=CPU, dtype=torch.float32, progress=False)
+    checked = {record.threadName.split("_")[0] for record in caplog.records if "match its manifest" in record.message}
+    assert checked == {"MainThread", "verify"}  # the draft on the loading thread, the target beside it
+    flip_one_byte(target / "model.safetensors", (target / "model.safetensors").stat().st_size - 5)
+    for pair in ((pulled.entry.name, target), (target, hf_dir)):  # the changed directory as the target, as the draft
+        with pytest.raises(IntegrityError, match=r"model\.safetensors does not match its manifest"):
+            load_pair(*map(str, pair), device=CPU, dtype=torch.float32, progress=False)
 
 
 def test_missing_file_refuses_to_load(hf_dir: Path, pulled: Fixture) -> None:

