@@ -62,19 +62,20 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
 def build_local_backends(target: str, arms: tuple[Arm, ...], options: LocalOptions) -> dict[str, Backend]:
     """{arm: Backend} over models loaded here: the target once, each distinct draft once (checked to share the
     target's tokenizer), one engine per arm."""
-    from tandem.models.loader import check_compatible, load_model
+    from tandem.models.loader import check_compatible, load_models
 
     device, dtype = _setup_torch(options)
-    common = {"device": device, "dtype": dtype, "eager": options.eager}
-    target_model = load_model(target, compile=compiles(options.compile, draft=False), **common)
-    drafts: dict[str, object] = {}
+    names = list(dict.fromkeys(arm.draft for arm in arms if arm.config.spec.speculating and arm.draft))
+    draft_options = {"quantization": options.draft_quantization, "compile": compiles(options.compile, draft=True)}
+    target_model, *loaded = load_models([(target, {"compile": compiles(options.compile, draft=False)}),
+                                         *((name, draft_options) for name in names)],
+                                        device=device, dtype=dtype, eager=options.eager)
+    drafts: dict[str, object] = dict(zip(names, loaded, strict=True))
+    for draft_model in loaded:
+        check_compatible(draft_model, target_model)
     backends = {}
     for arm in arms:
         draft = arm.draft if arm.config.spec.speculating else ""
-        if draft and draft not in drafts:
-            drafts[draft] = load_model(draft, quantization=options.draft_quantization,
-                                       compile=compiles(options.compile, draft=True), **common)
-            check_compatible(drafts[draft], target_model)
         engine = build_engine(target_model, drafts[draft] if draft else None, arm.config, kv_tokens=options.kv_tokens,
                               retain_tokens=options.retain_tokens, prefix_cache=options.prefix_cache)
         backends[arm.name] = Backend(engine, target_model.tokenizer, target, draft,

