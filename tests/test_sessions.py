@@ -161,6 +161,35 @@ def test_updates_while_redis_is_down_use_memory_and_are_written_back(own_server)
     assert RedisSessionStore(own_server.url).get("s") == {"names": ["before", "during"]}
 
 
+@pytest.mark.parametrize("write", ["put", "update", "delete"])
+def test_a_write_served_from_memory_as_another_callers_probe_brings_redis_back_reaches_redis(own_server, monkeypatch,
+                                                                                             write):
+    """The interleaving CI met once: a write chose memory (Redis down, within the backoff), another caller's probe
+    then found Redis back and wrote back what was remembered until then, and only after that did the write ask to
+    be remembered. It is written to Redis instead of being in neither place. The probe is planted at that point."""
+    store = RedisSessionStore(own_server.url, retry_initial_s=60, retry_max_s=60)
+    own_server.stop()
+    assert store.get("anything") is None and not store.healthy  # an outage; the next probe is a minute away
+    own_server.start()  # empty
+    other = RedisSessionStore(own_server.url)
+    other.put("s", {"names": ["before"]})
+    real_mode, probes = store._mode, []
+
+    def mode_then_a_probe_elsewhere():
+        chosen = real_mode()
+        if not probes:
+            probes.append(chosen)
+            store._recover()  # another caller's probe, landing between this call's choice and its fallback
+        return chosen
+
+    monkeypatch.setattr(store, "_mode", mode_then_a_probe_elsewhere)
+    {"put": lambda: store.put("s", {"names": ["put"]}), "update": lambda: store.update("s", _appended("during")),
+     "delete": lambda: store.delete("s")}[write]()
+    assert probes == [None] and store.healthy  # it chose memory, and Redis was back before it fell back
+    expected = {"put": {"names": ["put"]}, "update": {"names": ["before", "during"]}, "delete": None}[write]
+    assert other.get("s") == expected  # in Redis (the update made again there, on Redis's state)
+
+
 @pytest.mark.alone
 def test_outage_serves_from_memory_and_recovers(own_server, caplog):
     caplog.set_level(logging.INFO, logger=STORE_LOGGER)

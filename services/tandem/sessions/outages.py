@@ -129,10 +129,16 @@ class RedisOutages:
             raise StoreUnavailable(f"the shared store (Redis at {redact_url(self.url)}) is not answering; nothing was "
                                    "read or changed, retry")
 
-    def _fallback(self, session_id: str | None = None) -> None:
-        """Count an operation served from memory; a write (`session_id`) is remembered for write-back."""
+    def _fallback(self, session_id: str | None = None) -> bool:
+        """Count an operation served from memory; a write (`session_id`, already made in memory) is remembered for
+        write-back. False for a write when Redis came back since this call chose memory (another caller's probe
+        wrote back what was remembered until then): the caller writes it to Redis itself, or it would be in
+        neither place (seen in CI: a session stored during an outage and never found again)."""
         with self._lock:
             self.counters.fallbacks += 1
-            # (if Redis came back meanwhile, a later write-back of this older state must not overwrite newer state)
-            if session_id is not None and not self._healthy:
+            if session_id is None:
+                return True
+            if not self._healthy:
                 self._dirty.add(session_id)
+                return True
+            return False

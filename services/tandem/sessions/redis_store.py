@@ -39,6 +39,9 @@ KEY_PREFIX = "tandem:session:"
 # Optimistic transactions on one key (update) tried this many times before giving up: each retry means another
 # writer changed the key between this one's read and write, so hitting the bound takes a storm of writers on one key.
 MAX_UPDATE_TRIES = 32
+# A write served from memory is tried on Redis again where Redis came back before it was remembered for the write-back
+# (outages._fallback): so many tries in all.
+WRITE_TRIES = 2
 # After a conflict a writer waits a random time up to base * 2**try (capped) before reading again: without it the
 # writer that lost keeps losing to the same busy ones (4 threads on one key, on 2 loaded cores, gave up after 32 tries
 # in 2 of 100 runs of 200 updates); with it the writers spread out. Before giving up it has waited 0.3 s on average.
@@ -153,21 +156,30 @@ class RedisSessionStore(RedisOutages):
         value = json.dumps(state, separators=(",", ":"))
         if not self.strict:
             self._memory.put_raw(session_id, value)
-        ok, _ = self._redis(lambda client: client.set(self._key(session_id), value, px=max(1, int(self.ttl_s * 1000))))
-        if not ok:
+        for _ in range(WRITE_TRIES):
+            ok, _ = self._redis(lambda client: client.set(self._key(session_id), value,
+                                                          px=max(1, int(self.ttl_s * 1000))))
+            if ok:
+                return
             if self.strict:  # kept for the write-back alone
                 self._memory.put_raw(session_id, value)
-            self._fallback(session_id)
+            if self._fallback(session_id):
+                return
 
     def update(self, session_id: str, change: Change, *, shorten_ttl: bool = True) -> dict | None:
         """As MemorySessionStore.update, across every replica: an optimistic transaction (WATCH the key, read it,
         write it in MULTI/EXEC, again from the read when another writer came between), so two replicas changing one
         state at once both have their change. `change` may run more than once. From memory while Redis is down."""
-        ok, changed = self._redis(lambda client: self._transaction(client, session_id, change, shorten_ttl))
-        if not ok:
+        for _ in range(WRITE_TRIES):
+            ok, changed = self._redis(lambda client: self._transaction(client, session_id, change, shorten_ttl))
+            if ok:
+                break
             self._refuse_if_strict()
-            self._fallback(session_id)
-            return self._memory.update(session_id, change, shorten_ttl=shorten_ttl)
+            changed = self._memory.update(session_id, change, shorten_ttl=shorten_ttl)  # before it is remembered
+            if self._fallback(session_id):
+                return changed
+        else:
+            return changed  # Redis came and went at every try: this replica's memory alone holds it
         if changed is None or self.strict:
             self._memory.delete(session_id)
         else:
@@ -209,9 +221,10 @@ class RedisSessionStore(RedisOutages):
 
     def delete(self, session_id: str) -> None:
         self._memory.delete(session_id)
-        ok, _ = self._redis(lambda client: client.delete(self._key(session_id)))
-        if not ok:
-            self._fallback(session_id)
+        for _ in range(WRITE_TRIES):
+            ok, _ = self._redis(lambda client: client.delete(self._key(session_id)))
+            if ok or self._fallback(session_id):
+                return
 
     def stats(self) -> dict:
         return {
