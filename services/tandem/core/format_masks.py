@@ -243,8 +243,8 @@ def _executor() -> LLExecutor:
 
 
 def _fillers() -> types.ModuleType:
-    """llguidance.torch, whose functions write the masks: imported at a format's first masks, since importing it
-    compiles a function of its own with torch.compile, which loads dynamo and inductor (1.3 s of every start)."""
+    """llguidance.torch, whose functions write the masks: imported with the process's first matcher, since importing
+    it compiles a function of its own with torch.compile, which loads dynamo and inductor (1.3 s of every start)."""
     import llguidance.torch
 
     return llguidance.torch

@@ -135,7 +135,7 @@ def load_model(
     source: Source | None = None,
 ) -> LoadedModel:
     """Resolve spec (pulling a registry model on first use) and load it for inference on device in dtype; `source`:
-    where resolve found it, its files already checked (load_pair).
+    where resolve found it, its files already checked (load_models).
 
     `extra` goes to from_pretrained as is (for example tp_plan="auto" inside a torch.distributed group). Unless
     `eager`, the model is prepared for this device's fast path (core.packed_linear: oneDNN prepacked linears for bf16

@@ -133,7 +133,7 @@ class RedisOutages:
         """Count an operation served from memory; a write (`session_id`, already made in memory) is remembered for
         write-back. False for a write when Redis came back since this call chose memory (another caller's probe
         wrote back what was remembered until then): the caller writes it to Redis itself, or it would be in
-        neither place (seen in CI: a session stored during an outage and never found again)."""
+        neither place (a session stored as Redis came back would be lost)."""
         with self._lock:
             self.counters.fallbacks += 1
             if session_id is None:
