@@ -35,7 +35,6 @@ the same compiled static forwards run directly, which is how the CPU tests check
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Callable
 
@@ -45,6 +44,7 @@ from torch.fx.experimental import _config as fx_config
 from tandem.core import packed_linear, w8a8_linear
 from tandem.core.attention import traced_settings
 from tandem.core.device import on_device
+from tandem.core.gc_pause import collector_paused
 from tandem.core.guardless import GuardlessForward, GuardMismatch
 from tandem.core.kv_cache import SlotCache, Step
 
@@ -264,12 +264,6 @@ class GraphedForward:
         torch.cuda.current_stream().wait_stream(stream)
         # No garbage collection while recording: a collection could free another pool's CUDA tensors mid-capture,
         # and the allocator's event queries on such frees are illegal in a capturing stream.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph.graph, pool=self.pool, capture_error_mode="thread_local"):
-                graph.hidden = body()
-        finally:
-            if collecting:
-                gc.enable()
+        with collector_paused(), torch.cuda.graph(graph.graph, pool=self.pool, capture_error_mode="thread_local"):
+            graph.hidden = body()
         self.captures += 1

@@ -1,0 +1,38 @@
+"""Python's cyclic garbage collector paused for a stretch of work, on any number of threads at once.
+
+Loading a model builds hundreds of thousands of objects that live on (a tokenizer's vocabulary and merges, parsed
+from JSON twice per tokenizer), and the collector walks all of them at each full collection they set off: nine
+collections, about 1.5 s of a 15 s load of the real pair on a 2-core CPU (docs/performance.md, "Start-up: no
+garbage collection while models load"). A CUDA graph's capture must not run a collection either (core.cuda_graphs).
+Such stretches can overlap on several threads (a gateway's loader beside an engine loop), so the pause is counted:
+the collector runs again when the last holder leaves, and only if it ran before the first came.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_lock = threading.Lock()
+_holders = 0
+_was_enabled = False
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside (reference counting still frees what it can)."""
+    global _holders, _was_enabled
+    with _lock:
+        if _holders == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _holders += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _holders -= 1
+            if _holders == 0 and _was_enabled:
+                gc.enable()

@@ -1,0 +1,79 @@
+"""The garbage collector paused while models load (core.gc_pause): counted across threads, restored as it was."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+
+import pytest
+import torch
+
+from tandem.core.gc_pause import collector_paused
+from tandem.models.loader import load_model, load_models
+
+
+@pytest.fixture
+def collections():
+    """The automatic collections (any generation) that start while the test runs, each with the loader function
+    running then, if any (the backlog collected as a pause ends runs in its wrapper, after the function returned)."""
+    started: list[tuple[int, str | None]] = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            frame, loading = sys._getframe(1), None
+            while frame is not None and loading is None:
+                loading = frame.f_code.co_name if frame.f_code.co_name in ("load_model", "load_models") else None
+                frame = frame.f_back
+            started.append((info["generation"], loading))
+
+    gc.callbacks.append(seen)
+    try:
+        yield started
+    finally:
+        gc.callbacks.remove(seen)
+
+
+def test_loading_a_model_runs_no_collection_and_turns_the_collector_back_on(tiny_dirs, collections) -> None:
+    """Without the pause the same loads start dozens of collections (planted: undecorated, it fails)."""
+    assert gc.isenabled()
+    load_model(str(tiny_dirs.draft), device=torch.device("cpu"), dtype=torch.float32, progress=False)
+    load_models([(str(tiny_dirs.target), {}), (str(tiny_dirs.draft), {})], device=torch.device("cpu"),
+                dtype=torch.float32, progress=False)
+    assert [loading for _, loading in collections if loading] == []
+    assert gc.isenabled()
+    collections.clear()
+    _ = [[] for _ in range(5 * gc.get_threshold()[0])]  # enough new objects to start collections
+    assert collections
+
+
+def test_overlapping_pauses_on_two_threads_end_with_the_last() -> None:
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    states: dict[str, bool] = {}
+
+    def first() -> None:
+        with collector_paused():
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    first_in.wait(5)
+    with collector_paused():
+        second_in.set()
+        first_out.wait(5)
+        states["after the first left"] = gc.isenabled()
+    thread.join(5)
+    states["after both"] = gc.isenabled()
+    assert states == {"after the first left": False, "after both": True}
+
+
+def test_a_collector_off_before_the_pause_stays_off() -> None:
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
