@@ -145,3 +145,20 @@ def _w8a8_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     """The last token's logits with every W4Linear running its w8a8 product (the whole sequence in one forward)."""
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0, -1:].float()
+
+
+def test_a_layer_quantized_a_few_rows_at_a_time_packs_as_it_would_whole(monkeypatch) -> None:
+    """quantize_int4 quantizes and packs PACK_ROWS-aligned chunks of rows apart (no copy of the whole layer): 208
+    rows asked in chunks of 16 run in chunks of 64 (the last 16) and give the packed levels and scales that one chunk
+    gives. (Planted: chunks of 16 rows pack otherwise.)"""
+    from tandem.core import w4_linear
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(208, 256, dtype=torch.bfloat16), torch.randn(208, dtype=torch.bfloat16)
+    whole = W4Linear(weight, bias)
+    monkeypatch.setattr(w4_linear, "CHUNK_ELEMENTS", 16 * 256)
+    chunked = W4Linear(weight, bias)
+    assert torch.equal(chunked.packed, whole.packed)
+    assert torch.equal(chunked.scales_and_zeros, whole.scales_and_zeros)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    assert torch.equal(chunked(x), whole(x))
