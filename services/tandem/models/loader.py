@@ -29,6 +29,7 @@ from tandem.core.packed_linear import prepack
 from tandem.core.w4_linear import quantize_w4
 from tandem.core.w8a8_linear import quantize_w8a8
 from tandem.errors import IncompatibleModels, InvalidArgument
+from tandem.models.file_views import copy_file_views
 from tandem.models.hub import hub_local_only, hub_not_found, hub_ref, pin, require_pinned
 from tandem.models.registry import REGISTRY
 from tandem.models.source import Source, local_source, not_found
@@ -181,6 +182,7 @@ def load_model(
     if not eager:
         prepack(model)  # the linears left as nn.Linear, if any (CPU)
         stack_on_gpu(model)
+    copy_file_views(model)  # or the mapped checkpoint file stays in memory whole
     # Parameters keep requires_grad as from_pretrained leaves them (inference runs under inference_mode or no_grad, so
     # no graph is built). Turning it off changes torch's CPU matmul for a strided [1, n, H] input (a slice of hidden
     # states, as generate's logits_to_keep feeds the LM head): it no longer folds into one mm but runs a bf16 bmm
