@@ -1,73 +1,49 @@
-"""Loading the real draft as a w4 draft (models.loader.load_model, quantization "w4": int8 levels, oneDNN's int8
-packing, the int4 copy), timed in a fresh process for each of two checkouts' services/ (`--old`, `--new`),
-alternated round by round (the old side first in even rounds): the whole load and core.w4_linear.quantize_w4 within
-it, and the process's peak resident memory.
+"""What holding the draft as `--draft-quantization auto` picks costs at load: `load_model` of the real draft in bf16
+with each setting, alternated in one process (the first of each pair after the page cache is warm), seconds per load.
 
-    git worktree add /tmp/old HEAD~1
-    PYTHONPATH=services python docs/bench/draft-load-v1.py --old /tmp/old/services --new services --json out.json
+    PYTHONPATH=services python docs/bench/draft-load-v1.py ROUNDS OUT.json [MODEL]   # 1 min for 4 rounds
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import platform
 import statistics
 import subprocess
 import sys
-from pathlib import Path
+import time
 
-PROBE = """
-import json, resource, sys, time
 import torch
-import tandem.models.loader as loader
-torch.set_num_threads(2)
-timed, quantize = {}, loader.quantize_w4
-def quantize_timed(*args, **kwargs):
-    started = time.perf_counter()
-    try:
-        return quantize(*args, **kwargs)
-    finally:
-        timed["quantize_s"] = round(time.perf_counter() - started, 2)
-loader.quantize_w4 = quantize_timed
-started = time.perf_counter()
-draft = loader.load_model(sys.argv[1], device=torch.device("cpu"), dtype=torch.bfloat16, progress=False,
-                          quantization="w4")
-print(json.dumps({"load_s": round(time.perf_counter() - started, 2), **timed,
-                  "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
-"""
 
+from tandem.models.loader import load_model
 
-def once(services: str, draft: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE, draft],
-                          env={"PYTHONPATH": services, "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
-                          capture_output=True, text=True, timeout=1800)
-    if done.returncode:
-        raise SystemExit(f"load_model ({services}): {done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+SETTINGS = ("none", "auto")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--old", required=True, help="one checkout's services/ directory")
-    parser.add_argument("--new", required=True, help="the other's")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--json", required=True)
-    args = parser.parse_args()
-    sides = {"old": str(Path(args.old).resolve()), "new": str(Path(args.new).resolve())}
-    runs: dict[str, list[dict]] = {"old": [], "new": []}
-    for round_ in range(args.rounds):
-        for side in ("old", "new") if round_ % 2 == 0 else ("new", "old"):
-            runs[side].append(once(sides[side], args.draft))
-            print(round_, side, runs[side][-1], file=sys.stderr, flush=True)
-    keys = ("load_s", "quantize_s", "peak_rss_gb")
-    median = {side: {key: round(statistics.median(run[key] for run in values), 3) for key in keys}
-              for side, values in runs.items()}
-    report = {"config": {"draft": args.draft, "rounds": args.rounds, "old": args.old, "new": args.new},
-              "runs": runs, "median": median,
-              "new_over_old_quantize": round(median["new"]["quantize_s"] / median["old"]["quantize_s"], 3)}
-    Path(args.json).write_text(json.dumps(report, indent=1))
-    print(json.dumps({"median": median, "new_over_old_quantize": report["new_over_old_quantize"]}))
+    rounds, out = int(sys.argv[1]), sys.argv[2]
+    model = sys.argv[3] if len(sys.argv) > 3 else "qwen2.5-coder-0.5b-instruct"
+    cpu = torch.device("cpu")
+    load_model(model, device=cpu, dtype=torch.bfloat16, progress=False, quantization="none")  # page cache, imports
+    seconds: dict[str, list[float]] = {setting: [] for setting in SETTINGS}
+    weights: dict[str, str] = {}
+    for index in range(rounds):
+        for setting in SETTINGS if index % 2 == 0 else SETTINGS[::-1]:
+            started = time.perf_counter()
+            loaded = load_model(model, device=cpu, dtype=torch.bfloat16, progress=False, quantization=setting)
+            seconds[setting].append(round(time.perf_counter() - started, 3))
+            weights[setting] = loaded.weights
+            del loaded
+    medians = {setting: statistics.median(values) for setting, values in seconds.items()}
+    report = {"model": model, "rounds": rounds, "seconds": seconds, "weights": weights, "median_s": medians,
+              "auto_minus_none_s": round(medians["auto"] - medians["none"], 3),
+              "code": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                     text=True).stdout.strip(),
+              "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+              "threads": torch.get_num_threads()}
+    with open(out, "w") as handle:
+        json.dump(report, handle, indent=2)
+    print(json.dumps({key: report[key] for key in ("weights", "median_s", "auto_minus_none_s")}))
 
 
 if __name__ == "__main__":

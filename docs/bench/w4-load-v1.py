@@ -1,0 +1,74 @@
+"""Loading the real draft as a w4 draft (models.loader.load_model, quantization "w4": int8 levels, oneDNN's int8
+packing, the int4 copy), timed in a fresh process for each of two checkouts' services/ (`--old`, `--new`),
+alternated round by round (the old side first in even rounds): the whole load and core.w4_linear.quantize_w4 within
+it, and the process's peak resident memory.
+
+    git worktree add /tmp/old HEAD~1
+    PYTHONPATH=services python docs/bench/w4-load-v1.py --old /tmp/old/services --new services --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+PROBE = """
+import json, resource, sys, time
+import torch
+import tandem.models.loader as loader
+torch.set_num_threads(2)
+timed, quantize = {}, loader.quantize_w4
+def quantize_timed(*args, **kwargs):
+    started = time.perf_counter()
+    try:
+        return quantize(*args, **kwargs)
+    finally:
+        timed["quantize_s"] = round(time.perf_counter() - started, 2)
+loader.quantize_w4 = quantize_timed
+started = time.perf_counter()
+draft = loader.load_model(sys.argv[1], device=torch.device("cpu"), dtype=torch.bfloat16, progress=False,
+                          quantization="w4")
+print(json.dumps({"load_s": round(time.perf_counter() - started, 2), **timed,
+                  "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
+"""
+
+
+def once(services: str, draft: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", PROBE, draft],
+                          env={"PYTHONPATH": services, "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
+                          capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        raise SystemExit(f"load_model ({services}): {done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", required=True, help="one checkout's services/ directory")
+    parser.add_argument("--new", required=True, help="the other's")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args()
+    sides = {"old": str(Path(args.old).resolve()), "new": str(Path(args.new).resolve())}
+    runs: dict[str, list[dict]] = {"old": [], "new": []}
+    for round_ in range(args.rounds):
+        for side in ("old", "new") if round_ % 2 == 0 else ("new", "old"):
+            runs[side].append(once(sides[side], args.draft))
+            print(round_, side, runs[side][-1], file=sys.stderr, flush=True)
+    keys = ("load_s", "quantize_s", "peak_rss_gb")
+    median = {side: {key: round(statistics.median(run[key] for run in values), 3) for key in keys}
+              for side, values in runs.items()}
+    report = {"config": {"draft": args.draft, "rounds": args.rounds, "old": args.old, "new": args.new},
+              "runs": runs, "median": median,
+              "new_over_old_quantize": round(median["new"]["quantize_s"] / median["old"]["quantize_s"], 3)}
+    Path(args.json).write_text(json.dumps(report, indent=1))
+    print(json.dumps({"median": median, "new_over_old_quantize": report["new_over_old_quantize"]}))
+
+
+if __name__ == "__main__":
+    main()
