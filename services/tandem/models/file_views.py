@@ -5,7 +5,8 @@ of that mapping (the embedding and the norms of the Qwen pair in bf16; the produ
 own, core.packed_linear). One such view keeps the whole mapping alive, and with it every page of the file the load
 read: 3.2 GB of the 1.5B target's 6.4 GB resident memory, for a 0.44 GB embedding (docs/performance.md, "Start-up:
 weights that view the checkpoint file"). The kernel can drop clean file pages under pressure, but a pod's memory, a
-process's RSS and the page cache's share between processes all count them until then.
+process's RSS and the page cache's share between processes all count them until then. An eager model (loaded as
+from_pretrained builds it, nothing packed) is left alone: its weights are the views.
 """
 
 from __future__ import annotations

@@ -182,7 +182,8 @@ def load_model(
     if not eager:
         prepack(model)  # the linears left as nn.Linear, if any (CPU)
         stack_on_gpu(model)
-    copy_file_views(model)  # or the mapped checkpoint file stays in memory whole
+        # Or the mapped checkpoint file stays in memory whole for a few views. An eager model's weights are the views.
+        copy_file_views(model)
     # Parameters keep requires_grad as from_pretrained leaves them (inference runs under inference_mode or no_grad, so
     # no graph is built). Turning it off changes torch's CPU matmul for a strided [1, n, H] input (a slice of hidden
     # states, as generate's logits_to_keep feeds the LM head): it no longer folds into one mm but runs a bf16 bmm
