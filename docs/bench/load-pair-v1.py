@@ -1,7 +1,8 @@
 """Loading the real pair as `tandem generate` does (models.loader.load_pair: files checked, weights read, draft
 quantized, layers packed), timed in a fresh process for each checkout (`--old`: another checkout's services/,
 against this one's), alternated round by round (the old side first in even rounds). Imports are not timed; the
-process's peak resident memory is reported beside.
+process's peak resident memory is reported beside, and its resident memory once loaded (the pair held), anonymous
+and file-backed (/proc/self/status: RssAnon, RssFile; since 0b49f60, the peak alone before).
 
     git worktree add /tmp/old HEAD~1
     PYTHONPATH=services python docs/bench/load-pair-v1.py --old /tmp/old/services --rounds 4 --json out.json
@@ -24,9 +25,13 @@ from tandem.models.loader import load_pair
 torch.set_num_threads(2)
 device = torch.device("cpu")
 started = time.perf_counter()
-load_pair(sys.argv[1], sys.argv[2], device=device, dtype=select_dtype(sys.argv[3], device), progress=False)
-print(json.dumps({"seconds": round(time.perf_counter() - started, 2),
-                  "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
+pair = load_pair(sys.argv[1], sys.argv[2], device=device, dtype=select_dtype(sys.argv[3], device), progress=False)
+seconds = round(time.perf_counter() - started, 2)
+status = {line.split(":")[0]: int(line.split()[1]) for line in open("/proc/self/status") if ":" in line
+          and line.split(":")[0] in ("VmRSS", "RssAnon", "RssFile")}
+print(json.dumps({"seconds": seconds,
+                  "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+                  **{f"{key.lower()}_gb": round(kib / 2**20, 2) for key, kib in status.items()}}))
 """
 
 
@@ -54,7 +59,8 @@ def main() -> None:
         for side in ("old", "new") if round_ % 2 == 0 else ("new", "old"):
             runs[side].append(once(sides[side], args.draft, args.target, args.dtype))
             print(round_, side, runs[side][-1], file=sys.stderr, flush=True)
-    median = {side: {key: round(statistics.median(run[key] for run in values), 3) for key in ("seconds", "peak_rss_gb")}
+    keys = ("seconds", "peak_rss_gb", "vmrss_gb", "rssanon_gb", "rssfile_gb")
+    median = {side: {key: round(statistics.median(run[key] for run in values), 3) for key in keys}
               for side, values in runs.items()}
     report = {"config": {"draft": args.draft, "target": args.target, "dtype": args.dtype, "rounds": args.rounds},
               "runs": runs, "median": median,
