@@ -45,29 +45,24 @@ def int4_group(in_features: int, out_features: int) -> int:
     return next((group for group in GROUPS if in_features % group == 0), 0)
 
 
-def quantize_int4(weight: torch.Tensor, group: int, dtype: torch.dtype,
-                  row_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed levels and the [in / group, out, 2] scales and zero points (in `dtype`, the activations') of a
-    weight: w ~ (level - 8) * scale + zero, the level in 0..15. `row_scale`: `weight` holds int8 levels, each row
-    scaled by it (a w8a8 layer's Q and s), dequantized a few rows at a time. The rows are quantized and packed
-    PACK_ROWS-aligned chunks at a time, so no float or int32 copy of the whole layer is made: for the 0.5B draft
-    those were 2 GB each, written into fresh memory."""
-    out_features, in_features = weight.shape
+def quantize_int4(levels: torch.Tensor, row_scale: torch.Tensor, group: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed levels and the [in / group, out, 2] scales and zero points (in `dtype`, the activations') of the
+    w8a8 weight Q * s (int8 `levels`, each row scaled by `row_scale`): w ~ (level - 8) * scale + zero, the level in
+    0..15. The rows are dequantized, quantized and packed PACK_ROWS-aligned chunks at a time, so no float or int32
+    copy of the whole layer is made: for the 0.5B draft those were 2 GB each, written into fresh memory."""
+    out_features, in_features = levels.shape
     packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
     scale = torch.empty(out_features, in_features // group, 1)
     low = torch.empty_like(scale)
     step = max(1, CHUNK_ELEMENTS // in_features // PACK_ROWS) * PACK_ROWS  # so each pass over them stays in cache
     for start in range(0, out_features, step):
         rows = slice(start, start + step)
-        source = weight[rows].float()
-        if row_scale is not None:
-            source.mul_(row_scale[rows, None])
-        groups = source.reshape(-1, in_features // group, group)
+        groups = levels[rows].float().mul_(row_scale[rows, None]).reshape(-1, in_features // group, group)
         low[rows], high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
         scale[rows] = ((high - low[rows]) / LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
-        levels = torch.round((groups - low[rows]) / scale[rows]).clamp_(0, LEVELS).to(torch.int32)
-        packed[rows] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels.reshape(-1, in_features),
-                                                                         INNER_K_TILES)
+        int4 = torch.round((groups - low[rows]) / scale[rows]).clamp_(0, LEVELS).to(torch.int32)
+        packed[rows] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4.reshape(-1, in_features), INNER_K_TILES)
     zero = low + 8 * scale
     scales_and_zeros = torch.stack([scale.squeeze(-1).t(), zero.squeeze(-1).t()], dim=-1).to(dtype).contiguous()
     return packed, scales_and_zeros
@@ -88,7 +83,7 @@ class W4Linear(torch.nn.Module):
                              f"{GROUPS[-1]}: got [{self.out_features} x {self.in_features}]")
         self.dtype = dtype or weight.dtype
         # From the w8a8 weight, Q * s: what self.wide.dequantized() recovers through the product, to the bit.
-        self.packed, self.scales_and_zeros = quantize_int4(levels, self.group, self.dtype, row_scale=scale)
+        self.packed, self.scales_and_zeros = quantize_int4(levels, scale, self.group, self.dtype)
         self.bias = None if bias is None else bias.detach().to(self.dtype)
         fixed_size(self.packed, self.scales_and_zeros, self.bias)
         # What a one-row step reads: the int4 levels and their scales and zero points.
