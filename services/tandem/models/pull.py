@@ -15,6 +15,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ from tandem.models.verify import digest_files, file_sha256
 PIP_ARGS_ENV = "TANDEM_PIP_ARGS"
 CHUNK_BYTES = 1 << 20
 PIP_ERROR_LINES = 12
+_CONVERTING = threading.Lock()  # _one_gguf_reader's patch
 
 
 def pull(
@@ -235,23 +237,24 @@ def _one_gguf_reader() -> Iterator[None]:
     """Transformers opens a GGUF file three times in a conversion (config, weights, tokenizer), and each
     `gguf.GGUFReader` parses every field anew, the vocabulary's 151k strings one memory-mapped slice at a time: about
     7 s a time for the Qwen pair's files. Inside, a file's first reader serves every later open of it (readers only
-    read it)."""
+    read it). One conversion at a time in a process holds the patch, so none restores another's."""
     import gguf as gguf_package
 
-    opened: dict[tuple[str, str], Any] = {}
-    original = gguf_package.GGUFReader
+    with _CONVERTING:
+        opened: dict[tuple[str, str], Any] = {}
+        original = gguf_package.GGUFReader
 
-    def reader(path: str | os.PathLike, mode: str = "r") -> Any:
-        key = (os.fspath(path), mode)
-        if key not in opened:
-            opened[key] = original(path, mode)
-        return opened[key]
+        def reader(path: str | os.PathLike, mode: str = "r") -> Any:
+            key = (os.fspath(path), mode)
+            if key not in opened:
+                opened[key] = original(path, mode)
+            return opened[key]
 
-    gguf_package.GGUFReader = reader
-    try:
-        yield
-    finally:
-        gguf_package.GGUFReader = original
+        gguf_package.GGUFReader = reader
+        try:
+            yield
+        finally:
+            gguf_package.GGUFReader = original
 
 
 def _all_pip_args(pip_args: list[str] | None) -> list[str]:
