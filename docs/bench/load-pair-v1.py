@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
-import sys
 from pathlib import Path
+
+from checkout_ab import alternate, medians
 
 PROBE = """
 import json, resource, sys, time
@@ -35,15 +34,6 @@ print(json.dumps({"seconds": seconds,
 """
 
 
-def once(services: str, draft: str, target: str, dtype: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE, draft, target, dtype],
-                          env={"PYTHONPATH": services, "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
-                          capture_output=True, text=True, timeout=1800)
-    if done.returncode:
-        raise SystemExit(f"load_pair ({services}): {done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", required=True, help="the other checkout's services/ directory")
@@ -54,14 +44,8 @@ def main() -> None:
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     sides = {"old": args.old, "new": str(Path(__file__).resolve().parents[2] / "services")}
-    runs: dict[str, list[dict]] = {"old": [], "new": []}
-    for round_ in range(args.rounds):
-        for side in ("old", "new") if round_ % 2 == 0 else ("new", "old"):
-            runs[side].append(once(sides[side], args.draft, args.target, args.dtype))
-            print(round_, side, runs[side][-1], file=sys.stderr, flush=True)
-    keys = ("seconds", "peak_rss_gb", "vmrss_gb", "rssanon_gb", "rssfile_gb")
-    median = {side: {key: round(statistics.median(run[key] for run in values), 3) for key in keys}
-              for side, values in runs.items()}
+    runs = alternate(sides, PROBE, args.draft, args.target, args.dtype, rounds=args.rounds)
+    median = medians(runs, ("seconds", "peak_rss_gb", "vmrss_gb", "rssanon_gb", "rssfile_gb"))
     report = {"config": {"draft": args.draft, "target": args.target, "dtype": args.dtype, "rounds": args.rounds},
               "runs": runs, "median": median,
               "new_over_old_seconds": round(median["new"]["seconds"] / median["old"]["seconds"], 3)}

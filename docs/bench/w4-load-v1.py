@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
-import sys
 from pathlib import Path
+
+from checkout_ab import alternate, medians
 
 PROBE = """
 import json, resource, sys, time
@@ -37,15 +36,6 @@ print(json.dumps({"load_s": round(time.perf_counter() - started, 2), **timed,
 """
 
 
-def once(services: str, draft: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE, draft],
-                          env={"PYTHONPATH": services, "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
-                          capture_output=True, text=True, timeout=1800)
-    if done.returncode:
-        raise SystemExit(f"load_model ({services}): {done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", required=True, help="one checkout's services/ directory")
@@ -55,14 +45,8 @@ def main() -> None:
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     sides = {"old": str(Path(args.old).resolve()), "new": str(Path(args.new).resolve())}
-    runs: dict[str, list[dict]] = {"old": [], "new": []}
-    for round_ in range(args.rounds):
-        for side in ("old", "new") if round_ % 2 == 0 else ("new", "old"):
-            runs[side].append(once(sides[side], args.draft))
-            print(round_, side, runs[side][-1], file=sys.stderr, flush=True)
-    keys = ("load_s", "quantize_s", "peak_rss_gb")
-    median = {side: {key: round(statistics.median(run[key] for run in values), 3) for key in keys}
-              for side, values in runs.items()}
+    runs = alternate(sides, PROBE, args.draft, rounds=args.rounds)
+    median = medians(runs, ("load_s", "quantize_s", "peak_rss_gb"))
     report = {"config": {"draft": args.draft, "rounds": args.rounds, "old": args.old, "new": args.new},
               "runs": runs, "median": median,
               "new_over_old_quantize": round(median["new"]["quantize_s"] / median["old"]["quantize_s"], 3)}
