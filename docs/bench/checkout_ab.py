@@ -1,7 +1,7 @@
 """What the start-up A/Bs of two checkouts share (load-pair-v1.py, w4-load-v1.py, convert-gguf-v1.py): a probe, Python
 source whose last line of output is one JSON object, run in a fresh process with a checkout's services/ as its
-PYTHONPATH, the two sides alternated round by round (the old side first in even rounds), and the medians of the
-runs' figures. Not a benchmark itself: the scripts import it from beside them."""
+PYTHONPATH, the two sides alternated round by round (the old side first in even rounds), and the report of the
+runs' medians. Not a benchmark itself: the scripts import it from beside them."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 
 def run_probe(probe: str, services: str, *args: str) -> dict:
@@ -31,6 +32,12 @@ def alternate(sides: dict[str, str], probe: str, *args: str, rounds: int) -> dic
     return runs
 
 
-def medians(runs: dict[str, list[dict]], keys: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    return {side: {key: round(statistics.median(run[key] for run in values), 3) for key in keys}
-            for side, values in runs.items()}
+def write_report(path: str, config: dict, runs: dict[str, list[dict]], keys: tuple[str, ...], ratio: str,
+                 ratio_key: str) -> None:
+    """The JSON at `path`: the config, the runs, each side's medians of `keys`, and new_over_old_`ratio` (of the
+    medians of `ratio_key`); the medians and the ratio also printed."""
+    median = {side: {key: round(statistics.median(run[key] for run in values), 3) for key in keys}
+              for side, values in runs.items()}
+    summary = {"median": median, f"new_over_old_{ratio}": round(median["new"][ratio_key] / median["old"][ratio_key], 3)}
+    Path(path).write_text(json.dumps({"config": config, "runs": runs, **summary}, indent=1))
+    print(json.dumps(summary))

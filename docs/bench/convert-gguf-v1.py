@@ -12,11 +12,10 @@ pulling models").
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
-from checkout_ab import alternate, medians
+from checkout_ab import alternate, write_report
 
 PROBE = """
 import json, resource, sys, tempfile, time
@@ -47,12 +46,8 @@ def main() -> None:
                     progress=False)
     sides = {"old": str(Path(args.old).resolve()), "new": str(Path(args.new).resolve())}
     runs = alternate(sides, PROBE, str(gguf), rounds=args.rounds)
-    median = medians(runs, ("seconds", "peak_rss_gb"))
-    report = {"config": {"model": args.model, "rounds": args.rounds, "old": args.old, "new": args.new},
-              "runs": runs, "median": median,
-              "new_over_old_seconds": round(median["new"]["seconds"] / median["old"]["seconds"], 3)}
-    Path(args.json).write_text(json.dumps(report, indent=1))
-    print(json.dumps({"median": median, "new_over_old_seconds": report["new_over_old_seconds"]}))
+    write_report(args.json, {"model": args.model, "rounds": args.rounds, "old": args.old, "new": args.new}, runs,
+                 ("seconds", "peak_rss_gb"), "seconds", "seconds")
 
 
 if __name__ == "__main__":

@@ -11,10 +11,9 @@ and file-backed (/proc/self/status: RssAnon, RssFile; since 0b49f60, the peak al
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from checkout_ab import alternate, medians
+from checkout_ab import alternate, write_report
 
 PROBE = """
 import json, resource, sys, time
@@ -45,12 +44,8 @@ def main() -> None:
     args = parser.parse_args()
     sides = {"old": args.old, "new": str(Path(__file__).resolve().parents[2] / "services")}
     runs = alternate(sides, PROBE, args.draft, args.target, args.dtype, rounds=args.rounds)
-    median = medians(runs, ("seconds", "peak_rss_gb", "vmrss_gb", "rssanon_gb", "rssfile_gb"))
-    report = {"config": {"draft": args.draft, "target": args.target, "dtype": args.dtype, "rounds": args.rounds},
-              "runs": runs, "median": median,
-              "new_over_old_seconds": round(median["new"]["seconds"] / median["old"]["seconds"], 3)}
-    Path(args.json).write_text(json.dumps(report, indent=1))
-    print(json.dumps({"median": median, "new_over_old_seconds": report["new_over_old_seconds"]}))
+    write_report(args.json, {"draft": args.draft, "target": args.target, "dtype": args.dtype, "rounds": args.rounds},
+                 runs, ("seconds", "peak_rss_gb", "vmrss_gb", "rssanon_gb", "rssfile_gb"), "seconds", "seconds")
 
 
 if __name__ == "__main__":

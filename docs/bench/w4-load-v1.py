@@ -10,10 +10,9 @@ it, and the process's peak resident memory.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from checkout_ab import alternate, medians
+from checkout_ab import alternate, write_report
 
 PROBE = """
 import json, resource, sys, time
@@ -46,12 +45,8 @@ def main() -> None:
     args = parser.parse_args()
     sides = {"old": str(Path(args.old).resolve()), "new": str(Path(args.new).resolve())}
     runs = alternate(sides, PROBE, args.draft, rounds=args.rounds)
-    median = medians(runs, ("load_s", "quantize_s", "peak_rss_gb"))
-    report = {"config": {"draft": args.draft, "rounds": args.rounds, "old": args.old, "new": args.new},
-              "runs": runs, "median": median,
-              "new_over_old_quantize": round(median["new"]["quantize_s"] / median["old"]["quantize_s"], 3)}
-    Path(args.json).write_text(json.dumps(report, indent=1))
-    print(json.dumps({"median": median, "new_over_old_quantize": report["new_over_old_quantize"]}))
+    write_report(args.json, {"draft": args.draft, "rounds": args.rounds, "old": args.old, "new": args.new}, runs,
+                 ("load_s", "quantize_s", "peak_rss_gb"), "quantize", "quantize_s")
 
 
 if __name__ == "__main__":
