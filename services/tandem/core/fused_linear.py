@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from tandem.core.mapped_pages import MappedWeights
 from tandem.core.packed_linear import PackedLinear
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -173,7 +174,7 @@ def fuse(model: torch.nn.Module, least: int = 0, product: Product = PackedLinear
     their outputs together a count `takes` accepts) by parts of one FusedLinear whose stacked product `product`
     builds (PackedLinear, StackedLinear, core.w8a8_linear's W8A8Linear, core.w4_linear's choice), in place; the
     number of nn.Linear replaced."""
-    replaced = 0
+    replaced, mapped = 0, MappedWeights(model)
     for module in list(model.modules()):
         for names in GROUPS:
             linears = [getattr(module, name, None) for name in names]
@@ -189,6 +190,8 @@ def fuse(model: torch.nn.Module, least: int = 0, product: Product = PackedLinear
                 fused = FusedLinear(linears, product)
             for index, (name, linear) in enumerate(zip(names, linears, strict=True)):
                 setattr(module, name, FusedPart(fused, index, linear.in_features))
+            for linear in linears:  # the product holds copies: the checkpoint's pages they were read from can go
+                mapped.dropped(linear)
             replaced += len(linears)
     return replaced
 

@@ -39,6 +39,7 @@ from collections.abc import Callable
 import torch
 
 from tandem.core import bf16_linear
+from tandem.core.mapped_pages import MappedWeights
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 # Float32 layers with fewer weights stay on PyTorch's BLAS, whose per-call cost is lower: at one row a [256 x 1536]
@@ -200,9 +201,11 @@ def replace_linears(model: torch.nn.Module, make, least: int = 0,
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is torch.nn.Linear and child.weight.numel() >= least
              and (takes is None or takes(child.out_features))]
+    mapped = MappedWeights(model)
     with torch.no_grad():
         for parent, name, child in swaps:
             setattr(parent, name, make(child))
+            mapped.dropped(child)  # its layer holds a copy: the checkpoint's pages it was read from can go
     return len(swaps)
 
 

@@ -5,7 +5,8 @@ of that mapping (the embedding and the norms of the Qwen pair in bf16; the produ
 own, core.packed_linear). One such view keeps the whole mapping alive, and with it every page of the file the load
 read: 3.2 GB of the 1.5B target's 6.4 GB resident memory, for a 0.44 GB embedding (docs/performance.md, "Start-up:
 weights that view the checkpoint file"). The kernel can drop clean file pages under pressure, but a pod's memory, a
-process's RSS and the page cache's share between processes all count them until then. An eager model (loaded as
+process's RSS and the page cache's share between processes all count them until then (the pages of the weights
+that the packed layers copied are unmapped as each layer is built: core.mapped_pages). An eager model (loaded as
 from_pretrained builds it, nothing packed) is left alone: its weights are the views.
 """
 
@@ -13,12 +14,7 @@ from __future__ import annotations
 
 import torch
 
-
-def viewing_a_file(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` is a view of memory torch did not allocate (a file mapping, a buffer): such storage cannot be
-    resized, which any storage of torch's own allocator can."""
-    data = tensor.data
-    return type(data) is torch.Tensor and data.device.type == "cpu" and not data.untyped_storage().resizable()
+from tandem.core.mapped_pages import viewing_a_file
 
 
 @torch.no_grad()
