@@ -7,6 +7,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sysconfig
 import time
 from pathlib import Path
 
@@ -50,15 +51,19 @@ def build(source: Path, what: str, isa: tuple[str, ...] = AVX512) -> bool:
     return True
 
 
-def build_copy(source: Path, isa: tuple[str, ...] = AVX512) -> Path:
+def build_copy(source: Path, isa: tuple[str, ...] = AVX512, install: tuple[str, ...] | None = None) -> Path:
     """The source as the build compiles it: a copy in a build directory named by torch's version and a digest of the
-    source and flags. torch's extension builder rebuilds whenever the source's path changes, so compiling the
-    package's own file rebuilt it (10-30 s) for every checkout, worktree or install on a machine; from the copy, each
-    of them reuses the one build of the same code, and another version of it builds beside it."""
+    source, the flags and the installation that compiles it (`install`, default `installation()`). torch's extension
+    builder rebuilds whenever its command changes: compiling the package's own file, whose path is in the command,
+    rebuilt it (10-30 s) for every checkout or worktree on a machine, and one directory for every installation (each
+    venv's torch headers and libraries are in the command) rebuilt it at every change of venv. From the copy, every
+    checkout run by one installation reuses the one build of the same code; another installation, or another version
+    of the code, builds once beside it."""
     from tandem.models.store import default_root
 
     code = source.read_bytes()
-    digest = hashlib.sha256(code + " ".join(CFLAGS + isa + LDFLAGS).encode()).hexdigest()[:12]
+    compiles = CFLAGS + isa + LDFLAGS + (install if install is not None else installation())
+    digest = hashlib.sha256(code + "\0".join(compiles).encode()).hexdigest()[:12]
     directory = default_root() / "kernels" / f"{source.stem}-torch{torch.__version__}-{digest}"
     directory.mkdir(parents=True, exist_ok=True)
     copy = directory / source.name
@@ -67,3 +72,9 @@ def build_copy(source: Path, isa: tuple[str, ...] = AVX512) -> Path:
         partial.write_bytes(code)
         os.replace(partial, copy)
     return copy
+
+
+def installation() -> tuple[str, ...]:
+    """What of this process's installation the build's command names: torch's directory (its headers and libraries),
+    Python's headers and the compiler."""
+    return os.path.dirname(torch.__file__), sysconfig.get_paths()["include"], os.environ.get("CXX", "c++")
