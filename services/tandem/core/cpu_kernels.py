@@ -1,5 +1,6 @@
-"""Building tandem's own CPU kernels (csrc/): each source once per machine, with the compiler torch.compile already
-needs and ninja, into a library that registers its op's CPU kernel (core.cpu_attention, core.bf16_linear)."""
+"""Building tandem's own CPU kernels (csrc/): each source once per installation (a venv's torch), with the compiler
+torch.compile already needs and ninja, into a library that registers its op's CPU kernel (core.cpu_attention,
+core.bf16_linear)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def build(source: Path, what: str, isa: tuple[str, ...] = AVX512) -> bool:
 
     started = time.perf_counter()
     copy = build_copy(source, isa)
-    log.info("loading the %s from %s (built once per machine: about 30 s)", what, copy.parent)
+    log.info("loading the %s from %s (built once per installation: about 30 s)", what, copy.parent)
     try:
         load(f"tandem_{source.stem}", [str(copy)], build_directory=str(copy.parent), is_python_module=False,
              extra_cflags=list(CFLAGS + isa), extra_ldflags=list(LDFLAGS), verbose=False)  # lists it extends
