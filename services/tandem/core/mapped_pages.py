@@ -15,6 +15,7 @@ pages, so only mappings of a file (/proc/self/maps names one) are released; noth
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import sys
 from collections import Counter
@@ -43,7 +44,6 @@ class MappedWeights:
     def __init__(self, model: torch.nn.Module) -> None:
         self.holders = Counter(tensor.data_ptr() for tensor in _own_tensors(model.modules()))
         self.files = _file_mappings() if self.holders and _DONTNEED is not None else []
-        self.released = 0
 
     def dropped(self, module: torch.nn.Module) -> int:
         """Count `module`'s own weights and buffers out of the model; unmap those no other module holds; the bytes
@@ -58,7 +58,6 @@ class MappedWeights:
             if any(low <= start and end <= high for low, high in self.files) and _libc().madvise(
                     ctypes.c_void_p(start), ctypes.c_size_t(end - start), _DONTNEED) == 0:
                 released += end - start
-        self.released += released
         return released
 
 
@@ -88,12 +87,8 @@ def _file_mappings() -> list[tuple[int, int]]:
     return ranges
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return _LIBC
-
-
-_LIBC: ctypes.CDLL | None = None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc
