@@ -3,7 +3,8 @@ the same bit for bit whatever its call's other rows, the packing undone exactly,
 on it (eager and compiled) with the logits oneDNN's product gives within rounding, speculative greedy decoding equal
 to plain decoding; `TANDEM_CPU_LINEAR=onednn` and shapes it does not take keep oneDNN's product. Its AVX2 path gives
 the AVX-512 path's bits, and a CPU that torch and oneDNN run at AVX2 (emulated here by their own settings) runs bf16
-models on it, where oneDNN packs no bf16."""
+models on it, where oneDNN packs no bf16. Where the CPU has AVX512-BF16, the dot-product path holds the same
+properties (its own bits), and the probe or TANDEM_CPU_LINEAR picks one path for the process."""
 
 from __future__ import annotations
 
@@ -43,37 +44,54 @@ def within_rounding(result: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     assert ((result.double() - exact).abs() <= allowed).all()
 
 
+def paths() -> list[int]:
+    """The kernel's paths this CPU runs: the one in force, and on an AVX-512 CPU the others it has."""
+    if not bf16_linear.ready():
+        return []
+    if bf16_linear.isa_bits() == 256:
+        return [256]
+    return [512, 256] + ([bf16_linear.DOT] if bf16_linear.runs_dot() else [])
+
+
+@pytest.mark.parametrize("path", paths())
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_the_product_is_exact_within_bf16_rounding(out_features: int, in_features: int) -> None:
+def test_the_product_is_exact_within_bf16_rounding(out_features: int, in_features: int, path: int) -> None:
     generator = torch.Generator().manual_seed(out_features)
     weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).bfloat16()
     bias = torch.randn(out_features, generator=generator).bfloat16()
     layer = PackedLinear(weight, bias)
     assert layer.tiled
-    for rows in (1, 3, 8, 13, 29):
-        x = torch.randn(rows, in_features, generator=generator).bfloat16()
-        within_rounding(layer(x), x, weight, bias)
+    with bf16_linear.isa(path):
+        for rows in (1, 3, 8, 13, 29):
+            x = torch.randn(rows, in_features, generator=generator).bfloat16()
+            within_rounding(layer(x), x, weight, bias)
 
 
-def test_a_rows_result_does_not_depend_on_its_call() -> None:
+@pytest.mark.parametrize("path", paths())
+def test_a_rows_result_does_not_depend_on_its_call(path: int) -> None:
     """What keeps a verified token's logits those of a one-row step: every row count (the row tiles of 12 and the
-    remainders) and every position in the call give a row the same bits."""
+    remainders) and every position in the call give a row the same bits, on each path; an odd number of inputs
+    too (the dot products' last input paired with a zero)."""
     generator = torch.Generator().manual_seed(1)
-    weight = torch.randn(8960, 1536, generator=generator).bfloat16()
-    layer = PackedLinear(weight, None)
-    x = torch.randn(40, 1536, generator=generator).bfloat16()
-    full = layer(x)
-    for first, count in ((0, 1), (7, 1), (3, 5), (11, 2), (12, 12), (5, 25), (0, 13)):
-        assert torch.equal(layer(x[first : first + count]), full[first : first + count]), (first, count)
-    assert torch.equal(layer(x[None, None, 7]), full[None, None, 7])  # a lone row in a 3-D batch
-    assert layer(x[:0]).shape == (0, 8960)
+    for shape in ((8960, 1536), (96, 35)):
+        weight = torch.randn(shape, generator=generator).bfloat16()
+        layer = PackedLinear(weight, None)
+        x = torch.randn(40, shape[1], generator=generator).bfloat16()
+        with bf16_linear.isa(path):
+            full = layer(x)
+            for first, count in ((0, 1), (7, 1), (3, 5), (11, 2), (12, 12), (5, 25), (0, 13)):
+                assert torch.equal(layer(x[first : first + count]), full[first : first + count]), (first, count)
+            assert torch.equal(layer(x[None, None, 7]), full[None, None, 7])  # a lone row in a 3-D batch
+            assert layer(x[:0]).shape == (0, shape[0])
+        within_rounding(full, x, weight, None)
 
 
-@pytest.mark.skipif(bf16_linear.ready() and bf16_linear.isa_bits() != 512, reason="an AVX2 CPU runs one path only")
+@pytest.mark.skipif(bf16_linear.ready() and bf16_linear.isa_bits() == 256, reason="an AVX2 CPU runs one path only")
 def test_the_avx2_path_gives_the_avx512_paths_bits() -> None:
     """Both paths sum each output over the inputs in order, one multiply-add each, and round it once: the same bits
     at every row count (the AVX2 path's row tiles of 3, the AVX-512 path's of 12), with and without a bias."""
     generator = torch.Generator().manual_seed(3)
+    in_force = bf16_linear.isa_bits()
     for out_features, in_features in SHAPES[2:4]:
         weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).bfloat16()
         bias = torch.randn(out_features, generator=generator).bfloat16()
@@ -82,14 +100,30 @@ def test_the_avx2_path_gives_the_avx512_paths_bits() -> None:
         x[3, 5] = float("nan")
         for rows in (1, 2, 3, 4, 7, 13, 29):
             for b in (bias, None):
-                wide = bf16_linear.bf16_linear(x[:rows], packed, b)
+                with bf16_linear.isa(512):
+                    wide = bf16_linear.bf16_linear(x[:rows], packed, b)
                 with bf16_linear.isa(256):
                     narrow = bf16_linear.bf16_linear(x[:rows], packed, b)
                 assert torch.equal(wide.isnan(), narrow.isnan()) and (rows < 4 or wide[3].isnan().all())
                 assert torch.equal(wide.nan_to_num(), narrow.nan_to_num()), (out_features, rows, b is None)
-    assert bf16_linear.isa_bits() == 512  # the context restored it
-    with pytest.raises(RuntimeError, match="512, 256 or 0"):
+    assert bf16_linear.isa_bits() == in_force  # the context restored it
+    with pytest.raises(RuntimeError, match="512, 256, 16 or 0"):
         torch.ops.tandem.bf16_linear_isa(128)
+
+
+@pytest.mark.skipif(not bf16_linear.ready() or not bf16_linear.runs_dot(), reason="no AVX512-BF16 here")
+def test_the_probe_takes_the_dot_products_where_they_win_by_the_margin() -> None:
+    """On a CPU with both AVX-512 paths, the process runs the dot products exactly where its probe timed them
+    DOT_MARGIN times as fast as the multiply-adds (a NaN input stays a NaN row there too)."""
+    probed = bf16_linear.probed()
+    assert set(probed) == {"fma", "dot"} and all(seconds > 0 for seconds in probed.values())
+    wins = probed["fma"] >= bf16_linear.DOT_MARGIN * probed["dot"]
+    assert bf16_linear.isa_bits() == (bf16_linear.DOT if wins else 512)
+    x = torch.randn(3, 64).bfloat16()
+    x[1, 2] = float("nan")
+    with bf16_linear.isa(bf16_linear.DOT):
+        y = bf16_linear.bf16_linear(x, bf16_linear.pack(torch.randn(64, 64).bfloat16()), None)
+    assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
 
 
 AVX2_CHECK = """
@@ -154,11 +188,15 @@ def test_shapes_and_settings_it_does_not_take_keep_onednn(onednn) -> None:
 
 
 def test_the_setting_is_read_from_the_environment() -> None:
-    code = "from tandem.core import bf16_linear; print(bf16_linear.ENABLED[0])"
-    for setting, expected in (("onednn", "False"), ("kernel", "True")):
+    code = ("from tandem.core import bf16_linear; print(bf16_linear.ENABLED[0], bf16_linear.ready() and "
+            "bf16_linear.isa_bits(), bool(bf16_linear.probed()))")
+    fma = 256 if bf16_linear.isa_bits() == 256 else 512
+    dot = bf16_linear.DOT if bf16_linear.runs_dot() else fma  # (asked of a CPU without it: the other, said in a log)
+    for setting, expected in (("onednn", "False"), ("kernel", f"True {bf16_linear.isa_bits()} {dot != fma}"),
+                              ("kernel-fma", f"True {fma} False"), ("kernel-dot", f"True {dot} False")):
         env = {**os.environ, "TANDEM_CPU_LINEAR": setting}
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-        assert done.stdout.strip() == expected, done.stderr[-2000:]
+        assert done.stdout.strip().startswith(expected), (setting, done.stdout, done.stderr[-2000:])
     env = {**os.environ, "TANDEM_CPU_LINEAR": "mkl"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode != 0 and "TANDEM_CPU_LINEAR" in done.stderr

@@ -8,13 +8,14 @@ only, loaded as is and with `--draft-quantization w8a8` (core.w8a8_linear); `--c
 `--draft-quantization w4` (core.w4_linear) and w8a8. `--compare linear`: each model loaded twice, its bf16 layers
 on tandem's own product (core.bf16_linear) and on oneDNN's. `--compare dtype`: each model loaded in bf16 and in
 float32 as the loader prepares it (`--dtype` aside), which on an AVX2 CPU is tandem's product against oneDNN's float32
-one, `--dtype auto`'s pick there. `--compiled` compiles both runners of a comparison (as
-`--compile` does for serving). Each runner holds `--rows` sequences of the same context; forwards of each width then
-alternate between the two (A B, then B A) for `--steps` pairs, each feeding `width` tokens to every row at the
-context's end and rolled back, so every forward sees the same context. Reported per
-model and width: the median seconds of each, the speed-up of the first over the second (the median of each
-back-to-back pair's ratio, free of the machine's slower drifts; above 1: the first is faster), the first forward's
-seconds (a compile), and the largest difference between their logits.
+one, `--dtype auto`'s pick there. `--compare path`: each model loaded once, its products on tandem's kernel by
+AVX512-BF16 dot products and by float32 multiply-adds (a CPU with both). `--compiled` compiles both runners of a
+comparison (as `--compile` does for serving). Each runner holds `--rows` sequences of the same context; forwards of
+each width then alternate between the two (A B, then B A) for `--steps` pairs, each feeding `width` tokens to every
+row at the context's end and rolled back, so every forward sees the same context. Reported per model and width: the
+median seconds of each, the speed-up of the first over the second (the median of each back-to-back pair's ratio,
+free of the machine's slower drifts; above 1: the first is faster), the first forward's seconds (a compile), and the
+largest difference between their logits.
 
     python -m tandem.bench.forward_ab --compare fusion --json fusion.json      # about 2 min on a 2-core CPU
     python -m tandem.bench.forward_ab --compare compile --json compile.json    # plus a compile per model and width
@@ -22,6 +23,7 @@ seconds (a compile), and the largest difference between their logits.
     python -m tandem.bench.forward_ab --compare w4 --compiled --widths 1 2 --json w4.json   # plus 2 compiles
     python -m tandem.bench.forward_ab --compare linear --rows 8 --widths 1 3 --json linear.json
     python -m tandem.bench.forward_ab --compare dtype --widths 1 3 5 --steps 10 --json dtype.json
+    python -m tandem.bench.forward_ab --compare path --rows 8 --widths 1 2 3 --json path.json
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import platform
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from typing import TextIO
 
 import torch
@@ -44,7 +47,9 @@ from tandem.core.runner import ModelRunner
 from tandem.models.loader import load_model
 
 VARIANTS = {"fusion": ("fused", "unfused"), "compile": ("compiled", "eager"), "w8a8": ("w8a8", "as_loaded"),
-            "w4": ("w4", "w8a8"), "linear": ("kernel", "onednn"), "dtype": ("bfloat16", "float32")}
+            "w4": ("w4", "w8a8"), "linear": ("kernel", "onednn"), "dtype": ("bfloat16", "float32"),
+            "path": ("dot", "fma")}
+PATHS = {"dot": bf16_linear.DOT, "fma": 512}  # the kernel's path, by variant of --compare path
 QUANTIZATION = {"w8a8": "w8a8", "as_loaded": "none", "w4": "w4"}  # the draft's, by variant of a quantization compare
 
 
@@ -76,6 +81,9 @@ def _runners(compare: str, name: str, dtype: torch.dtype, context: int, compiled
         models = {variant: ModelRunner(load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False,
                                                   quantization=QUANTIZATION[variant]).model, compile=compiled)
                   for variant in (first, second)}
+    elif compare == "path":
+        model = load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False).model
+        models = {variant: ModelRunner(model, compile=compiled) for variant in (first, second)}
     else:
         model = load_model(name, device=torch.device("cpu"), dtype=dtype, progress=False).model
         models = {first: ModelRunner(model, compile=True), second: ModelRunner(model, compile=False)}
@@ -104,17 +112,25 @@ def _forward(runner: ModelRunner, states: list, width: int) -> tuple[float, torc
 def compare_forwards(compare: str, name: str, dtype: torch.dtype, widths: list[int], steps: int,
                      context: int, compiled: bool = False, progress: TextIO | None = None, rows: int = 1) -> dict:
     """progress: where a line per width goes as it is measured (None: stdout)."""
+    if compare == "path" and not (bf16_linear.ready() and bf16_linear.runs_dot()):
+        raise SystemExit("--compare path: the kernel's dot-product path does not run on this CPU")
     runners = _runners(compare, name, dtype, context, compiled, rows)
     first, second = VARIANTS[compare]
+
+    def on_path(variant: str):  # the kernel's path for this variant's forwards (--compare path)
+        return bf16_linear.isa(PATHS[variant]) if compare == "path" else nullcontext()
+
     result: dict = {}
     for width in widths:
         firsts, logits = {}, {}
         for variant, (runner, state) in runners.items():  # untimed in the pairs: it may compile
-            firsts[variant], logits[variant] = _forward(runner, state, width)
+            with on_path(variant):
+                firsts[variant], logits[variant] = _forward(runner, state, width)
         times: dict[str, list[float]] = {variant: [] for variant in runners}
         for step in range(steps):
             for variant in (first, second) if step % 2 == 0 else (second, first):
-                times[variant].append(_forward(*runners[variant], width)[0])
+                with on_path(variant):
+                    times[variant].append(_forward(*runners[variant], width)[0])
         paired = statistics.median(b / a for a, b in zip(times[first], times[second], strict=True))
         result[str(width)] = {
             **{f"{variant}_s": round(statistics.median(t), 5) for variant, t in times.items()},

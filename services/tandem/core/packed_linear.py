@@ -20,8 +20,9 @@ and, above all, reads it once for all the rows of a step:
 On an AVX-512 or AVX2 CPU without AMX, bf16 layers whose outputs are a multiple of 32 take tandem's own product
 instead (core.bf16_linear; `tiled`): oneDNN's bf16 product runs by dot products that such an AVX-512 CPU may run at a
 quarter of its float32 multiply-adds' rate, so from 2 rows on it falls behind the weights' stream (8 rows took 1.8x
-one row's time, 1.5x the kernel's), and on an AVX2 CPU oneDNN packs no bf16. Its rows are as independent of their
-step mates, but its sums run in another order, so its values are not nn.Linear's bit for bit.
+one row's time, 1.5x the kernel's), and on an AVX2 CPU oneDNN packs no bf16; where the CPU runs those dot products
+fast (a Zen 4 EPYC) the kernel multiplies by them too (its DOT path, probed at load). Its rows are as independent of
+their step mates, but its sums run in another order, so its values are not nn.Linear's bit for bit.
 
 `prepack(model)` swaps every nn.Linear of a CPU model in a packable dtype (in float32, every large one) for a
 PackedLinear holding only the packed weight, so memory stays what it was, except for an output head whose weight is

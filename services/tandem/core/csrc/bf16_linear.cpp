@@ -21,7 +21,8 @@
 // path (8 a register, 16 registers: 12 accumulators, 3 rows of a panel or 6 of half of one), as bf16_linear_isa
 // set it (the caller picks by torch's own CPU capability). Both sum every output in the same order, so they give the
 // same bits. On an AVX2 CPU oneDNN does not pack bf16 at all, and PyTorch's bf16 product converts the weights and
-// re-reads them for every row.
+// re-reads them for every row. A third path, for AVX-512 CPUs that run AVX512-BF16 dot products at the rate of
+// multiply-adds (where the caller's probe finds them faster), multiplies by those, from the same packing.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -33,6 +34,7 @@
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define AVX2 __attribute__((target("avx2,fma")))
+#define AVX512_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 namespace {
 
@@ -46,7 +48,9 @@ bool runs_avx512() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
-int isa_bits = runs_avx512() ? 512 : 256;  // the path bf16_linear takes: 512 (AVX-512) or 256 (AVX2 and FMA)
+// The path bf16_linear takes: 512 (AVX-512 multiply-adds), 256 (AVX2 and FMA) or DOT (AVX512-BF16 dot products).
+constexpr int64_t DOT = 16;
+int isa_bits = runs_avx512() ? 512 : 256;
 
 // ---- AVX-512 ----
 
@@ -109,6 +113,81 @@ AVX512 void rows_of_panel(const uint16_t* panel, const float* x, int64_t rows, i
       case 3: tile<3>(panel, in_features, xs, bias, ys, out_features); break;
       case 2: tile<2>(panel, in_features, xs, bias, ys, out_features); break;
       default: tile<1>(panel, in_features, xs, bias, ys, out_features); break;
+    }
+  }
+}
+
+// ---- AVX512-BF16 dot products ----
+// Where a CPU runs vdpbf16ps at the rate of float32 multiply-adds (an AMD Zen 4 does; some Xeons at a quarter of
+// it), each one multiplies and sums two inputs' products for 16 columns: twice the arithmetic a cycle, which a step
+// of more than 8 rows needs, the weights then coming from cache faster than one multiply-add a weight keeps up with.
+// Two inputs k, k + 1 of the panel are re-paired as they stream (lane i: column i at k and at k + 1), and each row's
+// inputs k, k + 1 are one 32-bit broadcast of the bf16 row itself. Each output is summed in the same order whatever
+// the call's rows, so a row's bits do not depend on its mates here either; they are not the multiply-add paths'
+// bits (the instruction adds each pair's two products in its own order and flushes denormals), so a process runs
+// one path for all its products (chosen per machine: tandem.core.bf16_linear).
+
+template <int ROWS>
+AVX512_DOT void dot_tile(const uint16_t* panel, int64_t in_features, const uint16_t* x, const uint16_t* bias,
+                         uint16_t* y, int64_t out_features) {
+  __m512 low[ROWS], high[ROWS];
+  for (int r = 0; r < ROWS; ++r) low[r] = high[r] = _mm512_setzero_ps();
+  constexpr __mmask32 odd_words = 0xAAAAAAAAu;
+  int64_t k = 0;
+  for (; k + 1 < in_features; k += 2) {
+    const uint16_t* at = panel + k * PANEL;
+    const __m512i first = _mm512_loadu_si512(at);            // input k: lane i columns i (low), 16 + i (high)
+    const __m512i second = _mm512_loadu_si512(at + PANEL);   // input k + 1
+    _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH + PANEL), _MM_HINT_T0);
+    // lane i: (column i at k, at k + 1) and (column 16 + i at k, at k + 1)
+    const __m512bh columns_low = (__m512bh)_mm512_mask_blend_epi16(odd_words, first, _mm512_slli_epi32(second, 16));
+    const __m512bh columns_high = (__m512bh)_mm512_mask_blend_epi16(odd_words, _mm512_srli_epi32(first, 16), second);
+    for (int r = 0; r < ROWS; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * in_features + k, sizeof(pair));
+      const __m512bh inputs = (__m512bh)_mm512_set1_epi32(pair);
+      low[r] = _mm512_dpbf16_ps(low[r], columns_low, inputs);
+      high[r] = _mm512_dpbf16_ps(high[r], columns_high, inputs);
+    }
+  }
+  if (k < in_features) {  // an odd last input, paired with a zero
+    const __m512i last = _mm512_loadu_si512(panel + k * PANEL);
+    const __m512bh columns_low = (__m512bh)_mm512_and_si512(last, _mm512_set1_epi32(0xFFFF));
+    const __m512bh columns_high = (__m512bh)_mm512_srli_epi32(last, 16);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh inputs = (__m512bh)_mm512_set1_epi32(x[r * in_features + k]);
+      low[r] = _mm512_dpbf16_ps(low[r], columns_low, inputs);
+      high[r] = _mm512_dpbf16_ps(high[r], columns_high, inputs);
+    }
+  }
+  const __m512 bias_low = bias == nullptr ? _mm512_setzero_ps() : widen(bias);
+  const __m512 bias_high = bias == nullptr ? _mm512_setzero_ps() : widen(bias + 16);
+  for (int r = 0; r < ROWS; ++r) {
+    uint16_t* out = y + r * out_features;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), round_to_bf16(_mm512_add_ps(low[r], bias_low)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), round_to_bf16(_mm512_add_ps(high[r], bias_high)));
+  }
+}
+
+AVX512_DOT void dot_rows_of_panel(const uint16_t* panel, const uint16_t* x, int64_t rows, int64_t in_features,
+                                  const uint16_t* bias, uint16_t* y, int64_t out_features) {
+  for (int64_t first = 0; first < rows; first += ROW_TILE) {
+    const uint16_t* xs = x + first * in_features;
+    uint16_t* ys = y + first * out_features;
+    switch (std::min<int64_t>(rows - first, ROW_TILE)) {
+      case 12: dot_tile<12>(panel, in_features, xs, bias, ys, out_features); break;
+      case 11: dot_tile<11>(panel, in_features, xs, bias, ys, out_features); break;
+      case 10: dot_tile<10>(panel, in_features, xs, bias, ys, out_features); break;
+      case 9: dot_tile<9>(panel, in_features, xs, bias, ys, out_features); break;
+      case 8: dot_tile<8>(panel, in_features, xs, bias, ys, out_features); break;
+      case 7: dot_tile<7>(panel, in_features, xs, bias, ys, out_features); break;
+      case 6: dot_tile<6>(panel, in_features, xs, bias, ys, out_features); break;
+      case 5: dot_tile<5>(panel, in_features, xs, bias, ys, out_features); break;
+      case 4: dot_tile<4>(panel, in_features, xs, bias, ys, out_features); break;
+      case 3: dot_tile<3>(panel, in_features, xs, bias, ys, out_features); break;
+      case 2: dot_tile<2>(panel, in_features, xs, bias, ys, out_features); break;
+      default: dot_tile<1>(panel, in_features, xs, bias, ys, out_features); break;
     }
   }
 }
@@ -232,8 +311,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   const int64_t in_features = x.size(-1), panels = packed.size(0), out_features = panels * PANEL;
   TORCH_CHECK(in_features == packed.size(1), "bf16_linear: ", in_features, " inputs against a packing of ",
               packed.size(1));
-  // Widened once, read by every panel's tasks from cache: 4 bytes a row and input.
-  const at::Tensor inputs = x.reshape({-1, in_features}).to(at::kFloat).contiguous();
+  // Widened once, read by every panel's tasks from cache: 4 bytes a row and input (the dot path reads bf16 pairs).
+  const bool dot = isa_bits == DOT;
+  const at::Tensor inputs = dot ? x.reshape({-1, in_features}).contiguous()
+                                : x.reshape({-1, in_features}).to(at::kFloat).contiguous();
   const int64_t rows = inputs.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_features;
@@ -247,27 +328,35 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std:
     bias_at = reinterpret_cast<const uint16_t*>(bias_in.data_ptr());
   }
   const auto* weights = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  const float* rows_at = inputs.data_ptr<float>();
   auto* outputs = reinterpret_cast<uint16_t*>(out.data_ptr());
   const auto run = isa_bits == 512 ? rows_of_panel : rows_of_panel8;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t panel = begin; panel < end; ++panel) {
-      run(weights + panel * in_features * PANEL, rows_at, rows, in_features,
-          bias_at == nullptr ? nullptr : bias_at + panel * PANEL, outputs + panel * PANEL, out_features);
+      const uint16_t* weights_at = weights + panel * in_features * PANEL;
+      const uint16_t* bias_of = bias_at == nullptr ? nullptr : bias_at + panel * PANEL;
+      if (dot) {
+        dot_rows_of_panel(weights_at, reinterpret_cast<const uint16_t*>(inputs.data_ptr()), rows, in_features,
+                          bias_of, outputs + panel * PANEL, out_features);
+      } else {
+        run(weights_at, inputs.data_ptr<float>(), rows, in_features, bias_of, outputs + panel * PANEL, out_features);
+      }
     }
   });
   return out;
 }
 
-// Sets the path (512 or 256; 0 leaves it) and returns the one in force; refuses a path this CPU cannot run.
+// Sets the path (512, 256 or DOT; 0 leaves it) and returns the one in force; refuses a path this CPU cannot run.
 int64_t bf16_linear_isa(int64_t bits) {
-  if (bits == 512) {
+  if (bits == DOT) {
+    TORCH_CHECK(runs_avx512() && __builtin_cpu_supports("avx512bf16"),
+                "bf16_linear: AVX512-BF16 dot products asked of a CPU without them");
+  } else if (bits == 512) {
     TORCH_CHECK(runs_avx512(), "bf16_linear: AVX-512 asked of a CPU without it");
   } else if (bits == 256) {
     TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
                 "bf16_linear: AVX2 and FMA asked of a CPU without them");
   } else {
-    TORCH_CHECK(bits == 0, "bf16_linear_isa: 512, 256 or 0, got ", bits);
+    TORCH_CHECK(bits == 0, "bf16_linear_isa: 512, 256, 16 or 0, got ", bits);
     return isa_bits;
   }
   isa_bits = static_cast<int>(bits);
