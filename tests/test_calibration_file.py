@@ -6,6 +6,7 @@ import json
 import logging
 import os
 
+from tandem.core import bf16_linear
 from tandem.core.config import EngineConfig, SpecConfig
 from tandem.engines import Arm, BuildOptions, ClusterOptions, LocalOptions, build
 from tandem.engines import calibration_file as stored
@@ -74,11 +75,14 @@ def test_a_fixed_k_keeps_nothing_and_a_damaged_file_is_rewritten(tiny_dirs, tmp_
 def test_the_key_follows_the_models_files_workers_and_options(tiny_dirs, tmp_path) -> None:
     from tandem.hostinfo import host_facts
 
+    kernel = bf16_linear.ready()  # loaded before the host is read, as a model's load loads it
     options = _options(tiny_dirs, tmp_path / "c.json")
     arm = options.arms[0]
     here = [{"host": host_facts(), "threads": None}]
     key = stored.key(options, arm, here)
     assert key == stored.key(options, arm, here) and key["workers"][0]["host"]["cores"] == len(os.sched_getaffinity(0))
+    if kernel:  # costs taken on one path of the bf16 kernel are not another's
+        assert key["workers"][0]["host"]["cpu_linear_path"] == bf16_linear.PATH_NAMES[bf16_linear.isa_bits()]
     assert key["versions"]["tandem_code"] and key["target_identity"].startswith("files:")
     assert stored.key(options, arm, [{**here[0], "threads": 2}]) != key
     config = tiny_dirs.draft / "config.json"

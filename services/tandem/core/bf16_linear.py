@@ -130,6 +130,11 @@ def _dot_wins() -> bool:
     return best[512] >= DOT_MARGIN * best[DOT]
 
 
+def path_name() -> str | None:
+    """The path this process's products take (PATH_NAMES), None where the kernel was not asked for or not built."""
+    return PATH_NAMES[isa_bits()] if _built and _built[0] else None
+
+
 def probed() -> dict[str, float]:
     """The probe's best seconds a call by path ("fma", "dot"), where it ran."""
     return dict(_probed)
