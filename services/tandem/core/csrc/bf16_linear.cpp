@@ -95,27 +95,38 @@ AVX512 void tile(const uint16_t* panel, int64_t in_features, const float* x, con
   }
 }
 
-AVX512 void rows_of_panel(const uint16_t* panel, const float* x, int64_t rows, int64_t in_features,
-                          const uint16_t* bias, uint16_t* y, int64_t out_features) {
+// A call's rows over one panel, 12 at a time and the remainder, in the AVX-512 paths' tiles: `Tiles::run<ROWS>`
+// (MultiplyAdds: x float32; DotProducts: x the bf16 rows themselves).
+template <typename Tiles, typename Input>
+void rows_of_panel(const uint16_t* panel, const Input* x, int64_t rows, int64_t in_features, const uint16_t* bias,
+                   uint16_t* y, int64_t out_features) {
   for (int64_t first = 0; first < rows; first += ROW_TILE) {
-    const float* xs = x + first * in_features;
+    const Input* xs = x + first * in_features;
     uint16_t* ys = y + first * out_features;
     switch (std::min<int64_t>(rows - first, ROW_TILE)) {
-      case 12: tile<12>(panel, in_features, xs, bias, ys, out_features); break;
-      case 11: tile<11>(panel, in_features, xs, bias, ys, out_features); break;
-      case 10: tile<10>(panel, in_features, xs, bias, ys, out_features); break;
-      case 9: tile<9>(panel, in_features, xs, bias, ys, out_features); break;
-      case 8: tile<8>(panel, in_features, xs, bias, ys, out_features); break;
-      case 7: tile<7>(panel, in_features, xs, bias, ys, out_features); break;
-      case 6: tile<6>(panel, in_features, xs, bias, ys, out_features); break;
-      case 5: tile<5>(panel, in_features, xs, bias, ys, out_features); break;
-      case 4: tile<4>(panel, in_features, xs, bias, ys, out_features); break;
-      case 3: tile<3>(panel, in_features, xs, bias, ys, out_features); break;
-      case 2: tile<2>(panel, in_features, xs, bias, ys, out_features); break;
-      default: tile<1>(panel, in_features, xs, bias, ys, out_features); break;
+      case 12: Tiles::template run<12>(panel, in_features, xs, bias, ys, out_features); break;
+      case 11: Tiles::template run<11>(panel, in_features, xs, bias, ys, out_features); break;
+      case 10: Tiles::template run<10>(panel, in_features, xs, bias, ys, out_features); break;
+      case 9: Tiles::template run<9>(panel, in_features, xs, bias, ys, out_features); break;
+      case 8: Tiles::template run<8>(panel, in_features, xs, bias, ys, out_features); break;
+      case 7: Tiles::template run<7>(panel, in_features, xs, bias, ys, out_features); break;
+      case 6: Tiles::template run<6>(panel, in_features, xs, bias, ys, out_features); break;
+      case 5: Tiles::template run<5>(panel, in_features, xs, bias, ys, out_features); break;
+      case 4: Tiles::template run<4>(panel, in_features, xs, bias, ys, out_features); break;
+      case 3: Tiles::template run<3>(panel, in_features, xs, bias, ys, out_features); break;
+      case 2: Tiles::template run<2>(panel, in_features, xs, bias, ys, out_features); break;
+      default: Tiles::template run<1>(panel, in_features, xs, bias, ys, out_features); break;
     }
   }
 }
+
+struct MultiplyAdds {
+  template <int ROWS>
+  static void run(const uint16_t* panel, int64_t in_features, const float* x, const uint16_t* bias, uint16_t* y,
+                  int64_t out_features) {
+    tile<ROWS>(panel, in_features, x, bias, y, out_features);
+  }
+};
 
 // ---- AVX512-BF16 dot products ----
 // Where a CPU runs vdpbf16ps at the rate of float32 multiply-adds (an AMD Zen 4 does; some Xeons at a quarter of
@@ -170,27 +181,13 @@ AVX512_DOT void dot_tile(const uint16_t* panel, int64_t in_features, const uint1
   }
 }
 
-AVX512_DOT void dot_rows_of_panel(const uint16_t* panel, const uint16_t* x, int64_t rows, int64_t in_features,
-                                  const uint16_t* bias, uint16_t* y, int64_t out_features) {
-  for (int64_t first = 0; first < rows; first += ROW_TILE) {
-    const uint16_t* xs = x + first * in_features;
-    uint16_t* ys = y + first * out_features;
-    switch (std::min<int64_t>(rows - first, ROW_TILE)) {
-      case 12: dot_tile<12>(panel, in_features, xs, bias, ys, out_features); break;
-      case 11: dot_tile<11>(panel, in_features, xs, bias, ys, out_features); break;
-      case 10: dot_tile<10>(panel, in_features, xs, bias, ys, out_features); break;
-      case 9: dot_tile<9>(panel, in_features, xs, bias, ys, out_features); break;
-      case 8: dot_tile<8>(panel, in_features, xs, bias, ys, out_features); break;
-      case 7: dot_tile<7>(panel, in_features, xs, bias, ys, out_features); break;
-      case 6: dot_tile<6>(panel, in_features, xs, bias, ys, out_features); break;
-      case 5: dot_tile<5>(panel, in_features, xs, bias, ys, out_features); break;
-      case 4: dot_tile<4>(panel, in_features, xs, bias, ys, out_features); break;
-      case 3: dot_tile<3>(panel, in_features, xs, bias, ys, out_features); break;
-      case 2: dot_tile<2>(panel, in_features, xs, bias, ys, out_features); break;
-      default: dot_tile<1>(panel, in_features, xs, bias, ys, out_features); break;
-    }
+struct DotProducts {
+  template <int ROWS>
+  static void run(const uint16_t* panel, int64_t in_features, const uint16_t* x, const uint16_t* bias, uint16_t* y,
+                  int64_t out_features) {
+    dot_tile<ROWS>(panel, in_features, x, bias, y, out_features);
   }
-}
+};
 
 // ---- AVX2 ----
 // A 64-byte input of the panel is two 32-byte halves: lanes 0-7 (columns 0-7 low, 16-23 high) and lanes 8-15
@@ -329,14 +326,14 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   }
   const auto* weights = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   auto* outputs = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const auto run = isa_bits == 512 ? rows_of_panel : rows_of_panel8;
+  const auto run = isa_bits == 512 ? rows_of_panel<MultiplyAdds, float> : rows_of_panel8;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t panel = begin; panel < end; ++panel) {
       const uint16_t* weights_at = weights + panel * in_features * PANEL;
       const uint16_t* bias_of = bias_at == nullptr ? nullptr : bias_at + panel * PANEL;
       if (dot) {
-        dot_rows_of_panel(weights_at, reinterpret_cast<const uint16_t*>(inputs.data_ptr()), rows, in_features,
-                          bias_of, outputs + panel * PANEL, out_features);
+        rows_of_panel<DotProducts>(weights_at, reinterpret_cast<const uint16_t*>(inputs.data_ptr()), rows,
+                                   in_features, bias_of, outputs + panel * PANEL, out_features);
       } else {
         run(weights_at, inputs.data_ptr<float>(), rows, in_features, bias_of, outputs + panel * PANEL, out_features);
       }
