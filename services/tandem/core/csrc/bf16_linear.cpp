@@ -68,6 +68,19 @@ AVX512 inline __m256i round_to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0)));
 }
 
+// A tile's sums (columns 0-15 in `low`, 16-31 in `high`, a pair per row) plus the bias, each rounded once to bf16.
+template <int ROWS>
+AVX512 inline void store_rows(const __m512* low, const __m512* high, const uint16_t* bias, uint16_t* y,
+                              int64_t out_features) {
+  const __m512 bias_low = bias == nullptr ? _mm512_setzero_ps() : widen(bias);
+  const __m512 bias_high = bias == nullptr ? _mm512_setzero_ps() : widen(bias + 16);
+  for (int r = 0; r < ROWS; ++r) {
+    uint16_t* out = y + r * out_features;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), round_to_bf16(_mm512_add_ps(low[r], bias_low)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), round_to_bf16(_mm512_add_ps(high[r], bias_high)));
+  }
+}
+
 template <int ROWS>
 AVX512 void tile(const uint16_t* panel, int64_t in_features, const float* x, const uint16_t* bias, uint16_t* y,
                  int64_t out_features) {
@@ -86,13 +99,7 @@ AVX512 void tile(const uint16_t* panel, int64_t in_features, const float* x, con
       high[r] = _mm512_fmadd_ps(second, input, high[r]);
     }
   }
-  const __m512 bias_low = bias == nullptr ? _mm512_setzero_ps() : widen(bias);
-  const __m512 bias_high = bias == nullptr ? _mm512_setzero_ps() : widen(bias + 16);
-  for (int r = 0; r < ROWS; ++r) {
-    uint16_t* out = y + r * out_features;
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), round_to_bf16(_mm512_add_ps(low[r], bias_low)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), round_to_bf16(_mm512_add_ps(high[r], bias_high)));
-  }
+  store_rows<ROWS>(low, high, bias, y, out_features);
 }
 
 // A call's rows over one panel, 12 at a time and the remainder, in the AVX-512 paths' tiles: `Tiles::run<ROWS>`
@@ -172,13 +179,7 @@ AVX512_DOT void dot_tile(const uint16_t* panel, int64_t in_features, const uint1
       high[r] = _mm512_dpbf16_ps(high[r], columns_high, inputs);
     }
   }
-  const __m512 bias_low = bias == nullptr ? _mm512_setzero_ps() : widen(bias);
-  const __m512 bias_high = bias == nullptr ? _mm512_setzero_ps() : widen(bias + 16);
-  for (int r = 0; r < ROWS; ++r) {
-    uint16_t* out = y + r * out_features;
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), round_to_bf16(_mm512_add_ps(low[r], bias_low)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), round_to_bf16(_mm512_add_ps(high[r], bias_high)));
-  }
+  store_rows<ROWS>(low, high, bias, y, out_features);
 }
 
 struct DotProducts {
