@@ -4,6 +4,8 @@ Loading a model builds hundreds of thousands of objects that live on (a tokenize
 from JSON twice per tokenizer), and the collector walks all of them at each full collection they set off: nine
 collections, about 1.5 s of a 15 s load of the real pair on a 2-core CPU (docs/performance.md, "Start-up: no
 garbage collection while models load"). A CUDA graph's capture must not run a collection either (core.cuda_graphs).
+Nor should a long prompt's scores become a million small tuples (core.prompt_logprobs): the full collection they
+set off held an in-process gateway's event loop for 0.28-0.36 s.
 Such stretches can overlap on several threads (a gateway's loader beside an engine loop), so the pause is counted:
 the collector runs again when the last holder leaves, and only if it ran before the first came.
 """

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
@@ -14,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tandem.gateway.events import ChoiceDelta, ChoiceEnd, Event
 from tandem.gateway.openai.errors import OpenAIError, from_exception
+from tandem.gateway.openai.json_parts import json_in_parts
 from tandem.gateway.openai.streaming import EventStream, until_disconnected
 
 CLIENT_CLOSED = 499  # never seen by the client (it left); what access logs conventionally record
@@ -44,24 +44,6 @@ async def deliver(request: Request, events: AsyncGenerator, stream: bool, collec
         await events.aclose()
         raise
     return EventStream(body(_after(first, events)), events, ping_s, first)
-
-
-def json_in_parts(payload: dict) -> bytes:
-    """`payload` as JSONResponse renders it, byte for byte, each item of its top-level lists (a completion's choices,
-    a response's output) encoded by a json.dumps call of its own. json's C encoder holds the GIL for a whole call, so
-    a thread encoding 16 choices' logprobs (29 MB) in one call held the event loop's thread for up to a second, in a
-    thread of its own or not; between calls the loop's thread runs."""
-    parts = []
-    for key, value in payload.items():
-        if isinstance(value, list):  # each item encoded to bytes on its own: no call spans the whole body
-            parts.append(_json(key) + b":[" + b",".join(_json(item) for item in value) + b"]")
-        else:
-            parts.append(_json(key) + b":" + _json(value))
-    return b"{" + b",".join(parts) + b"}"
-
-
-def _json(value: object) -> bytes:
-    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
 
 
 async def _after(first: asyncio.Future, events: AsyncIterator[Event]) -> AsyncGenerator[Event, None]:
