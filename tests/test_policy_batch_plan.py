@@ -129,3 +129,21 @@ def test_batch_plan_lets_rows_draft_past_their_sessions_k_within_their_limits() 
     # Each row within its own limit (a request's max_k, its tokens left); a session that does not draft stays at 0.
     assert plan_batch([1, 1, 2, 0], [0.8] * 4, cheap, limits=[6, 3, 6, 6]) == [6, 3, 6, 0]
     assert plan_batch([1, 1, 2, 1], [0.8] * 4, cheap) == [1, 1, 2, 1]  # no limits: the sessions' own k at most
+
+
+def test_a_plans_prices_are_the_cost_models_own() -> None:
+    """core.batch_plan.Prices, the view a plan prices through, gives each shape the model's own price (cached per
+    shape, never one shape's price for another), reads everything else from the model, and is not wrapped twice."""
+    from tandem.core.batch_plan import Prices, prices
+
+    costs = CostModel(draft_step=0.03, verify={1: 0.1, 2: 0.12, 5: 0.2}, draft_rows={2: 0.04, 4: 0.05, 8: 0.09},
+                      batched={(4, 1): 0.15, (4, 3): 0.25, (8, 1): 0.2, (8, 2): 0.3, (8, 5): 0.6})
+    view = prices(costs)
+    assert isinstance(view, Prices) and prices(view) is view
+    for _ in range(2):  # computed, then cached
+        for rows in range(1, 17):
+            assert view.draft_time(rows) == costs.draft_time(rows)
+            for width in range(1, 10):
+                assert view.batch_forward_time(rows, width) == costs.batch_forward_time(rows, width)
+    assert view.calibrated and view.layout is None and view.verify_time(3) == costs.verify_time(3)
+    assert view.catch_up_time(40) == costs.catch_up_time(40)

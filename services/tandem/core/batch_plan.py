@@ -41,7 +41,40 @@ from tandem.core.prediction import MOST_ACCEPTANCE
 CATCH_UP_HORIZON = 16
 
 
-def catch_up_share(costs: CostModel, behind: int, alpha: float, k: int, remaining: int) -> float:
+class Prices:
+    """One plan's view of a CostModel: each batched forward's and each draft step's price worked out once. A plan
+    prices hundreds of rounds over the same few shapes while the tables stand still, and a price on a robust line
+    sorts every pairwise slope: at 8 rows on CPU-A a plan took 0.73-1.44 ms asking the model each time, 0.49-0.79 ms
+    so (docs/bench/plan-prices-v1.json), beside a step of about 0.12 s there, a GPU's of a few ms. Anything else is
+    read from the model itself."""
+
+    __slots__ = ("_drafts", "_forwards", "costs")
+
+    def __init__(self, costs: CostModel) -> None:
+        self.costs = costs
+        self._forwards: dict[tuple[int, int], float] = {}
+        self._drafts: dict[int, float] = {}
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.costs, name)
+
+    def batch_forward_time(self, rows: int, width: int) -> float:
+        if (seconds := self._forwards.get((rows, width))) is None:
+            seconds = self._forwards[rows, width] = self.costs.batch_forward_time(rows, width)
+        return seconds
+
+    def draft_time(self, rows: int) -> float:
+        if (seconds := self._drafts.get(rows)) is None:
+            seconds = self._drafts[rows] = self.costs.draft_time(rows)
+        return seconds
+
+
+def prices(costs: CostModel | Prices) -> Prices:
+    """`costs` as one plan's Prices (as it is, where it already is)."""
+    return costs if isinstance(costs, Prices) else Prices(costs)
+
+
+def catch_up_share(costs: CostModel | Prices, behind: int, alpha: float, k: int, remaining: int) -> float:
     """Seconds of a row's drafter catch-up charged to one round: the catch-up over the rounds the row has left."""
     seconds = costs.catch_up_time(behind)
     if not seconds or k <= 0:
@@ -50,7 +83,7 @@ def catch_up_share(costs: CostModel, behind: int, alpha: float, k: int, remainin
     return seconds / rounds_left
 
 
-def round_seconds(ks: list[int], costs: CostModel, catch_up: list[float] | None = None,
+def round_seconds(ks: list[int], costs: CostModel | Prices, catch_up: list[float] | None = None,
                   free: list[int] | None = None) -> float:
     """Expected seconds of one round in which row i drafts ks[i] tokens (catch_up: seconds per row) and verifies
     free[i] tokens that took no draft step (a prediction's, a looked-up block: core.round_plan rule 0)."""
@@ -62,7 +95,7 @@ def round_seconds(ks: list[int], costs: CostModel, catch_up: list[float] | None 
 
 
 def free_blocks_that_pay(ks: list[int], alphas: list[float], offered: list[int], offered_alphas: list[float],
-                         costs: CostModel, catch_up: list[float] | None = None) -> list[int]:
+                         costs: CostModel | Prices, catch_up: list[float] | None = None) -> list[int]:
     """Per row, how many of its free drafts (offered[i]: a prediction's or a looked-up block, accepted at
     offered_alphas[i]) it verifies this round beside the drafting rows' ks: a free block takes no draft step but
     widens the batch's target forward, where a refused one costs every row (on CPU-A, 8 rows at once decoded 0.8x
@@ -70,6 +103,7 @@ def free_blocks_that_pay(ks: list[int], alphas: list[float], offered: list[int],
     first, is kept at the length that raises the batch's expected tokens per second most, if any does."""
     if len(ks) <= 1 or not any(offered):
         return list(offered)
+    costs = prices(costs)
 
     def rate(free: list[int]) -> float:
         tokens = sum(expected_tokens(a, k) if k else expected_tokens(min(fa, MOST_ACCEPTANCE), f)
@@ -87,18 +121,20 @@ def free_blocks_that_pay(ks: list[int], alphas: list[float], offered: list[int],
     return kept
 
 
-def predicted_rate(ks: list[int], alphas: list[float], costs: CostModel, catch_up: list[float] | None = None) -> float:
+def predicted_rate(ks: list[int], alphas: list[float], costs: CostModel | Prices,
+                   catch_up: list[float] | None = None) -> float:
     """Expected tokens per second of one round in which row i drafts ks[i] tokens."""
     return sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)) / round_seconds(ks, costs, catch_up)
 
 
-def plan_batch(ks: list[int], alphas: list[float], costs: CostModel, catch_up: list[float] | None = None,
+def plan_batch(ks: list[int], alphas: list[float], costs: CostModel | Prices, catch_up: list[float] | None = None,
                margin: float = 0.05, limits: list[int] | None = None) -> list[int]:
     """Each row's k: the best cap within its limit (limits: the most each row may draft, else its session's own k)
     for the rows whose session drafts (ks[i] > 0), 0 for the rows whose drafting costs the batch more than it
     brings; plain (all 0) unless speculating beats it by `margin`."""
     if len(ks) <= 1 or not any(ks) or not costs.calibrated:
         return ks
+    costs = prices(costs)
     limits = [limit if k else 0 for k, limit in zip(ks, limits or ks, strict=True)]
     shares = catch_up or [0.0] * len(ks)
     best, best_rate = [0] * len(ks), len(ks) / round_seconds([0] * len(ks), costs) * (1.0 + margin)

@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.core import policy
-from tandem.core.batch_plan import catch_up_share, free_blocks_that_pay, plan_batch
+from tandem.core.batch_plan import catch_up_share, free_blocks_that_pay, plan_batch, prices
 from tandem.core.config import SpecConfig
 from tandem.core.costs import CATCH_UP_ALONE_ABOVE, CostModel
 from tandem.core.prediction import free_draft_rate, predicted_k
@@ -95,6 +95,7 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
     """Each row's k and policy decision for one round (the rules in the module's docstring, in order). Pure: reads
     the rows, the costs and the prior, and changes none of them. `prior`: the deployment's recent acceptance;
     `prior_measured`: whether the deployment's sessions have measured it (policy.SharedPrior.measured)."""
+    costs = prices(costs)  # one plan: the tables stand still
     predicted = [_predicted(row, spec, costs) for row in rows]
     predicted = [p if row.predicting or _lookup_pays(row, p, speculating, spec, costs, prior) else 0
                  for row, p in zip(rows, predicted, strict=True)]
