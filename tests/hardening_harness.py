@@ -1,9 +1,16 @@
 """What the hardening and gRPC-keepalive tests share: a gateway over the tiny models named as the CLI names models
-given by path, with a fault (a raise, a hold) run before each engine step; and a gRPC call's status code."""
+given by path, with a fault (a raise, a hold) run before each engine step; a gRPC call's status code; and the
+longest wait between a gateway's health answers while a request of a client's own runs."""
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.core.config import EngineConfig, SpecConfig
 from tandem.engines import Backend
@@ -43,3 +50,23 @@ def status_of(call) -> tuple[grpc.StatusCode | None, str]:
         return grpc.StatusCode.OK, ""
     except grpc.RpcError as exc:
         return exc.code(), exc.details() or ""
+
+
+def longest_between_health_answers(address: str, request: Callable[[], object]) -> tuple[float, object]:
+    """(the longest time between two answers of the gateway's readiness health check at `address`, asked every 20 ms
+    while `request()` runs in a thread, its result). The 20 ms sleep counts, so that a hold of the process that
+    begins while this client sleeps is seen too."""
+    from tandem.gateway.server import READINESS_SERVICE
+
+    result: dict = {}
+    running = threading.Thread(target=lambda: result.update(value=request()))
+    answers = []
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        running.start()
+        while running.is_alive():
+            health.Check(health_pb2.HealthCheckRequest(service=READINESS_SERVICE), timeout=60)
+            answers.append(time.monotonic())
+            time.sleep(0.02)
+    running.join()
+    return max((b - a for a, b in itertools.pairwise(answers)), default=0.0), result["value"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import itertools
 import json
 import sys
 import tempfile
@@ -23,16 +22,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the gateway harness
-import grpc
 import httpx
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway_harness import ServerThread
-from hardening_harness import named_loader
+from hardening_harness import longest_between_health_answers, named_loader
 from tandem.core import gc_pause, prompt_logprobs
 from tandem.gateway.openai import delivery, json_parts
-from tandem.gateway.server import READINESS_SERVICE
 from tandem.gateway.validate import GatewayLimits
 from tandem.models.loader import load_model
 from tandem.models.tiny import make_tiny
@@ -74,21 +70,12 @@ class Collections:
 def one(server: ServerThread, collections: Collections) -> tuple[float, float, list]:
     """(the longest time between two health answers, the huge request's seconds, collections over 30 ms)."""
     collections.seen.clear()
-    answered: dict = {}
     started = time.monotonic()
-    big = threading.Thread(target=lambda: answered.update(response=httpx.post(
-        f"{server.gateway.http_url}/v1/completions", json=BODY, timeout=300)))
-    ends = []
-    with grpc.insecure_channel(server.address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        big.start()
-        while big.is_alive():
-            health.Check(health_pb2.HealthCheckRequest(service=READINESS_SERVICE), timeout=60)
-            ends.append(time.monotonic())
-            time.sleep(0.02)
+    longest, response = longest_between_health_answers(server.address, lambda: httpx.post(
+        f"{server.gateway.http_url}/v1/completions", json=BODY, timeout=300))
     seconds = time.monotonic() - started
-    assert answered["response"].status_code == 200 and len(answered["response"].content) > 29e6
-    return round(max(b - a for a, b in itertools.pairwise(ends)), 3), round(seconds, 2), list(collections.seen)
+    assert response.status_code == 200 and len(response.content) > 29e6
+    return round(longest, 3), round(seconds, 2), list(collections.seen)
 
 
 def main() -> None:
