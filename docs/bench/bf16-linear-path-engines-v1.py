@@ -17,17 +17,14 @@ MODES defaults to plain_b8,auto_b8 (also plain_b1, auto_b1: the repeat's prompt 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
+from resident_arms import over_first, rotated_runs, write_report
+
 from tandem.bench.prompts import load_prompts
-from tandem.bench.resident import Resident
-from tandem.bench.vllm_compare import SETTLE_SECONDS
 from tandem.bench.vllm_compare_tandem import sitting_job
-from tandem.bench.vllm_compare_workers import TANDEM_SIDE
 
 SETTINGS = {"fma": "kernel-fma", "dot": "kernel-dot", "onednn": "onednn"}
 
@@ -38,46 +35,18 @@ def main(repeats: int, out: str, arms: list[str], modes: list[str]) -> None:
         sys.exit(f"unknown arms {unknown}; known: {list(SETTINGS)}")
     envs = {arm: os.environ | {"TANDEM_CPU_LINEAR": SETTINGS[arm]} for arm in arms}
     job = sitting_job(load_prompts(None)[:8]) | {"compile": False, "draft_quantization": "auto", "draft_vocab": 0}
-    log = Path(out).with_suffix(".log")
-    log.write_text("")
-    workers = {}
-    runs: dict[str, dict[str, list[dict]]] = {mode: {arm: [] for arm in arms} for mode in modes}
-    outputs: dict[str, dict[str, list]] = {mode: {} for mode in modes}
-    try:
-        for arm, env in envs.items():
-            print(f"loading {arm}", flush=True)
-            workers[arm] = Resident(arm, TANDEM_SIDE, job, log, env, say=print)
-        for repeat in range(repeats):
-            order = arms[repeat % len(arms):] + arms[: repeat % len(arms)]
-            for mode in modes:
-                for arm in order:
-                    time.sleep(SETTLE_SECONDS)
-                    prompts = list(range(8)) if mode.endswith("b8") else [repeat % 8]
-                    result = workers[arm].ask({"mode": mode, "prompts": prompts})
-                    outputs[mode].setdefault(arm, []).append(result.pop("outputs"))
-                    runs[mode][arm].append(result)
-                    print(repeat, mode, arm, result["tokens"], result["seconds"], result["tok_s"], flush=True)
-    finally:
-        for worker in workers.values():
-            worker.close()
+    runs, outputs, loaded = rotated_runs(envs, job, Path(out).with_suffix(".log"), repeats, modes)
     first = arms[0]
     report: dict = {"repeats": repeats, "arms": {arm: SETTINGS[arm] for arm in arms},
                     "job": {k: v for k, v in job.items() if k != "texts"},
-                    "loaded": {arm: w.loaded for arm, w in workers.items()}, "modes": {}}
+                    "loaded": loaded, "modes": {}}
     for mode, by_arm in runs.items():
-        tok_s = {arm: sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs) for arm, rs in by_arm.items()}
-        report["modes"][mode] = {
-            "tok_s": {arm: round(t, 3) for arm, t in tok_s.items()},
-            f"over_{first}": {arm: round(t / tok_s[first], 4) for arm, t in tok_s.items()},
-            "ratio_each": {arm: [round(b["tok_s"] / a["tok_s"], 3) for a, b in zip(by_arm[first], rs, strict=True)]
-                           for arm, rs in by_arm.items()},
+        report["modes"][mode] = over_first(by_arm) | {
             # greedy: the same text on every path, up to bf16 near-ties (the paths round differently)
             f"outputs_equal_{first}": {arm: [a == b for a, b in zip(outputs[mode][first], outs, strict=True)]
                                        for arm, outs in outputs[mode].items()},
             "runs": by_arm}
-        print(mode, json.dumps({k: v for k, v in report["modes"][mode].items() if k != "runs"}), flush=True)
-    with open(out, "w") as sink:
-        json.dump(report, sink, indent=1)
+    write_report(report, out)
 
 
 if __name__ == "__main__":

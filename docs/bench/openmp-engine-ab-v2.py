@@ -21,17 +21,14 @@ MODES defaults to plain_b8 (also auto_b8, plain_b1); IOMP to .venv/lib/libiomp5.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
+from resident_arms import over_first, rotated_runs, write_report
+
 from tandem.bench.prompts import load_prompts
-from tandem.bench.resident import Resident
-from tandem.bench.vllm_compare import SETTLE_SECONDS
 from tandem.bench.vllm_compare_tandem import sitting_job
-from tandem.bench.vllm_compare_workers import TANDEM_SIDE
 from tandem.core.cpu_runtime import suggested_preload, tcmalloc_path
 
 
@@ -58,44 +55,16 @@ def main(repeats: int, out: str, arms: list[str], modes: list[str], iomp: Path) 
         sys.exit(f"no {iomp}: give IOMP (intel-openmp's libiomp5.so)")
     envs = arm_envs(arms, iomp)
     job = sitting_job(load_prompts(None)[:8])
-    log = Path(out).with_suffix(".log")
-    log.write_text("")
-    workers = {}
-    runs: dict[str, dict[str, list[dict]]] = {mode: {arm: [] for arm in envs} for mode in modes}
-    try:
-        for arm, env in envs.items():
-            print(f"loading {arm}", flush=True)
-            workers[arm] = Resident(arm, TANDEM_SIDE, job, log, env, say=print)
-        for repeat in range(repeats):
-            order = arms[repeat % len(arms):] + arms[: repeat % len(arms)]
-            for mode in modes:
-                for arm in order:
-                    time.sleep(SETTLE_SECONDS)
-                    prompts = list(range(8)) if mode.endswith("b8") else [repeat % 8]
-                    result = workers[arm].ask({"mode": mode, "prompts": prompts})
-                    result.pop("outputs")
-                    runs[mode][arm].append(result)
-                    print(repeat, mode, arm, result["tokens"], result["seconds"], result["tok_s"], flush=True)
-    finally:
-        for worker in workers.values():
-            worker.close()
+    runs, _, loaded = rotated_runs(envs, job, Path(out).with_suffix(".log"), repeats, modes)
     report: dict = {"repeats": repeats, "iomp": str(iomp), "arms": {a: {k: envs[a][k] for k in
                     ("LD_PRELOAD", "KMP_BLOCKTIME", "OMP_WAIT_POLICY") if k in envs[a]} for a in arms},
                     "job": {k: v for k, v in job.items() if k != "texts"},
-                    "loaded": {arm: w.loaded for arm, w in workers.items()}, "modes": {}}
-    first = arms[0]
+                    "loaded": loaded, "modes": {}}
     for mode, by_arm in runs.items():
-        tok_s = {arm: sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs) for arm, rs in by_arm.items()}
-        report["modes"][mode] = {
-            "tok_s": {arm: round(t, 3) for arm, t in tok_s.items()},
-            f"over_{first}": {arm: round(t / tok_s[first], 4) for arm, t in tok_s.items()},
-            "ratio_each": {arm: [round(b["tok_s"] / a["tok_s"], 3) for a, b in zip(by_arm[first], rs, strict=True)]
-                           for arm, rs in by_arm.items()},
+        report["modes"][mode] = over_first(by_arm) | {
             "tokens": {arm: [r["tokens"] for r in rs] for arm, rs in by_arm.items()},
             "runs": by_arm}
-        print(mode, json.dumps({k: v for k, v in report["modes"][mode].items() if k != "runs"}), flush=True)
-    with open(out, "w") as sink:
-        json.dump(report, sink, indent=1)
+    write_report(report, out)
 
 
 if __name__ == "__main__":
