@@ -117,3 +117,16 @@ def test_a_start_that_fails_says_whether_redis_server_exited_or_never_answered(t
     with pytest.raises(RuntimeError, match=r"\(it ran 0.5 s without answering PING\): its log is empty"):
         EmbeddedRedis(binary=str(silent), start_timeout_s=0.5).start()
     assert time.monotonic() - started < 10  # tried once per free port it picked, each ended at once
+
+
+def test_an_embedded_redis_is_scheduled_with_its_starter():
+    """In a session of its own, redis-server had an autogroup of its own at nice 0: a starter whose group was raised
+    (`echo -20 > /proc/self/autogroup`) left it a sliver of the CPU, and its clients' 1 s reads timed out. Now it
+    shares the starter's session (so its scheduling group) and has a process group of its own (so Ctrl-C misses it)."""
+    with EmbeddedRedis() as server:
+        assert os.getsid(server.pid) == os.getsid(0)
+        assert os.getpgid(server.pid) == server.pid != os.getpgid(0)
+        autogroup = "/proc/self/autogroup"
+        if os.path.exists(autogroup):  # Linux with CONFIG_SCHED_AUTOGROUP
+            with open(autogroup) as mine, open(f"/proc/{server.pid}/autogroup") as its:
+                assert its.read() == mine.read()

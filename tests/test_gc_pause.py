@@ -1,8 +1,12 @@
-"""The garbage collector paused while models load (core.gc_pause): counted across threads, restored as it was."""
+"""The garbage collector paused while models load (core.gc_pause): counted across threads, restored as it was; and a
+serving process's loaded heap frozen out of later collections."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import os
+import signal
 import sys
 import threading
 
@@ -10,7 +14,7 @@ import pytest
 import torch
 
 from models_pull_harness import write_tiny_gguf
-from tandem.core.gc_pause import collector_paused
+from tandem.core.gc_pause import collector_paused, freeze_loaded_heap
 from tandem.models.loader import load_model, load_models
 from tandem.models.pull import convert_gguf
 
@@ -94,3 +98,45 @@ def test_a_collector_off_before_the_pause_stays_off() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.fixture
+def unfrozen():
+    """Nothing frozen as a test starts; what it froze moved back into the collector's care as it ends, so the test
+    process frees its cycles as before."""
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+def test_freezing_the_loaded_heap_takes_it_out_of_collections(unfrozen) -> None:
+    """A full collection walks every tracked object; frozen ones it skips: a freeze collects first, so a cycle dropped
+    before it is freed, not kept for good."""
+    dropped = [[]]
+    dropped[0].append(dropped)
+    dropped_id = id(dropped)
+    del dropped
+    frozen = freeze_loaded_heap()
+    assert frozen == gc.get_freeze_count() > 0
+    assert all(id(obj) != dropped_id for obj in gc.get_objects())
+    kept = [object() for _ in range(10)]
+    assert gc.get_freeze_count() == frozen  # made later: collected as before
+    del kept
+
+
+def test_a_served_gateway_freezes_its_heap_once_serving(tiny_models, unfrozen) -> None:
+    """`tandem serve`'s loop (gateway.run.serve): once readiness is SERVING, the loaded engines are frozen before the
+    ready line; a SIGTERM then drains it as ever."""
+    from gateway_harness import tiny_backend
+    from tandem.gateway.options import GatewayOptions
+    from tandem.gateway.run import serve
+
+    seen: list[int] = []
+
+    def on_ready(_seconds: float) -> None:
+        seen.append(gc.get_freeze_count())
+        os.kill(os.getpid(), signal.SIGTERM)  # the loop's own handler drains the gateway
+
+    assert gc.get_freeze_count() == 0
+    asyncio.run(serve(tiny_backend(tiny_models[0], tiny_models[1]), GatewayOptions(port=0), on_ready=on_ready))
+    assert seen and seen[0] > 0

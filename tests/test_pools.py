@@ -86,6 +86,7 @@ def test_two_gateways_share_one_pool_and_batch_across_gateways(pools, gateways, 
     assert sorted(w["role"] for w in status["workers"]) == ["draft", "target"]
     assert all(w["healthy"] for w in status["workers"]) and {w["threads"] for w in status["workers"]} == {1}
     assert {w["weights"] for w in status["workers"]} == {"float32"}  # a float32 draft is held as loaded
+    assert all(w["gc_frozen_objects"] > 0 for w in status["workers"])  # loaded heaps out of later collections
     target = next(w for w in status["workers"] if w["role"] == "target")
     assert target["merged_forwards"] > before["target-0"], "no verify forward served both gateways"
     assert status["rows_per_verify_call"] > 1

@@ -12,6 +12,7 @@ import signal
 import time
 from collections.abc import Callable
 
+from tandem.core.gc_pause import freeze_loaded_heap
 from tandem.gateway.arms import ArmRouterFactory
 from tandem.gateway.handles import SessionStore
 from tandem.gateway.options import GatewayOptions, format_address, grpc_server_credentials
@@ -74,6 +75,8 @@ async def serve(load: Loader, options: GatewayOptions, sessions: SessionStore | 
     except Exception:
         await gateway.drain(0)
         raise
+    if serving:
+        freeze_loaded_heap()  # the engines and the gateway's own stack out of every later collection, once
     if serving and on_ready is not None:
         on_ready(time.monotonic() - started)
     await gateway.wait_closed()

@@ -35,7 +35,8 @@ def worker_health(workers: dict[str, dict[str, object]]) -> list[dict]:
                       rows_per_forward=round(info["rows_per_forward"], 3),
                       calls_per_forward=round(info["calls_per_forward"], 3),
                       evicted=info.get("evicted", 0),  # sequences freed for other callers' (workers.kv_order)
-                      weights=info.get("weights", ""))  # "" from a worker older than the field, mid-rollout
+                      weights=info.get("weights", ""),  # "" from a worker older than the field, mid-rollout
+                      gc_frozen_objects=info.get("gc_frozen_objects", 0))  # its loaded heap, out of collections
     return out
 
 

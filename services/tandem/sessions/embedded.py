@@ -178,11 +178,14 @@ class EmbeddedRedis:
         self._dir = tempfile.mkdtemp(prefix="tandem-redis-")
         log_path = Path(self._dir) / "redis.log"
         config = self._write_config(log_path)
-        # In a session of its own: a terminal's Ctrl-C (SIGINT to its whole process group) stops the gateway, which
-        # drains and then stops redis-server; were redis-server in the group, it would die first, under the drain.
+        # In a process group of its own: a terminal's Ctrl-C (SIGINT to its whole process group) stops the gateway,
+        # which drains and then stops redis-server; were redis-server in the group, it would die first, under the
+        # drain. Not in a session of its own: Linux schedules each session as a group (autogroup) at its own nice, so
+        # a gateway whose group an operator raised would leave its redis-server at nice 0, starved past clients'
+        # timeouts by the gateway's own threads.
         self._process = subprocess.Popen([*_die_with_starter(restart), binary, str(config)], stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=self._dir,
-                                         start_new_session=True)
+                                         process_group=0)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if ping(self.host, self.port, password=self.password):

@@ -7,6 +7,7 @@ torch and the model stack only where a worker loads its model (`load_runner`): a
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import threading
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tandem.core.gc_pause import freeze_loaded_heap
 from tandem.core.model_options import DEFAULT_RETAIN_TOKENS
 from tandem.core.protocol import KVCacheFull, KVUsage, StateLost, WorkerLoad
 from tandem.errors import RequestRefused, TandemError, WorkerStartFailed
@@ -47,6 +49,13 @@ def user_error(exc: BaseException) -> TandemError | None:
     if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, TandemError):
         return exc.cause
     return None
+
+
+def in_ray_actor() -> bool:
+    """Whether this code runs in a Ray actor's process (a worker tested in-process runs in the test's)."""
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 def get_started(refs, role: str):
@@ -160,6 +169,8 @@ class WorkerBase:
 
     def _hold(self, loaded: LoadedRunner) -> None:
         self.runner, self.threads, self.weights = loaded.runner, loaded.threads, loaded.weights
+        if in_ray_actor():  # a process of its own, loaded for good: its model and tokenizer out of every collection
+            freeze_loaded_heap()
 
     def serve_metrics(self, port: int = 0, host: str | None = None) -> str:
         """Serve this worker's Prometheus /metrics (also started at construction by TANDEM_WORKER_METRICS_PORT)."""
@@ -244,7 +255,8 @@ class WorkerBase:
                 "rows": self.batcher.stats.rows, "merged_forwards": self.batcher.stats.merged,
                 "busy_s": round(self.batcher.stats.busy_s, 3),
                 "rows_per_forward": self.batcher.stats.rows_per_forward(),
-                "calls_per_forward": self.batcher.stats.calls_per_forward(), "evicted": self.evicted}
+                "calls_per_forward": self.batcher.stats.calls_per_forward(), "evicted": self.evicted,
+                "gc_frozen_objects": gc.get_freeze_count()}
 
 
 MAX_CONCURRENT_CALLS = 64  # calls a worker holds at once (from every gateway and lane); they merge into forwards
