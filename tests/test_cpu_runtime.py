@@ -21,7 +21,7 @@ x86_linux = pytest.mark.skipif(sys.platform != "linux" or platform.machine() != 
                                reason="intel-openmp and the advice are for x86-64 Linux")
 PROBE = """
 import json, logging, torch
-logging.basicConfig(level=logging.WARNING)
+logging.basicConfig(level=logging.INFO)
 from tandem.core import cpu_attention, cpu_runtime
 torch.set_num_threads(2)
 torch.manual_seed(0)
@@ -72,7 +72,7 @@ def test_without_a_preload_a_process_is_told_what_to_preload() -> None:
     assert result["loaded"] == {"libiomp5": False, "tcmalloc": False} and not result["advised_ok"]
     (line,) = [line for line in stderr.splitlines() if "without libiomp5 and tcmalloc" in line]
     preload = cpu_runtime.suggested_preload()
-    assert line.startswith("WARNING:tandem.core.cpu_runtime") and (f"LD_PRELOAD={preload}" in line) == bool(preload)
+    assert line.startswith("INFO:tandem.core.cpu_runtime") and (f"LD_PRELOAD={preload}" in line) == bool(preload)
     for name, install in cpu_runtime.INSTALL.items():  # how to get what this machine lacks, and only that
         assert (install in line) == (name not in preload.replace("libtcmalloc", "tcmalloc"))
 
@@ -83,14 +83,14 @@ def test_the_advice_names_how_to_install_what_is_not_installed(tmp_path: Path, m
     monkeypatch.setattr(cpu_runtime, "loaded", lambda: {"libiomp5": False, "tcmalloc": True})
     cpu_runtime.advise.cache_clear()
     try:
-        with caplog.at_level("WARNING", logger="tandem.core.cpu_runtime"):
+        with caplog.at_level("INFO", logger="tandem.core.cpu_runtime"):
             assert cpu_runtime.advise() is (sys.platform != "linux" or platform.machine() != "x86_64")
     finally:
         cpu_runtime.advise.cache_clear()
     if sys.platform == "linux" and platform.machine() == "x86_64":
         (record,) = caplog.records
         assert "runs without libiomp5:" in record.getMessage() and "LD_PRELOAD" not in record.getMessage()
-        assert "`pip install '.[cpu]'` in tandem's checkout (intel-openmp) and preload it" in record.getMessage()
+        assert "install `pip install '.[cpu]'` in tandem's checkout (intel-openmp) to preload it" in record.getMessage()
 
 
 @x86_linux
@@ -152,3 +152,45 @@ def test_ray_workers_of_a_node_started_with_the_preload_run_on_it() -> None:
         shutil.rmtree(temp, ignore_errors=True)
     assert result["driver"] == {"libiomp5": False, "tcmalloc": False}
     assert result["actor"] == {"loaded": {"libiomp5": True, "tcmalloc": True}, "preload": preload}
+
+
+@x86_linux
+def test_the_environment_to_run_again_in_and_where_there_is_none(tmp_path: Path, monkeypatch) -> None:
+    """With TANDEM_PRELOAD=1 the `tandem` command runs itself again with the preload, never twice, never over an
+    operator's LD_PRELOAD, not on a machine with an NVIDIA driver, not where nothing is installed; unasked, never."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    monkeypatch.setattr(cpu_runtime.sys, "prefix", str(tmp_path))
+    monkeypatch.setattr(cpu_runtime, "TCMALLOC", (str(tmp_path / "missing.so"),))
+    monkeypatch.setattr(cpu_runtime, "NVIDIA_DRIVER", tmp_path / "nvidia")
+    env = {"PATH": "/bin", "TANDEM_PRELOAD": "1"}
+    again = cpu_runtime.preload_environment(env)
+    assert again == env | {"LD_PRELOAD": str(tmp_path / "lib" / "libiomp5.so")}
+    assert cpu_runtime.preload_environment(again) is None  # the process run again goes on
+    assert cpu_runtime.preload_environment(env | {"LD_PRELOAD": "/opt/jemalloc.so"}) is None
+    assert cpu_runtime.preload_environment({"PATH": "/bin"}) is None
+    assert cpu_runtime.preload_environment(env | {"TANDEM_PRELOAD": "0"}) is None
+    (tmp_path / "nvidia").mkdir()
+    assert cpu_runtime.preload_environment(env) is None
+    (tmp_path / "nvidia").rmdir()
+    (tmp_path / "lib" / "libiomp5.so").unlink()
+    assert cpu_runtime.preload_environment(env) is None
+
+
+def test_only_commands_that_run_models_here_run_again(monkeypatch) -> None:
+    """A command that loads no model (a client, `keys`, remote `generate --address`) is not run twice."""
+    from tandem.cli import main
+
+    ran: list[dict] = []
+    monkeypatch.setattr(main.os, "execve", lambda path, argv, env: ran.append(env))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setenv("TANDEM_PRELOAD", "1")
+    expected = cpu_runtime.preload_environment(os.environ) is not None
+    for words, again in ((["serve", "--in-process"], expected), (["generate", "hi"], expected),
+                         (["pools", "start"], expected), (["bench"], expected), (["--version"], False),
+                         (["generate", "hi", "--address", "h:1"], False), (["keys", "add"], False),
+                         (["gateway"], False), (["models", "list"], False)):
+        ran.clear()
+        main.relaunch_preloaded(words)
+        assert bool(ran) is again, words
+        assert all("LD_PRELOAD" in env for env in ran)

@@ -19,6 +19,7 @@ from tandem.cli.generate import add_generate_parser
 from tandem.cli.main import main
 from tandem.cli.remote import run_remote_generate
 from tandem.client import TandemClient
+from tandem.core import cpu_runtime
 from tandem.gateway.options import GatewayOptions
 from tandem.gateway.run import start_gateway
 from tandem.gateway.server import READINESS_SERVICE, SERVING
@@ -35,7 +36,8 @@ GRACE_SECONDS = 30
 
 @pytest.fixture(scope="module")
 def served(tiny_dirs):
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(SERVICES), os.environ.get("PYTHONPATH")]))}
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(SERVICES), os.environ.get("PYTHONPATH")])),
+                        "TANDEM_PRELOAD": "1"}  # where tcmalloc and intel-openmp are installed, served on them
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem", "serve", "--target", str(tiny_dirs.target), "--draft", str(tiny_dirs.draft),
          "--port", "0", "--dtype", "float32", "--threads", "1", "--grace", str(GRACE_SECONDS), "--kv-tokens",
@@ -119,6 +121,42 @@ def test_remote_errors_and_busy_port(served) -> None:
         asyncio.run(start_gateway(lambda: None, GatewayOptions(host=host, port=int(port))))
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process under `pid` (by /proc's parent ids): a local Ray's raylet and its workers under `tandem serve`."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(") ", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+    found, todo = [], [pid]
+    while todo:
+        above = todo.pop()
+        children = [child for child, parent in parents.items() if parent == above]
+        found += children
+        todo += children
+    return found
+
+
+def test_serve_runs_itself_again_on_the_cpu_preload_and_so_do_its_ray_workers(served) -> None:
+    """With TANDEM_PRELOAD=1 on x86-64 Linux with tcmalloc and intel-openmp installed (CI installs both), `tandem
+    serve` runs on them: the same process (exec) with LD_PRELOAD set, which the local Ray's workers inherit
+    (core.cpu_runtime)."""
+    proc, _ = served
+    environment = cpu_runtime.preload_environment(os.environ | {"TANDEM_PRELOAD": "1"})
+    preload = os.environ.get("LD_PRELOAD") or (environment or {}).get("LD_PRELOAD")
+    if not preload:
+        pytest.skip("no preload here: not x86-64 Linux, a GPU machine or neither library installed")
+    expected = {"libiomp5": "libiomp5" in preload, "tcmalloc": "libtcmalloc" in preload}
+    assert cpu_runtime.loaded(Path(f"/proc/{proc.pid}/maps").read_text()) == expected
+    workers = [pid for pid in _descendants(proc.pid)
+               if Path(f"/proc/{pid}/cmdline").read_bytes().startswith((b"ray::DraftWorker", b"ray::TargetWorker"))]
+    assert len(workers) == 2, workers
+    for pid in workers:
+        assert cpu_runtime.loaded(Path(f"/proc/{pid}/maps").read_text()) == expected
+
+
 def test_sigterm_drains_and_exits_cleanly(served) -> None:
     proc, address = served
     with TandemClient(address, timeout=30) as client:
@@ -151,4 +189,5 @@ def test_a_gateway_refuses_a_draft_timeout_that_would_turn_speculation_off(secon
     assert main(["gateway", "--pools", "p", "--draft-timeout", seconds]) == 2
     error = capsys.readouterr().err.strip()
     assert error == f"error: --draft-timeout: must be more than 0 seconds, got {float(seconds)}"
+
 

@@ -28,15 +28,18 @@ class Command:
     adder: str  # the module's function that adds the command's parser to the sub-command action
     help: str  # its line in `tandem --help`, and the description atop `tandem <name> --help`
     extra: str = "server"  # the install it needs: pyproject.toml's extra of that name
+    runs_models: bool = False  # loads models in this process or in a local Ray's workers (TANDEM_PRELOAD applies)
 
 
 COMMANDS = (
     Command("models", "models", "add_models_parser", "pull, list and make models"),
-    Command("generate", "generate", "add_generate_parser", "generate text for one prompt"),
-    Command("bench", "bench", "add_bench_parser", "benchmark plain, HF assisted and tandem decoding"),
+    Command("generate", "generate", "add_generate_parser", "generate text for one prompt", runs_models=True),
+    Command("bench", "bench", "add_bench_parser", "benchmark plain, HF assisted and tandem decoding",
+            runs_models=True),
     Command("serve", "serve", "add_serve_parser",
-            "serve the gRPC and OpenAI HTTP APIs: gateway, Ray draft and target workers, Redis"),
-    Command("pools", "pools", "add_pools_parser", "shared draft and target worker pools on a Ray cluster"),
+            "serve the gRPC and OpenAI HTTP APIs: gateway, Ray draft and target workers, Redis", runs_models=True),
+    Command("pools", "pools", "add_pools_parser", "shared draft and target worker pools on a Ray cluster",
+            runs_models=True),
     Command("gateway", "gateway", "add_gateway_parser",
             "serve the gRPC and OpenAI HTTP APIs over shared pools (`tandem pools start`)", extra="gateway"),
     Command("canary", "canary", "add_canary_parser", "show and steer the canary arms shared by the gateways"),
@@ -149,6 +152,7 @@ def _message(exc: TandemError) -> str:
 
 def run() -> int:
     """The `tandem` command's entry (main() is for callers in a process that goes on, such as tests)."""
+    relaunch_preloaded(sys.argv[1:])
     code = main()
     loading = sys.modules.get("tandem.gateway.loading")
     if loading is not None and loading.loader_running():
@@ -160,6 +164,22 @@ def run() -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def relaunch_preloaded(words: list[str]) -> None:
+    """With TANDEM_PRELOAD=1, run this command again, the same process (exec), with tcmalloc and Intel's OpenMP
+    runtime preloaded where it runs models on a CPU (core.cpu_runtime.preload_environment says where): torch picks its
+    OpenMP runtime and allocator as it loads, so only a process started with them has them. A remote `generate
+    --address` runs none."""
+    command = next((word for word in words if not word.startswith("-")), None)
+    if not any(c.name == command and c.runs_models for c in COMMANDS) or "--address" in words:
+        return
+    from tandem.core.cpu_runtime import preload_environment
+
+    if (env := preload_environment(os.environ)) is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, sys.orig_argv, env)
 
 
 def main(argv: list[str] | None = None) -> int:
