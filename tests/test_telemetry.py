@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import platform
+
 import grpc
 import pytest
 from opentelemetry import trace
@@ -86,6 +89,23 @@ def test_metrics_endpoint_carries_genai_and_spec_metrics(server) -> None:
     assert value(families, "tandem_gateway_queue_depth") == 0 and value(families, "tandem_gateway_active_requests") == 0
     assert value(families, "tandem_worker_healthy", tandem_worker_role="draft", tandem_worker_index=0) == 1
     assert value(families, "tandem_worker_healthy", tandem_worker_role="target", tandem_worker_index=0) == 1
+
+
+def test_metrics_carry_the_process_and_its_garbage_collectors_pauses(server) -> None:
+    """The families any Python server's /metrics has (prometheus_client's defaults), and the cyclic collector's
+    pauses by generation: a full collection in this (the gateway's) process shows in the next scrape."""
+    before = scrape(server.gateway.metrics_url)
+    gc.collect()
+    families = scrape(server.gateway.metrics_url)
+    assert value(families, "process_resident_memory_bytes") > 0 and value(families, "process_open_fds") > 0
+    assert value(families, "python_info", implementation=platform.python_implementation()) == 1
+    assert value(families, "python_gc_collections_total", generation=2) > value(before, "python_gc_collections_total",
+                                                                                  generation=2)
+    full = {"cpython_gc_generation": 2}
+    assert value(families, "tandem_process_gc_pause_seconds_total", **full) > value(
+        before, "tandem_process_gc_pause_seconds_total", **full)
+    assert 0 < value(families, "tandem_process_gc_longest_pause_seconds", **full) <= value(
+        families, "tandem_process_gc_pause_seconds_total", **full)
 
 
 def test_metrics_carry_the_in_process_models_kv_tokens(server) -> None:
@@ -286,6 +306,7 @@ def test_a_workers_metrics_listen_where_its_environment_says(monkeypatch) -> Non
     try:
         assert telemetry.metrics_url.startswith("http://127.0.0.2:")
         served = scrape(telemetry.metrics_url)  # served there: no call counted yet, the event counters at 0
-        assert [count for family in served.values() for name, _, count in family if name.endswith("_total")] == [0, 0]
+        assert [count for family in served.values() for name, _, count in family  # the process's own aside
+                if name.startswith("tandem_worker_") and name.endswith("_total")] == [0, 0]
     finally:
         telemetry.metrics.endpoint.close()

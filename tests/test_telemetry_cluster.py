@@ -87,6 +87,8 @@ def test_gateway_and_worker_metrics_endpoints(cluster) -> None:
         assert 0 < kv["used"] <= kv["reserved"] <= KV_TOKENS
         assert value(families, "tandem_kv_shared_tokens_total", tandem_worker_role=role,
                      tandem_worker_name=info["name"]) == info["shared_tokens"], role
+        assert value(families, "process_resident_memory_bytes") > 0, role  # each process's own families
+        assert "tandem_process_gc_pause_seconds" in families, role  # a frozen heap's full collections are rare
     gateway = scrape(server.gateway.metrics_url)
     assert value(gateway, "tandem_worker_healthy", tandem_worker_role="draft", tandem_worker_index=0) == 1
     assert value(gateway, "tandem_worker_healthy", tandem_worker_role="target", tandem_worker_index=0) == 1

@@ -1,6 +1,7 @@
 """A Prometheus endpoint for a MeterProvider's instruments, as the gateway and each Ray worker serve one.
 
-Each Endpoint owns its MeterProvider and Prometheus registry, so several can live in one process (tests). Observable
+Each Endpoint owns its MeterProvider and Prometheus registry, so several can live in one process (tests); each also
+serves its process's own families (telemetry.process). Observable
 instruments read their values at scrape time through `_gauge`, which lets a scrape that races a shutdown pass.
 """
 
@@ -15,6 +16,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from prometheus_client import CollectorRegistry, start_http_server
 
+from tandem.telemetry.process import observe_process
 from tandem.telemetry.tracing import resource_for
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class Endpoint:
         reader = PrometheusMetricReader(scope_info_enabled=False, registry=self.registry)
         self.provider = MeterProvider(metric_readers=[reader], resource=resource_for(service_name))
         self.meter = self.provider.get_meter("tandem")
+        observe_process(self.registry, self.meter)
         self.host = host
         self.server, self.port = serve_registry(self.registry, host, ports)
 
