@@ -10,9 +10,9 @@ Such stretches can overlap on several threads (a gateway's loader beside an engi
 the collector runs again when the last holder leaves, and only if it ran before the first came.
 
 Once a serving process has loaded, `freeze_loaded_heap` takes what it loaded out of every later collection: a full
-collection in an in-process gateway holding the real pair walked ~490k objects for 0.25 s, holding the GIL (the
-event loop and the engine thread with it); after the freeze it took 34 us (docs/performance.md, "The loaded heap out
-of the collector's way").
+collection of the engines an in-process gateway holds (the real pair, ~450k objects) took 0.31-0.35 s, holding the
+GIL (the event loop and the engine thread with it); after the freeze 3-7 us (docs/performance.md, "The loaded heap
+out of the collector's way").
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A Prometheus endpoint for a MeterProvider's instruments, as the gateway and each Ray worker serve one.
 
 Each Endpoint owns its MeterProvider and Prometheus registry, so several can live in one process (tests); each also
-serves its process's own families (telemetry.process). Observable
-instruments read their values at scrape time through `_gauge`, which lets a scrape that races a shutdown pass.
+serves its process's own families (telemetry.process). Observable instruments read their values at scrape time
+through `_gauge`, which lets a scrape that races a shutdown pass.
 """
 
 from __future__ import annotations
