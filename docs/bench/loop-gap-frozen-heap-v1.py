@@ -14,21 +14,13 @@ import argparse
 import gc
 import importlib.util
 import json
-import tempfile
 from pathlib import Path
-
-import torch
 
 _spec = importlib.util.spec_from_file_location("loop_gap", Path(__file__).with_name("loop-gap-whole-response-v1.py"))
 loop_gap = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(loop_gap)  # its request, its health loop (and the tests' harness on the path)
+_spec.loader.exec_module(loop_gap)  # its request, its served tiny pair, its health loop
 
-from gateway_harness import ServerThread  # noqa: E402
-from hardening_harness import named_loader  # noqa: E402
 from tandem.core.gc_pause import freeze_loaded_heap  # noqa: E402
-from tandem.gateway.validate import GatewayLimits  # noqa: E402
-from tandem.models.loader import load_model  # noqa: E402
-from tandem.models.tiny import make_tiny  # noqa: E402
 
 ARMS = ("heap as loaded", "heap frozen")
 
@@ -39,23 +31,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args()
     results: dict[str, list] = {arm: [] for arm in ARMS}
-    with tempfile.TemporaryDirectory() as scratch:
-        tiny = make_tiny(Path(scratch) / "tiny", seed=0)
-        target, draft = (load_model(str(path), device=torch.device("cpu"), dtype=torch.float32, progress=False)
-                         for path in (tiny.target, tiny.draft))
-        server = ServerThread(named_loader(target, draft, "tiny-target"), http_port=0,
-                              limits=GatewayLimits(max_prompt_tokens=4000))
-        try:
-            collections = loop_gap.Collections()
-            loop_gap.one(server, collections)  # warm-up
-            for repeat in range(args.repeats):
-                for arm in ARMS if repeat % 2 == 0 else ARMS[::-1]:
-                    frozen = freeze_loaded_heap() if arm == "heap frozen" else 0
-                    results[arm].append((*loop_gap.one(server, collections), frozen))
-                    gc.unfreeze()
-                    print(arm, results[arm][-1], flush=True)
-        finally:
-            server.stop()
+    with loop_gap.tiny_server() as (server, collections):
+        for repeat in range(args.repeats):
+            for arm in ARMS if repeat % 2 == 0 else ARMS[::-1]:
+                frozen = freeze_loaded_heap() if arm == "heap frozen" else 0
+                results[arm].append((*loop_gap.one(server, collections), frozen))
+                gc.unfreeze()
+                print(arm, results[arm][-1], flush=True)
     summary = {arm: {"longest_gap_s": max(run[0] for run in runs),
                      "median_longest_gap_s": sorted(run[0] for run in runs)[len(runs) // 2],
                      "runs_with_a_collection_over_30ms": sum(bool(run[2]) for run in runs),

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the gateway harness
@@ -78,12 +79,9 @@ def one(server: ServerThread, collections: Collections) -> tuple[float, float, l
     return round(longest, 3), round(seconds, 2), list(collections.seen)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    results: dict[str, list] = {arm: [] for arm in ARMS}
+@contextlib.contextmanager
+def tiny_server() -> Iterator[tuple[ServerThread, Collections]]:
+    """A gateway over the tiny pair in this process, the collector's long runs watched, one warm-up request made."""
     with tempfile.TemporaryDirectory() as scratch:
         tiny = make_tiny(Path(scratch) / "tiny", seed=0)
         target, draft = (load_model(str(path), device=torch.device("cpu"), dtype=torch.float32, progress=False)
@@ -93,13 +91,23 @@ def main() -> None:
         try:
             collections = Collections()
             one(server, collections)  # warm-up
-            for repeat in range(args.repeats):
-                for arm in (list(ARMS) if repeat % 2 == 0 else list(reversed(ARMS))):
-                    prompt_logprobs.collector_paused, delivery.json_in_parts = ARMS[arm]
-                    results[arm].append(one(server, collections))
-                    print(arm, results[arm][-1], flush=True)
+            yield server, collections
         finally:
             server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    results: dict[str, list] = {arm: [] for arm in ARMS}
+    with tiny_server() as (server, collections):
+        for repeat in range(args.repeats):
+            for arm in (list(ARMS) if repeat % 2 == 0 else list(reversed(ARMS))):
+                prompt_logprobs.collector_paused, delivery.json_in_parts = ARMS[arm]
+                results[arm].append(one(server, collections))
+                print(arm, results[arm][-1], flush=True)
     summary = {arm: {"longest_gap_s": max(run[0] for run in runs),
                      "median_longest_gap_s": sorted(run[0] for run in runs)[len(runs) // 2],
                      "median_request_s": sorted(run[1] for run in runs)[len(runs) // 2], "runs": runs}
