@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 
 from tandem.cli.generate import add_generate_parser
@@ -121,24 +122,6 @@ def test_remote_errors_and_busy_port(served) -> None:
         asyncio.run(start_gateway(lambda: None, GatewayOptions(host=host, port=int(port))))
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process under `pid` (by /proc's parent ids): a local Ray's raylet and its workers under `tandem serve`."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(") ", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):  # gone meanwhile
-                continue
-    found, todo = [], [pid]
-    while todo:
-        above = todo.pop()
-        children = [child for child, parent in parents.items() if parent == above]
-        found += children
-        todo += children
-    return found
-
-
 def test_serve_runs_itself_again_on_the_cpu_preload_and_so_do_its_ray_workers(served) -> None:
     """With TANDEM_PRELOAD=1 on x86-64 Linux with tcmalloc and intel-openmp installed (CI installs both), `tandem
     serve` runs on them: the same process (exec) with LD_PRELOAD set, which the local Ray's workers inherit
@@ -150,8 +133,9 @@ def test_serve_runs_itself_again_on_the_cpu_preload_and_so_do_its_ray_workers(se
         pytest.skip("no preload here: not x86-64 Linux, a GPU machine or neither library installed")
     expected = {"libiomp5": "libiomp5" in preload, "tcmalloc": "libtcmalloc" in preload}
     assert cpu_runtime.loaded(Path(f"/proc/{proc.pid}/maps").read_text()) == expected
-    workers = [pid for pid in _descendants(proc.pid)
-               if Path(f"/proc/{pid}/cmdline").read_bytes().startswith((b"ray::DraftWorker", b"ray::TargetWorker"))]
+    actors = (b"ray::DraftWorker", b"ray::TargetWorker")
+    workers = [child.pid for child in psutil.Process(proc.pid).children(recursive=True)  # under its local Ray
+               if Path(f"/proc/{child.pid}/cmdline").read_bytes().startswith(actors)]
     assert len(workers) == 2, workers
     for pid in workers:
         assert cpu_runtime.loaded(Path(f"/proc/{pid}/maps").read_text()) == expected
