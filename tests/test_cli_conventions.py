@@ -111,8 +111,11 @@ def test_every_parser_shows_each_default_once() -> None:
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["serve", "--port", "70000"], "error: --port: must be between 0 and 65535, got 70000"),
-    (["serve", "--grace", "-1"], "error: --grace: must be non-negative; --stall-timeout: must be positive"),
+    (["serve", "--grace", "-1"], "error: --grace: must be non-negative, got -1"),
+    (["serve", "--stall-timeout", "0"], "error: --stall-timeout: must be positive, got 0"),
     (["serve", "--http-port", "-2"], "error: --http-port: must be between -1 (off) and 65535"),
+    (["serve", "--in-process", "--dtype", "int8"], "error: --dtype: unknown dtype 'int8' (use auto, bf16, "),
+    (["serve", "--device", "mps"], "error: --device: unknown device 'mps' (use auto, cpu, cuda or cuda:N)"),
     (["bench", "--max-tokens", "0"], "error: --max-tokens: must be at least 1, got 0"),
     (["pools", "start", "--name", "p", "--batch-window-ms", "-1"], "error: --batch-window-ms: must be non-negative"),
     # a field that no flag of `tandem serve` sets keeps its name

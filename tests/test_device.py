@@ -61,6 +61,11 @@ def test_cli_reports_an_unusable_cuda_device_before_loading_models(capsys, tiny_
     assert code == 2
     err = capsys.readouterr().err
     assert "error: --device: 'cuda:5' requested, but " in err and "Traceback" not in err
+    # serving its models itself, `tandem serve` says so before it starts serving anything
+    code = main(["serve", "--in-process", "--target", str(tiny_dirs.target), "--no-spec", "--device", "cuda:5",
+                 "--port", "0", "--http-port", "-1", "--metrics-port", "-1"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "error: --device: 'cuda:5' requested, but " in err and "serving" not in out + err
 
 
 class FakeCuda:

@@ -141,6 +141,25 @@ def test_keys_file_and_cli(tmp_path, capsys) -> None:
         ApiKeys.load(path)
 
 
+def test_a_key_or_tenant_meaning_two_things_is_refused_at_load_and_at_create(tmp_path, capsys) -> None:
+    path = tmp_path / "keys.jsonl"
+    for _ in range(2):  # a tenant's second key (a rotation), with its terms
+        assert main(["keys", "create", "--tenant", "team-1", "--file", str(path), "--max-concurrency", "3"]) == 0
+    capsys.readouterr()
+    assert main(["keys", "create", "--tenant", "team-1", "--file", str(path)]) == 2  # no cap: another tenant's terms
+    assert "max_concurrency 3 and priority 0" in capsys.readouterr().err
+    assert len(path.read_text().splitlines()) == 2 and len(ApiKeys.load(path)) == 2
+    first, _ = path.read_text().splitlines()
+    renamed = json.dumps({**json.loads(first), "tenant": "team-2"})
+    (tmp_path / "twice.jsonl").write_text(f"{first}\n{renamed}\n")  # one key for two tenants: order would decide
+    with pytest.raises(InvalidArgument, match="line 2: this key is already listed, for tenant 'team-1'"):
+        ApiKeys.load(tmp_path / "twice.jsonl")
+    other = json.dumps({"sha256": "0" * 64, "tenant": "team-1", "priority": 5})
+    (tmp_path / "terms.jsonl").write_text(f"{first}\n{other}\n")
+    with pytest.raises(InvalidArgument, match="line 2: tenant 'team-1' is listed before with max_concurrency 3"):
+        ApiKeys.load(tmp_path / "terms.jsonl")
+
+
 def test_serve_refuses_an_open_host_without_keys(tmp_path) -> None:
     parser = build_parser()
     keys = tmp_path / "keys.jsonl"

@@ -137,6 +137,10 @@ def run_serve(args: argparse.Namespace) -> int:
     build = build_options(args, config, canary)
     announce_compile(args)
     pools = isinstance(build.placement, ClusterOptions)
+    if not pools and args.device.startswith("cuda"):
+        from tandem.core.device import select_device
+
+        select_device(args.device)  # CudaUnavailable says why, before the gateway announces what it will serve
     if pools:
         from tandem.core.kv_cache import HOST_WORKERS_ENV
         from tandem.engines.cluster import joined_ray, start_ray

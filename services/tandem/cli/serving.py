@@ -121,8 +121,10 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         raise InvalidArgument(f"max_queue: must be at least 1, got {args.max_queue}")
     if args.lanes < 1:
         raise InvalidArgument(f"lanes: must be at least 1, got {args.lanes}")
-    if args.grace < 0 or args.stall_timeout <= 0:
-        raise InvalidArgument("grace: must be non-negative; stall_timeout: must be positive")
+    if args.grace < 0:
+        raise InvalidArgument(f"grace: must be non-negative, got {args.grace}")
+    if args.stall_timeout <= 0:
+        raise InvalidArgument(f"stall_timeout: must be positive, got {args.stall_timeout}")
     try:
         limits = GatewayLimits(max_tokens=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
                                max_prompt_tokens=args.max_prompt_tokens)

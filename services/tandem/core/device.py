@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
+from tandem.core.model_options import DTYPE_NAMES
 from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64}
+DTYPES = {name: getattr(torch, attribute) for name, attribute in DTYPE_NAMES.items()}
 
 # The oldest Linux driver a CUDA major's runtime runs on (NVIDIA's minor-version compatibility: 12.x from r525,
 # 13.x from r580, the 13.0 GA driver's number). What to ask for when the driver is too old for this torch.

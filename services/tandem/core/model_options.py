@@ -5,12 +5,27 @@ vocabulary a drafter scores.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from tandem.errors import InvalidArgument
 
 if TYPE_CHECKING:  # the CLI reads this module on installs without torch (the client's)
     import torch
+
+# The dtypes a model may be loaded in, by the names --dtype takes, as torch's attribute names (core.device.DTYPES).
+DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+               "float32": "float32", "fp32": "float32", "float64": "float64"}
+DEVICE_NAME = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def check_device_and_dtype(device: str, dtype: str) -> None:
+    """The names alone, checked where the options are given, before anything loads (core.device resolves them)."""
+    if not DEVICE_NAME.match(device):
+        raise InvalidArgument(f"device: unknown device {device!r} (use auto, cpu, cuda or cuda:N)")
+    if dtype != "auto" and dtype not in DTYPE_NAMES:
+        raise InvalidArgument(f"dtype: unknown dtype {dtype!r} (use auto, {', '.join(sorted(DTYPE_NAMES))})")
+
 
 # How a draft model's linear weights are held: "int8" weights with activations in the model's dtype
 # (core.int8_linear), "w8a8" int8 weights and activations quantized per row on a CPU (core.w8a8_linear), "w4" those

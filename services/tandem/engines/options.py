@@ -9,6 +9,7 @@ from tandem.core.model_options import (
     DEFAULT_DRAFT_QUANTIZATION,
     DEFAULT_RETAIN_TOKENS,
     QUANTIZATIONS,
+    check_device_and_dtype,
     check_model_mode,
     check_retain_tokens,
     compile_scope,
@@ -21,6 +22,7 @@ def _check_models(options: LocalOptions | ClusterOptions) -> None:
     if options.draft_quantization not in QUANTIZATIONS:
         raise InvalidArgument(f"draft_quantization: one of {', '.join(QUANTIZATIONS)}, "
                               f"got {options.draft_quantization!r}")
+    check_device_and_dtype(options.device, options.dtype)
     check_model_mode(options.eager, options.compile)
     check_retain_tokens(options.retain_tokens)
     object.__setattr__(options, "compile", compile_scope(options.compile))  # True/False given: "all"/"none"

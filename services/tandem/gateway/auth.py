@@ -59,19 +59,7 @@ class ApiKeys:
     @classmethod
     def load(cls, path: str | os.PathLike) -> ApiKeys:
         """Read a keys file; a malformed line is an InvalidArgument naming the file and line."""
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise InvalidArgument(f"api_keys: cannot read {path}: {exc.strerror or exc}") from exc
-        entries: dict[str, Tenant] = {}
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip() or line.lstrip().startswith("#"):
-                continue
-            try:
-                digest, tenant = _parse_entry(json.loads(line))
-            except (ValueError, TypeError, InvalidArgument) as exc:
-                raise InvalidArgument(f"api_keys: {path} line {number}: {exc}") from exc
-            entries[digest] = tenant
+        entries = _read_entries(path)
         if not entries:
             raise InvalidArgument(f"api_keys: {path} holds no keys (`tandem keys create` adds one)")
         return cls(entries)
@@ -81,7 +69,7 @@ class ApiKeys:
 
     @property
     def tenants(self) -> dict[str, Tenant]:
-        """Tenant name -> Tenant (a tenant with several keys: the last entry's cap and priority)."""
+        """Tenant name -> Tenant (each of a tenant's keys carries the same cap and priority: load checks)."""
         return {tenant.name: tenant for _, tenant in self._entries.values()}
 
     def authenticate(self, key: str) -> Tenant | None:
@@ -126,6 +114,37 @@ def _parse_entry(data: object) -> tuple[str, Tenant]:
     return digest, Tenant(name, cap, priority)
 
 
+def _read_entries(path: str | os.PathLike) -> dict[str, Tenant]:
+    """A keys file's entries, sha256 hex -> Tenant, each line checked; an InvalidArgument names the file and line."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise InvalidArgument(f"api_keys: cannot read {path}: {exc.strerror or exc}") from exc
+    entries: dict[str, Tenant] = {}
+    tenants: dict[str, Tenant] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            digest, tenant = _parse_entry(json.loads(line))
+        except (ValueError, TypeError, InvalidArgument) as exc:
+            raise InvalidArgument(f"api_keys: {path} line {number}: {exc}") from exc
+        # What a key or a tenant stands for must not rest on the order of lines: one key listed twice, or one
+        # tenant's keys giving it two caps or priorities, is refused.
+        if digest in entries:
+            raise InvalidArgument(f"api_keys: {path} line {number}: this key is already listed, for tenant "
+                                  f"{entries[digest].name!r}")
+        if (known := tenants.setdefault(tenant.name, tenant)) != tenant:
+            raise InvalidArgument(f"api_keys: {path} line {number}: tenant {tenant.name!r} is listed before with "
+                                  f"{_settings(known)}; give each of its keys the same")
+        entries[digest] = tenant
+    return entries
+
+
+def _settings(tenant: Tenant) -> str:
+    return f"max_concurrency {tenant.max_concurrency} and priority {tenant.priority}"
+
+
 def create_key(path: str | os.PathLike, tenant: str, max_concurrency: int | None = None, priority: int = 0) -> str:
     """Append a new key's hash for `tenant` to the keys file (created 0600 if missing) and return the key."""
     check_tenant_name(tenant)
@@ -133,6 +152,11 @@ def create_key(path: str | os.PathLike, tenant: str, max_concurrency: int | None
         raise InvalidArgument(f"max_concurrency: must be at least 1, got {max_concurrency}")
     if not 0 <= priority <= MAX_PRIORITY:
         raise InvalidArgument(f"priority: must be from 0 to {MAX_PRIORITY}, got {priority}")
+    if os.path.exists(path):  # a tenant's new key (a rotation) carries the cap and priority its others carry
+        known = {tenant.name: tenant for tenant in _read_entries(path).values()}.get(tenant)
+        if known is not None and known != Tenant(tenant, max_concurrency, priority):
+            raise InvalidArgument(f"tenant: {tenant!r} has keys in {path} with {_settings(known)}; a new key for it "
+                                  "must carry the same (edit the file to change them)")
     key = "tk-" + secrets.token_urlsafe(KEY_BYTES)
     entry: dict = {"sha256": key_hash(key), "tenant": tenant}
     if max_concurrency is not None:
