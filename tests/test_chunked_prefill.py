@@ -167,3 +167,63 @@ def test_sampled_newcomer_prefilled_in_chunks_keeps_its_seeded_tokens(tiny_model
         engine.step()
     assert (short.output, long.output) == (want_short, want_long)
     assert short.stats.accepted > 0
+
+
+def _cached(engine, seq) -> int:
+    return engine.verifier.runner.states[seq.request_id].cached
+
+
+def test_a_long_prompt_alone_is_prefilled_in_steps_of_max_prefill_tokens(tiny_models, expected) -> None:
+    """Nothing else runs, yet a prompt longer than max_prefill_tokens is cached that many tokens a step, so steps
+    end often enough for a request arriving meanwhile to join and an abort to land. Same tokens."""
+    target, draft, _ = tiny_models
+    engine = build_engine(target, draft, EngineConfig(spec=FIXED_K, calibrate=False, prefill_chunk=16,
+                                                      max_prefill_tokens=40))
+    long = engine.sequences[engine.add_request(LONG, GREEDY)]
+    cached = []
+    while not long.output:
+        engine.step()
+        cached.append(_cached(engine, long))
+    assert cached == [40, 80, 120, 150]  # three chunks of 40, then the last 30 in its first round
+    while engine.has_unfinished():
+        engine.step()
+    assert long.output == expected["long"]
+
+
+def test_a_request_arriving_during_a_long_prefill_gets_its_first_token_in_the_next_step(tiny_models,
+                                                                                       expected) -> None:
+    """The newcomer's prompt is prefilled whole in the next step, beside one prefill_chunk of the long prompt (not
+    another max_prefill_tokens of it); then it decodes while the long prompt goes on a prefill_chunk a step."""
+    target, draft, _ = tiny_models
+    engine = build_engine(target, draft, EngineConfig(spec=FIXED_K, calibrate=False, prefill_chunk=16,
+                                                      max_prefill_tokens=40))
+    long = engine.sequences[engine.add_request(LONG, GREEDY)]
+    engine.step()
+    short = engine.sequences[engine.add_request(SHORT, LONGER)]
+    engine.step()
+    assert short.output and _cached(engine, long) == 56
+    cached = []
+    while not long.output:
+        engine.step()
+        cached.append(_cached(engine, long))
+    assert cached == [72, 88, 104, 120, 136, 150]
+    while engine.has_unfinished():
+        engine.step()
+    assert (short.output, long.output) == (expected["short"], expected["long"])
+
+
+def test_long_prompts_arriving_together_still_share_their_prefix(tiny_models) -> None:
+    """Every row capped, none waits on the step: the first computes the prefix they share and the others copy it,
+    as uncapped prompts arriving together do (a request's n choices, a burst with one long system prompt)."""
+    target, draft, _ = tiny_models
+    prompts = [LONG + [20 + i, 30 + i] for i in range(3)]
+    plain = build_engine(target, None, EngineConfig(calibrate=False, max_prefill_tokens=0))
+    want = [plain.generate([prompt], GREEDY)[0].token_ids for prompt in prompts]
+    engine = build_engine(target, draft, EngineConfig(spec=FIXED_K, calibrate=False, max_prefill_tokens=40))
+    seqs = [engine.sequences[engine.add_request(prompt, GREEDY)] for prompt in prompts]
+    engine.step()
+    assert all(seq.output for seq in seqs)  # the shared 150 tokens copied, each row's 1 more within its cap
+    assert engine.verifier.runner.shared_tokens == 2 * len(LONG)
+    while engine.has_unfinished():
+        engine.step()
+    assert [seq.output for seq in seqs] == want

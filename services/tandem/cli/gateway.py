@@ -43,7 +43,8 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     def load():
         return attach_backend(args.pools, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
-                              draft_timeout_s=args.draft_timeout, stop=stop, lanes=args.lanes)
+                              max_prefill_tokens=args.max_prefill_tokens, draft_timeout_s=args.draft_timeout,
+                              stop=stop, lanes=args.lanes)
 
     try:
         return serve_gateway(args, load, options, None, exporters, model=f"pools {args.pools}")

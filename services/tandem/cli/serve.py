@@ -126,7 +126,7 @@ def _announce_worker_metrics(backend: Backend) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     config = dataclasses.replace(engine_config(args, not args.no_spec), max_batch=args.max_batch,
-                                 prefill_chunk=args.prefill_chunk)
+                                 prefill_chunk=args.prefill_chunk, max_prefill_tokens=args.max_prefill_tokens)
     options = gateway_options(args)
     kv_tokens(args)  # checked before anything starts
     session_store_url(args)  # ... and the Redis password file and CA

@@ -57,8 +57,12 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                              "(a lane takes requests once the lanes before it run --max-batch; not with --in-process "
                              "or with --tp > 1 under tandem serve; default: %(default)s)")
     parser.add_argument("--prefill-chunk", type=int, default=EngineConfig().prefill_chunk,
-                        help="while others decode, prefill a new prompt at most this many tokens per step "
-                             "(0: a prompt at once; default: %(default)s)")
+                        help="while others decode or start, prefill a longer prompt at most this many tokens per "
+                             "step (0: a prompt at once; default: %(default)s)")
+    parser.add_argument("--max-prefill-tokens", type=int, default=EngineConfig().max_prefill_tokens, metavar="N",
+                        help="prefill at most N tokens of a prompt per step even when nothing else runs, so a "
+                             "request arriving during a long prompt's prefill (or an abort) waits one such chunk, "
+                             "not the whole prompt (0: no cap; default: %(default)s)")
     parser.add_argument("--max-tokens-limit", type=int, default=GatewayLimits().max_tokens,
                         help="largest max_tokens a request may ask for (default: %(default)s)")
     parser.add_argument("--default-max-tokens", type=int, default=GatewayLimits().default_max_tokens,

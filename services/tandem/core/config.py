@@ -256,9 +256,12 @@ class SpecConfig:
 
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
-    """prefill_chunk: while other sequences are decoding, a new prompt is prefilled at most this many tokens per
-    step (chunked prefill), so a long prompt delays their next tokens by one chunk at a time rather than by its
-    whole prefill at once; 0 prefills a prompt in one step.
+    """prefill_chunk: while other sequences wait on a step for their next token (decoding, or new prompts prefilled
+    whole), a longer prompt is prefilled at most this many tokens per step (chunked prefill), so it delays their next
+    tokens by one chunk at a time rather than by its whole prefill at once; 0 prefills a prompt in one step.
+    max_prefill_tokens: with none waiting, a prompt longer than this is still prefilled this many tokens a step, so
+    the engine's steps end at least that often: a request arriving meanwhile joins within one such chunk (before, a
+    5390-token prompt held a 3-token request 70-99 s on a 2-core CPU) and an abort lands there; 0: no cap.
     decode_steps: a step in which no row drafts decodes up to this many tokens a row in one call to the verifier,
     each forward fed the one before's choices on the device, so the host neither waits for the model between them
     nor makes a round trip to a worker per token (multi-step decoding). Tokens stream in blocks of that many, and a
@@ -268,11 +271,13 @@ class EngineConfig:
     max_batch: int = 16
     calibrate: bool = True
     prefill_chunk: int = 64
+    max_prefill_tokens: int = 512
     decode_steps: int = 1
 
     def __post_init__(self) -> None:
         _require(1 <= self.max_batch <= 1024, "max_batch", "must be between 1 and 1024")
         _require(self.prefill_chunk >= 0, "prefill_chunk", "must be non-negative (0 prefills a prompt at once)")
+        _require(self.max_prefill_tokens >= 0, "max_prefill_tokens", "must be non-negative (0: no cap)")
         _require(1 <= self.decode_steps <= MAX_DECODE_STEPS, "decode_steps",
                  f"must be between 1 and {MAX_DECODE_STEPS}")
 

@@ -152,11 +152,21 @@ class SpeculativeEngine:
         seq.prefill_started = False
 
     def _prefill_limits(self, batch: list[Sequence]) -> list[int]:
-        """Per sequence, the most uncached tokens its verifier may prefill this step (0: all). Only while another
-        sequence is decoding (its next token waits for this step) is a new prompt cut into chunks."""
-        chunk = self.config.prefill_chunk
-        decoding = chunk > 0 and any(seq.output for seq in batch)
-        return [chunk if decoding and seq.prefilling(chunk) and not seq.scores_prompt else 0 for seq in batch]
+        """Per sequence, the most uncached tokens its verifier may prefill this step (0: all). While another sequence
+        waits on this step for its next token (one decoding, or a new prompt prefilled whole), a longer prompt is cut
+        into chunks of prefill_chunk; with none waiting, a prompt longer than max_prefill_tokens into chunks of that
+        many, so steps end often enough for arrivals and aborts. A prompt whose tokens are scored goes in whole."""
+        chunk, most = self.config.prefill_chunk, self.config.max_prefill_tokens
+        long = [most > 0 and seq.prefilling(most) and not seq.scores_prompt for seq in batch]
+        decoding = any(seq.output for seq in batch)
+        waiting = decoding or any(not seq.output and not is_long for seq, is_long in zip(batch, long, strict=True))
+        limits = []
+        for seq, is_long in zip(batch, long, strict=True):
+            if chunk and waiting and (decoding or is_long) and seq.prefilling(chunk) and not seq.scores_prompt:
+                limits.append(chunk)
+            else:
+                limits.append(most if is_long else 0)
+        return limits
 
     def _row_view(self, seq: Sequence, prefill_limit: int, predicted: int) -> RowView:
         return RowView(seq.policy, seq.max_k, seq.params.max_tokens - len(seq.output), prefill_limit,

@@ -29,6 +29,9 @@ def sync_all(runner: ModelRunner, requests: list) -> tuple[list[SequenceState], 
     lost = [r.seq_id for r in requests if r.keep > known.get(r.seq_id, 0)]
     if lost:
         raise StateLost(lost)
+    # A row whose prefill is capped may lead or copy a shared prefix only where every row's is (none is scored this
+    # call, so none waits on the leader's forward of the whole prefix): else its batch mates would wait for it.
+    all_capped = all(getattr(request, "prefill_limit", 0) for request in requests)
     states, fresh = [], []
     for index, request in enumerate(requests):
         # A new sequence (its whole history sent) may start from a prefix another holds; one whose prompt is
@@ -40,8 +43,7 @@ def sync_all(runner: ModelRunner, requests: list) -> tuple[list[SequenceState], 
             # Scores come from feeding the last known token, so it must not be cached (happens on a retried call).
             state.truncate_cache(len(state.tokens) - 1)
         states.append(state)
-        # Not a row whose prefill is capped this call: its decoding batch mates would wait for a whole prefix.
-        if whole and request.seq_id not in known and not getattr(request, "prefill_limit", 0):
+        if whole and request.seq_id not in known and (all_capped or not getattr(request, "prefill_limit", 0)):
             fresh.append(index)
     # A row whose prompt is scored computes it all again (LocalVerifier.verify drops its cache): nothing reused.
     reused = [0 if r.seq_id in known or getattr(r, "score_prompt", False) else s.cached

@@ -42,10 +42,11 @@ def _handles(description: dict, role: str) -> list:
 
 
 def attach_backend(pool: str, max_batch: int | None = None, prefill_chunk: int | None = None,
-                   draft_timeout_s: float = 5.0, stop: threading.Event | None = None, lanes: int = 1) -> Backend:
-    """An engine driving the pool named `pool` (Ray must be initialised). `max_batch` and `prefill_chunk` override
-    the pool's engine config for this gateway; `lanes` engines share the pools (gateway.lanes); `stop` ends the
-    membership watcher."""
+                   draft_timeout_s: float = 5.0, stop: threading.Event | None = None, lanes: int = 1,
+                   max_prefill_tokens: int | None = None) -> Backend:
+    """An engine driving the pool named `pool` (Ray must be initialised). `max_batch`, `prefill_chunk` and
+    `max_prefill_tokens` override the pool's engine config for this gateway; `lanes` engines share the pools
+    (gateway.lanes); `stop` ends the membership watcher."""
     manager = find_manager(pool)
     description = ray.get(manager.describe.remote())
     check_image(pool, description.get("image", ""), os.environ.get(IMAGE_ENV, ""))
@@ -65,7 +66,8 @@ def attach_backend(pool: str, max_batch: int | None = None, prefill_chunk: int |
         clients.extend(side for side in (verifier, drafter) if side is not None)
         return verifier, drafter
 
-    changes = {k: v for k, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)) if v is not None}
+    changes = {k: v for k, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk),
+                                 ("max_prefill_tokens", max_prefill_tokens)) if v is not None}
     config = dataclasses.replace(config, **changes)
     # One gateway times the pools' forwards; the others adopt its costs rather than run calibration forwards on
     # workers that serve traffic (a gateway the autoscaler adds would slow every stream while it starts).
