@@ -227,3 +227,20 @@ def test_long_prompts_arriving_together_still_share_their_prefix(tiny_models) ->
     while engine.has_unfinished():
         engine.step()
     assert [seq.output for seq in seqs] == want
+
+
+@pytest.mark.parametrize("cap", [40, 0])
+def test_a_drafter_far_behind_catches_up_max_prefill_tokens_a_round(tiny_models, expected, cap) -> None:
+    """A lone row's drafter, a whole prompt behind, takes it in max_prefill_tokens a round while the target decodes
+    plainly, then drafts: no draft step takes in the whole prompt (with no cap, the first takes all 150). Same
+    tokens."""
+    target, draft, _ = tiny_models
+    engine = build_engine(target, draft, EngineConfig(spec=FIXED_K, calibrate=False, max_prefill_tokens=cap))
+    sent: list[int] = []
+    propose = engine.drafter.propose
+    engine.drafter.propose = lambda requests: sent.extend(len(r.append) for r in requests) or propose(requests)
+    long = engine.sequences[engine.add_request(LONG, GREEDY)]
+    while engine.has_unfinished():
+        engine.step()
+    assert long.output == expected["long"] and long.stats.accepted > 0
+    assert (max(sent) <= 40 and sent[:3] == [40, 40, 40]) if cap else sent[0] >= len(LONG)

@@ -235,6 +235,11 @@ def test_context_window_is_enforced_on_both_apis(server) -> None:
         prompt = httpx.post(f"{url}/v1/completions", json={"prompt": [7] * tokens, "max_tokens": 1}, timeout=30)
         assert prompt.status_code == 400 and prompt.json()["error"]["param"] == "prompt"
         assert prompt.json()["error"]["code"] == "context_length_exceeded"
+    huge = "word " * (server.gateway.generations.limits.max_prompt_bytes // 5 + 1)  # past the bytes, untokenized
+    for path, body in (("completions", {"prompt": huge}), ("chat/completions", {"messages": [
+            {"role": "user", "content": huge}]})):
+        refused = httpx.post(f"{url}/v1/{path}", json=body | {"max_tokens": 1}, timeout=30).json()["error"]
+        assert refused["code"] == "context_length_exceeded" and "bytes is more than the limit" in refused["message"]
 
 
 def test_the_default_max_tokens_never_refuses_a_prompt_that_leaves_room(tiny_models) -> None:

@@ -80,6 +80,9 @@ def test_reshaped_positions_count_the_drafts_before_them() -> None:
     ({"frequency_penalty": -3}, "^frequency_penalty:"), ({"logit_bias": ((1, 101.0),)}, "^logit_bias:"),
     ({"logit_bias": ((-1, 1.0),)}, "^logit_bias:"), ({"logit_bias": ((1, 1.0), (1, 2.0))}, "^logit_bias:"),
     ({"logit_bias": tuple((i, 1.0) for i in range(1025))}, "^logit_bias: at most 1024"),
+    # as the wire's float32 fields bring them (2.1 arrives as 2.0999999046325684), shown as the client wrote them
+    ({"presence_penalty": 2.0999999046325684}, r"^presence_penalty: must be between -2 and 2, got 2\.1$"),
+    ({"temperature": -0.10000000149011612}, r"^temperature: must be between 0 and 100, got -0\.1$"),
 ])
 def test_bad_penalties_name_the_field(fields: dict, match: str) -> None:
     with pytest.raises(InvalidArgument, match=match):

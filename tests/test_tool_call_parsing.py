@@ -119,15 +119,19 @@ def test_a_held_tag_start_is_given_out_when_no_tag_follows() -> None:
 @pytest.mark.parametrize("choice", ["required", "named"])
 def test_a_required_or_named_call_is_begun_in_the_prompt_and_read_from_inside_it(choice: str) -> None:
     """The prompt ends with the call's start; the parser, primed with it, reads the model's continuation as the
-    rest of the call; a continuation that is no call's JSON comes out as text, the start included."""
+    rest of the call; a continuation that is no call's JSON (or one cut by max_tokens) comes out as the text the
+    model wrote, without the start the prompt wrote."""
     chat = pb.Chat(tools=[pb.Tool(name="get_weather")],
                    tool_choice="required" if choice == "required" else "function:get_weather")
     start = forced_call_start(chat)
     rest = ('get_weather", "arguments": {"city": "Paris"}}' if choice == "required" else '{"city": "Paris"}}')
-    parser = ToolCallParser(["get_weather"])
-    assert parser.push(start) == ("", [])
+    parser = ToolCallParser(["get_weather"], prompted=start)
     text, calls = parser.push(rest + "\n</tool_call>", final=True)
     assert text == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
-    failed = ToolCallParser(["get_weather"])
-    failed.push(start)
-    assert failed.push("oops", final=True) == (start + "oops", [])
+    failed = ToolCallParser(["get_weather"], prompted=start)
+    assert failed.push("oops", final=True) == ("oops", [])
+    cut = ToolCallParser(["get_weather"], prompted=start)
+    end = len(rest) - len('ris"}}')  # max_tokens reached inside the city's name
+    assert cut.push(rest[: end - 3]) == ("", []) and cut.push(rest[end - 3 : end], final=True) == (rest[:end], [])
+    after = ToolCallParser(["get_weather"], prompted=start)  # a call, then a block that is none: all of it out
+    assert after.push(rest + "\n</tool_call>\n<tool_call>\nno", final=True)[0] == "\n<tool_call>\nno"

@@ -169,7 +169,8 @@ ZONE = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 
 @pytest.mark.parametrize("choice", ["required", "named"])
-def test_a_required_or_named_call_is_always_a_call_with_arguments_its_schema_accepts(server, choice: str) -> None:
+def test_a_required_or_named_call_is_always_a_call_with_arguments_its_schema_accepts(server, tiny_models,
+                                                                                     choice: str) -> None:
     """The random-weight model writes no call of its own accord (auto: no choice is one); with the call's format
     masking its output after the begun call, every choice is a call of an offered tool (the named one), its
     arguments valid under that tool's parameters. Speculation stays on. One call a choice (parallel_tool_calls
@@ -196,6 +197,13 @@ def test_a_required_or_named_call_is_always_a_call_with_arguments_its_schema_acc
     calls = result.choices[0].tool_calls
     assert result.finish_reason == "tool_calls" and [c.name for c in calls] == ["get_weather"]
     assert json.loads(calls[0].arguments_json)["city"] in {"Paris", "Rome", "Lima"}
+    # Cut by max_tokens inside the call: what the model wrote comes out as text, not the call's start the prompt
+    # wrote (its tags and the name), so the text is the output's tokens.
+    cut = sdk.chat.completions.create(**{**asked, "n": 1, "max_tokens": 2}, tool_choice=tool_choice,
+                                      extra_body={"return_token_ids": True})
+    choice_out = cut.choices[0]
+    assert choice_out.finish_reason == "length" and not choice_out.message.tool_calls
+    assert choice_out.message.content == tiny_models[0].tokenizer.decode(choice_out.model_extra["token_ids"])
 
 
 def test_a_required_choice_makes_parallel_calls_unless_parallel_tool_calls_is_false(server, tiny_models) -> None:

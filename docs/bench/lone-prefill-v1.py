@@ -11,6 +11,7 @@ repeat, each server in turn (the order rotating), three scenes:
 - abort: the long request's client disconnects after ARRIVAL_S, then the short one is sent at once.
 
     PYTHONPATH=services python docs/bench/lone-prefill-v1.py out.json --repeats 2     # ~20 min on 2 cores
+    PYTHONPATH=services python docs/bench/lone-prefill-v1.py alone.json --caps 0 512 --scenes alone --repeats 4
 """
 import argparse
 import contextlib
@@ -73,16 +74,22 @@ def abort(url: str) -> dict:
     return {"short_ttft_s": short["ttft_s"], "short_s": short["seconds"]}
 
 
+SCENES = {"alone": alone, "arrival": arrival, "abort": abort}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("json")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--caps", type=int, nargs="+", default=list(CAPS))
+    parser.add_argument("--scenes", nargs="+", choices=list(SCENES), default=list(SCENES))
     args = parser.parse_args()
+    caps = tuple(args.caps)
     rows: list[dict] = []
     with contextlib.ExitStack() as stack:
         scratch = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         urls = {}
-        for cap in CAPS:
+        for cap in caps:
             port = free_port()
             flags = ["--target", TARGET, "--draft", DRAFT, "--in-process", "--dtype", "bfloat16", "--threads", "2",
                      "--no-prefix-cache", "--max-prefill-tokens", str(cap)]
@@ -91,10 +98,9 @@ def main() -> None:
             urls[cap] = f"http://127.0.0.1:{port}"
             request(urls[cap], SHORT, 8)  # warm-up
         for repeat in range(args.repeats):
-            order = CAPS[repeat % len(CAPS):] + CAPS[:repeat % len(CAPS)]
+            order = caps[repeat % len(caps):] + caps[:repeat % len(caps)]
             for cap in order:
-                row = {"repeat": repeat, "cap": cap, "alone": alone(urls[cap]), "arrival": arrival(urls[cap]),
-                       "abort": abort(urls[cap])}
+                row = {"repeat": repeat, "cap": cap} | {scene: SCENES[scene](urls[cap]) for scene in args.scenes}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
@@ -106,7 +112,7 @@ def main() -> None:
                           for scene, keys in (("alone", ("long_ttft_s",)),
                                               ("arrival", ("short_ttft_s", "short_s", "long_ttft_s")),
                                               ("abort", ("short_ttft_s", "short_s")))
-                          for key in keys} for cap in CAPS}
+                          if scene in args.scenes for key in keys} for cap in caps}
     result = {"long_prompt_tokens": len(LONG), "short_prompt_tokens": len(SHORT), "arrival_s": ARRIVAL_S,
               "rows": rows, "summary": summary}
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -22,6 +22,12 @@ def _require(ok: bool, field_name: str, message: str) -> None:
         raise InvalidArgument(f"{field_name}: {message}")
 
 
+def _shown(value: object) -> str:
+    """A value as an error message shows it: a float to 7 significant digits, as a float32 holds it (a request's
+    -0.1 reaches here as -0.10000000149011612 from the wire's float field)."""
+    return f"{value:.7g}" if isinstance(value, float) else repr(value)
+
+
 # What an output format may be (core.formats): a JSON schema ('{"type": "object"}' for any JSON object), a regular
 # expression the whole output matches, or a grammar in llguidance's Lark dialect (the gateway's own, for the call a
 # required or named tool_choice asks for: gateway.forced_calls).
@@ -105,11 +111,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _require(isinstance(self.temperature, int | float) and 0.0 <= self.temperature <= 100.0,
-                 "temperature", f"must be between 0 and 100, got {self.temperature!r}")
+                 "temperature", f"must be between 0 and 100, got {_shown(self.temperature)}")
         _require(isinstance(self.top_p, int | float) and 0.0 < self.top_p <= 1.0,
-                 "top_p", f"must be in (0, 1], got {self.top_p!r}")
+                 "top_p", f"must be in (0, 1], got {_shown(self.top_p)}")
         _require(isinstance(self.min_p, int | float) and 0.0 <= self.min_p <= 1.0,
-                 "min_p", f"must be in [0, 1], got {self.min_p!r}")
+                 "min_p", f"must be in [0, 1], got {_shown(self.min_p)}")
         _require(isinstance(self.top_k, int) and self.top_k >= 0,
                  "top_k", f"must be a non-negative integer (0 disables), got {self.top_k!r}")
         _require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
@@ -133,18 +139,18 @@ class SamplingParams:
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids", "stop token ids must be non-negative integers")
         _require(isinstance(self.repetition_penalty, int | float) and 0.0 < self.repetition_penalty <= 10.0,
-                 "repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
+                 "repetition_penalty", f"must be in (0, 10], got {_shown(self.repetition_penalty)}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _require(isinstance(value, int | float) and -2.0 <= value <= 2.0,
-                     name, f"must be between -2 and 2, got {value!r}")
+                     name, f"must be between -2 and 2, got {_shown(value)}")
         _require(len(self.logit_bias) <= MAX_LOGIT_BIAS,
                  "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias:
             _require(isinstance(token, int) and token >= 0, "logit_bias", f"token ids must be non-negative integers, "
                      f"got {token!r}")
             _require(isinstance(bias, int | float) and -100.0 <= bias <= 100.0,
-                     "logit_bias", f"biases must be between -100 and 100, got {bias!r} for token {token}")
+                     "logit_bias", f"biases must be between -100 and 100, got {_shown(bias)} for token {token}")
         _require(len({token for token, _ in self.logit_bias}) == len(self.logit_bias),
                  "logit_bias", "each token id at most once")
         _require(self.output_format is None or isinstance(self.output_format, OutputFormat),

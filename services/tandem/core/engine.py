@@ -130,7 +130,8 @@ class SpeculativeEngine:
             offers = [seq.offer(self.config.spec.k_max) for seq in batch]
             plan = plan_round([self._row_view(seq, limit, len(offer))
                                for seq, limit, offer in zip(batch, limits, offers, strict=True)],
-                              self.speculating, self.config.spec, self.costs, self.prior.value, self.prior.measured)
+                              self.speculating, self.config.spec, self.costs, self.prior.value, self.prior.measured,
+                              self.config.max_prefill_tokens)
             try:
                 outputs = self._round(batch, plan, limits, offers)
                 break

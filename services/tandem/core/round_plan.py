@@ -40,7 +40,9 @@
    acceptance were known would never learn them. Once the deployment has measured its acceptance, a row that has
    never drafted and would not draft at that acceptance is charged its whole catch-up, not a share: it is explored
    only where that round pays for it. A fixed k (adaptive off) drafts as given, its drafter catching up on
-   everything first.
+   everything first. Any row, alone or not, adaptive or not, whose drafter is more than the engine's
+   max_prefill_tokens behind catches up that many tokens a round instead of drafting (`catch_up_cap`), so that no
+   draft step takes in a whole long prompt while other requests wait on the step.
 5. Riders: where some row drafts this round, a row that does not (its policy asked: rule 1 keeps rows that never
    draft out; not on its last token) and whose drafter is at most CATCH_UP_ALONE_ABOVE tokens behind sends its
    drafter those tokens (`catch_up`), fed in the first draft step beside the drafting rows (a step spans its rows'
@@ -91,10 +93,11 @@ class RoundPlan:
 
 
 def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, costs: CostModel,
-               prior: float, prior_measured: bool = True) -> RoundPlan:
+               prior: float, prior_measured: bool = True, catch_up_cap: int = 0) -> RoundPlan:
     """Each row's k and policy decision for one round (the rules in the module's docstring, in order). Pure: reads
     the rows, the costs and the prior, and changes none of them. `prior`: the deployment's recent acceptance;
-    `prior_measured`: whether the deployment's sessions have measured it (policy.SharedPrior.measured)."""
+    `prior_measured`: whether the deployment's sessions have measured it (policy.SharedPrior.measured);
+    `catch_up_cap`: rule 4's bound for any row (EngineConfig.max_prefill_tokens; 0: none)."""
     costs = prices(costs)  # one plan: the tables stand still
     predicted = [_predicted(row, spec, costs) for row in rows]
     predicted = [p if row.predicting or _lookup_pays(row, p, speculating, spec, costs, prior) else 0
@@ -121,6 +124,10 @@ def plan_round(rows: Sequence[RowView], speculating: bool, spec: SpecConfig, cos
         if any(predicted):
             predicted = free_blocks_that_pay(ks, alphas, predicted, [row.prediction_acceptance for row in rows],
                                              costs, shares)
+    if catch_up_cap:  # rule 4, for a lone row or a fixed k too: no draft step takes in a whole long prompt
+        over = [k > 0 and row.behind > catch_up_cap for row, k in zip(rows, ks, strict=True)]
+        catch_up = [catch_up_cap if o else c for o, c in zip(over, catch_up, strict=True)]
+        ks = [0 if o else k for o, k in zip(over, ks, strict=True)]
     if any(ks):
         riders = _riders(rows, ks, decisions)
         catch_up = [row.behind if rider else c for row, c, rider in zip(rows, catch_up, riders, strict=True)]

@@ -52,9 +52,9 @@ class ChoiceStream:
             if admitted is not None:
                 admitted.set()
             detok = IncrementalDetokenizer(backend.engine.decode, prepared.params.stop)
-            calls = ToolCallParser(prepared.tool_names, prepared.single_tool_call) if prepared.tool_names else None
-            if calls is not None and prepared.call_start:
-                calls.push(prepared.call_start)  # in the prompt already: the output goes on from inside the call
+            # A forced call's start is in the prompt already: the output goes on from inside the call.
+            calls = ToolCallParser(prepared.tool_names, prepared.single_tool_call, prepared.call_start) \
+                if prepared.tool_names else None
             finished: Finished | None = None
             token_ids: list[int] = []
             first_token_at: float | None = None

@@ -48,11 +48,15 @@ class ToolCallParser:
     """Splits a choice's streamed text into text and tool calls. `names`: the offered tools', one of which a block
     must call to count as a call."""
 
-    def __init__(self, names: Collection[str] = (), single: bool = False) -> None:
-        """single: the first call ends the output (parallel_tool_calls false): nothing after it comes out."""
+    def __init__(self, names: Collection[str] = (), single: bool = False, prompted: str = "") -> None:
+        """single: the first call ends the output (parallel_tool_calls false): nothing after it comes out.
+        prompted: the start of a call the prompt wrote (gateway.forced_calls): read as the output's start, never
+        given out as text (an output cut before its call closes gives out what the model wrote of it alone)."""
         self.names = frozenset(names)
         self.single = single
-        self._held = ""  # text not given out yet: a block that may be a call (from its opener on), or an opener's start
+        # Text not given out yet: a block that may be a call (from its opener on), or an opener's start.
+        self._held = prompted
+        self._prompted = len(prompted)  # how much of _held's start the model did not write
         # At the output's start or just after a call, with no text but whitespace (_gap) since: that whitespace is
         # the layout of calls, given out only before text that follows it (or at the end of an output with no call).
         self._at_edge = True
@@ -97,7 +101,7 @@ class ToolCallParser:
                 break
             length, call = block
             if call is None:
-                give(held[:length])  # not a call: what the model wrote goes out as it was
+                give(held[self._prompted : length])  # not a call: what the model wrote goes out as it was
             else:
                 self._gap, self._at_edge = "", True
                 if out or not runs:
@@ -108,7 +112,7 @@ class ToolCallParser:
                 if self.single:
                     self.ended, held = True, ""
                     break
-            held = held[length:]
+            held, self._prompted = held[length:], 0
         self._held = held
         if final and self._gap and not self.called:  # an output of whitespace alone is its text
             out.append(self._gap)

@@ -82,9 +82,11 @@ def _require(ok: bool, message: str) -> None:
         raise InvalidArgument(message)
 
 
-def _check_bytes(name: str, size: int, limits: GatewayLimits) -> None:
-    _require(size <= limits.max_prompt_bytes,
-             f"{name}: {size} bytes is more than the limit of {limits.max_prompt_bytes} bytes")
+def _check_bytes(name: str, size: int, limits: GatewayLimits, refused: type[InvalidArgument] = InvalidArgument) -> None:
+    """A prompt past the byte limit is refused before it is tokenized; as `refused` (ContextLengthExceeded for a
+    prompt, whose clients trim a conversation on that code, as they do for one past the context in tokens)."""
+    if size > limits.max_prompt_bytes:
+        raise refused(f"{name}: {size} bytes is more than the limit of {limits.max_prompt_bytes} bytes")
 
 
 def _utf8_size(text: str, limits: GatewayLimits) -> int:
@@ -191,7 +193,7 @@ def prompt_ids(request: pb.GenerateRequest, tokenizer, limits: GatewayLimits, mo
 def encode_prompt(prompt: str, tokenizer, limits: GatewayLimits, special_tokens: bool = True) -> list[int]:
     """A prompt's token ids, its size checked first (tokenizing megabytes would hold a core for seconds);
     `special_tokens`: with those the tokenizer adds around a text (a BOS), as a request's prompt gets them."""
-    _check_bytes("prompt", _utf8_size(prompt, limits), limits)
+    _check_bytes("prompt", _utf8_size(prompt, limits), limits, ContextLengthExceeded)
     return tokenizer.encode(prompt, add_special_tokens=special_tokens)
 
 
@@ -208,7 +210,7 @@ def chat_ids(chat: pb.Chat, tokenizer, limits: GatewayLimits, generation_prompt:
         size += _utf8_size(message.content, limits)
         size += sum(_utf8_size(c.name + c.arguments_json, limits) for c in message.tool_calls)
         if size > limits.max_prompt_bytes:  # before templating: bounded work
-            _check_bytes("chat.messages", size, limits)
+            _check_bytes("chat.messages", size, limits, ContextLengthExceeded)
     _require(bool(getattr(tokenizer, "chat_template", None)), "chat: this model's tokenizer has no chat template")
     conversation = [template_message(index, message) for index, message in enumerate(messages)]
     tools = template_tools(chat)
