@@ -116,6 +116,7 @@ def test_every_parser_shows_each_default_once() -> None:
     (["serve", "--http-port", "-2"], "error: --http-port: must be between -1 (off) and 65535"),
     (["serve", "--in-process", "--dtype", "int8"], "error: --dtype: unknown dtype 'int8' (use auto, bf16, "),
     (["serve", "--device", "mps"], "error: --device: unknown device 'mps' (use auto, cpu, cuda or cuda:N)"),
+    (["serve", "--no-spec", "--fixed-k", "3"], "error: --fixed-k: nothing is drafted with --no-spec"),
     (["bench", "--max-tokens", "0"], "error: --max-tokens: must be at least 1, got 0"),
     (["pools", "start", "--name", "p", "--batch-window-ms", "-1"], "error: --batch-window-ms: must be non-negative"),
     # a field that no flag of `tandem serve` sets keeps its name

@@ -142,6 +142,9 @@ def engine_config(args: argparse.Namespace, speculate: bool = True, max_batch: i
     (generate, bench): calibration then times single-sequence forwards alone, not batches no request will form."""
     draft = {"draft_confidence": args.draft_confidence, "draft_vocab": args.draft_vocab,
              "prompt_lookup": args.prompt_lookup}
+    if args.fixed_k is not None and not speculate and not args.prompt_lookup:
+        raise InvalidArgument("fixed_k: nothing is drafted with --no-spec (without --prompt-lookup), so there is no "
+                              "k to fix")
     if args.fixed_k is not None:
         try:
             spec = SpecConfig(enabled=speculate, k_max=args.fixed_k, k_init=args.fixed_k, adaptive=False, **draft)
