@@ -8,10 +8,13 @@ repeat, each server in turn (the order rotating), three scenes:
 - alone: the long request by itself (its time to first token: the cap's cost);
 - arrival: the long request, then ARRIVAL_S later a short one (a shipped prompt, 8 tokens, greedy): the short one's
   time to first token and seconds, and the long one's time to first token;
-- abort: the long request's client disconnects after ARRIVAL_S, then the short one is sent at once.
+- abort: the long request's client disconnects after ARRIVAL_S, then the short one is sent at once;
+- after_first (only when asked): the long request decodes AFTER_TOKENS tokens, the short one is sent as its first
+  token comes, while its drafter is a whole prompt behind.
 
     PYTHONPATH=services python docs/bench/lone-prefill-v1.py out.json --repeats 2     # ~20 min on 2 cores
     PYTHONPATH=services python docs/bench/lone-prefill-v1.py alone.json --caps 0 512 --scenes alone --repeats 4
+    PYTHONPATH=services python docs/bench/lone-prefill-v1.py after.json --caps 0 512 --scenes after_first
 """
 import argparse
 import contextlib
@@ -35,6 +38,7 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 CAPS = (0, 512, 2048)
 LONG_TOKENS = 4000
 ARRIVAL_S = 3.0
+AFTER_TOKENS = 48
 TOKENIZER = AutoTokenizer.from_pretrained(resolve(TARGET, progress=False).path)
 LONG = TOKENIZER((Path(__file__).parents[1] / "architecture.md").read_text())["input_ids"][:LONG_TOKENS]
 SHORT = TOKENIZER.apply_chat_template([{"role": "user", "content": load_prompts()[0]}], tokenize=True,
@@ -64,6 +68,24 @@ def arrival(url: str) -> dict:
     return {"short_ttft_s": short["ttft_s"], "short_s": short["seconds"], "long_ttft_s": long["ttft_s"]}
 
 
+def after_first(url: str) -> dict:
+    """The long request decodes AFTER_TOKENS tokens; the short one is sent as its first token comes, when its
+    drafter is a whole prompt behind (its catch-up: at once uncapped, max_prefill_tokens a round capped)."""
+    first = threading.Event()
+    long: dict = {}
+
+    def run() -> None:
+        long.update(streamed(f"{url}/v1/completions", body(LONG, AFTER_TOKENS),
+                             lambda choice: first.set() or choice.get("text") or ""))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    first.wait()
+    short = request(url, SHORT, 8)
+    thread.join()
+    return {"short_ttft_s": short["ttft_s"], "short_s": short["seconds"], "long_s": long["seconds"]}
+
+
 def abort(url: str) -> dict:
     # the client gives up: its connection closes
     with (contextlib.suppress(httpx.TimeoutException),
@@ -74,7 +96,8 @@ def abort(url: str) -> dict:
     return {"short_ttft_s": short["ttft_s"], "short_s": short["seconds"]}
 
 
-SCENES = {"alone": alone, "arrival": arrival, "abort": abort}
+SCENES = {"alone": alone, "arrival": arrival, "abort": abort, "after_first": after_first}
+DEFAULT_SCENES = ("alone", "arrival", "abort")
 
 
 def main() -> None:
@@ -82,7 +105,7 @@ def main() -> None:
     parser.add_argument("json")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--caps", type=int, nargs="+", default=list(CAPS))
-    parser.add_argument("--scenes", nargs="+", choices=list(SCENES), default=list(SCENES))
+    parser.add_argument("--scenes", nargs="+", choices=list(SCENES), default=list(DEFAULT_SCENES))
     args = parser.parse_args()
     caps = tuple(args.caps)
     rows: list[dict] = []
@@ -111,7 +134,8 @@ def main() -> None:
     summary = {str(cap): {f"{scene}_{key}": median(cap, scene, key)
                           for scene, keys in (("alone", ("long_ttft_s",)),
                                               ("arrival", ("short_ttft_s", "short_s", "long_ttft_s")),
-                                              ("abort", ("short_ttft_s", "short_s")))
+                                              ("abort", ("short_ttft_s", "short_s")),
+                                              ("after_first", ("short_ttft_s", "short_s", "long_s")))
                           if scene in args.scenes for key in keys} for cap in caps}
     result = {"long_prompt_tokens": len(LONG), "short_prompt_tokens": len(SHORT), "arrival_s": ARRIVAL_S,
               "rows": rows, "summary": summary}
