@@ -153,7 +153,7 @@ def create_key(path: str | os.PathLike, tenant: str, max_concurrency: int | None
     if not 0 <= priority <= MAX_PRIORITY:
         raise InvalidArgument(f"priority: must be from 0 to {MAX_PRIORITY}, got {priority}")
     if os.path.exists(path):  # a tenant's new key (a rotation) carries the cap and priority its others carry
-        known = {tenant.name: tenant for tenant in _read_entries(path).values()}.get(tenant)
+        known = next((entry for entry in _read_entries(path).values() if entry.name == tenant), None)
         if known is not None and known != Tenant(tenant, max_concurrency, priority):
             raise InvalidArgument(f"tenant: {tenant!r} has keys in {path} with {_settings(known)}; a new key for it "
                                   "must carry the same (edit the file to change them)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
@@ -42,14 +42,14 @@ def _timing() -> None:
         gc.callbacks.append(_on_collection)
 
 
-def _paused(options: CallbackOptions) -> Iterator[Observation]:
-    for generation in GENERATIONS:
-        yield Observation(_paused_s[generation], {GENERATION: generation})
+def _by_generation(values: list[float]) -> Callable[[CallbackOptions], Iterator[Observation]]:
+    """An observable instrument's callback reading `values` (one per generation) at scrape time."""
 
+    def observe(options: CallbackOptions) -> Iterator[Observation]:
+        for generation in GENERATIONS:
+            yield Observation(values[generation], {GENERATION: generation})
 
-def _longest(options: CallbackOptions) -> Iterator[Observation]:
-    for generation in GENERATIONS:
-        yield Observation(_longest_s[generation], {GENERATION: generation})
+    return observe
 
 
 def observe_process(registry: CollectorRegistry, meter) -> None:
@@ -58,9 +58,9 @@ def observe_process(registry: CollectorRegistry, meter) -> None:
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
     _timing()
-    meter.create_observable_counter("tandem.process.gc_pause", [_paused], unit="s",
+    meter.create_observable_counter("tandem.process.gc_pause", [_by_generation(_paused_s)], unit="s",
                                     description="Time Python's cyclic garbage collector held this process (and its "
                                                 "GIL), by generation, since it started.")
-    meter.create_observable_gauge("tandem.process.gc_longest_pause", [_longest], unit="s",
+    meter.create_observable_gauge("tandem.process.gc_longest_pause", [_by_generation(_longest_s)], unit="s",
                                   description="The longest single collection since this process started, by "
                                               "generation.")
