@@ -22,6 +22,7 @@ from tandem.gateway.choice_stream import ChoiceStream
 from tandem.gateway.events import DRAINING, EngineUnavailable, Event, TenantBusy, error_code
 from tandem.gateway.interleave import interleave
 from tandem.gateway.lanes import ServingLoop
+from tandem.gateway.request_registry import LocalRegistry, RequestRegistry
 from tandem.gateway.validate import (
     BACKGROUND_PRIORITY,
     GatewayLimits,
@@ -72,12 +73,14 @@ class Generations(ChoiceStream):
     def __init__(self, backend: Backend, loops: Mapping[str, ServingLoop], limits: GatewayLimits | None = None,
                  metrics: GatewayMetrics | None = None, tenant_limits: Mapping[str, int] | None = None,
                  tenant_queue_share: float = 1.0, arm_router: ArmRouter | None = None,
-                 tenant_priorities: Mapping[str, int] | None = None) -> None:
+                 tenant_priorities: Mapping[str, int] | None = None,
+                 registry: RequestRegistry | None = None) -> None:
         """backend: the baseline arm's; loops: every arm's, the baseline's first. tenant_limits: tenant -> most
         requests in flight at once (absent: no cap). tenant_queue_share: the most of the queue (max_requests) one
         named tenant may hold, so one client cannot fill it for the rest (1.0: no share cap; requests without a
         tenant, as without API keys, are one caller and take the whole queue). tenant_priorities: tenant -> what
-        is added to each of its requests' priority (its key's; absent: 0)."""
+        is added to each of its requests' priority (its key's; absent: 0). registry: where the ids running on every
+        gateway replica are (gateway.request_registry; None: this gateway's alone)."""
         if not loops:
             raise InvalidArgument("loops: the generate path needs at least one serving loop")
         self.backend = backend
@@ -90,6 +93,7 @@ class Generations(ChoiceStream):
         self.tenant_queue_share = tenant_queue_share
         self.tenant_priorities = dict(tenant_priorities or {})
         self.arm_router = arm_router
+        self.registry: RequestRegistry = registry or LocalRegistry()
         self._choices: dict[str, list[str]] = {}  # scoped request id -> its choices' engine ids, while it runs
         # tenant -> [requests in flight, queue places they hold (a request's n choices each take one)], for the
         # tenants with a cap: max_concurrency counts requests, the queue share counts places, as the engine's queue.
@@ -202,11 +206,11 @@ class Generations(ChoiceStream):
                            priority=priority + (BACKGROUND_PRIORITY if background else 0))
         choices = [choice_request(prepared, index) for index in range(prepared.n)]
         if prepared.request_id in self._choices:  # whatever either's n: one id names one request (abort stops it)
-            refused = request_id_in_use(client_id)
-            observed.failed(error_code(refused), str(refused))
-            raise refused
+            self._refuse_id(client_id, observed)
         self._choices[prepared.request_id] = [choice.request_id for choice in choices]
         try:
+            if not await self.registry.claim(prepared.request_id):  # running on another gateway replica
+                self._refuse_id(client_id, observed)
             if len(choices) == 1:
                 async for event in self._choice(0, choices[0], client_id, observed, backend, loop, tenant,
                                                 admitted):
@@ -223,11 +227,22 @@ class Generations(ChoiceStream):
                     yield event
         finally:
             self._choices.pop(prepared.request_id, None)
+            self.registry.release(prepared.request_id)
 
-    def abort(self, request_id: str, tenant: str = "") -> bool:
-        """Stop a running request (every choice of it) on whichever loop runs it; False if none does. Only the
-        tenant's own requests: another tenant's same id is another engine id."""
+    @staticmethod
+    def _refuse_id(client_id: str, observed: RequestObserver) -> None:
+        refused = request_id_in_use(client_id)
+        observed.failed(error_code(refused), str(refused))
+        raise refused
+
+    async def abort(self, request_id: str, tenant: str = "") -> bool:
+        """Stop a running request (every choice of it), on this gateway or, through the registry, on the replica
+        running it; False if none does. Only the tenant's own requests: another tenant's same id is another id."""
         request_id = scoped_id(tenant, request_id)
+        return self.abort_here(request_id) or await self.registry.abort_elsewhere(request_id)
+
+    def abort_here(self, request_id: str) -> bool:
+        """abort, for a scoped id, on this gateway's loops alone."""
         ids = self._choices.get(request_id, [request_id])
         return any([loop.cancel(engine_id) for engine_id in ids for loop in self.loops.values()])
 

@@ -24,6 +24,8 @@ from tandem.gateway.handles import SessionStore
 from tandem.gateway.lanes import LanedLoop, ServingLoop
 from tandem.gateway.loop import EngineLoop
 from tandem.gateway.options import GatewayOptions
+from tandem.gateway.request_registry import LocalRegistry, RedisRequestRegistry, RequestRegistry
+from tandem.sessions import RedisSessionStore
 from tandem.telemetry.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -64,8 +66,18 @@ async def load_generations(load: Callable[[], Backend | Mapping[str, Backend]], 
     tenant_limits = {name: tenant.max_concurrency for name, tenant in tenants.items()
                      if tenant.max_concurrency is not None}
     tenant_priorities = {name: tenant.priority for name, tenant in tenants.items() if tenant.priority}
-    return Generations(backends[baseline], loops, options.limits, metrics, tenant_limits,
-                       options.tenant_queue_share if keys is not None else 1.0, router, tenant_priorities)
+    generations = Generations(backends[baseline], loops, options.limits, metrics, tenant_limits,
+                              options.tenant_queue_share if keys is not None else 1.0, router, tenant_priorities,
+                              request_registry(sessions))
+    await generations.registry.start(generations.abort_here)
+    return generations
+
+
+def request_registry(sessions: SessionStore | None) -> RequestRegistry:
+    """Running request ids shared with the other gateway replicas in the sessions' Redis (else this gateway's)."""
+    if isinstance(sessions, RedisSessionStore):
+        return RedisRequestRegistry(sessions.url)
+    return LocalRegistry()
 
 
 LOADER_THREAD = "tandem-loader"

@@ -240,6 +240,8 @@ class Gateway(HttpApi):
             await asyncio.to_thread(self.arm_router.close)
         for loop in self.all_loops:
             await loop.close()
+        if self.generations is not None:
+            await self.generations.registry.close()
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.close)
         await self._close_http()

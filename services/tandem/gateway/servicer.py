@@ -113,7 +113,7 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
             if not request.request_id:
                 raise InvalidArgument("request_id: required")
             tenant = await self._tenant(context)
-            return pb.AbortResponse(found=self.generations().abort(request.request_id, tenant=tenant))
+            return pb.AbortResponse(found=await self.generations().abort(request.request_id, tenant=tenant))
         except FAILURES as exc:
             await context.abort(*_status(exc))
 
