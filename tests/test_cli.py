@@ -97,6 +97,15 @@ def test_eager_and_compile_exclude_each_other(capsys, cli_models) -> None:
     assert "--compile: not allowed with argument --eager" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", [[], ["--address", "127.0.0.1:1"]])
+@pytest.mark.parametrize("seed", ["-1", str(2**63)])
+def test_a_seed_out_of_range_is_refused_the_same_way_locally_and_on_a_gateway(capsys, where, seed) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "x", "--seed", seed, *where])
+    assert exited.value.code == 2
+    assert f"--seed: must be a non-negative integer below 2**63, got {seed}" in capsys.readouterr().err
+
+
 def test_compile_says_why_the_start_is_slow(capsys) -> None:
     import argparse
 

@@ -127,13 +127,13 @@ def shared_replica(ray_session, tiny_dirs):
     yield from _module_replica(ray_session, tiny_dirs)
 
 
-def _gateway(tiny_models, replicas, name: str) -> SpeculativeEngine:
+def _gateway(tiny_models, replicas, name: str, config: EngineConfig | None = None) -> SpeculativeEngine:
     """A plain-decoding engine over the shared replica(s), as one gateway's: its own wire-id prefix."""
     from tandem.workers.target_pool import RayVerifier
 
     local = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
     replicas = replicas if isinstance(replicas, list) else [replicas]
-    return SpeculativeEngine(RayVerifier(replicas, prefix=f"{name}-"), None, EngineConfig(calibrate=False),
+    return SpeculativeEngine(RayVerifier(replicas, prefix=f"{name}-"), None, config or EngineConfig(calibrate=False),
                              local.eos_token_ids, local.decode)
 
 
@@ -342,3 +342,55 @@ def test_a_new_request_goes_to_the_replica_whose_kv_budget_holds_it(tiny_models,
     assert router.affinity == {"b": 1} and tokens["b"] and router.full_until == [0.0, 0.0]
     _run_in_turn(gateways, tokens, [])
     assert tokens == expected
+
+
+def test_a_long_prompt_goes_in_chunks_while_another_gateways_sequence_runs_on_its_replica(tiny_models, tiny_dirs,
+                                                                                        ray_session) -> None:
+    """Gateway A's lone 150-token prompt, capped at 40 tokens a step, waits for nothing of A's own; but gateway B's
+    sequence decoding on the same replica waits on each of A's forwards. Once the replica has said so (A's first
+    reply), A cuts the prompt into its prefill chunks of 16, as if B's sequence decoded in A's own engine: its first
+    token comes in step 8 (40, then 16 a step, then the last 14 with its first round) instead of step 4 (40 a step),
+    as it does once the replica has said that B's has ended. Both end with their tokens alone."""
+    replica = _start_replica(tiny_dirs, kv_tokens=1024)
+    try:
+        _long_prompt_beside_another_gateway(tiny_models, replica)
+    finally:
+        ray_session.kill(replica)
+
+
+def _long_prompt_beside_another_gateway(tiny_models, shared_replica) -> None:
+    short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    longer = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    prompts = {"a": _prompt(21, 150), "b": _prompt(22, 12), "a2": _prompt(23, 150)}  # a2: none of it cached
+    alone = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
+    expected = {name: alone.generate([prompt], longer if name == "b" else short)[0].token_ids
+                for name, prompt in prompts.items()}
+    gateway_a = _gateway(tiny_models, shared_replica, "A",
+                         EngineConfig(calibrate=False, max_prefill_tokens=40, prefill_chunk=16))
+    gateway_b = _gateway(tiny_models, shared_replica, "B")
+    b_tokens: list[int] = []
+
+    def step(engine) -> list[int]:
+        return [t for out in engine.step() for t in out.new_token_ids] if engine.has_unfinished() else []
+
+    def first_token_step(request_id: str, prompt: list[int], beside=None) -> tuple[int, list[int]]:
+        gateway_a.add_request(prompt, short, request_id)
+        tokens, first = [], 0
+        for number in range(1, 40):
+            if beside is not None:
+                b_tokens.extend(step(beside))
+            tokens += step(gateway_a)
+            first = first or (number if tokens else 0)
+            if not gateway_a.has_unfinished():
+                return first, tokens
+        raise AssertionError("gateway A did not finish")
+
+    gateway_b.add_request(prompts["b"], longer, "b")
+    b_tokens += step(gateway_b)
+    assert first_token_step("a1", prompts["a"], beside=gateway_b) == (8, expected["a"])
+    while gateway_b.has_unfinished():
+        b_tokens += step(gateway_b)
+    assert b_tokens == expected["b"]
+    _wait_idle([shared_replica])
+    first_token_step("refresh", prompts["b"])  # a reply that says B's sequence is gone
+    assert first_token_step("a2", prompts["a2"]) == (4, expected["a2"])

@@ -18,7 +18,8 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-p", type=float, default=0.0,
                         help="drop tokens less likely than this times the most likely one; 0 disables (default: "
                              "%(default)s)")
-    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
+    parser.add_argument("--seed", type=seed_value, default=None,
+                        help="sampling seed, 0 to 2**63-1 (default: a random one)")
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="above 1 discourages every token already in the context (default: %(default)s, none)")
     parser.add_argument("--presence-penalty", type=float, default=0.0,
@@ -36,6 +37,18 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
                         help="a file whose text the output is expected to repeat in large part (code or a document "
                              "being edited): where the output matches it, its tokens are verified as drafts; the "
                              "output is the same as without it")
+
+
+def seed_value(text: str) -> int:
+    """--seed's type: SamplingParams' range, so that a run on a gateway (a uint64 on the wire) and a local one refuse
+    the same values the same way."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= seed < 2**63:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer below 2**63, got {seed}")
+    return seed
 
 
 def prediction_text(args: argparse.Namespace) -> str:

@@ -156,14 +156,17 @@ class SpeculativeEngine:
         """Per sequence, the most uncached tokens its verifier may prefill this step (0: all). While another sequence
         waits on this step for its next token (one decoding, or a new prompt prefilled whole), a longer prompt is cut
         into chunks of prefill_chunk; with none waiting, a prompt longer than max_prefill_tokens into chunks of that
-        many, so steps end often enough for arrivals and aborts. A prompt whose tokens are scored goes in whole."""
+        many, so steps end often enough for arrivals and aborts. A prompt whose tokens are scored goes in whole.
+        Another caller's sequences on the target worker a prompt runs on (a shared pool's other gateways) wait on
+        its forwards as this engine's own would: the prompt is cut as if they decoded here."""
         chunk, most = self.config.prefill_chunk, self.config.max_prefill_tokens
         long = [most > 0 and seq.prefilling(most) and not seq.scores_prompt for seq in batch]
         decoding = any(seq.output for seq in batch)
         waiting = decoding or any(not seq.output and not is_long for seq, is_long in zip(batch, long, strict=True))
         limits = []
         for seq, is_long in zip(batch, long, strict=True):
-            if chunk and waiting and (decoding or is_long) and seq.prefilling(chunk) and not seq.scores_prompt:
+            cut = chunk and seq.prefilling(chunk) and not seq.scores_prompt
+            if cut and ((waiting and (decoding or is_long)) or self.verifier.others_running(seq.request_id) > 0):
                 limits.append(chunk)
             else:
                 limits.append(most if is_long else 0)

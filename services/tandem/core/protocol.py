@@ -220,6 +220,11 @@ class PoolSide(Protocol):
 
     def pin_session(self, session_id: str, worker: str) -> None: ...
 
+    def others_running(self, seq_id: str) -> int:
+        """Sequences other callers (gateways, lanes) run on the worker that holds `seq_id`, as it last said; for one
+        not placed yet, the fewest on any worker it may go to. A long prompt's prefill holds their next steps too."""
+        ...
+
     def carry_trace(self, carriers: TraceCarriers | None) -> None: ...
 
     def reachable(self, timeout_s: float) -> int:
@@ -258,6 +263,9 @@ class InProcessSide:
 
     def pin_session(self, session_id: str, worker: str) -> None:
         return None
+
+    def others_running(self, seq_id: str) -> int:
+        return 0
 
     def carry_trace(self, carriers: TraceCarriers | None) -> None:
         return None

@@ -251,6 +251,9 @@ class RayPoolClient:
         if session_id not in self.router.sessions and worker in self.router.names:
             self.router.pin(session_id, self.router.names.index(worker))
 
+    def others_running(self, seq_id: str) -> int:
+        return self.router.others_beside(seq_id)
+
     def carry_trace(self, carriers: TraceCarriers | None) -> None:
         self.trace_carriers = carriers
 

@@ -161,6 +161,14 @@ class AffinityRouter:
         self.loads[index] = load
         self.heard_at[index] = time.monotonic()
 
+    def others_beside(self, seq_id: str) -> int:
+        """Other callers' sequences on the worker of `seq_id`, as it last said; for one not placed yet, the fewest on
+        a worker new sequences may go to (0 where none may)."""
+        index = self.affinity.get(seq_id)
+        if index is not None:
+            return self.others[index]
+        return min((self.others[i] for i in range(self.size) if self.routable(i)), default=0)
+
     def unheard(self) -> list[int]:
         """Healthy workers not heard from (nor asked) for LOAD_FRESH_S: their load is worth asking before new
         sequences are placed. Marks them asked, so one that does not answer is not asked again at once."""
