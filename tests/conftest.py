@@ -122,7 +122,7 @@ RAY_GROUPS = {
             "test_serve_cluster", "test_shared_kv", "test_telemetry_cli", "test_telemetry_cluster"),
     "pools": ("test_pools", "test_ray_client"),
     "pools-tp-chaos": ("test_pools_tp", "test_pools_chaos"),
-    "pools-auth": ("test_pools_calibration", "test_ray_auth"),
+    "pools-auth": ("test_pools_calibration", "test_ray_auth", "test_pools_lifecycle"),
 }
 RAY_GROUP_OF = {module: group for group, modules in RAY_GROUPS.items() for module in modules}
 

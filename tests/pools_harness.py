@@ -180,12 +180,13 @@ def generate_greedy(address: str, prompt: list[int], out: dict, key, request_id:
         out[key] = ids
 
 
-def at_once(jobs: list[tuple[str, int]], pair_ids: bool = True, tokens: int = TOKENS) -> dict:
-    """With `pair_ids`, job n runs as request id `r{n // 2}`: jobs alternating between two gateways give each gateway
-    the same ids."""
+def at_once(jobs: list[tuple[str, int]], tokens: int = TOKENS, ids: str = "r") -> dict:
+    """Every job (gateway address, prompt index) as a greedy stream at once, job n as request id `{ids}{n}` (unique
+    across the gateways: gateways sharing a Redis refuse an id another one runs; calls at once take other `ids`);
+    `out[(n, prompt index)]`."""
     out: dict = {}
     threads = [threading.Thread(target=generate_greedy, args=(address, PROMPTS[i], out, (n, i),
-                                                        f"r{n // 2 if pair_ids else n}", tokens))
+                                                        f"{ids}{n}", tokens))
                for n, (address, i) in enumerate(jobs)]
     for thread in threads:
         thread.start()

@@ -72,10 +72,10 @@ def test_two_gateways_share_one_pool_and_batch_across_gateways(pools, gateways, 
     # A gateway's first request pays for joining the workers (handles, connections); under load one gateway's whole
     # stream could end before the other's first call arrived, so each serves one alone first.
     for n, gateway in enumerate(gateways):
-        assert at_once([(gateway.address, n)], pair_ids=False)[(0, n)] == expected[n]
+        assert at_once([(gateway.address, n)])[(0, n)] == expected[n]
     before = {w["name"]: w["merged_forwards"] for w in pool_status(pools)["workers"]}
-    # The same request id on both gateways at once: each gateway's ids are kept apart on the shared workers. Calls
-    # meeting in one window is up to the scheduler of a loaded machine: up to three bursts for one shared forward.
+    # Both gateways' streams at once (the same request id on two gateways is kept apart on the shared workers:
+    # test_shared_kv). Calls meeting in one window is up to the scheduler of a loaded machine: up to three bursts.
     for _ in range(3):
         out = at_once([(gateways[0].address, 0), (gateways[1].address, 1)] * 2)
         assert {key: ids for key, ids in out.items()} == {(n, i): expected[i] for n, i in [(0, 0), (1, 1), (2, 0),
@@ -233,10 +233,9 @@ def test_a_gateway_killed_leaves_the_workers_and_the_other_gateway_serving(pools
     pids = {w["name"]: w["pid"] for w in pool_status(pools)["workers"]}
     out: dict = {}
     killed: dict = {}
-    runners = [threading.Thread(target=lambda: out.update(at_once([(gateways[1].address, i) for i in range(4)],
-                                                                  pair_ids=False))),
+    runners = [threading.Thread(target=lambda: out.update(at_once([(gateways[1].address, i) for i in range(4)]))),
                threading.Thread(target=lambda: killed.update(at_once([(gateways[0].address, i) for i in range(4)],
-                                                                     pair_ids=False, tokens=400)))]
+                                                                     tokens=400, ids="k")))]
     for runner in runners:
         runner.start()
     time.sleep(0.5)
@@ -254,7 +253,7 @@ def test_a_gateway_with_two_engine_lanes_stays_exact_on_the_shared_pools(pools, 
     with EmbeddedRedis() as redis:
         gateway = Gateway(pools, redis.url, "--lanes", "2", "--max-batch", "2")  # a lane takes requests past 2
         try:
-            out = at_once([(gateway.address, i) for i in range(len(PROMPTS))] * 2, pair_ids=False)
+            out = at_once([(gateway.address, i) for i in range(len(PROMPTS))] * 2)
         finally:
             gateway.stop()
     assert len(out) == 2 * len(PROMPTS)
@@ -303,7 +302,7 @@ def test_a_restarted_manager_adopts_its_workers_and_gateways_keep_serving(pools,
     tandem_cli(pools, "pools", "scale", "--name", "t", "draft", "2")  # it still manages them: scaling goes on
     time.sleep(3)
     gateway = next(g for g in gateways if g.process.poll() is None)
-    out = at_once([(gateway.address, i) for i in range(len(PROMPTS))], pair_ids=False)
+    out = at_once([(gateway.address, i) for i in range(len(PROMPTS))])
     assert [out[(i, i)] for i in range(len(PROMPTS))] == expected
     tandem_cli(pools, "pools", "scale", "--name", "t", "draft", "1")
 
@@ -338,7 +337,7 @@ def test_a_dead_target_replica_moves_its_sessions_and_none_left_is_unavailable_u
     first, second = (w["name"] for w in pool_status(pools)["workers"] if w["role"] == "target")
     out: dict = {}
     jobs = [(gateway.address, i) for i in range(len(PROMPTS))] * 2
-    runner = threading.Thread(target=lambda: out.update(at_once(jobs, pair_ids=False)))
+    runner = threading.Thread(target=lambda: out.update(at_once(jobs)))
     runner.start()
     time.sleep(0.3)
     kill_for_good(pools, f"tandem-pools-t-{first}")

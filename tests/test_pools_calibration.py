@@ -50,7 +50,7 @@ def test_the_first_gateway_calibrates_and_the_next_adopts_its_costs(adaptive_poo
 
             started.append(Gateway(adaptive_pools, redis.url, pool="c"))
             assert _forwards(pool_status(adaptive_pools, "c")) == calibrated, "the second gateway ran forwards to start"
-            out = at_once([(started[1].address, i) for i in range(len(PROMPTS))], pair_ids=False)
+            out = at_once([(started[1].address, i) for i in range(len(PROMPTS))])
             assert [out[(i, i)] for i in range(len(PROMPTS))] == expected
 
             before = _forwards(pool_status(adaptive_pools, "c"))

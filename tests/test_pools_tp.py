@@ -65,7 +65,7 @@ def test_two_gateways_share_a_tensor_parallel_replica_and_a_broken_group_is_repl
             time.sleep(3)  # gateways follow the membership every 2 s
             for gateway in gateways:
                 wait_health(gateway.address, SERVING, 60)
-            out = at_once([(gateways[n % 2].address, i) for n, i in enumerate(range(len(PROMPTS)))], pair_ids=False)
+            out = at_once([(gateways[n % 2].address, i) for n, i in enumerate(range(len(PROMPTS)))])
             assert [out[(i, i)] for i in range(len(PROMPTS))] == expected
         finally:
             for gateway in gateways:

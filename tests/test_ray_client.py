@@ -124,7 +124,7 @@ def test_a_ray_client_gateway_decodes_exactly_beside_a_driver_gateway_on_one_poo
     assert any("ray.util.client.server" in entry for _, entry in jobs), jobs
     assert driver.process.pid in {pid for pid, _ in jobs}, jobs
     # Every prompt at once through the client gateway alone, then through both gateways at once.
-    out = at_once([(client.address, i) for i in range(len(PROMPTS))], pair_ids=False)
+    out = at_once([(client.address, i) for i in range(len(PROMPTS))])
     assert [out[(i, i)] for i in range(len(PROMPTS))] == expected
     out = at_once([(gateway.address, i) for i in range(len(PROMPTS)) for gateway in gateways])
     assert {key: ids for key, ids in out.items()} == {(n, n // 2): expected[n // 2] for n in range(2 * len(PROMPTS))}
@@ -189,7 +189,7 @@ def test_a_ray_client_gateway_stops_cleanly_and_releases_its_sequences(pools, cl
                                                                        tmp_path) -> None:
     gateway = Gateway(ray_client_address(client_port), redis.url, env=_client_env(), log=tmp_path / "client.err")
     try:
-        assert at_once([(gateway.address, 0)], pair_ids=False)[(0, 0)] == expected[0]
+        assert at_once([(gateway.address, 0)])[(0, 0)] == expected[0]
     finally:
         gateway.stop()
     assert gateway.process.returncode == 0, (tmp_path / "client.err").read_text()[-2000:]
@@ -204,10 +204,9 @@ def test_a_killed_ray_client_gateway_leaves_the_other_serving_and_its_sequences_
     pids = {w["name"]: w["pid"] for w in pool_status(pools)["workers"]}
     out: dict = {}
     killed: dict = {}
-    runners = [threading.Thread(target=lambda: out.update(at_once([(driver.address, i) for i in range(4)],
-                                                                  pair_ids=False))),
+    runners = [threading.Thread(target=lambda: out.update(at_once([(driver.address, i) for i in range(4)]))),
                threading.Thread(target=lambda: killed.update(at_once([(client.address, i) for i in range(4)],
-                                                                     pair_ids=False, tokens=400)))]
+                                                                     tokens=400, ids="k")))]
     for runner in runners:
         runner.start()
     time.sleep(1.0)

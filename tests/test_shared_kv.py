@@ -394,3 +394,21 @@ def _long_prompt_beside_another_gateway(tiny_models, shared_replica) -> None:
     _wait_idle([shared_replica])
     first_token_step("refresh", prompts["b"])  # a reply that says B's sequence is gone
     assert first_token_step("a2", prompts["a2"]) == (4, expected["a2"])
+
+
+def test_one_request_id_on_two_gateways_is_two_sequences_on_their_shared_replica(tiny_models, shared_replica) -> None:
+    """Gateways that share no request registry (no shared Redis) may both run a request named "same": each gateway's
+    wire-id prefix keeps the two apart on the worker, and each ends with its own prompt's tokens."""
+    _wait_idle([shared_replica])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = {"a": _prompt(30, 12), "b": _prompt(31, 14)}
+    alone = build_engine(tiny_models[0], None, EngineConfig(calibrate=False))
+    expected = {name: alone.generate([prompt], params)[0].token_ids for name, prompt in prompts.items()}
+    gateways = {name: _gateway(tiny_models, shared_replica, name.upper()) for name in prompts}
+    for name, engine in gateways.items():
+        engine.add_request(prompts[name], params, "same")
+    tokens = {name: [] for name in prompts}
+    for _ in range(40):
+        for name, engine in gateways.items():
+            tokens[name] += [t for out in engine.step() for t in out.new_token_ids] if engine.has_unfinished() else []
+    assert tokens == expected

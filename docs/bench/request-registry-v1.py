@@ -1,8 +1,8 @@
 """What the cross-replica request registry (gateway.request_registry) costs a request, and how fast an Abort reaches
 another replica, against a real redis-server on loopback (an embedded one, as `tandem serve` starts).
 
-- claim: one request's claim (the atomic script run before it is queued), CLAIMS of them one after another, and
-  CLAIMS in waves of CONCURRENT at once (a gateway taking a burst), each released as a request ends;
+- claim and release: one request's claim (the atomic script run before it is queued) and release (run before its
+  last event is sent), CLAIMS of each one after another, and CLAIMS in waves of CONCURRENT at once (a burst);
 - forward: an Abort forwarded to another registry (GET the owner, PUBLISH on its channel) until the owner's listener
   has the id: what a client's Abort adds on the replica it reached.
 
@@ -34,24 +34,21 @@ async def measure(url: str) -> dict:
     await other.start(lambda request_id: False)
     await asyncio.wait_for(owner.listening.wait(), 10)
 
-    sequential = []
-    for index in range(CLAIMS):
+    async def timed(call) -> float:
         started = time.perf_counter()
-        assert await owner.claim(f"seq-{index}")
-        sequential.append(time.perf_counter() - started)
-        owner.release(f"seq-{index}")
-
-    async def timed_claim(request_id: str) -> float:
-        started = time.perf_counter()
-        assert await owner.claim(request_id)
+        await call
         return time.perf_counter() - started
 
-    burst = []
+    sequential, released = [], []
+    for index in range(CLAIMS):
+        sequential.append(await timed(owner.claim(f"seq-{index}")))
+        released.append(await timed(owner.release(f"seq-{index}")))
+
+    burst, burst_released = [], []
     for wave in range(CLAIMS // CONCURRENT):
         ids = [f"burst-{wave}-{index}" for index in range(CONCURRENT)]
-        burst += await asyncio.gather(*(timed_claim(request_id) for request_id in ids))
-        for request_id in ids:
-            owner.release(request_id)
+        burst += await asyncio.gather(*(timed(owner.claim(request_id)) for request_id in ids))
+        burst_released += await asyncio.gather(*(timed(owner.release(request_id)) for request_id in ids))
 
     forwards = []
     for index in range(FORWARDS):
@@ -60,10 +57,11 @@ async def measure(url: str) -> dict:
         assert await other.abort_elsewhere(f"run-{index}")
         assert await asyncio.wait_for(arrived.get(), 5) == f"run-{index}"
         forwards.append(time.perf_counter() - started)
-        owner.release(f"run-{index}")
+        await owner.release(f"run-{index}")
     await owner.close()
     await other.close()
-    return {"claim_sequential": summary(sequential), f"claim_{CONCURRENT}_at_once": summary(burst),
+    return {"claim_sequential": summary(sequential), "release_sequential": summary(released),
+            f"claim_{CONCURRENT}_at_once": summary(burst), f"release_{CONCURRENT}_at_once": summary(burst_released),
             "abort_forwarded_until_owner_has_it": summary(forwards)}
 
 

@@ -26,8 +26,10 @@ def run_gateway(args: argparse.Namespace) -> int:
     # A gateway holds no model: transformers' advice that without torch "Models won't be available" is no news to
     # its operator (the gateway install has no torch on purpose), only alarm in its log.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from tandem.pools.names import check_pool_name
     from tandem.telemetry import tracing
 
+    check_pool_name(args.pools, "pools")  # before Ray is joined
     options = gateway_options(args)
     if not args.draft_timeout > 0:  # 0 or less: every draft call late, speculation silently off
         raise InvalidArgument(f"draft_timeout: must be more than 0 seconds, got {args.draft_timeout}")
@@ -35,7 +37,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     exporters = tracing.setup_from_env("tandem-gateway")
     # Ray is joined on the main thread, before the gateway's SIGTERM handler (see `tandem serve`).
     connect(args)
-    from tandem.engines.shared_pools import attach_backend  # the engine stack, once a cluster answers
+    from tandem.engines.shared_pools import attach_backend, exit_status  # the engine stack, once a cluster answers
     from tandem.pools import find_manager
 
     find_manager(args.pools)  # a clear error now rather than a gateway that never turns ready
@@ -47,7 +49,7 @@ def run_gateway(args: argparse.Namespace) -> int:
                               stop=stop, lanes=args.lanes)
 
     try:
-        return serve_gateway(args, load, options, None, exporters, model=f"pools {args.pools}")
+        return serve_gateway(args, load, options, None, exporters, model=f"pools {args.pools}") or exit_status()
     finally:
         stop.set()
         import ray

@@ -220,6 +220,11 @@ class PoolSide(Protocol):
 
     def pin_session(self, session_id: str, worker: str) -> None: ...
 
+    def waiting_for_worker(self) -> bool:
+        """Whether a call is waiting for a worker to come back (every one failed; Ray restarts them): the gateway
+        takes no new requests meanwhile."""
+        ...
+
     def others_running(self, seq_id: str) -> int:
         """Sequences other callers (gateways, lanes) run on the worker that holds `seq_id`, as it last said; for one
         not placed yet, the fewest on any worker it may go to. A long prompt's prefill holds their next steps too."""
@@ -266,6 +271,9 @@ class InProcessSide:
 
     def others_running(self, seq_id: str) -> int:
         return 0
+
+    def waiting_for_worker(self) -> bool:
+        return False
 
     def carry_trace(self, carriers: TraceCarriers | None) -> None:
         return None

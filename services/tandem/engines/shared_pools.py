@@ -34,6 +34,20 @@ from tandem.workers.target_pool import RayVerifier, target_tokenizer
 log = logging.getLogger(__name__)
 
 MEMBERSHIP_POLL_S = 2.0
+# `tandem gateway`'s exit status once its pools came back with other models: not 0, so that a supervisor that
+# restarts failed processes only (systemd's Restart=on-failure) starts the fresh gateway they need.
+EXIT_MODELS_CHANGED = 3
+_exit_status = 0
+
+
+def exit_status() -> int:
+    """What the gateway process should exit with once it has drained (0, or EXIT_MODELS_CHANGED)."""
+    return _exit_status
+
+
+def exit_after_drain(status: int) -> None:
+    global _exit_status
+    _exit_status = status
 
 
 def _handles(description: dict, role: str) -> list:
@@ -114,6 +128,7 @@ def _follow_membership(pool: str, manager, description: dict, clients: list[RayP
     its supervisor starts a fresh one that attaches to them."""
     seen = (description["incarnation"], description["generation"])
     models = (description["target"], description["draft"])
+    failing = ""  # the last failure logged: one line per new failure, not one per poll
     while not stop.wait(MEMBERSHIP_POLL_S):
         try:
             try:
@@ -121,11 +136,17 @@ def _follow_membership(pool: str, manager, description: dict, clients: list[RayP
             except Exception:
                 manager = find_manager(pool)  # restarted, or stopped and started anew: look it up by name again
                 description = ray.get(manager.describe.remote(), timeout=MEMBERSHIP_POLL_S * 5)
+            if failing:
+                log.warning("pools %r answer again", pool)
+                failing = ""
+            _mark_gone(clients, False)
             if (description["incarnation"], description["generation"]) == seen:
                 continue
             if (description["target"], description["draft"]) != models:
-                log.error("pools %r now run target %s, draft %s (this gateway attached to %s, %s): exiting so that a "
-                          "fresh gateway attaches", pool, description["target"], description["draft"] or "-", *models)
+                log.error("pools %r now run target %s, draft %s (this gateway attached to %s, %s): exiting (status %d) "
+                          "so that a fresh gateway attaches", pool, description["target"],
+                          description["draft"] or "-", models[0], models[1] or "-", EXIT_MODELS_CHANGED)
+                exit_after_drain(EXIT_MODELS_CHANGED)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             if description["incarnation"] != seen[0]:
@@ -137,4 +158,15 @@ def _follow_membership(pool: str, manager, description: dict, clients: list[RayP
             seen = (description["incarnation"], description["generation"])
             log.warning("pools %r now: %s", pool, {role: len(names) for role, names in description["workers"].items()})
         except Exception as exc:  # the manager restarting or a worker not yet named: try again next poll
-            log.warning("could not follow the pools' membership: %s", exc)
+            if isinstance(exc, TandemError):  # no manager by that name: the pools were stopped
+                _mark_gone(clients, True)
+            if str(exc) != failing:
+                failing = str(exc)
+                log.warning("could not follow the pools' membership: %s%s", exc, "; requests fail UNAVAILABLE until "
+                            "they are started again" if isinstance(exc, TandemError) else "")
+
+
+def _mark_gone(clients: list[RayPoolClient], gone: bool) -> None:
+    """Pools no longer listed (stopped) or listed again: a call waiting for their workers to come back stops."""
+    for client in clients:
+        client.pools_gone = gone

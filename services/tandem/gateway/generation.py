@@ -19,7 +19,7 @@ from tandem.errors import InvalidArgument, request_id_in_use
 from tandem.gateway.arms import ArmRouter
 from tandem.gateway.auth import MAX_PRIORITY
 from tandem.gateway.choice_stream import ChoiceStream
-from tandem.gateway.events import DRAINING, EngineUnavailable, Event, TenantBusy, error_code
+from tandem.gateway.events import DRAINING, ChoiceEnd, EngineUnavailable, Event, TenantBusy, error_code
 from tandem.gateway.interleave import interleave
 from tandem.gateway.lanes import ServingLoop
 from tandem.gateway.request_registry import LocalRegistry, RequestRegistry
@@ -214,6 +214,8 @@ class Generations(ChoiceStream):
             if len(choices) == 1:
                 async for event in self._choice(0, choices[0], client_id, observed, backend, loop, tenant,
                                                 admitted):
+                    if isinstance(event, ChoiceEnd):  # free the id before the client hears the request ended
+                        await self.registry.release(prepared.request_id)
                     yield event
                 return
             # Each choice is a generation of its own to telemetry: its own span and duration.
@@ -222,12 +224,16 @@ class Generations(ChoiceStream):
             streams = [self._choice(index, choice, client_id, observers[index], backend, loop, tenant, admitted)
                        for index, choice in enumerate(choices)]
             # A failed choice or a client gone stops the others (each frees its caches as it unwinds).
+            ended = 0
             async with contextlib.aclosing(interleave(streams)) as events:
                 async for event in events:
+                    ended += isinstance(event, ChoiceEnd)
+                    if ended == len(choices) and isinstance(event, ChoiceEnd):
+                        await self.registry.release(prepared.request_id)
                     yield event
         finally:
             self._choices.pop(prepared.request_id, None)
-            self.registry.release(prepared.request_id)
+            self.registry.release_soon(prepared.request_id)  # (a failure or a client gone: no await in unwinding)
 
     @staticmethod
     def _refuse_id(client_id: str, observed: RequestObserver) -> None:

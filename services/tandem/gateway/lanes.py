@@ -55,6 +55,10 @@ class LanedLoop:
     def unavailable(self) -> bool:
         return any(lane.unavailable for lane in self.lanes)
 
+    @property
+    def waiting_for_replica(self) -> bool:
+        return any(lane.waiting_for_replica for lane in self.lanes)
+
     def recover(self, timeout_s: float) -> bool:
         return all([lane.recover(timeout_s) for lane in self.lanes])
 
@@ -93,7 +97,7 @@ class LanedLoop:
         if any(lane.has_request(request.request_id) for lane in self.lanes):
             raise request_id_in_use(request.request_id)
         check_room(self.active, sum(lane.unread for lane in self.lanes), self.max_requests)
-        serving = [lane for lane in self.lanes if not lane.unavailable] or self.lanes
+        serving = [lane for lane in self.lanes if not lane.unavailable and not lane.waiting_for_replica] or self.lanes
         with_room = [candidate for candidate in serving if candidate.active < candidate.batch_capacity]
         lane = with_room[0] if with_room else min(serving, key=lambda candidate: candidate.active)
         return await lane.submit(request)

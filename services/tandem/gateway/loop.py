@@ -117,11 +117,17 @@ class EngineLoop(EngineThread):
             self.unavailable = True
 
     def recover(self, timeout_s: float) -> bool:
-        """Probe the target replicas (blocking; keep it off the event loop): serve again once one answers and no
-        step is stalled."""
+        """Probe the target replicas (blocking; keep it off the event loop): serve again once one answers, no step
+        is stalled and none waits for a replica to come back."""
         if self.unavailable and self.engine.verifier.reachable(timeout_s):
             self.unavailable = False
-        return not self.unavailable and not self.stalled
+        return not self.unavailable and not self.stalled and not self.waiting_for_replica
+
+    @property
+    def waiting_for_replica(self) -> bool:
+        """A step waits for a target replica to come back (every one failed): new requests are refused meanwhile,
+        as while none is available, rather than queued behind a wait that may end in failure."""
+        return self.engine.verifier.waiting_for_worker()
 
     def preemptions(self) -> dict[str, int]:
         """Sequences the engine took out of a step it ran them in, by kind (core.engine; read by the metrics scrape
@@ -148,7 +154,7 @@ class EngineLoop(EngineThread):
             raise EngineUnavailable("not accepting requests: the server is draining or stopped")
         if self.stalled:
             raise EngineUnavailable("not accepting requests: the engine is stalled")
-        if self.unavailable:
+        if self.unavailable or self.waiting_for_replica:
             raise EngineUnavailable("not accepting requests: no target replica is available (readiness turns "
                                     "SERVING once one answers)")
         if request_id in self._active:

@@ -2,7 +2,8 @@
 
 Gateways that share a Redis (the sessions') register each running request under `tandem:request:<scoped id>`, its
 value the gateway's id and a claim number, with one atomic script that refuses an id another live gateway holds (as
-one gateway refuses an id it runs); they renew those keys while the requests run and delete them as the requests end.
+one gateway refuses an id it runs); they renew those keys while the requests run and delete them as the requests end
+(before the last event reaches the client: an id sent again at once finds itself free, on any replica).
 Every gateway listens on its own channel, `tandem:abort:<gateway id>`: an Abort that finds nothing on the gateway it
 reached reads the key and publishes the id there, and the owner stops it as its own Abort would. A gateway that died
 (or whose listener is reconnecting after a Redis outage) has no listener: its ids are taken by whoever sends them
@@ -37,8 +38,8 @@ SOCKET_TIMEOUT_S = 0.3  # a request's claim waits at most this on a Redis that s
 RETRY_S = (0.5, 15.0)  # after a failure Redis is left alone (claims go through unchecked) for 0.5 s, doubling to 15
 LISTEN_POLL_S = 1.0
 # Connections a replica holds to Redis (the listener's one of them): a burst of requests' claims waits its turn for
-# one (each holds it for one round trip) rather than opening a connection each, up to POOL_WAIT_S (64 claims at once:
-# p99 16 ms over 32 connections, 34 ms over 8; request-registry-v1.py).
+# one (each holds it for one round trip) rather than opening a connection each, up to POOL_WAIT_S (64 claims at once,
+# p99: 16 ms over 32 connections, 34 ms over 8, in one sitting of request-registry-v1.py).
 CONNECTIONS, POOL_WAIT_S = 32, 2.0
 RENEW_BATCH = 500
 
@@ -70,7 +71,8 @@ AbortHere = Callable[[str], bool]
 class RequestRegistry(Protocol):
     async def start(self, abort_here: AbortHere) -> None: ...
     async def claim(self, request_id: str) -> bool: ...
-    def release(self, request_id: str) -> None: ...
+    async def release(self, request_id: str) -> None: ...
+    def release_soon(self, request_id: str) -> None: ...
     async def abort_elsewhere(self, request_id: str) -> bool: ...
     async def close(self) -> None: ...
 
@@ -84,7 +86,10 @@ class LocalRegistry:
     async def claim(self, request_id: str) -> bool:
         return True
 
-    def release(self, request_id: str) -> None:
+    async def release(self, request_id: str) -> None:
+        pass
+
+    def release_soon(self, request_id: str) -> None:
         pass
 
     async def abort_elsewhere(self, request_id: str) -> bool:
@@ -130,11 +135,21 @@ class RedisRequestRegistry:
         self._held[request_id] = value
         return True
 
-    def release(self, request_id: str) -> None:
-        """The request ended here: its key goes (in the background; a finished stream does not wait on Redis)."""
+    async def release(self, request_id: str) -> None:
+        """The request ended here: its key goes, before its client hears so (a client that sends the id again at once,
+        to any replica, finds it free). Once per claim: later calls do nothing."""
         value = self._held.pop(request_id, None)
         if value is not None:
-            self._spawn(self._call(lambda client: client.eval(_RELEASE, 1, self.prefix + request_id, value)))
+            await self._delete(request_id, value)
+
+    def release_soon(self, request_id: str) -> None:
+        """release, in the background: for a request that failed or whose client went away (nothing waits on it)."""
+        value = self._held.pop(request_id, None)  # now: a claim of the same id made meanwhile is not this one's
+        if value is not None:
+            self._spawn(self._delete(request_id, value))
+
+    async def _delete(self, request_id: str, value: str) -> None:
+        await self._call(lambda client: client.eval(_RELEASE, 1, self.prefix + request_id, value))
 
     async def abort_elsewhere(self, request_id: str) -> bool:
         """Tell the gateway running `request_id` to stop it: True when one does (as far as Redis knows)."""

@@ -148,7 +148,7 @@ class Gateway(HttpApi):
             return "loading"
         if any(loop.stalled for loop in self.all_loops):
             return "stalled"
-        return "unavailable" if any(loop.unavailable for loop in self.all_loops) else None
+        return "unavailable" if any(loop.unavailable or loop.waiting_for_replica for loop in self.all_loops) else None
 
     @property
     def all_loops(self) -> list[ServingLoop]:
@@ -191,8 +191,9 @@ class Gateway(HttpApi):
             log.info("ready: %s on %s%s", self.generations.backend.target_name, self.address, arms)
 
     async def _watch_backends(self) -> None:
-        """Readiness follows the target replicas and the engines: NOT_SERVING while no replica of a loop answers or a
-        loop's step is stalled (its requests fail UNAVAILABLE), SERVING again once one answers and the step ended."""
+        """Readiness follows the target replicas and the engines: NOT_SERVING while no replica of a loop answers, a
+        loop's step waits for one to come back or is stalled (its requests fail UNAVAILABLE), SERVING again once one
+        answers and the step ended."""
         down, probed = False, time.monotonic()
         while self._drain is None:
             await asyncio.sleep(BACKEND_POLL_SECONDS)
@@ -200,16 +201,16 @@ class Gateway(HttpApi):
                 for loop in self.all_loops:
                     await asyncio.to_thread(loop.probe_idle, IDLE_PROBE_SECONDS)
                 probed = time.monotonic()
-            loops = [loop for loop in self.all_loops if loop.unavailable or loop.stalled]
+            loops = [loop for loop in self.all_loops if loop.unavailable or loop.stalled or loop.waiting_for_replica]
             if loops and not down:
-                log.warning("readiness NOT_SERVING: %s", "an engine step is stalled" if any(
-                    loop.stalled for loop in loops) else "no target replica is available")
+                log.warning("readiness NOT_SERVING: %s", _why_down(loops))
                 await self.health.set(READINESS_SERVICE, NOT_SERVING)
-            recovered = [await asyncio.to_thread(loop.recover, BACKEND_POLL_SECONDS) for loop in loops]
-            down = not all(recovered)
-            if loops and not down and self._drain is None:
+                down = True
+            recovered = all([await asyncio.to_thread(loop.recover, BACKEND_POLL_SECONDS) for loop in loops])
+            if down and recovered and self._drain is None:  # (a loop may have recovered between two polls)
                 log.warning("readiness SERVING again")
                 await self.health.set(READINESS_SERVICE, SERVING)
+            down = not recovered
 
     def drain(self, grace: float | None = None) -> asyncio.Task:
         """Stop taking requests, let in-flight ones finish for up to `grace` seconds, then stop (idempotent)."""
@@ -251,3 +252,11 @@ class Gateway(HttpApi):
         await self.server.wait_for_termination()
         if self._drain is not None:
             await self._drain
+
+
+def _why_down(loops: list[ServingLoop]) -> str:
+    if any(loop.stalled for loop in loops):
+        return "an engine step is stalled"
+    if any(loop.waiting_for_replica for loop in loops):
+        return "every target replica failed; waiting for one to come back"
+    return "no target replica is available"

@@ -32,7 +32,7 @@ from tandem.core.model_options import draft_vocab_limit
 from tandem.errors import InvalidArgument
 from tandem.pools.health import actor_state, succeeded, worker_health
 from tandem.pools.launch import Launched, find_launched, placement
-from tandem.pools.names import manager_name
+from tandem.pools.names import check_pool_name, manager_name
 from tandem.pools.starting import WorkerStarts
 
 if TYPE_CHECKING:
@@ -61,8 +61,7 @@ class PoolSpec:
     target_vocab: int = 0
 
     def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("-", "").isalnum():
-            raise InvalidArgument(f"name: letters, digits and dashes only, got {self.name!r}")
+        check_pool_name(self.name)
         if self.draft is not None and self.target_vocab < 1:
             raise InvalidArgument(f"target_vocab: the target's vocabulary size, needed with a draft, got "
                                   f"{self.target_vocab}")

@@ -12,12 +12,18 @@ from collections.abc import Callable
 
 import ray
 
-from tandem.errors import TandemError
+from tandem.errors import InvalidArgument, TandemError
 
 NAMESPACE = "tandem"  # the Ray namespace of shared pools' named actors
 MANAGER_PREFIX = "tandem-pools-"
 STOP_TIMEOUT_S = 60.0
 _WORKER_NAME = re.compile(r"(?:draft|target)-\d+(?:-rank\d+)?")  # a worker's name after its pools' prefix
+
+
+def check_pool_name(name: str, field: str = "name") -> None:
+    """InvalidArgument naming `field` unless `name` can name pools: letters, digits and dashes."""
+    if not name or not name.replace("-", "").isalnum():
+        raise InvalidArgument(f"{field}: letters, digits and dashes only, got {name!r}")
 
 
 def manager_name(pool: str) -> str:

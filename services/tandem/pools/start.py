@@ -7,6 +7,7 @@ This runs in the starter's process; pools.manager is the actor's code, which Ray
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import ray
@@ -27,8 +28,13 @@ def start_pools(spec: PoolSpec, timeout_s: float, report: Callable[[str], None])
     else:
         raise InvalidArgument(f"name: pools named {spec.name!r} are already running (`tandem pools status`)")
     stop_orphans(spec.name, report)
-    manager = ray.remote(PoolManager).options(name=manager_name(spec.name), namespace=NAMESPACE, lifetime="detached",
-                                              num_cpus=0, max_restarts=-1, max_concurrency=8).remote(spec)
+    try:
+        manager = ray.remote(PoolManager).options(name=manager_name(spec.name), namespace=NAMESPACE,
+                                                  lifetime="detached", num_cpus=0, max_restarts=-1,
+                                                  max_concurrency=8).remote(spec)
+    except ValueError:  # (Ray's ActorAlreadyExistsError is one) another start of this name won the race
+        raise InvalidArgument(f"name: pools named {spec.name!r} are already running (`tandem pools status`)") \
+            from None
     try:
         described = ray.get(manager.start.remote())
         wait_ready(manager, spec.name, [n for names in described["starting"].values() for n in names], timeout_s,
@@ -37,7 +43,8 @@ def start_pools(spec: PoolSpec, timeout_s: float, report: Callable[[str], None])
     except BaseException as exc:  # a failed or timed-out start, or the starter interrupted: nothing stays behind
         from tandem.workers.worker_base import user_error
 
-        stop_pools(manager)
+        with contextlib.suppress(ray.exceptions.RayError):  # a `tandem pools stop` meanwhile: already gone
+            stop_pools(manager)
         if isinstance(exc, Exception) and (failed := user_error(exc)) is not None:
             raise failed from None  # its message alone, not the manager's remote traceback
         raise

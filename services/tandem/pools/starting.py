@@ -60,6 +60,15 @@ class WorkerStarts:
         threading.Thread(target=self._await, args=(launched,), name=f"tandem-pools-{launched.name}",
                          daemon=True).start()
 
+    def _unexpected(self, launched: Launched, exc: BaseException) -> str:
+        """An error of the worker's start that tandem did not word (a corrupt weights file, say): which worker, on
+        which host, loading what, beside the error's own last line."""
+        from tandem.workers.worker_base import worker_host
+
+        config = self.spec.target if launched.role == "target" else self.spec.draft
+        model = f"model {config.model}: " if config is not None else ""
+        return f"a {launched.role} worker on {worker_host(str(exc))} could not start: {model}{last_error(exc)}"
+
     def _await(self, launched: Launched) -> None:
         """Wait for one worker's start; a ready worker joins the pool (a new generation: gateways follow), one whose
         start failed is stopped and its error kept. A worker stopped while it started (a scale down) ends quietly."""
@@ -72,7 +81,7 @@ class WorkerStarts:
                 if self.starting.pop(launched.name, None) is None:
                     return
                 failed = exc if isinstance(exc, TandemError) else user_error(exc)
-                message = str(failed) if failed is not None else last_error(exc)
+                message = str(failed) if failed is not None else self._unexpected(launched, exc)
                 log.error("pools %s: %s could not start: %s", self.spec.name, launched.name, message)
                 self.failures[launched.name] = {"role": launched.role, "error": message, "at": round(time.time())}
                 while len(self.failures) > FAILURES_KEPT:

@@ -208,6 +208,10 @@ class RayPoolClient:
         self.trace_carriers: TraceCarriers | None = None  # given by the gateway's engine loop (carry_trace)
         self._offered: tuple[list, list[str]] | None = None
         self.ranks_per_worker = ranks_per_worker
+        # Shared pools that their manager no longer lists (stopped): no worker of theirs is coming back, so nothing
+        # waits for one (set and cleared by the gateway's membership follower, engines.shared_pools).
+        self.pools_gone = False
+        self.waiting_since: float | None = None  # while a call waits for a worker to come back (monotonic)
 
     def deadline_s(self, requests: list) -> float:
         """A call's deadline: long enough for a slow worker's long prefill, short for a hung one (workers.pace)."""
@@ -253,6 +257,9 @@ class RayPoolClient:
 
     def others_running(self, seq_id: str) -> int:
         return self.router.others_beside(seq_id)
+
+    def waiting_for_worker(self) -> bool:
+        return self.waiting_since is not None
 
     def carry_trace(self, carriers: TraceCarriers | None) -> None:
         self.trace_carriers = carriers

@@ -90,12 +90,23 @@ class RayVerifier(RayPoolClient):
         pending = [f for f in self.rebuilds.values() if not f.done()]
         if pending:
             log.warning("no healthy target replica: waiting for %d rebuild(s)", len(pending))
-            wait(pending, timeout=self.rebuild_timeout_s)
-        elif restarting and self.restart_wait_s > 0 and not self._waited:  # resumed once Ray restarts it
+            self.waiting_since = time.monotonic()
+            try:
+                wait(pending, timeout=self.rebuild_timeout_s)
+            finally:
+                self.waiting_since = None
+        elif restarting and self.restart_wait_s > 0 and not self._waited and not self.pools_gone:
+            # Resumed once Ray restarts it; meanwhile the gateway's readiness says NOT_SERVING (waiting_since), and
+            # pools stopped meanwhile end the wait: their workers are not coming back.
             log.warning("no healthy target replica: waiting up to %.0f s for one to answer", self.restart_wait_s)
             deadline, answered = time.monotonic() + self.restart_wait_s, 0
-            while (left := deadline - time.monotonic()) > 0 and not (answered := self.reachable(min(2.0, left))):
-                time.sleep(min(RESTART_POLL_S, max(0.0, deadline - time.monotonic())))
+            self.waiting_since = time.monotonic()
+            try:
+                while ((left := deadline - time.monotonic()) > 0 and not self.pools_gone
+                       and not (answered := self.reachable(min(2.0, left)))):
+                    time.sleep(min(RESTART_POLL_S, max(0.0, deadline - time.monotonic())))
+            finally:
+                self.waiting_since = None
             # Only an answer counts: a cool-down that ran out meanwhile says nothing of a worker killed for good.
             self._waited = not answered  # none came back: later rounds fail at once until one answers
             return answered > 0

@@ -70,17 +70,17 @@ def get_started(refs, role: str):
     except ray.exceptions.RayTaskError as exc:  # raised in a method (a tensor-parallel rank loads in `setup`)
         if (cause := user_error(exc)) is None:
             raise
-        failed = WorkerStartFailed(f"a {role} worker on {_host(str(exc))} could not start: {cause}")
+        failed = WorkerStartFailed(f"a {role} worker on {worker_host(str(exc))} could not start: {cause}")
     except ray.exceptions.RayActorError as exc:  # raised in the constructor
         text = str(exc)
         if not exc.actor_init_failed or not (lines := list(_TANDEM_ERROR_LINE.finditer(text))):
             raise
         message = text[lines[-1].end():].strip()  # the last exception raised, to the end of its message
-        failed = WorkerStartFailed(f"a {role} worker on {_host(text)} could not start: {message}")
+        failed = WorkerStartFailed(f"a {role} worker on {worker_host(text)} could not start: {message}")
     raise failed
 
 
-def _host(remote_error: str) -> str:
+def worker_host(remote_error: str) -> str:
     """The worker's address as Ray's text of a remote error gives it: `(pid=..., ip=...)`."""
     return found.group(1) if (found := _HOST.search(remote_error)) else "an unknown host"
 
