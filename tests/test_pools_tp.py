@@ -40,6 +40,18 @@ def _targets(address: str) -> list[dict]:
     return [w for w in status["workers"] if w["role"] == "target"]
 
 
+def _answering_targets(address: str, timeout_s: float = 60) -> list[dict]:
+    """_targets once each answered the status call in time (on a loaded host one may miss its 2 s and show no
+    counters)."""
+    deadline = time.monotonic() + timeout_s
+    targets = _targets(address)
+    while not all(w["healthy"] for w in targets):
+        assert time.monotonic() < deadline, targets
+        time.sleep(1)
+        targets = _targets(address)
+    return targets
+
+
 def test_two_gateways_share_a_tensor_parallel_replica_and_a_broken_group_is_replaced(tp_pools, expected) -> None:
     names, _ = named_actors(tp_pools)
     assert names == ["tandem-pools-tp", "tandem-pools-tp-draft-0", "tandem-pools-tp-target-0",
@@ -51,7 +63,7 @@ def test_two_gateways_share_a_tensor_parallel_replica_and_a_broken_group_is_repl
             assert out == {(n, i): expected[i] for n, i in [(0, 0), (1, 1), (2, 0), (3, 1)]}
             status = json.loads(tandem_cli(tp_pools, "pools", "status", "--name", "tp", "--json"))
             assert status["tensor_parallel"] == 2
-            [target] = _targets(tp_pools)
+            [target] = _answering_targets(tp_pools)
             assert target["merged_forwards"] > 0, "no verify forward served both gateways"
 
             kill_for_good(tp_pools, "tandem-pools-tp-target-0-rank1")  # the group cannot run without it

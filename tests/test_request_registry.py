@@ -1,7 +1,8 @@
 """Request ids across gateway replicas (gateway.request_registry), on a real redis-server: two gateways with the tiny
 pair share one Redis; an Abort sent to the replica not running a request stops it there, an id running on one replica
-is refused on the other and free once it ended, tenants' ids stay apart; the registry's keys expire after a dead
-gateway, survive a release that reaches Redis late, and come back after an outage."""
+is refused on the other and free once it ended, tenants' ids stay apart, a tenant's cap holds across the replicas;
+the registry's keys expire after a dead gateway, survive a release that reaches Redis late, and come back after an
+outage."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import redis as redis_client
 from gateway_harness import ServerThread, tiny_backend
 from tandem.client import TandemClient
 from tandem.gateway.auth import ApiKeys, create_key
-from tandem.gateway.request_registry import KEY_PREFIX, RedisRequestRegistry
+from tandem.gateway.request_registry import KEY_PREFIX, Claim, RedisRequestRegistry
 from tandem.sessions import EmbeddedRedis, open_session_store
 from tandem.v1 import generation_pb2 as pb
 
@@ -32,7 +33,8 @@ def redis_server():
 def keys(tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "keys"
     alice, bob = create_key(path, "alice"), create_key(path, "bob")
-    return alice, bob, ApiKeys.load(path)
+    carol = create_key(path, "carol", max_concurrency=1)
+    return alice, bob, ApiKeys.load(path), carol
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +118,8 @@ def test_keys_outlive_their_ttl_while_renewed_and_a_dead_gateways_expire(redis_s
 
     async def work(registry, _):
         dead = RedisRequestRegistry(redis_server.url, ttl_s=0.6)  # never listens nor renews, as if killed
-        assert await registry.claim("renewed") and await dead.claim("dead") and await dead.claim("retried")
-        assert await registry.claim("retried")  # its owner gone: the client's retry runs at once
+        assert {await registry.claim("renewed"), await dead.claim("dead"), await dead.claim("retried")} == {Claim.TAKEN}
+        assert await registry.claim("retried") is Claim.TAKEN  # its owner gone: the client's retry runs at once
         await asyncio.sleep(1.5)
         await dead._client.aclose()
         return [raw.exists(KEY_PREFIX + name) for name in ("renewed", "dead", "retried")]
@@ -135,14 +137,14 @@ def test_through_an_outage_ids_are_checked_here_and_registered_once_redis_is_bac
         async def work(registry, aborted):
             other = RedisRequestRegistry(server.url)
             await other.start(lambda request_id: False)
-            assert await other.claim("before")
+            assert await other.claim("before") is Claim.TAKEN
             await asyncio.wait_for(registry.listening.wait(), 5)
             assert await other.abort_elsewhere("x") is False  # nobody holds it
-            assert await registry.claim("mine") and await other.abort_elsewhere("mine") is True
+            assert await registry.claim("mine") is Claim.TAKEN and await other.abort_elsewhere("mine") is True
             await wait_until(lambda: aborted == ["mine"])
             server.stop()
             started = time.monotonic()
-            assert await registry.claim("during")  # unchecked: Redis cannot say
+            assert await registry.claim("during") is Claim.TAKEN  # unchecked: Redis cannot say
             assert await registry.abort_elsewhere("before") is False
             assert time.monotonic() - started < 1.0
             server.start()
@@ -162,3 +164,40 @@ async def wait_until(condition, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.05)
+
+
+def test_a_tenants_cap_holds_across_the_replicas(gateways, keys) -> None:
+    first, second = gateways
+    with TandemClient(first.address, api_key=keys[3], timeout=60) as here, \
+            TandemClient(second.address, api_key=keys[3], timeout=60) as there:
+        stream = running(here, "one")
+        with pytest.raises(grpc.RpcError) as caught:
+            there.generate_text(token_ids=[1, 2], max_tokens=2)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "tenant 'carol' has 1 requests queued or running on the gateway replicas together" in \
+            caught.value.details()
+        stream.close()
+        assert second.wait_for(lambda: _runs(there), timeout=10)
+
+
+def _runs(client: TandemClient) -> bool:
+    try:
+        return bool(client.generate_text(token_ids=[1, 2], max_tokens=2, temperature=0.0))
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
+        return False
+
+
+def test_a_dead_gateways_requests_do_not_count_against_a_tenants_cap(redis_server) -> None:
+    async def work(registry, _):
+        dead = RedisRequestRegistry(redis_server.url)  # never listens, as if killed
+        assert await dead.claim("dana:a", "dana", 1) is Claim.TAKEN
+        assert await registry.claim("dana:b", "dana", 1) is Claim.TAKEN
+        assert await registry.claim("dana:c", "dana", 1) is Claim.TENANT_BUSY
+        assert await registry.claim("dana:c", "dana", 2) is Claim.TAKEN  # (a cap is the caller's, per claim)
+        await registry.release("dana:b")
+        await registry.release("dana:c")
+        assert await registry.claim("dana:d", "dana", 1) is Claim.TAKEN
+        await dead._client.aclose()
+
+    registry_run(redis_server.url, work)

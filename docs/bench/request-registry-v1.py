@@ -3,6 +3,7 @@ another replica, against a real redis-server on loopback (an embedded one, as `t
 
 - claim and release: one request's claim (the atomic script run before it is queued) and release (run before its
   last event is sent), CLAIMS of each one after another, and CLAIMS in waves of CONCURRENT at once (a burst);
+- a capped tenant's claim, with CONCURRENT - 1 of its requests running (the claim counts them);
 - forward: an Abort forwarded to another registry (GET the owner, PUBLISH on its channel) until the owner's listener
   has the id: what a client's Abort adds on the replica it reached.
 
@@ -15,7 +16,7 @@ import platform
 import statistics
 import time
 
-from tandem.gateway.request_registry import RedisRequestRegistry
+from tandem.gateway.request_registry import Claim, RedisRequestRegistry
 from tandem.sessions import EmbeddedRedis
 
 CLAIMS, CONCURRENT, FORWARDS = 2000, 64, 500
@@ -50,9 +51,20 @@ async def measure(url: str) -> dict:
         burst += await asyncio.gather(*(timed(owner.claim(request_id)) for request_id in ids))
         burst_released += await asyncio.gather(*(timed(owner.release(request_id)) for request_id in ids))
 
+    # A tenant with a cap: each claim counts the tenant's running requests (here CONCURRENT - 1 of them, live).
+    running = [f"t:held-{index}" for index in range(CONCURRENT - 1)]
+    for request_id in running:
+        assert await owner.claim(request_id, "t", CONCURRENT) is Claim.TAKEN
+    capped = []
+    for index in range(CLAIMS // 4):
+        capped.append(await timed(owner.claim(f"t:capped-{index}", "t", CONCURRENT)))
+        await owner.release(f"t:capped-{index}")
+    for request_id in running:
+        await owner.release(request_id)
+
     forwards = []
     for index in range(FORWARDS):
-        assert await owner.claim(f"run-{index}")
+        assert await owner.claim(f"run-{index}") is Claim.TAKEN
         started = time.perf_counter()
         assert await other.abort_elsewhere(f"run-{index}")
         assert await asyncio.wait_for(arrived.get(), 5) == f"run-{index}"
@@ -61,6 +73,7 @@ async def measure(url: str) -> dict:
     await owner.close()
     await other.close()
     return {"claim_sequential": summary(sequential), "release_sequential": summary(released),
+            f"claim_tenant_capped_{CONCURRENT - 1}_running": summary(capped),
             f"claim_{CONCURRENT}_at_once": summary(burst), f"release_{CONCURRENT}_at_once": summary(burst_released),
             "abort_forwarded_until_owner_has_it": summary(forwards)}
 

@@ -188,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "missing_stack", False):
         args = parser.parse_args(argv)  # reports the unknown arguments as argparse always does
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    # A time on every line: a server's log is read afterwards, its lines set against a client's or another server's.
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
     try:
         return int(args.handler(args) or 0)
     except InvalidArgument as exc:

@@ -22,7 +22,7 @@ from tandem.gateway.choice_stream import ChoiceStream
 from tandem.gateway.events import DRAINING, ChoiceEnd, EngineUnavailable, Event, TenantBusy, error_code
 from tandem.gateway.interleave import interleave
 from tandem.gateway.lanes import ServingLoop
-from tandem.gateway.request_registry import LocalRegistry, RequestRegistry
+from tandem.gateway.request_registry import Claim, LocalRegistry, RequestRegistry
 from tandem.gateway.validate import (
     BACKGROUND_PRIORITY,
     GatewayLimits,
@@ -209,8 +209,9 @@ class Generations(ChoiceStream):
             self._refuse_id(client_id, observed)
         self._choices[prepared.request_id] = [choice.request_id for choice in choices]
         try:
-            if not await self.registry.claim(prepared.request_id):  # running on another gateway replica
-                self._refuse_id(client_id, observed)
+            claim = await self.registry.claim(prepared.request_id, tenant, self.tenant_limits.get(tenant) or 0)
+            if claim is not Claim.TAKEN:  # the id runs on another gateway replica, or the tenant's cap is reached
+                self._refuse_claim(claim, client_id, tenant, observed)
             if len(choices) == 1:
                 async for event in self._choice(0, choices[0], client_id, observed, backend, loop, tenant,
                                                 admitted):
@@ -238,6 +239,14 @@ class Generations(ChoiceStream):
     @staticmethod
     def _refuse_id(client_id: str, observed: RequestObserver) -> None:
         refused = request_id_in_use(client_id)
+        observed.failed(error_code(refused), str(refused))
+        raise refused
+
+    def _refuse_claim(self, claim: Claim, client_id: str, tenant: str, observed: RequestObserver) -> None:
+        if claim is Claim.ID_IN_USE:
+            self._refuse_id(client_id, observed)
+        refused = TenantBusy(f"tenant {tenant!r} has {self.tenant_limits[tenant]} requests queued or running on the "
+                             f"gateway replicas together (its limit); retry later")
         observed.failed(error_code(refused), str(refused))
         raise refused
 

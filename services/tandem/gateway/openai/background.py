@@ -98,13 +98,19 @@ class BackgroundResponses:
     async def _run(self, tenant: str, key: str, writer: ResponseWriter, turn: ResponsesTurn,
                    generation: AsyncGenerator, renames: dict[str, str], finished: Finished | None) -> None:
         kept_at = time.monotonic()
+        keeping = asyncio.Lock()  # the run's and the watcher's puts in turn: the later holds the newer state
 
         async def keep() -> None:
             nonlocal kept_at
-            kept_at = time.monotonic()
-            await self.stored.put(tenant, StoredResponse(writer.response(), turn.items, turn.after))
+            async with keeping:
+                kept_at = time.monotonic()
+                await self.stored.put(tenant, StoredResponse(writer.response(), turn.items, turn.after))
 
-        watcher = asyncio.create_task(self._watch(key, asyncio.current_task()))
+        async def keep_if_due() -> None:  # also while no event comes (queued, a long prompt): the record's TTL
+            if time.monotonic() - kept_at > self.stored.ttl_s / 2:
+                await keep()
+
+        watcher = asyncio.create_task(self._watch(key, asyncio.current_task(), keep_if_due))
         try:
             async with contextlib.aclosing(generation):
                 async for event in generation:
@@ -113,8 +119,7 @@ class BackgroundResponses:
                         await keep()
                         await self.events.append(key, started)
                     await self.events.append(key, writer.add(event))
-                    if time.monotonic() - kept_at > self.stored.ttl_s / 2:  # a run longer than the record's TTL
-                        await keep()
+                    await keep_if_due()  # a run longer than the record's TTL
             closing = writer.closing()
         except asyncio.CancelledError:
             run = self._runs.get(key)
@@ -137,11 +142,13 @@ class BackgroundResponses:
         finally:
             await self.events.end(key)
 
-    async def _watch(self, key: str, runner: asyncio.Task | None) -> None:
-        """Beside a run: cancel it when another replica asks, and renew its lease."""
+    async def _watch(self, key: str, runner: asyncio.Task | None, keep_if_due: Callable[[], Awaitable[None]]) -> None:
+        """Beside a run: cancel it when another replica asks, renew its lease, and store it again before its record's
+        TTL runs out."""
         renewed = time.monotonic()
         while runner is not None and not runner.done():
             await asyncio.sleep(CANCEL_POLL_S)
+            await keep_if_due()
             if await self.events.cancel_requested(key):
                 runner.cancel()
                 return
